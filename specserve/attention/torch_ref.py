@@ -1,0 +1,80 @@
+"""Pure-torch paged attention: the CPU path and the oracle every GPU kernel is tested against.
+
+Writes the step's K/V into the paged cache through `slot_mapping`, then, per sequence, gathers
+its whole context from the block table and runs causal attention of the new queries over it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specserve.attention.base import AttentionMetadata
+from specserve.kv.spec import KVFormat, LayerKVCache
+
+
+def write_kv(cache: LayerKVCache, fmt: KVFormat, slot_mapping: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor) -> None:
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots."""
+    if fmt.quantized:
+        from specserve.kv import quant
+
+        quant.write_kv(cache, fmt, slot_mapping, key, value)
+        return
+    num_kv_heads, dim = cache.key.shape[2], cache.key.shape[3]
+    cache.key.view(-1, num_kv_heads, dim).index_copy_(0, slot_mapping, key.to(cache.key.dtype))
+    cache.value.view(-1, num_kv_heads, dim).index_copy_(0, slot_mapping, value.to(cache.value.dtype))
+
+
+def gather_kv(cache: LayerKVCache, fmt: KVFormat, block_ids: torch.Tensor, num_tokens: int,
+              out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first num_tokens tokens of one sequence: ([num_tokens, H, D], [num_tokens, H, D])."""
+    if fmt.quantized:
+        from specserve.kv import quant
+
+        return quant.gather_kv(cache, fmt, block_ids, num_tokens, out_dtype)
+    block_size = cache.key.shape[1]
+    num_blocks = (num_tokens + block_size - 1) // block_size
+    ids = block_ids[:num_blocks]
+    key = cache.key[ids].flatten(0, 1)[:num_tokens]
+    value = cache.value[ids].flatten(0, 1)[:num_tokens]
+    return key.to(out_dtype), value.to(out_dtype)
+
+
+class TorchRefBackend:
+    """Reference backend: exact, simple, one sequence at a time."""
+
+    name = "torch_ref"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+                fmt: KVFormat, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(cache, fmt, meta.slot_mapping, k, v)
+        query_lens = meta.query_lens_cpu or (meta.cu_query_lens[1:] - meta.cu_query_lens[:-1]).tolist()
+        seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+        out = torch.empty_like(q)
+        num_heads, num_kv_heads = q.shape[1], k.shape[1]
+        group = num_heads // num_kv_heads
+        start = 0
+        for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+            if q_len == 0:
+                continue
+            qb = q[start:start + q_len]  # [q_len, Hq, D]
+            kb, vb = gather_kv(cache, fmt, meta.block_tables[b], s_len, q.dtype)  # [s_len, Hkv, D]
+            out[start:start + q_len] = _causal_attention(qb, kb, vb, s_len - q_len, group, scale)
+            start += q_len
+        return out
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, group: int,
+                      scale: float) -> torch.Tensor:
+    """q [Q, Hq, D] at positions context_len..context_len+Q-1 over k/v [S, Hkv, D]."""
+    q_len, s_len = q.shape[0], k.shape[0]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    q_pos = torch.arange(context_len, context_len + q_len, device=q.device)
+    k_pos = torch.arange(s_len, device=q.device)
+    mask = k_pos[None, :] <= q_pos[:, None]  # [Q, S]
+    # SDPA wants [H, L, D]; float32 accumulation comes from the math kernel on CPU.
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)

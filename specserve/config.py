@@ -1,0 +1,188 @@
+"""Frozen configuration dataclasses, validated in __post_init__.
+
+Values discovered at run time (the model's architecture, the number of KV blocks) live in their
+own objects (`model.arch.ModelArch`, `kv.spec.KVCacheSpec`), never here. CLI flags are generated
+from the fields (see `server/cli_args.py`): the field name with `_` -> `-` is the vLLM flag name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "nvfp4")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+
+
+def _help(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _help("catalog name, HF model dir, .gguf file, or HF id in the local cache",
+                       default=DEFAULT_MODEL)
+    dtype: str = _help("weights and activations: auto (bfloat16 on GPU, float32 on CPU)", default="auto")
+    max_model_len: int | None = _help("context length (prompt + output); default: the model's", default=None)
+    load_format: str = _help("auto | dummy (random weights of the real shape) | safetensors | gguf",
+                             default="auto")
+    seed: int = _help("seed for dummy weights and unseeded sampling", default=0)
+    tokenizer: str | None = _help("tokenizer dir, if not the model's", default=None)
+    served_model_name: str | None = _help("name the API reports", default=None)
+    hf_overrides: dict[str, Any] | None = _help("JSON dict of config overrides (dummy shapes)", default=None)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _help("tokens per KV block", default=16)
+    kv_cache_dtype: str = _help("auto | bfloat16 | float16 | float32 | fp8 | nvfp4", default="auto")
+    gpu_memory_utilization: float = _help("fraction of GPU memory the engine may use", default=0.9)
+    kv_cache_memory_bytes: int | None = _help("KV pool size in bytes (any device); overrides utilization",
+                                              default=None)
+    enable_prefix_caching: bool = _help("reuse KV blocks of identical prefixes", default=True)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}.")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _help("most requests running at once", default=256)
+    max_num_batched_tokens: int | None = _help("token budget per step (default: 2048 GPU, 512 CPU)",
+                                               default=None)
+    enable_chunked_prefill: bool = _help("split long prompts over steps", default=True)
+    max_num_queued_requests: int | None = _help("waiting requests beyond which new ones get 503",
+                                                default=None)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    cpu_bytes: int = 0
+    disk_path: str | None = None
+    disk_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cpu_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("kv_offload cpu_bytes and disk_bytes must be >= 0.")
+        if self.disk_bytes > 0 and not self.disk_path:
+            raise ValueError("kv_offload disk_bytes > 0 needs disk_path.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cpu_bytes > 0 or (self.disk_bytes > 0 and self.disk_path is not None)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    model: str | None = None
+    num_speculative_tokens: int = 3
+    parallel_drafting: bool = False
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    adaptive: bool = True
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    draft_tensor_parallel_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}.")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer >= 1, "
+                             f"got {self.num_speculative_tokens!r}.")
+        if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
+            raise ValueError(f"speculative_config.model is required for method {self.method!r}.")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max.")
+
+    @classmethod
+    def from_any(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a dict or a JSON object.")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(value) - names
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys: {sorted(unknown)}.")
+        if "method" not in value:
+            raise ValueError("speculative_config.method is required.")
+        table = value.get("num_speculative_tokens_per_batch_size")
+        if table is not None:
+            value = {**value, "num_speculative_tokens_per_batch_size": tuple(tuple(r) for r in table)}
+        return cls(**value)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
+
+    @classmethod
+    def from_kwargs(cls, **kw: Any) -> "EngineConfig":
+        """Build from flat vLLM-style keyword arguments (LLM(...) and the CLI)."""
+        kw = dict(kw)
+        parts: dict[str, Any] = {}
+        for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
+                          ("parallel", ParallelConfig)):
+            names = {f.name for f in dataclasses.fields(sub)}
+            parts[name] = sub(**{k: kw.pop(k) for k in list(kw) if k in names})
+        offload = kw.pop("kv_offload", None) or {}
+        if isinstance(offload, OffloadConfig):
+            parts["offload"] = offload
+        else:
+            parts["offload"] = OffloadConfig(**offload)
+        parts["speculative"] = SpeculativeConfig.from_any(kw.pop("speculative_config", None))
+        device = kw.pop("device", "auto")
+        if kw:
+            raise ValueError(f"unknown engine arguments: {sorted(kw)}.")
+        return cls(device=device, **parts)

@@ -1,0 +1,64 @@
+"""Incremental detokenization with stop strings; never emits a broken UTF-8 character.
+
+Decoding a window of recent tokens twice (with and without the newest ones) and emitting the
+difference keeps leading-space and multi-byte handling right for byte-level and sentencepiece
+tokenizers alike; a window that ends in U+FFFD waits for the next token.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens kept as left context so the first output token decodes as it would mid-text.
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any | None, prompt_token_ids: list[int], stop: list[str],
+                 include_stop_str_in_output: bool, skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.skip_special = skip_special_tokens
+        # Characters held back while streaming: they might be the start of a stop string.
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special,
+                                     clean_up_tokenization_spaces=False)
+
+    def add_tokens(self, token_ids: list[int]) -> str | None:
+        """Append tokens; returns the stop string that matched (text is then cut), else None."""
+        if self.tokenizer is None:
+            return None
+        self.ids.extend(token_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if new_text.endswith("\ufffd") or len(new_text) <= len(prefix_text):
+            return None  # incomplete character (or nothing printable yet): wait
+        old_len = len(self.text)
+        self.text += new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._check_stop(old_len)
+
+    def _check_stop(self, old_len: int) -> str | None:
+        if not self.stop:
+            return None
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            idx = self.text.find(s, max(0, old_len - len(s) + 1))
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        self.text = self.text[:idx + len(s)] if self.include_stop else self.text[:idx]
+        return s
+
+    def visible_text(self, finished: bool) -> str:
+        if finished or self.holdback == 0:
+            return self.text
+        return self.text[:max(0, len(self.text) - self.holdback)]

@@ -1,0 +1,219 @@
+"""Engine: add requests, step the scheduler and the model, return outputs.
+
+step() reads like the request flow in DESIGN.md: schedule -> runner forward -> sample (or
+verify drafts) -> scheduler update -> detokenize, stop checks -> stats.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.output_processor import (RequestGroup, check_token_stop, record_finished,
+                                               record_new_tokens, request_output)
+from specserve.engine.setup import EngineParts, build_engine_parts
+from specserve.engine.validate import resolve_prompt, resolve_max_tokens
+from specserve.outputs import RequestOutput
+from specserve.sample.metadata import SamplingMetadata
+from specserve.sampling_params import SamplingParams
+from specserve.scheduler.request import Request, RequestStatus
+from specserve.scheduler.scheduler import SchedulerOutput
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        parts: EngineParts = build_engine_parts(config, progress)
+        self.device = parts.device
+        self.loaded = parts.loaded
+        self.tokenizer = parts.loaded.tokenizer
+        self.model_name = parts.loaded.name
+        self.max_model_len = parts.loaded.max_model_len
+        self.vocab_size = parts.loaded.arch.vocab_size
+        self.runner, self.kv, self.scheduler = parts.runner, parts.kv, parts.scheduler
+        self.sampler, self.stats = parts.sampler, parts.stats
+        self.eos_token_ids = parts.eos_token_ids
+        self.groups: dict[str, RequestGroup] = {}
+        self._child_to_group: dict[str, tuple[RequestGroup, int]] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self._last_prefix = (0, 0)
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Validate and admit; raises ValueError naming the problem and admits nothing on error."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams.")
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        text, token_ids = resolve_prompt(prompt, self.tokenizer, self.vocab_size)
+        max_tokens = resolve_max_tokens(len(token_ids), params, self.max_model_len, self.kv.num_blocks,
+                                        self.kv.block_size)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        group = RequestGroup(request_id, text, token_ids, [], [], arrival, params.logprobs)
+        for i in range(params.n):
+            child_params = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            gen = None
+            if child_params.seed is not None and not child_params.greedy:
+                gen = torch.Generator(device=self.device).manual_seed(child_params.seed)
+            req = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival, gen)
+            group.children.append(req)
+            group.detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, child_params.stop,
+                                                       child_params.include_stop_str_in_output,
+                                                       child_params.skip_special_tokens))
+        self.groups[request_id] = group
+        for i, req in enumerate(group.children):
+            self._child_to_group[req.request_id] = (group, i)
+            self.scheduler.add_request(req)
+
+    def abort_request(self, request_ids: list[str] | str, emit_output: bool = True) -> None:
+        """Free the requests' KV blocks now; their final outputs come with the next step()."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self.groups.get(rid)
+            if group is None:
+                continue
+            for req in group.children:
+                if not req.is_finished:
+                    self._finish(group, req, RequestStatus.FINISHED_ABORTED)
+            if emit_output:
+                self._pending.append(request_output(group, self.tokenizer))
+            self._drop(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups) or bool(self._pending)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    def num_waiting_requests(self) -> int:
+        return self.scheduler.num_waiting
+
+    def kv_cache_usage(self) -> float:
+        return self.kv.usage()
+
+    def num_blocks_in_use(self) -> int:
+        return self.kv.num_blocks - self.kv.num_free_blocks()
+
+    def encode(self, text: str) -> list[int]:
+        return resolve_prompt(text, self.tokenizer, self.vocab_size)[1]
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer.")
+        return self.tokenizer.decode(token_ids)
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        self._fail_unfittable(sched, outputs)
+        if not sched.empty:
+            step_out = self.runner.execute(sched, self.kv.block_ids)
+            new_tokens = self._sample(sched, step_out.logits)
+            outputs.extend(self._update(sched, new_tokens))
+        self._record_step_stats(sched)
+        return outputs
+
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[list[int] | None]:
+        sampling = [s.request for s in sched.scheduled if s.samples]
+        if not sampling:
+            return [None] * len(sched.scheduled)
+        meta = SamplingMetadata.build(
+            [r.params for r in sampling], [r.prompt_token_ids for r in sampling],
+            [r.output_token_ids for r in sampling], [r.generator for r in sampling], self.vocab_size,
+            self.device, [list(r.eos_token_ids) + r.params.stop_token_ids for r in sampling])
+        out = self.sampler(logits, meta)
+        token_ids = out.token_ids.tolist()
+        if out.logprobs is not None:
+            self._store_logprobs(sampling, out.logprobs)
+        it = iter(token_ids)
+        return [[next(it)] if s.samples else None for s in sched.scheduled]
+
+    @staticmethod
+    def _store_logprobs(reqs: list[Request], lp) -> None:
+        ids, values, ranks = lp.logprob_token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_token_ranks.tolist()
+        for row, req in enumerate(reqs):
+            n = req.params.logprobs
+            if n is None:
+                continue
+            entry = {ids[row][0]: (values[row][0], ranks[row])}
+            for j in range(1, n + 1):
+                entry.setdefault(ids[row][j], (values[row][j], j))
+            req.logprobs.append(entry)
+            req.cumulative_logprob += values[row][0]
+
+    def _update(self, sched: SchedulerOutput, new_tokens: list[list[int] | None]) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, RequestGroup] = {}
+        for s, tokens in zip(sched.scheduled, new_tokens):
+            self.scheduler.update_computed(s, 0)
+            if tokens is None:
+                continue
+            req = s.request
+            group, index = self._child_to_group[req.request_id]
+            status = None
+            accepted = 0
+            for tok in tokens:
+                req.append_output_tokens([tok])
+                accepted += 1
+                status = check_token_stop(req, self.max_model_len)
+                if status is not None:
+                    break
+            record_new_tokens(self.stats, req, accepted, now)
+            stop_str = group.detoks[index].add_tokens(req.output_token_ids[-accepted:])
+            if stop_str is not None and status is None:
+                req.stop_reason, status = stop_str, RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                self._finish(group, req, status)
+            touched[group.request_id] = group
+        outputs = []
+        for group in touched.values():
+            outputs.append(request_output(group, self.tokenizer))
+            if group.finished:
+                self._drop(group)
+        return outputs
+
+    def _finish(self, group: RequestGroup, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(req, status)
+        group.finished_ids.add(req.request_id)
+        record_finished(self.stats, req, time.monotonic())
+
+    def _drop(self, group: RequestGroup) -> None:
+        self.groups.pop(group.request_id, None)
+        for req in group.children:
+            self._child_to_group.pop(req.request_id, None)
+
+    def _fail_unfittable(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        """A waiting request that cannot get blocks even with nothing running can never run."""
+        if sched.empty and not self.scheduler.running and self.scheduler.waiting:
+            req = self.scheduler.waiting[0]
+            group, _ = self._child_to_group[req.request_id]
+            req.stop_reason = "kv_cache_full"
+            self._finish(group, req, RequestStatus.FINISHED_LENGTH)
+            if group.finished:
+                outputs.append(request_output(group, self.tokenizer))
+                self._drop(group)
+
+    def _record_step_stats(self, sched: SchedulerOutput) -> None:
+        st = self.stats
+        st.set("num_requests_running", self.scheduler.num_running)
+        st.set("num_requests_waiting", self.scheduler.num_waiting)
+        st.set("kv_cache_usage_perc", self.kv.usage())
+        if sched.preempted:
+            st.inc("num_preemptions_total", len(sched.preempted))
+        q, h = self.kv.prefix_queries, self.kv.prefix_hits
+        if (q, h) != self._last_prefix:
+            st.inc("prefix_cache_queries_total", q - self._last_prefix[0])
+            st.inc("prefix_cache_hits_total", h - self._last_prefix[1])
+            self._last_prefix = (q, h)
+
+
+_ids = itertools.count()
+
+
+def next_request_id() -> str:
+    return str(next(_ids))

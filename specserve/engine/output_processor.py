@@ -1,0 +1,96 @@
+"""Turn accepted tokens into finished checks, text, RequestOutputs and per-request stats."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.metrics.stats import StatsCollector
+from specserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from specserve.scheduler.request import Request, RequestStatus
+
+
+@dataclass
+class RequestGroup:
+    """A user request: n sequences (children) sharing one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    arrival_time: float
+    num_logprobs: int | None
+    finished_ids: set[str] = field(default_factory=set)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.finished_ids) == len(self.children)
+
+
+def check_token_stop(req: Request, max_model_len: int) -> RequestStatus | None:
+    """Token-level stop conditions for the last appended token."""
+    token = req.output_token_ids[-1]
+    p = req.params
+    if req.num_output_tokens >= p.min_tokens:
+        if not p.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+    if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def completion_output(index: int, req: Request, detok: IncrementalDetokenizer, tokenizer: Any,
+                      with_logprobs: bool) -> CompletionOutput:
+    finished = req.is_finished
+    logprobs = None
+    if with_logprobs:
+        logprobs = [{tid: Logprob(lp, rank, _decode_one(tokenizer, tid)) for tid, (lp, rank) in step.items()}
+                    for step in req.logprobs]
+    return CompletionOutput(
+        index=index, text=detok.visible_text(finished), token_ids=list(req.output_token_ids),
+        cumulative_logprob=req.cumulative_logprob if with_logprobs else None, logprobs=logprobs,
+        finish_reason=req.status.value if finished else None, stop_reason=req.stop_reason)
+
+
+def _decode_one(tokenizer: Any, token_id: int) -> str | None:
+    return None if tokenizer is None else tokenizer.decode([token_id])
+
+
+def request_output(group: RequestGroup, tokenizer: Any) -> RequestOutput:
+    outs = [completion_output(i, r, d, tokenizer, group.num_logprobs is not None)
+            for i, (r, d) in enumerate(zip(group.children, group.detoks))]
+    first = group.children[0]
+    metrics = RequestMetrics(group.arrival_time, first.first_scheduled_time, first.first_token_time,
+                             first.last_token_time, time.monotonic() if group.finished else None)
+    return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished,
+                         metrics, num_cached_tokens=max(0, first.num_cached_tokens))
+
+
+def record_new_tokens(stats: StatsCollector, req: Request, num_new: int, now: float) -> None:
+    if req.first_token_time is None:
+        req.first_token_time = now
+        stats.observe("time_to_first_token_seconds", now - req.arrival_time)
+        stats.inc("prompt_tokens_total", req.num_prompt_tokens)
+    elif req.last_token_time is not None:
+        gap = (now - req.last_token_time) / max(1, num_new)
+        for _ in range(num_new):
+            stats.observe("inter_token_latency_seconds", gap)
+    req.last_token_time = now
+    stats.inc("generation_tokens_total", num_new)
+
+
+def record_finished(stats: StatsCollector, req: Request, now: float) -> None:
+    stats.inc("request_success_total", 1, {"finished_reason": req.status.value})
+    stats.observe("e2e_request_latency_seconds", now - req.arrival_time)
+    stats.observe("request_prompt_tokens", req.num_prompt_tokens)
+    stats.observe("request_generation_tokens", req.num_output_tokens)
+    if req.first_scheduled_time is not None:
+        stats.observe("request_queue_time_seconds", req.first_scheduled_time - req.arrival_time)
+        if req.first_token_time is not None:
+            stats.observe("request_prefill_time_seconds", req.first_token_time - req.first_scheduled_time)
+            stats.observe("request_decode_time_seconds", now - req.first_token_time)

@@ -1,0 +1,109 @@
+"""Build the engine's parts from an EngineConfig: device, model, KV pool, scheduler, sampler."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.kv.manager import KVCacheManager
+from specserve.kv.spec import KVCacheSpec, kv_format
+from specserve.metrics.stats import StatsCollector
+from specserve.model.loader import LoadedModel, load_model, resolve_dtype
+from specserve.runner.memory import kv_budget_bytes
+from specserve.runner.model_runner import ModelRunner, select_backend
+from specserve.sample.sampler import Sampler
+from specserve.scheduler.request import Request
+from specserve.scheduler.scheduler import Scheduler, SchedulerOutput, ScheduledRequest
+
+
+@dataclass
+class EngineParts:
+    device: torch.device
+    loaded: LoadedModel
+    runner: ModelRunner
+    kv: KVCacheManager
+    scheduler: Scheduler
+    sampler: Sampler
+    stats: StatsCollector
+    eos_token_ids: tuple[int, ...]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but CUDA is not available.")
+    return torch.device(name)
+
+
+def _ops_for(device: torch.device):
+    if device.type == "cuda":
+        try:
+            from specserve.model.layers import triton_ops
+
+            return triton_ops
+        except ImportError:
+            pass
+    from specserve.model.layers import ops
+
+    return ops
+
+
+def _eos_ids(loaded: LoadedModel) -> tuple[int, ...]:
+    ids = set(loaded.arch.eos_token_ids)
+    tok = loaded.tokenizer
+    if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+        ids.add(tok.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def build_engine_parts(config: EngineConfig, progress: bool = True) -> EngineParts:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    torch.manual_seed(config.model.seed)
+    loaded = load_model(config.model, device, dtype, _ops_for(device), progress)
+    arch, cc, sc = loaded.arch, config.cache, config.scheduler
+    spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, cc.block_size,
+                       kv_format(cc.kv_cache_dtype, dtype))
+    default_budget = 2048 if device.type == "cuda" else 512
+    max_batched = sc.max_num_batched_tokens or default_budget
+    if not sc.enable_chunked_prefill:
+        max_batched = max(max_batched, loaded.max_model_len)
+    backend = select_backend(device)
+
+    def profile() -> None:
+        _profile_run(loaded, spec, device, backend, max_batched, sc.max_num_seqs)
+
+    budget = kv_budget_bytes(spec, device, cc.gpu_memory_utilization, cc.kv_cache_memory_bytes, profile,
+                             sc.max_num_seqs * loaded.max_model_len)
+    num_blocks = spec.num_blocks_for(budget)
+    runner = ModelRunner(loaded, spec, num_blocks, device, backend)
+    kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
+                        hash_extra=f"{loaded.identity}|{spec.fmt.name}".encode())
+    num_lookahead = config.speculative.num_speculative_tokens if config.speculative else 0
+    scheduler = Scheduler(kv, sc.max_num_seqs, max_batched, loaded.max_model_len, sc.enable_chunked_prefill,
+                          num_lookahead)
+    stats = StatsCollector()
+    stats.set("cache_config_info", 1, {"block_size": str(cc.block_size), "cache_dtype": spec.fmt.name,
+                                       "num_gpu_blocks": str(num_blocks),
+                                       "enable_prefix_caching": str(cc.enable_prefix_caching)})
+    return EngineParts(device, loaded, runner, kv, scheduler, Sampler(), stats, _eos_ids(loaded))
+
+
+def _profile_run(loaded: LoadedModel, spec: KVCacheSpec, device: torch.device, backend, num_tokens: int,
+                 max_num_seqs: int) -> None:
+    """One forward of the largest step the scheduler can build, to measure peak activation memory."""
+    num_tokens = min(num_tokens, loaded.max_model_len - 1)
+    num_blocks = -(-(num_tokens + 1) // spec.block_size) + 1
+    runner = ModelRunner(loaded, spec, num_blocks, device, backend)
+    kv = KVCacheManager(num_blocks, spec.block_size, enable_prefix_caching=False)
+    from specserve.sampling_params import SamplingParams
+
+    req = Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1), 1)
+    kv.allocate_slots(req, num_tokens)
+    runner.execute(SchedulerOutput([ScheduledRequest(req, num_tokens, 0)], num_tokens), kv.block_ids)
+    # Logits for every running sequence at once are the other large activation.
+    loaded.model.compute_logits(torch.zeros(max_num_seqs, loaded.arch.hidden_size, device=device,
+                                            dtype=loaded.model.embed_tokens.weight.dtype))
+    del runner

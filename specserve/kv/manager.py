@@ -1,0 +1,123 @@
+"""KV cache manager: prefix hits, slot allocation (incl. speculative lookahead), freeing.
+
+A request owns an ordered list of block ids; token i of it lives in block i // block_size at
+offset i % block_size. Full blocks get a chained hash and enter the prefix cache as soon as
+their tokens are computed.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from specserve.kv.block_pool import BlockHash, BlockPool, hash_block_tokens
+from specserve.scheduler.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_extra: bytes = b"") -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.hash_extra = hash_extra
+        self.req_blocks: dict[str, list[int]] = defaultdict(list)
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.req_blocks.get(request_id, [])
+
+    def _update_hashes(self, req: Request) -> list[BlockHash]:
+        """Extend req.block_hashes to cover every full block of its known tokens."""
+        hashes = req.block_hashes
+        tokens = req.all_token_ids
+        bs = self.block_size
+        while (len(hashes) + 1) * bs <= len(tokens):
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], self.hash_extra))
+        return hashes
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks. Leaves >= 1 token to compute (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = self._update_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for h in hashes[:max_blocks]:
+            block_id = self.pool.lookup(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def num_blocks_needed(self, req: Request, num_new_tokens: int, new_computed: list[int],
+                          num_lookahead_tokens: int = 0) -> int:
+        total = req.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens + num_lookahead_tokens
+        need = -(-total // self.block_size)
+        return max(0, need - len(self.req_blocks.get(req.request_id, ())) - len(new_computed))
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, new_computed: list[int] | None = None,
+                       num_lookahead_tokens: int = 0) -> bool:
+        """Reserve KV slots for num_new_tokens (+ lookahead for drafts). False: not enough blocks, nothing changed."""
+        new_computed = new_computed or []
+        need = self.num_blocks_needed(req, num_new_tokens, new_computed, num_lookahead_tokens)
+        # Touching cached-but-free hits takes them out of the free queue too.
+        revived = sum(1 for b in new_computed if self.pool.blocks[b].ref_cnt == 0)
+        if need + revived > self.pool.num_free_blocks:
+            return False
+        blocks = self.req_blocks[req.request_id]
+        if new_computed:
+            self.pool.touch(new_computed)
+            blocks.extend(new_computed)
+            self.num_cached_blocks[req.request_id] = len(blocks)
+        if need:
+            new_ids = self.pool.allocate(need)
+            assert new_ids is not None
+            blocks.extend(new_ids)
+        self._cache_full_blocks(req, req.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens)
+        return True
+
+    def _cache_full_blocks(self, req: Request, num_tokens_after_step: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        # Only tokens that are real (not drafts) and will be computed by the end of the step.
+        num_full = min(num_tokens_after_step, req.num_tokens) // self.block_size
+        done = self.num_cached_blocks.get(req.request_id, 0)
+        if num_full <= done:
+            return
+        hashes = self._update_hashes(req)
+        blocks = self.req_blocks[req.request_id]
+        for i in range(done, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[req.request_id] = num_full
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, [])
+        self.num_cached_blocks.pop(req.request_id, None)
+        self.pool.free(list(reversed(blocks)))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        refs: dict[int, int] = defaultdict(int)
+        for blocks in self.req_blocks.values():
+            if len(set(blocks)) != len(blocks):
+                raise AssertionError("a request holds the same block twice")
+            for b in blocks:
+                refs[b] += 1
+        self.pool.check_integrity(refs)

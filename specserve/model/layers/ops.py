@@ -1,0 +1,36 @@
+"""Torch twins of the fused GPU ops: RMSNorm (+ residual add) and rotary embedding.
+
+These are the CPU path and the oracle for `triton_ops.py`; signatures are shared.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [num_tokens, hidden]. With a residual: returns (norm(x + residual), x + residual)."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    x32 = x.float()
+    out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    return out if residual is None else (out, residual)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate halves) RoPE, as HF Llama/Qwen2.
+
+    q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim];
+    positions: [num_tokens] int64; cos_sin_cache: [max_positions, head_dim] float32 (cos | sin halves).
+    """
+    cos_sin = cos_sin_cache.index_select(0, positions)  # [T, D]
+    cos, sin = cos_sin.chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)

@@ -1,0 +1,146 @@
+"""One config-driven decoder for Llama, Qwen2 and Mistral over the paged KV cache.
+
+Weights use fused projections (qkv_proj, gate_up_proj) so a decode step launches fewer, larger
+matmuls; `load_weights` maps HF names onto them. Attention reads the batch layout and the KV
+cache from the forward context (attention/base.py), so the model itself stays batch-agnostic.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.attention.base import get_forward_context
+from specserve.model.arch import ModelArch
+from specserve.model.layers import ops as torch_ops
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, ops: ModuleType) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, ops: ModuleType) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.apply_rope(q, k, positions, cos_sin)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.fmt, ctx.meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.intermediate = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, ops: ModuleType) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.self_attn = Attention(arch, layer_idx, ops)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.mlp = MLP(arch)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, cos_sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM. forward: input_ids [T], positions [T] -> hidden [T, hidden]."""
+
+    def __init__(self, arch: ModelArch, cos_sin_cache: torch.Tensor, ops: ModuleType = torch_ops) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, ops) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
+        # Layers whose outputs (pre-norm hidden states) are also returned, for EAGLE-3 heads.
+        self.aux_hidden_layers: tuple[int, ...] = ()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None):
+        """Returns hidden [T, hidden] (final-normed), or (hidden, [aux [T, hidden], ...])."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_layers:
+                aux.append(x if residual is None else x + residual)
+            x, residual = layer(x, residual, positions, self.cos_sin_cache)
+        x, _ = self.norm(x, residual)
+        return (x, aux) if self.aux_hidden_layers else x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the fused parameters. Returns the parameter names loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        a = self.arch
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+                 "gate_proj": ("gate_up_proj", 0, a.intermediate_size),
+                 "up_proj": ("gate_up_proj", a.intermediate_size, a.intermediate_size)}
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            for part, (target, offset, size) in fused.items():
+                if f".{part}." in name:
+                    name = name.replace(f".{part}.", f".{target}.")
+                    params[name].narrow(0, offset, size).copy_(tensor)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the {a.model_type} model.")
+                params[name].copy_(tensor)
+            loaded.add(name)
+        return loaded

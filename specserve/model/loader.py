@@ -1,0 +1,165 @@
+"""Load a model: HF safetensors dirs, GGUF files (via the gguf package), or dummy weights.
+
+Returns the model on its device plus what the engine needs beside it (tokenizer, chat
+template, architecture, an identity string used to key persisted KV blocks).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from specserve.config import ModelConfig
+from specserve.model.arch import ModelArch, rope_cos_sin_cache
+from specserve.model.llama import CausalLM
+from specserve.model.layers import ops as torch_ops
+from specserve.model.shapes import SHAPES
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    arch: ModelArch
+    hf_config: dict[str, Any]
+    tokenizer: Any | None  # transformers PreTrainedTokenizerBase, or None (token ids only)
+    name: str
+    identity: str  # stable id of the weights (for keying persisted KV)
+    max_model_len: int
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+
+
+def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: ModuleType = torch_ops,
+               progress: bool = True) -> LoadedModel:
+    source = _Source.open(cfg)
+    hf_config = {**source.hf_config, **(cfg.hf_overrides or {})}
+    arch = ModelArch.from_hf_config(hf_config)
+    max_len = cfg.max_model_len or arch.max_position_embeddings
+    if cfg.max_model_len and cfg.max_model_len > arch.max_position_embeddings:
+        raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings "
+                         f"{arch.max_position_embeddings}.")
+    with torch.device(device):
+        model = CausalLM(arch, rope_cos_sin_cache(arch, max_len, device), ops)
+    model.to(dtype=dtype)
+    model.cos_sin_cache = model.cos_sin_cache.float()
+    if cfg.load_format == "dummy":
+        _init_dummy(model, cfg.seed)
+    else:
+        names = source.iter_weights()
+        it = tqdm(names, total=source.num_tensors, desc=f"Loading {source.name}", unit="tensor",
+                  disable=not progress, leave=False)
+        model.load_weights((n, t.to(device=device, dtype=dtype)) for n, t in it)
+    model.eval().requires_grad_(False)
+    tokenizer = source.tokenizer(cfg.tokenizer)
+    return LoadedModel(model, arch, hf_config, tokenizer, cfg.served_model_name or source.name,
+                       source.identity, max_len)
+
+
+@torch.no_grad()
+def _init_dummy(model: CausalLM, seed: int) -> None:
+    """Random weights of the real shape, made on the device (small, so bf16 stays finite)."""
+    gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.uniform_(-0.02, 0.02, generator=gen)
+
+
+class _Source:
+    """Where weights, config and tokenizer come from."""
+
+    def __init__(self, name: str, hf_config: dict[str, Any], identity: str) -> None:
+        self.name, self.hf_config, self.identity = name, hf_config, identity
+        self.num_tensors: int | None = None
+
+    @staticmethod
+    def open(cfg: ModelConfig) -> "_Source":
+        if cfg.load_format == "dummy" and cfg.model in SHAPES:
+            return _ShapeSource(cfg.model)
+        path = Path(cfg.model).expanduser()
+        if (path / "config.json").is_file():
+            return _HFDirSource(path.name, path)
+        from specserve.model.catalog import resolve_model
+
+        resolved = resolve_model(cfg.model)
+        if resolved.kind == "gguf":
+            return _GGUFSource(resolved.name, Path(resolved.path))
+        return _HFDirSource(resolved.name, Path(resolved.path))
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise ValueError(f"{self.name} has no weights; use load_format='dummy'.")
+
+    def tokenizer(self, override: str | None) -> Any | None:
+        if override:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(override)
+        return None
+
+
+class _ShapeSource(_Source):
+    def __init__(self, name: str) -> None:
+        super().__init__(name, dict(SHAPES[name]), f"dummy:{name}")
+
+
+class _HFDirSource(_Source):
+    def __init__(self, name: str, path: Path) -> None:
+        cfg = json.loads((path / "config.json").read_text())
+        files = sorted(path.glob("*.safetensors"))
+        digest = hashlib.sha256()
+        for f in files:
+            st = f.stat()
+            digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        super().__init__(name, cfg, f"hf:{name}:{digest.hexdigest()[:16]}")
+        self.path, self.files = path, files
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        if not self.files:
+            raise ValueError(f"no *.safetensors files in {self.path}.")
+        handles = [safe_open(str(f), framework="pt") for f in self.files]
+        self.num_tensors = sum(len(h.keys()) for h in handles)
+        for h in handles:
+            for key in h.keys():
+                yield key, h.get_tensor(key)
+
+    def tokenizer(self, override: str | None) -> Any | None:
+        from transformers import AutoTokenizer
+
+        path = override or self.path
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError):
+            return None
+
+
+class _GGUFSource(_Source):
+    def __init__(self, name: str, path: Path) -> None:
+        from specserve.model.gguf_loader import read_gguf
+
+        self.ckpt = read_gguf(path)
+        st = path.stat()
+        super().__init__(name, dict(self.ckpt.config), f"gguf:{path.name}:{st.st_size}")
+        self.path = path
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.ckpt.iter_tensors(torch.float32)
+
+    def tokenizer(self, override: str | None) -> Any | None:
+        if override:
+            return super().tokenizer(override)
+        from specserve.model.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(self.path)

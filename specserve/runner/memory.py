@@ -1,0 +1,36 @@
+"""Size the KV pool: an explicit byte budget, or profile the GPU and take what is left."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from specserve.kv.spec import KVCacheSpec
+
+CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB when nothing is said, on the CPU
+
+
+def kv_budget_bytes(spec: KVCacheSpec, device: torch.device, gpu_memory_utilization: float,
+                    kv_cache_memory_bytes: int | None, profile: Callable[[], None],
+                    max_useful_tokens: int) -> int:
+    """Bytes for the KV pool. On CUDA, `profile` runs the largest batch once to find peak activations."""
+    if kv_cache_memory_bytes is not None:
+        return kv_cache_memory_bytes
+    if device.type != "cuda":
+        useful = -(-max_useful_tokens // spec.block_size) * spec.bytes_per_block
+        return min(CPU_DEFAULT_KV_BYTES, max(useful, spec.bytes_per_block))
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    profile()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    # Memory used outside torch's allocator (CUDA context, other processes) counts against us too.
+    non_torch = total - free - torch.cuda.memory_reserved(device)
+    budget = int(total * gpu_memory_utilization) - peak - max(0, non_torch)
+    if budget < spec.bytes_per_block:
+        raise ValueError(f"no memory left for the KV cache at gpu_memory_utilization="
+                         f"{gpu_memory_utilization} (weights+activations peak {peak / 2**30:.1f} GiB of "
+                         f"{total / 2**30:.1f} GiB); raise it or lower max_num_batched_tokens.")
+    return budget

@@ -1,0 +1,55 @@
+"""ModelRunner: owns the model, the KV pool and the attention backend; runs one step's forward."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.attention.base import ForwardContext, forward_context
+from specserve.kv.spec import KVCacheSpec, KVFormat, LayerKVCache
+from specserve.model.loader import LoadedModel
+from specserve.runner.batch import BatchInputs, build_batch
+from specserve.scheduler.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [num_logit_rows, vocab] float32
+    hidden: torch.Tensor  # [num_logit_rows, hidden] final-normed hidden states of those rows
+    batch: BatchInputs
+
+
+def select_backend(device: torch.device, name: str | None = None):
+    """torch reference on CPU; Triton on CUDA when importable (imported only then)."""
+    if name == "torch_ref" or device.type != "cuda":
+        from specserve.attention.torch_ref import TorchRefBackend
+
+        return TorchRefBackend()
+    from specserve.attention.triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, spec: KVCacheSpec, num_blocks: int, device: torch.device,
+                 backend=None) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.spec = spec
+        self.fmt: KVFormat = spec.fmt
+        self.device = device
+        self.block_size = spec.block_size
+        self.num_blocks = num_blocks
+        self.kv_caches: list[LayerKVCache] = spec.allocate(num_blocks, device)
+        self.backend = backend or select_backend(device)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_ids_of) -> StepOutput:
+        batch = build_batch(sched, block_ids_of, self.block_size, self.device)
+        ctx = ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)
+        with forward_context(ctx):
+            hidden = self.model(batch.input_ids, batch.positions)
+        if isinstance(hidden, tuple):
+            hidden = hidden[0]
+        rows = hidden.index_select(0, batch.logits_indices)
+        return StepOutput(self.model.compute_logits(rows), rows, batch)
