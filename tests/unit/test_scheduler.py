@@ -1,0 +1,72 @@
+"""Scheduler budgets: token budget, max_num_seqs, chunked prefill, FCFS, lookahead."""
+from __future__ import annotations
+
+from specserve.kv.manager import KVCacheManager
+from specserve.sampling_params import SamplingParams
+from specserve.scheduler.request import Request
+from specserve.scheduler.scheduler import Scheduler
+
+
+def _sched(**kw) -> Scheduler:
+    kv = KVCacheManager(kw.pop("num_blocks", 64), 4, kw.pop("prefix", True))
+    return Scheduler(kv, kw.pop("max_num_seqs", 4), kw.pop("budget", 10), kw.pop("max_model_len", 256), **kw)
+
+
+def _req(rid: str, n: int) -> Request:
+    base = 1000 * (1 + sum(map(ord, rid)))  # distinct tokens per request: no accidental prefix hits
+    return Request(rid, list(range(base, base + n)), SamplingParams(max_tokens=8), 8)
+
+
+def test_token_budget_and_chunked_prefill():
+    s = _sched(budget=10)
+    for i, n in enumerate([7, 6, 3]):
+        s.add_request(_req(f"r{i}", n))
+    out = s.schedule()
+    assert [x.num_new_tokens for x in out.scheduled] == [7, 3]  # r1 chunked to the remaining budget
+    assert out.num_batched_tokens <= 10
+    assert [x.samples for x in out.scheduled] == [True, False]
+    for x in out.scheduled:
+        s.update_computed(x, 0)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("r1", 3), ("r2", 3)]
+
+
+def test_max_num_seqs_and_fcfs():
+    s = _sched(max_num_seqs=2, budget=100)
+    for i in range(4):
+        s.add_request(_req(f"r{i}", 3))
+    out = s.schedule()
+    assert [x.request.request_id for x in out.scheduled] == ["r0", "r1"]
+    assert s.num_waiting == 2
+
+
+def test_no_chunking_waits_for_budget():
+    s = _sched(budget=5, enable_chunked_prefill=False)
+    s.add_request(_req("big", 4))
+    s.add_request(_req("next", 4))
+    out = s.schedule()
+    assert [x.request.request_id for x in out.scheduled] == ["big"]
+
+
+def test_lookahead_slots_reserved():
+    s = _sched(budget=100, num_lookahead_tokens=5)
+    s.add_request(_req("r", 4))
+    s.schedule()
+    # 4 tokens + 5 lookahead = 9 slots = 3 blocks of 4
+    assert len(s.kv.block_ids("r")) == 3
+
+
+def test_preemption_frees_latest_and_requeues_first():
+    s = _sched(num_blocks=4, budget=100)
+    a, b = _req("a", 8), _req("b", 7)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    for x in out.scheduled:
+        s.update_computed(x, 0)
+    a.append_output_tokens([9])  # a needs a third block; none free -> b is preempted
+    out = s.schedule()
+    assert [p.request_id for p in out.preempted] == ["b"]
+    assert s.waiting[0] is b and b.num_computed_tokens == 0
+    assert [x.request.request_id for x in out.scheduled] == ["a"]
+    s.kv.check_integrity()
