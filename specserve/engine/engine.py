@@ -40,6 +40,12 @@ class Engine:
         self._child_to_group: dict[str, tuple[RequestGroup, int]] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._last_prefix = (0, 0)
+        self.spec = None
+        if config.speculative is not None:
+            from specserve.spec.decoder import SpecDecoder
+
+            self.spec = SpecDecoder(config.speculative, parts, self.stats)
+            self.runner.model.aux_hidden_layers = self.spec.proposer.aux_hidden_layers
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,
@@ -112,26 +118,51 @@ class Engine:
         sched = self.scheduler.schedule()
         self._fail_unfittable(sched, outputs)
         if not sched.empty:
-            step_out = self.runner.execute(sched, self.kv.block_ids)
-            new_tokens = self._sample(sched, step_out.logits)
-            outputs.extend(self._update(sched, new_tokens))
+            start = time.perf_counter()
+            for req in sched.preempted:
+                if self.spec is not None:
+                    self.spec.on_preempted(req)
+            need_hidden = self.spec is not None and self.spec.proposer.needs_target_hidden
+            step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden)
+            new_tokens, accepted = self._sample(sched, step_out.logits)
+            outputs.extend(self._update(sched, new_tokens, accepted))
+            if self.spec is not None:
+                self.spec.observe_step(sched, time.perf_counter() - start)
+                self._propose(sched, new_tokens, step_out)
         self._record_step_stats(sched)
         return outputs
 
-    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[list[int] | None]:
-        sampling = [s.request for s in sched.scheduled if s.samples]
-        if not sampling:
-            return [None] * len(sched.scheduled)
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> tuple[list[list[int] | None], list[int]]:
+        """Per scheduled request: its new tokens (None if mid-prefill) and accepted draft count."""
+        entries = [s for s in sched.scheduled if s.samples]
+        if not entries:
+            return [None] * len(sched.scheduled), [0] * len(sched.scheduled)
+        sampling = [s.request for s in entries]
         meta = SamplingMetadata.build(
             [r.params for r in sampling], [r.prompt_token_ids for r in sampling],
             [r.output_token_ids for r in sampling], [r.generator for r in sampling], self.vocab_size,
             self.device, [list(r.eos_token_ids) + r.params.stop_token_ids for r in sampling])
-        out = self.sampler(logits, meta)
-        token_ids = out.token_ids.tolist()
-        if out.logprobs is not None:
-            self._store_logprobs(sampling, out.logprobs)
-        it = iter(token_ids)
-        return [[next(it)] if s.samples else None for s in sched.scheduled]
+        num_drafts = [s.num_spec_tokens for s in entries]
+        if self.spec is not None and any(num_drafts):
+            token_lists, num_accepted = self.spec.verify(sampling, num_drafts, logits, meta)
+        else:
+            out = self.sampler(logits, meta)
+            token_lists, num_accepted = [[t] for t in out.token_ids.tolist()], [0] * len(entries)
+            if out.logprobs is not None:
+                self._store_logprobs(sampling, out.logprobs)
+        tokens_it, acc_it = iter(token_lists), iter(num_accepted)
+        new_tokens = [next(tokens_it) if s.samples else None for s in sched.scheduled]
+        accepted = [next(acc_it) if s.samples else 0 for s in sched.scheduled]
+        return new_tokens, accepted
+
+    def _propose(self, sched: SchedulerOutput, new_tokens: list[list[int] | None], step_out) -> None:
+        reqs, index = [], []
+        for i, (s, tokens) in enumerate(zip(sched.scheduled, new_tokens)):
+            if tokens is not None and not s.request.is_finished:
+                reqs.append(s.request)
+                index.append(i)
+        if reqs:
+            self.spec.propose(reqs, index, step_out, len(self.scheduler.running))
 
     @staticmethod
     def _store_logprobs(reqs: list[Request], lp) -> None:
@@ -146,11 +177,12 @@ class Engine:
             req.logprobs.append(entry)
             req.cumulative_logprob += values[row][0]
 
-    def _update(self, sched: SchedulerOutput, new_tokens: list[list[int] | None]) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, new_tokens: list[list[int] | None],
+                accepted: list[int]) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
-        for s, tokens in zip(sched.scheduled, new_tokens):
-            self.scheduler.update_computed(s, 0)
+        for s, tokens, num_acc in zip(sched.scheduled, new_tokens, accepted):
+            self.scheduler.update_computed(s, s.num_spec_tokens - num_acc)
             if tokens is None:
                 continue
             req = s.request
@@ -179,6 +211,8 @@ class Engine:
 
     def _finish(self, group: RequestGroup, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
+        if self.spec is not None:
+            self.spec.on_finished(req)
         group.finished_ids.add(req.request_id)
         record_finished(self.stats, req, time.monotonic())
 

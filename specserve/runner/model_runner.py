@@ -17,6 +17,9 @@ class StepOutput:
     logits: torch.Tensor  # [num_logit_rows, vocab] float32
     hidden: torch.Tensor  # [num_logit_rows, hidden] final-normed hidden states of those rows
     batch: BatchInputs
+    # Only when asked (EAGLE heads): every token's final hidden state and the aux layers' inputs.
+    all_hidden: torch.Tensor | None = None  # [num_tokens, hidden]
+    aux_hidden: list[torch.Tensor] | None = None  # each [num_tokens, hidden]
 
 
 def select_backend(device: torch.device, name: str | None = None):
@@ -44,12 +47,16 @@ class ModelRunner:
         self.backend = backend or select_backend(device)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_ids_of) -> StepOutput:
+    def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False) -> StepOutput:
         batch = build_batch(sched, block_ids_of, self.block_size, self.device)
         ctx = ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)
         with forward_context(ctx):
             hidden = self.model(batch.input_ids, batch.positions)
+        aux = None
         if isinstance(hidden, tuple):
-            hidden = hidden[0]
+            hidden, aux = hidden
         rows = hidden.index_select(0, batch.logits_indices)
-        return StepOutput(self.model.compute_logits(rows), rows, batch)
+        out = StepOutput(self.model.compute_logits(rows), rows, batch)
+        if need_hidden:
+            out.all_hidden, out.aux_hidden = hidden, aux
+        return out

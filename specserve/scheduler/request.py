@@ -39,6 +39,8 @@ class Request:
     num_computed_tokens: int = 0
     # Draft tokens proposed for this step's verification (not yet part of all_token_ids).
     spec_token_ids: list[int] = field(default_factory=list)
+    # [len(spec_token_ids), vocab] distribution each draft was sampled from; None = one-hot drafts.
+    spec_draft_probs: torch.Tensor | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = -1  # prefix-hit tokens at first scheduling; -1 until scheduled
     num_preemptions: int = 0

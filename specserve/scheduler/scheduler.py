@@ -129,6 +129,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.spec_draft_probs = None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -161,3 +162,4 @@ class Scheduler:
         req = sched.request
         req.num_computed_tokens += sched.num_new_tokens - num_rejected
         req.spec_token_ids = []
+        req.spec_draft_probs = None

@@ -1,0 +1,27 @@
+"""How many tokens to draft this step: fixed k, vLLM's per-batch-size table, or adaptive.
+
+The adaptive policy (issue 7) lives in `AdaptiveController`; this module keeps the simple ones.
+"""
+from __future__ import annotations
+
+from specserve.config import SpeculativeConfig
+
+
+class FixedController:
+    """k from the config, or from `num_speculative_tokens_per_batch_size` ((lo, hi, k) rows)."""
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.k = cfg.num_speculative_tokens
+        self.table = cfg.num_speculative_tokens_per_batch_size
+
+    def choose(self, batch_size: int) -> int:
+        if self.table:
+            for lo, hi, k in self.table:
+                if lo <= batch_size <= hi:
+                    return min(k, self.k) if k else 0
+            return 0
+        return self.k
+
+    def observe(self, batch_size: int, num_drafts: int, accepted_per_pos: list[int], num_seqs: int,
+                step_seconds: float, proposal_seconds: float) -> None:
+        pass

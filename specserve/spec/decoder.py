@@ -1,0 +1,106 @@
+"""Speculative decoding around the engine: propose after a step, verify in the next one.
+
+Owns the proposer, the controller (how many tokens to draft) and the rejection sampler, and
+records the spec_decode_* metrics.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.metrics.stats import StatsCollector
+from specserve.runner.model_runner import StepOutput
+from specserve.sample.metadata import SamplingMetadata
+from specserve.sample.rejection import RejectionSampler
+from specserve.scheduler.request import Request
+from specserve.scheduler.scheduler import SchedulerOutput
+from specserve.spec.base import ProposeInput, Proposer, draft_budget, stack_draft_probs
+
+
+def build_proposer(cfg: SpeculativeConfig, engine_parts) -> Proposer:
+    if cfg.method == "ngram":
+        from specserve.spec.ngram import NgramProposer
+
+        lo = cfg.prompt_lookup_min or cfg.prompt_lookup_max or 3
+        hi = cfg.prompt_lookup_max or max(lo, 5)
+        return NgramProposer(lo, hi)
+    if cfg.method == "draft_model":
+        from specserve.spec.draft_model import DraftModelProposer
+
+        return DraftModelProposer(cfg, engine_parts)
+    from specserve.spec.eagle import EagleProposer
+
+    return EagleProposer(cfg, engine_parts)
+
+
+def build_controller(cfg: SpeculativeConfig):
+    if cfg.adaptive and not cfg.num_speculative_tokens_per_batch_size:
+        try:
+            from specserve.spec.adaptive import AdaptiveController
+
+            return AdaptiveController(cfg)
+        except ImportError:
+            pass
+    from specserve.spec.controller import FixedController
+
+    return FixedController(cfg)
+
+
+class SpecDecoder:
+    def __init__(self, cfg: SpeculativeConfig, engine_parts, stats: StatsCollector) -> None:
+        self.cfg = cfg
+        self.proposer = build_proposer(cfg, engine_parts)
+        self.controller = build_controller(cfg)
+        self.rejection = RejectionSampler()
+        self.stats = stats
+        self.max_model_len = engine_parts.loaded.max_model_len
+        self.vocab_size = engine_parts.loaded.arch.vocab_size
+        self.device = engine_parts.device
+        self._last_propose_seconds = 0.0
+
+    def verify(self, reqs: list[Request], num_drafts: list[int], logits: torch.Tensor,
+               meta: SamplingMetadata) -> tuple[list[list[int]], list[int]]:
+        """logits: [sum(num_drafts) + len(reqs), vocab]. Returns tokens and accepted counts per request."""
+        drafts = [r.spec_token_ids[:k] for r, k in zip(reqs, num_drafts)]
+        draft_probs = stack_draft_probs(reqs, num_drafts, self.vocab_size, logits.device)
+        out = self.rejection(drafts, draft_probs, logits, meta)
+        self._record(num_drafts, out.num_accepted)
+        return out.output_token_ids, out.num_accepted
+
+    def _record(self, num_drafts: list[int], num_accepted: list[int]) -> None:
+        st = self.stats
+        for k, a in zip(num_drafts, num_accepted):
+            if k == 0:
+                continue
+            st.inc("spec_decode_num_drafts_total")
+            st.inc("spec_decode_num_draft_tokens_total", k)
+            st.inc("spec_decode_num_accepted_tokens_total", a)
+            for pos in range(a):
+                st.inc("spec_decode_num_accepted_tokens_per_pos_total", 1, {"position": str(pos)})
+
+    def observe_step(self, sched: SchedulerOutput, step_seconds: float) -> None:
+        drafted = [s for s in sched.scheduled if s.num_spec_tokens > 0]
+        self.controller.observe(len(sched.scheduled), sum(s.num_spec_tokens for s in drafted), [],
+                                len(drafted), step_seconds, self._last_propose_seconds)
+
+    def propose(self, reqs: list[Request], batch_index: list[int], step: StepOutput | None,
+                batch_size: int) -> None:
+        start = time.perf_counter()
+        k = self.controller.choose(batch_size)
+        self.stats.set("spec_decode_chosen_num_tokens", k)
+        budgets = [0 if r.params.logprobs is not None else draft_budget(r, k, self.max_model_len) for r in reqs]
+        chosen = [(r, b, i) for r, b, i in zip(reqs, budgets, batch_index) if b > 0]
+        for r in reqs:
+            r.spec_token_ids, r.spec_draft_probs = [], None
+        if chosen:
+            self.proposer.propose(ProposeInput([c[0] for c in chosen], [c[1] for c in chosen], step,
+                                               [c[2] for c in chosen]))
+        self._last_propose_seconds = time.perf_counter() - start
+
+    def on_finished(self, req: Request) -> None:
+        self.proposer.on_request_finished(req)
+
+    def on_preempted(self, req: Request) -> None:
+        self.proposer.on_request_preempted(req)
