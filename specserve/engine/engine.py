@@ -75,6 +75,7 @@ class Engine:
         for i, req in enumerate(group.children):
             self._child_to_group[req.request_id] = (group, i)
             self.scheduler.add_request(req)
+        self.kv.prefetch(group.children[0])
 
     def abort_request(self, request_ids: list[str] | str, emit_output: bool = True) -> None:
         """Free the requests' KV blocks now; their final outputs come with the next step()."""
@@ -112,6 +113,12 @@ class Engine:
             raise ValueError("this model has no tokenizer.")
         return self.tokenizer.decode(token_ids)
 
+    def shutdown(self) -> None:
+        """Abort what is in flight and flush pending KV writes to the offload tiers."""
+        self.abort_request(list(self.groups), emit_output=False)
+        if self.kv.offloader is not None:
+            self.kv.offloader.close()
+
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
@@ -124,6 +131,7 @@ class Engine:
                     self.spec.on_preempted(req)
             need_hidden = self.spec is not None and self.spec.proposer.needs_target_hidden
             step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden)
+            self.kv.after_forward()
             new_tokens, accepted = self._sample(sched, step_out.logits)
             outputs.extend(self._update(sched, new_tokens, accepted))
             if self.spec is not None:

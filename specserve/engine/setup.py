@@ -85,6 +85,14 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     scheduler = Scheduler(kv, sc.max_num_seqs, max_batched, loaded.max_model_len, sc.enable_chunked_prefill,
                           num_lookahead)
     stats = StatsCollector()
+    if config.offload.enabled:
+        if not cc.enable_prefix_caching:
+            raise ValueError("kv_offload needs enable_prefix_caching (tiers are keyed by prefix block hashes).")
+        from specserve.kv.offload.offloader import KVOffloader
+
+        namespace = (f"{loaded.identity}|{spec.fmt.name}|{spec.fmt.global_scale}|bs{cc.block_size}|"
+                     f"L{arch.num_layers}|H{arch.num_kv_heads}|D{arch.head_dim}")
+        kv.attach_offloader(KVOffloader(config.offload, runner.kv_caches, namespace, cc.block_size, stats))
     stats.set("cache_config_info", 1, {"block_size": str(cc.block_size), "cache_dtype": spec.fmt.name,
                                        "num_gpu_blocks": str(num_blocks),
                                        "enable_prefix_caching": str(cc.enable_prefix_caching)})

@@ -22,7 +22,12 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[int]] = defaultdict(list)
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
-        self.prefix_hits = 0  # tokens found
+        self.prefix_hits = 0  # tokens found (in GPU blocks or loaded from an offload tier)
+        self.offloader = None  # KVOffloader, when CPU/disk tiers are configured
+
+    def attach_offloader(self, offloader) -> None:
+        self.offloader = offloader
+        self.pool.on_evict = offloader.on_evict
 
     @property
     def num_blocks(self) -> int:
@@ -60,9 +65,38 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.offloader is not None and len(hits) < max_blocks:
+            hits.extend(self._load_from_tiers(hashes[len(hits):max_blocks], hits))
         self.prefix_queries += req.num_tokens
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def _load_from_tiers(self, hashes: list[BlockHash], gpu_hits: list[int]) -> list[int]:
+        """Copy the tier-resident run of `hashes` into fresh blocks, cached and free (like GPU hits)."""
+        payloads = self.offloader.lookup(hashes)
+        # Pin the GPU hits so allocating room for the loads cannot evict them.
+        self.pool.touch(gpu_hits)
+        payloads = payloads[:self.pool.num_free_blocks]
+        ids = self.pool.allocate(len(payloads)) if payloads else []
+        if ids:
+            self.offloader.load_into(ids, payloads)
+            for block_id, h in zip(ids, hashes):
+                self.pool.cache_block(block_id, h)
+            self.pool.free(list(reversed(ids)))
+        self.pool.free(list(reversed(gpu_hits)))
+        return ids or []
+
+    def prefetch(self, req: Request) -> None:
+        """Start reading a new request's offloaded prefix blocks (disk -> CPU) in the background."""
+        if self.offloader is None or not self.enable_prefix_caching:
+            return
+        hashes = self._update_hashes(req)
+        missing = [h for h in hashes if self.pool.lookup(h) is None]
+        self.offloader.prefetch(missing)
+
+    def after_forward(self) -> None:
+        if self.offloader is not None:
+            self.offloader.after_forward()
 
     def num_blocks_needed(self, req: Request, num_new_tokens: int, new_computed: list[int],
                           num_lookahead_tokens: int = 0) -> int:
@@ -103,6 +137,8 @@ class KVCacheManager:
         blocks = self.req_blocks[req.request_id]
         for i in range(done, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
+            if self.offloader is not None and self.pool.blocks[blocks[i]].block_hash == hashes[i]:
+                self.offloader.block_completed(hashes[i], blocks[i])
         self.num_cached_blocks[req.request_id] = num_full
 
     def free(self, req: Request) -> None:

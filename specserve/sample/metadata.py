@@ -1,0 +1,205 @@
+"""SamplingMetadata: how each row of a step's logits is sampled, as device tensors.
+
+One row per sequence to sample. Built once per step from the requests' SamplingParams; every
+optional feature (top-k, top-p, min-p, penalties, min_tokens) is None when no row uses it, so a
+plain batch costs one small host->device copy and the sampler skips the unused stages.
+
+Host-side copies of the per-row facts that expansion needs (greedy flags, min_tokens state) are
+kept too, so `select_rows` / `expand_for_drafts` never read a tensor back from the device.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from specserve.sample.penalties import (
+    PenaltyTensors,
+    add_output_tokens,
+    build_penalty_tensors,
+    select_penalty_rows,
+)
+from specserve.sampling_params import SamplingParams
+
+
+class MinTokensMask(NamedTuple):
+    """(row, token) pairs forced to -inf: stop tokens of rows that have not reached min_tokens."""
+    row_ids: Tensor  # [num_pairs] int64
+    token_ids: Tensor  # [num_pairs] int64
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    temperature: Tensor  # [num_seqs] float32; greedy rows hold 1.0 so nothing divides by zero
+    greedy_mask: Tensor | None  # [num_seqs] bool; None when all_greedy or all_random
+    all_greedy: bool
+    all_random: bool
+    top_k: Tensor | None  # [num_seqs] int64 in [1, vocab]; vocab = off; None when no row uses it
+    top_p: Tensor | None  # [num_seqs] float32; 1.0 = off; None when no row uses it
+    min_p: Tensor | None  # [num_seqs] float32; 0.0 = off; None when no row uses it
+    penalties: PenaltyTensors | None  # None when every row is neutral
+    min_tokens_mask: MinTokensMask | None
+    max_num_logprobs: int | None  # the largest `logprobs` asked for; None = no row wants any
+    # Per row; None for greedy rows (they draw nothing) and for unseeded rows (default generator).
+    generators: list[torch.Generator | None]
+    vocab_size: int
+    # Host-side state (see module docstring).
+    is_greedy: list[bool] = field(repr=False)
+    min_tokens_remaining: list[int] = field(repr=False)  # tokens still to emit before stops may
+    min_tokens_stop_ids: list[list[int]] = field(repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.is_greedy)
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+              output_token_ids: list[list[int]], generators: list[torch.Generator | None],
+              vocab_size: int, device: torch.device,
+              stop_token_ids_for_min_tokens: list[list[int]] | None = None) -> SamplingMetadata:
+        """One row per entry of `params`.
+
+        stop_token_ids_for_min_tokens: per row, the ids a row below its min_tokens must not emit
+        (EOS + stop_token_ids; the engine knows EOS). None = mask nothing.
+        Penalty tensors are built only when some row is penalized; their cost is O(prompt +
+        output tokens) of those rows.
+        """
+        num_seqs = len(params)
+        lists: dict[str, Sequence[object]] = {
+            "prompt_token_ids": prompt_token_ids, "output_token_ids": output_token_ids,
+            "generators": generators}
+        if stop_token_ids_for_min_tokens is not None:
+            lists["stop_token_ids_for_min_tokens"] = stop_token_ids_for_min_tokens
+        for name, values in lists.items():
+            if len(values) != num_seqs:
+                raise ValueError(f"{name} has {len(values)} rows, params has {num_seqs}.")
+        is_greedy = [p.greedy for p in params]
+        scalars, use = _row_scalars(params, is_greedy, vocab_size)
+        scalars = scalars.to(device)  # one host->device copy for all per-row scalars
+        remaining = [max(0, p.min_tokens - len(out)) for p, out in zip(params, output_token_ids)]
+        stop_ids = [list(ids) for ids in stop_token_ids_for_min_tokens or [[] for _ in params]]
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        meta = cls(
+            temperature=scalars[:, 0],
+            greedy_mask=None,
+            all_greedy=all(is_greedy),
+            all_random=not any(is_greedy),
+            top_k=scalars[:, 3].long() if use["top_k"] else None,
+            top_p=scalars[:, 1] if use["top_p"] else None,
+            min_p=scalars[:, 2] if use["min_p"] else None,
+            penalties=build_penalty_tensors(params, prompt_token_ids, output_token_ids,
+                                            vocab_size, device),
+            min_tokens_mask=_build_min_tokens_mask(remaining, stop_ids, vocab_size, device),
+            max_num_logprobs=max(logprobs) if logprobs else None,
+            generators=[None if g else gen for g, gen in zip(is_greedy, generators)],
+            vocab_size=vocab_size,
+            is_greedy=is_greedy,
+            min_tokens_remaining=remaining,
+            min_tokens_stop_ids=stop_ids,
+        )
+        return meta._with_greedy_mask(device)
+
+    def _with_greedy_mask(self, device: torch.device) -> SamplingMetadata:
+        if self.all_greedy or self.all_random:
+            return replace(self, greedy_mask=None)
+        return replace(self, greedy_mask=torch.tensor(self.is_greedy, dtype=torch.bool).to(device))
+
+    def select_rows(self, row_ids: Sequence[int]) -> SamplingMetadata:
+        """Row r of the result is row row_ids[r] of self (e.g. one row per verified position)."""
+        device = self.temperature.device
+        index = torch.tensor(list(row_ids), dtype=torch.int64).to(device)
+
+        def pick(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.index_select(0, index)
+
+        is_greedy = [self.is_greedy[i] for i in row_ids]
+        meta = replace(
+            self,
+            temperature=self.temperature.index_select(0, index),
+            top_k=pick(self.top_k), top_p=pick(self.top_p), min_p=pick(self.min_p),
+            all_greedy=all(is_greedy), all_random=not any(is_greedy),
+            penalties=None if self.penalties is None else select_penalty_rows(self.penalties, index),
+            generators=[self.generators[i] for i in row_ids],
+            is_greedy=is_greedy,
+            min_tokens_remaining=[self.min_tokens_remaining[i] for i in row_ids],
+            min_tokens_stop_ids=[self.min_tokens_stop_ids[i] for i in row_ids],
+        )
+        return meta._with_min_tokens(meta.min_tokens_remaining)._with_greedy_mask(device)
+
+    def expand_for_drafts(self, draft_token_ids: Sequence[Sequence[int]]) -> SamplingMetadata:
+        """One row per verified position: for sequence i, rows for its k_i + 1 positions, in order.
+
+        Position j of sequence i is sampled as if draft_token_ids[i][:j] had been emitted: its
+        distribution only matters when those drafts are all accepted, and then they are part of
+        the output. So min_tokens counts them (a stop token stays masked until the output, drafts
+        included, reaches min_tokens) and presence/frequency/repetition penalties count them as
+        output tokens. This makes every position's distribution exactly what the plain sampler
+        would use at that point of a non-speculative run.
+        """
+        if len(draft_token_ids) != self.num_seqs:
+            raise ValueError(f"draft_token_ids has {len(draft_token_ids)} rows, "
+                             f"metadata has {self.num_seqs}.")
+        row_ids = [i for i, drafts in enumerate(draft_token_ids) for _ in range(len(drafts) + 1)]
+        offsets = [j for drafts in draft_token_ids for j in range(len(drafts) + 1)]
+        meta = self.select_rows(row_ids)
+        remaining = [max(0, r - j) for r, j in zip(meta.min_tokens_remaining, offsets)]
+        meta = meta._with_min_tokens(remaining)
+        if meta.penalties is not None:
+            pos_rows: list[int] = []
+            pos_tokens: list[int] = []
+            pos = 0
+            for drafts in draft_token_ids:
+                for j in range(len(drafts) + 1):
+                    pos_rows.extend([pos + j] * j)
+                    pos_tokens.extend(drafts[:j])
+                pos += len(drafts) + 1
+            meta = replace(meta, penalties=add_output_tokens(meta.penalties, pos_rows, pos_tokens))
+        return meta
+
+    def _with_min_tokens(self, remaining: list[int]) -> SamplingMetadata:
+        return replace(self, min_tokens_remaining=remaining,
+                       min_tokens_mask=_build_min_tokens_mask(remaining, self.min_tokens_stop_ids,
+                                                              self.vocab_size,
+                                                              self.temperature.device))
+
+
+def _row_scalars(params: Sequence[SamplingParams], is_greedy: Sequence[bool],
+                 vocab_size: int) -> tuple[Tensor, dict[str, bool]]:
+    """[num_seqs, 4] float32 (temperature, top_p, min_p, top_k) on the host, and which filters
+    any random row uses. Greedy rows get neutral values: they take the argmax before temperature
+    and filters, and neutral values let a batch whose only filtered rows are greedy skip a stage.
+    top_k is exact in float32 (vocab sizes are far below 2**24)."""
+    rows = []
+    use = {"top_k": False, "top_p": False, "min_p": False}
+    for p, greedy in zip(params, is_greedy):
+        if greedy:
+            rows.append((1.0, 1.0, 0.0, float(vocab_size)))
+            continue
+        top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+        use["top_k"] |= top_k < vocab_size
+        use["top_p"] |= p.top_p < 1.0
+        use["min_p"] |= p.min_p > 0.0
+        rows.append((p.temperature, p.top_p, p.min_p, float(top_k)))
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), 4), use
+
+
+def _build_min_tokens_mask(remaining: Sequence[int], stop_ids: Sequence[Sequence[int]],
+                           vocab_size: int, device: torch.device) -> MinTokensMask | None:
+    if not any(remaining):
+        return None
+    rows: list[int] = []
+    tokens: list[int] = []
+    for row, (left, ids) in enumerate(zip(remaining, stop_ids)):
+        if left > 0:
+            # An id outside the logits (a tokenizer's added EOS past a padded vocab) cannot be
+            # sampled anyway; indexing with it would crash the step.
+            valid = [t for t in ids if t < vocab_size]
+            rows.extend([row] * len(valid))
+            tokens.extend(valid)
+    if not rows:
+        return None
+    index = torch.tensor([rows, tokens], dtype=torch.int64).to(device)
+    return MinTokensMask(index[0], index[1])

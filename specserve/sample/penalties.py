@@ -1,0 +1,99 @@
+"""Repetition, presence and frequency penalties.
+
+Semantics follow the implementations users compare against:
+- repetition (HF `RepetitionPenaltyLogitsProcessor`, vLLM): for every token seen in the prompt OR
+  the output, a negative logit is multiplied by the penalty and a non-negative one divided by it;
+- presence / frequency (OpenAI): on OUTPUT tokens only,
+  `logit -= presence * (count > 0) + frequency * count`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from specserve.sampling_params import SamplingParams
+
+
+class PenaltyTensors(NamedTuple):
+    repetition: Tensor  # [num_seqs] float32; 1.0 = off
+    presence: Tensor  # [num_seqs] float32; 0.0 = off
+    frequency: Tensor  # [num_seqs] float32; 0.0 = off
+    prompt_mask: Tensor  # [num_seqs, vocab] bool: the token occurs in the prompt
+    output_counts: Tensor  # [num_seqs, vocab] int32: occurrences in the output so far
+
+
+def has_penalty(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)
+
+
+def _scatter_rows(shape: tuple[int, int], rows: Sequence[int], token_lists: Sequence[Sequence[int]],
+                  dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A [rows, vocab] tensor holding, for row r, how often each token occurs in token_lists[r]."""
+    out = torch.zeros(shape, dtype=dtype, device=device)
+    lengths = [len(token_lists[r]) for r in rows]
+    if sum(lengths) == 0:
+        return out
+    flat = torch.tensor([t for r in rows for t in token_lists[r]], dtype=torch.int64)
+    row_ids = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.int64),
+                                      torch.tensor(lengths, dtype=torch.int64))
+    index = torch.stack([row_ids, flat]).to(device)  # one host->device copy
+    ones = torch.ones(index.shape[1], dtype=dtype, device=device)
+    # accumulate=True sums duplicates (bool accumulation is a logical or).
+    out.index_put_((index[0], index[1]), ones, accumulate=True)
+    return out
+
+
+def build_penalty_tensors(params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequence[int]],
+                          output_token_ids: Sequence[Sequence[int]], vocab_size: int,
+                          device: torch.device) -> PenaltyTensors | None:
+    """None when no row is penalized, so the sampler's fast path does no work at all.
+
+    Cost is proportional to the prompt + output tokens of penalized rows only; neutral rows keep
+    all-zero counts (their factors are neutral anyway).
+    """
+    active = [i for i, p in enumerate(params) if has_penalty(p)]
+    if not active:
+        return None
+    num_seqs = len(params)
+    factors = torch.tensor([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
+                            for p in params], dtype=torch.float32).reshape(num_seqs, 3).to(device)
+    # The prompt matters only to the repetition penalty: skip long prompts of the other rows.
+    rep_rows = [i for i in active if params[i].repetition_penalty != 1.0]
+    prompt_mask = _scatter_rows((num_seqs, vocab_size), rep_rows, prompt_token_ids, torch.bool, device)
+    counts = _scatter_rows((num_seqs, vocab_size), active, output_token_ids, torch.int32, device)
+    return PenaltyTensors(factors[:, 0], factors[:, 1], factors[:, 2], prompt_mask, counts)
+
+
+def select_penalty_rows(penalties: PenaltyTensors, index: Tensor) -> PenaltyTensors:
+    """Rows `index` ([num_rows] int64, on the device) of every tensor."""
+    return PenaltyTensors(*(t.index_select(0, index) for t in penalties))
+
+
+def add_output_tokens(penalties: PenaltyTensors, row_ids: Sequence[int],
+                      token_ids: Sequence[int]) -> PenaltyTensors:
+    """Counts as if row_ids[i] had also emitted token_ids[i] (drafts assumed accepted)."""
+    if not row_ids:
+        return penalties
+    device = penalties.output_counts.device
+    index = torch.tensor([list(row_ids), list(token_ids)], dtype=torch.int64).to(device)
+    counts = penalties.output_counts.clone()
+    counts.index_put_((index[0], index[1]), torch.ones(index.shape[1], dtype=counts.dtype, device=device),
+                      accumulate=True)
+    return penalties._replace(output_counts=counts)
+
+
+def apply_penalties(logits: Tensor, penalties: PenaltyTensors) -> Tensor:
+    """logits: [num_seqs, vocab] float32, returned penalized (a new tensor)."""
+    counts = penalties.output_counts
+    in_output = counts > 0
+    seen = penalties.prompt_mask | in_output
+    rep = torch.where(seen, penalties.repetition.unsqueeze(1), 1.0)  # [num_seqs, vocab]
+    # HF's exact rule (score < 0 -> multiply, else divide): 0 stays 0 either way.
+    logits = torch.where(logits < 0, logits * rep, logits / rep)
+    logits -= penalties.frequency.unsqueeze(1) * counts
+    logits -= penalties.presence.unsqueeze(1) * in_output
+    return logits

@@ -1,0 +1,185 @@
+"""The sampler: one token per row from a step's logits.
+
+Order (each stage skipped when no row uses it):
+  min_tokens mask -> penalties -> [greedy rows: argmax here] -> temperature -> min_p -> top_k
+  -> top_p -> softmax -> sample.
+The stages after the argmax are one function, `compute_target_probs`, which the rejection sampler
+also uses: speculative verification is lossless only if it targets exactly the distribution the
+plain sampler samples from.
+
+Random rows sample with the exponential race, argmax(probs / E) with E ~ Exp(1) i.i.d., which picks
+token i with probability probs[i] / sum(probs) (Gumbel-max in another form) and needs no
+normalization and no host sync. A seeded row draws its noise from its own torch.Generator, exactly
+`vocab` draws per step, so its tokens do not depend on the rest of the batch.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from specserve.sample.metadata import SamplingMetadata
+from specserve.sample.penalties import apply_penalties
+
+
+class LogprobsTensors(NamedTuple):
+    """Log-probabilities from the log-softmax of the RAW logits (vLLM's default `raw_logprobs`)."""
+    logprob_token_ids: Tensor  # [num_seqs, max_num_logprobs + 1] int64; column 0 = sampled token
+    logprobs: Tensor  # [num_seqs, max_num_logprobs + 1] float32; columns 1.. = top-N, descending
+    sampled_token_ranks: Tensor  # [num_seqs] int64; 1 = the most likely token
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: Tensor  # [num_seqs] int64
+    logprobs: LogprobsTensors | None  # None when no row asked for logprobs
+
+
+def _check_logits(logits: Tensor, meta: SamplingMetadata) -> None:
+    if logits.dim() != 2 or logits.shape[0] != meta.num_seqs:
+        raise ValueError(f"logits must be [num_seqs={meta.num_seqs}, vocab], got {tuple(logits.shape)}.")
+    if logits.shape[1] != meta.vocab_size:
+        raise ValueError(f"logits have {logits.shape[1]} columns, metadata was built for vocab_size="
+                         f"{meta.vocab_size}; slice padded vocab columns off before sampling.")
+
+
+def penalized_logits(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """min_tokens mask then penalties: [num_seqs, vocab] float32.
+
+    Never modifies `logits`; returns it (as float32, maybe the same tensor) when nothing applies.
+    """
+    logits = logits.float()
+    if meta.min_tokens_mask is not None:
+        logits = logits.clone()
+        logits[meta.min_tokens_mask.row_ids, meta.min_tokens_mask.token_ids] = float("-inf")
+    if meta.penalties is not None:
+        logits = apply_penalties(logits, meta.penalties)
+    return logits
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """In place: drop tokens with prob < min_p * max prob, compared in log space (no softmax):
+    p_i < min_p * p_max  <=>  l_i < l_max + log(min_p); min_p = 0 gives -inf, i.e. off."""
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)  # [num_seqs, 1]
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """Keep the top_k largest logits (ties with the k-th kept), then the smallest set of those
+    whose probability reaches top_p (renormalized after top-k, as HF and vLLM do).
+
+    One ascending sort serves both. A token is kept by top-p iff the probability mass strictly
+    above it is < top_p, i.e. its inclusive ascending cumsum is > 1 - top_p; the largest token is
+    always kept. Returns a new [num_seqs, vocab] tensor.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        kth_index = (logits_sort.shape[1] - top_k).unsqueeze(1)  # [num_seqs, 1]
+        kth_value = logits_sort.gather(1, kth_index)
+        logits_sort.masked_fill_(logits_sort < kth_value, float("-inf"))
+    if top_p is not None:
+        cum_probs = logits_sort.softmax(dim=-1).cumsum_(dim=-1)
+        drop = cum_probs <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        logits_sort.masked_fill_(drop, float("-inf"))
+    return logits_sort.scatter(1, logits_idx, logits_sort)
+
+
+def _random_probs(penalized: Tensor, meta: SamplingMetadata) -> Tensor:
+    """temperature -> min_p -> top_k -> top_p -> softmax, for every row (greedy rows hold neutral
+    values and are overwritten by the caller): [num_seqs, vocab] float32."""
+    logits = penalized / meta.temperature.unsqueeze(1)  # a new tensor: the stages below may write
+    if meta.min_p is not None:
+        logits = apply_min_p(logits, meta.min_p)
+    logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    return logits.softmax(dim=-1)
+
+
+def _one_hot(token_ids: Tensor, vocab_size: int) -> Tensor:
+    out = torch.zeros(token_ids.shape[0], vocab_size, dtype=torch.float32, device=token_ids.device)
+    return out.scatter_(1, token_ids.unsqueeze(1), 1.0)
+
+
+def compute_target_probs(logits: Tensor, meta: SamplingMetadata,
+                         row_index_map: Sequence[int] | None = None) -> Tensor:
+    """The distribution the Sampler samples from, after every processing stage.
+
+    logits: [N, vocab]; returns [N, vocab] float32, rows summing to 1. Greedy rows are one-hot at
+    the argmax of their penalized logits (the token the sampler would pick).
+    row_index_map: logits row r uses metadata row row_index_map[r] (e.g. draft positions of a
+    sequence); penalties are then those of that row as is. For speculative verification use
+    `meta.expand_for_drafts(...)` instead, which also counts the drafted tokens.
+    """
+    if row_index_map is not None:
+        meta = meta.select_rows(row_index_map)
+    _check_logits(logits, meta)
+    penalized = penalized_logits(logits, meta)
+    if meta.all_greedy:
+        return _one_hot(penalized.argmax(dim=-1), meta.vocab_size)
+    probs = _random_probs(penalized, meta)
+    if meta.greedy_mask is not None:
+        greedy = _one_hot(penalized.argmax(dim=-1), meta.vocab_size)
+        probs = torch.where(meta.greedy_mask.unsqueeze(1), greedy, probs)
+    return probs
+
+
+def draw_exponential(num_rows: int, vocab_size: int, generators: Sequence[torch.Generator | None],
+                     default_generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """[num_rows, vocab] Exp(1) noise; row i from generators[i] when it has one."""
+    noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
+    seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < num_rows:
+        noise.exponential_(generator=default_generator)
+    for i, gen in seeded:  # the only per-row loop: a generator draws for one row at a time
+        noise[i].exponential_(generator=gen)
+    # Exp(1) can come out as exactly 0 on some backends; probs / 0 would be inf, or NaN (which
+    # argmax prefers) for a zero-probability token.
+    return noise.clamp_(min=torch.finfo(torch.float32).tiny)
+
+
+def random_sample(probs: Tensor, noise: Tensor) -> Tensor:
+    """Exponential race: probs [num_rows, vocab] (unnormalized is fine), noise from
+    draw_exponential -> [num_rows] int64. A zero-probability token is never chosen unless the
+    whole row is zero."""
+    return (probs / noise).argmax(dim=-1)
+
+
+def compute_logprobs(logits: Tensor, token_ids: Tensor, num_logprobs: int) -> LogprobsTensors:
+    """logits: RAW [num_seqs, vocab]; token_ids: [num_seqs] the sampled tokens."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    sampled = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_seqs, 1]
+    # vLLM's rank: how many tokens are at least as likely as the sampled one.
+    ranks = (logprobs >= sampled).sum(dim=-1)
+    top_logprobs, top_ids = logprobs.topk(min(num_logprobs, logprobs.shape[1]), dim=-1)
+    return LogprobsTensors(torch.cat([token_ids.unsqueeze(1), top_ids], dim=1),
+                           torch.cat([sampled, top_logprobs], dim=1), ranks)
+
+
+class Sampler:
+    """Samples one token per row. Unseeded random rows draw from `generator` (None = torch's
+    default generator of the logits' device); it must live on the logits' device, as must the
+    per-request generators in the metadata."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits: [num_seqs, vocab], not modified. No host sync."""
+        _check_logits(logits, meta)
+        penalized = penalized_logits(logits, meta)
+        if meta.all_greedy:
+            token_ids = penalized.argmax(dim=-1)
+        else:
+            probs = _random_probs(penalized, meta)
+            noise = draw_exponential(meta.num_seqs, meta.vocab_size, meta.generators,
+                                     self.generator, logits.device)
+            token_ids = random_sample(probs, noise)
+            if meta.greedy_mask is not None:
+                token_ids = torch.where(meta.greedy_mask, penalized.argmax(dim=-1), token_ids)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = compute_logprobs(logits, token_ids, meta.max_num_logprobs)
+        return SamplerOutput(token_ids, logprobs)
