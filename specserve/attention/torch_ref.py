@@ -40,14 +40,35 @@ def gather_kv(cache: LayerKVCache, fmt: KVFormat, block_ids: torch.Tensor, num_t
     return key.to(out_dtype), value.to(out_dtype)
 
 
+def gather_padded(cache: LayerKVCache, fmt: KVFormat, block_tables: torch.Tensor,
+                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's blocks at once: ([B, max_blocks * block_size, H, D], same for value)."""
+    num_seqs, max_blocks = block_tables.shape
+    ids = block_tables.reshape(-1).long()
+
+    def read(data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        rows = data.index_select(0, ids).flatten(0, 1)  # [B * max_blocks * bs, H, packed]
+        if fmt.quantized:
+            from specserve.kv import quant
+
+            srows = scale.index_select(0, ids).flatten(0, 1)
+            rows = quant.dequantize(rows, srows, fmt, out_dtype)
+        return rows.to(out_dtype).view(num_seqs, -1, rows.shape[-2], rows.shape[-1])
+
+    return read(cache.key, cache.key_scale), read(cache.value, cache.value_scale)
+
+
 class TorchRefBackend:
-    """Reference backend: exact, simple, one sequence at a time."""
+    """Reference backend: exact and simple. Decode-only batches are attended in one batched call;
+    anything with multi-token queries goes one sequence at a time."""
 
     name = "torch_ref"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                 fmt: KVFormat, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(cache, fmt, meta.slot_mapping, k, v)
+        if meta.max_query_len == 1:
+            return _decode_attention(q, cache, fmt, meta, scale)
         query_lens = meta.query_lens_cpu or (meta.cu_query_lens[1:] - meta.cu_query_lens[:-1]).tolist()
         seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
         out = torch.empty_like(q)
@@ -64,17 +85,24 @@ class TorchRefBackend:
         return out
 
 
+def _decode_attention(q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    """q [B, Hq, D], one token per sequence, over each sequence's seq_len cached tokens."""
+    key, value = gather_padded(cache, fmt, meta.block_tables, q.dtype)  # [B, L, Hkv, D]
+    valid = torch.arange(key.shape[1], device=q.device)[None, :] < meta.seq_lens[:, None].long()  # [B, L]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), key.transpose(1, 2), value.transpose(1, 2),
+                                         attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, group: int,
                       scale: float) -> torch.Tensor:
     """q [Q, Hq, D] at positions context_len..context_len+Q-1 over k/v [S, Hkv, D]."""
     q_len, s_len = q.shape[0], k.shape[0]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
     q_pos = torch.arange(context_len, context_len + q_len, device=q.device)
     k_pos = torch.arange(s_len, device=q.device)
     mask = k_pos[None, :] <= q_pos[:, None]  # [Q, S]
     # SDPA wants [H, L, D]; float32 accumulation comes from the math kernel on CPU.
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, scale=scale)
+                                         attn_mask=mask, scale=scale, enable_gqa=group > 1)
     return out.transpose(0, 1)
