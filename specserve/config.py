@@ -34,6 +34,7 @@ class ModelConfig:
     tokenizer: str | None = _help("tokenizer dir, if not the model's", default=None)
     served_model_name: str | None = _help("name the API reports", default=None)
     hf_overrides: dict[str, Any] | None = _help("JSON dict of config overrides (dummy shapes)", default=None)
+    enforce_eager: bool = _help("never use CUDA graphs", default=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -1,4 +1,10 @@
-"""Flatten one scheduler step into model inputs: input_ids, positions, slot_mapping, block tables."""
+"""Flatten one scheduler step into model inputs: input_ids, positions, slot_mapping, block tables.
+
+Built on the host with numpy (`HostBatch`), then moved to the device in one go through persistent
+pinned staging buffers (`Staging`), so a step allocates no pinned memory and issues one
+non-blocking copy per tensor. The CUDA-graph runner copies the same host arrays into its static
+buffers instead.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,9 +26,77 @@ class BatchInputs:
     logit_rows: list[tuple[int, int] | None]
 
 
-def build_batch(sched: SchedulerOutput, block_ids_of, block_size: int, device: torch.device,
-                pad_blocks_to: int | None = None) -> BatchInputs:
-    """block_ids_of(request_id) -> list[int]. Runs on the host; one copy per tensor to the device."""
+@dataclass
+class HostBatch:
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int32
+    seq_lens: np.ndarray  # [num_seqs] int32
+    cu_query_lens: np.ndarray  # [num_seqs + 1] int32
+    logits_indices: np.ndarray  # [num_logit_rows] int64
+    query_lens: list[int]
+    logit_rows: list[tuple[int, int] | None]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def uniform_query_len(self) -> int | None:
+        """The query length shared by every sequence, if they all have the same one."""
+        if not self.query_lens:
+            return None
+        q = self.query_lens[0]
+        return q if all(x == q for x in self.query_lens) else None
+
+    def to_device(self, device: torch.device, staging: "Staging | None" = None) -> BatchInputs:
+        put = staging.put if staging is not None else (lambda name, a: torch.from_numpy(a).to(device))
+        meta = AttentionMetadata(
+            cu_query_lens=put("cu", self.cu_query_lens), seq_lens=put("seq_lens", self.seq_lens),
+            block_tables=put("block_tables", self.block_tables), slot_mapping=put("slots", self.slot_mapping),
+            max_query_len=max(self.query_lens, default=0), max_seq_len=int(self.seq_lens.max(initial=0)),
+            num_seqs=self.num_seqs, num_tokens=self.num_tokens, query_lens_cpu=self.query_lens,
+            seq_lens_cpu=self.seq_lens.tolist())
+        return BatchInputs(put("input_ids", self.input_ids), put("positions", self.positions), meta,
+                           put("logits_indices", self.logits_indices), self.logit_rows)
+
+
+class Staging:
+    """Persistent pinned host + device buffers, one pair per input name, grown on demand.
+
+    Safe to reuse every step because the engine synchronizes on the sampled tokens before it
+    builds the next batch.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host: dict[str, torch.Tensor] = {}
+        self._dev: dict[str, torch.Tensor] = {}
+
+    def put(self, name: str, arr: np.ndarray) -> torch.Tensor:
+        n = arr.size
+        host = self._host.get(name)
+        if host is None or host.numel() < n or host.dtype != _torch_dtype(arr):
+            size = max(n, 2 * (host.numel() if host is not None else 0), 64)
+            host = torch.empty(size, dtype=_torch_dtype(arr), pin_memory=True)
+            self._host[name] = host
+            self._dev[name] = torch.empty(size, dtype=host.dtype, device=self.device)
+        host[:n].numpy()[:] = arr.reshape(-1)
+        dev = self._dev[name][:n]
+        dev.copy_(host[:n], non_blocking=True)
+        return dev.view(arr.shape)
+
+
+def _torch_dtype(arr: np.ndarray) -> torch.dtype:
+    return {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}[arr.dtype]
+
+
+def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> HostBatch:
+    """block_ids_of(request_id) -> list[int]."""
     num_seqs = len(sched.scheduled)
     query_lens = [s.num_new_tokens for s in sched.scheduled]
     num_tokens = sum(query_lens)
@@ -51,28 +125,19 @@ def build_batch(sched: SchedulerOutput, block_ids_of, block_size: int, device: t
             logit_rows.append(None)
         start += n
     max_blocks = max((len(b) for b in block_lists), default=1)
-    if pad_blocks_to is not None:
-        max_blocks = max(max_blocks, pad_blocks_to)
     block_tables = np.zeros((num_seqs, max(1, max_blocks)), dtype=np.int32)
     for i, blocks in enumerate(block_lists):
         block_tables[i, :len(blocks)] = blocks
-    # slot of token at position p of seq i: block_tables[i, p // bs] * bs + p % bs
+    # slot of the token at position p of sequence i: block_tables[i, p // bs] * bs + p % bs
     seq_index = np.repeat(np.arange(num_seqs), query_lens)
     slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
     cu = np.zeros(num_seqs + 1, dtype=np.int32)
     np.cumsum(query_lens, out=cu[1:])
+    return HostBatch(input_ids, positions, slot_mapping, block_tables, seq_lens, cu,
+                     np.asarray(logits_idx, dtype=np.int64), query_lens, logit_rows)
 
-    def dev(a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        if device.type == "cuda":
-            t = t.pin_memory().to(device, non_blocking=True)
-        return t
 
-    meta = AttentionMetadata(
-        cu_query_lens=dev(cu), seq_lens=dev(seq_lens), block_tables=dev(block_tables),
-        slot_mapping=dev(slot_mapping), max_query_len=max(query_lens, default=0),
-        max_seq_len=int(seq_lens.max(initial=0)), num_seqs=num_seqs, num_tokens=num_tokens,
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens.tolist())
-    return BatchInputs(dev(input_ids), dev(positions), meta,
-                       dev(np.asarray(logits_idx, dtype=np.int64)), logit_rows)
+def build_batch(sched: SchedulerOutput, block_ids_of, block_size: int, device: torch.device,
+                staging: Staging | None = None) -> BatchInputs:
+    return build_host_batch(sched, block_ids_of, block_size).to_device(device, staging)

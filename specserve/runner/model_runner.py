@@ -8,7 +8,7 @@ import torch
 from specserve.attention.base import ForwardContext, forward_context
 from specserve.kv.spec import KVCacheSpec, KVFormat, LayerKVCache
 from specserve.model.loader import LoadedModel
-from specserve.runner.batch import BatchInputs, build_batch
+from specserve.runner.batch import BatchInputs, HostBatch, Staging, build_host_batch
 from specserve.scheduler.scheduler import SchedulerOutput
 
 
@@ -45,16 +45,35 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches: list[LayerKVCache] = spec.allocate(num_blocks, device)
         self.backend = backend or select_backend(device)
+        self.staging = Staging(device) if device.type == "cuda" else None
+        self.graphs = None  # CudaGraphRunner once capture_graphs() ran
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:
+        """Capture decode (and verify) CUDA graphs for batch sizes up to max_num_seqs."""
+        from specserve.runner.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
+
+        sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b <= max_num_seqs) or (1,)
+        if max_num_seqs not in sizes and max_num_seqs < DEFAULT_BATCH_SIZES[-1]:
+            sizes = sizes + (max_num_seqs,)
+        runner = CudaGraphRunner(self.model, self.kv_caches, self.fmt, self.backend, self.device,
+                                 max_model_len, self.block_size, sizes, query_lens)
+        runner.capture()
+        self.graphs = runner
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False) -> StepOutput:
-        batch = build_batch(sched, block_ids_of, self.block_size, self.device)
-        ctx = ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)
-        with forward_context(ctx):
-            hidden = self.model(batch.input_ids, batch.positions)
+        host = build_host_batch(sched, block_ids_of, self.block_size)
+        batch = host.to_device(self.device, self.staging)
+        key = self.graphs.graph_key(host) if self.graphs is not None and not need_hidden else None
         aux = None
-        if isinstance(hidden, tuple):
-            hidden, aux = hidden
+        if key is not None:
+            hidden = self.graphs.run(host, key)
+        else:
+            ctx = ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)
+            with forward_context(ctx):
+                hidden = self.model(batch.input_ids, batch.positions)
+            if isinstance(hidden, tuple):
+                hidden, aux = hidden
         rows = hidden.index_select(0, batch.logits_indices)
         out = StepOutput(self.model.compute_logits(rows), rows, batch)
         if need_hidden:

@@ -1,0 +1,108 @@
+"""CUDA graphs for decode (1 token per sequence) and verify (k+1 tokens per sequence) steps.
+
+Captured once per (batch size, query length) into one shared memory pool, over static input
+buffers. A step with a uniform query length and a batch no larger than the largest captured size
+is padded up to the next captured size: padding tokens have slot -1 (their K/V is not stored) and
+padding sequences have length 0 (the attention kernel skips them); their output rows are ignored.
+Everything else runs eagerly.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
+from specserve.runner.batch import HostBatch
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+class CudaGraphRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches, fmt, backend, device: torch.device,
+                 max_model_len: int, block_size: int, batch_sizes: tuple[int, ...],
+                 query_lens: tuple[int, ...] = (1,)) -> None:
+        self.model, self.kv_caches, self.fmt, self.backend = model, kv_caches, fmt, backend
+        self.device = device
+        self.max_model_len = max_model_len
+        self.batch_sizes = sorted(batch_sizes)
+        self.query_lens = tuple(sorted(set(query_lens)))
+        self.max_blocks = -(-max_model_len // block_size)
+        max_bs, max_q = self.batch_sizes[-1], self.query_lens[-1]
+        t = max_bs * max_q
+        dev = dict(device=device)
+        self.input_ids = torch.zeros(t, dtype=torch.int64, **dev)
+        self.positions = torch.zeros(t, dtype=torch.int64, **dev)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, **dev)
+        self.cu_query_lens = torch.zeros(max_bs + 1, dtype=torch.int32, **dev)
+        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, **dev)
+        self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, **dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._pool = None
+
+    def _meta(self, bs: int, q: int) -> AttentionMetadata:
+        n = bs * q
+        return AttentionMetadata(self.cu_query_lens[:bs + 1], self.seq_lens[:bs], self.block_tables[:bs],
+                                 self.slot_mapping[:n], max_query_len=q, max_seq_len=self.max_model_len,
+                                 num_seqs=bs, num_tokens=n)
+
+    def _forward(self, bs: int, q: int) -> torch.Tensor:
+        n = bs * q
+        ctx = ForwardContext(self._meta(bs, q), self.kv_caches, self.fmt, self.backend)
+        with forward_context(ctx):
+            out = self.model(self.input_ids[:n], self.positions[:n])
+        return out[0] if isinstance(out, tuple) else out
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        for q in self.query_lens:
+            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its pool
+                self._fill_dummy(bs, q)
+                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
+                    self._forward(bs, q)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = self._forward(bs, q)
+                self._pool = graph.pool()
+                self.graphs[(bs, q)] = graph
+                self.outputs[(bs, q)] = out
+        torch.cuda.synchronize(self.device)
+
+    def _fill_dummy(self, bs: int, q: int) -> None:
+        self.slot_mapping.fill_(-1)
+        self.cu_query_lens[:bs + 1] = torch.arange(bs + 1, device=self.device, dtype=torch.int32) * q
+        self.seq_lens[:bs] = q
+        self.block_tables.zero_()
+
+    def graph_key(self, batch: HostBatch) -> tuple[int, int] | None:
+        q = batch.uniform_query_len()
+        if q not in self.query_lens or batch.num_seqs > self.batch_sizes[-1]:
+            return None
+        if batch.block_tables.shape[1] > self.max_blocks:
+            return None
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch.num_seqs)]
+        return (bs, q)
+
+    def run(self, batch: HostBatch, key: tuple[int, int]) -> torch.Tensor:
+        """Replay the graph for `key` on this batch; returns hidden [batch.num_tokens, hidden]."""
+        bs, q = key
+        n, s = batch.num_tokens, batch.num_seqs
+        padded = bs * q
+        self.input_ids[:n].copy_(torch.from_numpy(batch.input_ids), non_blocking=True)
+        self.positions[:n].copy_(torch.from_numpy(batch.positions), non_blocking=True)
+        slots = np.full(padded, -1, dtype=np.int64)
+        slots[:n] = batch.slot_mapping
+        self.slot_mapping[:padded].copy_(torch.from_numpy(slots), non_blocking=True)
+        cu = np.full(bs + 1, n, dtype=np.int32)
+        cu[:s + 1] = batch.cu_query_lens
+        self.cu_query_lens[:bs + 1].copy_(torch.from_numpy(cu), non_blocking=True)
+        lens = np.zeros(bs, dtype=np.int32)
+        lens[:s] = batch.seq_lens
+        self.seq_lens[:bs].copy_(torch.from_numpy(lens), non_blocking=True)
+        width = batch.block_tables.shape[1]
+        self.block_tables[:s, :width].copy_(torch.from_numpy(batch.block_tables), non_blocking=True)
+        self.graphs[key].replay()
+        return self.outputs[key][:n]
