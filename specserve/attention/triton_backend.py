@@ -1,0 +1,42 @@
+"""Triton attention backend: the GPU twin of `torch_ref.TorchRefBackend`.
+
+Imported lazily, only when selected on CUDA (it imports triton). One forward = two or three
+launches: the KV write, the paged attention kernel, and the split-KV reduction when the batch is
+too small to fill the GPU. Nothing reads tensor values on the host, so a decode forward can be
+captured in a CUDA graph: size it with fixed upper bounds (`max_seq_len`, `max_query_len`) and pad
+the batch with zero-length sequences (repeat the last `cu_query_lens` entry, `seq_lens` 0) and
+padding tokens whose slot is negative (their K/V is not stored, their output rows are garbage).
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.attention.base import AttentionMetadata
+from specserve.attention.triton_paged import paged_attention, reshape_and_cache
+from specserve.kv.spec import KVFormat, LayerKVCache
+
+
+class TritonBackend:
+    """Paged attention for flat varlen batches (prefill, prefix hits, decode, k+1 verify), with GQA.
+
+    `num_splits` fixes the split-KV factor (None: chosen from the batch's host-side sizes; 1: never
+    split). With a fixed value the result for a token does not depend on the rest of the batch's shape.
+    """
+
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}.")
+        self.num_splits = num_splits
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+                fmt: KVFormat, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] -> like q."""
+        if fmt.quantized:
+            # In-kernel dequantization (fp8, nvfp4) is a later step; refuse rather than misread bytes.
+            raise NotImplementedError(f"TritonBackend does not read kv_cache_dtype {fmt.name!r} yet")
+        reshape_and_cache(k, v, cache.key, cache.value, meta.slot_mapping)
+        return paged_attention(q, cache.key, cache.value, meta.cu_query_lens, meta.seq_lens,
+                               meta.block_tables, meta.max_query_len, meta.max_seq_len, scale,
+                               num_splits=self.num_splits)
