@@ -150,20 +150,28 @@ def transformers_runs(shape: str, prompt_len: int, new_tokens: int, batch: int) 
     vocab = cfg.vocab_size
     ids = torch.tensor(_prompts(1, prompt_len, vocab, 1), device="cuda")
 
-    def gen(inp, n, **kw):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        model.generate(inp, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
+    def step_ms(inp, n, **kw) -> float:
+        """Median ms between consecutive decode steps, timestamped by a stopping criterion."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
 
-    gen(ids, 8, cache_implementation="static")  # warm up
-    t_all = gen(ids, new_tokens, cache_implementation="static")
-    t_one = gen(ids, 1, cache_implementation="static")
-    res["hf_static_b1_ms_per_step"] = (t_all - t_one) / (new_tokens - 1) * 1e3
-    ids_b = torch.tensor(_prompts(batch, 512, vocab, 2), device="cuda")
-    gen(ids_b, 4)
-    res[f"hf_dynamic_b{batch}_tok_s"] = batch * new_tokens / gen(ids_b, new_tokens)
+        stamps: list[float] = []
+
+        class Stamp(StoppingCriteria):
+            def __call__(self, input_ids, scores, **_):
+                torch.cuda.synchronize()
+                stamps.append(time.perf_counter())
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        model.generate(inp, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                       stopping_criteria=StoppingCriteriaList([Stamp()]), **kw)
+        gaps = sorted(b - a for a, b in zip(stamps[1:], stamps[2:]))
+        return gaps[len(gaps) // 2] * 1e3
+
+    step_ms(ids, new_tokens, cache_implementation="static")  # warm up (and compile, if it does)
+    res["hf_static_b1_ms_per_step"] = step_ms(ids, new_tokens, cache_implementation="static")
+    ids_b = torch.tensor(_prompts(batch, 128, vocab, 2), device="cuda")
+    step_ms(ids_b, 16)
+    res[f"hf_dynamic_b{batch}_tok_s"] = batch / step_ms(ids_b, new_tokens) * 1e3
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -190,7 +198,7 @@ def run_shape(shape: str, args: argparse.Namespace, bw: float, mm: float) -> dic
     if "transformers" in args.parts:
         _guard(res, "transformers", lambda: res.update(transformers_runs(shape, 128, args.new_tokens, 32)))
     t = time.perf_counter()
-    llm = LLM(model=shape, load_format="dummy", max_model_len=args.max_model_len, max_num_seqs=256,
+    llm = LLM(model=shape, load_format="dummy", max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.85,
               progress=False)
     res["engine_init_s"] = time.perf_counter() - t
@@ -228,7 +236,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--num-requests", type=int, default=1000)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     bw = copy_bandwidth()

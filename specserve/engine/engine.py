@@ -18,6 +18,7 @@ from specserve.engine.setup import EngineParts, build_engine_parts
 from specserve.engine.validate import resolve_prompt, resolve_max_tokens
 from specserve.outputs import RequestOutput
 from specserve.sample.metadata import SamplingMetadata
+from specserve.sample.structured import StructuredOutputs
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.request import Request, RequestStatus
 from specserve.scheduler.scheduler import SchedulerOutput
@@ -46,6 +47,10 @@ class Engine:
 
             self.spec = SpecDecoder(config.speculative, parts, self.stats)
             self.runner.model.aux_hidden_layers = self.spec.proposer.aux_hidden_layers
+        # structured output (issue 8): grammar matchers and masks; xgrammar loads on first use.
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        if self.spec is not None:
+            self.spec.structured = self.structured
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,
@@ -58,6 +63,7 @@ class Engine:
         text, token_ids = resolve_prompt(prompt, self.tokenizer, self.vocab_size)
         max_tokens = resolve_max_tokens(len(token_ids), params, self.max_model_len, self.kv.num_blocks,
                                         self.kv.block_size)
+        grammar = self.structured.compile(params)  # issue 8: ValueError on a bad schema/regex
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, text, token_ids, [], [], arrival, params.logprobs)
         for i in range(params.n):
@@ -74,6 +80,7 @@ class Engine:
         self.groups[request_id] = group
         for i, req in enumerate(group.children):
             self._child_to_group[req.request_id] = (group, i)
+            self.structured.add(req, grammar)  # issue 8: its first mask fills during the prefill
             self.scheduler.add_request(req)
         self.kv.prefetch(group.children[0])
 
@@ -146,11 +153,17 @@ class Engine:
         if not entries:
             return [None] * len(sched.scheduled), [0] * len(sched.scheduled)
         sampling = [s.request for s in entries]
+        if self._plain_greedy(entries):
+            # The common serving case: argmax, no metadata to build or copy.
+            tokens = logits.argmax(dim=-1).tolist()
+            it = iter(tokens)
+            return [[next(it)] if s.samples else None for s in sched.scheduled], [0] * len(sched.scheduled)
         meta = SamplingMetadata.build(
             [r.params for r in sampling], [r.prompt_token_ids for r in sampling],
             [r.output_token_ids for r in sampling], [r.generator for r in sampling], self.vocab_size,
             self.device, [list(r.eos_token_ids) + r.params.stop_token_ids for r in sampling])
         num_drafts = [s.num_spec_tokens for s in entries]
+        logits = self.structured.apply(logits, sampling, num_drafts)  # issue 8: grammar masks
         if self.spec is not None and any(num_drafts):
             token_lists, num_accepted = self.spec.verify(sampling, num_drafts, logits, meta)
         else:
@@ -162,6 +175,15 @@ class Engine:
         new_tokens = [next(tokens_it) if s.samples else None for s in sched.scheduled]
         accepted = [next(acc_it) if s.samples else 0 for s in sched.scheduled]
         return new_tokens, accepted
+
+    @staticmethod
+    def _plain_greedy(entries) -> bool:
+        for s in entries:
+            p, r = s.request.params, s.request
+            if (s.num_spec_tokens or not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0
+                    or p.presence_penalty or p.frequency_penalty or r.num_output_tokens < p.min_tokens):
+                return False
+        return True
 
     def _propose(self, sched: SchedulerOutput, new_tokens: list[list[int] | None], step_out) -> None:
         reqs, index = [], []
@@ -203,6 +225,9 @@ class Engine:
                 status = check_token_stop(req, self.max_model_len)
                 if status is not None:
                     break
+            # issue 8: the grammar saw the end (or a token it rejects): nothing more may follow.
+            if self.structured.advance(req, req.output_token_ids[-accepted:]) and status is None:
+                status = RequestStatus.FINISHED_STOPPED
             record_new_tokens(self.stats, req, accepted, now)
             stop_str = group.detoks[index].add_tokens(req.output_token_ids[-accepted:])
             if stop_str is not None and status is None:
@@ -210,6 +235,8 @@ class Engine:
             if status is not None:
                 self._finish(group, req, status)
             touched[group.request_id] = group
+        if self.spec is None:  # issue 8: next masks now; with speculation once drafts exist
+            self.structured.prepare([s.request for s, t in zip(sched.scheduled, new_tokens) if t])
         outputs = []
         for group in touched.values():
             outputs.append(request_output(group, self.tokenizer))
@@ -219,6 +246,7 @@ class Engine:
 
     def _finish(self, group: RequestGroup, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
+        self.structured.release(req)  # issue 8
         if self.spec is not None:
             self.spec.on_finished(req)
         group.finished_ids.add(req.request_id)

@@ -53,8 +53,12 @@ class HostBatch:
         q = self.query_lens[0]
         return q if all(x == q for x in self.query_lens) else None
 
-    def to_device(self, device: torch.device, staging: "Staging | None" = None) -> BatchInputs:
+    def to_device(self, device: torch.device, staging: "Staging | None" = None,
+                  only_logits: bool = False) -> BatchInputs:
+        """only_logits: the CUDA-graph path copies the other inputs into its own buffers."""
         put = staging.put if staging is not None else (lambda name, a: torch.from_numpy(a).to(device))
+        if only_logits:
+            return BatchInputs(None, None, None, put("logits_indices", self.logits_indices), self.logit_rows)
         meta = AttentionMetadata(
             cu_query_lens=put("cu", self.cu_query_lens), seq_lens=put("seq_lens", self.seq_lens),
             block_tables=put("block_tables", self.block_tables), slot_mapping=put("slots", self.slot_mapping),

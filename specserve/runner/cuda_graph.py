@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 
-import numpy as np
 import torch
 
 from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
@@ -31,13 +30,16 @@ class CudaGraphRunner:
         self.max_blocks = -(-max_model_len // block_size)
         max_bs, max_q = self.batch_sizes[-1], self.query_lens[-1]
         t = max_bs * max_q
-        dev = dict(device=device)
-        self.input_ids = torch.zeros(t, dtype=torch.int64, **dev)
-        self.positions = torch.zeros(t, dtype=torch.int64, **dev)
-        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, **dev)
-        self.cu_query_lens = torch.zeros(max_bs + 1, dtype=torch.int32, **dev)
-        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, **dev)
-        self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, **dev)
+        # All int inputs travel in one pinned host buffer and one copy per step (views below).
+        self._i64_host = torch.zeros(2 * t + t, dtype=torch.int64, pin_memory=True)
+        self._i32_host = torch.zeros(max_bs + 1 + max_bs + max_bs * self.max_blocks, dtype=torch.int32,
+                                     pin_memory=True)
+        self._i64 = torch.zeros_like(self._i64_host, device=device)
+        self._i32 = torch.zeros_like(self._i32_host, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._i64.split([t, t, t])
+        self.cu_query_lens, self.seq_lens, flat_tables = self._i32.split([max_bs + 1, max_bs,
+                                                                          max_bs * self.max_blocks])
+        self.block_tables = flat_tables.view(max_bs, self.max_blocks)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._pool = None
@@ -53,7 +55,9 @@ class CudaGraphRunner:
         ctx = ForwardContext(self._meta(bs, q), self.kv_caches, self.fmt, self.backend)
         with forward_context(ctx):
             out = self.model(self.input_ids[:n], self.positions[:n])
-        return out[0] if isinstance(out, tuple) else out
+        hidden = out[0] if isinstance(out, tuple) else out
+        # Every token of a decode/verify step is scored, so the LM head runs inside the graph too.
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -72,6 +76,7 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
 
     def _fill_dummy(self, bs: int, q: int) -> None:
+        self.input_ids.zero_()
         self.slot_mapping.fill_(-1)
         self.cu_query_lens[:bs + 1] = torch.arange(bs + 1, device=self.device, dtype=torch.int32) * q
         self.seq_lens[:bs] = q
@@ -87,22 +92,26 @@ class CudaGraphRunner:
         return (bs, q)
 
     def run(self, batch: HostBatch, key: tuple[int, int]) -> torch.Tensor:
-        """Replay the graph for `key` on this batch; returns hidden [batch.num_tokens, hidden]."""
+        """Replay the graph for `key` on this batch; returns logits [batch.num_tokens, vocab]."""
         bs, q = key
         n, s = batch.num_tokens, batch.num_seqs
-        padded = bs * q
-        self.input_ids[:n].copy_(torch.from_numpy(batch.input_ids), non_blocking=True)
-        self.positions[:n].copy_(torch.from_numpy(batch.positions), non_blocking=True)
-        slots = np.full(padded, -1, dtype=np.int64)
-        slots[:n] = batch.slot_mapping
-        self.slot_mapping[:padded].copy_(torch.from_numpy(slots), non_blocking=True)
-        cu = np.full(bs + 1, n, dtype=np.int32)
-        cu[:s + 1] = batch.cu_query_lens
-        self.cu_query_lens[:bs + 1].copy_(torch.from_numpy(cu), non_blocking=True)
-        lens = np.zeros(bs, dtype=np.int32)
-        lens[:s] = batch.seq_lens
-        self.seq_lens[:bs].copy_(torch.from_numpy(lens), non_blocking=True)
-        width = batch.block_tables.shape[1]
-        self.block_tables[:s, :width].copy_(torch.from_numpy(batch.block_tables), non_blocking=True)
+        t = self.input_ids.numel()
+        i64 = self._i64_host.numpy()
+        i64[:n] = batch.input_ids
+        i64[t:t + n] = batch.positions
+        i64[2 * t:2 * t + bs * q] = -1  # padding tokens store no K/V
+        i64[2 * t:2 * t + n] = batch.slot_mapping
+        max_bs = self.seq_lens.numel()
+        i32 = self._i32_host.numpy()
+        i32[:bs + 1] = n  # padding sequences are empty
+        i32[:s + 1] = batch.cu_query_lens
+        i32[max_bs + 1:max_bs + 1 + bs] = 0
+        i32[max_bs + 1:max_bs + 1 + s] = batch.seq_lens
+        tables = i32[2 * max_bs + 1:].reshape(max_bs, self.max_blocks)
+        tables[:s, :batch.block_tables.shape[1]] = batch.block_tables
+        # Stale entries beyond each row's blocks are never read (seq_lens bounds the reads).
+        self._i64.copy_(self._i64_host, non_blocking=True)
+        rows = 2 * max_bs + 1 + s * self.max_blocks
+        self._i32[:rows].copy_(self._i32_host[:rows], non_blocking=True)
         self.graphs[key].replay()
         return self.outputs[key][:n]

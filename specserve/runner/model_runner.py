@@ -63,12 +63,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False) -> StepOutput:
         host = build_host_batch(sched, block_ids_of, self.block_size)
-        batch = host.to_device(self.device, self.staging)
         key = self.graphs.graph_key(host) if self.graphs is not None and not need_hidden else None
         aux = None
         if key is not None:
-            hidden = self.graphs.run(host, key)
+            # The graph has its own static input buffers and scores every token.
+            logits = self.graphs.run(host, key)
+            batch = BatchInputs(None, None, None, None, host.logit_rows)
+            if len(host.logits_indices) != host.num_tokens:
+                batch = host.to_device(self.device, self.staging, only_logits=True)
+                logits = logits.index_select(0, batch.logits_indices)
+            return StepOutput(logits, None, batch)
         else:
+            batch = host.to_device(self.device, self.staging)
             ctx = ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)
             with forward_context(ctx):
                 hidden = self.model(batch.input_ids, batch.positions)

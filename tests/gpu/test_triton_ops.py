@@ -76,3 +76,16 @@ def test_apply_rope_in_place(dtype: torch.dtype, num_heads: int, num_kv_heads: i
     torch.testing.assert_close(qkv[:, q_size:q_size + kv_size].view_as(k), want_k, rtol=RTOL[dtype], atol=RTOL[dtype])
     torch.testing.assert_close(got_q, want_q, rtol=RTOL[dtype], atol=RTOL[dtype])
     assert torch.equal(v, v_before), "RoPE wrote outside q and k"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("inter", [1536, 8960, 100])
+def test_silu_and_mul(dtype: torch.dtype, inter: int, device: torch.device) -> None:
+    from specserve.model.layers import triton_ops
+
+    x = torch.randn(37, 2 * inter, dtype=dtype, device=device)
+    got = triton_ops.silu_and_mul(x)
+    ref = ops.silu_and_mul(x)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)

@@ -34,3 +34,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * intermediate] (gate | up) -> silu(gate) * up, [num_tokens, intermediate]."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

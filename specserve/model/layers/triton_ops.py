@@ -119,3 +119,27 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
             num_warps=4,
         )
     return q, k
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0)
+    # Same rounding as the twin: silu rounded to the activation dtype, then the product.
+    act = (gate * tl.sigmoid(gate)).to(up.dtype)
+    tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * intermediate] (gate | up) -> silu(gate) * up in one pass."""
+    num_tokens, two_inter = x.shape
+    inter = two_inter // 2
+    out = torch.empty((num_tokens, inter), dtype=x.dtype, device=x.device)
+    if num_tokens:
+        block = 1024
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+            x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+    return out
