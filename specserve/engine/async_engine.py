@@ -16,7 +16,8 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, NamedTuple, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
@@ -60,7 +61,7 @@ class RequestStream:
     needs the newest one, and memory stays bounded by the number of requests.
     """
 
-    def __init__(self, owner: "AsyncEngine", request_ids: Sequence[str]) -> None:
+    def __init__(self, owner: AsyncEngine, request_ids: Sequence[str]) -> None:
         self._owner = owner
         self.request_ids = list(request_ids)
         self._pending = set(request_ids)  # not yet finished
@@ -82,7 +83,7 @@ class RequestStream:
     def finished(self) -> bool:
         return not self._pending
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -113,7 +114,7 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: "Engine", max_num_queued_requests: int | None = None,
+    def __init__(self, engine: Engine, max_num_queued_requests: int | None = None,
                  start: bool = True) -> None:
         self._engine = engine
         self.max_num_queued_requests = max_num_queued_requests
@@ -138,7 +139,7 @@ class AsyncEngine:
             self.start()
 
     @classmethod
-    def from_config(cls, config: "EngineConfig", progress: bool = True) -> "AsyncEngine":
+    def from_config(cls, config: EngineConfig, progress: bool = True) -> AsyncEngine:
         """Load the model (with a progress bar) and start the engine thread."""
         from specserve.engine.engine import Engine  # heavy: torch + model code
 
@@ -343,7 +344,8 @@ class AsyncEngine:
         The rollback runs before any step, so a rolled-back request never produced a token.
         """
         limit = self.max_num_queued_requests
-        if limit is not None and self._engine.num_waiting_requests() + len(cmd.requests) > limit:
+        num_new = sum(spec.params.n for spec in cmd.requests)  # the scheduler queues each of n
+        if limit is not None and self._engine.num_waiting_requests() + num_new > limit:
             cmd.future.set_exception(EngineOverloadedError(
                 f"server overloaded: more than {limit} requests waiting; retry later"))
             return
@@ -366,9 +368,9 @@ class AsyncEngine:
                 self._live_ids.discard(output.request_id)
 
     def _refresh_gauges(self) -> None:
-        num_waiting = self._engine.num_waiting_requests()
-        self.stats.set("num_requests_running", self._engine.num_unfinished_requests() - num_waiting)
-        self.stats.set("num_requests_waiting", num_waiting)
+        """Called only when the engine holds no request (or is stopping): nothing runs or waits."""
+        self.stats.set("num_requests_running", 0)
+        self.stats.set("num_requests_waiting", 0)
         self.stats.set("kv_cache_usage_perc", self._engine.kv_cache_usage())
 
     def _abort_everything(self) -> None:

@@ -108,9 +108,6 @@ def _profile_run(loaded: LoadedModel, spec: KVCacheSpec, device: torch.device, b
     num_tokens = min(num_tokens, loaded.max_model_len - 1)
     num_blocks = -(-(num_tokens + 1) // spec.block_size) + 1
     runner = ModelRunner(loaded, spec, num_blocks, device, backend)
-    if device.type == "cuda" and not config.model.enforce_eager and getattr(backend, "name", "") == "triton":
-        k = config.speculative.num_speculative_tokens if config.speculative else 0
-        runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, (1, k + 1) if k else (1,))
     kv = KVCacheManager(num_blocks, spec.block_size, enable_prefix_caching=False)
     from specserve.sampling_params import SamplingParams
 

@@ -4,7 +4,12 @@ The adaptive policy (issue 7) lives in `AdaptiveController`; this module keeps t
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from specserve.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from specserve.spec.adaptive import SpecStepStats
 
 
 class FixedController:
@@ -22,6 +27,5 @@ class FixedController:
             return 0
         return self.k
 
-    def observe(self, batch_size: int, num_drafts: int, accepted_per_pos: list[int], num_seqs: int,
-                step_seconds: float, proposal_seconds: float) -> None:
+    def observe(self, step: SpecStepStats) -> None:
         pass

@@ -14,8 +14,10 @@ from specserve.metrics.stats import StatsCollector
 from specserve.runner.model_runner import StepOutput
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection import RejectionSampler
+from specserve.sample.structured import StructuredOutputs
 from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import SchedulerOutput
+from specserve.spec.adaptive import ProposalStats, SpecStepStats, verify_counts
 from specserve.spec.base import ProposeInput, Proposer, draft_budget, stack_draft_probs
 
 
@@ -58,7 +60,10 @@ class SpecDecoder:
         self.max_model_len = engine_parts.loaded.max_model_len
         self.vocab_size = engine_parts.loaded.arch.vocab_size
         self.device = engine_parts.device
-        self._last_propose_seconds = 0.0
+        # structured output (issue 8): set by the engine; cuts drafts at grammar-invalid tokens.
+        self.structured: StructuredOutputs | None = None
+        self._proposal: ProposalStats | None = None  # the last proposal, verified by the next step
+        self._verified: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # verify_counts of this step
 
     def verify(self, reqs: list[Request], num_drafts: list[int], logits: torch.Tensor,
                meta: SamplingMetadata) -> tuple[list[list[int]], list[int]]:
@@ -79,11 +84,14 @@ class SpecDecoder:
             st.inc("spec_decode_num_accepted_tokens_total", a)
             for pos in range(a):
                 st.inc("spec_decode_num_accepted_tokens_per_pos_total", 1, {"position": str(pos)})
+        self._verified = verify_counts(num_drafts, num_accepted)
 
     def observe_step(self, sched: SchedulerOutput, step_seconds: float) -> None:
-        drafted = [s for s in sched.scheduled if s.num_spec_tokens > 0]
-        self.controller.observe(len(sched.scheduled), sum(s.num_spec_tokens for s in drafted), [],
-                                len(drafted), step_seconds, self._last_propose_seconds)
+        (reached, accepted), self._verified = self._verified, ((), ())
+        self.controller.observe(SpecStepStats(len(sched.scheduled), sched.num_batched_tokens,
+                                              sum(s.num_spec_tokens for s in sched.scheduled), step_seconds,
+                                              reached, accepted, self._proposal))
+        self._proposal = None
 
     def propose(self, reqs: list[Request], batch_index: list[int], step: StepOutput | None,
                 batch_size: int) -> None:
@@ -97,7 +105,10 @@ class SpecDecoder:
         if chosen:
             self.proposer.propose(ProposeInput([c[0] for c in chosen], [c[1] for c in chosen], step,
                                                [c[2] for c in chosen]))
-        self._last_propose_seconds = time.perf_counter() - start
+        if self.structured is not None:  # structured output (issue 8): cut drafts, start next masks
+            self.structured.prepare(reqs)
+        self._proposal = ProposalStats.measure(k, [c[1] for c in chosen], [len(c[0].spec_token_ids) for c in chosen],
+                                               time.perf_counter() - start)
 
     def on_finished(self, req: Request) -> None:
         self.proposer.on_request_finished(req)

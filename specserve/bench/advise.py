@@ -1,0 +1,340 @@
+"""`specserve advise`: sample a server's /metrics over a window and say where the bottleneck is.
+
+The rules follow the concurrency guide:
+  low (running < ~8, nothing waiting)  decode is memory-bandwidth bound: speculate (n-gram for
+                                       repetitive/code/RAG prompts, draft model / EAGLE otherwise);
+                                       when speculating, size k from per-position acceptance.
+  medium (8..50, or anything waiting)  the KV pool: gpu_memory_utilization, preemptions, queueing.
+  high (50+)                           KV capacity: fp8 / nvfp4 KV, offload tiers, more replicas.
+plus prefix-cache reuse and latency percentiles from the server's histograms. `advise()` is pure:
+it takes parsed snapshots and returns advice, each with the numbers it rests on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from specserve.bench.metrics_parse import Histogram, MetricsSnapshot, parse_metrics
+
+LOW_CONCURRENCY = 8.0
+HIGH_CONCURRENCY = 50.0
+KV_FULL = 0.9
+ACCEPT_MIN = 0.3  # a draft position is worth its verify cost while accepted this often
+ACCEPT_RAISE = 0.6  # the last position accepted this often: drafting further would likely pay
+PREFIX_LOW = 0.1
+SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2, "info": 3}
+
+Evidence = dict[str, float | int | str | None]
+
+
+@dataclass(frozen=True)
+class Advice:
+    """One finding: what, the numbers behind it, what to change, and how much it matters."""
+
+    title: str
+    evidence: Evidence
+    action: str
+    severity: str  # high | medium | low | info
+
+
+@dataclass
+class WindowStats:
+    """Counter deltas and gauge summaries between the first and last snapshot of a window.
+
+    With one snapshot the deltas are totals since the server started and `seconds` is None."""
+
+    seconds: float | None
+    running_avg: float = 0.0
+    running_max: float = 0.0
+    waiting_avg: float = 0.0
+    waiting_max: float = 0.0
+    kv_usage_avg: float = 0.0
+    kv_usage_max: float = 0.0
+    counters: dict[str, float] = field(default_factory=dict)
+    accepted_per_pos: dict[int, float] = field(default_factory=dict)
+    spec_configured: bool = False
+    chosen_k: float | None = None
+    histograms: dict[str, Histogram] = field(default_factory=dict)
+    cache_info: dict[str, str] = field(default_factory=dict)
+
+    def rate(self, name: str) -> float | None:
+        return self.counters.get(name, 0.0) / self.seconds if self.seconds else None
+
+
+# Current names first, then older vLLM spellings of the same series.
+GAUGES = {"running": ("num_requests_running",), "waiting": ("num_requests_waiting",),
+          "kv_usage": ("kv_cache_usage_perc", "gpu_cache_usage_perc")}
+COUNTERS = {"preemptions": ("num_preemptions_total",), "requests": ("request_success_total",),
+            "prompt_tokens": ("prompt_tokens_total",), "generation_tokens": ("generation_tokens_total",),
+            "prefix_queries": ("prefix_cache_queries_total", "gpu_prefix_cache_queries_total"),
+            "prefix_hits": ("prefix_cache_hits_total", "gpu_prefix_cache_hits_total"),
+            "drafts": ("spec_decode_num_drafts_total",), "draft_tokens": ("spec_decode_num_draft_tokens_total",),
+            "accepted": ("spec_decode_num_accepted_tokens_total",),
+            "offload_queries": ("kv_offload_queries_total",), "offload_hits": ("kv_offload_hits_total",)}
+HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "itl": "inter_token_latency_seconds",
+              "e2e": "e2e_request_latency_seconds", "queue": "request_queue_time_seconds"}
+PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def _first_name(snap: MetricsSnapshot, names: tuple[str, ...]) -> str | None:
+    return next((n for n in names if snap.has(n)), None)
+
+
+def window_stats(snapshots: list[MetricsSnapshot]) -> WindowStats:
+    """Summarise a window of snapshots (oldest first)."""
+    if not snapshots:
+        raise ValueError("advise needs at least one metrics snapshot")
+    first, last = snapshots[0], snapshots[-1]
+    single = len(snapshots) == 1
+    stats = WindowStats(seconds=None if single else max(last.timestamp - first.timestamp, 1e-9))
+    for key, names in GAUGES.items():
+        name = _first_name(last, names)
+        values = [s.value(name) for s in snapshots] if name else [0.0]
+        setattr(stats, f"{key}_avg", sum(values) / len(values))
+        setattr(stats, f"{key}_max", max(values))
+    for key, names in COUNTERS.items():
+        name = _first_name(last, names)
+        if name:
+            stats.counters[key] = last.value(name) - (0.0 if single else first.value(name))
+    before = {} if single else first.by_label(PER_POS, "position")
+    for pos, value in last.by_label(PER_POS, "position").items():
+        stats.accepted_per_pos[int(pos)] = value - before.get(pos, 0.0)
+    stats.spec_configured = last.value("spec_decode_num_drafts_total") > 0 or \
+        last.value("spec_decode_chosen_num_tokens") > 0
+    if last.has("spec_decode_chosen_num_tokens"):
+        stats.chosen_k = last.value("spec_decode_chosen_num_tokens")
+    for key, name in HISTOGRAMS.items():
+        hist = last.histogram(name)
+        earlier = None if single else first.histogram(name)
+        if hist is not None:
+            stats.histograms[key] = hist.minus(earlier) if earlier is not None else hist
+    stats.cache_info = last.labels_of("cache_config_info")
+    return stats
+
+
+def regime(stats: WindowStats) -> str:
+    """idle | low | medium | high, by requests in the running batch (and any queue)."""
+    if stats.running_max == 0 and stats.waiting_max == 0 and stats.counters.get("generation_tokens", 0) == 0:
+        return "idle"
+    if stats.running_avg >= HIGH_CONCURRENCY:
+        return "high"
+    if stats.running_avg < LOW_CONCURRENCY and stats.waiting_max == 0:
+        return "low"
+    return "medium"
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def _ms(hist: Histogram | None, q: float) -> float | None:
+    value = hist.quantile(q) if hist is not None else None
+    return None if value is None else round(value * 1e3, 2)
+
+
+def _load_evidence(s: WindowStats) -> Evidence:
+    return {"running_avg": _r(s.running_avg, 2), "running_max": s.running_max, "waiting_avg": _r(s.waiting_avg, 2),
+            "waiting_max": s.waiting_max, "kv_usage_avg": _r(s.kv_usage_avg), "kv_usage_max": _r(s.kv_usage_max)}
+
+
+def _prefix_hit_rate(s: WindowStats) -> float | None:
+    queries = s.counters.get("prefix_queries", 0.0)
+    return s.counters.get("prefix_hits", 0.0) / queries if queries > 0 else None
+
+
+def _speculation_off(s: WindowStats) -> Advice:
+    hit = _prefix_hit_rate(s)
+    lean = "n-gram first: the prefix cache hit rate suggests repeated content. " if hit is not None and hit >= 0.3 else ""
+    return Advice(
+        "Low concurrency: decode is latency-bound, turn speculation on",
+        {**_load_evidence(s), "itl_p50_ms": _ms(s.histograms.get("itl"), 0.5),
+         "generation_tokens_per_s": _r(s.rate("generation_tokens"), 1), "prefix_hit_rate": _r(hit)},
+        lean + "With few requests in the batch each step is bound by reading the weights; verifying k drafted "
+        "tokens costs about one step. For code, RAG or otherwise repetitive prompts use n-gram lookup "
+        "(no extra model): --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}'. Otherwise use an EAGLE head or a small draft "
+        "model of the same family: '{\"method\": \"eagle3\", \"model\": HEAD, \"num_speculative_tokens\": 3}' "
+        "or '{\"method\": \"draft_model\", \"model\": DRAFT, \"num_speculative_tokens\": 4}' "
+        "(`specserve train-draft` trains a head for this target).", "medium")
+
+
+def _speculation_k(s: WindowStats) -> Advice | None:
+    drafts = s.counters.get("drafts", 0.0)
+    if drafts <= 0:
+        return None
+    k_now = round(s.counters.get("draft_tokens", 0.0) / drafts)
+    per_pos = [s.accepted_per_pos.get(i, 0.0) / drafts for i in range(max(k_now, len(s.accepted_per_pos)))]
+    k_best = sum(1 for a in per_pos if a >= ACCEPT_MIN)
+    evidence: Evidence = {"drafts": int(drafts), "num_speculative_tokens": k_now, "chosen_k_last": s.chosen_k,
+                          "mean_acceptance_length": _r(1.0 + s.counters.get("accepted", 0.0) / drafts),
+                          **{f"acceptance_pos_{i}": _r(a) for i, a in enumerate(per_pos)}}
+    if not per_pos or per_pos[0] < ACCEPT_MIN:
+        return Advice("Speculation rarely pays: drafts are mostly rejected", evidence,
+                      f"Position 0 is accepted in under {ACCEPT_MIN:.0%} of drafts, so verification mostly "
+                      "wastes compute. Try another method (n-gram suits repetitive/code/RAG prompts; an EAGLE "
+                      "head trained on this target suits open-ended chat) or turn speculation off.", "high")
+    if k_best < k_now:
+        return Advice(f"Draft fewer tokens: num_speculative_tokens {k_now} -> {k_best}", evidence,
+                      f"Positions {k_best}..{k_now - 1} are accepted in under {ACCEPT_MIN:.0%} of drafts; they cost "
+                      f"verify width without paying back. Set \"num_speculative_tokens\": {k_best}.", "medium")
+    if per_pos[k_now - 1] >= ACCEPT_RAISE:
+        return Advice(f"Draft more tokens: num_speculative_tokens {k_now} -> {k_now + 2}", evidence,
+                      f"The last draft position is still accepted {per_pos[k_now - 1]:.0%} of the time; "
+                      f"try \"num_speculative_tokens\": {k_now + 2} and compare with `specserve bench`.", "low")
+    return Advice(f"Speculation is well sized (k={k_now})", evidence,
+                  "Acceptance falls below the break-even point right after the last drafted position; keep k.", "info")
+
+
+def _speculation(s: WindowStats, where: str) -> list[Advice]:
+    out: list[Advice] = []
+    if where == "low" and not s.spec_configured:
+        out.append(_speculation_off(s))
+    k_advice = _speculation_k(s)
+    if k_advice is not None:
+        out.append(k_advice)
+    if where == "high" and s.counters.get("drafts", 0.0) > 0:
+        out.append(Advice("High concurrency: speculation competes with batching",
+                          {"running_avg": _r(s.running_avg, 2), "chosen_k_last": s.chosen_k,
+                           "drafts": int(s.counters["drafts"])},
+                          "With a large batch the GPU is compute-bound and verifying drafts takes slots from real "
+                          "tokens. Lower num_speculative_tokens or let the controller drop to 0 at this load.",
+                          "medium"))
+    return out
+
+
+def _kv_pool(s: WindowStats) -> list[Advice]:
+    preempt = s.counters.get("preemptions", 0.0)
+    full = s.kv_usage_max >= KV_FULL
+    ev: Evidence = {**_load_evidence(s), "preemptions": int(preempt), "preemptions_per_s": _r(s.rate("preemptions")),
+                    "queue_time_p99_ms": _ms(s.histograms.get("queue"), 0.99),
+                    "gpu_memory_utilization": s.cache_info.get("gpu_memory_utilization"),
+                    "num_gpu_blocks": s.cache_info.get("num_gpu_blocks")}
+    if full or preempt > 0:
+        util = s.cache_info.get("gpu_memory_utilization")
+        target = f"{min(float(util) + 0.05, 0.95):.2f}" if util else "0.92-0.95"
+        sev = "high" if s.waiting_max > 0 or preempt > 0 else "medium"
+        return [Advice("KV cache pool is the bottleneck", ev,
+                       f"The block pool runs full{' and requests are preempted (recomputed)' if preempt else ''}. "
+                       f"Give it more memory: --gpu-memory-utilization {target}; cap --max-model-len at what "
+                       "requests need; or halve bytes per token with --kv-cache-dtype fp8.", sev)]
+    if s.waiting_max > 0:
+        return [Advice("Requests wait while KV blocks are free: the scheduler limits the batch", ev,
+                       "Raise --max-num-seqs (and --max-num-batched-tokens for long prompts) so waiting requests "
+                       "join the running batch.", "medium")]
+    return []
+
+
+def _high_capacity(s: WindowStats, where: str) -> list[Advice]:
+    if where != "high":
+        return []
+    out: list[Advice] = []
+    dtype = s.cache_info.get("cache_dtype", s.cache_info.get("kv_cache_dtype", "auto"))
+    ev: Evidence = {**_load_evidence(s), "cache_dtype": dtype, "ttft_p99_ms": _ms(s.histograms.get("ttft"), 0.99)}
+    if dtype != "nvfp4":
+        nxt = "nvfp4" if dtype.startswith("fp8") else "fp8"
+        out.append(Advice(f"High concurrency: store the KV cache as {nxt}", ev,
+                          f"--kv-cache-dtype {nxt} fits {'2x' if nxt == 'fp8' else 'about 2x more'} tokens in the same "
+                          "pool, so more sequences run per step.", "high" if s.kv_usage_max >= KV_FULL else "medium"))
+    if s.kv_usage_max >= KV_FULL and s.counters.get("offload_queries", 0.0) == 0:
+        out.append(Advice("Add a CPU offload tier for evicted prefix blocks", ev,
+                          "The GPU pool is full, so shared prefixes get evicted and recomputed; keep them in host "
+                          "memory with --kv-offload-cpu-bytes (e.g. 32e9).", "medium"))
+    if s.waiting_max > 0 and s.kv_usage_max >= KV_FULL:
+        out.append(Advice("Scale out: one replica is saturated", ev,
+                          "The pool is full and requests still queue; add replicas (with prefix-cache-aware "
+                          "routing) or tensor parallelism for more KV memory.", "high"))
+    return out
+
+
+def _prefix(s: WindowStats) -> list[Advice]:
+    hit, queries = _prefix_hit_rate(s), s.counters.get("prefix_queries", 0.0)
+    enabled = s.cache_info.get("enable_prefix_caching", "True")
+    ev: Evidence = {"prefix_hit_rate": _r(hit), "prefix_queried_tokens": int(queries),
+                    "prefix_hit_tokens": int(s.counters.get("prefix_hits", 0.0)), "enable_prefix_caching": enabled}
+    if enabled.lower() == "false":
+        return [Advice("Prefix caching is off", ev, "Turn it on (--enable-prefix-caching): shared system prompts "
+                       "and multi-turn history are then prefilled once.", "low")]
+    if hit is None or hit >= PREFIX_LOW or queries < 1000:
+        return []
+    return [Advice("Prefix cache hit rate is low", ev,
+                   "If requests share prefixes (system prompts, few-shot examples, RAG documents, chat history) "
+                   "but land on different replicas, use prefix-cache-aware routing so each prefix returns to the "
+                   "replica that holds it; if the KV pool is full, the offload tier keeps evicted prefixes.", "low")]
+
+
+def _latency(s: WindowStats) -> list[Advice]:
+    h = s.histograms
+    if not any(x.count > 0 for x in h.values()):
+        return []
+    ev: Evidence = {f"{k}_{q}_ms": _ms(h.get(k), v) for k in ("ttft", "itl", "e2e", "queue")
+                    for q, v in (("p50", 0.5), ("p99", 0.99))}
+    ev["requests_per_s"] = _r(s.rate("requests"), 2)
+    return [Advice("Latency percentiles (server histograms)", ev,
+                   "For reference: compare with your SLOs; queue time close to TTFT means requests wait for a "
+                   "batch slot rather than for prefill.", "info")]
+
+
+def advise(snapshots: list[MetricsSnapshot]) -> list[Advice]:
+    """Advice from a window of /metrics snapshots (oldest first), most severe first."""
+    s = window_stats(snapshots)
+    where = regime(s)
+    if where == "idle":
+        return [Advice("No load in the window", _load_evidence(s),
+                       "Nothing ran while sampling: send traffic (e.g. `specserve bench`) or widen --window.", "info")]
+    found = _speculation(s, where) + _kv_pool(s) + _high_capacity(s, where) + _prefix(s) + _latency(s)
+    return sorted(found, key=lambda a: SEVERITY_ORDER.get(a.severity, 9))
+
+
+def add_advise_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `specserve advise`."""
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--window", type=float, default=30.0, help="seconds to sample (0: one snapshot, "
+                        "totals since the server started)")
+    parser.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--json", action="store_true", help="print the advice as JSON")
+
+
+def sample(base_url: str, window_s: float, interval_s: float, headers: dict[str, str]) -> list[MetricsSnapshot]:
+    """Scrape /metrics every `interval_s` until the last scrape is `window_s` after the first."""
+    if interval_s <= 0:
+        raise ValueError("--interval must be > 0")
+    snaps: list[MetricsSnapshot] = []
+    with httpx.Client(base_url=base_url, headers=headers, timeout=30.0) as client:
+        while True:
+            resp = client.get("/metrics")
+            resp.raise_for_status()
+            now = time.monotonic()
+            snaps.append(parse_metrics(resp.text, now))
+            left = window_s - (now - snaps[0].timestamp)
+            if left <= 0:
+                return snaps
+            time.sleep(min(interval_s, left))
+
+
+def advise_main(args: argparse.Namespace) -> int:
+    """Run `specserve advise`; 1 when /metrics could not be read."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        snaps = sample(args.base_url, args.window, args.interval, headers)
+    except (httpx.HTTPError, ValueError) as e:
+        print(f"specserve advise: cannot read {args.base_url}/metrics: {e}")
+        return 1
+    found = advise(snaps)
+    stats = window_stats(snaps)
+    if args.json:
+        print(json.dumps({"regime": regime(stats), "window_s": stats.seconds, "samples": len(snaps),
+                          "advice": [asdict(a) for a in found]}, indent=1))
+        return 0
+    span = f"{stats.seconds:.1f} s, {len(snaps)} samples" if stats.seconds else "totals since start"
+    print(f"specserve advise {args.base_url} ({span}): {regime(stats)} concurrency, running "
+          f"{stats.running_avg:.1f} avg, waiting {stats.waiting_max:.0f} max, KV usage {stats.kv_usage_max:.0%} max")
+    for a in found:
+        print(f"\n[{a.severity.upper()}] {a.title}")
+        print("  evidence: " + ", ".join(f"{k}={v}" for k, v in a.evidence.items() if v is not None))
+        print(f"  action:   {a.action}")
+    return 0

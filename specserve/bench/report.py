@@ -1,0 +1,170 @@
+"""What `specserve bench` computes and writes: its flags, the aggregates of a run, the result files.
+
+Aggregates use vLLM's result keys (`vllm bench serve`): throughputs per second of the run's
+duration, latencies in ms with mean / median / p90 / p99 from np.percentile over the raw
+per-request records, which are stored beside them in the result JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from specserve.bench.plots import PERCENTILES, plot_compare, plot_run, plot_sweep
+
+if TYPE_CHECKING:
+    from specserve.bench.serving import RequestRecord
+
+GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
+    """vLLM's `--goodput ttft:500 tpot:50 e2el:2000` (milliseconds) -> {"ttft": 500.0, ...}."""
+    if not items:
+        return None
+    slos: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        if not sep or key not in GOODPUT_KEYS:
+            raise ValueError(f"--goodput: '{item}' is not KEY:MS with KEY in {', '.join(GOODPUT_KEYS)}")
+        try:
+            slos[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput: '{item}' has no number of milliseconds") from None
+        if slos[key] < 0:
+            raise ValueError(f"--goodput: '{item}' must be >= 0 ms")
+    return slos
+
+
+def parse_concurrency(text: str | None) -> list[int | None]:
+    """`--max-concurrency`: one value or a comma list to sweep; None means unbounded."""
+    if text is None or not text.strip():
+        return [None]
+    try:
+        nums = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--max-concurrency: '{text}' is not an integer or a comma list of them") from None
+    if min(nums) < 1:
+        raise ValueError("--max-concurrency values must be >= 1")
+    values: list[int | None] = [*nums]
+    return values
+
+
+def latency_samples_ms(records: list[RequestRecord]) -> dict[str, list[float]]:
+    """The samples behind each latency aggregate, in ms: per successful request (ITL: per chunk)."""
+    ok = [r for r in records if r.success]
+    return {"ttft": [r.ttft_s * 1e3 for r in ok],
+            "tpot": [r.tpot_s * 1e3 for r in ok if r.tpot_s is not None],
+            "itl": [x * 1e3 for r in ok for x in r.itl_s],
+            "e2el": [r.e2el_s * 1e3 for r in ok]}
+
+
+def _meets_slos(r: RequestRecord, slos: dict[str, float]) -> bool:
+    got = {"ttft": r.ttft_s * 1e3, "tpot": (r.tpot_s or 0.0) * 1e3, "e2el": r.e2el_s * 1e3}
+    return all(got[k] <= v for k, v in slos.items())
+
+
+def _peak_concurrency(records: list[RequestRecord]) -> int:
+    events = sorted([(r.start_s, 1) for r in records if r.e2el_s > 0]
+                    + [(r.start_s + r.e2el_s, -1) for r in records if r.e2el_s > 0])
+    peak = cur = 0
+    for _, step in events:
+        cur += step
+        peak = max(peak, cur)
+    return peak
+
+
+def compute_aggregates(records: list[RequestRecord], duration_s: float,
+                       slos: dict[str, float] | None = None) -> dict[str, float | int | None]:
+    """vLLM's result keys: throughputs per second of `duration_s`; latencies in ms (np.percentile)."""
+    ok = [r for r in records if r.success]
+    dur = max(duration_s, 1e-9)
+    total_in = sum(r.input_tokens for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    agg: dict[str, float | int | None] = {
+        "completed": len(ok), "failed": len(records) - len(ok), "duration": duration_s,
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / dur, "output_throughput": total_out / dur,
+        "total_token_throughput": (total_in + total_out) / dur,
+        "request_goodput": sum(_meets_slos(r, slos) for r in ok) / dur if slos else None,
+        "max_concurrent_requests": _peak_concurrency(records),
+    }
+    for key, values in latency_samples_ms(records).items():
+        arr = np.asarray(values, dtype=np.float64)
+        for stat, pct in PERCENTILES:
+            value = (float(arr.mean()) if pct is None else float(np.percentile(arr, pct))) if arr.size else 0.0
+            agg[f"{stat}_{key}_ms"] = value
+    return agg
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `specserve bench` (named as `vllm bench serve`'s)."""
+    a = parser.add_argument
+    a("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
+    a("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    a("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    a("--dataset-name", choices=("random", "humaneval", "jsonl"), default="random")
+    a("--dataset-path", default=None, help="jsonl: the file (one {\"prompt\", \"output_len\"?} a line)")
+    a("--random-input-len", type=int, default=1024)
+    a("--random-output-len", type=int, default=128)
+    a("--random-range-ratio", type=float, default=0.0, help="lengths uniform in [L*(1-r), L*(1+r)]")
+    a("--output-len", type=int, default=None, help="max tokens for humaneval/jsonl (default 128)")
+    a("--num-prompts", type=int, default=1000)
+    a("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals; inf: all at once")
+    a("--max-concurrency", default=None, help="in-flight limit: one value, or a comma list to sweep")
+    a("--result-dir", default="bench_results")
+    a("--result-filename", default=None, help="JSON name (default from endpoint, model, time)")
+    a("--seed", type=int, default=0)
+    a("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+      help="send ignore_eos (default: on for random, so output lengths are as asked)")
+    a("--temperature", type=float, default=0.0)
+    a("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:2000")
+    a("--api-key", default=None)
+    a("--compare", default=None, metavar="PATH", help="plot this run against a saved result JSON")
+    a("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    a("--max-duration", type=float, default=None, help="seconds one run may take; later requests fail")
+    a("--disable-tqdm", action="store_true")
+
+
+def load_baseline(path: str | None) -> dict[str, Any] | None:
+    """The saved result that `--compare` plots against (checked before the run, not after)."""
+    if path is None:
+        return None
+    baseline = json.loads(Path(path).read_text())
+    if not isinstance(baseline, dict) or not baseline.get("runs"):
+        raise ValueError(f"--compare {path}: not a `specserve bench` result (no runs)")
+    return baseline
+
+
+def config_json(args: argparse.Namespace, model: str, ignore_eos: bool, token_count: str) -> dict[str, Any]:
+    keys = ("base_url", "endpoint", "dataset_name", "dataset_path", "random_input_len", "random_output_len",
+            "random_range_ratio", "output_len", "num_prompts", "request_rate", "seed", "temperature", "goodput")
+    cfg = {k: getattr(args, k) for k in keys}
+    cfg["request_rate"] = str(args.request_rate) if args.request_rate == float("inf") else args.request_rate
+    return {**cfg, "model": model, "ignore_eos": ignore_eos, "max_concurrency": parse_concurrency(args.max_concurrency),
+            "prompt_token_count": token_count, "date": time.strftime("%Y%m%d-%H%M%S")}
+
+
+def write_outputs(args: argparse.Namespace, result: dict[str, Any], baseline: dict[str, Any] | None) -> Path:
+    out_dir = Path(args.result_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = result["config"]
+    name = args.result_filename or "specserve-bench-{}-{}-{}.json".format(
+        "chat" if cfg["endpoint"].rstrip("/").endswith("chat/completions") else "completions",
+        cfg["model"].replace("/", "_"), cfg["date"])
+    path = out_dir / name
+    path.write_text(json.dumps(result, indent=1))
+    title = f"{cfg['model']} {cfg['endpoint']} ({cfg['dataset_name']})"
+    runs = result["runs"]
+    plot = plot_sweep(runs, path.with_suffix(".png"), title) if len(runs) > 1 else \
+        plot_run(runs[0], path.with_suffix(".png"), title)
+    print(f"Results: {path}\nPlot: {plot}")
+    if baseline is not None:
+        cmp_path = plot_compare(result, baseline, path.with_name(path.stem + "_compare.png"),
+                                (path.stem, Path(args.compare).stem))
+        print(f"Comparison plot: {cmp_path}")
+    return path

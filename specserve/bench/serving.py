@@ -1,0 +1,283 @@
+"""`specserve bench`: a serving benchmark against any OpenAI-compatible server (`vllm bench serve` shape).
+
+Per request, streaming with `stream_options.include_usage`:
+  TTFT  send -> first chunk that carries text.
+  ITL   gaps between successive text-carrying chunks. A chunk may carry several tokens (speculative
+        decoding, detokenizer holding back partial characters), so ITL is per chunk, as vLLM counts
+        it; TPOT is the per-token figure.
+  E2EL  send -> end of the stream.
+  TPOT  (E2EL - TTFT) / (output_tokens - 1), for requests with more than one output token.
+  output_tokens from the final usage chunk (falls back to the number of text chunks).
+Input tokens are usage.prompt_tokens when the server reports it, else the dataset's count.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import httpx
+from tqdm.asyncio import tqdm
+
+from specserve.bench.datasets import (
+    SampleRequest,
+    humaneval_requests,
+    jsonl_requests,
+    make_token_counter,
+    random_requests,
+)
+from specserve.bench.plots import format_sweep, format_table
+from specserve.bench.report import (
+    add_bench_args,
+    compute_aggregates,
+    config_json,
+    load_baseline,
+    parse_concurrency,
+    parse_goodput,
+    write_outputs,
+)
+
+__all__ = ["RequestRecord", "RunConfig", "add_bench_args", "bench_main", "run_benchmark", "send_request"]
+
+
+@dataclass
+class RequestRecord:
+    """Raw measurements of one request; times in seconds, `start_s` from the run's start."""
+
+    index: int
+    prompt_len: int
+    expected_output_len: int
+    success: bool = False
+    error: str = ""
+    prompt_tokens: int | None = None  # usage.prompt_tokens, when the server sends usage
+    output_tokens: int = 0
+    output_tokens_from_usage: bool = False
+    start_s: float = 0.0
+    ttft_s: float = 0.0
+    e2el_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    generated_text: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.success or self.output_tokens < 2:
+            return None
+        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
+
+    @property
+    def input_tokens(self) -> int:
+        return self.prompt_tokens if self.prompt_tokens is not None else self.prompt_len
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "tpot_s": self.tpot_s}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What one benchmark run sends: where, which model, how fast, and with what sampling."""
+
+    endpoint: str
+    model: str
+    request_rate: float = float("inf")
+    max_concurrency: int | None = None
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    request_timeout_s: float = 600.0
+    max_duration_s: float | None = None
+    seed: int = 0
+    disable_tqdm: bool = False
+
+    @property
+    def is_chat(self) -> bool:
+        return self.endpoint.rstrip("/").endswith("chat/completions")
+
+
+def build_payload(cfg: RunConfig, req: SampleRequest) -> dict[str, Any]:
+    payload: dict[str, Any] = {"model": cfg.model, "max_tokens": req.expected_output_len,
+                               "temperature": cfg.temperature, "stream": True,
+                               "stream_options": {"include_usage": True}}
+    if cfg.is_chat:
+        payload["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        payload["prompt"] = req.prompt
+    if cfg.ignore_eos:  # a vLLM extension; only sent when asked for
+        payload["ignore_eos"] = True
+    return payload
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if "delta" in choice:  # chat
+        delta = choice["delta"] or {}
+        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    return choice.get("text") or ""
+
+
+def _read_usage(rec: RequestRecord, usage: dict[str, Any]) -> None:
+    if usage.get("completion_tokens") is not None:
+        rec.output_tokens = int(usage["completion_tokens"])
+        rec.output_tokens_from_usage = True
+    if usage.get("prompt_tokens") is not None:
+        rec.prompt_tokens = int(usage["prompt_tokens"])
+
+
+async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord, req: SampleRequest) -> None:
+    start = time.perf_counter()
+    last = start
+    parts: list[str] = []
+    async with client.stream("POST", cfg.endpoint, json=build_payload(cfg, req)) as resp:
+        if resp.status_code != 200:
+            body = (await resp.aread()).decode(errors="replace")
+            rec.error = f"HTTP {resp.status_code}: {body[:500]}"
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            now = time.perf_counter()
+            chunk = json.loads(data)
+            if "error" in chunk:
+                rec.error = f"stream error: {json.dumps(chunk['error'])[:500]}"
+                return
+            text = _chunk_text(chunk)
+            if text:
+                if not parts:
+                    rec.ttft_s = now - start
+                else:
+                    rec.itl_s.append(now - last)
+                last = now
+                parts.append(text)
+            if chunk.get("usage"):
+                _read_usage(rec, chunk["usage"])
+    rec.e2el_s = time.perf_counter() - start
+    if not parts:  # no text at all (e.g. immediate EOS): the first byte of the answer is its end
+        rec.ttft_s = rec.e2el_s
+    if not rec.output_tokens_from_usage:
+        rec.output_tokens = len(parts)
+    rec.generated_text = "".join(parts)
+    rec.success = True
+
+
+async def send_request(client: httpx.AsyncClient, cfg: RunConfig, index: int, req: SampleRequest,
+                       t0: float, timeout_s: float) -> RequestRecord:
+    """Send one streaming request and measure it; never raises for HTTP or protocol failures."""
+    rec = RequestRecord(index=index, prompt_len=req.prompt_len, expected_output_len=req.expected_output_len)
+    rec.start_s = time.perf_counter() - t0
+    if timeout_s <= 0:
+        rec.error = "not sent: --max-duration reached"
+        return rec
+    try:
+        await asyncio.wait_for(_stream(client, cfg, rec, req), timeout=timeout_s)
+    except asyncio.TimeoutError:
+        rec.success, rec.error = False, f"timed out after {timeout_s:.1f} s"
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        rec.success, rec.error = False, f"{type(e).__name__}: {e}"
+    return rec
+
+
+async def run_benchmark(base_url: str, headers: dict[str, str], cfg: RunConfig,
+                        requests: list[SampleRequest]) -> tuple[list[RequestRecord], float]:
+    """Send `requests` with Poisson arrivals at `cfg.request_rate` (all at once when inf), at most
+    `cfg.max_concurrency` in flight. Returns the records in request order and the duration (s)."""
+    limit = cfg.max_concurrency or max(len(requests), 1)
+    sem = asyncio.Semaphore(limit)
+    rng = random.Random(cfg.seed)
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(cfg.request_timeout_s)) as client:
+        pbar = tqdm(total=len(requests), disable=cfg.disable_tqdm)
+        t0 = time.perf_counter()
+        deadline = t0 + cfg.max_duration_s if cfg.max_duration_s else float("inf")
+
+        async def one(i: int, req: SampleRequest) -> RequestRecord:
+            async with sem:
+                budget = min(cfg.request_timeout_s, deadline - time.perf_counter())
+                rec = await send_request(client, cfg, i, req, t0, budget)
+            pbar.update(1)
+            return rec
+
+        tasks: list[asyncio.Task[RequestRecord]] = []
+        for i, req in enumerate(requests):
+            if i > 0 and cfg.request_rate != float("inf"):
+                await asyncio.sleep(min(rng.expovariate(cfg.request_rate), max(deadline - time.perf_counter(), 0)))
+            tasks.append(asyncio.create_task(one(i, req)))
+        records = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - t0
+        pbar.close()
+    return records, duration
+
+
+def resolve_model(base_url: str, headers: dict[str, str]) -> str:
+    resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
+    resp.raise_for_status()
+    models = resp.json().get("data") or []
+    if not models:
+        raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
+    return str(models[0]["id"])
+
+
+def load_requests(args: argparse.Namespace, model: str, headers: dict[str, str]) -> tuple[list[SampleRequest], str]:
+    """The dataset's requests and how their prompt lengths were counted."""
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    counter = make_token_counter(args.base_url, model, headers)
+    how = "server /tokenize" if counter else "estimate (1 token per word)"
+    out_len = args.output_len or 128
+    try:
+        if args.dataset_name == "random":
+            reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                                   args.random_range_ratio, args.seed, counter)
+        elif args.dataset_name == "humaneval":
+            reqs = humaneval_requests(args.num_prompts, out_len, args.seed, counter, args.dataset_path)
+        elif args.dataset_path:
+            reqs = jsonl_requests(args.dataset_path, args.num_prompts, out_len, args.seed, counter)
+        else:
+            raise ValueError("--dataset-name jsonl needs --dataset-path")
+    finally:
+        if counter is not None:
+            counter.close()
+    return reqs, how
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    """Run `specserve bench`; 0 when every request succeeded, 1 otherwise or on a setup error."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        slos = parse_goodput(args.goodput)
+        sweep = parse_concurrency(args.max_concurrency)
+        model = args.model or resolve_model(args.base_url, headers)
+        requests, token_count = load_requests(args, model, headers)
+        baseline = load_baseline(args.compare)
+    except (ValueError, OSError, httpx.HTTPError) as e:
+        print(f"specserve bench: {e}")
+        return 1
+    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name == "random"
+    base = RunConfig(endpoint=args.endpoint, model=model, request_rate=args.request_rate, temperature=args.temperature,
+                     ignore_eos=ignore_eos, request_timeout_s=args.request_timeout,
+                     max_duration_s=args.max_duration, seed=args.seed, disable_tqdm=args.disable_tqdm)
+    probe, _ = asyncio.run(run_benchmark(args.base_url, headers, replace(base, disable_tqdm=True), requests[:1]))
+    if not probe[0].success:
+        print(f"specserve bench: the initial test request failed: {probe[0].error}")
+        return 1
+    result: dict[str, Any] = {"config": config_json(args, model, ignore_eos, token_count), "runs": []}
+    for concurrency in sweep:
+        cfg = replace(base, max_concurrency=concurrency)
+        print(f"Benchmark: {len(requests)} requests, rate {args.request_rate}, max concurrency {concurrency}")
+        records, duration = asyncio.run(run_benchmark(args.base_url, headers, cfg, requests))
+        agg = compute_aggregates(records, duration, slos)
+        print(format_table(agg, concurrency))
+        result["runs"].append({"max_concurrency": concurrency, "aggregates": agg,
+                               "requests": [r.to_json() for r in records]})
+    if len(sweep) > 1:
+        print(format_sweep(result["runs"]))
+    write_outputs(args, result, baseline)
+    return 0 if all(r["aggregates"]["failed"] == 0 for r in result["runs"]) else 1

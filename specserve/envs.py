@@ -1,0 +1,31 @@
+"""The one place where specserve reads environment variables.
+
+Every variable is read through a function, at call time (never at import), so tests can
+monkeypatch the environment and see the change. Add new variables here, with their default and
+meaning; other modules must not touch `os.environ` directly.
+
+| variable          | default                          | meaning                                   |
+| ----------------- | -------------------------------- | ----------------------------------------- |
+| SPECSERVE_CACHE   | $XDG_CACHE_HOME/specserve        | models, converted tokenizers, temp files  |
+|                   | (XDG_CACHE_HOME: ~/.cache)       |                                           |
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _get(name: str) -> str | None:
+    """The variable's value, or None when unset or empty (an empty value means "use the default")."""
+    value = os.environ.get(name)
+    return value if value else None
+
+
+def specserve_cache() -> Path:
+    """Root of specserve's on-disk cache (SPECSERVE_CACHE, else $XDG_CACHE_HOME/specserve)."""
+    explicit = _get("SPECSERVE_CACHE")
+    if explicit is not None:
+        return Path(explicit).expanduser()
+    xdg = _get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg is not None else Path.home() / ".cache"
+    return base / "specserve"

@@ -1,0 +1,288 @@
+"""FastAPI app factory: OpenAI-compatible routes over an AsyncEngine, plus health and metrics.
+
+Routes read and validate the body themselves (size limit -> 413, bad JSON or fields -> 400 with
+the OpenAI error body, never FastAPI's 422), and every error leaves the server as that body
+without a stack trace. Auth and the Content-Length check are a pure ASGI middleware (Starlette's
+BaseHTTPMiddleware would break disconnect detection of streaming responses).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import importlib.metadata
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from specserve.engine.async_engine import AsyncEngine
+from specserve.metrics.log import StatsLogger
+from specserve.metrics.prometheus import PrometheusMetrics
+from specserve.server.cli_args import ServerConfig
+from specserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from specserve.server.serving_chat import create_chat_completion, render_chat
+from specserve.server.serving_common import (
+    APIError,
+    check_model,
+    check_token_ids,
+    parse_model,
+    read_json,
+    require_tokenizer,
+)
+from specserve.server.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key (probes, scrapers)
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("specserve")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        import specserve
+
+        return specserve.__version__
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+class GuardMiddleware:
+    """API key (Bearer) and the fast Content-Length check, before any route runs."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            error = self._check(scope["path"], headers)
+            if error is not None:
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, path: str, headers: dict[str, str]) -> APIError | None:
+        if self.api_key and path not in OPEN_PATHS:
+            given = headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                return APIError("Incorrect API key provided.", 401, code="invalid_api_key")
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return APIError(f"request body exceeds the limit of {self.max_body_bytes} bytes", 413,
+                            code="request_too_large")
+        return None
+
+
+def _guarded(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """APIError -> its OpenAI body; anything else -> a plain 500 (the trace stays in our log)."""
+
+    @functools.wraps(fn)
+    async def route(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except APIError as e:
+            return error_response(e)
+        except Exception:
+            logger.exception("unhandled error in %s %s", request.method, request.url.path)
+            return error_response(APIError("internal server error", 500, "server_error", code="internal_error"))
+
+    return route
+
+
+async def _log_stats(engine: AsyncEngine, interval: float) -> None:
+    stats_logger = StatsLogger(engine.stats)
+    while True:
+        await asyncio.sleep(interval)
+        stats_logger.maybe_log()
+
+
+def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
+    """The server app. Its lifespan shuts the engine down (after uvicorn drained connections)."""
+    metrics = PrometheusMetrics(engine.stats, settings.metrics_prefix)
+    limit = settings.max_request_body_bytes
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(_log_stats(engine, settings.log_interval)) if settings.log_interval else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+            await engine.shutdown(timeout=2.0)  # SpecserveServer already drained it
+
+    app = FastAPI(title="specserve", version=version(), lifespan=lifespan)
+    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=limit)
+    _add_error_handlers(app)
+
+    @app.post("/v1/completions")
+    @_guarded
+    async def completions(request: Request) -> Response:
+        req = parse_model(CompletionRequest, await read_json(request, limit))
+        return await create_completion(engine, req, request)
+
+    @app.post("/v1/chat/completions")
+    @_guarded
+    async def chat_completions(request: Request) -> Response:
+        req = parse_model(ChatCompletionRequest, await read_json(request, limit))
+        return await create_chat_completion(engine, req, request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = ModelCard(id=engine.model_name, root=engine.config.model.model, max_model_len=engine.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/tokenize")
+    @_guarded
+    async def tokenize(request: Request) -> Response:
+        return JSONResponse(_tokenize(engine, parse_model(TokenizeRequest, await read_json(request, limit))))
+
+    @app.post("/detokenize")
+    @_guarded
+    async def detokenize(request: Request) -> Response:
+        req = parse_model(DetokenizeRequest, await read_json(request, limit))
+        check_model(engine, req.model)
+        check_token_ids(req.tokens, engine.vocab_size, "tokens")
+        return JSONResponse({"prompt": require_tokenizer(engine, "tokens").decode(req.tokens)})
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await engine.check_health()
+        except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
+            return error_response(APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable"))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def get_version() -> Response:
+        return JSONResponse({"version": version()})
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app
+
+
+def _tokenize(engine: AsyncEngine, req: TokenizeRequest) -> dict[str, Any]:
+    check_model(engine, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError("give exactly one of prompt or messages", param="prompt")
+    if req.messages is not None:
+        ids = render_chat(engine, req.messages, req.add_generation_prompt)
+    else:
+        tokenizer = require_tokenizer(engine, "prompt")
+        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs and engine.tokenizer else None
+    return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(APIError(str(exc.detail), exc.status_code, type_))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(APIError(str(exc.errors()[:1]), 400, code="invalid_value"))
+
+
+def uvicorn_config(app: FastAPI, settings: ServerConfig, **overrides: Any) -> uvicorn.Config:
+    # uvicorn's own timeout is only a backstop: it cancels tasks, which logs tracebacks, so
+    # SpecserveServer ends in-flight requests itself before it fires.
+    kw: dict[str, Any] = {"host": settings.host, "port": settings.port, "log_level": settings.uvicorn_log_level,
+                          "timeout_graceful_shutdown": settings.graceful_shutdown_timeout + 5.0, "lifespan": "on"}
+    kw.update(overrides)
+    return uvicorn.Config(app, **kw)
+
+
+class SpecserveServer(uvicorn.Server):
+    """uvicorn.Server that drains the engine when shutdown starts (SIGTERM, SIGINT, should_exit).
+
+    uvicorn stops accepting connections, then waits for open ones; meanwhile the drain lets
+    in-flight requests run for `graceful_shutdown_timeout` s and then aborts them, so every
+    response ends properly (finish_reason "abort") and the app's lifespan shutdown follows.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, settings: ServerConfig) -> None:
+        super().__init__(config)
+        self.engine, self.settings = engine, settings
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        drain = asyncio.create_task(self.engine.drain(self.settings.graceful_shutdown_timeout))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()
+
+
+def make_server(engine: AsyncEngine, settings: ServerConfig, **overrides: Any) -> SpecserveServer:
+    """The app and a uvicorn server for it (not started)."""
+    return SpecserveServer(uvicorn_config(build_app(engine, settings), settings, **overrides), engine, settings)
+
+
+class BackgroundServer:
+    """Serve an engine on a daemon thread (tests, benchmarks, notebooks), as `serve` would.
+
+    Port 0 binds a free port up front, so there is no pick-then-bind race.
+    """
+
+    def __init__(self, engine: AsyncEngine, settings: ServerConfig | None = None, **overrides: Any) -> None:
+        settings = settings or ServerConfig(port=0)
+        self.engine = engine
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((settings.host, settings.port))
+        self.host, self.port = self._sock.getsockname()[:2]
+        self.server = make_server(engine, settings, **overrides)
+        self._thread = threading.Thread(target=self._run, name="specserve-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.run(self.server.serve(sockets=[self._sock]))
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self._sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,222 @@
+"""The `specserve` command: serve, generate, chat, bench, advise, models, train-draft.
+
+Each subcommand imports what it needs only when it runs, so `specserve models list` never loads
+torch or the web stack. Exit codes: 0 ok, 1 runtime failure, 2 bad arguments/configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from specserve.config import DEFAULT_MODEL
+
+T = TypeVar("T")
+
+SUBCOMMANDS = {
+    "serve": "run the OpenAI-compatible server",
+    "generate": "generate text for prompts (arguments or stdin) and print tokens/s",
+    "chat": "chat with a model in the terminal",
+    "bench": "load-test a running server (throughput, TTFT, ITL, goodput)",
+    "advise": "read a running server's /metrics and suggest settings",
+    "models": "list, install and locate catalog models (models list|install|path)",
+    "train-draft": "train a draft head for speculative decoding",
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="LLM inference engine and server.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_ in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    return parser
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+
+
+def _config_or_exit(prog: str, build: Callable[[], T]) -> T:
+    try:
+        return build()
+    except (ValueError, TypeError, OSError) as e:  # bad flag values, missing model files
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+# ----------------------------------------------------------------------------------- serve
+def serve_main(argv: Sequence[str]) -> int:
+    from specserve.config import EngineConfig
+    from specserve.server import cli_args
+
+    parser = argparse.ArgumentParser(prog="specserve serve", description=SUBCOMMANDS["serve"])
+    cli_args.add_engine_args(parser)
+    cli_args.add_server_args(parser)
+    args = parser.parse_args(argv)
+    settings = _config_or_exit("specserve serve", lambda: cli_args.server_config(args))
+    config = _config_or_exit("specserve serve",
+                             lambda: EngineConfig.from_kwargs(**cli_args.engine_kwargs(args)))
+    _setup_logging()
+
+    from specserve.engine.async_engine import AsyncEngine
+    from specserve.server.api import make_server
+
+    engine = _config_or_exit("specserve serve", lambda: AsyncEngine.from_config(config))
+    server = make_server(engine, settings)
+    # uvicorn re-raises the signal it caught once its graceful shutdown is done, so that the
+    # previous handler runs; a no-op handler turns that into a clean exit with status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        engine.close(timeout=2.0)  # no-op when the app's lifespan already shut it down
+    return 0 if server.started else 1
+
+
+# -------------------------------------------------------------------------------- generate
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt:
+        return list(args.prompt)
+    if sys.stdin.isatty():
+        print("Enter a prompt, then Ctrl-D:", file=sys.stderr)
+    text = sys.stdin.read()
+    prompts = [line for line in text.splitlines() if line.strip()] if args.lines else [text.rstrip("\n")]
+    return [p for p in prompts if p]
+
+
+def generate_main(argv: Sequence[str]) -> int:
+    from specserve.server import cli_args
+
+    parser = argparse.ArgumentParser(prog="specserve generate", description=SUBCOMMANDS["generate"])
+    cli_args.add_engine_args(parser)
+    cli_args.add_sampling_args(parser)
+    parser.add_argument("-p", "--prompt", action="append", help="a prompt (repeatable); default: stdin")
+    parser.add_argument("--lines", action="store_true", help="stdin holds one prompt per line")
+    args = parser.parse_args(argv)
+    params = _config_or_exit("specserve generate", lambda: cli_args.sampling_params(args))
+    prompts = _read_prompts(args)
+    if not prompts:
+        print("specserve generate: error: no prompt given", file=sys.stderr)
+        return 2
+    from specserve import LLM
+
+    kwargs = cli_args.engine_kwargs(args)
+    llm = _config_or_exit("specserve generate", lambda: LLM(**{"model": DEFAULT_MODEL, **kwargs}))
+    start = time.perf_counter()
+    try:
+        outputs = llm.generate(prompts, params)
+    except ValueError as e:
+        print(f"specserve generate: error: {e}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - start
+    num_tokens = 0
+    single = len(prompts) == 1 and params.n == 1
+    for out in outputs:
+        for c in out.outputs:
+            num_tokens += len(c.token_ids)
+            print(c.text if single else f"--- [{c.index}] {out.prompt!r}\n{c.text}")
+    print(f"\n{len(outputs)} prompt(s), {num_tokens} tokens in {elapsed:.2f} s "
+          f"({num_tokens / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    return 0
+
+
+# ------------------------------------------------------------------------------------ chat
+def chat_main(argv: Sequence[str]) -> int:
+    from specserve.server import cli_args
+
+    parser = argparse.ArgumentParser(prog="specserve chat", description=SUBCOMMANDS["chat"])
+    cli_args.add_engine_args(parser)
+    cli_args.add_sampling_args(parser)
+    parser.add_argument("--system", default=None, help="system prompt")
+    args = parser.parse_args(argv)
+    params = _config_or_exit("specserve chat", lambda: cli_args.sampling_params(args))
+    from specserve import LLM
+
+    kwargs = cli_args.engine_kwargs(args)
+    llm = _config_or_exit("specserve chat", lambda: LLM(**{"model": DEFAULT_MODEL, **kwargs}))
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("specserve chat: empty line or Ctrl-D to quit; /reset clears the history.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        if line == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            reply = llm.chat(messages, params)[0].outputs[0].text
+        except ValueError as e:  # e.g. the history outgrew the context
+            print(f"error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        print(reply)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+# ------------------------------------------------------------- subcommands of other modules
+def _delegate_args(module: str, add: str, run: str, name: str, argv: Sequence[str]) -> int:
+    mod = importlib.import_module(module)
+    parser = argparse.ArgumentParser(prog=f"specserve {name}", description=SUBCOMMANDS[name])
+    getattr(mod, add)(parser)
+    return int(getattr(mod, run)(parser.parse_args(argv)) or 0)
+
+
+def models_main(argv: Sequence[str]) -> int:
+    from specserve.model.catalog import models_main as run
+
+    return int(run(list(argv)) or 0)
+
+
+def train_draft_main(argv: Sequence[str]) -> int:
+    try:
+        train = importlib.import_module("specserve.spec.train")
+    except ModuleNotFoundError as e:
+        if e.name not in ("specserve.spec.train", "specserve.spec"):
+            raise
+        print("specserve train-draft: draft-head training comes with speculative decoding "
+              "(specserve.spec.train) and is not available in this build.", file=sys.stderr)
+        return 1
+    return int(train.train_main(list(argv)) or 0)
+
+
+_RUNNERS: dict[str, Callable[[Sequence[str]], int]] = {
+    "serve": serve_main,
+    "generate": generate_main,
+    "chat": chat_main,
+    "bench": lambda argv: _delegate_args("specserve.bench.serving", "add_bench_args", "bench_main", "bench", argv),
+    "advise": lambda argv: _delegate_args("specserve.bench.advise", "add_advise_args", "advise_main", "advise",
+                                          argv),
+    "models": models_main,
+    "train-draft": train_draft_main,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in _RUNNERS:
+        parser = _top_parser()
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.error(f"unknown command {argv[0]!r} (choose from {', '.join(SUBCOMMANDS)})")
+        parser.print_help()
+        return 0 if argv else 2
+    try:
+        return _RUNNERS[argv[0]](argv[1:])
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

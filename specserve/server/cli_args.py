@@ -1,0 +1,177 @@
+"""Command-line flags generated from the config dataclasses, so a new config field is a new flag.
+
+The flag is the field name with `_` -> `-` (vLLM's names). Flags default to "not given"
+(argparse.SUPPRESS): only what the user typed reaches `EngineConfig.from_kwargs`, and the
+dataclass defaults stay the single source of defaults. This module imports no server stack.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from specserve import config as cfg
+from specserve.sampling_params import SamplingParams
+
+_CHOICES = {"dtype": cfg.DTYPES, "kv_cache_dtype": cfg.KV_CACHE_DTYPES, "load_format": cfg.LOAD_FORMATS,
+            "metrics_prefix": ("specserve", "vllm")}
+# Help for config fields that carry none in their metadata.
+_HELP = {"tensor_parallel_size": "GPUs to shard the model over",
+         "kv_offload_cpu_bytes": "CPU tier for evicted KV blocks, bytes (0 = off; accepts 4G)",
+         "kv_offload_disk_path": "directory of the disk tier for evicted KV blocks",
+         "kv_offload_disk_bytes": "disk tier size, bytes (0 = off; accepts 100G)"}
+_ENGINE_SECTIONS = (cfg.ModelConfig, cfg.CacheConfig, cfg.SchedulerConfig, cfg.ParallelConfig)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP server settings (not engine settings); flags are generated like the engine's."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=8000, metadata={"help": "port to bind"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "require `Authorization: Bearer KEY` (/health and /metrics stay open)"})
+    metrics_prefix: str = field(default="specserve", metadata={
+        "help": "metric name prefix: specserve | vllm (for dashboards built for vLLM)"})
+    max_request_body_bytes: int = field(default=16 << 20, metadata={
+        "help": "larger request bodies get 413 (accepts 512K, 16M, ...)"})
+    log_interval: float = field(default=10.0, metadata={"help": "seconds between stats log lines; 0 = off"})
+    graceful_shutdown_timeout: float = field(default=5.0, metadata={
+        "help": "on SIGTERM, seconds in-flight requests may run before they are aborted"})
+    uvicorn_log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
+
+    def __post_init__(self) -> None:
+        if self.metrics_prefix not in ("specserve", "vllm"):
+            raise ValueError(f"metrics_prefix must be specserve or vllm, got {self.metrics_prefix!r}.")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}.")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("max_request_body_bytes must be >= 1.")
+        if self.log_interval < 0 or self.graceful_shutdown_timeout < 0:
+            raise ValueError("log_interval and graceful_shutdown_timeout must be >= 0.")
+
+
+def parse_size(text: str) -> int:
+    """'4096', '512K', '16M', '2GiB' -> bytes."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4096, 512K, 16M, 2G)")
+    unit = (m.group(2) or "").lower().rstrip("b").rstrip("i")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def _json_dict(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def _base_type(hint: Any) -> Any:
+    """`int | None` -> int; anything else unchanged."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return typing.get_origin(hint) or hint
+
+
+def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, dest: str,
+               flag: str | None = None) -> None:
+    base = _base_type(hint)
+    default = f.default if f.default is not dataclasses.MISSING else None
+    help_ = f"{f.metadata.get('help') or _HELP.get(dest, '')} (default: {default})".strip()
+    kw: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_}
+    if base is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif base is dict:
+        kw.update(type=_json_dict, metavar="JSON")
+    elif base is int:
+        kw["type"] = parse_size if dest.endswith("_bytes") else int
+    elif base in (float, str):
+        kw["type"] = base
+    else:
+        return  # tuples and other structures have no flag form
+    if dest in _CHOICES:
+        kw["choices"] = _CHOICES[dest]
+    group.add_argument(flag or "--" + dest.replace("_", "-"), **kw)
+
+
+def _add_dataclass(group: argparse._ArgumentGroup, cls: type, skip: frozenset[str] = frozenset(),
+                   prefix: str = "") -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in skip:
+            _add_field(group, f, hints[f.name], prefix + f.name)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
+    """Engine flags; MODEL is an optional positional (and --model) defaulting to the catalog default."""
+    if positional_model:
+        parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                            help=f"catalog name, model dir, .gguf file or HF id (default: {cfg.DEFAULT_MODEL})")
+    group = parser.add_argument_group("engine")
+    for cls in _ENGINE_SECTIONS:
+        _add_dataclass(group, cls)
+    _add_dataclass(group, cfg.OffloadConfig, prefix="kv_offload_")
+    group.add_argument("--speculative-config", dest="speculative_config", default=argparse.SUPPRESS,
+                       metavar="JSON", help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    group.add_argument("--device", dest="device", default=argparse.SUPPRESS,
+                       help="auto | cpu | cuda | cuda:N (default: auto)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The flat vLLM-style kwargs of `EngineConfig.from_kwargs` / `LLM(...)` the user gave."""
+    values = dict(vars(args))
+    kw: dict[str, Any] = {}
+    model = values.pop("model_tag", None) or values.pop("model", None)
+    if model:
+        kw["model"] = model
+    names = {f.name for cls in _ENGINE_SECTIONS for f in dataclasses.fields(cls)}
+    for name in names | {"speculative_config", "device"}:
+        if name in values:
+            kw[name] = values[name]
+    offload = {f.name: values[f"kv_offload_{f.name}"] for f in dataclasses.fields(cfg.OffloadConfig)
+               if f"kv_offload_{f.name}" in values}
+    if offload:
+        kw["kv_offload"] = offload
+    return kw
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    _add_dataclass(parser.add_argument_group("server"), ServerConfig)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    return ServerConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """Sampling flags of `generate` / `chat` (engine --seed seeds weights; --sampling-seed sampling)."""
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--sampling-seed", type=int, default=None)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          n=args.n, stop=args.stop, ignore_eos=args.ignore_eos, seed=args.sampling_seed)

@@ -1,0 +1,182 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from specserve.engine.async_engine import AsyncEngine, RequestSpec, RequestStream
+from specserve.outputs import CompletionOutput, RequestOutput
+from specserve.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from specserve.server.serving_common import (
+    SSE_DONE,
+    APIError,
+    ClientDisconnected,
+    DeltaTracker,
+    build_params,
+    check_model,
+    engine_error,
+    fit_context,
+    guarded_stream,
+    require_tokenizer,
+    sse,
+    token_text,
+    until_disconnected,
+)
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+# Arguments of apply_chat_template a client must not override through chat_template_kwargs.
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict",
+                             "return_tensors", "padding", "truncation", "max_length", "chat_template",
+                             "tools", "documents", "tokenizer_kwargs"}
+
+
+def render_chat(engine: AsyncEngine, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Validate messages and apply the chat template; the result is tokenized without adding
+    special tokens again (the template already holds BOS where the model wants one)."""
+    if not messages:
+        raise APIError("messages must be a non-empty list", param="messages", code="invalid_value")
+    for i, m in enumerate(messages):
+        if m.role != "assistant" and m.content is None:
+            raise APIError(f"messages.{i}.content is required for role {m.role!r}",
+                           param=f"messages.{i}.content", code="invalid_value")
+    tokenizer = require_tokenizer(engine, "messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError("this model has no chat template; use /v1/completions", param="messages")
+    conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in messages]
+    extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **extra)
+    except Exception as e:  # noqa: BLE001 - jinja errors (role order, ...) are the client's
+        raise APIError(f"messages could not be rendered with the chat template: {e}",
+                       param="messages", code="invalid_value") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _logprobs(engine: AsyncEngine, c: CompletionOutput, start: int, top_n: int) -> ChatLogprobs:
+    content = []
+    for i in range(start, len(c.token_ids)):
+        tid = c.token_ids[i]
+        top = c.logprobs[i] if c.logprobs is not None and i < len(c.logprobs) else {}
+        sampled = top.get(tid)
+        tok = token_text(engine, tid, sampled)
+        ranked = sorted(top.items(), key=lambda kv: -kv[1].logprob)[:top_n]
+        content.append(ChatTokenLogprob(
+            token=tok, logprob=max(sampled.logprob, MIN_LOGPROB) if sampled else MIN_LOGPROB,
+            bytes=list(tok.encode("utf-8")),
+            top_logprobs=[TopLogprob(token=(s := token_text(engine, t, lp)), logprob=max(lp.logprob, MIN_LOGPROB),
+                                     bytes=list(s.encode("utf-8"))) for t, lp in ranked]))
+    return ChatLogprobs(content=content)
+
+
+def _validate(req: ChatCompletionRequest) -> None:
+    if req.tools:
+        raise APIError("tools are not supported by this server", param="tools", code="unsupported")
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise APIError(f"response_format {fmt!r} is not supported", param="response_format",
+                       code="unsupported")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+
+async def create_chat_completion(engine: AsyncEngine, req: ChatCompletionRequest, raw: Request) -> Response:
+    check_model(engine, req.model)
+    _validate(req)
+    prompt_ids = render_chat(engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = build_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    params = fit_context(params, [len(prompt_ids)], engine.max_model_len, "messages")
+    reply_id = random_id("chatcmpl")
+    try:
+        stream = await engine.add_requests([RequestSpec(reply_id, {"prompt_token_ids": prompt_ids}, params)])
+    except Exception as e:  # noqa: BLE001 - engine_error re-raises what it does not map
+        raise engine_error(e) from None
+    if req.stream:
+        chunks = _stream(engine, req, stream, reply_id, len(prompt_ids))
+        return StreamingResponse(guarded_stream(chunks, stream.close), media_type="text/event-stream")
+    try:
+        final = await until_disconnected(raw, _last(stream))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(_full_response(engine, req, final, reply_id).model_dump())
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    final = None
+    try:
+        async for output in stream:
+            final = output
+    finally:
+        stream.close()
+    assert final is not None  # a stream ends only with its finished output
+    return final
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def _full_response(engine: AsyncEngine, req: ChatCompletionRequest, final: RequestOutput,
+                   reply_id: str) -> ChatCompletionResponse:
+    choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                          logprobs=_logprobs(engine, c, 0, req.top_logprobs or 0) if req.logprobs else None,
+                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+               for c in final.outputs]
+    generated = sum(len(c.token_ids) for c in final.outputs)
+    return ChatCompletionResponse(id=reply_id, model=engine.model_name, choices=choices,
+                                  usage=_usage(len(final.prompt_token_ids), generated))
+
+
+async def _stream(engine: AsyncEngine, req: ChatCompletionRequest, stream: RequestStream,
+                  reply_id: str, num_prompt_tokens: int) -> AsyncIterator[str]:
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    continuous = include_usage and req.stream_options is not None and req.stream_options.continuous_usage_stats
+    created = int(time.time())
+
+    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        return sse(ChatCompletionChunk(id=reply_id, created=created, model=engine.model_name,
+                                       choices=choices, usage=usage))
+
+    # The role comes first, as OpenAI sends it, before the first token is ready.
+    for i in range(req.n):
+        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+    tracker, done, generated = DeltaTracker(), set(), {}
+    async for output in stream:
+        for c in output.outputs:
+            if c.index in done:
+                continue
+            delta, start = tracker.advance(c.index, c)
+            generated[c.index] = len(c.token_ids)
+            if not delta and c.finish_reason is None and len(c.token_ids) == start:
+                continue
+            if c.finish_reason is not None:
+                done.add(c.index)
+            logprobs = _logprobs(engine, c, start, req.top_logprobs or 0) if req.logprobs else None
+            usage = _usage(num_prompt_tokens, sum(generated.values())) if continuous else None
+            yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=delta), logprobs=logprobs,
+                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)], usage)
+    if include_usage:
+        yield chunk([], _usage(num_prompt_tokens, sum(generated.values())))
+    yield SSE_DONE

@@ -1,0 +1,231 @@
+"""Shared pieces of the OpenAI handlers: errors, validation, sampling params, SSE, deltas.
+
+Everything a request needs is validated here before anything reaches the engine, so a bad
+request changes no engine state (the engine validates again and would roll back a batch).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from specserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from specserve.outputs import CompletionOutput, Logprob
+from specserve.sampling_params import SamplingParams
+from specserve.server.protocol import ErrorInfo, ErrorResponse, SamplingFields
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+MAX_N = 128  # n * prompts per HTTP request: keeps one request from flooding the scheduler
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI body; `message` is shown to the client verbatim."""
+
+    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the reply was ready; its requests were aborted."""
+
+
+def engine_error(e: Exception) -> APIError:
+    """Map an exception from AsyncEngine.add_requests to the HTTP error the client sees."""
+    if isinstance(e, EngineOverloadedError):
+        return APIError(str(e), 503, "service_unavailable_error", code="overloaded")
+    if isinstance(e, EngineDeadError):
+        return APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable")
+    if isinstance(e, ValueError):
+        return APIError(str(e), 400, param=field_in_message(str(e)), code="invalid_value")
+    raise e
+
+
+_FIELD_RE = re.compile(r"^([a-z_][a-z0-9_]*)")
+_KNOWN_FIELDS = set(SamplingParams.__dataclass_fields__) | {
+    "prompt", "messages", "model", "max_completion_tokens", "top_logprobs", "prompt_token_ids"}
+
+
+def field_in_message(message: str) -> str | None:
+    """SamplingParams and the engine start their messages with the field's name."""
+    m = _FIELD_RE.match(message)
+    return m.group(1) if m and m.group(1) in _KNOWN_FIELDS else None
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """Read the body with a size limit (413) and parse it (400); never trusts Content-Length alone."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(f"request body exceeds the limit of {limit} bytes", 413, code="request_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def parse_model(cls: type[M], body: Any) -> M:
+    """Validate a JSON body into `cls`; pydantic errors become 400 (not FastAPI's 422)."""
+    if not isinstance(body, dict):
+        raise APIError("request body must be a JSON object", code="invalid_json")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[", "str")))
+        msg = f"{loc or 'body'}: {err['msg']}" + (f" ({len(e.errors())} errors)" if len(e.errors()) > 1 else "")
+        raise APIError(msg, param=loc.split(".")[0] if loc else None, code="invalid_value") from None
+
+
+def check_model(engine: AsyncEngine, model: str | None) -> None:
+    if model is not None and model != engine.model_name:
+        raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+
+
+def build_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """SamplingParams from the request; unsupported OpenAI features answer 400, not silence."""
+    if req.logit_bias:
+        raise APIError("logit_bias is not supported", param="logit_bias", code="unsupported")
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(f"n must be between 1 and {MAX_N}, got {req.n}", param="n", code="invalid_value")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise APIError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}",
+                       param="logprobs", code="invalid_value")
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options can only be set when stream is true", param="stream_options")
+    try:
+        return SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens)
+    except (ValueError, TypeError) as e:
+        raise APIError(str(e), param=field_in_message(str(e)), code="invalid_value") from None
+
+
+def fit_context(params: SamplingParams, prompt_lens: list[int], max_model_len: int,
+                prompt_param: str) -> SamplingParams:
+    """Check prompt + max_tokens against the context; fill max_tokens when the client gave none."""
+    longest = max(prompt_lens)
+    if min(prompt_lens) == 0:
+        raise APIError(f"{prompt_param} must not be empty", param=prompt_param, code="invalid_value")
+    if longest >= max_model_len:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                       f"request has {longest} input tokens. Please reduce the length of the input.",
+                       param=prompt_param, code="context_length_exceeded")
+    max_tokens = params.max_tokens
+    if max_tokens is None:  # OpenAI's meaning: as many as the context leaves
+        return params.clone(max_tokens=max_model_len - longest)
+    if longest + max_tokens > max_model_len:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                       f"requested {longest + max_tokens} tokens ({longest} in the {prompt_param}, "
+                       f"{max_tokens} in the completion). Please reduce the length of the {prompt_param} "
+                       "or completion.", param="max_tokens", code="context_length_exceeded")
+    return params
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(f"{param} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+                       param=param, code="invalid_value")
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class DeltaTracker:
+    """What has been sent per choice, so cumulative engine outputs become stream deltas."""
+
+    def __init__(self) -> None:
+        self.text: dict[int, str] = {}
+        self.num_tokens: dict[int, int] = {}
+
+    def advance(self, index: int, output: CompletionOutput) -> tuple[str, int]:
+        """Return (new text, first new token position) and mark them sent."""
+        sent = self.text.get(index, "")
+        # Held-back text (a possible stop-string prefix) means `text` may lag the tokens but
+        # never rewrites what was sent; if it ever does, send nothing rather than garbage.
+        delta = output.text[len(sent):] if output.text.startswith(sent) else ""
+        self.text[index] = sent + delta
+        start = self.num_tokens.get(index, 0)
+        self.num_tokens[index] = len(output.token_ids)
+        return delta, start
+
+
+def require_tokenizer(engine: AsyncEngine, param: str) -> Any:
+    """The tokenizer, or a 400 for models served without one (token ids still work)."""
+    if engine.tokenizer is None:
+        raise APIError("this model has no tokenizer: send token ids", param=param, code="unsupported")
+    return engine.tokenizer
+
+
+def token_text(engine: AsyncEngine, token_id: int, lp: Logprob | None) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    if engine.tokenizer is None:
+        return f"token_id:{token_id}"  # vLLM's spelling when there is no tokenizer
+    return engine.tokenizer.decode([token_id])
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it (which aborts its engine requests) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientDisconnected()
+    return task.result()
+
+
+async def guarded_stream(chunks: AsyncIterator[str], close: Callable[[], None]) -> AsyncIterator[str]:
+    """SSE body: an engine failure mid-stream becomes an error event; leaving early aborts."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except (EngineDeadError, EngineOverloadedError) as e:
+        yield sse(APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable").body())
+        yield SSE_DONE
+    except Exception:
+        logger.exception("error while streaming a response")
+        yield sse(APIError("internal server error", 500, "server_error", code="internal_error").body())
+        yield SSE_DONE
+    finally:
+        close()

@@ -1,0 +1,200 @@
+"""POST /v1/completions: string, batch of strings, token ids, or batch of token id lists."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from specserve.engine.async_engine import AsyncEngine, RequestSpec, RequestStream
+from specserve.outputs import CompletionOutput, RequestOutput
+from specserve.server.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from specserve.server.serving_common import (
+    SSE_DONE,
+    APIError,
+    ClientDisconnected,
+    DeltaTracker,
+    build_params,
+    check_model,
+    check_token_ids,
+    engine_error,
+    fit_context,
+    guarded_stream,
+    require_tokenizer,
+    sse,
+    token_text,
+    until_disconnected,
+)
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class _Prompt:
+    text: str | None  # None when the client sent token ids (decoded lazily for echo)
+    token_ids: list[int]
+
+
+@dataclass
+class _Reply:
+    """Per-HTTP-request state shared by the streaming and the non-streaming paths."""
+
+    engine: AsyncEngine
+    req: CompletionRequest
+    prompts: list[_Prompt]
+    request_ids: list[str]
+    id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    text_offsets: dict[int, int] = field(default_factory=dict)
+
+    def choice_index(self, output: RequestOutput, completion: CompletionOutput) -> int:
+        return self.request_ids.index(output.request_id) * self.req.n + completion.index
+
+    def prompt_of(self, output: RequestOutput) -> _Prompt:
+        return self.prompts[self.request_ids.index(output.request_id)]
+
+    def echo_text(self, prompt: _Prompt) -> str:
+        if prompt.text is None:
+            prompt.text = require_tokenizer(self.engine, "echo").decode(prompt.token_ids)
+        return prompt.text
+
+    def usage(self, completion_tokens: int) -> UsageInfo:
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
+    def logprobs(self, index: int, c: CompletionOutput, start: int) -> CompletionLogprobs | None:
+        """Logprobs of tokens [start, len(token_ids)); text offsets continue across chunks."""
+        if self.req.logprobs is None:
+            return None
+        out = CompletionLogprobs()
+        offset = self.text_offsets.get(index, 0)
+        for i in range(start, len(c.token_ids)):
+            tid = c.token_ids[i]
+            top = c.logprobs[i] if c.logprobs is not None and i < len(c.logprobs) else {}
+            sampled = top.get(tid)
+            tok = token_text(self.engine, tid, sampled)
+            out.tokens.append(tok)
+            out.token_logprobs.append(max(sampled.logprob, MIN_LOGPROB) if sampled else None)
+            out.top_logprobs.append({token_text(self.engine, t, lp): max(lp.logprob, MIN_LOGPROB)
+                                     for t, lp in top.items()})
+            out.text_offset.append(offset)
+            offset += len(tok)
+        self.text_offsets[index] = offset
+        return out
+
+
+def _prompts(engine: AsyncEngine, prompt: str | list[int] | list[str] | list[list[int]]) -> list[_Prompt]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError("prompt must not be empty", param="prompt", code="invalid_value")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]  # one tokenized prompt
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            require_tokenizer(engine, "prompt")
+            out.append(_Prompt(p, engine.encode(p) if p else []))
+        else:
+            check_token_ids(p, engine.vocab_size, "prompt")
+            out.append(_Prompt(None, list(p)))
+    return out
+
+
+async def create_completion(engine: AsyncEngine, req: CompletionRequest, raw: Request) -> Response:
+    check_model(engine, req.model)
+    if req.suffix:
+        raise APIError("suffix is not supported", param="suffix", code="unsupported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise APIError("echo together with logprobs is not supported", param="echo", code="unsupported")
+    if req.echo:
+        require_tokenizer(engine, "echo")
+    prompts = _prompts(engine, req.prompt)
+    if len(prompts) * req.n > 128:
+        raise APIError("too many completions in one request (prompts * n > 128)", param="n")
+    params = build_params(req, req.max_tokens, req.logprobs)
+    params = fit_context(params, [len(p.token_ids) for p in prompts], engine.max_model_len, "prompt")
+    reply_id = random_id("cmpl")
+    ids = [f"{reply_id}-{i}" for i in range(len(prompts))]
+    specs = [RequestSpec(rid, {"prompt_token_ids": p.token_ids}, params) for rid, p in zip(ids, prompts)]
+    try:
+        stream = await engine.add_requests(specs)
+    except Exception as e:  # noqa: BLE001 - engine_error re-raises what it does not map
+        raise engine_error(e) from None
+    reply = _Reply(engine, req, prompts, ids, reply_id)
+    if req.stream:
+        return StreamingResponse(guarded_stream(_stream(reply, stream), stream.close),
+                                 media_type="text/event-stream")
+    try:
+        finals = await until_disconnected(raw, _collect(stream))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(_full_response(reply, finals).model_dump())
+
+
+async def _collect(stream: RequestStream) -> dict[str, RequestOutput]:
+    finals: dict[str, RequestOutput] = {}
+    try:
+        async for output in stream:
+            finals[output.request_id] = output
+    finally:
+        stream.close()
+    return finals
+
+
+def _full_response(reply: _Reply, finals: dict[str, RequestOutput]) -> CompletionResponse:
+    choices, num_generated = [], 0
+    for rid in reply.request_ids:
+        output = finals[rid]
+        for c in output.outputs:
+            index = reply.choice_index(output, c)
+            text = (reply.echo_text(reply.prompt_of(output)) if reply.req.echo else "") + c.text
+            choices.append(CompletionChoice(index=index, text=text, logprobs=reply.logprobs(index, c, 0),
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            num_generated += len(c.token_ids)
+    choices.sort(key=lambda ch: ch.index)
+    return CompletionResponse(id=reply.id, model=reply.engine.model_name, choices=choices,
+                              usage=reply.usage(num_generated))
+
+
+async def _stream(reply: _Reply, stream: RequestStream):  # -> AsyncIterator[str]
+    req = reply.req
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    continuous = include_usage and req.stream_options is not None and req.stream_options.continuous_usage_stats
+    tracker, done, generated = DeltaTracker(), set(), {}
+    echoed: set[int] = set()
+    async for output in stream:
+        for c in output.outputs:
+            index = reply.choice_index(output, c)
+            if index in done:
+                continue
+            delta, start = tracker.advance(index, c)
+            generated[index] = len(c.token_ids)
+            if req.echo and index not in echoed:
+                echoed.add(index)
+                delta = reply.echo_text(reply.prompt_of(output)) + delta
+            if not delta and c.finish_reason is None and len(c.token_ids) == start:
+                continue
+            if c.finish_reason is not None:
+                done.add(index)
+            choice = CompletionChoice(index=index, text=delta, logprobs=reply.logprobs(index, c, start),
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            usage = reply.usage(sum(generated.values())) if continuous else None
+            yield sse(CompletionChunk(id=reply.id, created=reply.created, model=reply.engine.model_name,
+                                      choices=[choice], usage=usage))
+    if include_usage:
+        yield sse(CompletionChunk(id=reply.id, created=reply.created, model=reply.engine.model_name,
+                                  choices=[], usage=reply.usage(sum(generated.values()))))
+    yield SSE_DONE
