@@ -19,6 +19,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, progress: bool = True, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.engine = Engine(self.config, progress=progress)
+        self.engine.stream_outputs = False  # generate() returns whole outputs
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -20,6 +20,9 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        # Fast tokenizers decode incrementally in Rust (tokenizers.decoders.DecodeStream): O(1)
+        # per token instead of two window decodes. Primed with the prompt tail as left context.
+        self._stream = _decode_stream(tokenizer, skip_special_tokens, self.ids)
         self.stop = stop
         self.include_stop = include_stop_str_in_output
         self.skip_special = skip_special_tokens
@@ -34,6 +37,14 @@ class IncrementalDetokenizer:
         """Append tokens; returns the stop string that matched (text is then cut), else None."""
         if self.tokenizer is None:
             return None
+        if self._stream is not None:
+            stream, backend = self._stream
+            old_len = len(self.text)
+            for t in token_ids:
+                piece = stream.step(backend, t)
+                if piece:
+                    self.text += piece
+            return self._check_stop(old_len) if len(self.text) > old_len else None
         self.ids.extend(token_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
@@ -62,3 +73,17 @@ class IncrementalDetokenizer:
         if finished or self.holdback == 0:
             return self.text
         return self.text[:max(0, len(self.text) - self.holdback)]
+
+
+def _decode_stream(tokenizer: Any | None, skip_special_tokens: bool, context: list[int]):
+    backend = getattr(tokenizer, "_tokenizer", None)
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    if backend is None:
+        return None
+    stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    for t in context:
+        stream.step(backend, t)
+    return stream, backend

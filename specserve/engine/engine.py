@@ -41,6 +41,7 @@ class Engine:
         self._child_to_group: dict[str, tuple[RequestGroup, int]] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._last_prefix = (0, 0)
+        self.stream_outputs = True  # False: step() returns finished requests only
         self.spec = None
         if config.speculative is not None:
             from specserve.spec.decoder import SpecDecoder
@@ -239,7 +240,9 @@ class Engine:
             self.structured.prepare([s.request for s, t in zip(sched.scheduled, new_tokens) if t])
         outputs = []
         for group in touched.values():
-            outputs.append(request_output(group, self.tokenizer))
+            # Offline callers (LLM.generate) only read finished outputs: skip building the rest.
+            if group.finished or self.stream_outputs:
+                outputs.append(request_output(group, self.tokenizer))
             if group.finished:
                 self._drop(group)
         return outputs
