@@ -12,8 +12,8 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.engine.detokenizer import IncrementalDetokenizer
-from specserve.engine.output_processor import (RequestGroup, check_token_stop, record_finished,
-                                               record_new_tokens, request_output)
+from specserve.engine.output_processor import (RequestGroup, StepTokenStats, check_token_stop, record_finished,
+                                               request_output)
 from specserve.engine.setup import EngineParts, build_engine_parts
 from specserve.engine.validate import resolve_prompt, resolve_max_tokens
 from specserve.outputs import RequestOutput
@@ -211,6 +211,7 @@ class Engine:
     def _update(self, sched: SchedulerOutput, new_tokens: list[list[int] | None],
                 accepted: list[int]) -> list[RequestOutput]:
         now = time.monotonic()
+        step_stats = StepTokenStats()
         touched: dict[str, RequestGroup] = {}
         for s, tokens, num_acc in zip(sched.scheduled, new_tokens, accepted):
             self.scheduler.update_computed(s, s.num_spec_tokens - num_acc)
@@ -229,7 +230,7 @@ class Engine:
             # issue 8: the grammar saw the end (or a token it rejects): nothing more may follow.
             if self.structured.advance(req, req.output_token_ids[-accepted:]) and status is None:
                 status = RequestStatus.FINISHED_STOPPED
-            record_new_tokens(self.stats, req, accepted, now)
+            step_stats.add(req, accepted, now)
             stop_str = group.detoks[index].add_tokens(req.output_token_ids[-accepted:])
             if stop_str is not None and status is None:
                 req.stop_reason, status = stop_str, RequestStatus.FINISHED_STOPPED
@@ -238,6 +239,7 @@ class Engine:
             touched[group.request_id] = group
         if self.spec is None:  # issue 8: next masks now; with speculation once drafts exist
             self.structured.prepare([s.request for s, t in zip(sched.scheduled, new_tokens) if t])
+        step_stats.flush(self.stats)
         outputs = []
         for group in touched.values():
             # Offline callers (LLM.generate) only read finished outputs: skip building the rest.

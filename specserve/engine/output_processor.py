@@ -71,17 +71,33 @@ def request_output(group: RequestGroup, tokenizer: Any) -> RequestOutput:
                          metrics, num_cached_tokens=max(0, first.num_cached_tokens))
 
 
-def record_new_tokens(stats: StatsCollector, req: Request, num_new: int, now: float) -> None:
-    if req.first_token_time is None:
-        req.first_token_time = now
-        stats.observe("time_to_first_token_seconds", now - req.arrival_time)
-        stats.inc("prompt_tokens_total", req.num_prompt_tokens)
-    elif req.last_token_time is not None:
-        gap = (now - req.last_token_time) / max(1, num_new)
-        for _ in range(num_new):
-            stats.observe("inter_token_latency_seconds", gap)
-    req.last_token_time = now
-    stats.inc("generation_tokens_total", num_new)
+class StepTokenStats:
+    """A step's token-level stats, gathered per request and written to the collector once."""
+
+    def __init__(self) -> None:
+        self.ttfts: list[float] = []
+        self.itls: list[float] = []
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    def add(self, req: Request, num_new: int, now: float) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.ttfts.append(now - req.arrival_time)
+            self.prompt_tokens += req.num_prompt_tokens
+        elif req.last_token_time is not None:
+            gap = (now - req.last_token_time) / max(1, num_new)
+            self.itls.extend([gap] * num_new)
+        req.last_token_time = now
+        self.generation_tokens += num_new
+
+    def flush(self, stats: StatsCollector) -> None:
+        stats.observe_many("time_to_first_token_seconds", self.ttfts)
+        stats.observe_many("inter_token_latency_seconds", self.itls)
+        if self.prompt_tokens:
+            stats.inc("prompt_tokens_total", self.prompt_tokens)
+        if self.generation_tokens:
+            stats.inc("generation_tokens_total", self.generation_tokens)
 
 
 def record_finished(stats: StatsCollector, req: Request, now: float) -> None:

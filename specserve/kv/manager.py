@@ -108,6 +108,12 @@ class KVCacheManager:
                        num_lookahead_tokens: int = 0) -> bool:
         """Reserve KV slots for num_new_tokens (+ lookahead for drafts). False: not enough blocks, nothing changed."""
         new_computed = new_computed or []
+        blocks = self.req_blocks.get(req.request_id)
+        end = req.num_computed_tokens + num_new_tokens
+        if (not new_computed and blocks is not None and len(blocks) * self.block_size >= end + num_lookahead_tokens
+                and (not self.enable_prefix_caching
+                     or min(end, req.num_tokens) // self.block_size <= self.num_cached_blocks.get(req.request_id, 0))):
+            return True  # the common decode step: the slots exist and no block completes
         need = self.num_blocks_needed(req, num_new_tokens, new_computed, num_lookahead_tokens)
         # Touching cached-but-free hits takes them out of the free queue too.
         revived = sum(1 for b in new_computed if self.pool.blocks[b].ref_cnt == 0)

@@ -82,7 +82,9 @@ class StatsCollector:
 
     @staticmethod
     def _key(labels: dict[str, str] | None) -> Labels:
-        return tuple(sorted((k, str(v)) for k, v in (labels or {}).items()))
+        if not labels:
+            return ()
+        return tuple(sorted((k, str(v)) for k, v in labels.items()))
 
     def inc(self, name: str, amount: float = 1.0, labels: dict[str, str] | None = None) -> None:
         fam = self._families[name]
@@ -102,6 +104,18 @@ class StatsCollector:
             counts = fam.hist.setdefault(key, [0] * (len(fam.buckets) + 1))
             counts[bisect.bisect_left(fam.buckets, value)] += 1
             fam.sums[key] = fam.sums.get(key, 0.0) + value
+
+    def observe_many(self, name: str, values: list[float], labels: dict[str, str] | None = None) -> None:
+        """Several observations under one lock (per-step batches of inter-token latencies)."""
+        if not values:
+            return
+        fam = self._families[name]
+        key = self._key(labels)
+        with self._lock:
+            counts = fam.hist.setdefault(key, [0] * (len(fam.buckets) + 1))
+            for value in values:
+                counts[bisect.bisect_left(fam.buckets, value)] += 1
+            fam.sums[key] = fam.sums.get(key, 0.0) + sum(values)
 
     def get(self, name: str, labels: dict[str, str] | None = None) -> float:
         """Counter/gauge value (0 when never set); histogram observation count."""
