@@ -118,6 +118,11 @@ class SpeculativeConfig:
                              f"got {self.num_speculative_tokens!r}.")
         if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
             raise ValueError(f"speculative_config.model is required for method {self.method!r}.")
+        if self.draft_tensor_parallel_size not in (None, 1):
+            # Drafts run unsharded on rank 0 (issue 9); sharding them would put a collective in
+            # every draft token for a model small enough to fit one GPU.
+            raise ValueError("speculative_config.draft_tensor_parallel_size must be 1 (drafts run unsharded "
+                             f"on rank 0), got {self.draft_tensor_parallel_size!r}.")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max.")

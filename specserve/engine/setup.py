@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -58,18 +59,30 @@ def _eos_ids(loaded: LoadedModel) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def build_engine_parts(config: EngineConfig, progress: bool = True) -> EngineParts:
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.model.dtype, device)
-    torch.manual_seed(config.model.seed)
-    loaded = load_model(config.model, device, dtype, _ops_for(device), progress)
-    arch, cc, sc = loaded.arch, config.cache, config.scheduler
-    spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, cc.block_size,
-                       kv_format(cc.kv_cache_dtype, dtype))
-    default_budget = 2048 if device.type == "cuda" else 512
-    max_batched = sc.max_num_batched_tokens or default_budget
+def max_num_batched_tokens(config: EngineConfig, device: torch.device, max_model_len: int) -> int:
+    """The scheduler's token budget per step (also the largest forward the KV profile runs)."""
+    sc = config.scheduler
+    max_batched = sc.max_num_batched_tokens or (2048 if device.type == "cuda" else 512)
     if not sc.enable_chunked_prefill:
-        max_batched = max(max_batched, loaded.max_model_len)
+        max_batched = max(max_batched, max_model_len)
+    return max_batched
+
+
+def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype, progress: bool,
+                 shard: Callable[[LoadedModel], int] | None = None, agree: Callable[[int], int] | None = None,
+                 make_runner: Callable[..., ModelRunner] = ModelRunner) -> ModelRunner:
+    """Load the model, size the KV pool, capture CUDA graphs: the model side of the engine.
+
+    Tensor parallelism (distributed/executor.py) runs this on every rank, in the same order, with
+    `shard` (slices the loaded model; returns the rank's KV heads), `agree` (the block count every
+    rank can hold) and its own runner class.
+    """
+    loaded = load_model(config.model, device, dtype, _ops_for(device), progress)
+    num_kv_heads = shard(loaded) if shard is not None else loaded.arch.num_kv_heads
+    arch, cc, sc = loaded.arch, config.cache, config.scheduler
+    spec = KVCacheSpec(arch.num_layers, num_kv_heads, arch.head_dim, cc.block_size,
+                       kv_format(cc.kv_cache_dtype, dtype))
+    max_batched = max_num_batched_tokens(config, device, loaded.max_model_len)
     backend = select_backend(device)
 
     def profile() -> None:
@@ -78,10 +91,28 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     budget = kv_budget_bytes(spec, device, cc.gpu_memory_utilization, cc.kv_cache_memory_bytes, profile,
                              sc.max_num_seqs * loaded.max_model_len)
     num_blocks = spec.num_blocks_for(budget)
-    runner = ModelRunner(loaded, spec, num_blocks, device, backend)
+    if agree is not None:
+        num_blocks = agree(num_blocks)
+    runner = make_runner(loaded, spec, num_blocks, device, backend)
     if device.type == "cuda" and not config.model.enforce_eager and getattr(backend, "name", "") == "triton":
         k = config.speculative.num_speculative_tokens if config.speculative else 0
         runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, (1, k + 1) if k else (1,))
+    return runner
+
+
+def build_engine_parts(config: EngineConfig, progress: bool = True) -> EngineParts:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    torch.manual_seed(config.model.seed)
+    if config.parallel.tensor_parallel_size > 1:
+        from specserve.distributed.executor import build_tp_executor  # issue 9: one process per rank
+
+        runner = build_tp_executor(config, device, dtype, progress)
+    else:
+        runner = build_runner(config, device, dtype, progress)
+    loaded, spec, num_blocks = runner.loaded, runner.spec, runner.num_blocks
+    arch, cc, sc = loaded.arch, config.cache, config.scheduler
+    max_batched = max_num_batched_tokens(config, device, loaded.max_model_len)
     kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                         hash_extra=f"{loaded.identity}|{spec.fmt.name}".encode())
     num_lookahead = config.speculative.num_speculative_tokens if config.speculative else 0

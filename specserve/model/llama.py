@@ -97,6 +97,8 @@ class CausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         # Layers whose outputs (pre-norm hidden states) are also returned, for EAGLE-3 heads.
         self.aux_hidden_layers: tuple[int, ...] = ()
+        # Set by model/tp.py: a vocabulary-sharded head that computes and gathers the logits.
+        self.logits_head: nn.Module | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None):
@@ -113,6 +115,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
+        if self.logits_head is not None:
+            return self.logits_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 

@@ -1,0 +1,206 @@
+"""The rank side of tensor parallelism: what every rank builds, and the loop ranks > 0 run.
+
+Every rank runs `build_rank_runner` with the same config, in the same order: load the full
+model, shard it, profile memory, agree on the number of KV blocks, capture CUDA graphs. Their
+collectives therefore pair up without any extra messages. Then rank 0 goes on to serve (it owns the
+scheduler and the sampler; see executor.py) and ranks > 0 enter `serve_steps`: receive a step's
+flat batch (`HostBatch`) on the control group, run the forward on their shard of the weights and
+of the KV heads, join its all-reduces, discard the logits; until a `Shutdown`.
+
+A spawned worker is started by executor.py as `python -c _BOOTSTRAP '<sys.path as JSON>'` with its
+`WorkerArgs` pickled on stdin (a fresh interpreter, so scripts need no `__main__` guard).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from specserve.attention.base import ForwardContext, forward_context
+from specserve.config import EngineConfig
+from specserve.distributed.parallel_state import TPGroup, init_tp_group
+from specserve.engine.setup import build_runner
+from specserve.model.loader import LoadedModel, resolve_dtype
+from specserve.model.tp import shard_model
+from specserve.runner.batch import BatchInputs, HostBatch, build_host_batch
+from specserve.runner.model_runner import ModelRunner, StepOutput
+from specserve.scheduler.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_BOOTSTRAP = ("import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
+              "from specserve.distributed.worker import main; main()")
+
+
+@dataclass
+class StepMessage:
+    host: HostBatch
+    need_hidden: bool
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class WorkerArgs:
+    config: EngineConfig
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    device: str  # "cpu" or "cuda:N"
+    step_timeout_s: float
+    start_timeout_s: float
+    num_threads: int
+    parent_pid: int
+
+
+def hello_key(rank: int) -> str:
+    return f"specserve/tp/hello/{rank}"
+
+
+class ShardRunner(ModelRunner):
+    """A ModelRunner that runs a step from its flat batch: the worker gets no SchedulerOutput.
+
+    `execute_host` repeats ModelRunner.execute after its build_host_batch line (minus the EAGLE
+    graph outputs: EAGLE is refused with tensor parallelism). Once ModelRunner has its own
+    execute_host, this class reduces to nothing.
+    """
+
+    def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False) -> StepOutput:
+        return self.execute_host(build_host_batch(sched, block_ids_of, self.block_size), need_hidden)
+
+    @torch.inference_mode()
+    def execute_host(self, host: HostBatch, need_hidden: bool = False) -> StepOutput:
+        """Same path as ModelRunner.execute. The graph key is a function of `host` and of the
+        captured sizes, which every rank shares, so all ranks replay the same graph."""
+        key = self.graphs.graph_key(host) if self.graphs is not None and not need_hidden else None
+        if key is not None:
+            logits = self.graphs.run(host, key)  # [host.num_tokens, vocab]
+            batch = BatchInputs(None, None, None, None, host.logit_rows)
+            if len(host.logits_indices) != host.num_tokens:
+                batch = host.to_device(self.device, self.staging, only_logits=True)
+                logits = logits.index_select(0, batch.logits_indices)
+            return self._with_host(StepOutput(logits, None, batch), host)
+        batch = host.to_device(self.device, self.staging)
+        with forward_context(ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)):
+            hidden = self.model(batch.input_ids, batch.positions)
+        aux = None
+        if isinstance(hidden, tuple):
+            hidden, aux = hidden
+        rows = hidden.index_select(0, batch.logits_indices)  # [num_logit_rows, hidden]
+        out = StepOutput(self.model.compute_logits(rows), rows, batch)
+        if need_hidden:
+            out.all_hidden, out.aux_hidden = hidden, aux
+        return self._with_host(out, host)
+
+    @staticmethod
+    def _with_host(out: StepOutput, host: HostBatch) -> StepOutput:
+        if hasattr(out, "host"):  # newer StepOutput carries the step's host layout
+            out.host = host
+        return out
+
+
+def build_rank_runner(config: EngineConfig, group: TPGroup, device: torch.device, progress: bool,
+                      make_runner: Callable[..., ModelRunner] = ShardRunner) -> ModelRunner:
+    """Load, shard, size the KV pool and capture graphs: the same collectives on every rank."""
+    dtype = resolve_dtype(config.model.dtype, device)
+    # Dummy weights come from this seed: every rank builds the same full model, then slices it.
+    torch.manual_seed(config.model.seed)
+
+    def shard(loaded: LoadedModel) -> int:
+        # A rank that failed to load shows up here, on gloo (a closed socket), not in an NCCL hang.
+        group.barrier()
+        shard_model(loaded.model, group.rank, group.world_size, group)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the full weights are gone; the profile must not count them
+        return loaded.arch.num_kv_heads // group.world_size
+
+    return build_runner(config, device, dtype, progress, shard=shard, agree=group.min_int, make_runner=make_runner)
+
+
+def release_cuda_graphs(runner: ModelRunner) -> None:
+    """Free the runner's CUDA graphs: graphs holding captured NCCL collectives must be gone before
+    the communicator is (pytorch#115388). The runner runs eagerly afterwards."""
+    graphs, runner.graphs = runner.graphs, None
+    if graphs is None:
+        return
+    torch.cuda.synchronize(runner.device)
+    for graph in graphs.graphs.values():
+        graph.reset()
+    graphs.graphs.clear()
+    graphs.outputs.clear()
+
+
+def serve_steps(runner: ShardRunner, group: TPGroup) -> None:
+    """Ranks > 0: run every step rank 0 broadcasts, until Shutdown.
+
+    No synchronization per step: the staging buffers are rewritten only after the next message,
+    and rank 0 sends that only once this step's logits all-gather, which follows this rank's
+    input copies on its stream, has completed.
+    """
+    while True:
+        msg = group.broadcast_object(None)
+        if isinstance(msg, Shutdown):
+            return
+        if not isinstance(msg, StepMessage):
+            raise RuntimeError(f"tensor-parallel worker got an unknown message {type(msg).__name__}")
+        runner.execute_host(msg.host, msg.need_hidden)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when rank 0's process is gone (reparented), even if no collective is pending."""
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="specserve-tp-parent-watch", daemon=True).start()
+
+
+def run_worker(args: WorkerArgs) -> int:
+    """A spawned rank: join the group, build, serve steps. Exit code 0 after a Shutdown."""
+    _watch_parent(args.parent_pid)
+    torch.set_num_threads(args.num_threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(args.store_host, args.store_port, args.world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=args.start_timeout_s))
+    store.set(hello_key(args.rank), "up")
+    group = init_tp_group(store, args.rank, args.world_size, device,
+                          datetime.timedelta(seconds=args.step_timeout_s))
+    runner = build_rank_runner(args.config, group, device, progress=False)
+    serve_steps(runner, group)
+    # No process-group teardown: main() leaves with os._exit, which frees the sockets and the
+    # communicator without waiting on any other rank.
+    release_cuda_graphs(runner)
+    return 0
+
+
+def main() -> None:
+    args: WorkerArgs = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s tp-rank{args.rank}: %(message)s")
+    try:
+        code = run_worker(args)
+    except BaseException as e:
+        if not isinstance(e, KeyboardInterrupt):
+            print(f"specserve tensor-parallel rank {args.rank} failed:\n{traceback.format_exc()}",
+                  file=sys.stderr, flush=True)
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,68 @@
+"""Shard an already-built CausalLM for tensor parallelism, from the outside.
+
+Every rank loads the full weights (the same checkpoint, or the same seeded dummy weights, so
+every rank holds the same function), then `shard_model` swaps each layer for its parallel twin
+holding this rank's slice and frees the rest. Loading whole and slicing keeps the loaders
+unchanged; its cost is one full copy of the weights per rank while loading.
+
+  qkv_proj [q | k | v]   -> ColumnParallelLinear: this rank's q heads, then its KV heads' k and v
+  o_proj                 -> RowParallelLinear (all-reduce)
+  gate_up_proj [g | u]   -> ColumnParallelLinear: this rank's slice of gate, then of up
+  down_proj              -> RowParallelLinear (all-reduce)
+  embed_tokens           -> VocabParallelEmbedding (all-reduce)
+  LM head (or the tied embedding) -> ParallelLMHead (all-gather), via CausalLM.logits_head
+Norms and the RoPE table stay whole (replicated): every rank holds the full hidden state.
+"""
+from __future__ import annotations
+
+from specserve.distributed.parallel_state import TPGroup
+from specserve.model.arch import ModelArch
+from specserve.model.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from specserve.model.llama import CausalLM
+
+
+def check_tp_size(arch: ModelArch, tensor_parallel_size: int) -> None:
+    """ValueError unless the attention heads and the KV heads split evenly over the ranks."""
+    tp = tensor_parallel_size
+    if arch.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {arch.num_heads} attention heads "
+                         f"(try one of {_divisors(arch.num_heads, arch.num_kv_heads)}).")
+    if arch.num_kv_heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {arch.num_kv_heads} KV heads "
+                         f"(try one of {_divisors(arch.num_heads, arch.num_kv_heads)}).")
+
+
+def _divisors(a: int, b: int) -> list[int]:
+    return [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]
+
+
+def shard_model(model: CausalLM, rank: int, world_size: int, group: TPGroup) -> CausalLM:
+    """Replace `model`'s layers by this rank's shards (in place; returns the model)."""
+    arch = model.arch
+    check_tp_size(arch, world_size)
+    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    for layer in model.layers:
+        attn = layer.self_attn
+        attn.qkv_proj = ColumnParallelLinear.from_linear(attn.qkv_proj, (q_size, kv_size, kv_size), rank, world_size)
+        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, rank, world_size, group)
+        # Per-rank head counts: Attention.forward splits the fused projection with these.
+        attn.num_heads, attn.num_kv_heads = arch.num_heads // world_size, arch.num_kv_heads // world_size
+        attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        mlp = layer.mlp
+        inter = arch.intermediate_size
+        mlp.gate_up_proj = ColumnParallelLinear.from_linear(mlp.gate_up_proj, (inter, inter), rank, world_size)
+        # shard_range gives down_proj's input columns the same slice as gate's and up's rows.
+        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, rank, world_size, group)
+    full_head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    embed = VocabParallelEmbedding.from_embedding(model.embed_tokens, rank, world_size, group)
+    if model.lm_head is None:  # tied: the head shares the embedding's (identically sliced) rows
+        head = ParallelLMHead(embed.weight, arch.vocab_size, group)
+    else:
+        head = ParallelLMHead.from_weight(full_head, rank, world_size, group)
+    model.embed_tokens, model.lm_head, model.logits_head = embed, None, head
+    return model
