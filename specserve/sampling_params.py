@@ -79,6 +79,10 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None:
+            from specserve.sample.structured import validate_structured_outputs
+
+            validate_structured_outputs(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

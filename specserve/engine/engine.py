@@ -154,6 +154,8 @@ class Engine:
         if not entries:
             return [None] * len(sched.scheduled), [0] * len(sched.scheduled)
         sampling = [s.request for s in entries]
+        # issue 8: grammar masks, before every sampling path (the greedy fast path too)
+        logits = self.structured.apply(logits, sampling, [s.num_spec_tokens for s in entries])
         if self._plain_greedy(entries):
             # The common serving case: argmax, no metadata to build or copy.
             tokens = logits.argmax(dim=-1).tolist()
@@ -164,7 +166,6 @@ class Engine:
             [r.output_token_ids for r in sampling], [r.generator for r in sampling], self.vocab_size,
             self.device, [list(r.eos_token_ids) + r.params.stop_token_ids for r in sampling])
         num_drafts = [s.num_spec_tokens for s in entries]
-        logits = self.structured.apply(logits, sampling, num_drafts)  # issue 8: grammar masks
         if self.spec is not None and any(num_drafts):
             token_lists, num_accepted = self.spec.verify(sampling, num_drafts, logits, meta)
         else:

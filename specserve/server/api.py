@@ -227,9 +227,22 @@ class SpecserveServer(uvicorn.Server):
     response ends properly (finish_reason "abort") and the app's lifespan shutdown follows.
     """
 
+    # After the engine loop (or a tensor-parallel rank) dies, /health answers 503 for this long so
+    # load balancers see it, then the server exits on its own (exit status 1).
+    DEAD_ENGINE_GRACE_S = 3.0
+
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, settings: ServerConfig) -> None:
         super().__init__(config)
         self.engine, self.settings = engine, settings
+        self.engine_died_at: float | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.engine_died_at is None and not self.engine.is_running:
+            self.engine_died_at = time.monotonic()
+            logger.error("engine loop died; exiting in %.0f s", self.DEAD_ENGINE_GRACE_S)
+        if self.engine_died_at is not None and time.monotonic() - self.engine_died_at > self.DEAD_ENGINE_GRACE_S:
+            return True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         drain = asyncio.create_task(self.engine.drain(self.settings.graceful_shutdown_timeout))

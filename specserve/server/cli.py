@@ -77,7 +77,7 @@ def serve_main(argv: Sequence[str]) -> int:
         server.run()
     finally:
         engine.close(timeout=2.0)  # no-op when the app's lifespan already shut it down
-    return 0 if server.started else 1
+    return 0 if server.started and server.engine_died_at is None else 1
 
 
 # -------------------------------------------------------------------------------- generate

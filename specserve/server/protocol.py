@@ -53,6 +53,17 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* extras.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_extras(self) -> dict[str, Any]:
+        names = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
 class CompletionRequest(SamplingFields):
@@ -89,7 +100,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -92,10 +92,6 @@ def _logprobs(engine: AsyncEngine, c: CompletionOutput, start: int, top_n: int) 
 def _validate(req: ChatCompletionRequest) -> None:
     if req.tools:
         raise APIError("tools are not supported by this server", param="tools", code="unsupported")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise APIError(f"response_format {fmt!r} is not supported", param="response_format",
-                       code="unsupported")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
 

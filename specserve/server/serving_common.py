@@ -110,8 +110,11 @@ def build_params(req: SamplingFields, max_tokens: int | None, logprobs: int | No
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options can only be set when stream is true", param="stream_options")
     try:
+        from specserve.sample.structured import structured_from_openai
+
+        structured = structured_from_openai(req.response_format, req.structured_extras())
         return SamplingParams(
-            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            structured_outputs=structured, n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
             min_p=req.min_p or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,

@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU (gloo): greedy output equals tensor_parallel_size 1, with and
 without speculation; bad sizes are refused before any process starts; a killed rank makes the
-engine fail fast (no hang), the server answer 503 on /health, and SIGTERM still exit cleanly.
+engine fail fast (no hang), the server answer 503 on /health, then exit by itself cleanly.
 
 Each TP engine starts one interpreter per extra rank, so the tests share few engines and keep
 outputs short (CI has 2 cores).
@@ -164,12 +164,13 @@ def test_server_rank_killed_mid_stream_gives_503_and_clean_exit(tiny_llama_dir, 
         assert any('"engine_unavailable"' in line for line in rest), rest[-3:]
         health = httpx.get(url + "/health", timeout=5)
         assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=20)
+        rc = proc.wait(timeout=30)  # it exits by itself a few seconds after the rank died
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert rc == 0, stderr_path.read_text()[-3000:]
+    err = stderr_path.read_text()
+    assert rc == 1, err[-3000:]
+    assert "engine loop died" in err, err[-3000:]  # the cause is logged (with its traceback) before
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:

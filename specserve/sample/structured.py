@@ -1,0 +1,307 @@
+"""Structured output: grammar-constrained sampling (JSON schema, JSON object, regex, choice, EBNF).
+
+Each structured request has an xgrammar GrammarMatcher that has accepted its output so far. Every
+sampled or verified logits row is masked with the token bitmask of the grammar state at that
+position, so the plain sampler and the rejection sampler both draw only grammar-valid tokens
+(the masked distribution IS the target distribution, so verification stays lossless).
+
+When the work happens (so the masks are ready before the logits are):
+  add_request  compile (LRU-cached; ValueError before any state) -> matcher -> prepare(): a worker
+               thread fills position 0's mask while the prefill forward runs.
+  _sample      apply(): wait for the worker (normally long done), mask the rows, sample / verify.
+  _update      advance(): feed the emitted tokens to the matcher; terminated -> the request ends.
+  prepare()    without speculation right after _update; with it at the end of SpecDecoder.propose:
+               drafts are cut where the grammar rejects them (on the caller's thread, cheap), then
+               the worker fills the k+1 masks (walk the drafts, roll back) during the next forward.
+
+Invariant: a matcher is used by one thread at a time. The main thread touches a request's
+matcher only after waiting for that request's pending job (`_wait`).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specserve.sample.grammar_cache import FIELD, GrammarCache, build_grammar, load_xgrammar, parse_structured_outputs
+from specserve.sampling_params import SamplingParams
+from specserve.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+# vLLM's pre-`structured_outputs` extra fields (still sent by many clients) -> our kinds.
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+
+
+# -- request-level API (no tokenizer needed) ----------------------------------------------------
+def validate_structured_outputs(spec: dict[str, Any] | None, field: str = FIELD,
+                                value_label: str | None = None) -> None:
+    """Shape and syntax check of a `structured_outputs` dict (schema, regex, EBNF), without a
+    tokenizer: usable from SamplingParams validation. Raises ValueError naming the field."""
+    parsed = parse_structured_outputs(spec, field, value_label)
+    if parsed is not None:
+        build_grammar(parsed, field, value_label)
+
+
+def structured_from_openai(response_format: dict[str, Any] | None,
+                           extra: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Map an OpenAI `response_format` and vLLM extra-body fields (`structured_outputs`,
+    `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`) to a
+    `SamplingParams.structured_outputs` dict; None when the output is unconstrained.
+
+    At most one source may constrain the output. Raises ValueError naming the offending field
+    (the server answers HTTP 400), with schemas and regexes already syntax-checked.
+    """
+    extra = extra or {}
+    found: list[tuple[str, dict[str, Any], str | None]] = []  # (field, structured_outputs, label)
+    if response_format is not None:
+        mapped = _from_response_format(response_format)
+        if mapped is not None:
+            found.append(mapped)
+    so = extra.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise ValueError(f"structured_outputs must be an object, got {type(so).__name__}.")
+        found.append(("structured_outputs", dict(so), None))
+    for key, kind in _GUIDED:
+        if extra.get(key) is not None:
+            found.append((key, {kind: extra[key]}, key))
+    if extra.get("guided_whitespace_pattern") is not None:
+        raise ValueError("guided_whitespace_pattern is not supported.")
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ValueError("only one of response_format, structured_outputs, guided_json, guided_regex, "
+                         f"guided_choice and guided_grammar may be given, got {[f[0] for f in found]}.")
+    field, mapped_so, label = found[0]
+    validate_structured_outputs(mapped_so, field, label)
+    return mapped_so
+
+
+def _from_response_format(rf: Any) -> tuple[str, dict[str, Any], str | None] | None:
+    if not isinstance(rf, dict):
+        raise ValueError(f"response_format must be an object, got {type(rf).__name__}.")
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "response_format", {"json_object": True}, "response_format"
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise ValueError("response_format.json_schema must be an object with 'name' and 'schema'.")
+        if js.get("name") is not None and not isinstance(js["name"], str):
+            raise ValueError("response_format.json_schema.name must be a string.")
+        schema = js.get("schema")
+        if schema is None:
+            raise ValueError("response_format.json_schema.schema is required.")
+        # `strict` is accepted and ignored: the grammar is always strict (no unlisted properties).
+        return "response_format", {"json": schema}, "response_format.json_schema.schema"
+    raise ValueError("response_format.type must be 'text', 'json_object' or 'json_schema', "
+                     f"got {kind!r}.")
+
+
+# -- masks ---------------------------------------------------------------------------------------
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor, row_ids: Sequence[int]) -> Tensor:
+    """A copy of logits [num_rows, vocab] whose rows row_ids have disallowed tokens at -inf.
+
+    bitmask: [len(row_ids), ceil(vocab / 32)] int32 (xgrammar's layout: bit t % 32 of word
+    t // 32 set = token t allowed), on any device. Pure torch, so it is the same code on CPU and
+    GPU and needs no xgrammar kernel (xgrammar's GPU path would pull in Triton).
+    """
+    device, vocab = logits.device, logits.shape[1]
+    words = bitmask.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    banned = ((words.unsqueeze(-1) >> shifts) & 1).reshape(words.shape[0], -1)[:, :vocab] == 0
+    if list(row_ids) == list(range(logits.shape[0])):  # every row is structured: no gather/scatter
+        return logits.masked_fill(banned, float("-inf"))
+    index = torch.tensor(list(row_ids), dtype=torch.int64).to(device)
+    out = logits.clone()
+    out[index] = out[index].masked_fill(banned, float("-inf"))
+    return out
+
+
+@dataclass
+class _Masks:
+    drafts: tuple[int, ...]  # the drafts the masks were computed through
+    bitmask: Tensor  # [len(drafts) + 1, num_words] int32, CPU: row j = state after drafts[:j]
+
+
+@dataclass
+class _GrammarState:
+    matcher: Any  # xgrammar.GrammarMatcher; has accepted exactly the request's output tokens
+    masks: _Masks | None = None  # written by the worker; read only after `job` is done
+    job: Future[None] | None = None
+
+
+class StructuredOutputs:
+    """Grammar state of the engine's structured requests; see the module docstring."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 cache_size: int = 128) -> None:
+        self.cache = GrammarCache(tokenizer, vocab_size, eos_token_ids, cache_size)
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self._states: dict[str, _GrammarState] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self.num_sync_fills = 0  # masks not ready when the logits were: computed on the critical path
+        self.num_drafts_cut = 0  # draft tokens dropped because the grammar rejects them
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def compile(self, params: SamplingParams) -> Any | None:
+        """The compiled grammar for params.structured_outputs (None = unconstrained). Cached;
+        raises ValueError naming structured_outputs. Touches no request state."""
+        spec = parse_structured_outputs(params.structured_outputs)
+        return None if spec is None else self.cache.get(spec)
+
+    def add(self, req: Request, compiled: Any | None) -> None:
+        """Start tracking a request; its first mask is filled in the background right away."""
+        if compiled is None:
+            return
+        self._states[req.request_id] = _GrammarState(load_xgrammar().GrammarMatcher(compiled))
+        self.prepare([req])
+
+    def release(self, req: Request) -> None:
+        """Forget a finished or aborted request. A job still running keeps its own references."""
+        self._states.pop(req.request_id, None)
+
+    def is_structured(self, req: Request) -> bool:
+        return req.request_id in self._states
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._states)
+
+    # -- per step --------------------------------------------------------------------------------
+    def prepare(self, reqs: Sequence[Request]) -> None:
+        """Cut each structured request's drafts where the grammar rejects them, then fill its masks
+        for the next step in the worker thread. Idempotent for an unchanged request."""
+        items: list[tuple[_GrammarState, tuple[int, ...]]] = []
+        for req in reqs:
+            st = self._states.get(req.request_id)
+            if st is None or req.is_finished:
+                continue
+            self._wait(st)
+            num_proposed = len(req.spec_token_ids)
+            drafts = _cut_drafts(st.matcher, req)
+            self.num_drafts_cut += num_proposed - len(drafts)
+            if st.masks is not None and st.masks.drafts == drafts:
+                continue
+            st.masks = None
+            items.append((st, drafts))
+        if not items:
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-grammar")
+        job = self._executor.submit(self._fill_all, items)
+        for st, _ in items:
+            st.job = job
+
+    def _fill_all(self, items: list[tuple[_GrammarState, tuple[int, ...]]]) -> None:
+        for st, drafts in items:
+            st.masks = _fill_masks(st.matcher, drafts, self.num_words)
+
+    def apply(self, logits: Tensor, reqs: Sequence[Request], num_spec: Sequence[int]) -> Tensor:
+        """Mask grammar-invalid tokens: logits [sum(num_spec) + len(reqs), vocab], request i owning
+        num_spec[i] + 1 consecutive rows (its draft positions, then the bonus position).
+        Returns `logits` itself when no request in the batch is structured, else a masked copy."""
+        if not self._states:
+            return logits
+        row_ids: list[int] = []
+        rows: list[Tensor] = []
+        start = 0
+        for req, k in zip(reqs, num_spec):
+            st = self._states.get(req.request_id)
+            if st is not None:
+                rows.append(self._masks_for(st, tuple(req.spec_token_ids[:k])).bitmask[:k + 1])
+                row_ids.extend(range(start, start + k + 1))
+            start += k + 1
+        if not rows:
+            return logits
+        return apply_token_bitmask(logits, torch.cat(rows), row_ids)
+
+    def _masks_for(self, st: _GrammarState, drafts: tuple[int, ...]) -> _Masks:
+        self._wait(st)
+        masks = st.masks
+        # The scheduler may have dropped trailing drafts (budget, context end): a prefix still fits.
+        if masks is None or masks.drafts[:len(drafts)] != drafts:
+            self.num_sync_fills += 1
+            masks = st.masks = _fill_masks(st.matcher, drafts, self.num_words)
+        return masks
+
+    def advance(self, req: Request, token_ids: Sequence[int]) -> bool:
+        """Feed the tokens the request just emitted to its matcher. True = the request must end:
+        the grammar has terminated (it accepted a stop token), or it rejected a token (which masks
+        prevent; it takes e.g. min_tokens forbidding the only token the grammar allows)."""
+        st = self._states.get(req.request_id)
+        if st is None or not token_ids:
+            return False
+        self._wait(st)
+        st.masks = None
+        for token in token_ids:
+            if st.matcher.is_terminated() or not st.matcher.accept_token(token):
+                logger.warning("request %s: token %d violates its %s; ending the request.",
+                               req.request_id, token, FIELD)
+                return True
+        return st.matcher.is_terminated()
+
+    @staticmethod
+    def _wait(st: _GrammarState) -> None:
+        if st.job is not None:
+            st.job.result()  # re-raises a worker error here, on the engine's thread
+            st.job = None
+
+
+def _cut_drafts(matcher: Any, req: Request) -> tuple[int, ...]:
+    """Drop the drafts the grammar can never emit; returns the drafts kept.
+
+    One-hot drafts (n-gram, argmax drafters) stop before the first rejected token: a deterministic
+    proposer proposing less is still lossless. Drafts sampled from draft_probs keep the first
+    rejected token: dropping it would change the proposal distribution depending on the draw and
+    break losslessness, while keeping it is exact (its target prob is 0, so it is always rejected
+    and the recovered token comes from max(0, target_probs - draft_probs)). Drafts after a token
+    that terminates the grammar are dropped: the request ends there.
+    """
+    drafts = req.spec_token_ids
+    num_valid, ended = 0, False
+    for token in drafts:
+        if matcher.is_terminated():
+            ended = True
+            break
+        if not matcher.accept_token(token):
+            break
+        num_valid += 1
+    if num_valid:
+        matcher.rollback(num_valid)
+    keep = num_valid
+    if num_valid < len(drafts) and not ended and req.spec_draft_probs is not None:
+        keep += 1
+    if keep < len(drafts):
+        req.spec_token_ids = list(drafts[:keep])
+        if req.spec_draft_probs is not None:
+            req.spec_draft_probs = req.spec_draft_probs[:keep]
+    return tuple(req.spec_token_ids)
+
+
+def _fill_masks(matcher: Any, drafts: tuple[int, ...], num_words: int) -> _Masks:
+    """Masks for positions 0..len(drafts): walk the matcher through the drafts, then roll back.
+    Rows past a rejected or terminating draft stay all-allowed: they are never sampled from (the
+    rejected draft is always rejected; a stop token ends the request)."""
+    bitmask = torch.full((len(drafts) + 1, num_words), -1, dtype=torch.int32)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    num_accepted = 0
+    for j, token in enumerate(drafts):
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        num_accepted += 1
+        if not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(bitmask, j + 1)
+    if num_accepted:
+        matcher.rollback(num_accepted)
+    return _Masks(drafts, bitmask)
