@@ -2,10 +2,12 @@
 
 Imported lazily, only when selected on CUDA (it imports triton). One forward = two or three
 launches: the KV write, the paged attention kernel, and the split-KV reduction when the batch is
-too small to fill the GPU. Nothing reads tensor values on the host, so a decode forward can be
-captured in a CUDA graph: size it with fixed upper bounds (`max_seq_len`, `max_query_len`) and pad
-the batch with zero-length sequences (repeat the last `cu_query_lens` entry, `seq_lens` 0) and
-padding tokens whose slot is negative (their K/V is not stored, their output rows are garbage).
+too small to fill the GPU. Quantized caches (fp8, nvfp4) take the kernels of `triton_quant.py`:
+the write kernel quantizes, the attention kernel dequantizes tiles as it reads them. Nothing
+reads tensor values on the host, so a decode forward can be captured in a CUDA graph: size it
+with fixed upper bounds (`max_seq_len`, `max_query_len`) and pad the batch with zero-length
+sequences (repeat the last `cu_query_lens` entry, `seq_lens` 0) and padding tokens whose slot is
+negative (their K/V is not stored, their output rows are garbage).
 """
 from __future__ import annotations
 
@@ -34,8 +36,12 @@ class TritonBackend:
                 fmt: KVFormat, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] -> like q."""
         if fmt.quantized:
-            # In-kernel dequantization (fp8, nvfp4) is a later step; refuse rather than misread bytes.
-            raise NotImplementedError(f"TritonBackend does not read kv_cache_dtype {fmt.name!r} yet")
+            # fp8 / nvfp4: quantized in the write kernel, dequantized inside the attention kernel.
+            from specserve.attention.triton_quant import paged_attention_quant, reshape_and_cache_quant
+
+            reshape_and_cache_quant(k, v, cache, fmt, meta.slot_mapping)
+            return paged_attention_quant(q, cache, fmt, meta.cu_query_lens, meta.seq_lens, meta.block_tables,
+                                         meta.max_query_len, meta.max_seq_len, scale, num_splits=self.num_splits)
         reshape_and_cache(k, v, cache.key, cache.value, meta.slot_mapping)
         return paged_attention(q, cache.key, cache.value, meta.cu_query_lens, meta.seq_lens,
                                meta.block_tables, meta.max_query_len, meta.max_seq_len, scale,

@@ -196,12 +196,13 @@ def test_backend_with_graph_padding(device: torch.device) -> None:
     assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
 
 
-def test_backend_refuses_quantized_cache(device: torch.device) -> None:
+def test_backend_refuses_unknown_quantized_cache(device: torch.device) -> None:
+    """fp8 / nvfp4 are read by triton_quant.py (tests/gpu/test_triton_quant_kv.py); others are refused."""
     from specserve.attention.triton_backend import TritonBackend
 
     batch = make_batch([(3, 1)], 4, 4, 64, 16, torch.bfloat16, device, seed=3)
-    with pytest.raises(NotImplementedError, match="fp8"):
-        TritonBackend().forward(batch.q, batch.k, batch.v, batch.cache, kv_format("fp8", torch.bfloat16),
+    with pytest.raises(NotImplementedError, match="int4"):
+        TritonBackend().forward(batch.q, batch.k, batch.v, batch.cache, KVFormat("int4", torch.uint8, 2, 32, None),
                                 batch.meta, batch.scale)
 
 

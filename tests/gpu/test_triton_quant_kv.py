@@ -1,0 +1,329 @@
+"""Triton kernels over quantized KV (fp8, nvfp4) against the torch oracle (kv/quant.py, torch_ref).
+
+The write kernel must reproduce `quant.write_kv` bit for bit: data bytes and scales, ties and
+saturation included, run on the CPU as the oracle. Attention reads the same bytes; its reference
+is TorchRefBackend in float64 over the dequantized cache, so what differs is only the kernels'
+float16 operands and fp32 accumulation. Slots that no sequence owns hold NaN scales (and NaN fp8
+bytes), so any read outside a sequence's context shows up as NaN; outputs are poisoned with NaN
+before the kernel runs, so every row must be written.
+
+Under TRITON_INTERPRET=1 the interpreter's float8 conversions are replaced by torch's (it
+truncates instead of rounding to nearest even and drops the mantissa carry); see `_fp8_interpreter`.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from specserve.attention.base import AttentionMetadata
+from specserve.attention.torch_ref import TorchRefBackend
+from specserve.kv import quant
+from specserve.kv.spec import KVFormat, LayerKVCache, kv_format
+
+F64 = KVFormat("float64", torch.float64, 1, None, None)
+FORMATS = ["fp8", "nvfp4"]
+# (relative norm error, max abs error) against the float64 reference, by q / output dtype
+TOL = {torch.float32: (3e-3, 1e-2), torch.bfloat16: (1e-2, 5e-2)}
+MIXED = [(0, 37), (2, 1), (48, 20), (37, 19), (70, 1), (33, 5), (0, 1), (100, 4), (16, 16)]
+SMALL_MIXED = [(0, 21), (2, 1), (40, 9), (17, 1), (33, 5), (16, 16)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fp8_interpreter():
+    """Interpreter only: do float8 conversions with torch (round to nearest even, as the GPU)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    original = interp._convert_float
+    as_torch = {tl.float8e4nv: torch.float8_e4m3fn, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+                tl.float32: torch.float32}
+    bits = {8: (np.uint8, np.uint8, torch.uint8), 16: (np.uint16, np.int16, torch.int16),
+            32: (np.uint32, np.int32, torch.int32)}
+
+    def convert_float(data, src, dst, rounding):
+        if tl.float8e4nv not in (src, dst) or src not in as_torch or dst not in as_torch:
+            return original(data, src, dst, rounding)
+        _, signed, tint = bits[src.primitive_bitwidth]
+        raw = torch.from_numpy(np.ascontiguousarray(data).view(signed).copy()).view(tint)
+        unsigned, _, out_int = bits[dst.primitive_bitwidth]
+        return raw.view(as_torch[src]).to(as_torch[dst]).view(out_int).numpy().view(unsigned)
+
+    interp._convert_float = convert_float
+    yield
+    interp._convert_float = original
+
+
+def poisoned_cache(fmt: KVFormat, num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_dim: int) -> LayerKVCache:
+    """A CPU cache whose every slot reads back as NaN (fp8: NaN bytes; both: NaN scales)."""
+    data_shape = (num_blocks, block_size, num_kv_heads, fmt.packed_dim(head_dim))
+    scale_shape = data_shape[:3] + (fmt.num_scale_groups(head_dim),)
+
+    def data() -> torch.Tensor:
+        return torch.full(data_shape, 0x7F, dtype=torch.uint8).view(fmt.storage_dtype)
+
+    def scale() -> torch.Tensor:
+        return torch.full(scale_shape, float("nan")).to(fmt.scale_dtype)
+
+    return LayerKVCache(data(), data(), scale(), scale())
+
+
+def to_device(cache: LayerKVCache, device: torch.device) -> LayerKVCache:
+    return LayerKVCache(*(t.to(device) for t in cache))
+
+
+def assert_same_bytes(got: LayerKVCache, want: LayerKVCache) -> None:
+    for name, g, w in zip(LayerKVCache._fields, got, want):
+        bits = torch.int16 if g.element_size() == 2 else torch.uint8
+        g_bits, w_bits = g.cpu().view(bits), w.view(bits)
+        bad = (g_bits != w_bits).sum().item()
+        assert bad == 0, f"{name}: {bad} of {g.numel()} elements differ from quant.write_kv"
+
+
+def kv_values(num_tokens: int, num_kv_heads: int, head_dim: int, gen: torch.Generator) -> torch.Tensor:
+    """float32 [N, H, D] of mixed magnitudes, zero rows and groups, rounding ties and saturation."""
+    x = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    x *= 10 ** (torch.rand(num_tokens, num_kv_heads, 1, generator=gen) * 6 - 3)  # amax 1e-3 .. 1e3
+    x[0] = 0.0  # an all-zero token
+    x[1, :, :16] = 0.0  # a zero nvfp4 group
+    # fp8: amax 448 -> scale 1; 1.0625 / 1.1875 / 1.5 * 2^-9 sit exactly between two e4m3 values.
+    fp8_ties = torch.tensor([448.0, 1.0625, -1.1875, 1.5 * 2 ** -9, -2.5 * 2 ** -9, 3.25, 0.0, 100.0])
+    x[2, 0] = fp8_ties.repeat(head_dim // 8)
+    # nvfp4 (global scale 4): group amax 24 -> scale 1; x / 4 lands on every e2m1 rounding boundary.
+    nvfp4_ties = torch.tensor([24.0, 1, 3, 5, 7, 10, 14, 20, -1, -3, -5, -7, -10, -14, -20, 0])
+    x[2, 1 % num_kv_heads] = nvfp4_ties.repeat(head_dim // 16)
+    x[3] *= 1e-7  # below every normal scale
+    x[4] = torch.randn(num_kv_heads, head_dim, generator=gen) * 3e4  # nvfp4 group amax past 10752
+    return x
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_write_matches_oracle(name: str, dtype: torch.dtype, head_dim: int, device: torch.device) -> None:
+    from specserve.attention.triton_quant import reshape_and_cache_quant
+
+    fmt = kv_format(name, dtype)
+    gen = torch.Generator().manual_seed(head_dim)
+    # 8 heads at head_dim 128 (the Llama shape); 3 at 64 (a head count that is no power of two).
+    num_tokens, num_kv_heads, block_size, num_blocks = 24, 8 if head_dim == 128 else 3, 16, 3
+    # k / v as strided views of one fused projection, as the model hands them over.
+    kv = kv_values(num_tokens, 2 * num_kv_heads, head_dim, gen).to(dtype)
+    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[5, 11]] = -1  # padding tokens: stored nowhere
+    real = slots >= 0
+    want = poisoned_cache(fmt, num_blocks, block_size, num_kv_heads, head_dim)
+    got = to_device(want, device)
+    quant.write_kv(want, fmt, slots[real], k[real], v[real])
+    reshape_and_cache_quant(k.to(device), v.to(device), got, fmt, slots.to(device))
+    assert_same_bytes(got, want)
+
+
+class Batch(NamedTuple):
+    q: torch.Tensor  # [num_tokens (+ padding), num_heads, head_dim]
+    k: torch.Tensor  # [num_tokens (+ padding), num_kv_heads, head_dim]
+    v: torch.Tensor
+    cache: LayerKVCache  # on the device, context already written (by the oracle)
+    cpu_cache: LayerKVCache  # the same, on the CPU, for the reference
+    meta: AttentionMetadata  # what the kernel sees (may hold padding tokens / empty sequences)
+    ref_meta: AttentionMetadata  # real tokens and sequences only
+    scale: float
+
+
+def _meta(specs: list[tuple[int, int]], tables: list[list[int]], block_size: int, device: torch.device,
+          pad_tokens: int = 0, pad_seqs: int = 0) -> AttentionMetadata:
+    query_lens = [n for _, n in specs] + [0] * pad_seqs
+    seq_lens = [c + n for c, n in specs] + [0] * pad_seqs
+    block_tables = torch.zeros(len(seq_lens), max(len(t) for t in tables) + 1, dtype=torch.int32)
+    for b, t in enumerate(tables):
+        block_tables[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    slots = [tables[b][p // block_size] * block_size + p % block_size
+             for b, (c, n) in enumerate(specs) for p in range(c, c + n)] + [-1] * pad_tokens
+    cu = [0]
+    for n in query_lens:
+        cu.append(cu[-1] + n)
+    return AttentionMetadata(
+        cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_seqs=len(seq_lens),
+        num_tokens=len(slots), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+
+
+def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+               fmt: KVFormat, dtype: torch.dtype, device: torch.device, seed: int, pad_tokens: int = 0,
+               pad_seqs: int = 0) -> Batch:
+    """specs: (cached context_len, query_len) per sequence; block ids are shuffled over the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [math.ceil((c + n) / block_size) for c, n in specs]
+    num_blocks = sum(counts) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, at = [], 0
+    for n in counts:
+        tables.append(perm[at:at + n])
+        at += n
+    cache = poisoned_cache(fmt, num_blocks, block_size, num_kv_heads, head_dim)
+    for (c, _), t in zip(specs, tables):  # the cached context of every sequence, written by the oracle
+        slots = torch.tensor([t[p // block_size] * block_size + p % block_size for p in range(c)], dtype=torch.long)
+        quant.write_kv(cache, fmt, slots, torch.randn(c, num_kv_heads, head_dim, generator=gen),
+                       torch.randn(c, num_kv_heads, head_dim, generator=gen) * 3)
+    num_tokens = sum(n for _, n in specs) + pad_tokens
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width, generator=gen).to(dtype).to(device)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return Batch(q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+                 v.view(num_tokens, num_kv_heads, head_dim), to_device(cache, device), cache,
+                 _meta(specs, tables, block_size, device, pad_tokens, pad_seqs),
+                 _meta(specs, tables, block_size, device), head_dim ** -0.5)
+
+
+def reference(batch: Batch, fmt: KVFormat) -> tuple[torch.Tensor, LayerKVCache]:
+    """float64 output for the real tokens over the dequantized cache, and the oracle-written cache."""
+    n = batch.ref_meta.num_tokens
+    written = LayerKVCache(*(t.clone() for t in batch.cpu_cache))
+    slots = batch.ref_meta.slot_mapping.cpu()
+    quant.write_kv(written, fmt, slots, batch.k[:n].cpu(), batch.v[:n].cpu())
+
+    def dequantized(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        nb, bs, h, p = data.shape
+        full = quant.dequantize(data.reshape(-1, h, p), scale.reshape(-1, h, scale.shape[-1]), fmt, torch.float64)
+        return full.view(nb, bs, h, -1).nan_to_num(0.0)  # the oracle may read padded slots under a mask
+
+    key, value = dequantized(written.key, written.key_scale), dequantized(written.value, written.value_scale)
+    clean = LayerKVCache(key, value, None, None)
+    h, d = key.shape[2], key.shape[3]
+    k_new, v_new = key.view(-1, h, d)[slots], value.view(-1, h, d)[slots]  # re-storing them is a no-op
+    meta = batch.ref_meta
+    cpu_meta = AttentionMetadata(meta.cu_query_lens.cpu(), meta.seq_lens.cpu(), meta.block_tables.cpu(), slots,
+                                 meta.max_query_len, meta.max_seq_len, meta.num_seqs, meta.num_tokens,
+                                 meta.query_lens_cpu, meta.seq_lens_cpu)
+    out = TorchRefBackend().forward(batch.q[:n].cpu().double(), k_new, v_new, clean, F64, cpu_meta, batch.scale)
+    return out, written
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    out = out.cpu()
+    assert not torch.isnan(out).any(), "unwritten or NaN-contaminated output rows"
+    diff = out.double() - ref
+    rel = (diff.norm() / ref.norm()).item()
+    max_abs = diff.abs().max().item()
+    rel_tol, abs_tol = TOL[dtype]
+    assert rel < rel_tol and max_abs < abs_tol, f"rel {rel:.2e} (tol {rel_tol}), max abs {max_abs:.2e} (tol {abs_tol})"
+
+
+def run_kernels(batch: Batch, fmt: KVFormat, num_splits: int | None = None) -> torch.Tensor:
+    from specserve.attention.triton_quant import paged_attention_quant, reshape_and_cache_quant
+
+    meta = batch.meta
+    reshape_and_cache_quant(batch.k, batch.v, batch.cache, fmt, meta.slot_mapping)
+    out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype, device=batch.q.device)
+    return paged_attention_quant(batch.q, batch.cache, fmt, meta.cu_query_lens, meta.seq_lens, meta.block_tables,
+                                 meta.max_query_len, meta.max_seq_len, batch.scale, out=out, num_splits=num_splits)
+
+
+CASES = [(torch.bfloat16, 1, 16, 128), (torch.bfloat16, 4, 16, 128), (torch.bfloat16, 8, 32, 64),
+         (torch.bfloat16, 6, 16, 128), (torch.float32, 4, 32, 128)]
+CASE_IDS = [f"{str(dt).removeprefix('torch.')}-g{g}-bs{bs}-d{d}" for dt, g, bs, d in CASES]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype,group,block_size,head_dim", CASES, ids=CASE_IDS)
+def test_mixed_batch(name: str, dtype: torch.dtype, group: int, block_size: int, head_dim: int,
+                     device: torch.device, interpreting: bool) -> None:
+    """Prefill, prefix-hit prefill, chunk continuation, decode and k+1 verify in one flat batch."""
+    fmt = kv_format(name, dtype)
+    specs = SMALL_MIXED if interpreting else MIXED
+    batch = make_batch(specs, group * 2, 2, head_dim, block_size, fmt, dtype, device,
+                       seed=group * 1000 + block_size + head_dim)
+    ref, written = reference(batch, fmt)
+    initial = LayerKVCache(*(t.clone() for t in batch.cache))
+    out = run_kernels(batch, fmt)
+    assert_same_bytes(batch.cache, written)
+    assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+    # The split-KV path over the same batch (multi-token q blocks, causal edges inside splits).
+    for dst, src in zip(batch.cache, initial):
+        dst.copy_(src)
+    assert_close(run_kernels(batch, fmt, num_splits=3)[:batch.ref_meta.num_tokens], ref, dtype)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("query_len", [1, 4])
+def test_long_context_decode_and_verify(name: str, query_len: int, device: torch.device,
+                                        interpreting: bool) -> None:
+    """Decode (query_len 1) and k+1 verify over long contexts: auto split, no split, odd split."""
+    contexts = [1, 17, 300] if interpreting else [1, 17, 3000, 8191, 20000]
+    dtype = torch.bfloat16
+    fmt = kv_format(name, dtype)
+    batch = make_batch([(c, query_len) for c in contexts], 32, 8, 128, 16, fmt, dtype, device,
+                       seed=query_len * 10 + len(name))
+    ref, written = reference(batch, fmt)
+    initial = LayerKVCache(*(t.clone() for t in batch.cache))
+    for num_splits in ((None, 1) if interpreting else (None, 1, 7)):
+        for dst, src in zip(batch.cache, initial):
+            dst.copy_(src)
+        out = run_kernels(batch, fmt, num_splits)
+        assert_same_bytes(batch.cache, written)
+        assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_backend_with_graph_padding(name: str, device: torch.device) -> None:
+    """TritonBackend entry point; padding tokens (slot -1) and zero-length sequences are ignored."""
+    from specserve.attention.triton_backend import TritonBackend
+
+    dtype = torch.bfloat16
+    fmt = kv_format(name, dtype)
+    batch = make_batch([(40, 1), (3, 1), (0, 6)], 16, 4, 128, 16, fmt, dtype, device, seed=7,
+                       pad_tokens=5, pad_seqs=3)
+    ref, written = reference(batch, fmt)
+    out = TritonBackend().forward(batch.q, batch.k, batch.v, batch.cache, fmt, batch.meta, batch.scale)
+    assert out.shape == batch.q.shape and out.dtype == dtype
+    assert_same_bytes(batch.cache, written)
+    assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+
+
+def test_unsupported_layouts_are_refused(device: torch.device) -> None:
+    from specserve.attention.triton_quant import reshape_and_cache_quant
+
+    fmt = kv_format("nvfp4", torch.bfloat16)
+    cache = to_device(poisoned_cache(fmt, 2, 16, 2, 24), device)  # head_dim 24: not whole groups of 16
+    x = torch.randn(3, 2, 24, device=device)
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        reshape_and_cache_quant(x, x, cache, fmt, torch.arange(3, device=device))
+    int4 = KVFormat("int4", torch.uint8, 2, 32, torch.float16)
+    with pytest.raises(NotImplementedError, match="int4"):
+        reshape_and_cache_quant(x, x, poisoned_cache(int4, 2, 16, 2, 64), int4, torch.arange(3, device=device))
+
+
+def test_cuda_graph_decode_nvfp4(device: torch.device) -> None:
+    """Capture one nvfp4 decode forward and replay it after new tokens land in the same pool."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    from specserve.attention.triton_backend import TritonBackend
+
+    dtype, backend = torch.bfloat16, TritonBackend()
+    fmt = kv_format("nvfp4", dtype)
+    batch = make_batch([(5, 1), (4095, 1), (1000, 1), (1, 1)], 32, 8, 128, 16, fmt, dtype, device, seed=11)
+    initial = LayerKVCache(*(t.clone() for t in batch.cache))
+    for _ in range(2):  # compile and warm up outside the capture
+        backend.forward(batch.q, batch.k, batch.v, batch.cache, fmt, batch.meta, batch.scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = backend.forward(batch.q, batch.k, batch.v, batch.cache, fmt, batch.meta, batch.scale)
+    for dst, src in zip(batch.cache, initial):
+        dst.copy_(src)
+    fresh = torch.randn(batch.q.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    batch.q.copy_(fresh.to(device))
+    ref, _ = reference(batch, fmt)
+    graph.replay()
+    assert_close(static_out, ref, dtype)
