@@ -42,6 +42,8 @@ class CudaGraphRunner:
         self.block_tables = flat_tables.view(max_bs, self.max_blocks)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.hidden_outputs: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.aux_hidden_layers = tuple(getattr(model, "aux_hidden_layers", ()))  # what the graphs return
         self._pool = None
 
     def _meta(self, bs: int, q: int) -> AttentionMetadata:
@@ -55,9 +57,10 @@ class CudaGraphRunner:
         ctx = ForwardContext(self._meta(bs, q), self.kv_caches, self.fmt, self.backend)
         with forward_context(ctx):
             out = self.model(self.input_ids[:n], self.positions[:n])
-        hidden = out[0] if isinstance(out, tuple) else out
+        hidden, aux = out if isinstance(out, tuple) else (out, [])
         # Every token of a decode/verify step is scored, so the LM head runs inside the graph too.
-        return self.model.compute_logits(hidden)
+        # hidden/aux stay static outputs too: EAGLE heads read them after the replay.
+        return self.model.compute_logits(hidden), hidden, aux
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -69,10 +72,11 @@ class CudaGraphRunner:
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    out = self._forward(bs, q)
+                    out, hidden, aux = self._forward(bs, q)
                 self._pool = graph.pool()
                 self.graphs[(bs, q)] = graph
                 self.outputs[(bs, q)] = out
+                self.hidden_outputs[(bs, q)] = (hidden, aux)
         torch.cuda.synchronize(self.device)
 
     def _fill_dummy(self, bs: int, q: int) -> None:
@@ -90,6 +94,12 @@ class CudaGraphRunner:
             return None
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch.num_seqs)]
         return (bs, q)
+
+    def hidden(self, key: tuple[int, int], n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The last replay's final hidden states [n, hidden] and aux layer inputs (each [n, hidden]);
+        valid until the next replay."""
+        hidden, aux = self.hidden_outputs[key]
+        return hidden[:n], [a[:n] for a in aux]
 
     def run(self, batch: HostBatch, key: tuple[int, int]) -> torch.Tensor:
         """Replay the graph for `key` on this batch; returns logits [batch.num_tokens, vocab]."""

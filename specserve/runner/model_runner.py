@@ -20,6 +20,7 @@ class StepOutput:
     # Only when asked (EAGLE heads): every token's final hidden state and the aux layers' inputs.
     all_hidden: torch.Tensor | None = None  # [num_tokens, hidden]
     aux_hidden: list[torch.Tensor] | None = None  # each [num_tokens, hidden]
+    host: HostBatch | None = None  # the step's host-side layout (query/seq lengths), in both paths
 
 
 def select_backend(device: torch.device, name: str | None = None):
@@ -63,7 +64,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False) -> StepOutput:
         host = build_host_batch(sched, block_ids_of, self.block_size)
-        key = self.graphs.graph_key(host) if self.graphs is not None and not need_hidden else None
+        # Graphs return hidden states too, but only those of the aux layers they were captured with.
+        usable = self.graphs is not None and (
+            not need_hidden or self.graphs.aux_hidden_layers == tuple(self.model.aux_hidden_layers))
+        key = self.graphs.graph_key(host) if usable else None
         aux = None
         if key is not None:
             # The graph has its own static input buffers and scores every token.
@@ -72,7 +76,10 @@ class ModelRunner:
             if len(host.logits_indices) != host.num_tokens:
                 batch = host.to_device(self.device, self.staging, only_logits=True)
                 logits = logits.index_select(0, batch.logits_indices)
-            return StepOutput(logits, None, batch)
+            out = StepOutput(logits, None, batch, host=host)
+            if need_hidden:
+                out.all_hidden, out.aux_hidden = self.graphs.hidden(key, host.num_tokens)
+            return out
         else:
             batch = host.to_device(self.device, self.staging)
             ctx = ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)
@@ -81,7 +88,7 @@ class ModelRunner:
             if isinstance(hidden, tuple):
                 hidden, aux = hidden
         rows = hidden.index_select(0, batch.logits_indices)
-        out = StepOutput(self.model.compute_logits(rows), rows, batch)
+        out = StepOutput(self.model.compute_logits(rows), rows, batch, host=host)
         if need_hidden:
             out.all_hidden, out.aux_hidden = hidden, aux
         return out
