@@ -1,0 +1,282 @@
+"""Draft-model speculation: a smaller model with the target's tokenizer proposes k tokens.
+
+The draft has its own paged KV cache (its own KVCacheManager + ModelRunner). Per request it tracks
+how many of the request's tokens its cache holds (`_DraftSeq.num_computed_tokens`). Each propose:
+  1. sync: drafts the target rejected are dropped from that count (their KV is overwritten later);
+  2. catch up: one forward over every request's unseen tokens (usually the last draft + the
+     target's bonus/recovered token; the whole prompt the first time), chunked to the step budget;
+  3. k - 1 more forwards of one token per request, each sampling the next draft.
+Greedy requests draft the argmax (one-hot drafts); random requests sample from the draft's own
+distribution processed with the request's sampling params and keep it in `spec_draft_probs`, so
+the rejection sampler stays lossless.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specserve.config import ModelConfig, SpeculativeConfig
+from specserve.kv.manager import KVCacheManager
+from specserve.kv.spec import KVCacheSpec
+from specserve.model.loader import LoadedModel, load_model
+from specserve.runner.model_runner import ModelRunner
+from specserve.sample.metadata import SamplingMetadata
+from specserve.sample.sampler import compute_target_probs, draw_exponential, random_sample
+from specserve.scheduler.request import Request
+from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from specserve.spec.base import ProposeInput
+
+# Memory kept free on the GPU beside the draft's KV pool: its activations (catch-up forwards,
+# logits rows) and allocator slack.
+_GPU_RESERVE_BYTES = 2 << 30
+_VOCAB_SAMPLE = 256
+
+
+@dataclass
+class _DraftSeq:
+    """A request as the draft's own runner and KV manager see it (duck-types `Request` for them)."""
+
+    request_id: str
+    all_token_ids: list[int] = field(default_factory=list)  # real tokens, then drafts fed so far
+    num_computed_tokens: int = 0  # tokens whose KV the draft cache holds
+    num_real: int = 0  # how many of all_token_ids were the request's real tokens at the last sync
+    spec_token_ids: list[int] = field(default_factory=list)  # always empty (build_batch reads it)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def draft_kv_blocks(target_num_blocks: int, bytes_per_block: int, device: torch.device, what: str) -> int:
+    """Blocks for a drafter's KV pool: as many tokens as the target's pool (so the drafter does not
+    run out first), capped on CUDA by what is left after the target took its share."""
+    blocks = target_num_blocks + 4
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        usable = int((free - _GPU_RESERVE_BYTES) * 0.9)
+        if usable < 16 * bytes_per_block:
+            raise ValueError(f"no GPU memory left for the {what}'s KV cache; lower gpu_memory_utilization.")
+        blocks = min(blocks, usable // bytes_per_block)
+    return blocks
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+class DraftSampler:
+    """Draft logits -> draft tokens. Greedy requests: argmax of the raw logits (one-hot drafts, probs
+    None). Random requests: a sample from compute_target_probs (the request's temperature, top-k/p,
+    min-p, penalties) with a generator of the proposer's own (seeded from the request's seed), so
+    the request's own random stream, which verification uses, is never consumed by drafting."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self._generators: dict[str, torch.Generator] = {}
+        self._meta: SamplingMetadata | None = None
+        self._greedy: list[bool] = []
+
+    def begin(self, reqs: list[Request]) -> None:
+        """Prepare one metadata row per request (rows of `sample` index into this list)."""
+        self._greedy = [r.params.greedy for r in reqs]
+        self._meta = None
+        if all(self._greedy):
+            return
+        gens = [None if r.params.greedy else self._generator(r) for r in reqs]
+        self._meta = SamplingMetadata.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs],
+                                            [r.output_token_ids for r in reqs], gens, self.vocab_size, self.device)
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        if req.params.seed is None:
+            return None
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed((req.params.seed * 7919 + 104729) % (1 << 63))
+            self._generators[req.request_id] = gen
+        return gen
+
+    def sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """logits [len(rows), vocab] -> (tokens, draft_probs [len(rows), vocab] or None if all greedy)."""
+        logits = logits[:, :self.vocab_size]
+        if self._meta is None:
+            return logits.argmax(dim=-1).tolist(), None
+        meta = self._meta.select_rows(rows)
+        probs = compute_target_probs(logits, meta)
+        noise = draw_exponential(len(rows), self.vocab_size, meta.generators, None, logits.device)
+        tokens = random_sample(probs, noise)
+        greedy = torch.tensor([self._greedy[r] for r in rows], device=logits.device)
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+        return tokens.tolist(), probs
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def is_greedy(self, row: int) -> bool:
+        return self._greedy[row]
+
+
+def assign_drafts(reqs: list[Request], drafts: list[list[int]], probs: list[list[torch.Tensor]],
+                  sampler: DraftSampler) -> None:
+    """Set spec_token_ids / spec_draft_probs ([k, vocab], None for greedy = one-hot drafts)."""
+    for row, (req, tokens, rows) in enumerate(zip(reqs, drafts, probs)):
+        req.spec_token_ids = tokens
+        req.spec_draft_probs = None if sampler.is_greedy(row) or not rows else torch.stack(rows)
+
+
+def check_same_vocabulary(target: LoadedModel, draft_name: str, draft_vocab_size: int,
+                          draft_tokenizer) -> None:
+    """A draft must speak the target's token ids: same vocab size, same strings for sampled ids."""
+    where = f"speculative_config.model {draft_name!r}"
+    if draft_vocab_size != target.arch.vocab_size:
+        raise ValueError(f"{where} has vocab_size {draft_vocab_size}, the target {target.name!r} has "
+                         f"{target.arch.vocab_size}: a draft model must use the target's tokenizer.")
+    t_tok, d_tok = target.tokenizer, draft_tokenizer
+    if t_tok is None or d_tok is None:
+        return
+    if len(t_tok) != len(d_tok):
+        raise ValueError(f"{where}'s tokenizer has {len(d_tok)} tokens, the target's has {len(t_tok)}.")
+    ids = np.unique(np.linspace(0, len(t_tok) - 1, _VOCAB_SAMPLE).astype(np.int64)).tolist()
+    t_str, d_str = t_tok.convert_ids_to_tokens(ids), d_tok.convert_ids_to_tokens(ids)
+    bad = [i for i, a, b in zip(ids, t_str, d_str) if a != b]
+    if bad:
+        raise ValueError(f"{where}'s tokenizer differs from the target's (e.g. id {bad[0]}: "
+                         f"{d_str[ids.index(bad[0])]!r} vs {t_str[ids.index(bad[0])]!r}).")
+
+
+def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
+    """Vocab size is checked from the config before any weight is read; token strings after."""
+    from specserve.model.loader import _Source  # config and identity without the weights
+    from specserve.engine.setup import _ops_for
+
+    target: LoadedModel = parts.loaded
+    dtype = target.model.embed_tokens.weight.dtype
+    source = _Source.open(ModelConfig(model=cfg.model))
+    check_same_vocabulary(target, cfg.model, int(source.hf_config["vocab_size"]), None)
+    max_len = min(target.max_model_len, int(source.hf_config.get("max_position_embeddings", 4096)))
+    dtype_name = str(dtype).removeprefix("torch.")
+    loaded = load_model(ModelConfig(model=cfg.model, dtype=dtype_name, max_model_len=max_len), parts.device,
+                        dtype, _ops_for(parts.device), progress=False)
+    check_same_vocabulary(target, cfg.model, loaded.arch.vocab_size, loaded.tokenizer)
+    return loaded
+
+
+class DraftModelProposer:
+    name = "draft_model"
+    aux_hidden_layers: tuple[int, ...] = ()
+    needs_target_hidden = False
+
+    def __init__(self, cfg: SpeculativeConfig, parts) -> None:
+        self.device = parts.device
+        self.loaded = _load_draft(cfg, parts)
+        arch, tspec = self.loaded.arch, parts.runner.spec
+        spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, tspec.block_size, tspec.fmt)
+        num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "draft model")
+        self.runner = ModelRunner(self.loaded, spec, num_blocks, self.device, parts.runner.backend)
+        self.kv = KVCacheManager(num_blocks, tspec.block_size, enable_prefix_caching=False)
+        self.max_len = self.loaded.max_model_len
+        self.max_batched = parts.scheduler.max_num_batched_tokens
+        self.sampler = DraftSampler(arch.vocab_size, self.device)
+        self.seqs: dict[str, _DraftSeq] = {}
+        # With CUDA graphs every draft forward is one token per request: the k-th draft is fed
+        # too, so that after verification only the target's own token is new (q = 1 again).
+        self.feed_last = parts.runner.graphs is not None
+        if self.feed_last:
+            self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, (1,))
+
+    def propose(self, inp: ProposeInput) -> None:
+        reqs, seqs, ks = [], [], []
+        for req, k in zip(inp.requests, inp.num_draft_tokens):
+            seq = self._sync(req)
+            k = min(k, self.max_len - req.num_tokens)
+            lookahead = k if self.feed_last else k - 1
+            if k <= 0 or not self.kv.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens, None, lookahead):
+                continue  # no room in the draft's window or pool: this request goes without drafts
+            reqs.append(req)
+            seqs.append(seq)
+            ks.append(k)
+        if not reqs:
+            return
+        self.sampler.begin(reqs)
+        logits = self._catch_up(seqs)  # [len(reqs), vocab]
+        tokens, probs = self.sampler.sample(logits, list(range(len(reqs))))
+        drafts = [[t] for t in tokens]
+        draft_probs: list[list[torch.Tensor]] = [[] if probs is None else [probs[i]] for i in range(len(reqs))]
+        for step in range(1, max(ks)):
+            active = [i for i, k in enumerate(ks) if k > step]
+            for i in active:
+                seqs[i].all_token_ids.append(drafts[i][-1])
+            logits = self._forward_one([seqs[i] for i in active])
+            tokens, probs = self.sampler.sample(logits, active)
+            for row, i in enumerate(active):
+                drafts[i].append(tokens[row])
+                if probs is not None:
+                    draft_probs[i].append(probs[row])
+        if self.feed_last:
+            for i, seq in enumerate(seqs):
+                seq.all_token_ids.append(drafts[i][-1])
+            self._forward_one(seqs)
+        assign_drafts(reqs, drafts, draft_probs, self.sampler)
+
+    def _sync(self, req: Request) -> _DraftSeq:
+        """Keep the draft KV that still matches the request's tokens (rejected drafts fall out)."""
+        seq = self.seqs.get(req.request_id)
+        if seq is None:
+            seq = self.seqs[req.request_id] = _DraftSeq(req.request_id)
+        tokens = req.all_token_ids
+        fed = seq.all_token_ids[seq.num_real:seq.num_computed_tokens]
+        valid = seq.num_real + common_prefix_len(fed, tokens[seq.num_real:])
+        # At least the last token is fed again: its logits are where the first draft comes from.
+        seq.num_computed_tokens = min(seq.num_computed_tokens, valid, len(tokens) - 1)
+        seq.all_token_ids = list(tokens)
+        seq.num_real = len(tokens)
+        return seq
+
+    def _catch_up(self, seqs: list[_DraftSeq]) -> torch.Tensor:
+        """Feed every seq's unseen tokens, in forwards of at most max_batched tokens; returns the
+        logits of each seq's last token, [len(seqs), vocab]."""
+        rows: list[torch.Tensor | None] = [None] * len(seqs)
+        pending = list(range(len(seqs)))
+        while pending:
+            budget, sched, order = self.max_batched, SchedulerOutput(), []
+            for i in pending:
+                n = min(seqs[i].num_tokens - seqs[i].num_computed_tokens, budget)
+                if n <= 0:
+                    break
+                sched.scheduled.append(ScheduledRequest(seqs[i], n, 0))
+                order.append(i)
+                budget -= n
+            samples = [s.samples for s in sched.scheduled]  # read before num_computed moves
+            out = self.runner.execute(sched, self.kv.block_ids)
+            for j, (i, s) in enumerate(zip(order, sched.scheduled)):
+                seqs[i].num_computed_tokens += s.num_new_tokens
+                if samples[j]:
+                    first, _ = out.batch.logit_rows[j]
+                    rows[i] = out.logits[first].clone()  # a CUDA graph's output is overwritten on replay
+            pending = [i for i in pending if rows[i] is None]
+        return torch.stack(rows)
+
+    def _forward_one(self, seqs: list[_DraftSeq]) -> torch.Tensor:
+        """One new token (the last draft) per seq -> logits [len(seqs), vocab]."""
+        sched = SchedulerOutput([ScheduledRequest(s, 1, 0) for s in seqs], len(seqs))
+        out = self.runner.execute(sched, self.kv.block_ids)
+        for s in seqs:
+            s.num_computed_tokens += 1
+        return out.logits
+
+    def on_request_finished(self, req: Request) -> None:
+        self._drop(req)
+
+    def on_request_preempted(self, req: Request) -> None:
+        self._drop(req)
+
+    def _drop(self, req: Request) -> None:
+        seq = self.seqs.pop(req.request_id, None)
+        if seq is not None:
+            self.kv.free(seq)
+        self.sampler.forget(req.request_id)

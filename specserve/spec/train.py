@@ -1,0 +1,386 @@
+"""`specserve train-draft`: train an EAGLE-3, P-EAGLE or EAGLE head for a target by self-distillation.
+
+Data (train_data.py): the target answers prompts made from the Python standard library; the head
+learns on (prompt + answer) sequences. Each training step runs the frozen target once over a
+padded batch (a plain causal forward of the engine's own model, no KV cache) for its features
+and next-token distributions, then the head over S "blocks" of rows that mimic serving:
+
+  block 1, row t: (embed(x[t+1]), target feature t), exactly the head's real rows at serving time;
+  block s > 1, row t: a draft row s - 1 steps after the last real row p = t - s + 1. It attends
+    to block-1 rows <= p and to rows p+1..t of blocks 2..s (its own earlier draft rows), as the
+    paged head cache holds them when drafting. Inputs:
+      eagle3 / eagle (training-time test, EAGLE-3): (embed(x[t+1]), the head's block s-1 output
+        at row t-1), i.e. its own hidden state fed back as in autoregressive drafting;
+      p-eagle: the learned (mask_embed, mask_hidden) pair, so all slots come out of one forward.
+Every row t predicts x[t+2]; the loss is cross-entropy against the target's full next-token
+distribution at t+1 (soft labels: what the rejection sampler accepts against), weighted 0.8^(s-1)
+per block. EAGLE-1 heads add EAGLE's feature regression (smooth L1 to the target's next hidden
+state, token loss weight 0.1). Checkpoints (head + optimizer + step) are written every
+--save-every steps and at the end; --resume continues from them.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
+from specserve.spec import train_data
+from specserve.spec.eagle_head import EagleHead, head_config_for, save_head
+
+STATE_NAME, DATA_NAME = "train_state.pt", "distill.jsonl"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specserve train-draft", description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, help="target model: catalog name, HF dir or .gguf file")
+    p.add_argument("--method", required=True, choices=("eagle3", "p-eagle"))
+    p.add_argument("--eagle", action="store_true", help="EAGLE-1 features (last hidden state) instead of EAGLE-3's")
+    p.add_argument("--out", required=True, help="output dir (config.json + model.safetensors)")
+    p.add_argument("--data", help="JSONL: prompt | messages (answered by the target) | text | token_ids")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps in all (default: until the time budget)")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="wall-clock budget for answering prompts + training (after the target loads)")
+    p.add_argument("--num-prompts", type=int, default=512, help="stdlib prompts to self-distill (no --data)")
+    p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-seq-len", type=int, default=1024, help="longest training sequence (prompt + answer)")
+    p.add_argument("--max-model-len", type=int, default=None, help="the target engine's context (default: max-seq-len)")
+    p.add_argument("--temperature", type=float, default=0.0, help="of the target's answers")
+    p.add_argument("--gen-fraction", type=float, default=0.4, help="share of the time budget for answering")
+    p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per step (4096 GPU, 1024 CPU)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--hard-label-weight", type=float, default=0.5,
+                   help="share of the token loss on the target's argmax (the rest: its full distribution)")
+    p.add_argument("--ttt-steps", type=int, default=3, help="eagle3/eagle: blocks of training-time test")
+    p.add_argument("--num-mask-slots", type=int, default=5, help="p-eagle: mask slots (drafts k <= slots + 1)")
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-init-from-target", action="store_true", help="random decoder layer instead of a copy")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    num_sequences: int
+    metrics: dict[str, float]
+
+
+# -- the frozen target ------------------------------------------------------------------------
+class _DenseCausal:
+    """Attention backend for training batches: plain causal attention per sequence, no KV cache."""
+
+    name = "dense_causal"
+
+    def forward(self, q, k, v, cache, fmt, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
+        start = 0
+        for n in meta.query_lens_cpu:
+            qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
+            if group > 1:
+                ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+            out[start:start + n] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                                  scale=scale).transpose(0, 1)
+            start += n
+        return out
+
+
+@torch.no_grad()
+def target_batch(model, seqs: list[list[int]], aux_layers: tuple[int, ...], device: torch.device):
+    """Padded batch: ids [B, L], lengths [B], feats [B, L, F] (eagle3: concatenated aux layer
+    inputs; eagle: final hidden), target_probs [B, L, vocab] (bfloat16 on GPU), last [B, L, hidden]."""
+    lengths = [len(s) for s in seqs]
+    L, B = max(lengths), len(seqs)
+    flat = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
+    none = torch.zeros(1, dtype=torch.int32, device=device)  # no paged cache: tables and slots unused
+    meta = AttentionMetadata(cu, cu[1:] - cu[:-1], none.view(1, 1), none.long(), L, L, B, len(flat),
+                             lengths, lengths)
+    saved = model.aux_hidden_layers
+    model.aux_hidden_layers = aux_layers
+    try:
+        with forward_context(ForwardContext(meta, [None] * len(model.layers), None, _DenseCausal())):
+            out = model(flat, positions)
+    finally:
+        model.aux_hidden_layers = saved
+    hidden, aux = out if isinstance(out, tuple) else (out, [])
+    probs = model.compute_logits(hidden).softmax(dim=-1)
+    if device.type == "cuda":
+        probs = probs.to(torch.bfloat16)  # halves the largest tensor of the step; labels need no more
+    feats = torch.cat(aux, dim=-1) if aux_layers else hidden
+    pad_index = torch.cat([torch.arange(n, device=device) + i * L for i, n in enumerate(lengths)])
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros(B * L, x.shape[-1], dtype=x.dtype, device=device)
+        return full.index_copy_(0, pad_index, x).view(B, L, -1)
+
+    ids = pad(flat.unsqueeze(1)).squeeze(-1)
+    return ids, torch.tensor(lengths, device=device), pad(feats), pad(probs), pad(hidden)
+
+
+# -- the head's loss ----------------------------------------------------------------------------
+def _block_mask(rows: int, s: int, device: torch.device) -> torch.Tensor:
+    """[rows, s * rows] bool: which keys row t of block s sees (block 1: t' <= t - s + 1; block j:
+    t' == t - (s - j))."""
+    q = torch.arange(rows, device=device)[:, None]
+    k = torch.arange(rows, device=device)[None, :]
+    parts = [k <= q - (s - 1)] + [k == q - (s - j) for j in range(2, s + 1)]
+    return torch.cat(parts, dim=1)
+
+
+def head_block_outputs(head: EagleHead, target, ids: torch.Tensor, feats: torch.Tensor, num_blocks: int,
+                       parallel: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(out, logits_input) of every block, each [B * (L - 1), hidden]: row t of block s is the head's
+    draft s - 1 steps after its last real row t - s + 1 (see the module docstring)."""
+    B, L = ids.shape
+    R, dev = L - 1, ids.device
+    arch = head.layer
+    embeds = target.embed_tokens(ids[:, 1:]).reshape(B * R, -1)
+    hidden = head.fuse_target(feats[:, :R].reshape(B * R, -1))
+    positions = torch.arange(R, device=dev).repeat(B)
+    keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+    outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for s in range(1, num_blocks + 1):
+        if s > 1:
+            if parallel:
+                embeds, hidden = head.mask_inputs(B * R)
+            else:  # row t continues from the head's own output at row t - 1 of the previous block
+                prev = outputs[-1][0].view(B, R, -1)
+                hidden = torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], dim=1).reshape(B * R, -1)
+        mask = _block_mask(R, s, dev)
+
+        def attend(q, k, v, mask=mask):
+            q, k, v = (t.view(B, R, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+            keys.append((k, v))
+            ks, vs = torch.cat([kv[0] for kv in keys], 2), torch.cat([kv[1] for kv in keys], 2)
+            group = arch.num_heads // arch.num_kv_heads
+            if group > 1:
+                ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+            o = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, scale=arch.head_dim ** -0.5)
+            return o.transpose(1, 2).reshape(B * R, arch.num_heads, arch.head_dim)
+
+        outputs.append(head(embeds, hidden, positions, target.cos_sin_cache, attend))
+    return outputs
+
+
+def head_loss(head: EagleHead, target, ids: torch.Tensor, lengths: torch.Tensor, loss_start: torch.Tensor,
+              feats: torch.Tensor,
+              probs: torch.Tensor, last_hidden: torch.Tensor, num_blocks: int, parallel: bool,
+              hard_weight: float = 0.5) -> tuple[torch.Tensor, list[float]]:
+    """Returns (loss, per-block top-1 agreement with the target). Shapes as `target_batch`; loss_start
+    [B]: first row of each sequence in the loss (row t predicts token t + 2)."""
+    B, L = ids.shape
+    R = L - 1
+    pos = torch.arange(R, device=ids.device)
+    # Row t needs x[t+1] and the label at t+1, and learns only where the answer is.
+    valid_rows = (pos[None, :] < (lengths[:, None] - 1)) & (pos[None, :] >= loss_start[:, None])
+    labels = probs[:, 1:].reshape(B * R, -1)
+    lm_weight = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    loss, accs = torch.zeros((), device=ids.device), []
+    for s, (out, normed) in enumerate(head_block_outputs(head, target, ids, feats, num_blocks, parallel), 1):
+        rows = (valid_rows & (pos[None, :] >= s - 1)).reshape(-1).nonzero().squeeze(1)
+        if rows.numel() == 0:  # sequences too short for this depth
+            continue
+        logits = F.linear(normed.index_select(0, rows), lm_weight).float()
+        lab = labels.index_select(0, rows).float()
+        logp = logits.log_softmax(-1)
+        # Soft labels match the target's whole distribution (what sampling verification accepts
+        # against); the hard argmax term sharpens top-1 agreement, which greedy verification needs
+        # and which soft labels teach slowly where the target is unsure.
+        ce = -(1 - hard_weight) * (lab * logp).sum(-1).mean()
+        ce = ce - hard_weight * logp.gather(1, lab.argmax(-1, keepdim=True)).mean()
+        block_loss = ce
+        if head.norm is None:  # EAGLE-1: regress the target's next hidden state as well
+            goal = last_hidden[:, 1:].reshape(B * R, -1).index_select(0, rows).float()
+            block_loss = F.smooth_l1_loss(out.index_select(0, rows).float(), goal) + 0.1 * ce
+        loss = loss + (0.8 ** (s - 1)) * block_loss
+        accs.append((logits.argmax(-1) == lab.argmax(-1)).float().mean().item())
+    return loss, accs
+
+
+# -- the run --------------------------------------------------------------------------------------
+def _device(name: str) -> torch.device:
+    from specserve.engine.setup import resolve_device
+
+    return resolve_device(name)
+
+
+def _needs_generation(args) -> bool:
+    if args.resume and (Path(args.out) / DATA_NAME).is_file():
+        return False
+    if args.data:
+        return any(e.messages is not None for e in train_data.load_jsonl(args.data))
+    return True
+
+
+def _load_target(args, device: torch.device, generate: bool):
+    """A specserve LLM of the target: its engine answers the distillation prompts (when there are
+    any; otherwise it is built small, only for its model and tokenizer)."""
+    from specserve import LLM
+
+    kw = dict(model=args.target, device=device.type, max_model_len=args.max_model_len or args.max_seq_len,
+              progress=not args.quiet)
+    if not generate:
+        kw.update(kv_cache_memory_bytes=1 << 22, max_num_seqs=1, enforce_eager=True)
+    elif device.type == "cuda":
+        kw.update(gpu_memory_utilization=0.45, max_num_seqs=256)  # the rest is for training after
+    else:
+        kw.update(max_num_seqs=32)
+    return LLM(**kw)
+
+
+def prepare_data(args, llm, deadline: float) -> list[train_data.TrainSeq]:
+    out = Path(args.out)
+    cached = out / DATA_NAME
+    if args.resume and cached.is_file():
+        return [train_data.TrainSeq(e.token_ids, e.num_prompt_tokens) for e in train_data.load_jsonl(cached)]
+    examples = (train_data.load_jsonl(args.data) if args.data
+                else train_data.stdlib_examples(args.num_prompts, args.seed))
+    seqs = train_data.build_sequences(llm, examples, args.max_new_tokens, args.max_seq_len, args.temperature,
+                                      deadline, args.seed)
+    if not seqs:
+        raise ValueError("no training sequences: the data was empty or the time budget ran out first.")
+    out.mkdir(parents=True, exist_ok=True)
+    train_data.save_sequences(cached, seqs)
+    return seqs
+
+
+def _new_head(args, loaded, device: torch.device) -> EagleHead:
+    method = "eagle" if args.eagle else "eagle3"
+    slots = args.num_mask_slots if args.method == "p-eagle" else 0
+    cfg = head_config_for(loaded.arch, loaded.hf_config, loaded.name, loaded.identity, method, slots)
+    torch.manual_seed(args.seed)
+    head = EagleHead(cfg)
+    if not args.no_init_from_target:
+        head.init_from_target(loaded.model)
+    return head.to(device=device, dtype=torch.float32)
+
+
+def _lr_factor(progress: float, step: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def run_training(args, llm=None) -> TrainResult:
+    """The whole command. `llm`: a specserve LLM of the target to use (the caller must not keep a
+    reference: its KV pool is released before training)."""
+    budget = args.time_budget_s if args.time_budget_s is not None else float("inf")
+    if args.steps is None and args.time_budget_s is None:
+        raise ValueError("give --steps, --time-budget-s or both.")
+    device = _device(args.device)
+    if args.data:
+        train_data.refuse_humaneval(args.data)
+    if llm is None:
+        llm = _load_target(args, device, _needs_generation(args))
+    loaded = llm.engine.loaded
+    start = time.monotonic()  # the budget covers answering + training, not loading the target
+    seqs = prepare_data(args, llm, start + budget * args.gen_fraction)
+    del llm  # the engine's KV pool goes; the model stays (held by `loaded`)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    head = _new_head(args, loaded, device)
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step = _maybe_resume(args, head, opt, device)
+    deadline = start + budget - 5.0  # leave time for the final checkpoint
+    step, metrics = _train_loop(args, head, opt, loaded.model, seqs, step, device, deadline)
+    _save(args, head, opt, step, metrics)
+    return TrainResult(Path(args.out), step, len(seqs), metrics)
+
+
+def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainSeq], step: int,
+                device: torch.device, deadline: float) -> tuple[int, dict[str, float]]:
+    parallel = args.method == "p-eagle"
+    num_blocks = 1 + (args.num_mask_slots if parallel else args.ttt_steps - 1)
+    batch_tokens = args.batch_tokens or (4096 if device.type == "cuda" else 1024)
+    base_batches = train_data.make_batches([len(s.token_ids) for s in seqs], batch_tokens, random.Random(args.seed))
+    warmup = 30 if args.steps is None else max(1, min(30, args.steps // 10))
+    train_start, metrics = time.monotonic(), {}
+    bar = tqdm(total=args.steps, initial=step, desc=f"train {args.method}", disable=args.quiet)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    while (args.steps is None or step < args.steps) and time.monotonic() < deadline:
+        # Epoch e visits the same batches in its own seeded order, so a resumed run sees what the
+        # uninterrupted one would have.
+        epoch, index = divmod(step, len(base_batches))
+        order = list(range(len(base_batches)))
+        random.Random(args.seed * 1000 + epoch).shuffle(order)
+        batch = [seqs[i] for i in base_batches[order[index]]]
+        starts = torch.tensor([max(0, s.num_prompt_tokens - 2) for s in batch], device=device)
+        progress = (step / args.steps if args.steps else
+                    (time.monotonic() - train_start) / max(1.0, deadline - train_start))
+        for g in opt.param_groups:
+            g["lr"] = args.lr * _lr_factor(progress, step, warmup)
+        ids, lens, feats, probs, last = target_batch(target, [s.token_ids for s in batch],
+                                                     head.cfg.aux_hidden_layers, device)
+        with autocast:
+            loss, accs = head_loss(head, target, ids, lens, starts, feats, probs, last, num_blocks, parallel,
+                                   args.hard_label_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        step += 1
+        metrics = {"loss": round(loss.item(), 4), **{f"acc{i + 1}": round(a, 3) for i, a in enumerate(accs)}}
+        bar.update(1)
+        bar.set_postfix(metrics)
+        if step % args.save_every == 0:
+            _save(args, head, opt, step, metrics)
+    bar.close()
+    return step, metrics
+
+
+def _save(args, head: EagleHead, opt, step: int, metrics: dict) -> None:
+    save_head(head, args.out)
+    tmp = Path(args.out) / (STATE_NAME + ".tmp")
+    torch.save({"step": step, "optimizer": opt.state_dict(), "metrics": metrics, "method": args.method,
+                "eagle": args.eagle}, tmp)
+    tmp.replace(Path(args.out) / STATE_NAME)
+
+
+def _maybe_resume(args, head: EagleHead, opt, device: torch.device) -> int:
+    state_path = Path(args.out) / STATE_NAME
+    if not args.resume or not state_path.is_file():
+        return 0
+    from safetensors.torch import load_file
+
+    state = torch.load(state_path, map_location=device, weights_only=False)
+    if state.get("method") != args.method or state.get("eagle") != args.eagle:
+        raise ValueError(f"{args.out} holds a {state.get('method')} run; cannot resume it as {args.method}.")
+    head.load_state_dict({k: v.to(device) for k, v in load_file(str(Path(args.out) / "model.safetensors")).items()})
+    opt.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+def train_main(argv: list[str]) -> int:
+    """Entry point of `specserve train-draft`; returns the exit status."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        result = run_training(args)
+    except ValueError as e:
+        print(f"specserve train-draft: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {result.out} after {result.steps} steps on {result.num_sequences} sequences: {result.metrics}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(train_main(sys.argv[1:]))

@@ -1,0 +1,229 @@
+"""Training data for draft heads: prompts made from the Python standard library, answered by the target.
+
+Self-distillation, as EAGLE does: the head learns the target's own behaviour, so the data is the
+target's answers (greedy or low temperature) to instruction-style prompts. The prompts come from
+the stdlib's functions, classes and docstrings (present on every machine, no download), or from a
+JSONL file: {"prompt": ...}, {"messages": [...]} (answered by the target), {"text": ...} or
+{"token_ids": [...]} (used as is). HumanEval is for measuring and is refused.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import random
+import re
+import sysconfig
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3",
+              "turtledemo", "ensurepip"}
+_HUMANEVAL = re.compile(r"human[-_]?eval", re.IGNORECASE)
+
+_TEMPLATES = (
+    "Complete the following Python function.\n\n```python\n{stub}\n```",
+    "Explain what this Python code does, step by step.\n\n```python\n{source}\n```",
+    "Write a Python function `{name}` that does the following:\n\n{doc}",
+    "Write unit tests with pytest for this function.\n\n```python\n{source}\n```",
+    "Refactor this code to be clearer and add type hints.\n\n```python\n{source}\n```",
+    "{stub}\n    # Complete this function.",
+    "Summarize this documentation and give a short usage example:\n\n{doc}",
+    "Find possible bugs or edge cases in this code and suggest fixes.\n\n```python\n{source}\n```",
+)
+
+
+@dataclass
+class Example:
+    """One training sequence to build: a chat to answer, or finished text / token ids."""
+
+    messages: list[dict[str, str]] | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    num_prompt_tokens: int = 0  # with token_ids: the leading tokens the head is not trained to predict
+
+
+@dataclass
+class TrainSeq:
+    """A training sequence; the loss covers the tokens after the prompt (the target's own answer,
+    the text drafts are made for), as EAGLE-3 masks its loss to assistant turns."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int = 0
+
+
+def refuse_humaneval(path: str | Path) -> None:
+    if _HUMANEVAL.search(str(path)):
+        raise ValueError(f"{path}: HumanEval is the benchmark; never train draft heads on it.")
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [f for f in root.rglob("*.py") if not (_SKIP_DIRS & set(f.relative_to(root).parts))]
+    return sorted(f for f in files if not _HUMANEVAL.search(str(f)))
+
+
+def _defs(path: Path) -> list[dict[str, str]]:
+    """Functions and classes with a docstring: source, a stub (signature + docstring), name, doc."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text)
+    except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+        return []
+    out = []
+    lines = text.splitlines()
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        doc = ast.get_docstring(node)
+        # Whole lines by line numbers: ast.get_source_segment rescans the file for every node.
+        source = "\n".join(lines[node.lineno - 1:node.end_lineno]) if node.end_lineno else None
+        if not doc or not source or not 40 <= len(doc) <= 1200 or not 120 <= len(source) <= 2400:
+            continue
+        source = textwrap.dedent(source)
+        header = source.split("\n", 1)[0]
+        stub = f'{header}\n    """{textwrap.indent(doc, "    ").strip()}\n    """'
+        out.append({"source": source, "stub": stub, "name": node.name, "doc": doc})
+    return out
+
+
+def stdlib_examples(num: int, seed: int = 0) -> list[Example]:
+    """`num` chat prompts from stdlib definitions, spread over modules, deterministic for a seed."""
+    rng = random.Random(seed)
+    files = _stdlib_files()
+    rng.shuffle(files)
+    pool: list[dict[str, str]] = []
+    for f in files:
+        defs = _defs(f)
+        rng.shuffle(defs)
+        pool.extend(defs[:8])  # a few per module, so one big module does not dominate
+        if len(pool) >= 2 * num:
+            break
+    rng.shuffle(pool)
+    examples = []
+    for i in range(num):
+        d = pool[i % len(pool)]
+        prompt = _TEMPLATES[rng.randrange(len(_TEMPLATES))].format(**d)
+        examples.append(Example(messages=[{"role": "user", "content": prompt}]))
+    return examples
+
+
+def load_jsonl(path: str | Path) -> list[Example]:
+    refuse_humaneval(path)
+    examples = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row: dict[str, Any] = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON: {e}.") from None
+        if "token_ids" in row:
+            examples.append(Example(token_ids=[int(t) for t in row["token_ids"]],
+                                    num_prompt_tokens=int(row.get("num_prompt_tokens", 0))))
+        elif "messages" in row:
+            examples.append(Example(messages=list(row["messages"])))
+        elif "prompt" in row:
+            examples.append(Example(messages=[{"role": "user", "content": str(row["prompt"])}]))
+        elif "text" in row:
+            examples.append(Example(text=str(row["text"])))
+        else:
+            raise ValueError(f"{path}:{n}: needs 'prompt', 'messages', 'text' or 'token_ids'.")
+    if not examples:
+        raise ValueError(f"{path} holds no examples.")
+    return examples
+
+
+def _prompt_ids(llm, messages: list[dict[str, str]]) -> list[int]:
+    tok = llm.get_tokenizer()
+    if getattr(tok, "chat_template", None):
+        return llm.apply_chat_template(messages)
+    return list(tok.encode("\n\n".join(m["content"] for m in messages)))
+
+
+def _fit_prompt(llm, messages: list[dict[str, str]], limit: int) -> list[int] | None:
+    """Prompt ids of at most `limit` tokens: the last message's content is shortened, never the
+    template around it (cutting the template would cut the generation prompt)."""
+    for _ in range(4):
+        ids = _prompt_ids(llm, messages)
+        if len(ids) <= limit:
+            return ids
+        content = messages[-1]["content"]
+        keep = int(len(content) * limit / len(ids) * 0.9)
+        if keep < 16:
+            return None
+        messages = messages[:-1] + [{**messages[-1], "content": content[:keep]}]
+    return None
+
+
+def build_sequences(llm, examples: list[Example], max_new_tokens: int, max_seq_len: int,
+                    temperature: float, deadline: float, seed: int = 0) -> list[TrainSeq]:
+    """Token sequences (prompt + the target's answer, at most max_seq_len) for every example.
+
+    Chats are answered by `llm` (a specserve LLM of the target) in one continuous batch; at the
+    deadline the unfinished answers are cut where they are (a prefix of the target's own answer is
+    still good data) and the rest of the prompts are dropped.
+    """
+    from specserve.sampling_params import SamplingParams
+
+    tok = llm.get_tokenizer()
+    seqs: list[TrainSeq] = []
+    pending: dict[str, list[int]] = {}
+    engine = llm.engine
+    for i, ex in enumerate(examples):
+        if ex.token_ids is not None:
+            seqs.append(TrainSeq(ex.token_ids[:max_seq_len], ex.num_prompt_tokens))
+        elif ex.text is not None:
+            seqs.append(TrainSeq(list(tok.encode(ex.text))[:max_seq_len]))
+        else:
+            ids = _fit_prompt(llm, ex.messages, max_seq_len // 2)
+            if ids is None:
+                continue
+            budget = min(max_new_tokens, max_seq_len - len(ids))
+            params = SamplingParams(temperature=temperature, max_tokens=budget, seed=seed + i)
+            engine.add_request(f"distill-{i}", {"prompt_token_ids": ids}, params)
+            pending[f"distill-{i}"] = ids
+    bar = tqdm(total=len(pending), desc="self-distillation", unit="prompt", leave=False)
+    while pending and time.monotonic() < deadline:
+        for out in engine.step():
+            if out.finished and out.request_id in pending:
+                ids = pending.pop(out.request_id)
+                seqs.append(TrainSeq(ids + list(out.outputs[0].token_ids), len(ids)))
+                bar.update(1)
+    bar.close()
+    if pending:  # cut at the deadline: keep what the running answers have so far
+        engine.abort_request(list(pending))
+        for out in engine.step():
+            ids = pending.pop(out.request_id, None)
+            if ids is not None and out.outputs[0].token_ids:
+                seqs.append(TrainSeq(ids + list(out.outputs[0].token_ids), len(ids)))
+    return [s for s in seqs if len(s.token_ids) - s.num_prompt_tokens >= 2 and len(s.token_ids) >= 4]
+
+
+def save_sequences(path: str | Path, seqs: list[TrainSeq]) -> None:
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "w") as f:
+        for s in seqs:
+            f.write(json.dumps({"token_ids": s.token_ids, "num_prompt_tokens": s.num_prompt_tokens}) + "\n")
+    tmp.replace(path)
+
+
+def make_batches(lengths: list[int], tokens_per_batch: int, rng: random.Random) -> list[list[int]]:
+    """Index batches of similar lengths (less padding), each at most tokens_per_batch padded tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        new_max = max(cur_max, lengths[i])
+        if cur and new_max * (len(cur) + 1) > tokens_per_batch:
+            batches.append(cur)
+            cur, new_max = [], lengths[i]
+        cur.append(i)
+        cur_max = new_max
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
