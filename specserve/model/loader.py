@@ -153,6 +153,7 @@ class _GGUFSource(_Source):
         st = path.stat()
         super().__init__(name, dict(self.ckpt.config), f"gguf:{path.name}:{st.st_size}")
         self.path = path
+        self.num_tensors = len(self.ckpt.tensor_names())  # sizes the loading progress bar
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.ckpt.iter_tensors(torch.float32)
