@@ -71,7 +71,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be a non-negative integer")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0):
             raise bad("prompt_logprobs", "must be a non-negative integer")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")

@@ -17,6 +17,7 @@ from specserve.engine.output_processor import (RequestGroup, StepTokenStats, che
 from specserve.engine.setup import EngineParts, build_engine_parts
 from specserve.engine.validate import resolve_prompt, resolve_max_tokens
 from specserve.outputs import RequestOutput
+from specserve.runner.prompt_logprobs import plan_prompt_logprobs
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.structured import StructuredOutputs
 from specserve.sampling_params import SamplingParams
@@ -64,6 +65,7 @@ class Engine:
         text, token_ids = resolve_prompt(prompt, self.tokenizer, self.vocab_size)
         max_tokens = resolve_max_tokens(len(token_ids), params, self.max_model_len, self.kv.num_blocks,
                                         self.kv.block_size)
+        self._check_prompt_logprobs(params)
         grammar = self.structured.compile(params)  # issue 8: ValueError on a bad schema/regex
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, text, token_ids, [], [], arrival, params.logprobs)
@@ -74,6 +76,8 @@ class Engine:
             if child_params.seed is not None and not child_params.greedy:
                 gen = torch.Generator(device=self.device).manual_seed(child_params.seed)
             req = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival, gen)
+            if i == 0 and params.prompt_logprobs is not None:  # the prompt is shared: score it once
+                req.prompt_logprobs = [None]
             group.children.append(req)
             group.detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, child_params.stop,
                                                        child_params.include_stop_str_in_output,
@@ -84,6 +88,15 @@ class Engine:
             self.structured.add(req, grammar)  # issue 8: its first mask fills during the prefill
             self.scheduler.add_request(req)
         self.kv.prefetch(group.children[0])
+
+    def _check_prompt_logprobs(self, params: SamplingParams) -> None:
+        n = params.prompt_logprobs
+        if n is None:
+            return
+        if n > self.vocab_size:
+            raise ValueError(f"prompt_logprobs must be at most the vocabulary size ({self.vocab_size}), got {n}.")
+        if self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1.")
 
     def abort_request(self, request_ids: list[str] | str, emit_output: bool = True) -> None:
         """Free the requests' KV blocks now; their final outputs come with the next step()."""
@@ -138,7 +151,12 @@ class Engine:
                 if self.spec is not None:
                     self.spec.on_preempted(req)
             need_hidden = self.spec is not None and self.spec.proposer.needs_target_hidden
-            step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden)
+            plan = plan_prompt_logprobs(sched)
+            if plan:
+                step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden, prompt_plan=plan)
+                self._store_prompt_logprobs(sched, plan, step_out.prompt_logprobs)
+            else:
+                step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden)
             self.kv.after_forward()
             new_tokens, accepted = self._sample(sched, step_out.logits)
             outputs.extend(self._update(sched, new_tokens, accepted))
@@ -208,6 +226,13 @@ class Engine:
                 entry.setdefault(ids[row][j], (values[row][j], j))
             req.logprobs.append(entry)
             req.cumulative_logprob += values[row][0]
+
+    @staticmethod
+    def _store_prompt_logprobs(sched: SchedulerOutput, plan, results) -> None:
+        """Append this step's entries (before _update, which may finish the request)."""
+        for item, entries in zip(plan, results):
+            req = sched.scheduled[item.sched_index].request
+            req.prompt_logprobs.extend(entries)
 
     def _update(self, sched: SchedulerOutput, new_tokens: list[list[int] | None],
                 accepted: list[int]) -> list[RequestOutput]:

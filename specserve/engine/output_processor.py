@@ -23,6 +23,8 @@ class RequestGroup:
     arrival_time: float
     num_logprobs: int | None
     finished_ids: set[str] = field(default_factory=set)
+    # prompt_logprobs as returned (Logprob objects), built once the whole prompt is scored.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -68,7 +70,24 @@ def request_output(group: RequestGroup, tokenizer: Any) -> RequestOutput:
     metrics = RequestMetrics(group.arrival_time, first.first_scheduled_time, first.first_token_time,
                              first.last_token_time, time.monotonic() if group.finished else None)
     return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished,
-                         metrics, num_cached_tokens=max(0, first.num_cached_tokens))
+                         metrics, num_cached_tokens=max(0, first.num_cached_tokens),
+                         prompt_logprobs=_prompt_logprobs(group, tokenizer))
+
+
+def _prompt_logprobs(group: RequestGroup, tokenizer: Any) -> list[dict[int, Logprob] | None] | None:
+    """vLLM's shape: [None, {token_id: Logprob}, ...], one entry per prompt token; None until scored."""
+    raw = group.children[0].prompt_logprobs
+    if group.prompt_logprobs is None and raw is not None and len(raw) == len(group.prompt_token_ids):
+        texts: dict[int, str | None] = {}  # decode each distinct token once
+
+        def text(tid: int) -> str | None:
+            if tid not in texts:
+                texts[tid] = _decode_one(tokenizer, tid)
+            return texts[tid]
+
+        group.prompt_logprobs = [None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()}
+                                 for e in raw]
+    return group.prompt_logprobs
 
 
 class StepTokenStats:

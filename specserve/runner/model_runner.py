@@ -9,6 +9,7 @@ from specserve.attention.base import ForwardContext, forward_context
 from specserve.kv.spec import KVCacheSpec, KVFormat, LayerKVCache
 from specserve.model.loader import LoadedModel
 from specserve.runner.batch import BatchInputs, HostBatch, Staging, build_host_batch
+from specserve.runner.prompt_logprobs import PromptLogprobEntry, PromptLogprobRows, compute_prompt_logprobs
 from specserve.scheduler.scheduler import SchedulerOutput
 
 
@@ -21,6 +22,8 @@ class StepOutput:
     all_hidden: torch.Tensor | None = None  # [num_tokens, hidden]
     aux_hidden: list[torch.Tensor] | None = None  # each [num_tokens, hidden]
     host: HostBatch | None = None  # the step's host-side layout (query/seq lengths), in both paths
+    # Per item of the step's prompt-logprobs plan: its entries (runner/prompt_logprobs.py).
+    prompt_logprobs: list[list[PromptLogprobEntry]] | None = None
 
 
 def select_backend(device: torch.device, name: str | None = None):
@@ -62,10 +65,13 @@ class ModelRunner:
         self.graphs = runner
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False) -> StepOutput:
+    def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False,
+                prompt_plan: list[PromptLogprobRows] | None = None) -> StepOutput:
+        """prompt_plan: rows whose prompt logprobs to compute (they need every token's hidden
+        state, so such a step runs eagerly, never through a CUDA graph)."""
         host = build_host_batch(sched, block_ids_of, self.block_size)
         # Graphs return hidden states too, but only those of the aux layers they were captured with.
-        usable = self.graphs is not None and (
+        usable = self.graphs is not None and not prompt_plan and (
             not need_hidden or self.graphs.aux_hidden_layers == tuple(self.model.aux_hidden_layers))
         key = self.graphs.graph_key(host) if usable else None
         aux = None
@@ -91,4 +97,7 @@ class ModelRunner:
         out = StepOutput(self.model.compute_logits(rows), rows, batch, host=host)
         if need_hidden:
             out.all_hidden, out.aux_hidden = hidden, aux
+        if prompt_plan:
+            out.prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_plan,
+                                                          self.loaded.arch.vocab_size)
         return out

@@ -47,6 +47,8 @@ class Request:
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list = field(default_factory=list)
+    # prompt_logprobs=N: [None, entry for prompt token 1, ...] (runner/prompt_logprobs.py); None: not asked.
+    prompt_logprobs: list | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -74,6 +76,11 @@ class Request:
     def append_output_tokens(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt tokens still to score: their positions must be computed, not taken from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -138,7 +138,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            # Cached positions have no logits: a request still scoring its prompt recomputes it.
+            hits, num_hit_tokens = ([], 0) if req.needs_prompt_logprobs else self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit_tokens
             if num_new > budget:
                 if not self.enable_chunked_prefill:
