@@ -3,12 +3,16 @@
 The write kernel must reproduce `quant.write_kv` bit for bit: data bytes and scales, ties and
 saturation included, run on the CPU as the oracle. Attention reads the same bytes; its reference
 is TorchRefBackend in float64 over the dequantized cache, so what differs is only the kernels'
-float16 operands and fp32 accumulation. Slots that no sequence owns hold NaN scales (and NaN fp8
+float16 operands and fp32 accumulation. Every attention kernel variant (triton_quant.VARIANTS: fp8
+v1 / v2, nvfp4 v1 / v2 / v3) runs every attention test, and the v2 / v3 kernels also under each
+launch option bench/kv_quant_gpu.py sweeps (test_launch_options). Slots that no sequence owns hold NaN scales (and NaN fp8
 bytes), so any read outside a sequence's context shows up as NaN; outputs are poisoned with NaN
 before the kernel runs, so every row must be written.
 
 Under TRITON_INTERPRET=1 the interpreter's float8 conversions are replaced by torch's (it
-truncates instead of rounding to nearest even and drops the mantissa carry); see `_fp8_interpreter`.
+truncates instead of rounding to nearest even and drops the mantissa carry); see
+`patch_fp8_interpreter`. The interpreter runs no inline PTX, so there nvfp4 v3 takes v2's decoder;
+test_nvfp4_ptx_decode_is_exact checks v3's on the GPU against the torch LUT for all 65536 inputs.
 """
 from __future__ import annotations
 
@@ -25,20 +29,20 @@ from specserve.kv.spec import KVFormat, LayerKVCache, kv_format
 
 F64 = KVFormat("float64", torch.float64, 1, None, None)
 FORMATS = ["fp8", "nvfp4"]
+# Every attention kernel variant of every format (triton_quant.VARIANTS), as (format, variant).
+KERNELS = [("fp8", "v1"), ("fp8", "v2"), ("nvfp4", "v1"), ("nvfp4", "v2"), ("nvfp4", "v3")]
+KERNEL_IDS = [f"{n}-{v}" for n, v in KERNELS]
 # (relative norm error, max abs error) against the float64 reference, by q / output dtype
 TOL = {torch.float32: (3e-3, 1e-2), torch.bfloat16: (1e-2, 5e-2)}
 MIXED = [(0, 37), (2, 1), (48, 20), (37, 19), (70, 1), (33, 5), (0, 1), (100, 4), (16, 16)]
 SMALL_MIXED = [(0, 21), (2, 1), (40, 9), (17, 1), (33, 5), (16, 16)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fp8_interpreter():
-    """Interpreter only: do float8 conversions with torch (round to nearest even, as the GPU)."""
-    import os
+def patch_fp8_interpreter():
+    """Make the interpreter do float8 conversions with torch (round to nearest even, as the GPU).
 
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
+    Returns a function that undoes it. Also used by bench/kv_quant_gpu.py --smoke.
+    """
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter as interp
@@ -58,8 +62,24 @@ def _fp8_interpreter():
         return raw.view(as_torch[src]).to(as_torch[dst]).view(out_int).numpy().view(unsigned)
 
     interp._convert_float = convert_float
+
+    def undo() -> None:
+        interp._convert_float = original
+
+    return undo
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fp8_interpreter():
+    """Interpreter only: do float8 conversions with torch (round to nearest even, as the GPU)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    undo = patch_fp8_interpreter()
     yield
-    interp._convert_float = original
+    undo()
 
 
 def poisoned_cache(fmt: KVFormat, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -221,14 +241,19 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
     assert rel < rel_tol and max_abs < abs_tol, f"rel {rel:.2e} (tol {rel_tol}), max abs {max_abs:.2e} (tol {abs_tol})"
 
 
-def run_kernels(batch: Batch, fmt: KVFormat, num_splits: int | None = None) -> torch.Tensor:
-    from specserve.attention.triton_quant import paged_attention_quant, reshape_and_cache_quant
+def run_kernels(batch: Batch, fmt: KVFormat, num_splits: int | None = None, variant: str | None = None,
+                **launch) -> torch.Tensor:
+    from specserve.attention.triton_quant import (
+        paged_attention_quant,
+        reshape_and_cache_quant,
+    )
 
     meta = batch.meta
     reshape_and_cache_quant(batch.k, batch.v, batch.cache, fmt, meta.slot_mapping)
     out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype, device=batch.q.device)
     return paged_attention_quant(batch.q, batch.cache, fmt, meta.cu_query_lens, meta.seq_lens, meta.block_tables,
-                                 meta.max_query_len, meta.max_seq_len, batch.scale, out=out, num_splits=num_splits)
+                                 meta.max_query_len, meta.max_seq_len, batch.scale, out=out, num_splits=num_splits,
+                                 variant=variant, **launch)
 
 
 CASES = [(torch.bfloat16, 1, 16, 128), (torch.bfloat16, 4, 16, 128), (torch.bfloat16, 8, 32, 64),
@@ -236,9 +261,9 @@ CASES = [(torch.bfloat16, 1, 16, 128), (torch.bfloat16, 4, 16, 128), (torch.bflo
 CASE_IDS = [f"{str(dt).removeprefix('torch.')}-g{g}-bs{bs}-d{d}" for dt, g, bs, d in CASES]
 
 
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name,variant", KERNELS, ids=KERNEL_IDS)
 @pytest.mark.parametrize("dtype,group,block_size,head_dim", CASES, ids=CASE_IDS)
-def test_mixed_batch(name: str, dtype: torch.dtype, group: int, block_size: int, head_dim: int,
+def test_mixed_batch(name: str, variant: str, dtype: torch.dtype, group: int, block_size: int, head_dim: int,
                      device: torch.device, interpreting: bool) -> None:
     """Prefill, prefix-hit prefill, chunk continuation, decode and k+1 verify in one flat batch."""
     fmt = kv_format(name, dtype)
@@ -247,18 +272,18 @@ def test_mixed_batch(name: str, dtype: torch.dtype, group: int, block_size: int,
                        seed=group * 1000 + block_size + head_dim)
     ref, written = reference(batch, fmt)
     initial = LayerKVCache(*(t.clone() for t in batch.cache))
-    out = run_kernels(batch, fmt)
+    out = run_kernels(batch, fmt, variant=variant)
     assert_same_bytes(batch.cache, written)
     assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
     # The split-KV path over the same batch (multi-token q blocks, causal edges inside splits).
     for dst, src in zip(batch.cache, initial):
         dst.copy_(src)
-    assert_close(run_kernels(batch, fmt, num_splits=3)[:batch.ref_meta.num_tokens], ref, dtype)
+    assert_close(run_kernels(batch, fmt, num_splits=3, variant=variant)[:batch.ref_meta.num_tokens], ref, dtype)
 
 
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name,variant", KERNELS, ids=KERNEL_IDS)
 @pytest.mark.parametrize("query_len", [1, 4])
-def test_long_context_decode_and_verify(name: str, query_len: int, device: torch.device,
+def test_long_context_decode_and_verify(name: str, variant: str, query_len: int, device: torch.device,
                                         interpreting: bool) -> None:
     """Decode (query_len 1) and k+1 verify over long contexts: auto split, no split, odd split."""
     contexts = [1, 17, 300] if interpreting else [1, 17, 3000, 8191, 20000]
@@ -271,9 +296,75 @@ def test_long_context_decode_and_verify(name: str, query_len: int, device: torch
     for num_splits in ((None, 1) if interpreting else (None, 1, 7)):
         for dst, src in zip(batch.cache, initial):
             dst.copy_(src)
-        out = run_kernels(batch, fmt, num_splits)
+        out = run_kernels(batch, fmt, num_splits, variant)
         assert_same_bytes(batch.cache, written)
         assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+
+
+# Non-default launches of the v2 / v3 kernels (what bench/kv_quant_gpu.py sweeps): grid order, tiles,
+# warps, no register cap.
+LAUNCHES = [{"heads_first": False}, {"block_n": 128, "num_warps": 8}, {"num_warps": 2}, {"block_n": 32},
+            {"maxnreg": 0, "num_splits": 1}]
+NEW_KERNELS = [k for k in KERNELS if k[1] != "v1"]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("name,variant", NEW_KERNELS, ids=[f"{n}-{v}" for n, v in NEW_KERNELS])
+def test_launch_options(name: str, variant: str, launch: dict, device: torch.device, interpreting: bool) -> None:
+    """Decode, k+1 verify and a short prefill under each launch option the benchmark sweeps."""
+    dtype = torch.bfloat16
+    fmt = kv_format(name, dtype)
+    specs = [(300, 1), (17, 4), (0, 9)] if interpreting else [(3000, 1), (700, 4), (129, 1), (0, 33)]
+    batch = make_batch(specs, 32, 8, 128, 16, fmt, dtype, device, seed=len(launch) + len(variant))
+    ref, written = reference(batch, fmt)
+    out = run_kernels(batch, fmt, variant=variant, **launch)
+    assert_same_bytes(batch.cache, written)
+    assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+
+
+@pytest.mark.parametrize("name,variant", KERNELS, ids=KERNEL_IDS)
+def test_odd_kv_head_count(name: str, variant: str, device: torch.device, interpreting: bool) -> None:
+    """SmolLM2's shape: 9 query / 3 KV heads (no power of two), head_dim 64."""
+    dtype = torch.bfloat16
+    fmt = kv_format(name, dtype)
+    specs = [(40, 1), (21, 3), (0, 7)] if interpreting else [(500, 1), (77, 5), (0, 40), (1000, 1)]
+    batch = make_batch(specs, 9, 3, 64, 16, fmt, dtype, device, seed=93)
+    ref, written = reference(batch, fmt)
+    out = run_kernels(batch, fmt, variant=variant)
+    assert_same_bytes(batch.cache, written)
+    assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+
+
+def test_nvfp4_ptx_decode_is_exact(device: torch.device) -> None:
+    """v3's inline-PTX decoder against the plain-Triton one and the torch LUT, on all 65536 units."""
+    if device.type != "cuda":
+        pytest.skip("inline PTX runs on the GPU only")
+    import triton
+    import triton.language as tl
+
+    from specserve.attention.triton_quant_nvfp4 import _decode
+
+    @triton.jit
+    def decode_all(units_ptr, out_ptr, PTX: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        e0, e1, e2, e3 = _decode(tl.load(units_ptr + offs).to(tl.uint16, bitcast=True), PTX)
+        tl.store(out_ptr + 4 * offs, e0)
+        tl.store(out_ptr + 4 * offs + 1, e1)
+        tl.store(out_ptr + 4 * offs + 2, e2)
+        tl.store(out_ptr + 4 * offs + 3, e3)
+
+    units = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).to(device)
+    outs = {}
+    for ptx in (True, False):
+        out = torch.empty(4 * units.numel(), dtype=torch.float16, device=device)
+        decode_all[(units.numel() // 1024,)](units, out, PTX=ptx, BLOCK=1024)
+        outs[ptx] = out.float().cpu()
+    fmt = kv_format("nvfp4", torch.float32)
+    codes = units.cpu().view(torch.uint8).view(-1, 1, 2)  # the unit's two bytes = elements 4c .. 4c + 3
+    want = quant.dequantize(codes, torch.ones(codes.shape[0], 1, 1).to(torch.float8_e4m3fn), fmt,
+                            torch.float32).reshape(-1) / fmt.global_scale
+    assert torch.equal(outs[True] * 64.0, want), "PTX decode differs from the torch LUT"
+    assert torch.equal(outs[False] * 16384.0, want), "bit decode differs from the torch LUT"
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -1,0 +1,111 @@
+"""Pieces shared by the quantized-KV attention kernels (`triton_quant_v1`, `_fp8`, `_nvfp4`).
+
+Jit helpers follow `triton_paged.py`'s kernel (same q-block / GQA row packing, split-KV ranges and
+partials layout, reduced by `triton_paged._reduce_splits_kernel`); the program ids are passed in, so
+a kernel may order its grid as it likes. Plus the host-side cache check.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from specserve.attention.triton_paged import _find_seq
+from specserve.kv.quant import E2M1_MAX, FP8_MAX
+from specserve.kv.spec import KVFormat, LayerKVCache
+
+NVFP4_DECODE = 16384.0  # 2^14: the bit-trick decode yields e2m1 * 2^-14
+# Constants the kernels read (Triton only lets jit code see constexpr globals).
+_FP16_MAX = tl.constexpr(65504.0)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_E2M1_MAX = tl.constexpr(E2M1_MAX)
+
+
+@triton.jit
+def _locate(cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, q_block_idx, kv_head, split,
+            GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+            SPLIT: tl.constexpr):
+    """This program's rows and KV tile range (the prologue of triton_paged's kernel)."""
+    seq = _find_seq(cu_query_lens_ptr, num_seqs, q_block_idx, BLOCK_Q)
+    q_start = tl.load(cu_query_lens_ptr + seq)
+    q_len = tl.load(cu_query_lens_ptr + seq + 1) - q_start
+    q_block_local = q_block_idx - (q_start // BLOCK_Q + seq)
+    spare = q_block_local * BLOCK_Q >= q_len  # a spare q block (the grid is an upper bound)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_block_local * BLOCK_Q + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    tok = (q_start + q_idx).to(tl.int64)
+    kv_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    if SPLIT:
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    else:
+        tile_lo = num_tiles * 0
+        tile_hi = num_tiles
+    return spare, seq, tok, head, row_ok, context_len + q_idx, kv_end, tile_lo, tile_hi
+
+
+@triton.jit
+def _load_q16(q_ptr, tok, head, row_ok, cols, col_ok, stride_q_tok, stride_q_head):
+    """Q rows at the given head_dim columns as float16 (clamped to its finite range)."""
+    q = tl.load(q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    return tl.minimum(tl.maximum(q, -_FP16_MAX), _FP16_MAX).to(tl.float16)
+
+
+@triton.jit
+def _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i):
+    """Online softmax over one tile of base-2 scores: returns (p, alpha, m_new, l_new)."""
+    visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row may see no key of this tile (split ranges, causal edge): keep exp2 away from -inf - -inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _store_rows(acc, cols, col_ok, factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
+                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head,
+                HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, STORE_ML: tl.constexpr):
+    """Columns `cols` of the rows' result times `factor`: the normalized output, or this split's
+    unnormalized partial (acc, and with STORE_ML the running max and denominator)."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT:
+        ml = (tok * num_heads + head) * num_splits + split  # partials: [T, Hq, S(, D_PAD)]
+        if STORE_ML:
+            tl.store(part_m_ptr + ml, m_i, mask=row_ok)
+            tl.store(part_l_ptr + ml, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + cols[None, :], acc * factor, mask=mask)
+    else:
+        out = acc * (factor / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + cols[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def check_quant_cache(fmt: KVFormat, cache: LayerKVCache, num_kv_heads: int, head_dim: int) -> None:
+    """Refuse formats and cache layouts the quantized kernels cannot read or write."""
+    if fmt.name not in ("fp8", "nvfp4"):
+        raise NotImplementedError(f"no Triton kernel reads kv_cache_dtype {fmt.name!r}")
+    if fmt.name == "nvfp4" and (head_dim % 16 or fmt.scale_group != 16):
+        raise NotImplementedError(f"the Triton nvfp4 kernels need head_dim % 16 == 0, got {head_dim}")
+    if cache.key_scale is None or cache.value_scale is None:
+        raise ValueError(f"KV format {fmt.name!r} needs a cache with scale tensors")
+    want = (num_kv_heads, fmt.packed_dim(head_dim))
+    for data, scale in ((cache.key, cache.key_scale), (cache.value, cache.value_scale)):
+        if data.dtype != fmt.storage_dtype or scale.dtype != fmt.scale_dtype:
+            raise ValueError(f"cache dtypes {data.dtype}/{scale.dtype} do not match KV format {fmt.name!r}")
+        if tuple(data.shape[2:]) != want or scale.shape[:3] != data.shape[:3]:
+            raise ValueError(f"cache is {tuple(data.shape)}, expected [blocks, block_size, {want[0]}, {want[1]}]")
+        if data.stride(3) != 1 or scale.stride(3) != 1:
+            raise ValueError("cache head_dim must be contiguous")
+    if cache.key.stride() != cache.value.stride() or cache.key_scale.stride() != cache.value_scale.stride():
+        raise ValueError("key and value caches (and their scales) must have the same strides")
+
+

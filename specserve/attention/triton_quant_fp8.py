@@ -1,0 +1,127 @@
+"""fp8 (e4m3) paged attention, variant "v2": structured like triton_paged's bf16 kernel.
+
+Per KV tile the loop does what the bf16 kernel does (block ids -> K tile -> Q.K^T -> online softmax
+-> V tile -> P.V), plus one cvt per two values (e4m3 -> float16, `cvt.rn.f16x2.e4m3x2`) and two
+cheap per-key-row scalings. What changed from v1 (`triton_quant_v1.py`), and why:
+
+* Every load in the loop is a >= 4-byte vector that the software pipeliner turns into cp.async,
+  issued one tile ahead: no synchronous global round trip is left in the loop (v1 had two
+  dependent ones per tile). A token's scale is 2 bytes, too small for cp.async, so the kernel loads
+  the scales of SCALE_W adjacent heads of each token (the layout keeps a token's heads contiguous:
+  [blocks, block_size, heads, 1] float16, 16 bytes for 8 heads) and picks its own head's column in
+  registers. DRAM traffic does not grow: the other heads' programs read the same sectors, and the
+  grid runs the KV heads of a q block next to each other (HEADS_FIRST) so they share them in L2.
+* The cache strides are compile-time constants, so the compiler can prove the 16-byte alignment of
+  every row (runtime strides that are not multiples of 16 elements defeat vectorization).
+* Scales multiply the scores per key column after Q.K^T and P per key row before P.V (M x N work,
+  not N x D), as in v1: P is scaled by v_scale / (the tile's largest v_scale) so it stays in [0, 1]
+  in float16, and the largest scale multiplies the fp32 product.
+
+Q is clamped to float16's finite range (bf16 -> fp16 is otherwise exact down to 2^-14).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.attention.triton_quant_common import (
+    _load_q16,
+    _locate,
+    _softmax_step,
+    _store_rows,
+)
+
+
+@triton.jit
+def _row_scales(scale_base, srow, pick, n_ok):
+    """[N] float32 scales of this program's head: a [N, SCALE_W] vector load, one column kept."""
+    sw = tl.load(scale_base[None, :] + srow[:, None], mask=n_ok[:, None], other=0.0)
+    return tl.sum(tl.where(pick[None, :], sw.to(tl.float32), 0.0), 1)
+
+
+@triton.jit(do_not_specialize=["sm_scale_log2", "num_seqs", "num_splits"])
+def _paged_attention_fp8_v2_kernel(
+    out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,
+    sm_scale_log2, num_seqs, num_splits,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt_seq,
+    C_BLOCK: tl.constexpr, C_SLOT: tl.constexpr, C_HEAD: tl.constexpr,
+    S_BLOCK: tl.constexpr, S_SLOT: tl.constexpr, S_HEAD: tl.constexpr, SCALE_W: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
+):
+    if HEADS_FIRST:  # grid (kv heads, q blocks, splits): a q block's heads run side by side
+        kv_head = tl.program_id(0)
+        q_block_idx = tl.program_id(1)
+        num_heads = tl.num_programs(0) * GROUP
+    else:  # grid (q blocks, kv heads, splits), as triton_paged
+        q_block_idx = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_heads = tl.num_programs(1) * GROUP
+    split = tl.program_id(2)
+    spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
+        cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, q_block_idx, kv_head, split,
+        GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT)
+    if spare:
+        return
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q = _load_q16(q_ptr, tok, head, row_ok, offs_d, d_ok, stride_q_tok, stride_q_head)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_base = key_cache_ptr + kv_head * C_HEAD
+    v_base = value_cache_ptr + kv_head * C_HEAD
+    # The scale window: SCALE_W heads (a power of two dividing num_kv_heads) around this one.
+    w = tl.arange(0, SCALE_W)
+    w0 = (kv_head // SCALE_W) * SCALE_W
+    pick = w == kv_head - w0
+    ks_base = key_scale_ptr + (w0 + w) * S_HEAD  # [SCALE_W]; contiguous when S_HEAD == 1
+    vs_base = value_scale_ptr + (w0 + w) * S_HEAD
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_end
+        block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = offs_n % BLOCK_SIZE
+        row = block_ids * C_BLOCK + slot * C_SLOT
+        srow = block_ids * S_BLOCK + slot * S_SLOT
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k_scale = _row_scales(ks_base, srow, pick, n_ok)
+        s = tl.dot(q, tl.trans(k.to(tl.float16))) * (k_scale * sm_scale_log2)[None, :]
+        p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
+        v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v_scale = _row_scales(vs_base, srow, pick, n_ok)
+        # V's row scales go into P, relative to the tile's largest so P * scale stays in [0, 1].
+        v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
+        pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
+        acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float16)) * v_max
+    _store_rows(acc, offs_d, d_ok, 1.0, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
+                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, True)
+
+
+def scale_window(num_kv_heads: int, limit: int = 8) -> int:
+    """Largest power of two <= limit that divides num_kv_heads: heads whose scales one load reads."""
+    w = 1
+    while w < limit and num_kv_heads % (2 * w) == 0:
+        w *= 2
+    return w
+
+
+def launch_fp8_v2(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, grid_qblocks: int, num_splits: int,
+                  scale_log2: float, meta: dict, heads_first: bool) -> None:
+    """The v2 fp8 kernel over the launch that `triton_quant.paged_attention_quant` prepared."""
+    num_seqs = common[3].shape[0] - 1
+    block_tables = common[5]
+    kc, ks = cache.key, cache.key_scale
+    num_kv_heads = kc.shape[2]
+    grid = (num_kv_heads, grid_qblocks, num_splits) if heads_first else (grid_qblocks, num_kv_heads, num_splits)
+    _paged_attention_fp8_v2_kernel[grid](
+        out, q, kc, cache.value, ks, cache.value_scale, *common, scale_log2, num_seqs, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        C_BLOCK=kc.stride(0), C_SLOT=kc.stride(1), C_HEAD=kc.stride(2), S_BLOCK=ks.stride(0), S_SLOT=ks.stride(1),
+        S_HEAD=ks.stride(2), SCALE_W=scale_window(num_kv_heads) if ks.stride(2) == 1 else 1,
+        HEADS_FIRST=heads_first, **meta)

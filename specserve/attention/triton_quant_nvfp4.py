@@ -1,0 +1,208 @@
+"""nvfp4 paged attention, variants "v2" and "v3": structured like triton_paged's bf16 kernel.
+
+A cache row (one token, one KV head) is head_dim / 2 bytes, byte i holding elements 2i (low nibble)
+and 2i + 1 (high nibble), plus head_dim / 16 e4m3 scales. The kernel reads the row as head_dim / 4
+16-bit units ("quads"): unit c holds elements 4c + j in its nibble j (j = 0..3, little-endian).
+Per KV tile it loads the units as one [BLOCK_N, head_dim / 4] tile and the scales as one
+[BLOCK_N, groups] tile (both cp.async, one tile ahead, like every load in the loop), decodes nibble
+j of every unit into a float16 tile E_j [BLOCK_N, head_dim / 4] (elements 4c + j), multiplies it by
+the unit's group scale (group c // 4), and contracts over head_dim in four dots of depth
+head_dim / 4: Q.K^T = sum_j Q_j.E_j^T with Q_j = Q's columns 4c + j, and P.V as four accumulators
+(output columns 4c + j). A dot's reduction runs over any ordering of head_dim, so this is exact.
+
+Why 16-bit units and not bytes: the tensor-core operand of P.V pairs two consecutive *keys* per
+register, i.e. two rows of the cache. From a tile of 16-bit elements the compiler gets those pairs
+with one transposing ldmatrix per 8x8 block, as for bf16; from a byte tile it gathers bytes one at a
+time (LDS.U8 + PRMT, seen in the sm_90 SASS of a byte version), and from 32-bit words it cannot
+pair rows at all. The decode is elementwise, so it runs on the units right where they come out of
+shared memory in the dot-operand layout, with no layout conversion of the float16 tiles.
+
+Two decoders, both exact:
+  v2 (plain Triton): nibble (s, e1, e0, m) goes to float16 bits (15, 11, 10, 9), which *is* the
+     float16 number e2m1 * 2^-14 (subnormal 0.5 included); a few integer ops per value.
+  v3 (inline PTX, sm_89+): two units (8 codes) per 32-bit register; every nibble becomes the e4m3
+     byte (s, 0, 0, e1, e0, m, 0, 0) = e2m1 * 2^-6 with four SIMD-within-a-register shifts and masks
+     per 4 bytes, a byte permute pairs the two units' codes, and the hardware `cvt.rn.f16x2.e4m3x2`
+     makes two float16 per instruction. Triton's interpreter runs no inline assembly: there the
+     kernel takes the v2 decoder.
+v1 (triton_quant_v1.py) ran eight dots of depth head_dim / 8 over 32-bit words and gathered a scale
+per word with a synchronous 1-byte load. Scales multiply the decoded values in float16 (exact:
+products of a 2-bit and a 4-bit significand, >= 2^-24); the constant (2^14 or 2^6) * global_scale
+goes into the score scale (K) and the output (V).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.attention.triton_quant_common import (
+    NVFP4_DECODE,
+    _load_q16,
+    _locate,
+    _softmax_step,
+    _store_rows,
+)
+
+E4M3_DECODE = 64.0  # 2^6: the v3 decode yields e2m1 * 2^-6
+# $4 = two 16-bit units: bytes (u0.lo, u0.hi, u1.lo, u1.hi). Output j = nibble j of u0 (low half) and
+# of u1 (high half) as float16. l / h: the e4m3 bytes of each byte's low / high nibble; the byte
+# permute 0x3120 turns (b0, b1, b2, b3) into (b0, b2, b1, b3), pairing u0's and u1's bytes.
+_DECODE_PTX = tl.constexpr("""
+{
+.reg .b32 t, u, l, h;
+.reg .b16 l02, l13, h02, h13;
+shl.b32 t, $4, 4;
+and.b32 t, t, 0x80808080;
+shl.b32 u, $4, 2;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 l, t, u;
+shr.b32 u, $4, 2;
+and.b32 u, u, 0x1C1C1C1C;
+and.b32 t, $4, 0x80808080;
+or.b32 h, t, u;
+prmt.b32 l, l, 0, 0x3120;
+prmt.b32 h, h, 0, 0x3120;
+mov.b32 {l02, l13}, l;
+mov.b32 {h02, h13}, h;
+cvt.rn.f16x2.e4m3x2 $0, l02;
+cvt.rn.f16x2.e4m3x2 $1, h02;
+cvt.rn.f16x2.e4m3x2 $2, l13;
+cvt.rn.f16x2.e4m3x2 $3, h13;
+}
+""")
+
+
+@triton.jit
+def _nibble16(u, J: tl.constexpr):
+    """uint16 units -> float16 code * 2^-14 of nibble J: bits (s, e1, e0, m) -> (15, 11, 10, 9)."""
+    n = u >> (4 * J)
+    return (((n << 12) & 0x8000) | ((n << 9) & 0x0E00)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _decode(units, PTX: tl.constexpr):
+    """uint16 [..] -> the four nibbles of every unit as float16 (code * 2^-6 with PTX, else * 2^-14)."""
+    if PTX:
+        e0, e1, e2, e3 = tl.inline_asm_elementwise(_DECODE_PTX, "=r,=r,=r,=r,r", [units],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=2)
+    else:
+        e0 = _nibble16(units, 0)
+        e1 = _nibble16(units, 1)
+        e2 = _nibble16(units, 2)
+        e3 = _nibble16(units, 3)
+    return e0, e1, e2, e3
+
+
+@triton.jit
+def _scaled_tiles(unit_ptrs, scale_ptrs, mask, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr,
+                  G_PAD: tl.constexpr, PTX: tl.constexpr):
+    """One cache tile -> E_0..E_3, float16 [BLOCK_N, QUADS_PAD] (elements 4c + j), times group scales."""
+    units = tl.load(unit_ptrs, mask=mask, other=0).to(tl.uint16, bitcast=True)
+    sc = tl.load(scale_ptrs, mask=scale_mask, other=0.0).to(tl.float16)  # [BLOCK_N, G_PAD]
+    # Unit c belongs to group c // 4 (4 units = 16 values).
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, G_PAD, 4]), [BLOCK_N, QUADS_PAD])
+    e0, e1, e2, e3 = _decode(units, PTX)
+    return e0 * sc, e1 * sc, e2 * sc, e3 * sc
+
+
+@triton.jit(do_not_specialize=["sm_scale_log2", "v_factor", "num_seqs", "num_splits"])
+def _paged_attention_nvfp4_v2_kernel(
+    out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,
+    sm_scale_log2, v_factor, num_seqs, num_splits,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt_seq,
+    C_BLOCK: tl.constexpr, C_SLOT: tl.constexpr, C_HEAD: tl.constexpr,
+    S_BLOCK: tl.constexpr, S_SLOT: tl.constexpr, S_HEAD: tl.constexpr,
+    QUADS: tl.constexpr, QUADS_PAD: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, PTX: tl.constexpr,
+):
+    if HEADS_FIRST:  # grid (kv heads, q blocks, splits): a q block's heads run side by side
+        kv_head = tl.program_id(0)
+        q_block_idx = tl.program_id(1)
+        num_heads = tl.num_programs(0) * GROUP
+    else:  # grid (q blocks, kv heads, splits), as triton_paged
+        q_block_idx = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_heads = tl.num_programs(1) * GROUP
+    split = tl.program_id(2)
+    spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
+        cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, q_block_idx, kv_head, split,
+        GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT)
+    if spare:
+        return
+    c = tl.arange(0, QUADS_PAD)  # unit c of a row: elements 4c .. 4c + 3
+    c_ok = c < QUADS
+    g = tl.arange(0, G_PAD)
+    g_ok = g < GROUPS
+    # Q's columns 4c + j as Q_j: one contiguous load, split in registers.
+    d = tl.arange(0, HEAD_DIM_PAD)
+    q = _load_q16(q_ptr, tok, head, row_ok, d, d < 4 * QUADS, stride_q_tok, stride_q_head)
+    q_lo, q_hi = tl.split(tl.reshape(q, [BLOCK_M, QUADS_PAD, 2, 2]))  # j = 0, 2 and j = 1, 3
+    q0, q2 = tl.split(q_lo)
+    q1, q3 = tl.split(q_hi)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    a0 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
+    a1 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
+    a2 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
+    a3 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_base = key_cache_ptr + kv_head * C_HEAD + c[None, :]
+    v_base = value_cache_ptr + kv_head * C_HEAD + c[None, :]
+    ks_base = key_scale_ptr + kv_head * S_HEAD + g[None, :]
+    vs_base = value_scale_ptr + kv_head * S_HEAD + g[None, :]
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_end
+        block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = offs_n % BLOCK_SIZE
+        row = (block_ids * C_BLOCK + slot * C_SLOT)[:, None]
+        srow = (block_ids * S_BLOCK + slot * S_SLOT)[:, None]
+        mask = n_ok[:, None] & c_ok[None, :]
+        s_mask = n_ok[:, None] & g_ok[None, :]
+        k0, k1, k2, k3 = _scaled_tiles(k_base + row, ks_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, PTX)
+        s = tl.dot(q0, tl.trans(k0))
+        s = tl.dot(q1, tl.trans(k1), s)
+        s = tl.dot(q2, tl.trans(k2), s)
+        s = tl.dot(q3, tl.trans(k3), s) * sm_scale_log2
+        p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
+        p16 = p.to(tl.float16)
+        v0, v1, v2, v3 = _scaled_tiles(v_base + row, vs_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, PTX)
+        a0 = tl.dot(p16, v0, a0 * alpha[:, None])
+        a1 = tl.dot(p16, v1, a1 * alpha[:, None])
+        a2 = tl.dot(p16, v2, a2 * alpha[:, None])
+        a3 = tl.dot(p16, v3, a3 * alpha[:, None])
+    _store_rows(a0, 4 * c, c_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
+                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, True)
+    _store_rows(a1, 4 * c + 1, c_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
+                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
+    _store_rows(a2, 4 * c + 2, c_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
+                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
+    _store_rows(a3, 4 * c + 3, c_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
+                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
+
+
+def launch_nvfp4_v2(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, grid_qblocks: int,
+                    num_splits: int, scale_log2: float, meta: dict, heads_first: bool, ptx: bool = False) -> None:
+    """The v2 (ptx=False) or v3 (ptx=True) nvfp4 kernel over the launch paged_attention_quant prepared."""
+    num_seqs = common[3].shape[0] - 1
+    block_tables = common[5]
+    # 16-bit units: a row is head_dim / 2 bytes, an even count (head_dim % 16 == 0), so the view is exact.
+    kc, vc = cache.key.view(torch.int16), cache.value.view(torch.int16)
+    ks, vs = cache.key_scale, cache.value_scale
+    num_kv_heads = kc.shape[2]
+    head_dim = meta.pop("HEAD_DIM")
+    quads, groups = head_dim // 4, head_dim // 16
+    ptx = ptx and q.is_cuda  # Triton's interpreter runs no inline assembly: it takes the v2 decoder
+    const = (E4M3_DECODE if ptx else NVFP4_DECODE) * fmt.global_scale
+    grid = (num_kv_heads, grid_qblocks, num_splits) if heads_first else (grid_qblocks, num_kv_heads, num_splits)
+    _paged_attention_nvfp4_v2_kernel[grid](
+        out, q, kc, vc, ks, vs, *common, scale_log2 * const, const, num_seqs, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        C_BLOCK=kc.stride(0), C_SLOT=kc.stride(1), C_HEAD=kc.stride(2), S_BLOCK=ks.stride(0), S_SLOT=ks.stride(1),
+        S_HEAD=ks.stride(2), QUADS=quads, QUADS_PAD=triton.next_power_of_2(quads), GROUPS=groups,
+        G_PAD=triton.next_power_of_2(groups), HEADS_FIRST=heads_first, PTX=ptx, **meta)
