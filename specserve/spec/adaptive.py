@@ -3,7 +3,7 @@
 Goodput model (TurboSpec-style), per request in a batch of B:
   E[tokens | k]   = 1 + sum_{j<k} fill_j * prod_{i<=j} alpha_i
   tokens verified = 1 + sum_{j<k} fill_j
-  cost(k)         = t_verify(B * tokens verified) + t_propose(k, B);   cost(0) = t_decode(B)
+  cost(k)         = t_verify,k(B * tokens verified) + t_propose(k, B);   cost(0) = t_decode(B)
   choose          argmax_k  B * E[tokens | k] / cost(k)
 alpha_i is the acceptance of draft position i given that every earlier one was accepted; fill_j is
 how often the proposer produced a draft at position j when asked for one (n-gram lookups come back
@@ -13,19 +13,42 @@ short or empty). Everything is measured here, over moving windows:
   - t_verify, t_decode: linear fits a + b * decode tokens + c * prefill tokens over recent steps
     with and without drafts (prefill chunks that share a step are costed apart, and predictions are
     for pure decode steps); b is pulled toward 0 (memory-bound, the optimistic guess) until the data
-    can tell it;
-  - t_propose: a non-negative fit over k, k*B and B (draft models cost ~k forwards; n-gram ~B lookups).
-Every `explore_every`-th choice tries a neighbour of the best k on a fixed schedule (no randomness), so
-the cost slope and the acceptance of positions just beyond the best k stay measured; a neighbour
-predicted to cost more than `explore_max_loss` of the throughput is tried only every
-`explore_backoff`-th time.
+    can tell it. Until a step without drafts and without a prompt chunk was seen, t_decode comes
+    from the verify fit (a prefill-only sample says nothing about a decode step); the controller
+    probes one early (and again whenever the decode fit has no data near the batch size);
+  - t_verify is fitted per k (the proposal's k), the fit over every k standing in until a k has its
+    own: verify steps are not one smooth curve, a query length with a captured CUDA graph replays in
+    a fraction of an eager forward's time, so k = K (captured) can be cheaper than k = 1 (not);
+  - each fit is trusted up to twice the largest step it measured lately: a k whose verify step would
+    be larger is explored (within budget) before it can be chosen, and a plain decode step is probed
+    when the decode fit has no data near this batch size (samples beyond a fit's range are not
+    clipped as outliers: they are news);
+  - t_propose: a non-negative fit over 1, k, k*B and B (draft models cost ~k forwards; n-gram ~B lookups),
+    from "warm" proposals only: the first proposal after a step without drafts (or the first ever)
+    also makes a draft model catch up on every token it skipped, a one-off that says nothing about
+    the steady cost of drafting.
+Exploration: every `explore_every`-th choice tries another k on a fixed schedule (no randomness), so
+costs and the acceptance of positions just beyond the best k stay measured: a neighbour of the best
+(from k = 0, alternately 1 and K); a k predicted to beat the best where the fits have no data is
+tried at once (every few choices) instead. A neighbour predicted to cost more than `explore_max_loss` of the throughput only every
+`explore_backoff`-th time. Exploring from k = 0 lasts `explore_burst` steps: the first pays a draft
+model's catch-up, the next gives a warm proposal to learn from, and the two measure what the catch-up
+costs (n-gram lookups: nothing, so their cold proposals are fitted too). Exploring is paid from a
+budget: the time it measurably lost (an exploring step's time minus the time the best k would have
+taken for the tokens it produced) stays under `explore_budget` of the time observed, over a moving
+window, counting what the next exploration is expected to lose (for a proposer that catches up: what
+the last one lost per request, times the batch). With an expensive draft model or useless drafts the
+controller so stays within about that fraction of no speculation; where exploring costs nothing it
+explores on every slot.
 """
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from specserve.config import SpeculativeConfig
 
@@ -89,40 +112,69 @@ class SpecStepStats:
     proposal: ProposalStats | None = None  # the proposal whose drafts this step verified
 
 
+_RESOLVE_EVERY = 4  # observations between re-solves of a fit (see coefficients())
+_CATCH_UP_EXTRA = 0.25  # a proposer whose first proposal after a pause costs 25% more catches up
+_TRUST = 2.0  # a k is chosen on predictions for verify steps up to this x the largest recently measured
+_PROMISING_GAP = 3  # choices between explorations of a promising k outside the schedule
+
+
 class DecayedRegression:
-    """Non-negative least squares y ~ theta . x over an exponentially decayed window of observations.
+    """Non-negative least squares y ~ theta . x (relative errors) over a decayed window of observations.
 
     `ridge[j]`, relative to feature j's weighted second moment, pulls theta_j toward 0 where the data
     cannot separate it from the other features (e.g. every step had the same token count). Plain
     Python floats: with 2-3 features numpy's per-call overhead would dominate a step's bookkeeping."""
 
-    def __init__(self, num_features: int, window: float, ridge: Sequence[float], outlier_factor: float = 5.0) -> None:
+    def __init__(self, num_features: int, window: float, ridge: Sequence[float], outlier_factor: float = 5.0,
+                 range_feature: int | None = None) -> None:
         self.decay = 1.0 - 1.0 / window
         self.ridge = [float(r) for r in ridge]
         self.outlier_factor = outlier_factor
+        # the span of x[range_feature] over the window (decayed toward recent values): where the fit is data
+        self.range_feature = range_feature
+        self.min_x, self.max_x = math.inf, 0.0
         self.xtx = [[0.0] * num_features for _ in range(num_features)]
         self.xty = [0.0] * num_features
         self.weight = 0.0
         self._theta: list[float] | None = None
+        self._unsolved = 0  # observations added since theta was solved
 
     def add(self, x: Sequence[float], y: float) -> None:
-        """Add one observation; y above `outlier_factor` x the prediction (JIT, GC pauses) is clipped."""
-        if self.weight >= 5.0:
+        """Add one observation; y above `outlier_factor` x the prediction (JIT, GC pauses) is clipped,
+        where the fit has data nearby (beyond, a large y is news, not an outlier)."""
+        d = self.decay
+        inside = True
+        if self.range_feature is not None:
+            v = x[self.range_feature]
+            inside = self.covers(v)
+            self.max_x = max(self.max_x * d, v)
+            self.min_x = min(self.min_x / d, v)
+        if inside and self.weight >= 5.0:
             pred = self.predict(x)
             if pred > 0:
                 y = min(y, self.outlier_factor * pred)
-        d = self.decay
+        # Relative least squares (weight 1/y^2): timing noise is proportional to the time, and a 5%
+        # wobble on a 250 ms step must not drown a 2 ms step's intercept.
+        w = 1.0 / max(y * y, 1e-18)
         for i, xi in enumerate(x):
             row = self.xtx[i]
+            wxi = w * xi
             for j, xj in enumerate(x):
-                row[j] = d * row[j] + xi * xj
-            self.xty[i] = d * self.xty[i] + xi * y
+                row[j] = d * row[j] + wxi * xj
+            self.xty[i] = d * self.xty[i] + wxi * y
         self.weight = d * self.weight + 1.0
-        self._theta = None
+        self._unsolved += 1
+
+    def covers(self, v: float, reach: float = 2.0) -> bool:
+        """Whether v lies within `reach` x the span of the data (always, for a fit without a range)."""
+        return self.range_feature is None or (self.min_x / reach <= v <= reach * self.max_x)
 
     def coefficients(self) -> list[float]:
-        if self._theta is None:
+        """theta, solved again once a few observations came in (every step's bookkeeping runs this;
+        a fit a few samples old predicts as well as a fresh one, except while the window fills up)."""
+        if self._theta is None or (self._unsolved and (self._unsolved >= _RESOLVE_EVERY or self.weight < 16.0)):
             self._theta = self._solve()
+            self._unsolved = 0
         return self._theta
 
     def _solve(self) -> list[float]:
@@ -141,13 +193,14 @@ class DecayedRegression:
         return theta
 
     def predict(self, x: Sequence[float]) -> float:
-        return sum(t * v for t, v in zip(self.coefficients(), x))
+        return sum(map(operator.mul, self.coefficients(), x))
 
     def predict_many(self, xs: Sequence[Sequence[float]], min_weight: float = 1.0) -> list[float] | None:
         """The fitted y at each x, or None before `min_weight` (decayed) observations."""
         if self.weight < min_weight:
             return None
-        return [self.predict(x) for x in xs]
+        theta = self.coefficients()
+        return [sum(map(operator.mul, theta, x)) for x in xs]
 
 
 def _solve_small(a: list[list[float]], b: list[float]) -> list[float]:
@@ -171,17 +224,22 @@ def _solve_small(a: list[list[float]], b: list[float]) -> list[float]:
 
 
 class PositionRates:
-    """A success rate per draft position over a decayed window of samples, with a prior."""
+    """A success rate per draft position over a decayed window of samples, with a prior.
 
-    def __init__(self, num_positions: int, prior: float, prior_weight: float, window: float) -> None:
-        self.prior, self.prior_weight, self.window = prior, prior_weight, window
+    Older samples fade per new sample, not per step, but never faster than over `min_steps` steps: a
+    large batch brings hundreds of samples a step, and one step of brand-new requests (an n-gram
+    lookup finds nothing in a fresh request) must not erase what the previous ones showed."""
+
+    def __init__(self, num_positions: int, prior: float, prior_weight: float, window: float,
+                 min_steps: float = 8.0) -> None:
+        self.prior, self.prior_weight, self.window, self.min_steps = prior, prior_weight, window, min_steps
         self.hits = [0.0] * num_positions
         self.trials = [0.0] * num_positions
 
     def add(self, trials: Sequence[int], hits: Sequence[int]) -> None:
         for i, (n, h) in enumerate(zip(trials[:len(self.trials)], hits)):
             if n > 0:
-                keep = math.exp(-n / self.window)  # older samples fade per new sample, not per step
+                keep = math.exp(-n / max(self.window, self.min_steps * n))
                 self.trials[i] = self.trials[i] * keep + n
                 self.hits[i] = self.hits[i] * keep + h
 
@@ -202,6 +260,9 @@ class AdaptiveSettings:
     explore_every: int = 10  # every n-th choice tries a neighbour of the best k (0: never)
     explore_max_loss: float = 0.25  # a neighbour predicted this much slower ...
     explore_backoff: int = 4  # ... is tried on every n-th exploration slot only
+    explore_burst: int = 2  # steps an exploration from k = 0 lasts (a draft model's catch-up, then a warm step)
+    explore_budget: float | None = 0.01  # exploring may lose at most this fraction of the time (None: no cap)
+    budget_window: float = 2000.0  # steps over which the exploration budget is counted
     switch_margin: float = 0.02  # keep the previous best unless another k is this much faster
 
 
@@ -217,6 +278,16 @@ class ControllerEstimates:
     expected_tokens: tuple[float, ...]  # per request per step
     step_seconds: tuple[float, ...]  # predicted verify (or decode) + proposal time
     tokens_per_s: tuple[float, ...]
+    trusted: tuple[int, ...] = ()  # the k whose predictions lie where the fits have data (0 always)
+
+
+class _Choice(NamedTuple):
+    """A choice waiting for the step that verifies its proposal."""
+
+    k: int
+    exploring: bool
+    best_k: int  # the best k when this one was chosen
+    cold: bool  # no drafts were proposed the step before (or never): a draft model catches up first
 
 
 class AdaptiveController:
@@ -228,27 +299,79 @@ class AdaptiveController:
         self.acceptance = PositionRates(self.max_k, s.acceptance_prior, s.prior_weight, s.acceptance_window)
         self.fill = PositionRates(self.max_k, 1.0, s.prior_weight, s.acceptance_window)
         # features (1, decode tokens, prefill tokens)
-        self.verify_cost = DecayedRegression(3, s.cost_window, (0.0, s.slope_ridge, s.slope_ridge))
-        self.decode_cost = DecayedRegression(3, s.cost_window, (0.0, s.slope_ridge, s.slope_ridge))
-        self.propose_cost = DecayedRegression(3, s.cost_window, (s.slope_ridge,) * 3)
+        ridge = (0.0, s.slope_ridge, s.slope_ridge)
+
+        def fit() -> DecayedRegression:
+            return DecayedRegression(3, s.cost_window, ridge, range_feature=1)
+
+        self.verify_cost = fit()  # every verify step: the first guess for a k without a fit of its own
+        self.verify_cost_by_k = [fit() for _ in range(self.max_k + 1)]
+        self.decode_cost = fit()
+        # features (1, k, k * B, B); a fit that has seen one batch size splits a per-forward cost between
+        # "per call" and "per request" (no guess is safe both ways: exploration measures the new size)
+        self.propose_cost = DecayedRegression(4, s.cost_window, (0.0, s.slope_ridge, s.slope_ridge, s.slope_ridge))
+        self._cost_keep = 1.0 - 1.0 / s.cost_window
+        self.pure_decode_weight = 0.0  # decayed count of steps without drafts and without prompt chunks
+        self._budget_keep = 1.0 - 1.0 / s.budget_window
+        self.observed_seconds = 0.0  # decayed: every step and proposal observed
+        self.exploration_loss_seconds = 0.0  # decayed: what exploring cost beyond the best k
+        self._last_cold: tuple[int, float] | None = None  # (k, seconds) of the last proposal if it was cold
+        self.cold_extra: float | None = None  # a first proposal after a pause costs (1 + this) x a warm one
+        self.explore_loss_per_request: list[float | None] = [None] * (self.max_k + 1)  # per exploring step, by k
         self.num_choices = 0
+        self.num_explorations = 0
+        self._last_probe: int | None = None  # the choice that last probed a plain decode step
+        self._last_promising = -_PROMISING_GAP  # the choice that last explored a promising untrusted k
         self.best_k = self.max_k
         self.last_choice = self.max_k
         self.last: ControllerEstimates | None = None
+        self._prev_k: int | None = None  # the k of the previous choice (None: none yet)
+        self._pending: _Choice | None = None
+        self._burst_k, self._burst_left = 0, 0
+        self._drafting_version = 0  # bumped by every observation that changes what drafting is predicted to give
+        self._drafting_cache: tuple[tuple[float, int], tuple] | None = None
 
     # -- the model ---------------------------------------------------------------------------
-    def _forward_seconds(self, num_tokens: list[float], with_drafts: bool) -> list[float]:
-        """Target step time at each num_tokens; the other model stands in until this one has data."""
-        first, second = (self.verify_cost, self.decode_cost) if with_drafts else (self.decode_cost, self.verify_cost)
-        for model in (first, second):
-            t = model.predict_many([(1.0, x, 0.0) for x in num_tokens])
+    def _decode_seconds(self, b: float) -> float:
+        """A plain decode step of b requests; the verify fit stands in until a clean decode step was seen."""
+        x = [(1.0, b, 0.0)]
+        order = (self.decode_cost, self.verify_cost)
+        if self.pure_decode_weight < 1.0 and self.verify_cost.weight >= 1.0:
+            order = (self.verify_cost, self.decode_cost)
+        for model in order:
+            t = model.predict_many(x)
             if t is not None:
-                return [max(v, 1e-9) for v in t]
-        return [1.0] * len(num_tokens)  # nothing measured: every k costs the same, the prior decides
+                return max(t[0], 1e-9)
+        return 1.0  # nothing measured: every k costs the same, the prior decides
 
-    def estimate(self, batch_size: int) -> ControllerEstimates:
-        """Expected tokens/s for every k at this batch size (no exploration, no state change)."""
-        b = float(max(batch_size, 1))
+    def _verify_seconds(self, num_tokens: list[float]) -> tuple[list[float], list[float]]:
+        """Verify steps for k = 1.. (num_tokens[k - 1] tokens): each k's own fit once it has one (a query
+        length with a CUDA graph costs a fraction of an eager one), before that the fit over every k.
+        Also the token count up to which each prediction is trusted."""
+        pooled = None
+        for model in (self.verify_cost, self.decode_cost):
+            pooled = model.predict_many([(1.0, x, 0.0) for x in num_tokens])
+            if pooled is not None:
+                break
+        seconds, trusted = [], []
+        for k, x in enumerate(num_tokens, start=1):
+            own = self.verify_cost_by_k[k]
+            if own.weight >= 1.0:
+                seconds.append(max(own.predict((1.0, x, 0.0)), 1e-9))
+                trusted.append(_TRUST * own.max_x)
+            else:
+                seconds.append(max(pooled[k - 1], 1e-9) if pooled is not None else 1.0)
+                trusted.append(_TRUST * self.verify_cost.max_x if self.verify_cost.weight >= 1.0 else math.inf)
+        return seconds, trusted
+
+    def _drafting_terms(self, b: float) -> tuple[list[float], list[float], list[float], list[float], list[bool]]:
+        """At batch b: alpha and fill per position; expected tokens per request for k = 0..K; predicted
+        seconds for k = 1..K; whether each k's prediction lies where its fit has data ([0]: always).
+        Only steps with drafts change them: while the controller sits at k = 0 they come from a cache
+        (every step's bookkeeping runs this)."""
+        key = (b, self._drafting_version)
+        if self._drafting_cache is not None and self._drafting_cache[0] == key:
+            return self._drafting_cache[1]
         alpha, fill = self.acceptance.rates(), self.fill.rates()
         expected, verified = [1.0], [1.0]
         survive = 1.0
@@ -256,37 +379,124 @@ class AdaptiveController:
             survive *= a
             expected.append(expected[-1] + f * survive)
             verified.append(verified[-1] + f)
-        seconds = self._forward_seconds([b], False) + self._forward_seconds([b * v for v in verified[1:]], True)
-        propose = self.propose_cost.predict_many([(k, k * b, b) for k in range(1, self.max_k + 1)])
+        seconds, trusted = self._verify_seconds([b * v for v in verified[1:]])
+        propose = self.propose_cost.predict_many([(1.0, k, k * b, b) for k in range(1, self.max_k + 1)])
         for k, t in enumerate(propose or [], start=1):
-            seconds[k] += max(t, 0.0)
+            seconds[k - 1] += max(t, 0.0)
+        within = [True] + [b * v <= t for v, t in zip(verified[1:], trusted)]
+        terms = (alpha, fill, expected, seconds, within)
+        if self.verify_cost.weight >= 1.0:  # before that, the decode fit (which changes) stands in
+            self._drafting_cache = (key, terms)
+        return terms
+
+    def estimate(self, batch_size: int) -> ControllerEstimates:
+        """Expected tokens/s for every k at this batch size (no exploration, no state change)."""
+        b = float(max(batch_size, 1))
+        alpha, fill, expected, drafting_s, within = self._drafting_terms(b)
+        seconds = [self._decode_seconds(b)] + drafting_s
         rates = [b * e / t for e, t in zip(expected, seconds)]
-        best = max(range(len(rates)), key=rates.__getitem__)
-        if rates[self.best_k] >= (1.0 - self.settings.switch_margin) * rates[best]:
+        # Trust region: a verify step much larger than any the fit has seen lately is a guess (a linear
+        # fit from small steps misses where verification turns compute-bound). Such a k is explored
+        # first, within budget, rather than chosen on the guess: for a draft model the first step also
+        # pays the catch-up, which a short burst of load cannot win back.
+        eligible = [0] + [k for k in range(1, len(rates)) if within[k]]
+        best = max(eligible, key=rates.__getitem__)
+        if self.best_k in eligible and rates[self.best_k] >= (1.0 - self.settings.switch_margin) * rates[best]:
             best = self.best_k  # hysteresis: near-ties do not flip k back and forth
         return ControllerEstimates(int(b), best, best, tuple(alpha), tuple(fill), tuple(expected), tuple(seconds),
-                                   tuple(rates))
+                                   tuple(rates), tuple(eligible))
 
     # -- the interface the decoder calls ------------------------------------------------------
     def choose(self, batch_size: int) -> int:
-        """k for the next proposal: the best k, or on schedule a neighbour of it."""
+        """k for the next proposal: the best k; or, within budget, a k to measure (see the module doc)."""
         est = self.estimate(batch_size)
-        self.best_k = k = est.best_k
+        self.best_k = best = est.best_k
         self.num_choices += 1
-        every = self.settings.explore_every
-        if every and self.num_choices % every == 0:
-            k = self._neighbour(est, self.num_choices // every)
-        self.last_choice = k
-        self.last = replace(est, chosen_k=k)
+        k, s = best, self.settings
+        if self._burst_left > 0:
+            self._burst_left -= 1
+            if self._burst_k != best:
+                k = self._burst_k
+        elif best != 0 and self._should_probe_decode(batch_size):
+            # A plain decode step, measured: without a recent one at about this batch size the decode
+            # cost is a guess (from verify steps, or from another load), and drafting can look better
+            # than it is.
+            self._last_probe = self.num_choices
+            k = 0
+        else:
+            promising = self._promising(est)
+            slot = s.explore_every and self.num_choices % s.explore_every == 0
+            if promising is not None and self.num_choices - self._last_promising >= _PROMISING_GAP:
+                # predicted to beat the best where the fits have no data (the load just grew, say):
+                # measure it now rather than at the next slot
+                self._last_promising = self.num_choices
+                candidate = promising
+            elif slot:
+                candidate = self._neighbour(est, self.num_choices // s.explore_every)
+            else:
+                candidate = best
+            steps = max(s.explore_burst, 1) if best == 0 else 1
+            if candidate != best and self._may_explore(candidate, steps, est):
+                k = candidate
+                self._burst_k, self._burst_left = k, steps - 1
+        if k != best:
+            self.num_explorations += 1
+        self._pending = _Choice(k, k != best, best, self._prev_k in (None, 0))
+        self._prev_k = self.last_choice = k
+        self.last = est if k == best else replace(est, chosen_k=k)
         return k
 
+    def _should_probe_decode(self, batch_size: int) -> bool:
+        if self.verify_cost.weight < 2.0:
+            return False  # the first steps: drafting K and measuring it comes first
+        known = self.pure_decode_weight >= 1.0 and self.decode_cost.covers(batch_size)
+        recent = self._last_probe is not None and self.num_choices - self._last_probe < 4 * self.settings.explore_every
+        return not known and not recent
+
+    def _may_explore(self, k: int, steps: int, est: ControllerEstimates) -> bool:
+        """Whether the budget has room for exploring k now. What it will cost: for a proposer that catches
+        up after a pause (a draft model), what exploring k lost lately per request, times this batch
+        (the catch-up grows with it; a k never explored costs what the dearest explored one did); else
+        what the model predicts (the step's time minus the time the best k takes for its tokens; a
+        predicted gain is always worth measuring: once measured, the k is no longer a guess)."""
+        budget = self.settings.explore_budget
+        if budget is None:
+            return True
+        if self.catches_up():
+            per_request = self.explore_loss_per_request[k]
+            if per_request is None:
+                per_request = max((v for v in self.explore_loss_per_request if v is not None), default=0.0)
+            expected = per_request * est.batch_size
+        else:
+            best_rate = est.tokens_per_s[est.best_k]
+            tokens = est.batch_size * est.expected_tokens[k]
+            expected = est.step_seconds[k] - tokens / best_rate if best_rate > 0 else 0.0
+            if expected < 0:
+                return True  # predicted to gain (where the fits have no data yet): past losses do not matter
+        return self.exploration_loss_seconds + max(expected, 0.0) * steps <= budget * self.observed_seconds
+
+    def _promising(self, est: ControllerEstimates) -> int | None:
+        """The k predicted to beat the best by more than the switch margin where its fit has no data
+        (so it may not be chosen on the prediction alone), if any."""
+        rates, bar = est.tokens_per_s, (1.0 + self.settings.switch_margin) * est.tokens_per_s[est.best_k]
+        untrusted = [k for k in range(1, self.max_k + 1) if k not in est.trusted and rates[k] > bar]
+        return max(untrusted, key=rates.__getitem__) if untrusted else None
+
     def _neighbour(self, est: ControllerEstimates, slot: int) -> int:
-        """The k to try at exploration slot `slot`: alternately above and below the best k."""
+        """The k to try at exploration slot `slot`: a k predicted to beat the best where the fits have no
+        data yet, if any; else alternately above and below the best k, and from k = 0 alternately 1 and
+        K (verify costs are not smooth in k: K may replay a CUDA graph where 1 runs eagerly, so "1 does
+        not pay" does not mean "nothing pays")."""
         best, s = est.best_k, self.settings
+        promising = self._promising(est)
+        if promising is not None:
+            return promising
         step = 1 if slot % 2 == 1 else -1
         if not 0 <= best + step <= self.max_k:
             step = -step
         k = min(max(best + step, 0), self.max_k)
+        if best == 0 and slot % 2 == 0:
+            k = self.max_k
         costly = est.tokens_per_s[k] < (1.0 - s.explore_max_loss) * est.tokens_per_s[best]
         if costly and (slot // 2) % s.explore_backoff != 0:
             return best  # measured often enough: this neighbour is far from paying
@@ -294,14 +504,66 @@ class AdaptiveController:
 
     def observe(self, step: SpecStepStats) -> None:
         """Learn from one finished step: its cost, the acceptance of its drafts, its proposal's cost."""
-        if step.step_seconds > 0 and step.num_batched_tokens > 0:
-            model = self.verify_cost if step.num_draft_tokens > 0 else self.decode_cost
-            decode = step.batch_size + step.num_draft_tokens  # one token per request, plus its drafts
-            prefill = max(step.num_batched_tokens - decode, 0)  # the rest: prompt chunks
-            model.add((1.0, float(decode), float(prefill)), step.step_seconds)
-        self.acceptance.add(step.reached_per_pos, step.accepted_per_pos)
         p = step.proposal
+        choice = None
+        if p is not None:
+            choice, self._pending = self._pending, None
+        if step.num_draft_tokens > 0 or (p is not None and p.num_speculative_tokens > 0):
+            self._drafting_version += 1
+        self._observe_step_cost(step, p)
+        self.acceptance.add(step.reached_per_pos, step.accepted_per_pos)
         if p is not None and p.num_seqs > 0 and p.num_speculative_tokens > 0:
             self.fill.add(p.asked_per_pos, p.drafted_per_pos)
             k, b = p.num_speculative_tokens, p.num_seqs
-            self.propose_cost.add((k, k * b, b), p.seconds)
+            x = (1.0, k, k * b, b)
+            cold = choice is not None and choice.cold
+            last_cold, self._last_cold = self._last_cold, (k, p.seconds) if cold else None
+            if not cold and last_cold is not None and last_cold[0] == k:
+                # a cold proposal and the warm one right after it, same k (an exploration burst): how
+                # much more the first proposal after a pause costs
+                extra = min(last_cold[1] / p.seconds - 1.0, 10.0) if p.seconds > 1e-7 else 0.0
+                self.cold_extra = extra if self.cold_extra is None else 0.5 * (self.cold_extra + extra)
+            if not cold or not self.catches_up():
+                self.propose_cost.add(x, p.seconds)
+        elif p is not None:
+            self._last_cold = None
+        self._account(step, p, choice)
+
+    def catches_up(self) -> bool:
+        """Whether the proposer pays extra after a step without drafts (a draft model feeding the tokens
+        it skipped; n-gram lookups do not), as far as measured; unknown counts as yes."""
+        return self.cold_extra is None or self.cold_extra > _CATCH_UP_EXTRA
+
+    def _observe_step_cost(self, step: SpecStepStats, p: ProposalStats | None) -> None:
+        if step.step_seconds <= 0 or step.num_batched_tokens <= 0:
+            return
+        decode = step.batch_size + step.num_draft_tokens  # one token per request, plus its drafts
+        prefill = max(step.num_batched_tokens - decode, 0)  # the rest: prompt chunks
+        x = (1.0, float(decode), float(prefill))
+        if step.num_draft_tokens > 0:
+            k = p.num_speculative_tokens if p is not None and p.num_speculative_tokens > 0 else self.max_k
+            k = min(k, self.max_k)
+            self.verify_cost.add(x, step.step_seconds)
+            self.verify_cost_by_k[k].add(x, step.step_seconds)
+        else:
+            self.decode_cost.add(x, step.step_seconds)
+            self.pure_decode_weight = self.pure_decode_weight * self._cost_keep + (1.0 if prefill == 0 else 0.0)
+
+    def _account(self, step: SpecStepStats, p: ProposalStats | None, choice: _Choice | None) -> None:
+        """Exploration budget: all the time observed, and what exploring lost against the best k."""
+        cycle = max(step.step_seconds, 0.0) + (p.seconds if p is not None else 0.0)
+        keep = self._budget_keep
+        self.observed_seconds = self.observed_seconds * keep + cycle
+        self.exploration_loss_seconds *= keep
+        if choice is not None and choice.exploring:
+            # against the best k as priced now, with this step's data in: a best priced wrong before
+            # (a batch size the fits had not seen) must not be booked as exploration's loss
+            best_rate = self.estimate(step.batch_size).tokens_per_s[choice.best_k]
+            if best_rate <= 0:
+                return
+            tokens = step.batch_size + sum(step.accepted_per_pos)
+            loss = cycle - tokens / best_rate
+            self.exploration_loss_seconds += loss
+            per_request = loss / max(step.batch_size, 1)
+            last = self.explore_loss_per_request[choice.k]
+            self.explore_loss_per_request[choice.k] = per_request if last is None else 0.5 * (last + per_request)

@@ -6,9 +6,11 @@ acceptance, and reports the step time a synthetic cost curve gives for that many
 """
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 
@@ -118,6 +120,17 @@ def test_position_rates_start_at_the_prior_and_forget() -> None:
     assert rates.rates()[0] == pytest.approx(0.9, abs=0.03)
 
 
+def test_one_step_of_fresh_requests_does_not_erase_a_large_batch_history() -> None:
+    rates = PositionRates(1, prior=0.8, prior_weight=4, window=100)
+    for _ in range(20):
+        rates.add((256,), (230,))  # 256 requests a step, 90% filled
+    rates.add((256,), (0,))  # a step of new requests: n-gram lookups find nothing yet
+    assert rates.rates()[0] > 0.75
+    for _ in range(40):
+        rates.add((256,), (0,))
+    assert rates.rates()[0] < 0.05  # but a lasting change is followed within a few steps
+
+
 def test_fresh_controller_is_optimistic_and_exposes_its_estimates() -> None:
     ctrl = AdaptiveController(CFG)
     assert ctrl.choose(8) == K and ctrl.last_choice == K
@@ -214,10 +227,12 @@ def test_explores_a_neighbour_that_is_far_from_paying_less_often() -> None:
     cost = linear(0.010, 2e-3)  # compute-bound: one draft per request costs 60% more than a decode step
     counts = []
     for max_loss in (0.25, 1.0):
-        ctrl = AdaptiveController(CFG, AdaptiveSettings(explore_max_loss=max_loss))
+        # the schedule alone: no exploration budget, single-step explorations (both tested below)
+        settings = AdaptiveSettings(explore_max_loss=max_loss, explore_budget=None, explore_burst=1)
+        ctrl = AdaptiveController(CFG, settings)
         chosen = simulate(ctrl, batch=8, alpha=0.05, steps=400, verify=cost)
         assert ctrl.best_k == 0 and ctrl.last.tokens_per_s[1] < 0.75 * ctrl.last.tokens_per_s[0]
-        counts.append(Counter(chosen[-200:])[1])
+        counts.append(sum(1 for k in chosen[-200:] if k))  # explorations (of 1, and of K: see _neighbour)
     assert counts[1] == 200 // 10 and counts[0] <= counts[1] // 4 + 2
 
 
@@ -234,6 +249,178 @@ def test_exploration_is_a_fixed_schedule() -> None:
         off_best += k != ctrl.best_k
         assert abs(k - ctrl.best_k) <= 1
     assert off_best == 100 // ctrl.settings.explore_every
+
+
+# -- against every fixed k, in synthetic worlds with graphs, catch-up and expensive drafters ---------
+@dataclass(frozen=True)
+class World:
+    """A serving step as an H200 shows it, in the units that matter to the controller.
+
+    Verify steps replay a CUDA graph only for the query lengths in `graph_qs` (else an eager forward
+    costs at least `eager_s`); the proposer costs `draft_s` per forward (a draft model runs k + 1 of
+    them), `lookup_s` per request (n-gram), and after a step without drafts it first catches up on
+    every skipped token (`catchup_s` + `catchup_tok_s` per token)."""
+
+    batch: int
+    alpha: float
+    step_s: float = 0.002  # decode step (graph), memory-bound part
+    per_token_s: float = 0.0  # compute-bound part, per verified token
+    eager_s: float = 0.0  # an eager verify forward costs at least this
+    graph_qs: tuple[int, ...] = (1, K + 1)
+    draft_s: float = 0.0
+    lookup_s: float = 0.0
+    catchup_s: float = 0.0
+    catchup_tok_s: float = 0.0
+    fill: tuple[float, ...] = (1.0,) * K
+
+    def verify_s(self, tokens: int, q: int) -> float:
+        t = self.step_s + self.per_token_s * tokens
+        return t if q in self.graph_qs else max(t, self.eager_s)
+
+    def propose_s(self, k: int, gap: int) -> float:
+        if k == 0:
+            return 0.0
+        t = (k + 1) * self.draft_s + self.batch * self.lookup_s
+        if gap > 1 and (self.catchup_s or self.catchup_tok_s):
+            t += self.catchup_s + self.catchup_tok_s * gap * self.batch
+        return t
+
+
+def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: int = 0) -> tuple[float, list[int]]:
+    """Output tokens per second of `policy` (a controller, or a fixed k) over `steps` steps."""
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    chosen, since_draft = [], 1
+    for _ in range(steps):
+        k = policy.choose(world.batch) if isinstance(policy, AdaptiveController) else policy
+        chosen.append(k)
+        b = world.batch
+        drafted = [sum(1 for j in range(k) if rng.random() < world.fill[j]) for _ in range(b)] if k else [0] * b
+        drafted = [min(d, k) for d in drafted]
+        accepted = []
+        for d in drafted:
+            a = 0
+            while a < d and rng.random() < world.alpha:
+                a += 1
+            accepted.append(a)
+        propose_s = world.propose_s(k, since_draft)
+        since_draft = 1 if k else since_draft + 1
+        qs = {1 + d for d in drafted}
+        verify_s = world.verify_s(b + sum(drafted), qs.pop() if len(qs) == 1 else -1)
+        tokens += b + sum(accepted)
+        seconds += propose_s + verify_s
+        if isinstance(policy, AdaptiveController):
+            proposal = ProposalStats.measure(k, [k] * b if k else [], drafted if k else [], propose_s)
+            reached, acc = verify_counts(drafted, accepted)
+            policy.observe(SpecStepStats(b, b + sum(drafted), sum(drafted), verify_s, reached, acc, proposal))
+    return tokens / seconds, chosen
+
+
+WORLDS = {
+    # the 0.5B draft for the 1.5B target: a draft forward costs nearly a target step (both launch-bound)
+    "draft-as-slow-as-target": World(batch=1, alpha=0.85, eager_s=0.004, draft_s=0.0017, catchup_s=0.004),
+    # the same at batch 64: catching up costs per skipped token too
+    "draft-as-slow-as-target-b64": World(batch=64, alpha=0.85, per_token_s=2e-5, eager_s=0.005, draft_s=0.002,
+                                        catchup_s=0.004, catchup_tok_s=2e-6),
+    # a cheap drafter (an EAGLE head) with good acceptance: full k pays
+    "cheap-draft": World(batch=1, alpha=0.8, eager_s=0.004, draft_s=0.0002),
+    # random weights + n-gram: drafts come back one token long (the model repeats itself) and are all accepted
+    "ngram-one-token-drafts": World(batch=4, alpha=1.0, step_s=0.005, eager_s=0.0065, lookup_s=3e-5,
+                                    fill=(0.95, 0.0, 0.0, 0.0)),
+    # n-gram drafts that are never accepted, at a batch where lookups cost
+    "ngram-useless": World(batch=128, alpha=0.0, step_s=0.005, per_token_s=7e-5, eager_s=0.0065, lookup_s=3e-5,
+                           fill=(0.6, 0.5, 0.4, 0.3)),
+    # compute-bound verify at a large batch: drafting cannot pay even with good acceptance
+    "large-batch": World(batch=256, alpha=0.8, step_s=0.004, per_token_s=5e-5, eager_s=0.006, lookup_s=3e-5),
+}
+
+
+@pytest.mark.parametrize("name", list(WORLDS))
+def test_within_5_percent_of_the_best_fixed_k_and_of_no_speculation(name: str) -> None:
+    world = WORLDS[name]
+    fixed = {k: run_world(world, k, 600)[0] for k in range(K + 1)}
+    rate, chosen = run_world(world, AdaptiveController(CFG), 3000)
+    best = max(fixed, key=fixed.__getitem__)
+    assert rate >= 0.95 * fixed[best], (name, rate, fixed, Counter(chosen[-500:]))
+    assert rate >= 0.95 * fixed[0], (name, rate, fixed[0])
+    assert mostly(chosen[-500:]) == best or fixed[mostly(chosen[-500:])] >= 0.97 * fixed[best], (fixed, Counter(chosen))
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "cheap-head"])
+def test_one_controller_through_a_concurrency_sweep(drafter: str) -> None:
+    """Like bench/controller_sweep.py: one controller serves batch 1, then 8, 32, 128 in turn."""
+    ctrl = AdaptiveController(CFG)
+    for batch in (1, 8, 32, 128):
+        step_s = max(0.002 + 1.25e-5 * batch, batch / 18000)
+        if drafter == "draft-model":  # a 0.5B draft for a 1.5B target: both launch-bound
+            world = World(batch, alpha=0.8, step_s=step_s, per_token_s=3e-5 if batch > 32 else 0.0, eager_s=0.004,
+                          draft_s=max(0.0017, batch / 50000), catchup_s=0.004, catchup_tok_s=2.5e-6)
+        else:
+            world = World(batch, alpha=0.8, step_s=step_s, per_token_s=3e-5 if batch > 32 else 1e-6, eager_s=0.004,
+                          draft_s=0.0002 + batch * 2e-6)
+        fixed = {k: run_world(world, k, 300)[0] for k in range(K + 1)}
+        rate, chosen = run_world(world, ctrl, 400, seed=batch)
+        best = max(fixed.values())
+        assert rate >= 0.95 * best and rate >= 0.95 * fixed[0], (drafter, batch, rate, fixed, Counter(chosen))
+
+
+def test_a_batch_jump_with_fresh_requests_does_not_stall_drafting() -> None:
+    """Batch 1 -> 4 of brand-new requests (n-gram finds nothing for a few steps) on a compute-bound
+    device (the decode cost grows with the batch, so batch 1 mispriced it): drafting resumes quickly."""
+    cpu_like = {"step_s": 0.05, "per_token_s": 0.0125, "eager_s": 0.0, "lookup_s": 1e-4}
+    ctrl = AdaptiveController(CFG)
+    run_world(World(batch=1, alpha=1.0, fill=(0.95, 0.0, 0.0, 0.0), **cpu_like), ctrl, 20)  # little budget banked
+    run_world(World(batch=4, alpha=1.0, fill=(0.0,) * K, **cpu_like), ctrl, 3)
+    world = World(batch=4, alpha=1.0, fill=(0.95, 0.0, 0.0, 0.0), **cpu_like)
+    rate, chosen = run_world(world, ctrl, 60)
+    assert run_world(world, 1, 60)[0] > 1.2 * run_world(world, 0, 60)[0]  # drafting pays here
+    assert sum(1 for k in chosen[-50:] if k) >= 40, chosen
+
+
+def test_exploring_an_expensive_drafter_stays_within_budget() -> None:
+    world = WORLDS["draft-as-slow-as-target"]
+    ctrl = AdaptiveController(CFG)
+    rate, chosen = run_world(world, ctrl, 3000)
+    off = run_world(world, 0, 600)[0]
+    assert mostly(chosen) == 0 and rate >= (0.99 - ctrl.settings.explore_budget) * off
+    assert ctrl.exploration_loss_seconds <= 1.5 * ctrl.settings.explore_budget * ctrl.observed_seconds
+    explored = [i for i, k in enumerate(chosen[100:]) if k]
+    assert 0 < len(explored) < 3000 // ctrl.settings.explore_every // 4  # far rarer than the schedule's slots
+    # explorations from k = 0 come in bursts: the second step of each is a warm proposal to learn from
+    assert any(b - a == 1 for a, b in itertools.pairwise(explored))
+    k = chosen[100 + explored[-1]]
+    warm = world.propose_s(k, 1)  # what the fit learned: the warm cost, not the catch-up's
+    assert ctrl.propose_cost.predict((1, k, k, 1)) == pytest.approx(warm, rel=0.15)
+    assert ctrl.catches_up() and ctrl.cold_extra == pytest.approx(world.catchup_s / warm, rel=0.3)
+
+
+def test_a_captured_verify_length_beats_a_smooth_cost_curve() -> None:
+    """k = K replays a graph, k < K runs eagerly: the per-k offsets find that K pays while 1..K-1 do not."""
+    world = World(batch=1, alpha=0.7, eager_s=0.009, draft_s=0.0003)
+    fixed = {k: run_world(world, k, 400)[0] for k in range(K + 1)}
+    assert max(fixed, key=fixed.__getitem__) == K and fixed[1] < fixed[0]
+    ctrl = AdaptiveController(CFG)
+    _, chosen = run_world(world, ctrl, 1500)
+    assert ctrl.best_k == K and mostly(chosen[-300:]) == K
+    est = ctrl.estimate(1)
+    assert est.step_seconds[K - 1] > est.step_seconds[K]  # learned: the eager length costs more
+    assert ctrl.verify_cost_by_k[K - 1].predict((1, 4, 0)) > ctrl.verify_cost_by_k[K].predict((1, 5, 0))
+
+
+def test_decode_cost_is_not_taken_from_prompt_steps() -> None:
+    """A fresh controller that has only seen a prefill step (no drafts) must not think decoding costs that."""
+    ctrl = AdaptiveController(CFG)
+    assert ctrl.choose(1) == K
+    ctrl.observe(SpecStepStats(1, 400, 0, 0.030, (), (), None))  # a 400-token prompt: 30 ms
+    k = ctrl.choose(1)
+    ctrl.observe(SpecStepStats(1, 1 + k, k, 0.002, *verify_counts([k], [0]),
+                               ProposalStats.measure(k, [k], [k], 0.008)))
+    ctrl.choose(1)
+    ctrl.observe(SpecStepStats(1, 1 + K, K, 0.002, *verify_counts([K], [0]),
+                               ProposalStats.measure(K, [K], [K], 0.008)))  # warm: drafting costs 8 ms
+    est = ctrl.estimate(1)
+    assert est.step_seconds[0] < 0.005  # a decode step is priced like a verify step, not like the prompt
+    assert ctrl.choose(1) == 0
 
 
 # -- through the engine ------------------------------------------------------------------------------
