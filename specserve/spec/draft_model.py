@@ -156,12 +156,15 @@ def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
 
     target: LoadedModel = parts.loaded
     dtype = target.model.embed_tokens.weight.dtype
-    source = _Source.open(ModelConfig(model=cfg.model))
+    # A target with random weights of a named shape (load_format="dummy", speed and smoke tests)
+    # gets a draft of random weights too: shape names have no files to load.
+    load_format = "dummy" if target.identity.startswith("dummy:") else "auto"
+    source = _Source.open(ModelConfig(model=cfg.model, load_format=load_format))
     check_same_vocabulary(target, cfg.model, int(source.hf_config["vocab_size"]), None)
     max_len = min(target.max_model_len, int(source.hf_config.get("max_position_embeddings", 4096)))
     dtype_name = str(dtype).removeprefix("torch.")
-    loaded = load_model(ModelConfig(model=cfg.model, dtype=dtype_name, max_model_len=max_len), parts.device,
-                        dtype, _ops_for(parts.device), progress=False)
+    loaded = load_model(ModelConfig(model=cfg.model, dtype=dtype_name, max_model_len=max_len, load_format=load_format),
+                        parts.device, dtype, _ops_for(parts.device), progress=False)
     check_same_vocabulary(target, cfg.model, loaded.arch.vocab_size, loaded.tokenizer)
     return loaded
 

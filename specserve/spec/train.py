@@ -66,7 +66,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
+    p.add_argument("--load-format", default="auto", help="dummy: random target weights of a shape name (smoke tests)")
     p.add_argument("--no-init-from-target", action="store_true", help="random decoder layer instead of a copy")
+    p.add_argument("--init-from", help="start from this head dir's weights (e.g. p-eagle from a trained eagle3 "
+                                       "head: same real rows; the mask slots start fresh)")
+    p.add_argument("--layer-lr-scale", type=float, default=1.0,
+                   help="lr factor of the decoder layer copied from the target (the new fc/fuse/mask get --lr)")
+    p.add_argument("--no-train-state", action="store_true",
+                   help="write the head only (no optimizer state: not resumable)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -100,9 +107,9 @@ class _DenseCausal:
 
 
 @torch.no_grad()
-def target_batch(model, seqs: list[list[int]], aux_layers: tuple[int, ...], device: torch.device):
-    """Padded batch: ids [B, L], lengths [B], feats [B, L, F] (eagle3: concatenated aux layer
-    inputs; eagle: final hidden), target_probs [B, L, vocab] (bfloat16 on GPU), last [B, L, hidden]."""
+def dense_forward(model, seqs: list[list[int]], aux_layers: tuple[int, ...], device: torch.device):
+    """The target over whole sequences (plain causal attention, no KV cache). Returns flat ids
+    [T], final hidden [T, hidden] and the aux layers' inputs (each [T, hidden]), T = sum of lengths."""
     lengths = [len(s) for s in seqs]
     L, B = max(lengths), len(seqs)
     flat = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
@@ -119,6 +126,16 @@ def target_batch(model, seqs: list[list[int]], aux_layers: tuple[int, ...], devi
     finally:
         model.aux_hidden_layers = saved
     hidden, aux = out if isinstance(out, tuple) else (out, [])
+    return flat, hidden, aux
+
+
+@torch.no_grad()
+def target_batch(model, seqs: list[list[int]], aux_layers: tuple[int, ...], device: torch.device):
+    """Padded batch: ids [B, L], lengths [B], feats [B, L, F] (eagle3: concatenated aux layer
+    inputs; eagle: final hidden), target_probs [B, L, vocab] (bfloat16 on GPU), last [B, L, hidden]."""
+    lengths = [len(s) for s in seqs]
+    L, B = max(lengths), len(seqs)
+    flat, hidden, aux = dense_forward(model, seqs, aux_layers, device)
     probs = model.compute_logits(hidden).softmax(dim=-1)
     if device.type == "cuda":
         probs = probs.to(torch.bfloat16)  # halves the largest tensor of the step; labels need no more
@@ -197,19 +214,22 @@ def head_loss(head: EagleHead, target, ids: torch.Tensor, lengths: torch.Tensor,
         if rows.numel() == 0:  # sequences too short for this depth
             continue
         logits = F.linear(normed.index_select(0, rows), lm_weight).float()
-        lab = labels.index_select(0, rows).float()
-        logp = logits.log_softmax(-1)
         # Soft labels match the target's whole distribution (what sampling verification accepts
         # against); the hard argmax term sharpens top-1 agreement, which greedy verification needs
-        # and which soft labels teach slowly where the target is unsure.
-        ce = -(1 - hard_weight) * (lab * logp).sum(-1).mean()
-        ce = ce - hard_weight * logp.gather(1, lab.argmax(-1, keepdim=True)).mean()
+        # and which soft labels teach slowly where the target is unsure. Both in one soft-target
+        # cross-entropy: (1 - w) * soft CE + w * hard CE == CE against (1 - w) * probs + w * onehot,
+        # which keeps one [rows, vocab] activation for backward instead of several (P-EAGLE's 6
+        # blocks x 4096 rows x 151936 entries add up on the GPU).
+        lab = labels.index_select(0, rows).float()
+        top = lab.argmax(-1, keepdim=True)
+        mixed = lab.mul_(1 - hard_weight).scatter_add_(1, top, torch.full_like(top, hard_weight, dtype=lab.dtype))
+        ce = F.cross_entropy(logits, mixed)
         block_loss = ce
         if head.norm is None:  # EAGLE-1: regress the target's next hidden state as well
             goal = last_hidden[:, 1:].reshape(B * R, -1).index_select(0, rows).float()
             block_loss = F.smooth_l1_loss(out.index_select(0, rows).float(), goal) + 0.1 * ce
         loss = loss + (0.8 ** (s - 1)) * block_loss
-        accs.append((logits.argmax(-1) == lab.argmax(-1)).float().mean().item())
+        accs.append((logits.detach().argmax(-1) == top.squeeze(1)).float().mean().item())
     return loss, accs
 
 
@@ -234,7 +254,7 @@ def _load_target(args, device: torch.device, generate: bool):
     from specserve import LLM
 
     kw = dict(model=args.target, device=device.type, max_model_len=args.max_model_len or args.max_seq_len,
-              progress=not args.quiet)
+              progress=not args.quiet, load_format=getattr(args, "load_format", "auto"))
     if not generate:
         kw.update(kv_cache_memory_bytes=1 << 22, max_num_seqs=1, enforce_eager=True)
     elif device.type == "cuda":
@@ -252,7 +272,7 @@ def prepare_data(args, llm, deadline: float) -> list[train_data.TrainSeq]:
     examples = (train_data.load_jsonl(args.data) if args.data
                 else train_data.stdlib_examples(args.num_prompts, args.seed))
     seqs = train_data.build_sequences(llm, examples, args.max_new_tokens, args.max_seq_len, args.temperature,
-                                      deadline, args.seed)
+                                      deadline, args.seed, progress=not args.quiet)
     if not seqs:
         raise ValueError("no training sequences: the data was empty or the time budget ran out first.")
     out.mkdir(parents=True, exist_ok=True)
@@ -268,7 +288,30 @@ def _new_head(args, loaded, device: torch.device) -> EagleHead:
     head = EagleHead(cfg)
     if not args.no_init_from_target:
         head.init_from_target(loaded.model)
+    if args.init_from:
+        _init_from_head(head, args.init_from)
     return head.to(device=device, dtype=torch.float32)
+
+
+def _init_from_head(head: EagleHead, path: str) -> None:
+    """Copy every tensor of another head of the same shape (a P-EAGLE head from a trained EAGLE-3
+    head: their real rows are the same function); tensors only this head has keep their init."""
+    from safetensors.torch import load_file
+
+    from specserve.spec.eagle_head import WEIGHTS_NAME
+
+    state = load_file(str(Path(path) / WEIGHTS_NAME))
+    own = head.state_dict()
+    same = {k: v for k, v in state.items() if k in own and tuple(v.shape) == tuple(own[k].shape)}
+    if not same:
+        raise ValueError(f"--init-from {path}: no tensor matches this head.")
+    head.load_state_dict(same, strict=False)
+
+
+def _param_groups(args, head: EagleHead) -> list[dict]:
+    layer = [p for n, p in head.named_parameters() if n.startswith("layer.")]
+    rest = [p for n, p in head.named_parameters() if not n.startswith("layer.")]
+    return [{"params": layer, "lr_scale": args.layer_lr_scale}, {"params": rest, "lr_scale": 1.0}]
 
 
 def _lr_factor(progress: float, step: int, warmup: int) -> float:
@@ -296,22 +339,30 @@ def run_training(args, llm=None) -> TrainResult:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     head = _new_head(args, loaded, device)
-    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(_param_groups(args, head), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step = _maybe_resume(args, head, opt, device)
     deadline = start + budget - 5.0  # leave time for the final checkpoint
-    step, metrics = _train_loop(args, head, opt, loaded.model, seqs, step, device, deadline)
-    _save(args, head, opt, step, metrics)
-    return TrainResult(Path(args.out), step, len(seqs), metrics)
+    progress = {"step": step, "metrics": {}}
+    try:
+        _train_loop(args, head, opt, loaded.model, seqs, progress, device, deadline)
+    except BaseException:
+        if progress["step"] > step:  # keep what was trained (a GPU run must not end with nothing)
+            _save(args, head, opt, progress["step"], progress["metrics"])
+        raise
+    _save(args, head, opt, progress["step"], progress["metrics"])
+    return TrainResult(Path(args.out), progress["step"], len(seqs), progress["metrics"])
 
 
-def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainSeq], step: int,
-                device: torch.device, deadline: float) -> tuple[int, dict[str, float]]:
+def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainSeq], progress: dict,
+                device: torch.device, deadline: float) -> None:
+    """Trains until --steps or the deadline; progress["step"] / ["metrics"] follow every step."""
+    step = progress["step"]
     parallel = args.method == "p-eagle"
     num_blocks = 1 + (args.num_mask_slots if parallel else args.ttt_steps - 1)
     batch_tokens = args.batch_tokens or (4096 if device.type == "cuda" else 1024)
     base_batches = train_data.make_batches([len(s.token_ids) for s in seqs], batch_tokens, random.Random(args.seed))
     warmup = 30 if args.steps is None else max(1, min(30, args.steps // 10))
-    train_start, metrics = time.monotonic(), {}
+    train_start, metrics, recent = time.monotonic(), {}, []
     bar = tqdm(total=args.steps, initial=step, desc=f"train {args.method}", disable=args.quiet)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     while (args.steps is None or step < args.steps) and time.monotonic() < deadline:
@@ -322,10 +373,10 @@ def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainS
         random.Random(args.seed * 1000 + epoch).shuffle(order)
         batch = [seqs[i] for i in base_batches[order[index]]]
         starts = torch.tensor([max(0, s.num_prompt_tokens - 2) for s in batch], device=device)
-        progress = (step / args.steps if args.steps else
-                    (time.monotonic() - train_start) / max(1.0, deadline - train_start))
+        frac = (step / args.steps if args.steps else
+                (time.monotonic() - train_start) / max(1.0, deadline - train_start))
         for g in opt.param_groups:
-            g["lr"] = args.lr * _lr_factor(progress, step, warmup)
+            g["lr"] = args.lr * g.get("lr_scale", 1.0) * _lr_factor(frac, step, warmup)
         ids, lens, feats, probs, last = target_batch(target, [s.token_ids for s in batch],
                                                      head.cfg.aux_hidden_layers, device)
         with autocast:
@@ -336,17 +387,21 @@ def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainS
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         step += 1
-        metrics = {"loss": round(loss.item(), 4), **{f"acc{i + 1}": round(a, 3) for i, a in enumerate(accs)}}
+        recent.append({"loss": loss.item(), **{f"acc{i + 1}": a for i, a in enumerate(accs)}})
+        del recent[:-20]  # metrics: means over the last 20 steps (one batch says little)
+        metrics = {k: round(sum(m.get(k, 0.0) for m in recent) / len(recent), 4) for k in recent[-1]}
+        progress["step"], progress["metrics"] = step, metrics
         bar.update(1)
         bar.set_postfix(metrics)
         if step % args.save_every == 0:
             _save(args, head, opt, step, metrics)
     bar.close()
-    return step, metrics
 
 
 def _save(args, head: EagleHead, opt, step: int, metrics: dict) -> None:
     save_head(head, args.out)
+    if getattr(args, "no_train_state", False):
+        return
     tmp = Path(args.out) / (STATE_NAME + ".tmp")
     torch.save({"step": step, "optimizer": opt.state_dict(), "metrics": metrics, "method": args.method,
                 "eagle": args.eagle}, tmp)

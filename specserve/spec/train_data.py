@@ -24,6 +24,13 @@ from tqdm.auto import tqdm
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3",
               "turtledemo", "ensurepip"}
 _HUMANEVAL = re.compile(r"human[-_]?eval", re.IGNORECASE)
+# Standard-library files that draft-head training never uses (paths relative to the stdlib root),
+# so other measurements (bench/kv_quality.py) have real Python text no trained head has seen.
+# Mid-sized, self-contained modules rich in both code and docstrings.
+HELD_OUT_STDLIB_MODULES: tuple[str, ...] = (
+    "argparse.py", "difflib.py", "textwrap.py", "fractions.py", "statistics.py", "heapq.py", "bisect.py",
+    "calendar.py", "shlex.py", "configparser.py", "json/decoder.py", "json/encoder.py",
+)
 
 _TEMPLATES = (
     "Complete the following Python function.\n\n```python\n{stub}\n```",
@@ -61,9 +68,22 @@ def refuse_humaneval(path: str | Path) -> None:
         raise ValueError(f"{path}: HumanEval is the benchmark; never train draft heads on it.")
 
 
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def held_out_stdlib_files() -> list[Path]:
+    """The held-out files (HELD_OUT_STDLIB_MODULES) that exist on this machine."""
+    root = stdlib_root()
+    return [root / name for name in HELD_OUT_STDLIB_MODULES if (root / name).is_file()]
+
+
 def _stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [f for f in root.rglob("*.py") if not (_SKIP_DIRS & set(f.relative_to(root).parts))]
+    """Training sources: the stdlib's .py files minus tests, vendored code and the held-out set."""
+    root = stdlib_root()
+    held_out = set(HELD_OUT_STDLIB_MODULES)
+    files = [f for f in root.rglob("*.py") if not (_SKIP_DIRS & set(f.relative_to(root).parts))
+             and f.relative_to(root).as_posix() not in held_out]
     return sorted(f for f in files if not _HUMANEVAL.search(str(f)))
 
 
@@ -97,12 +117,19 @@ def stdlib_examples(num: int, seed: int = 0) -> list[Example]:
     files = _stdlib_files()
     rng.shuffle(files)
     pool: list[dict[str, str]] = []
+    parsed: list[list[dict[str, str]]] = []
     for f in files:
         defs = _defs(f)
         rng.shuffle(defs)
+        parsed.append(defs)
         pool.extend(defs[:8])  # a few per module, so one big module does not dominate
         if len(pool) >= 2 * num:
             break
+    start = 8
+    while len(pool) < 2 * num and any(len(d) > start for d in parsed):  # large runs: 8 more per module
+        for defs in parsed:
+            pool.extend(defs[start:start + 8])
+        start += 8
     rng.shuffle(pool)
     examples = []
     for i in range(num):
@@ -161,7 +188,7 @@ def _fit_prompt(llm, messages: list[dict[str, str]], limit: int) -> list[int] | 
 
 
 def build_sequences(llm, examples: list[Example], max_new_tokens: int, max_seq_len: int,
-                    temperature: float, deadline: float, seed: int = 0) -> list[TrainSeq]:
+                    temperature: float, deadline: float, seed: int = 0, progress: bool = True) -> list[TrainSeq]:
     """Token sequences (prompt + the target's answer, at most max_seq_len) for every example.
 
     Chats are answered by `llm` (a specserve LLM of the target) in one continuous batch; at the
@@ -187,7 +214,8 @@ def build_sequences(llm, examples: list[Example], max_new_tokens: int, max_seq_l
             params = SamplingParams(temperature=temperature, max_tokens=budget, seed=seed + i)
             engine.add_request(f"distill-{i}", {"prompt_token_ids": ids}, params)
             pending[f"distill-{i}"] = ids
-    bar = tqdm(total=len(pending), desc="self-distillation", unit="prompt", leave=False)
+    bar = tqdm(total=len(pending), desc="self-distillation", unit="prompt", leave=False,
+               disable=not progress or not pending)
     while pending and time.monotonic() < deadline:
         for out in engine.step():
             if out.finished and out.request_id in pending:
