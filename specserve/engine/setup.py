@@ -8,6 +8,7 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.kv.manager import KVCacheManager
+from specserve.kv.key_offset import install_key_offsets
 from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.metrics.stats import StatsCollector
 from specserve.model.loader import LoadedModel, load_model, resolve_dtype
@@ -82,6 +83,7 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     arch, cc, sc = loaded.arch, config.cache, config.scheduler
     spec = KVCacheSpec(arch.num_layers, num_kv_heads, arch.head_dim, cc.block_size,
                        kv_format(cc.kv_cache_dtype, dtype))
+    install_key_offsets(loaded.model, arch, enabled=spec.fmt.quantized and shard is None)
     max_batched = max_num_batched_tokens(config, device, loaded.max_model_len)
     backend = select_backend(device)
 
@@ -124,7 +126,9 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
             raise ValueError("kv_offload needs enable_prefix_caching (tiers are keyed by prefix block hashes).")
         from specserve.kv.offload.offloader import KVOffloader
 
-        namespace = (f"{loaded.identity}|{spec.fmt.name}|{spec.fmt.global_scale}|bs{cc.block_size}|"
+        # "koff1": quantized KV is stored minus the per-layer key offset (kv/key_offset.py).
+        koff = "|koff1" if spec.fmt.quantized else ""
+        namespace = (f"{loaded.identity}|{spec.fmt.name}{koff}|{spec.fmt.global_scale}|bs{cc.block_size}|"
                      f"L{arch.num_layers}|H{arch.num_kv_heads}|D{arch.head_dim}")
         kv.attach_offloader(KVOffloader(config.offload, runner.kv_caches, namespace, cc.block_size, stats))
     stats.set("cache_config_info", 1, {"block_size": str(cc.block_size), "cache_dtype": spec.fmt.name,

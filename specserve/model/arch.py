@@ -72,8 +72,8 @@ class ModelArch:
         return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
 
-def rope_cos_sin_cache(arch: ModelArch, max_positions: int, device: torch.device) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos of the half-frequencies, then sin (neox layout)."""
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """[head_dim // 2] float64: the rotation speed (radians per position) of each RoPE pair, scaling applied."""
     dim = arch.head_dim
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = dict(arch.rope_scaling or ())
@@ -84,6 +84,12 @@ def rope_cos_sin_cache(arch: ModelArch, max_positions: int, device: torch.device
         inv_freq = inv_freq / float(scaling["factor"])
     elif rope_type not in ("default", None):
         raise ValueError(f"rope_scaling type {rope_type!r} is not supported.")
+    return inv_freq
+
+
+def rope_cos_sin_cache(arch: ModelArch, max_positions: int, device: torch.device) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos of the half-frequencies, then sin (neox layout)."""
+    inv_freq = rope_inv_freq(arch)
     t = torch.arange(max_positions, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)

@@ -40,6 +40,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
         self.ops = ops
+        # [num_kv_heads, head_dim], subtracted from keys before they are cached; set only for
+        # quantized KV formats (specserve/kv/key_offset.py says why attention is unchanged by it).
+        self.key_offset: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -49,6 +52,8 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.ops.apply_rope(q, k, positions, cos_sin)
+        if self.key_offset is not None:
+            k = k - self.key_offset
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.fmt, ctx.meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
