@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 import mmap
 import os
 import re
@@ -19,7 +17,9 @@ import shutil
 import struct
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
