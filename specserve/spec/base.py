@@ -41,6 +41,25 @@ class Proposer(Protocol):
         """The target forgot this request's KV; forget the proposer's too."""
 
 
+class OwnKVLifecycle:
+    """Request lifecycle of a proposer with its own paged KV (draft model, EAGLE head).
+
+    Expects `self.seqs` (request id -> the proposer's sequence), `self.kv` (its KV manager) and
+    `self.sampler` (its draft sampler, which keeps per-request generators)."""
+
+    def on_request_finished(self, req: Request) -> None:
+        self._drop(req)
+
+    def on_request_preempted(self, req: Request) -> None:
+        self._drop(req)
+
+    def _drop(self, req: Request) -> None:
+        seq = self.seqs.pop(req.request_id, None)
+        if seq is not None:
+            self.kv.free(seq)
+        self.sampler.forget(req.request_id)
+
+
 def draft_budget(req: Request, k: int, max_model_len: int) -> int:
     """At most k drafts, and none beyond the context window or the output budget."""
     room_ctx = max_model_len - req.num_tokens - 1

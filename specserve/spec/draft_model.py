@@ -26,7 +26,7 @@ from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import compute_target_probs, draw_exponential, random_sample
 from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
-from specserve.spec.base import ProposeInput
+from specserve.spec.base import OwnKVLifecycle, ProposeInput
 
 # Memory kept free on the GPU beside the draft's KV pool: its activations (catch-up forwards,
 # logits rows) and allocator slack.
@@ -169,7 +169,7 @@ def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
     return loaded
 
 
-class DraftModelProposer:
+class DraftModelProposer(OwnKVLifecycle):
     name = "draft_model"
     aux_hidden_layers: tuple[int, ...] = ()
     needs_target_hidden = False
@@ -271,15 +271,3 @@ class DraftModelProposer:
         for s in seqs:
             s.num_computed_tokens += 1
         return out.logits
-
-    def on_request_finished(self, req: Request) -> None:
-        self._drop(req)
-
-    def on_request_preempted(self, req: Request) -> None:
-        self._drop(req)
-
-    def _drop(self, req: Request) -> None:
-        seq = self.seqs.pop(req.request_id, None)
-        if seq is not None:
-            self.kv.free(seq)
-        self.sampler.forget(req.request_id)

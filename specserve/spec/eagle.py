@@ -29,7 +29,7 @@ from specserve.config import SpeculativeConfig
 from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.scheduler.request import Request
-from specserve.spec.base import ProposeInput
+from specserve.spec.base import OwnKVLifecycle, ProposeInput
 from specserve.spec.draft_model import DraftSampler, assign_drafts, draft_kv_blocks
 from specserve.spec.eagle_head import EagleHead, load_head
 
@@ -93,7 +93,7 @@ def head_attention_metadata(ctx_lens: list[int], q_lens: list[int], tables: list
                              int(seq_lens.max()), n, int(cu[-1]), list(q_lens), seq_lens.tolist())
 
 
-class EagleProposer:
+class EagleProposer(OwnKVLifecycle):
     needs_target_hidden = True
 
     def __init__(self, cfg: SpeculativeConfig, parts) -> None:
@@ -247,16 +247,3 @@ class EagleProposer:
             return self.backend.forward(q, k, v, self.kv_caches[0], self.fmt, meta, self.scale)
 
         return self.head(embeds, hidden, pos, self.target.cos_sin_cache, attend)
-
-    # -- lifecycle ---------------------------------------------------------------------------
-    def on_request_finished(self, req: Request) -> None:
-        self._drop(req)
-
-    def on_request_preempted(self, req: Request) -> None:
-        self._drop(req)
-
-    def _drop(self, req: Request) -> None:
-        seq = self.seqs.pop(req.request_id, None)
-        if seq is not None:
-            self.kv.free(seq)
-        self.sampler.forget(req.request_id)
