@@ -16,6 +16,7 @@ import torch
 from specserve.attention.base import AttentionMetadata
 from specserve.attention.torch_ref import TorchRefBackend, write_kv
 from specserve.kv.spec import KVFormat, LayerKVCache, kv_format
+from tests.helpers.attention_meta import paged_metadata
 
 F64 = KVFormat("float64", torch.float64, 1, None, None)
 # (relative norm error, max abs error) against the float64 reference
@@ -31,27 +32,6 @@ class Batch(NamedTuple):
     meta: AttentionMetadata  # what the kernel sees (may hold padding tokens / empty sequences)
     ref_meta: AttentionMetadata  # real tokens and sequences only
     scale: float
-
-
-def _meta(specs: list[tuple[int, int]], tables: list[list[int]], block_size: int, device: torch.device,
-          pad_tokens: int = 0, pad_seqs: int = 0) -> AttentionMetadata:
-    query_lens = [n for _, n in specs] + [0] * pad_seqs
-    seq_lens = [c + n for c, n in specs] + [0] * pad_seqs
-    width = max(len(t) for t in tables) + 1
-    block_tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    for b, t in enumerate(tables):
-        block_tables[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    slots = [tables[b][p // block_size] * block_size + p % block_size
-             for b, (c, n) in enumerate(specs) for p in range(c, c + n)] + [-1] * pad_tokens
-    cu = [0]
-    for n in query_lens:
-        cu.append(cu[-1] + n)
-    return AttentionMetadata(
-        cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_seqs=len(seq_lens),
-        num_tokens=len(slots), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
 
 
 def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
@@ -80,8 +60,8 @@ def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, 
     qkv = torch.randn(num_tokens, width, generator=gen).to(dtype).to(device)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     cache = LayerKVCache(key.to(device), value.to(device), None, None)
-    meta = _meta(specs, tables, block_size, device, pad_tokens, pad_seqs)
-    ref_meta = _meta(specs, tables, block_size, device)
+    meta = paged_metadata(specs, tables, block_size, device, pad_tokens, pad_seqs)
+    ref_meta = paged_metadata(specs, tables, block_size, device)
     return Batch(q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
                  v.view(num_tokens, num_kv_heads, head_dim), cache, meta, ref_meta, head_dim ** -0.5)
 

@@ -26,6 +26,7 @@ from specserve.attention.base import AttentionMetadata
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.kv import quant
 from specserve.kv.spec import KVFormat, LayerKVCache, kv_format
+from tests.helpers.attention_meta import paged_metadata
 
 F64 = KVFormat("float64", torch.float64, 1, None, None)
 FORMATS = ["fp8", "nvfp4"]
@@ -160,26 +161,6 @@ class Batch(NamedTuple):
     scale: float
 
 
-def _meta(specs: list[tuple[int, int]], tables: list[list[int]], block_size: int, device: torch.device,
-          pad_tokens: int = 0, pad_seqs: int = 0) -> AttentionMetadata:
-    query_lens = [n for _, n in specs] + [0] * pad_seqs
-    seq_lens = [c + n for c, n in specs] + [0] * pad_seqs
-    block_tables = torch.zeros(len(seq_lens), max(len(t) for t in tables) + 1, dtype=torch.int32)
-    for b, t in enumerate(tables):
-        block_tables[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    slots = [tables[b][p // block_size] * block_size + p % block_size
-             for b, (c, n) in enumerate(specs) for p in range(c, c + n)] + [-1] * pad_tokens
-    cu = [0]
-    for n in query_lens:
-        cu.append(cu[-1] + n)
-    return AttentionMetadata(
-        cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_seqs=len(seq_lens),
-        num_tokens=len(slots), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
-
-
 def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                fmt: KVFormat, dtype: torch.dtype, device: torch.device, seed: int, pad_tokens: int = 0,
                pad_seqs: int = 0) -> Batch:
@@ -203,8 +184,8 @@ def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, 
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     return Batch(q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
                  v.view(num_tokens, num_kv_heads, head_dim), to_device(cache, device), cache,
-                 _meta(specs, tables, block_size, device, pad_tokens, pad_seqs),
-                 _meta(specs, tables, block_size, device), head_dim ** -0.5)
+                 paged_metadata(specs, tables, block_size, device, pad_tokens, pad_seqs),
+                 paged_metadata(specs, tables, block_size, device), head_dim ** -0.5)
 
 
 def reference(batch: Batch, fmt: KVFormat) -> tuple[torch.Tensor, LayerKVCache]:
