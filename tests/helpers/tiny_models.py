@@ -64,8 +64,6 @@ def make_tiny_model_dir(path: Path, arch: str = "llama", vocab_size: int = 384, 
 
 def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation, in float32 (the reference)."""
-    from transformers import AutoModelForCausalLM
-
     model = _hf_model(str(path))
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                          min_new_tokens=max_new_tokens, pad_token_id=0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from specserve.bench.advise import window_stats
 from specserve.bench.datasets import random_requests
 from specserve.bench.metrics_parse import parse_metrics
 from specserve.bench.plots import sweep_series
+from tests.helpers.server_proc import free_port
 
 MODEL = "stub-model"
 DELAY_S = 0.002
@@ -101,12 +101,6 @@ def make_app() -> FastAPI:
         return await stream(await req.json(), chat=True)
 
     return app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
-import torch
-
 from specserve import SamplingParams
 from specserve.engine.detokenizer import IncrementalDetokenizer
 

@@ -75,8 +75,6 @@ def test_batch_size_does_not_change_output(tiny_llama_dir, reference, batch):
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preemption_by_tiny_kv_budget(tiny_llama_dir, reference, prefix_caching):
     prompts, ref = reference
-    from specserve.kv.spec import KVCacheSpec
-
     # Room for ~10 blocks of 16 tokens: a few sequences at a time, so running ones get preempted.
     got, llm = _run(tiny_llama_dir, prompts, kv_cache_memory_bytes=10 * _block_bytes(llm_dir=tiny_llama_dir),
                     enable_prefix_caching=prefix_caching)

@@ -6,11 +6,9 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -21,31 +19,13 @@ from specserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestS
 from specserve.sampling_params import SamplingParams
 from specserve.server.api import BackgroundServer
 from specserve.server.cli_args import ServerConfig
+from tests.helpers.server_proc import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "server exited during startup"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server did not become healthy")
-
-
 def test_sigterm_with_requests_in_flight_exits_cleanly(tiny_llama_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     stderr_path = tmp_path / "stderr.txt"
     cmd = [sys.executable, "-m", "specserve.server.cli", "serve", str(tiny_llama_dir), "--port", str(port),
@@ -54,7 +34,7 @@ def test_sigterm_with_requests_in_flight_exits_cleanly(tiny_llama_dir, tmp_path)
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        _wait_healthy(url, proc)
+        wait_healthy(url, proc)
         started = threading.Barrier(5, timeout=60)
         outcomes: list[str] = []
 

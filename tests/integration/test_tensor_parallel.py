@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.model.catalog import install_command, model_path
 from tests.helpers.tiny_models import make_tiny_model_dir
+from tests.helpers.server_proc import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of", "numbers 0 1 2 3"]
@@ -136,14 +136,8 @@ def _children(pid: int) -> set[int]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_rank_killed_mid_stream_gives_503_and_clean_exit(tiny_llama_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "specserve.server.cli", "serve", str(tiny_llama_dir), "--port", str(port),
            "--kv-cache-memory-bytes", "4M", "--tensor-parallel-size", "2", "--log-interval", "0",
@@ -153,7 +147,7 @@ def test_server_rank_killed_mid_stream_gives_503_and_clean_exit(tiny_llama_dir, 
         proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                                 stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        _wait_healthy(url, proc)
+        wait_healthy(url, proc, timeout=120.0)
         (worker,) = _children(proc.pid)
         body = {"prompt": "story", "max_tokens": 400, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
@@ -171,16 +165,3 @@ def test_server_rank_killed_mid_stream_gives_503_and_clean_exit(tiny_llama_dir, 
     err = stderr_path.read_text()
     assert rc == 1, err[-3000:]
     assert "engine loop died" in err, err[-3000:]  # the cause is logged (with its traceback) before
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "server exited during startup"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server did not become healthy")

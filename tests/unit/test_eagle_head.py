@@ -75,7 +75,7 @@ class _Paged:
 def test_paged_rows_in_chunks_equal_dense_causal_rows():
     head, target = _head("eagle3")
     T = 13
-    embeds, hidden = torch.randn(T, 32), torch.randn(T, 32)
+    embeds = torch.randn(T, 32)
     ids = torch.zeros(1, T + 1, dtype=torch.long)
     feats = torch.randn(1, T + 1, 64)
     dense = head_block_outputs(head, types.SimpleNamespace(embed_tokens=lambda x: embeds.view(1, T, 32),
