@@ -18,11 +18,8 @@ from specserve.config import SpeculativeConfig
 from specserve.spec.adaptive import (
     AdaptiveController,
     AdaptiveSettings,
-    DecayedRegression,
-    PositionRates,
     ProposalStats,
     SpecStepStats,
-    count_above,
     verify_counts,
 )
 
@@ -80,57 +77,7 @@ def mostly(chosen: list[int]) -> int:
     return Counter(chosen).most_common(1)[0][0]
 
 
-# -- building blocks -----------------------------------------------------------------------------
-def test_position_counts() -> None:
-    assert count_above([3, 0, 5], 4) == (2, 2, 2, 1)
-    assert count_above([], 0) == () and count_above([2], 3) == (1, 1, 0)
-    # drafts (3, 2, 0, 4, 1) with (3, 0, 0, 2, 1) accepted: position 2 is reached by the 1st and 4th
-    assert verify_counts([3, 2, 0, 4, 1], [3, 0, 0, 2, 1]) == ((4, 2, 2, 0), (3, 2, 1, 0))
-    assert verify_counts([], []) == ((), ())
-    p = ProposalStats.measure(3, [3, 3, 1], [3, 0, 1], 0.002)
-    assert (p.num_seqs, p.asked_per_pos, p.drafted_per_pos) == (3, (3, 2, 2), (2, 1, 1))
-
-
-def test_regression_fits_a_line_and_stays_flat_when_it_cannot_tell() -> None:
-    fit = DecayedRegression(2, window=50, ridge=(0.0, 1e-3))
-    for x in (10, 20, 30, 40) * 10:
-        fit.add((1.0, x), 0.004 + 0.0002 * x)
-    a, b = fit.coefficients()
-    assert a == pytest.approx(0.004, rel=0.02) and b == pytest.approx(0.0002, rel=0.02)
-    flat = DecayedRegression(2, window=50, ridge=(0.0, 1e-3))
-    for _ in range(20):
-        flat.add((1.0, 64.0), 0.01)  # one token count only: no slope to be seen
-    assert flat.predict((1.0, 640.0)) == pytest.approx(0.01, rel=1e-2)  # optimistic: verify as cheap as decode
-    assert DecayedRegression(2, 50, (0.0, 0.0)).predict_many([(1.0, 1.0)]) is None
-    clipped = DecayedRegression(2, window=50, ridge=(0.0, 1e-3))
-    for _ in range(10):
-        clipped.add((1.0, 8.0), 0.01)
-    clipped.add((1.0, 8.0), 5.0)  # a JIT pause does not wreck the fit
-    assert clipped.predict((1.0, 8.0)) < 0.05
-
-
-def test_position_rates_start_at_the_prior_and_forget() -> None:
-    rates = PositionRates(2, prior=0.8, prior_weight=4, window=200)
-    assert rates.rates() == [0.8, 0.8]
-    for _ in range(100):
-        rates.add((10, 0), (1, 0))
-    assert rates.rates()[0] == pytest.approx(0.1, abs=0.03) and rates.rates()[1] == 0.8
-    for _ in range(100):
-        rates.add((10, 0), (9, 0))
-    assert rates.rates()[0] == pytest.approx(0.9, abs=0.03)
-
-
-def test_one_step_of_fresh_requests_does_not_erase_a_large_batch_history() -> None:
-    rates = PositionRates(1, prior=0.8, prior_weight=4, window=100)
-    for _ in range(20):
-        rates.add((256,), (230,))  # 256 requests a step, 90% filled
-    rates.add((256,), (0,))  # a step of new requests: n-gram lookups find nothing yet
-    assert rates.rates()[0] > 0.75
-    for _ in range(40):
-        rates.add((256,), (0,))
-    assert rates.rates()[0] < 0.05  # but a lasting change is followed within a few steps
-
-
+# -- the controller (its building blocks: test_step_stats.py, test_estimators.py) ----------------------
 def test_fresh_controller_is_optimistic_and_exposes_its_estimates() -> None:
     ctrl = AdaptiveController(CFG)
     assert ctrl.choose(8) == K and ctrl.last_choice == K
@@ -372,7 +319,7 @@ def test_a_batch_jump_with_fresh_requests_does_not_stall_drafting() -> None:
     run_world(World(batch=1, alpha=1.0, fill=(0.95, 0.0, 0.0, 0.0), **cpu_like), ctrl, 20)  # little budget banked
     run_world(World(batch=4, alpha=1.0, fill=(0.0,) * K, **cpu_like), ctrl, 3)
     world = World(batch=4, alpha=1.0, fill=(0.95, 0.0, 0.0, 0.0), **cpu_like)
-    rate, chosen = run_world(world, ctrl, 60)
+    _, chosen = run_world(world, ctrl, 60)
     assert run_world(world, 1, 60)[0] > 1.2 * run_world(world, 0, 60)[0]  # drafting pays here
     assert sum(1 for k in chosen[-50:] if k) >= 40, chosen
 
