@@ -1,0 +1,220 @@
+"""bench/controller_sweep.py's engines, policies and one measured point.
+
+Imported for its side effect too: the engine's StepTokenStats is replaced by one that records
+every (request, time, new tokens) a step reports, the token timestamps run_point measures from.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import itertools
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+import specserve.engine.engine as engine_module
+from specserve import LLM, SamplingParams
+from specserve.engine.output_processor import StepTokenStats
+from specserve.spec.adaptive import AdaptiveController
+from specserve.spec.controller import FixedController
+
+SPEC_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total")
+
+# -- token timestamps: every (request, time, new tokens) the engine's step reports ------------------
+_EVENTS: list[tuple[str, float, int]] = []
+
+
+class _RecordingTokenStats(StepTokenStats):
+    def add(self, req, num_new: int, now: float) -> None:
+        _EVENTS.append((req.request_id, now, num_new))
+        super().add(req, num_new, now)
+
+
+engine_module.StepTokenStats = _RecordingTokenStats  # what Engine._update instantiates
+
+
+# -- engines and policies -------------------------------------------------------------------------
+def kv_bytes_for(model: str, load_format: str, device: torch.device, dtype: str, tokens: int) -> int:
+    """A KV pool for `tokens` tokens (both engines live at once, so neither takes the GPU's share)."""
+    from specserve.config import ModelConfig
+    from specserve.model.arch import ModelArch
+    from specserve.model.loader import _Source, resolve_dtype
+
+    arch = ModelArch.from_hf_config(_Source.open(ModelConfig(model=model, load_format=load_format)).hf_config)
+    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * resolve_dtype(dtype, device).itemsize
+    return int(per_token * tokens * 1.25) + (64 << 20)
+
+
+def spec_config(mode: dict[str, Any], args: argparse.Namespace, k: int) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"method": mode["method"], "num_speculative_tokens": k}
+    if mode["method"] == "ngram":
+        cfg.update(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
+    else:
+        cfg["model"] = mode["draft"]
+    return cfg
+
+
+def build(mode: dict[str, Any], args: argparse.Namespace, spec: dict[str, Any] | None, max_seqs: int,
+          max_len: int, kv_bytes: int | None) -> LLM:
+    kw: dict[str, Any] = {"load_format": mode["load_format"], "dtype": args.dtype, "device": args.device,
+                          "max_model_len": max_len, "max_num_seqs": max_seqs, "seed": args.seed,
+                          "enable_prefix_caching": False, "speculative_config": spec}
+    if kv_bytes:
+        kw["kv_cache_memory_bytes"] = kv_bytes
+    return LLM(model=mode["model"], progress=False, **kw)
+
+
+def capture_all_verify_graphs(llm: LLM, max_k: int) -> tuple[int, ...]:
+    """Capture decode + verify graphs for query lengths 1..K+1 on the shared engine; returns what the
+    engine itself had captured (the adaptive policy's set)."""
+    runner = llm.engine.runner
+    if runner.graphs is None:
+        return ()
+    own = tuple(runner.graphs.query_lens)
+    runner.graphs = None  # free the engine's own graphs before capturing the larger set
+    gc.collect()
+    torch.cuda.empty_cache()
+    runner.capture_graphs(llm.engine.scheduler.max_num_seqs, llm.engine.max_model_len, tuple(range(1, max_k + 2)))
+    return own
+
+
+class Policy:
+    """A controller for the shared speculative engine, and the verify graph lengths it may use."""
+
+    def __init__(self, name: str, controller: Any, graph_qs: tuple[int, ...] | None) -> None:
+        self.name, self.controller, self.graph_qs = name, controller, graph_qs
+        self.choices: list[int] = []
+        choose = controller.choose
+
+        def recording(batch_size: int) -> int:
+            k = choose(batch_size)
+            self.choices.append(k)
+            return k
+
+        controller.choose = recording
+
+    def install(self, llm: LLM) -> None:
+        spec = llm.engine.spec
+        spec.controller = self.controller
+        spec._proposal = None  # the last proposal belonged to another policy's controller
+        graphs = llm.engine.runner.graphs
+        if graphs is not None and self.graph_qs is not None:
+            graphs.query_lens = tuple(q for q in self.graph_qs if any(key[1] == q for key in graphs.graphs))
+
+
+def make_policies(args: argparse.Namespace, cfg: Any, own_qs: tuple[int, ...], cuda_graphs: bool) -> list[Policy]:
+    wanted = set(args.policies.split(","))
+    ks = sorted({int(k) for k in args.ks.split(",")})
+    max_k = cfg.num_speculative_tokens
+    out = []
+    if "fixed" in wanted:
+        out += [Policy(f"k={k}", FixedController(dataclasses.replace(cfg, num_speculative_tokens=k, adaptive=False)),
+                       (1, k + 1)) for k in ks]
+    if "adaptive" in wanted:
+        out.append(Policy("adaptive", AdaptiveController(cfg), own_qs or (1, max_k + 1)))
+    if "adaptive+graphs" in wanted and cuda_graphs:
+        out.append(Policy("adaptive+graphs", AdaptiveController(cfg), tuple(range(1, max_k + 2))))
+    return out
+
+
+# -- one point --------------------------------------------------------------------------------------
+def spec_counters(llm: LLM) -> dict[str, float]:
+    return {k: float(llm.engine.stats.get(k)) for k in SPEC_COUNTERS}
+
+
+def count_graph_replays(llm: LLM, max_q: int) -> Counter:
+    """Wrap graph_key to count the steps that replayed a graph, ran eagerly with one query length
+    (no graph for it) or ragged ones (n-gram drafts of several lengths), or carried a prompt chunk."""
+    counts: Counter = Counter()
+    graphs = llm.engine.runner.graphs
+    if graphs is None:
+        return counts
+    inner = type(graphs).graph_key.__get__(graphs)
+
+    def counting(batch):
+        key = inner(batch)
+        q = batch.uniform_query_len()
+        if key is not None:
+            counts["graph"] += 1
+        elif max(batch.cu_query_lens[1:] - batch.cu_query_lens[:-1]) > max_q:
+            counts["prefill"] += 1
+        else:
+            counts["eager" if q is not None else "ragged"] += 1
+        return key
+
+    graphs.graph_key = counting
+    return counts
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    t = torch.tensor(values, dtype=torch.float64)
+    q = torch.quantile(t, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+    return {"mean": float(t.mean()), "p50": q[0], "p90": q[1], "p99": q[2]}
+
+
+def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, output_len: int,
+              args: argparse.Namespace, tag: str) -> dict[str, Any]:
+    """num_requests requests, c in flight; throughput and per-request latencies."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=not args.respect_eos)
+    queue = [(f"{tag}-{i}", prompts[i % len(prompts)]) for i in range(num_requests)]
+    arrival: dict[str, float] = {}
+    finished: dict[str, float] = {}
+    before = spec_counters(llm) if engine.spec is not None else None
+    _EVENTS.clear()
+    steps = 0
+    start = time.perf_counter()
+
+    def submit() -> None:
+        rid, ids = queue.pop(0)
+        arrival[rid] = time.monotonic()
+        engine.add_request(rid, {"prompt_token_ids": ids}, params, arrival_time=arrival[rid])
+
+    while queue and len(arrival) - len(finished) < c:
+        submit()
+    while len(finished) < num_requests:
+        outs = engine.step()
+        steps += 1
+        now = time.monotonic()
+        for out in outs:
+            if out.finished and out.request_id not in finished:
+                finished[out.request_id] = now
+                if queue:
+                    submit()
+    seconds = time.perf_counter() - start
+    chunks: dict[str, list[tuple[float, int]]] = {}
+    for rid, t, n in _EVENTS:
+        chunks.setdefault(rid, []).append((t, n))
+    records, itls = [], []
+    for rid, t0 in arrival.items():
+        ev = chunks.get(rid, [])
+        n = sum(k for _, k in ev)
+        if not ev:
+            continue
+        first, last = ev[0][0], ev[-1][0]
+        tpot = (last - first) / (n - 1) if n > 1 else None
+        records.append((first - t0, tpot, last - t0, n))
+        itls += [b[0] - a[0] for a, b in itertools.pairwise(ev)]
+    tokens = sum(r[3] for r in records)
+    ms = 1000.0
+    row: dict[str, Any] = {
+        "num_requests": num_requests, "output_len": output_len, "seconds": seconds, "steps": steps,
+        "output_tokens": tokens, "tokens_per_s": tokens / seconds, "requests_per_s": num_requests / seconds,
+        "latency_ms": {"ttft": percentiles([r[0] * ms for r in records]),
+                       "tpot": percentiles([r[1] * ms for r in records if r[1] is not None]),
+                       "itl": percentiles([x * ms for x in itls]),
+                       "e2el": percentiles([r[2] * ms for r in records])},
+        "requests": [[round(r[0] * ms, 3), None if r[1] is None else round(r[1] * ms, 4), round(r[2] * ms, 3), r[3]]
+                     for r in records],
+    }
+    if before is not None:
+        drafts, drafted, accepted = (spec_counters(llm)[k] - before[k] for k in SPEC_COUNTERS)
+        row["acceptance_rate"] = accepted / drafted if drafted else None
+        row["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
+    return row
