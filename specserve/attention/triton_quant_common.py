@@ -21,6 +21,21 @@ _E2M1_MAX = tl.constexpr(E2M1_MAX)
 
 
 @triton.jit
+def _program(GROUP: tl.constexpr, HEADS_FIRST: tl.constexpr):
+    """(q block, KV head, split, num_heads) of this program. HEADS_FIRST: grid (kv heads, q blocks,
+    splits), a q block's heads side by side; else (q blocks, kv heads, splits), as triton_paged."""
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        q_block_idx = tl.program_id(1)
+        num_heads = tl.num_programs(0) * GROUP
+    else:
+        q_block_idx = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_heads = tl.num_programs(1) * GROUP
+    return q_block_idx, kv_head, tl.program_id(2), num_heads
+
+
+@triton.jit
 def _locate(cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, q_block_idx, kv_head, split,
             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
             SPLIT: tl.constexpr):
@@ -50,11 +65,77 @@ def _locate(cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, q_block_idx, 
 
 
 @triton.jit
+def _tile_rows(table, tile, kv_end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """KV tile `tile`: its key positions, which are in range, their cache block ids and slots."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < kv_end
+    block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    return offs_n, n_ok, block_ids, offs_n % BLOCK_SIZE
+
+
+@triton.jit
 def _load_q16(q_ptr, tok, head, row_ok, cols, col_ok, stride_q_tok, stride_q_head):
     """Q rows at the given head_dim columns as float16 (clamped to its finite range)."""
     q = tl.load(q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + cols[None, :],
                 mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
     return tl.minimum(tl.maximum(q, -_FP16_MAX), _FP16_MAX).to(tl.float16)
+
+
+@triton.jit
+def _load_q16_x4(q_ptr, tok, head, row_ok, cols, col_ok, stride_q_tok, stride_q_head):
+    """Q at columns cols + 0 .. cols + 3, four float16 tiles."""
+    q0 = _load_q16(q_ptr, tok, head, row_ok, cols + 0, col_ok, stride_q_tok, stride_q_head)
+    q1 = _load_q16(q_ptr, tok, head, row_ok, cols + 1, col_ok, stride_q_tok, stride_q_head)
+    q2 = _load_q16(q_ptr, tok, head, row_ok, cols + 2, col_ok, stride_q_tok, stride_q_head)
+    q3 = _load_q16(q_ptr, tok, head, row_ok, cols + 3, col_ok, stride_q_tok, stride_q_head)
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def _softmax_init(BLOCK_M: tl.constexpr):
+    """Running max and denominator of the online softmax, before the first tile."""
+    return tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
+
+
+@triton.jit
+def _zeros4(BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """Four float32 [BLOCK_M, WIDTH] accumulators."""
+    return (tl.zeros([BLOCK_M, WIDTH], tl.float32), tl.zeros([BLOCK_M, WIDTH], tl.float32),
+            tl.zeros([BLOCK_M, WIDTH], tl.float32), tl.zeros([BLOCK_M, WIDTH], tl.float32))
+
+
+@triton.jit
+def _qk4(q0, q1, q2, q3, k0, k1, k2, k3, s):
+    """s + sum_j Q_j.K_j^T (s None: no accumulator, as a plain tl.dot)."""
+    s = tl.dot(q0, tl.trans(k0), s)
+    s = tl.dot(q1, tl.trans(k1), s)
+    s = tl.dot(q2, tl.trans(k2), s)
+    return tl.dot(q3, tl.trans(k3), s)
+
+
+@triton.jit
+def _pv4(p16, v0, v1, v2, v3, a0, a1, a2, a3, alpha):
+    """a_j * alpha + P.V_j for j = 0..3."""
+    a0 = tl.dot(p16, v0, a0 * alpha[:, None])
+    a1 = tl.dot(p16, v1, a1 * alpha[:, None])
+    a2 = tl.dot(p16, v2, a2 * alpha[:, None])
+    a3 = tl.dot(p16, v3, a3 * alpha[:, None])
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _fp8_scores(q, k, k_scale, sm_scale_log2):
+    """Base-2 scores of an fp8 tile: Q.K^T (K widened to float16) scaled per key column."""
+    return tl.dot(q, tl.trans(k.to(tl.float16))) * (k_scale * sm_scale_log2)[None, :]
+
+
+@triton.jit
+def _fp8_accumulate(acc, alpha, p, v, v_scale):
+    """acc * alpha + P.V of an fp8 tile, V's row scales folded into P relative to the tile's largest
+    (so P * scale stays in [0, 1] in float16) and the largest multiplying the fp32 product."""
+    v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
+    pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
+    return acc * alpha[:, None] + tl.dot(pv, v.to(tl.float16)) * v_max
 
 
 @triton.jit
@@ -87,6 +168,21 @@ def _store_rows(acc, cols, col_ok, factor, l_i, m_i, tok, head, row_ok, num_head
         out = acc * (factor / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
         tl.store(out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + cols[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_rows4(a0, a1, a2, a3, cols, col_ok, factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr,
+                 part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head,
+                 HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, STORE_ML: tl.constexpr):
+    """`_store_rows` of a_j at columns cols + j (j = 0..3); STORE_ML applies to a0's store only."""
+    _store_rows(a0, cols + 0, col_ok, factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
+                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, STORE_ML)
+    _store_rows(a1, cols + 1, col_ok, factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
+                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
+    _store_rows(a2, cols + 2, col_ok, factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
+                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
+    _store_rows(a3, cols + 3, col_ok, factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
+                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
 
 
 def check_quant_cache(fmt: KVFormat, cache: LayerKVCache, num_kv_heads: int, head_dim: int) -> None:

@@ -26,10 +26,15 @@ import triton
 import triton.language as tl
 
 from specserve.attention.triton_quant_common import (
+    _fp8_accumulate,
+    _fp8_scores,
     _load_q16,
     _locate,
+    _program,
+    _softmax_init,
     _softmax_step,
     _store_rows,
+    _tile_rows,
 )
 
 
@@ -52,15 +57,7 @@ def _paged_attention_fp8_v2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
 ):
-    if HEADS_FIRST:  # grid (kv heads, q blocks, splits): a q block's heads run side by side
-        kv_head = tl.program_id(0)
-        q_block_idx = tl.program_id(1)
-        num_heads = tl.num_programs(0) * GROUP
-    else:  # grid (q blocks, kv heads, splits), as triton_paged
-        q_block_idx = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        num_heads = tl.num_programs(1) * GROUP
-    split = tl.program_id(2)
+    q_block_idx, kv_head, split, num_heads = _program(GROUP, HEADS_FIRST)
     spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
         cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, q_block_idx, kv_head, split,
         GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT)
@@ -69,8 +66,7 @@ def _paged_attention_fp8_v2_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     q = _load_q16(q_ptr, tok, head, row_ok, offs_d, d_ok, stride_q_tok, stride_q_head)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = _softmax_init(BLOCK_M)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = key_cache_ptr + kv_head * C_HEAD
@@ -82,23 +78,17 @@ def _paged_attention_fp8_v2_kernel(
     ks_base = key_scale_ptr + (w0 + w) * S_HEAD  # [SCALE_W]; contiguous when S_HEAD == 1
     vs_base = value_scale_ptr + (w0 + w) * S_HEAD
     for tile in range(tile_lo, tile_hi):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < kv_end
-        block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = offs_n % BLOCK_SIZE
+        offs_n, n_ok, block_ids, slot = _tile_rows(table, tile, kv_end, BLOCK_N, BLOCK_SIZE)
         row = block_ids * C_BLOCK + slot * C_SLOT
         srow = block_ids * S_BLOCK + slot * S_SLOT
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         k_scale = _row_scales(ks_base, srow, pick, n_ok)
-        s = tl.dot(q, tl.trans(k.to(tl.float16))) * (k_scale * sm_scale_log2)[None, :]
+        s = _fp8_scores(q, k, k_scale, sm_scale_log2)
         p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
         v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v_scale = _row_scales(vs_base, srow, pick, n_ok)
-        # V's row scales go into P, relative to the tile's largest so P * scale stays in [0, 1].
-        v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
-        pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
-        acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float16)) * v_max
+        acc = _fp8_accumulate(acc, alpha, p, v, v_scale)
     _store_rows(acc, offs_d, d_ok, 1.0, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
                 part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, True)
 

@@ -40,8 +40,14 @@ from specserve.attention.triton_quant_common import (
     NVFP4_DECODE,
     _load_q16,
     _locate,
+    _program,
+    _pv4,
+    _qk4,
+    _softmax_init,
     _softmax_step,
-    _store_rows,
+    _store_rows4,
+    _tile_rows,
+    _zeros4,
 )
 
 E4M3_DECODE = 64.0  # 2^6: the v3 decode yields e2m1 * 2^-6
@@ -120,15 +126,7 @@ def _paged_attention_nvfp4_v2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     HEADS_FIRST: tl.constexpr, PTX: tl.constexpr,
 ):
-    if HEADS_FIRST:  # grid (kv heads, q blocks, splits): a q block's heads run side by side
-        kv_head = tl.program_id(0)
-        q_block_idx = tl.program_id(1)
-        num_heads = tl.num_programs(0) * GROUP
-    else:  # grid (q blocks, kv heads, splits), as triton_paged
-        q_block_idx = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        num_heads = tl.num_programs(1) * GROUP
-    split = tl.program_id(2)
+    q_block_idx, kv_head, split, num_heads = _program(GROUP, HEADS_FIRST)
     spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
         cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, q_block_idx, kv_head, split,
         GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT)
@@ -144,46 +142,28 @@ def _paged_attention_nvfp4_v2_kernel(
     q_lo, q_hi = tl.split(tl.reshape(q, [BLOCK_M, QUADS_PAD, 2, 2]))  # j = 0, 2 and j = 1, 3
     q0, q2 = tl.split(q_lo)
     q1, q3 = tl.split(q_hi)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    a0 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
-    a1 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
-    a2 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
-    a3 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
+    m_i, l_i = _softmax_init(BLOCK_M)
+    a0, a1, a2, a3 = _zeros4(BLOCK_M, QUADS_PAD)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = key_cache_ptr + kv_head * C_HEAD + c[None, :]
     v_base = value_cache_ptr + kv_head * C_HEAD + c[None, :]
     ks_base = key_scale_ptr + kv_head * S_HEAD + g[None, :]
     vs_base = value_scale_ptr + kv_head * S_HEAD + g[None, :]
     for tile in range(tile_lo, tile_hi):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < kv_end
-        block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = offs_n % BLOCK_SIZE
+        offs_n, n_ok, block_ids, slot = _tile_rows(table, tile, kv_end, BLOCK_N, BLOCK_SIZE)
         row = (block_ids * C_BLOCK + slot * C_SLOT)[:, None]
         srow = (block_ids * S_BLOCK + slot * S_SLOT)[:, None]
         mask = n_ok[:, None] & c_ok[None, :]
         s_mask = n_ok[:, None] & g_ok[None, :]
         k0, k1, k2, k3 = _scaled_tiles(k_base + row, ks_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, PTX)
-        s = tl.dot(q0, tl.trans(k0))
-        s = tl.dot(q1, tl.trans(k1), s)
-        s = tl.dot(q2, tl.trans(k2), s)
-        s = tl.dot(q3, tl.trans(k3), s) * sm_scale_log2
+        s = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None) * sm_scale_log2
         p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
         p16 = p.to(tl.float16)
         v0, v1, v2, v3 = _scaled_tiles(v_base + row, vs_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, PTX)
-        a0 = tl.dot(p16, v0, a0 * alpha[:, None])
-        a1 = tl.dot(p16, v1, a1 * alpha[:, None])
-        a2 = tl.dot(p16, v2, a2 * alpha[:, None])
-        a3 = tl.dot(p16, v3, a3 * alpha[:, None])
-    _store_rows(a0, 4 * c, c_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, True)
-    _store_rows(a1, 4 * c + 1, c_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
-    _store_rows(a2, 4 * c + 2, c_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
-    _store_rows(a3, 4 * c + 3, c_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
+        a0, a1, a2, a3 = _pv4(p16, v0, v1, v2, v3, a0, a1, a2, a3, alpha)
+    _store_rows4(a0, a1, a2, a3, 4 * c, c_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr,
+                 part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT,
+                 True)
 
 
 def launch_nvfp4_v2(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, grid_qblocks: int,

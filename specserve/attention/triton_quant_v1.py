@@ -29,10 +29,20 @@ import triton.language as tl
 
 from specserve.attention.triton_quant_common import (
     NVFP4_DECODE,
+    _fp8_accumulate,
+    _fp8_scores,
     _load_q16,
+    _load_q16_x4,
     _locate,
+    _program,
+    _pv4,
+    _qk4,
+    _softmax_init,
     _softmax_step,
     _store_rows,
+    _store_rows4,
+    _tile_rows,
+    _zeros4,
 )
 
 
@@ -46,17 +56,16 @@ def _paged_attention_fp8_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    q_block_idx, kv_head, split, num_heads = _program(GROUP, False)
     spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
-        cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, tl.program_id(0), tl.program_id(1),
-        tl.program_id(2), GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT)
+        cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, q_block_idx, kv_head, split,
+        GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT)
     if spare:
         return
-    kv_head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     q = _load_q16(q_ptr, tok, head, row_ok, offs_d, d_ok, stride_q_tok, stride_q_head)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = _softmax_init(BLOCK_M)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = key_cache_ptr + kv_head * stride_c_head
@@ -64,25 +73,19 @@ def _paged_attention_fp8_kernel(
     ks_base = key_scale_ptr + kv_head * stride_s_head
     vs_base = value_scale_ptr + kv_head * stride_s_head
     for tile in range(tile_lo, tile_hi):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < kv_end
-        block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        kv_off = block_ids * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot
-        s_off = block_ids * stride_s_block + (offs_n % BLOCK_SIZE) * stride_s_slot
+        offs_n, n_ok, block_ids, slot = _tile_rows(table, tile, kv_end, BLOCK_N, BLOCK_SIZE)
+        kv_off = block_ids * stride_c_block + slot * stride_c_slot
+        s_off = block_ids * stride_s_block + slot * stride_s_slot
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float16)
         k_scale = tl.load(ks_base + s_off, mask=n_ok, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * (k_scale * sm_scale_log2)[None, :]
+        s = _fp8_scores(q, k, k_scale, sm_scale_log2)
         p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
         v = tl.load(v_base + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float16)
         v_scale = tl.load(vs_base + s_off, mask=n_ok, other=0.0).to(tl.float32)
-        # Fold V's row scales into P, relative to the tile's largest so P * scale stays in [0, 1].
-        v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
-        pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
-        acc = acc * alpha[:, None] + tl.dot(pv, v) * v_max
-    _store_rows(acc, offs_d, d_ok, 1.0, l_i, m_i, tok, head, row_ok, tl.num_programs(1) * GROUP, tl.program_id(2),
-                out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head,
-                HEAD_DIM_PAD, SPLIT, True)
+        acc = _fp8_accumulate(acc, alpha, p, v, v_scale)
+    _store_rows(acc, offs_d, d_ok, 1.0, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
+                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, True)
 
 
 @triton.jit
@@ -125,82 +128,43 @@ def _paged_attention_nvfp4_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
+    q_block_idx, kv_head, split, num_heads = _program(GROUP, False)
     spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
-        cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, tl.program_id(0), tl.program_id(1),
-        tl.program_id(2), GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT)
+        cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, q_block_idx, kv_head, split,
+        GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT)
     if spare:
         return
-    kv_head = tl.program_id(1)
     j = tl.arange(0, WORDS_PAD)  # word j of a (token, head) holds elements 8 j .. 8 j + 7
     j_ok = j < WORDS
-    q0 = _load_q16(q_ptr, tok, head, row_ok, 8 * j + 0, j_ok, stride_q_tok, stride_q_head)
-    q1 = _load_q16(q_ptr, tok, head, row_ok, 8 * j + 1, j_ok, stride_q_tok, stride_q_head)
-    q2 = _load_q16(q_ptr, tok, head, row_ok, 8 * j + 2, j_ok, stride_q_tok, stride_q_head)
-    q3 = _load_q16(q_ptr, tok, head, row_ok, 8 * j + 3, j_ok, stride_q_tok, stride_q_head)
-    q4 = _load_q16(q_ptr, tok, head, row_ok, 8 * j + 4, j_ok, stride_q_tok, stride_q_head)
-    q5 = _load_q16(q_ptr, tok, head, row_ok, 8 * j + 5, j_ok, stride_q_tok, stride_q_head)
-    q6 = _load_q16(q_ptr, tok, head, row_ok, 8 * j + 6, j_ok, stride_q_tok, stride_q_head)
-    q7 = _load_q16(q_ptr, tok, head, row_ok, 8 * j + 7, j_ok, stride_q_tok, stride_q_head)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    a0 = tl.zeros([BLOCK_M, WORDS_PAD], tl.float32)
-    a1 = tl.zeros([BLOCK_M, WORDS_PAD], tl.float32)
-    a2 = tl.zeros([BLOCK_M, WORDS_PAD], tl.float32)
-    a3 = tl.zeros([BLOCK_M, WORDS_PAD], tl.float32)
-    a4 = tl.zeros([BLOCK_M, WORDS_PAD], tl.float32)
-    a5 = tl.zeros([BLOCK_M, WORDS_PAD], tl.float32)
-    a6 = tl.zeros([BLOCK_M, WORDS_PAD], tl.float32)
-    a7 = tl.zeros([BLOCK_M, WORDS_PAD], tl.float32)
+    q0, q1, q2, q3 = _load_q16_x4(q_ptr, tok, head, row_ok, 8 * j, j_ok, stride_q_tok, stride_q_head)
+    q4, q5, q6, q7 = _load_q16_x4(q_ptr, tok, head, row_ok, 8 * j + 4, j_ok, stride_q_tok, stride_q_head)
+    m_i, l_i = _softmax_init(BLOCK_M)
+    a0, a1, a2, a3 = _zeros4(BLOCK_M, WORDS_PAD)
+    a4, a5, a6, a7 = _zeros4(BLOCK_M, WORDS_PAD)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = key_words_ptr + kv_head * stride_c_head
     v_base = value_words_ptr + kv_head * stride_c_head
     ks_base = key_scale_ptr + kv_head * stride_s_head + j // 2  # a scale group covers 2 words
     vs_base = value_scale_ptr + kv_head * stride_s_head + j // 2
     for tile in range(tile_lo, tile_hi):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < kv_end
-        block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        kv_off = (block_ids * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot)[:, None] + j[None, :]
-        s_off = (block_ids * stride_s_block + (offs_n % BLOCK_SIZE) * stride_s_slot)[:, None]
+        offs_n, n_ok, block_ids, slot = _tile_rows(table, tile, kv_end, BLOCK_N, BLOCK_SIZE)
+        kv_off = (block_ids * stride_c_block + slot * stride_c_slot)[:, None] + j[None, :]
+        s_off = (block_ids * stride_s_block + slot * stride_s_slot)[:, None]
         w_mask = n_ok[:, None] & j_ok[None, :]
         k0, k1, k2, k3, k4, k5, k6, k7 = _nvfp4_tile(k_base + kv_off, ks_base[None, :] + s_off, w_mask, w_mask)
-        s = tl.dot(q0, tl.trans(k0))
-        s = tl.dot(q1, tl.trans(k1), s)
-        s = tl.dot(q2, tl.trans(k2), s)
-        s = tl.dot(q3, tl.trans(k3), s)
-        s = tl.dot(q4, tl.trans(k4), s)
-        s = tl.dot(q5, tl.trans(k5), s)
-        s = tl.dot(q6, tl.trans(k6), s)
-        s = tl.dot(q7, tl.trans(k7), s) * sm_scale_log2
+        s = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None)
+        s = _qk4(q4, q5, q6, q7, k4, k5, k6, k7, s) * sm_scale_log2
         p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
         p16 = p.to(tl.float16)
         v0, v1, v2, v3, v4, v5, v6, v7 = _nvfp4_tile(v_base + kv_off, vs_base[None, :] + s_off, w_mask, w_mask)
-        a0 = tl.dot(p16, v0, a0 * alpha[:, None])
-        a1 = tl.dot(p16, v1, a1 * alpha[:, None])
-        a2 = tl.dot(p16, v2, a2 * alpha[:, None])
-        a3 = tl.dot(p16, v3, a3 * alpha[:, None])
-        a4 = tl.dot(p16, v4, a4 * alpha[:, None])
-        a5 = tl.dot(p16, v5, a5 * alpha[:, None])
-        a6 = tl.dot(p16, v6, a6 * alpha[:, None])
-        a7 = tl.dot(p16, v7, a7 * alpha[:, None])
-    num_heads = tl.num_programs(1) * GROUP
-    split = tl.program_id(2)
-    _store_rows(a0, 8 * j + 0, j_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, True)
-    _store_rows(a1, 8 * j + 1, j_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
-    _store_rows(a2, 8 * j + 2, j_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
-    _store_rows(a3, 8 * j + 3, j_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
-    _store_rows(a4, 8 * j + 4, j_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
-    _store_rows(a5, 8 * j + 5, j_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
-    _store_rows(a6, 8 * j + 6, j_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
-    _store_rows(a7, 8 * j + 7, j_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
+        a0, a1, a2, a3 = _pv4(p16, v0, v1, v2, v3, a0, a1, a2, a3, alpha)
+        a4, a5, a6, a7 = _pv4(p16, v4, v5, v6, v7, a4, a5, a6, a7, alpha)
+    _store_rows4(a0, a1, a2, a3, 8 * j, j_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr,
+                 part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT,
+                 True)
+    _store_rows4(a4, a5, a6, a7, 8 * j + 4, j_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr,
+                 part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT,
+                 False)
 
 
 def launch_v1(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, grid_qblocks: int, num_splits: int,
