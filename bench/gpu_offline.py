@@ -74,13 +74,15 @@ def specserve_decode(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> 
         eng.add_request(f"d{batch}-{i}", {"prompt_token_ids": p}, params)
     while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
         eng.step()
+    # Tokens sampled already (with asynchronous scheduling one may still be in flight): the timed
+    # loop produces the rest, one decode step each.
+    done = min(r.num_output_tokens + r.num_pending_tokens for r in eng.scheduler.requests.values())
     torch.cuda.synchronize()
-    t, steps = time.perf_counter(), 0
+    t = time.perf_counter()
     while eng.has_unfinished_requests():
         eng.step()
-        steps += 1
     torch.cuda.synchronize()
-    return (time.perf_counter() - t) / max(1, steps) * 1e3
+    return (time.perf_counter() - t) / max(1, new_tokens - done) * 1e3
 
 
 def specserve_throughput(llm: LLM, num: int, prompt_len: int, out_len: int) -> float:
@@ -206,8 +208,14 @@ def run_shape(shape: str, args: argparse.Namespace, bw: float, mm: float) -> dic
 
     def decode() -> None:
         specserve_decode(llm, 1, 128, 16)  # warm up
+        res["async_scheduling"] = llm.engine.async_scheduling
         res["b1_ms_per_step"] = specserve_decode(llm, 1, 128, args.new_tokens)
         res["b32_ms_per_step"] = specserve_decode(llm, 32, 128, args.new_tokens)
+        # The same engine stepping synchronously (the flag is read per step), for the comparison.
+        mode, llm.engine.async_scheduling = llm.engine.async_scheduling, False
+        res["sync_b1_ms_per_step"] = specserve_decode(llm, 1, 128, args.new_tokens)
+        res["sync_b32_ms_per_step"] = specserve_decode(llm, 32, 128, args.new_tokens)
+        llm.engine.async_scheduling = mode
 
     def prefill() -> None:
         linear = arch.num_params() - arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
@@ -254,6 +262,11 @@ def main() -> None:
 
 def print_table(results: dict) -> None:
     print(f"\ncopy bandwidth {results['copy_bandwidth_GBs']:.0f} GB/s; bf16 matmul {results['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+    for r in results["shapes"]:
+        if "sync_b1_ms_per_step" in r:
+            print(f"{r['shape']}: synchronous scheduling b1 {r['sync_b1_ms_per_step']:.3f} ms "
+                  f"({100 * r['floor_ms'] / r['sync_b1_ms_per_step']:.1f}% of floor), "
+                  f"b32 {r['sync_b32_ms_per_step']:.3f} ms")
     print(f"{'shape':14} {'floor ms':>8} {'b1 ms':>7} {'%floor':>6} {'HF b1 ms':>8} {'vs HF':>6} {'b32 ms':>7} "
           f"{'tput tok/s':>10} {'HF b32 tok/s':>12} {'ratio':>6} {'prefill ms':>10} {'mm ms':>6} {'logit err':>9}")
     for r in results["shapes"]:

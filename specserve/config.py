@@ -73,6 +73,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = _help("split long prompts over steps", default=True)
     max_num_queued_requests: int | None = _help("waiting requests beyond which new ones get 503",
                                                 default=None)
+    async_scheduling: bool | None = _help(
+        "prepare the next step while the GPU runs this one (default: on for CUDA without speculation "
+        "or tensor parallelism)", default=None)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -128,7 +131,7 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max.")
 
     @classmethod
-    def from_any(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
+    def from_any(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
@@ -174,7 +177,7 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
 
     @classmethod
-    def from_kwargs(cls, **kw: Any) -> "EngineConfig":
+    def from_kwargs(cls, **kw: Any) -> EngineConfig:
         """Build from flat vLLM-style keyword arguments (LLM(...) and the CLI)."""
         kw = dict(kw)
         parts: dict[str, Any] = {}

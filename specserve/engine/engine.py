@@ -12,20 +12,27 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.engine.detokenizer import IncrementalDetokenizer
-from specserve.engine.output_processor import (RequestGroup, StepTokenStats, check_token_stop, record_finished,
-                                               request_output)
+from specserve.engine.output_processor import (
+    RequestGroup,
+    StepTokenStats,
+    check_token_stop,
+    record_finished,
+    request_output,
+)
+from specserve.engine.overlap import AsyncStepMixin
 from specserve.engine.setup import EngineParts, build_engine_parts
-from specserve.engine.validate import resolve_prompt, resolve_max_tokens
+from specserve.engine.validate import resolve_max_tokens, resolve_prompt
 from specserve.outputs import RequestOutput
 from specserve.runner.prompt_logprobs import plan_prompt_logprobs
 from specserve.sample.metadata import SamplingMetadata
+from specserve.sample.sampler import SamplerOutput
 from specserve.sample.structured import StructuredOutputs
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.request import Request, RequestStatus
 from specserve.scheduler.scheduler import SchedulerOutput
 
 
-class Engine:
+class Engine(AsyncStepMixin):
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
         parts: EngineParts = build_engine_parts(config, progress)
@@ -53,6 +60,7 @@ class Engine:
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         if self.spec is not None:
             self.spec.structured = self.structured
+        self.async_scheduling = _use_async_scheduling(config, self.device)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,
@@ -142,7 +150,12 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_async()  # engine/overlap.py
         outputs, self._pending = self._pending, []
+        if self._inflight is not None:  # asynchronous scheduling was switched off since
+            outputs.extend(self._resolve(self._inflight))
+            self._inflight = None
         sched = self.scheduler.schedule()
         self._fail_unfittable(sched, outputs)
         if not sched.empty:
@@ -172,22 +185,13 @@ class Engine:
         if not entries:
             return [None] * len(sched.scheduled), [0] * len(sched.scheduled)
         sampling = [s.request for s in entries]
-        # issue 8: grammar masks, before every sampling path (the greedy fast path too)
-        logits = self.structured.apply(logits, sampling, [s.num_spec_tokens for s in entries])
-        if self._plain_greedy(entries):
-            # The common serving case: argmax, no metadata to build or copy.
-            tokens = logits.argmax(dim=-1).tolist()
-            it = iter(tokens)
-            return [[next(it)] if s.samples else None for s in sched.scheduled], [0] * len(sched.scheduled)
-        meta = SamplingMetadata.build(
-            [r.params for r in sampling], [r.prompt_token_ids for r in sampling],
-            [r.output_token_ids for r in sampling], [r.generator for r in sampling], self.vocab_size,
-            self.device, [list(r.eos_token_ids) + r.params.stop_token_ids for r in sampling])
         num_drafts = [s.num_spec_tokens for s in entries]
+        # issue 8: grammar masks, before every sampling path (the greedy fast path too)
+        logits = self.structured.apply(logits, sampling, num_drafts)
         if self.spec is not None and any(num_drafts):
-            token_lists, num_accepted = self.spec.verify(sampling, num_drafts, logits, meta)
+            token_lists, num_accepted = self.spec.verify(sampling, num_drafts, logits, self._sampling_meta(sampling))
         else:
-            out = self.sampler(logits, meta)
+            out = self._sample_tokens(sampling, logits)
             token_lists, num_accepted = [[t] for t in out.token_ids.tolist()], [0] * len(entries)
             if out.logprobs is not None:
                 self._store_logprobs(sampling, out.logprobs)
@@ -196,11 +200,24 @@ class Engine:
         accepted = [next(acc_it) if s.samples else 0 for s in sched.scheduled]
         return new_tokens, accepted
 
+    def _sampling_meta(self, reqs: list[Request]) -> SamplingMetadata:
+        return SamplingMetadata.build(
+            [r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
+            [r.generator for r in reqs], self.vocab_size, self.device,
+            [list(r.eos_token_ids) + r.params.stop_token_ids for r in reqs])
+
+    def _sample_tokens(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
+        """One token per row of logits [len(reqs), vocab], on the device."""
+        if self._plain_greedy(reqs):
+            # The common serving case: argmax, no metadata to build or copy.
+            return SamplerOutput(logits.argmax(dim=-1), None)
+        return self.sampler(logits, self._sampling_meta(reqs))
+
     @staticmethod
-    def _plain_greedy(entries) -> bool:
-        for s in entries:
-            p, r = s.request.params, s.request
-            if (s.num_spec_tokens or not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0
+    def _plain_greedy(reqs: list[Request]) -> bool:
+        for r in reqs:
+            p = r.params
+            if (not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0
                     or p.presence_penalty or p.frequency_penalty or r.num_output_tokens < p.min_tokens):
                 return False
         return True
@@ -215,10 +232,11 @@ class Engine:
             self.spec.propose(reqs, index, step_out, len(self.scheduler.running))
 
     @staticmethod
-    def _store_logprobs(reqs: list[Request], lp) -> None:
+    def _store_logprobs(reqs: list[Request | None], lp) -> None:
+        """reqs: one per row of lp; None skips the row."""
         ids, values, ranks = lp.logprob_token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_token_ranks.tolist()
         for row, req in enumerate(reqs):
-            n = req.params.logprobs
+            n = None if req is None else req.params.logprobs
             if n is None:
                 continue
             entry = {ids[row][0]: (values[row][0], ranks[row])}
@@ -235,24 +253,34 @@ class Engine:
             req.prompt_logprobs.extend(entries)
 
     def _update(self, sched: SchedulerOutput, new_tokens: list[list[int] | None],
-                accepted: list[int]) -> list[RequestOutput]:
+                accepted: list[int], advanced: bool = False) -> list[RequestOutput]:
+        """advanced: asynchronous scheduling already counted the step as computed and holds a
+        placeholder for each new token (engine/overlap.py)."""
         now = time.monotonic()
         step_stats = StepTokenStats()
         touched: dict[str, RequestGroup] = {}
         for s, tokens, num_acc in zip(sched.scheduled, new_tokens, accepted):
-            self.scheduler.update_computed(s, s.num_spec_tokens - num_acc)
+            if not advanced:
+                self.scheduler.update_computed(s, s.num_spec_tokens - num_acc)
             if tokens is None:
                 continue
             req = s.request
+            if req.is_finished:  # only with advanced: aborted while its tokens were in flight
+                continue
             group, index = self._child_to_group[req.request_id]
             status = None
             accepted = 0
             for tok in tokens:
-                req.append_output_tokens([tok])
+                if advanced:
+                    req.resolve_pending_token(tok)
+                else:
+                    req.append_output_tokens([tok])
                 accepted += 1
                 status = check_token_stop(req, self.max_model_len)
                 if status is not None:
                     break
+            if advanced:
+                self.kv.cache_computed_blocks(req)
             # issue 8: the grammar saw the end (or a token it rejects): nothing more may follow.
             if self.structured.advance(req, req.output_token_ids[-accepted:]) and status is None:
                 status = RequestStatus.FINISHED_STOPPED
@@ -276,6 +304,7 @@ class Engine:
         return outputs
 
     def _finish(self, group: RequestGroup, req: Request, status: RequestStatus) -> None:
+        req.drop_pending_tokens()  # asynchronous scheduling: a later step's token never counts
         self.scheduler.finish(req, status)
         self.structured.release(req)  # issue 8
         if self.spec is not None:
@@ -318,3 +347,13 @@ _ids = itertools.count()
 
 def next_request_id() -> str:
     return str(next(_ids))
+
+
+def _use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
+    """On by default on CUDA; never with speculation or tensor parallelism (engine/overlap.py)."""
+    asked = config.scheduler.async_scheduling
+    unsupported = config.speculative is not None or config.parallel.tensor_parallel_size > 1
+    if asked and unsupported:
+        raise ValueError("async_scheduling cannot be combined with speculative_config or "
+                         "tensor_parallel_size > 1.")
+    return (device.type == "cuda" and not unsupported) if asked is None else asked

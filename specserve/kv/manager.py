@@ -47,7 +47,8 @@ class KVCacheManager:
         hashes = req.block_hashes
         tokens = req.all_token_ids
         bs = self.block_size
-        while (len(hashes) + 1) * bs <= len(tokens):
+        known = _num_known(req)  # placeholders (asynchronous scheduling) have no hash yet
+        while (len(hashes) + 1) * bs <= known:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], self.hash_extra))
@@ -112,7 +113,8 @@ class KVCacheManager:
         end = req.num_computed_tokens + num_new_tokens
         if (not new_computed and blocks is not None and len(blocks) * self.block_size >= end + num_lookahead_tokens
                 and (not self.enable_prefix_caching
-                     or min(end, req.num_tokens) // self.block_size <= self.num_cached_blocks.get(req.request_id, 0))):
+                     or min(end, _num_known(req)) // self.block_size
+                     <= self.num_cached_blocks.get(req.request_id, 0))):
             return True  # the common decode step: the slots exist and no block completes
         need = self.num_blocks_needed(req, num_new_tokens, new_computed, num_lookahead_tokens)
         # Touching cached-but-free hits takes them out of the free queue too.
@@ -135,7 +137,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         # Only tokens that are real (not drafts) and will be computed by the end of the step.
-        num_full = min(num_tokens_after_step, req.num_tokens) // self.block_size
+        num_full = min(num_tokens_after_step, _num_known(req)) // self.block_size
         done = self.num_cached_blocks.get(req.request_id, 0)
         if num_full <= done:
             return
@@ -146,6 +148,12 @@ class KVCacheManager:
             if self.offloader is not None and self.pool.blocks[blocks[i]].block_hash == hashes[i]:
                 self.offloader.block_completed(hashes[i], blocks[i])
         self.num_cached_blocks[req.request_id] = num_full
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Asynchronous scheduling resolved a pending token: a computed block it completes enters
+        the prefix cache now (it could not when it was scheduled as a placeholder)."""
+        if req.request_id in self.req_blocks:
+            self._cache_full_blocks(req, req.num_computed_tokens)
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
@@ -163,3 +171,8 @@ class KVCacheManager:
             for b in blocks:
                 refs[b] += 1
         self.pool.check_integrity(refs)
+
+
+def _num_known(req) -> int:
+    """Tokens whose ids are known on the host. Draft sequences duck-type Request without pending tokens."""
+    return req.num_tokens - getattr(req, "num_pending_tokens", 0)

@@ -53,7 +53,7 @@ class HostBatch:
         q = self.query_lens[0]
         return q if all(x == q for x in self.query_lens) else None
 
-    def to_device(self, device: torch.device, staging: "Staging | None" = None,
+    def to_device(self, device: torch.device, staging: Staging | None = None,
                   only_logits: bool = False) -> BatchInputs:
         """only_logits: the CUDA-graph path copies the other inputs into its own buffers."""
         put = staging.put if staging is not None else (lambda name, a: torch.from_numpy(a).to(device))
@@ -69,17 +69,53 @@ class HostBatch:
                            put("logits_indices", self.logits_indices), self.logit_rows)
 
 
+@dataclass
+class PendingTokens:
+    """Tokens the step in flight sampled, still on the device (asynchronous scheduling): the next
+    step's placeholders (scheduler/request.py PLACEHOLDER) take their input ids from here."""
+
+    tokens: torch.Tensor  # [num_rows] int64, on the device
+    row_of: dict[str, int]  # request_id -> its row in tokens
+
+
+def pending_fill(host: HostBatch, request_ids: list[str], pending: PendingTokens | None
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+    """(flat token indices holding a placeholder, the pending row each one reads) or None."""
+    dst = np.flatnonzero(host.input_ids < 0)
+    if not dst.size:
+        return None
+    seq = np.searchsorted(host.cu_query_lens, dst, side="right") - 1
+    try:
+        rows = np.fromiter((pending.row_of[request_ids[i]] for i in seq), np.int64, len(seq))
+    except (KeyError, AttributeError):
+        raise RuntimeError("a scheduled token is a placeholder no step in flight will sample") from None
+    return dst.astype(np.int64), rows
+
+
 class Staging:
     """Persistent pinned host + device buffers, one pair per input name, grown on demand.
 
-    Safe to reuse every step because the engine synchronizes on the sampled tokens before it
-    builds the next batch.
+    A step's puts sit between begin() and end(): begin() waits until the previous step's copies
+    have left the pinned buffers (with asynchronous scheduling the host builds step N+1 while step
+    N may still be queued), end() marks this step's copies; call it before queuing the forward,
+    or the next begin() waits for the forward too.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._host: dict[str, torch.Tensor] = {}
         self._dev: dict[str, torch.Tensor] = {}
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._recorded = False
+
+    def begin(self) -> None:
+        if self._recorded:
+            self._copied.synchronize()
+
+    def end(self) -> None:
+        if self._copied is not None:
+            self._copied.record()
+            self._recorded = True
 
     def put(self, name: str, arr: np.ndarray) -> torch.Tensor:
         n = arr.size

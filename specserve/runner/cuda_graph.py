@@ -45,6 +45,8 @@ class CudaGraphRunner:
         self.hidden_outputs: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.aux_hidden_layers = tuple(getattr(model, "aux_hidden_layers", ()))  # what the graphs return
         self._pool = None
+        self._copied = torch.cuda.Event()
+        self._copied_recorded = False
 
     def _meta(self, bs: int, q: int) -> AttentionMetadata:
         n = bs * q
@@ -101,13 +103,18 @@ class CudaGraphRunner:
         hidden, aux = self.hidden_outputs[key]
         return hidden[:n], [a[:n] for a in aux]
 
-    def run(self, batch: HostBatch, key: tuple[int, int]) -> torch.Tensor:
-        """Replay the graph for `key` on this batch; returns logits [batch.num_tokens, vocab]."""
+    def run(self, batch: HostBatch, key: tuple[int, int],
+            fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Replay the graph for `key` on this batch; returns logits [batch.num_tokens, vocab].
+        fill: (flat token indices, their input ids), both on the device: placeholders' tokens."""
         bs, q = key
+        if self._copied_recorded:  # the previous step's copies have left the pinned buffers
+            self._copied.synchronize()
         n, s = batch.num_tokens, batch.num_seqs
         t = self.input_ids.numel()
         i64 = self._i64_host.numpy()
         i64[:n] = batch.input_ids
+        i64[n:bs * q] = 0  # padding tokens: any valid id (not a placeholder left by an earlier step)
         i64[t:t + n] = batch.positions
         i64[2 * t:2 * t + bs * q] = -1  # padding tokens store no K/V
         i64[2 * t:2 * t + n] = batch.slot_mapping
@@ -123,5 +130,9 @@ class CudaGraphRunner:
         self._i64.copy_(self._i64_host, non_blocking=True)
         rows = 2 * max_bs + 1 + s * self.max_blocks
         self._i32[:rows].copy_(self._i32_host[:rows], non_blocking=True)
+        self._copied.record()
+        self._copied_recorded = True
+        if fill is not None:
+            self.input_ids.index_copy_(0, fill[0], fill[1])
         self.graphs[key].replay()
         return self.outputs[key][:n]

@@ -8,8 +8,19 @@ import torch
 from specserve.attention.base import ForwardContext, forward_context
 from specserve.kv.spec import KVCacheSpec, KVFormat, LayerKVCache
 from specserve.model.loader import LoadedModel
-from specserve.runner.batch import BatchInputs, HostBatch, Staging, build_host_batch
-from specserve.runner.prompt_logprobs import PromptLogprobEntry, PromptLogprobRows, compute_prompt_logprobs
+from specserve.runner.batch import (
+    BatchInputs,
+    HostBatch,
+    PendingTokens,
+    Staging,
+    build_host_batch,
+    pending_fill,
+)
+from specserve.runner.prompt_logprobs import (
+    PromptLogprobEntry,
+    PromptLogprobRows,
+    compute_prompt_logprobs,
+)
 from specserve.scheduler.scheduler import SchedulerOutput
 
 
@@ -66,10 +77,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False,
-                prompt_plan: list[PromptLogprobRows] | None = None) -> StepOutput:
+                prompt_plan: list[PromptLogprobRows] | None = None,
+                pending: PendingTokens | None = None) -> StepOutput:
         """prompt_plan: rows whose prompt logprobs to compute (they need every token's hidden
-        state, so such a step runs eagerly, never through a CUDA graph)."""
+        state, so such a step runs eagerly, never through a CUDA graph).
+        pending: the step in flight's sampled tokens, for this step's placeholders."""
         host = build_host_batch(sched, block_ids_of, self.block_size)
+        if self.staging is not None:
+            self.staging.begin()
+        return self._execute(sched, host, need_hidden, prompt_plan, pending)
+
+    def _staged(self) -> None:
+        """Every input of the step is queued for copying: mark it BEFORE the forward is queued, so
+        the next step waits only for these copies, never for this forward."""
+        if self.staging is not None:
+            self.staging.end()
+
+    def _fill(self, host: HostBatch, sched: SchedulerOutput, pending: PendingTokens | None
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Device (indices, token ids) that replace this step's placeholders."""
+        fill = pending_fill(host, [s.request.request_id for s in sched.scheduled], pending)
+        if fill is None:
+            return None
+        dst, rows = fill
+        if self.staging is not None:
+            dst_t, rows_t = self.staging.put("fill_dst", dst), self.staging.put("fill_rows", rows)
+        else:
+            dst_t, rows_t = torch.from_numpy(dst), torch.from_numpy(rows)
+        return dst_t, pending.tokens.index_select(0, rows_t)
+
+    def _execute(self, sched: SchedulerOutput, host: HostBatch, need_hidden: bool,
+                 prompt_plan: list[PromptLogprobRows] | None, pending: PendingTokens | None) -> StepOutput:
+        fill = self._fill(host, sched, pending)
         # Graphs return hidden states too, but only those of the aux layers they were captured with.
         usable = self.graphs is not None and not prompt_plan and (
             not need_hidden or self.graphs.aux_hidden_layers == tuple(self.model.aux_hidden_layers))
@@ -77,10 +116,12 @@ class ModelRunner:
         aux = None
         if key is not None:
             # The graph has its own static input buffers and scores every token.
-            logits = self.graphs.run(host, key)
             batch = BatchInputs(None, None, None, None, host.logit_rows)
             if len(host.logits_indices) != host.num_tokens:
                 batch = host.to_device(self.device, self.staging, only_logits=True)
+            self._staged()
+            logits = self.graphs.run(host, key, fill)
+            if batch.logits_indices is not None:
                 logits = logits.index_select(0, batch.logits_indices)
             out = StepOutput(logits, None, batch, host=host)
             if need_hidden:
@@ -88,6 +129,9 @@ class ModelRunner:
             return out
         else:
             batch = host.to_device(self.device, self.staging)
+            self._staged()
+            if fill is not None:
+                batch.input_ids.index_copy_(0, fill[0], fill[1])
             ctx = ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)
             with forward_context(ctx):
                 hidden = self.model(batch.input_ids, batch.positions)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from specserve.sample.h2d import h2d
 from specserve.sample.penalties import (
     PenaltyTensors,
     add_output_tokens,
@@ -78,7 +79,7 @@ class SamplingMetadata:
                 raise ValueError(f"{name} has {len(values)} rows, params has {num_seqs}.")
         is_greedy = [p.greedy for p in params]
         scalars, use = _row_scalars(params, is_greedy, vocab_size)
-        scalars = scalars.to(device)  # one host->device copy for all per-row scalars
+        scalars = h2d(scalars, device)  # one host->device copy for all per-row scalars
         remaining = [max(0, p.min_tokens - len(out)) for p, out in zip(params, output_token_ids)]
         stop_ids = [list(ids) for ids in stop_token_ids_for_min_tokens or [[] for _ in params]]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -105,12 +106,12 @@ class SamplingMetadata:
     def _with_greedy_mask(self, device: torch.device) -> SamplingMetadata:
         if self.all_greedy or self.all_random:
             return replace(self, greedy_mask=None)
-        return replace(self, greedy_mask=torch.tensor(self.is_greedy, dtype=torch.bool).to(device))
+        return replace(self, greedy_mask=h2d(torch.tensor(self.is_greedy, dtype=torch.bool), device))
 
     def select_rows(self, row_ids: Sequence[int]) -> SamplingMetadata:
         """Row r of the result is row row_ids[r] of self (e.g. one row per verified position)."""
         device = self.temperature.device
-        index = torch.tensor(list(row_ids), dtype=torch.int64).to(device)
+        index = h2d(torch.tensor(list(row_ids), dtype=torch.int64), device)
 
         def pick(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.index_select(0, index)
@@ -201,5 +202,5 @@ def _build_min_tokens_mask(remaining: Sequence[int], stop_ids: Sequence[Sequence
             tokens.extend(valid)
     if not rows:
         return None
-    index = torch.tensor([rows, tokens], dtype=torch.int64).to(device)
+    index = h2d(torch.tensor([rows, tokens], dtype=torch.int64), device)
     return MinTokensMask(index[0], index[1])

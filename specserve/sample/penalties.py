@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from specserve.sample.h2d import h2d
 from specserve.sampling_params import SamplingParams
 
 
@@ -40,7 +41,7 @@ def _scatter_rows(shape: tuple[int, int], rows: Sequence[int], token_lists: Sequ
     flat = torch.tensor([t for r in rows for t in token_lists[r]], dtype=torch.int64)
     row_ids = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.int64),
                                       torch.tensor(lengths, dtype=torch.int64))
-    index = torch.stack([row_ids, flat]).to(device)  # one host->device copy
+    index = h2d(torch.stack([row_ids, flat]), device)  # one host->device copy
     ones = torch.ones(index.shape[1], dtype=dtype, device=device)
     # accumulate=True sums duplicates (bool accumulation is a logical or).
     out.index_put_((index[0], index[1]), ones, accumulate=True)
@@ -59,8 +60,8 @@ def build_penalty_tensors(params: Sequence[SamplingParams], prompt_token_ids: Se
     if not active:
         return None
     num_seqs = len(params)
-    factors = torch.tensor([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
-                            for p in params], dtype=torch.float32).reshape(num_seqs, 3).to(device)
+    factors = h2d(torch.tensor([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
+                                for p in params], dtype=torch.float32).reshape(num_seqs, 3), device)
     # The prompt matters only to the repetition penalty: skip long prompts of the other rows.
     rep_rows = [i for i in active if params[i].repetition_penalty != 1.0]
     prompt_mask = _scatter_rows((num_seqs, vocab_size), rep_rows, prompt_token_ids, torch.bool, device)
@@ -79,7 +80,7 @@ def add_output_tokens(penalties: PenaltyTensors, row_ids: Sequence[int],
     if not row_ids:
         return penalties
     device = penalties.output_counts.device
-    index = torch.tensor([list(row_ids), list(token_ids)], dtype=torch.int64).to(device)
+    index = h2d(torch.tensor([list(row_ids), list(token_ids)], dtype=torch.int64), device)
     counts = penalties.output_counts.clone()
     counts.index_put_((index[0], index[1]), torch.ones(index.shape[1], dtype=counts.dtype, device=device),
                       accumulate=True)

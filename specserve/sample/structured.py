@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from specserve.sample.grammar_cache import FIELD, GrammarCache, build_grammar, load_xgrammar, parse_structured_outputs
+from specserve.sample.h2d import h2d
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.request import Request
 
@@ -121,7 +122,7 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor, row_ids: Sequence[int])
     banned = ((words.unsqueeze(-1) >> shifts) & 1).reshape(words.shape[0], -1)[:, :vocab] == 0
     if list(row_ids) == list(range(logits.shape[0])):  # every row is structured: no gather/scatter
         return logits.masked_fill(banned, float("-inf"))
-    index = torch.tensor(list(row_ids), dtype=torch.int64).to(device)
+    index = h2d(torch.tensor(list(row_ids), dtype=torch.int64), device)
     out = logits.clone()
     out[index] = out[index].masked_fill(banned, float("-inf"))
     return out

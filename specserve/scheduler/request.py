@@ -9,6 +9,9 @@ import torch
 
 from specserve.sampling_params import SamplingParams
 
+# Stands for a sampled token the host has not read back yet (never a valid token id).
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -52,6 +55,10 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # Asynchronous scheduling (engine/overlap.py): sampled tokens still on the device. Each is a
+    # PLACEHOLDER at the tail of all_token_ids (the next step computes its position all the same;
+    # the runner fills its input id on the device); not in output_token_ids until resolved.
+    num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -76,6 +83,28 @@ class Request:
     def append_output_tokens(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def add_pending_token(self) -> None:
+        self.all_token_ids.append(PLACEHOLDER)
+        self.num_pending_tokens += 1
+
+    def resolve_pending_token(self, token_id: int) -> None:
+        """The oldest pending token is now known."""
+        self.all_token_ids[len(self.all_token_ids) - self.num_pending_tokens] = token_id
+        self.output_token_ids.append(token_id)
+        self.num_pending_tokens -= 1
+
+    def drop_pending_tokens(self) -> None:
+        """Finished or aborted: sampled tokens still in flight will never count."""
+        if self.num_pending_tokens:
+            del self.all_token_ids[-self.num_pending_tokens:]
+            self.num_pending_tokens = 0
+
+    def finishes_by_length_on_pending(self, max_model_len: int) -> bool:
+        """The pending tokens end the request by length whatever they are: no step for it needed."""
+        return self.num_pending_tokens > 0 and (
+            self.num_output_tokens + self.num_pending_tokens >= self.max_tokens
+            or self.num_tokens >= max_model_len)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

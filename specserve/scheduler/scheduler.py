@@ -100,6 +100,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending_tokens and req.finishes_by_length_on_pending(self.max_model_len):
+                i += 1  # asynchronous scheduling: its last token is in flight and ends it
+                continue
             num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
             # Never go past the context window (drafts near the end are dropped).
             num_new = min(num_new, self.max_model_len - req.num_computed_tokens)

@@ -1,0 +1,129 @@
+"""Asynchronous scheduling: the host prepares step N+1 while the GPU still runs step N.
+
+A step's host work (schedule, batch build, sampling metadata, detokenize, stop checks) costs about
+half a millisecond; done between steps, the GPU waits for it (a third of a 1.5B decode step on the
+H200). With `async_scheduling` one `Engine.step()` runs:
+
+  1. schedule step N+1. A request that samples in step N holds a PLACEHOLDER as its last token, so
+     the scheduler treats it like any known token (scheduler/request.py);
+  2. launch N+1's forward; the runner reads each placeholder's input id from step N's sampled
+     tokens, on the device (runner/batch.py PendingTokens);
+  3. advance: N+1's tokens count as computed, each row N+1 samples gets a placeholder;
+  4. resolve step N: its tokens were copied to pinned memory right after sampling, so waiting for
+     them does not wait for N+1. Then the usual update: stop checks, detokenize, finish. A request
+     that finished drops N+1's placeholder, and its row of N+1 is never sampled;
+  5. sample N+1 on the device, after step 4: penalties, min_tokens and grammar masks see the whole
+     resolved history, so every sampling feature stays exact. Start the copy of its tokens.
+
+The output is the synchronous path's (greedy, seeded); a request that stops on a token the host had
+not seen yet (EOS, a stop string) costs one extra forward row, and its step's outputs come out one
+step() call later. Not with speculative decoding (proposers read the tokens on the host) or
+tensor parallelism.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.outputs import RequestOutput
+from specserve.runner.batch import PendingTokens
+from specserve.runner.prompt_logprobs import plan_prompt_logprobs
+from specserve.sample.h2d import h2d
+from specserve.sample.sampler import LogprobsTensors
+from specserve.scheduler.request import Request
+from specserve.scheduler.scheduler import SchedulerOutput
+
+
+@dataclass
+class InFlightStep:
+    """A step whose sampled tokens are still on their way to the host."""
+
+    sched: SchedulerOutput
+    rows: list[int | None]  # per scheduled entry: its row of tokens; None: sampled nothing (or dropped)
+    reqs: list[Request]  # per row
+    pending: PendingTokens | None  # None when no row sampled
+    host_tokens: torch.Tensor | None = None  # [num_rows] int64, pinned on CUDA
+    host_logprobs: LogprobsTensors | None = None
+    event: torch.cuda.Event | None = None
+
+    def wait(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host_tokens.tolist() if self.host_tokens is not None else []
+
+
+def to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """Start a device->host copy into pinned memory (read it after an event recorded later)."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+class AsyncStepMixin:
+    """Engine.step() with asynchronous scheduling; the Engine provides the rest."""
+
+    _inflight: InFlightStep | None = None
+
+    def _step_async(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        prev, self._inflight = self._inflight, None
+        sched = self.scheduler.schedule()
+        self._fail_unfittable(sched, outputs)
+        launched = None
+        if not sched.empty:
+            samples = [s.samples for s in sched.scheduled]  # before the advance changes the answer
+            plan = plan_prompt_logprobs(sched)
+            step_out = self.runner.execute(sched, self.kv.block_ids, prompt_plan=plan or None,
+                                           pending=prev.pending if prev is not None else None)
+            if plan:
+                self._store_prompt_logprobs(sched, plan, step_out.prompt_logprobs)
+            self.kv.after_forward()
+            for s, smp in zip(sched.scheduled, samples):
+                self.scheduler.update_computed(s, 0)
+                if smp:
+                    s.request.add_pending_token()
+            launched = (sched, samples, step_out)
+        if prev is not None:
+            outputs.extend(self._resolve(prev))
+        if launched is not None:
+            self._inflight = self._launch_sampling(*launched)
+        self._record_step_stats(sched)
+        return outputs
+
+    def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
+        tokens = step.wait()
+        if step.host_logprobs is not None:
+            self._store_logprobs([None if r.is_finished else r for r in step.reqs], step.host_logprobs)
+        new_tokens = [None if row is None else [tokens[row]] for row in step.rows]
+        return self._update(step.sched, new_tokens, [0] * len(new_tokens), advanced=True)
+
+    def _launch_sampling(self, sched: SchedulerOutput, samples: list[bool], step_out) -> InFlightStep:
+        rows: list[int | None] = []
+        reqs: list[Request] = []
+        logit_rows: list[int] = []
+        for s, smp, lr in zip(sched.scheduled, samples, step_out.batch.logit_rows):
+            if not smp or s.request.is_finished:  # finished when step N was resolved, or aborted
+                rows.append(None)
+                continue
+            rows.append(len(reqs))
+            reqs.append(s.request)
+            logit_rows.append(lr[0])
+        if not reqs:
+            return InFlightStep(sched, rows, reqs, None)
+        logits = step_out.logits
+        if len(logit_rows) != logits.shape[0]:
+            logits = logits.index_select(0, h2d(torch.tensor(logit_rows), logits.device))
+        logits = self.structured.apply(logits, reqs, [0] * len(reqs))
+        out = self._sample_tokens(reqs, logits)
+        tokens = out.token_ids.to(torch.int64)
+        step = InFlightStep(sched, rows, reqs, PendingTokens(tokens, {r.request_id: i for i, r in enumerate(reqs)}),
+                            to_host_async(tokens))
+        if out.logprobs is not None:
+            step.host_logprobs = LogprobsTensors(*(to_host_async(t) for t in out.logprobs))
+        if tokens.device.type == "cuda":
+            step.event = torch.cuda.Event()
+            step.event.record()
+        return step
