@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from specserve.sample.h2d import h2d
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import compute_target_probs, draw_exponential, random_sample
 
@@ -56,9 +57,9 @@ class _Layout(NamedTuple):
         draft_seq = torch.repeat_interleave(torch.arange(len(num_drafts)), k)
         draft_offset = torch.arange(draft_seq.shape[0]) - draft_start[draft_seq]
         draft_ids = torch.tensor(list(itertools.chain.from_iterable(draft_token_ids)), dtype=torch.int64)
-        per_draft = torch.stack([draft_ids, draft_seq, draft_offset,
-                                 target_start[draft_seq] + draft_offset]).to(device)  # [4, total_drafts]
-        per_seq = torch.stack([k, target_start, draft_start]).to(device)  # [3, num_seqs]
+        per_draft = h2d(torch.stack([draft_ids, draft_seq, draft_offset,
+                                     target_start[draft_seq] + draft_offset]), device)  # [4, total_drafts]
+        per_seq = h2d(torch.stack([k, target_start, draft_start]), device)  # [3, num_seqs]
         return cls(num_drafts, draft_ids, *per_draft.unbind(0), *per_seq.unbind(0))
 
 

@@ -21,12 +21,15 @@ from specserve.config import ModelConfig, SpeculativeConfig
 from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec
 from specserve.model.loader import LoadedModel, load_model
+from specserve.runner.batch import PendingTokens
 from specserve.runner.model_runner import ModelRunner
+from specserve.sample.h2d import h2d
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import compute_target_probs, draw_exponential, random_sample
-from specserve.scheduler.request import Request
+from specserve.scheduler.request import PLACEHOLDER, Request
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.spec.base import OwnKVLifecycle, ProposeInput
+from specserve.spec.draft_tokens import DraftTokens
 
 # Memory kept free on the GPU beside the draft's KV pool: its activations (catch-up forwards,
 # logits rows) and allocator slack.
@@ -101,18 +104,19 @@ class DraftSampler:
             self._generators[req.request_id] = gen
         return gen
 
-    def sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], torch.Tensor | None]:
-        """logits [len(rows), vocab] -> (tokens, draft_probs [len(rows), vocab] or None if all greedy)."""
+    def sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [len(rows), vocab] -> (tokens [len(rows)] int64 on the device, draft_probs
+        [len(rows), vocab] or None if all greedy). No host sync (spec/draft_tokens.py)."""
         logits = logits[:, :self.vocab_size]
         if self._meta is None:
-            return logits.argmax(dim=-1).tolist(), None
+            return logits.argmax(dim=-1), None
         meta = self._meta.select_rows(rows)
         probs = compute_target_probs(logits, meta)
         noise = draw_exponential(len(rows), self.vocab_size, meta.generators, None, logits.device)
         tokens = random_sample(probs, noise)
-        greedy = torch.tensor([self._greedy[r] for r in rows], device=logits.device)
+        greedy = h2d(torch.tensor([self._greedy[r] for r in rows]), logits.device)
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-        return tokens.tolist(), probs
+        return tokens, probs
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -207,23 +211,28 @@ class DraftModelProposer(OwnKVLifecycle):
             return
         self.sampler.begin(reqs)
         logits = self._catch_up(seqs)  # [len(reqs), vocab]
-        tokens, probs = self.sampler.sample(logits, list(range(len(reqs))))
-        drafts = [[t] for t in tokens]
-        draft_probs: list[list[torch.Tensor]] = [[] if probs is None else [probs[i]] for i in range(len(reqs))]
+        # Drafts stay on the device: each forward reads the previous draft through a placeholder
+        # the runner fills on the device, and the host reads all drafts once (draft_tokens.py).
+        dt = DraftTokens(self.device)
+        dt.add(list(range(len(reqs))), *self.sampler.sample(logits, list(range(len(reqs)))))
         for step in range(1, max(ks)):
             active = [i for i, k in enumerate(ks) if k > step]
+            prev_rows = dict(zip(dt.steps[-1][0], range(len(dt.steps[-1][0]))))
             for i in active:
-                seqs[i].all_token_ids.append(drafts[i][-1])
-            logits = self._forward_one([seqs[i] for i in active])
-            tokens, probs = self.sampler.sample(logits, active)
-            for row, i in enumerate(active):
-                drafts[i].append(tokens[row])
-                if probs is not None:
-                    draft_probs[i].append(probs[row])
+                seqs[i].all_token_ids.append(PLACEHOLDER)
+            pending = PendingTokens(dt.steps[-1][1], {seqs[i].request_id: prev_rows[i] for i in active})
+            logits = self._forward_one([seqs[i] for i in active], pending)
+            dt.add(active, *self.sampler.sample(logits, active))
+        dt.start_copy()  # before the last forward: the host need not wait for it
         if self.feed_last:
-            for i, seq in enumerate(seqs):
-                seq.all_token_ids.append(drafts[i][-1])
-            self._forward_one(seqs)
+            rows = dt.flat_row_of_last_draft(ks)
+            for seq in seqs:
+                seq.all_token_ids.append(PLACEHOLDER)
+            self._forward_one(seqs, PendingTokens(dt.flat(), {s.request_id: r for s, r in zip(seqs, rows)}))
+        drafts, draft_probs = dt.to_lists(len(reqs))
+        for seq, d in zip(seqs, drafts):  # the fed drafts' real ids, which _sync compares later
+            fed = len(seq.all_token_ids) - seq.num_real
+            seq.all_token_ids[seq.num_real:] = d[:fed]
         assign_drafts(reqs, drafts, draft_probs, self.sampler)
 
     def _sync(self, req: Request) -> _DraftSeq:
@@ -264,10 +273,11 @@ class DraftModelProposer(OwnKVLifecycle):
             pending = [i for i in pending if rows[i] is None]
         return torch.stack(rows)
 
-    def _forward_one(self, seqs: list[_DraftSeq]) -> torch.Tensor:
-        """One new token (the last draft) per seq -> logits [len(seqs), vocab]."""
+    def _forward_one(self, seqs: list[_DraftSeq], pending: PendingTokens) -> torch.Tensor:
+        """One new token (the last draft, a placeholder read from `pending`) per seq -> logits
+        [len(seqs), vocab]."""
         sched = SchedulerOutput([ScheduledRequest(s, 1, 0) for s in seqs], len(seqs))
-        out = self.runner.execute(sched, self.kv.block_ids)
+        out = self.runner.execute(sched, self.kv.block_ids, pending=pending)
         for s in seqs:
             s.num_computed_tokens += 1
         return out.logits

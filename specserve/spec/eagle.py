@@ -28,9 +28,11 @@ from specserve.attention.base import AttentionMetadata
 from specserve.config import SpeculativeConfig
 from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec, kv_format
+from specserve.sample.h2d import h2d
 from specserve.scheduler.request import Request
 from specserve.spec.base import OwnKVLifecycle, ProposeInput
 from specserve.spec.draft_model import DraftSampler, assign_drafts, draft_kv_blocks
+from specserve.spec.draft_tokens import DraftTokens
 from specserve.spec.eagle_head import EagleHead, load_head
 
 
@@ -87,7 +89,7 @@ def head_attention_metadata(ctx_lens: list[int], q_lens: list[int], tables: list
     np.cumsum(q_lens, out=cu[1:])
 
     def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device)
+        return h2d(torch.from_numpy(a), device)
 
     return AttentionMetadata(dev(cu), dev(seq_lens), dev(block_tables), dev(slots), max(q_lens),
                              int(seq_lens.max()), n, int(cu[-1]), list(q_lens), seq_lens.tolist())
@@ -136,11 +138,11 @@ class EagleProposer(OwnKVLifecycle):
             return
         self.sampler.begin(plan.reqs)
         step = inp.step
-        rows = torch.tensor(plan.feature_rows, dtype=torch.int64).to(self.device)
+        rows = h2d(torch.tensor(plan.feature_rows, dtype=torch.int64), self.device)
         parts = step.aux_hidden if self.aux_hidden_layers else [step.all_hidden]  # each [num_tokens, hidden]
         feats = torch.cat([p.index_select(0, rows) for p in parts], dim=-1)  # [num_real, n * hidden]
         hidden = self.head.fuse_target(feats)  # [num_real, hidden]
-        embeds = self.target.embed_tokens(torch.tensor(plan.next_tokens, dtype=torch.int64).to(self.device))
+        embeds = self.target.embed_tokens(h2d(torch.tensor(plan.next_tokens, dtype=torch.int64), self.device))
         if self.parallel:
             drafts, probs = self._draft_parallel(plan, embeds, hidden)
         else:
@@ -177,30 +179,25 @@ class EagleProposer(OwnKVLifecycle):
         n = len(plan.reqs)
         ctx = [s.num_computed_tokens for s in plan.seqs]
         out, normed = self._forward(embeds, hidden, plan.positions, ctx, plan.num_real, plan.seqs)
-        last = torch.tensor(np.cumsum(plan.num_real) - 1, dtype=torch.int64).to(self.device)
+        last = h2d(torch.from_numpy(np.cumsum(plan.num_real) - 1), self.device)
         prev_out, normed = out.index_select(0, last), normed.index_select(0, last)  # [n, hidden]
         for seq, m in zip(plan.seqs, plan.num_real):
             seq.num_computed_tokens += m
-        tokens, p = self.sampler.sample(self.target.compute_logits(normed), list(range(n)))
-        drafts = [[t] for t in tokens]
-        probs = [[] if p is None else [p[i]] for i in range(n)]
+        # Drafts stay on the device until the end: no host sync between the head's forwards.
+        dt = DraftTokens(self.device)
+        dt.add(list(range(n)), *self.sampler.sample(self.target.compute_logits(normed), list(range(n))))
         for step in range(1, max(plan.ks)):
             # Draft row `step` of a request: its previous draft's embedding + the head's own output
             # of the row before, after the real rows (compact index num_computed + step - 1).
             active = [i for i, k in enumerate(plan.ks) if k > step]
-            idx = torch.tensor(active, dtype=torch.int64).to(self.device)
-            emb = self.target.embed_tokens(torch.tensor([drafts[i][-1] for i in active],
-                                                        dtype=torch.int64).to(self.device))
+            idx = h2d(torch.tensor(active, dtype=torch.int64), self.device)
+            emb = self.target.embed_tokens(dt.last(active))
             seqs = [plan.seqs[i] for i in active]
             out, normed = self._forward(emb, prev_out.index_select(0, idx), [plan.last_pos[i] + step for i in active],
                                         [s.num_computed_tokens + step - 1 for s in seqs], [1] * len(active), seqs)
             prev_out = prev_out.index_copy(0, idx, out)
-            tokens, p = self.sampler.sample(self.target.compute_logits(normed), active)
-            for row, i in enumerate(active):
-                drafts[i].append(tokens[row])
-                if p is not None:
-                    probs[i].append(p[row])
-        return drafts, probs
+            dt.add(active, *self.sampler.sample(self.target.compute_logits(normed), active))
+        return dt.to_lists(n)
 
     def _draft_parallel(self, plan: _Plan, embeds: torch.Tensor, hidden: torch.Tensor):
         """One forward: each request's real rows, then k - 1 mask rows at the next positions."""
@@ -225,13 +222,14 @@ class EagleProposer(OwnKVLifecycle):
         _, normed = self._forward(torch.cat(emb_parts), torch.cat(hid_parts), positions, ctx, q_lens, plan.seqs)
         for seq, m in zip(plan.seqs, plan.num_real):
             seq.num_computed_tokens += m
-        normed = normed.index_select(0, torch.tensor(pick, dtype=torch.int64).to(self.device))
+        normed = normed.index_select(0, h2d(torch.tensor(pick, dtype=torch.int64), self.device))
         rows = [i for i in range(n) for _ in range(plan.ks[i])]
         tokens, p = self.sampler.sample(self.target.compute_logits(normed), rows)
+        values = tokens.tolist()  # the one host sync of a parallel draft
         drafts: list[list[int]] = [[] for _ in range(n)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
         for r, i in enumerate(rows):
-            drafts[i].append(tokens[r])
+            drafts[i].append(values[r])
             if p is not None:
                 probs[i].append(p[r])
         return drafts, probs
@@ -241,7 +239,7 @@ class EagleProposer(OwnKVLifecycle):
         """Head rows [sum(q_lens), hidden] after ctx_lens[i] cached rows of seqs[i] -> (out, normed)."""
         tables = [self.kv.block_ids(s.request_id) for s in seqs]
         meta = head_attention_metadata(ctx_lens, q_lens, tables, self.kv.block_size, self.device)
-        pos = torch.tensor(positions, dtype=torch.int64).to(self.device)
+        pos = h2d(torch.tensor(positions, dtype=torch.int64), self.device)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return self.backend.forward(q, k, v, self.kv_caches[0], self.fmt, meta, self.scale)

@@ -46,3 +46,34 @@ def test_seeded_sampling_and_penalties_match_sync(tiny_llama_dir, device: torch.
                              min_tokens=5 if i % 3 == 0 else 0, max_tokens=24) for i in range(10)]
     assert _generate(tiny_llama_dir, "cuda", params, prompts) == \
         _generate(tiny_llama_dir, "cuda", params, prompts, async_scheduling=False)
+
+
+@pytest.mark.parametrize("method", ["draft_other", "draft_self", "eagle3", "p-eagle"])
+def test_speculation_with_device_chained_drafts(tiny_llama_dir, tmp_path, method, device: torch.device) -> None:
+    """Drafts stay on the device between draft forwards (spec/draft_tokens.py); greedy output must
+    equal plain decoding, and a model drafting for itself must have every draft accepted."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs and device-chained drafts need a GPU")
+    from specserve.spec.eagle_head import make_random_head_dir
+    from tests.helpers.tiny_models import make_tiny_model_dir
+
+    target = str(tiny_llama_dir)
+    cfg = {"draft_other": {"method": "draft_model",
+                           "model": str(make_tiny_model_dir(tmp_path / "d", arch="llama", seed=11, num_layers=1))},
+           "draft_self": {"method": "draft_model", "model": target},
+           "eagle3": {"method": "eagle3", "model": str(make_random_head_dir(target, tmp_path / "e", "eagle3"))},
+           "p-eagle": {"method": "eagle3", "parallel_drafting": True,
+                       "model": str(make_random_head_dir(target, tmp_path / "p", "eagle3", num_mask_slots=3))},
+           }[method]
+    prompts = _prompts(6, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = _generate(tiny_llama_dir, "cuda", params, prompts, async_scheduling=False)
+    llm = LLM(model=target, progress=False, device="cuda", dtype="float32", max_num_seqs=8,
+              kv_cache_memory_bytes=8 << 20, speculative_config={**cfg, "num_speculative_tokens": 4, "adaptive": False})
+    got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+           for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == plain
+    st = llm.engine.stats
+    assert st.get("spec_decode_num_drafts_total") > 0
+    if method == "draft_self":
+        assert st.get("spec_decode_num_accepted_tokens_total") == st.get("spec_decode_num_draft_tokens_total")
