@@ -268,13 +268,14 @@ def load_head(path: str | Path, arch: ModelArch, target_identity: str, device: t
 
 
 def make_random_head_dir(target_model: str, out_dir: str | Path, method: str = "eagle3",
-                         num_mask_slots: int = 0, seed: int = 0) -> Path:
-    """An untrained head for `target_model` (any LLM(model=...) reference): tests use it to check that
-    speculation stays lossless whatever the head proposes."""
+                         num_mask_slots: int = 0, seed: int = 0, load_format: str = "auto") -> Path:
+    """An untrained head for `target_model` (any LLM(model=...) reference; a shape name with
+    load_format="dummy"): tests use it to check that speculation stays lossless whatever the head
+    proposes, benchmarks to time a head's forward."""
     from specserve.config import ModelConfig
     from specserve.model.loader import _Source  # reads config + identity without loading weights
 
-    source = _Source.open(ModelConfig(model=target_model))
+    source = _Source.open(ModelConfig(model=target_model, load_format=load_format))
     arch = ModelArch.from_hf_config(source.hf_config)
     cfg = head_config_for(arch, source.hf_config, source.name, source.identity, method, num_mask_slots)
     torch.manual_seed(seed)
