@@ -12,9 +12,10 @@ by every speculative policy: the bench swaps its controller (FixedController(k),
 AdaptiveController that lives across all concurrency levels, as in a server whose load changes).
 Weights load once (spec_bench.shared_models). CUDA graphs: the shared engine captures verify graphs
 for every query length 1..K+1 once, and each policy sees only those its own engine would have
-captured: fixed k -> (1, k+1); "adaptive" -> (1, K+1), what the engine captures today;
-"adaptive+graphs" -> all of 1..K+1 (what the controller could do if the engine captured every
-length; on CUDA only). The JSON counts graph replays and eager verify steps per point.
+captured: fixed k -> (1, k+1); "adaptive" -> what the engine captures by itself (1..K+1 since
+the engine captures every verify length; (1, K+1) before); "adaptive+graphs" -> all of 1..K+1 (on
+CUDA only). Steps mixing draft lengths pad to a captured length. The JSON counts graph replays,
+padded replays and eager verify steps per point.
 
 Protocol per (concurrency c, policy), levels in the outer loop so a time-out cuts the largest
 concurrencies of every policy alike: max(c, --min-requests) requests, c in flight (closed loop:

@@ -127,26 +127,27 @@ def spec_counters(llm: LLM) -> dict[str, float]:
 
 
 def count_graph_replays(llm: LLM, max_q: int) -> Counter:
-    """Wrap graph_key to count the steps that replayed a graph, ran eagerly with one query length
-    (no graph for it) or ragged ones (n-gram drafts of several lengths), or carried a prompt chunk."""
+    """Wrap graph_for to count the steps that replayed a graph as they were ("graph") or padded per
+    sequence to a captured length ("padded": n-gram drafts of several lengths), and those that ran
+    eagerly: one query length with no graph ("eager"), several ("ragged"), or a prompt chunk."""
     counts: Counter = Counter()
     graphs = llm.engine.runner.graphs
     if graphs is None:
         return counts
-    inner = type(graphs).graph_key.__get__(graphs)
+    inner = type(graphs).graph_for.__get__(graphs)
 
     def counting(batch):
-        key = inner(batch)
+        found = inner(batch)
         q = batch.uniform_query_len()
-        if key is not None:
-            counts["graph"] += 1
+        if found is not None:
+            counts["graph" if found[0] is batch else "padded"] += 1
         elif max(batch.cu_query_lens[1:] - batch.cu_query_lens[:-1]) > max_q:
             counts["prefill"] += 1
         else:
             counts["eager" if q is not None else "ragged"] += 1
-        return key
+        return found
 
-    graphs.graph_key = counting
+    graphs.graph_for = counting
     return counts
 
 

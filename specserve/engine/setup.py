@@ -98,7 +98,9 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     runner = make_runner(loaded, spec, num_blocks, device, backend)
     if device.type == "cuda" and not config.model.enforce_eager and getattr(backend, "name", "") == "triton":
         k = config.speculative.num_speculative_tokens if config.speculative else 0
-        runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, (1, k + 1) if k else (1,))
+        # Every verify length: the controller drafts 0..k tokens per step (runner/cuda_graph.py
+        # keeps the middle lengths to small batches).
+        runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, tuple(range(1, k + 2)))
     return runner
 
 

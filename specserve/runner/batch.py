@@ -78,6 +78,31 @@ class PendingTokens:
     row_of: dict[str, int]  # request_id -> its row in tokens
 
 
+def pad_to_query_len(host: HostBatch, q: int, max_model_len: int) -> HostBatch | None:
+    """The batch with every sequence's query padded to q tokens, so a CUDA graph captured for
+    uniform query length q can run it (verify steps whose requests drafted different numbers of
+    tokens). Padding tokens follow each sequence's real ones: id 0, the next positions, slot -1 (no
+    K/V stored), scored by nobody; causal attention keeps them out of the real tokens' outputs.
+    None if a sequence has more than q tokens or padding would pass max_model_len."""
+    ql = np.asarray(host.query_lens, dtype=np.int64)
+    pad = q - ql
+    if (pad < 0).any() or (host.seq_lens.astype(np.int64) + pad > max_model_len).any():
+        return None
+    ns = len(ql)
+    seq_index = np.repeat(np.arange(ns), ql)
+    new_idx = seq_index * q + (np.arange(host.num_tokens) - host.cu_query_lens[seq_index])
+    input_ids = np.zeros(ns * q, dtype=np.int64)
+    input_ids[new_idx] = host.input_ids
+    first = host.seq_lens.astype(np.int64) - ql  # position of each sequence's first query token
+    positions = (first[:, None] + np.arange(q)).reshape(-1)
+    slot_mapping = np.full(ns * q, -1, dtype=np.int64)
+    slot_mapping[new_idx] = host.slot_mapping
+    seq_lens = (host.seq_lens + pad).astype(np.int32)
+    cu = (np.arange(ns + 1) * q).astype(np.int32)
+    return HostBatch(input_ids, positions, slot_mapping, host.block_tables, seq_lens, cu,
+                     new_idx[host.logits_indices], [q] * ns, host.logit_rows)
+
+
 def pending_fill(host: HostBatch, request_ids: list[str], pending: PendingTokens | None
                  ) -> tuple[np.ndarray, np.ndarray] | None:
     """(flat token indices holding a placeholder, the pending row each one reads) or None."""

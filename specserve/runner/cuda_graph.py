@@ -4,7 +4,8 @@ Captured once per (batch size, query length) into one shared memory pool, over s
 buffers. A step with a uniform query length and a batch no larger than the largest captured size
 is padded up to the next captured size: padding tokens have slot -1 (their K/V is not stored) and
 padding sequences have length 0 (the attention kernel skips them); their output rows are ignored.
-Everything else runs eagerly.
+A step whose sequences have different query lengths (drafts of different lengths), all within a
+captured length, is padded to it per sequence (`graph_for`). Everything else runs eagerly.
 """
 from __future__ import annotations
 
@@ -13,9 +14,20 @@ import bisect
 import torch
 
 from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
-from specserve.runner.batch import HostBatch
+from specserve.runner.batch import HostBatch, pad_to_query_len
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+MID_QUERY_MAX_BATCH = 32
+
+
+def sizes_by_query_len(batch_sizes: list[int], query_lens: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    """Batch sizes to capture per query length. Lengths between the shortest and the longest serve
+    verify steps of shorter drafts, which the speculation controller picks at small batches; above
+    MID_QUERY_MAX_BATCH such steps pad to the longest instead (each graph keeps its [bs * q, vocab]
+    float32 logits: every length at every size would hold GBs)."""
+    edge = (query_lens[0], query_lens[-1])
+    return {q: tuple(b for b in batch_sizes if q in edge or b <= MID_QUERY_MAX_BATCH) or tuple(batch_sizes[:1])
+            for q in query_lens}
 
 
 class CudaGraphRunner:
@@ -27,6 +39,7 @@ class CudaGraphRunner:
         self.max_model_len = max_model_len
         self.batch_sizes = sorted(batch_sizes)
         self.query_lens = tuple(sorted(set(query_lens)))
+        self.sizes_by_q = sizes_by_query_len(self.batch_sizes, self.query_lens)
         self.max_blocks = -(-max_model_len // block_size)
         max_bs, max_q = self.batch_sizes[-1], self.query_lens[-1]
         t = max_bs * max_q
@@ -67,7 +80,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         for q in self.query_lens:
-            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its pool
+            for bs in reversed(self.sizes_by_q[q]):  # largest first: later graphs reuse its pool
                 self._fill_dummy(bs, q)
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
                     self._forward(bs, q)
@@ -90,12 +103,29 @@ class CudaGraphRunner:
 
     def graph_key(self, batch: HostBatch) -> tuple[int, int] | None:
         q = batch.uniform_query_len()
-        if q not in self.query_lens or batch.num_seqs > self.batch_sizes[-1]:
+        if q not in self.query_lens or batch.block_tables.shape[1] > self.max_blocks:
             return None
-        if batch.block_tables.shape[1] > self.max_blocks:
+        sizes = self.sizes_by_q.get(q, ())
+        if not sizes or batch.num_seqs > sizes[-1]:
             return None
-        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch.num_seqs)]
-        return (bs, q)
+        return (sizes[bisect.bisect_left(sizes, batch.num_seqs)], q)
+
+    def graph_for(self, batch: HostBatch) -> tuple[HostBatch, tuple[int, int]] | None:
+        """(the batch to run, its graph): the batch itself if a graph fits it as it is, else the
+        batch padded to the shortest captured query length that holds every sequence (runner/
+        batch.py pad_to_query_len; steps mixing draft lengths), else None (run eagerly)."""
+        key = self.graph_key(batch)
+        if key is not None:
+            return batch, key
+        if not batch.query_lens or batch.block_tables.shape[1] > self.max_blocks:
+            return None
+        longest = max(batch.query_lens)
+        for q in sorted(self.query_lens):
+            sizes = self.sizes_by_q.get(q, ())
+            if q >= longest and sizes and batch.num_seqs <= sizes[-1]:
+                padded = pad_to_query_len(batch, q, self.max_model_len)
+                return None if padded is None else (padded, (sizes[bisect.bisect_left(sizes, batch.num_seqs)], q))
+        return None
 
     def hidden(self, key: tuple[int, int], n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The last replay's final hidden states [n, hidden] and aux layer inputs (each [n, hidden]);

@@ -108,11 +108,15 @@ class ModelRunner:
 
     def _execute(self, sched: SchedulerOutput, host: HostBatch, need_hidden: bool,
                  prompt_plan: list[PromptLogprobRows] | None, pending: PendingTokens | None) -> StepOutput:
-        fill = self._fill(host, sched, pending)
         # Graphs return hidden states too, but only those of the aux layers they were captured with.
         usable = self.graphs is not None and not prompt_plan and (
             not need_hidden or self.graphs.aux_hidden_layers == tuple(self.model.aux_hidden_layers))
-        key = self.graphs.graph_key(host) if usable else None
+        found = self.graphs.graph_for(host) if usable else None
+        key = None
+        if found is not None:
+            # Maybe padded per sequence; StepOutput.host describes this layout (EAGLE maps rows by it).
+            host, key = found
+        fill = self._fill(host, sched, pending)
         aux = None
         if key is not None:
             # The graph has its own static input buffers and scores every token.

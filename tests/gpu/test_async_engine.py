@@ -77,3 +77,35 @@ def test_speculation_with_device_chained_drafts(tiny_llama_dir, tmp_path, method
     assert st.get("spec_decode_num_drafts_total") > 0
     if method == "draft_self":
         assert st.get("spec_decode_num_accepted_tokens_total") == st.get("spec_decode_num_draft_tokens_total")
+
+
+def test_mixed_draft_lengths_replay_padded_graphs(tiny_llama_dir, device: torch.device) -> None:
+    """n-gram drafts of different lengths in one verify step pad to a captured length
+    (runner/cuda_graph.py graph_for): same tokens as plain decoding, and padded replays happen."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    rng = random.Random(5)
+    prompts = []
+    for i in range(8):  # repeated spans give the n-gram proposer matches of varying length
+        span = [rng.randrange(5, 300) for _ in range(rng.randint(2, 6))]
+        prompts.append((span * 6)[: rng.randint(10, 36)])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = _generate(tiny_llama_dir, "cuda", params, prompts, async_scheduling=False)
+    llm = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
+              kv_cache_memory_bytes=8 << 20,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3, "adaptive": False})
+    graphs = llm.engine.runner.graphs
+    assert graphs.query_lens == (1, 2, 3, 4, 5)
+    inner, kinds = graphs.graph_for, []
+
+    def counting(batch):
+        found = inner(batch)
+        kinds.append("eager" if found is None else "graph" if found[0] is batch else "padded")
+        return found
+
+    graphs.graph_for = counting
+    got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+           for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == plain
+    assert kinds.count("padded") > 0, kinds

@@ -1,0 +1,100 @@
+"""Steps mixing query lengths (verify steps with drafts of different lengths) pad per sequence to a
+captured CUDA-graph length (runner/batch.py pad_to_query_len, runner/cuda_graph.py graph_for).
+
+The padded batch must give the real rows exactly the logits of the ragged one: checked on the CPU
+by running both layouts through the same eager forward, on the same KV cache.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.runner.batch import build_host_batch, pad_to_query_len
+from specserve.runner.cuda_graph import CudaGraphRunner
+from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+
+def _ragged_step(llm: LLM, drafts: list[list[int]]):
+    """Requests past their prefill, each verifying its own number of draft tokens."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for i in range(len(drafts)):
+        eng.add_request(f"r{i}", {"prompt_token_ids": list(range(20 + i, 40 + 3 * i))}, params)
+    for _ in range(3):
+        eng.step()
+    sched = SchedulerOutput()
+    for req, d in zip(list(eng.scheduler.running), drafts):
+        req.spec_token_ids = list(d)
+        n = req.num_tokens_with_spec - req.num_computed_tokens
+        assert eng.kv.allocate_slots(req, n)
+        sched.scheduled.append(ScheduledRequest(req, n, len(d)))
+    return sched, build_host_batch(sched, eng.kv.block_ids, eng.kv.block_size)
+
+
+def test_padded_layout(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    _, host = _ragged_step(llm, [[], [5, 6, 7], [8]])
+    assert host.query_lens == [1, 4, 2]
+    p = pad_to_query_len(host, 4, llm.engine.max_model_len)
+    assert p.query_lens == [4, 4, 4] and p.cu_query_lens.tolist() == [0, 4, 8, 12]
+    assert (p.seq_lens == host.seq_lens + np.array([3, 0, 2])).all()
+    for i, (c, q) in enumerate(zip(host.cu_query_lens[:-1], host.query_lens)):
+        real = slice(4 * i, 4 * i + q)
+        assert (p.input_ids[real] == host.input_ids[c:c + q]).all()
+        assert (p.positions[real] == host.positions[c:c + q]).all()
+        assert (p.slot_mapping[real] == host.slot_mapping[c:c + q]).all()
+        assert (p.slot_mapping[4 * i + q:4 * i + 4] == -1).all()  # padding stores no K/V
+        assert (np.diff(p.positions[4 * i:4 * i + 4]) == 1).all()
+    # The same tokens are scored, in the same row order.
+    assert (p.input_ids[p.logits_indices] == host.input_ids[host.logits_indices]).all()
+    assert p.logit_rows == host.logit_rows
+    assert pad_to_query_len(host, 3, llm.engine.max_model_len) is None  # a sequence has 4 tokens
+    assert pad_to_query_len(host, 4, int(host.seq_lens.max()) + 1) is None  # past the window
+
+
+def test_padded_step_gives_the_same_logits(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20, dtype="float32")
+    sched, host = _ragged_step(llm, [[7, 9], [], [5, 6, 7], [8]])
+    runner = llm.engine.runner
+    ragged = runner._execute(sched, host, False, None, None)
+    padded = runner._execute(sched, pad_to_query_len(host, 4, llm.engine.max_model_len), False, None, None)
+    assert ragged.logits.shape == padded.logits.shape == (len(host.logits_indices), ragged.logits.shape[1])
+    torch.testing.assert_close(padded.logits, ragged.logits, rtol=1e-5, atol=1e-5)
+
+
+def _graphs(query_lens, sizes_by_q, max_model_len=64, max_blocks=8):
+    ns = SimpleNamespace(query_lens=query_lens, sizes_by_q=sizes_by_q, max_model_len=max_model_len,
+                         max_blocks=max_blocks)
+    ns.graph_key = lambda b: CudaGraphRunner.graph_key(ns, b)
+    return ns
+
+
+def test_graph_for_picks_exact_then_shortest_padding(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    _, host = _ragged_step(llm, [[], [5, 6], [8]])  # query lengths 1, 3, 2
+    g = _graphs((1, 3, 5), {1: (1, 2, 4), 3: (1, 2, 4), 5: (1, 2, 4, 8)}, max_model_len=llm.engine.max_model_len)
+    batch, key = CudaGraphRunner.graph_for(g, host)
+    assert key == (4, 3) and batch.query_lens == [3, 3, 3]
+    g.sizes_by_q = {1: (1, 2, 4), 3: (1, 2), 5: (1, 2, 4, 8)}  # no length-3 graph holds 3 sequences
+    batch, key = CudaGraphRunner.graph_for(g, host)
+    assert key == (4, 5) and batch.query_lens == [5, 5, 5]
+    g.query_lens = (1, 2)  # nothing holds a 3-token sequence: eager
+    assert CudaGraphRunner.graph_for(g, host) is None
+    _, uniform = _ragged_step(LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20),
+                              [[1, 2], [3, 4]])
+    g = _graphs((1, 3), {1: (1, 2), 3: (1, 2)}, max_model_len=llm.engine.max_model_len)
+    batch, key = CudaGraphRunner.graph_for(g, uniform)
+    assert batch is uniform and key == (2, 3)
+
+
+def test_middle_lengths_only_for_small_batches():
+    from specserve.runner.cuda_graph import DEFAULT_BATCH_SIZES, MID_QUERY_MAX_BATCH, sizes_by_query_len
+
+    sizes = sizes_by_query_len(list(DEFAULT_BATCH_SIZES), (1, 2, 3, 4, 5))
+    assert sizes[1] == sizes[5] == DEFAULT_BATCH_SIZES
+    assert sizes[3] == tuple(b for b in DEFAULT_BATCH_SIZES if b <= MID_QUERY_MAX_BATCH)
+    assert sizes_by_query_len([64, 128], (1, 3, 4))[3] == (64,)  # at least one size per length
+    assert sizes_by_query_len([1, 2], (1,)) == {1: (1, 2)}
