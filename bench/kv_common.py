@@ -107,6 +107,8 @@ def make_llm(args, **kw: Any) -> LLM:
         kw.setdefault("dtype", args.dtype)
     if getattr(args, "max_model_len", None):
         kw.setdefault("max_model_len", args.max_model_len)
+    if getattr(args, "load_format", None):
+        kw.setdefault("load_format", args.load_format)
     return LLM(model=args.model, progress=False, **kw)
 
 
@@ -218,6 +220,8 @@ def md_table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
 def add_common_args(p) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="catalog name, .gguf file or HF dir")
     p.add_argument("--dtype", default=None, help="weights/activations dtype (default: engine's auto)")
+    p.add_argument("--load-format", default=None,
+                   help="dummy: random weights of a shape name (timing only: tier_ttft uses token-id documents)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV pool per engine in GiB (default 8 on CUDA, engine default on CPU)")

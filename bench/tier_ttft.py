@@ -23,12 +23,14 @@ did not hit where it should is visible. Ratios are against `cold`.
 
     python bench/tier_ttft.py                          # 8k document, 3 repeats, ~60 s on an H200
     python bench/tier_ttft.py --model smollm2-135m-instruct --doc-tokens 1024 --repeats 2   # CPU smoke
+    python bench/tier_ttft.py --model qwen2.5-1.5b --load-format dummy   # timing without weights
 
 Prints progress and a markdown table; writes $OUT/tier_ttft.json when OUT is set (else --json).
 """
 from __future__ import annotations
 
 import argparse
+import random
 import shutil
 import statistics
 import sys
@@ -58,11 +60,19 @@ def add_ttft_args(p: argparse.ArgumentParser) -> None:
 
 
 class Docs:
-    """Documents of exactly n tokens cut from stdlib source, and questions that differ per repeat."""
+    """Documents of exactly n tokens cut from stdlib source, and questions that differ per repeat.
+    Without a tokenizer (random weights of a shape, for timing): seeded random token ids."""
 
-    def __init__(self, tokenizer, n: int, count: int) -> None:
+    def __init__(self, tokenizer, n: int, count: int, vocab_size: int = 32000) -> None:
+        self.tokenizer = tokenizer
+        if tokenizer is None:
+            rng = random.Random(0)
+            self.vocab_size = vocab_size
+            self.docs = [[rng.randrange(100, vocab_size - 100) for _ in range(n)] for _ in range(count)]
+            return
         root = stdlib_root()
-        files = [root / f for f in _DOC_FILES] + sorted(root.glob("*.py"))
+        # Any source text will do here (nothing is scored): the listed files, then the whole tree.
+        files = [root / f for f in _DOC_FILES] + sorted(root.rglob("*.py"))
         stream: list[int] = []
         for f in files:
             if len(stream) >= n * count:
@@ -73,9 +83,11 @@ class Docs:
         if len(stream) < n * count:
             raise RuntimeError(f"not enough stdlib text for {count} documents of {n} tokens")
         self.docs = [stream[i * n:(i + 1) * n] for i in range(count)]
-        self.tokenizer = tokenizer
 
     def question(self, i: int) -> list[int]:
+        if self.tokenizer is None:
+            rng = random.Random(1000 + i)
+            return [rng.randrange(100, self.vocab_size - 100) for _ in range(16)]
         text = f"\n\nQuestion {i}: which function above is the most complex, and why? Answer in one sentence."
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -215,7 +227,8 @@ def run_ttft(args, budget: Budget) -> dict:
             continue
         try:
             if docs is None:
-                docs = Docs(_tokenizer(args), args.doc_tokens, 2 + 3 * rep)
+                tok, vocab = _tokenizer(args)
+                docs = Docs(tok, args.doc_tokens, 2 + 3 * rep, vocab)
             t = time.monotonic()
             rows.extend(step())
             log(f"ttft {name}: done in {time.monotonic() - t:.1f}s: "
@@ -235,10 +248,12 @@ def run_ttft(args, budget: Budget) -> dict:
 
 
 def _tokenizer(args):
+    """(tokenizer or None, vocabulary size)."""
     llm = make_llm(args, enforce_eager=True, kv_cache_memory_bytes=64 << 20)
-    tok = llm.get_tokenizer()
+    tok = llm.engine.tokenizer
+    vocab = llm.engine.vocab_size
     close_llm(llm)
-    return tok
+    return tok, vocab
 
 
 def ttft_table(result: dict) -> str:
