@@ -190,18 +190,19 @@ class DraftModelProposer(OwnKVLifecycle):
         self.max_batched = parts.scheduler.max_num_batched_tokens
         self.sampler = DraftSampler(arch.vocab_size, self.device)
         self.seqs: dict[str, _DraftSeq] = {}
-        # With CUDA graphs every draft forward is one token per request: the k-th draft is fed
-        # too, so that after verification only the target's own token is new (q = 1 again).
-        self.feed_last = parts.runner.graphs is not None
-        if self.feed_last:
-            self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, (1,))
+        # After verification the catch-up feeds one new token per request (the target's own, after
+        # a rejection) or two (the last draft, accepted, and the bonus token): graphs for both
+        # lengths, a step mixing them pads per sequence (runner/cuda_graph.py graph_for). The last
+        # draft is never fed on its own, which would cost one more forward per cycle.
+        if parts.runner.graphs is not None:
+            self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, (1, 2))
 
     def propose(self, inp: ProposeInput) -> None:
         reqs, seqs, ks = [], [], []
         for req, k in zip(inp.requests, inp.num_draft_tokens):
             seq = self._sync(req)
             k = min(k, self.max_len - req.num_tokens)
-            lookahead = k if self.feed_last else k - 1
+            lookahead = k - 1
             if k <= 0 or not self.kv.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens, None, lookahead):
                 continue  # no room in the draft's window or pool: this request goes without drafts
             reqs.append(req)
@@ -223,12 +224,6 @@ class DraftModelProposer(OwnKVLifecycle):
             pending = PendingTokens(dt.steps[-1][1], {seqs[i].request_id: prev_rows[i] for i in active})
             logits = self._forward_one([seqs[i] for i in active], pending)
             dt.add(active, *self.sampler.sample(logits, active))
-        dt.start_copy()  # before the last forward: the host need not wait for it
-        if self.feed_last:
-            rows = dt.flat_row_of_last_draft(ks)
-            for seq in seqs:
-                seq.all_token_ids.append(PLACEHOLDER)
-            self._forward_one(seqs, PendingTokens(dt.flat(), {s.request_id: r for s, r in zip(seqs, rows)}))
         drafts, draft_probs = dt.to_lists(len(reqs))
         for seq, d in zip(seqs, drafts):  # the fed drafts' real ids, which _sync compares later
             fed = len(seq.all_token_ids) - seq.num_real

@@ -42,15 +42,6 @@ class DraftTokens:
             self._flat = torch.cat([t for _, t, _ in self.steps])
         return self._flat
 
-    def flat_row_of_last_draft(self, ks: list[int]) -> list[int]:
-        """Row of request i's last draft (step ks[i] - 1) in flat()."""
-        offsets, rows = [0], {}
-        for s, (active, tokens, _) in enumerate(self.steps):
-            for r, i in enumerate(active):
-                rows[(s, i)] = offsets[-1] + r
-            offsets.append(offsets[-1] + len(active))
-        return [rows[(k - 1, i)] for i, k in enumerate(ks)]
-
     def start_copy(self) -> None:
         """Start reading the drafts back now (later forwards need not finish before to_lists)."""
         flat = self.flat()
