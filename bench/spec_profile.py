@@ -111,9 +111,15 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--configs", default="none,draft_model,eagle3,p-eagle")
     ap.add_argument("--cprofile", default="", help="comma list of configs whose host time to profile")
+    ap.add_argument("--eagle-step-graphs", default=None, choices=("auto", "static", "eager"),
+                    help="EagleProposer.step_graphs for the head configs (default: the class default)")
     args = ap.parse_args()
     from specserve.spec.eagle_head import make_random_head_dir
 
+    if args.eagle_step_graphs:
+        from specserve.spec.eagle import EagleProposer
+
+        EagleProposer.step_graphs = args.eagle_step_graphs
     tmp = tempfile.mkdtemp()
     fmt = args.load_format
     heads = {"eagle3": make_random_head_dir(args.target, f"{tmp}/e3", "eagle3", load_format=fmt),

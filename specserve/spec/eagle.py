@@ -3,7 +3,8 @@
 After each target step the head first appends one "real" row per position whose target feature
 that step computed and verification kept (input: the next token's embedding + the target
 feature), then drafts: autoregressively (k - 1 more forwards of one row per request, feeding the
-head's own output back) or, with `parallel_drafting`, in the same forward through k - 1 P-EAGLE
+head's own output back; CUDA graph replays over static buffers when the target runs graphs,
+eagle_graph.py) or, with `parallel_drafting`, in the same forward through k - 1 P-EAGLE
 mask rows placed after the last real position.
 
 KV: the head's one layer keeps a small paged cache of its own (KVCacheManager + the target's
@@ -28,11 +29,11 @@ from specserve.attention.base import AttentionMetadata
 from specserve.config import SpeculativeConfig
 from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec, kv_format
-from specserve.sample.h2d import h2d
 from specserve.scheduler.request import Request
 from specserve.spec.base import OwnKVLifecycle, ProposeInput
 from specserve.spec.draft_model import DraftSampler, assign_drafts, draft_kv_blocks
 from specserve.spec.draft_tokens import DraftTokens
+from specserve.spec.eagle_graph import HeadStepGraphs, PinnedUpload, attention_arrays, attention_metadata
 from specserve.spec.eagle_head import EagleHead, load_head
 
 
@@ -75,28 +76,32 @@ def recapture_with_aux(runner, aux_layers: tuple[int, ...]) -> None:
 
 
 def head_attention_metadata(ctx_lens: list[int], q_lens: list[int], tables: list[list[int]], block_size: int,
-                            device: torch.device) -> AttentionMetadata:
+                            device: torch.device, upload: PinnedUpload | None = None) -> AttentionMetadata:
     """Sequence i: q_lens[i] new rows after ctx_lens[i] cached ones, in blocks tables[i]."""
-    n = len(tables)
-    block_tables = np.zeros((n, max(1, max(len(t) for t in tables))), dtype=np.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, :len(t)] = t
-    seq_lens = np.asarray(ctx_lens, dtype=np.int32) + np.asarray(q_lens, dtype=np.int32)
-    seq_index = np.repeat(np.arange(n), q_lens)
-    idx = np.concatenate([np.arange(c, c + q) for c, q in zip(ctx_lens, q_lens)])
-    slots = block_tables[seq_index, idx // block_size].astype(np.int64) * block_size + idx % block_size
-    cu = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum(q_lens, out=cu[1:])
+    arrays = attention_arrays(ctx_lens, q_lens, tables, block_size)
+    return attention_metadata(arrays, (upload or PinnedUpload(device, slots=1)).send(arrays), q_lens)
 
-    def dev(a: np.ndarray) -> torch.Tensor:
-        return h2d(torch.from_numpy(a), device)
 
-    return AttentionMetadata(dev(cu), dev(seq_lens), dev(block_tables), dev(slots), max(q_lens),
-                             int(seq_lens.max()), n, int(cu[-1]), list(q_lens), seq_lens.tolist())
+def step_batch_sizes(parts) -> tuple[int, ...]:
+    """The draft steps' padded batch sizes: the target's CUDA graph sizes (the same rule without)."""
+    if parts.runner.graphs is not None:
+        return tuple(parts.runner.graphs.batch_sizes)
+    from specserve.runner.cuda_graph import DEFAULT_BATCH_SIZES
+
+    m = parts.scheduler.max_num_seqs
+    sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b <= m) or (1,)
+    return sizes + (m,) if m not in sizes and m < DEFAULT_BATCH_SIZES[-1] else sizes
 
 
 class EagleProposer(OwnKVLifecycle):
     needs_target_hidden = True
+    # Draft steps after the first: "auto" runs them as CUDA graphs (HeadStepGraphs) when the target
+    # runs graphs (the draft model's condition too), eagerly otherwise; "static" runs HeadStepGraphs'
+    # static buffers without capture on any device (the CPU tests: the GPU's padding and layout);
+    # "eager" never uses them. A class attribute, not a config field: tests and benchmarks set it.
+    # "eager" by default until tests/gpu/test_eagle_graph_gpu.py has passed on a GPU: the graph
+    # capture was written without device time left to run it (the CPU runs the static path).
+    step_graphs: str = "eager"
 
     def __init__(self, cfg: SpeculativeConfig, parts) -> None:
         self.device = parts.device
@@ -114,6 +119,9 @@ class EagleProposer(OwnKVLifecycle):
             raise ValueError(f"{where} was trained to draft at most {hcfg.num_mask_slots + 1} tokens in parallel "
                              f"({hcfg.num_mask_slots} mask slots); num_speculative_tokens is "
                              f"{cfg.num_speculative_tokens}.")
+        if self.step_graphs not in ("auto", "static", "eager"):
+            raise ValueError(f"EagleProposer.step_graphs must be 'auto', 'static' or 'eager', "
+                             f"got {self.step_graphs!r}.")
         self.name = "p-eagle" if cfg.parallel_drafting else cfg.method
         self.parallel = cfg.parallel_drafting
         self.aux_hidden_layers = hcfg.aux_hidden_layers
@@ -129,6 +137,17 @@ class EagleProposer(OwnKVLifecycle):
         self.scale = larch.head_dim ** -0.5
         self.sampler = DraftSampler(arch.vocab_size, self.device)
         self.seqs: dict[str, _HeadSeq] = {}
+        self.upload = PinnedUpload(self.device)  # every host->device input of a head forward, one copy
+        self.steps: HeadStepGraphs | None = None
+        graphs = parts.runner.graphs is not None
+        if not self.parallel and cfg.num_speculative_tokens > 1 and (
+                self.step_graphs == "static" or (self.step_graphs == "auto" and graphs)):
+            # A head sequence holds at most max_model_len real rows plus k - 1 draft rows.
+            max_blocks = -(-(parts.loaded.max_model_len + cfg.num_speculative_tokens) // block_size)
+            capture = graphs and self.step_graphs == "auto" and self.device.type == "cuda"
+            self.steps = HeadStepGraphs(self.head, self.target, self.kv_caches[0], self.fmt, self.backend,
+                                        self.scale, step_batch_sizes(parts), max_blocks, block_size,
+                                        arch.vocab_size, self.upload, capture)
 
     # -- propose -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -137,16 +156,30 @@ class EagleProposer(OwnKVLifecycle):
         if not plan.reqs:
             return
         self.sampler.begin(plan.reqs)
+        tables = [self.kv.block_ids(s.request_id) for s in plan.seqs]
+        ctx = [s.num_computed_tokens for s in plan.seqs]
+        if self.parallel:
+            positions, q_lens, pick, src = self._parallel_layout(plan)
+        else:
+            positions, q_lens, pick = plan.positions, plan.num_real, np.cumsum(plan.num_real) - 1
+        # Every host input of the first forward (gathers, positions, attention metadata): one copy.
+        arrays = attention_arrays(ctx, q_lens, tables, self.kv.block_size)
+        host = [np.asarray(plan.feature_rows, dtype=np.int64), np.asarray(plan.next_tokens, dtype=np.int64),
+                np.asarray(positions, dtype=np.int64), np.asarray(pick, dtype=np.int64)]
+        if self.parallel:
+            host.append(src)
+        dev = self.upload.send(host + arrays)
+        rows, next_tokens, pos, pick_dev = dev[:4]
+        meta = attention_metadata(arrays, dev[-4:], q_lens)
         step = inp.step
-        rows = h2d(torch.tensor(plan.feature_rows, dtype=torch.int64), self.device)
         parts = step.aux_hidden if self.aux_hidden_layers else [step.all_hidden]  # each [num_tokens, hidden]
         feats = torch.cat([p.index_select(0, rows) for p in parts], dim=-1)  # [num_real, n * hidden]
         hidden = self.head.fuse_target(feats)  # [num_real, hidden]
-        embeds = self.target.embed_tokens(h2d(torch.tensor(plan.next_tokens, dtype=torch.int64), self.device))
+        embeds = self.target.embed_tokens(next_tokens)  # [num_real, hidden]
         if self.parallel:
-            drafts, probs = self._draft_parallel(plan, embeds, hidden)
+            drafts, probs = self._draft_parallel(plan, embeds, hidden, dev[4], pos, meta, pick_dev)
         else:
-            drafts, probs = self._draft_autoregressive(plan, embeds, hidden)
+            drafts, probs = self._draft_autoregressive(plan, embeds, hidden, pos, meta, pick_dev, tables)
         assign_drafts(plan.reqs, drafts, probs, self.sampler)
 
     def _plan(self, inp: ProposeInput) -> _Plan:
@@ -175,56 +208,77 @@ class EagleProposer(OwnKVLifecycle):
             seq.next_pos = hi
         return plan
 
-    def _draft_autoregressive(self, plan: _Plan, embeds: torch.Tensor, hidden: torch.Tensor):
+    def _draft_autoregressive(self, plan: _Plan, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+                              meta: AttentionMetadata, last: torch.Tensor, tables: list[list[int]]):
+        """Step 0 over the real rows (last [n]: each request's last real row), then k - 1 steps of
+        one row per request, feeding the head's own output back."""
         n = len(plan.reqs)
-        ctx = [s.num_computed_tokens for s in plan.seqs]
-        out, normed = self._forward(embeds, hidden, plan.positions, ctx, plan.num_real, plan.seqs)
-        last = h2d(torch.from_numpy(np.cumsum(plan.num_real) - 1), self.device)
-        prev_out, normed = out.index_select(0, last), normed.index_select(0, last)  # [n, hidden]
+        out, normed = self._head(embeds, hidden, pos, meta)
         for seq, m in zip(plan.seqs, plan.num_real):
             seq.num_computed_tokens += m
         # Drafts stay on the device until the end: no host sync between the head's forwards.
         dt = DraftTokens(self.device)
-        dt.add(list(range(n)), *self.sampler.sample(self.target.compute_logits(normed), list(range(n))))
-        for step in range(1, max(plan.ks)):
-            # Draft row `step` of a request: its previous draft's embedding + the head's own output
-            # of the row before, after the real rows (compact index num_computed + step - 1).
-            active = [i for i, k in enumerate(plan.ks) if k > step]
-            idx = h2d(torch.tensor(active, dtype=torch.int64), self.device)
-            emb = self.target.embed_tokens(dt.last(active))
-            seqs = [plan.seqs[i] for i in active]
-            out, normed = self._forward(emb, prev_out.index_select(0, idx), [plan.last_pos[i] + step for i in active],
-                                        [s.num_computed_tokens + step - 1 for s in seqs], [1] * len(active), seqs)
-            prev_out = prev_out.index_copy(0, idx, out)
-            dt.add(active, *self.sampler.sample(self.target.compute_logits(normed), active))
+        dt.add(list(range(n)), *self.sampler.sample(self.target.compute_logits(normed.index_select(0, last)),
+                                                    list(range(n))))
+        if max(plan.ks) > 1:
+            ctx = [s.num_computed_tokens for s in plan.seqs]
+            if self.steps is None or not self.steps.draft(dt, self.sampler, plan.ks, ctx, plan.last_pos, tables,
+                                                          out, last):
+                self._eager_steps(dt, plan.ks, ctx, plan.last_pos, tables, out.index_select(0, last))
         return dt.to_lists(n)
 
-    def _draft_parallel(self, plan: _Plan, embeds: torch.Tensor, hidden: torch.Tensor):
-        """One forward: each request's real rows, then k - 1 mask rows at the next positions."""
-        n = len(plan.reqs)
-        emb_parts, hid_parts, positions, q_lens, pick = [], [], [], [], []
+    def _eager_steps(self, dt: DraftTokens, ks: list[int], ctx: list[int], last_pos: list[int],
+                     tables: list[list[int]], prev_out: torch.Tensor) -> None:
+        """Draft steps 1..max(ks) - 1 without static buffers, over the requests still drafting.
+        prev_out [n, hidden]: each request's last head output row."""
+        for step in range(1, max(ks)):
+            # Draft row `step` of a request: its previous draft's embedding + the head's own output
+            # of the row before, after the real rows (compact index ctx + step - 1).
+            active = [i for i, k in enumerate(ks) if k > step]
+            prev = {i: r for r, i in enumerate(dt.steps[-1][0])}
+            arrays = attention_arrays([ctx[i] + step - 1 for i in active], [1] * len(active),
+                                      [tables[i] for i in active], self.kv.block_size)
+            host = [np.asarray(active), np.asarray([prev[i] for i in active]),
+                    np.asarray([last_pos[i] + step for i in active])]
+            dev = self.upload.send([a.astype(np.int64) for a in host] + arrays)
+            idx, prev_rows, pos = dev[:3]
+            emb = self.target.embed_tokens(dt.steps[-1][1].index_select(0, prev_rows))
+            out, normed = self._head(emb, prev_out.index_select(0, idx), pos,
+                                     attention_metadata(arrays, dev[3:], [1] * len(active)))
+            prev_out = prev_out.index_copy(0, idx, out)
+            dt.add(active, *self.sampler.sample(self.target.compute_logits(normed), active))
+
+    def _parallel_layout(self, plan: _Plan) -> tuple[list[int], list[int], list[int], np.ndarray]:
+        """Rows of the P-EAGLE forward: each request's real rows, then k - 1 mask rows at the next
+        positions. Returns positions, q_lens, pick (last real row + mask rows of each request) and
+        src: each row's input in cat([real rows, one mask row]) (index num_real = the mask row)."""
+        positions, q_lens, pick, src = [], [], [], []
         start = row = 0
-        for i in range(n):
-            m, extra = plan.num_real[i], plan.ks[i] - 1
-            emb_parts.append(embeds[start:start + m])
-            hid_parts.append(hidden[start:start + m])
-            if extra:
-                me, mh = self.head.mask_inputs(extra)
-                emb_parts.append(me.to(embeds.dtype))
-                hid_parts.append(mh.to(hidden.dtype))
+        num_real = len(plan.positions)
+        for i, (m, k) in enumerate(zip(plan.num_real, plan.ks)):
+            extra = k - 1
             positions.extend(plan.positions[start:start + m])
             positions.extend(range(plan.last_pos[i] + 1, plan.last_pos[i] + 1 + extra))
+            src.extend(range(start, start + m))
+            src.extend([num_real] * extra)
             q_lens.append(m + extra)
-            pick.extend(range(row + m - 1, row + m + extra))  # last real row + mask rows
+            pick.extend(range(row + m - 1, row + m + extra))
             start += m
             row += m + extra
-        ctx = [s.num_computed_tokens for s in plan.seqs]
-        _, normed = self._forward(torch.cat(emb_parts), torch.cat(hid_parts), positions, ctx, q_lens, plan.seqs)
+        return positions, q_lens, pick, np.asarray(src, dtype=np.int64)
+
+    def _draft_parallel(self, plan: _Plan, embeds: torch.Tensor, hidden: torch.Tensor, src: torch.Tensor,
+                        pos: torch.Tensor, meta: AttentionMetadata, pick: torch.Tensor):
+        """One forward: each request's real rows, then k - 1 mask rows at the next positions."""
+        n = len(plan.reqs)
+        me, mh = self.head.mask_inputs(1)
+        embeds = torch.cat([embeds, me.to(embeds.dtype)]).index_select(0, src)  # [sum(q_lens), hidden]
+        hidden = torch.cat([hidden, mh.to(hidden.dtype)]).index_select(0, src)
+        _, normed = self._head(embeds, hidden, pos, meta)
         for seq, m in zip(plan.seqs, plan.num_real):
             seq.num_computed_tokens += m
-        normed = normed.index_select(0, h2d(torch.tensor(pick, dtype=torch.int64), self.device))
         rows = [i for i in range(n) for _ in range(plan.ks[i])]
-        tokens, p = self.sampler.sample(self.target.compute_logits(normed), rows)
+        tokens, p = self.sampler.sample(self.target.compute_logits(normed.index_select(0, pick)), rows)
         values = tokens.tolist()  # the one host sync of a parallel draft
         drafts: list[list[int]] = [[] for _ in range(n)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -234,14 +288,11 @@ class EagleProposer(OwnKVLifecycle):
                 probs[i].append(p[r])
         return drafts, probs
 
-    def _forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: list[int], ctx_lens: list[int],
-                 q_lens: list[int], seqs: list[_HeadSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Head rows [sum(q_lens), hidden] after ctx_lens[i] cached rows of seqs[i] -> (out, normed)."""
-        tables = [self.kv.block_ids(s.request_id) for s in seqs]
-        meta = head_attention_metadata(ctx_lens, q_lens, tables, self.kv.block_size, self.device)
-        pos = h2d(torch.tensor(positions, dtype=torch.int64), self.device)
+    def _head(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head rows [meta.num_tokens, hidden] through the head's paged KV -> (out, normed)."""
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return self.backend.forward(q, k, v, self.kv_caches[0], self.fmt, meta, self.scale)
 
-        return self.head(embeds, hidden, pos, self.target.cos_sin_cache, attend)
+        return self.head(embeds, hidden, positions, self.target.cos_sin_cache, attend)

@@ -1,0 +1,171 @@
+"""EAGLE draft steps through HeadStepGraphs' static buffers (spec/eagle_graph.py), forced on the CPU
+without capture: the same padding, buffer layout and metadata the CUDA graphs read on the GPU.
+
+Greedy output equals plain decoding, and every proposal (drafts, and for random rows the draft
+distributions) equals the eager path's, for eagle and eagle3 heads over batches that need padding
+(3 requests -> size 4, 5 -> 8), mixed prompt lengths and requests that finish at different times
+(their last proposals draft fewer than k tokens: dead rows in the static batch)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.spec.eagle import EagleProposer
+from specserve.spec.eagle_graph import HeadStepGraphs, PinnedUpload, attention_arrays
+from specserve.spec.eagle_head import make_random_head_dir
+
+K = 3
+BLOCK_BYTES = 2 * 16 * 2 * 2 * 16 * 4  # tiny llama: layers * block * (k, v) * kv heads * head_dim * fp32
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    motif = [rng.randrange(10, 300) for _ in range(5)]
+    shapes = [motif * 3, [rng.randrange(10, 300) for _ in range(2)], [42], motif + [7] + motif,
+              [rng.randrange(10, 300) for _ in range(37)], [rng.randrange(10, 300) for _ in range(11)]]
+    return shapes[:n]
+
+
+def _greedy(n: int) -> list[SamplingParams]:
+    # Different budgets: requests finish at different steps, and near their end draft < K tokens.
+    return [SamplingParams(temperature=0.0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_llama_dir, tmp_path_factory):
+    base = tmp_path_factory.mktemp("heads")
+    return {m: str(make_random_head_dir(str(tiny_llama_dir), base / m, m)) for m in ("eagle", "eagle3")}
+
+
+def _run(target: str, method: str | None, head: str | None, mode: str, prompts, params, monkeypatch, **kw):
+    """(outputs, proposals, llm): proposals = per propose, per request (drafts, draft probs)."""
+    monkeypatch.setattr(EagleProposer, "step_graphs", mode)
+    spec = None if method is None else {"method": method, "model": head, "num_speculative_tokens": K,
+                                        "adaptive": False}
+    llm = LLM(model=target, progress=False, speculative_config=spec, enable_prefix_caching=False,
+              **{"kv_cache_memory_bytes": 4 << 20, **kw})
+    proposals: list = []
+    proposer = llm.engine.spec.proposer if spec else None
+    if proposer is not None:
+        propose = proposer.propose
+
+        def recording(inp):
+            propose(inp)
+            proposals.append([(list(r.spec_token_ids), r.spec_draft_probs) for r in inp.requests])
+
+        proposer.propose = recording
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    llm.engine.kv.check_integrity()
+    assert llm.engine.num_blocks_in_use() == 0
+    if proposer is not None:
+        assert proposer.kv.num_free_blocks() == proposer.kv.num_blocks
+    return [o.outputs[0].token_ids for o in outs], proposals, llm
+
+
+def _same_proposals(a: list, b: list) -> None:
+    assert len(a) == len(b) and len(a) > 0
+    for pa, pb in zip(a, b):
+        assert [d for d, _ in pa] == [d for d, _ in pb]
+        for (_, qa), (_, qb) in zip(pa, pb):
+            assert (qa is None) == (qb is None)
+            if qa is not None:
+                torch.testing.assert_close(qa, qb, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [3, 5, 1])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_static_steps_greedy_equal_plain_and_eager(method, n, heads, tiny_llama_dir, monkeypatch):
+    target, prompts, params = str(tiny_llama_dir), _prompts(n, seed=n), _greedy(n)
+    plain, _, _ = _run(target, None, None, "auto", prompts, params, monkeypatch)
+    eager, eager_props, eager_llm = _run(target, method, heads[method], "eager", prompts, params, monkeypatch)
+    static, static_props, llm = _run(target, method, heads[method], "static", prompts, params, monkeypatch)
+    assert eager_llm.engine.spec.proposer.steps is None
+    assert static == eager == plain
+    _same_proposals(static_props, eager_props)
+    steps: HeadStepGraphs = llm.engine.spec.proposer.steps
+    assert not steps.graphs  # no capture on the CPU: the static buffers only
+    padded = {1: 1, 3: 4, 5: 8}[n]
+    assert steps.runs[padded] > 0  # the full batch ran padded to the next size
+    # Requests near their end draft fewer than K tokens; beside others their rows run dead.
+    assert (steps.dead_rows > 0) == (n > 1)
+
+
+def test_static_steps_with_preemption(heads, tiny_llama_dir, monkeypatch):
+    # 8 blocks: each request fits alone, six together do not; preempted heads start over.
+    target, prompts, params = str(tiny_llama_dir), _prompts(6, seed=6), _greedy(6)
+    plain, _, _ = _run(target, None, None, "auto", prompts, params, monkeypatch)
+    static, _, llm = _run(target, "eagle3", heads["eagle3"], "static", prompts, params, monkeypatch,
+                          kv_cache_memory_bytes=8 * BLOCK_BYTES)
+    assert static == plain
+    assert llm.engine.stats.get("num_preemptions_total") > 0
+    assert llm.engine.spec.proposer.steps.runs
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_static_steps_seeded_sampling_equals_eager(method, heads, tiny_llama_dir, monkeypatch):
+    target, prompts = str(tiny_llama_dir), _prompts(5, seed=7)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=14, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),  # greedy rows among random
+              SamplingParams(temperature=1.2, top_k=20, seed=99, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=5, repetition_penalty=1.3, max_tokens=17, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=8, min_p=0.05, max_tokens=12, ignore_eos=True)]
+    eager, eager_props, _ = _run(target, method, heads[method], "eager", prompts, params, monkeypatch)
+    static, static_props, llm = _run(target, method, heads[method], "static", prompts, params, monkeypatch)
+    again, _, _ = _run(target, method, heads[method], "static", prompts, params, monkeypatch)
+    assert static == again == eager
+    _same_proposals(static_props, eager_props)
+    assert any(q is not None for p in static_props for _, q in p)  # random rows kept their distributions
+    steps = llm.engine.spec.proposer.steps
+    assert steps.runs[8] > 0 and steps.dead_rows > 0
+
+
+def test_static_step_metadata(heads, tiny_llama_dir, monkeypatch):
+    """What each step sends: padding sequences empty with the pad slot, dead rows one query over
+    their first cached row storing nothing, live rows at their next slot inside their own blocks."""
+    seen = []
+    send = HeadStepGraphs._send
+
+    def recording(self, host, step, n, bs):
+        rows = send(self, host, step, n, bs)
+        seen.append((n, bs, rows, self.cu_query_lens[:bs + 1].tolist(), self.seq_lens[:bs].tolist(),
+                     self.slot_mapping[:bs].tolist(), self.positions[:bs].tolist(),
+                     self.block_tables[:n].clone(), (host.ctx + step).tolist(), (host.last_pos + step).tolist()))
+        return rows
+
+    monkeypatch.setattr(HeadStepGraphs, "_send", recording)
+    _, _, llm = _run(str(tiny_llama_dir), "eagle3", heads["eagle3"], "static", _prompts(3, seed=3), _greedy(3),
+                     monkeypatch)
+    pad, bsz = -1, llm.engine.spec.proposer.kv.block_size
+    assert any(bs > n for n, bs, *_ in seen) and any(len(rows) < n for n, _, rows, *_ in seen)
+    for n, bs, rows, cu, seq_lens, slots, pos, tables, seq_len, position in seen:
+        assert cu == list(range(n + 1)) + [n] * (bs - n)
+        for r in range(bs):
+            if r >= n:  # padding sequence
+                assert (seq_lens[r], slots[r]) == (0, pad)
+            elif r not in rows:  # dead row: its drafts are done
+                assert (seq_lens[r], slots[r]) == (1, pad)
+            else:
+                assert seq_lens[r] == seq_len[r] and pos[r] == position[r]
+                assert slots[r] == int(tables[r, (seq_len[r] - 1) // bsz]) * bsz + (seq_len[r] - 1) % bsz
+                assert slots[r] != pad
+
+
+def test_pinned_upload_round_trip():
+    up = PinnedUpload(torch.device("cpu"), slots=2)
+    rng = np.random.default_rng(0)
+    sent = []
+    for i in range(5):  # more sends than slots: earlier tensors stay intact (fresh device memory)
+        arrays = [rng.integers(-5, 1 << 40, size=i + 1), rng.integers(0, 1 << 20, size=(2, i + 2)).astype(np.int32),
+                  np.zeros(0, dtype=np.int64), np.arange(3, dtype=np.int32)]
+        sent.append((arrays, up.send(arrays)))
+    for arrays, dev in sent:
+        for a, d in zip(arrays, dev):
+            assert d.dtype == {np.int64: torch.int64, np.int32: torch.int32}[a.dtype.type]
+            assert d.shape == a.shape and d.numpy().tolist() == a.tolist()
+    cu, seq_lens, tables, slots = attention_arrays([1, 0], [1, 3], [[5], [7, 1]], 2)
+    assert cu.tolist() == [0, 1, 4] and seq_lens.tolist() == [2, 3]
+    assert tables.tolist() == [[5, 0], [7, 1]] and slots.tolist() == [11, 14, 15, 2]
