@@ -139,7 +139,6 @@ class AdaptiveController:
         self.cold_extra: float | None = None  # a first proposal after a pause costs (1 + this) x a warm one
         self.explore_loss_per_request: list[float | None] = [None] * (self.max_k + 1)  # per exploring step, by k
         self.num_choices = 0
-        self.num_explorations = 0
         self._last_probe: int | None = None  # the choice that last probed a plain decode step
         self._last_promising = -_PROMISING_GAP  # the choice that last explored a promising untrusted k
         self.best_k = self.max_k
@@ -259,8 +258,6 @@ class AdaptiveController:
             if candidate != best and self._may_explore(candidate, steps, est):
                 k = candidate
                 self._burst_k, self._burst_left = k, steps - 1
-        if k != best:
-            self.num_explorations += 1
         self._pending = _Choice(k, k != best, best, self._prev_k in (None, 0))
         self._prev_k = self.last_choice = k
         self.last = est if k == best else replace(est, chosen_k=k)

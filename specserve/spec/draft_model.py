@@ -52,17 +52,28 @@ class _DraftSeq:
         return len(self.all_token_ids)
 
 
-def draft_kv_blocks(target_num_blocks: int, bytes_per_block: int, device: torch.device, what: str) -> int:
+def draft_kv_blocks(target_num_blocks: int, bytes_per_block: int, device: torch.device, what: str,
+                    reserve_bytes: int = 0) -> int:
     """Blocks for a drafter's KV pool: as many tokens as the target's pool (so the drafter does not
-    run out first), capped on CUDA by what is left after the target took its share."""
+    run out first), capped on CUDA by what is left after the target took its share and
+    `reserve_bytes` more (what the drafter allocates after its pool, e.g. its CUDA graphs)."""
     blocks = target_num_blocks + 4
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        usable = int((free - _GPU_RESERVE_BYTES) * 0.9)
+        usable = int((free - _GPU_RESERVE_BYTES - reserve_bytes) * 0.9)
         if usable < 16 * bytes_per_block:
             raise ValueError(f"no GPU memory left for the {what}'s KV cache; lower gpu_memory_utilization.")
         blocks = min(blocks, usable // bytes_per_block)
     return blocks
+
+
+def _graph_logits_bytes(max_num_seqs: int, vocab_size: int) -> int:
+    """What the draft's catch-up graphs (query lengths 1 and 2, every batch size) keep allocated:
+    their float32 logits outputs, about 2 GiB for 256 sequences and a 152k vocabulary."""
+    from specserve.runner.cuda_graph import DEFAULT_BATCH_SIZES
+
+    rows = sum(b for b in DEFAULT_BATCH_SIZES if b <= max_num_seqs) + max_num_seqs
+    return rows * 3 * vocab_size * 4
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -183,7 +194,9 @@ class DraftModelProposer(OwnKVLifecycle):
         self.loaded = _load_draft(cfg, parts)
         arch, tspec = self.loaded.arch, parts.runner.spec
         spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, tspec.block_size, tspec.fmt)
-        num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "draft model")
+        graphs = parts.runner.graphs is not None
+        num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "draft model",
+                                     _graph_logits_bytes(parts.scheduler.max_num_seqs, arch.vocab_size) if graphs else 0)
         self.runner = ModelRunner(self.loaded, spec, num_blocks, self.device, parts.runner.backend)
         self.kv = KVCacheManager(num_blocks, tspec.block_size, enable_prefix_caching=False)
         self.max_len = self.loaded.max_model_len
@@ -194,7 +207,7 @@ class DraftModelProposer(OwnKVLifecycle):
         # a rejection) or two (the last draft, accepted, and the bonus token): graphs for both
         # lengths, a step mixing them pads per sequence (runner/cuda_graph.py graph_for). The last
         # draft is never fed on its own, which would cost one more forward per cycle.
-        if parts.runner.graphs is not None:
+        if graphs:
             self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, (1, 2))
 
     def propose(self, inp: ProposeInput) -> None:
