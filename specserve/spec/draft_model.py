@@ -195,8 +195,8 @@ class DraftModelProposer(OwnKVLifecycle):
         arch, tspec = self.loaded.arch, parts.runner.spec
         spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, tspec.block_size, tspec.fmt)
         graphs = parts.runner.graphs is not None
-        num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "draft model",
-                                     _graph_logits_bytes(parts.scheduler.max_num_seqs, arch.vocab_size) if graphs else 0)
+        reserve = _graph_logits_bytes(parts.scheduler.max_num_seqs, arch.vocab_size) if graphs else 0
+        num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "draft model", reserve)
         self.runner = ModelRunner(self.loaded, spec, num_blocks, self.device, parts.runner.backend)
         self.kv = KVCacheManager(num_blocks, tspec.block_size, enable_prefix_caching=False)
         self.max_len = self.loaded.max_model_len
