@@ -265,7 +265,7 @@ class Engine(AsyncStepMixin):
             if tokens is None:
                 continue
             req = s.request
-            if req.is_finished:  # only with advanced: aborted while its tokens were in flight
+            if advanced and req.is_finished:  # aborted while its tokens were in flight
                 continue
             group, index = self._child_to_group[req.request_id]
             status = None

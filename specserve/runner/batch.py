@@ -7,6 +7,7 @@ buffers instead.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,26 +162,34 @@ def _torch_dtype(arr: np.ndarray) -> torch.dtype:
 
 
 def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> HostBatch:
-    """block_ids_of(request_id) -> list[int]."""
-    num_seqs = len(sched.scheduled)
-    query_lens = [s.num_new_tokens for s in sched.scheduled]
-    num_tokens = sum(query_lens)
-    input_ids = np.empty(num_tokens, dtype=np.int64)
-    positions = np.empty(num_tokens, dtype=np.int64)
-    seq_lens = np.empty(num_seqs, dtype=np.int32)
-    block_lists = []
+    """block_ids_of(request_id) -> list[int].
+
+    Per request only list appends (a decode step's one token without slicing); numpy runs once per
+    batch: at 256 running requests this is host work every step, with the GPU waiting or not."""
+    scheduled = sched.scheduled
+    num_seqs = len(scheduled)
+    query_lens = [s.num_new_tokens for s in scheduled]
+    ids: list[int] = []
+    pos: list[int] = []
+    seq_lens: list[int] = []
+    block_lists: list[list[int]] = []
     logits_idx: list[int] = []
     logit_rows: list[tuple[int, int] | None] = []
     start = 0
-    for i, s in enumerate(sched.scheduled):
-        req, n = s.request, s.num_new_tokens
+    for s, n in zip(scheduled, query_lens):
+        req = s.request
         c = req.num_computed_tokens
-        tokens = req.all_token_ids[c:c + n]
-        if len(tokens) < n:  # the tail is draft tokens under verification
-            tokens = tokens + req.spec_token_ids[:n - len(tokens)]
-        input_ids[start:start + n] = tokens
-        positions[start:start + n] = np.arange(c, c + n)
-        seq_lens[i] = c + n
+        known = req.all_token_ids
+        if n == 1 and c < len(known):  # a decode step
+            ids.append(known[c])
+            pos.append(c)
+        else:
+            tokens = known[c:c + n]
+            if len(tokens) < n:  # the tail is draft tokens under verification
+                tokens = tokens + req.spec_token_ids[:n - len(tokens)]
+            ids.extend(tokens)
+            pos.extend(range(c, c + n))
+        seq_lens.append(c + n)
         block_lists.append(block_ids_of(req.request_id))
         if s.samples:
             rows = s.num_spec_tokens + 1
@@ -189,18 +198,21 @@ def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> H
         else:
             logit_rows.append(None)
         start += n
-    max_blocks = max((len(b) for b in block_lists), default=1)
-    block_tables = np.zeros((num_seqs, max(1, max_blocks)), dtype=np.int32)
-    for i, blocks in enumerate(block_lists):
-        block_tables[i, :len(blocks)] = blocks
+    positions = np.array(pos, dtype=np.int64)
+    widths = np.fromiter((len(b) for b in block_lists), dtype=np.int64, count=num_seqs)
+    block_tables = np.zeros((num_seqs, max(1, int(widths.max(initial=1)))), dtype=np.int32)
+    # Row i's first widths[i] entries, filled row-major from the concatenated lists in one go.
+    block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_lists), dtype=np.int32, count=int(widths.sum()))
     # slot of the token at position p of sequence i: block_tables[i, p // bs] * bs + p % bs
     seq_index = np.repeat(np.arange(num_seqs), query_lens)
     slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
     cu = np.zeros(num_seqs + 1, dtype=np.int32)
     np.cumsum(query_lens, out=cu[1:])
-    return HostBatch(input_ids, positions, slot_mapping, block_tables, seq_lens, cu,
-                     np.asarray(logits_idx, dtype=np.int64), query_lens, logit_rows)
+    return HostBatch(np.array(ids, dtype=np.int64), positions, slot_mapping, block_tables,
+                     np.array(seq_lens, dtype=np.int32), cu, np.asarray(logits_idx, dtype=np.int64), query_lens,
+                     logit_rows)
 
 
 def build_batch(sched: SchedulerOutput, block_ids_of, block_size: int, device: torch.device,
