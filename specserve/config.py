@@ -74,8 +74,8 @@ class SchedulerConfig:
     max_num_queued_requests: int | None = _help("waiting requests beyond which new ones get 503",
                                                 default=None)
     async_scheduling: bool | None = _help(
-        "prepare the next step while the GPU runs this one (default: on for CUDA without speculation "
-        "or tensor parallelism)", default=None)
+        "prepare the next step while the GPU runs this one; with speculation, the steps that draft "
+        "nothing (default: on for CUDA without tensor parallelism)", default=None)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -175,6 +175,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
+        if self.scheduler.async_scheduling and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling cannot be combined with tensor_parallel_size > 1.")
 
     @classmethod
     def from_kwargs(cls, **kw: Any) -> EngineConfig:

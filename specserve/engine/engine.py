@@ -150,11 +150,14 @@ class Engine(AsyncStepMixin):
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.async_scheduling:
-            return self._step_async()  # engine/overlap.py
+        if self.async_scheduling:  # engine/overlap.py
+            return self._step_async() if self.spec is None else self._step_speculating()
+        return self._step_sync()
+
+    def _step_sync(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         if self._inflight is not None:  # asynchronous scheduling was switched off since
-            outputs.extend(self._resolve(self._inflight))
+            outputs.extend(self._resolve(self._inflight)[0])
             self._inflight = None
         sched = self.scheduler.schedule()
         self._fail_unfittable(sched, outputs)
@@ -222,14 +225,16 @@ class Engine(AsyncStepMixin):
                 return False
         return True
 
-    def _propose(self, sched: SchedulerOutput, new_tokens: list[list[int] | None], step_out) -> None:
+    def _propose(self, sched: SchedulerOutput, new_tokens: list[list[int] | None], step_out,
+                 k: int | None = None) -> None:
+        """k: drafts per request, already chosen (None: the controller chooses now)."""
         reqs, index = [], []
         for i, (s, tokens) in enumerate(zip(sched.scheduled, new_tokens)):
             if tokens is not None and not s.request.is_finished:
                 reqs.append(s.request)
                 index.append(i)
         if reqs:
-            self.spec.propose(reqs, index, step_out, len(self.scheduler.running))
+            self.spec.propose(reqs, index, step_out, len(self.scheduler.running), k)
 
     @staticmethod
     def _store_logprobs(reqs: list[Request | None], lp) -> None:
@@ -350,10 +355,7 @@ def next_request_id() -> str:
 
 
 def _use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    """On by default on CUDA; never with speculation or tensor parallelism (engine/overlap.py)."""
-    asked = config.scheduler.async_scheduling
-    unsupported = config.speculative is not None or config.parallel.tensor_parallel_size > 1
-    if asked and unsupported:
-        raise ValueError("async_scheduling cannot be combined with speculative_config or "
-                         "tensor_parallel_size > 1.")
-    return (device.type == "cuda" and not unsupported) if asked is None else asked
+    """On by default on CUDA; not with tensor parallelism. With speculation only the steps that
+    verify no drafts overlap (engine/overlap.py)."""
+    asked = config.scheduler.async_scheduling  # with tensor parallelism refused by EngineConfig
+    return (device.type == "cuda" and config.parallel.tensor_parallel_size == 1) if asked is None else asked

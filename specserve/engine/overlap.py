@@ -17,11 +17,17 @@ H200). With `async_scheduling` one `Engine.step()` runs:
 
 The output is the synchronous path's (greedy, seeded); a request that stops on a token the host had
 not seen yet (EOS, a stop string) costs one extra forward row, and its step's outputs come out one
-step() call later. Not with speculative decoding (proposers read the tokens on the host) or
-tensor parallelism.
+step() call later. Not with tensor parallelism.
+
+With speculative decoding, proposers need the host to know the tokens, so only steps that verify no
+drafts overlap: after a proposal of k = 0, and then as long as the controller, asked once per step
+as propose() would, keeps choosing 0 (at high load, say). When it chooses k > 0 the step in flight
+is resolved, the proposer drafts from it (its hidden states are still there for EAGLE heads), and
+the step runs synchronously again (`_step_speculating`).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +46,7 @@ class InFlightStep:
     """A step whose sampled tokens are still on their way to the host."""
 
     sched: SchedulerOutput
+    step_out: object  # the forward's StepOutput (a proposer drafting from this step reads it)
     rows: list[int | None]  # per scheduled entry: its row of tokens; None: sampled nothing (or dropped)
     reqs: list[Request]  # per row
     pending: PendingTokens | None  # None when no row sampled
@@ -67,16 +74,42 @@ class AsyncStepMixin:
 
     _inflight: InFlightStep | None = None
 
+    def _step_speculating(self) -> list[RequestOutput]:
+        """Speculation configured: overlap the steps that draft nothing, run the others synchronously."""
+        spec = self.spec
+        if self._inflight is None:
+            # The last proposal (at the end of a synchronous step) chose whether this step drafts.
+            if spec.last_k != 0 or self.structured.num_requests or any(
+                    r.spec_token_ids for r in self.scheduler.running):
+                return self._step_sync()
+            return self._step_async()
+        # In a run of overlapped steps: the controller chooses for the next step, as propose() would.
+        # (Structured requests always get a proposal: it also cuts drafts and starts their masks.)
+        k = None if self.structured.num_requests else spec.controller.choose(len(self.scheduler.running))
+        if k == 0:
+            spec.skip_proposal(len(self.scheduler.running))
+            return self._step_async()
+        prev, self._inflight = self._inflight, None
+        outputs, new_tokens = self._resolve(prev)
+        self._propose(prev.sched, new_tokens, prev.step_out, k)
+        return outputs + self._step_sync()
+
     def _step_async(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         outputs, self._pending = self._pending, []
         prev, self._inflight = self._inflight, None
         sched = self.scheduler.schedule()
         self._fail_unfittable(sched, outputs)
         launched = None
+        spec = self.spec
         if not sched.empty:
+            if spec is not None:
+                for req in sched.preempted:
+                    spec.on_preempted(req)
             samples = [s.samples for s in sched.scheduled]  # before the advance changes the answer
             plan = plan_prompt_logprobs(sched)
-            step_out = self.runner.execute(sched, self.kv.block_ids, prompt_plan=plan or None,
+            need_hidden = spec is not None and spec.proposer.needs_target_hidden
+            step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden, prompt_plan=plan or None,
                                            pending=prev.pending if prev is not None else None)
             if plan:
                 self._store_prompt_logprobs(sched, plan, step_out.prompt_logprobs)
@@ -87,18 +120,24 @@ class AsyncStepMixin:
                     s.request.add_pending_token()
             launched = (sched, samples, step_out)
         if prev is not None:
-            outputs.extend(self._resolve(prev))
+            outputs.extend(self._resolve(prev)[0])
+            if spec is not None:  # no proposal follows: start the grammar masks for the next sampling
+                self.structured.prepare([s.request for s, row in zip(prev.sched.scheduled, prev.rows)
+                                         if row is not None])
         if launched is not None:
             self._inflight = self._launch_sampling(*launched)
+            if spec is not None:
+                spec.observe_step(sched, time.perf_counter() - start)
         self._record_step_stats(sched)
         return outputs
 
-    def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
+    def _resolve(self, step: InFlightStep) -> tuple[list[RequestOutput], list[list[int] | None]]:
+        """(outputs, each scheduled entry's new tokens or None)."""
         tokens = step.wait()
         if step.host_logprobs is not None:
             self._store_logprobs([None if r.is_finished else r for r in step.reqs], step.host_logprobs)
         new_tokens = [None if row is None else [tokens[row]] for row in step.rows]
-        return self._update(step.sched, new_tokens, [0] * len(new_tokens), advanced=True)
+        return self._update(step.sched, new_tokens, [0] * len(new_tokens), advanced=True), new_tokens
 
     def _launch_sampling(self, sched: SchedulerOutput, samples: list[bool], step_out) -> InFlightStep:
         rows: list[int | None] = []
@@ -112,15 +151,15 @@ class AsyncStepMixin:
             reqs.append(s.request)
             logit_rows.append(lr[0])
         if not reqs:
-            return InFlightStep(sched, rows, reqs, None)
+            return InFlightStep(sched, step_out, rows, reqs, None)
         logits = step_out.logits
         if len(logit_rows) != logits.shape[0]:
             logits = logits.index_select(0, h2d(torch.tensor(logit_rows), logits.device))
         logits = self.structured.apply(logits, reqs, [0] * len(reqs))
         out = self._sample_tokens(reqs, logits)
         tokens = out.token_ids.to(torch.int64)
-        step = InFlightStep(sched, rows, reqs, PendingTokens(tokens, {r.request_id: i for i, r in enumerate(reqs)}),
-                            to_host_async(tokens))
+        step = InFlightStep(sched, step_out, rows, reqs,
+                            PendingTokens(tokens, {r.request_id: i for i, r in enumerate(reqs)}), to_host_async(tokens))
         if out.logprobs is not None:
             step.host_logprobs = LogprobsTensors(*(to_host_async(t) for t in out.logprobs))
         if tokens.device.type == "cuda":

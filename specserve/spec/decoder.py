@@ -63,6 +63,7 @@ class SpecDecoder:
         # structured output (issue 8): set by the engine; cuts drafts at grammar-invalid tokens.
         self.structured: StructuredOutputs | None = None
         self._proposal: ProposalStats | None = None  # the last proposal, verified by the next step
+        self.last_k: int | None = None  # the k of the last proposal (0: the next step drafts nothing)
         self._verified: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # verify_counts of this step
 
     def verify(self, reqs: list[Request], num_drafts: list[int], logits: torch.Tensor,
@@ -94,9 +95,12 @@ class SpecDecoder:
         self._proposal = None
 
     def propose(self, reqs: list[Request], batch_index: list[int], step: StepOutput | None,
-                batch_size: int) -> None:
+                batch_size: int, k: int | None = None) -> None:
+        """k: already chosen by the controller for this proposal (None: choose now)."""
         start = time.perf_counter()
-        k = self.controller.choose(batch_size)
+        if k is None:
+            k = self.controller.choose(batch_size)
+        self.last_k = k
         self.stats.set("spec_decode_chosen_num_tokens", k)
         budgets = [0 if r.params.logprobs is not None else draft_budget(r, k, self.max_model_len) for r in reqs]
         chosen = [(r, b, i) for r, b, i in zip(reqs, budgets, batch_index) if b > 0]
@@ -109,6 +113,13 @@ class SpecDecoder:
             self.structured.prepare(reqs)
         self._proposal = ProposalStats.measure(k, [c[1] for c in chosen], [len(c[0].spec_token_ids) for c in chosen],
                                                time.perf_counter() - start)
+
+    def skip_proposal(self, num_reqs: int) -> None:
+        """The controller chose k = 0 for the next step, which runs without proposing (asynchronous
+        scheduling): recorded as a proposal of nothing, as propose() would with k = 0."""
+        self.last_k = 0
+        self.stats.set("spec_decode_chosen_num_tokens", 0)
+        self._proposal = ProposalStats.measure(0, [0] * num_reqs, [], 0.0)
 
     def on_finished(self, req: Request) -> None:
         self.proposer.on_request_finished(req)

@@ -109,3 +109,30 @@ def test_mixed_draft_lengths_replay_padded_graphs(tiny_llama_dir, device: torch.
            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == plain
     assert kinds.count("padded") > 0, kinds
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_self", "eagle3"])
+def test_speculation_with_overlapped_k0_steps(tiny_llama_dir, tmp_path, method, device: torch.device) -> None:
+    """Asynchronous scheduling with speculation on the GPU: the table drafts k=3 while at most 2
+    requests run and nothing above, so overlapped k=0 runs and switches back (drafting from the step
+    in flight, EAGLE from its graph's hidden states) both happen. Same tokens as plain decoding."""
+    if device.type != "cuda":
+        pytest.skip("asynchronous scheduling overlaps host work with a GPU")
+    from specserve.spec.eagle_head import make_random_head_dir
+
+    table = {"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]], "adaptive": False,
+             "num_speculative_tokens": 3}
+    cfg = {"ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+           "draft_self": {"method": "draft_model", "model": str(tiny_llama_dir)},
+           "eagle3": {"method": "eagle3", "model": str(make_random_head_dir(str(tiny_llama_dir), tmp_path / "h"))},
+           }[method]
+    prompts = _prompts(6, seed=13)
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(6)]
+    plain = _generate(tiny_llama_dir, "cuda", params, prompts, async_scheduling=False)
+    llm = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
+              kv_cache_memory_bytes=8 << 20, speculative_config={**cfg, **table})
+    assert llm.engine.async_scheduling
+    got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+           for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == plain
+    assert llm.engine.stats.get("spec_decode_num_drafts_total") > 0

@@ -168,10 +168,47 @@ def test_structured_output_identical(tiny_llama_dir):
     _same(tiny_llama_dir, [[5, 6, 7], [8, 9], [10]], params)
 
 
-def test_async_scheduling_with_speculation_is_refused(tiny_llama_dir):
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3", "adaptive"])
+def test_speculation_overlaps_the_steps_that_draft_nothing(tiny_llama_dir, tmp_path, method):
+    """k = 3 while at most 2 requests run, k = 0 above (vLLM's per-batch-size table): overlapped runs
+    of k = 0 steps, and switches both ways as requests finish at different times. Same tokens as plain
+    decoding; the switch back drafts from the step in flight (EAGLE reads its hidden states)."""
+    from specserve.spec.eagle_head import make_random_head_dir
+
+    table = {"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]], "adaptive": False}
+    cfg = {"ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, **table},
+           "draft_model": {"method": "draft_model", "model": str(tiny_llama_dir), **table},
+           "eagle3": {"method": "eagle3", "model": str(make_random_head_dir(str(tiny_llama_dir), tmp_path / "h")),
+                      **table},
+           "adaptive": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}}[method]
+    prompts = _prompts(6, seed=13)
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(6)]
+    plain = [o.outputs[0].token_ids for o in _llm(tiny_llama_dir, False).generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
+    llm = _llm(tiny_llama_dir, True, speculative_config={**cfg, "num_speculative_tokens": 3})
+    eng, kinds = llm.engine, []
+    for name in ("_step_async", "_step_sync"):
+        inner = getattr(eng, name)
+
+        def counted(inner=inner, name=name):
+            kinds.append(name)
+            return inner()
+        setattr(eng, name, counted)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == plain
+    _check_freed(llm)
+    if method != "adaptive":  # the table makes both kinds of steps happen
+        assert "_step_async" in kinds and "_step_sync" in kinds
+        assert eng.stats.get("spec_decode_num_drafts_total") > 0
+        if method == "draft_model":  # a model drafting for itself: every draft is accepted
+            assert (eng.stats.get("spec_decode_num_accepted_tokens_total")
+                    == eng.stats.get("spec_decode_num_draft_tokens_total"))
+
+
+def test_async_scheduling_with_tensor_parallelism_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(model=str(tiny_llama_dir), progress=False, async_scheduling=True, kv_cache_memory_bytes=4 << 20,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+            tensor_parallel_size=2)
 
 
 def test_default_is_off_on_cpu(tiny_llm):
