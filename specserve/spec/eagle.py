@@ -217,7 +217,7 @@ class EagleProposer(OwnKVLifecycle):
         for seq, m in zip(plan.seqs, plan.num_real):
             seq.num_computed_tokens += m
         # Drafts stay on the device until the end: no host sync between the head's forwards.
-        dt = DraftTokens(self.device)
+        dt = DraftTokens()
         dt.add(list(range(n)), *self.sampler.sample(self.target.compute_logits(normed.index_select(0, last)),
                                                     list(range(n))))
         if max(plan.ks) > 1:
@@ -235,14 +235,13 @@ class EagleProposer(OwnKVLifecycle):
             # Draft row `step` of a request: its previous draft's embedding + the head's own output
             # of the row before, after the real rows (compact index ctx + step - 1).
             active = [i for i, k in enumerate(ks) if k > step]
-            prev = {i: r for r, i in enumerate(dt.steps[-1][0])}
             arrays = attention_arrays([ctx[i] + step - 1 for i in active], [1] * len(active),
                                       [tables[i] for i in active], self.kv.block_size)
-            host = [np.asarray(active), np.asarray([prev[i] for i in active]),
+            host = [np.asarray(active), np.asarray(dt.rows_in_last(active)),
                     np.asarray([last_pos[i] + step for i in active])]
             dev = self.upload.send([a.astype(np.int64) for a in host] + arrays)
             idx, prev_rows, pos = dev[:3]
-            emb = self.target.embed_tokens(dt.steps[-1][1].index_select(0, prev_rows))
+            emb = self.target.embed_tokens(dt.last_tokens.index_select(0, prev_rows))
             out, normed = self._head(emb, prev_out.index_select(0, idx), pos,
                                      attention_metadata(arrays, dev[3:], [1] * len(active)))
             prev_out = prev_out.index_copy(0, idx, out)

@@ -221,7 +221,7 @@ class HeadStepGraphs:
             return False
         bs = self.batch_sizes[i]
         torch.index_select(out, 0, last, out=self.hidden[:n])
-        self.tokens[:n].copy_(dt.steps[-1][1])
+        self.tokens[:n].copy_(dt.last_tokens)
         greedy = all(sampler.is_greedy(r) for r in range(n))
         host = _StepHost(np.asarray(ks), np.asarray(ctx), np.asarray(last_pos), tables)
         max_k = max(ks)
