@@ -21,7 +21,7 @@ def main(shape: str = "qwen2.5-1.5b") -> None:
         for _ in range(20):
             eng.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ meaning; other modules must not touch `os.environ` directly.
 | ----------------- | -------------------------------- | ----------------------------------------- |
 | SPECSERVE_CACHE   | $XDG_CACHE_HOME/specserve        | models, converted tokenizers, temp files  |
 |                   | (XDG_CACHE_HOME: ~/.cache)       |                                           |
+| SPECSERVE_GEMV_MAX_M | 4 (model/layers/triton_gemv.py) | rows up to which linears use the Triton   |
+|                   |                                  | GEMV on CUDA; 0 = always cuBLAS           |
+| TRITON_INTERPRET  | unset                            | 1: Triton kernels run in its CPU          |
+|                   |                                  | interpreter (kernel debugging, tests)     |
 """
 from __future__ import annotations
 
@@ -29,3 +33,18 @@ def specserve_cache() -> Path:
     xdg = _get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg is not None else Path.home() / ".cache"
     return base / "specserve"
+
+
+def gemv_max_m() -> int | None:
+    """SPECSERVE_GEMV_MAX_M as an int >= 0, or None when unset (the module default applies)."""
+    value = _get("SPECSERVE_GEMV_MAX_M")
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"SPECSERVE_GEMV_MAX_M must be a non-negative integer, got {value!r}.")
+    return int(value)
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1: Triton kernels run on CPU tensors through Triton's interpreter."""
+    return _get("TRITON_INTERPRET") == "1"

@@ -29,6 +29,18 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose forward is `ops.linear`: on CUDA a GEMV for decode-sized batches (cuBLAS is
+    slow on one row of a small matrix). Tensor parallelism swaps it for its own parallel layers."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModuleType) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch, layer_idx: int, ops: ModuleType) -> None:
         super().__init__()
@@ -36,8 +48,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias, ops)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, False, ops)
         self.scale = self.head_dim ** -0.5
         self.ops = ops
         # [num_kv_heads, head_dim], subtracted from keys before they are cached; set only for
@@ -45,8 +57,11 @@ class Attention(nn.Module):
         self.key_offset: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        return self.attend(self.qkv_proj(x), positions, cos_sin)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """qkv [T, q_size + 2 * kv_size] (the fused projection's output) -> [T, hidden]."""
         ctx = get_forward_context()
-        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -61,12 +76,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, arch: ModelArch, ops: ModuleType) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, ops)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, ops)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        # gate_up and the activation in one op (one GEMV launch at decode sizes); a tensor-parallel
+        # shard of gate_up is a plain matmul with the same [gate | up] layout, so this holds for it.
+        return self.down_proj(self.ops.linear_silu_and_mul(x, self.gate_up_proj.weight))
 
 
 class DecoderLayer(nn.Module):
@@ -76,15 +93,17 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, layer_idx, ops)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.mlp = MLP(arch, ops)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, cos_sin)
+        # The input norm runs fused with the qkv projection (one GEMV launch at decode sizes); a
+        # tensor-parallel shard of qkv is a plain matmul too, so this holds for it.
+        attn, ops = self.self_attn, self.ops
+        qkv, residual = ops.rms_norm_linear(x, residual, self.input_layernorm.weight, self.input_layernorm.eps,
+                                            attn.qkv_proj.weight, attn.qkv_proj.bias)
+        x = attn.attend(qkv, positions, cos_sin)
+        # gate_up is too wide for the fused norm to pay (triton_gemv.NORM_FUSE_MAX_WIDTH).
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

@@ -89,3 +89,91 @@ def test_silu_and_mul(dtype: torch.dtype, inter: int, device: torch.device) -> N
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert got.shape == ref.shape
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def _linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp64 product rounded once to the activation dtype: what an fp32-accumulating kernel approaches."""
+    out = x.double() @ weight.double().T
+    return (out if bias is None else out + bias.double()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k,with_bias", [(2048, 1536, True), (1536, 1536, False), (100, 200, True), (37, 1100, False)])
+def test_gemv_linear(dtype: torch.dtype, m: int, n: int, k: int, with_bias: bool, device: torch.device,
+                     interpreting: bool) -> None:
+    """The GEMV (rows <= GEMV_MAX_M) against an fp64 reference and cuBLAS; ragged N and K are masked."""
+    from specserve.model.layers import triton_gemv, triton_ops
+
+    if interpreting and n * k > 2048 * 1536 // 4:
+        n, k = n // 4, k // 4
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = _randn((m, k + 8), dtype, device, gen)[:, :k]  # a row-strided view
+    weight = _randn((n, k), dtype, device, gen, k ** -0.5)
+    bias = _randn((n,), dtype, device, gen) if with_bias else None
+    got = triton_ops.linear(x, weight, bias)
+    want = _linear_ref(x, weight, bias)
+    assert got.shape == (m, n) and got.dtype == dtype
+    # One rounding of an fp32 sum: within a unit of the output dtype's last place, as cuBLAS is.
+    torch.testing.assert_close(got, want, rtol=RTOL[dtype], atol=RTOL[dtype])
+    if device.type == "cuda":
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=RTOL[dtype],
+                                   atol=RTOL[dtype])
+    assert triton_gemv.block_n_for(n, 132) >= 1
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("inter,k", [(1000, 384), (8960 // 4, 1536 // 4), (37, 100)])
+def test_gemv_linear_silu_and_mul(m: int, inter: int, k: int, device: torch.device) -> None:
+    """gate_up with the activation as its epilogue: the unfused pair's roundings (gate and up to bf16,
+    silu to bf16, the product), so the result matches it to one rounding of the projection."""
+    from specserve.model.layers import triton_ops
+
+    gen = torch.Generator().manual_seed(inter + m)
+    x = _randn((m, k), torch.bfloat16, device, gen, 2.0)
+    weight = _randn((2 * inter, k), torch.bfloat16, device, gen, k ** -0.5)
+    got = triton_ops.linear_silu_and_mul(x, weight)
+    want = ops.silu_and_mul(_linear_ref(x, weight, None))
+    assert got.shape == (m, inter)
+    torch.testing.assert_close(got, want, rtol=RTOL[torch.bfloat16], atol=RTOL[torch.bfloat16])
+
+
+def test_gemv_falls_back_past_max_m(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows past GEMV_MAX_M, fp32, and SPECSERVE_GEMV_MAX_M=0 all take F.linear (bitwise its output)."""
+    from specserve.model.layers import triton_gemv
+
+    gen = torch.Generator().manual_seed(3)
+    weight = _randn((64, 96), torch.bfloat16, device, gen)
+    many = _randn((triton_gemv.GEMV_MAX_M + 1, 96), torch.bfloat16, device, gen)
+    assert torch.equal(triton_gemv.linear(many, weight), torch.nn.functional.linear(many, weight))
+    x32 = _randn((1, 96), torch.float32, device, gen)
+    w32 = weight.float()
+    assert torch.equal(triton_gemv.linear(x32, w32), torch.nn.functional.linear(x32, w32))
+    one = many[:1]
+    monkeypatch.setenv("SPECSERVE_GEMV_MAX_M", "0")
+    assert torch.equal(triton_gemv.linear(one, weight), torch.nn.functional.linear(one, weight))
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 9])
+@pytest.mark.parametrize("with_residual,with_bias", [(True, True), (False, False), (True, False)])
+def test_rms_norm_linear(m: int, with_residual: bool, with_bias: bool, device: torch.device,
+                         interpreting: bool) -> None:
+    """The fused norm + projection: the new residual bitwise as the unfused norm's; the product within
+    one rounding of an fp64 product of the twin's normalized rows. m = 9 takes the unfused path."""
+    from specserve.model.layers import triton_ops
+
+    k, n = (384, 200) if interpreting else (1536, 2048)
+    gen = torch.Generator().manual_seed(m * 10 + with_residual)
+    dtype = torch.bfloat16
+    x = _randn((m, k), dtype, device, gen, 3.0)
+    residual = _randn((m, k), dtype, device, gen, 3.0) if with_residual else None
+    norm_w = _randn((k,), dtype, device, gen) + 1.0
+    weight = _randn((n, k), dtype, device, gen, k ** -0.5)
+    bias = _randn((n,), dtype, device, gen) if with_bias else None
+    got, got_res = triton_ops.rms_norm_linear(x, residual, norm_w, 1e-6, weight, bias)
+    if residual is None:
+        h, want_res = ops.rms_norm(x, norm_w, 1e-6), x
+    else:
+        h, want_res = ops.rms_norm(x, norm_w, 1e-6, residual)
+    assert torch.equal(got_res, want_res)
+    torch.testing.assert_close(got, _linear_ref(h, weight, bias), rtol=RTOL[dtype], atol=RTOL[dtype])

@@ -1,10 +1,11 @@
-"""Torch twins of the fused GPU ops: RMSNorm (+ residual add) and rotary embedding.
+"""Torch twins of the fused GPU ops: RMSNorm (+ residual add), rotary embedding, linear layers.
 
 These are the CPU path and the oracle for `triton_ops.py`; signatures are shared.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -40,3 +41,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, 2 * intermediate] (gate | up) -> silu(gate) * up, [num_tokens, intermediate]."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ weight [out, in]^T (+ bias [out]) -> [T, out]."""
+    return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's gate_up projection and activation: silu_and_mul(x @ weight^T), weight [2 * inter, in]."""
+    return silu_and_mul(F.linear(x, weight))
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A norm and the projection after it: (rms_norm(x (+ residual)) @ weight^T (+ bias), the new
+    residual: x + residual, or x itself when there is none (a model's first layer))."""
+    if residual is None:
+        return F.linear(rms_norm(x, norm_weight, eps), weight, bias), x
+    h, residual = rms_norm(x, norm_weight, eps, residual)
+    return F.linear(h, weight, bias), residual

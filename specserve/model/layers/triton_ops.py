@@ -5,12 +5,16 @@ each output) with the torch twin's rounding: the sum is rounded to the activatio
 is normalized, and the normalized row is rounded before the weight multiplies it.
 apply_rope: neox-style rotary embedding, rotating q and k in place (they may be strided views of
 the fused qkv projection) and returning them.
+linear / linear_silu_and_mul / rms_norm_linear: a Triton GEMV for a few rows (decode), with the
+activation after gate_up or the norm before qkv fused in; cuBLAS otherwise (triton_gemv.py).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from specserve.model.layers import triton_gemv
 
 
 @triton.jit
@@ -129,8 +133,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.co
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0)
     # Same rounding as the twin: silu rounded to the activation dtype, then the product.
-    act = (gate * tl.sigmoid(gate)).to(up.dtype)
-    tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+    # The product of two bf16/fp16 values is exact in fp32, so this rounds once, as the twin does
+    # (and Triton's CPU interpreter, which mishandles bf16 arithmetic, computes the same).
+    tl.store(out_ptr + row * stride_o + offs, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -143,3 +149,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
             x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
     return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ weight [out, in]^T (+ bias [out]) -> [T, out]."""
+    return triton_gemv.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(x @ weight^T), weight [2 * inter, in]; one GEMV launch for a few rows."""
+    return triton_gemv.linear_silu_and_mul(x, weight, silu_and_mul)
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x (+ residual)) @ weight^T (+ bias), new residual); one GEMV launch for a few rows."""
+    return triton_gemv.rms_norm_linear(x, residual, norm_weight, eps, weight, bias, rms_norm)

@@ -1,0 +1,244 @@
+"""Small-batch linear layers (GEMV) in Triton: y = act(x) W^T (+ b) for 1 to GEMV_MAX_M rows.
+
+Why: at batch 1 a decode step is bound by reading the weights, and cuBLAS's kernels for one row
+reach 20-65% of the H200's bandwidth on the small projections of a 1.5B model (o_proj 6.3 us for
+4.7 MB, qkv 5.4 us for 6.3 MB; bench/profile_kernels.py) plus a split-K reduce launch on some.
+This kernel streams W once: each program owns BLOCK_N output features (whole rows of W, read
+contiguously) for every row of x, with fp32 accumulation, and adds the bias in the epilogue.
+No split-K, so one launch. Tile sizes come from a per-GPU table measured by bench/gemv_tune.py
+(`gemv_configs/<device name>.json`, as vLLM ships its fused-MoE configs): key "N,K,M" (M rounded up
+to a power of two) -> [BLOCK_N, BLOCK_K, num_warps], or [0, 0, 0] where cuBLAS measured faster.
+Shapes and GPUs without an entry use a heuristic: BLOCK_N such that the grid fills the SMs about
+twice. A fixed table (not autotuning at start) keeps a run's kernels, so its bf16 rounding and
+greedy output, the same from one start to the next.
+
+Two fusions remove a launch each per layer. `rms_norm_linear`: the decoder layer's residual add
++ RMSNorm (rounded as `ops.rms_norm`) as the prologue of the qkv projection. `linear_silu_and_mul`:
+the MLP's activation as the epilogue of gate_up: a program owns the same BLOCK_N features of gate
+and of up, so it writes silu(gate) * up (rounded as the unfused pair rounds) and the [M, 2 * inter]
+projection output is never stored. (A silu prologue on the down projection measured slower on the
+H200: every program recomputed silu over the whole row.)
+
+Only bfloat16 / float16 on CUDA with M <= GEMV_MAX_M take this path; everything else goes to
+`torch.nn.functional.linear` (cuBLAS), which stays the reference (twin: `ops.linear`).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from specserve import envs
+
+# Rows of x (tokens) up to which the GEMV may run: batch-1..4 decode and a batch-1 verify of k <= 3.
+# Each row costs BLOCK_N * BLOCK_K fp32 FMAs per tile on the CUDA cores, so the GEMV's lead shrinks
+# with every row (H200, 1.5B down: 7.2 us at M=1 vs cuBLAS 9.2; 20.1 vs 8.8 at M=4); the tuned
+# table says, per shape and M, where cuBLAS's tensor-core kernels take over.
+GEMV_MAX_M = 4
+_BLOCK_K = 512  # 1 KB of bf16 per weight row per step: 16-byte loads across 4 warps
+_MAX_BLOCK_N = 16
+# rms_norm_linear fuses the norm only into projections with N <= this * K (qkv, not gate_up).
+NORM_FUSE_MAX_WIDTH = 4
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
+    HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr, RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    # RMS_NORM: x rows are normalized first (ops.rms_norm, residual added before). Every program
+    # needs each row's 1/rms: a pre-pass over the row (a few KB, from L2). Program 0 alone writes
+    # the new residual x + residual; all programs read the old one, so nothing races.
+    inv = tl.zeros([BLOCK_M], tl.float32)
+    if RMS_NORM:
+        for m in tl.static_range(BLOCK_M):
+            sq = tl.zeros([BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                ok = (offs_k < K) & (m < M)
+                xr = tl.load(x_ptr + m * stride_xm + offs_k, mask=ok, other=0.0)
+                if HAS_RESIDUAL:
+                    r = tl.load(res_ptr + m * stride_rm + offs_k, mask=ok, other=0.0)
+                    xr = (xr.to(tl.float32) + r.to(tl.float32)).to(xr.dtype)
+                    if pid == 0:
+                        tl.store(res_out_ptr + m * stride_rom + offs_k, xr, mask=ok)
+                xf = xr.to(tl.float32)
+                sq += xf * xf
+            inv = tl.where(offs_m == m, tl.rsqrt(tl.sum(sq, 0) / K + eps), inv)
+    # SILU_OUT: W is [2N, K] = [gate | up]; this program also owns up's rows offs_n + N.
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        if SILU_OUT:
+            w_up = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        if RMS_NORM:
+            norm_w = tl.load(norm_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            row_ok = m < M
+            x_row = x_ptr + m * stride_xm
+            if RMS_NORM:
+                # Rounding as ops.rms_norm: the sum, the normalized row, then the weight's product.
+                xr = tl.load(x_row + offs_k, mask=k_ok & row_ok, other=0.0)
+                if HAS_RESIDUAL:
+                    r = tl.load(res_ptr + m * stride_rm + offs_k, mask=k_ok & row_ok, other=0.0)
+                    xr = (xr.to(tl.float32) + r.to(tl.float32)).to(xr.dtype)
+                inv_m = tl.sum(tl.where(offs_m == m, inv, 0.0), 0)
+                normed = (xr.to(tl.float32) * inv_m).to(xr.dtype).to(tl.float32)
+                xv = (normed * norm_w).to(xr.dtype).to(tl.float32)
+            else:
+                xv = tl.load(x_row + offs_k, mask=k_ok & row_ok, other=0.0).to(tl.float32)
+            is_m = offs_m[:, None] == m
+            acc = tl.where(is_m, acc + tl.sum(w * xv[None, :], 1)[None, :], acc)
+            if SILU_OUT:
+                acc_up = tl.where(is_m, acc_up + tl.sum(w_up * xv[None, :], 1)[None, :], acc_up)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if SILU_OUT:
+        # Rounding as F.linear then ops.silu_and_mul: gate and up to the activation dtype, silu(gate)
+        # to it, then the product (exact in fp32 for bf16/fp16 inputs, so rounded once).
+        gate = acc.to(dtype).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        acc = act * acc_up.to(dtype).to(tl.float32)
+    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(dtype), mask=(offs_m[:, None] < M) & n_ok[None, :])
+
+
+CONFIG_DIR = Path(__file__).resolve().parent / "gemv_configs"
+
+
+@functools.lru_cache(maxsize=8)
+def config_table(device_name: str) -> dict[str, tuple[int, int, int]]:
+    """The tuned tiles for a GPU (its `torch.cuda.get_device_name()`), {} when none were measured."""
+    path = CONFIG_DIR / f"{device_name.replace(' ', '_')}.json"
+    if not path.is_file():
+        return {}
+    return {key: tuple(value) for key, value in json.loads(path.read_text())["configs"].items()}
+
+
+def config_key(n: int, k: int, m: int) -> str:
+    return f"{n},{k},{triton.next_power_of_2(m)}"
+
+
+@functools.lru_cache(maxsize=8)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "interpreter"
+
+
+def tile_config(n: int, k: int, m: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [n, k]^T product; BLOCK_N 0 means use cuBLAS."""
+    tuned = config_table(_device_name(device)).get(config_key(n, k, m))
+    if tuned is not None:
+        return tuned
+    return block_n_for(n, _num_sms(device)), _BLOCK_K, 4
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter runs: behave as on an H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def block_n_for(n: int, num_sms: int) -> int:
+    """Output features per program: the largest power of two <= 16 that still gives >= 2 programs
+    per SM (so no SM idles on a short matrix), at least 1."""
+    block = _MAX_BLOCK_N
+    while block > 1 and triton.cdiv(n, block) < 2 * num_sms:
+        block //= 2
+    return block
+
+
+def gemv_max_m() -> int:
+    """GEMV_MAX_M, or SPECSERVE_GEMV_MAX_M (0 turns the GEMV off: benchmarks compare with cuBLAS)."""
+    override = envs.gemv_max_m()
+    return GEMV_MAX_M if override is None else override
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
+    ok = (x.is_cuda or envs.triton_interpret()) and x.dim() == 2 and 0 < x.shape[0] <= gemv_max_m() \
+        and weight.dim() == 2 and weight.shape[1] == k and x.dtype == weight.dtype \
+        and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and weight.stride(-1) == 1
+    return ok and tile_config(weight.shape[0], k, x.shape[0], x.device)[0] > 0
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_out: bool = False,
+            norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None,
+            tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (out [M, N], the new residual [M, K] when `norm` = (weight, eps, residual) has one).
+    silu_out: weight is [2N, K] (gate | up) and out is silu(gate) * up.
+    tiles: (BLOCK_N, BLOCK_K, num_warps) instead of the table's (bench/gemv_tune.py sweeps them)."""
+    m = x.shape[0]
+    n, k = weight.shape
+    if silu_out:
+        n //= 2
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    norm_w, eps, residual = norm if norm is not None else (None, 0.0, None)
+    res_out = None if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps = tiles or tile_config(weight.shape[0], k, m, x.device)
+    if silu_out and tiles is None:
+        block_n = max(1, block_n // 2)  # a program reads BLOCK_N rows of gate and BLOCK_N of up
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, weight if bias is None else bias, out,
+        x if residual is None else residual, x if res_out is None else res_out, weight if norm_w is None else norm_w,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        0 if residual is None else residual.stride(0), 0 if res_out is None else res_out.stride(0), eps,
+        HAS_BIAS=bias is not None, SILU_OUT=silu_out, RMS_NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    return out, res_out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N]; GEMV for small M, else cuBLAS."""
+    if not _eligible(x, weight, x.shape[-1]) or (bias is not None and bias.dtype != x.dtype):
+        return F.linear(x, weight, bias)
+    return _launch(x, weight, bias)[0]
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, silu_and_mul) -> torch.Tensor:
+    """silu_and_mul(x @ weight^T): weight [2 * inter, K] (gate | up), x [M, K] -> [M, inter].
+    `silu_and_mul` is the unfused activation for shapes the GEMV does not take."""
+    if weight.dim() != 2 or weight.shape[0] % 2 or not _eligible(x, weight, x.shape[-1]):
+        return silu_and_mul(F.linear(x, weight))
+    return _launch(x, weight, None, silu_out=True)[0]
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None, rms_norm,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's norm and the projection after it in one launch for a few rows:
+    h = rms_norm(x (+ residual)) [M, K]; returns (h @ weight^T (+ bias) [M, N], the new residual:
+    x + residual, or x itself without one). `rms_norm` is the unfused norm for other shapes."""
+    # Every program re-reads x (and the residual) for its norm: cheap for a projection no wider
+    # than a few times its input (qkv: 4.6 us fused vs 6.1 unfused, 1.5B on the H200), but with
+    # the many narrow programs of gate_up it re-reads more bytes from L2 than the weight has
+    # (1.5B gate_up ~23 us fused vs 14.9 + 1.8 unfused), so wide projections keep the norm kernel.
+    fusable = (weight.shape[0] <= NORM_FUSE_MAX_WIDTH * weight.shape[1]
+               and _eligible(x, weight, x.shape[-1]) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+               and (bias is None or bias.dtype == x.dtype)
+               and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
+                                         and residual.stride(-1) == 1)))
+    if not fusable:
+        if residual is None:
+            return linear(rms_norm(x, norm_weight, eps), weight, bias), x
+        h, residual = rms_norm(x, norm_weight, eps, residual)
+        return linear(h, weight, bias), residual
+    out, res_out = _launch(x, weight, bias, norm=(norm_weight, eps, residual))
+    return out, (x if res_out is None else res_out)
