@@ -1,8 +1,8 @@
 """Triton attention backend: the GPU twin of `torch_ref.TorchRefBackend`.
 
 Imported lazily, only when selected on CUDA (it imports triton). One forward = two or three
-launches: the KV write, the paged attention kernel, and the split-KV reduction when the batch is
-too small to fill the GPU. Quantized caches (fp8, nvfp4) take the kernels of `triton_quant.py`:
+launches: the KV write (with RoPE, through `forward_rope`), the paged attention kernel, and the
+split-KV reduction when the batch is too small to fill the GPU. Quantized caches (fp8, nvfp4) take the kernels of `triton_quant.py`:
 the write kernel quantizes, the attention kernel dequantizes tiles as it reads them. Nothing
 reads tensor values on the host, so a decode forward can be captured in a CUDA graph: size it
 with fixed upper bounds (`max_seq_len`, `max_query_len`) and pad the batch with zero-length
@@ -15,6 +15,7 @@ import torch
 
 from specserve.attention.base import AttentionMetadata
 from specserve.attention.triton_paged import paged_attention, reshape_and_cache
+from specserve.attention.triton_rope_cache import rope_and_cache
 from specserve.kv.spec import KVFormat, LayerKVCache
 
 
@@ -43,6 +44,22 @@ class TritonBackend:
             return paged_attention_quant(q, cache, fmt, meta.cu_query_lens, meta.seq_lens, meta.block_tables,
                                          meta.max_query_len, meta.max_seq_len, scale, num_splits=self.num_splits)
         reshape_and_cache(k, v, cache.key, cache.value, meta.slot_mapping)
+        return self._attend(q, cache, meta, scale)
+
+    def forward_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, meta: AttentionMetadata,
+                     scale: float) -> torch.Tensor:
+        """`forward` with q and k not yet rotated: RoPE and the KV write run as one kernel
+        (unquantized caches; quantized ones rotate first, then take `forward`)."""
+        if fmt.quantized:
+            from specserve.model.layers.triton_ops import apply_rope
+
+            q, k = apply_rope(q, k, positions, cos_sin_cache)
+            return self.forward(q, k, v, cache, fmt, meta, scale)
+        rope_and_cache(q, k, v, positions, cos_sin_cache, cache.key, cache.value, meta.slot_mapping)
+        return self._attend(q, cache, meta, scale)
+
+    def _attend(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention(q, cache.key, cache.value, meta.cu_query_lens, meta.seq_lens,
                                meta.block_tables, meta.max_query_len, meta.max_seq_len, scale,
                                num_splits=self.num_splits)

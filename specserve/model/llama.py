@@ -66,10 +66,15 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.apply_rope(q, k, positions, cos_sin)
-        if self.key_offset is not None:
-            k = k - self.key_offset
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.fmt, ctx.meta, self.scale)
+        cache = ctx.kv_caches[self.layer_idx]
+        fused = getattr(ctx.backend, "forward_rope", None)  # RoPE + KV write in one kernel (Triton)
+        if fused is not None and self.key_offset is None:
+            out = fused(q, k, v, positions, cos_sin, cache, ctx.fmt, ctx.meta, self.scale)
+        else:
+            q, k = self.ops.apply_rope(q, k, positions, cos_sin)
+            if self.key_offset is not None:
+                k = k - self.key_offset
+            out = ctx.backend.forward(q, k, v, cache, ctx.fmt, ctx.meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

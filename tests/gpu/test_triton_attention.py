@@ -113,6 +113,33 @@ def test_reshape_and_cache(dtype: torch.dtype, block_size: int, device: torch.de
     assert_cache_written(batch.cache, ref_cache)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 4, 64), (12, 2, 128), (9, 3, 64)])
+def test_rope_and_cache_equals_two_kernels(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                                           device: torch.device) -> None:
+    """The fused RoPE + KV write leaves q, k and the cache bitwise as apply_rope then
+    reshape_and_cache do (padding tokens: rotated, not stored)."""
+    from specserve.attention.triton_paged import reshape_and_cache
+    from specserve.attention.triton_rope_cache import rope_and_cache
+    from specserve.model.layers.triton_ops import apply_rope
+
+    batch = make_batch([(5, 7), (0, 30), (40, 1)], num_heads, num_kv_heads, head_dim, 16, dtype, device,
+                       seed=head_dim, pad_tokens=3)
+    gen = torch.Generator().manual_seed(7)
+    positions = torch.randint(0, 4000, (batch.q.shape[0],), generator=gen).to(device)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    freqs = torch.outer(torch.arange(4096, dtype=torch.float64), inv)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)
+    q2, k2, v2 = batch.q.clone(), batch.k.clone(), batch.v.clone()
+    cache2 = LayerKVCache(batch.cache.key.clone(), batch.cache.value.clone(), None, None)
+    apply_rope(q2, k2, positions, cos_sin)
+    reshape_and_cache(k2, v2, cache2.key, cache2.value, batch.meta.slot_mapping)
+    rope_and_cache(batch.q, batch.k, batch.v, positions, cos_sin, batch.cache.key, batch.cache.value,
+                   batch.meta.slot_mapping)
+    assert torch.equal(batch.q, q2) and torch.equal(batch.k, k2) and torch.equal(batch.v, v2)
+    assert_cache_written(batch.cache, cache2)
+
+
 CASES = [(dt, g, bs, 128) for dt in (torch.bfloat16, torch.float32) for g in (1, 4, 8) for bs in (16, 32)]
 CASES += [(torch.float16, 4, 16, 128), (torch.bfloat16, 1, 16, 64), (torch.bfloat16, 8, 32, 64),
           (torch.bfloat16, 6, 16, 128), (torch.float32, 4, 16, 64)]
