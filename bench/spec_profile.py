@@ -1,4 +1,4 @@
-"""Where a speculative decoding cycle's time goes at batch 1 (CUDA).
+"""Where a speculative decoding cycle's time goes at batch 1 (CUDA, or the host alone on the CPU).
 
 For no speculation, a draft model and EAGLE-3 / P-EAGLE heads (random weights are enough: this times
 the work, not the acceptance), per engine step:
@@ -8,6 +8,16 @@ the work, not the acceptance), per engine step:
     bracketed by torch.cuda.synchronize (so they include their GPU time; a separate pass).
 
     python bench/spec_profile.py --target qwen2.5-1.5b --draft qwen2.5-0.5b --load-format dummy
+
+Host cost of a propose (`--ops`): with a tiny model on the CPU compute is negligible, so the
+propose time is Python + torch dispatch, and the torch ops it runs are what the GPU path launches
+(each costs ~5-20 us of host time there). Ops are counted per propose by region: `fwd` runs
+inside a forward that a CUDA graph replays when graphs are on (HeadStepGraphs, the P-EAGLE
+forward, the draft model's forwards), `head` inside an EAGLE head forward run eagerly, `glue`
+everything else (inputs, metadata, sampling, read-back):
+
+    python bench/spec_profile.py --device cpu --target tiny --draft tiny --ops --steps 40 \
+        [--eagle-step-graphs static [--emulate-replay]]
 """
 from __future__ import annotations
 
@@ -17,28 +27,183 @@ import json
 import os
 import tempfile
 import time
+from collections import Counter
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specserve import LLM, SamplingParams
 
 
 def _engine(args, spec: dict | None) -> LLM:
     # An absolute KV budget: engines built one after another in this process see each other's memory.
-    return LLM(model=args.target, load_format=args.load_format, max_model_len=2048, max_num_seqs=4,
-               progress=False, speculative_config=spec, kv_cache_memory_bytes=1 << 30)
+    return LLM(model=args.target, load_format=args.load_format, max_model_len=args.max_model_len, max_num_seqs=4,
+               progress=False, speculative_config=spec, kv_cache_memory_bytes=args.kv_bytes, device=args.device)
 
 
 def _start(llm: LLM, n: int) -> None:
     eng = llm.engine
-    eng.add_request(f"p{time.monotonic_ns()}", {"prompt_token_ids": list(range(1000, 1128))},
+    prompt = [(1000 + i) % eng.vocab_size for i in range(128)]
+    eng.add_request(f"p{time.monotonic_ns()}", {"prompt_token_ids": prompt},
                     SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     for _ in range(3):
         eng.step()
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the torch ops dispatched, by region: `graph` inside a graphed forward, else the
+    innermost labelled call running; and by name outside `graph`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.regions: Counter[str] = Counter()
+        self.names: Counter[str] = Counter()
+        self.stack = ["glue"]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        region = "graph" if "graph" in self.stack else self.stack[-1]
+        self.regions[region] += 1
+        if region != "graph":
+            self.names[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def label(self, obj, attr: str, region: str):
+        """Run obj.attr inside `region`; returns an undo function."""
+        def enter() -> None:
+            self.stack.append(region)
+
+        return _wrap(obj, attr, enter, lambda: self.stack.pop())
+
+
+def _wrap(obj, attr: str, before, after):
+    """Call before() and after() around obj.attr; returns an undo function."""
+    fn = getattr(obj, attr)
+    had = attr in vars(obj)
+
+    def wrapped(*a, **kw):
+        before()
+        try:
+            return fn(*a, **kw)
+        finally:
+            after()
+
+    setattr(obj, attr, wrapped)
+    return (lambda: setattr(obj, attr, fn)) if had else (lambda: delattr(obj, attr))
+
+
+def _labels(proposer) -> list[tuple[object, str, str]]:
+    """The proposer's forwards: `graph` where a CUDA graph replays them (when graphs are on),
+    `head` an EAGLE head's eager forward."""
+    if not hasattr(proposer, "head"):  # the draft model: its decode / catch-up forwards run as graphs
+        return [(proposer.runner.model, "forward", "graph"), (proposer.runner.model, "compute_logits", "graph")]
+    return [(proposer.head, "forward", "head")] + [(cls, "_forward", "graph") for cls in _graph_classes()]
+
+
+def _graph_classes() -> list[type]:
+    """The head's static-buffer forwards (those of older commits too: A/B runs)."""
+    from specserve.spec import eagle_graph
+
+    try:
+        from specserve.spec import eagle_first
+    except ImportError:
+        return [eagle_graph.HeadStepGraphs]
+    return [eagle_graph.HeadStepGraphs, eagle_first.FirstForwardGraphs]
+
+
+def emulate_replay() -> None:
+    """On the CPU: each static-buffer head forward computes once per batch size, then returns those
+    outputs as a replay would, without the work; propose then costs what the host pays with graphs
+    on (minus the replays themselves). The drafts are wrong; verification keeps the output exact."""
+    for cls in _graph_classes():
+        forward = cls._forward
+
+        def replayed(self, bs, _forward=forward):
+            done = self.__dict__.setdefault("_emulated", {})
+            if bs not in done:
+                done[bs] = _forward(self, bs)
+            return done[bs]
+
+        cls._forward = replayed
+
+
+def measure_host(llm: LLM, steps: int, cprofile: bool = False) -> dict:
+    """Per propose: host microseconds (nothing else instrumented) and torch ops by region."""
+    eng = llm.engine
+    proposer = eng.spec.proposer
+    _start(llm, 4 * steps + 64)
+    times: list[float] = []
+    propose = proposer.propose
+
+    def timed(inp):
+        _sync()
+        t = time.perf_counter()
+        propose(inp)
+        _sync()
+        times.append(time.perf_counter() - t)
+
+    proposer.propose = timed
+    for _ in range(steps // 2):  # warm up
+        eng.step()
+    times.clear()
+    # Time spent in forwards a CUDA graph replays (when graphs are on): the CPU's static path runs
+    # them eagerly, so `propose_us - graph_us` is the host time that a replay does not remove.
+    in_graph = [0.0, 0.0]
+
+    def start() -> None:
+        in_graph[1] = time.perf_counter()
+
+    def stop() -> None:
+        in_graph[0] += time.perf_counter() - in_graph[1]
+
+    undo = [_wrap(o, a, start, stop) for o, a, r in _labels(proposer) if r == "graph"]
+    for _ in range(steps):
+        eng.step()
+    graph_s = in_graph[0]
+    for u in reversed(undo):
+        u()
+    counter = OpCounter()
+    calls = [0]
+
+    def counted(inp):
+        calls[0] += 1
+        with counter:
+            propose(inp)
+
+    proposer.propose = counted
+    undo = [counter.label(*x) for x in _labels(proposer)]
+    for _ in range(steps):
+        eng.step()
+    for u in reversed(undo):
+        u()
+    if cprofile:  # host functions of propose alone, by own time
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+
+        def profiled(inp):
+            prof.enable()
+            propose(inp)
+            prof.disable()
+
+        proposer.propose = profiled
+        for _ in range(steps):
+            eng.step()
+        print(f"propose only, {steps} steps:")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    del proposer.propose
+    eng.abort_request(list(eng.groups))
+    n = max(1, calls[0])
+    times.sort()
+    res = {"propose_us_median": 1e6 * times[len(times) // 2], "propose_us_mean": 1e6 * sum(times) / len(times),
+           "graph_us_mean": 1e6 * graph_s / len(times), "ops_per_propose": sum(counter.regions.values()) / n,
+           **{f"ops_{r}": c / n for r, c in sorted(counter.regions.items())}}
+    top = ", ".join(f"{k} {v / n:.1f}" for k, v in counter.names.most_common(14))
+    return res | {"top_ops": top}
+
+
 def _sync() -> None:
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
 
@@ -68,7 +233,7 @@ def measure(llm: LLM, steps: int, cprofile: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     busy = float("nan")
-    if torch.cuda.is_available():
+    if eng.device.type == "cuda":
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 eng.step()
@@ -101,26 +266,51 @@ def measure(llm: LLM, steps: int, cprofile: bool = False) -> dict:
     return res
 
 
+def _tiny(tmp: str, args) -> None:
+    """--target / --draft tiny: the tests' tiny random llama (hidden 64, 2 layers; the draft 1 layer)."""
+    from tests.helpers.tiny_models import make_tiny_model_dir
+
+    if args.target == "tiny":
+        args.target = str(make_tiny_model_dir(f"{tmp}/tiny", arch="llama", seed=1))
+    if args.draft == "tiny":
+        args.draft = str(make_tiny_model_dir(f"{tmp}/tiny-draft", arch="llama", seed=11, num_layers=1))
+    args.load_format = "auto"
+    args.max_model_len = min(args.max_model_len, 512)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default="qwen2.5-1.5b")
-    ap.add_argument("--draft", default="qwen2.5-0.5b")
+    ap.add_argument("--target", default="qwen2.5-1.5b", help="a model, or `tiny` (a tiny random llama)")
+    ap.add_argument("--draft", default="qwen2.5-0.5b", help="a model, or `tiny`")
     ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-bytes", type=int, default=1 << 30)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--configs", default="none,draft_model,eagle3,p-eagle")
-    ap.add_argument("--cprofile", default="", help="comma list of configs whose host time to profile")
+    ap.add_argument("--cprofile", default="", help="comma list of configs whose host time to profile "
+                    "(with --ops: propose alone, else whole steps)")
+    ap.add_argument("--ops", action="store_true", help="also host time and torch ops per propose")
     ap.add_argument("--eagle-step-graphs", default=None, choices=("auto", "static", "eager"),
                     help="EagleProposer.step_graphs for the head configs (default: the class default)")
+    ap.add_argument("--emulate-replay", action="store_true",
+                    help="CPU, with --eagle-step-graphs static: static head forwards return cached outputs")
     args = ap.parse_args()
+    if args.emulate_replay:
+        emulate_replay()
     from specserve.spec.eagle_head import make_random_head_dir
 
     if args.eagle_step_graphs:
         from specserve.spec.eagle import EagleProposer
 
         EagleProposer.step_graphs = args.eagle_step_graphs
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # host cost, not intra-op parallelism (and the cores may be shared)
     tmp = tempfile.mkdtemp()
+    if "tiny" in (args.target, args.draft):
+        _tiny(tmp, args)
     fmt = args.load_format
     heads = {"eagle3": make_random_head_dir(args.target, f"{tmp}/e3", "eagle3", load_format=fmt),
              "p-eagle": make_random_head_dir(args.target, f"{tmp}/pe", "eagle3", num_mask_slots=args.k - 1,
@@ -135,8 +325,12 @@ def main() -> None:
         if name not in args.configs.split(","):
             continue
         llm = _engine(args, spec)
-        results[name] = measure(llm, args.steps, name in args.cprofile.split(","))
-        print(name, json.dumps({k: round(v, 3) for k, v in results[name].items()}), flush=True)
+        prof = name in args.cprofile.split(",")
+        results[name] = measure(llm, args.steps, prof and not args.ops)
+        if args.ops and spec is not None:
+            results[name] |= measure_host(llm, args.steps, prof)
+        print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                for k, v in results[name].items()}), flush=True)
         del llm
         gc.collect()
         if torch.cuda.is_available():
@@ -148,6 +342,13 @@ def main() -> None:
         idle = 100 * (1 - r["gpu_busy_ms"] / r["wall_ms"])
         print(f"{name:12} {r['wall_ms']:8.3f} {r['gpu_busy_ms']:8.3f} {idle:5.1f}% {r['target_forward_ms']:10.3f} "
               f"{r['propose_ms']:8.3f}")
+    if args.ops:
+        print(f"\n{'config':12} {'propose us':>10} {'in graph':>8} {'ops':>6} {'glue':>6} {'head':>6} {'graph':>6}  "
+              f"(per propose; graph: replayed when graphs are on)")
+        for name, r in results.items():
+            if "ops_per_propose" in r:
+                print(f"{name:12} {r['propose_us_mean']:10.0f} {r['graph_us_mean']:8.0f} {r['ops_per_propose']:6.0f} "
+                      f"{r.get('ops_glue', 0):6.0f} {r.get('ops_head', 0):6.0f} {r.get('ops_graph', 0):6.0f}")
 
 
 if __name__ == "__main__":

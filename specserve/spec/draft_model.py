@@ -259,7 +259,8 @@ class DraftModelProposer(OwnKVLifecycle):
 
     def _catch_up(self, seqs: list[_DraftSeq]) -> torch.Tensor:
         """Feed every seq's unseen tokens, in forwards of at most max_batched tokens; returns the
-        logits of each seq's last token, [len(seqs), vocab]."""
+        logits of each seq's last token, [len(seqs), vocab], valid until the draft's next forward
+        (they may be a CUDA graph's output)."""
         rows: list[torch.Tensor | None] = [None] * len(seqs)
         pending = list(range(len(seqs)))
         while pending:
@@ -273,11 +274,15 @@ class DraftModelProposer(OwnKVLifecycle):
                 budget -= n
             samples = [s.samples for s in sched.scheduled]  # read before num_computed moves
             out = self.runner.execute(sched, self.kv.block_ids)
+            got = []  # (seq, its logits row)
             for j, (i, s) in enumerate(zip(order, sched.scheduled)):
                 seqs[i].num_computed_tokens += s.num_new_tokens
                 if samples[j]:
-                    first, _ = out.batch.logit_rows[j]
-                    rows[i] = out.logits[first].clone()  # a CUDA graph's output is overwritten on replay
+                    got.append((i, out.batch.logit_rows[j][0]))
+            if got == [(i, i) for i in range(len(seqs))] and out.logits.shape[0] == len(seqs):
+                return out.logits  # the usual case: one forward, row i = seq i (no copies)
+            for i, first in got:
+                rows[i] = out.logits[first].clone()  # a CUDA graph's output is overwritten on replay
             pending = [i for i in pending if rows[i] is None]
         return torch.stack(rows)
 

@@ -18,7 +18,7 @@ class DraftTokens:
     def add(self, active: list[int], tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
         """Step s drafted tokens [len(active)] (and their distributions [len(active), vocab] or None)
         for the requests `active` (indices into the propose's request list)."""
-        self.steps.append((active, tokens.to(torch.int64), probs))
+        self.steps.append((active, tokens if tokens.dtype == torch.int64 else tokens.to(torch.int64), probs))
 
     @property
     def last_tokens(self) -> torch.Tensor:

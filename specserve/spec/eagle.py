@@ -3,9 +3,11 @@
 After each target step the head first appends one "real" row per position whose target feature
 that step computed and verification kept (input: the next token's embedding + the target
 feature), then drafts: autoregressively (k - 1 more forwards of one row per request, feeding the
-head's own output back; CUDA graph replays over static buffers when the target runs graphs,
-eagle_graph.py) or, with `parallel_drafting`, in the same forward through k - 1 P-EAGLE
-mask rows placed after the last real position.
+head's own output back) or, with `parallel_drafting`, in the same forward through k - 1 P-EAGLE
+mask rows placed after the last real position. When the target runs CUDA graphs, so does the head:
+the first forward of a propose (eagle_first.py; proposes right after a prompt, with more rows,
+run it eagerly) and each autoregressive draft step (eagle_graph.py) are one replay each over
+static buffers, whose inputs travel in one pinned copy; the host reads the drafts back once.
 
 KV: the head's one layer keeps a small paged cache of its own (KVCacheManager + the target's
 attention backend), not a dense per-request tensor: requests of different lengths then batch into
@@ -33,7 +35,13 @@ from specserve.scheduler.request import Request
 from specserve.spec.base import OwnKVLifecycle, ProposeInput
 from specserve.spec.draft_model import DraftSampler, assign_drafts, draft_kv_blocks
 from specserve.spec.draft_tokens import DraftTokens
-from specserve.spec.eagle_graph import HeadStepGraphs, PinnedUpload, attention_arrays, attention_metadata
+from specserve.spec.eagle_first import MAX_GRAPH_PICKS, FirstForwardGraphs
+from specserve.spec.eagle_graph import (
+    HeadStepGraphs,
+    PinnedUpload,
+    attention_arrays,
+    attention_metadata,
+)
 from specserve.spec.eagle_head import EagleHead, load_head
 
 
@@ -93,21 +101,35 @@ def step_batch_sizes(parts) -> tuple[int, ...]:
     return sizes + (m,) if m not in sizes and m < DEFAULT_BATCH_SIZES[-1] else sizes
 
 
+def _graph_logits_bytes(batch_sizes: tuple[int, ...], k: int, parallel: bool, vocab_size: int) -> int:
+    """What the head's CUDA graphs keep allocated after the KV pool: their float32 logits outputs,
+    [bs * picks, vocab] per first-forward graph and [bs, vocab] per draft-step graph."""
+    picks = k if parallel else 1
+    rows = sum(b * picks for b in batch_sizes if b * picks <= MAX_GRAPH_PICKS)
+    if not parallel and k > 1:
+        rows += sum(batch_sizes)
+    return rows * vocab_size * 4
+
+
 class EagleProposer(OwnKVLifecycle):
     needs_target_hidden = True
-    # Draft steps after the first: "auto" runs them as CUDA graphs (HeadStepGraphs) when the target
-    # runs graphs (the draft model's condition too), eagerly otherwise; "static" runs HeadStepGraphs'
-    # static buffers without capture on any device (the CPU tests: the GPU's padding and layout);
-    # "eager" never uses them. A class attribute, not a config field: tests and benchmarks set it.
-    # "eager" by default until tests/gpu/test_eagle_graph_gpu.py has passed on a GPU: the graph
-    # capture was written without device time left to run it (the CPU runs the static path).
-    step_graphs: str = "eager"
+    # The head's forwards over static buffers: the first forward of a propose (FirstForwardGraphs:
+    # the real rows, and P-EAGLE's mask rows) and the autoregressive draft steps after it
+    # (HeadStepGraphs). "auto" (the default) runs them as CUDA graphs when the target runs graphs
+    # (the draft model's condition too), eagerly otherwise; "static" runs the static buffers without
+    # capture on any device (the CPU tests: the GPU's padding and layout); "eager" never uses them.
+    # A class attribute, not a config field: tests and benchmarks set it. tests/gpu/
+    # test_eagle_graph_gpu.py checks the graphs against the static and the eager path on a GPU.
+    step_graphs: str = "auto"
 
     def __init__(self, cfg: SpeculativeConfig, parts) -> None:
         self.device = parts.device
         self.target = parts.loaded.model
         arch, dtype = parts.loaded.arch, parts.loaded.model.embed_tokens.weight.dtype
         self.head: EagleHead = load_head(cfg.model, arch, parts.loaded.identity, self.device, dtype)
+        target_ops = getattr(getattr(self.target, "norm", None), "ops", None)
+        if target_ops is not None:  # on a GPU the fused Triton ops, as the target runs
+            self.head.set_ops(target_ops)
         hcfg = self.head.cfg
         where = f"speculative_config.model {cfg.model!r}"
         if hcfg.method != cfg.method:
@@ -129,7 +151,12 @@ class EagleProposer(OwnKVLifecycle):
         block_size = parts.runner.spec.block_size
         larch = hcfg.layer_arch()
         spec = KVCacheSpec(1, larch.num_kv_heads, larch.head_dim, block_size, kv_format("auto", dtype))
-        num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "EAGLE head")
+        graphs = parts.runner.graphs is not None
+        static = self.step_graphs == "static" or (self.step_graphs == "auto" and graphs)
+        capture = static and graphs and self.step_graphs == "auto" and self.device.type == "cuda"
+        reserve = _graph_logits_bytes(step_batch_sizes(parts), cfg.num_speculative_tokens, self.parallel,
+                                      arch.vocab_size) if capture else 0
+        num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "EAGLE head", reserve)
         self.kv_caches = spec.allocate(num_blocks, self.device)
         self.fmt = spec.fmt
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
@@ -139,15 +166,17 @@ class EagleProposer(OwnKVLifecycle):
         self.seqs: dict[str, _HeadSeq] = {}
         self.upload = PinnedUpload(self.device)  # every host->device input of a head forward, one copy
         self.steps: HeadStepGraphs | None = None
-        graphs = parts.runner.graphs is not None
-        if not self.parallel and cfg.num_speculative_tokens > 1 and (
-                self.step_graphs == "static" or (self.step_graphs == "auto" and graphs)):
-            # A head sequence holds at most max_model_len real rows plus k - 1 draft rows.
-            max_blocks = -(-(parts.loaded.max_model_len + cfg.num_speculative_tokens) // block_size)
-            capture = graphs and self.step_graphs == "auto" and self.device.type == "cuda"
-            self.steps = HeadStepGraphs(self.head, self.target, self.kv_caches[0], self.fmt, self.backend,
-                                        self.scale, step_batch_sizes(parts), max_blocks, block_size,
-                                        arch.vocab_size, self.upload, capture)
+        self.first: FirstForwardGraphs | None = None
+        if static:
+            k = cfg.num_speculative_tokens
+            # A head sequence holds at most max_model_len real rows plus k - 1 draft (or mask) rows.
+            max_blocks = -(-(parts.loaded.max_model_len + k) // block_size)
+            common = (self.head, self.target, self.kv_caches[0], self.fmt, self.backend, self.scale,
+                      step_batch_sizes(parts), max_blocks, block_size, arch.vocab_size, self.upload)
+            if not self.parallel and k > 1:
+                self.steps = HeadStepGraphs(*common, capture)
+            feed = None if self.steps is None else (self.steps.hidden, self.steps.tokens)
+            self.first = FirstForwardGraphs(*common, k, self.parallel, feed, capture)
 
     # -- propose -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -158,6 +187,10 @@ class EagleProposer(OwnKVLifecycle):
         self.sampler.begin(plan.reqs)
         tables = [self.kv.block_ids(s.request_id) for s in plan.seqs]
         ctx = [s.num_computed_tokens for s in plan.seqs]
+        bs = None if self.first is None else self.first.size_for(plan.ks, plan.num_real, tables)
+        if bs is not None:
+            assign_drafts(plan.reqs, *self._propose_static(plan, inp.step, bs, ctx, tables), self.sampler)
+            return
         if self.parallel:
             positions, q_lens, pick, src = self._parallel_layout(plan)
         else:
@@ -222,9 +255,40 @@ class EagleProposer(OwnKVLifecycle):
                                                     list(range(n))))
         if max(plan.ks) > 1:
             ctx = [s.num_computed_tokens for s in plan.seqs]
+            prev = out.index_select(0, last)
             if self.steps is None or not self.steps.draft(dt, self.sampler, plan.ks, ctx, plan.last_pos, tables,
-                                                          out, last):
-                self._eager_steps(dt, plan.ks, ctx, plan.last_pos, tables, out.index_select(0, last))
+                                                          prev):
+                self._eager_steps(dt, plan.ks, ctx, plan.last_pos, tables, prev)
+        return dt.to_lists(n)
+
+    def _propose_static(self, plan: _Plan, step, bs: int, ctx: list[int], tables: list[list[int]]):
+        """The first forward through FirstForwardGraphs (size bs), then for autoregressive drafting
+        the draft steps through HeadStepGraphs: no eager head forward, one read-back."""
+        first, n = self.first, len(plan.reqs)
+        first.send(bs, plan.ks, plan.num_real, ctx, plan.last_pos, plan.feature_rows, plan.next_tokens,
+                   plan.positions, tables)
+        _, logits, argmax = first.run(bs, step.aux_hidden if self.aux_hidden_layers else [step.all_hidden])
+        for seq, m in zip(plan.seqs, plan.num_real):
+            seq.num_computed_tokens += m
+        greedy = all(self.sampler.is_greedy(r) for r in range(n))
+        if self.parallel:
+            p = first.picks_per_req
+            if greedy:  # request i's drafts: the argmax of its picks i * p .. + k_i
+                values = argmax[:n * p].tolist()  # the one host sync
+                return [values[i * p:i * p + k] for i, k in enumerate(plan.ks)], [[] for _ in range(n)]
+            rows = [i for i in range(n) for _ in range(plan.ks[i])]
+            tokens, probs = self.sampler.sample(logits.index_select(0, first.sel[:len(rows)]), rows)
+            return _by_request(rows, tokens.tolist(), probs, n)
+        dt = DraftTokens()
+        rows = list(range(n))
+        if greedy:
+            dt.add(rows, argmax[:n], None)
+        else:
+            dt.add(rows, *self.sampler.sample(logits[:n], rows))
+        if max(plan.ks) > 1:  # the first forward fed the steps' buffers (sizes and blocks fit too)
+            ctx = [s.num_computed_tokens for s in plan.seqs]
+            if not self.steps.draft(dt, self.sampler, plan.ks, ctx, plan.last_pos, tables, None):
+                raise RuntimeError("HeadStepGraphs refused a batch that FirstForwardGraphs took")
         return dt.to_lists(n)
 
     def _eager_steps(self, dt: DraftTokens, ks: list[int], ctx: list[int], last_pos: list[int],
@@ -278,14 +342,7 @@ class EagleProposer(OwnKVLifecycle):
             seq.num_computed_tokens += m
         rows = [i for i in range(n) for _ in range(plan.ks[i])]
         tokens, p = self.sampler.sample(self.target.compute_logits(normed.index_select(0, pick)), rows)
-        values = tokens.tolist()  # the one host sync of a parallel draft
-        drafts: list[list[int]] = [[] for _ in range(n)]
-        probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        for r, i in enumerate(rows):
-            drafts[i].append(values[r])
-            if p is not None:
-                probs[i].append(p[r])
-        return drafts, probs
+        return _by_request(rows, tokens.tolist(), p, n)  # the one host sync of a parallel draft
 
     def _head(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,3 +352,14 @@ class EagleProposer(OwnKVLifecycle):
             return self.backend.forward(q, k, v, self.kv_caches[0], self.fmt, meta, self.scale)
 
         return self.head(embeds, hidden, positions, self.target.cos_sin_cache, attend)
+
+
+def _by_request(rows: list[int], values: list[int], probs: torch.Tensor | None, n: int):
+    """Drafts (and their distributions' rows) per request from flat ones; rows[r]: draft r's request."""
+    drafts: list[list[int]] = [[] for _ in range(n)]
+    dists: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for r, i in enumerate(rows):
+        drafts[i].append(values[r])
+        if probs is not None:
+            dists[i].append(probs[r])
+    return drafts, dists

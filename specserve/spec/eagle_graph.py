@@ -4,7 +4,8 @@ After the real rows, each further draft step is one head row per request: embed 
 draft, run the head's layer on it and the previous step's output row, the LM head, pick a token.
 Eagerly that is ~50 small kernels whose launches (and several small host->device copies) cost the
 host milliseconds per step while the GPU is busy for a fraction of that. HeadStepGraphs makes each
-step one graph replay:
+step one graph replay (the first forward before it: eagle_first.py, which also writes this
+class's `tokens` and `hidden` inputs of the first step):
 
 * static inputs: the previous drafts' ids `tokens` [max_bs] and the previous head output rows
   `hidden` [max_bs, hidden], both rewritten by the replay itself (steps chain on the device), and
@@ -26,7 +27,8 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,7 +43,7 @@ _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 PAD_SLOT = -1  # stores no K/V: the Triton kernel and torch_ref both skip negative slots
 
 
-def _align8(n: int) -> int:
+def align8(n: int) -> int:
     return (n + 7) & ~7
 
 
@@ -56,12 +58,29 @@ class PinnedUpload:
         self.device = device
         self._pinned = device.type == "cuda"
         self._host = [torch.zeros(0, dtype=torch.uint8) for _ in range(slots)]
+        self._views: list[dict] = [{} for _ in range(slots)]  # per slot: layout -> its numpy views
         self._events = [torch.cuda.Event() if self._pinned else None for _ in range(slots)]
         self._pending = [False] * slots
         self._slot = -1
+        # The stream the copies are queued on: Event.record() would look it up each call (tens of
+        # us of Python); re-read only when the current raw stream changes.
+        self._stream, self._raw_stream = None, None
 
     def stage(self, nbytes: int) -> np.ndarray:
         """The next slot's first nbytes, for the caller to fill; send_staged then copies them."""
+        return self._next(nbytes).numpy()[:nbytes]
+
+    def stage_views(self, nbytes: int, layout: Callable[[np.ndarray], Any]) -> Any:
+        """Like stage, but returns layout(the slot's whole buffer), made once per slot: the views a
+        caller fills (the slot holds at least nbytes, the size `layout` needs at most)."""
+        buf = self._next(nbytes)
+        views = self._views[self._slot]
+        got = views.get(layout)
+        if got is None:
+            got = views[layout] = layout(buf.numpy())
+        return got
+
+    def _next(self, nbytes: int) -> torch.Tensor:
         i = self._slot = (self._slot + 1) % len(self._host)
         if self._pending[i]:
             self._events[i].synchronize()
@@ -69,14 +88,18 @@ class PinnedUpload:
         if self._host[i].numel() < nbytes:  # zeros: bytes a caller leaves unwritten are valid ids
             size = max(nbytes, 2 * self._host[i].numel(), 4096)
             self._host[i] = torch.zeros(size, dtype=torch.uint8, pin_memory=self._pinned)
-        return self._host[i].numpy()[:nbytes]
+            self._views[i] = {}
+        return self._host[i]
 
     def send_staged(self, dst: torch.Tensor, nbytes: int) -> None:
         """Copy the staged slot's first nbytes into dst[:nbytes] (uint8 on the device)."""
         i = self._slot
         dst[:nbytes].copy_(self._host[i][:nbytes], non_blocking=True)
         if self._pinned:
-            self._events[i].record()
+            raw = torch._C._cuda_getCurrentRawStream(dst.device.index)
+            if raw != self._raw_stream:
+                self._stream, self._raw_stream = torch.cuda.current_stream(dst.device), raw
+            self._events[i].record(self._stream)
             self._pending[i] = True
 
     def send(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
@@ -84,7 +107,7 @@ class PinnedUpload:
         offsets, total = [], 0
         for a in arrays:
             offsets.append(total)
-            total = _align8(total + a.nbytes)  # 8-byte aligned: each piece views as its dtype
+            total = align8(total + a.nbytes)  # 8-byte aligned: each piece views as its dtype
         buf = self.stage(total)
         for a, off in zip(arrays, offsets):
             buf[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
@@ -137,7 +160,7 @@ class HeadStepGraphs:
         # then int32 block_tables [max_bs, max_blocks], last so that only a propose's first step
         # (the one that sends them) copies them.
         self._i64, self._i32 = 3 * max_bs * 8, (2 * max_bs + 1) * 4
-        self._fields = _align8(self._i64 + self._i32)
+        self._fields = align8(self._i64 + self._i32)
         self._buf = torch.zeros(self._fields + max_bs * max_blocks * 4, dtype=torch.uint8, device=device)
         self.positions, self.slot_mapping, self.active = self._buf[:self._i64].view(torch.int64).split(max_bs)
         self.cu_query_lens, self.seq_lens = self._buf[self._i64:self._i64 + self._i32].view(torch.int32).split(
@@ -146,6 +169,7 @@ class HeadStepGraphs:
         self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)  # previous drafts
         dtype = target.embed_tokens.weight.dtype
         self.hidden = torch.zeros(max_bs, head.cfg.hidden_size, dtype=dtype, device=device)  # previous outputs
+        self._arange = np.arange(max_bs + 1, dtype=np.int32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> (logits, argmax)
         self.runs: Counter[int] = Counter()  # steps run per padded batch size
@@ -207,28 +231,32 @@ class HeadStepGraphs:
         return self.outputs[bs]
 
     # -- drafting ----------------------------------------------------------------------------
+    def fits(self, n: int, tables: list[list[int]]) -> bool:
+        return n <= self.batch_sizes[-1] and max(len(t) for t in tables) <= self.max_blocks
+
     def draft(self, dt: DraftTokens, sampler: DraftSampler, ks: list[int], ctx: list[int], last_pos: list[int],
-              tables: list[list[int]], out: torch.Tensor, last: torch.Tensor) -> bool:
+              tables: list[list[int]], prev: torch.Tensor | None) -> bool:
         """Draft steps 1..max(ks) - 1 into dt, which holds step 0's tokens [n] for all n requests.
 
         ks, ctx, last_pos, tables: per request its draft count, head rows cached (real rows, step 0's
-        included), last real position, head blocks. out [num_real, hidden]: step 0's head outputs,
-        `last` [n] their rows of each request's last real row. False (nothing done) when the batch
-        does not fit the buffers: the caller drafts eagerly then."""
+        included), last real position, head blocks. prev [n, hidden]: step 0's head output of each
+        request's last real row; None when FirstForwardGraphs already wrote it (and step 0's argmax)
+        into `hidden` and `tokens` (eagle_first.py). False (nothing done) when the batch does not fit
+        the buffers: the caller drafts eagerly then."""
         n = len(ks)
-        i = bisect.bisect_left(self.batch_sizes, n)
-        if i == len(self.batch_sizes) or max(len(t) for t in tables) > self.max_blocks:
+        if not self.fits(n, tables):
             return False
-        bs = self.batch_sizes[i]
-        torch.index_select(out, 0, last, out=self.hidden[:n])
-        self.tokens[:n].copy_(dt.last_tokens)
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         greedy = all(sampler.is_greedy(r) for r in range(n))
-        host = _StepHost(np.asarray(ks), np.asarray(ctx), np.asarray(last_pos), tables)
+        if prev is not None:
+            self.hidden[:n].copy_(prev)
+        if prev is not None or not greedy:  # random rows: step 0's samples, not its argmax
+            self.tokens[:n].copy_(dt.last_tokens)
+        host = _StepHost(ks, ctx, last_pos, tables)
         max_k = max(ks)
         for step in range(1, max_k):
-            active = self._send(host, step, n, bs)
+            rows = self._send(host, step, n, bs)
             logits, argmax = self._run(bs)
-            rows = active.tolist()
             self.dead_rows += n - len(rows)
             # Only the still-drafting rows' outputs are drafts (random rows: only they draw noise,
             # as on the eager path); their device indices came in this step's copy.
@@ -245,42 +273,45 @@ class HeadStepGraphs:
                     self.tokens.index_copy_(0, pick, tokens)
         return True
 
-    def _send(self, host: _StepHost, step: int, n: int, bs: int) -> np.ndarray:
+    def _send(self, host: _StepHost, step: int, n: int, bs: int) -> list[int]:
         """Fill a pinned slot with step `step`'s inputs and copy it into the static buffers;
         returns the rows still drafting."""
         first = step == 1
         nbytes = self._fields + (n * self.max_blocks * 4 if first else 0)
-        buf = self.upload.stage(nbytes)
-        max_bs = self.tokens.numel()
-        pos, slots, active = buf[:self._i64].view(np.int64).reshape(3, max_bs)
-        cu, seq_lens = np.split(buf[self._i64:self._i64 + self._i32].view(np.int32), [max_bs + 1])
-        alive = host.ks > step
-        rows = np.flatnonzero(alive)
-        idx = host.ctx[rows] + step - 1  # compact index of this draft row in its head sequence
+        pos, slots, active, cu, seq_lens, tables = self.upload.stage_views(self._buf.numel(), self._host_views)
+        # Plain Python over the requests: few of them, where numpy's per-call cost would dominate.
+        rows = [i for i, k in enumerate(host.ks) if k > step]
+        idx = [host.ctx[i] + step - 1 for i in rows]  # compact index of this draft row in its head sequence
+        bsz = self.block_size
+        at = slice(0, n) if len(rows) == n else rows
         pos[:bs] = 0
-        pos[rows] = host.last_pos[rows] + step
+        pos[at] = [host.last_pos[i] + step for i in rows]
         slots[:bs] = PAD_SLOT
-        slots[rows] = host.tables[rows, idx // self.block_size].astype(np.int64) * self.block_size + \
-            idx % self.block_size
+        slots[at] = [host.tables[i][x // bsz] * bsz + x % bsz for i, x in zip(rows, idx)]
         active[:len(rows)] = rows
-        cu[:n + 1] = np.arange(n + 1)
+        cu[:n + 1] = self._arange[:n + 1]
         cu[n + 1:bs + 1] = n  # padding sequences are empty
         seq_lens[:bs] = 0
         seq_lens[:n] = 1  # dead rows: one query over their first cached row, harmless to read
-        seq_lens[rows] = idx + 1
+        seq_lens[at] = [x + 1 for x in idx]
         if first:
-            tables = buf[self._fields:].view(np.int32).reshape(n, self.max_blocks)
-            tables[:, :host.tables.shape[1]] = host.tables
-            tables[:, host.tables.shape[1]:] = 0
+            tables[:n] = 0
+            for i, t in enumerate(host.tables):
+                tables[i, :len(t)] = t
         self.upload.send_staged(self._buf, nbytes)
         return rows
 
+    def _host_views(self, buf: np.ndarray) -> tuple[np.ndarray, ...]:
+        """A pinned slot as the static buffers' layout: pos, slots, active, cu, seq_lens, tables."""
+        max_bs = self.tokens.numel()
+        pos, slots, active = buf[:self._i64].view(np.int64).reshape(3, max_bs)
+        cu, seq_lens = np.split(buf[self._i64:self._i64 + self._i32].view(np.int32), [max_bs + 1])
+        tables = buf[self._fields:self._buf.numel()].view(np.int32).reshape(max_bs, self.max_blocks)
+        return pos, slots, active, cu, seq_lens, tables
+
 
 class _StepHost:
-    """A propose's per-request host arrays for the draft steps (numpy, [n] each; tables [n, w])."""
+    """A propose's per-request host lists for the draft steps ([n] each; tables: each one's blocks)."""
 
-    def __init__(self, ks: np.ndarray, ctx: np.ndarray, last_pos: np.ndarray, tables: list[list[int]]) -> None:
-        self.ks, self.ctx, self.last_pos = ks, ctx, last_pos
-        self.tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-        for i, t in enumerate(tables):
-            self.tables[i, :len(t)] = t
+    def __init__(self, ks: list[int], ctx: list[int], last_pos: list[int], tables: list[list[int]]) -> None:
+        self.ks, self.ctx, self.last_pos, self.tables = ks, ctx, last_pos, tables

@@ -17,10 +17,10 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.model.arch import ModelArch
@@ -98,16 +98,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
         self.eps = eps
+        self.ops: ModuleType = torch_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch_ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class HeadLayer(nn.Module):
-    """A Llama/Qwen2 decoder layer (same parameter names as the target's) with injected attention."""
+    """A Llama/Qwen2 decoder layer (same parameter names as the target's) with injected attention.
+    `ops`: the torch ops (training, CPU) or, serving on a GPU, the target's fused twins (EagleHead.set_ops)."""
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
+        self.ops: ModuleType = torch_ops
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.intermediate = arch.intermediate_size
@@ -122,13 +125,15 @@ class HeadLayer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 attend: Attend) -> torch.Tensor:
         """x [rows, hidden] -> [rows, hidden] (pre-norm residual stream after the layer)."""
-        q, k, v = self.qkv_proj(self.input_layernorm(x)).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q, k = torch_ops.apply_rope(q.reshape(-1, self.num_heads, self.head_dim),
-                                    k.reshape(-1, self.num_kv_heads, self.head_dim), positions, cos_sin)
+        ops, norm = self.ops, self.input_layernorm
+        qkv, _ = ops.rms_norm_linear(x, None, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
+        q, k = ops.apply_rope(q.reshape(-1, self.num_heads, self.head_dim),
+                              k.reshape(-1, self.num_kv_heads, self.head_dim), positions, cos_sin)
         attn = attend(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim))
-        x = x + self.o_proj(attn.reshape(-1, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(self.intermediate, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x = x + ops.linear(attn.reshape(-1, self.q_size), self.o_proj.weight)
+        h = ops.linear_silu_and_mul(self.post_attention_layernorm(x), self.gate_up_proj.weight)  # silu(gate) * up
+        return x + ops.linear(h, self.down_proj.weight)
 
 
 class EagleHead(nn.Module):
@@ -173,9 +178,18 @@ class EagleHead(nn.Module):
                 cos_sin: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds, hidden [rows, hidden]; returns (out, logits_input), each [rows, hidden]: `out` is
         fed back as the next row's hidden, `logits_input` goes to the target's LM head."""
-        x = self.fc(torch.cat([self.embed_norm(embeds), self.hidden_norm(hidden)], dim=-1))
+        x = self.layer.ops.linear(torch.cat([self.embed_norm(embeds), self.hidden_norm(hidden)], dim=-1),
+                                  self.fc.weight)
         out = self.layer(x, positions, cos_sin, attend)
         return out, (out if self.norm is None else self.norm(out))
+
+    def set_ops(self, ops: ModuleType) -> None:
+        """Run the norms, RoPE and projections through `ops` (same signatures as model/layers/ops.py):
+        serving on a GPU passes the target's fused Triton twins (fewer, faster kernels in the head's
+        forwards and CUDA graphs); training keeps the torch ops."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, HeadLayer)):
+                m.ops = ops
 
     @torch.no_grad()
     def init_from_target(self, target: nn.Module, layer_index: int | None = None) -> None:

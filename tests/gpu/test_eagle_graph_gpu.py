@@ -1,6 +1,7 @@
-"""EAGLE draft steps as CUDA graphs (spec/eagle_graph.py) on the GPU: the same tokens as plain
-decoding and the same proposals as the eager head and as the static buffers without capture,
-over batches that need padding and requests that finish at different times."""
+"""The EAGLE head's forwards as CUDA graphs on the GPU (the first forward of a propose,
+spec/eagle_first.py, and the draft steps, spec/eagle_graph.py; eagle, eagle3 and P-EAGLE): the same
+tokens as plain decoding and the same proposals as the eager head and as the static buffers
+without capture, over batches that need padding and requests that finish at different times."""
 from __future__ import annotations
 
 import random
@@ -10,6 +11,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.spec.eagle import EagleProposer
+from specserve.spec.eagle_first import MAX_GRAPH_PICKS
 from specserve.spec.eagle_head import make_random_head_dir
 
 K = 3
@@ -57,14 +59,16 @@ def _agreement(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "p-eagle"])
 def test_graph_steps_equal_eager(tiny_llama_dir, tmp_path, method, sampling, device: torch.device,
                                  monkeypatch) -> None:
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a GPU")
     target = str(tiny_llama_dir)
-    spec = {"method": method, "model": str(make_random_head_dir(target, tmp_path / "h", method)),
-            "num_speculative_tokens": K, "adaptive": False}
+    parallel = method == "p-eagle"
+    head = "eagle3" if parallel else method
+    spec = {"method": head, "num_speculative_tokens": K, "adaptive": False, "parallel_drafting": parallel,
+            "model": str(make_random_head_dir(target, tmp_path / "h", head, num_mask_slots=K - 1 if parallel else 0))}
     prompts = _prompts(7, seed=4)  # 7 requests -> padded to 8, fewer as they finish
     if sampling == "greedy":
         params = [SamplingParams(temperature=0.0, max_tokens=5 + 4 * i, ignore_eos=True) for i in range(7)]
@@ -72,12 +76,19 @@ def test_graph_steps_equal_eager(tiny_llama_dir, tmp_path, method, sampling, dev
         params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.8 + 0.1 * i, seed=100 + i,
                                  top_k=30 if i % 2 else 0, max_tokens=5 + 4 * i, ignore_eos=True) for i in range(7)]
     graphed, graph_props, llm = _run(target, spec, "auto", prompts, params, monkeypatch)
-    steps = llm.engine.spec.proposer.steps
-    assert sorted(steps.graphs) == sorted(llm.engine.runner.graphs.batch_sizes)  # captured per size
-    assert steps.runs[8] > 0 and steps.runs[4] > 0 and steps.dead_rows > 0
+    proposer, sizes = llm.engine.spec.proposer, sorted(llm.engine.runner.graphs.batch_sizes)
+    first = proposer.first  # captured per size, up to MAX_GRAPH_PICKS picks
+    assert sorted(first.graphs) == [b for b in sizes if b * first.picks_per_req <= MAX_GRAPH_PICKS]
+    assert first.runs[8] > 0 and first.runs[4] > 0
+    if parallel:
+        assert proposer.steps is None
+    else:
+        steps = proposer.steps
+        assert sorted(steps.graphs) == sizes
+        assert steps.runs[8] > 0 and steps.runs[4] > 0 and steps.dead_rows > 0
     static, static_props, _ = _run(target, spec, "static", prompts, params, monkeypatch)
     eager, eager_props, eager_llm = _run(target, spec, "eager", prompts, params, monkeypatch)
-    assert eager_llm.engine.spec.proposer.steps is None
+    assert eager_llm.engine.spec.proposer.steps is None and eager_llm.engine.spec.proposer.first is None
     if sampling == "greedy":
         plain, _, _ = _run(target, None, "auto", prompts, params, monkeypatch)
         assert graphed == plain

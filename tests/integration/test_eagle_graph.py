@@ -1,10 +1,13 @@
-"""EAGLE draft steps through HeadStepGraphs' static buffers (spec/eagle_graph.py), forced on the CPU
-without capture: the same padding, buffer layout and metadata the CUDA graphs read on the GPU.
+"""The EAGLE head's forwards over static buffers, forced on the CPU without capture: the first
+forward of a propose (FirstForwardGraphs, spec/eagle_first.py: real rows, and P-EAGLE's mask rows)
+and the autoregressive draft steps (HeadStepGraphs, spec/eagle_graph.py); the same padding, buffer
+layout and metadata the CUDA graphs read on the GPU.
 
 Greedy output equals plain decoding, and every proposal (drafts, and for random rows the draft
-distributions) equals the eager path's, for eagle and eagle3 heads over batches that need padding
-(3 requests -> size 4, 5 -> 8), mixed prompt lengths and requests that finish at different times
-(their last proposals draft fewer than k tokens: dead rows in the static batch)."""
+distributions) equals the eager path's, for eagle, eagle3 and P-EAGLE heads over batches that need
+padding (3 requests -> size 4, 5 -> 8), mixed prompt lengths and requests that finish at different
+times (their last proposals draft fewer than k tokens: dead rows in the static batch). Proposes
+after a prompt (more rows than the buffers hold) run the eager head in the same runs."""
 from __future__ import annotations
 
 import random
@@ -15,6 +18,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.spec.eagle import EagleProposer
+from specserve.spec.eagle_first import FirstForwardGraphs
 from specserve.spec.eagle_graph import HeadStepGraphs, PinnedUpload, attention_arrays
 from specserve.spec.eagle_head import make_random_head_dir
 
@@ -38,14 +42,18 @@ def _greedy(n: int) -> list[SamplingParams]:
 @pytest.fixture(scope="module")
 def heads(tiny_llama_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("heads")
-    return {m: str(make_random_head_dir(str(tiny_llama_dir), base / m, m)) for m in ("eagle", "eagle3")}
+    out = {m: str(make_random_head_dir(str(tiny_llama_dir), base / m, m)) for m in ("eagle", "eagle3")}
+    out["p-eagle"] = str(make_random_head_dir(str(tiny_llama_dir), base / "p-eagle", "eagle3", num_mask_slots=K - 1))
+    return out
 
 
 def _run(target: str, method: str | None, head: str | None, mode: str, prompts, params, monkeypatch, **kw):
-    """(outputs, proposals, llm): proposals = per propose, per request (drafts, draft probs)."""
+    """(outputs, proposals, llm): proposals = per propose, per request (drafts, draft probs).
+    method "p-eagle": an eagle3 head drafting in parallel."""
     monkeypatch.setattr(EagleProposer, "step_graphs", mode)
-    spec = None if method is None else {"method": method, "model": head, "num_speculative_tokens": K,
-                                        "adaptive": False}
+    spec = None if method is None else {"method": "eagle3" if method == "p-eagle" else method, "model": head,
+                                        "num_speculative_tokens": K, "adaptive": False,
+                                        "parallel_drafting": method == "p-eagle"}
     llm = LLM(model=target, progress=False, speculative_config=spec, enable_prefix_caching=False,
               **{"kv_cache_memory_bytes": 4 << 20, **kw})
     proposals: list = []
@@ -76,37 +84,48 @@ def _same_proposals(a: list, b: list) -> None:
                 torch.testing.assert_close(qa, qb, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("n", [3, 5, 1])
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_static_steps_greedy_equal_plain_and_eager(method, n, heads, tiny_llama_dir, monkeypatch):
-    target, prompts, params = str(tiny_llama_dir), _prompts(n, seed=n), _greedy(n)
-    plain, _, _ = _run(target, None, None, "auto", prompts, params, monkeypatch)
-    eager, eager_props, eager_llm = _run(target, method, heads[method], "eager", prompts, params, monkeypatch)
-    static, static_props, llm = _run(target, method, heads[method], "static", prompts, params, monkeypatch)
-    assert eager_llm.engine.spec.proposer.steps is None
-    assert static == eager == plain
-    _same_proposals(static_props, eager_props)
-    steps: HeadStepGraphs = llm.engine.spec.proposer.steps
-    assert not steps.graphs  # no capture on the CPU: the static buffers only
+def _check_static_runs(proposer, method: str, n: int, proposals: list) -> None:
+    first: FirstForwardGraphs = proposer.first
+    assert not first.graphs  # no capture on the CPU: the static buffers only
     padded = {1: 1, 3: 4, 5: 8}[n]
-    assert steps.runs[padded] > 0  # the full batch ran padded to the next size
+    assert first.runs[padded] > 0  # the full batch ran padded to the next size
+    assert 0 < sum(first.runs.values()) < len(proposals)  # proposes after a prompt ran the eager head
+    steps: HeadStepGraphs | None = proposer.steps
+    if method == "p-eagle":
+        assert steps is None
+        return
+    assert not steps.graphs and steps.runs[padded] > 0
     # Requests near their end draft fewer than K tokens; beside others their rows run dead.
     assert (steps.dead_rows > 0) == (n > 1)
 
 
-def test_static_steps_with_preemption(heads, tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("n", [3, 5, 1])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "p-eagle"])
+def test_static_forwards_greedy_equal_plain_and_eager(method, n, heads, tiny_llama_dir, monkeypatch):
+    target, prompts, params = str(tiny_llama_dir), _prompts(n, seed=n), _greedy(n)
+    plain, _, _ = _run(target, None, None, "auto", prompts, params, monkeypatch)
+    eager, eager_props, eager_llm = _run(target, method, heads[method], "eager", prompts, params, monkeypatch)
+    static, static_props, llm = _run(target, method, heads[method], "static", prompts, params, monkeypatch)
+    assert eager_llm.engine.spec.proposer.steps is None and eager_llm.engine.spec.proposer.first is None
+    assert static == eager == plain
+    _same_proposals(static_props, eager_props)
+    _check_static_runs(llm.engine.spec.proposer, method, n, static_props)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "p-eagle"])
+def test_static_forwards_with_preemption(method, heads, tiny_llama_dir, monkeypatch):
     # 8 blocks: each request fits alone, six together do not; preempted heads start over.
     target, prompts, params = str(tiny_llama_dir), _prompts(6, seed=6), _greedy(6)
     plain, _, _ = _run(target, None, None, "auto", prompts, params, monkeypatch)
-    static, _, llm = _run(target, "eagle3", heads["eagle3"], "static", prompts, params, monkeypatch,
+    static, _, llm = _run(target, method, heads[method], "static", prompts, params, monkeypatch,
                           kv_cache_memory_bytes=8 * BLOCK_BYTES)
     assert static == plain
     assert llm.engine.stats.get("num_preemptions_total") > 0
-    assert llm.engine.spec.proposer.steps.runs
+    assert llm.engine.spec.proposer.first.runs
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_static_steps_seeded_sampling_equals_eager(method, heads, tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "p-eagle"])
+def test_static_forwards_seeded_sampling_equals_eager(method, heads, tiny_llama_dir, monkeypatch):
     target, prompts = str(tiny_llama_dir), _prompts(5, seed=7)
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=14, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),  # greedy rows among random
@@ -119,8 +138,10 @@ def test_static_steps_seeded_sampling_equals_eager(method, heads, tiny_llama_dir
     assert static == again == eager
     _same_proposals(static_props, eager_props)
     assert any(q is not None for p in static_props for _, q in p)  # random rows kept their distributions
-    steps = llm.engine.spec.proposer.steps
-    assert steps.runs[8] > 0 and steps.dead_rows > 0
+    proposer = llm.engine.spec.proposer
+    assert proposer.first.runs[8] > 0
+    if method != "p-eagle":
+        assert proposer.steps.runs[8] > 0 and proposer.steps.dead_rows > 0
 
 
 def test_static_step_metadata(heads, tiny_llama_dir, monkeypatch):
@@ -133,7 +154,7 @@ def test_static_step_metadata(heads, tiny_llama_dir, monkeypatch):
         rows = send(self, host, step, n, bs)
         seen.append((n, bs, rows, self.cu_query_lens[:bs + 1].tolist(), self.seq_lens[:bs].tolist(),
                      self.slot_mapping[:bs].tolist(), self.positions[:bs].tolist(),
-                     self.block_tables[:n].clone(), (host.ctx + step).tolist(), (host.last_pos + step).tolist()))
+                     self.block_tables[:n].clone(), [c + step for c in host.ctx], [p + step for p in host.last_pos]))
         return rows
 
     monkeypatch.setattr(HeadStepGraphs, "_send", recording)
@@ -152,6 +173,52 @@ def test_static_step_metadata(heads, tiny_llama_dir, monkeypatch):
                 assert seq_lens[r] == seq_len[r] and pos[r] == position[r]
                 assert slots[r] == int(tables[r, (seq_len[r] - 1) // bsz]) * bsz + (seq_len[r] - 1) % bsz
                 assert slots[r] != pad
+
+
+@pytest.mark.parametrize("method", ["eagle3", "p-eagle"])
+def test_first_forward_metadata(method, heads, tiny_llama_dir, monkeypatch):
+    """What a propose's first forward reads: per request its real rows (feature rows, next tokens,
+    positions), then its mask rows at the positions after its last real row, packed, each at its
+    next slot in its own blocks; rows past the last request's store nothing and belong to no
+    sequence (padding sequences are empty); picks: each request's last real row (+ mask rows)."""
+    seen = []
+    send = FirstForwardGraphs.send
+
+    def recording(self, bs, *args):
+        send(self, bs, *args)
+        fields = [t.tolist() for t in (self.rows, self.tokens, self.positions, self.slot_mapping, self.mask,
+                                       self.pick, self.sel, self.cu_query_lens, self.seq_lens)]
+        seen.append((self, bs, [list(a) for a in args[:-1]], [list(t) for t in args[-1]], fields,
+                     self.block_tables.clone()))
+
+    monkeypatch.setattr(FirstForwardGraphs, "send", recording)
+    _run(str(tiny_llama_dir), method, heads[method], "static", _prompts(5, seed=5), _greedy(5), monkeypatch)
+    parallel = method == "p-eagle"
+    assert any(bs > len(args[0]) for _, bs, args, *_ in seen)
+    assert any(len(set(args[0])) > 1 for _, _, args, *_ in seen)  # requests near their end draft fewer
+    for first, bs, args, tables, fields, block_tables in seen:
+        ks, num_real, ctx, last_pos, feature_rows, next_tokens, positions = args
+        rows, tokens, pos, slots, mask, pick, sel, cu, seq_lens = fields
+        n, p, bsz = len(ks), first.picks_per_req, first.block_size
+        q = [m + (k - 1 if parallel else 0) for m, k in zip(num_real, ks)]
+        total = sum(q)
+        assert cu[:bs + 1] == list(np.cumsum([0] + q)) + [total] * (bs - n)
+        assert seq_lens[:bs] == [c + x for c, x in zip(ctx, q)] + [0] * (bs - n)
+        assert slots[total:bs * first.rows_per_req] == [-1] * (bs * first.rows_per_req - total)
+        r, picked = 0, []
+        for i in range(n):
+            start, m, e = cu[i], num_real[i], q[i] - num_real[i]
+            assert rows[start:start + m] == feature_rows[r:r + m] and tokens[start:start + m] == next_tokens[r:r + m]
+            assert pos[start:start + m + e] == positions[r:r + m] + list(range(last_pos[i] + 1, last_pos[i] + 1 + e))
+            assert mask[start:start + m + e] == [0] * m + [1] * e
+            assert slots[start:start + m + e] == [tables[i][x // bsz] * bsz + x % bsz
+                                                  for x in range(ctx[i], ctx[i] + m + e)]
+            assert block_tables[i, :len(tables[i])].tolist() == tables[i]
+            count = ks[i] if parallel else 1
+            assert pick[i * p:i * p + count] == list(range(start + m - 1, start + m - 1 + count))
+            picked += range(i * p, i * p + count)
+            r += m
+        assert sel[:len(picked)] == picked
 
 
 def test_pinned_upload_round_trip():
