@@ -26,6 +26,10 @@ def resolve_prompt(prompt: str | list[int] | dict, tokenizer: Any | None,
         raise ValueError(f"prompt must be a string, a token id list or a dict, got {type(prompt).__name__}.")
     if not prompt:
         raise ValueError("prompt must not be empty (prompt_token_ids is an empty list).")
+    # Fast path (C loops): a long prompt of plain ints in range. Anything else takes the loop
+    # below, which names the first offending value.
+    if set(map(type, prompt)) == {int} and 0 <= min(prompt) and max(prompt) < vocab_size:
+        return None, list(prompt)
     for t in prompt:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise ValueError(f"prompt_token_ids contains {t!r}, outside the vocabulary [0, {vocab_size}).")

@@ -6,9 +6,10 @@ their tokens are computed.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
-from specserve.kv.block_pool import BlockHash, BlockPool, hash_block_tokens
+from specserve.kv.block_pool import BlockHash, BlockPool, hash_blocks
 from specserve.scheduler.request import Request
 
 
@@ -48,10 +49,10 @@ class KVCacheManager:
         tokens = req.all_token_ids
         bs = self.block_size
         known = _num_known(req)  # placeholders (asynchronous scheduling) have no hash yet
-        while (len(hashes) + 1) * bs <= known:
-            i = len(hashes)
+        first, last = len(hashes), known // bs
+        if last > first:
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], self.hash_extra))
+            hashes.extend(hash_blocks(parent, tokens[first * bs:last * bs], bs, self.hash_extra))
         return hashes
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
@@ -78,7 +79,8 @@ class KVCacheManager:
         # Pin the GPU hits so allocating room for the loads cannot evict them.
         self.pool.touch(gpu_hits)
         payloads = payloads[:self.pool.num_free_blocks]
-        ids = self.pool.allocate(len(payloads)) if payloads else []
+        with self.offloader.batch_evictions():  # blocks evicted here are copied out in one go
+            ids = self.pool.allocate(len(payloads)) if payloads else []
         if ids:
             self.offloader.load_into(ids, payloads)
             for block_id, h in zip(ids, hashes):
@@ -127,11 +129,16 @@ class KVCacheManager:
             blocks.extend(new_computed)
             self.num_cached_blocks[req.request_id] = len(blocks)
         if need:
-            new_ids = self.pool.allocate(need)
+            with self._evictions():
+                new_ids = self.pool.allocate(need)
             assert new_ids is not None
             blocks.extend(new_ids)
         self._cache_full_blocks(req, req.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens)
         return True
+
+    def _evictions(self) -> contextlib.AbstractContextManager[None]:
+        """Around pool.allocate: evicted blocks go to the offload tiers in one copy."""
+        return self.offloader.batch_evictions() if self.offloader is not None else contextlib.nullcontext()
 
     def _cache_full_blocks(self, req: Request, num_tokens_after_step: int) -> None:
         if not self.enable_prefix_caching:
@@ -146,7 +153,10 @@ class KVCacheManager:
         for i in range(done, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
             if self.offloader is not None and self.pool.blocks[blocks[i]].block_hash == hashes[i]:
-                self.offloader.block_completed(hashes[i], blocks[i])
+                # computed: the forward that writes it is already launched (it is not when the
+                # block completes in the step being scheduled).
+                computed = (i + 1) * self.block_size <= req.num_computed_tokens
+                self.offloader.block_completed(hashes[i], blocks[i], computed)
         self.num_cached_blocks[req.request_id] = num_full
 
     def cache_computed_blocks(self, req: Request) -> None:

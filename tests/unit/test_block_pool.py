@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from specserve.kv.block_pool import BlockPool, hash_block_tokens
+from specserve.kv.block_pool import BlockPool, hash_block_tokens, hash_blocks
 from specserve.kv.manager import KVCacheManager
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.request import Request
@@ -16,6 +16,17 @@ def test_hash_is_chained_and_stable():
     assert a == hash_block_tokens(None, [1, 2, 3])
     assert hash_block_tokens(a, [4]) != hash_block_tokens(None, [4])
     assert hash_block_tokens(None, [1, 2, 3], b"model-a") != hash_block_tokens(None, [1, 2, 3], b"model-b")
+
+
+def test_hash_blocks_equals_the_chain_of_single_hashes():
+    rng = random.Random(3)
+    tokens = [rng.randrange(0, 200000) for _ in range(4 * 5)]
+    chain, parent = [], b"p0"
+    for i in range(5):
+        parent = hash_block_tokens(parent, tokens[i * 4:(i + 1) * 4], b"x")
+        chain.append(parent)
+    assert hash_blocks(b"p0", tokens, 4, b"x") == chain
+    assert hash_blocks(None, tokens[:4], 4) == [hash_block_tokens(None, tokens[:4])]
 
 
 def test_pool_lru_evicts_least_recently_freed_cached_block():

@@ -16,6 +16,7 @@ from specserve.kv.offload.base import (BlockPayload, OffloadTier, extract_block,
                                        insert_block, insert_blocks, payload_nbytes)
 from specserve.kv.offload.cpu import CpuTier
 from specserve.kv.offload.disk import DiskTier, encode_entry, file_name
+from specserve.kv.offload.payload import pack
 from specserve.kv.offload.tiered import TieredStore
 from specserve.kv.quant import gather_kv, write_kv
 from specserve.kv.spec import KVCacheSpec, kv_format
@@ -274,4 +275,30 @@ def test_block_extract_insert_through_disk(tmp_path: Path, kv_dtype: str) -> Non
     other = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=8, fmt=fmt)
     with pytest.raises(ValueError, match="payload"):
         insert_block(other.allocate(2, torch.device("cpu")), 0, reader.get(_key(3)))
+    reader.close()
+
+
+def test_get_many_reads_into_one_buffer_and_rejects_bad_files(tmp_path: Path) -> None:
+    writer = _disk(tmp_path, 20)
+    for i in range(6):
+        writer.put(_key(i), _payload(i))
+    writer.put(_key(9), {"0.key": torch.zeros(8)})  # another layout, same namespace
+    writer.close()
+    flip = bytearray((tmp_path / file_name(_key(2))).read_bytes())
+    flip[-3] ^= 0x01
+    (tmp_path / file_name(_key(2))).write_bytes(bytes(flip))
+    with open(tmp_path / file_name(_key(3)), "ab") as f:  # appended bytes: a longer file
+        f.write(b"x")
+    (tmp_path / file_name(_key(4))).write_bytes((tmp_path / file_name(_key(4))).read_bytes()[:-7])
+    reader = _disk(tmp_path, 20)
+    layout = pack(_payload(0)).layout
+    keys = [_key(i) for i in (0, 1, 2, 3, 4, 5, 9, 7)]  # 7 was never written
+    got = reader.get_many(keys, layout)
+    assert [g is not None for g in got] == [True, True, False, False, False, True, False, False]
+    assert _same(got[0], _payload(0)) and _same(got[1], _payload(1)) and _same(got[5], _payload(5))
+    assert got[1].buffer.data_ptr() == got[0].buffer.data_ptr() + layout.nbytes  # rows of one buffer
+    s = reader.stats
+    assert (s.queries, s.hits, s.errors) == (8, 3, 4)
+    assert not any((tmp_path / file_name(_key(i))).exists() for i in (2, 3, 4, 9))
+    assert _same(reader.get_many([_key(5)])[0], _payload(5))  # without a layout: any layout
     reader.close()

@@ -5,27 +5,28 @@ A tier is a key -> payload store under a byte budget. Keys are content addresses
 keep or rewrite an entry at any time without coordination, and a miss is always safe (the engine
 recomputes the block).
 
-Ownership: `put` takes the payload's tensors; the caller must not modify them afterwards (the
-disk tier serializes them later, on its writer thread). Tensors returned by `get` may be shared
-with the tier; treat them as read-only (`insert_block` only copies out of them).
+A payload is one block of every layer (payload.py): any mapping of tensor names to tensors may
+be `put`; tiers return `PackedPayload`s (one contiguous buffer, named tensors viewing it).
+Ownership: `put` takes the payload; the caller must not modify it afterwards (the disk tier
+writes it later, on its writer thread). Payloads returned by `get` may view the tier's memory:
+treat them as read-only; the memory stays valid while the payload (or a tensor of it) is alive.
 """
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Protocol, runtime_checkable
 
-import torch
-
+from specserve.kv.offload.payload import BlockPayload, PackedPayload, payload_nbytes
+from specserve.kv.offload.transfer import BlockMover
 from specserve.kv.spec import LayerKVCache
 
 BlockKey = bytes
-# One block of every layer: "{layer}.key", "{layer}.value" [block_size, num_kv_heads, packed_dim]
-# and, for quantized formats, "{layer}.key_scale", "{layer}.value_scale"
-# [block_size, num_kv_heads, num_scale_groups]; contiguous CPU tensors.
-BlockPayload = dict[str, torch.Tensor]
 
-_FIELDS = ("key", "value", "key_scale", "value_scale")
+__all__ = ["BlockKey", "BlockPayload", "OffloadTier", "PackedPayload", "StatsCounter", "TierStats",
+           "check_payload", "extract_block", "extract_blocks", "insert_block", "insert_blocks",
+           "payload_nbytes"]
 
 
 @dataclass
@@ -72,7 +73,7 @@ class OffloadTier(Protocol):
         """Cheap existence check (a later `get` may still miss: eviction, corruption)."""
         ...
 
-    def get(self, key: BlockKey) -> BlockPayload | None:
+    def get(self, key: BlockKey) -> PackedPayload | None:
         """The block, or None on a miss or on a corrupt / foreign entry."""
         ...
 
@@ -100,48 +101,29 @@ class OffloadTier(Protocol):
         ...
 
 
-def payload_nbytes(payload: BlockPayload) -> int:
-    """Bytes of tensor data in one payload (what tier budgets count)."""
-    return sum(t.numel() * t.element_size() for t in payload.values())
+def extract_blocks(caches: list[LayerKVCache], block_ids: Sequence[int]) -> list[PackedPayload]:
+    """Copy blocks of every layer to the CPU, one packed payload per block id (synchronous).
 
-
-def _layer_tensors(cache: LayerKVCache) -> list[tuple[str, torch.Tensor]]:
-    return [(name, t) for name, t in zip(_FIELDS, cache) if t is not None]
-
-
-def extract_blocks(caches: list[LayerKVCache], block_ids: list[int]) -> list[BlockPayload]:
-    """Copy blocks of every layer to the CPU, one payload per block id.
-
-    One gather and one device->host copy per cache tensor for the whole list, so offloading many
-    blocks costs O(layers) transfers rather than O(layers * blocks).
-    """
-    ids = torch.tensor(block_ids, dtype=torch.long)
-    payloads: list[BlockPayload] = [{} for _ in block_ids]
-    for layer, cache in enumerate(caches):
-        for name, tensor in _layer_tensors(cache):
-            rows = tensor[ids.to(tensor.device)].cpu()  # [n, block_size, H, X], a fresh copy
-            for payload, row in zip(payloads, rows.unbind(0)):
-                # clone: each payload owns its storage (safetensors refuses shared storage).
-                payload[f"{layer}.{name}"] = row.clone() if len(block_ids) > 1 else row
+    One gather per cache tensor and one device->host copy per group of blocks, whatever the
+    number of blocks."""
+    payloads: list[PackedPayload] = []
+    for rows in BlockMover(caches).gather_to_host(list(block_ids)):
+        rows.wait()
+        payloads.extend(rows.payloads())
     return payloads
 
 
-def extract_block(caches: list[LayerKVCache], block_id: int) -> BlockPayload:
+def extract_block(caches: list[LayerKVCache], block_id: int) -> PackedPayload:
     """Copy one block of every layer to the CPU: {"{layer}.key": [block_size, H, packed_dim], ...}."""
     return extract_blocks(caches, [block_id])[0]
 
 
 def check_payload(caches: list[LayerKVCache], payload: BlockPayload) -> str | None:
     """Why `payload` cannot go into `caches` (names, shapes, dtypes), or None if it can."""
-    expected = {f"{layer}.{name}": t
-                for layer, cache in enumerate(caches) for name, t in _layer_tensors(cache)}
-    if set(payload) != set(expected):
-        return f"payload tensors {sorted(payload)[:4]}... do not match the cache's {sorted(expected)[:4]}..."
-    for name, tensor in expected.items():
-        got = payload[name]
-        if got.dtype != tensor.dtype or tuple(got.shape) != tuple(tensor.shape[1:]):
-            return (f"{name}: payload {got.dtype} {tuple(got.shape)} vs cache block "
-                    f"{tensor.dtype} {tuple(tensor.shape[1:])}")
+    try:
+        BlockMover(caches).check([payload])
+    except ValueError as exc:
+        return str(exc).removeprefix("cannot insert KV block: ")
     return None
 
 
@@ -151,23 +133,12 @@ def insert_block(caches: list[LayerKVCache], block_id: int, payload: BlockPayloa
     insert_blocks(caches, [block_id], [payload])
 
 
-def insert_blocks(caches: list[LayerKVCache], block_ids: list[int], payloads: list[BlockPayload]) -> None:
-    """Copy payloads[i] into block block_ids[i] of every layer: one host->device copy per cache
-    tensor. ValueError, with nothing written, if any payload's layout differs from the caches'."""
+def insert_blocks(caches: list[LayerKVCache], block_ids: Sequence[int], payloads: Sequence[BlockPayload]) -> None:
+    """Copy payloads[i] into block block_ids[i] of every layer; returns once the payloads may be
+    modified again. ValueError, with nothing written, if any payload's layout differs."""
     if len(block_ids) != len(payloads):
         raise ValueError(f"{len(block_ids)} block ids for {len(payloads)} payloads")
-    for payload in payloads:
-        problem = check_payload(caches, payload)
-        if problem is not None:
-            raise ValueError(f"cannot insert KV block: {problem}")
-    if not block_ids:
-        return
-    ids = torch.tensor(block_ids, dtype=torch.long)
-    for layer, cache in enumerate(caches):
-        for name, tensor in _layer_tensors(cache):
-            rows = torch.stack([p[f"{layer}.{name}"] for p in payloads])  # [n, block_size, H, X]
-            dst = tensor
-            if tensor.element_size() == 1 and tensor.dtype != torch.uint8:
-                # index_copy_ has no float8 kernel on CPU; copying the bytes is the same thing.
-                dst, rows = tensor.view(torch.uint8), rows.view(torch.uint8)
-            dst.index_copy_(0, ids.to(tensor.device), rows.to(tensor.device))
+    mover = BlockMover(caches)
+    done = mover.load_from_host(list(block_ids), mover.check(payloads))
+    if done is not None:
+        done.synchronize()

@@ -1,36 +1,74 @@
-"""CPU memory tier: an LRU of block payloads under a byte budget."""
+"""CPU memory tier: an LRU of packed block payloads in fixed-size slots of a (pinned) slab."""
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 
-from specserve.kv.offload.base import BlockKey, BlockPayload, StatsCounter, TierStats, payload_nbytes
+from specserve.kv.offload.base import BlockKey, StatsCounter, TierStats
+from specserve.kv.offload.payload import (BlockLayout, BlockPayload, PackedPayload, copy_bytes, pack, paired_runs,
+                                          payload_nbytes)
+from specserve.kv.offload.slab import DEFAULT_CHUNK_BYTES, SlotSlab
+
+
+class _Lease:
+    """Keeps one slot from being reused while a payload returned by `get` is alive.
+
+    Released by refcount: when the last payload / view referencing it dies, the slot id goes on
+    a deque (appending is atomic, so no lock is taken here, from whatever thread drops it); the
+    tier drains that deque under its lock.
+    """
+
+    __slots__ = ("_released", "_slot")
+
+    def __init__(self, released: deque[int], slot: int) -> None:
+        self._released = released
+        self._slot = slot
+
+    def __del__(self) -> None:
+        self._released.append(self._slot)
 
 
 class CpuTier:
-    """LRU under `capacity_bytes` of payload tensor bytes (Python object overhead not counted).
+    """LRU under `capacity_bytes` of packed payload bytes (Python object overhead not counted).
 
-    With `pin_memory` (default: when CUDA is available) payloads are copied into page-locked
-    memory on `put`, so later host->device copies can run asynchronously at full bandwidth.
-    Thread-safe: one lock around the index (the engine and a loader thread may share it).
+    Payloads live in slots of one size: `slot_bytes` (then the whole budget is allocated up
+    front), else the size of the first payload stored, memory then growing in chunks (one
+    engine's blocks all have the same layout); a payload of another size is not stored
+    (`dropped`).
+    With `pin_memory` (default: when CUDA is available) slots are page-locked, so host->device
+    copies out of them run asynchronously at full bandwidth.
+
+    `get` returns views into the slot, no copy; the slot is not reused (an LRU victim is chosen
+    among the other entries) while the returned payload or any of its tensors is alive. `put`
+    copies into a slot. Thread-safe: one lock around the index; copies run outside it.
     """
 
-    def __init__(self, capacity_bytes: int, pin_memory: bool | None = None, name: str = "cpu") -> None:
+    def __init__(self, capacity_bytes: int, pin_memory: bool | None = None, name: str = "cpu",
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, slot_bytes: int | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.name = name
         self._capacity = int(capacity_bytes)
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._entries: OrderedDict[BlockKey, tuple[BlockPayload, int]] = OrderedDict()  # oldest first
-        self._used = 0
+        self._chunk_bytes = chunk_bytes
+        self._slab: SlotSlab | None = None
+        if slot_bytes is not None and 0 < slot_bytes <= self._capacity:
+            # The engine knows its block size: take the whole budget now. Pinning is slow and
+            # stalls the driver, so it belongs to startup, not to the requests that fill the tier.
+            self._slab = SlotSlab(slot_bytes, self._capacity // slot_bytes, chunk_bytes, self._pin)
+            while self._slab.grow():
+                pass
+        self._entries: OrderedDict[BlockKey, tuple[int, BlockLayout]] = OrderedDict()  # oldest first
+        self._pins: dict[int, int] = {}  # slot -> live leases
+        self._released: deque[int] = deque()
         self._lock = threading.Lock()
         self._stats = StatsCounter()
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return 0 if self._slab is None else len(self._entries) * self._slab.slot_bytes
 
     @property
     def capacity_bytes(self) -> int:
@@ -49,44 +87,135 @@ class CpuTier:
             return list(self._entries)
 
     def contains(self, key: BlockKey) -> bool:
-        with self._lock:
-            return key in self._entries
+        return key in self._entries  # one dict lookup: atomic under the GIL
 
-    def get(self, key: BlockKey) -> BlockPayload | None:
+    def get(self, key: BlockKey) -> PackedPayload | None:
         with self._lock:
+            self._drain_released()
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
+                slot, layout = entry
+                self._pins[slot] = self._pins.get(slot, 0) + 1
+                view = self._slab.view(slot)
         if entry is None:
             self._stats.add(queries=1)
             return None
-        self._stats.add(queries=1, hits=1, bytes_out=entry[1])
-        return entry[0]
+        self._stats.add(queries=1, hits=1, bytes_out=layout.nbytes)
+        return PackedPayload(view, layout, _Lease(self._released, slot))
+
+    def get_many(self, keys: list[BlockKey]) -> list[PackedPayload]:
+        """`get` of the leading keys that are all here (stops at the first miss, which counts as
+        a query): one lock for a whole prefix hit."""
+        found: list[tuple[int, BlockLayout]] = []
+        with self._lock:
+            self._drain_released()
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    break
+                self._entries.move_to_end(key)
+                found.append(entry)
+                self._pins[entry[0]] = self._pins.get(entry[0], 0) + 1
+            views = [self._slab.view(slot) for slot, _ in found]
+        missed = len(found) < len(keys)
+        self._stats.add(queries=len(found) + missed, hits=len(found), bytes_out=sum(lay.nbytes for _, lay in found))
+        return [PackedPayload(view, layout, _Lease(self._released, slot))
+                for view, (slot, layout) in zip(views, found)]
 
     def put(self, key: BlockKey, payload: BlockPayload) -> None:
         size = payload_nbytes(payload)
-        if size > self._capacity:
-            self._stats.add(dropped=1)
+        if not self._fits(size):
             return
-        with self._lock:
-            if key in self._entries:
-                # Same key, same content (content-addressed): refreshing recency is enough.
-                self._entries.move_to_end(key)
-                return
-        if self._pin:
-            payload = {name: t.pin_memory() for name, t in payload.items()}
-        evicted = 0
+        slot = self._reserve(key, size)
+        if slot is None:
+            return
+        try:
+            packed = pack(payload, out=self._slab.view(slot))  # the copy, outside the lock
+        except Exception:
+            with self._lock:
+                self._slab.free(slot)
+            raise
         with self._lock:
             if key in self._entries:  # another thread stored it meanwhile
+                self._slab.free(slot)
                 self._entries.move_to_end(key)
                 return
-            while self._used + size > self._capacity:
-                _, (_, old_size) = self._entries.popitem(last=False)
-                self._used -= old_size
-                evicted += 1
-            self._entries[key] = (payload, size)
-            self._used += size
-        self._stats.add(bytes_in=size, evictions=evicted)
+            self._entries[key] = (slot, packed.layout)
+        self._stats.add(bytes_in=size)
+
+    def put_many(self, keys: list[BlockKey], payloads: list[BlockPayload]) -> None:
+        """`put` of each pair; blocks that sit side by side in the source (rows of one staging
+        buffer) and land in adjacent slots are copied together: a step's blocks cost a few large
+        copies and one lock, not a copy and a lock each (the store worker shares the GIL with
+        the engine thread)."""
+        todo = [(k, pack(p)) for k, p in zip(keys, payloads)]
+        todo = [(k, p) for k, p in todo if self._fits(p.nbytes)]
+        slots = [self._reserve(k, p.nbytes) for k, p in todo]
+        todo = [(k, p, s) for (k, p), s in zip(todo, slots) if s is not None]
+        if not todo:
+            return
+        views = [self._slab.view(s) for _, _, s in todo]
+        for src, dst in paired_runs([p.buffer for _, p, _ in todo], views):
+            copy_bytes(dst, src)
+        stored = 0
+        with self._lock:
+            for key, payload, slot in todo:
+                if key in self._entries:  # another thread stored it meanwhile
+                    self._slab.free(slot)
+                    self._entries.move_to_end(key)
+                else:
+                    self._entries[key] = (slot, payload.layout)
+                    stored += payload.nbytes
+        self._stats.add(bytes_in=stored)
+
+    def _fits(self, size: int) -> bool:
+        if size > self._capacity:
+            self._stats.add(dropped=1)
+            return False
+        return True
+
+    def _reserve(self, key: BlockKey, size: int) -> int | None:
+        """A slot for a new entry (growing the slab or evicting the LRU unleased entry), or None
+        if the key is already stored or nothing can be freed."""
+        while True:
+            with self._lock:
+                self._drain_released()
+                if key in self._entries:
+                    # Same key, same content (content-addressed): refreshing recency is enough.
+                    self._entries.move_to_end(key)
+                    return None
+                if self._slab is None:
+                    self._slab = SlotSlab(size, self._capacity // size, self._chunk_bytes, self._pin)
+                slab = self._slab
+                if size != slab.slot_bytes:
+                    self._stats.add(dropped=1)
+                    return None
+                slot = slab.allocate()
+                if slot is not None:
+                    return slot
+                if not slab.can_grow:
+                    return self._evict_one()
+            slab.grow()  # pins a new chunk: slow, so not under the lock; then retry
+
+    def _evict_one(self) -> int | None:
+        """Under the lock: free the least recently used entry whose slot nobody reads."""
+        for key, (slot, _) in self._entries.items():
+            if not self._pins.get(slot):
+                del self._entries[key]
+                self._stats.add(evictions=1)
+                return slot
+        self._stats.add(dropped=1)
+        return None
+
+    def _drain_released(self) -> None:
+        while self._released:
+            slot = self._released.popleft()
+            left = self._pins.get(slot, 1) - 1
+            if left:
+                self._pins[slot] = left
+            else:
+                self._pins.pop(slot, None)
 
     def flush(self) -> None:
         """Nothing is pending in memory."""
@@ -94,4 +223,4 @@ class CpuTier:
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._used = 0
+            self._slab = None  # memory goes once no payload views it any more

@@ -1,13 +1,7 @@
 """Local disk tier: one file per block, written in the background, LRU under a byte budget.
 
-File layout (little endian), `<hex of key>.kvb`:
-    magic "SKVB" | version u16 | key length u16 | body length u64 | crc32(body) u32 |
-    blake2b-128(namespace) 16 bytes | key bytes | body = safetensors bytes of the payload.
-Everything a reader needs to reject an entry is in the header: another format version, another
-namespace (model / KV dtype), a different key (name collision or a renamed file), a short or
-long body (truncated / appended), a body whose crc32 differs (bit rot, torn write). Such an entry
-is a miss, counted in `stats.errors`, and its file is removed. crc32 guards against accidents,
-not attackers; safetensors (never pickle) means a hostile file can at worst be a wrong tensor.
+The file format (header, checksum, namespace, format version) is in disk_format.py. An entry
+that fails any check there is a miss, counted in `stats.errors`, and its file is removed.
 
 Sharing a directory: writes go to a unique temp file in the same directory and are published
 with `os.replace`, which is atomic, so readers in any process see a whole file or none; two
@@ -18,42 +12,39 @@ others wrote since this one started; `rescan()` refreshes the view.
 
 Recency survives restarts through file mtimes: a hit touches its file, the startup scan orders
 files by mtime. Durability: no fsync; after a power loss a torn file fails its crc and is a miss.
+
+Reads of many blocks (`get_many`, a prefix hit) run on a small thread pool, each file read
+straight into its row of one (pinned, when CUDA is present) buffer: open, pread and crc32
+release the GIL, so files are read and checked in parallel and the rows go to the GPU in one copy.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import queue
-import struct
 import tempfile
 import threading
 import time
-import zlib
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+import torch
 
-from specserve.kv.offload.base import BlockKey, BlockPayload, StatsCounter, TierStats, payload_nbytes
+from specserve.kv.offload.base import BlockKey, StatsCounter, TierStats
+from specserve.kv.offload.disk_format import BadEntry, body_offset, encode_entry, read_entry, read_entry_as, write_entry
+from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayload, pack
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"SKVB"
-FORMAT_VERSION = 1
 SUFFIX = ".kvb"
-_HEADER = struct.Struct("<4sHHQI16s")  # magic, version, key_len, body_len, crc32, namespace digest
 _TMP_PREFIX = ".tmp-"
 _STALE_TMP_SECONDS = 3600.0  # temp files older than this belong to a writer that died
 _MAX_KEY_NAME = 100  # longer keys are named by their blake2b digest (file names stay short)
+_READERS = max(1, min(16, os.cpu_count() or 1))  # syscalls and crc32 release the GIL
 
-
-class _BadEntry(Exception):
-    """A stored file that must not be trusted."""
-
-
-def _namespace_digest(namespace: str) -> bytes:
-    return hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+__all__ = ["SUFFIX", "DiskTier", "encode_entry", "file_name"]
 
 
 def file_name(key: BlockKey) -> str:
@@ -61,39 +52,6 @@ def file_name(key: BlockKey) -> str:
     if len(key) > _MAX_KEY_NAME:
         return hashlib.blake2b(key, digest_size=32).hexdigest() + SUFFIX
     return key.hex() + SUFFIX
-
-
-def encode_entry(key: BlockKey, payload: BlockPayload, namespace: str) -> bytes:
-    """Header + safetensors body of one block file."""
-    body = st_save({name: t.detach().cpu().contiguous() for name, t in payload.items()})
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(key), len(body), zlib.crc32(body),
-                          _namespace_digest(namespace))
-    return header + key + body
-
-
-def decode_entry(key: BlockKey, blob: bytes, namespace: str) -> BlockPayload:
-    """The payload of a block file; _BadEntry says why the file cannot be trusted."""
-    if len(blob) < _HEADER.size:
-        raise _BadEntry("truncated header")
-    magic, version, key_len, body_len, crc, ns = _HEADER.unpack_from(blob)
-    if magic != MAGIC:
-        raise _BadEntry("bad magic")
-    if version != FORMAT_VERSION:
-        raise _BadEntry(f"format version {version}, expected {FORMAT_VERSION}")
-    if ns != _namespace_digest(namespace):
-        raise _BadEntry("written under another namespace")
-    body_start = _HEADER.size + key_len
-    if blob[_HEADER.size:body_start] != key:
-        raise _BadEntry("stored key differs")
-    body = memoryview(blob)[body_start:]
-    if len(body) != body_len:
-        raise _BadEntry(f"body is {len(body)} bytes, header says {body_len}")
-    if zlib.crc32(body) != crc:
-        raise _BadEntry("checksum mismatch")
-    try:
-        return st_load(bytes(body))
-    except Exception as exc:  # a body that passed the crc but is not safetensors: foreign writer
-        raise _BadEntry(f"unreadable body: {exc}") from exc
 
 
 class DiskTier:
@@ -117,12 +75,13 @@ class DiskTier:
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> size, oldest first
         self._used = 0
-        self._pending: dict[BlockKey, tuple[BlockPayload, int]] = {}
+        self._pending: dict[BlockKey, tuple[PackedPayload, int]] = {}
         self._pending_bytes = 0
         self._last_touch_ns = 0
         self._stats = StatsCounter()
         self._closed = False
-        self._queue: queue.Queue[tuple[BlockKey, BlockPayload, int] | None] = queue.Queue()
+        self._pool: ThreadPoolExecutor | None = None  # get_many's readers, started on first use
+        self._queue: queue.Queue[tuple[BlockKey, PackedPayload, int] | None] = queue.Queue()
         self.rescan()
         self._writer = threading.Thread(target=self._writer_loop, name=f"specserve-{name}-writer",
                                         daemon=True)
@@ -154,39 +113,129 @@ class DiskTier:
         self._remember(name, size)
         return True
 
-    def get(self, key: BlockKey) -> BlockPayload | None:
+    def knows(self, key: BlockKey) -> bool:
+        """`contains` without asking the file system (no stat): what this process has seen."""
+        with self._lock:
+            return key in self._pending or file_name(key) in self._index
+
+    def get(self, key: BlockKey) -> PackedPayload | None:
         with self._lock:
             pending = self._pending.get(key)
         if pending is not None:
             self._stats.add(queries=1, hits=1, bytes_out=pending[1])
             return pending[0]
         self._stats.add(queries=1)
+        payload = self._read(key)
+        if payload is not None:
+            self._stats.add(hits=1, bytes_out=payload.nbytes)
+        return payload
+
+    def get_many(self, keys: list[BlockKey], layout: BlockLayout | None = None) -> list[PackedPayload | None]:
+        """`get` of every key, files read in parallel. With `layout` (what the caller can use;
+        a file of another layout is then a counted miss), each body lands in its row of one
+        buffer [len(keys), layout.nbytes], pinned when CUDA is present, so consecutive hits are
+        adjacent in memory (one host->device copy), and each file is one read."""
+        if not keys:
+            return []
+        out: list[PackedPayload | None] = [None] * len(keys)
+        sizes: list[int | None] = [None] * len(keys)
+        expect: list = [None] * len(keys)
+        if layout is not None:
+            rows = torch.empty((len(keys), layout.nbytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            flat = memoryview(rows.view(-1).numpy()).cast("B")  # one conversion, sliced per row
+            n = layout.nbytes
+            expect = [(layout, row, flat[i * n:(i + 1) * n]) for i, row in enumerate(rows.unbind(0))]
+
+        def read(indices: list[int]) -> None:
+            for i in indices:
+                got = self._read_file(keys[i], expect[i])
+                if got is not None:
+                    out[i], sizes[i] = got
+
+        with self._lock:
+            pending = [self._pending.get(key) for key in keys]
+        todo = [i for i, p in enumerate(pending) if p is None]
+        for i, p in enumerate(pending):
+            if p is not None:
+                out[i] = p[0]
+        if len(todo) > 1 and _READERS > 1:
+            step = -(-len(todo) // _READERS)  # contiguous spans: each reader walks its files in order
+            for fut in [self._readers().submit(read, todo[j:j + step]) for j in range(0, len(todo), step)]:
+                fut.result()
+        else:
+            read(todo)
+        touched = [i for i in todo if sizes[i] is not None]
+        for i in touched:  # recency in key order (the threads finish in any order)
+            self._remember(file_name(keys[i]), sizes[i])
+        if touched:  # mtimes (recency after a restart) are set off the caller's path
+            paths = [os.path.join(self.path, file_name(keys[i])) for i in touched]
+            self._readers().submit(_set_mtimes, paths, self._stamps(len(paths)))
+        hits = [p for p in out if p is not None]
+        self._stats.add(queries=len(keys), hits=len(hits), bytes_out=sum(p.nbytes for p in hits))
+        return out
+
+    def _read(self, key: BlockKey) -> PackedPayload | None:
+        """One file, marked most recently used (None on a miss or a bad file)."""
+        got = self._read_file(key)
+        if got is None:
+            return None
+        if got[1] is not None:
+            self._touch(os.path.join(self.path, file_name(key)))
+            self._remember(file_name(key), got[1])
+        return got[0]
+
+    def _read_file(self, key: BlockKey, expect: tuple[BlockLayout, torch.Tensor, memoryview] | None = None
+                   ) -> tuple[PackedPayload, int | None] | None:
+        """(payload, file size; None if served from the write queue), or None on a miss or a bad
+        file (counted and removed). `expect`: (layout, destination, its memory) for one-read
+        files of a known layout."""
+        with self._lock:
+            pending = self._pending.get(key)
+        if pending is not None:  # queued since the caller looked: serve it from memory
+            return pending[0], None
         name = file_name(key)
         path = os.path.join(self.path, name)
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                blob = f.read()
+            fd = os.open(path, os.O_RDONLY)
         except OSError:  # not there (or gone): a plain miss
             self._forget(name)
             return None
         try:
-            payload = decode_entry(key, blob, self.namespace)
-        except _BadEntry as exc:
+            if expect is None:
+                payload = read_entry(fd, key, self.namespace)
+            else:
+                payload = read_entry_as(fd, key, self.namespace, *expect)
+        except BadEntry as exc:
             logger.warning("KV disk tier: dropping %s: %s", path, exc)
             self._stats.add(errors=1)
             self._forget(name)
-            _remove_if_same(path, st)
+            with contextlib.suppress(OSError):
+                _remove_if_same(path, os.fstat(fd))
             return None
-        self._touch(path)
-        self._remember(name, len(blob))
-        self._stats.add(hits=1, bytes_out=payload_nbytes(payload))
-        return payload
+        except OSError as exc:  # an I/O error: a miss, the file may be fine next time
+            logger.warning("KV disk tier: reading %s failed: %s", path, exc)
+            self._stats.add(errors=1)
+            return None
+        finally:
+            os.close(fd)
+        return payload, _file_size(key, payload)
+
+    def _readers(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=_READERS, thread_name_prefix=f"specserve-{self.name}-read")
+            return self._pool
 
     def put(self, key: BlockKey, payload: BlockPayload) -> None:
         if self._closed:
             raise RuntimeError(f"{self.name} tier is closed")
-        size = payload_nbytes(payload)
+        try:
+            packed = pack(payload)  # a copy only for a plain dict of tensors
+        except Exception as exc:  # a tensor that cannot be read: count it, never raise
+            logger.warning("KV disk tier: cannot store %s: %s", file_name(key), exc)
+            self._stats.add(errors=1)
+            return
+        size = packed.nbytes
         name = file_name(key)
         with self._lock:
             if key in self._pending:
@@ -197,9 +246,9 @@ class DiskTier:
             if size > self._capacity or self._pending_bytes + size > self._max_pending:
                 self._stats.add(dropped=1)
                 return
-            self._pending[key] = (payload, size)
+            self._pending[key] = (packed, size)
             self._pending_bytes += size
-        self._queue.put((key, payload, size))
+        self._queue.put((key, packed, size))
 
     def flush(self) -> None:
         self._queue.join()
@@ -210,6 +259,10 @@ class DiskTier:
         self._closed = True
         self._queue.put(None)
         self._writer.join()
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -269,15 +322,15 @@ class DiskTier:
             self._stats.add(evictions=len(victims))
 
     def _touch(self, path: str) -> None:
+        _set_mtime(path, self._stamps(1)[0])
+
+    def _stamps(self, n: int) -> list[int]:
         # Strictly increasing mtimes within a process keep the on-disk order equal to the
         # in-memory order even on coarse clocks (so a restart sees the same LRU).
         with self._lock:
-            now = max(time.time_ns(), self._last_touch_ns + 1)
-            self._last_touch_ns = now
-        try:
-            os.utime(path, ns=(now, now))
-        except OSError:
-            pass
+            first = max(time.time_ns(), self._last_touch_ns + 1)
+            self._last_touch_ns = first + n - 1
+        return list(range(first, first + n))
 
     # -- writer thread -----------------------------------------------------------------------
 
@@ -300,7 +353,7 @@ class DiskTier:
                     self._pending_bytes -= size
                 self._queue.task_done()
 
-    def _write(self, key: BlockKey, payload: BlockPayload) -> None:
+    def _write(self, key: BlockKey, payload: PackedPayload) -> None:
         name = file_name(key)
         path = os.path.join(self.path, name)
         try:
@@ -311,21 +364,40 @@ class DiskTier:
             self._touch(path)
             self._remember(name, existing)
             return
-        blob = encode_entry(key, payload, self.namespace)
-        if len(blob) > self._capacity:
-            self._stats.add(dropped=1)
-            return
         fd, tmp = tempfile.mkstemp(dir=self.path, prefix=_TMP_PREFIX)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
+            try:
+                size = write_entry(fd, key, payload, self.namespace)
+            finally:
+                os.close(fd)
+            if size > self._capacity:
+                _remove_quietly(tmp)
+                self._stats.add(dropped=1)
+                return
             os.replace(tmp, path)
         except BaseException:
             _remove_quietly(tmp)
             raise
         self._touch(path)
-        self._stats.add(bytes_in=payload_nbytes(payload))
-        self._remember(name, len(blob))
+        self._stats.add(bytes_in=payload.nbytes)
+        self._remember(name, size)
+
+
+def _file_size(key: BlockKey, payload: PackedPayload) -> int:
+    """Bytes of the file that holds `payload` (it was just read whole, so no fstat needed)."""
+    return body_offset(len(key), len(payload.layout.json)) + payload.nbytes
+
+
+def _set_mtimes(paths: list[str], stamps: list[int]) -> None:
+    for path, ns in zip(paths, stamps):
+        _set_mtime(path, ns)
+
+
+def _set_mtime(path: str, ns: int) -> None:
+    try:
+        os.utime(path, ns=(ns, ns))
+    except OSError:
+        pass
 
 
 def _remove_quietly(path: str) -> None:

@@ -1,25 +1,37 @@
 """KVOffloader: connects the GPU block pool to the CPU / disk tiers.
 
-- Store: a full block is queued when it enters the prefix cache and copied out after the
-  forward that wrote it (one gather per cache tensor for all of a step's blocks); a cached block
-  about to be reused is copied out first if no tier has it.
+- Store: a full block is queued when it enters the prefix cache and gathered right after the
+  forward that wrote it (all of a step's blocks at once, on the compute stream); a cached block
+  about to be reused is gathered before the GPU overwrites it, if no tier has it. The copy to the
+  host runs on a side stream and a worker thread hands the payloads to the tiers once it has
+  landed (store_queue.py): the step never waits for it.
 - Load: past the last GPU prefix hit, consecutive blocks found in a tier are copied into fresh
-  GPU blocks and become ordinary prefix-cache hits.
+  GPU blocks (a few large copies on the compute stream, ordered before the forward that reads
+  them) and become ordinary prefix-cache hits. Disk blocks are read in parallel into one pinned
+  buffer and promoted to the CPU tier in the background.
 - Prefetch: when a request arrives, a background thread reads its blocks from disk into the CPU
   tier, so the scheduler's later lookup usually hits memory.
 Keys are the chained block hashes, which already include the model identity and KV format.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from specserve.config import OffloadConfig
 from specserve.kv.block_pool import BlockHash
-from specserve.kv.offload.base import BlockPayload, TierStats, extract_block, extract_blocks, insert_blocks
+from specserve.kv.offload.base import TierStats
 from specserve.kv.offload.cpu import CpuTier
 from specserve.kv.offload.disk import DiskTier
+from specserve.kv.offload.payload import BlockPayload, PackedPayload
+from specserve.kv.offload.store_queue import StoreQueue
 from specserve.kv.offload.tiered import TieredStore
+from specserve.kv.offload.transfer import BlockMover
 from specserve.kv.spec import LayerKVCache
 from specserve.metrics.stats import StatsCollector
 
@@ -27,59 +39,144 @@ from specserve.metrics.stats import StatsCollector
 class KVOffloader:
     def __init__(self, cfg: OffloadConfig, caches: list[LayerKVCache], namespace: str, block_size: int,
                  stats: StatsCollector | None = None) -> None:
-        tiers = []
-        if cfg.cpu_bytes > 0:
-            tiers.append(CpuTier(cfg.cpu_bytes))
-        if cfg.disk_path and cfg.disk_bytes > 0:
-            tiers.append(DiskTier(cfg.disk_path, cfg.disk_bytes, namespace))
-        self.store = TieredStore(tiers)
+        self.mover = BlockMover(caches)
+        # The CPU tier's memory (pinned on CUDA) is taken at startup, in slots of one block.
+        self.cpu = CpuTier(cfg.cpu_bytes, slot_bytes=self.mover.layout.nbytes) if cfg.cpu_bytes > 0 else None
+        self.disk = DiskTier(cfg.disk_path, cfg.disk_bytes, namespace) if cfg.disk_path and cfg.disk_bytes > 0 else None
+        self.store = TieredStore([t for t in (self.cpu, self.disk) if t is not None])
         self.caches = caches
         self.block_size = block_size
         self.stats = stats
-        self._pending: list[tuple[BlockHash, int]] = []
+        self.queue = StoreQueue()
+        # (hash, block id, already computed): blocks completed since the last forward
+        self._pending: dict[BlockHash, tuple[int, bool]] = {}
+        self._evicted: list[tuple[BlockHash, int]] | None = None  # collected inside batch_evictions()
+        self._loads: deque[tuple[torch.cuda.Event, list[PackedPayload]]] = deque()  # H2D copies in flight
         self._last: dict[str, TierStats] = {}
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
-        self._lock = threading.Lock()  # the tiers are thread-safe; this orders get vs prefetch
+        self._lock = threading.Lock()  # orders engine lookups after a running prefetch
 
     # -- store -------------------------------------------------------------------------------
-    def block_completed(self, block_hash: BlockHash, block_id: int) -> None:
-        self._pending.append((block_hash, block_id))
+    def block_completed(self, block_hash: BlockHash, block_id: int, computed: bool = False) -> None:
+        """A full block entered the prefix cache: its content is written by the next forward
+        (`computed=False`) or already was (asynchronous scheduling resolved its last token)."""
+        self._pending[block_hash] = (block_id, computed)
 
     def after_forward(self) -> None:
-        """Copy out the blocks completed by the forward that just ran."""
-        pending, self._pending = self._pending, []
-        fresh = [(h, b) for h, b in pending if not self.store.contains(h)]
-        if fresh:
-            for (h, _), payload in zip(fresh, extract_blocks(self.caches, [b for _, b in fresh])):
-                self.store.put(h, payload)
+        """Start copying out the blocks completed by the forward that was just launched."""
+        self._reap_loads()
+        pending, self._pending = self._pending, {}
+        self._store([(h, b) for h, (b, _) in pending.items()])
         self.record_stats()
 
     def on_evict(self, block_hash: BlockHash, block_id: int) -> None:
         """The GPU is about to reuse a cached block: keep its content in a tier."""
-        if any(h == block_hash for h, _ in self._pending):
-            self._pending = [(h, b) for h, b in self._pending if h != block_hash]
-        if not self.store.contains(block_hash):
-            self.store.put(block_hash, extract_block(self.caches, block_id))
+        entry = self._pending.pop(block_hash, None)
+        if entry is not None and not entry[1]:
+            return  # its forward has not run: there is nothing to keep (it was never computed)
+        if self._evicted is not None:
+            self._evicted.append((block_hash, block_id))
+        else:
+            self._store([(block_hash, block_id)])
+
+    @contextlib.contextmanager
+    def batch_evictions(self) -> Iterator[None]:
+        """Blocks evicted inside are gathered together on leaving (one copy for all of them, not
+        one per block). Leave it before anything writes to the blocks handed out inside."""
+        outer, self._evicted = self._evicted, []
+        try:
+            yield
+        finally:
+            evicted, self._evicted = self._evicted, outer
+            if outer is not None:
+                outer.extend(evicted)
+            else:
+                self._store(evicted)
+
+    def _store(self, blocks: list[tuple[BlockHash, int]]) -> None:
+        """Gather the blocks now (a snapshot in stream order) and hand them to the store queue."""
+        fresh = [(h, b) for h, b in blocks if not self.queue.pending(h) and not self._stored(h)]
+        if not fresh:
+            return
+        start = 0
+        for rows in self.mover.gather_to_host([b for _, b in fresh]):
+            n = rows.rows.shape[0]
+            self.queue.submit_rows([h for h, _ in fresh[start:start + n]], rows, self.store.put_many)
+            start += n
+
+    def _stored(self, key: BlockHash) -> bool:
+        # No stat per block on the step path: a block another process wrote is found by the
+        # disk writer, which skips files already there.
+        return ((self.cpu is not None and self.cpu.contains(key))
+                or (self.disk is not None and self.disk.knows(key)))
 
     # -- load --------------------------------------------------------------------------------
-    def lookup(self, hashes: list[BlockHash]) -> list[BlockPayload]:
+    def lookup(self, hashes: list[BlockHash]) -> list[PackedPayload]:
         """Payloads for the longest run of `hashes` (in order) that some tier holds."""
-        found: list[BlockPayload] = []
+        self._reap_loads()
         with self._lock:
-            for h in hashes:
-                payload = self.store.get(h)
-                if payload is None:
+            return self._lookup(hashes)
+
+    def _lookup(self, hashes: list[BlockHash]) -> list[PackedPayload]:
+        found: list[PackedPayload] = []
+        while len(found) < len(hashes):
+            rest = hashes[len(found):]
+            for h in rest:
+                self.queue.wait_for(h)  # a block on its way into the tiers: wait until it is there
+            if self.cpu is not None:
+                hits = self.cpu.get_many(rest)
+                found.extend(hits)
+                if len(hits) == len(rest):
                     break
-                found.append(payload)
+                rest = rest[len(hits):]
+            run = self._disk_run(rest)
+            if not run:
+                break
+            got = self.disk.get_many(run, self.mover.layout)
+            hits = _prefix(got)
+            found.extend(hits)
+            if self.cpu is not None and hits:  # promote off the engine thread
+                self.queue.submit(run[:len(hits)], hits, self.cpu.put_many)
+            if len(hits) < len(run):
+                break
         return found
 
+    def _disk_run(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        """The leading hashes that are on disk and not in the CPU tier."""
+        run: list[BlockHash] = []
+        if self.disk is None:
+            return run
+        for h in hashes:
+            self.queue.wait_for(h)
+            if (self.cpu is not None and self.cpu.contains(h)) or not self.disk.contains(h):
+                break
+            run.append(h)
+        return run
+
     def load_into(self, block_ids: list[int], payloads: list[BlockPayload]) -> None:
-        insert_blocks(self.caches, block_ids, payloads)
+        """Copy payloads into the (freshly allocated) blocks, ordered before the next forward."""
+        packed = self.mover.check(payloads)
+        done = self.mover.load_from_host(block_ids, packed)
+        if done is not None:  # the host buffers (tier slots) stay leased until the copy has run
+            self._loads.append((done, packed))
+
+    def _reap_loads(self) -> None:
+        while self._loads and self._loads[0][0].query():  # events complete in stream order
+            self._loads.popleft()
 
     def prefetch(self, hashes: list[BlockHash]) -> None:
-        """Warm the CPU tier from disk in the background (promotion happens inside get)."""
-        if len(self.store.tiers) > 1 and hashes:
-            self._prefetcher.submit(self.lookup, list(hashes))
+        """Warm the CPU tier from disk in the background."""
+        if self.cpu is not None and self.disk is not None and hashes:
+            self._prefetcher.submit(self._prefetch, list(hashes))
+
+    def _prefetch(self, hashes: list[BlockHash]) -> None:
+        with self._lock:
+            start = 0
+            while start < len(hashes) and (self.cpu.contains(hashes[start]) or self.queue.pending(hashes[start])):
+                start += 1
+            run = self._disk_run(hashes[start:])
+            hits = _prefix(self.disk.get_many(run, self.mover.layout))
+            self.cpu.put_many(run[:len(hits)], hits)
 
     # -- housekeeping ------------------------------------------------------------------------
     def record_stats(self) -> None:
@@ -98,7 +195,21 @@ class KVOffloader:
     def close(self) -> None:
         """Flush pending writes (graceful shutdown)."""
         self.after_forward()
+        for done, _ in self._loads:
+            done.synchronize()
+        self._loads.clear()
         self._prefetcher.shutdown(wait=True)
+        self.queue.close()
         self.store.flush()
         self.store.close()
         self.record_stats()
+
+
+def _prefix(payloads: list[PackedPayload | None]) -> list[PackedPayload]:
+    """The payloads before the first miss."""
+    out = []
+    for p in payloads:
+        if p is None:
+            break
+        out.append(p)
+    return out

@@ -38,6 +38,16 @@ class TieredStore:
         for tier in self.tiers:
             tier.put(key, payload)
 
+    def put_many(self, keys: list[BlockKey], payloads: list[BlockPayload]) -> None:
+        """`put` of each pair, through a tier's own `put_many` where it has one (batched copies)."""
+        for tier in self.tiers:
+            put_many = getattr(tier, "put_many", None)
+            if put_many is not None:
+                put_many(keys, payloads)
+            else:
+                for key, payload in zip(keys, payloads):
+                    tier.put(key, payload)
+
     @property
     def used_bytes(self) -> int:
         return sum(tier.used_bytes for tier in self.tiers)

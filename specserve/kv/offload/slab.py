@@ -1,0 +1,78 @@
+"""Fixed-size slots carved out of a few large host buffers (page-locked when CUDA is present).
+
+Pinning memory costs a cudaHostAlloc (page locking, slow: tens of ms per 64 MiB), so pinning one
+small tensor per block per layer made storing a document take a second. Here memory is pinned
+once per chunk of `chunk_bytes`, grown on demand up to `max_slots`, and then reused forever: a
+slot freed by eviction is handed to the next block without touching the allocator.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import torch
+
+DEFAULT_CHUNK_BYTES = 64 << 20  # a power of two: torch's pinned allocator rounds sizes up to one
+
+
+class SlotSlab:
+    """`max_slots` slots of `slot_bytes` each, allocated `chunk_bytes` at a time.
+
+    Not thread-safe by itself except `grow`: the owner (CpuTier) serializes `allocate` / `free`
+    under its lock and calls `grow` outside it (allocating a chunk is slow).
+    """
+
+    def __init__(self, slot_bytes: int, max_slots: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 pin_memory: bool = False) -> None:
+        if slot_bytes <= 0 or max_slots < 0:
+            raise ValueError(f"slot_bytes must be > 0 and max_slots >= 0, got {slot_bytes}, {max_slots}")
+        self.slot_bytes = slot_bytes
+        self.max_slots = max_slots
+        self.slots_per_chunk = max(1, chunk_bytes // slot_bytes)
+        self.pin_memory = pin_memory
+        self._chunks: list[torch.Tensor] = []  # [slots_in_chunk * slot_bytes] uint8 each
+        self._free: deque[int] = deque()  # slot ids; new chunks append in ascending order
+        self._num_slots = 0
+        self._grow_lock = threading.Lock()
+
+    @property
+    def num_slots(self) -> int:
+        """Slots allocated so far (free or not)."""
+        return self._num_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def can_grow(self) -> bool:
+        return self._num_slots < self.max_slots
+
+    def allocate(self) -> int | None:
+        """A free slot id, or None (call `grow`, or evict and `free` a slot, then retry)."""
+        return self._free.popleft() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def grow(self) -> bool:
+        """Add one chunk of slots (False at max_slots). Safe to call without the owner's lock:
+        the chunk is pinned first, then published with two atomic list operations."""
+        with self._grow_lock:
+            count = min(self.slots_per_chunk, self.max_slots - self._num_slots)
+            if count <= 0:
+                return False
+            chunk = torch.empty(count * self.slot_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+            first = self._num_slots
+            self._chunks.append(chunk)
+            self._num_slots += count
+            # Slots of a chunk come out in address order, so blocks stored together are adjacent
+            # and move to the device in one copy.
+            self._free.extend(range(first, first + count))
+            return True
+
+    def view(self, slot: int) -> torch.Tensor:
+        """The slot's memory: [slot_bytes] uint8."""
+        chunk, index = divmod(slot, self.slots_per_chunk)
+        start = index * self.slot_bytes
+        return self._chunks[chunk][start:start + self.slot_bytes]

@@ -1,0 +1,101 @@
+"""Blocks on their way into the tiers, handed over by a worker thread off the engine's step.
+
+The engine thread only launches copies (transfer.py) and submits the result here; the worker
+waits for each job's copy to complete (a CUDA event: the GIL is released while it waits), then
+puts the payloads into the tiers (a memcpy into a CPU tier slot, a queued disk write). A payload
+is visible in a tier only once its bytes are complete. Until then `pending(key)` is true, and a
+reader that needs the block calls `wait_for(key)`.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from specserve.kv.offload.base import BlockKey
+from specserve.kv.offload.payload import PackedPayload
+from specserve.kv.offload.transfer import HostRows
+
+logger = logging.getLogger(__name__)
+
+PutMany = Callable[[list[BlockKey], list[PackedPayload]], None]  # e.g. TieredStore.put_many
+
+
+class _Job:
+    __slots__ = ("done", "keys", "payloads", "put", "rows")
+
+    def __init__(self, keys: list[BlockKey], rows: HostRows | None, payloads: list[PackedPayload] | None,
+                 put: PutMany) -> None:
+        self.keys, self.rows, self.payloads, self.put = keys, rows, payloads, put
+        self.done = threading.Event()
+
+
+class StoreQueue:
+    """Jobs are handled in submission order by one worker thread."""
+
+    def __init__(self, name: str = "kv-store") -> None:
+        self._inflight: dict[BlockKey, _Job] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._closed = False
+        self._worker = threading.Thread(target=self._loop, name=f"specserve-{name}", daemon=True)
+        self._worker.start()
+
+    def submit_rows(self, keys: list[BlockKey], rows: HostRows, put: PutMany) -> None:
+        """Put rows.rows[i] under keys[i] once the copy that fills `rows` has completed."""
+        self._submit(_Job(keys, rows, None, put))
+
+    def submit(self, keys: list[BlockKey], payloads: list[PackedPayload], put: PutMany) -> None:
+        """Put payloads (already complete) in the background."""
+        self._submit(_Job(keys, None, payloads, put))
+
+    def _submit(self, job: _Job) -> None:
+        if self._closed:
+            raise RuntimeError("the KV store queue is closed")
+        with self._lock:
+            for key in job.keys:
+                self._inflight[key] = job
+        self._queue.put(job)
+
+    def pending(self, key: BlockKey) -> bool:
+        return key in self._inflight  # one dict lookup: atomic under the GIL
+
+    def wait_for(self, key: BlockKey) -> None:
+        """Return once `key` (if it is on its way) has been put into the tiers."""
+        job = self._inflight.get(key)
+        if job is not None:
+            job.done.wait()
+
+    def flush(self) -> None:
+        """Return once every job submitted so far has been handled."""
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._worker.join()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                self._queue.task_done()
+                return
+            try:
+                if job.rows is not None:
+                    job.rows.wait()
+                    job.payloads = job.rows.payloads()
+                job.put(job.keys, job.payloads)
+            except Exception:  # a failed store is a later miss; the worker must survive it
+                logger.exception("KV offload: storing %d blocks failed", len(job.keys))
+            finally:
+                with self._lock:
+                    for key in job.keys:
+                        if self._inflight.get(key) is job:
+                            del self._inflight[key]
+                job.done.set()
+                job.payloads = job.rows = None  # let pinned staging go back to its allocator
+                self._queue.task_done()
