@@ -35,6 +35,7 @@ import torch
 from specserve.outputs import RequestOutput
 from specserve.runner.batch import PendingTokens
 from specserve.runner.prompt_logprobs import plan_prompt_logprobs
+from specserve.runner.streams import record
 from specserve.sample.h2d import h2d
 from specserve.sample.sampler import LogprobsTensors
 from specserve.scheduler.request import Request
@@ -164,5 +165,5 @@ class AsyncStepMixin:
             step.host_logprobs = LogprobsTensors(*(to_host_async(t) for t in out.logprobs))
         if tokens.device.type == "cuda":
             step.event = torch.cuda.Event()
-            step.event.record()
+            record(step.event, tokens.device)
         return step

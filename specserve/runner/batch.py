@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from specserve.attention.base import AttentionMetadata
+from specserve.runner.streams import record
 from specserve.scheduler.scheduler import SchedulerOutput
 
 
@@ -140,7 +141,7 @@ class Staging:
 
     def end(self) -> None:
         if self._copied is not None:
-            self._copied.record()
+            record(self._copied, self.device)
             self._recorded = True
 
     def put(self, name: str, arr: np.ndarray) -> torch.Tensor:

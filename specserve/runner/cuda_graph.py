@@ -15,6 +15,7 @@ import torch
 
 from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
 from specserve.runner.batch import HostBatch, pad_to_query_len
+from specserve.runner.streams import record
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MID_QUERY_MAX_BATCH = 32
@@ -160,7 +161,7 @@ class CudaGraphRunner:
         self._i64.copy_(self._i64_host, non_blocking=True)
         rows = 2 * max_bs + 1 + s * self.max_blocks
         self._i32[:rows].copy_(self._i32_host[:rows], non_blocking=True)
-        self._copied.record()
+        record(self._copied, self.device)
         self._copied_recorded = True
         if fill is not None:
             self.input_ids.index_copy_(0, fill[0], fill[1])

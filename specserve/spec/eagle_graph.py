@@ -35,6 +35,7 @@ import torch
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata
 from specserve.kv.spec import KVFormat, LayerKVCache
+from specserve.runner.streams import record
 from specserve.spec.draft_model import DraftSampler
 from specserve.spec.draft_tokens import DraftTokens
 from specserve.spec.eagle_head import EagleHead
@@ -62,9 +63,6 @@ class PinnedUpload:
         self._events = [torch.cuda.Event() if self._pinned else None for _ in range(slots)]
         self._pending = [False] * slots
         self._slot = -1
-        # The stream the copies are queued on: Event.record() would look it up each call (tens of
-        # us of Python); re-read only when the current raw stream changes.
-        self._stream, self._raw_stream = None, None
 
     def stage(self, nbytes: int) -> np.ndarray:
         """The next slot's first nbytes, for the caller to fill; send_staged then copies them."""
@@ -96,10 +94,7 @@ class PinnedUpload:
         i = self._slot
         dst[:nbytes].copy_(self._host[i][:nbytes], non_blocking=True)
         if self._pinned:
-            raw = torch._C._cuda_getCurrentRawStream(dst.device.index)
-            if raw != self._raw_stream:
-                self._stream, self._raw_stream = torch.cuda.current_stream(dst.device), raw
-            self._events[i].record(self._stream)
+            record(self._events[i], dst.device)
             self._pending[i] = True
 
     def send(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
