@@ -210,7 +210,7 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
             spec_llm = engines["spec"] = build(mode, args, spec_config(mode, args, max_k), max(levels), max_len, kv)
             own_qs = () if args.no_recapture else capture_all_verify_graphs(spec_llm, max_k)
             if args.no_recapture and spec_llm.engine.runner.graphs is not None:
-                own_qs = tuple(spec_llm.engine.runner.graphs.query_lens)
+                own_qs = tuple(spec_llm.engine.runner.graphs.verify_query_lens)
             policies = make_policies(args, spec_llm.engine.spec.cfg, own_qs, spec_llm.engine.runner.graphs is not None)
         any_llm = next(iter(engines.values()))
         if prompts is None:

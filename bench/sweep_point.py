@@ -74,11 +74,13 @@ def capture_all_verify_graphs(llm: LLM, max_k: int) -> tuple[int, ...]:
     runner = llm.engine.runner
     if runner.graphs is None:
         return ()
-    own = tuple(runner.graphs.query_lens)
+    own = tuple(runner.graphs.verify_query_lens)
+    prefill = runner.graphs.prefill_query_lens
     runner.graphs = None  # free the engine's own graphs before capturing the larger set
     gc.collect()
     torch.cuda.empty_cache()
-    runner.capture_graphs(llm.engine.scheduler.max_num_seqs, llm.engine.max_model_len, tuple(range(1, max_k + 2)))
+    runner.capture_graphs(llm.engine.scheduler.max_num_seqs, llm.engine.max_model_len, tuple(range(1, max_k + 2)),
+                          prefill)
     return own
 
 
@@ -103,7 +105,9 @@ class Policy:
         spec._proposal = None  # the last proposal belonged to another policy's controller
         graphs = llm.engine.runner.graphs
         if graphs is not None and self.graph_qs is not None:
-            graphs.query_lens = tuple(q for q in self.graph_qs if any(key[1] == q for key in graphs.graphs))
+            verify = {q for q in self.graph_qs if any(key[1] == q for key in graphs.graphs)}
+            # Short prefills keep their graphs under every policy (as in the "off" engine).
+            graphs.query_lens = tuple(sorted(verify | set(graphs.prefill_query_lens)))
 
 
 def make_policies(args: argparse.Namespace, cfg: Any, own_qs: tuple[int, ...], cuda_graphs: bool) -> list[Policy]:

@@ -57,6 +57,15 @@ def add_ttft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-tier-gib", type=float, default=8.0)
     p.add_argument("--disk-tier-gib", type=float, default=8.0)
     p.add_argument("--disk-path", default=None, help="disk tier directory (default: a fresh temp dir, removed after)")
+    p.add_argument("--eager", action="store_true",
+                   help="no CUDA graphs (before the fourth session every run was eager: the question after "
+                        "a hit then ran ~170 Triton launches from Python)")
+
+
+def _graphs(args) -> dict:
+    """Engine options of the timed engines: CUDA graphs as a server runs them (a short question after
+    a prefix hit replays a prefill graph, runner/cuda_graph.py PREFILL_QUERY_LENS), sized for one request."""
+    return {"enforce_eager": bool(getattr(args, "eager", False)), "max_num_seqs": 8}
 
 
 class Docs:
@@ -138,7 +147,7 @@ def _warm(llm, docs: Docs, tier: bool) -> None:
 
 
 def case_gpu_pool(args, docs: Docs, rep: int, cases: set[str]) -> list[dict]:
-    llm = make_llm(args, kv_cache_dtype=args.ttft_kv_dtype, enforce_eager=True)
+    llm = make_llm(args, kv_cache_dtype=args.ttft_kv_dtype, **_graphs(args))
     try:
         _warm(llm, docs, tier=False)
         rows = []
@@ -162,7 +171,7 @@ def _tier_hits(llm, docs: Docs, rep: int) -> list[dict]:
 
 
 def case_cpu_tier(args, docs: Docs, rep: int) -> list[dict]:
-    llm = make_llm(args, kv_cache_dtype=args.ttft_kv_dtype, enforce_eager=True,
+    llm = make_llm(args, kv_cache_dtype=args.ttft_kv_dtype, **_graphs(args),
                    kv_offload={"cpu_bytes": int(args.cpu_tier_gib * (1 << 30))})
     try:
         _warm(llm, docs, tier=True)
@@ -177,7 +186,7 @@ def case_disk_tier(args, docs: Docs, rep: int) -> list[dict]:
     path = args.disk_path or tempfile.mkdtemp(prefix="specserve-ttft-kv-")
     disk = {"disk_path": path, "disk_bytes": int(args.disk_tier_gib * (1 << 30))}
     try:
-        first = make_llm(args, kv_cache_dtype=args.ttft_kv_dtype, enforce_eager=True, kv_offload=disk)
+        first = make_llm(args, kv_cache_dtype=args.ttft_kv_dtype, **_graphs(args), kv_offload=disk)
         try:
             cold = [timed(first, docs.docs[2 + 2 * rep + r] + docs.question(r)) for r in range(rep)]
             for d in (0, 1):  # warm-up document and the asked one: every block must reach the disk
@@ -185,7 +194,7 @@ def case_disk_tier(args, docs: Docs, rep: int) -> list[dict]:
         finally:
             close_llm(first)  # shutdown flushes pending writes
         log(f"ttft disk: {len(list(Path(path).glob('*.kvb')))} block files in {path}; restarting")
-        llm = make_llm(args, kv_cache_dtype=args.ttft_kv_dtype, enforce_eager=True, kv_offload=disk)
+        llm = make_llm(args, kv_cache_dtype=args.ttft_kv_dtype, **_graphs(args), kv_offload=disk)
         try:
             timed(llm, docs.docs[0] + docs.question(901))  # warm the load path
             return [_summary("cold_disk_on", cold), _summary("disk", _tier_hits(llm, docs, rep))]

@@ -100,7 +100,9 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
         k = config.speculative.num_speculative_tokens if config.speculative else 0
         # Every verify length: the controller drafts 0..k tokens per step (runner/cuda_graph.py
         # keeps the middle lengths to small batches).
-        runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, tuple(range(1, k + 2)))
+        from specserve.runner.cuda_graph import PREFILL_QUERY_LENS
+
+        runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, tuple(range(1, k + 2)), PREFILL_QUERY_LENS)
     return runner
 
 

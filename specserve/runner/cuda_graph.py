@@ -5,7 +5,9 @@ buffers. A step with a uniform query length and a batch no larger than the large
 is padded up to the next captured size: padding tokens have slot -1 (their K/V is not stored) and
 padding sequences have length 0 (the attention kernel skips them); their output rows are ignored.
 A step whose sequences have different query lengths (drafts of different lengths), all within a
-captured length, is padded to it per sequence (`graph_for`). Everything else runs eagerly.
+captured length, is padded to it per sequence (`graph_for`). Short prefills of one or two sequences
+(a question after a prefix-cache hit, a chat turn, a short prompt) pad the same way to a captured
+prefill length. Everything else runs eagerly.
 """
 from __future__ import annotations
 
@@ -19,31 +21,45 @@ from specserve.runner.streams import record
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MID_QUERY_MAX_BATCH = 32
+# Prefill lengths captured for batches of up to PREFILL_MAX_BATCH sequences. Eagerly, the ~12
+# launches per layer of a 13-token prefill after an 8k-token prefix hit took 15-28 ms of host time on
+# the H200 machine for ~2 ms of GPU work (bench/tier_ttft.py). The graphs' [bs * q, vocab] float32
+# logits cost 240 rows of vocabulary (146 MB at Qwen2's 152k).
+PREFILL_QUERY_LENS = (16, 64)
+PREFILL_MAX_BATCH = 2
 
 
-def sizes_by_query_len(batch_sizes: list[int], query_lens: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+def sizes_by_query_len(batch_sizes: list[int], query_lens: tuple[int, ...],
+                       prefill_lens: tuple[int, ...] = ()) -> dict[int, tuple[int, ...]]:
     """Batch sizes to capture per query length. Lengths between the shortest and the longest serve
     verify steps of shorter drafts, which the speculation controller picks at small batches; above
     MID_QUERY_MAX_BATCH such steps pad to the longest instead (each graph keeps its [bs * q, vocab]
-    float32 logits: every length at every size would hold GBs)."""
+    float32 logits: every length at every size would hold GBs). `prefill_lens` not already among
+    query_lens get batch sizes up to PREFILL_MAX_BATCH."""
     edge = (query_lens[0], query_lens[-1])
-    return {q: tuple(b for b in batch_sizes if q in edge or b <= MID_QUERY_MAX_BATCH) or tuple(batch_sizes[:1])
-            for q in query_lens}
+    sizes = {q: tuple(b for b in batch_sizes if q in edge or b <= MID_QUERY_MAX_BATCH) or tuple(batch_sizes[:1])
+             for q in query_lens}
+    for q in prefill_lens:
+        if q not in sizes:
+            sizes[q] = tuple(b for b in batch_sizes if b <= PREFILL_MAX_BATCH) or tuple(batch_sizes[:1])
+    return sizes
 
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches, fmt, backend, device: torch.device,
                  max_model_len: int, block_size: int, batch_sizes: tuple[int, ...],
-                 query_lens: tuple[int, ...] = (1,)) -> None:
+                 query_lens: tuple[int, ...] = (1,), prefill_query_lens: tuple[int, ...] = ()) -> None:
         self.model, self.kv_caches, self.fmt, self.backend = model, kv_caches, fmt, backend
         self.device = device
         self.max_model_len = max_model_len
         self.batch_sizes = sorted(batch_sizes)
-        self.query_lens = tuple(sorted(set(query_lens)))
-        self.sizes_by_q = sizes_by_query_len(self.batch_sizes, self.query_lens)
+        self.verify_query_lens = tuple(sorted(set(query_lens)))  # decode (1) and verify (k + 1) lengths
+        self.prefill_query_lens = tuple(q for q in prefill_query_lens if q <= max_model_len)
+        self.sizes_by_q = sizes_by_query_len(self.batch_sizes, self.verify_query_lens, self.prefill_query_lens)
+        self.query_lens = tuple(sorted(self.sizes_by_q))
         self.max_blocks = -(-max_model_len // block_size)
-        max_bs, max_q = self.batch_sizes[-1], self.query_lens[-1]
-        t = max_bs * max_q
+        max_bs = self.batch_sizes[-1]
+        t = max(bs * q for q, sizes in self.sizes_by_q.items() for bs in sizes)
         # All int inputs travel in one pinned host buffer and one copy per step (views below).
         self._i64_host = torch.zeros(2 * t + t, dtype=torch.int64, pin_memory=True)
         self._i32_host = torch.zeros(max_bs + 1 + max_bs + max_bs * self.max_blocks, dtype=torch.int32,

@@ -63,15 +63,17 @@ class ModelRunner:
         self.staging = Staging(device) if device.type == "cuda" else None
         self.graphs = None  # CudaGraphRunner once capture_graphs() ran
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:
-        """Capture decode (and verify) CUDA graphs for batch sizes up to max_num_seqs."""
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...] = (1,),
+                       prefill_query_lens: tuple[int, ...] = ()) -> None:
+        """Capture decode (and verify) CUDA graphs for batch sizes up to max_num_seqs, and short
+        prefills of a few sequences (runner/cuda_graph.py PREFILL_QUERY_LENS)."""
         from specserve.runner.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
 
         sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b <= max_num_seqs) or (1,)
         if max_num_seqs not in sizes and max_num_seqs < DEFAULT_BATCH_SIZES[-1]:
             sizes = sizes + (max_num_seqs,)
         runner = CudaGraphRunner(self.model, self.kv_caches, self.fmt, self.backend, self.device,
-                                 max_model_len, self.block_size, sizes, query_lens)
+                                 max_model_len, self.block_size, sizes, query_lens, prefill_query_lens)
         runner.capture()
         self.graphs = runner
 

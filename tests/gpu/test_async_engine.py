@@ -136,3 +136,35 @@ def test_speculation_with_overlapped_k0_steps(tiny_llama_dir, tmp_path, method, 
            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == plain
     assert llm.engine.stats.get("spec_decode_num_drafts_total") > 0
+
+
+def test_short_prefills_replay_prefill_graphs(tiny_llama_dir, device: torch.device) -> None:
+    """A short prompt and a short tail after a prefix-cache hit run through the padded prefill graphs
+    (runner/cuda_graph.py PREFILL_QUERY_LENS) and give the CPU path's tokens."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    from specserve.runner.cuda_graph import CudaGraphRunner
+
+    doc = [random.Random(5).randrange(5, 300) for _ in range(64)]
+    prompts = [[7, 8, 9], doc + [11, 12, 13, 14, 15], doc + list(range(20, 60))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    keys: list[tuple[int, int]] = []
+    original = CudaGraphRunner.graph_for
+
+    def spy(self, batch):
+        found = original(self, batch)
+        if found is not None:
+            keys.append(found[1])
+        return found
+
+    CudaGraphRunner.graph_for = spy
+    try:
+        llm = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
+                  kv_cache_memory_bytes=8 << 20)
+        got = [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
+    finally:
+        CudaGraphRunner.graph_for = original
+    assert any(q in (16, 64) for _, q in keys), f"no prefill graph replayed: {keys}"
+    cpu = LLM(model=str(tiny_llama_dir), progress=False, device="cpu", dtype="float32",
+              kv_cache_memory_bytes=8 << 20)
+    assert got == [cpu.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]

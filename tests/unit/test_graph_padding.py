@@ -98,3 +98,55 @@ def test_middle_lengths_only_for_small_batches():
     assert sizes[3] == tuple(b for b in DEFAULT_BATCH_SIZES if b <= MID_QUERY_MAX_BATCH)
     assert sizes_by_query_len([64, 128], (1, 3, 4))[3] == (64,)  # at least one size per length
     assert sizes_by_query_len([1, 2], (1,)) == {1: (1, 2)}
+
+
+def test_prefill_lengths_only_for_one_or_two_sequences():
+    from specserve.runner.cuda_graph import PREFILL_MAX_BATCH, sizes_by_query_len
+
+    sizes = sizes_by_query_len([1, 2, 4, 8], (1, 4), (16, 64))
+    assert sizes[1] == sizes[4] == (1, 2, 4, 8)  # the verify edges are unchanged by prefill lengths
+    assert sizes[16] == sizes[64] == tuple(b for b in (1, 2, 4, 8) if b <= PREFILL_MAX_BATCH)
+    assert sizes_by_query_len([1, 2], (1, 16), (16,))[16] == (1, 2)  # already a verify length
+
+
+def test_short_prefill_pads_to_a_prefill_graph(tiny_llama_dir):
+    """A 13-token prefill tail after a prefix hit, alone or beside a decode, takes the 16-token graph;
+    three sequences, or a tail longer than every prefill length, run eagerly."""
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    doc = list(range(30, 30 + 4 * eng.kv.block_size))
+    llm.generate({"prompt_token_ids": doc}, params)  # caches the document's blocks
+    eng.add_request("d", {"prompt_token_ids": list(range(200, 210))}, params)
+    eng.step()  # "d" is now decoding
+    eng.add_request("q", {"prompt_token_ids": doc + list(range(300, 313))}, params)
+    sched = eng.scheduler.schedule()
+    host = build_host_batch(sched, eng.kv.block_ids, eng.kv.block_size)
+    assert sorted(host.query_lens) == [1, 13]  # the document was a prefix hit
+    g = _graphs((1, 2, 16, 64), {1: (1, 2, 4), 2: (1, 2, 4), 16: (1, 2), 64: (1, 2)},
+                max_model_len=eng.max_model_len, max_blocks=64)
+    batch, key = CudaGraphRunner.graph_for(g, host)
+    assert key == (2, 16) and batch.query_lens == [16, 16]
+    assert (batch.input_ids[batch.logits_indices] == host.input_ids[host.logits_indices]).all()
+    g.sizes_by_q = {1: (1, 2, 4), 2: (1, 2, 4), 16: (1,), 64: (1,)}
+    assert CudaGraphRunner.graph_for(g, host) is None  # two sequences, prefill graphs for one only
+    g.query_lens = (1, 2, 4)
+    g.sizes_by_q = {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2, 4)}
+    assert CudaGraphRunner.graph_for(g, host) is None  # no length holds 13 tokens
+
+
+def test_padded_prefill_gives_the_same_logits(tiny_llama_dir):
+    """The padded layout of a prefill tail (as its graph would run it) scores the last real token
+    exactly as the ragged eager step does, on the CPU."""
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20, dtype="float32")
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    doc = list(range(40, 40 + 3 * eng.kv.block_size))
+    llm.generate({"prompt_token_ids": doc}, params)
+    eng.add_request("q", {"prompt_token_ids": doc + list(range(300, 311))}, params)
+    sched = eng.scheduler.schedule()
+    host = build_host_batch(sched, eng.kv.block_ids, eng.kv.block_size)
+    assert host.query_lens == [11]
+    ragged = eng.runner._execute(sched, host, False, None, None)
+    padded = eng.runner._execute(sched, pad_to_query_len(host, 16, eng.max_model_len), False, None, None)
+    torch.testing.assert_close(padded.logits, ragged.logits, rtol=1e-5, atol=1e-5)
