@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from specserve.attention.triton_paged import _check_cache
+from specserve.model.layers.triton_ops import _rope_rotate
 
 
 @triton.jit
@@ -28,17 +29,10 @@ def _rope_and_cache_kernel(
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     j = tl.arange(0, HALF_PAD)
     j_ok = j < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-
-    hq = tl.arange(0, BLOCK_HQ)
-    q_mask = (hq[:, None] < num_heads) & j_ok[None, :]
-    q1_ptr = q_ptr + tok * stride_q_tok + hq[:, None] * stride_q_head + j[None, :]
-    q1 = tl.load(q1_ptr, mask=q_mask, other=0.0)
-    q2 = tl.load(q1_ptr + HALF, mask=q_mask, other=0.0)
-    q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
-    tl.store(q1_ptr, (q1f * cos - q2f * sin).to(q1.dtype), mask=q_mask)
-    tl.store(q1_ptr + HALF, (q2f * cos + q1f * sin).to(q1.dtype), mask=q_mask)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + j, mask=j_ok, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+    _rope_rotate(q_ptr + tok * stride_q_tok, stride_q_head, num_heads, cos, sin, HALF, HALF_PAD, BLOCK_HQ)
+    cos, sin = cos[None, :], sin[None, :]
 
     hk = tl.arange(0, BLOCK_HK)
     k_mask = (hk[:, None] < num_kv_heads) & j_ok[None, :]
