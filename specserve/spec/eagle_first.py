@@ -36,7 +36,7 @@ import torch
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata
 from specserve.kv.spec import KVFormat, LayerKVCache
-from specserve.spec.eagle_graph import PAD_SLOT, PinnedUpload, align8
+from specserve.spec.eagle_graph import PAD_SLOT, PinnedUpload, align8, capture_per_batch_size
 from specserve.spec.eagle_head import EagleHead
 
 # Each graph keeps its logits [bs * picks, vocab] (float32) alive: sizes above this many picks run
@@ -128,19 +128,8 @@ class FirstForwardGraphs:
             self.feed[1][:picks].copy_(argmax)
         return out, logits, argmax
 
-    @torch.inference_mode()
     def capture(self) -> None:
-        for bs in reversed(self.batch_sizes):  # largest first: the smaller graphs reuse its pool
-            self._fill_dummy(bs)
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-                self._forward(bs)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self.outputs[bs] = self._forward(bs)
-            self._pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(self.device)
+        capture_per_batch_size(self)
 
     def _fill_dummy(self, bs: int) -> None:
         self._buf.zero_()

@@ -137,6 +137,24 @@ def attention_metadata(arrays: list[np.ndarray], dev: Sequence[torch.Tensor], q_
                              seq_lens.tolist())
 
 
+@torch.inference_mode()
+def capture_per_batch_size(owner) -> None:
+    """Capture `owner._forward(bs)` for each of `owner.batch_sizes` into one shared memory pool,
+    largest first so the smaller graphs reuse its memory; fills owner.graphs[bs] / outputs[bs].
+    owner: HeadStepGraphs or FirstForwardGraphs (batch_sizes, device, _fill_dummy, _forward, _pool)."""
+    for bs in reversed(owner.batch_sizes):
+        owner._fill_dummy(bs)
+        for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
+            owner._forward(bs)
+        torch.cuda.synchronize(owner.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=owner._pool):
+            owner.outputs[bs] = owner._forward(bs)
+        owner._pool = graph.pool()
+        owner.graphs[bs] = graph
+    torch.cuda.synchronize(owner.device)
+
+
 class HeadStepGraphs:
     """Static buffers, and on CUDA graphs, for the head's one-row-per-request draft steps."""
 
@@ -193,19 +211,8 @@ class HeadStepGraphs:
         self.tokens[:bs].copy_(argmax)
         return logits, argmax
 
-    @torch.inference_mode()
     def capture(self) -> None:
-        for bs in reversed(self.batch_sizes):  # largest first: the smaller graphs reuse its pool
-            self._fill_dummy(bs)
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-                self._forward(bs)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self.outputs[bs] = self._forward(bs)
-            self._pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(self.device)
+        capture_per_batch_size(self)
 
     def _fill_dummy(self, bs: int) -> None:
         self.tokens.zero_()
