@@ -17,7 +17,11 @@ forward, the draft model's forwards), `head` inside an EAGLE head forward run ea
 everything else (inputs, metadata, sampling, read-back):
 
     python bench/spec_profile.py --device cpu --target tiny --draft tiny --ops --steps 40 \
-        [--eagle-step-graphs static [--emulate-replay]]
+        [--eagle-step-graphs static [--emulate-replay]] [--configs none,ngram,draft_model,eagle3,p-eagle]
+
+`--ops` also times and counts the verify part of each step (`Engine._sample`: the sampling
+metadata, the rejection sampler or the plain sampler, the read-back), for `none` too (the plain
+sampler, the floor); `--temperature 0.8` runs seeded random sampling instead of greedy.
 """
 from __future__ import annotations
 
@@ -41,11 +45,12 @@ def _engine(args, spec: dict | None) -> LLM:
                progress=False, speculative_config=spec, kv_cache_memory_bytes=args.kv_bytes, device=args.device)
 
 
-def _start(llm: LLM, n: int) -> None:
+def _start(llm: LLM, n: int, temperature: float = 0.0) -> None:
     eng = llm.engine
     prompt = [(1000 + i) % eng.vocab_size for i in range(128)]
     eng.add_request(f"p{time.monotonic_ns()}", {"prompt_token_ids": prompt},
-                    SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+                    SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
+                                   seed=0 if temperature > 0 else None))
     for _ in range(3):
         eng.step()
 
@@ -93,7 +98,9 @@ def _wrap(obj, attr: str, before, after):
 
 def _labels(proposer) -> list[tuple[object, str, str]]:
     """The proposer's forwards: `graph` where a CUDA graph replays them (when graphs are on),
-    `head` an EAGLE head's eager forward."""
+    `head` an EAGLE head's eager forward; none for n-gram lookup."""
+    if proposer is None or not hasattr(proposer, "runner") and not hasattr(proposer, "head"):
+        return []
     if not hasattr(proposer, "head"):  # the draft model: its decode / catch-up forwards run as graphs
         return [(proposer.runner.model, "forward", "graph"), (proposer.runner.model, "compute_logits", "graph")]
     return [(proposer.head, "forward", "head")] + [(cls, "_forward", "graph") for cls in _graph_classes()]
@@ -126,25 +133,21 @@ def emulate_replay() -> None:
         cls._forward = replayed
 
 
-def measure_host(llm: LLM, steps: int, cprofile: bool = False) -> dict:
-    """Per propose: host microseconds (nothing else instrumented) and torch ops by region."""
+def measure_host(llm: LLM, steps: int, cprofile: bool = False, temperature: float = 0.0) -> dict:
+    """Per step: host microseconds (nothing else instrumented) and torch ops by region of the
+    proposer's propose, and of the verify part (`Engine._sample`: sampling metadata, the
+    rejection sampler or the plain sampler, reading the tokens back)."""
     eng = llm.engine
-    proposer = eng.spec.proposer
-    _start(llm, 4 * steps + 64)
-    times: list[float] = []
-    propose = proposer.propose
-
-    def timed(inp):
-        _sync()
-        t = time.perf_counter()
-        propose(inp)
-        _sync()
-        times.append(time.perf_counter() - t)
-
-    proposer.propose = timed
+    proposer = eng.spec.proposer if eng.spec is not None else None
+    _start(llm, 4 * steps + 64, temperature)
+    probes = ([(proposer, "propose")] if proposer is not None else []) + [(eng, "_sample")]
+    times: dict[str, list[float]] = {attr: [] for _, attr in probes}
+    undo = [_wrap_call(obj, attr, _timer(times[attr])) for obj, attr in probes]
     for _ in range(steps // 2):  # warm up
         eng.step()
-    times.clear()
+    for t in times.values():
+        t.clear()
+    drafts_before = eng.stats.get("spec_decode_num_draft_tokens_total")
     # Time spent in forwards a CUDA graph replays (when graphs are on): the CPU's static path runs
     # them eagerly, so `propose_us - graph_us` is the host time that a replay does not remove.
     in_graph = [0.0, 0.0]
@@ -155,51 +158,82 @@ def measure_host(llm: LLM, steps: int, cprofile: bool = False) -> dict:
     def stop() -> None:
         in_graph[0] += time.perf_counter() - in_graph[1]
 
-    undo = [_wrap(o, a, start, stop) for o, a, r in _labels(proposer) if r == "graph"]
+    graph_undo = [_wrap(o, a, start, stop) for o, a, r in _labels(proposer) if r == "graph"]
     for _ in range(steps):
         eng.step()
     graph_s = in_graph[0]
-    for u in reversed(undo):
+    drafts = (eng.stats.get("spec_decode_num_draft_tokens_total") - drafts_before) / steps
+    for u in reversed(graph_undo + undo):
         u()
-    counter = OpCounter()
-    calls = [0]
+    counters = {attr: OpCounter() for _, attr in probes}
+    calls = Counter()
 
-    def counted(inp):
-        calls[0] += 1
-        with counter:
-            propose(inp)
+    def counting(attr):
+        def call(fn, *a, **kw):
+            calls[attr] += 1
+            with counters[attr]:
+                return fn(*a, **kw)
+        return call
 
-    proposer.propose = counted
-    undo = [counter.label(*x) for x in _labels(proposer)]
+    undo = [_wrap_call(obj, attr, counting(attr)) for obj, attr in probes]
+    undo += [counters["propose"].label(*x) for x in _labels(proposer)] if proposer is not None else []
     for _ in range(steps):
         eng.step()
     for u in reversed(undo):
         u()
-    if cprofile:  # host functions of propose alone, by own time
+    if cprofile:  # host functions of propose and verify alone, by own time
         import cProfile
         import pstats
 
         prof = cProfile.Profile()
 
-        def profiled(inp):
+        def profiled(fn, *a, **kw):
             prof.enable()
-            propose(inp)
-            prof.disable()
+            try:
+                return fn(*a, **kw)
+            finally:
+                prof.disable()
 
-        proposer.propose = profiled
+        undo = [_wrap_call(obj, attr, profiled) for obj, attr in probes]
         for _ in range(steps):
             eng.step()
-        print(f"propose only, {steps} steps:")
+        for u in reversed(undo):
+            u()
+        print(f"propose and verify only, {steps} steps:")
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-    del proposer.propose
     eng.abort_request(list(eng.groups))
-    n = max(1, calls[0])
-    times.sort()
-    res = {"propose_us_median": 1e6 * times[len(times) // 2], "propose_us_mean": 1e6 * sum(times) / len(times),
-           "graph_us_mean": 1e6 * graph_s / len(times), "ops_per_propose": sum(counter.regions.values()) / n,
-           **{f"ops_{r}": c / n for r, c in sorted(counter.regions.items())}}
-    top = ", ".join(f"{k} {v / n:.1f}" for k, v in counter.names.most_common(14))
-    return res | {"top_ops": top}
+    res = {"drafts_per_step": drafts}
+    for _, attr in probes:
+        name = {"_sample": "verify"}.get(attr, attr)
+        t = sorted(times[attr])
+        n = max(1, calls[attr])
+        c = counters[attr]
+        res |= {f"{name}_us_median": 1e6 * t[len(t) // 2], f"{name}_us_mean": 1e6 * sum(t) / len(t),
+                f"ops_per_{name}": sum(c.regions.values()) / n}
+        if name == "propose":
+            res |= {"graph_us_mean": 1e6 * graph_s / len(t),
+                    **{f"ops_{r}": v / n for r, v in sorted(c.regions.items())}}
+        res[f"{name}_top_ops"] = ", ".join(f"{k} {v / n:.1f}" for k, v in c.names.most_common(14))
+    return res
+
+
+def _wrap_call(obj, attr: str, around):
+    """obj.attr(*a) runs as around(original, *a); returns an undo function."""
+    fn = getattr(obj, attr)
+    had = attr in vars(obj)
+    setattr(obj, attr, lambda *a, **kw: around(fn, *a, **kw))
+    return (lambda: setattr(obj, attr, fn)) if had else (lambda: delattr(obj, attr))
+
+
+def _timer(acc: list[float]):
+    def call(fn, *a, **kw):
+        _sync()
+        t = time.perf_counter()
+        out = fn(*a, **kw)
+        _sync()
+        acc.append(time.perf_counter() - t)
+        return out
+    return call
 
 
 def _sync() -> None:
@@ -218,9 +252,9 @@ def _timed(fn, acc: list[float]):
     return wrapped
 
 
-def measure(llm: LLM, steps: int, cprofile: bool = False) -> dict:
+def measure(llm: LLM, steps: int, cprofile: bool = False, temperature: float = 0.0) -> dict:
     eng = llm.engine
-    _start(llm, 4 * steps + 64)
+    _start(llm, 4 * steps + 64, temperature)
     for _ in range(steps // 2):  # warm up
         eng.step()
     _sync()
@@ -289,10 +323,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--configs", default="none,draft_model,eagle3,p-eagle")
+    ap.add_argument("--configs", default="none,draft_model,eagle3,p-eagle", help="of none, ngram, draft_model, "
+                    "eagle3, p-eagle")
+    ap.add_argument("--temperature", type=float, default=0.0, help="of the request (> 0: seeded random sampling)")
     ap.add_argument("--cprofile", default="", help="comma list of configs whose host time to profile "
-                    "(with --ops: propose alone, else whole steps)")
-    ap.add_argument("--ops", action="store_true", help="also host time and torch ops per propose")
+                    "(with --ops: propose and verify alone, else whole steps)")
+    ap.add_argument("--ops", action="store_true", help="also host time and torch ops per propose and per verify "
+                    "(Engine._sample: metadata, rejection or plain sampler, read-back)")
     ap.add_argument("--eagle-step-graphs", default=None, choices=("auto", "static", "eager"),
                     help="EagleProposer.step_graphs for the head configs (default: the class default)")
     ap.add_argument("--emulate-replay", action="store_true",
@@ -317,6 +354,7 @@ def main() -> None:
                                             load_format=fmt)}
     base = {"num_speculative_tokens": args.k, "adaptive": False}
     configs = {"none": None,
+               "ngram": {**base, "method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
                "draft_model": {**base, "method": "draft_model", "model": args.draft},
                "eagle3": {**base, "method": "eagle3", "model": str(heads["eagle3"])},
                "p-eagle": {**base, "method": "eagle3", "model": str(heads["p-eagle"]), "parallel_drafting": True}}
@@ -326,9 +364,9 @@ def main() -> None:
             continue
         llm = _engine(args, spec)
         prof = name in args.cprofile.split(",")
-        results[name] = measure(llm, args.steps, prof and not args.ops)
-        if args.ops and spec is not None:
-            results[name] |= measure_host(llm, args.steps, prof)
+        results[name] = measure(llm, args.steps, prof and not args.ops, args.temperature)
+        if args.ops:
+            results[name] |= measure_host(llm, args.steps, prof, args.temperature)
         print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v
                                 for k, v in results[name].items()}), flush=True)
         del llm
@@ -343,12 +381,14 @@ def main() -> None:
         print(f"{name:12} {r['wall_ms']:8.3f} {r['gpu_busy_ms']:8.3f} {idle:5.1f}% {r['target_forward_ms']:10.3f} "
               f"{r['propose_ms']:8.3f}")
     if args.ops:
-        print(f"\n{'config':12} {'propose us':>10} {'in graph':>8} {'ops':>6} {'glue':>6} {'head':>6} {'graph':>6}  "
-              f"(per propose; graph: replayed when graphs are on)")
+        print(f"\n{'config':12} {'drafts':>6} {'verify us':>9} {'ops':>5} {'propose us':>10} {'in graph':>8} {'ops':>6} "
+              f"{'glue':>6} {'head':>6} {'graph':>6}  (per step; graph: replayed when graphs are on)")
         for name, r in results.items():
-            if "ops_per_propose" in r:
-                print(f"{name:12} {r['propose_us_mean']:10.0f} {r['graph_us_mean']:8.0f} {r['ops_per_propose']:6.0f} "
-                      f"{r.get('ops_glue', 0):6.0f} {r.get('ops_head', 0):6.0f} {r.get('ops_graph', 0):6.0f}")
+            if "ops_per_verify" in r:
+                print(f"{name:12} {r['drafts_per_step']:6.2f} {r['verify_us_mean']:9.0f} {r['ops_per_verify']:5.0f} "
+                      f"{r.get('propose_us_mean', 0):10.0f} {r.get('graph_us_mean', 0):8.0f} "
+                      f"{r.get('ops_per_propose', 0):6.0f} {r.get('ops_glue', 0):6.0f} {r.get('ops_head', 0):6.0f} "
+                      f"{r.get('ops_graph', 0):6.0f}")
 
 
 if __name__ == "__main__":

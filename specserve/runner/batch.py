@@ -130,8 +130,7 @@ class Staging:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._host: dict[str, torch.Tensor] = {}
-        self._dev: dict[str, torch.Tensor] = {}
+        self._bufs: dict[str, _StagingBuffer] = {}
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._recorded = False
 
@@ -145,53 +144,103 @@ class Staging:
             self._recorded = True
 
     def put(self, name: str, arr: np.ndarray) -> torch.Tensor:
+        """arr on the device, a view of name's device buffer (valid until name's next put). One
+        torch op for a 1-D arr (the copy; two for 2-D): the host buffer is written through a
+        numpy view and the first-n views of both buffers are kept per n."""
         n = arr.size
-        host = self._host.get(name)
-        if host is None or host.numel() < n or host.dtype != _torch_dtype(arr):
-            size = max(n, 2 * (host.numel() if host is not None else 0), 64)
+        buf = self._bufs.get(name)
+        if buf is None or buf.host.numel() < n or buf.host.dtype != _torch_dtype(arr):
+            size = max(n, 2 * (buf.host.numel() if buf is not None else 0), 64)
             host = torch.empty(size, dtype=_torch_dtype(arr), pin_memory=True)
-            self._host[name] = host
-            self._dev[name] = torch.empty(size, dtype=host.dtype, device=self.device)
-        host[:n].numpy()[:] = arr.reshape(-1)
-        dev = self._dev[name][:n]
-        dev.copy_(host[:n], non_blocking=True)
-        return dev.view(arr.shape)
+            buf = self._bufs[name] = _StagingBuffer(host, host.numpy(), torch.empty(size, dtype=host.dtype,
+                                                                                   device=self.device), {})
+        buf.host_np[:n] = arr.reshape(-1)
+        views = buf.views.get(n)
+        if views is None:
+            if len(buf.views) >= _MAX_VIEWS:
+                buf.views.clear()
+            views = buf.views[n] = (buf.host[:n], buf.dev[:n])
+        views[1].copy_(views[0], non_blocking=True)
+        return views[1] if arr.ndim == 1 else views[1].view(arr.shape)
+
+
+_MAX_VIEWS = 64  # cached (host, device) first-n views per staging buffer
+
+
+@dataclass
+class _StagingBuffer:
+    host: torch.Tensor  # pinned
+    host_np: np.ndarray  # the same memory
+    dev: torch.Tensor
+    views: dict[int, tuple[torch.Tensor, torch.Tensor]]  # n -> (host[:n], dev[:n])
 
 
 def _torch_dtype(arr: np.ndarray) -> torch.dtype:
     return {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}[arr.dtype]
 
 
+def block_table_array(block_lists: list[list[int]]) -> np.ndarray:
+    """[len(block_lists), longest list (at least 1)] int32, each row its list padded with 0."""
+    if len(block_lists) == 1 and block_lists[0]:
+        return np.array(block_lists, dtype=np.int32)
+    widths = np.fromiter(map(len, block_lists), dtype=np.int64, count=len(block_lists))
+    tables = np.zeros((len(block_lists), max(1, int(widths.max(initial=1)))), dtype=np.int32)
+    # Row i's first widths[i] entries, filled row-major from the concatenated lists in one go.
+    tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_lists), dtype=np.int32, count=int(widths.sum()))
+    return tables
+
+
+_PY_SLOTS_MAX = 16  # queries up to this long get their slots in the per-request loop, longer ones from numpy
+
+
 def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> HostBatch:
     """block_ids_of(request_id) -> list[int].
 
-    Per request only list appends (a decode step's one token without slicing); numpy runs once per
-    batch: at 256 running requests this is host work every step, with the GPU waiting or not."""
+    Per request only list appends (a decode step's one token and its slot without slicing); numpy
+    runs a few times per batch (each call ~1 us, and the host builds this for every step and every
+    draft-model catch-up, with the GPU waiting or not). Slots of long queries (prefill chunks)
+    come from one vectorized gather instead of the loop."""
     scheduled = sched.scheduled
     num_seqs = len(scheduled)
-    query_lens = [s.num_new_tokens for s in scheduled]
+    bs = block_size
+    query_lens: list[int] = []
     ids: list[int] = []
     pos: list[int] = []
+    slots: list[int] = []
     seq_lens: list[int] = []
+    cu = [0]
     block_lists: list[list[int]] = []
     logits_idx: list[int] = []
     logit_rows: list[tuple[int, int] | None] = []
+    long_query = False
     start = 0
-    for s, n in zip(scheduled, query_lens):
-        req = s.request
+    for s in scheduled:
+        req, n = s.request, s.num_new_tokens
         c = req.num_computed_tokens
         known = req.all_token_ids
+        blocks = block_ids_of(req.request_id)
         if n == 1 and c < len(known):  # a decode step
             ids.append(known[c])
             pos.append(c)
+            slots.append(blocks[c // bs] * bs + c % bs)
         else:
             tokens = known[c:c + n]
             if len(tokens) < n:  # the tail is draft tokens under verification
                 tokens = tokens + req.spec_token_ids[:n - len(tokens)]
             ids.extend(tokens)
             pos.extend(range(c, c + n))
+            if n > _PY_SLOTS_MAX:
+                long_query = True
+            elif not long_query:
+                first = blocks[c // bs] * bs + c % bs
+                if c % bs + n <= bs:  # within one block (a verify query, usually)
+                    slots.extend(range(first, first + n))
+                else:
+                    slots.extend([blocks[p // bs] * bs + p % bs for p in range(c, c + n)])
+        query_lens.append(n)
         seq_lens.append(c + n)
-        block_lists.append(block_ids_of(req.request_id))
+        block_lists.append(blocks)
         if s.samples:
             rows = s.num_spec_tokens + 1
             logit_rows.append((len(logits_idx), rows))
@@ -199,21 +248,18 @@ def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> H
         else:
             logit_rows.append(None)
         start += n
+        cu.append(start)
     positions = np.array(pos, dtype=np.int64)
-    widths = np.fromiter((len(b) for b in block_lists), dtype=np.int64, count=num_seqs)
-    block_tables = np.zeros((num_seqs, max(1, int(widths.max(initial=1)))), dtype=np.int32)
-    # Row i's first widths[i] entries, filled row-major from the concatenated lists in one go.
-    block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(block_lists), dtype=np.int32, count=int(widths.sum()))
-    # slot of the token at position p of sequence i: block_tables[i, p // bs] * bs + p % bs
-    seq_index = np.repeat(np.arange(num_seqs), query_lens)
-    slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
-                    + positions % block_size)
-    cu = np.zeros(num_seqs + 1, dtype=np.int32)
-    np.cumsum(query_lens, out=cu[1:])
+    block_tables = block_table_array(block_lists)
+    if long_query:
+        # slot of the token at position p of sequence i: block_tables[i, p // bs] * bs + p % bs
+        seq_index = np.repeat(np.arange(num_seqs), query_lens)
+        slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+    else:
+        slot_mapping = np.array(slots, dtype=np.int64)
     return HostBatch(np.array(ids, dtype=np.int64), positions, slot_mapping, block_tables,
-                     np.array(seq_lens, dtype=np.int32), cu, np.asarray(logits_idx, dtype=np.int64), query_lens,
-                     logit_rows)
+                     np.array(seq_lens, dtype=np.int32), np.array(cu, dtype=np.int32),
+                     np.array(logits_idx, dtype=np.int64), query_lens, logit_rows)
 
 
 def build_batch(sched: SchedulerOutput, block_ids_of, block_size: int, device: torch.device,

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from specserve.sample.h2d import h2d
+from specserve.sample.h2d import cached_tensor, h2d
 from specserve.sample.penalties import (
     PenaltyTensors,
     add_output_tokens,
@@ -78,19 +78,25 @@ class SamplingMetadata:
             if len(values) != num_seqs:
                 raise ValueError(f"{name} has {len(values)} rows, params has {num_seqs}.")
         is_greedy = [p.greedy for p in params]
-        scalars, use = _row_scalars(params, is_greedy, vocab_size)
-        scalars = h2d(scalars, device)  # one host->device copy for all per-row scalars
+        all_greedy, all_random = all(is_greedy), not any(is_greedy)
+        if all_greedy:  # greedy rows read no scalar: a cached tensor of neutral temperatures, no copy
+            temperature, greedy_mask, use = _ones(num_seqs, device), None, {}
+        else:
+            scalars, use = _row_scalars(params, is_greedy, vocab_size)
+            scalars = h2d(scalars, device)  # one host->device copy for all per-row scalars
+            temperature = scalars[:, 0]
+            greedy_mask = None if all_random else scalars[:, 4] > 0
         remaining = [max(0, p.min_tokens - len(out)) for p, out in zip(params, output_token_ids)]
         stop_ids = [list(ids) for ids in stop_token_ids_for_min_tokens or [[] for _ in params]]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        meta = cls(
-            temperature=scalars[:, 0],
-            greedy_mask=None,
-            all_greedy=all(is_greedy),
-            all_random=not any(is_greedy),
-            top_k=scalars[:, 3].long() if use["top_k"] else None,
-            top_p=scalars[:, 1] if use["top_p"] else None,
-            min_p=scalars[:, 2] if use["min_p"] else None,
+        return cls(
+            temperature=temperature,
+            greedy_mask=greedy_mask,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            top_k=scalars[:, 3].long() if use.get("top_k") else None,
+            top_p=scalars[:, 1] if use.get("top_p") else None,
+            min_p=scalars[:, 2] if use.get("min_p") else None,
             penalties=build_penalty_tensors(params, prompt_token_ids, output_token_ids,
                                             vocab_size, device),
             min_tokens_mask=_build_min_tokens_mask(remaining, stop_ids, vocab_size, device),
@@ -101,34 +107,39 @@ class SamplingMetadata:
             min_tokens_remaining=remaining,
             min_tokens_stop_ids=stop_ids,
         )
-        return meta._with_greedy_mask(device)
-
-    def _with_greedy_mask(self, device: torch.device) -> SamplingMetadata:
-        if self.all_greedy or self.all_random:
-            return replace(self, greedy_mask=None)
-        return replace(self, greedy_mask=h2d(torch.tensor(self.is_greedy, dtype=torch.bool), device))
 
     def select_rows(self, row_ids: Sequence[int]) -> SamplingMetadata:
-        """Row r of the result is row row_ids[r] of self (e.g. one row per verified position)."""
+        """Row r of the result is row row_ids[r] of self (e.g. one row per verified position).
+        The row index is a cached device tensor (steady-state steps repeat the same rows); an
+        all-greedy selection without penalties needs none."""
+        return self._select(row_ids, [self.min_tokens_remaining[i] for i in row_ids])
+
+    def _select(self, row_ids: Sequence[int], remaining: list[int]) -> SamplingMetadata:
+        """select_rows, with min_tokens_remaining `remaining` (one per selected row)."""
         device = self.temperature.device
-        index = h2d(torch.tensor(list(row_ids), dtype=torch.int64), device)
+        row_ids = tuple(row_ids)
+        is_greedy = [self.is_greedy[i] for i in row_ids]
+        all_greedy, all_random = all(is_greedy), not any(is_greedy)
+        index = None
+        if not all_greedy or self.penalties is not None:
+            index = cached_tensor(device, ("rows", row_ids), lambda: torch.tensor(row_ids, dtype=torch.int64))
 
         def pick(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.index_select(0, index)
+            return None if t is None or all_greedy else t.index_select(0, index)
 
-        is_greedy = [self.is_greedy[i] for i in row_ids]
+        mixed = not (all_greedy or all_random)
         meta = replace(
             self,
-            temperature=self.temperature.index_select(0, index),
+            temperature=_ones(len(row_ids), device) if all_greedy else self.temperature.index_select(0, index),
+            greedy_mask=self.greedy_mask.index_select(0, index) if mixed else None,
             top_k=pick(self.top_k), top_p=pick(self.top_p), min_p=pick(self.min_p),
-            all_greedy=all(is_greedy), all_random=not any(is_greedy),
+            all_greedy=all_greedy, all_random=all_random,
             penalties=None if self.penalties is None else select_penalty_rows(self.penalties, index),
             generators=[self.generators[i] for i in row_ids],
             is_greedy=is_greedy,
-            min_tokens_remaining=[self.min_tokens_remaining[i] for i in row_ids],
             min_tokens_stop_ids=[self.min_tokens_stop_ids[i] for i in row_ids],
         )
-        return meta._with_min_tokens(meta.min_tokens_remaining)._with_greedy_mask(device)
+        return meta._with_min_tokens(remaining)
 
     def expand_for_drafts(self, draft_token_ids: Sequence[Sequence[int]]) -> SamplingMetadata:
         """One row per verified position: for sequence i, rows for its k_i + 1 positions, in order.
@@ -145,9 +156,8 @@ class SamplingMetadata:
                              f"metadata has {self.num_seqs}.")
         row_ids = [i for i, drafts in enumerate(draft_token_ids) for _ in range(len(drafts) + 1)]
         offsets = [j for drafts in draft_token_ids for j in range(len(drafts) + 1)]
-        meta = self.select_rows(row_ids)
-        remaining = [max(0, r - j) for r, j in zip(meta.min_tokens_remaining, offsets)]
-        meta = meta._with_min_tokens(remaining)
+        remaining = [max(0, self.min_tokens_remaining[i] - j) for i, j in zip(row_ids, offsets)]
+        meta = self._select(row_ids, remaining)
         if meta.penalties is not None:
             pos_rows: list[int] = []
             pos_tokens: list[int] = []
@@ -167,24 +177,30 @@ class SamplingMetadata:
                                                               self.temperature.device))
 
 
+def _ones(n: int, device: torch.device) -> Tensor:
+    """[n] float32 ones on `device`, cached (never written: the sampler divides by it)."""
+    return cached_tensor(device, ("ones", n), lambda: torch.ones(n, dtype=torch.float32))
+
+
 def _row_scalars(params: Sequence[SamplingParams], is_greedy: Sequence[bool],
                  vocab_size: int) -> tuple[Tensor, dict[str, bool]]:
-    """[num_seqs, 4] float32 (temperature, top_p, min_p, top_k) on the host, and which filters
-    any random row uses. Greedy rows get neutral values: they take the argmax before temperature
-    and filters, and neutral values let a batch whose only filtered rows are greedy skip a stage.
-    top_k is exact in float32 (vocab sizes are far below 2**24)."""
+    """[num_seqs, 5] float32 (temperature, top_p, min_p, top_k, greedy) on the host, and which
+    filters any random row uses. Greedy rows get neutral values: they take the argmax before
+    temperature and filters, and neutral values let a batch whose only filtered rows are greedy
+    skip a stage. top_k is exact in float32 (vocab sizes are far below 2**24); greedy is 1.0 for
+    greedy rows (the greedy mask travels in the same copy)."""
     rows = []
     use = {"top_k": False, "top_p": False, "min_p": False}
     for p, greedy in zip(params, is_greedy):
         if greedy:
-            rows.append((1.0, 1.0, 0.0, float(vocab_size)))
+            rows.append((1.0, 1.0, 0.0, float(vocab_size), 1.0))
             continue
         top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
         use["top_k"] |= top_k < vocab_size
         use["top_p"] |= p.top_p < 1.0
         use["min_p"] |= p.min_p > 0.0
-        rows.append((p.temperature, p.top_p, p.min_p, float(top_k)))
-    return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), 4), use
+        rows.append((p.temperature, p.top_p, p.min_p, float(top_k), 0.0))
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), 5), use
 
 
 def _build_min_tokens_mask(remaining: Sequence[int], stop_ids: Sequence[Sequence[int]],

@@ -15,19 +15,27 @@ Per sequence i with drafts x_0..x_{k_i-1} and target distributions target_probs_
 Random numbers: per random row and step, k_i uniforms (float64, the accept test) then `vocab`
 Exp(1) draws (the recovered/bonus token), from the row's generator when seeded: a fixed amount,
 whatever is accepted, so seeded rows reproduce independently of the batch.
+
+Host cost (every torch op and copy is ~5-20 us of host time on the GPU path, where the host is on
+the critical path of a speculative step): an all-greedy batch runs one argmax on the device and
+reads it back, and compares the drafts on the host (numpy). Other batches send every index they
+need in one packed copy (`h2d_packed`); index arithmetic that depends only on the numbers of
+drafts is cached by them.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from specserve.sample.h2d import h2d
+from specserve.sample.h2d import h2d_packed
 from specserve.sample.metadata import SamplingMetadata
-from specserve.sample.sampler import compute_target_probs, draw_exponential, random_sample
+from specserve.sample.sampler import compute_target_probs, draw_exponential, penalized_logits, random_sample
 
 
 class RejectionOutput(NamedTuple):
@@ -36,47 +44,91 @@ class RejectionOutput(NamedTuple):
 
 
 class _Layout(NamedTuple):
-    """Where each draft and each sequence's positions live in the flat tensors."""
-    num_drafts: list[int]  # [num_seqs] k_i, on the host
-    draft_ids_host: Tensor  # [total_drafts] int64 on the CPU, for validation without a sync
-    draft_ids: Tensor  # [total_drafts] int64
-    draft_seq: Tensor  # [total_drafts] the draft's sequence
-    draft_offset: Tensor  # [total_drafts] j, its position within the sequence's drafts
-    draft_target_row: Tensor  # [total_drafts] its row in target_logits
+    """Where each draft and each sequence's positions live in the flat tensors: host arrays that
+    depend only on the numbers of drafts (`layout`, cached by them; read-only)."""
+    num_drafts: tuple[int, ...]  # [num_seqs] k_i
+    total: int  # sum of k_i
+    max_k: int
+    uniform: bool  # every sequence drafted max_k tokens
+    draft_seq: np.ndarray  # [total] the draft's sequence
+    draft_offset: np.ndarray  # [total] j, its position within the sequence's drafts
+    draft_target_row: np.ndarray  # [total] its row in target_logits
+    seq_target_start: np.ndarray  # [num_seqs] row of position 0 in target_logits
+    seq_draft_start: np.ndarray  # [num_seqs] index of draft 0 in draft_ids
+
+
+@functools.lru_cache(maxsize=128)
+def layout(num_drafts: tuple[int, ...]) -> _Layout:
+    k = np.asarray(num_drafts, dtype=np.int64).reshape(-1)
+    draft_start = np.cumsum(k) - k
+    target_start = draft_start + np.arange(len(k))  # each sequence adds k_i + 1 rows
+    draft_seq = np.repeat(np.arange(len(k)), k)
+    draft_offset = np.arange(len(draft_seq)) - draft_start[draft_seq]
+    arrays = [draft_seq, draft_offset, target_start[draft_seq] + draft_offset, target_start, draft_start]
+    for a in arrays:
+        a.flags.writeable = False
+    max_k = int(k.max(initial=0))
+    return _Layout(num_drafts, int(k.sum()), max_k, bool((k == max_k).all()), *arrays)
+
+
+class _DeviceLayout(NamedTuple):
+    """The random path's indices on the device (one packed copy); None where not needed."""
+    draft_ids: Tensor  # [total] int64
+    target_index: Tensor  # [total] flat index of (draft_target_row, draft id) in target_probs
+    draft_index: Tensor | None  # [total] flat index of (draft, draft id) in draft_probs
+    random_draft: Tensor | None  # [total] 1 for drafts of random rows, 0 of greedy ones (mixed batches)
+    pad_index: Tensor | None  # [total] draft_seq * max_k + draft_offset (when k_i differ)
     seq_num_drafts: Tensor  # [num_seqs] k_i
-    seq_target_start: Tensor  # [num_seqs] row of position 0 in target_logits
-    seq_draft_start: Tensor  # [num_seqs] index of draft 0 in draft_ids
+    seq_target_start: Tensor  # [num_seqs]
+    seq_draft_start: Tensor  # [num_seqs]
 
     @classmethod
-    def build(cls, draft_token_ids: Sequence[Sequence[int]], device: torch.device) -> _Layout:
-        num_drafts = [len(d) for d in draft_token_ids]
-        # Index arithmetic on the host (cheap, no sync), then two host->device copies in all.
-        k = torch.tensor(num_drafts, dtype=torch.int64)
-        draft_start = torch.cumsum(k, 0) - k
-        target_start = draft_start + torch.arange(len(num_drafts))  # each sequence adds k_i + 1 rows
-        draft_seq = torch.repeat_interleave(torch.arange(len(num_drafts)), k)
-        draft_offset = torch.arange(draft_seq.shape[0]) - draft_start[draft_seq]
-        draft_ids = torch.tensor(list(itertools.chain.from_iterable(draft_token_ids)), dtype=torch.int64)
-        per_draft = h2d(torch.stack([draft_ids, draft_seq, draft_offset,
-                                     target_start[draft_seq] + draft_offset]), device)  # [4, total_drafts]
-        per_seq = h2d(torch.stack([k, target_start, draft_start]), device)  # [3, num_seqs]
-        return cls(num_drafts, draft_ids, *per_draft.unbind(0), *per_seq.unbind(0))
+    def send(cls, lay: _Layout, draft_ids: np.ndarray, vocab: int, with_draft_probs: bool,
+             meta: SamplingMetadata, device: torch.device) -> _DeviceLayout:
+        per_draft = [draft_ids, lay.draft_target_row * vocab + draft_ids]
+        if with_draft_probs:
+            per_draft.append(np.arange(lay.total) * vocab + draft_ids)
+        if meta.greedy_mask is not None:
+            per_draft.append(np.logical_not(meta.is_greedy)[lay.draft_seq])
+        if not lay.uniform:
+            per_draft.append(lay.draft_seq * lay.max_k + lay.draft_offset)
+        per_seq = [lay.num_drafts, lay.seq_target_start, lay.seq_draft_start]
+        dev = iter(h2d_packed(per_draft + per_seq, device))
+        fields = [next(dev), next(dev)]
+        fields += [next(dev) if use else None for use in (with_draft_probs, meta.greedy_mask is not None,
+                                                           not lay.uniform)]
+        return cls(*fields, *dev)
 
 
-def _check_shapes(layout: _Layout, draft_probs: Tensor | None, target_logits: Tensor,
+def _check_shapes(lay: _Layout, draft_ids: np.ndarray, draft_probs: Tensor | None, target_logits: Tensor,
                   meta: SamplingMetadata) -> None:
-    num_seqs, total, vocab = len(layout.num_drafts), sum(layout.num_drafts), target_logits.shape[-1]
+    num_seqs, total, vocab = len(lay.num_drafts), lay.total, target_logits.shape[-1]
     if meta.num_seqs != num_seqs:
         raise ValueError(f"metadata has {meta.num_seqs} rows, draft_token_ids has {num_seqs}.")
     if target_logits.dim() != 2 or target_logits.shape[0] != total + num_seqs:
         raise ValueError(f"target_logits must be [total_draft_tokens + num_seqs = {total + num_seqs}, "
                          f"vocab], got {tuple(target_logits.shape)}.")
-    if draft_probs is not None and tuple(draft_probs.shape) != (total, target_logits.shape[1]):
+    if vocab != meta.vocab_size:
+        raise ValueError(f"logits have {vocab} columns, metadata was built for vocab_size="
+                         f"{meta.vocab_size}; slice padded vocab columns off before sampling.")
+    if draft_probs is not None and tuple(draft_probs.shape) != (total, vocab):
         raise ValueError(f"draft_probs must be [total_draft_tokens = {total}, vocab], "
                          f"got {tuple(draft_probs.shape)}.")
-    if total and not 0 <= int(layout.draft_ids_host.min()) <= int(layout.draft_ids_host.max()) < vocab:
+    if total and int(draft_ids.view(np.uint64).max()) >= vocab:  # negative ids view as >= 2**63
         # Out-of-range ids would be a device-side assert on GPU, which kills the process.
         raise ValueError(f"draft_token_ids must be in [0, {vocab}).")
+
+
+def _accepted_prefix(lay: _Layout, accepted: np.ndarray) -> np.ndarray:
+    """[total] bool -> [num_seqs] int64: each sequence's drafts before its first rejection."""
+    if lay.max_k == 0:
+        return np.zeros(len(lay.num_drafts), dtype=np.int64)
+    if lay.uniform:
+        padded = accepted.reshape(-1, lay.max_k)
+    else:
+        padded = np.zeros((len(lay.num_drafts), lay.max_k), dtype=bool)  # padding ends short rows
+        padded[lay.draft_seq, lay.draft_offset] = accepted
+    return np.logical_and.accumulate(padded, axis=1).sum(axis=1)
 
 
 class RejectionSampler:
@@ -86,7 +138,7 @@ class RejectionSampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
-    def __call__(self, draft_token_ids: list[list[int]], draft_probs: Tensor | None,
+    def __call__(self, draft_token_ids: Sequence[Sequence[int]], draft_probs: Tensor | None,
                  target_logits: Tensor, meta: SamplingMetadata) -> RejectionOutput:
         """draft_token_ids: per sequence, k_i >= 0 drafted tokens.
         draft_probs: [total_draft_tokens, vocab], the distributions the drafts were sampled from
@@ -97,92 +149,106 @@ class RejectionSampler:
             and penalties count the drafts before each position as emitted.
         One host sync (reading the results back).
         """
-        device = target_logits.device
-        layout = _Layout.build(draft_token_ids, device)
-        _check_shapes(layout, draft_probs, target_logits, meta)
+        lay = layout(tuple(len(d) for d in draft_token_ids))
+        draft_ids = np.fromiter(itertools.chain.from_iterable(draft_token_ids), np.int64, lay.total)
+        _check_shapes(lay, draft_ids, draft_probs, target_logits, meta)
         if meta.num_seqs == 0:
             return RejectionOutput([], [])
-        target_probs = compute_target_probs(target_logits, meta.expand_for_drafts(draft_token_ids))
-        num_accepted = self._num_accepted(layout, draft_probs, target_probs, meta)  # [num_seqs]
-        final = self._final_tokens(layout, num_accepted, draft_probs, target_probs, meta)  # [num_seqs]
-        counts, tokens = torch.stack([num_accepted, final]).tolist()
+        if meta.all_greedy:
+            counts, tokens = _greedy(lay, draft_ids, draft_token_ids, target_logits, meta)
+        else:
+            counts, tokens = self._random(lay, draft_ids, draft_token_ids, draft_probs, target_logits, meta)
         outputs = [list(drafts[:n]) + [t] for drafts, n, t in zip(draft_token_ids, counts, tokens)]
         return RejectionOutput(outputs, counts)
 
-    def _draw_uniform(self, layout: _Layout, meta: SamplingMetadata, device: torch.device) -> Tensor:
+    def _random(self, lay: _Layout, draft_ids: np.ndarray, draft_token_ids: Sequence[Sequence[int]],
+                draft_probs: Tensor | None, target_logits: Tensor, meta: SamplingMetadata
+                ) -> tuple[list[int], list[int]]:
+        """Batches with a random row, on the device: (accepted counts, final tokens), one read-back."""
+        device = target_logits.device
+        target_probs = compute_target_probs(target_logits, meta.expand_for_drafts(draft_token_ids))
+        dev = _DeviceLayout.send(lay, draft_ids, target_logits.shape[1], draft_probs is not None, meta, device)
+        num_accepted = self._num_accepted(lay, dev, draft_probs, target_probs, meta)  # [num_seqs]
+        final = self._final_tokens(lay, dev, num_accepted, draft_probs, target_probs, meta)  # [num_seqs]
+        counts, tokens = torch.stack([num_accepted, final]).tolist()
+        return counts, tokens
+
+    def _draw_uniform(self, lay: _Layout, meta: SamplingMetadata, device: torch.device) -> Tensor:
         """[total_drafts] float64 in [0, 1); float64 because float32 steps of 2**-24 bias the test."""
-        total = sum(layout.num_drafts)
-        uniform = torch.empty(total, dtype=torch.float64, device=device)
+        uniform = torch.empty(lay.total, dtype=torch.float64, device=device)
         seeded = [i for i, g in enumerate(meta.generators) if g is not None]
         if len(seeded) < meta.num_seqs:
             uniform.uniform_(generator=self.generator)
-        starts = [0, *itertools.accumulate(layout.num_drafts)]
         for i in seeded:
-            if layout.num_drafts[i]:
-                uniform[starts[i]:starts[i + 1]].uniform_(generator=meta.generators[i])
+            if lay.num_drafts[i]:
+                start = int(lay.seq_draft_start[i])
+                uniform[start:start + lay.num_drafts[i]].uniform_(generator=meta.generators[i])
         return uniform
 
-    def _num_accepted(self, layout: _Layout, draft_probs: Tensor | None, target_probs: Tensor,
-                      meta: SamplingMetadata) -> Tensor:
+    def _num_accepted(self, lay: _Layout, dev: _DeviceLayout, draft_probs: Tensor | None,
+                      target_probs: Tensor, meta: SamplingMetadata) -> Tensor:
         """[num_seqs] int64: length of each sequence's accepted draft prefix."""
-        num_seqs, max_k = meta.num_seqs, max(layout.num_drafts)
+        num_seqs, max_k = meta.num_seqs, lay.max_k
         device = target_probs.device
         if max_k == 0:
             return torch.zeros(num_seqs, dtype=torch.int64, device=device)
-        if meta.all_greedy:
-            accepted = self._greedy_accept(layout, target_probs)
-        else:
-            target_p = target_probs[layout.draft_target_row, layout.draft_ids].double()  # [total_drafts]
-            if draft_probs is None:
-                draft_p = torch.ones_like(target_p)
-            else:
-                draft_p = draft_probs[torch.arange(draft_probs.shape[0], device=device),
-                                      layout.draft_ids].double()
-            # u < target/draft without dividing; strict so a zero target prob never accepts.
-            accepted = self._draw_uniform(layout, meta, device) * draft_p < target_p
-            if meta.greedy_mask is not None:
-                greedy = self._greedy_accept(layout, target_probs)
-                accepted = torch.where(meta.greedy_mask[layout.draft_seq], greedy, accepted)
-        padded = torch.zeros(num_seqs, max_k, dtype=torch.int64, device=device)
-        padded[layout.draft_seq, layout.draft_offset] = accepted.long()
-        # Accepted prefix = drafts before the first rejection; padding (False) ends short rows.
+        target_p = target_probs.take(dev.target_index).double()  # [total_drafts]
+        # u < target/draft without dividing; strict so a zero target prob never accepts.
+        scaled_u = self._draw_uniform(lay, meta, device)
+        if draft_probs is not None:
+            scaled_u = scaled_u * draft_probs.take(dev.draft_index).double()
+        if dev.random_draft is not None:
+            # Greedy rows' target_probs are one-hot at the target argmax: with u scaled to 0 a draft
+            # is accepted iff it is that argmax (target_p 1, else 0).
+            scaled_u = scaled_u * dev.random_draft
+        accepted = (scaled_u < target_p).long()
+        if lay.uniform:
+            padded = accepted.view(num_seqs, max_k)
+        else:  # padding (0) ends short rows
+            padded = accepted.new_zeros(num_seqs * max_k).index_copy_(0, dev.pad_index, accepted)
+            padded = padded.view(num_seqs, max_k)
+        # Accepted prefix = drafts before the first rejection.
         return padded.cumprod(dim=1).sum(dim=1)
 
-    @staticmethod
-    def _greedy_accept(layout: _Layout, target_probs: Tensor) -> Tensor:
-        """[total_drafts] bool. Greedy rows' target_probs are one-hot at the target argmax."""
-        return layout.draft_ids == target_probs[layout.draft_target_row].argmax(dim=-1)
-
-    def _final_tokens(self, layout: _Layout, num_accepted: Tensor, draft_probs: Tensor | None,
-                      target_probs: Tensor, meta: SamplingMetadata) -> Tensor:
+    def _final_tokens(self, lay: _Layout, dev: _DeviceLayout, num_accepted: Tensor,
+                      draft_probs: Tensor | None, target_probs: Tensor, meta: SamplingMetadata) -> Tensor:
         """[num_seqs] int64: the recovered token at the first rejection, else the bonus token."""
-        final_rows = layout.seq_target_start + num_accepted
-        final_probs = target_probs.index_select(0, final_rows)  # [num_seqs, vocab]
-        # Greedy rows: one-hot at the target argmax, which differs from a rejected draft.
-        greedy_tokens = final_probs.argmax(dim=-1)
-        if meta.all_greedy:
-            return greedy_tokens
+        final_probs = target_probs.index_select(0, dev.seq_target_start + num_accepted)  # [num_seqs, vocab]
         residual = final_probs
-        if sum(layout.num_drafts) > 0:
-            residual = _residual(layout, num_accepted, draft_probs, final_probs)
+        if lay.total > 0:
+            residual = _residual(lay, dev, num_accepted, draft_probs, final_probs)
         noise = draw_exponential(meta.num_seqs, final_probs.shape[1], meta.generators,
                                  self.generator, final_probs.device)
         tokens = random_sample(residual, noise)
         if meta.greedy_mask is not None:
-            tokens = torch.where(meta.greedy_mask, greedy_tokens, tokens)
+            # Greedy rows: one-hot at the target argmax, which differs from a rejected draft.
+            tokens = torch.where(meta.greedy_mask, final_probs.argmax(dim=-1), tokens)
         return tokens
 
 
-def _residual(layout: _Layout, num_accepted: Tensor, draft_probs: Tensor | None,
+def _greedy(lay: _Layout, draft_ids: np.ndarray, draft_token_ids: Sequence[Sequence[int]],
+            target_logits: Tensor, meta: SamplingMetadata) -> tuple[list[int], list[int]]:
+    """All rows greedy: every position's target token is the argmax of its (penalized) logits;
+    one argmax on the device, one read-back, the comparison on the host."""
+    logits = target_logits
+    if meta.penalties is not None or meta.min_tokens_mask is not None:
+        # Nothing to expand otherwise: without penalties or a min_tokens mask on the sequences,
+        # no position has one (expand_for_drafts only counts drafts into those two).
+        logits = penalized_logits(target_logits, meta.expand_for_drafts(draft_token_ids))
+    targets = logits.argmax(dim=-1).cpu().numpy()  # [total + num_seqs]
+    counts = _accepted_prefix(lay, draft_ids == targets[lay.draft_target_row])
+    return counts.tolist(), targets[lay.seq_target_start + counts].tolist()
+
+
+def _residual(lay: _Layout, dev: _DeviceLayout, num_accepted: Tensor, draft_probs: Tensor | None,
               final_probs: Tensor) -> Tensor:
     """max(0, target_probs - draft_probs) at the first rejected position, unnormalized (the
     exponential race does not need it); the target itself for rows that accepted everything."""
-    rejected = num_accepted < layout.seq_num_drafts  # [num_seqs]
-    total = layout.draft_ids.shape[0]
+    rejected = num_accepted < dev.seq_num_drafts  # [num_seqs]
     # Index of the first rejected draft; clamped so rows without one index something valid.
-    rejected_draft = (layout.seq_draft_start + num_accepted).clamp_(max=total - 1)
+    rejected_draft = (dev.seq_draft_start + num_accepted).clamp_(max=lay.total - 1)
     if draft_probs is None:
-        token = layout.draft_ids[rejected_draft].unsqueeze(1)  # [num_seqs, 1]
+        token = dev.draft_ids.index_select(0, rejected_draft).unsqueeze(1)  # [num_seqs, 1]
         kept = final_probs.gather(1, token) * (~rejected).unsqueeze(1)
         residual = final_probs.scatter(1, token, kept)
     else:

@@ -5,25 +5,30 @@ how many of the request's tokens its cache holds (`_DraftSeq.num_computed_tokens
   1. sync: drafts the target rejected are dropped from that count (their KV is overwritten later);
   2. catch up: one forward over every request's unseen tokens (usually the last draft + the
      target's bonus/recovered token; the whole prompt the first time), chunked to the step budget;
-  3. k - 1 more forwards of one token per request, each sampling the next draft.
+  3. k - 1 more forwards of one token per request, each sampling the next draft. These chained
+     steps skip the runner's generic batch building (`_ChainSteps`): positions, slots and sequence
+     lengths advance by one per step from arrays made once per propose, the previous draft goes
+     into the forward on the device, and a CUDA graph replays them when one fits.
 Greedy requests draft the argmax (one-hot drafts); random requests sample from the draft's own
 distribution processed with the request's sampling params and keep it in `spec_draft_probs`, so
 the rejection sampler stays lossless.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
 from specserve.config import ModelConfig, SpeculativeConfig
 from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec
 from specserve.model.loader import LoadedModel, load_model
-from specserve.runner.batch import PendingTokens
+from specserve.runner.batch import HostBatch, block_table_array
 from specserve.runner.model_runner import ModelRunner
-from specserve.sample.h2d import h2d
+from specserve.sample.h2d import cached_tensor
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import compute_target_probs, draw_exponential, random_sample
 from specserve.scheduler.request import PLACEHOLDER, Request
@@ -117,16 +122,17 @@ class DraftSampler:
 
     def sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits [len(rows), vocab] -> (tokens [len(rows)] int64 on the device, draft_probs
-        [len(rows), vocab] or None if all greedy). No host sync (spec/draft_tokens.py)."""
-        logits = logits[:, :self.vocab_size]
-        if self._meta is None:
-            return logits.argmax(dim=-1), None
+        [len(rows), vocab] or None if these rows are all greedy). No host sync (spec/draft_tokens.py)."""
+        if logits.shape[1] != self.vocab_size:
+            logits = logits[:, :self.vocab_size]
+        if self._meta is None or all(self._greedy[r] for r in rows):
+            return logits.argmax(dim=-1), None  # greedy drafts are one-hot: no distribution
         meta = self._meta.select_rows(rows)
         probs = compute_target_probs(logits, meta)
         noise = draw_exponential(len(rows), self.vocab_size, meta.generators, None, logits.device)
         tokens = random_sample(probs, noise)
-        greedy = h2d(torch.tensor([self._greedy[r] for r in rows]), logits.device)
-        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+        if meta.greedy_mask is not None:  # the rows' greedy flags, already on the device
+            tokens = torch.where(meta.greedy_mask, logits.argmax(dim=-1), tokens)
         return tokens, probs
 
     def forget(self, request_id: str) -> None:
@@ -209,6 +215,7 @@ class DraftModelProposer(OwnKVLifecycle):
         # draft is never fed on its own, which would cost one more forward per cycle.
         if graphs:
             self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, (1, 2))
+        self.chain = _ChainSteps(self.runner, self.kv)
 
     def propose(self, inp: ProposeInput) -> None:
         reqs, seqs, ks = [], [], []
@@ -225,22 +232,17 @@ class DraftModelProposer(OwnKVLifecycle):
             return
         self.sampler.begin(reqs)
         logits = self._catch_up(seqs)  # [len(reqs), vocab]
-        # Drafts stay on the device: each forward reads the previous draft through a placeholder
-        # the runner fills on the device, and the host reads all drafts once (draft_tokens.py).
+        # Drafts stay on the device: each forward reads the previous draft there, and the host
+        # reads all drafts once (draft_tokens.py).
         dt = DraftTokens()
-        dt.add(list(range(len(reqs))), *self.sampler.sample(logits, list(range(len(reqs)))))
-        for step in range(1, max(ks)):
-            active = [i for i, k in enumerate(ks) if k > step]
-            for i in active:
-                seqs[i].all_token_ids.append(PLACEHOLDER)
-            pending = PendingTokens(dt.last_tokens, dict(zip((seqs[i].request_id for i in active),
-                                                             dt.rows_in_last(active))))
-            logits = self._forward_one([seqs[i] for i in active], pending)
-            dt.add(active, *self.sampler.sample(logits, active))
+        rows = list(range(len(reqs)))
+        dt.add(rows, *self.sampler.sample(logits, rows))
+        if max(ks) > 1:
+            self.chain.run(seqs, ks, dt, self.sampler)
         drafts, draft_probs = dt.to_lists(len(reqs))
-        for seq, d in zip(seqs, drafts):  # the fed drafts' real ids, which _sync compares later
-            fed = len(seq.all_token_ids) - seq.num_real
-            seq.all_token_ids[seq.num_real:] = d[:fed]
+        for seq, d, k in zip(seqs, drafts, ks):  # the fed drafts (all but the last), which _sync compares later
+            seq.all_token_ids.extend(d[:k - 1])
+            seq.num_computed_tokens += k - 1
         assign_drafts(reqs, drafts, draft_probs, self.sampler)
 
     def _sync(self, req: Request) -> _DraftSeq:
@@ -286,11 +288,80 @@ class DraftModelProposer(OwnKVLifecycle):
             pending = [i for i in pending if rows[i] is None]
         return torch.stack(rows)
 
-    def _forward_one(self, seqs: list[_DraftSeq], pending: PendingTokens) -> torch.Tensor:
-        """One new token (the last draft, a placeholder read from `pending`) per seq -> logits
-        [len(seqs), vocab]."""
-        sched = SchedulerOutput([ScheduledRequest(s, 1, 0) for s in seqs], len(seqs))
-        out = self.runner.execute(sched, self.kv.block_ids, pending=pending)
-        for s in seqs:
-            s.num_computed_tokens += 1
-        return out.logits
+
+@functools.lru_cache(maxsize=64)
+def _uniform_layout(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], list[tuple[int, int]]]:
+    """Host arrays of n sequences of one token each, every token scored (shared: never written):
+    (placeholder input ids, cu_query_lens, logits_indices, query_lens, logit_rows)."""
+    return (np.full(n, PLACEHOLDER, dtype=np.int64), np.arange(n + 1, dtype=np.int32), np.arange(n, dtype=np.int64),
+            [1] * n, [(i, 1) for i in range(n)])
+
+
+class _ChainSteps:
+    """The draft's single-token forwards of a propose after the catch-up (step s = 1..k-1 feeds the
+    draft of step s - 1), without the runner's generic per-request batch building: the block
+    tables are made once per propose, a step's positions are the catch-up's end + s - 1, and its
+    slots and sequence lengths follow from them in a few numpy operations. The fed token is the
+    previous step's draft, on the device: a CUDA graph takes it as its input fill, an eager
+    forward as its input ids (no placeholder fill, no index copy).
+
+    Same inputs as ModelRunner.execute would build (tests/unit/test_draft_chain.py checks it)."""
+
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager) -> None:
+        self.runner, self.kv = runner, kv
+
+    def run(self, seqs: list[_DraftSeq], ks: list[int], dt: DraftTokens, sampler: DraftSampler) -> None:
+        """Steps 1..max(ks) - 1; request i takes part in steps s < ks[i]. The seqs' state is
+        not touched (propose() counts the fed tokens afterwards)."""
+        base = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+        tables = block_table_array([self.kv.block_ids(s.request_id) for s in seqs])
+        active = list(range(len(seqs)))
+        for step in range(1, max(ks)):
+            prev, active = active, [i for i in active if ks[i] > step]
+            tokens = dt.last_tokens
+            if active != prev:  # fewer requests than the last step: their rows of its drafts
+                keep = dt.rows_in_last(active)
+                tokens = tokens.index_select(0, self._index(tuple(keep)))
+                base, tables = base[keep], tables[keep]
+            host = self.host_batch(base + (step - 1), tables)
+            dt.add(active, *sampler.sample(self.forward(host, tokens), active))
+
+    def host_batch(self, positions: np.ndarray, tables: np.ndarray) -> HostBatch:
+        """One token per sequence at `positions` ([n] int64) with block tables `tables`."""
+        bs = self.runner.block_size
+        n = len(positions)
+        ids, cu, logits_indices, query_lens, logit_rows = _uniform_layout(n)
+        slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        return HostBatch(ids, positions, slots, tables, (positions + 1).astype(np.int32), cu, logits_indices,
+                         query_lens, logit_rows)
+
+    @torch.inference_mode()
+    def forward(self, host: HostBatch, tokens: torch.Tensor) -> torch.Tensor:
+        """host's batch with input ids `tokens` ([n] int64 on the device) -> logits [n, vocab]
+        (a CUDA graph's output when one ran: valid until the draft's next forward)."""
+        runner, n = self.runner, host.num_tokens
+        key = runner.graphs.graph_key(host) if runner.graphs is not None else None
+        if key is not None:
+            return runner.graphs.run(host, key, (self._index(tuple(range(n))), tokens))
+        staging = runner.staging
+        if staging is not None:
+            staging.begin()
+            put = staging.put
+        elif runner.device.type == "cpu":
+            put = lambda _, a: torch.from_numpy(a)
+        else:
+            put = lambda _, a: torch.from_numpy(a).to(runner.device)
+        meta = AttentionMetadata(put("cu", host.cu_query_lens), put("seq_lens", host.seq_lens),
+                                 put("block_tables", host.block_tables), put("slots", host.slot_mapping),
+                                 max_query_len=1, max_seq_len=int(host.seq_lens.max()), num_seqs=n, num_tokens=n,
+                                 query_lens_cpu=host.query_lens, seq_lens_cpu=host.seq_lens.tolist())
+        positions = put("positions", host.positions)
+        if staging is not None:
+            staging.end()
+        with forward_context(ForwardContext(meta, runner.kv_caches, runner.fmt, runner.backend)):
+            hidden = runner.model(tokens, positions)
+        return runner.model.compute_logits(hidden[0] if isinstance(hidden, tuple) else hidden)
+
+    def _index(self, rows: tuple[int, ...]) -> torch.Tensor:
+        """rows as an int64 device tensor (cached: steady-state steps repeat them)."""
+        return cached_tensor(self.runner.device, ("rows", rows), lambda: torch.tensor(rows, dtype=torch.int64))
