@@ -110,7 +110,9 @@ def fused_times(n_qkv: int, h: int, inter: int, m: int, calls: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="qwen2.5-1.5b,llama-3.1-8b,qwen2.5-0.5b")
+    ap.add_argument("--shapes", default="qwen2.5-1.5b,llama-3.1-8b,qwen2.5-0.5b",
+                    help="shape names of specserve/model/shapes.py ('' for none)")
+    ap.add_argument("--nk", default="", help="more linears as NxK pairs (weight [N, K]), e.g. 6144x4096,4096x4096")
     ap.add_argument("--ms", default="1,2,4")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="copy bandwidth for the % column")
@@ -120,18 +122,19 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     table, results = {}, []
     print(f"{'shape':14} {'linear':8} {'M':>2} {'cuBLAS us':>9} {'GEMV us':>8} {'GEMV GB/s':>9} {'% peak':>6} tiles")
-    for shape in args.shapes.split(","):
-        for lin, (n, k) in linears(shape).items():
-            for m in (int(v) for v in args.ms.split(",")):
-                best, rows = tune(n, k, m, args.calls)
-                gbs = n * k * 2 / best["gemv_us"] / 1e3 if best["gemv_us"] else 0.0
-                key = triton_gemv.config_key(n, k, m)
-                win = best["gemv_us"] is not None and best["gemv_us"] < best["cublas_us"]
-                if key not in table or win:
-                    table[key] = list(best["tiles"]) if win else [0, 0, 0]
-                results.append({"shape": shape, "linear": lin, "n": n, "k": k, "m": m, **best, "sweep": rows})
-                print(f"{shape:14} {lin:8} {m:2} {best['cublas_us']:9.2f} {best['gemv_us'] or 0:8.2f} {gbs:9.0f} "
-                      f"{100 * gbs / args.peak_gbs:5.1f}% {best['tiles']}", flush=True)
+    todo = [(shape, lin, nk) for shape in filter(None, args.shapes.split(",")) for lin, nk in linears(shape).items()]
+    todo += [("custom", pair, tuple(int(v) for v in pair.split("x"))) for pair in filter(None, args.nk.split(","))]
+    for shape, lin, (n, k) in todo:
+        for m in (int(v) for v in args.ms.split(",")):
+            best, rows = tune(n, k, m, args.calls)
+            gbs = n * k * 2 / best["gemv_us"] / 1e3 if best["gemv_us"] else 0.0
+            key = triton_gemv.config_key(n, k, m)
+            win = best["gemv_us"] is not None and best["gemv_us"] < best["cublas_us"]
+            if key not in table or win:
+                table[key] = list(best["tiles"]) if win else [0, 0, 0]
+            results.append({"shape": shape, "linear": lin, "n": n, "k": k, "m": m, **best, "sweep": rows})
+            print(f"{shape:14} {lin:8} {m:2} {best['cublas_us']:9.2f} {best['gemv_us'] or 0:8.2f} {gbs:9.0f} "
+                  f"{100 * gbs / args.peak_gbs:5.1f}% {best['tiles']}", flush=True)
     if args.write:
         path = triton_gemv.CONFIG_DIR / f"{name.replace(' ', '_')}.json"
         path.parent.mkdir(exist_ok=True)
@@ -140,7 +143,7 @@ def main() -> None:
         triton_gemv.config_table.cache_clear()
         print(f"wrote {path}")
     fused = {}
-    for shape in args.shapes.split(","):
+    for shape in filter(None, args.shapes.split(",")):
         li = linears(shape)
         for m in (int(v) for v in args.ms.split(",")):
             f = fused_times(li["qkv"][0], li["o"][0], li["down"][1], m, args.calls)
