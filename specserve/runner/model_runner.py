@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.attention.base import ForwardContext, forward_context
+from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
 from specserve.kv.spec import KVCacheSpec, KVFormat, LayerKVCache
 from specserve.model.loader import LoadedModel
 from specserve.runner.batch import (
@@ -88,6 +88,34 @@ class ModelRunner:
         if self.staging is not None:
             self.staging.begin()
         return self._execute(sched, host, need_hidden, prompt_plan, pending)
+
+    @torch.inference_mode()
+    def forward_scored(self, host: HostBatch, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """A batch whose every token is scored, with its input ids already on the device (a draft
+        model's chained steps feed the previous draft): logits [host.num_tokens, vocab], a CUDA
+        graph's output when one fits (valid until the next forward). Lighter than `execute`: no
+        scheduler output, placeholders or logits selection. rows: arange(num_tokens) on the device."""
+        n = host.num_tokens
+        key = self.graphs.graph_key(host) if self.graphs is not None else None
+        if key is not None:
+            return self.graphs.run(host, key, (rows, input_ids))
+        staging = self.staging
+        if staging is not None:
+            staging.begin()
+            put = staging.put
+        else:
+            def put(_: str, a) -> torch.Tensor:
+                return torch.from_numpy(a).to(self.device)
+        meta = AttentionMetadata(put("cu", host.cu_query_lens), put("seq_lens", host.seq_lens),
+                                 put("block_tables", host.block_tables), put("slots", host.slot_mapping),
+                                 max_query_len=max(host.query_lens), max_seq_len=int(host.seq_lens.max()),
+                                 num_seqs=host.num_seqs, num_tokens=n, query_lens_cpu=host.query_lens,
+                                 seq_lens_cpu=host.seq_lens.tolist())
+        positions = put("positions", host.positions)
+        self._staged()
+        with forward_context(ForwardContext(meta, self.kv_caches, self.fmt, self.backend)):
+            hidden = self.model(input_ids, positions)
+        return self.model.compute_logits(hidden[0] if isinstance(hidden, tuple) else hidden)
 
     def _staged(self) -> None:
         """Every input of the step is queued for copying: mark it BEFORE the forward is queued, so

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
 from specserve.config import ModelConfig, SpeculativeConfig
 from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec
@@ -335,32 +334,10 @@ class _ChainSteps:
         return HostBatch(ids, positions, slots, tables, (positions + 1).astype(np.int32), cu, logits_indices,
                          query_lens, logit_rows)
 
-    @torch.inference_mode()
     def forward(self, host: HostBatch, tokens: torch.Tensor) -> torch.Tensor:
         """host's batch with input ids `tokens` ([n] int64 on the device) -> logits [n, vocab]
         (a CUDA graph's output when one ran: valid until the draft's next forward)."""
-        runner, n = self.runner, host.num_tokens
-        key = runner.graphs.graph_key(host) if runner.graphs is not None else None
-        if key is not None:
-            return runner.graphs.run(host, key, (self._index(tuple(range(n))), tokens))
-        staging = runner.staging
-        if staging is not None:
-            staging.begin()
-            put = staging.put
-        elif runner.device.type == "cpu":
-            put = lambda _, a: torch.from_numpy(a)
-        else:
-            put = lambda _, a: torch.from_numpy(a).to(runner.device)
-        meta = AttentionMetadata(put("cu", host.cu_query_lens), put("seq_lens", host.seq_lens),
-                                 put("block_tables", host.block_tables), put("slots", host.slot_mapping),
-                                 max_query_len=1, max_seq_len=int(host.seq_lens.max()), num_seqs=n, num_tokens=n,
-                                 query_lens_cpu=host.query_lens, seq_lens_cpu=host.seq_lens.tolist())
-        positions = put("positions", host.positions)
-        if staging is not None:
-            staging.end()
-        with forward_context(ForwardContext(meta, runner.kv_caches, runner.fmt, runner.backend)):
-            hidden = runner.model(tokens, positions)
-        return runner.model.compute_logits(hidden[0] if isinstance(hidden, tuple) else hidden)
+        return self.runner.forward_scored(host, tokens, self._index(tuple(range(host.num_tokens))))
 
     def _index(self, rows: tuple[int, ...]) -> torch.Tensor:
         """rows as an int64 device tensor (cached: steady-state steps repeat them)."""
