@@ -12,6 +12,7 @@ from specserve.kv.key_offset import install_key_offsets
 from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.metrics.stats import StatsCollector
 from specserve.model.loader import LoadedModel, load_model, resolve_dtype
+from specserve.runner.cuda_graph import PREFILL_QUERY_LENS, graph_output_bytes
 from specserve.runner.memory import kv_budget_bytes
 from specserve.runner.model_runner import ModelRunner, select_backend
 from specserve.sample.sampler import Sampler
@@ -90,19 +91,21 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     def profile() -> None:
         _profile_run(loaded, spec, device, backend, max_batched, sc.max_num_seqs)
 
+    graphs = device.type == "cuda" and not config.model.enforce_eager and getattr(backend, "name", "") == "triton"
+    k = config.speculative.num_speculative_tokens if config.speculative else 0
+    # Every verify length: the controller drafts 0..k tokens per step (runner/cuda_graph.py keeps
+    # the middle lengths to small batches); short prefills of one or two sequences too.
+    query_lens = tuple(range(1, k + 2))
+    reserve = graph_output_bytes(sc.max_num_seqs, query_lens, PREFILL_QUERY_LENS, arch.vocab_size, arch.hidden_size,
+                                 torch.finfo(dtype).bits // 8) if graphs else 0
     budget = kv_budget_bytes(spec, device, cc.gpu_memory_utilization, cc.kv_cache_memory_bytes, profile,
-                             sc.max_num_seqs * loaded.max_model_len)
+                             sc.max_num_seqs * loaded.max_model_len, reserve)
     num_blocks = spec.num_blocks_for(budget)
     if agree is not None:
         num_blocks = agree(num_blocks)
     runner = make_runner(loaded, spec, num_blocks, device, backend)
-    if device.type == "cuda" and not config.model.enforce_eager and getattr(backend, "name", "") == "triton":
-        k = config.speculative.num_speculative_tokens if config.speculative else 0
-        # Every verify length: the controller drafts 0..k tokens per step (runner/cuda_graph.py
-        # keeps the middle lengths to small batches).
-        from specserve.runner.cuda_graph import PREFILL_QUERY_LENS
-
-        runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, tuple(range(1, k + 2)), PREFILL_QUERY_LENS)
+    if graphs:
+        runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, query_lens, PREFILL_QUERY_LENS)
     return runner
 
 

@@ -45,6 +45,25 @@ def sizes_by_query_len(batch_sizes: list[int], query_lens: tuple[int, ...],
     return sizes
 
 
+def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The batch sizes graphs are captured for: DEFAULT_BATCH_SIZES up to max_num_seqs, and it."""
+    sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b <= max_num_seqs) or (1,)
+    if max_num_seqs not in sizes and max_num_seqs < DEFAULT_BATCH_SIZES[-1]:
+        sizes = sizes + (max_num_seqs,)
+    return sizes
+
+
+def graph_output_bytes(max_num_seqs: int, query_lens: tuple[int, ...], prefill_lens: tuple[int, ...],
+                       vocab_size: int, hidden_size: int, act_bytes: int) -> int:
+    """Memory the captured graphs keep after capture: every graph's static outputs (float32 logits
+    [bs * q, vocab] and the final hidden states [bs * q, hidden]) live in the shared pool for good,
+    so they add up over all (batch size, query length) pairs; +10% for the pool's own slack. The KV
+    pool is sized with this held back, so gpu_memory_utilization bounds the engine as a whole."""
+    sizes = sizes_by_query_len(sorted(graph_batch_sizes(max_num_seqs)), tuple(sorted(set(query_lens))), prefill_lens)
+    rows = sum(bs * q for q, batch_sizes in sizes.items() for bs in batch_sizes)
+    return int(rows * (vocab_size * 4 + hidden_size * act_bytes) * 1.1)
+
+
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches, fmt, backend, device: torch.device,
                  max_model_len: int, block_size: int, batch_sizes: tuple[int, ...],

@@ -12,8 +12,9 @@ CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB when nothing is said, on the CPU
 
 def kv_budget_bytes(spec: KVCacheSpec, device: torch.device, gpu_memory_utilization: float,
                     kv_cache_memory_bytes: int | None, profile: Callable[[], None],
-                    max_useful_tokens: int) -> int:
-    """Bytes for the KV pool. On CUDA, `profile` runs the largest batch once to find peak activations."""
+                    max_useful_tokens: int, reserve_bytes: int = 0) -> int:
+    """Bytes for the KV pool. On CUDA, `profile` runs the largest batch once to find peak activations;
+    `reserve_bytes` is what the engine allocates after the pool (its CUDA graphs' outputs)."""
     if kv_cache_memory_bytes is not None:
         return kv_cache_memory_bytes
     if device.type != "cuda":
@@ -28,9 +29,10 @@ def kv_budget_bytes(spec: KVCacheSpec, device: torch.device, gpu_memory_utilizat
     free, total = torch.cuda.mem_get_info(device)
     # Memory used outside torch's allocator (CUDA context, other processes) counts against us too.
     non_torch = total - free - torch.cuda.memory_reserved(device)
-    budget = int(total * gpu_memory_utilization) - peak - max(0, non_torch)
+    budget = int(total * gpu_memory_utilization) - peak - max(0, non_torch) - reserve_bytes
     if budget < spec.bytes_per_block:
         raise ValueError(f"no memory left for the KV cache at gpu_memory_utilization="
-                         f"{gpu_memory_utilization} (weights+activations peak {peak / 2**30:.1f} GiB of "
-                         f"{total / 2**30:.1f} GiB); raise it or lower max_num_batched_tokens.")
+                         f"{gpu_memory_utilization} (weights+activations peak {peak / 2**30:.1f} GiB, CUDA "
+                         f"graphs {reserve_bytes / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); raise it, lower "
+                         f"max_num_batched_tokens or max_num_seqs, or set enforce_eager.")
     return budget

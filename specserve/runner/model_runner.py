@@ -67,11 +67,9 @@ class ModelRunner:
                        prefill_query_lens: tuple[int, ...] = ()) -> None:
         """Capture decode (and verify) CUDA graphs for batch sizes up to max_num_seqs, and short
         prefills of a few sequences (runner/cuda_graph.py PREFILL_QUERY_LENS)."""
-        from specserve.runner.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
+        from specserve.runner.cuda_graph import CudaGraphRunner, graph_batch_sizes
 
-        sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b <= max_num_seqs) or (1,)
-        if max_num_seqs not in sizes and max_num_seqs < DEFAULT_BATCH_SIZES[-1]:
-            sizes = sizes + (max_num_seqs,)
+        sizes = graph_batch_sizes(max_num_seqs)
         runner = CudaGraphRunner(self.model, self.kv_caches, self.fmt, self.backend, self.device,
                                  max_model_len, self.block_size, sizes, query_lens, prefill_query_lens)
         runner.capture()

@@ -150,3 +150,18 @@ def test_padded_prefill_gives_the_same_logits(tiny_llama_dir):
     ragged = eng.runner._execute(sched, host, False, None, None)
     padded = eng.runner._execute(sched, pad_to_query_len(host, 16, eng.max_model_len), False, None, None)
     torch.testing.assert_close(padded.logits, ragged.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_graph_output_bytes_counts_every_captured_pair():
+    """The KV pool holds back what the graphs keep: logits + hidden rows summed over every captured
+    (batch size, query length), so verify and prefill lengths add to the decode graphs."""
+    from specserve.runner.cuda_graph import PREFILL_QUERY_LENS, graph_batch_sizes, graph_output_bytes
+
+    assert graph_batch_sizes(8) == (1, 2, 4, 8) and graph_batch_sizes(10) == (1, 2, 4, 8, 10)
+    per_row = 1000 * 4 + 64 * 2
+    decode = graph_output_bytes(8, (1,), (), 1000, 64, 2)
+    assert decode == int((1 + 2 + 4 + 8) * per_row * 1.1)
+    verify = graph_output_bytes(8, (1, 2, 3), (), 1000, 64, 2)
+    assert verify == int((1 + 2 + 3) * (1 + 2 + 4 + 8) * per_row * 1.1)
+    prefill = graph_output_bytes(8, (1,), PREFILL_QUERY_LENS, 1000, 64, 2)
+    assert prefill == int((15 + sum(PREFILL_QUERY_LENS) * (1 + 2)) * per_row * 1.1)  # batch sizes 1 and 2
