@@ -74,9 +74,9 @@ def tune(n: int, k: int, m: int, calls: int) -> tuple[dict, list]:
     for bn, bk, nw in itertools.product(BLOCK_NS, BLOCK_KS, WARPS):
         tiles = (bn, bk, nw)
         try:
-            out = triton_gemv._launch(x, w, None, tiles=tiles)[0]
+            out = triton_gemv._launch(x, w, None, tiles)[0]
             err = (out.float() - ref.float()).abs().max().item()
-            us = graph_us(lambda tiles=tiles: triton_gemv._launch(x, w, None, tiles=tiles), calls)
+            us = graph_us(lambda tiles=tiles: triton_gemv._launch(x, w, None, tiles), calls)
         except Exception as e:  # noqa: BLE001  (a config the compiler refuses: registers, shared memory)
             rows.append({"tiles": tiles, "error": repr(e)[:120]})
             continue

@@ -241,17 +241,6 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn, acc: list[float]):
-    def wrapped(*a, **kw):
-        _sync()
-        t = time.perf_counter()
-        out = fn(*a, **kw)
-        _sync()
-        acc.append(time.perf_counter() - t)
-        return out
-    return wrapped
-
-
 def measure(llm: LLM, steps: int, cprofile: bool = False, temperature: float = 0.0) -> dict:
     eng = llm.engine
     _start(llm, 4 * steps + 64, temperature)
@@ -276,20 +265,19 @@ def measure(llm: LLM, steps: int, cprofile: bool = False, temperature: float = 0
     res = {"wall_ms": wall * 1e3, "tokens_per_step": tokens, "gpu_busy_ms": busy * 1e3}
     verify: list[float] = []
     propose: list[float] = []
-    eng.runner.execute = _timed(eng.runner.execute, verify)
+    undo = [_wrap_call(eng.runner, "execute", _timer(verify))]
     if eng.spec is not None:
-        eng.spec.proposer.propose = _timed(eng.spec.proposer.propose, propose)
+        undo.append(_wrap_call(eng.spec.proposer, "propose", _timer(propose)))
     for _ in range(steps):
         eng.step()
+    for u in undo:
+        u()
     res["target_forward_ms"] = 1e3 * sum(verify) / steps
     res["propose_ms"] = 1e3 * sum(propose) / steps
     if cprofile:  # host functions of the plain steps, by own time
         import cProfile
         import pstats
 
-        eng.runner.execute = type(eng.runner).execute.__get__(eng.runner)
-        if eng.spec is not None:
-            eng.spec.proposer.propose = type(eng.spec.proposer).propose.__get__(eng.spec.proposer)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(steps):

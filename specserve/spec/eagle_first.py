@@ -36,7 +36,7 @@ import torch
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata
 from specserve.kv.spec import KVFormat, LayerKVCache
-from specserve.spec.eagle_graph import PAD_SLOT, PinnedUpload, align8, capture_per_batch_size
+from specserve.spec.eagle_graph import PAD_SLOT, PinnedUpload, align8, capture_per_batch_size, replay
 from specserve.spec.eagle_head import EagleHead
 
 # Each graph keeps its logits [bs * picks, vocab] (float32) alive: sizes above this many picks run
@@ -140,16 +140,10 @@ class FirstForwardGraphs:
     def run(self, bs: int, features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gather the features of the sent rows, run the forward of size bs; returns (out, logits,
         argmax) of the picks, [bs * picks_per_req, ...] each (valid until the next run)."""
-        self.runs[bs] += 1
         rows, feats = self._gather[bs]
         for src, dst in zip(features, feats):
             torch.index_select(src, 0, rows, out=dst)
-        graph = self.graphs.get(bs)
-        if graph is None:
-            self.outputs[bs] = self._forward(bs)
-        else:
-            graph.replay()
-        return self.outputs[bs]
+        return replay(self, bs)
 
     # -- inputs ------------------------------------------------------------------------------
     def send(self, bs: int, ks: list[int], num_real: list[int], ctx: list[int], last_pos: list[int],

@@ -155,6 +155,18 @@ def capture_per_batch_size(owner) -> None:
     torch.cuda.synchronize(owner.device)
 
 
+def replay(owner, bs: int):
+    """owner's forward of size bs: its graph's replay, or an eager run over the same static buffers
+    where none was captured ("static" mode, the CPU); returns owner.outputs[bs]."""
+    owner.runs[bs] += 1
+    graph = owner.graphs.get(bs)
+    if graph is None:
+        owner.outputs[bs] = owner._forward(bs)
+    else:
+        graph.replay()
+    return owner.outputs[bs]
+
+
 class HeadStepGraphs:
     """Static buffers, and on CUDA graphs, for the head's one-row-per-request draft steps."""
 
@@ -224,13 +236,7 @@ class HeadStepGraphs:
         self.block_tables.zero_()
 
     def _run(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.runs[bs] += 1
-        graph = self.graphs.get(bs)
-        if graph is None:
-            self.outputs[bs] = self._forward(bs)
-        else:
-            graph.replay()
-        return self.outputs[bs]
+        return replay(self, bs)
 
     # -- drafting ----------------------------------------------------------------------------
     def fits(self, n: int, tables: list[list[int]]) -> bool:

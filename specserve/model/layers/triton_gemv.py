@@ -171,19 +171,24 @@ def gemv_max_m() -> int:
     return GEMV_MAX_M if override is None else override
 
 
-def _eligible(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
+def _tiles(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[int, int, int] | None:
+    """The GEMV's (BLOCK_N, BLOCK_K, num_warps) for x [M, k] @ weight^T, or None where cuBLAS runs:
+    more than gemv_max_m() rows, another dtype or layout, or a table entry saying cuBLAS won."""
     ok = (x.is_cuda or envs.triton_interpret()) and x.dim() == 2 and 0 < x.shape[0] <= gemv_max_m() \
         and weight.dim() == 2 and weight.shape[1] == k and x.dtype == weight.dtype \
         and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and weight.stride(-1) == 1
-    return ok and tile_config(weight.shape[0], k, x.shape[0], x.device)[0] > 0
+    if not ok:
+        return None
+    tiles = tile_config(weight.shape[0], k, x.shape[0], x.device)
+    return tiles if tiles[0] > 0 else None
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_out: bool = False,
-            norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None,
-            tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int],
+            silu_out: bool = False, norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (out [M, N], the new residual [M, K] when `norm` = (weight, eps, residual) has one).
-    silu_out: weight is [2N, K] (gate | up) and out is silu(gate) * up.
-    tiles: (BLOCK_N, BLOCK_K, num_warps) instead of the table's (bench/gemv_tune.py sweeps them)."""
+    tiles: (BLOCK_N, BLOCK_K, num_warps), from `_tiles` (or bench/gemv_tune.py's sweep).
+    silu_out: weight is [2N, K] (gate | up) and out is silu(gate) * up."""
     m = x.shape[0]
     n, k = weight.shape
     if silu_out:
@@ -191,9 +196,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     norm_w, eps, residual = norm if norm is not None else (None, 0.0, None)
     res_out = None if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps = tiles or tile_config(weight.shape[0], k, m, x.device)
-    if silu_out and tiles is None:
-        block_n = max(1, block_n // 2)  # a program reads BLOCK_N rows of gate and BLOCK_N of up
+    block_n, block_k, num_warps = tiles
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight if bias is None else bias, out,
         x if residual is None else residual, x if res_out is None else res_out, weight if norm_w is None else norm_w,
@@ -207,17 +210,21 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N]; GEMV for small M, else cuBLAS."""
-    if not _eligible(x, weight, x.shape[-1]) or (bias is not None and bias.dtype != x.dtype):
+    tiles = _tiles(x, weight, x.shape[-1])
+    if tiles is None or (bias is not None and bias.dtype != x.dtype):
         return F.linear(x, weight, bias)
-    return _launch(x, weight, bias)[0]
+    return _launch(x, weight, bias, tiles)[0]
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, silu_and_mul) -> torch.Tensor:
     """silu_and_mul(x @ weight^T): weight [2 * inter, K] (gate | up), x [M, K] -> [M, inter].
     `silu_and_mul` is the unfused activation for shapes the GEMV does not take."""
-    if weight.dim() != 2 or weight.shape[0] % 2 or not _eligible(x, weight, x.shape[-1]):
+    tiles = _tiles(x, weight, x.shape[-1]) if weight.dim() == 2 and weight.shape[0] % 2 == 0 else None
+    if tiles is None:
         return silu_and_mul(F.linear(x, weight))
-    return _launch(x, weight, None, silu_out=True)[0]
+    block_n, block_k, num_warps = tiles  # tuned for the plain [2N, K] product:
+    # a program here reads BLOCK_N rows of gate and BLOCK_N of up, so halve it to match.
+    return _launch(x, weight, None, (max(1, block_n // 2), block_k, num_warps), silu_out=True)[0]
 
 
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -230,8 +237,8 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     # than a few times its input (qkv: 4.6 us fused vs 6.1 unfused, 1.5B on the H200), but with
     # the many narrow programs of gate_up it re-reads more bytes from L2 than the weight has
     # (1.5B gate_up ~23 us fused vs 14.9 + 1.8 unfused), so wide projections keep the norm kernel.
-    fusable = (weight.shape[0] <= NORM_FUSE_MAX_WIDTH * weight.shape[1]
-               and _eligible(x, weight, x.shape[-1]) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+    tiles = _tiles(x, weight, x.shape[-1]) if weight.shape[0] <= NORM_FUSE_MAX_WIDTH * weight.shape[1] else None
+    fusable = (tiles is not None and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
                and (bias is None or bias.dtype == x.dtype)
                and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
                                          and residual.stride(-1) == 1)))
@@ -240,5 +247,5 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
             return linear(rms_norm(x, norm_weight, eps), weight, bias), x
         h, residual = rms_norm(x, norm_weight, eps, residual)
         return linear(h, weight, bias), residual
-    out, res_out = _launch(x, weight, bias, norm=(norm_weight, eps, residual))
+    out, res_out = _launch(x, weight, bias, tiles, norm=(norm_weight, eps, residual))
     return out, (x if res_out is None else res_out)
