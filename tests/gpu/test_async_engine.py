@@ -96,7 +96,7 @@ def test_mixed_draft_lengths_replay_padded_graphs(tiny_llama_dir, device: torch.
               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                                   "prompt_lookup_max": 3, "adaptive": False})
     graphs = llm.engine.runner.graphs
-    assert graphs.query_lens == (1, 2, 3, 4, 5)
+    assert graphs.verify_query_lens == (1, 2, 3, 4, 5)
     inner, kinds = graphs.graph_for, []
 
     def counting(batch):
