@@ -117,10 +117,14 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="copy bandwidth for the % column")
     ap.add_argument("--write", action="store_true", help="write the engine's table for this GPU")
+    ap.add_argument("--merge", action="store_true",
+                    help="with --write: keep the table's entries for shapes not measured in this run")
     args = ap.parse_args()
     t0 = time.time()
     name = torch.cuda.get_device_name()
-    table, results = {}, []
+    results = []
+    table = dict(triton_gemv.config_table(name)) if args.merge else {}
+    measured: set[str] = set()
     print(f"{'shape':14} {'linear':8} {'M':>2} {'cuBLAS us':>9} {'GEMV us':>8} {'GEMV GB/s':>9} {'% peak':>6} tiles")
     todo = [(shape, lin, nk) for shape in filter(None, args.shapes.split(",")) for lin, nk in linears(shape).items()]
     todo += [("custom", pair, tuple(int(v) for v in pair.split("x"))) for pair in filter(None, args.nk.split(","))]
@@ -130,8 +134,9 @@ def main() -> None:
             gbs = n * k * 2 / best["gemv_us"] / 1e3 if best["gemv_us"] else 0.0
             key = triton_gemv.config_key(n, k, m)
             win = best["gemv_us"] is not None and best["gemv_us"] < best["cublas_us"]
-            if key not in table or win:
+            if key not in measured or win:  # M rounds up to a power of two: keep the best of a key's runs
                 table[key] = list(best["tiles"]) if win else [0, 0, 0]
+                measured.add(key)
             results.append({"shape": shape, "linear": lin, "n": n, "k": k, "m": m, **best, "sweep": rows})
             print(f"{shape:14} {lin:8} {m:2} {best['cublas_us']:9.2f} {best['gemv_us'] or 0:8.2f} {gbs:9.0f} "
                   f"{100 * gbs / args.peak_gbs:5.1f}% {best['tiles']}", flush=True)

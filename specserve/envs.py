@@ -10,6 +10,8 @@ meaning; other modules must not touch `os.environ` directly.
 |                   | (XDG_CACHE_HOME: ~/.cache)       |                                           |
 | SPECSERVE_GEMV_MAX_M | 4 (model/layers/triton_gemv.py) | rows up to which linears use the Triton   |
 |                   |                                  | GEMV on CUDA; 0 = always cuBLAS           |
+| SPECSERVE_PDL     | 1 (model/layers/pdl.py)          | 0: no programmatic dependent launch for   |
+|                   |                                  | the decode path's Triton kernels (Hopper+) |
 | TRITON_INTERPRET  | unset                            | 1: Triton kernels run in its CPU          |
 |                   |                                  | interpreter (kernel debugging, tests)     |
 """
@@ -43,6 +45,17 @@ def gemv_max_m() -> int | None:
     if not value.isdigit():
         raise ValueError(f"SPECSERVE_GEMV_MAX_M must be a non-negative integer, got {value!r}.")
     return int(value)
+
+
+def pdl() -> bool:
+    """SPECSERVE_PDL: 1 (default) lets the Triton kernels of a decode step launch with programmatic
+    dependent launch where the GPU has it; 0 turns it off (benchmarks compare)."""
+    value = _get("SPECSERVE_PDL")
+    if value is None:
+        return True
+    if value not in ("0", "1"):
+        raise ValueError(f"SPECSERVE_PDL must be 0 or 1, got {value!r}.")
+    return value == "1"
 
 
 def triton_interpret() -> bool:

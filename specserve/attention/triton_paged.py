@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.model.layers.pdl import pdl_prologue, use_pdl
+
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (partials, reduce) outweighs its work
@@ -37,7 +39,9 @@ def _reshape_and_cache_kernel(
     stride_c_block, stride_c_slot, stride_c_head,
     num_kv_heads,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot < 0:  # a padding token (CUDA-graph batches): nothing to store
@@ -79,8 +83,9 @@ def _paged_attention_kernel(
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_prologue(USE_PDL)  # before the early return of spare q blocks (see model/layers/pdl.py)
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -159,8 +164,9 @@ def _paged_attention_kernel(
 def _reduce_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, cu_query_lens_ptr,
     num_seqs, num_splits, stride_o_tok, stride_o_head,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if tok >= tl.load(cu_query_lens_ptr + num_seqs):  # padding token: no partials were written
@@ -201,7 +207,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=key_cache.shape[1],
-        num_warps=4 if block_h * block_d >= 2048 else 1,
+        num_warps=4 if block_h * block_d >= 2048 else 1, USE_PDL=use_pdl(key), launch_pdl=use_pdl(key),
     )
 
 
@@ -297,6 +303,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     else:
         part_m = part_l = part_acc = out  # unused
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    pdl = use_pdl(q)
     _paged_attention_kernel[grid](
         out, q, key_cache, value_cache, part_acc, part_m, part_l,
         cu_query_lens, seq_lens, block_tables,
@@ -306,13 +313,13 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=key_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=bn, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, USE_PDL=pdl, launch_pdl=pdl,
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, cu_query_lens, num_seqs, num_splits,
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4,
+            num_warps=4, USE_PDL=pdl, launch_pdl=pdl,
         )
     return out

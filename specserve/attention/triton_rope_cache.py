@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from specserve.attention.triton_paged import _check_cache
+from specserve.model.layers.pdl import pdl_prologue, use_pdl
 from specserve.model.layers.triton_ops import _rope_rotate
 
 
@@ -23,8 +24,9 @@ def _rope_and_cache_kernel(
     stride_c_block, stride_c_slot, stride_c_head,
     num_heads, num_kv_heads,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     j = tl.arange(0, HALF_PAD)
@@ -84,5 +86,5 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         num_heads, num_kv_heads,
         HALF=half, HALF_PAD=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_SIZE=key_cache.shape[1], num_warps=4,
+        BLOCK_SIZE=key_cache.shape[1], num_warps=4, USE_PDL=use_pdl(q), launch_pdl=use_pdl(q),
     )

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from specserve import envs
+from specserve.model.layers.pdl import pdl_prologue, use_pdl
 
 # Rows of x (tokens) up to which the GEMV may run: batch-1..4 decode and a batch-1 verify of k <= 3.
 # Each row costs BLOCK_N * BLOCK_K fp32 FMAs per tile on the CUDA cores, so the GEMV's lead shrinks
@@ -51,12 +52,25 @@ def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
     HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr, RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
+    # SILU_OUT: W is [2N, K] = [gate | up]; this program also owns up's rows offs_n + N.
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_rows + N * stride_wn
+    # Each weight tile is requested one step ahead (a loop-carried load), and the first one before
+    # waiting for the previous kernel (PDL): no kernel writes weights, so those loads overlap its
+    # tail instead of starting after it.
+    offs_k = tl.arange(0, BLOCK_K)
+    w_mask = n_ok[:, None] & (offs_k < K)[None, :]
+    w_next = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+    w_up_next = w_next
+    if SILU_OUT:
+        w_up_next = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0)
+    pdl_prologue(USE_PDL)
     # RMS_NORM: x rows are normalized first (ops.rms_norm, residual added before). Every program
     # needs each row's 1/rms: a pre-pass over the row (a few KB, from L2). Program 0 alone writes
     # the new residual x + residual; all programs read the old one, so nothing races.
@@ -76,17 +90,17 @@ def _gemv_kernel(
                 xf = xr.to(tl.float32)
                 sq += xf * xf
             inv = tl.where(offs_m == m, tl.rsqrt(tl.sum(sq, 0) / K + eps), inv)
-    # SILU_OUT: W is [2N, K] = [gate | up]; this program also owns up's rows offs_n + N.
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        w_mask = n_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        w = w_next.to(tl.float32)
+        w_up = w_up_next.to(tl.float32)
+        next_mask = n_ok[:, None] & ((offs_k + BLOCK_K) < K)[None, :]  # all false after the last tile
+        w_next = tl.load(w_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
         if SILU_OUT:
-            w_up = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            w_up_next = tl.load(up_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
         if RMS_NORM:
             norm_w = tl.load(norm_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
@@ -197,6 +211,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
     norm_w, eps, residual = norm if norm is not None else (None, 0.0, None)
     res_out = None if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps = tiles
+    pdl = use_pdl(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight if bias is None else bias, out,
         x if residual is None else residual, x if res_out is None else res_out, weight if norm_w is None else norm_w,
@@ -204,6 +219,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
         0 if residual is None else residual.stride(0), 0 if res_out is None else res_out.stride(0), eps,
         HAS_BIAS=bias is not None, SILU_OUT=silu_out, RMS_NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        USE_PDL=pdl, launch_pdl=pdl,
     )
     return out, res_out
 

@@ -15,14 +15,16 @@ import triton
 import triton.language as tl
 
 from specserve.model.layers import triton_gemv
+from specserve.model.layers.pdl import pdl_prologue, use_pdl
 
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -54,13 +56,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         new_residual = torch.empty((num_tokens, hidden), dtype=sum_dtype, device=x.device)
     if num_tokens:
         block = triton.next_power_of_2(hidden)
+        pdl = use_pdl(x)
         res_in = x if residual is None else residual
         res_out = x if new_residual is None else new_residual
         _rms_norm_kernel[(num_tokens,)](
             x, res_in, weight, out, res_out,
             x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0), hidden, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
+            num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16), USE_PDL=pdl, launch_pdl=pdl,
         )
     return out if new_residual is None else (out, new_residual)
 
@@ -85,7 +88,9 @@ def _rope_kernel(
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_cs,
     num_heads, num_kv_heads,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     j = tl.arange(0, HALF_PAD)
@@ -114,19 +119,22 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         raise ValueError("q, k and cos_sin_cache need a contiguous last dim")
     if num_tokens:
         half = head_dim // 2
+        pdl = use_pdl(q)
         _rope_kernel[(num_tokens,)](
             q, k, positions, cos_sin_cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
             num_heads, num_kv_heads,
             HALF=half, HALF_PAD=triton.next_power_of_2(half),
             BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-            num_warps=4,
+            num_warps=4, USE_PDL=pdl, launch_pdl=pdl,
         )
     return q, k
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -146,8 +154,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_tokens, inter), dtype=x.dtype, device=x.device)
     if num_tokens:
         block = 1024
+        pdl = use_pdl(x)
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+            x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, USE_PDL=pdl, launch_pdl=pdl)
     return out
 
 
