@@ -159,9 +159,9 @@ def test_pending_writes_are_served_and_put_never_blocks(tmp_path: Path,
     release = threading.Event()
     real_write = DiskTier._write
 
-    def slow_write(self: DiskTier, key: bytes, payload: BlockPayload) -> None:
+    def slow_write(self: DiskTier, key: bytes, payload: BlockPayload, *args: object) -> None:
         release.wait(timeout=10)
-        real_write(self, key, payload)
+        real_write(self, key, payload, *args)
 
     monkeypatch.setattr(DiskTier, "_write", slow_write)
     tier = _disk(tmp_path, 100, max_pending_bytes=3 * payload_nbytes(_payload(0)))

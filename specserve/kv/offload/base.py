@@ -7,9 +7,11 @@ recomputes the block).
 
 A payload is one block of every layer (payload.py): any mapping of tensor names to tensors may
 be `put`; tiers return `PackedPayload`s (one contiguous buffer, named tensors viewing it).
-Ownership: `put` takes the payload; the caller must not modify it afterwards (the disk tier
-writes it later, on its writer thread). Payloads returned by `get` may view the tier's memory:
-treat them as read-only; the memory stays valid while the payload (or a tensor of it) is alive.
+Ownership: `put` copies the payload (into a CPU tier slot, or the disk tier's write queue), so
+the caller may reuse its buffers once `put` returns: a pinned staging buffer goes back to its
+allocator at once, not when the disk has caught up. Payloads returned by `get` may view the
+tier's memory: treat them as read-only; the memory stays valid while the payload (or a tensor of
+it) is alive.
 """
 from __future__ import annotations
 

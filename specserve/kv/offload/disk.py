@@ -8,41 +8,40 @@ with `os.replace`, which is atomic, so readers in any process see a whole file o
 writers of one key write the same bytes (keys are content addresses), so the last rename wins
 harmlessly. Each process enforces the byte budget over the files it knows (those found at
 startup plus those it wrote or read since), so N processes may together exceed it by what the
-others wrote since this one started; `rescan()` refreshes the view.
+others wrote since this one started; `rescan()` refreshes the view (disk_index.py).
 
-Recency survives restarts through file mtimes: a hit touches its file, the startup scan orders
-files by mtime. Durability: no fsync; after a power loss a torn file fails its crc and is a miss.
+Durability: no fsync; after a power loss a torn file fails its crc and is a miss.
 
-Reads of many blocks (`get_many`, a prefix hit) run on a small thread pool, each file read
-straight into its row of one (pinned, when CUDA is present) buffer: open, pread and crc32
-release the GIL, so files are read and checked in parallel and the rows go to the GPU in one copy.
+Writes (disk_writer.py): `put` copies the block into the tier's own memory and queues it; a few
+writer threads write files. Reads of many blocks (`get_many`, a prefix hit; disk_reader.py) run
+on a thread pool, each file read with one preadv straight into its row of one (pinned, when CUDA
+is present) buffer and checked against the header it must have (disk_format.LayoutReader): the
+rows then go to the GPU in one copy.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import logging
 import os
-import queue
-import tempfile
-import threading
-import time
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from specserve.kv.offload.base import BlockKey, StatsCounter, TierStats
-from specserve.kv.offload.disk_format import BadEntry, body_offset, encode_entry, read_entry, read_entry_as, write_entry
+from specserve.kv.offload.disk_format import BadEntry, LayoutReader, body_offset, encode_entry, read_entry, write_entry
+from specserve.kv.offload.disk_index import SUFFIX, TMP_PREFIX, DiskIndex, remove_quietly, set_mtimes
+from specserve.kv.offload.disk_reader import DEFAULT_THREADS, ParallelReads
+from specserve.kv.offload.disk_writer import DiskWriter
 from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayload, pack
 
 logger = logging.getLogger(__name__)
 
-SUFFIX = ".kvb"
-_TMP_PREFIX = ".tmp-"
-_STALE_TMP_SECONDS = 3600.0  # temp files older than this belong to a writer that died
 _MAX_KEY_NAME = 100  # longer keys are named by their blake2b digest (file names stay short)
-_READERS = max(1, min(16, os.cpu_count() or 1))  # syscalls and crc32 release the GIL
+# Writers: each block is a few syscalls and a crc32 (GIL released), a little Python (not); a few
+# threads keep up with a prefill's blocks without taking many cores from the engine.
+DEFAULT_WRITERS = max(1, min(4, (os.cpu_count() or 1) // 4))
+_TMP_SEQ = itertools.count()  # temp names unique within the process (the pid makes them unique across)
 
 __all__ = ["SUFFIX", "DiskTier", "encode_entry", "file_name"]
 
@@ -57,13 +56,14 @@ def file_name(key: BlockKey) -> str:
 class DiskTier:
     """Block files under `path`, at most `capacity_bytes` of them (file sizes), LRU.
 
-    `put` only enqueues (a writer thread serializes and writes); when more than
-    `max_pending_bytes` of payloads wait, `put` drops the block rather than block the caller.
+    `put` copies the block and queues it (writer threads write it); when more than
+    `max_pending_bytes` of blocks wait, `put` drops the block rather than block the caller.
     Until written, a block is served from the queue.
     """
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, namespace: str,
-                 max_pending_bytes: int = 256 << 20, name: str = "disk") -> None:
+                 max_pending_bytes: int = 256 << 20, name: str = "disk", readers: int = DEFAULT_THREADS,
+                 writers: int = DEFAULT_WRITERS) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.name = name
@@ -71,27 +71,21 @@ class DiskTier:
         self.namespace = namespace
         os.makedirs(self.path, exist_ok=True)
         self._capacity = int(capacity_bytes)
-        self._max_pending = int(max_pending_bytes)
-        self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # file name -> size, oldest first
-        self._used = 0
-        self._pending: dict[BlockKey, tuple[PackedPayload, int]] = {}
-        self._pending_bytes = 0
-        self._last_touch_ns = 0
         self._stats = StatsCounter()
         self._closed = False
-        self._pool: ThreadPoolExecutor | None = None  # get_many's readers, started on first use
-        self._queue: queue.Queue[tuple[BlockKey, PackedPayload, int] | None] = queue.Queue()
-        self.rescan()
-        self._writer = threading.Thread(target=self._writer_loop, name=f"specserve-{name}-writer",
-                                        daemon=True)
-        self._writer.start()
+        self._index = DiskIndex(self.path, self._capacity, self._stats)
+        self._index.rescan()
+        self._readers = ParallelReads(readers, name)
+        self._layout_readers: dict[BlockLayout, LayoutReader] = {}
+        # Resolved per call, so a test may replace DiskTier._write.
+        self._writer = DiskWriter(lambda key, payload, body: self._write(key, payload, body), max_pending_bytes,
+                                  writers, name, self._stats)
 
     # -- OffloadTier -------------------------------------------------------------------------
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.used_bytes
 
     @property
     def capacity_bytes(self) -> int:
@@ -102,30 +96,23 @@ class DiskTier:
         return self._stats.snapshot()
 
     def contains(self, key: BlockKey) -> bool:
-        name = file_name(key)
-        with self._lock:
-            if key in self._pending or name in self._index:
-                return True
+        if self.knows(key):
+            return True
         try:  # another process may have written it
-            size = os.stat(os.path.join(self.path, name)).st_size
+            size = os.stat(os.path.join(self.path, file_name(key))).st_size
         except OSError:
             return False
-        self._remember(name, size)
+        self._index.remember([(file_name(key), size)])
         return True
 
     def knows(self, key: BlockKey) -> bool:
         """`contains` without asking the file system (no stat): what this process has seen."""
-        with self._lock:
-            return key in self._pending or file_name(key) in self._index
+        return key in self._writer or file_name(key) in self._index
 
     def get(self, key: BlockKey) -> PackedPayload | None:
-        with self._lock:
-            pending = self._pending.get(key)
-        if pending is not None:
-            self._stats.add(queries=1, hits=1, bytes_out=pending[1])
-            return pending[0]
+        pending = self._writer.copy_pending(key)
         self._stats.add(queries=1)
-        payload = self._read(key)
+        payload = pending if pending is not None else self._read(key)
         if payload is not None:
             self._stats.add(hits=1, bytes_out=payload.nbytes)
         return payload
@@ -137,274 +124,189 @@ class DiskTier:
         adjacent in memory (one host->device copy), and each file is one read."""
         if not keys:
             return []
-        out: list[PackedPayload | None] = [None] * len(keys)
-        sizes: list[int | None] = [None] * len(keys)
-        expect: list = [None] * len(keys)
-        if layout is not None:
-            rows = torch.empty((len(keys), layout.nbytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            flat = memoryview(rows.view(-1).numpy()).cast("B")  # one conversion, sliced per row
-            n = layout.nbytes
-            expect = [(layout, row, flat[i * n:(i + 1) * n]) for i, row in enumerate(rows.unbind(0))]
+        if layout is None:
+            out: list[PackedPayload | None] = [None] * len(keys)
 
-        def read(indices: list[int]) -> None:
-            for i in indices:
-                got = self._read_file(keys[i], expect[i])
-                if got is not None:
-                    out[i], sizes[i] = got
+            def read_any(i: int) -> None:
+                out[i] = self.get(keys[i])
 
-        with self._lock:
-            pending = [self._pending.get(key) for key in keys]
-        todo = [i for i, p in enumerate(pending) if p is None]
-        for i, p in enumerate(pending):
-            if p is not None:
-                out[i] = p[0]
-        if len(todo) > 1 and _READERS > 1:
-            step = -(-len(todo) // _READERS)  # contiguous spans: each reader walks its files in order
-            for fut in [self._readers().submit(read, todo[j:j + step]) for j in range(0, len(todo), step)]:
-                fut.result()
-        else:
-            read(todo)
-        touched = [i for i in todo if sizes[i] is not None]
-        for i in touched:  # recency in key order (the threads finish in any order)
-            self._remember(file_name(keys[i]), sizes[i])
-        if touched:  # mtimes (recency after a restart) are set off the caller's path
-            paths = [os.path.join(self.path, file_name(keys[i])) for i in touched]
-            self._readers().submit(_set_mtimes, paths, self._stamps(len(paths)))
-        hits = [p for p in out if p is not None]
-        self._stats.add(queries=len(keys), hits=len(hits), bytes_out=sum(p.nbytes for p in hits))
+            self._readers.run(len(keys), read_any)
+            return out
+        return self._get_rows(keys, layout)
+
+    def _get_rows(self, keys: list[BlockKey], layout: BlockLayout) -> list[PackedPayload | None]:
+        n, nbytes = len(keys), layout.nbytes
+        rows = torch.empty((n, nbytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        flat = memoryview(rows.view(-1).numpy()).cast("B")  # one conversion, sliced per row
+        found = self._writer.copy_pending_into(keys, rows, layout)  # queued since the caller looked
+        todo = [i for i in range(n) if not found[i]]
+        names = [file_name(keys[i]) for i in todo]
+        paths = [f"{self.path}/{name}" for name in names]  # os.path.join costs more, once per block
+        reader = self._layout_reader(layout)
+        read = [False] * len(todo)
+
+        def read_one(j: int) -> None:
+            i = todo[j]
+            read[j] = self._read_into(paths[j], names[j], keys[i], reader, flat[i * nbytes:(i + 1) * nbytes])
+
+        self._readers.run(len(todo), read_one)
+        hit_paths = [paths[j] for j in range(len(todo)) if read[j]]
+        if hit_paths:  # recency in key order (the threads finish in any order)
+            self._index.remember((names[j], body_offset(len(keys[todo[j]]), len(layout.json)) + nbytes)
+                                 for j in range(len(todo)) if read[j])
+            # mtimes (recency after a restart) are set off the caller's path
+            self._readers.submit(set_mtimes, hit_paths, self._index.stamps(len(hit_paths)))
+        for j, ok in enumerate(read):
+            found[todo[j]] = ok
+        out = [PackedPayload(row, layout) if ok else None for row, ok in zip(rows.unbind(0), found)]
+        hits = sum(found)
+        self._stats.add(queries=n, hits=hits, bytes_out=hits * nbytes)
         return out
 
-    def _read(self, key: BlockKey) -> PackedPayload | None:
-        """One file, marked most recently used (None on a miss or a bad file)."""
-        got = self._read_file(key)
-        if got is None:
-            return None
-        if got[1] is not None:
-            self._touch(os.path.join(self.path, file_name(key)))
-            self._remember(file_name(key), got[1])
-        return got[0]
+    def _layout_reader(self, layout: BlockLayout) -> LayoutReader:
+        reader = self._layout_readers.get(layout)
+        if reader is None:
+            reader = self._layout_readers[layout] = LayoutReader(self.namespace, layout)
+        return reader
 
-    def _read_file(self, key: BlockKey, expect: tuple[BlockLayout, torch.Tensor, memoryview] | None = None
-                   ) -> tuple[PackedPayload, int | None] | None:
-        """(payload, file size; None if served from the write queue), or None on a miss or a bad
-        file (counted and removed). `expect`: (layout, destination, its memory) for one-read
-        files of a known layout."""
-        with self._lock:
-            pending = self._pending.get(key)
-        if pending is not None:  # queued since the caller looked: serve it from memory
-            return pending[0], None
+    def _read_into(self, path: str, name: str, key: BlockKey, reader: LayoutReader, out: memoryview) -> bool:
+        """Read one file of `reader`'s layout into `out`; False on a miss or a bad file (counted
+        and removed). Runs on the reader threads: little Python on the way of a good file."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # not there (or gone): a plain miss
+            self._index.forget(name)
+            return False
+        try:
+            reader.read_into(fd, key, out)
+            return True
+        except BadEntry as exc:
+            self._drop_bad(path, name, fd, exc)
+        except OSError as exc:  # an I/O error: a miss, the file may be fine next time
+            logger.warning("KV disk tier: reading %s failed: %s", path, exc)
+            self._stats.add(errors=1)
+        finally:
+            os.close(fd)
+        return False
+
+    def _read(self, key: BlockKey) -> PackedPayload | None:
+        """One file of any layout, marked most recently used (None on a miss or a bad file)."""
         name = file_name(key)
         path = os.path.join(self.path, name)
         try:
             fd = os.open(path, os.O_RDONLY)
-        except OSError:  # not there (or gone): a plain miss
-            self._forget(name)
+        except OSError:
+            self._index.forget(name)
             return None
         try:
-            if expect is None:
-                payload = read_entry(fd, key, self.namespace)
-            else:
-                payload = read_entry_as(fd, key, self.namespace, *expect)
+            payload = read_entry(fd, key, self.namespace)
         except BadEntry as exc:
-            logger.warning("KV disk tier: dropping %s: %s", path, exc)
-            self._stats.add(errors=1)
-            self._forget(name)
-            with contextlib.suppress(OSError):
-                _remove_if_same(path, os.fstat(fd))
+            self._drop_bad(path, name, fd, exc)
             return None
-        except OSError as exc:  # an I/O error: a miss, the file may be fine next time
+        except OSError as exc:
             logger.warning("KV disk tier: reading %s failed: %s", path, exc)
             self._stats.add(errors=1)
             return None
         finally:
             os.close(fd)
-        return payload, _file_size(key, payload)
+        set_mtimes([path], self._index.stamps(1))
+        self._index.remember([(name, body_offset(len(key), len(payload.layout.json)) + payload.nbytes)])
+        return payload
 
-    def _readers(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=_READERS, thread_name_prefix=f"specserve-{self.name}-read")
-            return self._pool
+    def _drop_bad(self, path: str, name: str, fd: int, exc: BadEntry) -> None:
+        logger.warning("KV disk tier: dropping %s: %s", path, exc)
+        self._stats.add(errors=1)
+        self._index.forget(name)
+        with contextlib.suppress(OSError):
+            _remove_if_same(path, os.fstat(fd))
 
     def put(self, key: BlockKey, payload: BlockPayload) -> None:
+        self.put_many([key], [payload])
+
+    def put_many(self, keys: list[BlockKey], payloads: list[BlockPayload]) -> None:
+        """Queue each block not stored yet (copied: the caller may reuse its buffers at once)."""
         if self._closed:
             raise RuntimeError(f"{self.name} tier is closed")
-        try:
-            packed = pack(payload)  # a copy only for a plain dict of tensors
-        except Exception as exc:  # a tensor that cannot be read: count it, never raise
-            logger.warning("KV disk tier: cannot store %s: %s", file_name(key), exc)
-            self._stats.add(errors=1)
-            return
-        size = packed.nbytes
-        name = file_name(key)
-        with self._lock:
-            if key in self._pending:
-                return
-            if name in self._index:  # already stored: same key, same bytes; refresh recency only
-                self._index.move_to_end(name)
-                return
-            if size > self._capacity or self._pending_bytes + size > self._max_pending:
-                self._stats.add(dropped=1)
-                return
-            self._pending[key] = (packed, size)
-            self._pending_bytes += size
-        self._queue.put((key, packed, size))
+        todo: list[tuple[BlockKey, PackedPayload]] = []
+        dropped = 0
+        for key, payload in zip(keys, payloads):
+            try:
+                packed = pack(payload)  # a copy only for a plain dict of tensors
+            except Exception as exc:  # a tensor that cannot be read: count it, never raise
+                logger.warning("KV disk tier: cannot store %s: %s", file_name(key), exc)
+                self._stats.add(errors=1)
+                continue
+            if key in self._writer or self._index.refresh(file_name(key)):
+                continue  # queued, or stored (same key, same bytes): recency refreshed only
+            if packed.nbytes > self._capacity:
+                dropped += 1
+                continue
+            todo.append((key, packed))
+        if dropped:
+            self._stats.add(dropped=dropped)
+        if todo:
+            self._writer.submit(todo)
 
     def flush(self) -> None:
-        self._queue.join()
+        self._writer.flush()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
-        self._writer.join()
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-
-    # -- bookkeeping -------------------------------------------------------------------------
+        self._writer.close()
+        self._readers.close()
 
     def rescan(self) -> None:
         """Rebuild the LRU index from the directory (mtime order), drop dead temp files, and
         evict down to the budget."""
-        found: list[tuple[int, str, int]] = []
-        now = time.time()
-        with os.scandir(self.path) as entries:
-            for entry in entries:
-                try:
-                    st = entry.stat()
-                except OSError:
-                    continue
-                if entry.name.startswith(_TMP_PREFIX):
-                    if now - st.st_mtime > _STALE_TMP_SECONDS:
-                        _remove_quietly(entry.path)
-                elif entry.name.endswith(SUFFIX) and entry.is_file():
-                    found.append((st.st_mtime_ns, entry.name, st.st_size))
-        found.sort()
-        with self._lock:
-            self._index = OrderedDict((name, size) for _, name, size in found)
-            self._used = sum(size for _, _, size in found)
-            if found:  # later touches must sort after every file already there
-                self._last_touch_ns = max(self._last_touch_ns, found[-1][0])
-        self._evict()
+        self._index.rescan()
 
-    def _remember(self, name: str, size: int) -> None:
-        """Mark `name` most recently used (adding it if another process wrote it)."""
-        with self._lock:
-            old = self._index.pop(name, None)
-            self._used += size - (old or 0)
-            self._index[name] = size
-        if old is None:
-            self._evict(keep=name)
+    # -- writer threads ----------------------------------------------------------------------
 
-    def _forget(self, name: str) -> None:
-        with self._lock:
-            size = self._index.pop(name, None)
-            if size is not None:
-                self._used -= size
-
-    def _evict(self, keep: str | None = None) -> None:
-        """Remove least recently used files until the budget holds (never `keep`)."""
-        victims = []
-        with self._lock:
-            while self._used > self._capacity and self._index:
-                name, size = next(iter(self._index.items()))
-                if name == keep:  # `keep` is the newest entry, so nothing else is left
-                    break
-                del self._index[name]
-                self._used -= size
-                victims.append(name)
-        for name in victims:
-            _remove_quietly(os.path.join(self.path, name))
-        if victims:
-            self._stats.add(evictions=len(victims))
-
-    def _touch(self, path: str) -> None:
-        _set_mtime(path, self._stamps(1)[0])
-
-    def _stamps(self, n: int) -> list[int]:
-        # Strictly increasing mtimes within a process keep the on-disk order equal to the
-        # in-memory order even on coarse clocks (so a restart sees the same LRU).
-        with self._lock:
-            first = max(time.time_ns(), self._last_touch_ns + 1)
-            self._last_touch_ns = first + n - 1
-        return list(range(first, first + n))
-
-    # -- writer thread -----------------------------------------------------------------------
-
-    def _writer_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                self._queue.task_done()
-                return
-            key, payload, size = item
-            try:
-                self._write(key, payload)
-            except Exception as exc:  # disk full, permissions, a bad tensor: count, never die
-                logger.warning("KV disk tier: write of %s failed: %s", file_name(key), exc)
-                self._stats.add(errors=1)
-            finally:
-                # Only now: until the file is in place, get() must find the block here.
-                with self._lock:
-                    self._pending.pop(key, None)
-                    self._pending_bytes -= size
-                self._queue.task_done()
-
-    def _write(self, key: BlockKey, payload: PackedPayload) -> None:
+    def _write(self, key: BlockKey, payload: PackedPayload, body: memoryview | None = None) -> None:
+        """Store one block as its file (on a writer thread): temp file, stamp, atomic rename.
+        `body`: the payload's bytes as a memoryview, when the caller has it."""
         name = file_name(key)
-        path = os.path.join(self.path, name)
+        path = f"{self.path}/{name}"  # os.path.join costs more, once per block
         try:
-            existing = os.path.getsize(path)
+            existing = os.stat(path).st_size
         except OSError:
             existing = None
         if existing is not None:  # another process stored the same block
-            self._touch(path)
-            self._remember(name, existing)
+            set_mtimes([path], self._index.stamps(1))
+            self._index.remember([(name, existing)])
             return
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=_TMP_PREFIX)
+        size = body_offset(len(key), len(payload.layout.json)) + payload.nbytes
+        if size > self._capacity:
+            self._stats.add(dropped=1)
+            return
+        tmp, fd = self._create_temp()
         try:
             try:
-                size = write_entry(fd, key, payload, self.namespace)
+                write_entry(fd, key, payload, self.namespace, body)
+                # Recency for a restart, stamped through the open file (no second path lookup);
+                # the rename below keeps the mtime.
+                stamp = self._index.stamps(1)[0]
+                os.utime(fd, ns=(stamp, stamp))
             finally:
                 os.close(fd)
-            if size > self._capacity:
-                _remove_quietly(tmp)
-                self._stats.add(dropped=1)
-                return
             os.replace(tmp, path)
         except BaseException:
-            _remove_quietly(tmp)
+            remove_quietly(tmp)
             raise
-        self._touch(path)
         self._stats.add(bytes_in=payload.nbytes)
-        self._remember(name, size)
+        self._index.remember([(name, size)])
 
-
-def _file_size(key: BlockKey, payload: PackedPayload) -> int:
-    """Bytes of the file that holds `payload` (it was just read whole, so no fstat needed)."""
-    return body_offset(len(key), len(payload.layout.json)) + payload.nbytes
-
-
-def _set_mtimes(paths: list[str], stamps: list[int]) -> None:
-    for path, ns in zip(paths, stamps):
-        _set_mtime(path, ns)
-
-
-def _set_mtime(path: str, ns: int) -> None:
-    try:
-        os.utime(path, ns=(ns, ns))
-    except OSError:
-        pass
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
+    def _create_temp(self) -> tuple[str, int]:
+        """A new temp file in the directory (cheaper than tempfile.mkstemp: no random names)."""
+        for _ in range(100):
+            tmp = f"{self.path}/{TMP_PREFIX}{os.getpid()}-{next(_TMP_SEQ)}"
+            try:
+                return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except FileExistsError:  # left by a dead process that had our pid: take the next name
+                continue
+        raise FileExistsError(f"no free temp file name in {self.path}")
 
 
 def _remove_if_same(path: str, st: os.stat_result) -> None:

@@ -31,6 +31,7 @@ class SlotSlab:
         self.slots_per_chunk = max(1, chunk_bytes // slot_bytes)
         self.pin_memory = pin_memory
         self._chunks: list[torch.Tensor] = []  # [slots_in_chunk * slot_bytes] uint8 each
+        self._chunk_bytes: list[memoryview] = []  # the same memory, for file I/O
         self._free: deque[int] = deque()  # slot ids; new chunks append in ascending order
         self._num_slots = 0
         self._grow_lock = threading.Lock()
@@ -64,6 +65,7 @@ class SlotSlab:
                 return False
             chunk = torch.empty(count * self.slot_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
             first = self._num_slots
+            self._chunk_bytes.append(memoryview(chunk.numpy()).cast("B"))  # before the chunk is published
             self._chunks.append(chunk)
             self._num_slots += count
             # Slots of a chunk come out in address order, so blocks stored together are adjacent
@@ -76,3 +78,10 @@ class SlotSlab:
         chunk, index = divmod(slot, self.slots_per_chunk)
         start = index * self.slot_bytes
         return self._chunks[chunk][start:start + self.slot_bytes]
+
+    def view_bytes(self, slot: int) -> memoryview:
+        """The slot's memory as a memoryview: a slice, no tensor->numpy conversion per call (the
+        disk writer hands it to writev and crc32)."""
+        chunk, index = divmod(slot, self.slots_per_chunk)
+        start = index * self.slot_bytes
+        return self._chunk_bytes[chunk][start:start + self.slot_bytes]

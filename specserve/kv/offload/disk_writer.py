@@ -1,0 +1,179 @@
+"""The disk tier's write queue: blocks waiting to become files, and the threads that write them.
+
+`submit` copies each block into memory of its own (slots of a slab, reused for the life of the
+tier) and returns: the caller's buffer is free at once. That matters on CUDA, where the caller's
+buffer is pinned staging from torch's caching host allocator: held until its blocks were on disk
+(~100 ms for an 8k-token prompt), it made the next request's device->host copy allocate fresh
+pinned memory (cudaHostAlloc, tens of ms per 64 MiB) on the engine thread. The copy releases the
+GIL; so do the writers' syscalls and checksum, and they handle a few blocks per queue item, so
+the Python they run per block (the GIL they take from the engine thread) stays small.
+
+Until its file is in place a block is served from here (`copy_pending`); the copy is taken under
+the lock, so a slot is never reused while a reader copies out of it.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from specserve.kv.offload.base import BlockKey, StatsCounter
+from specserve.kv.offload.payload import BlockLayout, PackedPayload, copy_bytes, pack, paired_runs
+from specserve.kv.offload.slab import SlotSlab
+
+logger = logging.getLogger(__name__)
+
+_BATCH = 8  # blocks per queue item: fewer queue operations (Python, under the GIL) per block
+
+WriteBlock = Callable[[BlockKey, PackedPayload, memoryview | None], None]
+
+
+class _Pending(NamedTuple):
+    payload: PackedPayload  # views the slot, or a buffer of its own (a block of another size)
+    slot: int | None
+    body: memoryview | None  # the slot's memory (None: derive it from the payload)
+
+
+class DiskWriter:
+    """At most `max_pending_bytes` of blocks wait; more are dropped (counted), never waited for.
+    `write(key, payload, body)` stores one block (`body`: its bytes when known; raises on
+    failure: counted in `errors`)."""
+
+    def __init__(self, write: WriteBlock, max_pending_bytes: int, threads: int, name: str,
+                 stats: StatsCounter) -> None:
+        self._write = write
+        self._max_pending = int(max_pending_bytes)
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._slab: SlotSlab | None = None  # sized by the first block (an engine's are all alike)
+        self._pending: dict[BlockKey, _Pending] = {}  # complete copies, queued or being written
+        self._reserved: set[BlockKey] = set()  # room taken, copy in progress
+        self._pending_bytes = 0
+        self._queue: queue.Queue[list[BlockKey] | None] = queue.Queue()
+        self._threads = [threading.Thread(target=self._loop, name=f"specserve-{name}-writer-{i}", daemon=True)
+                         for i in range(max(1, threads))]
+        for t in self._threads:
+            t.start()
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._pending or key in self._reserved
+
+    def submit(self, items: list[tuple[BlockKey, PackedPayload]]) -> None:
+        """Queue blocks for writing (those already queued are skipped; those over the budget
+        dropped). Returns once the bytes are copied."""
+        taken: list[tuple[BlockKey, PackedPayload, torch.Tensor | None, int | None]] = []
+        dropped = 0
+        with self._lock:
+            for key, src in items:
+                if key in self._pending or key in self._reserved:
+                    continue
+                if self._pending_bytes + src.nbytes > self._max_pending:
+                    dropped += 1
+                    continue
+                slot = self._take_slot(src.nbytes)
+                self._reserved.add(key)
+                self._pending_bytes += src.nbytes
+                taken.append((key, src, None if slot is None else self._slab.view(slot), slot))
+        if dropped:
+            self._stats.add(dropped=dropped)
+        try:
+            entries = self._copy(taken)
+        except BaseException:  # give the room back: nothing of these blocks is queued
+            with self._lock:
+                for key, src, _, slot in taken:
+                    self._reserved.discard(key)
+                    self._pending_bytes -= src.nbytes
+                    if slot is not None:
+                        self._slab.free(slot)
+            raise
+        with self._lock:
+            for key, pending in entries:
+                self._reserved.discard(key)
+                self._pending[key] = pending
+        keys = [key for key, _ in entries]
+        for start in range(0, len(keys), _BATCH):
+            self._queue.put(keys[start:start + _BATCH])
+
+    def _copy(self, taken: list[tuple[BlockKey, PackedPayload, torch.Tensor | None, int | None]]
+              ) -> list[tuple[BlockKey, _Pending]]:
+        slotted = [(src.buffer, dst) for _, src, dst, _ in taken if dst is not None]
+        # Rows of one staging buffer into slots taken in order: a few large copies, GIL released.
+        for src, dst in paired_runs([s for s, _ in slotted], [d for _, d in slotted]):
+            copy_bytes(dst, src)
+        return [(key, _Pending(PackedPayload(dst, src.layout), slot, self._slab.view_bytes(slot))
+                 if dst is not None else
+                 _Pending(pack(src, out=torch.empty(src.nbytes, dtype=torch.uint8)), None, None))
+                for key, src, dst, slot in taken]
+
+    def _take_slot(self, size: int) -> int | None:
+        """Under the lock: a slot for a block of `size` bytes, or None (it gets a buffer of its own)."""
+        if self._slab is None:
+            self._slab = SlotSlab(size, max(1, self._max_pending // size), pin_memory=False)
+        if size != self._slab.slot_bytes:
+            return None
+        slot = self._slab.allocate()
+        if slot is None and self._slab.grow():  # unpinned: an mmap, no page touched yet
+            slot = self._slab.allocate()
+        return slot
+
+    def copy_pending(self, key: BlockKey) -> PackedPayload | None:
+        """A copy of the queued block `key`, or None if none is queued."""
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is None:
+                return None
+            return pack(pending.payload, out=torch.empty(pending.payload.nbytes, dtype=torch.uint8))
+
+    def copy_pending_into(self, keys: list[BlockKey], rows: torch.Tensor, layout: BlockLayout) -> list[bool]:
+        """Copy each queued block of `layout` among `keys` into its row of `rows` [len(keys),
+        layout.nbytes]; which were copied."""
+        done = [False] * len(keys)
+        if not self._pending:
+            return done
+        with self._lock:
+            for i, key in enumerate(keys):
+                pending = self._pending.get(key)
+                if pending is not None and pending.payload.layout == layout:
+                    copy_bytes(rows[i], pending.payload.buffer)
+                    done[i] = True
+        return done
+
+    def flush(self) -> None:
+        """Return once every block submitted so far is written (or failed, counted)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+
+    def _loop(self) -> None:
+        while True:
+            keys = self._queue.get()
+            try:
+                if keys is None:
+                    return
+                for key in keys:
+                    self._write_one(key)
+            finally:
+                self._queue.task_done()
+
+    def _write_one(self, key: BlockKey) -> None:
+        pending = self._pending[key]  # published before it was queued; only this thread removes it
+        try:
+            self._write(key, pending.payload, pending.body)
+        except Exception as exc:  # disk full, permissions, a bad tensor: count, never die
+            logger.warning("KV disk tier: write of %s failed: %s", key.hex()[:32], exc)
+            self._stats.add(errors=1)
+        finally:
+            # Only now: until the file is in place, readers must find the block here.
+            with self._lock:
+                del self._pending[key]
+                self._pending_bytes -= pending.payload.nbytes
+                if pending.slot is not None:
+                    self._slab.free(pending.slot)
