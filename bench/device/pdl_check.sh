@@ -8,7 +8,8 @@
 #      equality test (tests/gpu/test_pdl_gpu.py);
 #   2. bench/gpu_offline.py decode with SPECSERVE_PDL=1, then 0, then 1 again (same call: the
 #      repeat shows the run-to-run noise);
-#   3. bench/spec_profile.py and bench/tier_ttft.py with the defaults.
+#   3. bench/spec_profile.py and bench/tier_ttft.py with the defaults; bench/disk_tier_io.py with
+#      4 and 16 reader threads.
 # Usage: bash bench/device/pdl_check.sh   (writes under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,3 +28,6 @@ for run in pdl1 nopdl pdl1b; do
 done
 timeout 90 python3 bench/spec_profile.py --out "$OUT" 2>&1 | tail -6
 timeout 90 python3 bench/tier_ttft.py --model qwen2.5-1.5b --load-format dummy --json "$OUT/tier_ttft.json" 2>&1 | tail -9
+for r in 4 16; do
+  echo "disk_tier_io --readers $r"; timeout 45 python3 bench/disk_tier_io.py --readers "$r" --repeats 3 2>&1 | tail -4
+done
