@@ -53,6 +53,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
     HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr, RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -61,15 +62,16 @@ def _gemv_kernel(
     # SILU_OUT: W is [2N, K] = [gate | up]; this program also owns up's rows offs_n + N.
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     up_rows = w_rows + N * stride_wn
-    # Each weight tile is requested one step ahead (a loop-carried load), and the first one before
-    # waiting for the previous kernel (PDL): no kernel writes weights, so those loads overlap its
-    # tail instead of starting after it.
-    offs_k = tl.arange(0, BLOCK_K)
-    w_mask = n_ok[:, None] & (offs_k < K)[None, :]
-    w_next = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-    w_up_next = w_next
-    if SILU_OUT:
-        w_up_next = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0)
+    # PREFETCH: each weight tile is requested one step ahead (a loop-carried load), and the first
+    # one before waiting for the previous kernel (PDL): no kernel writes weights, so those loads
+    # overlap its tail instead of starting after it.
+    if PREFETCH:
+        offs_k = tl.arange(0, BLOCK_K)
+        w_mask = n_ok[:, None] & (offs_k < K)[None, :]
+        w_next = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        w_up_next = w_next
+        if SILU_OUT:
+            w_up_next = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0)
     pdl_prologue(USE_PDL)
     # RMS_NORM: x rows are normalized first (ops.rms_norm, residual added before). Every program
     # needs each row's 1/rms: a pre-pass over the row (a few KB, from L2). Program 0 alone writes
@@ -95,12 +97,19 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        w = w_next.to(tl.float32)
-        w_up = w_up_next.to(tl.float32)
-        next_mask = n_ok[:, None] & ((offs_k + BLOCK_K) < K)[None, :]  # all false after the last tile
-        w_next = tl.load(w_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
-        if SILU_OUT:
-            w_up_next = tl.load(up_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
+        if PREFETCH:
+            w = w_next.to(tl.float32)
+            w_up = w_up_next.to(tl.float32)
+            next_mask = n_ok[:, None] & ((offs_k + BLOCK_K) < K)[None, :]  # all false after the last tile
+            w_next = tl.load(w_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
+            if SILU_OUT:
+                w_up_next = tl.load(up_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
+        else:
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            w_up = w
+            if SILU_OUT:
+                w_up = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
         if RMS_NORM:
             norm_w = tl.load(norm_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
@@ -219,7 +228,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
         0 if residual is None else residual.stride(0), 0 if res_out is None else res_out.stride(0), eps,
         HAS_BIAS=bias is not None, SILU_OUT=silu_out, RMS_NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        USE_PDL=pdl, launch_pdl=pdl,
+        USE_PDL=pdl, launch_pdl=pdl, PREFETCH=envs.gemv_prefetch(),
     )
     return out, res_out
 
