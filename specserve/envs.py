@@ -12,8 +12,8 @@ meaning; other modules must not touch `os.environ` directly.
 |                   |                                  | GEMV on CUDA; 0 = always cuBLAS           |
 | SPECSERVE_PDL     | 1 (model/layers/pdl.py)          | 0: no programmatic dependent launch for   |
 |                   |                                  | the decode path's Triton kernels (Hopper+) |
-| SPECSERVE_GEMV_PREFETCH | 1 (model/layers/triton_gemv.py) | 0: the GEMV loads each weight tile in its |
-|                   |                                  | own loop step (no request one step ahead)  |
+| SPECSERVE_GEMV_PREFETCH | by K (model/layers/triton_gemv.py) | 1 / 0: the GEMV always / never requests |
+|                   |                                  | its next weight tile one loop step ahead   |
 | TRITON_INTERPRET  | unset                            | 1: Triton kernels run in its CPU          |
 |                   |                                  | interpreter (kernel debugging, tests)     |
 """
@@ -60,12 +60,12 @@ def pdl() -> bool:
     return value == "1"
 
 
-def gemv_prefetch() -> bool:
-    """SPECSERVE_GEMV_PREFETCH: 1 (default) makes the GEMV request each weight tile one loop step
-    ahead (the first before its PDL wait); 0 keeps the plain loop (benchmarks compare)."""
+def gemv_prefetch() -> bool | None:
+    """SPECSERVE_GEMV_PREFETCH: 1 makes the GEMV request each weight tile one loop step ahead (the
+    first before its PDL wait), 0 keeps the plain loop; None when unset (the GEMV decides by K)."""
     value = _get("SPECSERVE_GEMV_PREFETCH")
     if value is None:
-        return True
+        return None
     if value not in ("0", "1"):
         raise ValueError(f"SPECSERVE_GEMV_PREFETCH must be 0 or 1, got {value!r}.")
     return value == "1"
