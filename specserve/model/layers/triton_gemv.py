@@ -44,11 +44,11 @@ GEMV_MAX_M = 4
 _BLOCK_K = 512  # 1 KB of bf16 per weight row per step: 16-byte loads across 4 warps
 _MAX_BLOCK_N = 16
 # rms_norm_linear fuses the norm only into projections with N <= this * K (qkv, not gate_up).
+NORM_FUSE_MAX_WIDTH = 4
 # The one-step-ahead weight loads (PREFETCH) only where K is at most this: measured on the H200 with
 # PDL, they took the 1.5B shape's decode step from 1.447 to 1.409 ms (K = 1536 and 8960) but the 8B's
 # from 4.225 to 4.432 (K = 4096 and 14336), whose longer loops Triton pipelines better by itself.
 PREFETCH_MAX_K = 2048
-NORM_FUSE_MAX_WIDTH = 4
 
 
 @triton.jit
