@@ -320,15 +320,14 @@ def _smoke_setup() -> None:
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--smoke needs TRITON_INTERPRET=1")
+    from tests.helpers.quant_kv import patch_fp8_interpreter
+
     here = Path(__file__).resolve().parents[1] / "tests" / "gpu"
-    for name in ("conftest", "test_triton_quant_kv"):
-        spec = importlib.util.spec_from_file_location(f"_smoke_{name}", here / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if name == "conftest":
-            module._patch_interpreter()
-        else:
-            module.patch_fp8_interpreter()
+    spec = importlib.util.spec_from_file_location("_smoke_conftest", here / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    conftest._patch_interpreter()
+    patch_fp8_interpreter()
     for key in CONFIGS:
         CONFIGS[key] = CONFIGS[key][:2]
     ck.SPLIT_SWEEP = (1, 2)

@@ -2,7 +2,7 @@
 # One device call (~4 minutes, random weights, no uploads): chase the illegal memory access seen once
 # with the faster quantized-KV attention kernels (v2 fp8 / v3 nvfp4, specserve/attention/triton_quant*.py)
 # as the engine default on the Qwen2.5-1.5B shape (12 query / 2 KV heads). The CPU interpreter with an
-# address checker found no over-read (tests/gpu/test_triton_quant_kv.py::test_pool_tail_in_bounds), so:
+# address checker found no over-read (tests/gpu/test_quant_kv_bounds.py::test_pool_tail_in_bounds), so:
 #   1. compute-sanitizer memcheck over that test on the GPU, when the tool is on the machine;
 #   2. an engine with v2 / v3 as the default on the Qwen2.5-1.5B shape, CUDA graphs on, prompts of
 #      100 to 3,400 tokens, CUDA_LAUNCH_BLOCKING=1 so that a fault names the kernel that raised it.
@@ -13,7 +13,7 @@ source bench/device/env.sh
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 if [ -n "$SAN" ]; then
   timeout 240 "$SAN" --tool memcheck --print-limit 20 python3 -m pytest -q -x -p no:cacheprovider \
-    tests/gpu/test_triton_quant_kv.py -k pool_tail 2>&1 | tail -30
+    tests/gpu/test_quant_kv_bounds.py -k pool_tail 2>&1 | tail -30
 else
   echo "no compute-sanitizer on this machine"
 fi
