@@ -49,26 +49,26 @@ def gemv_max_m() -> int | None:
     return int(value)
 
 
+def _switch(name: str) -> bool | None:
+    """A 0 / 1 variable as a bool, None when unset; anything else is refused naming the variable."""
+    value = _get(name)
+    if value is None:
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}.")
+    return value == "1"
+
+
 def pdl() -> bool:
     """SPECSERVE_PDL: 1 (default) lets the Triton kernels of a decode step launch with programmatic
     dependent launch where the GPU has it; 0 turns it off (benchmarks compare)."""
-    value = _get("SPECSERVE_PDL")
-    if value is None:
-        return True
-    if value not in ("0", "1"):
-        raise ValueError(f"SPECSERVE_PDL must be 0 or 1, got {value!r}.")
-    return value == "1"
+    return _switch("SPECSERVE_PDL") is not False
 
 
 def gemv_prefetch() -> bool | None:
     """SPECSERVE_GEMV_PREFETCH: 1 makes the GEMV request each weight tile one loop step ahead (the
     first before its PDL wait), 0 keeps the plain loop; None when unset (the GEMV decides by K)."""
-    value = _get("SPECSERVE_GEMV_PREFETCH")
-    if value is None:
-        return None
-    if value not in ("0", "1"):
-        raise ValueError(f"SPECSERVE_GEMV_PREFETCH must be 0 or 1, got {value!r}.")
-    return value == "1"
+    return _switch("SPECSERVE_GEMV_PREFETCH")
 
 
 def triton_interpret() -> bool:

@@ -201,13 +201,14 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     if num_tokens == 0:
         return
     block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
+    pdl = use_pdl(key)
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=key_cache.shape[1],
-        num_warps=4 if block_h * block_d >= 2048 else 1, USE_PDL=use_pdl(key), launch_pdl=use_pdl(key),
+        num_warps=4 if block_h * block_d >= 2048 else 1, USE_PDL=pdl, launch_pdl=pdl,
     )
 
 

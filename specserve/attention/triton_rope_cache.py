@@ -14,7 +14,7 @@ import triton.language as tl
 
 from specserve.attention.triton_paged import _check_cache
 from specserve.model.layers.pdl import pdl_prologue, use_pdl
-from specserve.model.layers.triton_ops import _rope_rotate
+from specserve.model.layers.triton_ops import _rope_cos_sin, _rope_rotate
 
 
 @triton.jit
@@ -28,11 +28,9 @@ def _rope_and_cache_kernel(
 ):
     pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    cos, sin = _rope_cos_sin(positions_ptr, cos_sin_ptr, tok, stride_cs, HALF, HALF_PAD)
     j = tl.arange(0, HALF_PAD)
     j_ok = j < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + j, mask=j_ok, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
     _rope_rotate(q_ptr + tok * stride_q_tok, stride_q_head, num_heads, cos, sin, HALF, HALF_PAD, BLOCK_HQ)
     cos, sin = cos[None, :], sin[None, :]
 
@@ -79,6 +77,7 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     if num_tokens == 0:
         return
     half = head_dim // 2
+    pdl = use_pdl(q)
     _rope_and_cache_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
@@ -86,5 +85,5 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         num_heads, num_kv_heads,
         HALF=half, HALF_PAD=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_SIZE=key_cache.shape[1], num_warps=4, USE_PDL=use_pdl(q), launch_pdl=use_pdl(q),
+        BLOCK_SIZE=key_cache.shape[1], num_warps=4, USE_PDL=pdl, launch_pdl=pdl,
     )

@@ -83,6 +83,17 @@ def _rope_rotate(base_ptr, stride_head, num_heads, cos, sin,
 
 
 @triton.jit
+def _rope_cos_sin(positions_ptr, cos_sin_ptr, tok, stride_cs, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Token `tok`'s cos and sin halves ([HALF_PAD] float32, 0 past HALF) from the cos | sin cache."""
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    j = tl.arange(0, HALF_PAD)
+    j_ok = j < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + j, mask=j_ok, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, positions_ptr, cos_sin_ptr,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_cs,
@@ -92,11 +103,7 @@ def _rope_kernel(
 ):
     pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
-    j = tl.arange(0, HALF_PAD)
-    j_ok = j < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + j, mask=j_ok, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+    cos, sin = _rope_cos_sin(positions_ptr, cos_sin_ptr, tok, stride_cs, HALF, HALF_PAD)
     _rope_rotate(q_ptr + tok * stride_q_tok, stride_q_head, num_heads, cos, sin, HALF, HALF_PAD, BLOCK_HQ)
     _rope_rotate(k_ptr + tok * stride_k_tok, stride_k_head, num_kv_heads, cos, sin, HALF, HALF_PAD, BLOCK_HK)
 
