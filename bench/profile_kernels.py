@@ -9,7 +9,8 @@ from torch.profiler import ProfilerActivity, profile
 from specserve import LLM, SamplingParams
 
 
-def main(shape: str = "qwen2.5-1.5b") -> None:
+def main(shape: str = "qwen2.5-1.5b", trace: str | None = None) -> None:
+    """trace: also write a Chrome trace of 3 steps there (kernel order and gaps, for a per-layer view)."""
     llm = LLM(model=shape, load_format="dummy", max_model_len=4096, max_num_seqs=32, progress=False,
               gpu_memory_utilization=0.5)
     eng = llm.engine
@@ -22,7 +23,13 @@ def main(shape: str = "qwen2.5-1.5b") -> None:
             eng.step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    if trace:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                eng.step()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(trace)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    main(*sys.argv[1:3])

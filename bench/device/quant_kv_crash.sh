@@ -12,7 +12,7 @@ cd "$(dirname "$0")/../.."
 source bench/device/env.sh
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 if [ -n "$SAN" ]; then
-  timeout 240 "$SAN" --tool memcheck --print-limit 20 python3 -m pytest -q -x -p no:cacheprovider \
+  timeout 90 "$SAN" --tool memcheck --print-limit 20 python3 -m pytest -q -x -p no:cacheprovider \
     tests/gpu/test_quant_kv_bounds.py -k pool_tail 2>&1 | tail -30
 else
   echo "no compute-sanitizer on this machine"
