@@ -1,9 +1,11 @@
 """Triton attention backend: the GPU twin of `torch_ref.TorchRefBackend`.
 
-Imported lazily, only when selected on CUDA (it imports triton). One forward = two or three
-launches: the KV write (with RoPE, through `forward_rope`), the paged attention kernel, and the
-split-KV reduction when the batch is too small to fill the GPU. Quantized caches (fp8, nvfp4) take the kernels of `triton_quant.py`:
-the write kernel quantizes, the attention kernel dequantizes tiles as it reads them. Nothing
+Imported lazily, only when selected on CUDA (it imports triton). One forward = two launches: the
+KV write (with RoPE, through `forward_rope`) and the paged attention kernel, which also combines
+the split-KV partials when the batch is too small to fill the GPU (its last split program reduces;
+`fused_reduce=False` brings back the separate reduce launch, for A/B timing). Quantized caches (fp8,
+nvfp4) take the kernels of `triton_quant.py`, which keep the separate reduce launch: the write
+kernel quantizes, the attention kernel dequantizes tiles as it reads them. Nothing
 reads tensor values on the host, so a decode forward can be captured in a CUDA graph: size it
 with fixed upper bounds (`max_seq_len`, `max_query_len`) and pad the batch with zero-length
 sequences (repeat the last `cu_query_lens` entry, `seq_lens` 0) and padding tokens whose slot is
@@ -12,6 +14,8 @@ negative (their K/V is not stored, their output rows are garbage).
 from __future__ import annotations
 
 import torch
+
+from specserve import envs
 
 from specserve.attention.base import AttentionMetadata
 from specserve.attention.triton_paged import paged_attention, reshape_and_cache
@@ -24,14 +28,18 @@ class TritonBackend:
 
     `num_splits` fixes the split-KV factor (None: chosen from the batch's host-side sizes; 1: never
     split). With a fixed value the result for a token does not depend on the rest of the batch's shape.
+    `fused_reduce` (unquantized caches): combine split-KV partials inside the attention kernel (True)
+    or in a second launch (False); the results agree to rounding. None: True unless
+    SPECSERVE_ATTN_FUSED_REDUCE=0 (A/B runs).
     """
 
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, fused_reduce: bool | None = None) -> None:
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}.")
         self.num_splits = num_splits
+        self.fused_reduce = envs.attn_fused_reduce() if fused_reduce is None else fused_reduce
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                 fmt: KVFormat, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -62,4 +70,4 @@ class TritonBackend:
     def _attend(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention(q, cache.key, cache.value, meta.cu_query_lens, meta.seq_lens,
                                meta.block_tables, meta.max_query_len, meta.max_seq_len, scale,
-                               num_splits=self.num_splits)
+                               num_splits=self.num_splits, fused_reduce=self.fused_reduce)

@@ -14,8 +14,25 @@ per-sequence launch is needed: the launch is CUDA-graph capturable.
 
 Split-KV (flash-decoding): when the batch alone gives too few programs to fill the SMs (decode at
 batch 1 over a long context), each program also takes one of `num_splits` contiguous ranges of its
-sequence's KV tiles, writes an unnormalized partial (acc, running max m, denominator l) in fp32,
-and a second kernel combines the splits. Softmax statistics are fp32 throughout, in base 2.
+sequence's KV tiles and writes an unnormalized partial (acc, running max m, denominator l) in fp32.
+Softmax statistics are fp32 throughout, in base 2.
+
+The splits are combined inside the same kernel ("last program reduces", `fused_reduce=True`): a
+second launch cost ~1.5-2 us per layer on the H200 (mostly launch latency; Qwen2.5-1.5B batch-1
+decode, ~5 us of attention), more than the combine itself. Each split program stores its partials,
+passes a CTA barrier (every warp's stores precede it), then adds 1 to the int32 counter of its
+(q block, kv head) with an acq_rel, gpu-scope atomic (release: its partials are published;
+acquire: the program that sees num_splits - 1 sees every other split's partials). That last
+program reads all splits' partials back with L2 (`.cg`) loads, combines them as
+`_reduce_splits_kernel` does, writes the output and stores 0 to the counter, so every launch (and
+every CUDA-graph replay) starts and ends with all counters at 0. Split programs with no KV tile
+still store (m=-inf, l=0) and count; spare q blocks return before touching their counter (all of
+a block's splits are spare together). The counters are one persistent zeroed buffer per device
+(`_split_counters`), allocated outside CUDA-graph capture and never freed: it is shared by every
+launch on that device, which is safe because launches that use it are ordered on one stream (each
+kernel, PDL included, waits for the previous grid to finish before touching it); two attention
+launches running concurrently on different streams of one device would corrupt it.
+`fused_reduce=False` keeps the two-kernel path (tests compare both; A/B timing).
 """
 from __future__ import annotations
 
@@ -30,6 +47,12 @@ from specserve.model.layers.pdl import pdl_prologue, use_pdl
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (partials, reduce) outweighs its work
+MIN_SPLIT_COUNTERS = 1 << 16  # first allocation of the per-device counter buffer (256 KiB)
+# fp32 registers per thread that one chunk of partials read by the last split program takes: its m
+# values while finding the maxima, its [BLOCK_M, chunk, D_PAD] acc values while combining (sm_90, 4
+# warps, BLOCK_M 16, d 128: 64 adds no register over the main loop's 168; 128 spills).
+M_REDUCE_REGS = 16
+ACC_REDUCE_REGS = 64
 
 
 @triton.jit
@@ -73,10 +96,39 @@ def _find_seq(cu_query_lens_ptr, num_seqs, q_block_idx, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _combine_splits(part_acc_ptr, part_m_ptr, part_l_ptr, ml_base, row_ok, offs_d, num_splits,
+                    BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, M_CHUNK: tl.constexpr,
+                    ACC_CHUNK: tl.constexpr):
+    """The math of `_reduce_splits_kernel` for BLOCK_M rows at once: (sum_s w_s acc_s, sum_s w_s l_s),
+    w_s = exp2(m_s - max_s m_s); empty splits (m = -inf) weigh 0. Row m's split s is partial
+    ml_base[m] + s. Partials of other programs are read with `.cg` loads (from L2, never a stale L1
+    line), in chunks of splits that bound the registers: M_CHUNK for the maxima, ACC_CHUNK for the rest."""
+    c = tl.arange(0, M_CHUNK)
+    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, M_CHUNK):
+        ok = row_ok[:, None] & (s0 + c[None, :] < num_splits)
+        m = tl.load(part_m_ptr + ml_base[:, None] + s0 + c[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+        m_max = tl.maximum(m_max, tl.max(m, 1))
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    c = tl.arange(0, ACC_CHUNK)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for s0 in range(0, num_splits, ACC_CHUNK):
+        ml = ml_base[:, None] + s0 + c[None, :]
+        ok = row_ok[:, None] & (s0 + c[None, :] < num_splits)
+        w = tl.exp2(tl.load(part_m_ptr + ml, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_max[:, None])
+        denom += tl.sum(w * tl.load(part_l_ptr + ml, mask=ok, other=0.0, cache_modifier=".cg"), 1)
+        pa = tl.load(part_acc_ptr + ml[:, :, None] * HEAD_DIM_PAD + offs_d[None, None, :], mask=ok[:, :, None],
+                     other=0.0, cache_modifier=".cg")
+        acc += tl.sum(pa * w[:, :, None], 1)
+    return acc, denom
+
+
 @triton.jit(do_not_specialize=["sm_scale_log2", "num_seqs", "num_splits"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, counters_ptr,
     cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,
     sm_scale_log2, num_seqs, num_splits,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
@@ -84,6 +136,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+    FUSED_REDUCE: tl.constexpr = False, M_CHUNK: tl.constexpr = 1, ACC_CHUNK: tl.constexpr = 1,
 ):
     pdl_prologue(USE_PDL)  # before the early return of spare q blocks (see model/layers/pdl.py)
     q_block_idx = tl.program_id(0)
@@ -149,15 +202,28 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    out_ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+    out_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
-        ml = (tok * num_heads + head) * num_splits + split  # partials are [T, Hq, S(, D_PAD)] contiguous
+        ml_base = (tok * num_heads + head) * num_splits  # partials are [T, Hq, S(, D_PAD)] contiguous
+        ml = ml_base + split
         tl.store(part_m_ptr + ml, m_i, mask=row_ok)
         tl.store(part_l_ptr + ml, l_i, mask=row_ok)
         tl.store(part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        if FUSED_REDUCE:
+            # Every warp's partial stores precede the barrier, the barrier precedes the release.
+            tl.debug_barrier()
+            counter = counters_ptr + q_block_idx * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:  # the last split of this (q block, kv head) to finish
+                tl.store(counter, 0)  # no other program of this launch touches it again
+                total, denom = _combine_splits(part_acc_ptr, part_m_ptr, part_l_ptr, ml_base, row_ok, offs_d,
+                                               num_splits, BLOCK_M, HEAD_DIM_PAD, M_CHUNK, ACC_CHUNK)
+                total = total / tl.where(denom == 0.0, 1.0, denom)[:, None]
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
@@ -264,10 +330,43 @@ def choose_num_splits(num_seqs: int, max_query_len: int, max_seq_len: int, num_k
     return max(1, min(triton.cdiv(2 * num_sms, programs), by_length, MAX_SPLITS))
 
 
+def _split_chunk(splits_pad: int, floats_per_split: int, budget_floats: int) -> int:
+    """Largest power of two <= splits_pad whose partials (floats_per_split each) fit the budget; >= 1."""
+    chunk = 1
+    while chunk < splits_pad and 2 * chunk * floats_per_split <= budget_floats:
+        chunk *= 2
+    return chunk
+
+
+_counters: dict[torch.device, list[torch.Tensor]] = {}  # device -> its counter buffers, the newest last
+
+
+def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The device's int32 split counters ([>= needed], all 0 between launches; see the module docstring).
+
+    Grown (zeroed, twice what is needed, at least MIN_SPLIT_COUNTERS) only outside CUDA-graph capture:
+    a buffer allocated during capture would not be zeroed at replay. Outgrown buffers are kept alive,
+    because graphs captured earlier still replay over them.
+    """
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    held = _counters.setdefault(device, [])
+    if held and held[-1].numel() >= needed:
+        return held[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"paged_attention: the split-KV counter buffer on {device} holds "
+            f"{held[-1].numel() if held else 0} entries, this launch needs {needed}, and it cannot grow during "
+            "CUDA-graph capture; run the largest batch shape once eagerly before capturing, or use fused_reduce=False")
+    held.append(torch.zeros(max(MIN_SPLIT_COUNTERS, 2 * needed), dtype=torch.int32, device=device))
+    return held[-1]
+
+
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     cu_query_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
-                    num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, block_n: int | None = None,
+                    fused_reduce: bool = True) -> torch.Tensor:
     """Causal attention of the batch's new queries over their sequences' paged KV (already written).
 
     q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -275,6 +374,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     block_tables: [num_seqs, max_blocks] int32. max_query_len / max_seq_len are host upper bounds
     (they size the grid and pick split-KV; nothing is read back from the device). Rows of padding
     tokens past cu_query_lens[-1] are left unwritten. Returns out [num_tokens, num_heads, head_dim].
+    fused_reduce: split-KV partials are combined by the last split program of each (q block, kv
+    head) (one launch) instead of by `_reduce_splits_kernel` (a second launch).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
@@ -304,9 +405,13 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     else:
         part_m = part_l = part_acc = out  # unused
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    fused = split and fused_reduce
+    counters = _split_counters(q.device, grid[0] * num_kv_heads) if fused else part_m
+    splits_pad = triton.next_power_of_2(num_splits)
+    threads = num_warps * 32
     pdl = use_pdl(q)
     _paged_attention_kernel[grid](
-        out, q, key_cache, value_cache, part_acc, part_m, part_l,
+        out, q, key_cache, value_cache, part_acc, part_m, part_l, counters,
         cu_query_lens, seq_lens, block_tables,
         scale * LOG2E, num_seqs, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -315,12 +420,14 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=bn, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages, USE_PDL=pdl, launch_pdl=pdl,
+        FUSED_REDUCE=fused, M_CHUNK=_split_chunk(splits_pad, block_m, threads * M_REDUCE_REGS) if fused else 1,
+        ACC_CHUNK=_split_chunk(splits_pad, block_m * head_dim_pad, threads * ACC_REDUCE_REGS) if fused else 1,
     )
-    if split:
+    if split and not fused:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, cu_query_lens, num_seqs, num_splits,
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=splits_pad,
             num_warps=4, USE_PDL=pdl, launch_pdl=pdl,
         )
     return out
