@@ -185,3 +185,151 @@ def test_rms_norm_linear(m: int, with_residual: bool, with_bias: bool, device: t
         h, want_res = ops.rms_norm(x, norm_w, 1e-6, residual)
     assert torch.equal(got_res, want_res)
     torch.testing.assert_close(got, _linear_ref(h, weight, bias), rtol=RTOL[dtype], atol=RTOL[dtype])
+
+
+def _norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin's (normalized rows, new residual): rms_norm(x (+ residual)), and x + residual or x."""
+    if residual is None:
+        return ops.rms_norm(x, norm_w, eps), x
+    return ops.rms_norm(x, norm_w, eps, residual)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("k,block_k", [(200, 256), (256, 256), (600, 256)])  # one ragged tile, one exact, a loop
+@pytest.mark.parametrize("norm,with_residual,with_bias", [(False, False, True), (False, False, False),
+                                                           (True, False, False), (True, True, True)])
+def test_gemv_single_tile(m: int, k: int, block_k: int, norm: bool, with_residual: bool, with_bias: bool,
+                          device: torch.device) -> None:
+    """BLOCK_K >= K takes the single-tile path (the norm from the tile it loaded, no pre-pass); K > BLOCK_K
+    the loop. Both against the torch twins: the new residual bitwise, the product within one rounding."""
+    from specserve.model.layers import triton_gemv
+
+    gen = torch.Generator().manual_seed(m * 1000 + k + 10 * norm + with_residual)
+    dtype, n, eps = torch.bfloat16, 37, 1e-6  # ragged N: the last program masks 3 of its 4 features
+    x = _randn((m, k + 8), dtype, device, gen, 3.0)[:, :k]  # a row-strided view
+    residual = _randn((m, k), dtype, device, gen, 3.0) if with_residual else None
+    norm_w = _randn((k,), dtype, device, gen) + 1.0
+    weight = _randn((n, k), dtype, device, gen, k ** -0.5)
+    bias = _randn((n,), dtype, device, gen) if with_bias else None
+    got, got_res = triton_gemv._launch(x, weight, bias, (4, block_k, 4),
+                                       norm=(norm_w, eps, residual) if norm else None)
+    h, want_res = _norm_ref(x, residual, norm_w, eps) if norm else (x, None)
+    assert got.shape == (m, n) and got.dtype == dtype
+    torch.testing.assert_close(got, _linear_ref(h, weight, bias), rtol=RTOL[dtype], atol=RTOL[dtype])
+    if with_residual:
+        assert torch.equal(got_res, want_res)
+    else:
+        assert got_res is None
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("k,block_k", [(200, 256), (512, 512), (600, 256)])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("prefetch", ["1", "0"])  # a single tile's weight loads before / after the PDL wait
+def test_gemv_norm_silu_launch(m: int, k: int, block_k: int, with_residual: bool, prefetch: str,
+                               device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Norm prologue and silu epilogue in one launch = rms_norm, then gate_up, then silu_and_mul."""
+    from specserve.model.layers import triton_gemv
+
+    monkeypatch.setenv("SPECSERVE_GEMV_PREFETCH", prefetch)
+    gen = torch.Generator().manual_seed(m * 1000 + k + with_residual)
+    dtype, inter, eps = torch.bfloat16, 37, 1e-6
+    x = _randn((m, k), dtype, device, gen, 3.0)
+    residual = _randn((m, k), dtype, device, gen, 3.0) if with_residual else None
+    norm_w = _randn((k,), dtype, device, gen) + 1.0
+    weight = _randn((2 * inter, k), dtype, device, gen, k ** -0.5)
+    got, got_res = triton_gemv._launch(x, weight, None, (4, block_k, 4), silu_out=True,
+                                       norm=(norm_w, eps, residual))
+    h, want_res = _norm_ref(x, residual, norm_w, eps)
+    assert got.shape == (m, inter)
+    torch.testing.assert_close(got, ops.silu_and_mul(_linear_ref(h, weight, None)), rtol=RTOL[dtype],
+                               atol=RTOL[dtype])
+    assert (got_res is None) if residual is None else torch.equal(got_res, want_res)
+
+
+def _spy_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
+    """Record (norm fused, silu fused) of every GEMV launch."""
+    from specserve.model.layers import triton_gemv
+
+    calls, launch = [], triton_gemv._launch
+
+    def spy(x, weight, bias, tiles, silu_out=False, norm=None):
+        calls.append((norm is not None, silu_out))
+        return launch(x, weight, bias, tiles, silu_out=silu_out, norm=norm)
+
+    monkeypatch.setattr(triton_gemv, "_launch", spy)
+    return calls
+
+
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("entry", [None, True, False])  # no table entry: the width rule (gate_up: unfused)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_linear_silu_and_mul(m: int, entry: bool | None, with_residual: bool, device: torch.device,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The post-attention norm + gate_up + silu: fused iff the tuned table's "norm_fuse" entry says true,
+    else rms_norm then linear_silu_and_mul; both match the twins' rms_norm, linear, silu_and_mul."""
+    from specserve.model.layers import triton_gemv, triton_ops
+
+    k, inter, eps, dtype = 128, 300, 1e-6, torch.bfloat16  # gate_up 600 > NORM_FUSE_MAX_WIDTH * 128
+    table = {} if entry is None else {triton_gemv.config_key(2 * inter, k, m): triton_gemv.NormFuse(entry, (2, 128, 4))}
+    monkeypatch.setattr(triton_gemv, "norm_fuse_table", lambda name: table)
+    calls = _spy_launches(monkeypatch)
+    gen = torch.Generator().manual_seed(m + 10 * with_residual)
+    x = _randn((m, k), dtype, device, gen, 3.0)
+    residual = _randn((m, k), dtype, device, gen, 3.0) if with_residual else None
+    norm_w = _randn((k,), dtype, device, gen) + 1.0
+    weight = _randn((2 * inter, k), dtype, device, gen, k ** -0.5)
+    got, got_res = triton_gemv.rms_norm_linear_silu_and_mul(x, residual, norm_w, eps, weight, triton_ops.rms_norm,
+                                                            triton_ops.silu_and_mul)
+    assert calls == ([(True, True)] if entry else [(False, True)])  # unfused: the norm kernel, then gate_up
+    h, want_res = _norm_ref(x, residual, norm_w, eps)
+    assert torch.equal(got_res, want_res)
+    torch.testing.assert_close(got, ops.silu_and_mul(_linear_ref(h, weight, None)), rtol=RTOL[dtype],
+                               atol=RTOL[dtype])
+
+
+def test_rms_norm_linear_silu_and_mul_falls_back(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows past GEMV_MAX_M take the unfused ops even where the table says fuse (cuBLAS for gate_up)."""
+    from specserve.model.layers import triton_gemv, triton_ops
+
+    m, k, inter = triton_gemv.GEMV_MAX_M + 1, 64, 40
+    monkeypatch.setattr(triton_gemv, "norm_fuse_table",
+                        lambda name: {triton_gemv.config_key(2 * inter, k, m): triton_gemv.NormFuse(True, None)})
+    calls = _spy_launches(monkeypatch)
+    gen = torch.Generator().manual_seed(7)
+    x, residual = _randn((m, k), torch.bfloat16, device, gen), _randn((m, k), torch.bfloat16, device, gen)
+    norm_w = _randn((k,), torch.bfloat16, device, gen) + 1.0
+    weight = _randn((2 * inter, k), torch.bfloat16, device, gen, k ** -0.5)
+    got, got_res = triton_gemv.rms_norm_linear_silu_and_mul(x, residual, norm_w, 1e-6, weight, triton_ops.rms_norm,
+                                                            triton_ops.silu_and_mul)
+    h, want_res = ops.rms_norm(x, norm_w, 1e-6, residual)
+    assert calls == [] and torch.equal(got_res, want_res)
+    torch.testing.assert_close(got, ops.silu_and_mul(ops.linear(h, weight)), rtol=RTOL[torch.bfloat16],
+                               atol=RTOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("entry", [None, True, False])
+def test_rms_norm_linear_follows_the_table(entry: bool | None, device: torch.device,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """qkv-like (N <= NORM_FUSE_MAX_WIDTH * K): fused by the width rule without an entry, and as the
+    entry says with one (its tiles used: a single tile where the projection's own would loop)."""
+    from specserve.model.layers import triton_gemv, triton_ops
+
+    m, k, n = 2, 600, 80
+    key = triton_gemv.config_key(n, k, m)
+    table = {} if entry is None else {key: triton_gemv.NormFuse(entry, (2, 1024, 4))}
+    monkeypatch.setattr(triton_gemv, "norm_fuse_table", lambda name: table)
+    tiles = []
+    launch = triton_gemv._launch
+    monkeypatch.setattr(triton_gemv, "_launch", lambda *a, **kw: tiles.append((a[3], "norm" in kw)) or launch(*a, **kw))
+    gen = torch.Generator().manual_seed(11)
+    x, residual = _randn((m, k), torch.bfloat16, device, gen, 3.0), _randn((m, k), torch.bfloat16, device, gen, 3.0)
+    norm_w = _randn((k,), torch.bfloat16, device, gen) + 1.0
+    weight = _randn((n, k), torch.bfloat16, device, gen, k ** -0.5)
+    got, got_res = triton_gemv.rms_norm_linear(x, residual, norm_w, 1e-6, weight, None, triton_ops.rms_norm)
+    own = triton_gemv.tile_config(n, k, m, device)
+    assert tiles == {None: [(own, True)], True: [((2, 1024, 4), True)], False: [(own, False)]}[entry]
+    h, want_res = ops.rms_norm(x, norm_w, 1e-6, residual)
+    assert torch.equal(got_res, want_res)
+    torch.testing.assert_close(got, _linear_ref(h, weight, None), rtol=RTOL[torch.bfloat16], atol=RTOL[torch.bfloat16])

@@ -61,3 +61,14 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
         return F.linear(rms_norm(x, norm_weight, eps), weight, bias), x
     h, residual = rms_norm(x, norm_weight, eps, residual)
     return F.linear(h, weight, bias), residual
+
+
+def rms_norm_linear_silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                                 eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The post-attention norm, gate_up and the MLP's activation: (silu_and_mul(rms_norm(x (+ residual))
+    @ weight^T) [T, inter], the new residual: x + residual, or x itself when there is none);
+    weight [2 * inter, in] (gate | up)."""
+    if residual is None:
+        return silu_and_mul(F.linear(rms_norm(x, norm_weight, eps), weight)), x
+    h, residual = rms_norm(x, norm_weight, eps, residual)
+    return silu_and_mul(F.linear(h, weight)), residual

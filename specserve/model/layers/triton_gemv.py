@@ -12,12 +12,20 @@ Shapes and GPUs without an entry use a heuristic: BLOCK_N such that the grid fil
 twice. A fixed table (not autotuning at start) keeps a run's kernels, so its bf16 rounding and
 greedy output, the same from one start to the next.
 
-Two fusions remove a launch each per layer. `rms_norm_linear`: the decoder layer's residual add
-+ RMSNorm (rounded as `ops.rms_norm`) as the prologue of the qkv projection. `linear_silu_and_mul`:
-the MLP's activation as the epilogue of gate_up: a program owns the same BLOCK_N features of gate
-and of up, so it writes silu(gate) * up (rounded as the unfused pair rounds) and the [M, 2 * inter]
-projection output is never stored. (A silu prologue on the down projection measured slower on the
-H200: every program recomputed silu over the whole row.)
+Where BLOCK_K >= K (tuned entries up to K = 2048; the default BLOCK_K up to 512) one tile covers
+the whole reduction: a program issues all its weight loads at once, and with PREFETCH before its
+PDL wait (no kernel writes weights), so they overlap the previous kernel's tail.
+
+Fusions remove a launch each per layer. `rms_norm_linear`: the decoder layer's residual add
++ RMSNorm (rounded as `ops.rms_norm`) as the prologue of the qkv projection; with a single tile
+each program takes 1/rms from the x row it already holds, else it makes a pre-pass over x.
+`linear_silu_and_mul`: the MLP's activation as the epilogue of gate_up: a program owns the same
+BLOCK_N features of gate and of up, so it writes silu(gate) * up (rounded as the unfused pair
+rounds) and the [M, 2 * inter] projection output is never stored. `rms_norm_linear_silu_and_mul`:
+both, for the post-attention norm. Whether a norm fusion pays depends on the shape (every program
+reads x); the table's "norm_fuse" object says where it was measured (`norm_fuse_table`). (A silu
+prologue on the down projection measured slower on the H200: every program recomputed silu over
+the whole row.)
 
 Only bfloat16 / float16 on CUDA with M <= GEMV_MAX_M take this path; everything else goes to
 `torch.nn.functional.linear` (cuBLAS), which stays the reference (twin: `ops.linear`).
@@ -27,6 +35,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +43,9 @@ import triton
 import triton.language as tl
 
 from specserve import envs
+from specserve.model.layers import triton_skinny
 from specserve.model.layers.pdl import pdl_prologue, use_pdl
+from specserve.model.layers.triton_skinny import SkinnyConfig
 
 # Rows of x (tokens) up to which the GEMV may run: batch-1..4 decode and a batch-1 verify of k <= 3.
 # Each row costs BLOCK_N * BLOCK_K fp32 FMAs per tile on the CUDA cores, so the GEMV's lead shrinks
@@ -43,7 +54,8 @@ from specserve.model.layers.pdl import pdl_prologue, use_pdl
 GEMV_MAX_M = 4
 _BLOCK_K = 512  # 1 KB of bf16 per weight row per step: 16-byte loads across 4 warps
 _MAX_BLOCK_N = 16
-# rms_norm_linear fuses the norm only into projections with N <= this * K (qkv, not gate_up).
+# Without a tuned "norm_fuse" entry, the norm is fused only into projections with N <= this * K
+# (qkv, not gate_up): see `_norm_tiles`.
 NORM_FUSE_MAX_WIDTH = 4
 # The one-step-ahead weight loads (PREFETCH) only where K is at most this: measured on the H200 with
 # PDL, they took the 1.5B shape's decode step from 1.447 to 1.409 ms (K = 1536 and 8960) but the 8B's
@@ -52,12 +64,74 @@ PREFETCH_MAX_K = 2048
 
 
 @triton.jit
+def _load_weights(w_rows, up_rows, norm_w_ptr, offs_k, w_mask, k_ok,
+                  SILU_OUT: tl.constexpr, RMS_NORM: tl.constexpr):
+    """A single-tile program's weights: its W rows (and up's), and the norm's weight (else a dummy)."""
+    w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+    w_up = w
+    if SILU_OUT:
+        w_up = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0)
+    norm_w = k_ok.to(tl.float32)
+    if RMS_NORM:
+        norm_w = tl.load(norm_w_ptr + offs_k, mask=k_ok, other=0.0)
+    return w, w_up, norm_w
+
+
+@triton.jit
+def _single_tile(
+    x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_rows, up_rows, n_ok, pid, M, K, stride_xm, stride_rm, stride_rom,
+    eps, SILU_OUT: tl.constexpr, RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """(acc, acc_up) [BLOCK_M, BLOCK_N] fp32 when one tile covers the whole reduction (BLOCK_K >= K)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    k_ok = offs_k < K
+    w_mask = n_ok[:, None] & k_ok[None, :]
+    # PREFETCH: every weight load of the program is issued before the PDL wait (no kernel writes
+    # weights), so the whole tile streams in while the previous kernel finishes.
+    if PREFETCH:
+        w, w_up, norm_w = _load_weights(w_rows, up_rows, norm_w_ptr, offs_k, w_mask, k_ok, SILU_OUT, RMS_NORM)
+        pdl_prologue(USE_PDL)
+    else:
+        pdl_prologue(USE_PDL)
+        w, w_up, norm_w = _load_weights(w_rows, up_rows, norm_w_ptr, offs_k, w_mask, k_ok, SILU_OUT, RMS_NORM)
+    w = w.to(tl.float32)
+    w_up = w_up.to(tl.float32)
+    norm_w = norm_w.to(tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for m in tl.static_range(BLOCK_M):
+        ok = k_ok & (m < M)
+        xr = tl.load(x_ptr + m * stride_xm + offs_k, mask=ok, other=0.0)
+        if RMS_NORM:
+            # The whole row is in registers: its 1/rms comes from this tile, no pre-pass over x.
+            # Rounding as ops.rms_norm: the sum, the normalized row, then the weight's product.
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + m * stride_rm + offs_k, mask=ok, other=0.0)
+                xr = (xr.to(tl.float32) + r.to(tl.float32)).to(xr.dtype)
+                if pid == 0:  # all programs read the old residual, so this write races with none
+                    tl.store(res_out_ptr + m * stride_rom + offs_k, xr, mask=ok)
+            xf = xr.to(tl.float32)
+            inv = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
+            normed = (xf * inv).to(xr.dtype).to(tl.float32)
+            xv = (normed * norm_w).to(xr.dtype).to(tl.float32)
+        else:
+            xv = xr.to(tl.float32)
+        is_m = offs_m[:, None] == m
+        acc = tl.where(is_m, acc + tl.sum(w * xv[None, :], 1)[None, :], acc)
+        if SILU_OUT:
+            acc_up = tl.where(is_m, acc_up + tl.sum(w_up * xv[None, :], 1)[None, :], acc_up)
+    return acc, acc_up
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
     HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr, RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, SINGLE_TILE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -66,74 +140,79 @@ def _gemv_kernel(
     # SILU_OUT: W is [2N, K] = [gate | up]; this program also owns up's rows offs_n + N.
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     up_rows = w_rows + N * stride_wn
-    # PREFETCH: each weight tile is requested one step ahead (a loop-carried load), and the first
-    # one before waiting for the previous kernel (PDL): no kernel writes weights, so those loads
-    # overlap its tail instead of starting after it.
-    if PREFETCH:
-        offs_k = tl.arange(0, BLOCK_K)
-        w_mask = n_ok[:, None] & (offs_k < K)[None, :]
-        w_next = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-        w_up_next = w_next
-        if SILU_OUT:
-            w_up_next = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0)
-    pdl_prologue(USE_PDL)
-    # RMS_NORM: x rows are normalized first (ops.rms_norm, residual added before). Every program
-    # needs each row's 1/rms: a pre-pass over the row (a few KB, from L2). Program 0 alone writes
-    # the new residual x + residual; all programs read the old one, so nothing races.
-    inv = tl.zeros([BLOCK_M], tl.float32)
-    if RMS_NORM:
-        for m in tl.static_range(BLOCK_M):
-            sq = tl.zeros([BLOCK_K], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                ok = (offs_k < K) & (m < M)
-                xr = tl.load(x_ptr + m * stride_xm + offs_k, mask=ok, other=0.0)
-                if HAS_RESIDUAL:
-                    r = tl.load(res_ptr + m * stride_rm + offs_k, mask=ok, other=0.0)
-                    xr = (xr.to(tl.float32) + r.to(tl.float32)).to(xr.dtype)
-                    if pid == 0:
-                        tl.store(res_out_ptr + m * stride_rom + offs_k, xr, mask=ok)
-                xf = xr.to(tl.float32)
-                sq += xf * xf
-            inv = tl.where(offs_m == m, tl.rsqrt(tl.sum(sq, 0) / K + eps), inv)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
+    if SINGLE_TILE:
+        acc, acc_up = _single_tile(
+            x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_rows, up_rows, n_ok, pid, M, K, stride_xm, stride_rm,
+            stride_rom, eps, SILU_OUT, RMS_NORM, HAS_RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PREFETCH)
+    else:
+        # PREFETCH: each weight tile is requested one step ahead (a loop-carried load), and the first
+        # one before waiting for the previous kernel (PDL): no kernel writes weights, so those loads
+        # overlap its tail instead of starting after it.
         if PREFETCH:
-            w = w_next.to(tl.float32)
-            w_up = w_up_next.to(tl.float32)
-            next_mask = n_ok[:, None] & ((offs_k + BLOCK_K) < K)[None, :]  # all false after the last tile
-            w_next = tl.load(w_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
+            offs_k = tl.arange(0, BLOCK_K)
+            w_mask = n_ok[:, None] & (offs_k < K)[None, :]
+            w_next = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+            w_up_next = w_next
             if SILU_OUT:
-                w_up_next = tl.load(up_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
-        else:
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            w_up = w
-            if SILU_OUT:
-                w_up = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+                w_up_next = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        pdl_prologue(USE_PDL)
+        # RMS_NORM: x rows are normalized first (ops.rms_norm, residual added before). Every program
+        # needs each row's 1/rms: a pre-pass over the row (a few KB, from L2). Program 0 alone writes
+        # the new residual x + residual; all programs read the old one, so nothing races.
+        inv = tl.zeros([BLOCK_M], tl.float32)
         if RMS_NORM:
-            norm_w = tl.load(norm_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            row_ok = m < M
-            x_row = x_ptr + m * stride_xm
-            if RMS_NORM:
-                # Rounding as ops.rms_norm: the sum, the normalized row, then the weight's product.
-                xr = tl.load(x_row + offs_k, mask=k_ok & row_ok, other=0.0)
-                if HAS_RESIDUAL:
-                    r = tl.load(res_ptr + m * stride_rm + offs_k, mask=k_ok & row_ok, other=0.0)
-                    xr = (xr.to(tl.float32) + r.to(tl.float32)).to(xr.dtype)
-                inv_m = tl.sum(tl.where(offs_m == m, inv, 0.0), 0)
-                normed = (xr.to(tl.float32) * inv_m).to(xr.dtype).to(tl.float32)
-                xv = (normed * norm_w).to(xr.dtype).to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                sq = tl.zeros([BLOCK_K], tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    ok = (offs_k < K) & (m < M)
+                    xr = tl.load(x_ptr + m * stride_xm + offs_k, mask=ok, other=0.0)
+                    if HAS_RESIDUAL:
+                        r = tl.load(res_ptr + m * stride_rm + offs_k, mask=ok, other=0.0)
+                        xr = (xr.to(tl.float32) + r.to(tl.float32)).to(xr.dtype)
+                        if pid == 0:
+                            tl.store(res_out_ptr + m * stride_rom + offs_k, xr, mask=ok)
+                    xf = xr.to(tl.float32)
+                    sq += xf * xf
+                inv = tl.where(offs_m == m, tl.rsqrt(tl.sum(sq, 0) / K + eps), inv)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            if PREFETCH:
+                w = w_next.to(tl.float32)
+                w_up = w_up_next.to(tl.float32)
+                next_mask = n_ok[:, None] & ((offs_k + BLOCK_K) < K)[None, :]  # all false after the last tile
+                w_next = tl.load(w_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
+                if SILU_OUT:
+                    w_up_next = tl.load(up_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
             else:
-                xv = tl.load(x_row + offs_k, mask=k_ok & row_ok, other=0.0).to(tl.float32)
-            is_m = offs_m[:, None] == m
-            acc = tl.where(is_m, acc + tl.sum(w * xv[None, :], 1)[None, :], acc)
-            if SILU_OUT:
-                acc_up = tl.where(is_m, acc_up + tl.sum(w_up * xv[None, :], 1)[None, :], acc_up)
+                w_mask = n_ok[:, None] & k_ok[None, :]
+                w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+                w_up = w
+                if SILU_OUT:
+                    w_up = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            if RMS_NORM:
+                norm_w = tl.load(norm_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                row_ok = m < M
+                x_row = x_ptr + m * stride_xm
+                if RMS_NORM:
+                    # Rounding as ops.rms_norm: the sum, the normalized row, then the weight's product.
+                    xr = tl.load(x_row + offs_k, mask=k_ok & row_ok, other=0.0)
+                    if HAS_RESIDUAL:
+                        r = tl.load(res_ptr + m * stride_rm + offs_k, mask=k_ok & row_ok, other=0.0)
+                        xr = (xr.to(tl.float32) + r.to(tl.float32)).to(xr.dtype)
+                    inv_m = tl.sum(tl.where(offs_m == m, inv, 0.0), 0)
+                    normed = (xr.to(tl.float32) * inv_m).to(xr.dtype).to(tl.float32)
+                    xv = (normed * norm_w).to(xr.dtype).to(tl.float32)
+                else:
+                    xv = tl.load(x_row + offs_k, mask=k_ok & row_ok, other=0.0).to(tl.float32)
+                is_m = offs_m[:, None] == m
+                acc = tl.where(is_m, acc + tl.sum(w * xv[None, :], 1)[None, :], acc)
+                if SILU_OUT:
+                    acc_up = tl.where(is_m, acc_up + tl.sum(w_up * xv[None, :], 1)[None, :], acc_up)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
@@ -150,13 +229,54 @@ def _gemv_kernel(
 CONFIG_DIR = Path(__file__).resolve().parent / "gemv_configs"
 
 
+class NormFuse(NamedTuple):
+    """A tuned table's word on one norm + projection: whether the fused launch measured faster than
+    the norm kernel and the projection apart, and the tiles it was measured with (None: the
+    projection's own entry, halved for a silu epilogue)."""
+    fuse: bool
+    tiles: tuple[int, int, int] | None
+
+
+def _table_file(device_name: str) -> dict:
+    path = CONFIG_DIR / f"{device_name.replace(' ', '_')}.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 @functools.lru_cache(maxsize=8)
 def config_table(device_name: str) -> dict[str, tuple[int, int, int]]:
     """The tuned tiles for a GPU (its `torch.cuda.get_device_name()`), {} when none were measured."""
-    path = CONFIG_DIR / f"{device_name.replace(' ', '_')}.json"
-    if not path.is_file():
-        return {}
-    return {key: tuple(value) for key, value in json.loads(path.read_text())["configs"].items()}
+    return {key: tuple(value) for key, value in _table_file(device_name).get("configs", {}).items()}
+
+
+@functools.lru_cache(maxsize=8)
+def norm_fuse_table(device_name: str) -> dict[str, NormFuse]:
+    """The tuned norm fusions for a GPU, {} when none were measured (older tables have none).
+    In the JSON: "norm_fuse" {"N,K,M": true | false} (weight [N, K]: for gate_up N = 2 * inter) and
+    "norm_fuse_tiles" {"N,K,M": [BLOCK_N, BLOCK_K, num_warps]} for the true ones, as `_launch` takes
+    them (with a silu epilogue BLOCK_N counts the gate's rows, as in `linear_silu_and_mul`)."""
+    table = _table_file(device_name)
+    tiles = table.get("norm_fuse_tiles", {})
+    return {key: NormFuse(bool(fuse), tuple(tiles[key]) if key in tiles else None)
+            for key, fuse in table.get("norm_fuse", {}).items()}
+
+
+@functools.lru_cache(maxsize=8)
+def skinny_table(device_name: str) -> dict[str, dict[str, SkinnyConfig]]:
+    """Where the tensor-core skinny GEMM (triton_skinny.py) measured faster than both the GEMV and
+    cuBLAS: {"plain": {"N,K,M": SkinnyConfig}, "silu": {...}}, from the JSON's "skinny" and
+    "skinny_silu" objects ("N,K,M" -> [block_n, block_k, split_k, num_warps, num_stages]; for silu N is
+    the [gate | up] weight's rows and block_n counts each half's features). Written by
+    bench/skinny_bench.py --write; {} each without one."""
+    table = _table_file(device_name)
+    return {kind: {key: SkinnyConfig(*value) for key, value in table.get(name, {}).items()}
+            for kind, name in (("plain", "skinny"), ("silu", "skinny_silu"))}
+
+
+def clear_tables() -> None:
+    """Forget the tables read so far (bench/gemv_tune.py after writing one)."""
+    config_table.cache_clear()
+    norm_fuse_table.cache_clear()
+    skinny_table.cache_clear()
 
 
 def config_key(n: int, k: int, m: int) -> str:
@@ -198,24 +318,37 @@ def gemv_max_m() -> int:
     return GEMV_MAX_M if override is None else override
 
 
-def _tiles(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[int, int, int] | None:
-    """The GEMV's (BLOCK_N, BLOCK_K, num_warps) for x [M, k] @ weight^T, or None where cuBLAS runs:
-    more than gemv_max_m() rows, another dtype or layout, or a table entry saying cuBLAS won."""
-    ok = (x.is_cuda or envs.triton_interpret()) and x.dim() == 2 and 0 < x.shape[0] <= gemv_max_m() \
+def _gemv_ok(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
+    """Whether the GEMV may take x [M, k] @ weight^T at all: at most gemv_max_m() rows, bf16/fp16 on
+    CUDA (or the interpreter), both with a contiguous last dim."""
+    return (x.is_cuda or envs.triton_interpret()) and x.dim() == 2 and 0 < x.shape[0] <= gemv_max_m() \
         and weight.dim() == 2 and weight.shape[1] == k and x.dtype == weight.dtype \
         and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and weight.stride(-1) == 1
-    if not ok:
+
+
+def _tiles(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[int, int, int] | None:
+    """The GEMV's (BLOCK_N, BLOCK_K, num_warps) for x [M, k] @ weight^T, or None where cuBLAS runs:
+    not `_gemv_ok`, or a table entry saying cuBLAS won."""
+    if not _gemv_ok(x, weight, k):
         return None
     tiles = tile_config(weight.shape[0], k, x.shape[0], x.device)
     return tiles if tiles[0] > 0 else None
+
+
+def _silu_tiles(tiles: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Tiles tuned for the plain [2N, K] product, for its silu epilogue: a program then reads BLOCK_N
+    rows of gate and BLOCK_N of up, so BLOCK_N is halved to match."""
+    block_n, block_k, num_warps = tiles
+    return max(1, block_n // 2), block_k, num_warps
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int],
             silu_out: bool = False, norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (out [M, N], the new residual [M, K] when `norm` = (weight, eps, residual) has one).
-    tiles: (BLOCK_N, BLOCK_K, num_warps), from `_tiles` (or bench/gemv_tune.py's sweep).
-    silu_out: weight is [2N, K] (gate | up) and out is silu(gate) * up."""
+    tiles: (BLOCK_N, BLOCK_K, num_warps), from `_tiles` (or bench/gemv_tune.py's sweep); BLOCK_K >= K
+    takes the single-tile path (the norm from the same tile, no pre-pass over x).
+    silu_out: weight is [2N, K] (gate | up) and out is silu(gate) * up; it combines with `norm`."""
     m = x.shape[0]
     n, k = weight.shape
     if silu_out:
@@ -232,20 +365,32 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
         0 if residual is None else residual.stride(0), 0 if res_out is None else res_out.stride(0), eps,
         HAS_BIAS=bias is not None, SILU_OUT=silu_out, RMS_NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        USE_PDL=pdl, launch_pdl=pdl, PREFETCH=_prefetch(k),
+        USE_PDL=pdl, launch_pdl=pdl, PREFETCH=_prefetch(k), SINGLE_TILE=block_k >= k,
     )
     return out, res_out
 
 
 def _prefetch(k: int) -> bool:
-    """Whether the GEMV requests its next weight tile one loop step ahead: SPECSERVE_GEMV_PREFETCH,
-    else for short reductions only (K <= PREFETCH_MAX_K)."""
+    """Whether the GEMV requests its weights early (the next tile one loop step ahead; a single tile
+    all before the PDL wait): SPECSERVE_GEMV_PREFETCH, else for short reductions (K <= PREFETCH_MAX_K)."""
     forced = envs.gemv_prefetch()
     return forced if forced is not None else k <= PREFETCH_MAX_K
 
 
+def _skinny(x: torch.Tensor, weight: torch.Tensor, kind: str) -> SkinnyConfig | None:
+    """The skinny GEMM's tiles for x [M, K] @ weight^T where the tuned table picks it ("plain" or
+    "silu"), else None. Speculative verification (k + 1 rows) and batch 2-16 decode take it."""
+    if not (x.dim() == 2 and envs.skinny() and triton_skinny.supports(x, weight)):
+        return None
+    return skinny_table(_device_name(x.device))[kind].get(config_key(weight.shape[0], x.shape[1], x.shape[0]))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N]; GEMV for small M, else cuBLAS."""
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N]: the skinny GEMM where the table picks it,
+    else the GEMV for small M, else cuBLAS."""
+    skinny = _skinny(x, weight, "plain")
+    if skinny is not None and (bias is None or bias.dtype == x.dtype):
+        return triton_skinny.skinny_linear(x, weight, bias, config=skinny)
     tiles = _tiles(x, weight, x.shape[-1])
     if tiles is None or (bias is not None and bias.dtype != x.dtype):
         return F.linear(x, weight, bias)
@@ -255,12 +400,46 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, silu_and_mul) -> torch.Tensor:
     """silu_and_mul(x @ weight^T): weight [2 * inter, K] (gate | up), x [M, K] -> [M, inter].
     `silu_and_mul` is the unfused activation for shapes the GEMV does not take."""
-    tiles = _tiles(x, weight, x.shape[-1]) if weight.dim() == 2 and weight.shape[0] % 2 == 0 else None
+    even = weight.dim() == 2 and weight.shape[0] % 2 == 0
+    skinny = _skinny(x, weight, "silu") if even else None
+    if skinny is not None:
+        return triton_skinny.skinny_linear_silu_and_mul(x, weight, config=skinny)
+    tiles = _tiles(x, weight, x.shape[-1]) if even else None
     if tiles is None:
         return silu_and_mul(F.linear(x, weight))
-    block_n, block_k, num_warps = tiles  # tuned for the plain [2N, K] product:
-    # a program here reads BLOCK_N rows of gate and BLOCK_N of up, so halve it to match.
-    return _launch(x, weight, None, (max(1, block_n // 2), block_k, num_warps), silu_out=True)[0]
+    return _launch(x, weight, None, _silu_tiles(tiles), silu_out=True)[0]
+
+
+def _norm_tiles(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                weight: torch.Tensor, silu_out: bool) -> tuple[int, int, int] | None:
+    """The fused norm + projection's tiles for x [M, K] @ weight^T, or None where the norm runs as its
+    own kernel. The tuned table's "norm_fuse" entry decides where it has one (fuse iff true). Without
+    one: only projections with N <= NORM_FUSE_MAX_WIDTH * K. Every program of the multi-tile path
+    re-reads x (and the residual) for its norm: cheap for a projection no wider than a few times its
+    input (qkv: 4.6 us fused vs 6.1 unfused, 1.5B on the H200), but with the many narrow programs of
+    gate_up it re-reads more bytes from L2 than the weight has (1.5B gate_up ~23 us fused vs 14.9 +
+    1.8 unfused). A single tile (BLOCK_K >= K) reads x once per program, which the tuner measures."""
+    ok = _gemv_ok(x, weight, x.shape[-1]) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous() \
+        and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
+                                  and residual.stride(-1) == 1))
+    if not ok or (silu_out and weight.shape[0] % 2):
+        return None
+    n, k = weight.shape
+    entry = norm_fuse_table(_device_name(x.device)).get(config_key(n, k, x.shape[0]))
+    if (entry is None and n > NORM_FUSE_MAX_WIDTH * k) or (entry is not None and not entry.fuse):
+        return None
+    if entry is not None and entry.tiles is not None:
+        return entry.tiles
+    tiles = _tiles(x, weight, k)
+    return None if tiles is None else (_silu_tiles(tiles) if silu_out else tiles)
+
+
+def _unfused_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                  rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x (+ residual)), the new residual: x + residual, or x itself without one)."""
+    if residual is None:
+        return rms_norm(x, norm_weight, eps), x
+    return rms_norm(x, norm_weight, eps, residual)
 
 
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -268,20 +447,27 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder layer's norm and the projection after it in one launch for a few rows:
     h = rms_norm(x (+ residual)) [M, K]; returns (h @ weight^T (+ bias) [M, N], the new residual:
-    x + residual, or x itself without one). `rms_norm` is the unfused norm for other shapes."""
-    # Every program re-reads x (and the residual) for its norm: cheap for a projection no wider
-    # than a few times its input (qkv: 4.6 us fused vs 6.1 unfused, 1.5B on the H200), but with
-    # the many narrow programs of gate_up it re-reads more bytes from L2 than the weight has
-    # (1.5B gate_up ~23 us fused vs 14.9 + 1.8 unfused), so wide projections keep the norm kernel.
-    tiles = _tiles(x, weight, x.shape[-1]) if weight.shape[0] <= NORM_FUSE_MAX_WIDTH * weight.shape[1] else None
-    fusable = (tiles is not None and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
-               and (bias is None or bias.dtype == x.dtype)
-               and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
-                                         and residual.stride(-1) == 1)))
-    if not fusable:
-        if residual is None:
-            return linear(rms_norm(x, norm_weight, eps), weight, bias), x
-        h, residual = rms_norm(x, norm_weight, eps, residual)
+    x + residual, or x itself without one). `rms_norm` is the unfused norm for other shapes, and
+    for those where the norm does not pay (`_norm_tiles`)."""
+    tiles = _norm_tiles(x, residual, norm_weight, weight, silu_out=False)
+    if tiles is None or (bias is not None and bias.dtype != x.dtype):
+        h, residual = _unfused_norm(x, residual, norm_weight, eps, rms_norm)
         return linear(h, weight, bias), residual
     out, res_out = _launch(x, weight, bias, tiles, norm=(norm_weight, eps, residual))
+    return out, (x if res_out is None else res_out)
+
+
+def rms_norm_linear_silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                                 eps: float, weight: torch.Tensor, rms_norm, silu_and_mul,
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The post-attention norm, gate_up and the MLP's activation in one launch for a few rows:
+    h = rms_norm(x (+ residual)) [M, K]; returns (silu_and_mul(h @ weight^T) [M, inter], the new
+    residual [M, K]), weight [2 * inter, K] (gate | up). Where the fusion is not possible or the
+    tuned table does not say it pays (`_norm_tiles`), the norm runs apart (`rms_norm`) and then
+    `linear_silu_and_mul` (`silu_and_mul` being its unfused activation)."""
+    tiles = _norm_tiles(x, residual, norm_weight, weight, silu_out=True)
+    if tiles is None:
+        h, residual = _unfused_norm(x, residual, norm_weight, eps, rms_norm)
+        return linear_silu_and_mul(h, weight, silu_and_mul), residual
+    out, res_out = _launch(x, weight, None, tiles, silu_out=True, norm=(norm_weight, eps, residual))
     return out, (x if res_out is None else res_out)

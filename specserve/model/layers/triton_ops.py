@@ -181,3 +181,10 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
                     weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x (+ residual)) @ weight^T (+ bias), new residual); one GEMV launch for a few rows."""
     return triton_gemv.rms_norm_linear(x, residual, norm_weight, eps, weight, bias, rms_norm)
+
+
+def rms_norm_linear_silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                                 eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu_and_mul(rms_norm(x (+ residual)) @ weight^T), new residual); one GEMV launch for a few rows
+    where the GPU's tuned table says the fused norm pays, else the norm kernel and linear_silu_and_mul."""
+    return triton_gemv.rms_norm_linear_silu_and_mul(x, residual, norm_weight, eps, weight, rms_norm, silu_and_mul)
