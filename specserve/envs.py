@@ -71,6 +71,18 @@ def gemv_prefetch() -> bool | None:
     return _switch("SPECSERVE_GEMV_PREFETCH")
 
 
+def skinny() -> bool:
+    """SPECSERVE_SKINNY=0: never the tensor-core skinny GEMM (model/layers/triton_skinny.py), even
+    where the tuned table picks it (A/B runs); default on."""
+    return _switch("SPECSERVE_SKINNY") is not False
+
+
+def attn_fused_reduce() -> bool:
+    """SPECSERVE_ATTN_FUSED_REDUCE=0: the split-KV reduce as its own launch (attention/triton_paged.py),
+    for A/B runs; default: fused into the attention kernel."""
+    return _switch("SPECSERVE_ATTN_FUSED_REDUCE") is not False
+
+
 def triton_interpret() -> bool:
     """TRITON_INTERPRET=1: Triton kernels run on CPU tensors through Triton's interpreter."""
     return _get("TRITON_INTERPRET") == "1"
