@@ -21,13 +21,16 @@ state, token loss weight 0.1). Checkpoints (head + optimizer + step) are written
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import itertools
 import math
 import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="the target engine's context (default: max-seq-len)")
     p.add_argument("--temperature", type=float, default=0.0, help="of the target's answers")
     p.add_argument("--gen-fraction", type=float, default=0.4, help="share of the time budget for answering")
-    p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per step (4096 GPU, 1024 CPU)")
+    p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per step (8192 GPU, 1024 CPU)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--hard-label-weight", type=float, default=0.5,
                    help="share of the token loss on the target's argmax (the rest: its full distribution)")
@@ -87,77 +90,158 @@ class TrainResult:
 
 
 # -- the frozen target ------------------------------------------------------------------------
+# F.scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5 on.
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+class _DenseLayout(NamedTuple):
+    """A batch of whole sequences, flat (the model's layout) and padded ([B, L], for attention)."""
+
+    flat_ids: torch.Tensor  # [T] int64, the sequences back to back
+    positions: torch.Tensor  # [T] int64, 0.. per sequence
+    pad_index: torch.Tensor  # [T] int64, flat token -> row b * L + t of the padded layout
+    cu: torch.Tensor  # [B + 1] int32, cumulative lengths
+    lengths: torch.Tensor  # [B] int64
+    lengths_cpu: list[int]
+
+
+def _dense_layout(seqs: list[list[int]], device: torch.device) -> _DenseLayout:
+    """Built on the host and sent with one copy (pinned, non_blocking on CUDA): no sync in a step."""
+    lengths = [len(s) for s in seqs]
+    L, B, T = max(lengths), len(seqs), sum(lengths)
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    cu = torch.zeros(B + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=cu[1:])
+    starts = torch.repeat_interleave(cu[:-1], lens)
+    positions = torch.arange(T) - starts
+    pad_index = positions + torch.repeat_interleave(torch.arange(B) * L, lens)
+    flat = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.int64)
+    packed = torch.cat([flat, positions, pad_index, cu, lens])
+    if device.type == "cuda":
+        packed = packed.pin_memory()
+    packed = packed.to(device, non_blocking=True)
+    flat, positions, pad_index, cu, lens = packed.split([T, T, T, B + 1, B])
+    return _DenseLayout(flat, positions, pad_index, cu.to(torch.int32), lens, lengths)
+
+
 class _DenseCausal:
-    """Attention backend for training batches: plain causal attention per sequence, no KV cache."""
+    """Attention backend for training batches: plain causal attention over whole sequences, no KV
+    cache. The flat tokens go into a right-padded [B, heads, L, D] layout for one attention call per
+    layer: every sequence starts at position 0 and attention is causal, so no valid row ever sees a
+    padded key (padded rows compute garbage that is dropped)."""
 
     name = "dense_causal"
 
+    def __init__(self, pad_index: torch.Tensor, num_seqs: int, max_len: int) -> None:
+        self.pad_index, self.num_seqs, self.max_len = pad_index, num_seqs, max_len  # pad_index [T]
+
     def forward(self, q, k, v, cache, fmt, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
-        group = q.shape[1] // k.shape[1]
-        start = 0
-        for n in meta.query_lens_cpu:
-            qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
-            if group > 1:
-                ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-            out[start:start + n] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
-                                                                  scale=scale).transpose(0, 1)
-            start += n
-        return out
+        B, L, H, Hkv = self.num_seqs, self.max_len, q.shape[1], k.shape[1]
+        # One zero-filled padded buffer for q, k and v (zeros: no NaN from stale memory in padded keys).
+        qkv = torch.cat([q, k, v], dim=1)  # [T, H + 2 Hkv, D]
+        padded = qkv.new_zeros(B * L, *qkv.shape[1:]).index_copy_(0, self.pad_index, qkv)
+        qp, kp, vp = padded.view(B, L, -1, qkv.shape[2]).transpose(1, 2).split([H, Hkv, Hkv], dim=1)
+        out = _causal_sdpa(qp, kp, vp, scale)  # [B, H, L, D]
+        return out.transpose(1, 2).reshape(B * L, H, -1).index_select(0, self.pad_index)
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, L, D], k/v [B, Hkv, L, D] -> [B, H, L, D]. GQA inside the kernel where it has it
+    (flash on CUDA in half precision, CPU); elsewhere the kv heads are repeated first."""
+    group = q.shape[1] // k.shape[1]
+    native = _SDPA_HAS_GQA and (q.device.type != "cuda" or q.dtype in (torch.float16, torch.bfloat16))
+    if group > 1 and native:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+def _dense_run(model, layout: _DenseLayout, aux_layers: tuple[int, ...]):
+    lengths = layout.lengths_cpu
+    L, B = max(lengths), len(lengths)
+    none = torch.zeros(1, dtype=torch.int32, device=layout.cu.device)  # no paged cache: tables and slots unused
+    meta = AttentionMetadata(layout.cu, layout.cu[1:] - layout.cu[:-1], none.view(1, 1), none.long(), L, L, B,
+                             len(layout.flat_ids), lengths, lengths)
+    saved = model.aux_hidden_layers
+    model.aux_hidden_layers = aux_layers
+    try:
+        backend = _DenseCausal(layout.pad_index, B, L)
+        with forward_context(ForwardContext(meta, [None] * len(model.layers), None, backend)):
+            out = model(layout.flat_ids, layout.positions)
+    finally:
+        model.aux_hidden_layers = saved
+    return out if isinstance(out, tuple) else (out, [])
 
 
 @torch.no_grad()
 def dense_forward(model, seqs: list[list[int]], aux_layers: tuple[int, ...], device: torch.device):
     """The target over whole sequences (plain causal attention, no KV cache). Returns flat ids
     [T], final hidden [T, hidden] and the aux layers' inputs (each [T, hidden]), T = sum of lengths."""
-    lengths = [len(s) for s in seqs]
-    L, B = max(lengths), len(seqs)
-    flat = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
-    positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
-    none = torch.zeros(1, dtype=torch.int32, device=device)  # no paged cache: tables and slots unused
-    meta = AttentionMetadata(cu, cu[1:] - cu[:-1], none.view(1, 1), none.long(), L, L, B, len(flat),
-                             lengths, lengths)
-    saved = model.aux_hidden_layers
-    model.aux_hidden_layers = aux_layers
-    try:
-        with forward_context(ForwardContext(meta, [None] * len(model.layers), None, _DenseCausal())):
-            out = model(flat, positions)
-    finally:
-        model.aux_hidden_layers = saved
-    hidden, aux = out if isinstance(out, tuple) else (out, [])
-    return flat, hidden, aux
+    layout = _dense_layout(seqs, device)
+    hidden, aux = _dense_run(model, layout, aux_layers)
+    return layout.flat_ids, hidden, aux
 
 
 @torch.no_grad()
 def target_batch(model, seqs: list[list[int]], aux_layers: tuple[int, ...], device: torch.device):
     """Padded batch: ids [B, L], lengths [B], feats [B, L, F] (eagle3: concatenated aux layer
     inputs; eagle: final hidden), target_probs [B, L, vocab] (bfloat16 on GPU), last [B, L, hidden]."""
-    lengths = [len(s) for s in seqs]
-    L, B = max(lengths), len(seqs)
-    flat, hidden, aux = dense_forward(model, seqs, aux_layers, device)
+    layout = _dense_layout(seqs, device)
+    L, B = max(layout.lengths_cpu), len(seqs)
+    hidden, aux = _dense_run(model, layout, aux_layers)
     probs = model.compute_logits(hidden).softmax(dim=-1)
     if device.type == "cuda":
         probs = probs.to(torch.bfloat16)  # halves the largest tensor of the step; labels need no more
     feats = torch.cat(aux, dim=-1) if aux_layers else hidden
-    pad_index = torch.cat([torch.arange(n, device=device) + i * L for i, n in enumerate(lengths)])
 
     def pad(x: torch.Tensor) -> torch.Tensor:
         full = torch.zeros(B * L, x.shape[-1], dtype=x.dtype, device=device)
-        return full.index_copy_(0, pad_index, x).view(B, L, -1)
+        return full.index_copy_(0, layout.pad_index, x).view(B, L, -1)
 
-    ids = pad(flat.unsqueeze(1)).squeeze(-1)
-    return ids, torch.tensor(lengths, device=device), pad(feats), pad(probs), pad(hidden)
+    ids = pad(layout.flat_ids.unsqueeze(1)).squeeze(-1)
+    return ids, layout.lengths, pad(feats), pad(probs), pad(hidden)
 
 
 # -- the head's loss ----------------------------------------------------------------------------
 def _block_mask(rows: int, s: int, device: torch.device) -> torch.Tensor:
     """[rows, s * rows] bool: which keys row t of block s sees (block 1: t' <= t - s + 1; block j:
-    t' == t - (s - j))."""
+    t' == t - (s - j)). Cut from a cached mask of a size bucket (a step builds no mask of its own)."""
+    size = -(-rows // 256) * 256
+    return _block_mask_of_size(size, s, device)[:rows, :, :rows].reshape(rows, s * rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_mask_of_size(rows: int, s: int, device: torch.device) -> torch.Tensor:
+    """[rows, s, rows]: _block_mask with the key blocks as their own dim (its top-left corner of any
+    size is the smaller mask)."""
     q = torch.arange(rows, device=device)[:, None]
     k = torch.arange(rows, device=device)[None, :]
     parts = [k <= q - (s - 1)] + [k == q - (s - j) for j in range(2, s + 1)]
-    return torch.cat(parts, dim=1)
+    return torch.stack(parts, dim=1)
+
+
+def loss_rows(lengths: list[int], loss_start: list[int], max_len: int, num_blocks: int) -> list[torch.Tensor]:
+    """Host (CPU) int64 row indices into [B * (L - 1)] of each block's rows in the loss: row t of
+    sequence b needs x[t+1] and the label at t+1, learns only where the answer is (t >= loss_start),
+    and block s starts at row s - 1 (its last real row must exist). Computed on the host from the
+    lengths the caller has, so the loss needs no device sync to find its rows."""
+    R = max_len - 1
+    pos = torch.arange(R)
+    lens, starts = torch.tensor(lengths), torch.tensor(loss_start)
+    valid = (pos[None, :] < (lens[:, None] - 1)) & (pos[None, :] >= starts[:, None])
+    return [(valid & (pos[None, :] >= s - 1)).reshape(-1).nonzero().squeeze(1) for s in range(1, num_blocks + 1)]
+
+
+def _to_device_rows(rows: list[torch.Tensor], R: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per block (rows into [B * R], the same rows into [B * (R + 1)] shifted by one token: the
+    labels' rows in the unsliced padded tensors), all sent in one copy."""
+    both = [x for r in rows for x in (r, r + r // R + 1)]  # b * R + t -> b * (R + 1) + t + 1
+    packed = torch.cat(both)
+    if device.type == "cuda":
+        packed = packed.pin_memory()
+    parts = packed.to(device, non_blocking=True).split([x.numel() for x in both])
+    return list(zip(parts[0::2], parts[1::2]))
 
 
 def head_block_outputs(head: EagleHead, target, ids: torch.Tensor, feats: torch.Tensor, num_blocks: int,
@@ -195,23 +279,22 @@ def head_block_outputs(head: EagleHead, target, ids: torch.Tensor, feats: torch.
     return outputs
 
 
-def head_loss(head: EagleHead, target, ids: torch.Tensor, lengths: torch.Tensor, loss_start: torch.Tensor,
-              feats: torch.Tensor,
-              probs: torch.Tensor, last_hidden: torch.Tensor, num_blocks: int, parallel: bool,
-              hard_weight: float = 0.5) -> tuple[torch.Tensor, list[float]]:
-    """Returns (loss, per-block top-1 agreement with the target). Shapes as `target_batch`; loss_start
-    [B]: first row of each sequence in the loss (row t predicts token t + 2)."""
+def head_loss(head: EagleHead, target, ids: torch.Tensor, lengths: list[int], loss_start: list[int],
+              feats: torch.Tensor, probs: torch.Tensor, last_hidden: torch.Tensor, num_blocks: int, parallel: bool,
+              hard_weight: float = 0.5) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Returns (loss, per-block top-1 agreement with the target: 0-d tensors on ids' device, one per
+    block that has rows), with no device sync. Shapes as `target_batch`; lengths and loss_start (the
+    first row of each sequence in the loss; row t predicts token t + 2) are host lists."""
     B, L = ids.shape
     R = L - 1
-    pos = torch.arange(R, device=ids.device)
-    # Row t needs x[t+1] and the label at t+1, and learns only where the answer is.
-    valid_rows = (pos[None, :] < (lengths[:, None] - 1)) & (pos[None, :] >= loss_start[:, None])
-    labels = probs[:, 1:].reshape(B * R, -1)
+    block_rows = _to_device_rows(loss_rows(lengths, loss_start, L, num_blocks), R, ids.device)
+    # Rows of the padded [B, L] tensors, unsliced: row t of [B, R] is row t + 1 of its sequence there.
+    labels = probs.reshape(B * L, -1)
     lm_weight = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
     loss, accs = torch.zeros((), device=ids.device), []
-    for s, (out, normed) in enumerate(head_block_outputs(head, target, ids, feats, num_blocks, parallel), 1):
-        rows = (valid_rows & (pos[None, :] >= s - 1)).reshape(-1).nonzero().squeeze(1)
-        if rows.numel() == 0:  # sequences too short for this depth
+    outputs = head_block_outputs(head, target, ids, feats, num_blocks, parallel)
+    for s, ((out, normed), (rows, label_rows)) in enumerate(zip(outputs, block_rows), 1):
+        if rows.numel() == 0:  # sequences too short for this depth (a host-known size: no sync)
             continue
         logits = F.linear(normed.index_select(0, rows), lm_weight).float()
         # Soft labels match the target's whole distribution (what sampling verification accepts
@@ -220,16 +303,16 @@ def head_loss(head: EagleHead, target, ids: torch.Tensor, lengths: torch.Tensor,
         # cross-entropy: (1 - w) * soft CE + w * hard CE == CE against (1 - w) * probs + w * onehot,
         # which keeps one [rows, vocab] activation for backward instead of several (P-EAGLE's 6
         # blocks x 4096 rows x 151936 entries add up on the GPU).
-        lab = labels.index_select(0, rows).float()
+        lab = labels.index_select(0, label_rows).float()
         top = lab.argmax(-1, keepdim=True)
         mixed = lab.mul_(1 - hard_weight).scatter_add_(1, top, torch.full_like(top, hard_weight, dtype=lab.dtype))
         ce = F.cross_entropy(logits, mixed)
         block_loss = ce
         if head.norm is None:  # EAGLE-1: regress the target's next hidden state as well
-            goal = last_hidden[:, 1:].reshape(B * R, -1).index_select(0, rows).float()
+            goal = last_hidden.reshape(B * L, -1).index_select(0, label_rows).float()
             block_loss = F.smooth_l1_loss(out.index_select(0, rows).float(), goal) + 0.1 * ce
         loss = loss + (0.8 ** (s - 1)) * block_loss
-        accs.append((logits.detach().argmax(-1) == top.squeeze(1)).float().mean().item())
+        accs.append((logits.detach().argmax(-1) == top.squeeze(1)).float().mean())
     return loss, accs
 
 
@@ -355,14 +438,17 @@ def run_training(args, llm=None) -> TrainResult:
 
 def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainSeq], progress: dict,
                 device: torch.device, deadline: float) -> None:
-    """Trains until --steps or the deadline; progress["step"] / ["metrics"] follow every step."""
+    """Trains until --steps or the deadline; progress["step"] follows every step, progress["metrics"]
+    every REPORT_EVERY steps, at checkpoints and at the end (reading them syncs the device; a step
+    itself never waits for the GPU)."""
     step = progress["step"]
     parallel = args.method == "p-eagle"
     num_blocks = 1 + (args.num_mask_slots if parallel else args.ttt_steps - 1)
-    batch_tokens = args.batch_tokens or (4096 if device.type == "cuda" else 1024)
+    batch_tokens = args.batch_tokens or (8192 if device.type == "cuda" else 1024)
     base_batches = train_data.make_batches([len(s.token_ids) for s in seqs], batch_tokens, random.Random(args.seed))
     warmup = 30 if args.steps is None else max(1, min(30, args.steps // 10))
-    train_start, metrics, recent = time.monotonic(), {}, []
+    train_start = time.monotonic()
+    recent: list[tuple[list[str], torch.Tensor]] = []  # the last METRIC_WINDOW steps' (names, values)
     bar = tqdm(total=args.steps, initial=step, desc=f"train {args.method}", disable=args.quiet)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     while (args.steps is None or step < args.steps) and time.monotonic() < deadline:
@@ -372,30 +458,51 @@ def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainS
         order = list(range(len(base_batches)))
         random.Random(args.seed * 1000 + epoch).shuffle(order)
         batch = [seqs[i] for i in base_batches[order[index]]]
-        starts = torch.tensor([max(0, s.num_prompt_tokens - 2) for s in batch], device=device)
+        starts = [max(0, s.num_prompt_tokens - 2) for s in batch]
         frac = (step / args.steps if args.steps else
                 (time.monotonic() - train_start) / max(1.0, deadline - train_start))
         for g in opt.param_groups:
             g["lr"] = args.lr * g.get("lr_scale", 1.0) * _lr_factor(frac, step, warmup)
-        ids, lens, feats, probs, last = target_batch(target, [s.token_ids for s in batch],
-                                                     head.cfg.aux_hidden_layers, device)
+        ids, _, feats, probs, last = target_batch(target, [s.token_ids for s in batch],
+                                                  head.cfg.aux_hidden_layers, device)
         with autocast:
-            loss, accs = head_loss(head, target, ids, lens, starts, feats, probs, last, num_blocks, parallel,
-                                   args.hard_label_weight)
+            loss, accs = head_loss(head, target, ids, [len(s.token_ids) for s in batch], starts, feats, probs,
+                                   last, num_blocks, parallel, args.hard_label_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
+        del ids, feats, probs, last  # the next step's target forward need not share memory with them
         step += 1
-        recent.append({"loss": loss.item(), **{f"acc{i + 1}": a for i, a in enumerate(accs)}})
-        del recent[:-20]  # metrics: means over the last 20 steps (one batch says little)
-        metrics = {k: round(sum(m.get(k, 0.0) for m in recent) / len(recent), 4) for k in recent[-1]}
-        progress["step"], progress["metrics"] = step, metrics
+        recent.append((["loss", *(f"acc{i + 1}" for i in range(len(accs)))],
+                       torch.stack([loss.detach().float(), *accs])))
+        del recent[:-METRIC_WINDOW]
+        progress["step"] = step
         bar.update(1)
-        bar.set_postfix(metrics)
+        if step % REPORT_EVERY == 0 or step % args.save_every == 0:
+            progress["metrics"] = _metrics(recent)
+            bar.set_postfix(progress["metrics"])
         if step % args.save_every == 0:
-            _save(args, head, opt, step, metrics)
+            _save(args, head, opt, step, progress["metrics"])
+    if recent:
+        progress["metrics"] = _metrics(recent)
     bar.close()
+
+
+REPORT_EVERY, METRIC_WINDOW = 10, 20
+
+
+def _metrics(recent: list[tuple[list[str], torch.Tensor]]) -> dict[str, float]:
+    """Means over the recent steps (one batch says little), read from the device in one copy; a
+    block a step had no rows for counts as 0, and the names are the last step's."""
+    values = torch.cat([v for _, v in recent]).tolist()
+    sums: dict[str, float] = {}
+    i = 0
+    for names, v in recent:
+        for name, x in zip(names, values[i:i + len(names)]):
+            sums[name] = sums.get(name, 0.0) + x
+        i += len(names)
+    return {k: round(sums[k] / len(recent), 4) for k in recent[-1][0]}
 
 
 def _save(args, head: EagleHead, opt, step: int, metrics: dict) -> None:

@@ -1,0 +1,202 @@
+"""The trainer's step without device syncs equals the straightforward one: the batched dense
+attention of the frozen target == per-sequence causal attention, and head_loss with host-computed
+rows == the old device-side row selection (same loss, accuracies and gradients)."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
+from specserve.model.arch import ModelArch, rope_cos_sin_cache
+from specserve.model.llama import CausalLM
+from specserve.spec import train
+from specserve.spec.eagle_head import EagleHead, head_config_for
+from specserve.spec.train import (
+    _block_mask,
+    dense_forward,
+    head_block_outputs,
+    head_loss,
+    loss_rows,
+)
+
+HF = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 50, "rms_norm_eps": 1e-6,
+      "max_position_embeddings": 128}
+LENGTHS = [7, 3, 12, 1, 12, 5]
+
+
+# -- the references: the trainer's code before it went sync-free --------------------------------
+class _PerSequenceCausal:
+    name = "per_sequence_causal"
+
+    def forward(self, q, k, v, cache, fmt, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
+        start = 0
+        for n in meta.query_lens_cpu:
+            qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
+            if group > 1:
+                ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+            out[start:start + n] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                                  scale=scale).transpose(0, 1)
+            start += n
+        return out
+
+
+@torch.no_grad()
+def _reference_dense_forward(model, seqs, aux_layers):
+    lengths = [len(s) for s in seqs]
+    L, B = max(lengths), len(seqs)
+    flat = torch.tensor([t for s in seqs for t in s])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    none = torch.zeros(1, dtype=torch.int32)
+    meta = AttentionMetadata(cu, cu[1:] - cu[:-1], none.view(1, 1), none.long(), L, L, B, len(flat), lengths, lengths)
+    model.aux_hidden_layers = aux_layers
+    try:
+        with forward_context(ForwardContext(meta, [None] * len(model.layers), None, _PerSequenceCausal())):
+            hidden, aux = model(flat, positions)
+    finally:
+        model.aux_hidden_layers = ()
+    return hidden, aux
+
+
+def _reference_head_loss(head, target, ids, lengths, loss_start, feats, probs, last_hidden, num_blocks, parallel,
+                         hard_weight=0.5):
+    B, L = ids.shape
+    R = L - 1
+    pos = torch.arange(R, device=ids.device)
+    valid_rows = (pos[None, :] < (lengths[:, None] - 1)) & (pos[None, :] >= loss_start[:, None])
+    labels = probs[:, 1:].reshape(B * R, -1)
+    lm_weight = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    loss, accs = torch.zeros((), device=ids.device), []
+    for s, (out, normed) in enumerate(head_block_outputs(head, target, ids, feats, num_blocks, parallel), 1):
+        rows = (valid_rows & (pos[None, :] >= s - 1)).reshape(-1).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        logits = F.linear(normed.index_select(0, rows), lm_weight).float()
+        lab = labels.index_select(0, rows).float()
+        top = lab.argmax(-1, keepdim=True)
+        mixed = lab.mul_(1 - hard_weight).scatter_add_(1, top, torch.full_like(top, hard_weight, dtype=lab.dtype))
+        ce = F.cross_entropy(logits, mixed)
+        block_loss = ce
+        if head.norm is None:
+            goal = last_hidden[:, 1:].reshape(B * R, -1).index_select(0, rows).float()
+            block_loss = F.smooth_l1_loss(out.index_select(0, rows).float(), goal) + 0.1 * ce
+        loss = loss + (0.8 ** (s - 1)) * block_loss
+        accs.append((logits.detach().argmax(-1) == top.squeeze(1)).float().mean().item())
+    return loss, accs
+
+
+# -- the target's dense attention -----------------------------------------------------------------
+def _target(seed: int = 0) -> CausalLM:
+    arch = ModelArch.from_hf_config(HF)
+    torch.manual_seed(seed)
+    model = CausalLM(arch, rope_cos_sin_cache(arch, 128, torch.device("cpu")))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.3 if "norm" not in name else 0.1).add_(1.0 if "norm" in name else 0.0)
+    return model.eval().requires_grad_(False)
+
+
+def _seqs(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("native_gqa", [True, False], ids=["enable_gqa", "repeat_kv"])
+def test_batched_dense_forward_equals_per_sequence(monkeypatch, native_gqa):
+    if not native_gqa:
+        monkeypatch.setattr(train, "_SDPA_HAS_GQA", False)
+    model = _target()
+    seqs = _seqs(LENGTHS)
+    flat, hidden, aux = dense_forward(model, seqs, (1, 3), torch.device("cpu"))
+    ref_hidden, ref_aux = _reference_dense_forward(model, seqs, (1, 3))
+    assert flat.tolist() == [t for s in seqs for t in s]
+    assert model.aux_hidden_layers == ()  # restored
+    torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
+    assert len(aux) == 2
+    for a, r in zip(aux, ref_aux):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+    # One sequence alone gives its rows of the batch (padding never leaks into valid rows).
+    _, alone, _ = dense_forward(model, [seqs[2]], (), torch.device("cpu"))
+    torch.testing.assert_close(alone, hidden[10:22], rtol=1e-5, atol=1e-5)
+
+
+def test_target_batch_pads_the_flat_outputs():
+    model = _target(1)
+    seqs = _seqs([5, 9, 2], seed=3)
+    ids, lens, feats, probs, last = train.target_batch(model, seqs, (2,), torch.device("cpu"))
+    ref_hidden, ref_aux = _reference_dense_forward(model, seqs, (2,))
+    assert ids.shape == (3, 9) and lens.tolist() == [5, 9, 2]
+    start = 0
+    for b, s in enumerate(seqs):
+        n = len(s)
+        assert ids[b, :n].tolist() == s and not ids[b, n:].any()
+        torch.testing.assert_close(last[b, :n], ref_hidden[start:start + n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(feats[b, :n], ref_aux[0][start:start + n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(probs[b, :n], model.compute_logits(ref_hidden[start:start + n]).softmax(-1),
+                                   rtol=1e-5, atol=1e-6)
+        assert not probs[b, n:].any()
+        start += n
+
+
+# -- the head's loss --------------------------------------------------------------------------------
+def _head(method: str, slots: int, seed: int = 0):
+    arch = ModelArch.from_hf_config(HF)
+    torch.manual_seed(seed)
+    head = EagleHead(head_config_for(arch, HF, "t", "id", method, slots))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.2)
+    target = types.SimpleNamespace(embed_tokens=torch.nn.Embedding(50, 32), lm_head=None,
+                                   cos_sin_cache=rope_cos_sin_cache(arch, 128, torch.device("cpu")))
+    target.embed_tokens.requires_grad_(False)
+    return head, target
+
+
+@pytest.mark.parametrize("method,parallel,blocks", [("eagle3", False, 3), ("eagle", False, 3),
+                                                    ("eagle3", True, 4)], ids=["eagle3", "eagle", "p-eagle"])
+# A sequence too short for blocks > 1 and one with a single loss row; then a batch whose blocks > 2 are empty.
+@pytest.mark.parametrize("lengths,starts", [([9, 4, 2, 6], [3, 0, 0, 5]), ([3, 2], [0, 0])], ids=["mixed", "short"])
+def test_head_loss_with_host_rows_equals_device_rows(method, parallel, blocks, lengths, starts):
+    head, target = _head(method, blocks - 1 if parallel else 0, seed=2)
+    B, L = len(lengths), max(lengths)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 50, (B, L), generator=g)
+    feat_dim = 32 * len(head.cfg.aux_hidden_layers) if method == "eagle3" else 32
+    feats = torch.randn(B, L, feat_dim, generator=g)
+    probs = torch.randn(B, L, 50, generator=g).softmax(-1)
+    last = torch.randn(B, L, 32, generator=g)
+
+    def run(fn, *args):
+        head.zero_grad(set_to_none=True)
+        loss, accs = fn(head, target, ids, *args, feats, probs, last, blocks, parallel, 0.3)
+        loss.backward()
+        return loss.detach(), accs, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+    loss, accs, grads = run(head_loss, lengths, starts)
+    ref_loss, ref_accs, ref_grads = run(_reference_head_loss, torch.tensor(lengths), torch.tensor(starts))
+    assert all(isinstance(a, torch.Tensor) for a in accs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert [a.item() for a in accs] == pytest.approx(ref_accs)
+    assert grads.keys() == ref_grads.keys() and grads
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-5, atol=1e-6)
+
+
+def test_loss_rows_skip_blocks_without_rows():
+    rows = loss_rows([3, 2], [0, 0], 3, 3)  # R = 2; valid: (0,0),(0,1),(1,0)
+    assert [r.tolist() for r in rows] == [[0, 1, 2], [1], []]
+
+
+@pytest.mark.parametrize("rows,s", [(1, 1), (6, 3), (255, 2), (256, 4), (300, 3)])
+def test_cached_block_mask_equals_a_fresh_one(rows, s):
+    q = torch.arange(rows)[:, None]
+    k = torch.arange(rows)[None, :]
+    fresh = torch.cat([k <= q - (s - 1)] + [k == q - (s - j) for j in range(2, s + 1)], dim=1)
+    assert torch.equal(_block_mask(rows, s, torch.device("cpu")), fresh)
