@@ -71,7 +71,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen2.5-1.5b")
     p.add_argument("--method", default="eagle3")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=12, help="> 2: the timed run (a 2-step run is subtracted)")
     p.add_argument("--profile-steps", type=int, default=4)
     p.add_argument("extra", nargs="*", help="more train-draft flags (after --)")
     a = p.parse_args()
@@ -88,16 +88,23 @@ def main() -> None:
     train.target_batch = counter
     train.run_training(_args(a.shape, a.method, tmp / "w", data, 2, a.extra), llm=llm)
     _sync()
-    counter.tokens = 0
-    t = time.perf_counter()
-    res = train.run_training(_args(a.shape, a.method, tmp / "t", data, a.steps, a.extra), llm=llm)
-    _sync()
-    wall = time.perf_counter() - t
-    per_step, tokens = wall / a.steps, counter.tokens
+    # A run's fixed cost (a new head, its init, the final save) is the same for 2 steps as for
+    # --steps, so the difference of the two runs' wall times is --steps - 2 training steps.
+    def timed(steps: int, name: str):
+        counter.tokens = 0
+        t = time.perf_counter()
+        res = train.run_training(_args(a.shape, a.method, tmp / name, data, steps, a.extra), llm=llm)
+        _sync()
+        return time.perf_counter() - t, counter.tokens, res
+
+    wall2, tokens2, _ = timed(2, "t2")
+    wall, tokens, res = timed(a.steps, "t")
+    per_step = (wall - wall2) / (a.steps - 2)
+    tokens_per_step = (tokens - tokens2) / (a.steps - 2)
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0
-    print(f"{a.shape} {a.method}: {per_step * 1000:.1f} ms per step (incl. the final save), "
-          f"{tokens / a.steps:.0f} padded tokens per step, {tokens / wall:.0f} padded tokens/s, "
-          f"{res.num_sequences} sequences, peak {peak:.1f} GiB")
+    print(f"{a.shape} {a.method}: {per_step * 1000:.1f} ms per step (runs of {a.steps} and 2 steps: "
+          f"{wall:.2f} / {wall2:.2f} s), {tokens_per_step:.0f} padded tokens per step, "
+          f"{tokens_per_step / per_step:.0f} padded tokens/s, {res.num_sequences} sequences, peak {peak:.1f} GiB")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         train.run_training(_args(a.shape, a.method, tmp / "p", data, a.profile_steps, a.extra), llm=llm)
         _sync()

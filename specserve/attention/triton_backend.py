@@ -1,9 +1,9 @@
 """Triton attention backend: the GPU twin of `torch_ref.TorchRefBackend`.
 
 Imported lazily, only when selected on CUDA (it imports triton). One forward = two launches: the
-KV write (with RoPE, through `forward_rope`) and the paged attention kernel, which also combines
-the split-KV partials when the batch is too small to fill the GPU (its last split program reduces;
-`fused_reduce=False` brings back the separate reduce launch, for A/B timing). Quantized caches (fp8,
+KV write (with RoPE, through `forward_rope`) and the paged attention kernel (plus a reduce launch
+for split-KV when the batch is too small to fill the GPU; `fused_reduce` folds it into the
+attention kernel, off by default: triton_paged.py says why). Quantized caches (fp8,
 nvfp4) take the kernels of `triton_quant.py`, which keep the separate reduce launch: the write
 kernel quantizes, the attention kernel dequantizes tiles as it reads them. Nothing
 reads tensor values on the host, so a decode forward can be captured in a CUDA graph: size it
@@ -29,8 +29,8 @@ class TritonBackend:
     `num_splits` fixes the split-KV factor (None: chosen from the batch's host-side sizes; 1: never
     split). With a fixed value the result for a token does not depend on the rest of the batch's shape.
     `fused_reduce` (unquantized caches): combine split-KV partials inside the attention kernel (True)
-    or in a second launch (False); the results agree to rounding. None: True unless
-    SPECSERVE_ATTN_FUSED_REDUCE=0 (A/B runs).
+    or in a second launch (False); the results agree to rounding. None: SPECSERVE_ATTN_FUSED_REDUCE
+    (default off: envs.attn_fused_reduce says why).
     """
 
     name = "triton"

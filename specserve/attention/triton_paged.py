@@ -17,9 +17,11 @@ batch 1 over a long context), each program also takes one of `num_splits` contig
 sequence's KV tiles and writes an unnormalized partial (acc, running max m, denominator l) in fp32.
 Softmax statistics are fp32 throughout, in base 2.
 
-The splits are combined inside the same kernel ("last program reduces", `fused_reduce=True`): a
-second launch cost ~1.5-2 us per layer on the H200 (mostly launch latency; Qwen2.5-1.5B batch-1
-decode, ~5 us of attention), more than the combine itself. Each split program stores its partials,
+The splits are combined by `_reduce_splits_kernel`, a second launch (~1.6 us per layer on the H200,
+Qwen2.5-1.5B batch-1 decode), or, with `fused_reduce=True`, inside the same kernel ("last program
+reduces"). Measured on the H200 the fused form made the whole decode step slower (1.5B 1.456 vs
+1.406 ms, 8B 4.261 vs 4.183; its combine is a chain of serial L2 round trips after the atomic), so
+the backend keeps the second launch unless SPECSERVE_ATTN_FUSED_REDUCE=1. Each split program stores its partials,
 passes a CTA barrier (every warp's stores precede it), then adds 1 to the int32 counter of its
 (q block, kv head) with an acq_rel, gpu-scope atomic (release: its partials are published;
 acquire: the program that sees num_splits - 1 sees every other split's partials). That last
@@ -32,7 +34,7 @@ a block's splits are spare together). The counters are one persistent zeroed buf
 launch on that device, which is safe because launches that use it are ordered on one stream (each
 kernel, PDL included, waits for the previous grid to finish before touching it); two attention
 launches running concurrently on different streams of one device would corrupt it.
-`fused_reduce=False` keeps the two-kernel path (tests compare both; A/B timing).
+Tests compare both paths.
 """
 from __future__ import annotations
 
@@ -366,7 +368,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                     cu_query_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
                     num_splits: int | None = None, block_n: int | None = None,
-                    fused_reduce: bool = True) -> torch.Tensor:
+                    fused_reduce: bool = False) -> torch.Tensor:
     """Causal attention of the batch's new queries over their sequences' paged KV (already written).
 
     q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
