@@ -14,6 +14,9 @@ meaning; other modules must not touch `os.environ` directly.
 |                   |                                  | the decode path's Triton kernels (Hopper+) |
 | SPECSERVE_GEMV_PREFETCH | by K (model/layers/triton_gemv.py) | 1 / 0: the GEMV always / never requests |
 |                   |                                  | its next weight tile one loop step ahead   |
+| SPECSERVE_QKV_ROPE_FUSED | 0 (model/layers/triton_qkv_rope.py) | 1: decode-sized batches run the input |
+|                   |                                  | norm, qkv, RoPE and the KV write as one   |
+|                   |                                  | launch (Triton backend, unquantized KV)   |
 | TRITON_INTERPRET  | unset                            | 1: Triton kernels run in its CPU          |
 |                   |                                  | interpreter (kernel debugging, tests)     |
 """
@@ -83,6 +86,13 @@ def attn_fused_reduce() -> bool:
     step slower (1.5B 1.456 vs 1.406 ms, 8B 4.261 vs 4.183), its serial L2 round trips costing more
     than the reduce launch they save."""
     return _switch("SPECSERVE_ATTN_FUSED_REDUCE") is True
+
+
+def qkv_rope_fused() -> bool:
+    """SPECSERVE_QKV_ROPE_FUSED=1: a decoder layer's input norm + qkv GEMV also applies RoPE and writes
+    K/V into the paged cache (model/layers/triton_qkv_rope.py), one launch fewer per layer at decode
+    sizes. Default off until it is measured on the H200."""
+    return _switch("SPECSERVE_QKV_ROPE_FUSED") is True
 
 
 def triton_interpret() -> bool:

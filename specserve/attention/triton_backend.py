@@ -9,7 +9,8 @@ kernel quantizes, the attention kernel dequantizes tiles as it reads them. Nothi
 reads tensor values on the host, so a decode forward can be captured in a CUDA graph: size it
 with fixed upper bounds (`max_seq_len`, `max_query_len`) and pad the batch with zero-length
 sequences (repeat the last `cu_query_lens` entry, `seq_lens` 0) and padding tokens whose slot is
-negative (their K/V is not stored, their output rows are garbage).
+negative (their K/V is not stored, their output rows are garbage). `forward_cached` is attention
+alone, for K/V already written by the qkv projection's epilogue (model/layers/triton_qkv_rope.py).
 """
 from __future__ import annotations
 
@@ -65,6 +66,15 @@ class TritonBackend:
             q, k = apply_rope(q, k, positions, cos_sin_cache)
             return self.forward(q, k, v, cache, fmt, meta, scale)
         rope_and_cache(q, k, v, positions, cos_sin_cache, cache.key, cache.value, meta.slot_mapping)
+        return self._attend(q, cache, meta, scale)
+
+    def forward_cached(self, q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, meta: AttentionMetadata,
+                       scale: float) -> torch.Tensor:
+        """Attention alone, the step's K/V being in the cache already (rotated, at `meta.slot_mapping`):
+        model/layers/triton_qkv_rope.py writes them in the qkv projection's epilogue. q [num_tokens,
+        num_heads, head_dim] rotated -> like q. Unquantized caches only (that writer does not quantize)."""
+        if fmt.quantized:
+            raise ValueError(f"forward_cached reads an unquantized cache; the {fmt.name} cache takes forward_rope")
         return self._attend(q, cache, meta, scale)
 
     def _attend(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
