@@ -66,9 +66,9 @@ def _reshape_and_cache_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)  # batch metadata: safe before the PDL wait
+    pdl_prologue(USE_PDL)  # k, v only after it; every program waits before it may return
     if slot < 0:  # a padding token (CUDA-graph batches): nothing to store
         return
     block = slot // BLOCK_SIZE
@@ -140,20 +140,42 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
     FUSED_REDUCE: tl.constexpr = False, M_CHUNK: tl.constexpr = 1, ACC_CHUNK: tl.constexpr = 1,
 ):
-    pdl_prologue(USE_PDL)  # before the early return of spare q blocks (see model/layers/pdl.py)
+    # Before the PDL wait: only batch metadata (no kernel of the forward writes it; model/layers/
+    # pdl.py): the sequence search, its query range and length, and the block ids of this program's
+    # first KV tile, so that chain of dependent loads overlaps the previous kernel's tail. q, the
+    # KV cache (the previous kernel just wrote the new tokens' K/V) and the partials only after it.
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
 
-    seq = _find_seq(cu_query_lens_ptr, num_seqs, q_block_idx, BLOCK_Q)
+    seq = _find_seq(cu_query_lens_ptr, num_seqs, q_block_idx, BLOCK_Q)  # in [0, num_seqs)
     q_start = tl.load(cu_query_lens_ptr + seq)
     q_len = tl.load(cu_query_lens_ptr + seq + 1) - q_start
     q_block_local = q_block_idx - (q_start // BLOCK_Q + seq)
-    if q_block_local * BLOCK_Q >= q_len:  # spare q block (grid is an upper bound)
-        return
+    live = q_block_local * BLOCK_Q < q_len  # else a spare q block (the grid is an upper bound)
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
+
+    # Keys any row of this q block can see: [0, kv_end).
+    kv_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    if SPLIT:
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    # The first tile's block ids (none for a spare block or a split with no tile: offs_n >= kv_end).
+    first_n = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
+    first_ids = tl.load(table + first_n // BLOCK_SIZE, mask=(first_n < kv_end) & live, other=0).to(tl.int64)
+
+    # Every program waits, spare ones included, before it returns (see model/layers/pdl.py).
+    pdl_prologue(USE_PDL)
+    if not live:
+        return
 
     # Row m is query token q_block_local * BLOCK_Q + m // GROUP, query head kv_head * GROUP + m % GROUP.
     offs_m = tl.arange(0, BLOCK_M)
@@ -167,27 +189,17 @@ def _paged_attention_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = context_len + q_idx  # key j is visible to this row iff j <= q_pos
 
-    # Keys any row of this q block can see: [0, kv_end).
-    kv_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
-    num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    if SPLIT:
-        tiles_per_split = tl.cdiv(num_tiles, num_splits)
-        tile_lo = split * tiles_per_split
-        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    else:
-        tile_lo = 0
-        tile_hi = num_tiles
-
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = key_cache_ptr + kv_head * stride_c_head
     v_base = value_cache_ptr + kv_head * stride_c_head
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
-        block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        # The first tile's ids were loaded before the wait; later tiles' here.
+        block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok & (tile != tile_lo), other=0).to(tl.int64)
+        block_ids = tl.where(tile == tile_lo, first_ids, block_ids)
         kv_off = block_ids * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -234,10 +246,11 @@ def _reduce_splits_kernel(
     num_seqs, num_splits, stride_o_tok, stride_o_head,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    if tok >= tl.load(cu_query_lens_ptr + num_seqs):  # padding token: no partials were written
+    num_tokens = tl.load(cu_query_lens_ptr + num_seqs)  # batch metadata: safe before the PDL wait
+    pdl_prologue(USE_PDL)  # the partials only after it; every program waits before it may return
+    if tok >= num_tokens:  # padding token: no partials were written
         return
     s = tl.arange(0, SPLITS_PAD)
     s_ok = s < num_splits

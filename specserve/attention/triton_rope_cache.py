@@ -14,7 +14,7 @@ import triton.language as tl
 
 from specserve.attention.triton_paged import _check_cache
 from specserve.model.layers.pdl import pdl_prologue, use_pdl
-from specserve.model.layers.triton_ops import _rope_cos_sin, _rope_rotate
+from specserve.model.layers.triton_ops import _rope_cos_sin
 
 
 @triton.jit
@@ -26,35 +26,49 @@ def _rope_and_cache_kernel(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    pdl_prologue(USE_PDL)
+    # Batch metadata and the constant cos/sin table first, before the PDL wait (no kernel of the
+    # forward writes them: model/layers/pdl.py), so the position -> cos/sin chain and the slot load
+    # overlap the previous kernel's tail; q, k, v and the cache only after it.
     tok = tl.program_id(0).to(tl.int64)
     cos, sin = _rope_cos_sin(positions_ptr, cos_sin_ptr, tok, stride_cs, HALF, HALF_PAD)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    pdl_prologue(USE_PDL)
     j = tl.arange(0, HALF_PAD)
     j_ok = j < HALF
-    _rope_rotate(q_ptr + tok * stride_q_tok, stride_q_head, num_heads, cos, sin, HALF, HALF_PAD, BLOCK_HQ)
     cos, sin = cos[None, :], sin[None, :]
-
+    # q, k and v are views of one qkv buffer, so the compiler may not hoist a later load above an
+    # earlier store: every load comes first, so the kernel waits for one round trip after the PDL
+    # wait, not three.
+    hq = tl.arange(0, BLOCK_HQ)
+    q_mask = (hq[:, None] < num_heads) & j_ok[None, :]
+    q1_ptr = q_ptr + tok * stride_q_tok + hq[:, None] * stride_q_head + j[None, :]
     hk = tl.arange(0, BLOCK_HK)
     k_mask = (hk[:, None] < num_kv_heads) & j_ok[None, :]
     k1_ptr = k_ptr + tok * stride_k_tok + hk[:, None] * stride_k_head + j[None, :]
+    v1_ptr = v_ptr + tok * stride_v_tok + hk[:, None] * stride_v_head + j[None, :]
+    q1 = tl.load(q1_ptr, mask=q_mask, other=0.0)
+    q2 = tl.load(q1_ptr + HALF, mask=q_mask, other=0.0)
     k1 = tl.load(k1_ptr, mask=k_mask, other=0.0)
     k2 = tl.load(k1_ptr + HALF, mask=k_mask, other=0.0)
+    v1 = tl.load(v1_ptr, mask=k_mask, other=0.0)
+    v2 = tl.load(v1_ptr + HALF, mask=k_mask, other=0.0)
+
+    # Rotations in fp32, rounded to the activation dtype as apply_rope leaves them (k then to the
+    # cache's dtype).
+    q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
+    tl.store(q1_ptr, (q1f * cos - q2f * sin).to(q1.dtype), mask=q_mask)
+    tl.store(q1_ptr + HALF, (q2f * cos + q1f * sin).to(q1.dtype), mask=q_mask)
     k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
-    # Rounded to k's dtype first, as apply_rope leaves it, then to the cache's.
     r1 = (k1f * cos - k2f * sin).to(k1.dtype)
     r2 = (k2f * cos + k1f * sin).to(k1.dtype)
     tl.store(k1_ptr, r1, mask=k_mask)
     tl.store(k1_ptr + HALF, r2, mask=k_mask)
 
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot >= 0:  # a negative slot is a padding token (CUDA-graph batches): nothing to store
         dst = (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_slot \
             + hk[:, None] * stride_c_head + j[None, :]
         tl.store(key_cache_ptr + dst, r1.to(key_cache_ptr.dtype.element_ty), mask=k_mask)
         tl.store(key_cache_ptr + dst + HALF, r2.to(key_cache_ptr.dtype.element_ty), mask=k_mask)
-        v_src = v_ptr + tok * stride_v_tok + hk[:, None] * stride_v_head + j[None, :]
-        v1 = tl.load(v_src, mask=k_mask, other=0.0)
-        v2 = tl.load(v_src + HALF, mask=k_mask, other=0.0)
         tl.store(value_cache_ptr + dst, v1.to(value_cache_ptr.dtype.element_ty), mask=k_mask)
         tl.store(value_cache_ptr + dst + HALF, v2.to(value_cache_ptr.dtype.element_ty), mask=k_mask)
 
