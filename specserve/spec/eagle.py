@@ -18,6 +18,10 @@ hit, a prefill chunk that did not sample, so the proposer was not called) are si
 context: drafts get a little worse, verification keeps the output exact. Draft rows sit after the
 real rows and are overwritten by the next propose, because their KV came from the head's own
 hidden states, never from the target's.
+
+A head with a reduced draft vocabulary (eagle_head.py) computes logits over its d2t tokens only;
+DraftVocabSampler turns them into target token ids and, for sampled drafts, into the full-vocabulary
+draft distribution the rejection sampler takes (zero outside d2t).
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from specserve.spec.eagle_graph import (
     attention_arrays,
     attention_metadata,
 )
-from specserve.spec.eagle_head import EagleHead, load_head
+from specserve.spec.eagle_head import EagleHead, load_head, target_lm_weight
 
 
 @dataclass
@@ -103,12 +107,36 @@ def step_batch_sizes(parts) -> tuple[int, ...]:
 
 def _graph_logits_bytes(batch_sizes: tuple[int, ...], k: int, parallel: bool, vocab_size: int) -> int:
     """What the head's CUDA graphs keep allocated after the KV pool: their float32 logits outputs,
-    [bs * picks, vocab] per first-forward graph and [bs, vocab] per draft-step graph."""
+    [bs * picks, vocab] per first-forward graph and [bs, vocab] per draft-step graph (vocab: the
+    head's logits width, its draft vocabulary when reduced)."""
     picks = k if parallel else 1
     rows = sum(b * picks for b in batch_sizes if b * picks <= MAX_GRAPH_PICKS)
     if not parallel and k > 1:
         rows += sum(batch_sizes)
     return rows * vocab_size * 4
+
+
+class DraftVocabSampler(DraftSampler):
+    """DraftSampler for a head with a reduced draft vocabulary: logits [rows, draft_vocab], column j
+    = target token d2t[j]. Greedy rows draft d2t[argmax]. Random rows: the logits are placed into
+    full-vocabulary logits at d2t, -inf elsewhere, and sampled by DraftSampler, so the request's
+    penalties, temperature, min-p, top-k and top-p apply per target token id exactly as for a full
+    head (over the draft vocabulary: -inf stays -inf through each stage, each keeps the largest
+    logit, and drafting applies no min_tokens mask, so a row never loses every token), and the
+    draft_probs returned are the full-vocabulary q with zeros outside d2t: the form the rejection
+    sampler takes, which keeps verification lossless (a token outside d2t is never drafted, and
+    the residual max(0, target - q) emits it with its full target probability). The [rows, vocab]
+    expansion runs only for random rows; greedy drafts never leave the draft vocabulary's width."""
+
+    def __init__(self, vocab_size: int, device: torch.device, d2t: torch.Tensor) -> None:
+        super().__init__(vocab_size, device)
+        self.d2t = d2t  # [draft_vocab] int64, ascending (see eagle_head.py: greedy ties agree with the full argmax)
+
+    def sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if all(self.is_greedy(r) for r in rows):
+            return self.d2t.index_select(0, logits.argmax(dim=-1)), None
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        return super().sample(full.index_copy_(1, self.d2t, logits), rows)
 
 
 class EagleProposer(OwnKVLifecycle):
@@ -127,6 +155,8 @@ class EagleProposer(OwnKVLifecycle):
         self.target = parts.loaded.model
         arch, dtype = parts.loaded.arch, parts.loaded.model.embed_tokens.weight.dtype
         self.head: EagleHead = load_head(cfg.model, arch, parts.loaded.identity, self.device, dtype)
+        if self.head.d2t is not None:  # a reduced vocabulary: its LM-head rows, gathered once
+            self.head.attach_lm_head(target_lm_weight(self.target))
         target_ops = getattr(getattr(self.target, "norm", None), "ops", None)
         if target_ops is not None:  # on a GPU the fused Triton ops, as the target runs
             self.head.set_ops(target_ops)
@@ -155,14 +185,15 @@ class EagleProposer(OwnKVLifecycle):
         static = self.step_graphs == "static" or (self.step_graphs == "auto" and graphs)
         capture = static and graphs and self.step_graphs == "auto" and self.device.type == "cuda"
         reserve = _graph_logits_bytes(step_batch_sizes(parts), cfg.num_speculative_tokens, self.parallel,
-                                      arch.vocab_size) if capture else 0
+                                      hcfg.logits_width) if capture else 0
         num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "EAGLE head", reserve)
         self.kv_caches = spec.allocate(num_blocks, self.device)
         self.fmt = spec.fmt
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.backend = parts.runner.backend
         self.scale = larch.head_dim ** -0.5
-        self.sampler = DraftSampler(arch.vocab_size, self.device)
+        self.sampler = (DraftSampler(arch.vocab_size, self.device) if self.head.d2t is None
+                        else DraftVocabSampler(arch.vocab_size, self.device, self.head.d2t))
         self.seqs: dict[str, _HeadSeq] = {}
         self.upload = PinnedUpload(self.device)  # every host->device input of a head forward, one copy
         self.steps: HeadStepGraphs | None = None
@@ -251,7 +282,7 @@ class EagleProposer(OwnKVLifecycle):
             seq.num_computed_tokens += m
         # Drafts stay on the device until the end: no host sync between the head's forwards.
         dt = DraftTokens()
-        dt.add(list(range(n)), *self.sampler.sample(self.target.compute_logits(normed.index_select(0, last)),
+        dt.add(list(range(n)), *self.sampler.sample(self._logits(normed.index_select(0, last)),
                                                     list(range(n))))
         if max(plan.ks) > 1:
             ctx = [s.num_computed_tokens for s in plan.seqs]
@@ -309,7 +340,7 @@ class EagleProposer(OwnKVLifecycle):
             out, normed = self._head(emb, prev_out.index_select(0, idx), pos,
                                      attention_metadata(arrays, dev[3:], [1] * len(active)))
             prev_out = prev_out.index_copy(0, idx, out)
-            dt.add(active, *self.sampler.sample(self.target.compute_logits(normed), active))
+            dt.add(active, *self.sampler.sample(self._logits(normed), active))
 
     def _parallel_layout(self, plan: _Plan) -> tuple[list[int], list[int], list[int], np.ndarray]:
         """Rows of the P-EAGLE forward: each request's real rows, then k - 1 mask rows at the next
@@ -341,8 +372,12 @@ class EagleProposer(OwnKVLifecycle):
         for seq, m in zip(plan.seqs, plan.num_real):
             seq.num_computed_tokens += m
         rows = [i for i in range(n) for _ in range(plan.ks[i])]
-        tokens, p = self.sampler.sample(self.target.compute_logits(normed.index_select(0, pick)), rows)
+        tokens, p = self.sampler.sample(self._logits(normed.index_select(0, pick)), rows)
         return _by_request(rows, tokens.tolist(), p, n)  # the one host sync of a parallel draft
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, logits width] float32 (the draft vocabulary's columns when reduced)."""
+        return self.head.compute_logits(normed, self.target)
 
     def _head(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,9 @@ its inputs' copies, views and metadata: at batch 1 the GPU idles while the host 
 * the target features: the step's aux-layer rows (EAGLE-1: final hidden states) are gathered by
   one index_select per layer, outside the graph (they live in the target's eager or graphed
   outputs), into a static [layers, rows, hidden] buffer;
-* outputs: the picks' head outputs [bs * picks, hidden], logits [bs * picks, vocab] and argmax.
+* outputs: the picks' head outputs [bs * picks, hidden], logits [bs * picks, vocab] and argmax
+  (a reduced draft vocabulary: logits [bs * picks, draft_vocab], argmax mapped through d2t to
+  target ids; the gathered LM-head rows and d2t are static tensors, so capture is unchanged).
   Autoregressive drafting also writes the outputs and argmax into HeadStepGraphs' inputs, so its
   first draft step replays with nothing launched in between (eagle_graph.py).
 
@@ -121,8 +123,8 @@ class FirstForwardGraphs:
         out, normed = self.head(embeds, hidden, self.positions[:rows], self.target.cos_sin_cache, attend)
         pick = self.pick[:picks]
         out = out.index_select(0, pick)
-        logits = self.target.compute_logits(normed.index_select(0, pick))
-        argmax = logits[:, :self.vocab_size].argmax(dim=-1)
+        logits = self.head.compute_logits(normed.index_select(0, pick), self.target)
+        argmax = self.head.greedy_token_ids(logits)  # target ids (a reduced vocabulary maps through d2t)
         if self.feed is not None:  # the first draft step's inputs
             self.feed[0][:picks].copy_(out)
             self.feed[1][:picks].copy_(argmax)

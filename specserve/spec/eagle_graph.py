@@ -12,7 +12,9 @@ class's `tokens` and `hidden` inputs of the first step):
   positions, slot_mapping, cu_query_lens, seq_lens, block_tables of the head's paged KV cache,
   which the host sends in one pinned non-blocking copy per step (block tables on the first only);
 * static outputs: the LM-head logits [bs, vocab] (random rows sample from them, DraftSampler) and
-  their argmax [bs] (greedy rows' drafts, the same argmax DraftSampler takes);
+  their argmax [bs] (greedy rows' drafts, the same argmax DraftSampler takes); with a reduced
+  draft vocabulary the logits are [bs, draft_vocab] (the head's gathered LM-head rows, a static
+  weight like any other) and the argmax is mapped to target ids through the static d2t;
 * one graph per batch size (the target's sizes), largest first, sharing one memory pool.
 
 Row i of the padded batch is request i of the propose for all its steps. Rows past the requests
@@ -205,7 +207,8 @@ class HeadStepGraphs:
 
     # -- forward -----------------------------------------------------------------------------
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft row per sequence of the static buffers -> (logits [bs, vocab] float32, argmax [bs])."""
+        """One draft row per sequence of the static buffers -> (logits [bs, head.cfg.logits_width]
+        float32, argmax [bs] target ids)."""
         meta = AttentionMetadata(self.cu_query_lens[:bs + 1], self.seq_lens[:bs], self.block_tables[:bs],
                                  self.slot_mapping[:bs], max_query_len=1,
                                  max_seq_len=self.max_blocks * self.block_size, num_seqs=bs, num_tokens=bs)
@@ -215,8 +218,8 @@ class HeadStepGraphs:
 
         embeds = self.target.embed_tokens(self.tokens[:bs])
         out, normed = self.head(embeds, self.hidden[:bs], self.positions[:bs], self.target.cos_sin_cache, attend)
-        logits = self.target.compute_logits(normed)
-        argmax = logits[:, :self.vocab_size].argmax(dim=-1)
+        logits = self.head.compute_logits(normed, self.target)
+        argmax = self.head.greedy_token_ids(logits)  # target ids (a reduced vocabulary maps through d2t)
         # The next step's inputs are this step's outputs: written here, nothing runs between
         # replays for greedy rows (random rows overwrite `tokens` with their samples).
         self.hidden[:bs].copy_(out)

@@ -7,6 +7,17 @@ autoregressive draft rows. P-EAGLE mask rows read a learned (mask_embed, mask_hi
 so all k drafts come out of one forward. The target's embedding and LM head are reused, frozen;
 a checkpoint holds only the head's own weights.
 
+Reduced draft vocabulary (EAGLE-3's draft_vocab_size, optional): the head proposes only the
+`draft_vocab_size` target token ids in `d2t` (saved with its weights). Its LM head is those rows of
+the target's, gathered once when attached to the target (`attach_lm_head`): a draft step's logits
+are [rows, draft_vocab] instead of [rows, vocab] (the target's 151,936-row head is the largest
+part of a Qwen2.5 head step). Verification stays lossless: the draft distribution is zero outside
+the set, and the rejection sampler's residual max(0, target - draft) covers those tokens. d2t is
+sorted ascending: then the argmax over the draft logits, mapped through d2t, is exactly the argmax
+of the full-vocabulary logits that are -inf outside the set (ties included: both pick the lowest
+target id), which is what the sampling path computes (eagle.py DraftVocabSampler), so greedy and
+sampled drafts, eager and CUDA-graph paths agree token for token.
+
 The layer never owns its attention: `attend(q, k, v)` is injected, the paged KV backend at serving
 time (eagle.py) and dense masked attention at training time (train.py), so both run the same
 weights through the same code.
@@ -44,6 +55,13 @@ class EagleHeadConfig:
     num_mask_slots: int  # P-EAGLE mask slots trained (k - 1); 0 = autoregressive only
     layer: dict[str, Any]  # HF-style config of the head's one decoder layer
     target: dict[str, Any]  # name, identity, num_layers, hidden_size, vocab_size of the target
+    # Tokens the head can propose (its `d2t` buffer, ascending target ids); None = the whole vocabulary.
+    draft_vocab_size: int | None = None
+
+    @property
+    def logits_width(self) -> int:
+        """Columns of the head's logits: the draft vocabulary, or the target's."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
 
     def to_json(self) -> dict[str, Any]:
         return {"format": HEAD_FORMAT, **asdict(self), "aux_hidden_layers": list(self.aux_hidden_layers)}
@@ -53,11 +71,15 @@ class EagleHeadConfig:
         if data.get("format") != HEAD_FORMAT:
             raise ValueError(f"{where} is not a specserve EAGLE head config (format must be {HEAD_FORMAT!r}).")
         try:
+            draft_vocab = data.get("draft_vocab_size")  # absent in heads from before reduced vocabularies
             cfg = cls(str(data["method"]), int(data["hidden_size"]), int(data["vocab_size"]),
                       tuple(int(i) for i in data["aux_hidden_layers"]), int(data["num_mask_slots"]),
-                      dict(data["layer"]), dict(data["target"]))
+                      dict(data["layer"]), dict(data["target"]), None if draft_vocab is None else int(draft_vocab))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where} is missing or has a bad field: {e!r}.") from None
+        if cfg.draft_vocab_size is not None and not 1 <= cfg.draft_vocab_size <= cfg.vocab_size:
+            raise ValueError(f"{where}: draft_vocab_size must be in [1, vocab_size={cfg.vocab_size}] or null, "
+                             f"got {cfg.draft_vocab_size}.")
         if cfg.method not in HEAD_METHODS:
             raise ValueError(f"{where}: method must be one of {HEAD_METHODS}, got {cfg.method!r}.")
         if cfg.method == "eagle3" and not cfg.aux_hidden_layers:
@@ -76,10 +98,13 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 
 
 def head_config_for(target_arch: ModelArch, target_hf_config: dict[str, Any], target_name: str,
-                    target_identity: str, method: str, num_mask_slots: int = 0) -> EagleHeadConfig:
-    """A head shaped like one decoder layer of the target."""
+                    target_identity: str, method: str, num_mask_slots: int = 0,
+                    draft_vocab_size: int | None = None) -> EagleHeadConfig:
+    """A head shaped like one decoder layer of the target (draft_vocab_size: see EagleHeadConfig)."""
     if method not in HEAD_METHODS:
         raise ValueError(f"head method must be one of {HEAD_METHODS}, got {method!r}.")
+    if draft_vocab_size is not None and not 1 <= draft_vocab_size <= target_arch.vocab_size:
+        raise ValueError(f"draft_vocab_size must be in [1, {target_arch.vocab_size}], got {draft_vocab_size}.")
     keys = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "attention_bias",
             "max_position_embeddings", "vocab_size")
@@ -90,7 +115,34 @@ def head_config_for(target_arch: ModelArch, target_hf_config: dict[str, Any], ta
     target = {"name": target_name, "identity": target_identity, "num_layers": target_arch.num_layers,
               "hidden_size": target_arch.hidden_size, "vocab_size": target_arch.vocab_size}
     return EagleHeadConfig(method, target_arch.hidden_size, target_arch.vocab_size, aux, num_mask_slots,
-                           layer, target)
+                           layer, target, draft_vocab_size)
+
+
+def check_d2t(d2t: torch.Tensor, vocab_size: int, draft_vocab_size: int, where: str) -> None:
+    """ValueError unless d2t is [draft_vocab_size] integer target ids in [0, vocab_size), strictly
+    ascending (hence unique)."""
+    if d2t.dtype.is_floating_point or d2t.dtype.is_complex or d2t.dtype == torch.bool:
+        raise ValueError(f"{where}: d2t must hold integer token ids (int64), got {d2t.dtype}.")
+    if tuple(d2t.shape) != (draft_vocab_size,):
+        raise ValueError(f"{where}: d2t has shape {tuple(d2t.shape)}, the config's draft_vocab_size is "
+                         f"{draft_vocab_size}.")
+    ids = d2t.detach().to("cpu", torch.int64)
+    if draft_vocab_size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{where}: d2t holds token ids outside [0, {vocab_size}) (min {int(ids.min())}, "
+                         f"max {int(ids.max())}).")
+    steps = ids[1:] - ids[:-1]
+    if (steps == 0).any():
+        raise ValueError(f"{where}: d2t holds duplicate token ids (e.g. {int(ids[1:][steps == 0][0])}).")
+    if (steps < 0).any():
+        raise ValueError(f"{where}: d2t must be sorted ascending.")
+
+
+def target_lm_weight(target: nn.Module) -> torch.Tensor:
+    """The target's LM head weight [vocab, hidden] (its tied embedding when it has no lm_head)."""
+    if getattr(target, "logits_head", None) is not None:
+        raise ValueError("a reduced draft vocabulary needs the target's whole LM head (not a sharded one).")
+    lm_head = getattr(target, "lm_head", None)
+    return target.embed_tokens.weight if lm_head is None else lm_head.weight
 
 
 class RMSNorm(nn.Module):
@@ -159,6 +211,46 @@ class EagleHead(nn.Module):
         if cfg.num_mask_slots > 0:
             self.mask_embed = nn.Parameter(torch.randn(h) * 0.02)
             self.mask_hidden = nn.Parameter(torch.randn(h) * 0.02)
+        # [draft_vocab] int64 target ids, ascending (set_draft_vocab / the checkpoint); None = full vocab.
+        d2t = None if cfg.draft_vocab_size is None else torch.arange(cfg.draft_vocab_size, dtype=torch.int64)
+        self.register_buffer("d2t", d2t)
+        # [draft_vocab, hidden]: the target's LM-head rows d2t, gathered once (attach_lm_head); not saved.
+        self.lm_weight: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
+        """The draft vocabulary (training): [draft_vocab_size] ascending target ids."""
+        if self.d2t is None:
+            raise ValueError("this head has no reduced draft vocabulary (draft_vocab_size is None).")
+        check_d2t(d2t, self.cfg.vocab_size, self.cfg.draft_vocab_size, "draft vocabulary")
+        self.d2t.copy_(d2t.to(self.d2t.device, torch.int64))
+        self.lm_weight = None  # gathered for the old rows
+
+    @torch.no_grad()
+    def attach_lm_head(self, weight: torch.Tensor) -> None:
+        """Gather the target's LM-head rows d2t (weight [vocab, hidden]) into one persistent
+        [draft_vocab, hidden] tensor of the weight's dtype and device, once: draft steps (and the CUDA
+        graphs that capture them) then read draft_vocab rows instead of the whole head. Call it after
+        the head has its device (a later .to() does not move it). Nothing to do for a full vocabulary."""
+        if self.d2t is None:
+            return
+        self.d2t = self.d2t.to(weight.device)
+        self.lm_weight = weight.detach().index_select(0, self.d2t).contiguous()
+
+    def compute_logits(self, normed: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        """normed [rows, hidden] (forward's logits_input) -> float32 logits [rows, cfg.logits_width]:
+        column j is token d2t[j] with a reduced vocabulary (attach_lm_head first), else the target's own."""
+        if self.d2t is None:
+            return target.compute_logits(normed)
+        if self.lm_weight is None:
+            raise RuntimeError("EagleHead.attach_lm_head must run before a reduced-vocabulary head drafts.")
+        return self.layer.ops.linear(normed, self.lm_weight).float()
+
+    def greedy_token_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        """compute_logits' output [rows, width] -> [rows] int64 target ids of each row's argmax."""
+        if self.d2t is None:
+            return logits[:, :self.cfg.vocab_size].argmax(dim=-1)
+        return self.d2t.index_select(0, logits.argmax(dim=-1))
 
     def fuse_target(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[rows, n_aux * hidden] (eagle3: concatenated aux states) or [rows, hidden] (eagle) -> [rows, hidden]."""
@@ -212,12 +304,14 @@ class EagleHead(nn.Module):
 
 
 def save_head(head: EagleHead, out_dir: str | Path) -> Path:
-    """Write config.json + model.safetensors (float32) atomically enough for a resumable trainer."""
+    """Write config.json + model.safetensors (weights float32, d2t int64) atomically enough for a
+    resumable trainer."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()}
+    state = {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().contiguous()
+             for k, v in head.state_dict().items()}
     tmp = out / (WEIGHTS_NAME + ".tmp")
     save_file(state, str(tmp), metadata={"format": HEAD_FORMAT})
     tmp.replace(out / WEIGHTS_NAME)
@@ -271,6 +365,14 @@ def load_head(path: str | Path, arch: ModelArch, target_identity: str, device: t
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise ValueError(f"{where}: cannot read {WEIGHTS_NAME}: {e}.") from None
     own = head.state_dict()
+    if cfg.draft_vocab_size is not None:
+        if "d2t" not in state:
+            raise ValueError(f"{where}: the config sets draft_vocab_size={cfg.draft_vocab_size} but "
+                             f"{WEIGHTS_NAME} holds no d2t tensor.")
+        check_d2t(state["d2t"], cfg.vocab_size, cfg.draft_vocab_size, where)
+        state["d2t"] = state["d2t"].to(torch.int64)
+    elif "d2t" in state:
+        raise ValueError(f"{where}: {WEIGHTS_NAME} holds a d2t tensor but the config has no draft_vocab_size.")
     if set(state) != set(own):
         raise ValueError(f"{where}: weights do not match the config (missing "
                          f"{sorted(set(own) - set(state))[:4]}, unexpected {sorted(set(state) - set(own))[:4]}).")
@@ -282,18 +384,22 @@ def load_head(path: str | Path, arch: ModelArch, target_identity: str, device: t
 
 
 def make_random_head_dir(target_model: str, out_dir: str | Path, method: str = "eagle3",
-                         num_mask_slots: int = 0, seed: int = 0, load_format: str = "auto") -> Path:
+                         num_mask_slots: int = 0, seed: int = 0, load_format: str = "auto",
+                         d2t: list[int] | None = None) -> Path:
     """An untrained head for `target_model` (any LLM(model=...) reference; a shape name with
     load_format="dummy"): tests use it to check that speculation stays lossless whatever the head
-    proposes, benchmarks to time a head's forward."""
+    proposes, benchmarks to time a head's forward. d2t: a reduced draft vocabulary (ascending ids)."""
     from specserve.config import ModelConfig
     from specserve.model.loader import _Source  # reads config + identity without loading weights
 
     source = _Source.open(ModelConfig(model=target_model, load_format=load_format))
     arch = ModelArch.from_hf_config(source.hf_config)
-    cfg = head_config_for(arch, source.hf_config, source.name, source.identity, method, num_mask_slots)
+    cfg = head_config_for(arch, source.hf_config, source.name, source.identity, method, num_mask_slots,
+                          None if d2t is None else len(d2t))
     torch.manual_seed(seed)
     head = EagleHead(cfg)
+    if d2t is not None:
+        head.set_draft_vocab(torch.tensor(d2t, dtype=torch.int64))
     with torch.no_grad():
         for name, p in head.named_parameters():
             if "norm" not in name:

@@ -17,6 +17,19 @@ distribution at t+1 (soft labels: what the rejection sampler accepts against), w
 per block. EAGLE-1 heads add EAGLE's feature regression (smooth L1 to the target's next hidden
 state, token loss weight 0.1). Checkpoints (head + optimizer + step) are written every
 --save-every steps and at the end; --resume continues from them.
+
+Reduced draft vocabulary (--draft-vocab-size N, by default 32768 for targets with a larger
+vocabulary): the head proposes only N tokens, d2t (ascending target ids, saved with the head):
+special tokens seen in the data plus the most frequent answer tokens (train_data.draft_vocab). Its
+logits are [rows, N] over the target's LM-head rows d2t. The soft label is the target's
+distribution restricted to d2t and renormalized: the best draft distribution q on d2t, for
+sampling acceptance sum_x min(target(x), q(x)) and for cross-entropy alike, is target|d2t /
+target(d2t), so renormalizing keeps the optimum and gives every row the weight of a
+full-vocabulary row (unnormalized, a row would weigh target(d2t), and its mix with the hard label
+would not be a distribution). The hard term applies only where the target's argmax is in d2t; a
+row whose argmax is outside keeps the soft term alone (whole weight): greedy verification can
+never accept a draft there, but sampling verification still accepts in-set tokens. Accuracy:
+d2t[argmax of the head's logits] == the target's argmax over the whole vocabulary.
 """
 from __future__ import annotations
 
@@ -38,9 +51,10 @@ from tqdm.auto import tqdm
 
 from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
 from specserve.spec import train_data
-from specserve.spec.eagle_head import EagleHead, head_config_for, save_head
+from specserve.spec.eagle_head import EagleHead, head_config_for, save_head, target_lm_weight
 
 STATE_NAME, DATA_NAME = "train_state.pt", "distill.jsonl"
+DEFAULT_DRAFT_VOCAB = 32768
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--hard-label-weight", type=float, default=0.5,
                    help="share of the token loss on the target's argmax (the rest: its full distribution)")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="tokens the head may propose: the special tokens seen + the most frequent answer tokens "
+                        f"(default {DEFAULT_DRAFT_VOCAB} when the target's vocabulary is larger; 0 = the full vocabulary)")
     p.add_argument("--ttt-steps", type=int, default=3, help="eagle3/eagle: blocks of training-time test")
     p.add_argument("--num-mask-slots", type=int, default=5, help="p-eagle: mask slots (drafts k <= slots + 1)")
     p.add_argument("--save-every", type=int, default=200)
@@ -183,14 +200,48 @@ def dense_forward(model, seqs: list[list[int]], aux_layers: tuple[int, ...], dev
     return layout.flat_ids, hidden, aux
 
 
+class TargetBatch(NamedTuple):
+    ids: torch.Tensor  # [B, L] int64, right-padded with 0
+    lengths: torch.Tensor  # [B] int64
+    feats: torch.Tensor  # [B, L, F]: eagle3: concatenated aux layer inputs; eagle: final hidden
+    probs: torch.Tensor  # [B, L, vocab], or [B, L, draft_vocab]: the full softmax's columns d2t (bf16 on GPU)
+    last: torch.Tensor  # [B, L, hidden] final hidden
+    top: torch.Tensor | None  # [B, L] int64 target argmax over the whole vocabulary; reduced vocab only
+
+
+# Rows per chunk of the reduced-vocabulary labels: [rows, vocab] float32 logits of about 512 MiB.
+_LABEL_CHUNK_BYTES = 1 << 29
+
+
+def _reduced_labels(model, hidden: torch.Tensor, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [T, hidden] -> (target probabilities of the tokens d2t [T, N], normalized over the
+    whole vocabulary; target argmax [T] int64), a chunk of rows at a time: only [chunk, vocab] float32
+    logits exist at once instead of [T, vocab] logits + probs (~5 GB each for 8192 x 151936)."""
+    chunk = max(1, _LABEL_CHUNK_BYTES // (4 * model.arch.vocab_size))
+    probs, top = [], []
+    for h in hidden.split(chunk):
+        logits = model.compute_logits(h)  # [chunk, vocab] float32
+        top.append(logits.argmax(dim=-1))
+        lse = logits.logsumexp(dim=-1, keepdim=True)
+        probs.append(logits.index_select(1, d2t).sub_(lse).exp_())
+        del logits
+    return torch.cat(probs), torch.cat(top)
+
+
 @torch.no_grad()
-def target_batch(model, seqs: list[list[int]], aux_layers: tuple[int, ...], device: torch.device):
-    """Padded batch: ids [B, L], lengths [B], feats [B, L, F] (eagle3: concatenated aux layer
-    inputs; eagle: final hidden), target_probs [B, L, vocab] (bfloat16 on GPU), last [B, L, hidden]."""
+def target_batch(model, seqs: list[list[int]], aux_layers: tuple[int, ...], device: torch.device,
+                 d2t: torch.Tensor | None = None) -> TargetBatch:
+    """The frozen target over a padded batch (TargetBatch). d2t [N] (a reduced draft vocabulary):
+    keep only the probabilities of those tokens (the softmax still runs over the whole vocabulary,
+    which their normalization needs) and the target's argmax."""
     layout = _dense_layout(seqs, device)
     L, B = max(layout.lengths_cpu), len(seqs)
     hidden, aux = _dense_run(model, layout, aux_layers)
-    probs = model.compute_logits(hidden).softmax(dim=-1)
+    top = None
+    if d2t is None:
+        probs = model.compute_logits(hidden).softmax(dim=-1)
+    else:
+        probs, top = _reduced_labels(model, hidden, d2t.to(device))
     if device.type == "cuda":
         probs = probs.to(torch.bfloat16)  # halves the largest tensor of the step; labels need no more
     feats = torch.cat(aux, dim=-1) if aux_layers else hidden
@@ -200,7 +251,8 @@ def target_batch(model, seqs: list[list[int]], aux_layers: tuple[int, ...], devi
         return full.index_copy_(0, layout.pad_index, x).view(B, L, -1)
 
     ids = pad(layout.flat_ids.unsqueeze(1)).squeeze(-1)
-    return ids, layout.lengths, pad(feats), pad(probs), pad(hidden)
+    top = None if top is None else pad(top.unsqueeze(1)).squeeze(-1)
+    return TargetBatch(ids, layout.lengths, pad(feats), pad(probs), pad(hidden), top)
 
 
 # -- the head's loss ----------------------------------------------------------------------------
@@ -279,40 +331,75 @@ def head_block_outputs(head: EagleHead, target, ids: torch.Tensor, feats: torch.
     return outputs
 
 
+def reduced_vocab_labels(lab: torch.Tensor, target_top: torch.Tensor, d2t: torch.Tensor,
+                         hard_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Soft-target labels over a reduced draft vocabulary (module docstring). lab [rows, N]: the
+    target's probabilities of the tokens d2t (normalized over the whole vocabulary; overwritten);
+    target_top [rows]: the target's argmax ids. Returns (labels [rows, N], each row summing to 1:
+    (1 - w) * renormalized lab + w * onehot(argmax) where the target's argmax is in d2t, else the
+    renormalized lab alone; in_set [rows] bool)."""
+    lab = lab.div_(lab.sum(-1, keepdim=True).clamp_(min=torch.finfo(lab.dtype).tiny))
+    # The argmax's column in the draft vocabulary (d2t is ascending), exact even where bfloat16
+    # labels tie: the in-set argmax of `lab` could pick another token there.
+    col = torch.searchsorted(d2t, target_top).clamp_(max=d2t.numel() - 1)
+    in_set = d2t.index_select(0, col) == target_top
+    hard = in_set.unsqueeze(1).to(lab.dtype) * hard_weight  # [rows, 1]
+    return lab.mul_(1 - hard).scatter_add_(1, col.unsqueeze(1), hard), in_set
+
+
+def _token_loss(logits: torch.Tensor, lab: torch.Tensor, hard_weight: float, d2t: torch.Tensor | None,
+                target_top: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy, top-1 agreement with the target) of logits [rows, width] against the
+    target's probabilities lab [rows, width] (overwritten)."""
+    if d2t is not None:
+        mixed, _ = reduced_vocab_labels(lab, target_top, d2t, hard_weight)
+        agree = d2t.index_select(0, logits.detach().argmax(-1)) == target_top
+        return F.cross_entropy(logits, mixed), agree.float().mean()
+    # Soft labels match the target's whole distribution (what sampling verification accepts
+    # against); the hard argmax term sharpens top-1 agreement, which greedy verification needs
+    # and which soft labels teach slowly where the target is unsure. Both in one soft-target
+    # cross-entropy: (1 - w) * soft CE + w * hard CE == CE against (1 - w) * probs + w * onehot,
+    # which keeps one [rows, vocab] activation for backward instead of several (P-EAGLE's 6
+    # blocks x 4096 rows x 151936 entries add up on the GPU).
+    top = lab.argmax(-1, keepdim=True)
+    mixed = lab.mul_(1 - hard_weight).scatter_add_(1, top, torch.full_like(top, hard_weight, dtype=lab.dtype))
+    return F.cross_entropy(logits, mixed), (logits.detach().argmax(-1) == top.squeeze(1)).float().mean()
+
+
 def head_loss(head: EagleHead, target, ids: torch.Tensor, lengths: list[int], loss_start: list[int],
               feats: torch.Tensor, probs: torch.Tensor, last_hidden: torch.Tensor, num_blocks: int, parallel: bool,
-              hard_weight: float = 0.5) -> tuple[torch.Tensor, list[torch.Tensor]]:
+              hard_weight: float = 0.5, target_top: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Returns (loss, per-block top-1 agreement with the target: 0-d tensors on ids' device, one per
     block that has rows), with no device sync. Shapes as `target_batch`; lengths and loss_start (the
-    first row of each sequence in the loss; row t predicts token t + 2) are host lists."""
+    first row of each sequence in the loss; row t predicts token t + 2) are host lists. A head with a
+    reduced vocabulary (head.d2t) takes probs [B, L, N] (target_batch's columns d2t) and target_top."""
     B, L = ids.shape
     R = L - 1
+    d2t = head.d2t
+    if d2t is not None and (target_top is None or probs.shape[-1] != d2t.numel()):
+        raise ValueError(f"a head with a {d2t.numel()}-token draft vocabulary needs probs [B, L, {d2t.numel()}] "
+                         f"and target_top (got probs {tuple(probs.shape)}, target_top {target_top is not None}).")
     block_rows = _to_device_rows(loss_rows(lengths, loss_start, L, num_blocks), R, ids.device)
     # Rows of the padded [B, L] tensors, unsliced: row t of [B, R] is row t + 1 of its sequence there.
     labels = probs.reshape(B * L, -1)
-    lm_weight = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    tops = None if d2t is None else target_top.reshape(B * L)
+    lm_weight = target_lm_weight(target)
+    if d2t is not None:  # the target's LM-head rows of the draft vocabulary, once per step (frozen)
+        lm_weight = lm_weight.index_select(0, d2t.to(lm_weight.device))
     loss, accs = torch.zeros((), device=ids.device), []
     outputs = head_block_outputs(head, target, ids, feats, num_blocks, parallel)
     for s, ((out, normed), (rows, label_rows)) in enumerate(zip(outputs, block_rows), 1):
         if rows.numel() == 0:  # sequences too short for this depth (a host-known size: no sync)
             continue
         logits = F.linear(normed.index_select(0, rows), lm_weight).float()
-        # Soft labels match the target's whole distribution (what sampling verification accepts
-        # against); the hard argmax term sharpens top-1 agreement, which greedy verification needs
-        # and which soft labels teach slowly where the target is unsure. Both in one soft-target
-        # cross-entropy: (1 - w) * soft CE + w * hard CE == CE against (1 - w) * probs + w * onehot,
-        # which keeps one [rows, vocab] activation for backward instead of several (P-EAGLE's 6
-        # blocks x 4096 rows x 151936 entries add up on the GPU).
-        lab = labels.index_select(0, label_rows).float()
-        top = lab.argmax(-1, keepdim=True)
-        mixed = lab.mul_(1 - hard_weight).scatter_add_(1, top, torch.full_like(top, hard_weight, dtype=lab.dtype))
-        ce = F.cross_entropy(logits, mixed)
+        ce, acc = _token_loss(logits, labels.index_select(0, label_rows).float(), hard_weight, d2t,
+                              None if tops is None else tops.index_select(0, label_rows))
         block_loss = ce
         if head.norm is None:  # EAGLE-1: regress the target's next hidden state as well
             goal = last_hidden.reshape(B * L, -1).index_select(0, label_rows).float()
             block_loss = F.smooth_l1_loss(out.index_select(0, rows).float(), goal) + 0.1 * ce
         loss = loss + (0.8 ** (s - 1)) * block_loss
-        accs.append((logits.detach().argmax(-1) == top.squeeze(1)).float().mean())
+        accs.append(acc)
     return loss, accs
 
 
@@ -363,12 +450,47 @@ def prepare_data(args, llm, deadline: float) -> list[train_data.TrainSeq]:
     return seqs
 
 
-def _new_head(args, loaded, device: torch.device) -> EagleHead:
+def _draft_vocab_size(args, vocab_size: int) -> int | None:
+    """--draft-vocab-size resolved: None = the full vocabulary."""
+    n = getattr(args, "draft_vocab_size", None)
+    if n is None:
+        n = DEFAULT_DRAFT_VOCAB
+    if n < 0:
+        raise ValueError(f"--draft-vocab-size must be >= 0 (0 = the full vocabulary), got {n}.")
+    return None if n == 0 or n >= vocab_size else n
+
+
+def _special_ids(tokenizer) -> set[int]:
+    """The tokenizer's special tokens (EOS, chat-template markers), which a draft vocabulary keeps."""
+    if tokenizer is None:
+        return set()
+    ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, t in added.items() if getattr(t, "special", False))
+    return {int(i) for i in ids}
+
+
+def build_draft_vocab(args, loaded, seqs: list[train_data.TrainSeq]) -> train_data.DraftVocab | None:
+    """The head's d2t from the training data, or None for a full-vocabulary head."""
+    size = _draft_vocab_size(args, loaded.arch.vocab_size)
+    if size is None:
+        return None
+    vocab = train_data.draft_vocab(seqs, loaded.arch.vocab_size, size, _special_ids(loaded.tokenizer))
+    if not args.quiet:
+        print(f"draft vocabulary: {size} of {loaded.arch.vocab_size} tokens, covering "
+              f"{100 * vocab.answer_coverage:.2f}% of the answer tokens", file=sys.stderr)
+    return vocab
+
+
+def _new_head(args, loaded, device: torch.device, d2t: list[int] | None = None) -> EagleHead:
     method = "eagle" if args.eagle else "eagle3"
     slots = args.num_mask_slots if args.method == "p-eagle" else 0
-    cfg = head_config_for(loaded.arch, loaded.hf_config, loaded.name, loaded.identity, method, slots)
+    cfg = head_config_for(loaded.arch, loaded.hf_config, loaded.name, loaded.identity, method, slots,
+                          None if d2t is None else len(d2t))
     torch.manual_seed(args.seed)
     head = EagleHead(cfg)
+    if d2t is not None:
+        head.set_draft_vocab(torch.tensor(d2t, dtype=torch.int64))
     if not args.no_init_from_target:
         head.init_from_target(loaded.model)
     if args.init_from:
@@ -378,14 +500,15 @@ def _new_head(args, loaded, device: torch.device) -> EagleHead:
 
 def _init_from_head(head: EagleHead, path: str) -> None:
     """Copy every tensor of another head of the same shape (a P-EAGLE head from a trained EAGLE-3
-    head: their real rows are the same function); tensors only this head has keep their init."""
+    head: their real rows are the same function); tensors only this head has keep their init, and so
+    does the draft vocabulary (d2t: this run's data and --draft-vocab-size choose it)."""
     from safetensors.torch import load_file
 
     from specserve.spec.eagle_head import WEIGHTS_NAME
 
     state = load_file(str(Path(path) / WEIGHTS_NAME))
     own = head.state_dict()
-    same = {k: v for k, v in state.items() if k in own and tuple(v.shape) == tuple(own[k].shape)}
+    same = {k: v for k, v in state.items() if k in own and k != "d2t" and tuple(v.shape) == tuple(own[k].shape)}
     if not same:
         raise ValueError(f"--init-from {path}: no tensor matches this head.")
     head.load_state_dict(same, strict=False)
@@ -421,7 +544,8 @@ def run_training(args, llm=None) -> TrainResult:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    head = _new_head(args, loaded, device)
+    vocab = build_draft_vocab(args, loaded, seqs)
+    head = _new_head(args, loaded, device, None if vocab is None else vocab.token_ids)
     opt = torch.optim.AdamW(_param_groups(args, head), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step = _maybe_resume(args, head, opt, device)
     deadline = start + budget - 5.0  # leave time for the final checkpoint
@@ -463,16 +587,15 @@ def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainS
                 (time.monotonic() - train_start) / max(1.0, deadline - train_start))
         for g in opt.param_groups:
             g["lr"] = args.lr * g.get("lr_scale", 1.0) * _lr_factor(frac, step, warmup)
-        ids, _, feats, probs, last = target_batch(target, [s.token_ids for s in batch],
-                                                  head.cfg.aux_hidden_layers, device)
+        tb = target_batch(target, [s.token_ids for s in batch], head.cfg.aux_hidden_layers, device, head.d2t)
         with autocast:
-            loss, accs = head_loss(head, target, ids, [len(s.token_ids) for s in batch], starts, feats, probs,
-                                   last, num_blocks, parallel, args.hard_label_weight)
+            loss, accs = head_loss(head, target, tb.ids, [len(s.token_ids) for s in batch], starts, tb.feats,
+                                   tb.probs, tb.last, num_blocks, parallel, args.hard_label_weight, tb.top)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
-        del ids, feats, probs, last  # the next step's target forward need not share memory with them
+        del tb  # the next step's target forward need not share memory with it
         step += 1
         recent.append((["loss", *(f"acc{i + 1}" for i in range(len(accs)))],
                        torch.stack([loss.detach().float(), *accs])))
@@ -511,7 +634,7 @@ def _save(args, head: EagleHead, opt, step: int, metrics: dict) -> None:
         return
     tmp = Path(args.out) / (STATE_NAME + ".tmp")
     torch.save({"step": step, "optimizer": opt.state_dict(), "metrics": metrics, "method": args.method,
-                "eagle": args.eagle}, tmp)
+                "eagle": args.eagle, "draft_vocab_size": head.cfg.draft_vocab_size}, tmp)
     tmp.replace(Path(args.out) / STATE_NAME)
 
 
@@ -524,6 +647,11 @@ def _maybe_resume(args, head: EagleHead, opt, device: torch.device) -> int:
     state = torch.load(state_path, map_location=device, weights_only=False)
     if state.get("method") != args.method or state.get("eagle") != args.eagle:
         raise ValueError(f"{args.out} holds a {state.get('method')} run; cannot resume it as {args.method}.")
+    if state.get("draft_vocab_size") != head.cfg.draft_vocab_size:
+        def name(n: int | None) -> str:
+            return "the full vocabulary" if n is None else f"a {n}-token draft vocabulary"
+        raise ValueError(f"{args.out} holds a run with {name(state.get('draft_vocab_size'))}, this one has "
+                         f"{name(head.cfg.draft_vocab_size)}: resume with the same --draft-vocab-size (0 = full).")
     head.load_state_dict({k: v.to(device) for k, v in load_file(str(Path(args.out) / "model.safetensors")).items()})
     opt.load_state_dict(state["optimizer"])
     return int(state["step"])

@@ -15,10 +15,12 @@ import re
 import sysconfig
 import textwrap
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 from tqdm.auto import tqdm
 
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3",
@@ -255,3 +257,36 @@ def make_batches(lengths: list[int], tokens_per_batch: int, rng: random.Random) 
         batches.append(cur)
     rng.shuffle(batches)
     return batches
+
+
+class DraftVocab(NamedTuple):
+    token_ids: list[int]  # ascending target ids (a head's d2t)
+    answer_coverage: float  # share of the answer tokens (those the loss predicts) that are in token_ids
+
+
+def draft_vocab(seqs: list[TrainSeq], vocab_size: int, size: int, special_ids: Iterable[int] = ()) -> DraftVocab:
+    """The `size` tokens a reduced-vocabulary head may propose (EAGLE-3's d2t): the special tokens
+    (`special_ids`: EOS, chat-template markers) that occur anywhere in the sequences, always (rare
+    but every answer ends with one), then the most frequent answer tokens: the tokens the loss
+    trains on, from position max(2, num_prompt_tokens) on (row t predicts token t + 2 and rows
+    before the prompt's end are not in the loss). Ties, and tokens no answer holds (a tiny data
+    set), go by their count in the whole sequences, then by id: deterministic for the data."""
+    answer = np.zeros(vocab_size, dtype=np.int64)
+    whole = np.zeros(vocab_size, dtype=np.int64)
+    for s in seqs:
+        ids = np.asarray(s.token_ids, dtype=np.int64)
+        in_range = (ids >= 0) & (ids < vocab_size)
+        whole += np.bincount(ids[in_range], minlength=vocab_size)
+        start = max(2, s.num_prompt_tokens)
+        answer += np.bincount(ids[start:][in_range[start:]], minlength=vocab_size)
+    size = min(size, vocab_size)
+    specials = sorted({int(t) for t in special_ids if 0 <= int(t) < vocab_size and whole[int(t)] > 0})[:size]
+    taken = np.zeros(vocab_size, dtype=bool)
+    taken[specials] = True
+    order = np.lexsort((np.arange(vocab_size), -whole, -answer))  # answer count, then whole count, then id
+    rest = order[~taken[order]][:size - len(specials)]
+    taken[rest] = True
+    total = int(answer.sum())
+    coverage = float(answer[taken].sum() / total) if total else 1.0
+    return DraftVocab(np.flatnonzero(taken).tolist(), coverage)
+

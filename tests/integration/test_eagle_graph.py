@@ -7,7 +7,9 @@ Greedy output equals plain decoding, and every proposal (drafts, and for random 
 distributions) equals the eager path's, for eagle, eagle3 and P-EAGLE heads over batches that need
 padding (3 requests -> size 4, 5 -> 8), mixed prompt lengths and requests that finish at different
 times (their last proposals draft fewer than k tokens: dead rows in the static batch). Proposes
-after a prompt (more rows than the buffers hold) run the eager head in the same runs."""
+after a prompt (more rows than the buffers hold) run the eager head in the same runs. Heads with a
+reduced draft vocabulary (logits over d2t, argmax mapped through it inside the static forwards)
+too."""
 from __future__ import annotations
 
 import random
@@ -21,6 +23,7 @@ from specserve.spec.eagle import EagleProposer
 from specserve.spec.eagle_first import FirstForwardGraphs
 from specserve.spec.eagle_graph import HeadStepGraphs, PinnedUpload, attention_arrays
 from specserve.spec.eagle_head import make_random_head_dir
+from tests.integration.test_spec_decode import build_d2t
 
 K = 3
 BLOCK_BYTES = 2 * 16 * 2 * 2 * 16 * 4  # tiny llama: layers * block * (k, v) * kv heads * head_dim * fp32
@@ -40,20 +43,30 @@ def _greedy(n: int) -> list[SamplingParams]:
 
 
 @pytest.fixture(scope="module")
-def heads(tiny_llama_dir, tmp_path_factory):
+def d2t(tiny_llama_dir, tiny_llm) -> list[int]:
+    return build_d2t(tiny_llama_dir, tiny_llm)
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_llama_dir, tmp_path_factory, d2t):
     base = tmp_path_factory.mktemp("heads")
     out = {m: str(make_random_head_dir(str(tiny_llama_dir), base / m, m)) for m in ("eagle", "eagle3")}
     out["p-eagle"] = str(make_random_head_dir(str(tiny_llama_dir), base / "p-eagle", "eagle3", num_mask_slots=K - 1))
+    out["eagle-reduced"] = str(make_random_head_dir(str(tiny_llama_dir), base / "eagle-r", "eagle", d2t=d2t))
+    out["eagle3-reduced"] = str(make_random_head_dir(str(tiny_llama_dir), base / "eagle3-r", "eagle3", d2t=d2t))
+    out["p-eagle-reduced"] = str(make_random_head_dir(str(tiny_llama_dir), base / "p-eagle-r", "eagle3",
+                                                      num_mask_slots=K - 1, d2t=d2t))
     return out
 
 
 def _run(target: str, method: str | None, head: str | None, mode: str, prompts, params, monkeypatch, **kw):
     """(outputs, proposals, llm): proposals = per propose, per request (drafts, draft probs).
-    method "p-eagle": an eagle3 head drafting in parallel."""
+    method "p-eagle": an eagle3 head drafting in parallel; "*-reduced": a head with a reduced vocabulary."""
     monkeypatch.setattr(EagleProposer, "step_graphs", mode)
-    spec = None if method is None else {"method": "eagle3" if method == "p-eagle" else method, "model": head,
-                                        "num_speculative_tokens": K, "adaptive": False,
-                                        "parallel_drafting": method == "p-eagle"}
+    parallel = method is not None and method.startswith("p-eagle")
+    spec = None if method is None else {"method": "eagle3" if parallel else method.removesuffix("-reduced"),
+                                        "model": head, "num_speculative_tokens": K, "adaptive": False,
+                                        "parallel_drafting": parallel}
     llm = LLM(model=target, progress=False, speculative_config=spec, enable_prefix_caching=False,
               **{"kv_cache_memory_bytes": 4 << 20, **kw})
     proposals: list = []
@@ -91,7 +104,7 @@ def _check_static_runs(proposer, method: str, n: int, proposals: list) -> None:
     assert first.runs[padded] > 0  # the full batch ran padded to the next size
     assert 0 < sum(first.runs.values()) < len(proposals)  # proposes after a prompt ran the eager head
     steps: HeadStepGraphs | None = proposer.steps
-    if method == "p-eagle":
+    if method.startswith("p-eagle"):
         assert steps is None
         return
     assert not steps.graphs and steps.runs[padded] > 0
@@ -236,3 +249,40 @@ def test_pinned_upload_round_trip():
     cu, seq_lens, tables, slots = attention_arrays([1, 0], [1, 3], [[5], [7, 1]], 2)
     assert cu.tolist() == [0, 1, 4] and seq_lens.tolist() == [2, 3]
     assert tables.tolist() == [[5, 0], [7, 1]] and slots.tolist() == [11, 14, 15, 2]
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+@pytest.mark.parametrize("method", ["eagle-reduced", "eagle3-reduced", "p-eagle-reduced"])
+def test_static_forwards_with_a_reduced_vocab(method, sampling, heads, d2t, tiny_llama_dir, monkeypatch):
+    """A reduced-vocabulary head through the static buffers (logits [bs, draft_vocab], argmax mapped
+    through d2t inside the forward, fed to the next step) proposes what the eager head proposes,
+    only d2t tokens, and greedy output equals plain decoding."""
+    target, prompts = str(tiny_llama_dir), _prompts(5, seed=9)
+    params = _greedy(5) if sampling == "greedy" else [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=20, seed=99, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=5, repetition_penalty=1.3, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=8, min_p=0.05, max_tokens=12, ignore_eos=True)]
+    eager, eager_props, _ = _run(target, method, heads[method], "eager", prompts, params, monkeypatch)
+    static, static_props, llm = _run(target, method, heads[method], "static", prompts, params, monkeypatch)
+    assert static == eager
+    if sampling == "greedy":
+        plain, _, _ = _run(target, None, None, "auto", prompts, params, monkeypatch)
+        assert static == plain
+    _same_proposals(static_props, eager_props)
+    _check_static_runs(llm.engine.spec.proposer, method, 5, static_props)
+    proposer = llm.engine.spec.proposer
+    width = len(d2t)
+    assert all(out[1].shape[-1] == width for out in proposer.first.outputs.values())  # (out, logits, argmax)
+    if proposer.steps is not None:
+        assert all(out[0].shape[-1] == width for out in proposer.steps.outputs.values())  # (logits, argmax)
+    allowed = set(d2t)
+    outside = torch.ones(llm.engine.loaded.arch.vocab_size, dtype=torch.bool)
+    outside[d2t] = False
+    assert any(drafts for p in static_props for drafts, _ in p)
+    for p in static_props:
+        for drafts, q in p:
+            assert set(drafts) <= allowed
+            assert q is None or not q[:, outside].any()
+    assert (sampling == "seeded") == any(q is not None for p in static_props for _, q in p)

@@ -1,14 +1,21 @@
 """Speculative decoding end to end: every method is lossless (greedy output identical to plain
 decoding) across mixed batches, forced preemption and chunked prefill; a model drafting for itself
-has every draft accepted; seeded sampling with speculation reproduces."""
+has every draft accepted; seeded sampling with speculation reproduces. EAGLE heads with a reduced
+draft vocabulary (half the tiny vocabulary, from the target's own answers) too, and they draft
+only their tokens."""
 from __future__ import annotations
 
 import random
 
+import json
+from pathlib import Path
+
 import pytest
+import torch
 
 from specserve import LLM, SamplingParams
 from specserve.spec.eagle_head import make_random_head_dir
+from specserve.spec.train_data import TrainSeq, draft_vocab
 from tests.helpers.tiny_models import make_tiny_model_dir
 
 K = 3
@@ -24,8 +31,25 @@ def _prompts() -> list[list[int]]:
     return out
 
 
+def build_d2t(target_dir: Path, llm: LLM) -> list[int]:
+    """A draft vocabulary of half the target's tokens from its greedy answers to a few prompts
+    (what train-draft does), never the tokens of the prompts below only."""
+    rng = random.Random(17)
+    prompts = [[rng.randrange(10, 300) for _ in range(n)] for n in (4, 9, 15, 6)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    seqs = [TrainSeq(p + list(o.outputs[0].token_ids), len(p)) for p, o in zip(prompts, outs)]
+    vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
+    return draft_vocab(seqs, vocab, vocab // 2).token_ids
+
+
 @pytest.fixture(scope="module")
-def spec_dirs(tiny_llama_dir, tmp_path_factory):
+def d2t(tiny_llama_dir, tiny_llm) -> list[int]:
+    return build_d2t(tiny_llama_dir, tiny_llm)
+
+
+@pytest.fixture(scope="module")
+def spec_dirs(tiny_llama_dir, tmp_path_factory, d2t):
     base = tmp_path_factory.mktemp("spec")
     target = str(tiny_llama_dir)
     return {
@@ -35,6 +59,9 @@ def spec_dirs(tiny_llama_dir, tmp_path_factory):
         "eagle": str(make_random_head_dir(target, base / "eagle", "eagle")),
         "eagle3": str(make_random_head_dir(target, base / "eagle3", "eagle3")),
         "p-eagle": str(make_random_head_dir(target, base / "p-eagle", "eagle3", num_mask_slots=K - 1)),
+        "eagle3-reduced": str(make_random_head_dir(target, base / "eagle3-reduced", "eagle3", d2t=d2t)),
+        "p-eagle-reduced": str(make_random_head_dir(target, base / "p-eagle-reduced", "eagle3",
+                                                    num_mask_slots=K - 1, d2t=d2t)),
     }
 
 
@@ -46,6 +73,8 @@ def _spec_config(method: str, dirs: dict[str, str]) -> dict:
         "eagle": {"method": "eagle", "model": dirs["eagle"]},
         "eagle3": {"method": "eagle3", "model": dirs["eagle3"]},
         "p-eagle": {"method": "eagle3", "model": dirs["p-eagle"], "parallel_drafting": True},
+        "eagle3-reduced": {"method": "eagle3", "model": dirs["eagle3-reduced"]},
+        "p-eagle-reduced": {"method": "eagle3", "model": dirs["p-eagle-reduced"], "parallel_drafting": True},
     }[method]
     return {**cfg, "num_speculative_tokens": K, "adaptive": False}
 
@@ -78,7 +107,8 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_self", "eagle", "eagle3", "p-eagle"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_self", "eagle", "eagle3", "p-eagle",
+                                    "eagle3-reduced", "p-eagle-reduced"])
 def test_greedy_output_equals_plain_decoding(method, setting, spec_dirs, reference):
     llm = LLM(model=spec_dirs["target"], progress=False, speculative_config=_spec_config(method, spec_dirs),
               **SETTINGS[setting])
@@ -134,7 +164,7 @@ def test_smollm2_drafting_for_itself():
     assert _acceptance_length(spec) == K + 1
 
 
-@pytest.mark.parametrize("method", ["draft_model", "p-eagle"])
+@pytest.mark.parametrize("method", ["draft_model", "p-eagle", "eagle3-reduced", "p-eagle-reduced"])
 def test_seeded_sampling_with_speculation_reproduces(method, spec_dirs, reference):
     # An EAGLE head drafts from the target features it has seen, and a prefix-cache hit skips
     # computing some (eagle.py): the output distribution stays exact, but which sample a seed
@@ -152,3 +182,38 @@ def test_seeded_sampling_with_speculation_reproduces(method, spec_dirs, referenc
     # A seeded request draws from its own generators (drafting and verification): alone it
     # samples what it sampled in the batch.
     assert llm.generate(prompts[0], params[0])[0].outputs[0].token_ids == first[0]
+
+
+@pytest.mark.parametrize("method", ["eagle3-reduced", "p-eagle-reduced"])
+def test_reduced_vocab_head_drafts_only_its_tokens(method, spec_dirs, d2t, reference):
+    """Greedy and random requests in one batch (penalties, top-k/p among them): every draft is a
+    d2t token, every sampled draft's distribution is a full-vocabulary one with zeros outside d2t,
+    and the greedy request still equals plain decoding."""
+    llm = LLM(model=spec_dirs["target"], progress=False, kv_cache_memory_bytes=4 << 20,
+              enable_prefix_caching=False, speculative_config=_spec_config(method, spec_dirs))
+    proposer = llm.engine.spec.proposer
+    assert proposer.head.d2t.tolist() == d2t and proposer.head.lm_weight.shape[0] == len(d2t)
+    seen: list = []
+    propose = proposer.propose
+
+    def recording(inp):
+        propose(inp)
+        seen.extend((list(r.spec_token_ids), r.spec_draft_probs) for r in inp.requests)
+
+    proposer.propose = recording
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=1.1, top_k=30, seed=4, repetition_penalty=1.2, max_tokens=16,
+                             ignore_eos=True)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()[:3]], params)
+    assert outs[0].outputs[0].token_ids == reference[0]
+    allowed = set(d2t)
+    outside = torch.ones(llm.engine.loaded.arch.vocab_size, dtype=torch.bool)
+    outside[d2t] = False
+    assert any(q is not None for _, q in seen) and any(q is None for _, q in seen)
+    for drafts, q in seen:
+        assert drafts and set(drafts) <= allowed
+        if q is not None:
+            assert q.shape == (len(drafts), outside.numel()) and not q[:, outside].any()
+            torch.testing.assert_close(q.sum(-1), torch.ones(len(drafts)))
+            assert all(q[j, t] > 0 for j, t in enumerate(drafts))  # each draft was drawn from its q

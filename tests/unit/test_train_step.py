@@ -129,7 +129,8 @@ def test_batched_dense_forward_equals_per_sequence(monkeypatch, native_gqa):
 def test_target_batch_pads_the_flat_outputs():
     model = _target(1)
     seqs = _seqs([5, 9, 2], seed=3)
-    ids, lens, feats, probs, last = train.target_batch(model, seqs, (2,), torch.device("cpu"))
+    ids, lens, feats, probs, last, top = train.target_batch(model, seqs, (2,), torch.device("cpu"))
+    assert top is None  # the target's argmax travels only with a reduced vocabulary
     ref_hidden, ref_aux = _reference_dense_forward(model, seqs, (2,))
     assert ids.shape == (3, 9) and lens.tolist() == [5, 9, 2]
     start = 0
@@ -200,3 +201,131 @@ def test_cached_block_mask_equals_a_fresh_one(rows, s):
     k = torch.arange(rows)[None, :]
     fresh = torch.cat([k <= q - (s - 1)] + [k == q - (s - j) for j in range(2, s + 1)], dim=1)
     assert torch.equal(_block_mask(rows, s, torch.device("cpu")), fresh)
+
+
+# -- a reduced draft vocabulary -------------------------------------------------------------------------
+D2T = [1, 4, 5, 8, 13, 21, 22, 30, 34, 41, 47, 49]  # ascending target ids, 12 of the toy's 50
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 5], ids=["one-chunk", "chunks"])
+def test_target_batch_reduced_vocab_keeps_the_d2t_columns(monkeypatch, chunk_rows):
+    if chunk_rows is not None:  # the labels a few rows at a time
+        monkeypatch.setattr(train, "_LABEL_CHUNK_BYTES", chunk_rows * 4 * HF["vocab_size"])
+    model = _target(1)
+    seqs = _seqs([5, 9, 2], seed=3)
+    d2t = torch.tensor(D2T)
+    full = train.target_batch(model, seqs, (2,), torch.device("cpu"))
+    red = train.target_batch(model, seqs, (2,), torch.device("cpu"), d2t)
+    assert red.probs.shape == (3, 9, len(D2T)) and red.top.shape == (3, 9) and red.top.dtype == torch.int64
+    for name in ("ids", "lengths", "feats", "last"):
+        torch.testing.assert_close(getattr(red, name), getattr(full, name))
+    # Normalized over the whole vocabulary (a row of the slice sums to its in-set mass, not 1).
+    torch.testing.assert_close(red.probs, full.probs[..., d2t], rtol=1e-5, atol=1e-7)
+    for b, s in enumerate(seqs):
+        assert red.top[b, :len(s)].tolist() == full.probs[b, :len(s)].argmax(-1).tolist()
+        assert not red.top[b, len(s):].any() and not red.probs[b, len(s):].any()
+
+
+def test_reduced_vocab_labels_by_hand():
+    target = torch.tensor([[0.5, 0.2, 0.2, 0.1],   # argmax 0: outside d2t -> soft term alone
+                           [0.1, 0.6, 0.2, 0.1]])  # argmax 1: in d2t -> mixed with the hard label
+    d2t = torch.tensor([1, 2, 3])
+    labels, in_set = train.reduced_vocab_labels(target[:, d2t].clone(), target.argmax(-1), d2t, 0.5)
+    assert in_set.tolist() == [False, True]
+    torch.testing.assert_close(labels, torch.tensor([[0.4, 0.4, 0.2],
+                                                     [0.5 * 0.6 / 0.9 + 0.5, 0.5 * 0.2 / 0.9, 0.5 * 0.1 / 0.9]]))
+    # Labels that tie in bfloat16 where the target's float32 logits did not: the hard label goes to
+    # the target's own argmax (token 2), not to the first of the tied columns.
+    tied, _ = train.reduced_vocab_labels(torch.tensor([[0.4, 0.4, 0.1]]), torch.tensor([2]), d2t, 0.5)
+    torch.testing.assert_close(tied, torch.tensor([[0.5 * 0.4 / 0.9, 0.5 * 0.4 / 0.9 + 0.5, 0.5 * 0.1 / 0.9]]))
+
+
+def _reference_reduced_loss(head, target, ids, lengths, loss_start, feats, full_probs, num_blocks, parallel,
+                            hard_weight):
+    """A reduced-vocabulary head's loss row by row from the target's FULL distribution: logits =
+    the full head's columns d2t; label = the in-set probabilities renormalized, mixed with the hard
+    label where the full argmax is in d2t; accuracy = d2t[argmax] == the full argmax."""
+    B, L = ids.shape
+    d2t = head.d2t.tolist()
+    lm = target.embed_tokens.weight
+    loss, accs, kinds = torch.zeros(()), [], set()
+    for s, (_, normed) in enumerate(head_block_outputs(head, target, ids, feats, num_blocks, parallel), 1):
+        terms, hits = [], []
+        for b in range(B):
+            for t in range(max(loss_start[b], s - 1), lengths[b] - 1):
+                logits = (normed[b * (L - 1) + t] @ lm.t())[d2t]
+                p = full_probs[b, t + 1]
+                label = p[d2t] / p[d2t].sum()
+                top = int(p.argmax())
+                if top in d2t:
+                    label = (1 - hard_weight) * label + hard_weight * F.one_hot(torch.tensor(d2t.index(top)),
+                                                                                len(d2t))
+                kinds.add(top in d2t)
+                terms.append(-(label * logits.log_softmax(-1)).sum())
+                hits.append(d2t[int(logits.argmax())] == top)
+        if terms:
+            loss = loss + 0.8 ** (s - 1) * torch.stack(terms).mean()
+            accs.append(sum(hits) / len(hits))
+    return loss, accs, kinds
+
+
+@pytest.mark.parametrize("method,parallel,blocks", [("eagle3", False, 3), ("eagle3", True, 3)],
+                         ids=["eagle3", "p-eagle"])
+def test_head_loss_reduced_vocab_equals_a_row_by_row_reference(method, parallel, blocks):
+    arch = ModelArch.from_hf_config(HF)
+    torch.manual_seed(2)
+    head = EagleHead(head_config_for(arch, HF, "t", "id", method, blocks - 1 if parallel else 0,
+                                     draft_vocab_size=len(D2T)))
+    head.set_draft_vocab(torch.tensor(D2T))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.2)
+    target = types.SimpleNamespace(embed_tokens=torch.nn.Embedding(50, 32), lm_head=None,
+                                   cos_sin_cache=rope_cos_sin_cache(arch, 128, torch.device("cpu")))
+    target.embed_tokens.requires_grad_(False)
+    lengths, starts = [9, 4, 2, 6], [3, 0, 0, 1]
+    B, L = len(lengths), max(lengths)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 50, (B, L), generator=g)
+    feats = torch.randn(B, L, 32 * len(head.cfg.aux_hidden_layers), generator=g)
+    full = (torch.randn(B, L, 50, generator=g) * 3).softmax(-1)
+    d2t = torch.tensor(D2T)
+    loss, accs = head_loss(head, target, ids, lengths, starts, feats, full[..., d2t], torch.zeros(B, L, 32),
+                           blocks, parallel, 0.3, full.argmax(-1))
+    ref, ref_accs, kinds = _reference_reduced_loss(head, target, ids, lengths, starts, feats, full, blocks,
+                                                   parallel, 0.3)
+    assert kinds == {True, False}  # rows whose target argmax is in the set and rows where it is not
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    assert [a.item() for a in accs] == pytest.approx(ref_accs)
+    loss.backward()  # the gathered LM-head rows are frozen: gradients reach the head only
+    assert head.fc.weight.grad is not None and target.embed_tokens.weight.grad is None
+    with pytest.raises(ValueError, match="draft vocabulary"):  # full-vocabulary labels for a reduced head
+        head_loss(head, target, ids, lengths, starts, feats, full, torch.zeros(B, L, 32), blocks, parallel)
+
+
+def test_draft_vocab_from_answer_token_frequencies():
+    from specserve.spec.train_data import TrainSeq, draft_vocab
+
+    seqs = [TrainSeq([7, 7, 7, 7, 3, 3, 3, 9, 2], num_prompt_tokens=4),  # prompt 7 7 7 7, answer 3 3 3 9 2
+            TrainSeq([5, 6, 3, 9, 9, 1], num_prompt_tokens=0)]  # no prompt: the loss predicts from token 2 on
+    # Answer counts: 3 x4, 9 x3, 2 x1, 1 x1; 7 only in a prompt, 5 and 6 before position 2.
+    got = draft_vocab(seqs, 12, 3)
+    assert got.token_ids == [1, 3, 9]  # ties (2 and 1, one each) by whole count, then by id
+    assert got.answer_coverage == pytest.approx(8 / 9)
+    # Special tokens that occur anywhere are always kept (10 never occurs: not kept).
+    assert draft_vocab(seqs, 12, 3, special_ids=[7, 10]).token_ids == [3, 7, 9]
+    # Tokens no answer holds fill by their count in the whole sequences, then by id.
+    assert draft_vocab(seqs, 12, 7).token_ids == [1, 2, 3, 5, 6, 7, 9]
+    assert draft_vocab(seqs, 12, 9).token_ids == [0, 1, 2, 3, 4, 5, 6, 7, 9]
+
+
+def test_draft_vocab_size_flag():
+    def size(flag, vocab):
+        return train._draft_vocab_size(types.SimpleNamespace(draft_vocab_size=flag), vocab)
+
+    assert size(None, 151936) == train.DEFAULT_DRAFT_VOCAB == 32768  # default: reduced where it is smaller
+    assert size(None, 32000) is None and size(None, 384) is None  # ... else the full vocabulary
+    assert size(0, 151936) is None and size(1000, 151936) == 1000 and size(500, 384) is None
+    with pytest.raises(ValueError, match="--draft-vocab-size"):
+        size(-1, 384)
