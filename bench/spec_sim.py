@@ -49,7 +49,7 @@ def simulate_ngram(prompt: list[int], output: list[int], max_tokens: int, k: int
 def draft_agreement(loaded, prompt: list[int], output: list[int]) -> list[int]:
     """run[j]: how many output tokens from j on the draft's greedy chain reproduces, computed from one
     teacher-forced forward (argmax at each position given the true prefix)."""
-    from specserve.spec.train import dense_forward
+    from specserve.spec.train_target import dense_forward
 
     device = loaded.model.embed_tokens.weight.device
     seq = prompt + output

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
 from specserve.model.arch import ModelArch, rope_cos_sin_cache
 from specserve.model.llama import CausalLM
-from specserve.spec import train
+from specserve.spec import train, train_target
 from specserve.spec.eagle_head import EagleHead, head_config_for
 from specserve.spec.train import (
     _block_mask,
@@ -110,7 +110,7 @@ def _seqs(lengths: list[int], seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize("native_gqa", [True, False], ids=["enable_gqa", "repeat_kv"])
 def test_batched_dense_forward_equals_per_sequence(monkeypatch, native_gqa):
     if not native_gqa:
-        monkeypatch.setattr(train, "_SDPA_HAS_GQA", False)
+        monkeypatch.setattr(train_target, "_SDPA_HAS_GQA", False)
     model = _target()
     seqs = _seqs(LENGTHS)
     flat, hidden, aux = dense_forward(model, seqs, (1, 3), torch.device("cpu"))
@@ -210,7 +210,7 @@ D2T = [1, 4, 5, 8, 13, 21, 22, 30, 34, 41, 47, 49]  # ascending target ids, 12 o
 @pytest.mark.parametrize("chunk_rows", [None, 5], ids=["one-chunk", "chunks"])
 def test_target_batch_reduced_vocab_keeps_the_d2t_columns(monkeypatch, chunk_rows):
     if chunk_rows is not None:  # the labels a few rows at a time
-        monkeypatch.setattr(train, "_LABEL_CHUNK_BYTES", chunk_rows * 4 * HF["vocab_size"])
+        monkeypatch.setattr(train_target, "_LABEL_CHUNK_BYTES", chunk_rows * 4 * HF["vocab_size"])
     model = _target(1)
     seqs = _seqs([5, 9, 2], seed=3)
     d2t = torch.tensor(D2T)
