@@ -9,46 +9,59 @@ alpha_i is the acceptance of draft position i given that every earlier one was a
 how often the proposer produced a draft at position j when asked for one (n-gram lookups come back
 short or empty). Everything is measured here, over moving windows:
   - alpha and fill: exponentially decayed counts per position, with an optimistic prior (so a fresh
-    controller drafts K and measures, rather than never trying);
-  - t_verify, t_decode: linear fits a + b * decode tokens + c * prefill tokens over recent steps
-    with and without drafts (prefill chunks that share a step are costed apart, and predictions are
-    for pure decode steps); b is pulled toward 0 (memory-bound, the optimistic guess) until the data
-    can tell it. Until a step without drafts and without a prompt chunk was seen, t_decode comes
-    from the verify fit (a prefill-only sample says nothing about a decode step); the controller
-    probes one early (and again whenever the decode fit has no data near the batch size);
-  - t_verify is fitted per k (the proposal's k), the fit over every k standing in until a k has its
-    own: verify steps are not one smooth curve, a query length with a captured CUDA graph replays in
-    a fraction of an eager forward's time, so k = K (captured) can be cheaper than k = 1 (not);
-  - each fit is trusted up to twice the largest step it measured lately: a k whose verify step would
-    be larger is explored (within budget) before it can be chosen, and a plain decode step is probed
-    when the decode fit has no data near this batch size (samples beyond a fit's range are not
-    clipped as outliers: they are news);
-  - t_propose: a non-negative fit over 1, k, k*B and B (draft models cost ~k forwards; n-gram ~B lookups),
-    from "warm" proposals only: the first proposal after a step without drafts (or the first ever)
-    also makes a draft model catch up on every token it skipped, a one-off that says nothing about
-    the steady cost of drafting.
+    controller drafts K and measures, rather than never trying); they also fade in time
+    (`acceptance_horizon`), so what was measured long ago (while not drafting) drifts back to the prior;
+  - costs per batch-size bucket (1, 2, 3-4, 5-8, ...: estimators.StepCosts): a plain decode step, a
+    verify step per k, a (warm) proposal per k, each fitted on the steps of that bucket only. Step
+    costs are not one smooth curve across batch sizes (GEMV at one row, GEMM above; graph sizes), nor
+    across k (a query length with a captured CUDA graph replays in a fraction of an eager forward's
+    time), so a measurement at batch 2 says little about batch 1 or 8. Fits over every bucket (linear
+    in decode and prefill tokens; proposals over 1, k, k*B, B) are the cost model that prices a bucket
+    or k without data of its own, as a guess;
+  - a k is chosen only on its own bucket's recent verify measurements ("trusted"; k = 0 always may be);
+    a k predicted to win on a guess is measured first (explored at once, within budget), and so is one
+    whose bucket data went stale (`stale_after` observations: warm-up, another load);
+  - the first step without drafts after a step that ran synchronously (one with drafts proposed, the
+    first after the engine idled) is not a decode measurement: with asynchronous scheduling
+    (engine/overlap.py) that step is timed when its forward is launched, not when it ends, so it looks
+    several times cheaper than a decode step is. A decode measurement (a "probe" while drafting, an
+    exploration of k = 0) therefore lasts at least two steps;
+  - t_propose excludes "cold" proposals (the first after a step without drafts, or ever): they also
+    make a draft model catch up on every token it has not seen, a one-off that says nothing about the
+    steady cost of drafting. What catching up costs is fitted apart, over the tokens to catch up on
+    (counted since the proposer last drafted, prompts included, less those of finished requests).
 Exploration: every `explore_every`-th choice tries another k on a fixed schedule (no randomness), so
 costs and the acceptance of positions just beyond the best k stay measured: a neighbour of the best
-(from k = 0, alternately 1 and K); a k predicted to beat the best where the fits have no data is
-tried at once (every few choices) instead. A neighbour predicted to cost more than `explore_max_loss` of the throughput only every
-`explore_backoff`-th time. Exploring from k = 0 lasts `explore_burst` steps: the first pays a draft
-model's catch-up, the next gives a warm proposal to learn from, and the two measure what the catch-up
-costs (n-gram lookups: nothing, so their cold proposals are fitted too). Exploring is paid from a
+(from k = 0, alternately 1 and K); a k predicted to beat the best where it has no fresh data of its
+own bucket is tried at once (every few choices) instead. A neighbour predicted to cost more than
+`explore_max_loss` of the throughput only every `explore_backoff`-th time. Exploring from k = 0 lasts
+`explore_burst` steps (the first pays a draft model's catch-up, the next gives a warm proposal to learn
+from), longer while its warm steps clearly beat no drafts; a draft model starts exploring a bucket only
+once a plain decode step there was measured (what drafting has to beat). Exploring is paid from a
 budget: the time it measurably lost (an exploring step's time minus the time the best k would have
 taken for the tokens it produced) stays under `explore_budget` of the time observed, over a moving
-window, counting what the next exploration is expected to lose (for a proposer that catches up: what
-the last one lost per request, times the batch). With an expensive draft model or useless drafts the
-controller so stays within about that fraction of no speculation; where exploring costs nothing it
-explores on every slot.
+window, counting what the next exploration is expected to lose: its steps as priced now (a predicted
+gain offsets) plus, for a proposer that catches up, the catch-up when drafting starts or resumes. A k
+that a bucket measured only once or twice lately (maybe a fluke: JIT, an eager first run), or the first
+look at drafting in a bucket, is explored on the benefit of the doubt (capped by the budget itself, not
+by what exploring elsewhere cost). With an expensive draft model or useless drafts the controller so
+stays within about that fraction of no speculation; where exploring costs nothing it explores on every
+slot.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from specserve.config import SpeculativeConfig
-from specserve.spec.estimators import DecayedRegression, PositionRates
+from specserve.spec.estimators import (
+    DecayedRegression,
+    PositionRates,
+    StepCosts,
+    batch_bucket,
+)
 from specserve.spec.step_stats import (
     ProposalStats,
     SpecStepStats,
@@ -63,9 +76,9 @@ __all__ = [
     "ProposalStats", "SpecStepStats", "count_above", "verify_counts",
 ]
 
-_CATCH_UP_EXTRA = 0.25  # a proposer whose first proposal after a pause costs 25% more catches up
-_TRUST = 2.0  # a k is chosen on predictions for verify steps up to this x the largest recently measured
 _PROMISING_GAP = 3  # choices between explorations of a promising k outside the schedule
+_EPOCH = 64  # observations between acceptance fading steps (and staleness checks of the cached terms)
+_DOUBT_SAMPLES = 3  # a k measured fewer times than this at a bucket (lately) is explored as a guess
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,7 @@ class AdaptiveSettings:
     acceptance_prior: float = 0.8  # optimistic: a fresh controller drafts and measures
     prior_weight: float = 4.0  # samples the prior is worth
     acceptance_window: float = 100.0  # samples per position
+    acceptance_horizon: float = 1000.0  # observations over which acceptance measured then fades toward the prior
     cost_window: float = 32.0  # steps per cost model
     slope_ridge: float = 1e-4
     explore_every: int = 10  # every n-th choice tries a neighbour of the best k (0: never)
@@ -84,6 +98,7 @@ class AdaptiveSettings:
     explore_budget: float | None = 0.01  # exploring may lose at most this fraction of the time (None: no cap)
     budget_window: float = 2000.0  # steps over which the exploration budget is counted
     switch_margin: float = 0.02  # keep the previous best unless another k is this much faster
+    stale_after: int = 1000  # observations after which a bucket's measurement of a k is a guess again
 
 
 @dataclass(frozen=True)
@@ -98,16 +113,31 @@ class ControllerEstimates:
     expected_tokens: tuple[float, ...]  # per request per step
     step_seconds: tuple[float, ...]  # predicted verify (or decode) + proposal time
     tokens_per_s: tuple[float, ...]
-    trusted: tuple[int, ...] = ()  # the k whose predictions lie where the fits have data (0 always)
+    trusted: tuple[int, ...] = ()  # the k priced on fresh data of this batch bucket (0 always)
+    propose_seconds: tuple[float, ...] = ()  # the (warm) proposal's share of step_seconds
+    decode_trusted: bool = True  # the decode cost (k = 0) is priced on fresh data of this batch bucket
 
 
 class _Choice(NamedTuple):
     """A choice waiting for the step that verifies its proposal."""
 
     k: int
-    exploring: bool
+    exploring: bool  # its loss against the best k is booked to the exploration budget
     best_k: int  # the best k when this one was chosen
     cold: bool  # no drafts were proposed the step before (or never): a draft model catches up first
+    after_prompt: bool  # the step before computed a prompt chunk: a draft model may feed that prompt first
+    unseen_tokens: float | None  # tokens computed since the last proposal with drafts (None: never drafted)
+
+
+class _Terms(NamedTuple):
+    """Everything about drafting at one batch size that only steps with drafts change (cached)."""
+
+    alpha: list[float]
+    fill: list[float]
+    expected: list[float]  # k = 0..K
+    seconds: list[float]  # k = 1..K: verify + proposal
+    propose: list[float]  # k = 1..K
+    trusted: list[bool]  # k = 0..K ([0]: always)
 
 
 class AdaptiveController:
@@ -118,26 +148,13 @@ class AdaptiveController:
         self.max_k = cfg.num_speculative_tokens
         self.acceptance = PositionRates(self.max_k, s.acceptance_prior, s.prior_weight, s.acceptance_window)
         self.fill = PositionRates(self.max_k, 1.0, s.prior_weight, s.acceptance_window)
-        # features (1, decode tokens, prefill tokens)
-        ridge = (0.0, s.slope_ridge, s.slope_ridge)
-
-        def fit() -> DecayedRegression:
-            return DecayedRegression(3, s.cost_window, ridge, range_feature=1)
-
-        self.verify_cost = fit()  # every verify step: the first guess for a k without a fit of its own
-        self.verify_cost_by_k = [fit() for _ in range(self.max_k + 1)]
-        self.decode_cost = fit()
-        # features (1, k, k * B, B); a fit that has seen one batch size splits a per-forward cost between
-        # "per call" and "per request" (no guess is safe both ways: exploration measures the new size)
-        self.propose_cost = DecayedRegression(4, s.cost_window, (0.0, s.slope_ridge, s.slope_ridge, s.slope_ridge))
-        self._cost_keep = 1.0 - 1.0 / s.cost_window
-        self.pure_decode_weight = 0.0  # decayed count of steps without drafts and without prompt chunks
+        self.costs = StepCosts(self.max_k, s.cost_window, s.slope_ridge, s.stale_after, s.budget_window)
+        # the cost model's fits under the names benches and tests know
+        self.verify_cost, self.verify_cost_by_k = self.costs.verify_cost, self.costs.verify_cost_by_k
+        self.decode_cost, self.propose_cost = self.costs.decode_cost, self.costs.propose_cost
         self._budget_keep = 1.0 - 1.0 / s.budget_window
         self.observed_seconds = 0.0  # decayed: every step and proposal observed
         self.exploration_loss_seconds = 0.0  # decayed: what exploring cost beyond the best k
-        self._last_cold: tuple[int, float] | None = None  # (k, seconds) of the last proposal if it was cold
-        self.cold_extra: float | None = None  # a first proposal after a pause costs (1 + this) x a warm one
-        self.explore_loss_per_request: list[float | None] = [None] * (self.max_k + 1)  # per exploring step, by k
         self.num_choices = 0
         self._last_probe: int | None = None  # the choice that last probed a plain decode step
         self._last_promising = -_PROMISING_GAP  # the choice that last explored a promising untrusted k
@@ -147,48 +164,38 @@ class AdaptiveController:
         self._prev_k: int | None = None  # the k of the previous choice (None: none yet)
         self._pending: _Choice | None = None
         self._burst_k, self._burst_left = 0, 0
+        self._burst_extra = 0  # steps an exploration was extended by (see _extend_burst)
+        self._burst_loss = self._burst_cycle = 0.0
+        self._burst_exploring = False  # the burst in progress is booked to the exploration budget
+        self._resume_booked = False  # the next drafting choice resumes after an exploration of k = 0
+        self._decode_wait = 0  # choices waiting for a decode measurement (see _wait_for_decode)
+        self._bucket, self._bucket_since = -1, 0  # the batch bucket of the last choice, since which choice
         self._drafting_version = 0  # bumped by every observation that changes what drafting is predicted to give
-        self._drafting_cache: tuple[tuple[float, int], tuple] | None = None
+        self._drafting_cache: tuple[tuple[float, int, int], _Terms] | None = None
+
+    @property
+    def cold_extra(self) -> float | None:
+        return self.costs.cold_extra
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """Seconds, now: observations are timed with it to find pauses (tests give simulated time)."""
+        return self.costs.clock
+
+    @clock.setter
+    def clock(self, value: Callable[[], float]) -> None:
+        self.costs.clock = value
+
+    def catches_up(self) -> bool:
+        return self.costs.catches_up()
 
     # -- the model ---------------------------------------------------------------------------
-    def _decode_seconds(self, b: float) -> float:
-        """A plain decode step of b requests; the verify fit stands in until a clean decode step was seen."""
-        x = [(1.0, b, 0.0)]
-        order = (self.decode_cost, self.verify_cost)
-        if self.pure_decode_weight < 1.0 and self.verify_cost.weight >= 1.0:
-            order = (self.verify_cost, self.decode_cost)
-        for model in order:
-            t = model.predict_many(x)
-            if t is not None:
-                return max(t[0], 1e-9)
-        return 1.0  # nothing measured: every k costs the same, the prior decides
-
-    def _verify_seconds(self, num_tokens: list[float]) -> tuple[list[float], list[float]]:
-        """Verify steps for k = 1.. (num_tokens[k - 1] tokens): each k's own fit once it has one (a query
-        length with a CUDA graph costs a fraction of an eager one), before that the fit over every k.
-        Also the token count up to which each prediction is trusted."""
-        pooled = None
-        for model in (self.verify_cost, self.decode_cost):
-            pooled = model.predict_many([(1.0, x, 0.0) for x in num_tokens])
-            if pooled is not None:
-                break
-        seconds, trusted = [], []
-        for k, x in enumerate(num_tokens, start=1):
-            own = self.verify_cost_by_k[k]
-            if own.weight >= 1.0:
-                seconds.append(max(own.predict((1.0, x, 0.0)), 1e-9))
-                trusted.append(_TRUST * own.max_x)
-            else:
-                seconds.append(max(pooled[k - 1], 1e-9) if pooled is not None else 1.0)
-                trusted.append(_TRUST * self.verify_cost.max_x if self.verify_cost.weight >= 1.0 else math.inf)
-        return seconds, trusted
-
-    def _drafting_terms(self, b: float) -> tuple[list[float], list[float], list[float], list[float], list[bool]]:
+    def _drafting_terms(self, b: float) -> _Terms:
         """At batch b: alpha and fill per position; expected tokens per request for k = 0..K; predicted
-        seconds for k = 1..K; whether each k's prediction lies where its fit has data ([0]: always).
-        Only steps with drafts change them: while the controller sits at k = 0 they come from a cache
-        (every step's bookkeeping runs this)."""
-        key = (b, self._drafting_version)
+        seconds for k = 1..K; which k are priced on fresh data of this bucket. Only steps with drafts
+        change them (and time, slowly: fading, staleness): while the controller sits at k = 0 they come
+        from a cache (every step's bookkeeping runs this)."""
+        key = (b, self._drafting_version, self.costs.num_observed // _EPOCH)
         if self._drafting_cache is not None and self._drafting_cache[0] == key:
             return self._drafting_cache[1]
         alpha, fill = self.acceptance.rates(), self.fill.rates()
@@ -198,12 +205,10 @@ class AdaptiveController:
             survive *= a
             expected.append(expected[-1] + f * survive)
             verified.append(verified[-1] + f)
-        seconds, trusted = self._verify_seconds([b * v for v in verified[1:]])
-        propose = self.propose_cost.predict_many([(1.0, k, k * b, b) for k in range(1, self.max_k + 1)])
-        for k, t in enumerate(propose or [], start=1):
-            seconds[k - 1] += max(t, 0.0)
-        within = [True] + [b * v <= t for v, t in zip(verified[1:], trusted)]
-        terms = (alpha, fill, expected, seconds, within)
+        seconds, trusted = self.costs.verify_seconds(b, [b * v for v in verified[1:]])
+        propose = self.costs.propose_seconds(b)
+        seconds = [t + p for t, p in zip(seconds, propose)]
+        terms = _Terms(alpha, fill, expected, seconds, propose, [True] + trusted)
         if self.verify_cost.weight >= 1.0:  # before that, the decode fit (which changes) stands in
             self._drafting_cache = (key, terms)
         return terms
@@ -211,99 +216,164 @@ class AdaptiveController:
     def estimate(self, batch_size: int) -> ControllerEstimates:
         """Expected tokens/s for every k at this batch size (no exploration, no state change)."""
         b = float(max(batch_size, 1))
-        alpha, fill, expected, drafting_s, within = self._drafting_terms(b)
-        seconds = [self._decode_seconds(b)] + drafting_s
-        rates = [b * e / t for e, t in zip(expected, seconds)]
-        # Trust region: a verify step much larger than any the fit has seen lately is a guess (a linear
-        # fit from small steps misses where verification turns compute-bound). Such a k is explored
-        # first, within budget, rather than chosen on the guess: for a draft model the first step also
-        # pays the catch-up, which a short burst of load cannot win back.
-        eligible = [0] + [k for k in range(1, len(rates)) if within[k]]
+        terms = self._drafting_terms(b)
+        decode_s, decode_trusted = self.costs.decode_seconds(b)
+        seconds = [decode_s] + terms.seconds
+        rates = [b * e / t for e, t in zip(terms.expected, seconds)]
+        # A k is chosen on measurements of this batch bucket only: a guess carried over from another
+        # batch size (or from long ago) is explored first, within budget, rather than acted on.
+        eligible = [k for k in range(len(rates)) if terms.trusted[k]]
         best = max(eligible, key=rates.__getitem__)
         if self.best_k in eligible and rates[self.best_k] >= (1.0 - self.settings.switch_margin) * rates[best]:
             best = self.best_k  # hysteresis: near-ties do not flip k back and forth
-        return ControllerEstimates(int(b), best, best, tuple(alpha), tuple(fill), tuple(expected), tuple(seconds),
-                                   tuple(rates), tuple(eligible))
+        return ControllerEstimates(int(b), best, best, tuple(terms.alpha), tuple(terms.fill),
+                                   tuple(terms.expected), tuple(seconds), tuple(rates), tuple(eligible),
+                                   (0.0,) + tuple(terms.propose), decode_trusted)
 
     # -- the interface the decoder calls ------------------------------------------------------
     def choose(self, batch_size: int) -> int:
         """k for the next proposal: the best k; or, within budget, a k to measure (see the module doc)."""
         est = self.estimate(batch_size)
-        self.best_k = best = est.best_k
         self.num_choices += 1
-        k, s = best, self.settings
+        bucket = batch_bucket(batch_size)
+        if bucket != self._bucket:  # another load: what was being measured (a burst) is moot
+            self._bucket, self._bucket_since, self._burst_left = bucket, self.num_choices, 0
+        if self._not_worth_a_catch_up(est):
+            est = replace(est, best_k=0, chosen_k=0)
+        self.best_k = best = est.best_k
+        k, exploring = best, False
         if self._burst_left > 0:
             self._burst_left -= 1
             if self._burst_k != best:
-                k = self._burst_k
+                k, exploring = self._burst_k, self._burst_exploring
         elif best != 0 and self._should_probe_decode(batch_size):
-            # A plain decode step, measured: without a recent one at about this batch size the decode
-            # cost is a guess (from verify steps, or from another load), and drafting can look better
-            # than it is.
+            # Plain decode steps, measured: without recent ones at this batch size the decode cost is a
+            # guess (from verify steps, or from another load), and drafting can look better than it is.
+            # Two at least: the first after drafting is no measurement (see the module doc).
             self._last_probe = self.num_choices
             k = 0
-        else:
-            promising = self._promising(est)
-            slot = s.explore_every and self.num_choices % s.explore_every == 0
-            if promising is not None and self.num_choices - self._last_promising >= _PROMISING_GAP:
-                # predicted to beat the best where the fits have no data (the load just grew, say):
-                # measure it now rather than at the next slot
-                self._last_promising = self.num_choices
-                candidate = promising
-            elif slot:
-                candidate = self._neighbour(est, self.num_choices // s.explore_every, promising)
-            else:
-                candidate = best
-            steps = max(s.explore_burst, 1) if best == 0 else 1
+            self._start_burst(0, max(self.settings.explore_burst, 2), exploring=False)
+        elif not self._wait_for_decode(est):
+            candidate = self._candidate(est)
+            steps = self._burst_steps(candidate)
             if candidate != best and self._may_explore(candidate, steps, est):
-                k = candidate
-                self._burst_k, self._burst_left = k, steps - 1
-        self._pending = _Choice(k, k != best, best, self._prev_k in (None, 0))
+                k, exploring = candidate, True
+                self._start_burst(k, steps, exploring=True)
+        cold = self._prev_k in (None, 0)
+        if k > 0 and cold and self._resume_booked:
+            exploring = True  # drafting resumes after exploring k = 0: its catch-up is exploration's cost
+        self._resume_booked = k == 0 and exploring and best > 0
+        self._pending = _Choice(k, exploring, best, cold, self.costs.after_prompt, self.costs.unseen_tokens)
         self._prev_k = self.last_choice = k
         self.last = est if k == best else replace(est, chosen_k=k)
         return k
 
+    def _not_worth_a_catch_up(self, est: ControllerEstimates) -> bool:
+        """Whether to stay at k = 0 although drafting is predicted to be faster: starting to draft costs
+        a proposer that catches up (a draft model) a one-off catch-up, repaid only if the batch stays
+        about this size long enough. How long is unknown; the guess is as long as it already has (a
+        batch that just changed, say requests finishing one after another, is likely to change again)."""
+        best = est.best_k
+        if best == 0 or self.last_choice != 0 or not self.catches_up():
+            return False
+        rate0 = est.tokens_per_s[0]
+        saved = est.batch_size * est.expected_tokens[best] / rate0 - est.step_seconds[best]  # per step
+        catch_up = self.costs.catch_up_seconds(self.costs.unseen_tokens, est.propose_seconds[best])
+        steady = max(self.num_choices - self._bucket_since, self.settings.explore_every)
+        return saved * steady < catch_up
+
+    def _wait_for_decode(self, est: ControllerEstimates) -> bool:
+        """Whether a proposer that catches up waits with exploring drafting from k = 0: until a step or
+        two without drafts measured here what drafting has to beat (the decode cost carried over from
+        another batch size is a guess, and a catch-up paid on it is lost), a few slots at most (a load
+        where every step computes prompt chunks gives no plain decode step to measure)."""
+        waiting = est.best_k == 0 and not est.decode_trusted and self.catches_up()
+        self._decode_wait = self._decode_wait + 1 if waiting else 0
+        return waiting and self._decode_wait <= 4 * self.settings.explore_every
+
+    def _candidate(self, est: ControllerEstimates) -> int:
+        """The k to explore now, or the best k: a promising one at once (every few choices), else a
+        neighbour on the schedule's slots."""
+        s = self.settings
+        promising = self._promising(est)
+        if promising is not None and self.num_choices - self._last_promising >= _PROMISING_GAP:
+            # predicted to beat the best where this bucket has no fresh data (the load just changed,
+            # say): measure it now rather than at the next slot
+            self._last_promising = self.num_choices
+            return promising
+        if s.explore_every and self.num_choices % s.explore_every == 0:
+            return self._neighbour(est, self.num_choices // s.explore_every, promising)
+        return est.best_k
+
+    def _start_burst(self, k: int, steps: int, exploring: bool) -> None:
+        self._burst_k, self._burst_left, self._burst_exploring, self._burst_extra = k, steps - 1, exploring, 0
+        self._burst_loss = self._burst_cycle = 0.0  # over its warm steps (see _extend_burst)
+
+    def _burst_steps(self, candidate: int) -> int:
+        """Steps an exploration lasts: from k = 0, a cold proposal then a warm one; to k = 0 from drafting,
+        two (the first step without drafts is no measurement); else one."""
+        if candidate == 0:
+            return max(self.settings.explore_burst, 2) if self.last_choice != 0 else 1
+        return max(self.settings.explore_burst, 1) if self.last_choice == 0 else 1
+
     def _should_probe_decode(self, batch_size: int) -> bool:
         if self.verify_cost.weight < 2.0:
             return False  # the first steps: drafting K and measuring it comes first
-        known = self.pure_decode_weight >= 1.0 and self.decode_cost.covers(batch_size)
+        known = self.costs.pure_decode_weight >= 1.0 and self.costs.decode_seconds(batch_size)[1]
         recent = self._last_probe is not None and self.num_choices - self._last_probe < 4 * self.settings.explore_every
         return not known and not recent
 
     def _may_explore(self, k: int, steps: int, est: ControllerEstimates) -> bool:
-        """Whether the budget has room for exploring k now. What it will cost: for a proposer that catches
-        up after a pause (a draft model), what exploring k lost lately per request, times this batch
-        (the catch-up grows with it; a k never explored costs what the dearest explored one did); else
-        what the model predicts (the step's time minus the time the best k takes for its tokens; a
-        predicted gain is always worth measuring: once measured, the k is no longer a guess)."""
-        budget = self.settings.explore_budget
-        if budget is None:
-            return True
+        """Whether the budget has room for exploring k now. What it will cost: its steps as priced now
+        (each step's time minus the time the best k takes for its tokens; a predicted gain offsets and,
+        where nothing else is paid, is always worth measuring: once measured, the k is no longer a
+        guess), plus, for a proposer that catches up after a pause (a draft model), one catch-up when
+        drafting starts (k > 0 after k = 0: every token it has not seen) or resumes (after k = 0)."""
+        s = self.settings
+        if s.explore_budget is None or self.observed_seconds <= 0:
+            return True  # no cap; or nothing measured yet, so no price to judge it by
+        b, best = est.batch_size, est.best_k
+        best_rate = est.tokens_per_s[best]
+        step_loss = est.step_seconds[k] - b * est.expected_tokens[k] / best_rate if best_rate > 0 else 0.0
+        # Doubt: this bucket measured k far from paying only once or twice lately (maybe a fluke: JIT,
+        # an eager first run, a pause), or no k > 0 at all (drafting here is priced on guesses from other
+        # batch sizes, and they do not say it is far from paying). Then give k the benefit of the doubt
+        # (at most a step's worth lost) and do not hold its measurement back by what exploring elsewhere
+        # cost (the budget itself still caps it): a few such explorations per bucket and period.
+        measured = self.costs.samples(b, k) if k > 0 else _DOUBT_SAMPLES
+        near = est.tokens_per_s[k] >= (1.0 - s.explore_max_loss) * best_rate
+        doubt = (0 < measured < _DOUBT_SAMPLES and not near) or (measured == 0 and near and len(est.trusted) == 1)
+        cold_start = k > 0 and best == 0 and self.catches_up()
+        if doubt:
+            step_loss = min(step_loss, est.step_seconds[best])
+        expected = steps * step_loss
         if self.catches_up():
-            per_request = self.explore_loss_per_request[k]
-            if per_request is None:
-                per_request = max((v for v in self.explore_loss_per_request if v is not None), default=0.0)
-            expected = per_request * est.batch_size
-        else:
-            best_rate = est.tokens_per_s[est.best_k]
-            tokens = est.batch_size * est.expected_tokens[k]
-            expected = est.step_seconds[k] - tokens / best_rate if best_rate > 0 else 0.0
-            if expected < 0:
-                return True  # predicted to gain (where the fits have no data yet): past losses do not matter
-        return self.exploration_loss_seconds + max(expected, 0.0) * steps <= budget * self.observed_seconds
+            if cold_start and self.costs.unseen_tokens != 0:
+                expected += self.costs.catch_up_seconds(self.costs.unseen_tokens, est.propose_seconds[k])
+            elif k == 0 and best > 0:
+                expected += self.costs.catch_up_seconds(float(b * steps), est.propose_seconds[best])
+        if expected <= 0:
+            return True  # predicted to gain: past losses do not matter
+        spent = 0.0 if doubt else self.exploration_loss_seconds
+        # the time the budget is a share of: what was observed over the window, or, while the window is
+        # still filling, what it will hold at the best k's pace (a young controller explores too)
+        window_seconds = self.observed_seconds
+        if self.costs.num_observed < s.budget_window:
+            window_seconds = max(window_seconds, s.budget_window * est.step_seconds[best])
+        return spent + expected <= s.explore_budget * window_seconds
 
     def _promising(self, est: ControllerEstimates) -> int | None:
-        """The k predicted to beat the best by more than the switch margin where its fit has no data
-        (so it may not be chosen on the prediction alone), if any."""
+        """The k predicted to beat the best by more than the switch margin where this bucket has no fresh
+        data (so it may not be chosen on the prediction alone), if any."""
         rates, bar = est.tokens_per_s, (1.0 + self.settings.switch_margin) * est.tokens_per_s[est.best_k]
         untrusted = [k for k in range(1, self.max_k + 1) if k not in est.trusted and rates[k] > bar]
         return max(untrusted, key=rates.__getitem__) if untrusted else None
 
     def _neighbour(self, est: ControllerEstimates, slot: int, promising: int | None) -> int:
-        """The k to try at exploration slot `slot`: `promising` (see _promising: a k predicted to beat the
-        best where the fits have no data yet), if any; else alternately above and below the best k, and
-        from k = 0 alternately 1 and K (verify costs are not smooth in k: K may replay a CUDA graph where
-        1 runs eagerly, so "1 does not pay" does not mean "nothing pays")."""
+        """The k to try at exploration slot `slot`: `promising` (see _promising), if any; else alternately
+        above and below the best k, and from k = 0 alternately 1 and K (verify costs are not smooth in k:
+        K may replay a CUDA graph where 1 runs eagerly, so "1 does not pay" does not mean "nothing
+        pays")."""
         best, s = est.best_k, self.settings
         if promising is not None:
             return promising
@@ -326,44 +396,21 @@ class AdaptiveController:
             choice, self._pending = self._pending, None
         if step.num_draft_tokens > 0 or (p is not None and p.num_speculative_tokens > 0):
             self._drafting_version += 1
-        self._observe_step_cost(step, p)
+        if (self.costs.num_observed + 1) % _EPOCH == 0:
+            # Acceptance fades in time too, not only with new samples: after a long time without drafts
+            # (all its samples old) it drifts back toward the optimistic prior, and exploring measures it
+            # again; otherwise a controller that stopped drafting when acceptance was low would go on
+            # believing it long after it recovered.
+            keep = math.exp(-_EPOCH / self.settings.acceptance_horizon)
+            self.acceptance.age(keep)
+            self.fill.age(keep)
+            self._drafting_version += 1
+        self.costs.observe(step, choice is not None and choice.cold, choice is not None and choice.after_prompt,
+                           None if choice is None else choice.unseen_tokens)
         self.acceptance.add(step.reached_per_pos, step.accepted_per_pos)
         if p is not None and p.num_seqs > 0 and p.num_speculative_tokens > 0:
             self.fill.add(p.asked_per_pos, p.drafted_per_pos)
-            k, b = p.num_speculative_tokens, p.num_seqs
-            x = (1.0, k, k * b, b)
-            cold = choice is not None and choice.cold
-            last_cold, self._last_cold = self._last_cold, (k, p.seconds) if cold else None
-            if not cold and last_cold is not None and last_cold[0] == k:
-                # a cold proposal and the warm one right after it, same k (an exploration burst): how
-                # much more the first proposal after a pause costs
-                extra = min(last_cold[1] / p.seconds - 1.0, 10.0) if p.seconds > 1e-7 else 0.0
-                self.cold_extra = extra if self.cold_extra is None else 0.5 * (self.cold_extra + extra)
-            if not cold or not self.catches_up():
-                self.propose_cost.add(x, p.seconds)
-        elif p is not None:
-            self._last_cold = None
         self._account(step, p, choice)
-
-    def catches_up(self) -> bool:
-        """Whether the proposer pays extra after a step without drafts (a draft model feeding the tokens
-        it skipped; n-gram lookups do not), as far as measured; unknown counts as yes."""
-        return self.cold_extra is None or self.cold_extra > _CATCH_UP_EXTRA
-
-    def _observe_step_cost(self, step: SpecStepStats, p: ProposalStats | None) -> None:
-        if step.step_seconds <= 0 or step.num_batched_tokens <= 0:
-            return
-        decode = step.batch_size + step.num_draft_tokens  # one token per request, plus its drafts
-        prefill = max(step.num_batched_tokens - decode, 0)  # the rest: prompt chunks
-        x = (1.0, float(decode), float(prefill))
-        if step.num_draft_tokens > 0:
-            k = p.num_speculative_tokens if p is not None and p.num_speculative_tokens > 0 else self.max_k
-            k = min(k, self.max_k)
-            self.verify_cost.add(x, step.step_seconds)
-            self.verify_cost_by_k[k].add(x, step.step_seconds)
-        else:
-            self.decode_cost.add(x, step.step_seconds)
-            self.pure_decode_weight = self.pure_decode_weight * self._cost_keep + (1.0 if prefill == 0 else 0.0)
 
     def _account(self, step: SpecStepStats, p: ProposalStats | None, choice: _Choice | None) -> None:
         """Exploration budget: all the time observed, and what exploring lost against the best k."""
@@ -375,11 +422,21 @@ class AdaptiveController:
             # against the best k as priced now, with this step's data in: a best priced wrong before
             # (a batch size the fits had not seen) must not be booked as exploration's loss
             best_rate = self.estimate(step.batch_size).tokens_per_s[choice.best_k]
-            if best_rate <= 0:
-                return
-            tokens = step.batch_size + sum(step.accepted_per_pos)
-            loss = cycle - tokens / best_rate
-            self.exploration_loss_seconds += loss
-            per_request = loss / max(step.batch_size, 1)
-            last = self.explore_loss_per_request[choice.k]
-            self.explore_loss_per_request[choice.k] = per_request if last is None else 0.5 * (last + per_request)
+            if best_rate > 0:
+                tokens = step.batch_size + sum(step.accepted_per_pos)
+                loss = cycle - tokens / best_rate
+                self.exploration_loss_seconds += loss
+                self._extend_burst(choice, loss, cycle)
+
+    def _extend_burst(self, choice: _Choice, loss: float, cycle: float) -> None:
+        """An exploration from k = 0 whose warm steps so far clearly beat no drafts goes on for another
+        step (up to `explore_every` more): the catch-up is paid, measuring more costs nothing, and a
+        belief built while not drafting (acceptance measured long ago, costs from another batch size)
+        is corrected in one exploration instead of one step per budget period."""
+        if choice.k == 0 or choice.best_k != 0 or choice.cold:
+            return
+        s = self.settings
+        self._burst_loss, self._burst_cycle = self._burst_loss + loss, self._burst_cycle + cycle
+        if (self._burst_loss < -s.switch_margin * self._burst_cycle and self._burst_exploring
+                and self._burst_k == choice.k and self._burst_left == 0 and self._burst_extra < s.explore_every):
+            self._burst_left, self._burst_extra = 1, self._burst_extra + 1

@@ -1,15 +1,20 @@
 """Estimators over decayed windows of observations, for the adaptive controller (adaptive.py).
 
 `DecayedRegression` fits step costs (relative errors, non-negative, outliers clipped where the fit has
-data); `PositionRates` tracks a success rate per draft position (acceptance, fill) with a prior.
+data); `LocalFits` keeps one per batch-size bucket; `PositionRates` tracks a success rate per draft
+position (acceptance, fill) with a prior; `StepCosts` is the controller's cost model built of them.
 """
 from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+
+from specserve.spec.step_stats import ProposalStats, SpecStepStats
 
 _RESOLVE_EVERY = 4  # observations between re-solves of a fit (see coefficients())
+_SURPRISE = 0.25  # an observation this far (relative) from the fit's prediction re-solves it at once
 
 
 class DecayedRegression:
@@ -43,12 +48,16 @@ class DecayedRegression:
             inside = self.covers(v)
             self.max_x = max(self.max_x * d, v)
             self.min_x = min(self.min_x / d, v)
-        if inside and self.weight >= 5.0:
+        if self.weight >= 5.0:
             pred = self.predict(x)
-            if pred > 0:
+            if pred > 0 and inside:
                 y = min(y, self.outlier_factor * pred)
+            if abs(y - pred) > _SURPRISE * pred:
+                self._theta = None  # far from the fit: solve again at once (see coefficients())
         # Relative least squares (weight 1/y^2): timing noise is proportional to the time, and a 5%
-        # wobble on a 250 ms step must not drown a 2 ms step's intercept.
+        # wobble on a 250 ms step must not drown a 2 ms step's intercept. (It also follows costs that
+        # drop, once JIT or graph capture is done, within a sample or two; the price is that a y far
+        # too small weighs a lot: steps timed before their forward ended are kept out, adaptive.py.)
         w = 1.0 / max(y * y, 1e-18)
         for i, xi in enumerate(x):
             row = self.xtx[i]
@@ -65,7 +74,9 @@ class DecayedRegression:
 
     def coefficients(self) -> list[float]:
         """theta, solved again once a few observations came in (every step's bookkeeping runs this;
-        a fit a few samples old predicts as well as a fresh one, except while the window fills up)."""
+        a fit a few samples old predicts as well as a fresh one, except while the window fills up, or
+        when an observation was far from it: a fit fed rarely, say a k the controller explores now and
+        then, must not keep a stale answer until a few more come)."""
         if self._theta is None or (self._unsolved and (self._unsolved >= _RESOLVE_EVERY or self.weight < 16.0)):
             self._theta = self._solve()
             self._unsolved = 0
@@ -117,6 +128,52 @@ def _solve_small(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
+def batch_bucket(batch_size: float) -> int:
+    """0 for batch 1, 1 for 2, 2 for 3-4, 3 for 5-8, ...: the kernels (GEMV at one row, GEMM above),
+    the CUDA graph sizes and the memory/compute balance change with the batch in steps, so step costs
+    are not one smooth curve across batch sizes."""
+    return (max(math.ceil(batch_size), 1) - 1).bit_length()
+
+
+class LocalFits:
+    """Cost fits per (batch-size bucket, key), each fed only the steps of its bucket, created on first use.
+
+    A fit is `fresh` while it has data (weight >= 1) and was updated within `stale_after` observations:
+    what a bucket measured long ago (warm-up, other load) is a guess, like a prediction carried over
+    from another batch size, until it is measured again (then the fit starts over)."""
+
+    def __init__(self, make: Callable[[], DecayedRegression], stale_after: float) -> None:
+        self._make, self.stale_after = make, stale_after
+        self._fits: dict[tuple[int, int], DecayedRegression] = {}
+        self._stamps: dict[tuple[int, int], int] = {}
+        self._counts: dict[tuple[int, int], int] = {}
+
+    def add(self, batch_size: float, key: int, x: Sequence[float], y: float, now: int) -> None:
+        """One observation of the bucket of batch_size; a stale fit starts over (its data was a guess)."""
+        slot = (batch_bucket(batch_size), key)
+        fit = self._fits.get(slot)
+        fresh = now - self._stamps.get(slot, now) <= self.stale_after
+        if fit is None or not fresh:
+            fit = self._fits[slot] = self._make()
+        self._counts[slot] = (self._counts.get(slot, 0) if fresh else 0) + 1
+        fit.add(x, y)
+        self._stamps[slot] = now
+
+    def samples(self, batch_size: float, key: int, now: int) -> int:
+        """How many observations the bucket's fit for key took since it was last stale (0: none, or stale)."""
+        slot = (batch_bucket(batch_size), key)
+        return self._counts.get(slot, 0) if self.fresh(batch_size, key, now) else 0
+
+    def get(self, batch_size: float, key: int) -> DecayedRegression | None:
+        """The bucket's fit for key if it has data (fresh or not)."""
+        fit = self._fits.get((batch_bucket(batch_size), key))
+        return fit if fit is not None and fit.weight >= 1.0 else None
+
+    def fresh(self, batch_size: float, key: int, now: int) -> bool:
+        slot = (batch_bucket(batch_size), key)
+        return self.get(batch_size, key) is not None and now - self._stamps[slot] <= self.stale_after
+
+
 class PositionRates:
     """A success rate per draft position over a decayed window of samples, with a prior.
 
@@ -137,6 +194,206 @@ class PositionRates:
                 self.trials[i] = self.trials[i] * keep + n
                 self.hits[i] = self.hits[i] * keep + h
 
+    def age(self, keep: float) -> None:
+        """Fade every position's samples by `keep` (time passing without samples: what was measured long
+        ago counts less, and the rate drifts back toward the prior until measured again)."""
+        self.hits = [h * keep for h in self.hits]
+        self.trials = [n * keep for n in self.trials]
+
     def rates(self) -> list[float]:
         pw, prior = self.prior_weight, self.prior
         return [(h + prior * pw) / (n + pw) for h, n in zip(self.hits, self.trials)]
+
+
+_DECODE = 0  # LocalFits key of plain decode steps (verify steps and proposals: their k)
+_CATCH_UP_EXTRA = 0.25  # a proposer whose first proposal after a pause costs 25% more catches up
+_COLD_EXTRA_GUESS = 1.0  # until measured: a first proposal after a pause costs twice a warm one
+_PAUSE_S = 0.005  # unaccounted time between two observations beyond this (and the step's own): a pause
+
+
+class StepCosts:
+    """What steps and proposals cost, as the adaptive controller (adaptive.py) measures them.
+
+    Per batch-size bucket (LocalFits): a plain decode step, a verify step per k (linear in decode and
+    prefill tokens), a warm proposal per k. Over every batch size, the cost model that prices a bucket
+    or a k without data of its own: the same fits pooled (proposals over 1, k, k*B, B). And what a
+    proposer pays to catch up after a pause (a draft model feeds every token it has not seen)."""
+
+    def __init__(self, max_k: int, window: float, ridge: float, stale_after: float, arrivals_window: float) -> None:
+        self.max_k, self._arrivals_window = max_k, arrivals_window
+
+        def fit() -> DecayedRegression:  # features (1, decode tokens, prefill tokens)
+            return DecayedRegression(3, window, (0.0, ridge, ridge), range_feature=1)
+
+        self.verify_cost = fit()  # every verify step: the first guess for a k without a fit of its own
+        self.verify_cost_by_k = [fit() for _ in range(max_k + 1)]
+        self.decode_cost = fit()
+        # features (1, k, k * B, B); a fit that has seen one batch size splits a per-forward cost between
+        # "per call" and "per request" (no guess is safe both ways: exploration measures the new size)
+        self.propose_cost = DecayedRegression(4, window, (0.0, ridge, ridge, ridge))
+        self.local_cost = LocalFits(fit, stale_after)  # decode (key 0), verify steps (key k)
+        self.local_propose = LocalFits(lambda: DecayedRegression(2, window, (0.0, ridge)), stale_after)  # (1, B)
+        self._keep = 1.0 - 1.0 / window
+        self.pure_decode_weight = 0.0  # decayed count of steps without drafts and without prompt chunks
+        # What a cold proposal costs beyond a warm one, over (1, tokens the proposer has not seen).
+        self.catch_up_cost = DecayedRegression(2, window, (0.0, ridge))
+        self.cold_extra: float | None = None  # a first proposal after a pause costs (1 + this) x a warm one
+        self._last_cold: tuple[int, float, float | None] | None = None  # (k, seconds, unseen) of a cold one
+        self.unseen_tokens: float | None = None  # computed since the last proposal with drafts (None: never drafted)
+        self._arrivals = 0.0  # decayed share of steps that computed a prompt chunk (new requests)
+        self.after_prompt = False  # the last observed step computed a prompt chunk
+        self.num_observed = 0
+        self.clock: Callable[[], float] = time.perf_counter  # when observe() is called (finds pauses)
+        self._observed_at: float | None = None
+        self._prev_timed = True  # the previous step ran overlapped with the one before (see _timed)
+
+    # -- predictions --------------------------------------------------------------------------
+    def decode_seconds(self, b: float) -> tuple[float, bool]:
+        """A plain decode step of b requests, and whether this bucket measured it lately. Else the decode
+        fit over every batch size; the verify fit until a clean decode step was seen."""
+        x = (1.0, b, 0.0)
+        local = self.local_cost.get(b, _DECODE)
+        if local is not None:
+            return max(local.predict(x), 1e-9), self.local_cost.fresh(b, _DECODE, self.num_observed)
+        order = (self.decode_cost, self.verify_cost)
+        if self.pure_decode_weight < 1.0 and self.verify_cost.weight >= 1.0:
+            order = (self.verify_cost, self.decode_cost)
+        for model in order:
+            t = model.predict_many([x])
+            if t is not None:
+                return max(t[0], 1e-9), False
+        return 1.0, False  # nothing measured: every k costs the same, the prior decides
+
+    def verify_seconds(self, b: float, num_tokens: list[float]) -> tuple[list[float], list[bool]]:
+        """Verify steps for k = 1.. (num_tokens[k - 1] tokens), and whether each is priced on fresh data
+        of this bucket. Else, as a guess: the k's fit over every batch size (a query length with a CUDA
+        graph costs a fraction of an eager one), the fit over every k, the decode fit. Before any verify
+        step was measured every k counts as priced (the prior decides: draft K and measure)."""
+        nothing_measured = self.verify_cost.weight < 1.0
+        seconds, trusted = [], []
+        for k, x in enumerate(num_tokens, start=1):
+            local, own = self.local_cost.get(b, k), self.verify_cost_by_k[k]
+            if local is not None:
+                seconds.append(max(local.predict((1.0, x, 0.0)), 1e-9))
+                trusted.append(self.local_cost.fresh(b, k, self.num_observed))
+                continue
+            model = own if own.weight >= 1.0 else self.verify_cost if not nothing_measured else self.decode_cost
+            t = model.predict_many([(1.0, x, 0.0)])
+            seconds.append(max(t[0], 1e-9) if t is not None else 1.0)
+            trusted.append(nothing_measured)
+        return seconds, trusted
+
+    def propose_seconds(self, b: float) -> list[float]:
+        """Warm proposals for k = 1..K: this bucket's own fit for k, else the fit over every batch size."""
+        out = []
+        for k in range(1, self.max_k + 1):
+            local = self.local_propose.get(b, k)
+            if local is not None:
+                out.append(max(local.predict((1.0, b)), 0.0))
+            else:
+                t = self.propose_cost.predict_many([(1.0, k, k * b, b)])
+                out.append(max(t[0], 0.0) if t is not None else 0.0)
+        return out
+
+    def samples(self, b: float, k: int) -> int:
+        """How many verify steps of k this bucket measured lately."""
+        return self.local_cost.samples(b, k, self.num_observed)
+
+    def catches_up(self) -> bool:
+        """Whether the proposer pays extra after a step without drafts (a draft model feeding the tokens
+        it skipped; n-gram lookups do not), as far as measured; unknown counts as yes."""
+        return self.cold_extra is None or self.cold_extra > _CATCH_UP_EXTRA
+
+    def catch_up_seconds(self, tokens: float | None, warm: float) -> float:
+        """A cold proposal's cost beyond a warm one (`warm`) when the proposer has not seen `tokens`."""
+        if tokens is not None:
+            t = self.catch_up_cost.predict_many([(1.0, tokens)])
+            if t is not None:
+                return max(t[0], 0.0)
+        return (self.cold_extra if self.cold_extra is not None else _COLD_EXTRA_GUESS) * warm
+
+    # -- observations -------------------------------------------------------------------------
+    def observe(self, step: SpecStepStats, cold: bool, after_prompt: bool, unseen: float | None) -> None:
+        """One finished step and the proposal it verified (cold, after_prompt, unseen: as when chosen)."""
+        p = step.proposal
+        self.num_observed += 1
+        self._observe_step(step, p, self._timed(step, p))
+        if p is not None and p.num_seqs > 0 and p.num_speculative_tokens > 0:
+            self._observe_proposal(p, cold, after_prompt, unseen)
+        elif p is not None:
+            self._last_cold = None
+        self._count_unseen(step, p)
+
+    def _timed(self, step: SpecStepStats, p: ProposalStats | None) -> bool:
+        """Whether a step without drafts was timed to its end. With asynchronous scheduling (engine/
+        overlap.py) such a step is timed while the forward of the next one runs, except the first one
+        after a step that ran synchronously (one with a proposal of k > 0, the first after the engine
+        idled): timed when its forward is launched, it looks several times cheaper than it is, and its
+        forward's time lands in the unmeasured gap before the next step. So a plain decode step is a
+        measurement only if the step before it was one too and neither follows a pause (time between
+        observations that neither step nor proposal accounts for: the engine had nothing to run)."""
+        now = self.clock()
+        since, self._observed_at = (None if self._observed_at is None else now - self._observed_at), now
+        unexplained = 0.0 if since is None else since - step.step_seconds - (p.seconds if p is not None else 0.0)
+        paused = unexplained > max(_PAUSE_S, step.step_seconds)
+        if paused and self.unseen_tokens is not None:
+            self.unseen_tokens = 0.0  # the engine idled: nothing ran, so every request now running is new
+        plain = step.num_draft_tokens == 0 and (p is None or p.num_speculative_tokens == 0)
+        timed, self._prev_timed = self._prev_timed and not paused, plain and not paused
+        return timed
+
+    def _observe_step(self, step: SpecStepStats, p: ProposalStats | None, timed: bool) -> None:
+        decode = step.batch_size + step.num_draft_tokens  # one token per request, plus its drafts
+        prefill = max(step.num_batched_tokens - decode, 0)  # the rest: prompt chunks
+        self.after_prompt = prefill > 0
+        if step.step_seconds <= 0 or step.num_batched_tokens <= 0:
+            return
+        x = (1.0, float(decode), float(prefill))
+        if step.num_draft_tokens > 0:
+            k = p.num_speculative_tokens if p is not None and p.num_speculative_tokens > 0 else self.max_k
+            k = min(k, self.max_k)
+            self.verify_cost.add(x, step.step_seconds)
+            self.verify_cost_by_k[k].add(x, step.step_seconds)
+            self.local_cost.add(step.batch_size, k, x, step.step_seconds, self.num_observed)
+        elif timed:
+            self.decode_cost.add(x, step.step_seconds)
+            self.pure_decode_weight = self.pure_decode_weight * self._keep + (1.0 if prefill == 0 else 0.0)
+            if prefill == 0:  # a bucket's decode fit: plain decode steps only (it cannot tell prompt chunks apart)
+                self.local_cost.add(step.batch_size, _DECODE, x, step.step_seconds, self.num_observed)
+
+    def _observe_proposal(self, p: ProposalStats, cold: bool, after_prompt: bool, unseen: float | None) -> None:
+        """The fits over every batch size take every warm proposal; a bucket's own fit not those right
+        after a prompt chunk either (a draft model then first feeds the new prompts: a one-off when a
+        load starts, priced by the fit over every size where it is the rule). What catching up costs:
+        a cold proposal against the warm one right after it (an exploration burst), a warm one after
+        prompt chunks against this bucket's own fit."""
+        k, b = min(p.num_speculative_tokens, self.max_k), p.num_seqs
+        last_cold = self._last_cold
+        self._last_cold = (k, p.seconds, unseen) if cold and not after_prompt else None
+        if not cold and not after_prompt and last_cold is not None and last_cold[0] == k:
+            extra = min(last_cold[1] / p.seconds - 1.0, 10.0) if p.seconds > 1e-7 else 0.0
+            self.cold_extra = extra if self.cold_extra is None else 0.5 * (self.cold_extra + extra)
+            if last_cold[2]:
+                self.catch_up_cost.add((1.0, last_cold[2]), max(last_cold[1] - p.seconds, 1e-6))
+        elif not cold and after_prompt and unseen:
+            local = self.local_propose.get(float(b), k)
+            if local is not None:
+                self.catch_up_cost.add((1.0, unseen), max(p.seconds - local.predict((1.0, float(b))), 1e-6))
+        if not cold or not self.catches_up():
+            self.propose_cost.add((1.0, p.num_speculative_tokens, p.num_speculative_tokens * b, b), p.seconds)
+            if not after_prompt:
+                self.local_propose.add(b, k, (1.0, float(b)), p.seconds, self.num_observed)
+
+    def _count_unseen(self, step: SpecStepStats, p: ProposalStats | None) -> None:
+        """Tokens a draft model would have to catch up on: those computed since it last drafted, less
+        those of requests that finished since (the share of the batch replaced per step is estimated
+        from how often a step computes a prompt chunk: new requests)."""
+        prefill = max(step.num_batched_tokens - step.batch_size - step.num_draft_tokens, 0)
+        self._arrivals += ((1.0 if prefill > 0 else 0.0) - self._arrivals) / self._arrivals_window
+        if p is not None and p.num_speculative_tokens > 0 and p.num_seqs > 0:
+            # the proposal fed the proposer everything before this step; of this step, the next warm
+            # proposal feeds the accepted tokens, not the prompt chunks
+            self.unseen_tokens = float(prefill)
+        elif self.unseen_tokens is not None:
+            turnover = min(self._arrivals / max(step.batch_size, 1), 1.0)
+            self.unseen_tokens = self.unseen_tokens * (1.0 - turnover) + step.num_batched_tokens

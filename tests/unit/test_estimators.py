@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.spec.estimators import DecayedRegression, PositionRates
+from specserve.spec.estimators import (
+    DecayedRegression,
+    LocalFits,
+    PositionRates,
+    batch_bucket,
+)
 
 
 def test_regression_fits_a_line_and_stays_flat_when_it_cannot_tell() -> None:
@@ -44,3 +49,39 @@ def test_one_step_of_fresh_requests_does_not_erase_a_large_batch_history() -> No
     for _ in range(40):
         rates.add((256,), (0,))
     assert rates.rates()[0] < 0.05  # but a lasting change is followed within a few steps
+
+
+def test_a_fit_fed_rarely_follows_a_changed_cost_at_once() -> None:
+    """A fit re-solves every few observations; one far from its prediction must count at once (a k the
+    controller explores now and then: one fast step after a slow warm-up is all it gets)."""
+    for slow_steps in range(60, 64):  # wherever the fit is in its re-solve cycle
+        fit = DecayedRegression(2, window=32, ridge=(0.0, 1e-4))
+        for _ in range(slow_steps):
+            fit.add((1.0, 20.0), 0.040)  # eager, before CUDA graphs
+        assert fit.predict((1.0, 20.0)) == pytest.approx(0.040)
+        fit.add((1.0, 20.0), 0.003)
+        assert fit.predict((1.0, 20.0)) < 0.010, slow_steps  # relative errors: the fast step weighs (40/3)^2 more
+
+
+def test_batch_buckets_and_local_fits() -> None:
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 256)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 8]
+    fits = LocalFits(lambda: DecayedRegression(2, 32, (0.0, 1e-4)), stale_after=100)
+    assert fits.get(4, 1) is None and not fits.fresh(4, 1, now=0) and fits.samples(4, 1, now=0) == 0
+    fits.add(4, 1, (1.0, 8.0), 0.002, now=10)
+    fits.add(3, 1, (1.0, 6.0), 0.002, now=11)  # same bucket as 4
+    assert fits.get(3, 1) is fits.get(4, 1) and fits.samples(4, 1, now=11) == 2
+    assert fits.get(8, 1) is None and fits.get(4, 2) is None  # other bucket, other key
+    assert fits.fresh(4, 1, now=111) and not fits.fresh(4, 1, now=112)  # stale: a guess again
+    assert fits.get(4, 1) is not None and fits.samples(4, 1, now=112) == 0
+    fits.add(4, 1, (1.0, 8.0), 0.002, now=200)
+    assert fits.samples(4, 1, now=200) == 1  # counted again from the stale point
+
+
+def test_position_rates_fade_toward_the_prior_in_time() -> None:
+    rates = PositionRates(1, prior=0.8, prior_weight=4, window=100)
+    for _ in range(50):
+        rates.add((10,), (0,))
+    assert rates.rates()[0] < 0.05
+    for _ in range(20):
+        rates.age(0.8)  # time passing without samples
+    assert 0.5 < rates.rates()[0] < 0.8
