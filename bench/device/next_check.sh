@@ -5,8 +5,9 @@
 #   offline_qkvrope{0,1}.txt: gpu_offline decode, SPECSERVE_QKV_ROPE_FUSED off / on (flip the
 #     default in envs.qkv_rope_fused if "on" is faster and the tests passed);
 #   train_v{32768,0}.txt: a train-draft step with the 32k draft vocabulary (default) and the full one.
-# Then, in a second call: bench/gemv_tune.py --ms 2,4 --write --merge (cold tiles for verify k <= 3 and
-# batch 2-4; the table's M=2 / M=4 entries are still the warm-L2 ones) plus --nk 32768x1536 (the
+# Then, in a second call: bench/gemv_tune.py --ms 2,4,8 --write --merge (cold tiles for verify k <= 7 and
+# batch 2-8; the M=2 / M=4 entries are still the warm-L2 ones, M=8 has none: 5-8 rows run cuBLAS until
+# it has) plus --nk 32768x1536 (the
 # reduced draft LM head), and bench/spec_profile.py.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -162,6 +162,31 @@ def test_gemv_falls_back_past_max_m(device: torch.device, monkeypatch: pytest.Mo
     assert torch.equal(triton_gemv.linear(one, weight), torch.nn.functional.linear(one, weight))
 
 
+@pytest.mark.parametrize("m", [5, 8])
+def test_gemv_past_untuned_rows_only_with_a_table_entry(m: int, device: torch.device,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """5..GEMV_MAX_M rows (a verify of k = 4..7): cuBLAS (bitwise F.linear) unless the tuned table has
+    an entry for (N, K, 8); with one, the GEMV runs those tiles, within one rounding of fp64."""
+    from specserve.model.layers import triton_gemv
+
+    gen = torch.Generator().manual_seed(m)
+    n, k = 48, 96
+    x = _randn((m, k), torch.bfloat16, device, gen)
+    weight = _randn((n, k), torch.bfloat16, device, gen, k ** -0.5)
+    bias = _randn((n,), torch.bfloat16, device, gen)
+    assert triton_gemv.GEMV_UNTUNED_MAX_M < m <= triton_gemv.GEMV_MAX_M
+    monkeypatch.setattr(triton_gemv, "config_table", lambda name: {})
+    assert torch.equal(triton_gemv.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+    launched: list[tuple[int, int, int]] = []
+    real_launch = triton_gemv._launch
+    monkeypatch.setattr(triton_gemv, "_launch", lambda x_, w_, b_, tiles, **kw: launched.append(tiles)
+                        or real_launch(x_, w_, b_, tiles, **kw))
+    monkeypatch.setattr(triton_gemv, "config_table", lambda name: {triton_gemv.config_key(n, k, m): (4, 128, 4)})
+    got = triton_gemv.linear(x, weight, bias)
+    assert launched == [(4, 128, 4)]
+    torch.testing.assert_close(got, _linear_ref(x, weight, bias), rtol=RTOL[torch.bfloat16], atol=RTOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("m", [1, 2, 4, 9])
 @pytest.mark.parametrize("with_residual,with_bias", [(True, True), (False, False), (True, False)])
 def test_rms_norm_linear(m: int, with_residual: bool, with_bias: bool, device: torch.device,

@@ -51,7 +51,12 @@ from specserve.model.layers.triton_skinny import SkinnyConfig
 # Each row costs BLOCK_N * BLOCK_K fp32 FMAs per tile on the CUDA cores, so the GEMV's lead shrinks
 # with every row (H200, 1.5B down: 7.2 us at M=1 vs cuBLAS 9.2; 20.1 vs 8.8 at M=4); the tuned
 # table says, per shape and M, where cuBLAS's tensor-core kernels take over.
-GEMV_MAX_M = 4
+GEMV_MAX_M = 8
+# Up to this many rows the GEMV also runs untuned shapes (heuristic tiles); from GEMV_UNTUNED_MAX_M + 1
+# to GEMV_MAX_M rows (a speculative verify of k = 4..7 at batch 1) only where the tuned table has an
+# entry saying it beat cuBLAS: every extra row costs the GEMV CUDA-core FMAs, so whether it still
+# wins there is a per-shape measurement, not a guess.
+GEMV_UNTUNED_MAX_M = 4
 _BLOCK_K = 512  # 1 KB of bf16 per weight row per step: 16-byte loads across 4 warps
 _MAX_BLOCK_N = 16
 # Without a tuned "norm_fuse" entry, the norm is fused only into projections with N <= this * K
@@ -293,6 +298,8 @@ def tile_config(n: int, k: int, m: int, device: torch.device) -> tuple[int, int,
     tuned = config_table(_device_name(device)).get(config_key(n, k, m))
     if tuned is not None:
         return tuned
+    if m > GEMV_UNTUNED_MAX_M:
+        return 0, 0, 0
     return block_n_for(n, _num_sms(device)), _BLOCK_K, 4
 
 

@@ -20,7 +20,7 @@ rows of W: where the unfused norm + qkv GEMV would run one tile (`triton_gemv._n
 tuned table's norm_fuse tiles or its plain entry, else the GEMV heuristic) its tiles are taken with
 BLOCK_J = BLOCK_N / 2, the same rows and bytes per program as the GEMV it replaces; else BLOCK_K
 covers K and BLOCK_N is the GEMV's heuristic (>= 2 programs per SM). K > MAX_K (8B-class models)
-keeps the unfused path. Any M <= GEMV_MAX_M takes it, also where the table picks cuBLAS for the
+keeps the unfused path. Any M <= GEMV_UNTUNED_MAX_M takes it, also where the table picks cuBLAS for the
 plain qkv (M = 4 on the H200): whether that pays is for the H200 to say (the switch is off).
 
 Rounding, as `rms_norm_linear` (the Triton GEMV) and then `_rope_and_cache_kernel` round: the norm
@@ -130,7 +130,8 @@ def _applicable(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     (`triton_gemv._gemv_ok`), K in one tile, a weight of exactly the heads given, an even head_dim,
     and an unquantized cache [blocks, block_size, Hkv, D] (a float dtype of >= 16 bits)."""
     k = x.shape[-1]
-    return triton_gemv._gemv_ok(x, weight, k) and k <= MAX_K and head_dim % 2 == 0 \
+    return triton_gemv._gemv_ok(x, weight, k) and x.shape[0] <= triton_gemv.GEMV_UNTUNED_MAX_M and k <= MAX_K \
+        and head_dim % 2 == 0 \
         and weight.shape[0] == (num_heads + 2 * num_kv_heads) * head_dim \
         and norm_weight.dtype == x.dtype and norm_weight.is_contiguous() and norm_weight.numel() == k \
         and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
