@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gemv_tune import graph_us, weight_copies  # noqa: E402  (bench/: the same timing as the GEMV tuner)
 from json_out import write_json_atomic
 
 from specserve.model.layers import triton_gemv, triton_ops
@@ -48,29 +49,6 @@ SHAPES = {
     "llama8b-qkv": (6144, 4096), "llama8b-o": (4096, 4096), "llama8b-gate_up": (28672, 4096),
     "llama8b-down": (4096, 14336), "llama8b-lm_head": (128256, 4096),
 }
-
-
-def graph_us(fn, calls: int, reps: int = 5) -> float:
-    """Median us per call of fn(i), i = 0..calls-1, replayed as one CUDA graph."""
-    for i in range(2):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def sweep_configs(n: int, k: int, m: int, num_sms: int) -> list[sk.SkinnyConfig]:
@@ -98,7 +76,7 @@ def sweep_configs(n: int, k: int, m: int, num_sms: int) -> list[sk.SkinnyConfig]
 def bench_shape(name: str, n: int, k: int, ms: list[int], args, deadline: float, l2_bytes: int) -> list[dict]:
     dev, dtype = torch.device("cuda"), torch.bfloat16
     w_bytes = n * k * 2
-    copies = max(1, 2 * l2_bytes // w_bytes + 1)  # together > 2x L2 (one copy alone when it is)
+    copies = weight_copies(w_bytes, l2_bytes)  # together > 2x L2, as gemv_tune times the GEMV
     ws = [torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for _ in range(copies)]
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rows = []

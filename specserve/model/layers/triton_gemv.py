@@ -45,7 +45,7 @@ import triton.language as tl
 from specserve import envs
 from specserve.model.layers import triton_skinny
 from specserve.model.layers.pdl import pdl_prologue, use_pdl
-from specserve.model.layers.triton_skinny import SkinnyConfig
+from specserve.model.layers.triton_skinny import SkinnyConfig, _store_out
 
 # Rows of x (tokens) up to which the GEMV may run: batch-1..4 decode and a batch-1 verify of k <= 3.
 # Each row costs BLOCK_N * BLOCK_K fp32 FMAs per tile on the CUDA cores, so the GEMV's lead shrinks
@@ -218,17 +218,8 @@ def _gemv_kernel(
                 acc = tl.where(is_m, acc + tl.sum(w * xv[None, :], 1)[None, :], acc)
                 if SILU_OUT:
                     acc_up = tl.where(is_m, acc_up + tl.sum(w_up * xv[None, :], 1)[None, :], acc_up)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    dtype = out_ptr.dtype.element_ty
-    if SILU_OUT:
-        # Rounding as F.linear then ops.silu_and_mul: gate and up to the activation dtype, silu(gate)
-        # to it, then the product (exact in fp32 for bf16/fp16 inputs, so rounded once).
-        gate = acc.to(dtype).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        acc = act * acc_up.to(dtype).to(tl.float32)
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(dtype), mask=(offs_m[:, None] < M) & n_ok[None, :])
+    # Bias, (silu(gate) * up,) one rounding, the masked store: the skinny GEMM's epilogue, same roundings.
+    _store_out(acc, acc_up, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, SILU_OUT)
 
 
 CONFIG_DIR = Path(__file__).resolve().parent / "gemv_configs"
