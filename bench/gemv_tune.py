@@ -148,8 +148,31 @@ def tune(n: int, k: int, m: int, calls: int, num_sms: int) -> tuple[dict, list]:
         rows.append({"tiles": tiles, "us": us, "max_abs_err_vs_cublas": err})
         if best is None or us < best[1]:
             best = (tiles, us)
+    prefetch = None
+    if best is not None:  # the early weight loads, on and off, for the winning tiles
+        timed = {}
+        for flag in (True, False):
+            with forced_prefetch(flag):
+                timed[flag] = graph_us(lambda i: triton_gemv._launch(x, ws[i % c], None, best[0]), calls)
+        prefetch = min(timed, key=timed.get)
+        best = (best[0], timed[prefetch])
+        rows.append({"tiles": best[0], "prefetch_us": {str(f).lower(): us for f, us in timed.items()}})
     return {"cublas_us": cublas, "gemv_us": best[1] if best else None, "tiles": best[0] if best else None,
-            "copies": c}, rows
+            "prefetch": prefetch, "copies": c}, rows
+
+
+@contextlib.contextmanager
+def forced_prefetch(flag: bool) -> Iterator[None]:
+    """SPECSERVE_GEMV_PREFETCH=1/0 while timing (read at each launch, so at graph capture)."""
+    old = os.environ.get("SPECSERVE_GEMV_PREFETCH")
+    os.environ["SPECSERVE_GEMV_PREFETCH"] = "1" if flag else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SPECSERVE_GEMV_PREFETCH", None)
+        else:
+            os.environ["SPECSERVE_GEMV_PREFETCH"] = old
 
 
 def norm_fuse(n: int, k: int, m: int, bias: bool, silu_out: bool, calls: int, num_sms: int) -> dict:
@@ -229,26 +252,33 @@ def fused_times(n_qkv: int, h: int, inter: int, bias: bool, m: int, calls: int) 
 
 @contextlib.contextmanager
 def tuned_table(configs: dict[str, list[int]], fuse: dict[str, bool], fuse_tiles: dict[str, list[int]],
-                ) -> Iterator[None]:
+                prefetch: dict[str, bool] | None = None) -> Iterator[None]:
     """Make the engine's functions use this run's table (written or not) while it is measured."""
-    saved = triton_gemv.config_table, triton_gemv.norm_fuse_table
+    saved = triton_gemv.config_table, triton_gemv.norm_fuse_table, triton_gemv.prefetch_table
     tiles = {key: tuple(value) for key, value in configs.items()}
     norm = {key: triton_gemv.NormFuse(f, tuple(fuse_tiles[key]) if key in fuse_tiles else None)
             for key, f in fuse.items()}
+    early = dict(prefetch or {})
     triton_gemv.config_table, triton_gemv.norm_fuse_table = (lambda name: tiles), (lambda name: norm)
+    triton_gemv.prefetch_table = lambda name: early
     try:
         yield
     finally:
-        triton_gemv.config_table, triton_gemv.norm_fuse_table = saved
+        triton_gemv.config_table, triton_gemv.norm_fuse_table, triton_gemv.prefetch_table = saved
 
 
 def table_json(device_name: str, configs: dict[str, list[int]], fuse: dict[str, bool],
-               fuse_tiles: dict[str, list[int]]) -> dict:
-    """The engine's table file (triton_gemv.config_table / norm_fuse_table read it): "configs" as
-    before, and the norm fusions in objects of their own, which older readers ignore."""
+               fuse_tiles: dict[str, list[int]], prefetch: dict[str, bool] | None = None,
+               keep: dict | None = None) -> dict:
+    """The engine's table file (triton_gemv.config_table / norm_fuse_table / prefetch_table read it):
+    "configs" as before, the norm fusions and the measured PREFETCH choices in objects of their own,
+    which older readers ignore. keep: other objects of an old table to carry over (e.g. skinny_bench's)."""
+    out = {key: value for key, value in (keep or {}).items()
+           if key not in ("device", "torch", "by", "configs", "norm_fuse", "norm_fuse_tiles", "prefetch")}
     return {"device": device_name, "torch": torch.__version__, "by": "bench/gemv_tune.py",
             "configs": dict(sorted(configs.items())), "norm_fuse": dict(sorted(fuse.items())),
-            "norm_fuse_tiles": {key: tiles for key, tiles in sorted(fuse_tiles.items()) if fuse.get(key)}}
+            "norm_fuse_tiles": {key: tiles for key, tiles in sorted(fuse_tiles.items()) if fuse.get(key)},
+            "prefetch": dict(sorted((prefetch or {}).items())), **out}
 
 
 def fused_projections(shape: str) -> dict[str, tuple[int, int, bool, bool]]:
@@ -278,6 +308,7 @@ def main() -> None:
     old = triton_gemv._table_file(name) if args.merge else {}
     table = dict(old.get("configs", {}))
     fuse, fuse_tiles = dict(old.get("norm_fuse", {})), dict(old.get("norm_fuse_tiles", {}))
+    prefetch = dict(old.get("prefetch", {}))
     measured: set[str] = set()
     todo = [(shape, lin, nk) for shape in shapes for lin, nk in linears(shape).items()]
     todo += [("custom", pair, tuple(int(v) for v in pair.split("x"))) for pair in filter(None, args.nk.split(","))]
@@ -297,13 +328,16 @@ def main() -> None:
             win = best["gemv_us"] is not None and best["gemv_us"] < best["cublas_us"]
             if key not in measured or win:  # M rounds up to a power of two: keep the best of a key's runs
                 table[key] = list(best["tiles"]) if win else [0, 0, 0]
+                prefetch.pop(key, None)
+                if win:
+                    prefetch[key] = best["prefetch"]
                 measured.add(key)
             results.append({"shape": shape, "linear": lin, "n": n, "k": k, "m": m, **best, "sweep": rows})
             print(f"{shape:14} {lin:8} {m:2} {best['cublas_us']:9.2f} {best['gemv_us'] or 0:8.2f} {gbs:9.0f} "
                   f"{100 * gbs / args.peak_gbs:5.1f}% {len(rows):5} {best['tiles']}", flush=True)
     print(f"tiles tuned in {time.time() - t0:.0f} s", flush=True)
     norm_results, fused, norm_measured = {}, {}, set()
-    with tuned_table(table, {}, {}):  # the unfused baseline runs the projection with this run's tiles
+    with tuned_table(table, {}, {}, prefetch):  # the unfused baseline runs the projection with this run's tiles
         for shape in shapes:
             for lin, (n, k, bias, silu) in fused_projections(shape).items():
                 for m in ms:
@@ -322,10 +356,10 @@ def main() -> None:
     if args.write:
         path = triton_gemv.CONFIG_DIR / f"{name.replace(' ', '_')}.json"
         path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps(table_json(name, table, fuse, fuse_tiles), indent=1) + "\n")
+        path.write_text(json.dumps(table_json(name, table, fuse, fuse_tiles, prefetch, keep=old), indent=1) + "\n")
         triton_gemv.clear_tables()
         print(f"wrote {path}")
-    with tuned_table(table, fuse, fuse_tiles):
+    with tuned_table(table, fuse, fuse_tiles, prefetch):
         for shape in shapes:
             li = linears(shape)
             for m in ms:

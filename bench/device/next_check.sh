@@ -6,7 +6,8 @@
 #     default in envs.qkv_rope_fused if "on" is faster and the tests passed);
 #   train_v{32768,0}.txt: a train-draft step with the 32k draft vocabulary (default) and the full one.
 # Then, in a second call: bench/gemv_tune.py --ms 2,4,8 --write --merge (cold tiles for verify k <= 7 and
-# batch 2-8; the M=2 / M=4 entries are still the warm-L2 ones, M=8 has none: 5-8 rows run cuBLAS until
+# batch 2-8, and per shape whether the early weight loads pay; the M=2 / M=4 entries are still the
+# warm-L2 ones, M=8 has none: 5-8 rows run cuBLAS until
 # it has) plus --nk 32768x1536 (the
 # reduced draft LM head), and bench/spec_profile.py.
 set -uo pipefail

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -102,5 +103,31 @@ def test_table_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         assert triton_gemv.norm_fuse_table("New GPU") == {
             "17920,1536,1": triton_gemv.NormFuse(True, (4, 2048, 8)),
             "17920,1536,4": triton_gemv.NormFuse(False, None)}  # tiles of a false entry are not kept
+        assert triton_gemv.prefetch_table("Old GPU") == {} and triton_gemv.prefetch_table("New GPU") == {}
+    finally:
+        triton_gemv.clear_tables()
+
+
+def test_prefetch_entries_and_kept_sections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner's measured PREFETCH choice per shape is what the GEMV launches with (the env switch
+    still wins; shapes without an entry keep the K <= PREFETCH_MAX_K rule), and a merged write keeps
+    the other tools' sections (skinny_bench's)."""
+    monkeypatch.setattr(triton_gemv, "CONFIG_DIR", tmp_path)
+    monkeypatch.delenv("SPECSERVE_GEMV_PREFETCH", raising=False)
+    triton_gemv.clear_tables()
+    monkeypatch.setattr(triton_gemv, "_device_name", lambda device: "New GPU")
+    try:
+        old = {"skinny": {"1536,1536,4": [64, 128, 6, 4, 4]}, "configs": {}}
+        written = gemv_tune.table_json("New GPU", {"1536,8960,1": [1, 1024, 4], "2048,1536,1": [4, 2048, 8]}, {}, {},
+                                       {"1536,8960,1": True, "2048,1536,1": False}, keep=old)
+        (tmp_path / "New_GPU.json").write_text(json.dumps(written))
+        assert written["skinny"] == old["skinny"]
+        cpu = torch.device("cpu")
+        assert triton_gemv._prefetch(1536, 8960, 1, cpu) is True  # K > 2048, but measured faster with it
+        assert triton_gemv._prefetch(2048, 1536, 1, cpu) is False  # K <= 2048, measured slower with it
+        assert triton_gemv._prefetch(2048, 1536, 2, cpu) is True  # no entry: the rule
+        assert triton_gemv._prefetch(4096, 14336, 1, cpu) is False
+        monkeypatch.setenv("SPECSERVE_GEMV_PREFETCH", "0")
+        assert triton_gemv._prefetch(1536, 8960, 1, cpu) is False
     finally:
         triton_gemv.clear_tables()

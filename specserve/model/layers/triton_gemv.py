@@ -268,8 +268,16 @@ def skinny_table(device_name: str) -> dict[str, dict[str, SkinnyConfig]]:
             for kind, name in (("plain", "skinny"), ("silu", "skinny_silu"))}
 
 
+@functools.lru_cache(maxsize=8)
+def prefetch_table(device_name: str) -> dict[str, bool]:
+    """Where the tuner measured the early weight loads (PREFETCH) on or off for a shape's tuned tiles:
+    "prefetch" {"N,K,M": true | false} in the JSON (weight [N, K]); {} without one (older tables)."""
+    return {key: bool(value) for key, value in _table_file(device_name).get("prefetch", {}).items()}
+
+
 def clear_tables() -> None:
     """Forget the tables read so far (bench/gemv_tune.py after writing one)."""
+    prefetch_table.cache_clear()
     config_table.cache_clear()
     norm_fuse_table.cache_clear()
     skinny_table.cache_clear()
@@ -363,16 +371,21 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
         0 if residual is None else residual.stride(0), 0 if res_out is None else res_out.stride(0), eps,
         HAS_BIAS=bias is not None, SILU_OUT=silu_out, RMS_NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        USE_PDL=pdl, launch_pdl=pdl, PREFETCH=_prefetch(k), SINGLE_TILE=block_k >= k,
+        USE_PDL=pdl, launch_pdl=pdl, PREFETCH=_prefetch(weight.shape[0], k, m, x.device), SINGLE_TILE=block_k >= k,
     )
     return out, res_out
 
 
-def _prefetch(k: int) -> bool:
+def _prefetch(n: int, k: int, m: int, device: torch.device) -> bool:
     """Whether the GEMV requests its weights early (the next tile one loop step ahead; a single tile
-    all before the PDL wait): SPECSERVE_GEMV_PREFETCH, else for short reductions (K <= PREFETCH_MAX_K)."""
+    all before the PDL wait) for weight [n, k] and m rows: SPECSERVE_GEMV_PREFETCH, else the tuned
+    table's measurement for this shape (`prefetch_table`), else for short reductions
+    (K <= PREFETCH_MAX_K: the rule the whole-step A/B gave, see PREFETCH_MAX_K)."""
     forced = envs.gemv_prefetch()
-    return forced if forced is not None else k <= PREFETCH_MAX_K
+    if forced is not None:
+        return forced
+    tuned = prefetch_table(_device_name(device)).get(config_key(n, k, m))
+    return tuned if tuned is not None else k <= PREFETCH_MAX_K
 
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor, kind: str) -> SkinnyConfig | None:

@@ -201,6 +201,7 @@ def rms_norm_qkv_rope_cache(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), eps,
         HEAD_DIM=head_dim, HALF=half, J_BLOCKS=j_blocks, BLOCK_J=block_j, BLOCK_SIZE=key_cache.shape[1],
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=triton.next_power_of_2(m),
-        BLOCK_K=block_k, num_warps=num_warps, USE_PDL=pdl, launch_pdl=pdl, PREFETCH=triton_gemv._prefetch(k),
+        BLOCK_K=block_k, num_warps=num_warps, USE_PDL=pdl, launch_pdl=pdl,
+        PREFETCH=triton_gemv._prefetch(weight.shape[0], k, m, x.device),
     )
     return q, (x if res_out is None else res_out)
