@@ -5,11 +5,10 @@
 #   offline_qkvrope{0,1}.txt: gpu_offline decode, SPECSERVE_QKV_ROPE_FUSED off / on (flip the
 #     default in envs.qkv_rope_fused if "on" is faster and the tests passed);
 #   train_v{32768,0}.txt: a train-draft step with the 32k draft vocabulary (default) and the full one.
-# Then, in a second call: bench/gemv_tune.py --ms 2,4,8 --write --merge (cold tiles for verify k <= 7 and
-# batch 2-8, and per shape whether the early weight loads pay; the M=2 / M=4 entries are still the
-# warm-L2 ones, M=8 has none: 5-8 rows run cuBLAS until
-# it has) plus --nk 32768x1536 (the
-# reduced draft LM head), and bench/spec_profile.py.
+# Then, in a second call: bench/gemv_tune.py --ms 1,2,4,8 --write --merge --nk 32768x1536: cold tiles
+# for decode and verify k <= 7 (the M=2 / M=4 entries are still the warm-L2 ones; M=8 has none, so 5-8
+# rows run cuBLAS until it has), per shape whether the early weight loads pay (the table's `prefetch`
+# entries), and the reduced draft LM head; then bench/gpu_offline.py and bench/spec_profile.py again.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/env.sh
