@@ -34,16 +34,19 @@ def test_gemv_prefetch_rule(monkeypatch) -> None:
     SPECSERVE_GEMV_PREFETCH forces it either way and refuses other values."""
     from specserve.model.layers import triton_gemv
 
+    def prefetch(k: int) -> bool:  # a shape with no tuned `prefetch` entry (the CPU has no table)
+        return triton_gemv._prefetch(2048, k, 1, torch.device("cpu"))
+
     monkeypatch.delenv("SPECSERVE_GEMV_PREFETCH", raising=False)
-    assert triton_gemv._prefetch(1536) and triton_gemv._prefetch(triton_gemv.PREFETCH_MAX_K)
-    assert not triton_gemv._prefetch(4096)
+    assert prefetch(1536) and prefetch(triton_gemv.PREFETCH_MAX_K)
+    assert not prefetch(4096)
     monkeypatch.setenv("SPECSERVE_GEMV_PREFETCH", "1")
-    assert triton_gemv._prefetch(14336)
+    assert prefetch(14336)
     monkeypatch.setenv("SPECSERVE_GEMV_PREFETCH", "0")
-    assert not triton_gemv._prefetch(1536)
+    assert not prefetch(1536)
     monkeypatch.setenv("SPECSERVE_GEMV_PREFETCH", "2")
     with pytest.raises(ValueError, match="SPECSERVE_GEMV_PREFETCH"):
-        triton_gemv._prefetch(1536)
+        prefetch(1536)
 
 
 # -- what the decode-path attention kernels load before their PDL wait ------------------------------
