@@ -8,8 +8,10 @@ contiguously) for every row of x, with fp32 accumulation, and adds the bias in t
 No split-K, so one launch. Tile sizes come from a per-GPU table measured by bench/gemv_tune.py
 (`gemv_configs/<device name>.json`, as vLLM ships its fused-MoE configs): key "N,K,M" (M rounded up
 to a power of two) -> [BLOCK_N, BLOCK_K, num_warps], or [0, 0, 0] where cuBLAS measured faster.
-Shapes and GPUs without an entry use a heuristic: BLOCK_N such that the grid fills the SMs about
-twice. A fixed table (not autotuning at start) keeps a run's kernels, so its bf16 rounding and
+Shapes and GPUs without an entry use a heuristic (BLOCK_N such that the grid fills the SMs about
+twice) up to GEMV_UNTUNED_MAX_M rows; past it only tuned entries take the GEMV. The table's
+"prefetch" object says per shape whether the early weight loads (PREFETCH) measured faster, and its
+"skinny" objects where the tensor-core skinny GEMM (triton_skinny.py) beat both. A fixed table (not autotuning at start) keeps a run's kernels, so its bf16 rounding and
 greedy output, the same from one start to the next.
 
 Where BLOCK_K >= K (tuned entries up to K = 2048; the default BLOCK_K up to 512) one tile covers
