@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from specserve.model.layers import triton_gemv
+from specserve.model.layers.gemv_kernel import _single_tile
 from specserve.model.layers.pdl import use_pdl
-from specserve.model.layers.triton_gemv import _single_tile
 
 # The longest reduction one tile covers (the tuned table's single tiles reach K = 2048; beyond,
 # a [2 * BLOCK_J, BLOCK_K] fp32 tile would not fit in registers).
