@@ -146,10 +146,14 @@ def test_target_batch_pads_the_flat_outputs():
 
 
 # -- the head's loss --------------------------------------------------------------------------------
-def _head(method: str, slots: int, seed: int = 0):
+def _head(method: str, slots: int, seed: int = 0, d2t: list[int] | None = None):
+    """A random head (norms at 1) and a stand-in target; d2t: a reduced draft vocabulary."""
     arch = ModelArch.from_hf_config(HF)
     torch.manual_seed(seed)
-    head = EagleHead(head_config_for(arch, HF, "t", "id", method, slots))
+    head = EagleHead(head_config_for(arch, HF, "t", "id", method, slots,
+                                     draft_vocab_size=None if d2t is None else len(d2t)))
+    if d2t is not None:
+        head.set_draft_vocab(torch.tensor(d2t))
     with torch.no_grad():
         for name, p in head.named_parameters():
             if "norm" not in name:
@@ -272,18 +276,7 @@ def _reference_reduced_loss(head, target, ids, lengths, loss_start, feats, full_
 @pytest.mark.parametrize("method,parallel,blocks", [("eagle3", False, 3), ("eagle3", True, 3)],
                          ids=["eagle3", "p-eagle"])
 def test_head_loss_reduced_vocab_equals_a_row_by_row_reference(method, parallel, blocks):
-    arch = ModelArch.from_hf_config(HF)
-    torch.manual_seed(2)
-    head = EagleHead(head_config_for(arch, HF, "t", "id", method, blocks - 1 if parallel else 0,
-                                     draft_vocab_size=len(D2T)))
-    head.set_draft_vocab(torch.tensor(D2T))
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.2)
-    target = types.SimpleNamespace(embed_tokens=torch.nn.Embedding(50, 32), lm_head=None,
-                                   cos_sin_cache=rope_cos_sin_cache(arch, 128, torch.device("cpu")))
-    target.embed_tokens.requires_grad_(False)
+    head, target = _head(method, blocks - 1 if parallel else 0, seed=2, d2t=D2T)
     lengths, starts = [9, 4, 2, 6], [3, 0, 0, 1]
     B, L = len(lengths), max(lengths)
     g = torch.Generator().manual_seed(5)
