@@ -429,7 +429,7 @@ def test_split_counters_grow_outside_capture_only(device: torch.device, monkeypa
     assert first.dtype == torch.int32 and first.numel() >= tp.MIN_SPLIT_COUNTERS and not first.any()
     assert tp._split_counters(device, first.numel()) is first
     bigger = tp._split_counters(device, first.numel() + 1)
-    assert bigger.numel() > first.numel() and not bigger.any() and tp._counters[device][0] is first
+    assert bigger.numel() > first.numel() and not bigger.any() and tp._counters[first.device][0] is first
     gpu = torch.device("cuda", 0)  # the check runs before any allocation: no GPU needed
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="cannot grow during CUDA-graph capture"):
