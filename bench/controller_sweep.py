@@ -26,6 +26,9 @@ across policies). Per request, from token timestamps the engine records: TTFT, T
 in one chunk). Each engine and controller is warmed up first (JIT, graphs, the controller's first
 measurements: a server's controller has long left its start-up when load changes), and every
 engine runs one full-width prefill first (JIT for the largest shapes is nobody's point's cost).
+Before each point, every policy alike runs c unmeasured requests of --point-warmup-tokens at the
+point's concurrency: a point measures the steady state at its load, not the transient after the load
+jumped from the previous level (where an adaptive controller explores the new batch size).
 The time budget skips a point that would not finish before its mode's deadline (estimated from the
 points already run); a second mode inherits what the first left unused.
 
@@ -103,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256, help="output tokens per request below --high-from")
     p.add_argument("--output-len-high", type=int, default=128, help="output tokens from --high-from on")
     p.add_argument("--high-from", type=int, default=64)
+    p.add_argument("--point-warmup-tokens", type=int, default=64,
+                   help="before each point, c unmeasured requests of this many tokens at its concurrency (0: none)")
     p.add_argument("--input-len", type=int, default=128, help="token-id prompts (ngram8b, custom without chat)")
     p.add_argument("--min-requests", type=int, default=None, help="requests per point at least (mode default)")
     p.add_argument("--prompt-lookup-min", type=int, default=2)
@@ -162,12 +167,13 @@ def output_len_at(c: int, args: argparse.Namespace) -> int:
 def estimate_seconds(points: dict[str, dict[str, Any]], name: str, c: int, prev_c: int | None,
                      args: argparse.Namespace) -> float:
     """A point's duration, guessed from what ran: this level's other policies, else this policy's last level."""
+    warm = 1.0 + args.point_warmup_tokens / output_len_at(c, args)  # the point's warm-up, at most
     here = [rows[str(c)]["seconds"] for rows in points.values() if str(c) in rows]
     if here:
-        return max(here)
+        return max(here) * warm
     if prev_c is not None and str(prev_c) in points.get(name, {}):
         prev = points[name][str(prev_c)]
-        return prev["seconds"] * (c / prev_c) ** 0.7 * output_len_at(c, args) / output_len_at(prev_c, args)
+        return prev["seconds"] * (c / prev_c) ** 0.7 * output_len_at(c, args) / output_len_at(prev_c, args) * warm
     return 0.0
 
 
@@ -237,6 +243,9 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
                 policy = next((p for p in policies if p.name == pol_name), None)
                 if policy is not None:
                     policy.install(llm)
+                if args.point_warmup_tokens > 0:
+                    _point_warm_up(llm, prompts, c, args.point_warmup_tokens, args)
+                if policy is not None:
                     policy.choices.clear()
                 if graph_counts is not None:
                     graph_counts.clear()
@@ -284,6 +293,14 @@ def _warm_up(engines: dict[str, LLM], policies: list[Policy], prompts: list[list
             engines["spec"].generate(wide, short)
         engines["spec"].generate(few, params)
         policy.choices.clear()
+
+
+def _point_warm_up(llm: LLM, prompts: list[list[int]], c: int, tokens: int, args: argparse.Namespace) -> None:
+    """c requests of `tokens` output tokens at the point's concurrency, unmeasured, before every policy's
+    point alike: the point then measures the steady state at this load (an adaptive controller has met
+    this batch size, as a server's has long after its load changed), not the first steps after a jump."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=not args.respect_eos)
+    llm.generate([{"prompt_token_ids": prompts[i % len(prompts)]} for i in range(c)], params)
 
 
 def deadlines(args: argparse.Namespace, start: float) -> list[float]:

@@ -25,7 +25,9 @@ short or empty). Everything is measured here, over moving windows:
     first after the engine idled) is not a decode measurement: with asynchronous scheduling
     (engine/overlap.py) that step is timed when its forward is launched, not when it ends, so it looks
     several times cheaper than a decode step is. A decode measurement (a "probe" while drafting, an
-    exploration of k = 0) therefore lasts at least two steps;
+    exploration of k = 0) therefore lasts at least two steps. While drafting, a bucket's decode cost
+    is probed when it has none and again every `reprobe_after` observations: it is what drafting has
+    to beat, and one measured in a disturbance (warm-up, a burst of prompts) would otherwise stand;
   - t_propose excludes "cold" proposals (the first after a step without drafts, or ever): they also
     make a draft model catch up on every token it has not seen, a one-off that says nothing about the
     steady cost of drafting. What catching up costs is fitted apart, over the tokens to catch up on
@@ -99,6 +101,7 @@ class AdaptiveSettings:
     budget_window: float = 2000.0  # steps over which the exploration budget is counted
     switch_margin: float = 0.02  # keep the previous best unless another k is this much faster
     stale_after: int = 1000  # observations after which a bucket's measurement of a k is a guess again
+    reprobe_after: int = 250  # while drafting, re-measure a plain decode step this often (observations)
 
 
 @dataclass(frozen=True)
@@ -319,9 +322,15 @@ class AdaptiveController:
     def _should_probe_decode(self, batch_size: int) -> bool:
         if self.verify_cost.weight < 2.0:
             return False  # the first steps: drafting K and measuring it comes first
+        s = self.settings
+        recent = self._last_probe is not None and self.num_choices - self._last_probe < 4 * s.explore_every
+        if recent:
+            return False
         known = self.costs.pure_decode_weight >= 1.0 and self.costs.decode_seconds(batch_size)[1]
-        recent = self._last_probe is not None and self.num_choices - self._last_probe < 4 * self.settings.explore_every
-        return not known and not recent
+        # Known, but measured long ago: what drafting has to beat is the decisive number, and a
+        # measurement from warm-up or a passing disturbance would otherwise stand until it goes stale.
+        age = self.costs.decode_age(batch_size)
+        return not known or (age is not None and age >= s.reprobe_after)
 
     def _may_explore(self, k: int, steps: int, est: ControllerEstimates) -> bool:
         """Whether the budget has room for exploring k now. What it will cost: its steps as priced now

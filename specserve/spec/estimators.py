@@ -148,11 +148,18 @@ class LocalFits:
         self._stamps: dict[tuple[int, int], int] = {}
         self._counts: dict[tuple[int, int], int] = {}
 
-    def add(self, batch_size: float, key: int, x: Sequence[float], y: float, now: int) -> None:
-        """One observation of the bucket of batch_size; a stale fit starts over (its data was a guess)."""
+    def add(self, batch_size: float, key: int, x: Sequence[float], y: float, now: int,
+            restart_ratio: float | None = None) -> None:
+        """One observation of the bucket of batch_size; a stale fit starts over (its data was a guess),
+        and so does one that mispredicts y by more than restart_ratio times either way (the step cost
+        changed: what it held was measured in a disturbance, warm-up say, and would outweigh a rare
+        new measurement for a whole window)."""
         slot = (batch_bucket(batch_size), key)
         fit = self._fits.get(slot)
         fresh = now - self._stamps.get(slot, now) <= self.stale_after
+        if fit is not None and fresh and restart_ratio is not None and fit.weight >= 1.0:
+            predicted = fit.predict(x)
+            fresh = predicted > 0 and predicted / restart_ratio <= y <= predicted * restart_ratio
         if fit is None or not fresh:
             fit = self._fits[slot] = self._make()
         self._counts[slot] = (self._counts.get(slot, 0) if fresh else 0) + 1
@@ -172,6 +179,11 @@ class LocalFits:
     def fresh(self, batch_size: float, key: int, now: int) -> bool:
         slot = (batch_bucket(batch_size), key)
         return self.get(batch_size, key) is not None and now - self._stamps[slot] <= self.stale_after
+
+    def age(self, batch_size: float, key: int, now: int) -> int | None:
+        """Observations since the bucket's fit for key was last updated (None: never)."""
+        stamp = self._stamps.get((batch_bucket(batch_size), key))
+        return None if stamp is None else now - stamp
 
 
 class PositionRates:
@@ -206,6 +218,9 @@ class PositionRates:
 
 
 _DECODE = 0  # LocalFits key of plain decode steps (verify steps and proposals: their k)
+# A bucket's plain decode step (always a CUDA graph, no drafts) costs within this factor of its fit
+# unless the world changed; verify fits do not restart (graph replays and eager forwards alternate).
+_DECODE_RESTART = 1.5
 _CATCH_UP_EXTRA = 0.25  # a proposer whose first proposal after a pause costs 25% more catches up
 _COLD_EXTRA_GUESS = 1.0  # until measured: a first proposal after a pause costs twice a warm one
 _PAUSE_S = 0.005  # unaccounted time between two observations beyond this (and the step's own): a pause
@@ -295,6 +310,10 @@ class StepCosts:
                 out.append(max(t[0], 0.0) if t is not None else 0.0)
         return out
 
+    def decode_age(self, b: float) -> int | None:
+        """Observations since this bucket last measured a plain decode step (None: never)."""
+        return self.local_cost.age(b, _DECODE, self.num_observed)
+
     def samples(self, b: float, k: int) -> int:
         """How many verify steps of k this bucket measured lately."""
         return self.local_cost.samples(b, k, self.num_observed)
@@ -359,7 +378,8 @@ class StepCosts:
             self.decode_cost.add(x, step.step_seconds)
             self.pure_decode_weight = self.pure_decode_weight * self._keep + (1.0 if prefill == 0 else 0.0)
             if prefill == 0:  # a bucket's decode fit: plain decode steps only (it cannot tell prompt chunks apart)
-                self.local_cost.add(step.batch_size, _DECODE, x, step.step_seconds, self.num_observed)
+                self.local_cost.add(step.batch_size, _DECODE, x, step.step_seconds, self.num_observed,
+                                    restart_ratio=_DECODE_RESTART)
 
     def _observe_proposal(self, p: ProposalStats, cold: bool, after_prompt: bool, unseen: float | None) -> None:
         """The fits over every batch size take every warm proposal; a bucket's own fit not those right

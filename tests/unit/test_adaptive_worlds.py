@@ -214,3 +214,23 @@ def test_a_step_after_a_pause_is_no_decode_measurement() -> None:
     ctrl.observe(SpecStepStats(4, 4, 0, 0.002, (), (), plain))
     assert ctrl.decode_cost.weight > weight
     assert ctrl.estimate(4).step_seconds[0] == pytest.approx(0.002, rel=0.01)
+
+
+def test_a_decode_cost_measured_in_a_disturbance_is_measured_again() -> None:
+    """A bucket's decode cost measured once while steps were slow (warm-up: 3x the true cost) made
+    drafting look better than no drafts. Where drafting does not pay (drafts mostly rejected, the verify
+    step dearer than a decode step), periodic decode probes must correct it and the controller settle
+    on k = 0, within 5% of no speculation; the probes must stay rare while drafting does pay."""
+    world = World(batch=2, alpha=0.2, step_s=0.0046, per_token_s=2e-5, lookup_s=3e-5, launch_s=0.0003,
+                  sync_host_s=0.0012, fill=(0.5, 0.4, 0.3, 0.2), graph_qs=tuple(range(1, K + 2)))
+    assert run_world(world, 0, 600)[0] > 1.05 * max(run_world(world, k, 600)[0] for k in range(1, K + 1))
+    ctrl = AdaptiveController(CFG)
+    plain = ProposalStats.measure(0, [], [], 0.0)
+    for _ in range(5):  # decode steps of the warm-up, three times slower than they are
+        ctrl.observe(SpecStepStats(2, 2, 0, 3 * world.step_s, (), (), plain))
+    chosen = assert_near_best(world, ctrl, 1500)
+    assert mostly(chosen[-300:]) == 0
+    good = World(batch=2, alpha=0.9, step_s=0.0046, per_token_s=2e-5, lookup_s=3e-5, launch_s=0.0003,
+                 sync_host_s=0.0006, graph_qs=tuple(range(1, K + 2)))
+    chosen = assert_near_best(good, AdaptiveController(CFG), 1500)
+    assert chosen[-1000:].count(0) <= 20

@@ -75,6 +75,22 @@ def test_batch_buckets_and_local_fits() -> None:
     assert fits.get(4, 1) is not None and fits.samples(4, 1, now=112) == 0
     fits.add(4, 1, (1.0, 8.0), 0.002, now=200)
     assert fits.samples(4, 1, now=200) == 1  # counted again from the stale point
+    assert fits.age(4, 1, now=230) == 30 and fits.age(4, 2, now=230) is None
+
+
+def test_a_local_fit_restarts_when_the_cost_changed() -> None:
+    """A decode fit measured in a disturbance (3x slow) starts over at the first step that it mispredicts
+    by more than the ratio, instead of outweighing it for a window; small deviations are averaged."""
+    fits = LocalFits(lambda: DecayedRegression(2, 32, (0.0, 1e-4)), stale_after=1000)
+    for now in range(5):
+        fits.add(2, 0, (1.0, 2.0), 0.015, now, restart_ratio=1.5)
+    fits.add(2, 0, (1.0, 2.0), 0.012, 5, restart_ratio=1.5)  # within 1.5x: averaged in
+    assert 0.012 < fits.get(2, 0).predict((1.0, 2.0)) < 0.015 and fits.samples(2, 0, now=5) == 6
+    fits.add(2, 0, (1.0, 2.0), 0.005, 6, restart_ratio=1.5)
+    assert fits.get(2, 0).predict((1.0, 2.0)) == pytest.approx(0.005, rel=1e-3)
+    assert fits.samples(2, 0, now=6) == 1
+    fits.add(2, 0, (1.0, 2.0), 0.020, 7)  # no ratio given (verify fits): never restarts
+    assert fits.samples(2, 0, now=7) == 2
 
 
 def test_position_rates_fade_toward_the_prior_in_time() -> None:
