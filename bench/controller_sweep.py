@@ -18,7 +18,7 @@ CUDA only). Steps mixing draft lengths pad to a captured length. The JSON counts
 padded replays and eager verify steps per point.
 
 Protocol per (concurrency c, policy), levels in the outer loop so a time-out cuts the largest
-concurrencies of every policy alike: max(c, --min-requests) requests, c in flight (closed loop:
+concurrencies of every policy alike: max(c * --rounds, --min-requests) requests, c in flight (closed loop:
 a finished request is replaced at once), greedy, a fixed number of output tokens (ignore_eos; fewer
 at high concurrency: --output-len-high from --high-from on), prefix caching off (prompts repeat
 across policies). Per request, from token timestamps the engine records: TTFT, TPOT
@@ -106,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256, help="output tokens per request below --high-from")
     p.add_argument("--output-len-high", type=int, default=128, help="output tokens from --high-from on")
     p.add_argument("--high-from", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="requests per point: max(c * rounds, --min-requests) (more rounds: less noise at high c)")
     p.add_argument("--point-warmup-tokens", type=int, default=64,
                    help="before each point, c unmeasured requests of this many tokens at its concurrency (0: none)")
     p.add_argument("--input-len", type=int, default=128, help="token-id prompts (ngram8b, custom without chat)")
@@ -249,12 +251,13 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
                     policy.choices.clear()
                 if graph_counts is not None:
                     graph_counts.clear()
-                row = run_point(llm, prompts, c, max(c, min_requests), output_len_at(c, args), args,
+                row = run_point(llm, prompts, c, max(c * args.rounds, min_requests), output_len_at(c, args), args,
                                 f"{pol_name}-c{c}")
                 row["concurrency"] = c
                 if policy is not None and isinstance(policy.controller, AdaptiveController) and policy.choices:
                     row["chosen_k"] = {str(k): v for k, v in sorted(Counter(policy.choices).items())}
                     row["mean_chosen_k"] = sum(policy.choices) / len(policy.choices)
+                    row["controller"] = controller_beliefs(policy.controller, c)
                 if graph_counts and policy is not None:
                     row["verify_steps"] = dict(graph_counts)
                 result["points"].setdefault(pol_name, {})[str(c)] = row
@@ -293,6 +296,22 @@ def _warm_up(engines: dict[str, LLM], policies: list[Policy], prompts: list[list
             engines["spec"].generate(wide, short)
         engines["spec"].generate(few, params)
         policy.choices.clear()
+
+
+def controller_beliefs(ctrl: AdaptiveController, c: int) -> dict[str, Any]:
+    """What the adaptive controller believed at the end of a point, at batch c (why it chose its k):
+    predicted step seconds and tokens/s per k, which k it priced on its own measurements there, the
+    acceptance and fill per position, its catch-up pricing and the exploration budget spent."""
+    est = ctrl.estimate(c)
+    costs = ctrl.costs
+    return {"best_k": est.best_k, "step_ms": [round(t * 1e3, 4) for t in est.step_seconds],
+            "propose_ms": [round(t * 1e3, 4) for t in est.propose_seconds],
+            "tokens_per_s": [round(r, 1) for r in est.tokens_per_s], "trusted": list(est.trusted),
+            "decode_trusted": est.decode_trusted, "acceptance": [round(a, 3) for a in est.acceptance_per_pos],
+            "fill": [round(f, 3) for f in est.fill_per_pos], "cold_extra": costs.cold_extra,
+            "decode_age": costs.decode_age(c), "samples": [costs.samples(c, k) for k in range(1, ctrl.max_k + 1)],
+            "exploration_loss_s": round(ctrl.exploration_loss_seconds, 5),
+            "observed_s": round(ctrl.observed_seconds, 4), "num_observed": costs.num_observed}
 
 
 def _point_warm_up(llm: LLM, prompts: list[list[int]], c: int, tokens: int, args: argparse.Namespace) -> None:

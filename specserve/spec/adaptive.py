@@ -26,8 +26,9 @@ short or empty). Everything is measured here, over moving windows:
     (engine/overlap.py) that step is timed when its forward is launched, not when it ends, so it looks
     several times cheaper than a decode step is. A decode measurement (a "probe" while drafting, an
     exploration of k = 0) therefore lasts at least two steps. While drafting, a bucket's decode cost
-    is probed when it has none and again every `reprobe_after` observations: it is what drafting has
-    to beat, and one measured in a disturbance (warm-up, a burst of prompts) would otherwise stand;
+    is probed when it has none and, unless the proposer catches up, again every `reprobe_after`
+    observations: it is what drafting has to beat, and one measured in a disturbance (warm-up, a
+    burst of prompts) would otherwise stand;
   - t_propose excludes "cold" proposals (the first after a step without drafts, or ever): they also
     make a draft model catch up on every token it has not seen, a one-off that says nothing about the
     steady cost of drafting. What catching up costs is fitted apart, over the tokens to catch up on
@@ -255,7 +256,10 @@ class AdaptiveController:
             # Two at least: the first after drafting is no measurement (see the module doc).
             self._last_probe = self.num_choices
             k = 0
-            self._start_burst(0, max(self.settings.explore_burst, 2), exploring=False)
+            # Two steps at least: the first after drafting is no measurement; three for a re-probe, whose
+            # two measurements may restart a decode fit (estimators.LocalFits: twice the same way).
+            self._start_burst(0, max(self.settings.explore_burst, 3 if self.costs.decode_age(batch_size) else 2),
+                              exploring=False)
         elif not self._wait_for_decode(est):
             candidate = self._candidate(est)
             steps = self._burst_steps(candidate)
@@ -329,8 +333,10 @@ class AdaptiveController:
         known = self.costs.pure_decode_weight >= 1.0 and self.costs.decode_seconds(batch_size)[1]
         # Known, but measured long ago: what drafting has to beat is the decisive number, and a
         # measurement from warm-up or a passing disturbance would otherwise stand until it goes stale.
+        # Not for a proposer that catches up (a draft model): resuming after a probe costs it a
+        # catch-up, and on the H200 pair such probes left it at k = 0 where drafting won.
         age = self.costs.decode_age(batch_size)
-        return not known or (age is not None and age >= s.reprobe_after)
+        return not known or (not self.catches_up() and age is not None and age >= s.reprobe_after)
 
     def _may_explore(self, k: int, steps: int, est: ControllerEstimates) -> bool:
         """Whether the budget has room for exploring k now. What it will cost: its steps as priced now

@@ -147,19 +147,23 @@ class LocalFits:
         self._fits: dict[tuple[int, int], DecayedRegression] = {}
         self._stamps: dict[tuple[int, int], int] = {}
         self._counts: dict[tuple[int, int], int] = {}
+        self._off: dict[tuple[int, int], int] = {}  # the last observation above (1) or below (-1) restart_ratio
 
     def add(self, batch_size: float, key: int, x: Sequence[float], y: float, now: int,
             restart_ratio: float | None = None) -> None:
         """One observation of the bucket of batch_size; a stale fit starts over (its data was a guess),
-        and so does one that mispredicts y by more than restart_ratio times either way (the step cost
-        changed: what it held was measured in a disturbance, warm-up say, and would outweigh a rare
-        new measurement for a whole window)."""
+        and so does one that mispredicts y by more than restart_ratio times the same way twice in a row
+        (the step cost changed: what it held was measured in a disturbance, warm-up say, and would
+        outweigh rare new measurements for a whole window)."""
         slot = (batch_bucket(batch_size), key)
         fit = self._fits.get(slot)
         fresh = now - self._stamps.get(slot, now) <= self.stale_after
         if fit is not None and fresh and restart_ratio is not None and fit.weight >= 1.0:
             predicted = fit.predict(x)
-            fresh = predicted > 0 and predicted / restart_ratio <= y <= predicted * restart_ratio
+            off = 0 if predicted / restart_ratio <= y <= predicted * restart_ratio else (1 if y > predicted else -1)
+            # two in a row, the same way: one outlier (a hiccup, a step timed at its launch) only averages in
+            fresh = off == 0 or self._off.get(slot) != off
+            self._off[slot] = off
         if fit is None or not fresh:
             fit = self._fits[slot] = self._make()
         self._counts[slot] = (self._counts.get(slot, 0) if fresh else 0) + 1

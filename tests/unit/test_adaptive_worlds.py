@@ -234,3 +234,12 @@ def test_a_decode_cost_measured_in_a_disturbance_is_measured_again() -> None:
                  sync_host_s=0.0006, graph_qs=tuple(range(1, K + 2)))
     chosen = assert_near_best(good, AdaptiveController(CFG), 1500)
     assert chosen[-1000:].count(0) <= 20
+
+
+def test_a_draft_model_is_not_re_probed_while_drafting_pays() -> None:
+    """Periodic decode probes would make a draft model catch up each time drafting resumes (the H200
+    pair left drafting for long stretches after them): a proposer that catches up is only probed while
+    its bucket's decode cost is unknown (or stale: one probe per `stale_after` observations)."""
+    ctrl = AdaptiveController(CFG)
+    chosen = assert_near_best(pair_world(1), ctrl, 2000)
+    assert chosen[-1200:].count(0) <= 3  # re-probing every 250 observations: 12

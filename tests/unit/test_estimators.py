@@ -86,11 +86,17 @@ def test_a_local_fit_restarts_when_the_cost_changed() -> None:
         fits.add(2, 0, (1.0, 2.0), 0.015, now, restart_ratio=1.5)
     fits.add(2, 0, (1.0, 2.0), 0.012, 5, restart_ratio=1.5)  # within 1.5x: averaged in
     assert 0.012 < fits.get(2, 0).predict((1.0, 2.0)) < 0.015 and fits.samples(2, 0, now=5) == 6
-    fits.add(2, 0, (1.0, 2.0), 0.005, 6, restart_ratio=1.5)
-    assert fits.get(2, 0).predict((1.0, 2.0)) == pytest.approx(0.005, rel=1e-3)
-    assert fits.samples(2, 0, now=6) == 1
-    fits.add(2, 0, (1.0, 2.0), 0.020, 7)  # no ratio given (verify fits): never restarts
-    assert fits.samples(2, 0, now=7) == 2
+    fits.add(2, 0, (1.0, 2.0), 0.005, 6, restart_ratio=1.5)  # one low outlier: averaged in
+    assert fits.samples(2, 0, now=6) == 7
+    fits.add(2, 0, (1.0, 2.0), 0.030, 7, restart_ratio=1.5)  # off the other way: still no restart
+    assert fits.samples(2, 0, now=7) == 8
+    fits.add(2, 0, (1.0, 2.0), 0.004, 8, restart_ratio=1.5)
+    fits.add(2, 0, (1.0, 2.0), 0.004, 9, restart_ratio=1.5)  # twice low in a row: the cost changed
+    assert fits.get(2, 0).predict((1.0, 2.0)) == pytest.approx(0.004, rel=1e-3)
+    assert fits.samples(2, 0, now=9) == 1
+    fits.add(2, 0, (1.0, 2.0), 0.020, 10)  # no ratio given (verify fits): never restarts
+    fits.add(2, 0, (1.0, 2.0), 0.020, 11)
+    assert fits.samples(2, 0, now=11) == 3
 
 
 def test_position_rates_fade_toward_the_prior_in_time() -> None:
