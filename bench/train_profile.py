@@ -33,9 +33,11 @@ class _TokenCounter:
 
     def __init__(self) -> None:
         self.tokens = 0
+        self.stamps: list[float] = []  # host time at each step's start (no sync: the host's pace)
         self._target_batch = train.target_batch
 
     def __call__(self, *args, **kwargs):
+        self.stamps.append(time.perf_counter())
         out = self._target_batch(*args, **kwargs)
         self.tokens += out[0].numel()
         return out
@@ -92,6 +94,7 @@ def main() -> None:
     # --steps, so the difference of the two runs' wall times is --steps - 2 training steps.
     def timed(steps: int, name: str):
         counter.tokens = 0
+        counter.stamps.clear()
         t = time.perf_counter()
         res = train.run_training(_args(a.shape, a.method, tmp / name, data, steps, a.extra), llm=llm)
         _sync()
@@ -99,6 +102,13 @@ def main() -> None:
 
     wall2, tokens2, _ = timed(2, "t2")
     wall, tokens, res = timed(a.steps, "t")
+    stamps = counter.stamps
+    # Steps 1-2 repeat the warm-up's batch shapes, later steps see new ones (a per-shape cost shows here).
+    print("host ms between step starts (timed run):", [round((y - x) * 1e3) for x, y in zip(stamps, stamps[1:])])
+    if torch.cuda.is_available():
+        stats = torch.cuda.memory_stats()
+        print(f"allocator: {stats.get('num_alloc_retries', 0)} alloc retries (cudaFree + sync), "
+              f"{stats.get('segment.all.allocated', 0)} segments cudaMalloc'ed in all")
     per_step = (wall - wall2) / (a.steps - 2)
     tokens_per_step = (tokens - tokens2) / (a.steps - 2)
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0

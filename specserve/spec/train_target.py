@@ -131,7 +131,9 @@ def _reduced_labels(model, hidden: torch.Tensor, d2t: torch.Tensor) -> tuple[tor
     logits exist at once instead of [T, vocab] logits + probs (~5 GB each for 8192 x 151936)."""
     chunk = max(1, _LABEL_CHUNK_BYTES // (4 * model.arch.vocab_size))
     probs, top = [], []
-    for h in hidden.split(chunk):
+    # Equal chunks: a remainder of 1-4 rows would run the LM head through the GEMV kernel, which
+    # compiles for each new row count (about a second each on the H200, mid-training).
+    for h in hidden.tensor_split(max(1, -(-hidden.shape[0] // chunk))):
         logits = model.compute_logits(h)  # [chunk, vocab] float32
         top.append(logits.argmax(dim=-1))
         lse = logits.logsumexp(dim=-1, keepdim=True)
