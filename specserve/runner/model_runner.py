@@ -66,7 +66,8 @@ class ModelRunner:
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...] = (1,),
                        prefill_query_lens: tuple[int, ...] = ()) -> None:
         """Capture decode (and verify) CUDA graphs for batch sizes up to max_num_seqs, and short
-        prefills of a few sequences (runner/cuda_graph.py PREFILL_QUERY_LENS)."""
+        prefills of a few sequences (runner/cuda_graph.py PREFILL_QUERY_LENS); then run one forward of
+        each small row count (runner/warmup.py)."""
         from specserve.runner.cuda_graph import CudaGraphRunner, graph_batch_sizes
 
         sizes = graph_batch_sizes(max_num_seqs)
@@ -74,6 +75,11 @@ class ModelRunner:
                                  max_model_len, self.block_size, sizes, query_lens, prefill_query_lens)
         runner.capture()
         self.graphs = runner
+        # The small eager forwards graphs do not cover compile their GEMV variants now, not mid-serving.
+        from specserve.model.layers.triton_gemv import gemv_max_m
+        from specserve.runner.warmup import warm_small_forwards
+
+        warm_small_forwards(self, gemv_max_m())
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False,

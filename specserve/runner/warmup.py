@@ -1,0 +1,41 @@
+"""Compile, at start-up, the kernels an eager forward of a few rows uses.
+
+The GEMV (model/layers/triton_gemv.py) serves every linear of up to `gemv_max_m()` rows, with a
+BLOCK_M and tiles per row count: each new row count is a new Triton compile (about 0.1 s per
+linear, so half a second per forward on the H200). CUDA graphs cover the decode and verify shapes,
+but other small forwards run eagerly mid-serving: a draft model catching up on 3-8 tokens, a prompt
+remainder of a few tokens, a verify batch between the captured lengths. Their first occurrence
+stalled a request by ~0.5 s in the H200 controller sweep (one request of eight at concurrency 1,
+846 ms against 290-341 ms for the others). Running one forward of each small row count here,
+together with the LM head at that many rows, moves those compiles to start-up (and Triton's disk
+cache makes later start-ups cheap).
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.kv.manager import KVCacheManager
+from specserve.sampling_params import SamplingParams
+from specserve.scheduler.request import Request
+from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@torch.inference_mode()
+def warm_small_forwards(runner, max_rows: int) -> list[int]:
+    """One forward of a single sequence of t tokens for t = 1..max_rows (through the runner's own
+    dispatch: a captured graph where one fits, eagerly otherwise) and the LM head over t rows.
+    Writes only KV slots of a throwaway block table over the runner's pool (called before any
+    request exists, so nothing is overwritten that matters). Returns the row counts run."""
+    block_size = runner.block_size
+    max_rows = min(max_rows, runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * block_size)
+    model = runner.model
+    hidden_size, dtype = runner.loaded.arch.hidden_size, model.embed_tokens.weight.dtype
+    done = []
+    for t in range(1, max_rows + 1):
+        kv = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)
+        req = Request(f"warm-{t}", [0] * t, SamplingParams(max_tokens=1), 1)
+        kv.allocate_slots(req, t)
+        runner.execute(SchedulerOutput([ScheduledRequest(req, t, 0)], t), kv.block_ids)
+        model.compute_logits(torch.zeros(t, hidden_size, device=runner.device, dtype=dtype))
+        done.append(t)
+    return done

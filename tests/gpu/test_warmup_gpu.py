@@ -1,0 +1,40 @@
+"""runner/warmup.py on the GPU: after start-up, the small eager forwards of serving (a few prompt tokens,
+a draft model catching up on 3-8 tokens) compile no GEMV variant mid-serving. On the H200 such a
+compile stalled one request by ~0.5 s in the controller sweep."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+
+
+def _count_compiles(monkeypatch) -> list[str]:
+    from triton.runtime.jit import JITFunction
+
+    compiled: list[str] = []
+    real = JITFunction._do_compile
+
+    def counting(self, *args, **kwargs):
+        compiled.append(self.__name__)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", counting)
+    return compiled
+
+
+def test_small_forwards_compile_no_gemv_after_start_up(tiny_qwen2_dir, monkeypatch, device: torch.device) -> None:
+    llm = LLM(model=str(tiny_qwen2_dir), progress=False, device="cuda", dtype="bfloat16", max_num_seqs=8,
+              kv_cache_memory_bytes=16 << 20, enable_prefix_caching=False)
+    assert llm.engine.runner.graphs is not None
+    compiled = _count_compiles(monkeypatch)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for n in range(1, 9):  # one prompt of n tokens: an eager (or graphed) forward of n rows
+        llm.generate([{"prompt_token_ids": list(range(7, 7 + n))}], params)
+    assert not [name for name in compiled if "gemv" in name], compiled
+    # The counter sees a compile where one happens: float16, a dtype the bf16 model never ran.
+    from specserve.model.layers import triton_gemv
+
+    x = torch.randn(3, 40, device=device, dtype=torch.float16)
+    triton_gemv.linear(x, torch.randn(24, 40, device=device, dtype=torch.float16))
+    assert any("gemv" in name for name in compiled), compiled

@@ -1,0 +1,31 @@
+"""runner/warmup.py: the start-up forwards of 1..N tokens run through the runner's own dispatch and
+leave nothing behind that a request could see."""
+from __future__ import annotations
+
+from specserve import LLM, SamplingParams
+from specserve.runner.warmup import warm_small_forwards
+
+
+def test_warm_up_runs_every_small_row_count_and_changes_no_output(tiny_llama_dir) -> None:
+    prompts = [{"prompt_token_ids": [5, 9, 11, 3, 7]}, {"prompt_token_ids": [2, 4, 6]}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    warmed = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    runner = warmed.engine.runner
+    calls = []
+    real = runner.execute
+    runner.execute = lambda sched, *a, **kw: calls.append(sched.num_batched_tokens) or real(sched, *a, **kw)
+    assert warm_small_forwards(runner, 8) == list(range(1, 9))
+    assert calls == list(range(1, 9))  # one forward of each row count, through the runner's dispatch
+    runner.execute = real
+    assert warmed.engine.kv.pool.num_free_blocks == plain.engine.kv.pool.num_free_blocks  # the engine's KV untouched
+    assert [o.outputs[0].token_ids for o in warmed.generate(prompts, params)] == want
+
+
+def test_warm_up_fits_a_tiny_pool(tiny_llama_dir) -> None:
+    """A pool of two blocks (block size 16) takes forwards of up to 16 tokens: never more rows than fit."""
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    runner = llm.engine.runner
+    runner.num_blocks = 2
+    assert warm_small_forwards(runner, 64) == list(range(1, 17))
