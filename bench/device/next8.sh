@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # First device call of the eighth session (~6 min, random weights, no uploads):
 #   tests8.txt: the GPU kernel tests this session's calls cut short (test_triton_attention after
-#     test_split_counters, fixed in c323423; test_triton_ops with the re-tuned M = 2/4/8 table);
+#     test_split_counters, fixed in c323423; test_triton_ops with the re-tuned M = 2/4/8 table) and the
+#     start-up warm-up's check (test_warmup_gpu: no GEMV compile while serving small forwards);
 #   train_v*.txt: the reduced-vocabulary training step in both orders. On 11-30 the 32k vocabulary ran
 #     first and measured 1,035 ms per step against 563 ms for the full one, with less GPU time (218 vs 261
 #     ms) and no host sync in its code (a CPU check found none): if the gap follows whichever runs first,
@@ -15,7 +16,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/env.sh
 OUT=${OUT:-/tmp/out}
-timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/gpu/test_triton_attention.py tests/gpu/test_triton_ops.py \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/gpu/test_warmup_gpu.py tests/gpu/test_triton_attention.py \
+  tests/gpu/test_triton_ops.py \
   > "$OUT/tests8.txt" 2>&1
 tail -n 3 "$OUT/tests8.txt"
 i=0
