@@ -55,10 +55,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 from specserve.config import SpeculativeConfig
+from specserve.spec.adaptive_settings import AdaptiveSettings, ControllerEstimates
 from specserve.spec.estimators import (
     DecayedRegression,
     PositionRates,
@@ -82,44 +83,6 @@ __all__ = [
 _PROMISING_GAP = 3  # choices between explorations of a promising k outside the schedule
 _EPOCH = 64  # observations between acceptance fading steps (and staleness checks of the cached terms)
 _DOUBT_SAMPLES = 3  # a k measured fewer times than this at a bucket (lately) is explored as a guess
-
-
-@dataclass(frozen=True)
-class AdaptiveSettings:
-    """Tuning of the adaptive controller; the defaults are what the engine uses."""
-
-    acceptance_prior: float = 0.8  # optimistic: a fresh controller drafts and measures
-    prior_weight: float = 4.0  # samples the prior is worth
-    acceptance_window: float = 100.0  # samples per position
-    acceptance_horizon: float = 1000.0  # observations over which acceptance measured then fades toward the prior
-    cost_window: float = 32.0  # steps per cost model
-    slope_ridge: float = 1e-4
-    explore_every: int = 10  # every n-th choice tries a neighbour of the best k (0: never)
-    explore_max_loss: float = 0.25  # a neighbour predicted this much slower ...
-    explore_backoff: int = 4  # ... is tried on every n-th exploration slot only
-    explore_burst: int = 2  # steps an exploration from k = 0 lasts (a draft model's catch-up, then a warm step)
-    explore_budget: float | None = 0.01  # exploring may lose at most this fraction of the time (None: no cap)
-    budget_window: float = 2000.0  # steps over which the exploration budget is counted
-    switch_margin: float = 0.02  # keep the previous best unless another k is this much faster
-    stale_after: int = 1000  # observations after which a bucket's measurement of a k is a guess again
-    reprobe_after: int = 250  # while drafting, re-measure a plain decode step this often (observations)
-
-
-@dataclass(frozen=True)
-class ControllerEstimates:
-    """What the controller believed when it chose; tuples indexed by k (0..K) or position."""
-
-    batch_size: int
-    best_k: int
-    chosen_k: int
-    acceptance_per_pos: tuple[float, ...]
-    fill_per_pos: tuple[float, ...]
-    expected_tokens: tuple[float, ...]  # per request per step
-    step_seconds: tuple[float, ...]  # predicted verify (or decode) + proposal time
-    tokens_per_s: tuple[float, ...]
-    trusted: tuple[int, ...] = ()  # the k priced on fresh data of this batch bucket (0 always)
-    propose_seconds: tuple[float, ...] = ()  # the (warm) proposal's share of step_seconds
-    decode_trusted: bool = True  # the decode cost (k = 0) is priced on fresh data of this batch bucket
 
 
 class _Choice(NamedTuple):

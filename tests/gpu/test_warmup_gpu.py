@@ -3,7 +3,6 @@ a draft model catching up on 3-8 tokens) compile no GEMV variant mid-serving. On
 compile stalled one request by ~0.5 s in the controller sweep."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from specserve import LLM, SamplingParams
