@@ -1,14 +1,13 @@
 """Compile, at start-up, the kernels an eager forward of a few rows uses.
 
 The GEMV (model/layers/triton_gemv.py) serves every linear of up to `gemv_max_m()` rows, with a
-BLOCK_M and tiles per row count: each new row count is a new Triton compile (about 0.1 s per
-linear, so half a second per forward on the H200). CUDA graphs cover the decode and verify shapes,
-but other small forwards run eagerly mid-serving: a draft model catching up on 3-8 tokens, a prompt
-remainder of a few tokens, a verify batch between the captured lengths. Their first occurrence
-stalled a request by ~0.5 s in the H200 controller sweep (one request of eight at concurrency 1,
-846 ms against 290-341 ms for the others). Running one forward of each small row count here,
-together with the LM head at that many rows, moves those compiles to start-up (and Triton's disk
-cache makes later start-ups cheap).
+BLOCK_M, tiles and prefetch choice per row count: a row count no forward has used yet compiles new
+Triton variants, one per linear. CUDA graphs cover the decode and verify shapes, but other small
+forwards run eagerly mid-serving: a draft model catching up on 3-8 tokens, a prompt remainder of a
+few tokens, a verify batch between the captured lengths. In the H200 controller sweep one request of
+eight at concurrency 1 took 846 ms against 290-341 ms for the others, a one-off stall of the size such
+compiles take. Running one forward of each small row count here, together with the LM head at that
+many rows, moves those compiles to start-up (Triton's disk cache makes later start-ups cheap).
 """
 from __future__ import annotations
 

@@ -296,8 +296,8 @@ class AdaptiveController:
         known = self.costs.pure_decode_weight >= 1.0 and self.costs.decode_seconds(batch_size)[1]
         # Known, but measured long ago: what drafting has to beat is the decisive number, and a
         # measurement from warm-up or a passing disturbance would otherwise stand until it goes stale.
-        # Not for a proposer that catches up (a draft model): resuming after a probe costs it a
-        # catch-up, and on the H200 pair such probes left it at k = 0 where drafting won.
+        # Not for a proposer that catches up (a draft model): every probe would cost it a catch-up
+        # when drafting resumes, and its decode cost is re-measured when it goes stale anyway.
         age = self.costs.decode_age(batch_size)
         return not known or (not self.catches_up() and age is not None and age >= s.reprobe_after)
 
