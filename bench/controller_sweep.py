@@ -248,7 +248,7 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
                 if args.point_warmup_tokens > 0:
                     _point_warm_up(llm, prompts, c, args.point_warmup_tokens, args)
                 if policy is not None:
-                    policy.choices.clear()
+                    policy.clear()
                 if graph_counts is not None:
                     graph_counts.clear()
                 row = run_point(llm, prompts, c, max(c * args.rounds, min_requests), output_len_at(c, args), args,
@@ -260,6 +260,8 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
                     row["controller"] = controller_beliefs(policy.controller, c)
                 if graph_counts and policy is not None:
                     row["verify_steps"] = dict(graph_counts)
+                if policy is not None:
+                    row["steps_by_k"] = policy.steps_by_k()
                 result["points"].setdefault(pol_name, {})[str(c)] = row
                 result["elapsed_s"] = time.monotonic() - t0
                 writer.write()
@@ -295,7 +297,7 @@ def _warm_up(engines: dict[str, LLM], policies: list[Policy], prompts: list[list
         if i == 0:
             engines["spec"].generate(wide, short)
         engines["spec"].generate(few, params)
-        policy.choices.clear()
+        policy.clear()
 
 
 def controller_beliefs(ctrl: AdaptiveController, c: int) -> dict[str, Any]:

@@ -90,14 +90,38 @@ class Policy:
     def __init__(self, name: str, controller: Any, graph_qs: tuple[int, ...] | None) -> None:
         self.name, self.controller, self.graph_qs = name, controller, graph_qs
         self.choices: list[int] = []
-        choose = controller.choose
+        self.steps: list[tuple[int, float, float, int]] = []  # per step: (k, step s, proposal s, tokens)
+        choose, observe = controller.choose, controller.observe
 
         def recording(batch_size: int) -> int:
             k = choose(batch_size)
             self.choices.append(k)
             return k
 
-        controller.choose = recording
+        def observing(step) -> None:
+            p = step.proposal
+            self.steps.append((p.num_speculative_tokens if p is not None else -1, step.step_seconds,
+                               p.seconds if p is not None else 0.0, step.batch_size + sum(step.accepted_per_pos)))
+            observe(step)
+
+        controller.choose, controller.observe = recording, observing
+
+    def clear(self) -> None:
+        self.choices.clear()
+        self.steps.clear()
+
+    def steps_by_k(self) -> dict[str, dict[str, float]]:
+        """What the engine measured per step during a point, by the k of the proposal the step verified
+        (-1: no proposal, e.g. a prompt step): steps, mean step and proposal ms, tokens per step, the
+        costs the adaptive controller fits (so its beliefs can be checked against them)."""
+        out: dict[str, dict[str, float]] = {}
+        for k in sorted({s[0] for s in self.steps}):
+            rows = [s for s in self.steps if s[0] == k]
+            n = len(rows)
+            out[str(k)] = {"steps": n, "step_ms": round(1e3 * sum(r[1] for r in rows) / n, 4),
+                           "propose_ms": round(1e3 * sum(r[2] for r in rows) / n, 4),
+                           "tokens_per_step": round(sum(r[3] for r in rows) / n, 3)}
+        return out
 
     def install(self, llm: LLM) -> None:
         spec = llm.engine.spec
