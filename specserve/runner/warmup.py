@@ -14,14 +14,15 @@ from __future__ import annotations
 import torch
 
 from specserve.kv.manager import KVCacheManager
+from specserve.runner.model_runner import ModelRunner
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @torch.inference_mode()
-def warm_small_forwards(runner, max_rows: int) -> list[int]:
-    """One forward of a single sequence of t tokens for t = 1..max_rows (through the runner's own
+def warm_small_forwards(runner: ModelRunner, max_rows: int) -> list[int]:
+    """One forward of a single sequence of t tokens for t = 1..max_rows (through the runner's
     dispatch: a captured graph where one fits, eagerly otherwise) and the LM head over t rows.
     Writes only KV slots of a throwaway block table over the runner's pool (called before any
     request exists, so nothing is overwritten that matters). Returns the row counts run."""
@@ -34,7 +35,10 @@ def warm_small_forwards(runner, max_rows: int) -> list[int]:
         kv = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)
         req = Request(f"warm-{t}", [0] * t, SamplingParams(max_tokens=1), 1)
         kv.allocate_slots(req, t)
-        runner.execute(SchedulerOutput([ScheduledRequest(req, t, 0)], t), kv.block_ids)
+        # The base class's execute, not an override: under tensor parallelism rank 0's runner
+        # (distributed/executor.py TPExecutor) would broadcast the step to workers that are running
+        # this same warm-up themselves; here every rank runs the same forwards in the same order.
+        ModelRunner.execute(runner, SchedulerOutput([ScheduledRequest(req, t, 0)], t), kv.block_ids)
         model.compute_logits(torch.zeros(t, hidden_size, device=runner.device, dtype=dtype))
         done.append(t)
     return done

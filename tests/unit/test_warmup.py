@@ -2,6 +2,8 @@
 leave nothing behind that a request could see."""
 from __future__ import annotations
 
+import pytest
+
 from specserve import LLM, SamplingParams
 from specserve.runner.warmup import warm_small_forwards
 
@@ -14,11 +16,13 @@ def test_warm_up_runs_every_small_row_count_and_changes_no_output(tiny_llama_dir
     warmed = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
     runner = warmed.engine.runner
     calls = []
-    real = runner.execute
-    runner.execute = lambda sched, *a, **kw: calls.append(sched.num_batched_tokens) or real(sched, *a, **kw)
+    real = runner._execute
+    runner._execute = lambda sched, *a, **kw: calls.append(sched.num_batched_tokens) or real(sched, *a, **kw)
+    # An override of execute (tensor parallelism's rank 0 broadcasts there) is not what warms up.
+    runner.execute = lambda *a, **kw: pytest.fail("the warm-up must not go through an execute override")
     assert warm_small_forwards(runner, 8) == list(range(1, 9))
     assert calls == list(range(1, 9))  # one forward of each row count, through the runner's dispatch
-    runner.execute = real
+    del runner._execute, runner.execute
     assert warmed.engine.kv.pool.num_free_blocks == plain.engine.kv.pool.num_free_blocks  # the engine's KV untouched
     assert [o.outputs[0].token_ids for o in warmed.generate(prompts, params)] == want
 
