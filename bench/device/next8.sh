@@ -10,8 +10,10 @@
 # Then: the 26 uploads (put_part.sh) and, in the same lease,
 #   python3 bench/controller_sweep.py --mode pair --policies off,fixed,adaptive --min-requests 8 --rounds 3 \
 #     --time-budget-s 300 --plots --out-dir "$OUT"
-# (the JSON's "controller" rows say why the adaptive controller chose its k), and the head run in
-# docs/benchmarks.md's "Faster head training" section (bench/train_and_measure_gpu.sh).
+# (the JSON's "controller" rows say why the adaptive controller chose its k; "steps_by_k" what the
+# engine measured), and a head run that gives EAGLE-3 most of a call (the last one had 130 s of a
+# 500 s call): bench/train_and_measure_gpu.sh with --gen-s 150 --eagle3-s 300 and a shorter --runs
+# list (none, eagle3:2, eagle3:3, eagle3:4, draft_model:4), P-EAGLE in its own call.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/env.sh
