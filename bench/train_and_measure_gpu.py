@@ -76,8 +76,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--num-mask-slots", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--layer-lr-scale", type=float, default=0.3,
-                   help="lr factor of the decoder layer copied from the target (new fc/fuse/mask params: --lr)")
+    p.add_argument("--layer-lr-scale", type=float, default=1.0,
+                   help="lr factor of the head's decoder layer (random by default in train-draft; 0.3 suited "
+                        "the copy of the target's last layer used before)")
     p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per training step")
     p.add_argument("--bench-prompts", type=int, default=8)
     p.add_argument("--bench-tokens", type=int, default=256)

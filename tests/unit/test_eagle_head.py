@@ -380,3 +380,14 @@ def test_train_with_a_reduced_draft_vocab(tiny_llama_dir, tiny_llm, tmp_path):
     plain = [o.outputs[0].token_ids for o in tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == plain
     assert llm.engine.stats.get("spec_decode_num_draft_tokens_total") > 0
+
+
+def test_the_head_layer_starts_random_unless_asked_to_copy_the_target() -> None:
+    """train-draft's default decoder layer is random (a copy of the target's last layer trained worse:
+    docs/benchmarks.md, seventh session); --init-from-target brings the copy back."""
+    from specserve.spec.train import _parser
+
+    base = ["--target", "t", "--method", "eagle3", "--out", "o"]
+    assert _parser().parse_args(base).no_init_from_target is True
+    assert _parser().parse_args(base + ["--no-init-from-target"]).no_init_from_target is True
+    assert _parser().parse_args(base + ["--init-from-target"]).no_init_from_target is False
