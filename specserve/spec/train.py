@@ -76,8 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", help="dummy: random target weights of a shape name (smoke tests)")
     # A random layer by default: a copy of the target's last layer expects the target's residual stream
-    # (rms ~28 with a few massive dimensions on SmolLM2) but gets fc's output (rms ~0.6). On SmolLM2-135M (80 steps, 2 seeds) the copy reached held-out acc1/2/3 of
-    # ~0.21/0.20/0.19, a random layer ~0.34/0.28/0.28 (docs/benchmarks.md, seventh session).
+    # (rms ~28 with a few massive dimensions on SmolLM2) but gets fc's output (rms ~0.6). On
+    # SmolLM2-135M (80 steps, 2 seeds) the copy reached held-out acc1/2/3 of ~0.21/0.20/0.19, a random
+    # layer ~0.34/0.28/0.28 (docs/benchmarks.md, seventh session).
     p.add_argument("--init-from-target", dest="no_init_from_target", action="store_false",
                    help="start the decoder layer as a copy of the target's last layer (default: random)")
     p.add_argument("--no-init-from-target", action="store_true", default=True,
