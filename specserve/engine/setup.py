@@ -15,9 +15,9 @@ from specserve.model.loader import LoadedModel, load_model, resolve_dtype
 from specserve.runner.cuda_graph import PREFILL_QUERY_LENS, graph_output_bytes
 from specserve.runner.memory import kv_budget_bytes
 from specserve.runner.model_runner import ModelRunner, select_backend
+from specserve.runner.warmup import dummy_forward, dummy_logits
 from specserve.sample.sampler import Sampler
-from specserve.scheduler.request import Request
-from specserve.scheduler.scheduler import Scheduler, SchedulerOutput, ScheduledRequest
+from specserve.scheduler.scheduler import Scheduler
 
 
 @dataclass
@@ -150,13 +150,7 @@ def _profile_run(loaded: LoadedModel, spec: KVCacheSpec, device: torch.device, b
     num_tokens = min(num_tokens, loaded.max_model_len - 1)
     num_blocks = -(-(num_tokens + 1) // spec.block_size) + 1
     runner = ModelRunner(loaded, spec, num_blocks, device, backend)
-    kv = KVCacheManager(num_blocks, spec.block_size, enable_prefix_caching=False)
-    from specserve.sampling_params import SamplingParams
-
-    req = Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1), 1)
-    kv.allocate_slots(req, num_tokens)
-    runner.execute(SchedulerOutput([ScheduledRequest(req, num_tokens, 0)], num_tokens), kv.block_ids)
+    dummy_forward(runner, num_tokens, num_blocks)
     # Logits for every running sequence at once are the other large activation.
-    loaded.model.compute_logits(torch.zeros(max_num_seqs, loaded.arch.hidden_size, device=device,
-                                            dtype=loaded.model.embed_tokens.weight.dtype))
+    dummy_logits(runner, max_num_seqs)
     del runner

@@ -20,28 +20,36 @@ from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
+def dummy_forward(runner: ModelRunner, num_tokens: int, num_blocks: int) -> None:
+    """One forward of a single sequence of num_tokens placeholder tokens, over a throwaway block table
+    of num_blocks blocks (ids 0.. of the runner's pool), through ModelRunner.execute itself: under
+    tensor parallelism rank 0's runner (distributed/executor.py TPExecutor) overrides execute to
+    broadcast the step to workers, and every rank runs these start-up forwards itself, in the same
+    order. Also engine/setup.py's memory profile."""
+    kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=False)
+    req = Request(f"dummy-{num_tokens}", [0] * num_tokens, SamplingParams(max_tokens=1), 1)
+    kv.allocate_slots(req, num_tokens)
+    ModelRunner.execute(runner, SchedulerOutput([ScheduledRequest(req, num_tokens, 0)], num_tokens), kv.block_ids)
+
+
+def dummy_logits(runner: ModelRunner, rows: int) -> torch.Tensor:
+    """The LM head over `rows` zero hidden states: [rows, vocab]."""
+    model = runner.model
+    return model.compute_logits(torch.zeros(rows, runner.loaded.arch.hidden_size, device=runner.device,
+                                            dtype=model.embed_tokens.weight.dtype))
+
+
 @torch.inference_mode()
 def warm_small_forwards(runner: ModelRunner, max_rows: int) -> list[int]:
-    """One forward of a single sequence of t tokens for t = 1..max_rows (through the runner's
-    dispatch: a captured graph where one fits, eagerly otherwise) and the LM head over t rows.
-    Writes only KV slots of a throwaway block table over the runner's pool (called before any
-    request exists, so nothing is overwritten that matters). Returns the row counts run."""
-    block_size = runner.block_size
-    max_rows = min(max_rows, runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * block_size)
-    model = runner.model
-    hidden_size, dtype = runner.loaded.arch.hidden_size, model.embed_tokens.weight.dtype
-    done = []
-    # A few blocks are enough (ids 0.. of the runner's pool); a manager over the whole pool would
-    # build its free list of every block (0.2 s for 266k blocks) for each row count.
-    num_blocks = min(runner.num_blocks, -(-max_rows // block_size) + 1)
+    """dummy_forward of t tokens for t = 1..max_rows (a captured graph where one fits, eagerly
+    otherwise) and the LM head over t rows. It writes only KV slots of the first few blocks of the
+    runner's pool and runs before any request exists, so nothing that matters is overwritten.
+    Returns the row counts run."""
+    max_rows = min(max_rows, runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size)
+    # A few blocks are enough; a manager over the whole pool would build its free list of every
+    # block (0.2 s for 266k blocks) for each row count.
+    num_blocks = min(runner.num_blocks, -(-max_rows // runner.block_size) + 1)
     for t in range(1, max_rows + 1):
-        kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        req = Request(f"warm-{t}", [0] * t, SamplingParams(max_tokens=1), 1)
-        kv.allocate_slots(req, t)
-        # The base class's execute, not an override: under tensor parallelism rank 0's runner
-        # (distributed/executor.py TPExecutor) would broadcast the step to workers that are running
-        # this same warm-up themselves; here every rank runs the same forwards in the same order.
-        ModelRunner.execute(runner, SchedulerOutput([ScheduledRequest(req, t, 0)], t), kv.block_ids)
-        model.compute_logits(torch.zeros(t, hidden_size, device=runner.device, dtype=dtype))
-        done.append(t)
-    return done
+        dummy_forward(runner, t, num_blocks)
+        dummy_logits(runner, t)
+    return list(range(1, max_rows + 1))
