@@ -152,6 +152,15 @@ def _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i):
 
 
 @triton.jit
+def _softmax_step_full(s, m_i, l_i):
+    """_softmax_step for a tile that every row sees in full (in range, causally visible)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)  # m_i = -inf before the first tile: alpha 0
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _store_rows(acc, cols, col_ok, factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
                 part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head,
                 HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, STORE_ML: tl.constexpr):

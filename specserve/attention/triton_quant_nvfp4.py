@@ -17,7 +17,7 @@ time (LDS.U8 + PRMT, seen in the sm_90 SASS of a byte version), and from 32-bit 
 pair rows at all. The decode is elementwise, so it runs on the units right where they come out of
 shared memory in the dot-operand layout, with no layout conversion of the float16 tiles.
 
-Two decoders, both exact:
+Three decoders (the DECODER constexpr), all exact:
   v2 (plain Triton): nibble (s, e1, e0, m) goes to float16 bits (15, 11, 10, 9), which *is* the
      float16 number e2m1 * 2^-14 (subnormal 0.5 included); a few integer ops per value.
   v3 (inline PTX, sm_89+): two units (8 codes) per 32-bit register; every nibble becomes the e4m3
@@ -25,6 +25,11 @@ Two decoders, both exact:
      per 4 bytes, a byte permute pairs the two units' codes, and the hardware `cvt.rn.f16x2.e4m3x2`
      makes two float16 per instruction. Triton's interpreter runs no inline assembly: there the
      kernel takes the v2 decoder.
+  v4 (inline PTX): v2's bit placement on two units per 32-bit register: nibble j of both units
+     reaches its float16 place with one shift for the magnitude bits, one for the sign and two
+     masks, so no conversion instruction at all. v3 spends 13 instructions per 8 values, 4 of them
+     `cvt`s, which issue at a fraction of the integer rate; v4 spends 15 integer ones. On the H200 v3
+     reached 2.0 TB/s at batch 32 / 32k against fp8 v3's 3.7: the nvfp4 kernel is instruction-bound.
 v1 (triton_quant_v1.py) ran eight dots of depth head_dim / 8 over 32-bit words and gathered a scale
 per word with a synchronous 1-byte load. Scales multiply the decoded values in float16 (exact:
 products of a 2-bit and a 4-bit significand, >= 2^-24); the constant (2^14 or 2^6) * global_scale
@@ -45,6 +50,7 @@ from specserve.attention.triton_quant_common import (
     _qk4,
     _softmax_init,
     _softmax_step,
+    _softmax_step_full,
     _store_rows4,
     _tile_rows,
     _zeros4,
@@ -79,6 +85,35 @@ cvt.rn.f16x2.e4m3x2 $3, h13;
 """)
 
 
+# $4 = two 16-bit units; $j = nibble j of u0 (low half) and of u1 (high half) as float16 code * 2^-14:
+# magnitude bits (4j .. 4j + 2) -> (9 .. 11), sign bit 4j + 3 -> 15, in both halves at once.
+_DECODE_BITS_PTX = tl.constexpr("""
+{
+.reg .b32 a, b;
+shl.b32 a, $4, 9;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, $4, 12;
+and.b32 b, b, 0x80008000;
+or.b32 $0, a, b;
+shl.b32 a, $4, 5;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, $4, 8;
+and.b32 b, b, 0x80008000;
+or.b32 $1, a, b;
+shl.b32 a, $4, 1;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, $4, 4;
+and.b32 b, b, 0x80008000;
+or.b32 $2, a, b;
+shr.b32 a, $4, 3;
+and.b32 a, a, 0x0E000E00;
+and.b32 b, $4, 0x80008000;
+or.b32 $3, a, b;
+}
+""")
+DECODERS = {"v2": 0, "v3": 1, "v4": 2}  # variant -> the kernel's DECODER
+
+
 @triton.jit
 def _nibble16(u, J: tl.constexpr):
     """uint16 units -> float16 code * 2^-14 of nibble J: bits (s, e1, e0, m) -> (15, 11, 10, 9)."""
@@ -87,10 +122,15 @@ def _nibble16(u, J: tl.constexpr):
 
 
 @triton.jit
-def _decode(units, PTX: tl.constexpr):
-    """uint16 [..] -> the four nibbles of every unit as float16 (code * 2^-6 with PTX, else * 2^-14)."""
-    if PTX:
+def _decode(units, DECODER: tl.constexpr):
+    """uint16 [..] -> the four nibbles of every unit as float16: code * 2^-6 with DECODER 1 (v3),
+    else code * 2^-14 (0: v2, plain Triton; 2: v4)."""
+    if DECODER == 1:
         e0, e1, e2, e3 = tl.inline_asm_elementwise(_DECODE_PTX, "=r,=r,=r,=r,r", [units],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=2)
+    elif DECODER == 2:
+        e0, e1, e2, e3 = tl.inline_asm_elementwise(_DECODE_BITS_PTX, "=r,=r,=r,=r,r", [units],
                                                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                    is_pure=True, pack=2)
     else:
@@ -103,14 +143,51 @@ def _decode(units, PTX: tl.constexpr):
 
 @triton.jit
 def _scaled_tiles(unit_ptrs, scale_ptrs, mask, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr,
-                  G_PAD: tl.constexpr, PTX: tl.constexpr):
-    """One cache tile -> E_0..E_3, float16 [BLOCK_N, QUADS_PAD] (elements 4c + j), times group scales."""
-    units = tl.load(unit_ptrs, mask=mask, other=0).to(tl.uint16, bitcast=True)
-    sc = tl.load(scale_ptrs, mask=scale_mask, other=0.0).to(tl.float16)  # [BLOCK_N, G_PAD]
+                  G_PAD: tl.constexpr, DECODER: tl.constexpr, MASKED: tl.constexpr):
+    """One cache tile -> E_0..E_3, float16 [BLOCK_N, QUADS_PAD] (elements 4c + j), times group scales.
+    MASKED False: every row and column is in range (no predicate on the loads)."""
+    if MASKED:
+        units = tl.load(unit_ptrs, mask=mask, other=0).to(tl.uint16, bitcast=True)
+        sc = tl.load(scale_ptrs, mask=scale_mask, other=0.0).to(tl.float16)  # [BLOCK_N, G_PAD]
+    else:
+        units = tl.load(unit_ptrs).to(tl.uint16, bitcast=True)
+        sc = tl.load(scale_ptrs).to(tl.float16)
     # Unit c belongs to group c // 4 (4 units = 16 values).
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, G_PAD, 4]), [BLOCK_N, QUADS_PAD])
-    e0, e1, e2, e3 = _decode(units, PTX)
+    e0, e1, e2, e3 = _decode(units, DECODER)
     return e0 * sc, e1 * sc, e2 * sc, e3 * sc
+
+
+@triton.jit
+def _nvfp4_tile(tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, k_base, v_base, ks_base,
+                vs_base, c_ok, g_ok, sm_scale_log2, C_BLOCK: tl.constexpr, C_SLOT: tl.constexpr,
+                S_BLOCK: tl.constexpr, S_SLOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                QUADS_PAD: tl.constexpr, G_PAD: tl.constexpr, DECODER: tl.constexpr, MASKED: tl.constexpr):
+    """One KV tile of the online softmax: returns the updated (m_i, l_i, a0..a3). MASKED False: the
+    tile is in range and visible to every row."""
+    if MASKED:
+        offs_n, n_ok, block_ids, slot = _tile_rows(table, tile, kv_end, BLOCK_N, BLOCK_SIZE)
+    else:
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_end  # unused by the unmasked loads and softmax
+        block_ids = tl.load(table + offs_n // BLOCK_SIZE).to(tl.int64)
+        slot = offs_n % BLOCK_SIZE
+    row = (block_ids * C_BLOCK + slot * C_SLOT)[:, None]
+    srow = (block_ids * S_BLOCK + slot * S_SLOT)[:, None]
+    mask = n_ok[:, None] & c_ok[None, :]
+    s_mask = n_ok[:, None] & g_ok[None, :]
+    k0, k1, k2, k3 = _scaled_tiles(k_base + row, ks_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER,
+                                   MASKED)
+    s = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None) * sm_scale_log2
+    if MASKED:
+        p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
+    else:
+        p, alpha, m_i, l_i = _softmax_step_full(s, m_i, l_i)
+    p16 = p.to(tl.float16)
+    v0, v1, v2, v3 = _scaled_tiles(v_base + row, vs_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER,
+                                   MASKED)
+    a0, a1, a2, a3 = _pv4(p16, v0, v1, v2, v3, a0, a1, a2, a3, alpha)
+    return m_i, l_i, a0, a1, a2, a3
 
 
 @triton.jit(do_not_specialize=["sm_scale_log2", "v_factor", "num_seqs", "num_splits"])
@@ -124,7 +201,7 @@ def _paged_attention_nvfp4_v2_kernel(
     QUADS: tl.constexpr, QUADS_PAD: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, PTX: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, DECODER: tl.constexpr,
 ):
     q_block_idx, kv_head, split, num_heads = _program(GROUP, HEADS_FIRST)
     spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
@@ -149,26 +226,31 @@ def _paged_attention_nvfp4_v2_kernel(
     v_base = value_cache_ptr + kv_head * C_HEAD + c[None, :]
     ks_base = key_scale_ptr + kv_head * S_HEAD + g[None, :]
     vs_base = value_scale_ptr + kv_head * S_HEAD + g[None, :]
-    for tile in range(tile_lo, tile_hi):
-        offs_n, n_ok, block_ids, slot = _tile_rows(table, tile, kv_end, BLOCK_N, BLOCK_SIZE)
-        row = (block_ids * C_BLOCK + slot * C_SLOT)[:, None]
-        srow = (block_ids * S_BLOCK + slot * S_SLOT)[:, None]
-        mask = n_ok[:, None] & c_ok[None, :]
-        s_mask = n_ok[:, None] & g_ok[None, :]
-        k0, k1, k2, k3 = _scaled_tiles(k_base + row, ks_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, PTX)
-        s = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None) * sm_scale_log2
-        p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
-        p16 = p.to(tl.float16)
-        v0, v1, v2, v3 = _scaled_tiles(v_base + row, vs_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, PTX)
-        a0, a1, a2, a3 = _pv4(p16, v0, v1, v2, v3, a0, a1, a2, a3, alpha)
+    # Tiles that every row sees in full (keys <= the first row's position) take the loop without
+    # masks: no visibility select per score and no predicate per load (sm_90 SASS: ~6% of the
+    # instructions of a 128-key tile). Only with unpadded rows (QUADS, GROUPS powers of two).
+    tile_mid = tile_lo
+    if QUADS == QUADS_PAD and GROUPS == G_PAD:
+        tile_mid = tl.maximum(tile_lo, tl.minimum(tile_hi, (tl.min(q_pos, 0) + 1) // BLOCK_N))
+        for tile in range(tile_lo, tile_mid):
+            m_i, l_i, a0, a1, a2, a3 = _nvfp4_tile(
+                tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, k_base, v_base, ks_base,
+                vs_base, c_ok, g_ok, sm_scale_log2, C_BLOCK, C_SLOT, S_BLOCK, S_SLOT, BLOCK_N, BLOCK_SIZE,
+                QUADS_PAD, G_PAD, DECODER, False)
+    for tile in range(tile_mid, tile_hi):
+        m_i, l_i, a0, a1, a2, a3 = _nvfp4_tile(
+            tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, k_base, v_base, ks_base,
+            vs_base, c_ok, g_ok, sm_scale_log2, C_BLOCK, C_SLOT, S_BLOCK, S_SLOT, BLOCK_N, BLOCK_SIZE,
+            QUADS_PAD, G_PAD, DECODER, True)
     _store_rows4(a0, a1, a2, a3, 4 * c, c_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr,
                  part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT,
                  True)
 
 
 def launch_nvfp4_v2(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, grid_qblocks: int,
-                    num_splits: int, scale_log2: float, meta: dict, heads_first: bool, ptx: bool = False) -> None:
-    """The v2 (ptx=False) or v3 (ptx=True) nvfp4 kernel over the launch paged_attention_quant prepared."""
+                    num_splits: int, scale_log2: float, meta: dict, heads_first: bool, variant: str = "v2") -> None:
+    """The v2, v3 or v4 nvfp4 kernel (they differ in the decoder) over the launch paged_attention_quant
+    prepared."""
     num_seqs = common[3].shape[0] - 1
     block_tables = common[5]
     # 16-bit units: a row is head_dim / 2 bytes, an even count (head_dim % 16 == 0), so the view is exact.
@@ -177,12 +259,13 @@ def launch_nvfp4_v2(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tupl
     num_kv_heads = kc.shape[2]
     head_dim = meta.pop("HEAD_DIM")
     quads, groups = head_dim // 4, head_dim // 16
-    ptx = ptx and q.is_cuda  # Triton's interpreter runs no inline assembly: it takes the v2 decoder
-    const = (E4M3_DECODE if ptx else NVFP4_DECODE) * fmt.global_scale
+    # Triton's interpreter runs no inline assembly: it takes the v2 decoder
+    decoder = DECODERS[variant] if q.is_cuda else 0
+    const = (E4M3_DECODE if decoder == 1 else NVFP4_DECODE) * fmt.global_scale
     grid = (num_kv_heads, grid_qblocks, num_splits) if heads_first else (grid_qblocks, num_kv_heads, num_splits)
     _paged_attention_nvfp4_v2_kernel[grid](
         out, q, kc, vc, ks, vs, *common, scale_log2 * const, const, num_seqs, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         C_BLOCK=kc.stride(0), C_SLOT=kc.stride(1), C_HEAD=kc.stride(2), S_BLOCK=ks.stride(0), S_SLOT=ks.stride(1),
         S_HEAD=ks.stride(2), QUADS=quads, QUADS_PAD=triton.next_power_of_2(quads), GROUPS=groups,
-        G_PAD=triton.next_power_of_2(groups), HEADS_FIRST=heads_first, PTX=ptx, **meta)
+        G_PAD=triton.next_power_of_2(groups), HEADS_FIRST=heads_first, DECODER=decoder, **meta)

@@ -4,17 +4,18 @@ The write kernel must reproduce `quant.write_kv` bit for bit: data bytes and sca
 saturation included, run on the CPU as the oracle. Attention reads the same bytes; its reference
 is TorchRefBackend in float64 over the dequantized cache, so what differs is only the kernels'
 float16 operands and fp32 accumulation. Every attention kernel variant (triton_quant.VARIANTS: fp8
-v1 / v2, nvfp4 v1 / v2 / v3) runs every attention test, and the v2 / v3 kernels also under each
-launch option bench/kv_quant_gpu.py sweeps (test_launch_options). Slots that no sequence owns hold NaN scales (and NaN fp8
-bytes), so any read outside a sequence's context shows up as NaN; outputs are poisoned with NaN
+v1 / v2 / v3, nvfp4 v1 - v4) runs every attention test, and the newer kernels also under each
+launch option bench/kv_quant_gpu.py sweeps (test_launch_options). Slots that no sequence owns hold
+NaN scales (and NaN fp8 bytes), so any read outside a sequence's context shows up as NaN; outputs are poisoned with NaN
 before the kernel runs, so every row must be written. Reads past the end of a tensor need not show
 in the output: test_quant_kv_bounds.py puts the KV at the end of an exactly sized pool and, in the
 interpreter, checks the addresses of every load and store.
 
 Under TRITON_INTERPRET=1 the interpreter's float8 conversions are replaced by torch's (it
 truncates instead of rounding to nearest even and drops the mantissa carry); see
-`tests/helpers/quant_kv.patch_fp8_interpreter`. The interpreter runs no inline PTX, so there nvfp4 v3 takes v2's decoder;
-test_nvfp4_ptx_decode_is_exact checks v3's on the GPU against the torch LUT for all 65536 inputs.
+`tests/helpers/quant_kv.patch_fp8_interpreter`. The interpreter runs no inline PTX, so there nvfp4
+v3 / v4 take v2's decoder (fp8 v3: a byte bitcast); test_nvfp4_decoders_are_exact and
+test_fp8_unit_decode_is_exact check the PTX decoders on the GPU for all 65536 inputs.
 """
 from __future__ import annotations
 
@@ -160,36 +161,39 @@ def test_odd_kv_head_count(name: str, variant: str, device: torch.device, interp
     assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
 
 
-def test_nvfp4_ptx_decode_is_exact(device: torch.device) -> None:
-    """v3's inline-PTX decoder against the plain-Triton one and the torch LUT, on all 65536 units."""
-    if device.type != "cuda":
-        pytest.skip("inline PTX runs on the GPU only")
-    import triton
-    import triton.language as tl
-
-    from specserve.attention.triton_quant_nvfp4 import _decode
-
-    @triton.jit
-    def decode_all(units_ptr, out_ptr, PTX: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        e0, e1, e2, e3 = _decode(tl.load(units_ptr + offs).to(tl.uint16, bitcast=True), PTX)
-        tl.store(out_ptr + 4 * offs, e0)
-        tl.store(out_ptr + 4 * offs + 1, e1)
-        tl.store(out_ptr + 4 * offs + 2, e2)
-        tl.store(out_ptr + 4 * offs + 3, e3)
+def test_nvfp4_decoders_are_exact(device: torch.device) -> None:
+    """The nvfp4 decoders (v2 plain Triton, v3 / v4 inline PTX: the GPU only) against the torch LUT,
+    on all 65536 units."""
+    from specserve.attention.triton_quant_common import NVFP4_DECODE
+    from specserve.attention.triton_quant_nvfp4 import DECODERS, E4M3_DECODE
+    from tests.helpers.quant_decode import nvfp4_units_kernel
 
     units = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).to(device)
-    outs = {}
-    for ptx in (True, False):
-        out = torch.empty(4 * units.numel(), dtype=torch.float16, device=device)
-        decode_all[(units.numel() // 1024,)](units, out, PTX=ptx, BLOCK=1024)
-        outs[ptx] = out.float().cpu()
     fmt = kv_format("nvfp4", torch.float32)
     codes = units.cpu().view(torch.uint8).view(-1, 1, 2)  # the unit's two bytes = elements 4c .. 4c + 3
     want = quant.dequantize(codes, torch.ones(codes.shape[0], 1, 1).to(torch.float8_e4m3fn), fmt,
                             torch.float32).reshape(-1) / fmt.global_scale
-    assert torch.equal(outs[True] * 64.0, want), "PTX decode differs from the torch LUT"
-    assert torch.equal(outs[False] * 16384.0, want), "bit decode differs from the torch LUT"
+    decoders = DECODERS if device.type == "cuda" else {"v2": 0}
+    for variant, decoder in decoders.items():
+        out = torch.empty(4 * units.numel(), dtype=torch.float16, device=device)
+        nvfp4_units_kernel[(units.numel() // 1024,)](units, out, DECODER=decoder, BLOCK=1024)
+        factor = E4M3_DECODE if decoder == 1 else NVFP4_DECODE
+        assert torch.equal(out.float().cpu() * factor, want), f"{variant}'s decoder differs from the torch LUT"
+
+
+def test_fp8_unit_decode_is_exact(device: torch.device) -> None:
+    """fp8 v3's V decoder (inline PTX on the GPU, a byte bitcast in the interpreter) against torch's
+    e4m3 -> float16 on all 65536 units: low byte -> E_0, high byte -> E_1, NaN codes included."""
+    from tests.helpers.quant_decode import fp8_units_kernel
+
+    units = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).to(device)
+    out = torch.empty(2 * units.numel(), dtype=torch.float16, device=device)
+    fp8_units_kernel[(units.numel() // 1024,)](units, out, PTX=device.type == "cuda", BLOCK=1024)
+    want = units.cpu().view(torch.float8_e4m3fn).to(torch.float16)  # little-endian: element 2c first
+    got = out.cpu()
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), "decode differs from torch"
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -1,0 +1,30 @@
+"""Triton kernels that run the quantized-KV decoders over a flat tensor, for exhaustive checks
+(tests/gpu/test_triton_quant_kv.py). A module of its own: Triton resolves a kernel's callees from
+its module's globals, and importing it needs triton (the test imports it lazily)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from specserve.attention.triton_quant_fp8 import _unit_halves
+from specserve.attention.triton_quant_nvfp4 import _decode
+
+
+@triton.jit
+def fp8_units_kernel(units_ptr, out_ptr, PTX: tl.constexpr, BLOCK: tl.constexpr):
+    """out[2i], out[2i + 1] = the float16 values of unit i's low and high e4m3 byte."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e0, e1 = _unit_halves(tl.load(units_ptr + offs).to(tl.uint16, bitcast=True), PTX)
+    tl.store(out_ptr + 2 * offs, e0)
+    tl.store(out_ptr + 2 * offs + 1, e1)
+
+
+@triton.jit
+def nvfp4_units_kernel(units_ptr, out_ptr, DECODER: tl.constexpr, BLOCK: tl.constexpr):
+    """out[4i + j] = nibble j of unit i as float16 (scaled as the decoder DECODER leaves it)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e0, e1, e2, e3 = _decode(tl.load(units_ptr + offs).to(tl.uint16, bitcast=True), DECODER)
+    tl.store(out_ptr + 4 * offs, e0)
+    tl.store(out_ptr + 4 * offs + 1, e1)
+    tl.store(out_ptr + 4 * offs + 2, e2)
+    tl.store(out_ptr + 4 * offs + 3, e3)
