@@ -10,7 +10,9 @@ how often the proposer produced a draft at position j when asked for one (n-gram
 short or empty). Everything is measured here, over moving windows:
   - alpha and fill: exponentially decayed counts per position, with an optimistic prior (so a fresh
     controller drafts K and measures, rather than never trying); they also fade in time
-    (`acceptance_horizon`), so what was measured long ago (while not drafting) drifts back to the prior;
+    (`acceptance_horizon`), so what was measured below the prior long ago (while not drafting) drifts
+    back to it (a rate measured above it stays: faded, it would keep the controller from drafting, so
+    from measuring it again);
   - costs per batch-size bucket (1, 2, 3-4, 5-8, ...: estimators.StepCosts): a plain decode step, a
     verify step per k, a (warm) proposal per k, each fitted on the steps of that bucket only. Step
     costs are not one smooth curve across batch sizes (GEMV at one row, GEMM above; graph sizes), nor
@@ -33,6 +35,9 @@ short or empty). Everything is measured here, over moving windows:
     make a draft model catch up on every token it has not seen, a one-off that says nothing about the
     steady cost of drafting. What catching up costs is fitted apart, over the tokens to catch up on
     (counted since the proposer last drafted, prompts included, less those of finished requests).
+    Nor do warm proposals right after a prompt chunk enter a bucket's fit: where requests come and go
+    a draft model feeds every new request's prompt at its next proposal, a recurring cost of drafting
+    priced apart, per output token (estimators.StepCosts.prompt_feed_seconds).
 Exploration: every `explore_every`-th choice tries another k on a fixed schedule (no randomness), so
 costs and the acceptance of positions just beyond the best k stay measured: a neighbour of the best
 (from k = 0, alternately 1 and K); a k predicted to beat the best where it has no fresh data of its
@@ -47,9 +52,10 @@ window, counting what the next exploration is expected to lose: its steps as pri
 gain offsets) plus, for a proposer that catches up, the catch-up when drafting starts or resumes. A k
 that a bucket measured only once or twice lately (maybe a fluke: JIT, an eager first run), or the first
 look at drafting in a bucket, is explored on the benefit of the doubt (capped by the budget itself, not
-by what exploring elsewhere cost). With an expensive draft model or useless drafts the controller so
-stays within about that fraction of no speculation; where exploring costs nothing it explores on every
-slot.
+by what exploring elsewhere cost); so is drafting from k = 0 while a catch-up was measured fewer than
+three times (charged at most a warm proposal for it). With an expensive draft model or useless drafts
+the controller so stays within about that fraction of no speculation; where exploring costs nothing it
+explores on every slot.
 """
 from __future__ import annotations
 
@@ -174,7 +180,10 @@ class AdaptiveController:
             verified.append(verified[-1] + f)
         seconds, trusted = self.costs.verify_seconds(b, [b * v for v in verified[1:]])
         propose = self.costs.propose_seconds(b)
-        seconds = [t + p for t, p in zip(seconds, propose)]
+        # a draft model feeds every new request's prompt at its next proposal: per output token, a
+        # recurring cost of drafting where requests come and go (the warm proposal fits leave it out)
+        feed = b * self.costs.prompt_feed_seconds()
+        seconds = [t + p + feed * e for t, p, e in zip(seconds, propose, expected[1:])]
         terms = _Terms(alpha, fill, expected, seconds, propose, [True] + trusted)
         if self.verify_cost.weight >= 1.0:  # before that, the decode fit (which changes) stands in
             self._drafting_cache = (key, terms)
@@ -322,17 +331,22 @@ class AdaptiveController:
         near = est.tokens_per_s[k] >= (1.0 - s.explore_max_loss) * best_rate
         doubt = (0 < measured < _DOUBT_SAMPLES and not near) or (measured == 0 and near and len(est.trusted) == 1)
         cold_start = k > 0 and best == 0 and self.catches_up()
+        # So is a catch-up priced on fewer than a few measurements (the first ones may have run into JIT
+        # or warm-up): priced that high, no exploration from k = 0 fits the budget, so none measures it
+        # again. Charge it at most a warm proposal (the guess before any was measured) meanwhile.
+        catch_up_doubt = cold_start and self.costs.catch_up_cost.weight < _DOUBT_SAMPLES
         if doubt:
             step_loss = min(step_loss, est.step_seconds[best])
         expected = steps * step_loss
         if self.catches_up():
             if cold_start and self.costs.unseen_tokens != 0:
-                expected += self.costs.catch_up_seconds(self.costs.unseen_tokens, est.propose_seconds[k])
+                catch_up = self.costs.catch_up_seconds(self.costs.unseen_tokens, est.propose_seconds[k])
+                expected += min(catch_up, est.propose_seconds[k]) if catch_up_doubt else catch_up
             elif k == 0 and best > 0:
                 expected += self.costs.catch_up_seconds(float(b * steps), est.propose_seconds[best])
         if expected <= 0:
             return True  # predicted to gain: past losses do not matter
-        spent = 0.0 if doubt else self.exploration_loss_seconds
+        spent = 0.0 if doubt or catch_up_doubt else self.exploration_loss_seconds
         # the time the budget is a share of: what was observed over the window, or, while the window is
         # still filling, what it will hold at the best k's pace (a young controller explores too)
         window_seconds = self.observed_seconds

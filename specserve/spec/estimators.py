@@ -211,10 +211,15 @@ class PositionRates:
                 self.hits[i] = self.hits[i] * keep + h
 
     def age(self, keep: float) -> None:
-        """Fade every position's samples by `keep` (time passing without samples: what was measured long
-        ago counts less, and the rate drifts back toward the prior until measured again)."""
-        self.hits = [h * keep for h in self.hits]
-        self.trials = [n * keep for n in self.trials]
+        """Fade the samples of every position measured below the prior by `keep` (time passing without
+        samples: what was measured long ago counts less, and the rate drifts back toward the prior until
+        measured again). A rate measured above the prior stays: faded, it would price drafting below what
+        was measured, and a controller that stops drafting on it measures nothing to correct it, while
+        one that drafts on a rate that no longer holds measures the truth at once."""
+        for i, r in enumerate(self.rates()):
+            if r < self.prior:
+                self.hits[i] *= keep
+                self.trials[i] *= keep
 
     def rates(self) -> list[float]:
         pw, prior = self.prior_weight, self.prior
@@ -256,10 +261,15 @@ class StepCosts:
         self.pure_decode_weight = 0.0  # decayed count of steps without drafts and without prompt chunks
         # What a cold proposal costs beyond a warm one, over (1, tokens the proposer has not seen).
         self.catch_up_cost = DecayedRegression(2, window, (0.0, ridge))
+        # What feeding new requests' prompts costs (over 1, tokens): a warm proposal right after prompt chunks
+        # against this bucket's warm fit. Apart from catch_up_cost: a pause's catch-up says little about it.
+        self.prompt_feed_cost = DecayedRegression(2, window, (0.0, ridge))
         self.cold_extra: float | None = None  # a first proposal after a pause costs (1 + this) x a warm one
         self._last_cold: tuple[int, float, float | None] | None = None  # (k, seconds, unseen) of a cold one
         self.unseen_tokens: float | None = None  # computed since the last proposal with drafts (None: never drafted)
         self._arrivals = 0.0  # decayed share of steps that computed a prompt chunk (new requests)
+        # decayed over the same window: steps with prompt chunks, their prompt tokens, output tokens
+        self._prompts = (0.0, 0.0, 0.0)
         self.after_prompt = False  # the last observed step computed a prompt chunk
         self.num_observed = 0
         self.clock: Callable[[], float] = time.perf_counter  # when observe() is called (finds pauses)
@@ -335,6 +345,15 @@ class StepCosts:
                 return max(t[0], 0.0)
         return (self.cold_extra if self.cold_extra is not None else _COLD_EXTRA_GUESS) * warm
 
+    def prompt_feed_seconds(self) -> float:
+        """What feeding new requests' prompts to the proposer (a draft model catches up on them at its
+        first proposal after each prompt chunk) costs per output token, at the arrival rate measured: a
+        recurring cost of drafting where requests come and go, which the warm proposal fits leave out.
+        0 until a proposal after prompt chunks was measured (drafting through an arrival measures it)."""
+        steps, prompt, out = self._prompts
+        t = self.prompt_feed_cost.predict_many([(1.0, prompt / steps)]) if steps > 1e-3 and out > 0.0 else None
+        return 0.0 if t is None else steps * max(t[0], 0.0) / out
+
     # -- observations -------------------------------------------------------------------------
     def observe(self, step: SpecStepStats, cold: bool, after_prompt: bool, unseen: float | None) -> None:
         """One finished step and the proposal it verified (cold, after_prompt, unseen: as when chosen)."""
@@ -390,7 +409,8 @@ class StepCosts:
         after a prompt chunk either (a draft model then first feeds the new prompts: a one-off when a
         load starts, priced by the fit over every size where it is the rule). What catching up costs:
         a cold proposal against the warm one right after it (an exploration burst), a warm one after
-        prompt chunks against this bucket's own fit."""
+        prompt chunks against this bucket's own fit; the latter is also what feeding a prompt costs
+        (prompt_feed_cost: drafting's recurring price where requests come and go)."""
         k, b = min(p.num_speculative_tokens, self.max_k), p.num_seqs
         last_cold = self._last_cold
         self._last_cold = (k, p.seconds, unseen) if cold and not after_prompt else None
@@ -402,7 +422,9 @@ class StepCosts:
         elif not cold and after_prompt and unseen:
             local = self.local_propose.get(float(b), k)
             if local is not None:
-                self.catch_up_cost.add((1.0, unseen), max(p.seconds - local.predict((1.0, float(b))), 1e-6))
+                fed = max(p.seconds - local.predict((1.0, float(b))), 1e-6)
+                self.catch_up_cost.add((1.0, unseen), fed)
+                self.prompt_feed_cost.add((1.0, unseen), fed)
         if not cold or not self.catches_up():
             self.propose_cost.add((1.0, p.num_speculative_tokens, p.num_speculative_tokens * b, b), p.seconds)
             if not after_prompt:
@@ -414,6 +436,10 @@ class StepCosts:
         from how often a step computes a prompt chunk: new requests)."""
         prefill = max(step.num_batched_tokens - step.batch_size - step.num_draft_tokens, 0)
         self._arrivals += ((1.0 if prefill > 0 else 0.0) - self._arrivals) / self._arrivals_window
+        keep = 1.0 - 1.0 / self._arrivals_window
+        steps, prompt, out = self._prompts
+        self._prompts = (steps * keep + (1.0 if prefill > 0 else 0.0), prompt * keep + prefill,
+                         out * keep + step.batch_size + sum(step.accepted_per_pos))
         if p is not None and p.num_speculative_tokens > 0 and p.num_seqs > 0:
             # the proposal fed the proposer everything before this step; of this step, the next warm
             # proposal feeds the accepted tokens, not the prompt chunks

@@ -1,6 +1,7 @@
 """Synthetic serving worlds for the adaptive speculation controller's tests: a `World` prices a step
 as an H200 shows it (graphs, eager verify, drafter and catch-up costs, asynchronous scheduling), and
-`run_world` plays the engine's part for a controller or a fixed k.
+`run_world` plays the engine's part for a controller or a fixed k. `run_serving` plays it with
+request boundaries (requests finish and new ones bring their prompts: `serving_world`).
 """
 from __future__ import annotations
 
@@ -37,7 +38,13 @@ class World:
     With `launch_s` the engine schedules asynchronously (engine/overlap.py): a step without drafts
     overlaps its host work with the previous step's forward and costs `step_s`, but the first one
     after a step with drafts is timed at its launch (`launch_s`, host work only); a step with drafts
-    runs synchronously and pays `sync_host_s` of host work on top."""
+    runs synchronously and pays `sync_host_s` of host work on top.
+
+    Request boundaries (`run_serving` only; `run_world` ignores these fields): each request generates
+    `output_len` tokens, then the next one takes its slot; the step it joins also computes its prompt
+    chunk (`prompt_len` tokens at `prompt_tok_s` each, an eager forward), after `arrival_s` of host
+    work the engine does not time (the request's admission, the finished one's output), and a proposer
+    that catches up feeds the prompt to its draft model at its next proposal with drafts."""
 
     batch: int
     alpha: float
@@ -52,18 +59,28 @@ class World:
     fill: tuple[float, ...] = (1.0,) * K
     launch_s: float | None = None
     sync_host_s: float = 0.0
+    output_len: int = 0
+    prompt_len: int = 0
+    prompt_tok_s: float = 0.0
+    arrival_s: float = 0.0
 
     def verify_s(self, tokens: int, q: int) -> float:
         t = self.step_s + self.per_token_s * tokens
         return t if q in self.graph_qs else max(t, self.eager_s)
 
-    def propose_s(self, k: int, gap: int) -> float:
+    def propose_s(self, k: int, gap: int, prompt_tokens: int = 0) -> float:
+        """A proposal of k, `gap` steps after the last one with drafts, with `prompt_tokens` of new
+        requests' prompts not fed to the proposer yet."""
         if k == 0:
             return 0.0
         t = (k + 1) * self.draft_s + self.batch * self.lookup_s
-        if gap > 1 and (self.catchup_s or self.catchup_tok_s):
-            t += self.catchup_s + self.catchup_tok_s * gap * self.batch
+        if (gap > 1 or prompt_tokens) and self.catches_up:
+            t += self.catchup_s + self.catchup_tok_s * ((gap * self.batch if gap > 1 else 0) + prompt_tokens)
         return t
+
+    @property
+    def catches_up(self) -> bool:
+        return bool(self.catchup_s or self.catchup_tok_s)
 
 
 def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: int = 0) -> tuple[float, list[int]]:
@@ -108,6 +125,88 @@ def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: 
     return tokens / seconds, chosen
 
 
+def run_serving(world: World, policy: AdaptiveController | int, steps: int, seed: int = 0) -> tuple[float, list[int]]:
+    """Like run_world, with request boundaries (the World's output_len, prompt_len, prompt_tok_s,
+    arrival_s): output tokens per second of `policy` over `steps` steps, and the k of every choice.
+
+    The batch's `world.batch` slots start at staggered points of their requests (slot i has generated
+    i / batch of its tokens: arrivals spread out); they are warm (the proposer has seen them). As in
+    the engine: a request asks for at most output_len - generated - 1 drafts (draft_budget); the
+    proposal after its last step is not for it (the controller chooses for the requests still running,
+    and not at all when none is); the next step computes the new request's prompt chunk (no drafts for
+    it; eager, and synchronous when the last proposal drafted) and its first token; a proposer that
+    catches up feeds that prompt at its next proposal with drafts."""
+    assert world.output_len > 0, "run_serving needs a World with output_len"
+    rng = random.Random(seed)
+    b, n = world.batch, world.output_len
+    tokens = seconds = 0.0
+    done = [(i * n) // b for i in range(b)]  # tokens each slot's request has generated
+    joining = [False] * b  # the slot's next request joins in the next step (its prompt chunk)
+    chosen: list[int] = []
+    since_draft, was_sync, last_k, unseen_prompt = 1, False, None, 0
+    ctrl = policy if isinstance(policy, AdaptiveController) else None
+    if ctrl is not None:
+        start = ctrl.clock()
+        ctrl.clock = lambda: start + seconds  # simulated time (the controller looks for pauses)
+    for _ in range(steps):
+        running = [i for i in range(b) if not joining[i]]
+        new = b - len(running)
+        if running:
+            k = ctrl.choose(len(running)) if ctrl is not None else policy
+            chosen.append(k)
+            last_k = k
+        else:  # no request to propose for: the engine asks the controller nothing
+            k = 0
+        budgets = [max(0, min(k, n - done[i] - 1)) for i in running]
+        drafted = [sum(1 for j in range(m) if rng.random() < world.fill[j]) for m in budgets]
+        accepted = []
+        for d in drafted:
+            a = 0
+            while a < d and rng.random() < world.alpha:
+                a += 1
+            accepted.append(a)
+        asked = [m for m in budgets if m]
+        propose_s = world.propose_s(k, since_draft, unseen_prompt) if asked else 0.0
+        if asked:
+            since_draft, unseen_prompt = 1, 0
+        else:
+            since_draft += 1
+        qs = {1 + d for d in drafted}
+        q = -1 if new or len(qs) != 1 else qs.pop()  # a step with a prompt chunk runs eagerly
+        verify_s = world.verify_s(len(running) + sum(drafted), q) + new * world.prompt_len * world.prompt_tok_s
+        sync = last_k != 0  # the last proposal drafted (or none was made yet): the step runs synchronously
+        if world.launch_s is not None:  # asynchronous scheduling: see World
+            if sync:
+                verify_s += world.sync_host_s
+            seconds += verify_s
+            if not sync and was_sync:
+                verify_s = world.launch_s  # what the engine measures; the forward still takes longer
+            was_sync = sync
+        else:
+            seconds += verify_s
+        seconds += propose_s + new * world.arrival_s  # (admitting a request: host work nobody times)
+        for i, a in zip(running, accepted):
+            got = min(1 + a, n - done[i])
+            tokens += got
+            done[i] += got
+        for i in range(b):
+            if joining[i]:
+                joining[i], done[i] = False, 1
+                tokens += 1
+            elif done[i] >= n:
+                joining[i] = True  # finished: the next request takes the slot in the next step
+        unseen_prompt += new * world.prompt_len
+        if ctrl is not None:
+            proposal = None
+            if running:
+                proposal = ProposalStats.measure(k, [m for m in budgets if m] if k else [],
+                                                 [d for d, m in zip(drafted, budgets) if m] if k else [], propose_s)
+            reached, acc = verify_counts(drafted, accepted)
+            ctrl.observe(SpecStepStats(b, len(running) + sum(drafted) + new * world.prompt_len, sum(drafted),
+                                       verify_s, reached, acc, proposal))
+    return tokens / seconds, chosen
+
+
 # -- the H200 sweep's failure: under-drafting at concurrency 1-8 with a draft model --------------------
 # A 0.5B draft model for a 1.5B target on an H200 with asynchronous scheduling, per batch size (from
 # bench/controller_sweep.py, /work/.device/31): a decode step (overlapped) costs 1.3-1.8 ms, a verify
@@ -122,6 +221,35 @@ def pair_world(batch: int, **overrides: object) -> World:
     fields = {"alpha": 0.93, "step_s": PAIR_STEP_S[batch], "per_token_s": 2e-5, "draft_s": PAIR_DRAFT_S[batch],
               "catchup_s": 0.003, "catchup_tok_s": 4e-6, "launch_s": 0.0003, "sync_host_s": 0.00075,
               "graph_qs": tuple(range(1, K + 2))}
+    fields.update(overrides)
+    return World(batch, **fields)
+
+
+# -- the same pair serving requests: arrivals (bench/controller_sweep.py, its later H200 sweep) ---------
+# Each request has a ~172-token prompt (HumanEval through the chat template) and generates 256 tokens
+# (greedy, concurrency = batch size). The sweep measured, in tokens/s, no speculation / fixed k = 4:
+# 770 / 860 at concurrency 1, 4263 / 2923 at 8, 8089 / 6603 at 16. Timed costs, as measured or as the
+# controller fitted them there: a decode step 1.24 ms at batch 1 (1.76, 1.82 ms at 8, 16: PAIR_STEP_S);
+# a k = 4 verify step 2.03 ms at batch 1 and 2.66 ms at 16 (so 0.76 ms of synchronous host work and
+# ~1 us per verified token); a k = 4 proposal 2.99, 4.74, 5.03 ms at batch 1, 8, 16 (five draft
+# forwards); acceptance ~0.95 per position. Arrivals: the step a request joins computes its prompt
+# eagerly (3 ms at least, + 10 us per prompt token), and the draft model feeds that prompt at its next
+# proposal (an eager catch-up: 3 ms + 4 us per token, as after a pause). With these the world gives
+# 773 / 852, 4302 / 4256, 7937 / 7467: at concurrency 1 the sweep's per-request overhead (~16 ms, TTFT
+# ~15 ms) needs `arrival_s` = 11 ms that the engine does not time (its controller sees a pause). At 8
+# and 16 the sweep's k = 4 ran 1.5-4 ms per drafting step slower than its timed verify and proposal
+# costs explain (their averages with arrivals: 3.41 + 5.83 ms at 16): time neither timer shows, not
+# modelled here (a controller cannot see it either).
+SERVE_STEP_S = {1: 0.00124, 8: PAIR_STEP_S[8], 16: PAIR_STEP_S[16]}
+SERVE_DRAFT_S = {1: 0.000598, 8: 0.000948, 16: 0.001006}
+SERVE_ARRIVAL_S = {1: 0.011, 8: 0.0, 16: 0.0}
+
+
+def serving_world(batch: int, **overrides: object) -> World:
+    fields = {"alpha": 0.95, "step_s": SERVE_STEP_S[batch], "per_token_s": 1e-6, "eager_s": 0.003,
+              "draft_s": SERVE_DRAFT_S[batch], "catchup_s": 0.003, "catchup_tok_s": 4e-6, "launch_s": 0.0003,
+              "sync_host_s": 0.00076, "graph_qs": tuple(range(1, K + 2)), "output_len": 256, "prompt_len": 172,
+              "prompt_tok_s": 1e-5, "arrival_s": SERVE_ARRIVAL_S[batch]}
     fields.update(overrides)
     return World(batch, **fields)
 

@@ -1,0 +1,64 @@
+"""The adaptive speculation controller against every fixed k where requests come and go
+(tests/helpers/spec_world.py: serving_world, run_serving): the H200 pair (a 0.5B draft model for a
+1.5B target) serving 256-token requests with ~172-token prompts at concurrency 1, 8 and 16. Every
+arrival computes a prompt chunk, and a draft model feeds that prompt at its next proposal."""
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+
+from specserve.spec.adaptive import AdaptiveController
+from tests.helpers.spec_world import CFG, K, mostly, run_serving, serving_world
+
+STEPS = 2000
+
+
+@functools.cache
+def fixed_rates(batch: int) -> dict[int, float]:
+    return {k: run_serving(serving_world(batch), k, 3000)[0] for k in range(K + 1)}
+
+
+def assert_near_best(batch: int, rate: float, chosen: list[int]) -> None:
+    fixed = fixed_rates(batch)
+    best = max(fixed.values())
+    assert rate >= 0.95 * best and rate >= 0.95 * fixed[0], (batch, rate, fixed, Counter(chosen))
+
+
+def test_the_world_prices_drafting_like_the_sweep() -> None:
+    """k = 4 beats no drafts at concurrency 1 (the sweep: 860 against 770 tokens/s), and from
+    concurrency 8 on no drafting is the best fixed choice."""
+    assert fixed_rates(1)[K] > 1.08 * fixed_rates(1)[0]
+    assert fixed_rates(1)[0] == pytest.approx(770, rel=0.03)
+    for batch in (8, 16):
+        assert max(fixed_rates(batch), key=fixed_rates(batch).__getitem__) == 0
+
+
+@pytest.mark.parametrize("batch", [1, 8, 16])
+def test_within_5_percent_of_the_best_fixed_k_with_arrivals(batch: int) -> None:
+    rate, chosen = run_serving(serving_world(batch), AdaptiveController(CFG), STEPS)
+    assert_near_best(batch, rate, chosen)
+    fixed = fixed_rates(batch)
+    settled = mostly(chosen[-500:])
+    assert fixed[settled] >= 0.97 * max(fixed.values()), (batch, fixed, Counter(chosen[-500:]))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_slow_first_catch_ups_do_not_keep_batch_1_from_drafting(seed: int) -> None:
+    """The first catch-ups of a draft model ran slowly (the sweep's controller ended believing a
+    cold proposal costs 7x a warm one, cold_extra 6.3): 20 ms each over the first 40 steps, 3 ms
+    since. k = 4 beats no drafts by 10% at batch 1; the controller must come to draft."""
+    ctrl = AdaptiveController(CFG)
+    run_serving(serving_world(1, catchup_s=0.020), ctrl, 40)
+    rate, chosen = run_serving(serving_world(1), ctrl, STEPS, seed=seed)
+    assert_near_best(1, rate, chosen)
+    assert mostly(chosen[-500:]) == K
+
+
+def test_one_controller_through_a_concurrency_sweep_with_arrivals() -> None:
+    """bench/controller_sweep.py's protocol: one controller, concurrency 1, 8, 16 and back."""
+    ctrl = AdaptiveController(CFG)
+    for batch in (1, 8, 16, 8, 1):
+        rate, chosen = run_serving(serving_world(batch), ctrl, 1000, seed=batch)
+        assert_near_best(batch, rate, chosen)
