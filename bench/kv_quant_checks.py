@@ -34,14 +34,11 @@ BATCHES = (32, 1)
 # paged_attention_quant's arguments (maxnreg 0: no register cap).
 CONFIGS = {
     ("fp8", "v1"): [{}],
-    ("fp8", "v2"): [{}, {"maxnreg": 0}, {"block_n": 128, "num_warps": 8}, {"block_n": 32, "maxnreg": 0},
-                    {"num_warps": 8, "maxnreg": 0}],
-    ("fp8", "v3"): [{}, {"maxnreg": 0}, {"block_n": 128}, {"block_n": 128, "num_warps": 8}, {"block_n": 32},
+    ("fp8", "v3"): [{}, {"maxnreg": 0}, {"block_n": 64}, {"block_n": 128, "num_warps": 8}, {"block_n": 32},
                     {"num_warps": 8, "maxnreg": 0}],
     ("nvfp4", "v1"): [{}],
     ("nvfp4", "v2"): [{}, {"num_warps": 2}],
     ("nvfp4", "v3"): [{}, {"maxnreg": 0}, {"block_n": 64, "maxnreg": 0}, {"num_warps": 8}, {"block_n": 32}],
-    ("nvfp4", "v4"): [{}, {"maxnreg": 0}, {"block_n": 64, "maxnreg": 0}],
 }
 SPLIT_SWEEP = (1, 2, 3, 4, 8)
 T0 = time.perf_counter()

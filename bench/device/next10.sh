@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Ninth session, first device call (~5 min, random weights, no uploads):
 #   tests_q.txt: the quantized-KV GPU tests the eighth session's 100 s limit cut (the exhaustive nvfp4
-#     decoder test for v2 / v3 / v4, the odd-head-count tests, the last v4 launch option), then the
+#     decoder test for v2 / v3, the odd-head-count tests), then the
 #     rest of test_triton_attention / test_triton_ops (bench/device/next8.sh's list: the warm-up test
 #     passed on 11-30, the split counters' fixed assertion has not run on a GPU yet);
 #   kv_quant.txt: the kernels again (fp8 v3 0.50x and nvfp4 v3 0.51x of bf16 at B=32 / 32k on 11-30).
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/../.."
 source bench/device/env.sh
 OUT=${OUT:-/tmp/out}
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_quant_kv.py \
-  -k "decoders or odd_kv_head or nvfp4-v4-maxnreg" > "$OUT/tests_q.txt" 2>&1
+  -k "decoders or odd_kv_head" > "$OUT/tests_q.txt" 2>&1
 tail -n 3 "$OUT/tests_q.txt"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_attention.py tests/gpu/test_triton_ops.py \
   --deselect tests/gpu/test_triton_attention.py::test_mixed_batch >> "$OUT/tests_q.txt" 2>&1

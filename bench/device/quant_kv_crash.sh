@@ -25,7 +25,7 @@ from specserve import LLM, SamplingParams
 from specserve.attention import triton_quant
 
 dtype = sys.argv[1]
-triton_quant.DEFAULT_VARIANT[dtype] = {"fp8": "v2", "nvfp4": "v3"}[dtype]
+triton_quant.DEFAULT_VARIANT[dtype] = "v3"  # the defaults since 2026-11-30 (fp8 v2, which this chased, is gone)
 llm = LLM(model="qwen2.5-1.5b", load_format="dummy", kv_cache_dtype=dtype, max_model_len=4096, progress=False)
 prompts = [{"prompt_token_ids": [(7 * i + j) % 50000 + 100 for j in range(100 + 300 * i)]} for i in range(12)]
 outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True))

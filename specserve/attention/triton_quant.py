@@ -9,27 +9,28 @@ split-KV partials reduced by its `_reduce_splits_kernel`) and picks one of the k
   "v1" (`triton_quant_v1.py`): the first kernels. Correct, but latency-bound on the H200: per-token
        scale loads are 1-2 byte gathers that stay synchronous in the loop (fp8 1.4-2.2x, nvfp4 2.7x
        the bf16 kernel's time at batch 32 / 32k).
-  "v2" (`triton_quant_fp8.py`, `triton_quant_nvfp4.py`): shaped like the bf16 kernel. Every load in
-       the loop is a vector the pipeliner issues as cp.async a tile ahead (scales included: checked
-       in the sm_90 TTGIR, no synchronous load left in the loop), cache strides are compile-time
-       constants (provably aligned rows), KV heads of a q block run side by side (L2 sharing of the
-       scale sectors), fp8 is capped at 128 registers (4 programs per SM), and nvfp4 reads 16-bit
-       units into four dots of depth head_dim/4 (v1: eight of depth head_dim/8, 32-bit words).
-  "v3" (fp8): v2 with V read as 16-bit units, so P.V's operand comes from a transposing ldmatrix
-       instead of one shared-memory byte load per value (v2's sm_90 SASS: 64 LDS.U8 per thread per
-       64-key tile, and 66 spilled registers under the 128 cap; v3: none, 740 against 1,107
-       instructions per tile).
+  "v2" (nvfp4, `triton_quant_nvfp4.py`): shaped like the bf16 kernel. Every load in the loop is a
+       vector the pipeliner issues as cp.async a tile ahead (scales included: checked in the sm_90
+       TTGIR, no synchronous load left in the loop), cache strides are compile-time constants
+       (provably aligned rows), KV heads of a q block run side by side (L2 sharing of the scale
+       sectors), and it reads 16-bit units into four dots of depth head_dim/4 (v1: eight of depth
+       head_dim/8, 32-bit words). Tiles every row sees in full take a loop without masks.
   "v3" (nvfp4): v2 with the nibble decode in inline PTX (SIMD-within-a-register shifts and the
        hardware e4m3x2 -> f16x2 conversion): ~35% fewer instructions per tile than v2 in the
-       sm_90 SASS, which matters because nvfp4 decode is about as long as its memory traffic.
-  "v4" (nvfp4): v3 with a decoder of plain integer instructions (no conversions; see
-       triton_quant_nvfp4.py).
+       sm_90 SASS, which matters because nvfp4 decode is about as long as its memory traffic. A
+       decoder of integer instructions only (no conversions) measured 3% slower (2026-11-30).
+  "v3" (fp8, `triton_quant_fp8.py`): the same structure, capped at 128 registers (4 programs per
+       SM), with V read as 16-bit units so that P.V's operand comes from a transposing ldmatrix
+       instead of one shared-memory byte load per value. Its byte-tile predecessor (v2, removed:
+       1,449 us at batch 32 / 32k) had 64 LDS.U8 per thread per 64-key tile and spilled under the
+       cap; v3 has neither, 740 against 1,107 instructions per tile.
 
 `DEFAULT_VARIANT` says which one a call without `variant=` gets; bench/kv_quant_gpu.py checks and
 times all of them. On the H200 (2026-11-30, batch 32, 32k context, 32 / 8 heads, head_dim 128):
-bf16 1,167 us; fp8 v1 1,596, v2 1,449, v3 588 (0.50x bf16, 3.7 TB/s); nvfp4 v3 604 with 128-key
-tiles (0.52x). The PTX decoders are checked exhaustively on the GPU (test_nvfp4_decoders_are_exact,
-test_fp8_unit_decode_is_exact); the interpreter runs the plain-Triton decoders.
+bf16 1,167 us; fp8 v1 1,596, v3 588 (0.50x bf16, 3.7 TB/s); nvfp4 v1 3,224, v2 1,159, v3 594
+(0.51x, 2.0 TB/s: bound by its instruction count). The PTX decoders are checked exhaustively on the
+GPU (test_nvfp4_decoders_are_exact, test_fp8_unit_decode_is_exact); the interpreter runs the
+plain-Triton decoders.
 
 Both formats run their dots in float16 with float32 accumulation. Q is bf16 in the models, so it is
 clamped to float16's finite range first (|q| > 65504 does not occur in practice; bf16 -> fp16 is
@@ -49,7 +50,7 @@ from specserve.attention.triton_paged import (
     attention_config,
 )
 from specserve.attention.triton_quant_common import NVFP4_DECODE, check_quant_cache
-from specserve.attention.triton_quant_fp8 import launch_fp8_v2
+from specserve.attention.triton_quant_fp8 import launch_fp8_v3
 from specserve.attention.triton_quant_nvfp4 import launch_nvfp4_v2
 from specserve.attention.triton_quant_v1 import launch_v1
 from specserve.attention.triton_quant_write import reshape_and_cache_quant
@@ -65,7 +66,7 @@ __all__ = [
     "reshape_and_cache_quant",
 ]
 
-VARIANTS = {"fp8": ("v1", "v2", "v3"), "nvfp4": ("v1", "v2", "v3", "v4")}
+VARIANTS = {"fp8": ("v1", "v3"), "nvfp4": ("v1", "v2", "v3")}
 DEFAULT_VARIANT = {"fp8": "v3", "nvfp4": "v3"}
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions y and z
 V2_PROGRAMS_PER_SM = 4  # v2 / v3 decode programs resident per SM (4 warps, <= 128 registers each)
@@ -96,11 +97,10 @@ def quant_attention_config(max_query_len: int, group: int, head_dim: int, name: 
     v1, measured on the H200 (decode, Hq/Hkv/D = 32/8/128, batch 32, 32k context): fp8 with 4 warps
     1.60 ms, 8 warps 2.61 ms; nvfp4 3.15 ms with 2 stages, 3.23 ms with 3. The 64-row prefill tiles
     spill registers with 4 warps in both formats (ptxas, sm_90), so they take 8.
-    v2 / v3 decode (not yet measured; from the sm_90 compile): BLOCK_N 64, 4 warps, 3 stages (block
-    ids, then K/V and scales, one tile ahead; 2 stages would leave the block-id load synchronous).
-    fp8 needs 192 registers there, so it is capped at 128 (64 bytes of spill) for 4 programs per SM;
-    nvfp4 v2 146, v3 128. Prefill takes 8 warps (64 x 128 fp32 accumulators). fp8 v3 and nvfp4 v3 / v4
-    decode take 128-key tiles (measured on the H200, 2026-11-30: see the branches below).
+    v2 / v3 decode: 4 warps, 3 stages (block ids, then K/V and scales, one tile ahead; 2 stages would
+    leave the block-id load synchronous), 128-key tiles under a 128-register cap for 4 programs per
+    SM (measured on the H200, 2026-11-30: see the branches below; nvfp4 v2 keeps 64-key tiles).
+    Prefill takes 8 warps (64 x 128 fp32 accumulators).
     """
     block_m, block_n, num_warps, num_stages = attention_config(max_query_len, group, head_dim, torch.float16)
     maxnreg = None
@@ -111,9 +111,9 @@ def quant_attention_config(max_query_len: int, group: int, head_dim: int, name: 
             num_stages = 2
     elif name == "fp8":
         maxnreg = 128
-        if variant == "v3" and block_m <= 32 and block_n == 64:
+        if block_m <= 32 and block_n == 64:
             block_n = 128  # H200, B=32 / 32k: 588 us (sm_90 SASS: 7.9 instructions per key and thread, 11.6 at 64)
-    elif variant in ("v3", "v4") and block_m <= 32 and block_n == 64:
+    elif variant == "v3" and block_m <= 32 and block_n == 64:
         block_n, maxnreg = 128, 128  # nvfp4 v3 on the H200, B=32 / 32k: 604 us against 719 at 64 keys, no cap
     return block_m, block_n, num_warps, num_stages, maxnreg
 
@@ -139,7 +139,7 @@ def paged_attention_quant(q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, c
     variant = variant or DEFAULT_VARIANT[fmt.name]
     if variant not in VARIANTS[fmt.name]:
         raise ValueError(f"{fmt.name} variant must be one of {VARIANTS[fmt.name]}, got {variant!r}")
-    if variant == "v3" and fmt.name == "fp8" and head_dim % 2:
+    if fmt.name == "fp8" and variant == "v3" and head_dim % 2:
         raise ValueError(f"fp8 variant v3 reads V as byte pairs and needs an even head_dim, got {head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -182,8 +182,7 @@ def paged_attention_quant(q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, c
         if heads_first is None:
             heads_first = q_blocks <= _MAX_GRID_YZ
         if fmt.name == "fp8":
-            launch_fp8_v2(q, cache, fmt, out, common, q_blocks, num_splits, scale_log2, meta, heads_first,
-                          units=variant == "v3")
+            launch_fp8_v3(q, cache, fmt, out, common, q_blocks, num_splits, scale_log2, meta, heads_first)
         else:
             launch_nvfp4_v2(q, cache, fmt, out, common, q_blocks, num_splits, scale_log2, meta, heads_first,
                             variant=variant)

@@ -17,7 +17,7 @@ time (LDS.U8 + PRMT, seen in the sm_90 SASS of a byte version), and from 32-bit 
 pair rows at all. The decode is elementwise, so it runs on the units right where they come out of
 shared memory in the dot-operand layout, with no layout conversion of the float16 tiles.
 
-Three decoders (the DECODER constexpr), all exact:
+Two decoders (the DECODER constexpr), both exact:
   v2 (plain Triton): nibble (s, e1, e0, m) goes to float16 bits (15, 11, 10, 9), which *is* the
      float16 number e2m1 * 2^-14 (subnormal 0.5 included); a few integer ops per value.
   v3 (inline PTX, sm_89+): two units (8 codes) per 32-bit register; every nibble becomes the e4m3
@@ -25,11 +25,6 @@ Three decoders (the DECODER constexpr), all exact:
      per 4 bytes, a byte permute pairs the two units' codes, and the hardware `cvt.rn.f16x2.e4m3x2`
      makes two float16 per instruction. Triton's interpreter runs no inline assembly: there the
      kernel takes the v2 decoder.
-  v4 (inline PTX): v2's bit placement on two units per 32-bit register: nibble j of both units
-     reaches its float16 place with one shift for the magnitude bits, one for the sign and two
-     masks, so no conversion instruction at all. v3 spends 13 instructions per 8 values, 4 of them
-     `cvt`s, which issue at a fraction of the integer rate; v4 spends 15 integer ones. On the H200 v3
-     reached 2.0 TB/s at batch 32 / 32k against fp8 v3's 3.7: the nvfp4 kernel is instruction-bound.
 v1 (triton_quant_v1.py) ran eight dots of depth head_dim / 8 over 32-bit words and gathered a scale
 per word with a synchronous 1-byte load. Scales multiply the decoded values in float16 (exact:
 products of a 2-bit and a 4-bit significand, >= 2^-24); the constant (2^14 or 2^6) * global_scale
@@ -85,33 +80,7 @@ cvt.rn.f16x2.e4m3x2 $3, h13;
 """)
 
 
-# $4 = two 16-bit units; $j = nibble j of u0 (low half) and of u1 (high half) as float16 code * 2^-14:
-# magnitude bits (4j .. 4j + 2) -> (9 .. 11), sign bit 4j + 3 -> 15, in both halves at once.
-_DECODE_BITS_PTX = tl.constexpr("""
-{
-.reg .b32 a, b;
-shl.b32 a, $4, 9;
-and.b32 a, a, 0x0E000E00;
-shl.b32 b, $4, 12;
-and.b32 b, b, 0x80008000;
-or.b32 $0, a, b;
-shl.b32 a, $4, 5;
-and.b32 a, a, 0x0E000E00;
-shl.b32 b, $4, 8;
-and.b32 b, b, 0x80008000;
-or.b32 $1, a, b;
-shl.b32 a, $4, 1;
-and.b32 a, a, 0x0E000E00;
-shl.b32 b, $4, 4;
-and.b32 b, b, 0x80008000;
-or.b32 $2, a, b;
-shr.b32 a, $4, 3;
-and.b32 a, a, 0x0E000E00;
-and.b32 b, $4, 0x80008000;
-or.b32 $3, a, b;
-}
-""")
-DECODERS = {"v2": 0, "v3": 1, "v4": 2}  # variant -> the kernel's DECODER
+DECODERS = {"v2": 0, "v3": 1}  # variant -> the kernel's DECODER
 
 
 @triton.jit
@@ -123,14 +92,10 @@ def _nibble16(u, J: tl.constexpr):
 
 @triton.jit
 def _decode(units, DECODER: tl.constexpr):
-    """uint16 [..] -> the four nibbles of every unit as float16: code * 2^-6 with DECODER 1 (v3),
-    else code * 2^-14 (0: v2, plain Triton; 2: v4)."""
+    """uint16 [..] -> the four nibbles of every unit as float16: code * 2^-6 with DECODER 1 (v3,
+    inline PTX), else code * 2^-14 (0: v2, plain Triton)."""
     if DECODER == 1:
         e0, e1, e2, e3 = tl.inline_asm_elementwise(_DECODE_PTX, "=r,=r,=r,=r,r", [units],
-                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                   is_pure=True, pack=2)
-    elif DECODER == 2:
-        e0, e1, e2, e3 = tl.inline_asm_elementwise(_DECODE_BITS_PTX, "=r,=r,=r,=r,r", [units],
                                                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                    is_pure=True, pack=2)
     else:
@@ -249,7 +214,7 @@ def _paged_attention_nvfp4_v2_kernel(
 
 def launch_nvfp4_v2(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, grid_qblocks: int,
                     num_splits: int, scale_log2: float, meta: dict, heads_first: bool, variant: str = "v2") -> None:
-    """The v2, v3 or v4 nvfp4 kernel (they differ in the decoder) over the launch paged_attention_quant
+    """The v2 or v3 nvfp4 kernel (they differ in the decoder) over the launch paged_attention_quant
     prepared."""
     num_seqs = common[3].shape[0] - 1
     block_tables = common[5]

@@ -60,9 +60,9 @@ def test_pool_tail_in_bounds(name: str, variant: str, num_kv_heads: int, group: 
 
 def test_over_read_check_catches_a_scale_window_past_the_row(monkeypatch: pytest.MonkeyPatch, device: torch.device,
                                                            over_reads: list[str]) -> None:
-    """The check above fails on the suspected v2 bug: 8 heads' fp8 scales (16 bytes) loaded per token
-    with 2 KV heads, which runs 12 bytes past the end of the scale tensors at the pool's last slot
-    and still matches the reference (the extra columns are dropped)."""
+    """The check above fails on the suspected bug of the fp8 kernel's scale window: 8 heads' fp8 scales
+    (16 bytes) loaded per token with 2 KV heads, which runs 12 bytes past the end of the scale
+    tensors at the pool's last slot and still matches the reference (the extra columns are dropped)."""
     if device.type != "cpu":
         pytest.skip("the address check runs in Triton's interpreter")
     import specserve.attention.triton_quant_fp8 as fp8
@@ -71,5 +71,5 @@ def test_over_read_check_catches_a_scale_window_past_the_row(monkeypatch: pytest
     fmt = kv_format("fp8", torch.bfloat16)
     batch = make_batch([(31, 1)], 12, 2, 128, 16, fmt, torch.bfloat16, device, seed=3, pool_tail=True)
     ref, _ = reference(batch, fmt)
-    assert_close(run_kernels(batch, fmt, variant="v2")[:1], ref, torch.bfloat16)
+    assert_close(run_kernels(batch, fmt, variant="v3")[:1], ref, torch.bfloat16)
     assert over_reads and all(r.startswith("load: 12 bytes past") for r in over_reads), over_reads

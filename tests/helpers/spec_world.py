@@ -83,6 +83,19 @@ class World:
         return bool(self.catchup_s or self.catchup_tok_s)
 
 
+def _draft_and_verify(world: World, budgets: list[int], rng: random.Random) -> tuple[list[int], list[int]]:
+    """Per request asked for `budgets[i]` drafts: how many it got (position j with probability
+    world.fill[j]) and how many of them the target accepted (each with world.alpha, until one fails)."""
+    drafted = [sum(1 for j in range(m) if rng.random() < world.fill[j]) for m in budgets]
+    accepted = []
+    for d in drafted:
+        a = 0
+        while a < d and rng.random() < world.alpha:
+            a += 1
+        accepted.append(a)
+    return drafted, accepted
+
+
 def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: int = 0) -> tuple[float, list[int]]:
     """Output tokens per second of `policy` (a controller, or a fixed k) over `steps` steps."""
     rng = random.Random(seed)
@@ -95,14 +108,7 @@ def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: 
         k = policy.choose(world.batch) if isinstance(policy, AdaptiveController) else policy
         chosen.append(k)
         b = world.batch
-        drafted = [sum(1 for j in range(k) if rng.random() < world.fill[j]) for _ in range(b)] if k else [0] * b
-        drafted = [min(d, k) for d in drafted]
-        accepted = []
-        for d in drafted:
-            a = 0
-            while a < d and rng.random() < world.alpha:
-                a += 1
-            accepted.append(a)
+        drafted, accepted = _draft_and_verify(world, [k] * b, rng)
         propose_s = world.propose_s(k, since_draft)
         since_draft = 1 if k else since_draft + 1
         qs = {1 + d for d in drafted}
@@ -158,13 +164,7 @@ def run_serving(world: World, policy: AdaptiveController | int, steps: int, seed
         else:  # no request to propose for: the engine asks the controller nothing
             k = 0
         budgets = [max(0, min(k, n - done[i] - 1)) for i in running]
-        drafted = [sum(1 for j in range(m) if rng.random() < world.fill[j]) for m in budgets]
-        accepted = []
-        for d in drafted:
-            a = 0
-            while a < d and rng.random() < world.alpha:
-                a += 1
-            accepted.append(a)
+        drafted, accepted = _draft_and_verify(world, budgets, rng)
         asked = [m for m in budgets if m]
         propose_s = world.propose_s(k, since_draft, unseen_prompt) if asked else 0.0
         if asked:
