@@ -241,9 +241,39 @@ def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, out
                        "e2el": percentiles([r[2] * ms for r in records])},
         "requests": [[round(r[0] * ms, 3), None if r[1] is None else round(r[1] * ms, 4), round(r[2] * ms, 3), r[3]]
                      for r in records],
+        "_itls_ms": [x * ms for x in itls],  # for merge_points; dropped before the row is saved
     }
     if before is not None:
         drafts, drafted, accepted = (spec_counters(llm)[k] - before[k] for k in SPEC_COUNTERS)
+        row["_spec"] = (drafts, drafted, accepted)
         row["acceptance_rate"] = accepted / drafted if drafted else None
         row["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
     return row
+
+
+def merge_points(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One point from run_point rows of the same policy and concurrency, run apart (interleaved with
+    the other policies' runs): throughput over their summed time, latency percentiles over all their
+    requests and token gaps, acceptance over all their drafts. Drops the rows' raw lists."""
+    reqs = [r for row in rows for r in row["requests"]]
+    itls = [x for row in rows for x in row.pop("_itls_ms", [])]
+    seconds = sum(row["seconds"] for row in rows)
+    tokens = sum(row["output_tokens"] for row in rows)
+    num_requests = sum(row["num_requests"] for row in rows)
+    merged: dict[str, Any] = {
+        "num_requests": num_requests, "output_len": rows[0]["output_len"], "seconds": seconds,
+        "steps": sum(row["steps"] for row in rows), "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+        "requests_per_s": num_requests / seconds,
+        "latency_ms": {"ttft": percentiles([r[0] for r in reqs]),
+                       "tpot": percentiles([r[1] for r in reqs if r[1] is not None]),
+                       "itl": percentiles(itls), "e2el": percentiles([r[2] for r in reqs])},
+        "requests": reqs,
+    }
+    if len(rows) > 1:
+        merged["runs"] = [{"seconds": row["seconds"], "tokens_per_s": row["tokens_per_s"]} for row in rows]
+    spec = [row.pop("_spec") for row in rows if "_spec" in row]
+    if spec:
+        drafts, drafted, accepted = (sum(x[i] for x in spec) for i in range(3))
+        merged["acceptance_rate"] = accepted / drafted if drafted else None
+        merged["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
+    return merged

@@ -7,9 +7,9 @@
 #   kv_quant.txt: the kernels again (fp8 v3 0.50x and nvfp4 v3 0.51x of bf16 at B=32 / 32k on 11-30).
 # Then, in one lease (26 uploads with put_part.sh, carrying only the part: the tree plus .whl is at the
 # 64 MiB limit with a part), the controller with the prompt-feed fix (688705e), first on the GPU:
-#   python3 bench/controller_sweep.py --mode pair --policies off,fixed,adaptive --min-requests 8 --rounds 3 \
+#   python3 bench/controller_sweep.py --mode pair --policies off,fixed,adaptive --min-requests 8 --rounds 3 --interleave 3 \
 #     --time-budget-s 300 --plots --out-dir "$OUT"
-#   python3 bench/controller_sweep.py --mode ngram8b --policies off,fixed,adaptive --min-requests 8 --rounds 2 \
+#   python3 bench/controller_sweep.py --mode ngram8b --policies off,fixed,adaptive --min-requests 8 --rounds 2 --interleave 2 \
 #     --time-budget-s 330 --plots --out-dir "$OUT"
 # and a head run with ~2.5x the self-distilled data (11-30: 818k answer tokens seen 18 times):
 #   bash bench/train_and_measure_gpu.sh --total-s 560 --num-prompts 8192 --gen-s 130 --eagle3-s 230 \

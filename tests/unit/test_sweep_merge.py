@@ -1,0 +1,54 @@
+"""bench/sweep_point.merge_points: a point run in parts (controller_sweep --interleave) reports what one
+run of all its requests would: throughput over the summed time, percentiles over every request and
+token gap, acceptance over every draft."""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from sweep_point import merge_points, percentiles  # noqa: E402
+
+
+def _part(rng: random.Random, num_requests: int, seconds: float, spec: tuple[int, int, int] | None) -> dict:
+    """A run_point-shaped row with random per-request records (TTFT, TPOT, E2EL ms, tokens)."""
+    reqs = [[rng.uniform(5, 50), rng.uniform(1, 3), rng.uniform(200, 400), rng.randint(100, 256)]
+            for _ in range(num_requests)]
+    itls = [rng.uniform(0.5, 6) for _ in range(5 * num_requests)]
+    row = {"num_requests": num_requests, "output_len": 256, "seconds": seconds, "steps": 10 * num_requests,
+           "output_tokens": sum(r[3] for r in reqs), "tokens_per_s": sum(r[3] for r in reqs) / seconds,
+           "requests": reqs, "_itls_ms": list(itls)}
+    if spec is not None:
+        row["_spec"] = spec
+    return row, itls
+
+
+def test_parts_merge_into_one_point() -> None:
+    rng = random.Random(3)
+    (a, itls_a), (b, itls_b) = _part(rng, 8, 1.5, (40, 120, 60)), _part(rng, 5, 0.9, (25, 80, 20))
+    reqs = a["requests"] + b["requests"]
+    merged = merge_points([a, b])
+    assert merged["seconds"] == pytest.approx(2.4)
+    assert merged["num_requests"] == 13 and merged["steps"] == 130
+    assert merged["tokens_per_s"] == pytest.approx(sum(r[3] for r in reqs) / 2.4)
+    assert merged["latency_ms"]["ttft"] == percentiles([r[0] for r in reqs])
+    assert merged["latency_ms"]["tpot"] == percentiles([r[1] for r in reqs])
+    assert merged["latency_ms"]["e2el"] == percentiles([r[2] for r in reqs])
+    assert merged["latency_ms"]["itl"] == percentiles(itls_a + itls_b)
+    assert merged["acceptance_rate"] == pytest.approx(80 / 200)
+    assert merged["mean_acceptance_length"] == pytest.approx(1 + 80 / 65)
+    assert [r["seconds"] for r in merged["runs"]] == [1.5, 0.9]
+    assert "_itls_ms" not in merged and "_spec" not in merged
+
+
+def test_one_part_is_the_run_itself() -> None:
+    row, itls = _part(random.Random(4), 6, 1.2, None)
+    expected_rate = row["tokens_per_s"]
+    merged = merge_points([row])
+    assert merged["tokens_per_s"] == pytest.approx(expected_rate)
+    assert merged["latency_ms"]["itl"] == percentiles(itls)
+    assert "runs" not in merged and "acceptance_rate" not in merged
