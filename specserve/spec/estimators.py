@@ -195,10 +195,14 @@ class PositionRates:
 
     Older samples fade per new sample, not per step, but never faster than over `min_steps` steps: a
     large batch brings hundreds of samples a step, and one step of brand-new requests (an n-gram
-    lookup finds nothing in a fresh request) must not erase what the previous ones showed."""
+    lookup finds nothing in a fresh request) must not erase what the previous ones showed. A step's
+    requests share their moment (the same stage of their answers), so a window of a few steps is
+    noisy, and a controller that drafts when the estimate is high then over-predicts what drafting
+    gives: with 8 steps, a CPU run (SmolLM2, n-gram, batch 16, adaptive) predicted 1.33x the accepted
+    tokens its k = 4 steps got, with 16 steps 1.03x."""
 
     def __init__(self, num_positions: int, prior: float, prior_weight: float, window: float,
-                 min_steps: float = 8.0) -> None:
+                 min_steps: float = 16.0) -> None:
         self.prior, self.prior_weight, self.window, self.min_steps = prior, prior_weight, window, min_steps
         self.hits = [0.0] * num_positions
         self.trials = [0.0] * num_positions
