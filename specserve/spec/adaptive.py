@@ -67,11 +67,11 @@ from typing import NamedTuple
 from specserve.config import SpeculativeConfig
 from specserve.spec.adaptive_settings import AdaptiveSettings, ControllerEstimates
 from specserve.spec.estimators import (
-    DecayedRegression,
     PositionRates,
     StepCosts,
     batch_bucket,
 )
+from specserve.spec.regression import DecayedRegression
 from specserve.spec.step_stats import (
     ProposalStats,
     SpecStepStats,

@@ -78,6 +78,16 @@ class World:
             t += self.catchup_s + self.catchup_tok_s * ((gap * self.batch if gap > 1 else 0) + prompt_tokens)
         return t
 
+    def timed(self, verify_s: float, sync: bool, was_sync: bool) -> tuple[float, float]:
+        """(time the step takes, time the engine measures for it). With asynchronous scheduling a step
+        that runs synchronously (`sync`: the last proposal drafted) pays `sync_host_s` of host work, and
+        the first overlapped one after such a step is timed at its launch (see the class doc)."""
+        if self.launch_s is None:
+            return verify_s, verify_s
+        if sync:
+            verify_s += self.sync_host_s
+        return verify_s, (self.launch_s if not sync and was_sync else verify_s)
+
     @property
     def catches_up(self) -> bool:
         return bool(self.catchup_s or self.catchup_tok_s)
@@ -113,15 +123,9 @@ def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: 
         since_draft = 1 if k else since_draft + 1
         qs = {1 + d for d in drafted}
         verify_s = world.verify_s(b + sum(drafted), qs.pop() if len(qs) == 1 else -1)
-        if world.launch_s is not None:  # asynchronous scheduling: see World
-            if k:
-                verify_s += world.sync_host_s
-            seconds += verify_s
-            if not k and was_sync:
-                verify_s = world.launch_s  # what the engine measures; the forward still takes step_s
-            was_sync = k > 0
-        else:
-            seconds += verify_s
+        spent, verify_s = world.timed(verify_s, k > 0, was_sync)
+        seconds += spent
+        was_sync = k > 0
         tokens += b + sum(accepted)
         seconds += propose_s
         if isinstance(policy, AdaptiveController):
@@ -175,15 +179,9 @@ def run_serving(world: World, policy: AdaptiveController | int, steps: int, seed
         q = -1 if new or len(qs) != 1 else qs.pop()  # a step with a prompt chunk runs eagerly
         verify_s = world.verify_s(len(running) + sum(drafted), q) + new * world.prompt_len * world.prompt_tok_s
         sync = last_k != 0  # the last proposal drafted (or none was made yet): the step runs synchronously
-        if world.launch_s is not None:  # asynchronous scheduling: see World
-            if sync:
-                verify_s += world.sync_host_s
-            seconds += verify_s
-            if not sync and was_sync:
-                verify_s = world.launch_s  # what the engine measures; the forward still takes longer
-            was_sync = sync
-        else:
-            seconds += verify_s
+        spent, verify_s = world.timed(verify_s, sync, was_sync)
+        seconds += spent
+        was_sync = sync
         seconds += propose_s + new * world.arrival_s  # (admitting a request: host work nobody times)
         for i, a in zip(running, accepted):
             got = min(1 + a, n - done[i])

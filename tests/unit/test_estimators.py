@@ -1,14 +1,14 @@
-"""The decayed-window estimators the adaptive controller learns with (specserve/spec/estimators.py)."""
+"""The decayed-window estimators the adaptive controller learns with (spec/estimators.py, spec/regression.py)."""
 from __future__ import annotations
 
 import pytest
 
 from specserve.spec.estimators import (
-    DecayedRegression,
     LocalFits,
     PositionRates,
     batch_bucket,
 )
+from specserve.spec.regression import DecayedRegression
 
 
 def test_regression_fits_a_line_and_stays_flat_when_it_cannot_tell() -> None:

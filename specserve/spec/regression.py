@@ -1,0 +1,124 @@
+"""`DecayedRegression`: the step-cost fit of the adaptive controller's estimators (estimators.py).
+
+Non-negative least squares with relative errors over a decayed window of observations, outliers
+clipped where the fit has data, re-solved lazily. Plain Python floats: 2-3 features per fit.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+
+_RESOLVE_EVERY = 4  # observations between re-solves of a fit (see coefficients())
+_SURPRISE = 0.25  # an observation this far (relative) from the fit's prediction re-solves it at once
+
+
+class DecayedRegression:
+    """Non-negative least squares y ~ theta . x (relative errors) over a decayed window of observations.
+
+    `ridge[j]`, relative to feature j's weighted second moment, pulls theta_j toward 0 where the data
+    cannot separate it from the other features (e.g. every step had the same token count). Plain
+    Python floats: with 2-3 features numpy's per-call overhead would dominate a step's bookkeeping."""
+
+    def __init__(self, num_features: int, window: float, ridge: Sequence[float], outlier_factor: float = 5.0,
+                 range_feature: int | None = None) -> None:
+        self.decay = 1.0 - 1.0 / window
+        self.ridge = [float(r) for r in ridge]
+        self.outlier_factor = outlier_factor
+        # the span of x[range_feature] over the window (decayed toward recent values): where the fit is data
+        self.range_feature = range_feature
+        self.min_x, self.max_x = math.inf, 0.0
+        self.xtx = [[0.0] * num_features for _ in range(num_features)]
+        self.xty = [0.0] * num_features
+        self.weight = 0.0
+        self._theta: list[float] | None = None
+        self._unsolved = 0  # observations added since theta was solved
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        """Add one observation; y above `outlier_factor` x the prediction (JIT, GC pauses) is clipped,
+        where the fit has data nearby (beyond, a large y is news, not an outlier)."""
+        d = self.decay
+        inside = True
+        if self.range_feature is not None:
+            v = x[self.range_feature]
+            inside = self.covers(v)
+            self.max_x = max(self.max_x * d, v)
+            self.min_x = min(self.min_x / d, v)
+        if self.weight >= 5.0:
+            pred = self.predict(x)
+            if pred > 0 and inside:
+                y = min(y, self.outlier_factor * pred)
+            if abs(y - pred) > _SURPRISE * pred:
+                self._theta = None  # far from the fit: solve again at once (see coefficients())
+        # Relative least squares (weight 1/y^2): timing noise is proportional to the time, and a 5%
+        # wobble on a 250 ms step must not drown a 2 ms step's intercept. (It also follows costs that
+        # drop, once JIT or graph capture is done, within a sample or two; the price is that a y far
+        # too small weighs a lot: steps timed before their forward ended are kept out, adaptive.py.)
+        w = 1.0 / max(y * y, 1e-18)
+        for i, xi in enumerate(x):
+            row = self.xtx[i]
+            wxi = w * xi
+            for j, xj in enumerate(x):
+                row[j] = d * row[j] + wxi * xj
+            self.xty[i] = d * self.xty[i] + wxi * y
+        self.weight = d * self.weight + 1.0
+        self._unsolved += 1
+
+    def covers(self, v: float, reach: float = 2.0) -> bool:
+        """Whether v lies within `reach` x the span of the data (always, for a fit without a range)."""
+        return self.range_feature is None or (self.min_x / reach <= v <= reach * self.max_x)
+
+    def coefficients(self) -> list[float]:
+        """theta, solved again once a few observations came in (every step's bookkeeping runs this;
+        a fit a few samples old predicts as well as a fresh one, except while the window fills up, or
+        when an observation was far from it: a fit fed rarely, say a k the controller explores now and
+        then, must not keep a stale answer until a few more come)."""
+        if self._theta is None or (self._unsolved and (self._unsolved >= _RESOLVE_EVERY or self.weight < 16.0)):
+            self._theta = self._solve()
+            self._unsolved = 0
+        return self._theta
+
+    def _solve(self) -> list[float]:
+        n = len(self.xty)
+        theta = [0.0] * n
+        active = list(range(n))
+        while active:  # active-set NNLS: drop the most negative coefficient and refit
+            a = [[self.xtx[i][j] + (self.ridge[i] * self.xtx[i][i] + 1e-12 if i == j else 0.0) for j in active]
+                 for i in active]
+            sol = _solve_small(a, [self.xty[i] for i in active])
+            if min(sol) >= 0:
+                for i, v in zip(active, sol):
+                    theta[i] = v
+                break
+            active.pop(sol.index(min(sol)))
+        return theta
+
+    def predict(self, x: Sequence[float]) -> float:
+        return sum(map(operator.mul, self.coefficients(), x))
+
+    def predict_many(self, xs: Sequence[Sequence[float]], min_weight: float = 1.0) -> list[float] | None:
+        """The fitted y at each x, or None before `min_weight` (decayed) observations."""
+        if self.weight < min_weight:
+            return None
+        theta = self.coefficients()
+        return [sum(map(operator.mul, theta, x)) for x in xs]
+
+
+def _solve_small(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting for a tiny symmetric positive-definite system."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        if m[col][col] == 0.0:
+            continue
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        acc = m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))
+        x[r] = acc / m[r][r] if m[r][r] != 0.0 else 0.0
+    return x
