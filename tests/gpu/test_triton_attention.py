@@ -433,4 +433,5 @@ def test_split_counters_grow_outside_capture_only(device: torch.device, monkeypa
     gpu = torch.device("cuda", 0)  # the check runs before any allocation: no GPU needed
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="cannot grow during CUDA-graph capture"):
-        tp._split_counters(gpu, 10)
+        # more than any buffer held: on a GPU run, `device` is cuda:0 and holds `bigger` already
+        tp._split_counters(gpu, bigger.numel() + 1)
