@@ -174,6 +174,8 @@ class Engine(AsyncStepMixin):
             else:
                 step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden)
             self.kv.after_forward()
+            if self.spec is not None:  # host work for the next choice, while the forward runs
+                self.spec.work_ahead(len(self.scheduler.running))
             new_tokens, accepted = self._sample(sched, step_out.logits)
             outputs.extend(self._update(sched, new_tokens, accepted))
             if self.spec is not None:

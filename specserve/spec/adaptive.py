@@ -145,6 +145,7 @@ class AdaptiveController:
         self._bucket, self._bucket_since = -1, 0  # the batch bucket of the last choice, since which choice
         self._drafting_version = 0  # bumped by every observation that changes what drafting is predicted to give
         self._drafting_cache: tuple[tuple[float, int, int], _Terms] | None = None
+        self._ahead: tuple[float, int, _Terms] | None = None  # prepare(): (batch, num_observed, terms)
 
     @property
     def cold_extra(self) -> float | None:
@@ -189,10 +190,25 @@ class AdaptiveController:
             self._drafting_cache = (key, terms)
         return terms
 
-    def estimate(self, batch_size: int) -> ControllerEstimates:
-        """Expected tokens/s for every k at this batch size (no exploration, no state change)."""
+    def prepare(self, batch_size: int) -> None:
+        """Work ahead, while the GPU runs a step: the drafting terms for the next choice at this batch
+        size. choose() takes them if the batch size is the same and at most that step was observed since
+        (one step behind, for acceptance and the cost fits, which re-solve every few steps anyway), and
+        skips their ~2/3 of its host time: a synchronous step's choice is on the critical path."""
         b = float(max(batch_size, 1))
-        terms = self._drafting_terms(b)
+        self._ahead = (b, self.costs.num_observed, self._drafting_terms(b))
+
+    def _terms_for_choice(self, b: float) -> _Terms:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == b and self.costs.num_observed - ahead[1] <= 1:
+            return ahead[2]
+        return self._drafting_terms(b)
+
+    def estimate(self, batch_size: int, terms: _Terms | None = None) -> ControllerEstimates:
+        """Expected tokens/s for every k at this batch size (no exploration, no state change); `terms`:
+        the drafting terms to use (default: as of now)."""
+        b = float(max(batch_size, 1))
+        terms = self._drafting_terms(b) if terms is None else terms
         decode_s, decode_trusted = self.costs.decode_seconds(b)
         seconds = [decode_s] + terms.seconds
         rates = [b * e / t for e, t in zip(terms.expected, seconds)]
@@ -209,7 +225,7 @@ class AdaptiveController:
     # -- the interface the decoder calls ------------------------------------------------------
     def choose(self, batch_size: int) -> int:
         """k for the next proposal: the best k; or, within budget, a k to measure (see the module doc)."""
-        est = self.estimate(batch_size)
+        est = self.estimate(batch_size, self._terms_for_choice(float(max(batch_size, 1))))
         self.num_choices += 1
         bucket = batch_bucket(batch_size)
         if bucket != self._bucket:  # another load: what was being measured (a burst) is moot

@@ -108,6 +108,12 @@ class SpecDecoder:
                                               reached, accepted, self._proposal))
         self._proposal = None
 
+    def work_ahead(self, batch_size: int) -> None:
+        """Called while the GPU runs a synchronous step: the controller prepares its next choice."""
+        prepare = getattr(self.controller, "prepare", None)
+        if prepare is not None:
+            prepare(batch_size)
+
     def propose(self, reqs: list[Request], batch_index: list[int], step: StepOutput | None,
                 batch_size: int, k: int | None = None) -> None:
         """k: already chosen by the controller for this proposal (None: choose now)."""

@@ -17,8 +17,16 @@ from specserve.spec.step_stats import ProposalStats, SpecStepStats
 def batch_bucket(batch_size: float) -> int:
     """0 for batch 1, 1 for 2, 2 for 3-4, 3 for 5-8, ...: the kernels (GEMV at one row, GEMM above),
     the CUDA graph sizes and the memory/compute balance change with the batch in steps, so step costs
-    are not one smooth curve across batch sizes."""
-    return (max(math.ceil(batch_size), 1) - 1).bit_length()
+    are not one smooth curve across batch sizes. (Memoized: ~20 calls per step, on the critical path.)"""
+    bucket = _BUCKETS.get(batch_size)
+    if bucket is None:
+        bucket = (max(math.ceil(batch_size), 1) - 1).bit_length()
+        if len(_BUCKETS) < 4096:
+            _BUCKETS[batch_size] = bucket
+    return bucket
+
+
+_BUCKETS: dict[float, int] = {}
 
 
 class LocalFits:

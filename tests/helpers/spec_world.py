@@ -106,8 +106,11 @@ def _draft_and_verify(world: World, budgets: list[int], rng: random.Random) -> t
     return drafted, accepted
 
 
-def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: int = 0) -> tuple[float, list[int]]:
-    """Output tokens per second of `policy` (a controller, or a fixed k) over `steps` steps."""
+def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: int = 0,
+              work_ahead: bool = False) -> tuple[float, list[int]]:
+    """Output tokens per second of `policy` (a controller, or a fixed k) over `steps` steps. work_ahead:
+    the controller prepares its next choice during each step, before observing it (as the engine does
+    while a synchronous step's forward runs)."""
     rng = random.Random(seed)
     tokens = seconds = 0.0
     chosen, since_draft, was_sync = [], 1, False  # (a run goes on from where the last one stopped)
@@ -129,6 +132,8 @@ def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: 
         tokens += b + sum(accepted)
         seconds += propose_s
         if isinstance(policy, AdaptiveController):
+            if work_ahead:
+                policy.prepare(b)
             proposal = ProposalStats.measure(k, [k] * b if k else [], drafted if k else [], propose_s)
             reached, acc = verify_counts(drafted, accepted)
             policy.observe(SpecStepStats(b, b + sum(drafted), sum(drafted), verify_s, reached, acc, proposal))

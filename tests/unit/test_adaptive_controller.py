@@ -85,6 +85,28 @@ def test_fresh_controller_is_optimistic_and_exposes_its_estimates() -> None:
     assert ctrl.num_choices == 1
 
 
+def test_prepared_terms_serve_one_choice_at_the_same_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare() computes the next choice's drafting terms ahead (the engine calls it while a forward
+    runs); choose() takes them once, at the batch size they were made for, at most one step behind."""
+    ctrl = AdaptiveController(CFG)
+    simulate(ctrl, batch=4, alpha=0.8, steps=60, verify=linear(0.005, 1e-4))
+    computed = []
+    real = ctrl._drafting_terms
+    monkeypatch.setattr(ctrl, "_drafting_terms", lambda b: computed.append(b) or real(b))
+    ctrl.prepare(4)
+    assert computed == [4.0]
+    ahead = ctrl._ahead[2]
+    simulate(ctrl, batch=4, alpha=0.8, steps=1, verify=linear(0.005, 1e-4))  # choose takes them, one observed
+    assert computed == [4.0] and ctrl._ahead is None
+    assert ctrl.last.acceptance_per_pos == tuple(ahead.alpha)
+    ctrl.prepare(4)
+    ctrl.choose(8)  # another batch size: computed now
+    assert computed == [4.0, 4.0, 8.0]
+    ctrl.prepare(8)
+    simulate(ctrl, batch=8, alpha=0.8, steps=2, verify=linear(0.005, 1e-4))  # the 2nd choice: none prepared
+    assert computed[-2:] == [8.0, 8.0] and len(computed) == 5
+
+
 # -- decisions on synthetic costs ------------------------------------------------------------------
 def test_full_k_when_acceptance_is_high_and_the_batch_small() -> None:
     ctrl = AdaptiveController(CFG)

@@ -56,6 +56,17 @@ def test_within_5_percent_of_the_best_fixed_k_and_of_no_speculation(name: str) -
     assert mostly(chosen[-500:]) == best or fixed[mostly(chosen[-500:])] >= 0.97 * fixed[best], (fixed, Counter(chosen))
 
 
+@pytest.mark.parametrize("name", list(WORLDS))
+def test_choices_prepared_a_step_ahead_stay_near_the_best(name: str) -> None:
+    """The engine has the controller prepare its next choice while a forward runs (terms one step
+    behind): the same bar as choosing on up-to-date terms."""
+    world = WORLDS[name]
+    fixed = {k: run_world(world, k, 600)[0] for k in range(K + 1)}
+    rate, chosen = run_world(world, AdaptiveController(CFG), 3000, work_ahead=True)
+    best = max(fixed, key=fixed.__getitem__)
+    assert rate >= 0.95 * fixed[best] and rate >= 0.95 * fixed[0], (name, rate, fixed, Counter(chosen[-500:]))
+
+
 @pytest.mark.parametrize("drafter", ["draft-model", "cheap-head"])
 def test_one_controller_through_a_concurrency_sweep(drafter: str) -> None:
     """Like bench/controller_sweep.py: one controller serves batch 1, then 8, 32, 128 in turn."""
