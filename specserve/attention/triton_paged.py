@@ -48,6 +48,7 @@ from specserve.model.layers.pdl import pdl_prologue, use_pdl
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
+SMALL_QUERY_MAX = 16  # query lengths up to this take decode-sized launches (attention_config)
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (partials, reduce) outweighs its work
 MIN_SPLIT_COUNTERS = 1 << 16  # first allocation of the per-device counter buffer (256 KiB)
 # fp32 registers per thread that one chunk of partials read by the last split program takes: its m
@@ -312,7 +313,7 @@ def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch
     """
     min_m = max(16, triton.next_power_of_2(group))
     head_dim_pad = triton.next_power_of_2(head_dim)
-    if max_query_len <= 16 and max_query_len * group <= 128:
+    if max_query_len <= SMALL_QUERY_MAX and max_query_len * group <= 128:
         block_m = max(min_m, triton.next_power_of_2(max_query_len * group))
         num_stages = 3
     else:

@@ -75,11 +75,10 @@ class ModelRunner:
                                  max_model_len, self.block_size, sizes, query_lens, prefill_query_lens)
         runner.capture()
         self.graphs = runner
-        # The small eager forwards graphs do not cover compile their GEMV variants now, not mid-serving.
-        from specserve.model.layers.triton_gemv import gemv_max_m
-        from specserve.runner.warmup import warm_small_forwards
+        # The small eager forwards graphs do not cover compile their kernels now, not mid-serving.
+        from specserve.runner.warmup import warm_start_up
 
-        warm_small_forwards(self, gemv_max_m())
+        warm_start_up(self)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False,

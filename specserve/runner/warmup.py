@@ -13,22 +13,26 @@ from __future__ import annotations
 
 import torch
 
+from specserve.attention.triton_paged import MIN_KEYS_PER_SPLIT, SMALL_QUERY_MAX
 from specserve.kv.manager import KVCacheManager
+from specserve.model.layers.triton_gemv import gemv_max_m
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
-def dummy_forward(runner: ModelRunner, num_tokens: int, num_blocks: int) -> None:
-    """One forward of a single sequence of num_tokens placeholder tokens, over a throwaway block table
-    of num_blocks blocks (ids 0.. of the runner's pool), through ModelRunner.execute itself: under
-    tensor parallelism rank 0's runner (distributed/executor.py TPExecutor) overrides execute to
-    broadcast the step to workers, and every rank runs these start-up forwards itself, in the same
-    order. Also engine/setup.py's memory profile."""
+def dummy_forward(runner: ModelRunner, num_tokens: int, num_blocks: int, context: int = 0) -> None:
+    """One forward of num_tokens placeholder tokens of a single sequence, after `context` tokens taken
+    as already in the KV (whatever the pool holds there: only the launches matter), over a throwaway
+    block table of num_blocks blocks (ids 0.. of the runner's pool), through ModelRunner.execute
+    itself: under tensor parallelism rank 0's runner (distributed/executor.py TPExecutor) overrides
+    execute to broadcast the step to workers, and every rank runs these start-up forwards itself, in
+    the same order. Also engine/setup.py's memory profile."""
     kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=False)
-    req = Request(f"dummy-{num_tokens}", [0] * num_tokens, SamplingParams(max_tokens=1), 1)
-    kv.allocate_slots(req, num_tokens)
+    req = Request(f"dummy-{context}-{num_tokens}", [0] * (context + num_tokens), SamplingParams(max_tokens=1), 1)
+    kv.allocate_slots(req, context + num_tokens)
+    req.num_computed_tokens = context
     ModelRunner.execute(runner, SchedulerOutput([ScheduledRequest(req, num_tokens, 0)], num_tokens), kv.block_ids)
 
 
@@ -40,16 +44,30 @@ def dummy_logits(runner: ModelRunner, rows: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def warm_small_forwards(runner: ModelRunner, max_rows: int) -> list[int]:
-    """dummy_forward of t tokens for t = 1..max_rows (a captured graph where one fits, eagerly
-    otherwise) and the LM head over t rows. It writes only KV slots of the first few blocks of the
-    runner's pool and runs before any request exists, so nothing that matters is overwritten.
-    Returns the row counts run."""
-    max_rows = min(max_rows, runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size)
+def warm_small_forwards(runner: ModelRunner, max_rows: int, context: int = 0) -> list[int]:
+    """dummy_forward of t tokens after `context` for t = 1..max_rows (a captured graph where one fits,
+    eagerly otherwise) and the LM head over t rows. It writes only KV slots of the first few blocks of
+    the runner's pool and runs before any request exists, so nothing that matters is overwritten.
+    Returns the row counts run (none if the context leaves no room)."""
+    room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size) - context
+    max_rows = min(max_rows, room)
     # A few blocks are enough; a manager over the whole pool would build its free list of every
     # block (0.2 s for 266k blocks) for each row count.
-    num_blocks = min(runner.num_blocks, -(-max_rows // runner.block_size) + 1)
+    num_blocks = min(runner.num_blocks, -(-(context + max_rows) // runner.block_size) + 1)
     for t in range(1, max_rows + 1):
-        dummy_forward(runner, t, num_blocks)
+        dummy_forward(runner, t, num_blocks, context)
         dummy_logits(runner, t)
     return list(range(1, max_rows + 1))
+
+
+def warm_start_up(runner: ModelRunner) -> None:
+    """The start-up forwards: every GEMV row count (1..gemv_max_m()) and every query length of
+    attention's decode-sized launches (1..SMALL_QUERY_MAX: their query block grows with the length),
+    on a fresh sequence and after a context long enough for split-KV launches. Eager forwards of
+    these lengths come mid-serving: a draft model catching up on the tokens of a pause in drafting
+    (the H200 pair sweep's first adaptive run at concurrency 1 measured 373 tok/s against 802-855
+    later, when catch-ups of 9-16 tokens, a query block no start-up forward had used, compiled
+    then), a prompt's last chunk, a verify batch between the captured lengths."""
+    rows = max(gemv_max_m(), SMALL_QUERY_MAX)
+    warm_small_forwards(runner, rows)
+    warm_small_forwards(runner, SMALL_QUERY_MAX, context=2 * MIN_KEYS_PER_SPLIT)

@@ -37,3 +37,22 @@ def test_small_forwards_compile_no_gemv_after_start_up(tiny_qwen2_dir, monkeypat
     x = torch.randn(3, 40, device=device, dtype=torch.float16)
     triton_gemv.linear(x, torch.randn(24, 40, device=device, dtype=torch.float16))
     assert any("gemv" in name for name in compiled), compiled
+
+
+def test_chunks_after_a_context_compile_nothing_after_start_up(tmp_path, monkeypatch, device: torch.device) -> None:
+    """1..16 new tokens after a cached prefix of 608 (split-KV attention launches) compile no kernel
+    after start-up: a draft model catching up after a pause in drafting runs such forwards, and before
+    start-up covered query lengths 9-16 the H200 pair sweep's first adaptive run stalled on them."""
+    from tests.helpers.tiny_models import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path / "m", arch="qwen2", seed=3, num_heads=4, num_kv_heads=1,
+                                max_position_embeddings=1024)
+    llm = LLM(model=str(model), progress=False, device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=1024,
+              kv_cache_memory_bytes=32 << 20, enable_prefix_caching=True)
+    base = [7 + i % 300 for i in range(608)]  # 38 full blocks of 16: a prefix hit leaves only the new tokens
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": base}], params)
+    compiled = _count_compiles(monkeypatch)
+    for n in range(1, 17):
+        llm.generate([{"prompt_token_ids": base + [5 + j for j in range(n)]}], params)
+    assert compiled == [], compiled
