@@ -71,13 +71,20 @@ def draft_kv_blocks(target_num_blocks: int, bytes_per_block: int, device: torch.
     return blocks
 
 
-def _graph_logits_bytes(max_num_seqs: int, vocab_size: int) -> int:
-    """What the draft's catch-up graphs (query lengths 1 and 2, every batch size) keep allocated:
-    their float32 logits outputs, about 2 GiB for 256 sequences and a 152k vocabulary."""
-    from specserve.runner.cuda_graph import DEFAULT_BATCH_SIZES
+# Catch-up graphs: query lengths 1 and 2 at every batch size (after verification the catch-up feeds one
+# or two tokens per request), and the target's short-prefill lengths for one or two sequences: after a
+# pause in drafting (the adaptive controller's k = 0 steps) the draft feeds the tokens it skipped, and
+# eagerly a forward of the 0.5B draft took ~10 ms on the H200 for any chunk of 3-128 tokens (host-bound
+# launches; bench/catch_up_probe.py), against ~2 ms for the 1.5B target's replayed prefill graphs.
+_CATCH_UP_QUERY_LENS = (1, 2)
 
-    rows = sum(b for b in DEFAULT_BATCH_SIZES if b <= max_num_seqs) + max_num_seqs
-    return rows * 3 * vocab_size * 4
+
+def _graph_bytes(max_num_seqs: int, vocab_size: int, hidden_size: int) -> int:
+    """What the draft's catch-up graphs keep allocated (their float32 logits and hidden outputs):
+    about 2.2 GiB for 256 sequences and a 152k vocabulary."""
+    from specserve.runner.cuda_graph import PREFILL_QUERY_LENS, graph_output_bytes
+
+    return graph_output_bytes(max_num_seqs, _CATCH_UP_QUERY_LENS, PREFILL_QUERY_LENS, vocab_size, hidden_size, 4)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -200,7 +207,7 @@ class DraftModelProposer(OwnKVLifecycle):
         arch, tspec = self.loaded.arch, parts.runner.spec
         spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, tspec.block_size, tspec.fmt)
         graphs = parts.runner.graphs is not None
-        reserve = _graph_logits_bytes(parts.scheduler.max_num_seqs, arch.vocab_size) if graphs else 0
+        reserve = _graph_bytes(parts.scheduler.max_num_seqs, arch.vocab_size, arch.hidden_size) if graphs else 0
         num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "draft model", reserve)
         self.runner = ModelRunner(self.loaded, spec, num_blocks, self.device, parts.runner.backend)
         self.kv = KVCacheManager(num_blocks, tspec.block_size, enable_prefix_caching=False)
@@ -211,9 +218,13 @@ class DraftModelProposer(OwnKVLifecycle):
         # After verification the catch-up feeds one new token per request (the target's own, after
         # a rejection) or two (the last draft, accepted, and the bonus token): graphs for both
         # lengths, a step mixing them pads per sequence (runner/cuda_graph.py graph_for). The last
-        # draft is never fed on its own, which would cost one more forward per cycle.
+        # draft is never fed on its own, which would cost one more forward per cycle. Longer
+        # catch-ups of one or two requests pad to a prefill graph (see _CATCH_UP_QUERY_LENS).
         if graphs:
-            self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, (1, 2))
+            from specserve.runner.cuda_graph import PREFILL_QUERY_LENS
+
+            self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, _CATCH_UP_QUERY_LENS,
+                                       PREFILL_QUERY_LENS)
         self.chain = _ChainSteps(self.runner, self.kv)
 
     def propose(self, inp: ProposeInput) -> None:

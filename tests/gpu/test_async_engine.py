@@ -168,3 +168,37 @@ def test_short_prefills_replay_prefill_graphs(tiny_llama_dir, device: torch.devi
     cpu = LLM(model=str(tiny_llama_dir), progress=False, device="cpu", dtype="float32",
               kv_cache_memory_bytes=8 << 20)
     assert got == [cpu.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
+
+
+def test_draft_catch_ups_replay_prefill_graphs(tiny_llama_dir, device: torch.device, monkeypatch) -> None:
+    """A draft model catching up after steps without drafts (here: k = 0 while more than 2 requests run)
+    pads its catch-up of one or two requests to a captured prefill graph instead of a ~10 ms eager
+    forward, and the tokens stay plain decoding's."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    from specserve.runner.cuda_graph import CudaGraphRunner
+
+    table = {"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]], "adaptive": False,
+             "num_speculative_tokens": 3}
+    prompts = _prompts(6, seed=21)
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(6)]
+    plain = _generate(tiny_llama_dir, "cuda", params, prompts, async_scheduling=False)
+    llm = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
+              kv_cache_memory_bytes=8 << 20,
+              speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), **table})
+    draft_graphs = llm.engine.spec.proposer.runner.graphs
+    assert draft_graphs is not None and set(draft_graphs.prefill_query_lens) == {16, 64}
+    keys: list[tuple[int, int]] = []
+    original = CudaGraphRunner.graph_for
+
+    def spy(self, batch):
+        found = original(self, batch)
+        if found is not None and self is draft_graphs:
+            keys.append(found[1])
+        return found
+
+    monkeypatch.setattr(CudaGraphRunner, "graph_for", spy)
+    got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+           for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == plain
+    assert any(q in (16, 64) for _, q in keys), f"no catch-up replayed a prefill graph: {keys}"
