@@ -173,6 +173,7 @@ class StepCosts:
         self.clock: Callable[[], float] = time.perf_counter  # when observe() is called (finds pauses)
         self._observed_at: float | None = None
         self._prev_timed = True  # the previous step ran overlapped with the one before (see _timed)
+        self._prev_plain: bool | None = None  # the previous step had no drafts (None: none observed)
 
     # -- predictions --------------------------------------------------------------------------
     def decode_seconds(self, b: float) -> tuple[float, bool]:
@@ -257,21 +258,26 @@ class StepCosts:
         """One finished step and the proposal it verified (cold, after_prompt, unseen: as when chosen)."""
         p = step.proposal
         self.num_observed += 1
-        self._observe_step(step, p, self._timed(step, p))
+        self._observe_step(step, p, *self._timed(step, p))
         if p is not None and p.num_seqs > 0 and p.num_speculative_tokens > 0:
             self._observe_proposal(p, cold, after_prompt, unseen)
         elif p is not None:
             self._last_cold = None
         self._count_unseen(step, p)
 
-    def _timed(self, step: SpecStepStats, p: ProposalStats | None) -> bool:
-        """Whether a step without drafts was timed to its end. With asynchronous scheduling (engine/
-        overlap.py) such a step is timed while the forward of the next one runs, except the first one
-        after a step that ran synchronously (one with a proposal of k > 0, the first after the engine
-        idled): timed when its forward is launched, it looks several times cheaper than it is, and its
-        forward's time lands in the unmeasured gap before the next step. So a plain decode step is a
-        measurement only if the step before it was one too and neither follows a pause (time between
-        observations that neither step nor proposal accounts for: the engine had nothing to run)."""
+    def _timed(self, step: SpecStepStats, p: ProposalStats | None) -> tuple[bool, float]:
+        """(whether a step without drafts was timed to its end, the host time since the last observation
+        that no timer covered). The latter only if this step and the one before ran the same way (both
+        drafting or both not), else 0: a switch's own cost, draining the overlapped step in flight, is
+        no step's price.
+
+        With asynchronous scheduling (engine/overlap.py) a step without drafts is timed while the
+        forward of the next one runs, except the first one after a step that ran synchronously (one
+        with a proposal of k > 0, the first after the engine idled): timed when its forward is
+        launched, it looks several times cheaper than it is, and its forward's time lands in the
+        unmeasured gap before the next step. So a plain decode step is a measurement only if the step
+        before it was one too and neither follows a pause (time between observations that neither step
+        nor proposal accounts for, beyond a step's worth: the engine had nothing to run)."""
         now = self.clock()
         since, self._observed_at = (None if self._observed_at is None else now - self._observed_at), now
         unexplained = 0.0 if since is None else since - step.step_seconds - (p.seconds if p is not None else 0.0)
@@ -279,10 +285,11 @@ class StepCosts:
         if paused and self.unseen_tokens is not None:
             self.unseen_tokens = 0.0  # the engine idled: nothing ran, so every request now running is new
         plain = step.num_draft_tokens == 0 and (p is None or p.num_speculative_tokens == 0)
-        timed, self._prev_timed = self._prev_timed and not paused, plain and not paused
-        return timed
+        same_way = not paused and self._prev_plain is plain
+        timed, self._prev_timed, self._prev_plain = self._prev_timed and not paused, plain and not paused, plain
+        return timed, (max(unexplained, 0.0) if same_way else 0.0)
 
-    def _observe_step(self, step: SpecStepStats, p: ProposalStats | None, timed: bool) -> None:
+    def _observe_step(self, step: SpecStepStats, p: ProposalStats | None, timed: bool, untimed: float) -> None:
         decode = step.batch_size + step.num_draft_tokens  # one token per request, plus its drafts
         prefill = max(step.num_batched_tokens - decode, 0)  # the rest: prompt chunks
         self.after_prompt = prefill > 0
@@ -292,15 +299,21 @@ class StepCosts:
         if step.num_draft_tokens > 0:
             k = p.num_speculative_tokens if p is not None and p.num_speculative_tokens > 0 else self.max_k
             k = min(k, self.max_k)
-            self.verify_cost.add(x, step.step_seconds)
-            self.verify_cost_by_k[k].add(x, step.step_seconds)
-            self.local_cost.add(step.batch_size, k, x, step.step_seconds, self.num_observed)
+            # A run of steps costs, per step, the interval between two observations: host work outside
+            # the step's and the proposal's timers counts too. Overlapped steps hide some (the engine
+            # loop, the controller's own choice): ~0.07 of a 1.24 ms step at the H200 pair's concurrency
+            # 1 (timed 1.17 ms), enough to tie no drafts with k = 4, which measured 10% faster there.
+            # Synchronous steps' timers left ~nothing out (fixed k = 4: 5.01 ms timed, 4.98 per TPOT).
+            y = step.step_seconds + untimed
+            self.verify_cost.add(x, y)
+            self.verify_cost_by_k[k].add(x, y)
+            self.local_cost.add(step.batch_size, k, x, y, self.num_observed)
         elif timed:
-            self.decode_cost.add(x, step.step_seconds)
+            y = step.step_seconds + untimed  # (see above)
+            self.decode_cost.add(x, y)
             self.pure_decode_weight = self.pure_decode_weight * self._keep + (1.0 if prefill == 0 else 0.0)
             if prefill == 0:  # a bucket's decode fit: plain decode steps only (it cannot tell prompt chunks apart)
-                self.local_cost.add(step.batch_size, _DECODE, x, step.step_seconds, self.num_observed,
-                                    restart_ratio=_DECODE_RESTART)
+                self.local_cost.add(step.batch_size, _DECODE, x, y, self.num_observed, restart_ratio=_DECODE_RESTART)
 
     def _observe_proposal(self, p: ProposalStats, cold: bool, after_prompt: bool, unseen: float | None) -> None:
         """The fits over every batch size take every warm proposal; a bucket's own fit not those right

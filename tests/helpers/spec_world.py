@@ -63,6 +63,7 @@ class World:
     prompt_len: int = 0
     prompt_tok_s: float = 0.0
     arrival_s: float = 0.0
+    async_gap_s: float = 0.0  # host work per overlapped step that no timer covers (the engine loop, choose)
 
     def verify_s(self, tokens: int, q: int) -> float:
         t = self.step_s + self.per_token_s * tokens
@@ -80,13 +81,14 @@ class World:
 
     def timed(self, verify_s: float, sync: bool, was_sync: bool) -> tuple[float, float]:
         """(time the step takes, time the engine measures for it). With asynchronous scheduling a step
-        that runs synchronously (`sync`: the last proposal drafted) pays `sync_host_s` of host work, and
-        the first overlapped one after such a step is timed at its launch (see the class doc)."""
+        that runs synchronously (`sync`: the last proposal drafted) pays `sync_host_s` of host work, the
+        first overlapped one after such a step is timed at its launch (see the class doc), and every
+        overlapped one takes `async_gap_s` more than its timer shows."""
         if self.launch_s is None:
             return verify_s, verify_s
         if sync:
-            verify_s += self.sync_host_s
-        return verify_s, (self.launch_s if not sync and was_sync else verify_s)
+            return verify_s + self.sync_host_s, verify_s + self.sync_host_s
+        return verify_s + self.async_gap_s, (self.launch_s if was_sync else verify_s)
 
     @property
     def catches_up(self) -> bool:
