@@ -9,7 +9,7 @@
 #     cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046      (carry only the part)
 #   for i in 00 .. 08: bash bench/device/put_part.sh .models/q05c.part$i Qwen2.5-Coder-0.5B-Instruct.gguf 9 \
 #     1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
-# and the pair again with the catch-up graphs and the untimed host work priced (commit after 707e9fa):
+# and the pair again with the catch-up graphs (707e9fa) and the untimed host work priced (de283bb):
 #   OUT=$OUT python3 bench/catch_up_probe.py   (draft catch-ups now ~2 ms instead of ~10?)
 #   python3 bench/controller_sweep.py --mode pair --policies off,fixed,adaptive --min-requests 8 --rounds 3 \
 #     --interleave 3 --time-budget-s 320 --plots --out-dir "$OUT"
