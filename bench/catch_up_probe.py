@@ -7,8 +7,9 @@ and they alone (the fixed-k policies never pause drafting) feed the draft model 
 in eager forwards of every chunk size. This probe times such forwards directly, on the draft model
 and the target, so a first-use cost (JIT, cuBLAS heuristics, allocator growth) shows as first >> second.
 
-    python3 bench/catch_up_probe.py [--model M --draft D] [--context 200] [--sizes 3,5,...]
-    python3 bench/catch_up_probe.py --device cpu --model <tiny dir> --draft <tiny dir> --sizes 3,17  # smoke
+    python3 bench/catch_up_probe.py [--model M --draft D] [--contexts 200,600] [--sizes 3,5,...] [--old-warm-up]
+    python3 bench/catch_up_probe.py --device cpu --model <tiny dir> --draft <tiny dir> --sizes 3,17 \
+        --contexts 40,300 --max-model-len 512  # smoke
 """
 from __future__ import annotations
 
@@ -100,8 +101,9 @@ def main() -> None:
         for pr in prompts:
             llm.generate([pr], params)
         s = time.perf_counter() - t
-        print(f"adaptive, concurrency 1, run {run + 1}: {4 * 256 / s:.1f} tok/s", flush=True)
-        rows.append({"run": run + 1, "tokens_per_s": 4 * 256 / s})
+        rate = len(prompts) * params.max_tokens / s
+        print(f"adaptive, concurrency 1, run {run + 1}: {rate:.1f} tok/s", flush=True)
+        rows.append({"run": run + 1, "tokens_per_s": rate})
     Path(args.out, f"catch_up_probe{'_old' if args.old_warm_up else ''}.json").write_text(json.dumps(rows, indent=1))
 
 

@@ -81,7 +81,7 @@ _CATCH_UP_QUERY_LENS = (1, 2)
 
 def _graph_bytes(max_num_seqs: int, vocab_size: int, hidden_size: int) -> int:
     """What the draft's catch-up graphs keep allocated (their float32 logits and hidden outputs):
-    about 2.2 GiB for 256 sequences and a 152k vocabulary."""
+    about 2.5 GiB for 256 sequences and a 152k vocabulary."""
     from specserve.runner.cuda_graph import PREFILL_QUERY_LENS, graph_output_bytes
 
     return graph_output_bytes(max_num_seqs, _CATCH_UP_QUERY_LENS, PREFILL_QUERY_LENS, vocab_size, hidden_size, 4)
