@@ -26,6 +26,7 @@ from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec
 from specserve.model.loader import LoadedModel, load_model
 from specserve.runner.batch import HostBatch, block_table_array
+from specserve.runner.cuda_graph import PREFILL_MAX_BATCH, PREFILL_QUERY_LENS, graph_output_bytes
 from specserve.runner.model_runner import ModelRunner
 from specserve.sample.h2d import cached_tensor
 from specserve.sample.metadata import SamplingMetadata
@@ -77,13 +78,12 @@ def draft_kv_blocks(target_num_blocks: int, bytes_per_block: int, device: torch.
 # eagerly a forward of the 0.5B draft took ~10 ms on the H200 for any chunk of 3-128 tokens (host-bound
 # launches; bench/catch_up_probe.py), against ~2 ms for the 1.5B target's replayed prefill graphs.
 _CATCH_UP_QUERY_LENS = (1, 2)
+_GRAPH_PIECES = 4  # a catch-up of up to this many longest-graph lengths replays the graph per piece (below)
 
 
 def _graph_bytes(max_num_seqs: int, vocab_size: int, hidden_size: int) -> int:
     """What the draft's catch-up graphs keep allocated (their float32 logits and hidden outputs):
     about 2.5 GiB for 256 sequences and a 152k vocabulary."""
-    from specserve.runner.cuda_graph import PREFILL_QUERY_LENS, graph_output_bytes
-
     return graph_output_bytes(max_num_seqs, _CATCH_UP_QUERY_LENS, PREFILL_QUERY_LENS, vocab_size, hidden_size, 4)
 
 
@@ -221,8 +221,6 @@ class DraftModelProposer(OwnKVLifecycle):
         # draft is never fed on its own, which would cost one more forward per cycle. Longer
         # catch-ups of one or two requests pad to a prefill graph (see _CATCH_UP_QUERY_LENS).
         if graphs:
-            from specserve.runner.cuda_graph import PREFILL_QUERY_LENS
-
             self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, _CATCH_UP_QUERY_LENS,
                                        PREFILL_QUERY_LENS)
         self.chain = _ChainSteps(self.runner, self.kv)
@@ -269,16 +267,30 @@ class DraftModelProposer(OwnKVLifecycle):
         seq.num_real = len(tokens)
         return seq
 
+    def catch_up_cap(self, unseen: list[int]) -> int | None:
+        """The most tokens one sequence feeds per catch-up forward, for sequences with `unseen` tokens
+        each (None: no cap). A catch-up of one or two sequences, one longer than the longest prefill
+        graph, of at most _GRAPH_PIECES such lengths in all (a new request's prompt, say), goes in
+        pieces of that length, each a graph replay: on the H200 an eager forward of the 0.5B draft took
+        ~10 ms for any 3-128 tokens, a replay of the target's 64-token graph ~2 ms."""
+        graphs = self.runner.graphs
+        lens = graphs.prefill_query_lens if graphs is not None else ()
+        if not lens or not unseen or len(unseen) > PREFILL_MAX_BATCH:
+            return None
+        piece = max(lens)
+        return piece if max(unseen) > piece and sum(unseen) <= _GRAPH_PIECES * piece else None
+
     def _catch_up(self, seqs: list[_DraftSeq]) -> torch.Tensor:
-        """Feed every seq's unseen tokens, in forwards of at most max_batched tokens; returns the
-        logits of each seq's last token, [len(seqs), vocab], valid until the draft's next forward
-        (they may be a CUDA graph's output)."""
+        """Feed every seq's unseen tokens, in forwards of at most max_batched tokens (and catch_up_cap()
+        per sequence); returns the logits of each seq's last token, [len(seqs), vocab], valid until the
+        draft's next forward (they may be a CUDA graph's output)."""
         rows: list[torch.Tensor | None] = [None] * len(seqs)
         pending = list(range(len(seqs)))
+        cap = self.catch_up_cap([s.num_tokens - s.num_computed_tokens for s in seqs]) or self.max_batched
         while pending:
             budget, sched, order = self.max_batched, SchedulerOutput(), []
             for i in pending:
-                n = min(seqs[i].num_tokens - seqs[i].num_computed_tokens, budget)
+                n = min(seqs[i].num_tokens - seqs[i].num_computed_tokens, budget, cap)
                 if n <= 0:
                     break
                 sched.scheduled.append(ScheduledRequest(seqs[i], n, 0))

@@ -168,3 +168,49 @@ def test_self_draft_with_different_budgets_accepts_every_draft(tiny_llama_dir) -
     assert outs[0] == outs[1]
     st = spec.engine.stats
     assert st.get("spec_decode_num_accepted_tokens_total") == st.get("spec_decode_num_draft_tokens_total") > 0
+
+
+def test_catch_up_cap_pieces_long_catch_ups_of_one_or_two_requests(tiny_llama_dir) -> None:
+    """With prefill graphs of 16 / 64 tokens, a catch-up of 1-2 sequences with one over 64 tokens and
+    at most 256 in all is fed in pieces of 64 (each a graph replay); otherwise one forward."""
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
+              speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3})
+    proposer = llm.engine.spec.proposer
+    assert proposer.catch_up_cap([172]) is None  # no graphs (the CPU)
+    proposer.runner.graphs = SimpleNamespace(prefill_query_lens=(16, 64))
+    assert proposer.catch_up_cap([172]) == 64 and proposer.catch_up_cap([172, 1]) == 64
+    assert proposer.catch_up_cap([40, 40]) is None  # each fits a graph as it is
+    assert proposer.catch_up_cap([300]) is None  # eager: one forward beats 5 replays
+    assert proposer.catch_up_cap([100, 1, 1]) is None  # no prefill graph for 3 sequences
+
+
+def test_catch_ups_in_pieces_keep_every_draft_right(tiny_llama_dir, monkeypatch) -> None:
+    """Catch-ups fed in pieces of 5 tokens (the cap forced; on a GPU it is the prefill graphs' 64): a
+    model drafting for itself still has every draft accepted, and the output is plain decoding's. The
+    table drafts only while at most 2 requests run, so the draft catches up on whole prompts."""
+    from specserve.spec.draft_model import DraftModelProposer
+
+    monkeypatch.setattr(DraftModelProposer, "catch_up_cap", lambda self, unseen: 5)
+    longest: list[int] = []
+    real = DraftModelProposer._catch_up
+
+    def spy(self, seqs):
+        longest.append(max(s.num_tokens - s.num_computed_tokens for s in seqs))
+        return real(self, seqs)
+
+    monkeypatch.setattr(DraftModelProposer, "_catch_up", spy)
+    prompts = [[5 + (7 * i + r) % 50 for i in range(9 + 4 * r)] for r in range(4)]
+    budgets = [6, 9, 13, 17]
+    plain = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    spec = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
+               speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3,
+                                   "adaptive": False, "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]]})
+    outs = []
+    for llm in (plain, spec):
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in budgets])
+        outs.append([o.outputs[0].token_ids for o in got])
+    assert outs[0] == outs[1]
+    assert max(longest) > 10  # some catch-up took three pieces or more
+    st = spec.engine.stats
+    assert st.get("spec_decode_num_accepted_tokens_total") == st.get("spec_decode_num_draft_tokens_total") > 0
