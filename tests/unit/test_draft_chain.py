@@ -150,16 +150,12 @@ def test_staging_put_gives_the_array_and_reuses_its_views(monkeypatch) -> None:
     assert got.dtype == torch.int32 and got.tolist() == as32.tolist()
 
 
-def test_self_draft_with_different_budgets_accepts_every_draft(tiny_llama_dir) -> None:
-    """Requests of one batch with different remaining budgets draft different k: the chained steps
-    drop requests as they reach their k. Drafting for itself, every draft matches the target (its
-    KV positions and slots are right) and the output is plain decoding's."""
-    prompts = [[5 + i for i in range(8 + 3 * r)] for r in range(4)]
-    budgets = [6, 9, 11, 14]
-    plain = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
-    spec = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
-               speculative_config={"method": "draft_model", "model": str(tiny_llama_dir),
-                                   "num_speculative_tokens": 4, "adaptive": False})
+def assert_self_draft_is_plain(model_dir, prompts: list[list[int]], budgets: list[int], **spec_cfg) -> None:
+    """A model drafting for itself (greedy, fixed k unless spec_cfg says otherwise): the output is plain
+    decoding's and every draft is accepted (its KV positions and slots are right)."""
+    plain = LLM(model=str(model_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    spec = LLM(model=str(model_dir), progress=False, kv_cache_memory_bytes=4 << 20,
+               speculative_config={"method": "draft_model", "model": str(model_dir), "adaptive": False, **spec_cfg})
     outs = []
     for llm in (plain, spec):
         got = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -168,6 +164,15 @@ def test_self_draft_with_different_budgets_accepts_every_draft(tiny_llama_dir) -
     assert outs[0] == outs[1]
     st = spec.engine.stats
     assert st.get("spec_decode_num_accepted_tokens_total") == st.get("spec_decode_num_draft_tokens_total") > 0
+
+
+def test_self_draft_with_different_budgets_accepts_every_draft(tiny_llama_dir) -> None:
+    """Requests of one batch with different remaining budgets draft different k: the chained steps
+    drop requests as they reach their k. Drafting for itself, every draft matches the target (its
+    KV positions and slots are right) and the output is plain decoding's."""
+    prompts = [[5 + i for i in range(8 + 3 * r)] for r in range(4)]
+    assert_self_draft_is_plain(tiny_llama_dir, prompts, [6, 9, 11, 14], num_speculative_tokens=4)
+
 
 
 def test_catch_up_cap_pieces_long_catch_ups_of_one_or_two_requests(tiny_llama_dir) -> None:
@@ -200,17 +205,6 @@ def test_catch_ups_in_pieces_keep_every_draft_right(tiny_llama_dir, monkeypatch)
 
     monkeypatch.setattr(DraftModelProposer, "_catch_up", spy)
     prompts = [[5 + (7 * i + r) % 50 for i in range(9 + 4 * r)] for r in range(4)]
-    budgets = [6, 9, 13, 17]
-    plain = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
-    spec = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
-               speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3,
-                                   "adaptive": False, "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]]})
-    outs = []
-    for llm in (plain, spec):
-        got = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in budgets])
-        outs.append([o.outputs[0].token_ids for o in got])
-    assert outs[0] == outs[1]
+    assert_self_draft_is_plain(tiny_llama_dir, prompts, [6, 9, 13, 17], num_speculative_tokens=3,
+                               num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 64, 0]])
     assert max(longest) > 10  # some catch-up took three pieces or more
-    st = spec.engine.stats
-    assert st.get("spec_decode_num_accepted_tokens_total") == st.get("spec_decode_num_draft_tokens_total") > 0
