@@ -22,3 +22,10 @@ OUT=${OUT:-/tmp/out}
 timeout 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_async_engine.py tests/gpu/test_warmup_gpu.py \
   "tests/gpu/test_triton_attention.py::test_split_counters_grow_outside_capture_only" > "$OUT/tests.txt" 2>&1
 tail -n 5 "$OUT/tests.txt"
+# Where a speculative step's time goes now (random weights): the target's graphs per query length
+# (verify of k+1 rows against a 1-row decode) and the draft's, then the EAGLE-3 / P-EAGLE propose.
+OUT=$OUT timeout 150 python3 bench/verify_cost.py --k 8 --context 400 > "$OUT/verify_cost.txt" 2>&1
+cat "$OUT/verify_cost.txt" | tail -n 60
+OUT=$OUT timeout 150 python3 bench/spec_profile.py --k 4 --steps 60 --configs none,eagle3,p-eagle \
+  > "$OUT/spec_profile.txt" 2>&1
+tail -n 6 "$OUT/spec_profile.txt"

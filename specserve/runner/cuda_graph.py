@@ -12,6 +12,9 @@ prefill length. Everything else runs eagerly.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
+from collections.abc import Iterator
 
 import torch
 
@@ -62,6 +65,23 @@ def graph_output_bytes(max_num_seqs: int, query_lens: tuple[int, ...], prefill_l
     sizes = sizes_by_query_len(sorted(graph_batch_sizes(max_num_seqs)), tuple(sorted(set(query_lens))), prefill_lens)
     rows = sum(bs * q for q, batch_sizes in sizes.items() for bs in batch_sizes)
     return int(rows * (vocab_size * 4 + hidden_size * act_bytes) * 1.1)
+
+
+@contextlib.contextmanager
+def gc_paused_for_capture() -> Iterator[None]:
+    """Collect garbage once, then keep Python's cycle collector off while graphs are captured.
+    torch.cuda.graph no longer collects on entry, so an automatic collection could run mid-capture
+    and free a dead engine's pinned buffers or CUDA events (a process that builds engines one after
+    another: benchmarks, tests). In the global capture mode that call invalidates the capture, and the
+    next launch fails with "operation failed due to a previous error during capture"."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class CudaGraphRunner:
@@ -115,6 +135,10 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        with gc_paused_for_capture():
+            self._capture_all()
+
+    def _capture_all(self) -> None:
         for q in self.query_lens:
             for bs in reversed(self.sizes_by_q[q]):  # largest first: later graphs reuse its pool
                 self._fill_dummy(bs, q)

@@ -37,6 +37,7 @@ import torch
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata
 from specserve.kv.spec import KVFormat, LayerKVCache
+from specserve.runner.cuda_graph import gc_paused_for_capture
 from specserve.runner.streams import record
 from specserve.spec.draft_model import DraftSampler
 from specserve.spec.draft_tokens import DraftTokens
@@ -144,6 +145,11 @@ def capture_per_batch_size(owner) -> None:
     """Capture `owner._forward(bs)` for each of `owner.batch_sizes` into one shared memory pool,
     largest first so the smaller graphs reuse its memory; fills owner.graphs[bs] / outputs[bs].
     owner: HeadStepGraphs or FirstForwardGraphs (batch_sizes, device, _fill_dummy, _forward, _pool)."""
+    with gc_paused_for_capture():
+        _capture_each(owner)
+
+
+def _capture_each(owner) -> None:
     for bs in reversed(owner.batch_sizes):
         owner._fill_dummy(bs)
         for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms

@@ -165,3 +165,39 @@ def test_graph_output_bytes_counts_every_captured_pair():
     assert verify == int((1 + 2 + 3) * (1 + 2 + 4 + 8) * per_row * 1.1)
     prefill = graph_output_bytes(8, (1,), PREFILL_QUERY_LENS, 1000, 64, 2)
     assert prefill == int((15 + sum(PREFILL_QUERY_LENS) * (1 + 2)) * per_row * 1.1)  # batch sizes 1 and 2
+
+
+def test_gc_paused_for_capture_collects_first_and_restores() -> None:
+    """Cycles dead before a capture are collected on entry; none is collected during it (an automatic
+    collection mid-capture can free pinned buffers, which invalidates the capture); the collector's
+    state is restored after, also when the capture raises."""
+    import gc
+    import weakref
+
+    from specserve.runner.cuda_graph import gc_paused_for_capture
+
+    class Cycle:
+        pass
+
+    def dead_cycle() -> weakref.ref:
+        a, b = Cycle(), Cycle()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    before = dead_cycle()
+    assert gc.isenabled()
+    with gc_paused_for_capture():
+        assert before() is None and not gc.isenabled()
+        during = dead_cycle()
+        kept = [Cycle() for _ in range(3 * gc.get_threshold()[0])]  # would trigger an automatic collection
+        assert during() is not None
+        del kept
+    assert gc.isenabled()
+    gc.collect()
+    assert during() is None
+    try:
+        with gc_paused_for_capture():
+            raise RuntimeError("capture failed")
+    except RuntimeError:
+        pass
+    assert gc.isenabled()
