@@ -93,6 +93,8 @@ class _Shared:
 class TPExecutor(ShardRunner):
     """Rank 0's runner: same interface as ModelRunner; also drives ranks 1..N-1."""
 
+    accepts_pending = False  # steps are broadcast as host batches: no placeholder fill
+
     def __init__(self, loaded, spec, num_blocks: int, device: torch.device, backend, *, group: TPGroup,
                  procs: WorkerProcs | None) -> None:
         super().__init__(loaded, spec, num_blocks, device, backend)

@@ -161,6 +161,8 @@ class Engine(AsyncStepMixin):
             self._inflight = None
         sched = self.scheduler.schedule()
         self._fail_unfittable(sched, outputs)
+        if sched.empty and self.spec is not None:
+            self.spec.resolve_drafts()
         if not sched.empty:
             start = time.perf_counter()
             for req in sched.preempted:
@@ -168,14 +170,18 @@ class Engine(AsyncStepMixin):
                     self.spec.on_preempted(req)
             need_hidden = self.spec is not None and self.spec.proposer.needs_target_hidden
             plan = plan_prompt_logprobs(sched)
+            # Drafts still on the device: the runner fills the verify step's placeholders from them.
+            drafts = self.spec.pending_drafts() if self.spec is not None else None
+            kw = {"pending": drafts} if drafts is not None else {}
             if plan:
-                step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden, prompt_plan=plan)
+                step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden, prompt_plan=plan, **kw)
                 self._store_prompt_logprobs(sched, plan, step_out.prompt_logprobs)
             else:
-                step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden)
+                step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden, **kw)
             self.kv.after_forward()
             if self.spec is not None:  # host work for the next choice, while the forward runs
                 self.spec.work_ahead(len(self.scheduler.running))
+                self.spec.resolve_drafts()  # the drafts' ids, for the rejection sampler
             new_tokens, accepted = self._sample(sched, step_out.logits)
             outputs.extend(self._update(sched, new_tokens, accepted))
             if self.spec is not None:

@@ -77,7 +77,9 @@ class PendingTokens:
     step's placeholders (scheduler/request.py PLACEHOLDER) take their input ids from here."""
 
     tokens: torch.Tensor  # [num_rows] int64, on the device
-    row_of: dict[str, int]  # request_id -> its row in tokens
+    # request_id -> the row of its first placeholder; its later placeholders in a step read the rows
+    # after it (a proposal's drafts, spec/draft_tokens.py DeferredDrafts; one token per request here).
+    row_of: dict[str, int]
 
 
 def pad_to_query_len(host: HostBatch, q: int, max_model_len: int) -> HostBatch | None:
@@ -112,11 +114,12 @@ def pending_fill(host: HostBatch, request_ids: list[str], pending: PendingTokens
     if not dst.size:
         return None
     seq = np.searchsorted(host.cu_query_lens, dst, side="right") - 1
+    rank = np.arange(len(seq)) - np.searchsorted(seq, seq, side="left")  # i-th placeholder of its sequence
     try:
         rows = np.fromiter((pending.row_of[request_ids[i]] for i in seq), np.int64, len(seq))
     except (KeyError, AttributeError):
-        raise RuntimeError("a scheduled token is a placeholder no step in flight will sample") from None
-    return dst.astype(np.int64), rows
+        raise RuntimeError("a scheduled token is a placeholder nothing in flight will produce") from None
+    return dst.astype(np.int64), rows + rank
 
 
 class Staging:

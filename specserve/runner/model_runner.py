@@ -49,6 +49,10 @@ def select_backend(device: torch.device, name: str | None = None):
 
 
 class ModelRunner:
+    # execute() fills placeholder input ids from tokens still on the device (`pending`): the async
+    # step's sampled tokens, a proposal's deferred drafts. The tensor-parallel executor does not.
+    accepts_pending = True
+
     def __init__(self, loaded: LoadedModel, spec: KVCacheSpec, num_blocks: int, device: torch.device,
                  backend=None) -> None:
         self.loaded = loaded

@@ -5,12 +5,15 @@ records the spec_decode_* metrics.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 
 import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.metrics.stats import StatsCollector
+from specserve.runner.batch import PendingTokens
 from specserve.runner.model_runner import StepOutput
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection import RejectionSampler
@@ -19,6 +22,7 @@ from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec.adaptive import ProposalStats, SpecStepStats, verify_counts
 from specserve.spec.base import ProposeInput, Proposer, draft_budget, stack_draft_probs
+from specserve.spec.draft_tokens import DeferredDrafts
 
 
 class _PositionLabels(dict):
@@ -76,10 +80,30 @@ class SpecDecoder:
         self._proposal: ProposalStats | None = None  # the last proposal, verified by the next step
         self.last_k: int | None = None  # the k of the last proposal (0: the next step drafts nothing)
         self._verified: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # verify_counts of this step
+        # Drafts left on the device for the verify step (spec/draft_tokens.py DeferredDrafts): one
+        # device, the runner's placeholder fill. SPECSERVE_DEFER_DRAFTS=0 reads them back in propose.
+        self.proposer.defer_drafts = (getattr(engine_parts.runner, "accepts_pending", False)
+                                      and os.environ.get("SPECSERVE_DEFER_DRAFTS", "1") != "0")
+        self._deferred: DeferredDrafts | None = None
+        self._wait_s = 0.0  # this step's wait for deferred drafts: the proposal's time, not the step's
+
+    def pending_drafts(self) -> PendingTokens | None:
+        """The last proposal's drafts still on the device: the verify step's placeholders read them."""
+        return self._deferred.pending if self._deferred is not None else None
+
+    def resolve_drafts(self) -> None:
+        """Bring deferred drafts to the host (waits for the proposer's last forward); a no-op if none."""
+        if self._deferred is None:
+            return
+        start = time.perf_counter()
+        deferred, self._deferred = self._deferred, None
+        deferred.resolve()
+        self._wait_s += time.perf_counter() - start
 
     def verify(self, reqs: list[Request], num_drafts: list[int], logits: torch.Tensor,
                meta: SamplingMetadata) -> tuple[list[list[int]], list[int]]:
         """logits: [sum(num_drafts) + len(reqs), vocab]. Returns tokens and accepted counts per request."""
+        self.resolve_drafts()
         drafts = [r.spec_token_ids[:k] for r, k in zip(reqs, num_drafts)]
         draft_probs = stack_draft_probs(reqs, num_drafts, self.vocab_size, logits.device)
         out = self.rejection(drafts, draft_probs, logits, meta)
@@ -103,9 +127,14 @@ class SpecDecoder:
 
     def observe_step(self, sched: SchedulerOutput, step_seconds: float) -> None:
         (reached, accepted), self._verified = self._verified, ((), ())
+        wait, self._wait_s = self._wait_s, 0.0
+        proposal = self._proposal
+        if wait and proposal is not None:  # priced as when propose read its drafts back itself
+            proposal = dataclasses.replace(proposal, seconds=proposal.seconds + wait)
+            step_seconds = max(0.0, step_seconds - wait)
         self.controller.observe(SpecStepStats(len(sched.scheduled), sched.num_batched_tokens,
                                               sum(s.num_spec_tokens for s in sched.scheduled), step_seconds,
-                                              reached, accepted, self._proposal))
+                                              reached, accepted, proposal))
         self._proposal = None
 
     def work_ahead(self, batch_size: int) -> None:
@@ -117,6 +146,7 @@ class SpecDecoder:
     def propose(self, reqs: list[Request], batch_index: list[int], step: StepOutput | None,
                 batch_size: int, k: int | None = None) -> None:
         """k: already chosen by the controller for this proposal (None: choose now)."""
+        self.resolve_drafts()  # an earlier proposal no step verified (its requests were not scheduled)
         start = time.perf_counter()
         if k is None:
             k = self.controller.choose(batch_size)
@@ -129,7 +159,11 @@ class SpecDecoder:
         if chosen:
             self.proposer.propose(ProposeInput([c[0] for c in chosen], [c[1] for c in chosen], step,
                                                [c[2] for c in chosen]))
+            take = getattr(self.proposer, "take_deferred", None)
+            self._deferred = take() if take is not None else None
         if self.structured is not None:  # structured output (issue 8): cut drafts, start next masks
+            if self.structured.num_requests:  # grammars read the drafts now
+                self.resolve_drafts()
             self.structured.prepare(reqs)
         self._proposal = ProposalStats.measure(k, [c[1] for c in chosen], [len(c[0].spec_token_ids) for c in chosen],
                                                time.perf_counter() - start)

@@ -34,7 +34,7 @@ from specserve.sample.sampler import compute_target_probs, draw_exponential, ran
 from specserve.scheduler.request import PLACEHOLDER, Request
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.spec.base import OwnKVLifecycle, ProposeInput
-from specserve.spec.draft_tokens import DraftTokens
+from specserve.spec.draft_tokens import DraftDelivery, DraftTokens, assign_resolved
 
 # Memory kept free on the GPU beside the draft's KV pool: its activations (catch-up forwards,
 # logits rows) and allocator slack.
@@ -196,7 +196,7 @@ def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
     return loaded
 
 
-class DraftModelProposer(OwnKVLifecycle):
+class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
     name = "draft_model"
     aux_hidden_layers: tuple[int, ...] = ()
     needs_target_hidden = False
@@ -247,11 +247,16 @@ class DraftModelProposer(OwnKVLifecycle):
         dt.add(rows, *self.sampler.sample(logits, rows))
         if max(ks) > 1:
             self.chain.run(seqs, ks, dt, self.sampler)
-        drafts, draft_probs = dt.to_lists(len(reqs))
-        for seq, d, k in zip(seqs, drafts, ks):  # the fed drafts (all but the last), which _sync compares later
-            seq.all_token_ids.extend(d[:k - 1])
+        for seq, k in zip(seqs, ks):
             seq.num_computed_tokens += k - 1
-        assign_drafts(reqs, drafts, draft_probs, self.sampler)
+        greedy = [self.sampler.is_greedy(i) for i in range(len(reqs))]
+
+        def finish(drafts: list[list[int]], draft_probs: list[list[torch.Tensor]]) -> None:
+            for seq, d, k in zip(seqs, drafts, ks):  # the fed drafts (all but the last), which _sync compares
+                seq.all_token_ids.extend(d[:k - 1])
+            assign_resolved(reqs, drafts, draft_probs, greedy)
+
+        self.deliver(dt, reqs, finish)
 
     def _sync(self, req: Request) -> _DraftSeq:
         """Keep the draft KV that still matches the request's tokens (rejected drafts fall out)."""

@@ -8,7 +8,14 @@ and all drafts cross to the host in one copy at the end.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import torch
+
+from specserve.runner.batch import PendingTokens
+from specserve.sample.h2d import h2d
+from specserve.scheduler.request import PLACEHOLDER, Request
 
 
 class DraftTokens:
@@ -30,6 +37,14 @@ class DraftTokens:
         pos = {i: r for r, i in enumerate(self.steps[-1][0])}
         return [pos[i] for i in active]
 
+    def counts(self, n: int) -> list[int]:
+        """How many drafts each of the n requests got."""
+        c = [0] * n
+        for active, _, _ in self.steps:
+            for i in active:
+                c[i] += 1
+        return c
+
     def to_lists(self, n: int) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
         """Per request: its drafts (host ints: the one read-back, which waits for the last draft) and
         their distributions (device rows; empty if greedy)."""
@@ -44,3 +59,94 @@ class DraftTokens:
                     probs[i].append(p[r])
             at += len(active)
         return drafts, probs
+
+
+# finish(drafts, probs): per request of the proposal, its draft ids (host ints) and their
+# distributions (device rows; empty if greedy); called once the ids are on the host.
+Finish = Callable[[list[list[int]], list[list[torch.Tensor]]], None]
+
+
+class DeferredDrafts:
+    """A proposal's drafts left on the device for the step that verifies them.
+
+    Reading the drafts back at the end of a propose made the host wait for the proposer's last
+    forward before it could schedule and build the verify step, so the GPU idled through that host
+    work. Instead each request holds PLACEHOLDER drafts (how many is known), the engine schedules
+    and launches the verify step at once, the runner fills the placeholders' input ids from
+    `pending` on the device (runner/batch.py pending_fill), and `resolve()` brings the ids to the
+    host (for the rejection sampler) while the verify forward runs."""
+
+    def __init__(self, dt: DraftTokens, request_ids: list[str], finish: Finish) -> None:
+        n = len(request_ids)
+        per_req: list[list[int]] = [[] for _ in range(n)]  # request i's rows of the step-major flat
+        self._probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        at = 0
+        for active, _, p in dt.steps:
+            for r, i in enumerate(active):
+                per_req[i].append(at + r)
+                if p is not None:
+                    self._probs[i].append(p[r])
+            at += len(active)
+        order = [row for rows in per_req for row in rows]
+        starts = np.cumsum([0] + [len(rows) for rows in per_req]).tolist()
+        flat = torch.cat([t for _, t, _ in dt.steps])
+        if order != list(range(len(order))):  # request-major: a request's drafts in consecutive rows
+            flat = flat.index_select(0, h2d(torch.tensor(order, dtype=torch.int64), flat.device))
+        self.pending = PendingTokens(flat, dict(zip(request_ids, starts)))
+        self._starts = starts
+        self._finish = finish
+        self._event = None
+        if flat.device.type == "cuda":
+            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flat
+
+    def resolve(self) -> None:
+        """Wait for the ids to reach the host, then hand them to `finish` (once)."""
+        if self._event is not None:
+            self._event.synchronize()
+        values = self._host.tolist()
+        s = self._starts
+        self._finish([values[s[i]:s[i + 1]] for i in range(len(s) - 1)], self._probs)
+
+
+class DraftDelivery:
+    """How a proposer that drafts on the device hands its drafts over: read back now (`defer_drafts`
+    False), or left on the device as DeferredDrafts that the spec decoder takes (`take_deferred`)."""
+
+    defer_drafts: bool = False
+    _deferred: DeferredDrafts | None = None
+
+    def deliver(self, dt: DraftTokens, reqs: list[Request], finish: Finish) -> None:
+        for req, k in zip(reqs, dt.counts(len(reqs))):
+            req.spec_token_ids, req.spec_draft_probs = [PLACEHOLDER] * k, None
+        if self.defer_drafts:
+            self._deferred = DeferredDrafts(dt, [r.request_id for r in reqs], finish)
+        else:
+            finish(*dt.to_lists(len(reqs)))
+
+    def take_deferred(self) -> DeferredDrafts | None:
+        d, self._deferred = self._deferred, None
+        return d
+
+    def resolve_deferred(self) -> None:
+        """Read deferred drafts back now: for tools and tests that inspect drafts right after propose."""
+        d = self.take_deferred()
+        if d is not None:
+            d.resolve()
+
+
+def assign_resolved(reqs: list[Request], drafts: list[list[int]], probs: list[list[torch.Tensor]],
+                    greedy: list[bool]) -> None:
+    """Replace each request's placeholder drafts (DraftDelivery.deliver) by the drafted ids, and set
+    spec_draft_probs ([k, vocab]; None = one-hot drafts). A request keeps as many drafts as it still
+    holds placeholders: the scheduler may have cut them, and one preempted since holds none."""
+    for req, tokens, rows, g in zip(reqs, drafts, probs, greedy):
+        held = len(req.spec_token_ids)
+        if not held or req.spec_token_ids[0] != PLACEHOLDER:
+            continue
+        req.spec_token_ids = tokens[:held]
+        req.spec_draft_probs = None if g or not rows else torch.stack(rows[:held])

@@ -38,7 +38,7 @@ from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.scheduler.request import Request
 from specserve.spec.base import OwnKVLifecycle, ProposeInput
 from specserve.spec.draft_model import DraftSampler, assign_drafts, draft_kv_blocks
-from specserve.spec.draft_tokens import DraftTokens
+from specserve.spec.draft_tokens import DraftDelivery, DraftTokens, assign_resolved
 from specserve.spec.eagle_first import MAX_GRAPH_PICKS, FirstForwardGraphs
 from specserve.spec.eagle_graph import (
     HeadStepGraphs,
@@ -139,7 +139,7 @@ class DraftVocabSampler(DraftSampler):
         return super().sample(full.index_copy_(1, self.d2t, logits), rows)
 
 
-class EagleProposer(OwnKVLifecycle):
+class EagleProposer(OwnKVLifecycle, DraftDelivery):
     needs_target_hidden = True
     # The head's forwards over static buffers: the first forward of a propose (FirstForwardGraphs:
     # the real rows, and P-EAGLE's mask rows) and the autoregressive draft steps after it
@@ -220,7 +220,7 @@ class EagleProposer(OwnKVLifecycle):
         ctx = [s.num_computed_tokens for s in plan.seqs]
         bs = None if self.first is None else self.first.size_for(plan.ks, plan.num_real, tables)
         if bs is not None:
-            assign_drafts(plan.reqs, *self._propose_static(plan, inp.step, bs, ctx, tables), self.sampler)
+            self._hand_over(plan.reqs, self._propose_static(plan, inp.step, bs, ctx, tables))
             return
         if self.parallel:
             positions, q_lens, pick, src = self._parallel_layout(plan)
@@ -241,10 +241,19 @@ class EagleProposer(OwnKVLifecycle):
         hidden = self.head.fuse_target(feats)  # [num_real, hidden]
         embeds = self.target.embed_tokens(next_tokens)  # [num_real, hidden]
         if self.parallel:
-            drafts, probs = self._draft_parallel(plan, embeds, hidden, dev[4], pos, meta, pick_dev)
+            result = self._draft_parallel(plan, embeds, hidden, dev[4], pos, meta, pick_dev)
         else:
-            drafts, probs = self._draft_autoregressive(plan, embeds, hidden, pos, meta, pick_dev, tables)
-        assign_drafts(plan.reqs, drafts, probs, self.sampler)
+            result = self._draft_autoregressive(plan, embeds, hidden, pos, meta, pick_dev, tables)
+        self._hand_over(plan.reqs, result)
+
+    def _hand_over(self, reqs: list[Request], result: DraftTokens | tuple[list[list[int]], list]) -> None:
+        """Drafts still on the device (autoregressive: DraftDelivery decides when they are read) or
+        already lists (parallel drafting reads its one forward's picks back itself)."""
+        if isinstance(result, DraftTokens):
+            greedy = [self.sampler.is_greedy(i) for i in range(len(reqs))]
+            self.deliver(result, reqs, lambda drafts, probs: assign_resolved(reqs, drafts, probs, greedy))
+        else:
+            assign_drafts(reqs, *result, self.sampler)
 
     def _plan(self, inp: ProposeInput) -> _Plan:
         host = inp.step.host
@@ -290,7 +299,7 @@ class EagleProposer(OwnKVLifecycle):
             if self.steps is None or not self.steps.draft(dt, self.sampler, plan.ks, ctx, plan.last_pos, tables,
                                                           prev):
                 self._eager_steps(dt, plan.ks, ctx, plan.last_pos, tables, prev)
-        return dt.to_lists(n)
+        return dt
 
     def _propose_static(self, plan: _Plan, step, bs: int, ctx: list[int], tables: list[list[int]]):
         """The first forward through FirstForwardGraphs (size bs), then for autoregressive drafting
@@ -320,7 +329,7 @@ class EagleProposer(OwnKVLifecycle):
             ctx = [s.num_computed_tokens for s in plan.seqs]
             if not self.steps.draft(dt, self.sampler, plan.ks, ctx, plan.last_pos, tables, None):
                 raise RuntimeError("HeadStepGraphs refused a batch that FirstForwardGraphs took")
-        return dt.to_lists(n)
+        return dt
 
     def _eager_steps(self, dt: DraftTokens, ks: list[int], ctx: list[int], last_pos: list[int],
                      tables: list[list[int]], prev_out: torch.Tensor) -> None:

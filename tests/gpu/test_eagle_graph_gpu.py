@@ -34,6 +34,7 @@ def _run(target: str, spec: dict | None, mode: str, prompts, params, monkeypatch
 
         def recording(inp):
             propose(inp)
+            proposer.resolve_deferred()  # drafts left on the device for the verify step: read them now
             for r in inp.requests:  # keyed by request and length: runs may diverge after a flipped draft
                 proposals[(tuple(r.prompt_token_ids), r.num_tokens)] = (list(r.spec_token_ids), r.spec_draft_probs)
 

@@ -76,6 +76,7 @@ def _run(target: str, method: str | None, head: str | None, mode: str, prompts, 
 
         def recording(inp):
             propose(inp)
+            proposer.resolve_deferred()  # drafts left on the device for the verify step: read them now
             proposals.append([(list(r.spec_token_ids), r.spec_draft_probs) for r in inp.requests])
 
         proposer.propose = recording

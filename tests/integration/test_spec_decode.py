@@ -198,6 +198,7 @@ def test_reduced_vocab_head_drafts_only_its_tokens(method, spec_dirs, d2t, refer
 
     def recording(inp):
         propose(inp)
+        proposer.resolve_deferred()  # drafts left on the device for the verify step: read them now
         seen.extend((list(r.spec_token_ids), r.spec_draft_probs) for r in inp.requests)
 
     proposer.propose = recording
