@@ -6,6 +6,7 @@ torch or the web stack. Exit codes: 0 ok, 1 runtime failure, 2 bad arguments/con
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import signal
@@ -69,6 +70,11 @@ def serve_main(argv: Sequence[str]) -> int:
 
     engine = _config_or_exit("specserve serve", lambda: AsyncEngine.from_config(config))
     server = make_server(engine, settings)
+    # What start-up built (modules, tokenizer tables, config) lives as long as the server: keep the
+    # cycle collector from walking it in a full collection mid-serving (~74 ms for SmolLM2's ~234k
+    # objects on the CPU; the frozen ones are still freed by reference counting).
+    gc.collect()
+    gc.freeze()
     # uvicorn re-raises the signal it caught once its graceful shutdown is done, so that the
     # previous handler runs; a no-op handler turns that into a clean exit with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,61 @@
+"""Compile, at start-up, the kernels of an EAGLE head's eager forwards.
+
+The head's draft steps and its short first forwards replay CUDA graphs captured at start-up (their
+kernels compiled then), but a new request's first propose feeds the head every prompt row in one
+eager forward: prefill-sized attention through the head's own KV, the separate RoPE and KV-write
+kernels, GEMV row counts of the fuse and LM-head linears that no graph used. Triton compiles each such
+variant the first time it runs. On the H200 the first HumanEval prompt of the first EAGLE-3 engine of a
+process ran at 215 tok/s, and the first batch of four at 554, against ~1,000 and ~2,100 for the
+following ones (bench/train_and_measure_gpu.py, 2026-11-30, in two sessions); only the first engine
+paid, as a compile that Triton's disk cache then serves would. These forwards move that to start-up.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.attention.triton_paged import MIN_KEYS_PER_SPLIT, SMALL_QUERY_MAX
+from specserve.model.layers.triton_gemv import gemv_max_m
+from specserve.spec.eagle_graph import attention_arrays, attention_metadata
+
+# Row counts of the fresh forwards: every decode-sized query length and GEMV row count, then prompt-
+# sized ones (Triton specializes integer arguments that are 1 or divisible by 16, so 16, 64 and a
+# length of neither kind cover the classes).
+PROMPT_ROWS = (64, 200)
+
+
+def warm_rows() -> tuple[list[int], list[int]]:
+    """(row counts of fresh forwards, row counts of forwards after a split-KV context)."""
+    small = list(range(1, max(gemv_max_m(), SMALL_QUERY_MAX) + 1))
+    return small + list(PROMPT_ROWS), list(range(1, SMALL_QUERY_MAX + 1))
+
+
+@torch.inference_mode()
+def warm_eager_head(proposer) -> list[tuple[int, int]]:
+    """One eager first forward of the head (fuse the target features, the layer, the LM head over the
+    last rows) per (context, rows) of warm_rows(), over zero inputs in the head's own KV blocks 0..
+    before any request holds one (nothing that matters is overwritten). Returns the (context, rows)
+    run; sizes the head's KV pool cannot hold are skipped."""
+    head, target = proposer.head, proposer.target
+    dev = proposer.device
+    dtype = target.embed_tokens.weight.dtype
+    hidden = target.embed_tokens.weight.shape[1]
+    width = hidden * (len(proposer.aux_hidden_layers) if head.cfg.method == "eagle3" else 1)
+    block_size = proposer.kv.block_size
+    capacity = min(proposer.kv.num_blocks * block_size, target.cos_sin_cache.shape[0])  # KV room, positions
+    fresh, after = warm_rows()
+    done = []
+    for context, rows in [(0, t) for t in fresh] + [(2 * MIN_KEYS_PER_SPLIT, t) for t in after]:
+        if context + rows > capacity:
+            continue
+        table = list(range(-(-(context + rows) // block_size)))
+        arrays = attention_arrays([context], [rows], [table], block_size)
+        meta = attention_metadata(arrays, proposer.upload.send(arrays), [rows])
+        feats = head.fuse_target(torch.zeros(rows, width, device=dev, dtype=dtype))  # [rows, hidden]
+        embeds = target.embed_tokens(torch.zeros(rows, dtype=torch.int64, device=dev))  # [rows, hidden]
+        positions = torch.arange(context, context + rows, device=dev)
+        _, normed = proposer._head(embeds, feats, positions, meta)
+        proposer._logits(normed[-min(rows, gemv_max_m()):])  # the picks: one row per request, k for P-EAGLE
+        done.append((context, rows))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return done
