@@ -76,25 +76,13 @@ class DeferredDrafts:
     `pending` on the device (runner/batch.py pending_fill), and `resolve()` brings the ids to the
     host (for the rejection sampler) while the verify forward runs."""
 
-    def __init__(self, dt: DraftTokens, request_ids: list[str], finish: Finish) -> None:
-        n = len(request_ids)
-        per_req: list[list[int]] = [[] for _ in range(n)]  # request i's rows of the step-major flat
-        self._probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        at = 0
-        for active, _, p in dt.steps:
-            for r, i in enumerate(active):
-                per_req[i].append(at + r)
-                if p is not None:
-                    self._probs[i].append(p[r])
-            at += len(active)
-        order = [row for rows in per_req for row in rows]
-        starts = np.cumsum([0] + [len(rows) for rows in per_req]).tolist()
-        flat = torch.cat([t for _, t, _ in dt.steps])
-        if order != list(range(len(order))):  # request-major: a request's drafts in consecutive rows
-            flat = flat.index_select(0, h2d(torch.tensor(order, dtype=torch.int64), flat.device))
+    def __init__(self, flat: torch.Tensor, counts: list[int], probs: list[list[torch.Tensor]],
+                 request_ids: list[str], finish: Finish) -> None:
+        """flat [sum(counts)] int64 on the device: request i's drafts in rows starts[i] .. + counts[i]
+        (request-major); probs: per request, its drafts' distributions (device rows; empty if greedy)."""
+        starts = np.cumsum([0] + counts).tolist()
         self.pending = PendingTokens(flat, dict(zip(request_ids, starts)))
-        self._starts = starts
-        self._finish = finish
+        self._starts, self._probs, self._finish = starts, probs, finish
         self._event = None
         if flat.device.type == "cuda":
             self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
@@ -103,6 +91,25 @@ class DeferredDrafts:
             self._event.record()
         else:
             self._host = flat
+
+    @classmethod
+    def from_steps(cls, dt: DraftTokens, request_ids: list[str], finish: Finish) -> DeferredDrafts:
+        """Drafts of chained steps (step-major, requests dropping out as they reach their k)."""
+        n = len(request_ids)
+        per_req: list[list[int]] = [[] for _ in range(n)]  # request i's rows of the step-major flat
+        probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        at = 0
+        for active, _, p in dt.steps:
+            for r, i in enumerate(active):
+                per_req[i].append(at + r)
+                if p is not None:
+                    probs[i].append(p[r])
+            at += len(active)
+        order = [row for rows in per_req for row in rows]
+        flat = torch.cat([t for _, t, _ in dt.steps])
+        if order != list(range(len(order))):  # request-major: a request's drafts in consecutive rows
+            flat = flat.index_select(0, h2d(torch.tensor(order, dtype=torch.int64), flat.device))
+        return cls(flat, [len(rows) for rows in per_req], probs, request_ids, finish)
 
     def resolve(self) -> None:
         """Wait for the ids to reach the host, then hand them to `finish` (once)."""
@@ -121,12 +128,27 @@ class DraftDelivery:
     _deferred: DeferredDrafts | None = None
 
     def deliver(self, dt: DraftTokens, reqs: list[Request], finish: Finish) -> None:
+        """Drafts of chained steps (DraftTokens)."""
         for req, k in zip(reqs, dt.counts(len(reqs))):
             req.spec_token_ids, req.spec_draft_probs = [PLACEHOLDER] * k, None
         if self.defer_drafts:
-            self._deferred = DeferredDrafts(dt, [r.request_id for r in reqs], finish)
+            self._deferred = DeferredDrafts.from_steps(dt, [r.request_id for r in reqs], finish)
         else:
             finish(*dt.to_lists(len(reqs)))
+
+    def deliver_flat(self, flat: torch.Tensor, counts: list[int], reqs: list[Request], finish: Finish) -> None:
+        """Greedy drafts of one forward, request-major in flat [sum(counts)] on the device (P-EAGLE)."""
+        for req, k in zip(reqs, counts):
+            req.spec_token_ids, req.spec_draft_probs = [PLACEHOLDER] * k, None
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        if self.defer_drafts:
+            self._deferred = DeferredDrafts(flat, counts, probs, [r.request_id for r in reqs], finish)
+            return
+        values, at, drafts = flat.tolist(), 0, []
+        for k in counts:
+            drafts.append(values[at:at + k])
+            at += k
+        finish(drafts, probs)
 
     def take_deferred(self) -> DeferredDrafts | None:
         d, self._deferred = self._deferred, None

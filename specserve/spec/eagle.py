@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from specserve.attention.base import AttentionMetadata
 from specserve.config import SpeculativeConfig
 from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec, kv_format
+from specserve.sample.h2d import h2d
 from specserve.scheduler.request import Request
 from specserve.spec.base import OwnKVLifecycle, ProposeInput
 from specserve.spec.draft_model import DraftSampler, assign_drafts, draft_kv_blocks
@@ -250,12 +252,19 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery):
             result = self._draft_autoregressive(plan, embeds, hidden, pos, meta, pick_dev, tables)
         self._hand_over(plan.reqs, result)
 
-    def _hand_over(self, reqs: list[Request], result: DraftTokens | tuple[list[list[int]], list]) -> None:
-        """Drafts still on the device (autoregressive: DraftDelivery decides when they are read) or
-        already lists (parallel drafting reads its one forward's picks back itself)."""
+    def _hand_over(self, reqs: list[Request], result: DraftTokens | FlatDrafts | tuple[list[list[int]], list]
+                   ) -> None:
+        """Drafts still on the device (DraftDelivery decides when the host reads them) or already lists
+        (random parallel drafts, which read their sampled picks back)."""
+        greedy = [self.sampler.is_greedy(i) for i in range(len(reqs))]
+
+        def finish(drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
+            assign_resolved(reqs, drafts, probs, greedy)
+
         if isinstance(result, DraftTokens):
-            greedy = [self.sampler.is_greedy(i) for i in range(len(reqs))]
-            self.deliver(result, reqs, lambda drafts, probs: assign_resolved(reqs, drafts, probs, greedy))
+            self.deliver(result, reqs, finish)
+        elif isinstance(result, FlatDrafts):
+            self.deliver_flat(result.tokens, result.counts, reqs, finish)
         else:
             assign_drafts(reqs, *result, self.sampler)
 
@@ -317,9 +326,9 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery):
         greedy = all(self.sampler.is_greedy(r) for r in range(n))
         if self.parallel:
             p = first.picks_per_req
-            if greedy:  # request i's drafts: the argmax of its picks i * p .. + k_i
-                values = argmax[:n * p].tolist()  # the one host sync
-                return [values[i * p:i * p + k] for i, k in enumerate(plan.ks)], [[] for _ in range(n)]
+            if greedy:  # request i's drafts: the argmax of its picks i * p .. + k_i (a copy: a graph's output)
+                picks = [i * p + j for i, k in enumerate(plan.ks) for j in range(k)]
+                return FlatDrafts(argmax.index_select(0, h2d(torch.tensor(picks), argmax.device)), list(plan.ks))
             rows = [i for i in range(n) for _ in range(plan.ks[i])]
             tokens, probs = self.sampler.sample(logits.index_select(0, first.sel[:len(rows)]), rows)
             return _by_request(rows, tokens.tolist(), probs, n)
@@ -400,6 +409,13 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery):
             return self.backend.forward(q, k, v, self.kv_caches[0], self.fmt, meta, self.scale)
 
         return self.head(embeds, hidden, positions, self.target.cos_sin_cache, attend)
+
+
+class FlatDrafts(NamedTuple):
+    """Greedy parallel drafts of one forward, request-major on the device."""
+
+    tokens: torch.Tensor  # [sum(counts)] int64
+    counts: list[int]  # drafts per request
 
 
 def _by_request(rows: list[int], values: list[int], probs: torch.Tensor | None, n: int):

@@ -48,7 +48,7 @@ def test_deferred_drafts_are_request_major_and_resolve_once() -> None:
     dt.add([0, 2], torch.tensor([11, 31]), None)
     dt.add([2], torch.tensor([32]), None)
     got = []
-    d = DeferredDrafts(dt, ["a", "b", "c"], lambda drafts, probs: got.append((drafts, probs)))
+    d = DeferredDrafts.from_steps(dt, ["a", "b", "c"], lambda drafts, probs: got.append((drafts, probs)))
     assert d.pending.tokens.tolist() == [10, 11, 20, 30, 31, 32]
     assert d.pending.row_of == {"a": 0, "b": 2, "c": 3}
     d.resolve()
@@ -67,18 +67,25 @@ def test_assign_resolved_keeps_what_the_scheduler_left() -> None:
     assert preempted.spec_token_ids == []
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+@pytest.mark.parametrize("method", ["draft_model", "eagle3", "p-eagle"])
 def test_deferred_and_immediate_drafts_give_the_same_tokens(tiny_llama_dir, tmp_path, monkeypatch, method) -> None:
     """Greedy and seeded random requests in one batch, k = 3: the same tokens and acceptance with the
     drafts deferred (verify inputs filled on the device) as read back in propose; deferral is on by
-    default and its placeholders were really filled."""
+    default and its placeholders were really filled. P-EAGLE: greedy requests only (its random drafts
+    are read back in propose), through the static first forward (the GPU's graph path)."""
+    from specserve.spec.eagle import EagleProposer
     from specserve.spec.eagle_head import make_random_head_dir
 
-    model = str(tiny_llama_dir) if method == "draft_model" else str(make_random_head_dir(str(tiny_llama_dir),
-                                                                                          tmp_path / "h"))
+    spec = {"method": method, "model": str(tiny_llama_dir)}
+    if method == "eagle3":
+        spec["model"] = str(make_random_head_dir(str(tiny_llama_dir), tmp_path / "h"))
+    elif method == "p-eagle":
+        spec = {"method": "eagle3", "parallel_drafting": True,
+                "model": str(make_random_head_dir(str(tiny_llama_dir), tmp_path / "p", num_mask_slots=2))}
+        monkeypatch.setattr(EagleProposer, "step_graphs", "static")
     prompts = [[5 + (3 * i + r) % 60 for i in range(6 + 5 * r)] for r in range(4)]
-    params = [SamplingParams(temperature=0.0 if r % 2 == 0 else 0.8, seed=r, max_tokens=12 + 3 * r, ignore_eos=True)
-              for r in range(4)]
+    params = [SamplingParams(temperature=0.0 if r % 2 == 0 or method == "p-eagle" else 0.8, seed=r,
+                             max_tokens=12 + 3 * r, ignore_eos=True) for r in range(4)]
     filled = []
     real_fill = pending_fill
 
@@ -92,8 +99,7 @@ def test_deferred_and_immediate_drafts_give_the_same_tokens(tiny_llama_dir, tmp_
     for defer in ("1", "0"):
         monkeypatch.setenv("SPECSERVE_DEFER_DRAFTS", defer)
         llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
-                  speculative_config={"method": method, "model": model, "num_speculative_tokens": 3,
-                                      "adaptive": False})
+                  speculative_config={**spec, "num_speculative_tokens": 3, "adaptive": False})
         assert llm.engine.spec.proposer.defer_drafts is (defer == "1")
         filled.clear()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
