@@ -120,3 +120,31 @@ def test_deferred_self_drafts_are_all_accepted(tiny_llama_dir, monkeypatch) -> N
     prompts = [[5 + i for i in range(8 + 3 * r)] for r in range(4)]
     assert_self_draft_is_plain(tiny_llama_dir, prompts, [6, 9, 11, 14], num_speculative_tokens=4)
     assert resolved
+
+
+def test_abort_and_preemption_with_drafts_in_flight(tiny_llama_dir) -> None:
+    """A request aborted while its deferred drafts are in flight, and preemptions forced by a small KV
+    pool: the others still get plain decoding's tokens, and every block (target and draft) comes back."""
+    prompts = [[5 + (7 * i + r) % 90 for i in range(10 + 6 * r)] for r in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=96 << 10, max_num_seqs=4,
+              speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 4,
+                                  "adaptive": False})
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    got, aborted = {}, False
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+        if not aborted and eng.spec.pending_drafts() is not None and "r1" in eng.spec.pending_drafts().row_of:
+            eng.abort_request("r1")  # its placeholders are in flight: the next verify must not read them
+            aborted = True
+    assert aborted and eng.stats.get("num_preemptions_total") > 0
+    assert {r: got[r] for r in ("r0", "r2", "r3")} == {"r0": want[0], "r2": want[2], "r3": want[3]}
+    eng.kv.check_integrity()
+    assert eng.num_blocks_in_use() == 0
+    assert eng.spec.proposer.kv.num_free_blocks() == eng.spec.proposer.kv.num_blocks
