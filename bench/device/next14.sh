@@ -19,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/env.sh
 OUT=${OUT:-/tmp/out}
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_async_engine.py tests/gpu/test_eagle_graph_gpu.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_async_engine.py tests/gpu/test_eagle_graph_gpu.py tests/gpu/test_warmup_gpu.py \
   > "$OUT/tests.txt" 2>&1
 tail -n 4 "$OUT/tests.txt"
 for d in 1 0; do
