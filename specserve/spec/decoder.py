@@ -6,11 +6,11 @@ records the spec_decode_* metrics.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import torch
 
+from specserve import envs
 from specserve.config import SpeculativeConfig
 from specserve.metrics.stats import StatsCollector
 from specserve.runner.batch import PendingTokens
@@ -82,8 +82,7 @@ class SpecDecoder:
         self._verified: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # verify_counts of this step
         # Drafts left on the device for the verify step (spec/draft_tokens.py DeferredDrafts): one
         # device, the runner's placeholder fill. SPECSERVE_DEFER_DRAFTS=0 reads them back in propose.
-        self.proposer.defer_drafts = (getattr(engine_parts.runner, "accepts_pending", False)
-                                      and os.environ.get("SPECSERVE_DEFER_DRAFTS", "1") != "0")
+        self.proposer.defer_drafts = getattr(engine_parts.runner, "accepts_pending", False) and envs.defer_drafts()
         self._deferred: DeferredDrafts | None = None
         self._wait_s = 0.0  # this step's wait for deferred drafts: the proposal's time, not the step's
 

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.runner.batch import HostBatch, PendingTokens, pad_to_query_len, pending_fill
+from specserve.runner.batch import (
+    HostBatch,
+    PendingTokens,
+    pad_to_query_len,
+    pending_fill,
+)
 from specserve.scheduler.request import PLACEHOLDER
 from specserve.spec import draft_tokens
 from specserve.spec.draft_tokens import DeferredDrafts, DraftTokens, assign_resolved
