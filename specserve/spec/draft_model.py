@@ -268,7 +268,10 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
         valid = seq.num_real + common_prefix_len(fed, tokens[seq.num_real:])
         # At least the last token is fed again: its logits are where the first draft comes from.
         seq.num_computed_tokens = min(seq.num_computed_tokens, valid, len(tokens) - 1)
-        seq.all_token_ids = list(tokens)
+        # The first num_real ids are the request's own (its tokens only grow): swap the fed drafts for
+        # the new real tokens instead of copying the whole context every step.
+        del seq.all_token_ids[seq.num_real:]
+        seq.all_token_ids.extend(tokens[seq.num_real:])
         seq.num_real = len(tokens)
         return seq
 
