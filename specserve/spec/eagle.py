@@ -210,10 +210,10 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery):
                 self.steps = HeadStepGraphs(*common, capture)
             feed = None if self.steps is None else (self.steps.hidden, self.steps.tokens)
             self.first = FirstForwardGraphs(*common, k, self.parallel, feed, capture)
-        # The eager first forwards (a new request's prompt rows) compile their kernels now, not mid-serving.
-        from specserve.spec.eagle_warmup import warm_eager_head
+        if self.device.type == "cuda":  # the eager first forwards' kernels compile now, not mid-serving
+            from specserve.spec.eagle_warmup import warm_eager_head
 
-        warm_eager_head(self)
+            warm_eager_head(self)
 
     # -- propose -----------------------------------------------------------------------------
     @torch.inference_mode()
