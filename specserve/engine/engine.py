@@ -161,8 +161,6 @@ class Engine(AsyncStepMixin):
             self._inflight = None
         sched = self.scheduler.schedule()
         self._fail_unfittable(sched, outputs)
-        if sched.empty and self.spec is not None:
-            self.spec.resolve_drafts()
         if not sched.empty:
             start = time.perf_counter()
             for req in sched.preempted:

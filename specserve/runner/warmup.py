@@ -60,6 +60,15 @@ def warm_small_forwards(runner: ModelRunner, max_rows: int, context: int = 0) ->
     return list(range(1, max_rows + 1))
 
 
+SPLIT_CONTEXT = 2 * MIN_KEYS_PER_SPLIT  # a context long enough for split-KV attention launches
+
+
+def start_up_rows() -> tuple[list[int], list[int]]:
+    """(row counts of the fresh start-up forwards, row counts of those after SPLIT_CONTEXT): every GEMV
+    row count and every decode-sized attention query length."""
+    return list(range(1, max(gemv_max_m(), SMALL_QUERY_MAX) + 1)), list(range(1, SMALL_QUERY_MAX + 1))
+
+
 def warm_start_up(runner: ModelRunner) -> None:
     """The start-up forwards: every GEMV row count (1..gemv_max_m()) and every query length of
     attention's decode-sized launches (1..SMALL_QUERY_MAX: their query block grows with the length),
@@ -68,6 +77,6 @@ def warm_start_up(runner: ModelRunner) -> None:
     (the H200 pair sweep's first adaptive run at concurrency 1 measured 373 tok/s against 802-855
     later, when catch-ups of 9-16 tokens, a query block no start-up forward had used, compiled
     then), a prompt's last chunk, a verify batch between the captured lengths."""
-    rows = max(gemv_max_m(), SMALL_QUERY_MAX)
-    warm_small_forwards(runner, rows)
-    warm_small_forwards(runner, SMALL_QUERY_MAX, context=2 * MIN_KEYS_PER_SPLIT)
+    fresh, after = start_up_rows()
+    warm_small_forwards(runner, len(fresh))
+    warm_small_forwards(runner, len(after), context=SPLIT_CONTEXT)

@@ -37,28 +37,24 @@ class DraftTokens:
         pos = {i: r for r, i in enumerate(self.steps[-1][0])}
         return [pos[i] for i in active]
 
-    def counts(self, n: int) -> list[int]:
-        """How many drafts each of the n requests got."""
-        c = [0] * n
-        for active, _, _ in self.steps:
-            for i in active:
-                c[i] += 1
-        return c
-
-    def to_lists(self, n: int) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-        """Per request: its drafts (host ints: the one read-back, which waits for the last draft) and
-        their distributions (device rows; empty if greedy)."""
-        values = torch.cat([t for _, t, _ in self.steps]).tolist()
-        drafts: list[list[int]] = [[] for _ in range(n)]
+    def request_major(self, n: int) -> tuple[torch.Tensor, list[int], list[list[torch.Tensor]]]:
+        """The n requests' drafts request-major: (flat [sum(counts)] int64 on the device, request i's
+        drafts in consecutive rows; counts per request; per request its drafts' distributions (device
+        rows; empty if greedy)). The steps are step-major, requests dropping out as they reach their k."""
+        per_req: list[list[int]] = [[] for _ in range(n)]  # request i's rows of the step-major flat
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
         at = 0
         for active, _, p in self.steps:
             for r, i in enumerate(active):
-                drafts[i].append(values[at + r])
+                per_req[i].append(at + r)
                 if p is not None:
                     probs[i].append(p[r])
             at += len(active)
-        return drafts, probs
+        order = [row for rows in per_req for row in rows]
+        flat = torch.cat([t for _, t, _ in self.steps])
+        if order != list(range(len(order))):
+            flat = flat.index_select(0, h2d(torch.tensor(order, dtype=torch.int64), flat.device))
+        return flat, [len(rows) for rows in per_req], probs
 
 
 # finish(drafts, probs): per request of the proposal, its draft ids (host ints) and their
@@ -92,31 +88,11 @@ class DeferredDrafts:
         else:
             self._host = flat
 
-    @classmethod
-    def from_steps(cls, dt: DraftTokens, request_ids: list[str], finish: Finish) -> DeferredDrafts:
-        """Drafts of chained steps (step-major, requests dropping out as they reach their k)."""
-        n = len(request_ids)
-        per_req: list[list[int]] = [[] for _ in range(n)]  # request i's rows of the step-major flat
-        probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        at = 0
-        for active, _, p in dt.steps:
-            for r, i in enumerate(active):
-                per_req[i].append(at + r)
-                if p is not None:
-                    probs[i].append(p[r])
-            at += len(active)
-        order = [row for rows in per_req for row in rows]
-        flat = torch.cat([t for _, t, _ in dt.steps])
-        if order != list(range(len(order))):  # request-major: a request's drafts in consecutive rows
-            flat = flat.index_select(0, h2d(torch.tensor(order, dtype=torch.int64), flat.device))
-        return cls(flat, [len(rows) for rows in per_req], probs, request_ids, finish)
-
     def resolve(self) -> None:
         """Wait for the ids to reach the host, then hand them to `finish` (once)."""
         if self._event is not None:
             self._event.synchronize()
-        values = self._host.tolist()
-        s = self._starts
+        values, s = self._host.tolist(), self._starts
         self._finish([values[s[i]:s[i + 1]] for i in range(len(s) - 1)], self._probs)
 
 
@@ -129,26 +105,19 @@ class DraftDelivery:
 
     def deliver(self, dt: DraftTokens, reqs: list[Request], finish: Finish) -> None:
         """Drafts of chained steps (DraftTokens)."""
-        for req, k in zip(reqs, dt.counts(len(reqs))):
-            req.spec_token_ids, req.spec_draft_probs = [PLACEHOLDER] * k, None
-        if self.defer_drafts:
-            self._deferred = DeferredDrafts.from_steps(dt, [r.request_id for r in reqs], finish)
-        else:
-            finish(*dt.to_lists(len(reqs)))
+        self.deliver_flat(*dt.request_major(len(reqs)), reqs, finish)
 
-    def deliver_flat(self, flat: torch.Tensor, counts: list[int], reqs: list[Request], finish: Finish) -> None:
-        """Greedy drafts of one forward, request-major in flat [sum(counts)] on the device (P-EAGLE)."""
+    def deliver_flat(self, flat: torch.Tensor, counts: list[int], probs: list[list[torch.Tensor]],
+                     reqs: list[Request], finish: Finish) -> None:
+        """Drafts request-major in flat [sum(counts)] on the device (DraftTokens.request_major, or
+        P-EAGLE's picks of one forward); probs: per request, its drafts' distributions (device rows)."""
         for req, k in zip(reqs, counts):
             req.spec_token_ids, req.spec_draft_probs = [PLACEHOLDER] * k, None
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        deferred = DeferredDrafts(flat, counts, probs, [r.request_id for r in reqs], finish)
         if self.defer_drafts:
-            self._deferred = DeferredDrafts(flat, counts, probs, [r.request_id for r in reqs], finish)
-            return
-        values, at, drafts = flat.tolist(), 0, []
-        for k in counts:
-            drafts.append(values[at:at + k])
-            at += k
-        finish(drafts, probs)
+            self._deferred = deferred
+        else:
+            deferred.resolve()
 
     def take_deferred(self) -> DeferredDrafts | None:
         d, self._deferred = self._deferred, None

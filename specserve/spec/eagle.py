@@ -264,7 +264,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery):
         if isinstance(result, DraftTokens):
             self.deliver(result, reqs, finish)
         elif isinstance(result, FlatDrafts):
-            self.deliver_flat(result.tokens, result.counts, reqs, finish)
+            self.deliver_flat(result.tokens, result.counts, [[] for _ in reqs], reqs, finish)
         else:
             assign_drafts(reqs, *result, self.sampler)
 

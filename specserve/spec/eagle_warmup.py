@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import torch
 
-from specserve.attention.triton_paged import MIN_KEYS_PER_SPLIT, SMALL_QUERY_MAX
 from specserve.model.layers.triton_gemv import gemv_max_m
+from specserve.runner import warmup
 from specserve.spec.eagle_graph import attention_arrays, attention_metadata
 
-# Row counts of the fresh forwards: every decode-sized query length and GEMV row count, then prompt-
-# sized ones (Triton specializes integer arguments that are 1 or divisible by 16, so 16, 64 and a
-# length of neither kind cover the classes).
+# Beyond the target's start-up row counts, prompt-sized ones (Triton specializes integer arguments
+# that are 1 or divisible by 16, so 16, 64 and a length of neither kind cover the classes).
 PROMPT_ROWS = (64, 200)
 
 
 def warm_rows() -> tuple[list[int], list[int]]:
-    """(row counts of fresh forwards, row counts of forwards after a split-KV context)."""
-    small = list(range(1, max(gemv_max_m(), SMALL_QUERY_MAX) + 1))
-    return small + list(PROMPT_ROWS), list(range(1, SMALL_QUERY_MAX + 1))
+    """(row counts of fresh forwards, row counts of forwards after warmup.SPLIT_CONTEXT)."""
+    fresh, after = warmup.start_up_rows()
+    return fresh + list(PROMPT_ROWS), after
 
 
 @torch.inference_mode()
@@ -44,7 +43,7 @@ def warm_eager_head(proposer) -> list[tuple[int, int]]:
     capacity = min(proposer.kv.num_blocks * block_size, target.cos_sin_cache.shape[0])  # KV room, positions
     fresh, after = warm_rows()
     done = []
-    for context, rows in [(0, t) for t in fresh] + [(2 * MIN_KEYS_PER_SPLIT, t) for t in after]:
+    for context, rows in [(0, t) for t in fresh] + [(warmup.SPLIT_CONTEXT, t) for t in after]:
         if context + rows > capacity:
             continue
         table = list(range(-(-(context + rows) // block_size)))

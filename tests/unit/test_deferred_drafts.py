@@ -53,12 +53,13 @@ def test_deferred_drafts_are_request_major_and_resolve_once() -> None:
     dt.add([0, 2], torch.tensor([11, 31]), None)
     dt.add([2], torch.tensor([32]), None)
     got = []
-    d = DeferredDrafts.from_steps(dt, ["a", "b", "c"], lambda drafts, probs: got.append((drafts, probs)))
+    flat, counts, probs = dt.request_major(3)
+    assert counts == [2, 1, 3]
+    d = DeferredDrafts(flat, counts, probs, ["a", "b", "c"], lambda drafts, probs: got.append((drafts, probs)))
     assert d.pending.tokens.tolist() == [10, 11, 20, 30, 31, 32]
     assert d.pending.row_of == {"a": 0, "b": 2, "c": 3}
     d.resolve()
     assert got == [([[10, 11], [20], [30, 31, 32]], [[], [], []])]
-    assert dt.counts(3) == [2, 1, 3]
 
 
 def test_assign_resolved_keeps_what_the_scheduler_left() -> None:

@@ -4,12 +4,13 @@ without taking a block a request could hold, and the tokens afterwards are uncha
 from __future__ import annotations
 
 from specserve import LLM, SamplingParams
+from specserve.runner import warmup
 from specserve.spec import eagle_warmup
 from specserve.spec.eagle_head import make_random_head_dir
 
 
 def test_eager_head_forwards_cover_every_size_that_fits(tiny_llama_dir, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(eagle_warmup, "MIN_KEYS_PER_SPLIT", 64)  # the tiny model holds 512 positions
+    monkeypatch.setattr(warmup, "SPLIT_CONTEXT", 128)  # the tiny model holds 512 positions
     head = make_random_head_dir(str(tiny_llama_dir), tmp_path / "h")
     llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
               speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
@@ -19,7 +20,7 @@ def test_eager_head_forwards_cover_every_size_that_fits(tiny_llama_dir, tmp_path
     done = eagle_warmup.warm_eager_head(proposer)
     fresh, after = eagle_warmup.warm_rows()
     cap = min(proposer.kv.num_blocks * proposer.kv.block_size, proposer.target.cos_sin_cache.shape[0])
-    ctx = 2 * 64
+    ctx = 128
     expected = [(0, t) for t in fresh if t <= cap] + [(ctx, t) for t in after if ctx + t <= cap]
     assert done == expected and (0, 200) in expected and (ctx, 16) in expected
     assert proposer.kv.num_free_blocks() == proposer.kv.num_blocks
