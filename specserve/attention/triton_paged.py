@@ -128,7 +128,10 @@ def _combine_splits(part_acc_ptr, part_m_ptr, part_l_ptr, ml_base, row_ok, offs_
     return acc, denom
 
 
-@triton.jit(do_not_specialize=["sm_scale_log2", "num_seqs", "num_splits"])
+# The block table's row stride (the widest table of the batch) is not specialized: Triton would compile
+# one variant for a one-block table, one for a multiple of 16 and one for the rest, and EAGLE's eager
+# first forwards (tables as wide as the prompt) met a new one mid-serving (a stall of ~0.5 s on the H200).
+@triton.jit(do_not_specialize=["sm_scale_log2", "num_seqs", "num_splits", "stride_bt_seq"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr, counters_ptr,

@@ -81,7 +81,7 @@ def _row_scales(scale_base, srow, pick, n_ok):
     return tl.sum(tl.where(pick[None, :], sw.to(tl.float32), 0.0), 1)
 
 
-@triton.jit(do_not_specialize=["sm_scale_log2", "num_seqs", "num_splits"])
+@triton.jit(do_not_specialize=["sm_scale_log2", "num_seqs", "num_splits", "stride_bt_seq"])
 def _paged_attention_fp8_v3_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_units_ptr, key_scale_ptr, value_scale_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr, cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,

@@ -155,7 +155,7 @@ def _nvfp4_tile(tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2
     return m_i, l_i, a0, a1, a2, a3
 
 
-@triton.jit(do_not_specialize=["sm_scale_log2", "v_factor", "num_seqs", "num_splits"])
+@triton.jit(do_not_specialize=["sm_scale_log2", "v_factor", "num_seqs", "num_splits", "stride_bt_seq"])
 def _paged_attention_nvfp4_v2_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr, cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,

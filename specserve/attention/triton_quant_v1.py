@@ -46,7 +46,7 @@ from specserve.attention.triton_quant_common import (
 )
 
 
-@triton.jit(do_not_specialize=["sm_scale_log2", "num_seqs", "num_splits"])
+@triton.jit(do_not_specialize=["sm_scale_log2", "num_seqs", "num_splits", "stride_bt_seq"])
 def _paged_attention_fp8_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr, cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,
@@ -117,7 +117,7 @@ def _nvfp4_tile(word_ptrs, scale_ptrs, mask, scale_mask):
     return e0 * sc, e1 * sc, e2 * sc, e3 * sc, e4 * sc, e5 * sc, e6 * sc, e7 * sc
 
 
-@triton.jit(do_not_specialize=["sm_scale_log2", "v_factor", "num_seqs", "num_splits"])
+@triton.jit(do_not_specialize=["sm_scale_log2", "v_factor", "num_seqs", "num_splits", "stride_bt_seq"])
 def _paged_attention_nvfp4_kernel(
     out_ptr, q_ptr, key_words_ptr, value_words_ptr, key_scale_ptr, value_scale_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr, cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,

@@ -51,6 +51,10 @@ def align8(n: int) -> int:
     return (n + 7) & ~7
 
 
+def align16(n: int) -> int:
+    return (n + 15) & ~15
+
+
 class PinnedUpload:
     """Small host int arrays -> the device in ONE non-blocking copy per call.
 
@@ -105,7 +109,9 @@ class PinnedUpload:
         offsets, total = [], 0
         for a in arrays:
             offsets.append(total)
-            total = align8(total + a.nbytes)  # 8-byte aligned: each piece views as its dtype
+            # 16-byte aligned: each piece views as its dtype, and every kernel sees 16-byte aligned
+            # pointers whatever the batch (Triton compiles a variant per pointer alignment class).
+            total = align16(total + a.nbytes)
         buf = self.stage(total)
         for a, off in zip(arrays, offsets):
             buf[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)

@@ -247,6 +247,8 @@ def test_pinned_upload_round_trip():
         for a, d in zip(arrays, dev):
             assert d.dtype == {np.int64: torch.int64, np.int32: torch.int32}[a.dtype.type]
             assert d.shape == a.shape and d.numpy().tolist() == a.tolist()
+            # Every piece starts 16-byte aligned (one Triton variant whatever the batch's lengths).
+            assert d.data_ptr() % 16 == 0, (a.shape, d.data_ptr() % 16)
     cu, seq_lens, tables, slots = attention_arrays([1, 0], [1, 3], [[5], [7, 1]], 2)
     assert cu.tolist() == [0, 1, 4] and seq_lens.tolist() == [2, 3]
     assert tables.tolist() == [[5, 0], [7, 1]] and slots.tolist() == [11, 14, 15, 2]
