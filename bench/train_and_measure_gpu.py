@@ -194,6 +194,8 @@ def _train(args, method: str, out: Path, budget: float, data: Path, extra: list[
     info = {"method": method, "steps": result.steps, "sequences": result.num_sequences,
             "budget_s": round(budget, 1), "seconds": round(time.monotonic() - start, 1), **result.metrics}
     print(f"[{time.monotonic() - T0:.0f}s] trained {method}: {info}", flush=True)
+    print(f"    step times: {result.timing}", flush=True)
+    info["timing"] = result.timing
     return info
 
 

@@ -21,7 +21,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from specserve.spec import train_data
 from specserve.spec.eagle_head import EagleHead, head_config_for, save_head
+from specserve.spec.train_timing import StepTimes
 
 # Re-exported: bench/ and the tests use them as train.<name>; _train_loop looks target_batch and
 # head_loss up here, so a monkeypatch of train.target_batch (bench/train_profile.py) takes effect.
@@ -99,6 +100,7 @@ class TrainResult:
     steps: int
     num_sequences: int
     metrics: dict[str, float]
+    timing: dict = field(default_factory=dict)  # train_timing.StepTimes.summary()
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -247,7 +249,7 @@ def run_training(args, llm=None) -> TrainResult:
     opt = torch.optim.AdamW(_param_groups(args, head), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step = _maybe_resume(args, head, opt, device)
     deadline = start + budget - 5.0  # leave time for the final checkpoint
-    progress = {"step": step, "metrics": {}}
+    progress = {"step": step, "metrics": {}, "timing": StepTimes(device)}
     try:
         _train_loop(args, head, opt, loaded.model, seqs, progress, device, deadline)
     except BaseException:
@@ -255,7 +257,8 @@ def run_training(args, llm=None) -> TrainResult:
             _save(args, head, opt, progress["step"], progress["metrics"])
         raise
     _save(args, head, opt, progress["step"], progress["metrics"])
-    return TrainResult(Path(args.out), progress["step"], len(seqs), progress["metrics"])
+    return TrainResult(Path(args.out), progress["step"], len(seqs), progress["metrics"],
+                       progress["timing"].summary())
 
 
 def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainSeq], progress: dict,
@@ -273,6 +276,7 @@ def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainS
     recent: list[tuple[list[str], torch.Tensor]] = []  # the last METRIC_WINDOW steps' (names, values)
     bar = tqdm(total=args.steps, initial=step, desc=f"train {args.method}", disable=args.quiet)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    times: StepTimes = progress["timing"]
     while (args.steps is None or step < args.steps) and time.monotonic() < deadline:
         # Epoch e visits the same batches in its own seeded order, so a resumed run sees what the
         # uninterrupted one would have.
@@ -280,6 +284,7 @@ def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainS
         order = list(range(len(base_batches)))
         random.Random(args.seed * 1000 + epoch).shuffle(order)
         batch = [seqs[i] for i in base_batches[order[index]]]
+        times.start(len(batch), max(len(s.token_ids) for s in batch))
         starts = [max(0, s.num_prompt_tokens - 2) for s in batch]
         frac = (step / args.steps if args.steps else
                 (time.monotonic() - train_start) / max(1.0, deadline - train_start))
@@ -294,6 +299,7 @@ def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainS
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         del tb  # the next step's target forward need not share memory with it
+        times.end()
         step += 1
         recent.append((["loss", *(f"acc{i + 1}" for i in range(len(accs)))],
                        torch.stack([loss.detach().float(), *accs])))
