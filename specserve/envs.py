@@ -17,9 +17,10 @@ meaning; other modules must not touch `os.environ` directly.
 | SPECSERVE_QKV_ROPE_FUSED | 0 (model/layers/triton_qkv_rope.py) | 1: decode-sized batches run the input |
 |                   |                                  | norm, qkv, RoPE and the KV write as one   |
 |                   |                                  | launch (Triton backend, unquantized KV)   |
-| SPECSERVE_DEFER_DRAFTS | 1 (spec/decoder.py)         | 0: a proposal reads its drafts back at    |
+| SPECSERVE_DEFER_DRAFTS | the proposer's (decoder.py) | 0: a proposal reads its drafts back at    |
 |                   |                                  | its end instead of leaving them on the    |
-|                   |                                  | device for the verify step (A/B runs)     |
+|                   |                                  | device for the verify step; 1: deferred   |
+|                   |                                  | for every proposer (A/B runs)             |
 | TRITON_INTERPRET  | unset                            | 1: Triton kernels run in its CPU          |
 |                   |                                  | interpreter (kernel debugging, tests)     |
 """
@@ -98,10 +99,11 @@ def qkv_rope_fused() -> bool:
     return _switch("SPECSERVE_QKV_ROPE_FUSED") is True
 
 
-def defer_drafts() -> bool:
-    """SPECSERVE_DEFER_DRAFTS=0: proposers read their drafts back at the end of a proposal, as before
-    spec/draft_tokens.py DeferredDrafts (A/B runs); default on (off anyway with tensor parallelism)."""
-    return _switch("SPECSERVE_DEFER_DRAFTS") is not False
+def defer_drafts() -> bool | None:
+    """SPECSERVE_DEFER_DRAFTS: 0, proposers read their drafts back at the end of a proposal, as before
+    spec/draft_tokens.py DeferredDrafts; 1, every proposer defers them (A/B runs); unset (None), each
+    proposer's own default (DraftDelivery.defers_by_default). Off anyway with tensor parallelism."""
+    return _switch("SPECSERVE_DEFER_DRAFTS")
 
 
 def triton_interpret() -> bool:

@@ -81,8 +81,12 @@ class SpecDecoder:
         self.last_k: int | None = None  # the k of the last proposal (0: the next step drafts nothing)
         self._verified: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # verify_counts of this step
         # Drafts left on the device for the verify step (spec/draft_tokens.py DeferredDrafts): one
-        # device, the runner's placeholder fill. SPECSERVE_DEFER_DRAFTS=0 reads them back in propose.
-        self.proposer.defer_drafts = getattr(engine_parts.runner, "accepts_pending", False) and envs.defer_drafts()
+        # device, the runner's placeholder fill. SPECSERVE_DEFER_DRAFTS=0 reads them back in propose,
+        # =1 defers them for every proposer; unset, the proposer's default.
+        wanted = envs.defer_drafts()
+        if wanted is None:
+            wanted = getattr(self.proposer, "defers_by_default", True)
+        self.proposer.defer_drafts = getattr(engine_parts.runner, "accepts_pending", False) and wanted
         self._deferred: DeferredDrafts | None = None
         self._wait_s = 0.0  # this step's wait for deferred drafts: the proposal's time, not the step's
 

@@ -100,7 +100,8 @@ class DraftDelivery:
     """How a proposer that drafts on the device hands its drafts over: read back now (`defer_drafts`
     False), or left on the device as DeferredDrafts that the spec decoder takes (`take_deferred`)."""
 
-    defer_drafts: bool = False
+    defer_drafts: bool = False  # set by the spec decoder (SPECSERVE_DEFER_DRAFTS, else defers_by_default)
+    defers_by_default: bool = True
     _deferred: DeferredDrafts | None = None
 
     def deliver(self, dt: DraftTokens, reqs: list[Request], finish: Finish) -> None:

@@ -76,8 +76,8 @@ def test_assign_resolved_keeps_what_the_scheduler_left() -> None:
 @pytest.mark.parametrize("method", ["draft_model", "eagle3", "p-eagle"])
 def test_deferred_and_immediate_drafts_give_the_same_tokens(tiny_llama_dir, tmp_path, monkeypatch, method) -> None:
     """Greedy and seeded random requests in one batch, k = 3: the same tokens and acceptance with the
-    drafts deferred (verify inputs filled on the device) as read back in propose; deferral is on by
-    default and its placeholders were really filled. P-EAGLE: greedy requests only (its random drafts
+    drafts deferred (verify inputs filled on the device) as read back in propose, and the placeholders
+    of deferred drafts were really filled; unset, deferral is on by default except for P-EAGLE. P-EAGLE: greedy requests only (its random drafts
     are read back in propose), through the static first forward (the GPU's graph path)."""
     from specserve.spec.eagle import EagleProposer
     from specserve.spec.eagle_head import make_random_head_dir
@@ -115,6 +115,11 @@ def test_deferred_and_immediate_drafts_give_the_same_tokens(tiny_llama_dir, tmp_
         assert (sum(filled) > 0) is (defer == "1")
         llm.engine.kv.check_integrity()
     assert runs["1"] == runs["0"] and runs["1"][2] > 0
+    # Unset, each proposer's default: P-EAGLE reads back (measured slower deferred), the others defer.
+    monkeypatch.delenv("SPECSERVE_DEFER_DRAFTS")
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
+              speculative_config={**spec, "num_speculative_tokens": 3, "adaptive": False})
+    assert llm.engine.spec.proposer.defer_drafts is (method != "p-eagle")
 
 
 def test_deferred_self_drafts_are_all_accepted(tiny_llama_dir, monkeypatch) -> None:
