@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -70,7 +71,7 @@ class Config:
     method: str  # none | ngram | draft_model | eagle3 | p-eagle | hf | hf_assisted | hf_prompt_lookup
     k: int
     batch: int
-    tag: str = ""  # "#2": a second instance of the baseline (bracketing)
+    tag: str = ""  # "#2": a second instance of the baseline (bracketing); DEFER_TAGS: an A/B variant
 
     @property
     def name(self) -> str:
@@ -108,6 +109,28 @@ def _device_type(args) -> str:
     return "cuda" if args.device.startswith("cuda") else "cpu"
 
 
+# Config tags of a deferral A/B in one process (`--runs eagle3:4:defer0`): the engine is built with
+# SPECSERVE_DEFER_DRAFTS set to the value (spec/decoder.py reads it at build time).
+DEFER_TAGS = {"#defer0": "0", "#defer1": "1"}
+
+
+@contextlib.contextmanager
+def _defer_drafts(value: str | None) -> Iterator[None]:
+    """SPECSERVE_DEFER_DRAFTS=value while the block runs (unchanged if value is None)."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get("SPECSERVE_DEFER_DRAFTS")
+    os.environ["SPECSERVE_DEFER_DRAFTS"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["SPECSERVE_DEFER_DRAFTS"]
+        else:
+            os.environ["SPECSERVE_DEFER_DRAFTS"] = old
+
+
 # -- running configurations -------------------------------------------------------------------
 @dataclass
 class Runner:
@@ -123,9 +146,10 @@ class Runner:
         if c not in self.engines:
             start = time.monotonic()
             a = self.args
-            llm = LLM(model=a.target, progress=False, speculative_config=spec_config(c.method, c.k, a),
-                      max_model_len=a.max_model_len, max_num_seqs=c.batch, device=a.device,
-                      kv_cache_memory_bytes=default_kv_bytes(a), load_format=a.load_format)
+            with _defer_drafts(DEFER_TAGS.get(c.tag)):  # read once, when the engine is built
+                llm = LLM(model=a.target, progress=False, speculative_config=spec_config(c.method, c.k, a),
+                          max_model_len=a.max_model_len, max_num_seqs=c.batch, device=a.device,
+                          kv_cache_memory_bytes=default_kv_bytes(a), load_format=a.load_format)
             # Engines share one model object; an EAGLE engine needs its aux layers set, the others none.
             aux = tuple(llm.engine.runner.model.aux_hidden_layers)
             llm.generate([{"prompt_token_ids": list(range(100, 132))}] * c.batch,

@@ -131,11 +131,14 @@ def _configs(args, heads: dict[str, Path]) -> list[spec_bench.Config]:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     configs = [spec_bench.Config("none", 0, b) for b in batch_sizes]
     for run in (r for r in args.runs.split(",") if r):
-        method, k = run.split(":")
+        method, k, *variant = run.split(":")  # method:k[:defer0|defer1], see spec_runs.DEFER_TAGS
+        tag = f"#{variant[0]}" if variant else ""
+        if tag and tag not in spec_bench.DEFER_TAGS:
+            raise SystemExit(f"--runs {run!r}: a third field must be one of {sorted(t[1:] for t in spec_bench.DEFER_TAGS)}")
         if method in heads and not (heads[method] / "model.safetensors").is_file():
             print(f"no {method} head on disk: not measured", flush=True)
             continue
-        configs += [spec_bench.Config(method, int(k), b) for b in batch_sizes]
+        configs += [spec_bench.Config(method, int(k), b, tag) for b in batch_sizes]
     if 1 in batch_sizes:
         configs += [spec_bench.Config(m, int(k), 1) for m, k in (r.split(":") for r in args.hf_runs.split(",") if r)]
     return configs
