@@ -180,11 +180,24 @@ def summarize(configs: list[Config], rows: list[dict]) -> list[dict]:
                "tokens": tokens, "seconds": round(secs, 3), "tok_s": round(tokens / secs, 3),
                "speedup_vs_none": _r(_ratio(rs, baseline)),
                "acceptance_length": round(1 + acc / drafts, 3) if drafts else None,
+               **_phases(rs),
                "same_output_as_none": round(sum(same) / len(same), 3) if same else None}
         if c.batch == 1:
             row.update({f"x_{m}": _r(_ratio(_by_prompt(rs), _by_prompt(ref))) for m, ref in refs.items() if ref})
         table.append(row)
     return table
+
+
+def _phases(rows: list[dict]) -> dict:
+    """Mean time to first token (ms) and the decode rate after it, per request (tokens after the first
+    over the time from first to last token, summed over the rows' requests; specserve rows only)."""
+    ttft = [t for r in rows for t in r.get("ttft_s", [])]
+    decode = [t for r in rows for t in r.get("decode_s", [])]
+    if not ttft or len(decode) != sum(len(r["outputs"]) for r in rows):
+        return {}
+    after_first = sum(max(0, len(o) - 1) for r in rows for o in r["outputs"])
+    return {"ttft_ms": round(1e3 * sum(ttft) / len(ttft), 2),
+            "decode_tok_s": round(after_first / sum(decode), 3) if sum(decode) > 0 else None}
 
 
 def _by_prompt(rows: list[dict]) -> list[dict]:
@@ -198,7 +211,7 @@ def _r(x: float | None) -> float | None:
 
 def print_table(table: list[dict]) -> None:
     print(f"\n{'config':<30}{'groups':>7}{'tok/s':>9}{'x none':>8}{'x hf':>7}{'x asst':>8}{'x pl':>7}"
-          f"{'AL':>7}{'same':>6}")
+          f"{'AL':>7}{'same':>6}{'TTFT ms':>9}{'decode tok/s':>13}")
     for r in table:
         if not r.get("groups"):
             print(f"{r['config']:<30}{0:>7}  (not run)")
@@ -209,7 +222,7 @@ def print_table(table: list[dict]) -> None:
 
         print(f"{r['config']:<30}{r['groups']:>7}{r['tok_s']:>9.2f}{f('speedup_vs_none'):>8}{f('x_hf'):>7}"
               f"{f('x_hf_assisted'):>8}{f('x_hf_prompt_lookup'):>7}{f('acceptance_length', '{:.2f}'):>7}"
-              f"{f('same_output_as_none', '{:.0%}'):>6}")
+              f"{f('same_output_as_none', '{:.0%}'):>6}{f('ttft_ms', '{:.1f}'):>9}{f('decode_tok_s', '{:.1f}'):>13}")
 
 
 # -- acceptance for every k, simulated from the greedy outputs -----------------------------------

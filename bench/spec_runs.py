@@ -177,8 +177,13 @@ class Runner:
         wall = time.perf_counter() - start
         drafts, accepted, drafted = (st.get(n) - b for n, b in zip(names, before))
         outputs = [list(o.outputs[0].token_ids) for o in outs]
+        # Per request: arrival to first token (the prefill), and first to last token (the decode steps,
+        # speculative or not): a request's fixed costs and its per-step costs apart.
+        times = [o.metrics for o in outs]
+        ttft = [m.first_token_time - m.arrival_time for m in times if m and m.first_token_time]
+        decode = [m.last_token_time - m.first_token_time for m in times if m and m.first_token_time and m.last_token_time]
         return {"tokens": sum(map(len, outputs)), "seconds": wall, "drafts": drafts, "accepted": accepted,
-                "draft_tokens": drafted, "outputs": outputs}
+                "draft_tokens": drafted, "outputs": outputs, "ttft_s": ttft, "decode_s": decode}
 
     def loaded(self, which: str):
         """The specserve LoadedModel of the target or the draft (from the shared cache)."""
