@@ -21,6 +21,8 @@ meaning; other modules must not touch `os.environ` directly.
 |                   |                                  | its end instead of leaving them on the    |
 |                   |                                  | device for the verify step; 1: deferred   |
 |                   |                                  | for every proposer (A/B runs)             |
+| SPECSERVE_PREFILL_PIECES | 1 (engine/engine.py)        | 0: short prompts run as one eager chunk   |
+|                   |                                  | instead of prefill-graph pieces (A/B runs) |
 | TRITON_INTERPRET  | unset                            | 1: Triton kernels run in its CPU          |
 |                   |                                  | interpreter (kernel debugging, tests)     |
 """
@@ -104,6 +106,12 @@ def defer_drafts() -> bool | None:
     spec/draft_tokens.py DeferredDrafts; 1, every proposer defers them (A/B runs); unset (None), each
     proposer's own default (DraftDelivery.defers_by_default). Off anyway with tensor parallelism."""
     return _switch("SPECSERVE_DEFER_DRAFTS")
+
+
+def prefill_pieces() -> bool:
+    """SPECSERVE_PREFILL_PIECES=0: a short prompt at low load runs as one eager chunk instead of pieces
+    that replay captured prefill graphs (scheduler/scheduler.py prefill_piece; A/B runs). Default on."""
+    return _switch("SPECSERVE_PREFILL_PIECES") is not False
 
 
 def triton_interpret() -> bool:

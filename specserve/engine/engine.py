@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from specserve import envs
 from specserve.config import EngineConfig
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.output_processor import (
@@ -61,6 +62,13 @@ class Engine(AsyncStepMixin):
         if self.spec is not None:
             self.spec.structured = self.structured
         self.async_scheduling = _use_async_scheduling(config, self.device)
+        # Short prompts in graph-sized pieces (scheduler/scheduler.py) where prefill graphs were
+        # captured. Not with an EAGLE head: it drafts from the target features of the step that ends
+        # the prompt, and would miss the earlier pieces' rows.
+        graphs = getattr(self.runner, "graphs", None)
+        lens = getattr(graphs, "prefill_query_lens", ()) if graphs is not None else ()
+        if lens and envs.prefill_pieces() and (self.spec is None or not self.spec.proposer.needs_target_hidden):
+            self.scheduler.prefill_piece = max(lens)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,

@@ -8,6 +8,12 @@ and it is recomputed later (its full blocks usually survive in the prefix cache)
 
 Within one forward every layer writes the whole batch's K/V before any attention reads, so a
 request may hit blocks that another request fills in the same step.
+
+Graph-sized prefill pieces (`prefill_piece`, set by the engine where the runner captured prefill
+graphs): while at most `PIECE_MAX_SEQS` requests are live, a prompt of up to PIECES pieces is fed a
+piece at a time, so each step replays a captured graph instead of running eagerly. On the H200 an
+eager forward of a short prefill cost 15-28 ms of host time for ~2 ms of GPU work (runner/
+cuda_graph.py), and a replay of the 1.5B target's 64-token graph ~2 ms.
 """
 from __future__ import annotations
 
@@ -43,7 +49,16 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# A prompt (after prefix hits) of at most PIECES graph pieces goes piecewise; a longer one runs as
+# before (its eager forward is then a smaller share of its compute).
+PIECES = 4
+PIECE_MAX_SEQS = 2  # runner/cuda_graph.py PREFILL_MAX_BATCH: prefill graphs exist up to this batch
+
+
 class Scheduler:
+    # The longest captured prefill graph's query length, or None (no piecewise prefill).
+    prefill_piece: int | None = None
+
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, num_lookahead_tokens: int = 0) -> None:
         self.kv = kv
@@ -103,7 +118,7 @@ class Scheduler:
             if req.num_pending_tokens and req.finishes_by_length_on_pending(self.max_model_len):
                 i += 1  # asynchronous scheduling: its last token is in flight and ends it
                 continue
-            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            num_new = min(self._piece(req, req.num_tokens_with_spec - req.num_computed_tokens), budget)
             # Never go past the context window (drafts near the end are dropped).
             num_new = min(num_new, self.max_model_len - req.num_computed_tokens)
             if num_new <= 0:
@@ -125,6 +140,16 @@ class Scheduler:
             break  # the request itself was preempted; everything after it too
         return budget
 
+    def _piece(self, req: Request, num_new: int) -> int:
+        """num_new, or one graph piece of it: a prefill (no drafts) of more than one piece and at most
+        PIECES, while at most PIECE_MAX_SEQS requests are live and none scores its prompt."""
+        piece = self.prefill_piece
+        if (piece is None or not piece < num_new <= PIECES * piece or req.spec_token_ids
+                or len(self.running) + len(self.waiting) > PIECE_MAX_SEQS or req.needs_prompt_logprobs
+                or not self.enable_chunked_prefill):
+            return num_new
+        return piece
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         out.scheduled = [s for s in out.scheduled if s.request is not req]
@@ -143,7 +168,7 @@ class Scheduler:
             req = self.waiting[0]
             # Cached positions have no logits: a request still scoring its prompt recomputes it.
             hits, num_hit_tokens = ([], 0) if req.needs_prompt_logprobs else self.kv.get_computed_blocks(req)
-            num_new = req.num_tokens - num_hit_tokens
+            num_new = self._piece(req, req.num_tokens - num_hit_tokens)
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     break

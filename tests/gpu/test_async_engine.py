@@ -202,3 +202,41 @@ def test_draft_catch_ups_replay_prefill_graphs(tiny_llama_dir, device: torch.dev
            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == plain
     assert any(q in (16, 64) for _, q in keys), f"no catch-up replayed a prefill graph: {keys}"
+
+
+def test_short_prompts_prefill_in_graph_pieces(tiny_llama_dir, tmp_path, device: torch.device, monkeypatch) -> None:
+    """A 172-token prompt alone is fed in 64-token pieces, each a prefill-graph replay (no eager
+    forward), with the CPU path's tokens; an EAGLE engine keeps whole prompts (its head drafts from
+    the last step's features)."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    from specserve.runner.cuda_graph import CudaGraphRunner
+    from specserve.spec.eagle_head import make_random_head_dir
+
+    prompt = [random.Random(9).randrange(5, 300) for _ in range(172)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
+              kv_cache_memory_bytes=8 << 20)
+    assert llm.engine.scheduler.prefill_piece == 64
+    runs: list[tuple[int, bool]] = []  # (tokens in the step, replayed)
+    original = CudaGraphRunner.graph_for
+
+    def spy(self, batch):
+        found = original(self, batch)
+        runs.append((batch.num_tokens, found is not None))
+        return found
+
+    monkeypatch.setattr(CudaGraphRunner, "graph_for", spy)
+    got = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    assert [n for n, _ in runs[:3]] == [64, 64, 44] and all(replayed for _, replayed in runs), runs
+    cpu = LLM(model=str(tiny_llama_dir), progress=False, device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20)
+    assert got == cpu.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    head = make_random_head_dir(str(tiny_llama_dir), tmp_path / "h")
+    eagle = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
+                kv_cache_memory_bytes=8 << 20, speculative_config={"method": "eagle3", "model": str(head),
+                                                                     "num_speculative_tokens": 2})
+    assert eagle.engine.scheduler.prefill_piece is None
+    monkeypatch.setenv("SPECSERVE_PREFILL_PIECES", "0")  # the A/B switch: whole prompts again
+    off = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
+              kv_cache_memory_bytes=8 << 20)
+    assert off.engine.scheduler.prefill_piece is None

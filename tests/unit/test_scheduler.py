@@ -70,3 +70,49 @@ def test_preemption_frees_latest_and_requeues_first():
     assert s.waiting[0] is b and b.num_computed_tokens == 0
     assert [x.request.request_id for x in out.scheduled] == ["a"]
     s.kv.check_integrity()
+
+
+def _steps(s: Scheduler) -> list[list[tuple[str, int]]]:
+    """Schedule until nothing is left to compute (each step's tokens counted computed, no sampling)."""
+    steps = []
+    while True:
+        out = s.schedule()
+        todo = [(x.request.request_id, x.num_new_tokens) for x in out.scheduled
+                if x.request.num_computed_tokens < x.request.num_tokens]
+        if not todo:
+            return steps
+        steps.append(todo)
+        for x in out.scheduled:
+            s.update_computed(x, 0)
+
+
+def test_short_prompts_go_in_graph_pieces():
+    """With prefill graphs of 16 tokens: a prompt of 17-64 tokens goes 16 at a time while at most two
+    requests are live; a longer one, a third live request or prompt scoring keep the whole chunk."""
+    s = _sched(budget=100, num_blocks=128)
+    s.prefill_piece = 16
+    s.add_request(_req("a", 50))
+    assert _steps(s) == [[("a", 16)], [("a", 16)], [("a", 16)], [("a", 2)]]
+    s = _sched(budget=100, num_blocks=128)
+    s.prefill_piece = 16
+    s.add_request(_req("a", 20))
+    s.add_request(_req("b", 40))  # two live: both in pieces, in the same steps
+    assert _steps(s) == [[("a", 16), ("b", 16)], [("a", 4), ("b", 16)], [("b", 8)]]
+    s = _sched(budget=100, num_blocks=128)
+    s.prefill_piece = 16
+    s.add_request(_req("long", 65))  # more than 4 pieces: one chunk
+    assert _steps(s) == [[("long", 65)]]
+    s = _sched(budget=100, num_blocks=128)
+    s.prefill_piece = 16
+    for rid in ("a", "b", "c"):  # three live requests: no graph holds the step anyway
+        s.add_request(_req(rid, 20))
+    assert _steps(s) == [[("a", 20), ("b", 20), ("c", 20)]]
+    s = _sched(budget=100, num_blocks=128)
+    s.prefill_piece = 16
+    scored = Request("p", list(range(500, 530)), SamplingParams(max_tokens=8, prompt_logprobs=1), 8)
+    scored.prompt_logprobs = []  # as the engine admits it: prompt tokens to score
+    s.add_request(scored)
+    assert _steps(s) == [[("p", 30)]]
+    s = _sched(budget=100, num_blocks=128)  # no prefill graphs: as before
+    s.add_request(_req("a", 50))
+    assert _steps(s) == [[("a", 50)]]
