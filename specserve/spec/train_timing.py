@@ -20,7 +20,8 @@ class StepTimes:
     walls: list[float] = field(default_factory=list)  # seconds from each step's start to the next one's
     shapes: list[tuple[int, int]] = field(default_factory=list)  # (sequences, padded length) per step
     _events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
-    _last: float | None = None
+    _last: float | None = None  # the last step's start
+    _last_end: float | None = None  # the last step's end (its work queued)
     _open: torch.cuda.Event | None = None
 
     def start(self, num_seqs: int, max_len: int) -> None:
@@ -34,6 +35,7 @@ class StepTimes:
             self._open.record()
 
     def end(self) -> None:
+        self._last_end = time.monotonic()
         if self._open is not None:
             done = torch.cuda.Event(enable_timing=True)
             done.record()
@@ -43,8 +45,9 @@ class StepTimes:
     def summary(self) -> dict:
         """Seconds per step: quantiles, the first steps, and per padded-length bucket (steps, mean
         sequences, mean wall, mean GPU)."""
-        if self._last is not None:
-            self.walls.append(time.monotonic() - self._last)
+        if self._last is not None:  # the last step: to its end (not to this call, after a checkpoint)
+            end = self._last_end if self._last_end is not None and self._last_end >= self._last else time.monotonic()
+            self.walls.append(end - self._last)
             self._last = None
         if not self.walls:
             return {}
