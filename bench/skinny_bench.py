@@ -22,7 +22,6 @@ caps the sweep: past it only the default config is timed).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from env_var import env_set  # noqa: E402
 from gemv_tune import graph_us, weight_copies  # noqa: E402  (bench/: the same timing as the GEMV tuner)
 from json_out import write_json_atomic
 
@@ -114,17 +114,8 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], args, deadline: float,
     return rows
 
 
-@contextlib.contextmanager
 def _skinny_off():
-    old = os.environ.get("SPECSERVE_SKINNY")
-    os.environ["SPECSERVE_SKINNY"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["SPECSERVE_SKINNY"]
-        else:
-            os.environ["SPECSERVE_SKINNY"] = old
+    return env_set("SPECSERVE_SKINNY", "0")
 
 
 def silu_times(x: torch.Tensor, ws: list[torch.Tensor], copies: int, calls: int, best: dict | None) -> dict:

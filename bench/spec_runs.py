@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from env_var import env_set  # noqa: E402
 from kv_common import free_memory  # noqa: E402  (the same gc + empty_cache)
 from specserve import LLM, SamplingParams  # noqa: E402
 
@@ -114,23 +114,6 @@ def _device_type(args) -> str:
 DEFER_TAGS = {"#defer0": "0", "#defer1": "1"}
 
 
-@contextlib.contextmanager
-def _defer_drafts(value: str | None) -> Iterator[None]:
-    """SPECSERVE_DEFER_DRAFTS=value while the block runs (unchanged if value is None)."""
-    if value is None:
-        yield
-        return
-    old = os.environ.get("SPECSERVE_DEFER_DRAFTS")
-    os.environ["SPECSERVE_DEFER_DRAFTS"] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["SPECSERVE_DEFER_DRAFTS"]
-        else:
-            os.environ["SPECSERVE_DEFER_DRAFTS"] = old
-
-
 # -- running configurations -------------------------------------------------------------------
 @dataclass
 class Runner:
@@ -146,7 +129,7 @@ class Runner:
         if c not in self.engines:
             start = time.monotonic()
             a = self.args
-            with _defer_drafts(DEFER_TAGS.get(c.tag)):  # read once, when the engine is built
+            with env_set("SPECSERVE_DEFER_DRAFTS", DEFER_TAGS.get(c.tag)):  # read when the engine is built
                 llm = LLM(model=a.target, progress=False, speculative_config=spec_config(c.method, c.k, a),
                           max_model_len=a.max_model_len, max_num_seqs=c.batch, device=a.device,
                           kv_cache_memory_bytes=default_kv_bytes(a), load_format=a.load_format)

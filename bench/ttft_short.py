@@ -12,25 +12,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from env_var import env_set  # noqa: E402
 from specserve import LLM, SamplingParams  # noqa: E402
 
 
 def _engine(args, pieces: bool) -> LLM:
-    os.environ["SPECSERVE_PREFILL_PIECES"] = "1" if pieces else "0"  # read when the engine is built
-    try:
+    with env_set("SPECSERVE_PREFILL_PIECES", "1" if pieces else "0"):  # read when the engine is built
         return LLM(model=args.model, load_format=args.load_format, max_model_len=args.max_model_len,
                    max_num_seqs=8, kv_cache_memory_bytes=args.kv_bytes, progress=False,
                    enable_prefix_caching=False, device=args.device)
-    finally:
-        del os.environ["SPECSERVE_PREFILL_PIECES"]
 
 
 def _ttft_ms(llm: LLM, prompt: list[int]) -> float:
