@@ -184,6 +184,7 @@ def summarize(configs: list[Config], rows: list[dict]) -> list[dict]:
                "same_output_as_none": round(sum(same) / len(same), 3) if same else None}
         if c.batch == 1:
             row.update({f"x_{m}": _r(_ratio(_by_prompt(rs), _by_prompt(ref))) for m, ref in refs.items() if ref})
+            row.update(_step_fit(rs) if not c.is_hf else {})
         table.append(row)
     return table
 
@@ -198,6 +199,24 @@ def _phases(rows: list[dict]) -> dict:
     after_first = sum(max(0, len(o) - 1) for r in rows for o in r["outputs"])
     return {"ttft_ms": round(1e3 * sum(ttft) / len(ttft), 2),
             "decode_tok_s": round(after_first / sum(decode), 3) if sum(decode) > 0 else None}
+
+
+def _step_fit(rows: list[dict]) -> dict:
+    """Batch-1 groups (one request each): seconds = per-step cost x steps + a fixed cost per request,
+    by least squares over the groups (steps: verify steps, or tokens without speculation). Apart, the
+    two tell a slow step from a slow prefill or first proposal. Needs >= 3 groups of different lengths."""
+    import numpy as np
+
+    pts = [((r["drafts"] or r["tokens"]), r["seconds"]) for r in rows if r["tokens"]]
+    if len(pts) < 3 or len({n for n, _ in pts}) < 2:
+        return {}
+    a = np.array([[n, 1.0] for n, _ in pts])
+    y = np.array([t for _, t in pts])
+    (per_step, fixed), *_ = np.linalg.lstsq(a, y, rcond=None)
+    resid = y - a @ np.array([per_step, fixed])
+    r2 = 1.0 - float(resid @ resid) / max(float(((y - y.mean()) ** 2).sum()), 1e-12)
+    return {"ms_per_step": round(1e3 * per_step, 3), "fixed_ms_per_request": round(1e3 * fixed, 1),
+            "step_fit_r2": round(r2, 3)}
 
 
 def _by_prompt(rows: list[dict]) -> list[dict]:
@@ -223,6 +242,11 @@ def print_table(table: list[dict]) -> None:
         print(f"{r['config']:<30}{r['groups']:>7}{r['tok_s']:>9.2f}{f('speedup_vs_none'):>8}{f('x_hf'):>7}"
               f"{f('x_hf_assisted'):>8}{f('x_hf_prompt_lookup'):>7}{f('acceptance_length', '{:.2f}'):>7}"
               f"{f('same_output_as_none', '{:.0%}'):>6}{f('ttft_ms', '{:.1f}'):>9}{f('decode_tok_s', '{:.1f}'):>13}")
+    fits = [r for r in table if r.get("ms_per_step") is not None]
+    if fits:
+        print(f"\n{'batch 1: seconds = per step x steps + fixed':<46}{'ms/step':>9}{'fixed ms':>10}{'R^2':>7}")
+        for r in fits:
+            print(f"{r['config']:<46}{r['ms_per_step']:>9.3f}{r['fixed_ms_per_request']:>10.1f}{r['step_fit_r2']:>7.3f}")
 
 
 # -- acceptance for every k, simulated from the greedy outputs -----------------------------------
