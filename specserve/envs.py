@@ -23,6 +23,8 @@ meaning; other modules must not touch `os.environ` directly.
 |                   |                                  | for every proposer (A/B runs)             |
 | SPECSERVE_PREFILL_PIECES | 1 (engine/engine.py)        | 0: short prompts run as one eager chunk   |
 |                   |                                  | instead of prefill-graph pieces (A/B runs) |
+| SPECSERVE_DRAFT_CHAIN_GRAPH | 0 (spec/draft_chain.py)  | 1: a draft model's chained steps of a     |
+|                   |                                  | propose replay as one CUDA graph          |
 | TRITON_INTERPRET  | unset                            | 1: Triton kernels run in its CPU          |
 |                   |                                  | interpreter (kernel debugging, tests)     |
 """
@@ -112,6 +114,12 @@ def prefill_pieces() -> bool:
     """SPECSERVE_PREFILL_PIECES=0: a short prompt at low load runs as one eager chunk instead of pieces
     that replay captured prefill graphs (scheduler/scheduler.py prefill_piece; A/B runs). Default on."""
     return _switch("SPECSERVE_PREFILL_PIECES") is not False
+
+
+def draft_chain_graph() -> bool:
+    """SPECSERVE_DRAFT_CHAIN_GRAPH=1: a draft model's greedy chained steps of a propose run as one CUDA
+    graph (spec/draft_chain.py; eagerly on the CPU). Default off until it is measured on the H200."""
+    return _switch("SPECSERVE_DRAFT_CHAIN_GRAPH") is True
 
 
 def triton_interpret() -> bool:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specserve import envs
 from specserve.config import ModelConfig, SpeculativeConfig
 from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec
@@ -147,6 +148,11 @@ class DraftSampler:
     def is_greedy(self, row: int) -> bool:
         return self._greedy[row]
 
+    @property
+    def all_greedy(self) -> bool:
+        """Every row of the propose (begin) is greedy."""
+        return all(self._greedy)
+
 
 def assign_drafts(reqs: list[Request], drafts: list[list[int]], probs: list[list[torch.Tensor]],
                   sampler: DraftSampler) -> None:
@@ -224,6 +230,11 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
             self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, _CATCH_UP_QUERY_LENS,
                                        PREFILL_QUERY_LENS)
         self.chain = _ChainSteps(self.runner, self.kv)
+        if envs.draft_chain_graph() and cfg.num_speculative_tokens > 1:  # spec/draft_chain.py
+            from specserve.spec.draft_chain import DraftChainGraphs
+
+            self.chain.graphs = DraftChainGraphs(self.runner, self.max_len, parts.scheduler.max_num_seqs,
+                                                 cfg.num_speculative_tokens - 1, capture=graphs)
 
     def propose(self, inp: ProposeInput) -> None:
         reqs, seqs, ks = [], [], []
@@ -339,12 +350,23 @@ class _ChainSteps:
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager) -> None:
         self.runner, self.kv = runner, kv
+        self.graphs = None  # DraftChainGraphs (spec/draft_chain.py) when SPECSERVE_DRAFT_CHAIN_GRAPH=1
 
     def run(self, seqs: list[_DraftSeq], ks: list[int], dt: DraftTokens, sampler: DraftSampler) -> None:
         """Steps 1..max(ks) - 1; request i takes part in steps s < ks[i]. The seqs' state is
         not touched (propose() counts the fed tokens afterwards)."""
         base = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
         tables = block_table_array([self.kv.block_ids(s.request_id) for s in seqs])
+        chain = self.graphs
+        if (chain is not None and sampler.all_greedy and chain.fits(len(seqs), max(ks) - 1)
+                and tables.shape[1] <= chain.max_blocks):
+            drafts = chain.run(base, ks, tables, dt.last_tokens)  # [max(ks) - 1, n]
+            everyone = list(range(len(seqs)))
+            for step in range(max(ks) - 1):
+                active = [i for i in everyone if ks[i] - 1 > step]
+                dt.add(active, drafts[step] if active == everyone
+                       else drafts[step].index_select(0, self._index(tuple(active))), None)
+            return
         active = list(range(len(seqs)))
         for step in range(1, max(ks)):
             prev, active = active, [i for i in active if ks[i] > step]
