@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from json_out import write_json_atomic  # noqa: E402
 # Re-exported: bench/train_and_measure_gpu.py and bench/controller_sweep.py use them as spec_bench.*.
-from spec_runs import (DEFER_TAGS, HF_METHODS, NGRAM_MAX, NGRAM_MIN, SPEC_METHODS, Config, Runner,  # noqa: E402,F401
+from spec_runs import (VARIANT_TAGS, HF_METHODS, NGRAM_MAX, NGRAM_MIN, SPEC_METHODS, Config, Runner,  # noqa: E402,F401
                        _device_type, _hf_load, _Parts, _sync, default_kv_bytes, free_memory,
                        humaneval_prompts, shared_models, spec_config)
 

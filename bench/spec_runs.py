@@ -71,7 +71,7 @@ class Config:
     method: str  # none | ngram | draft_model | eagle3 | p-eagle | hf | hf_assisted | hf_prompt_lookup
     k: int
     batch: int
-    tag: str = ""  # "#2": a second instance of the baseline (bracketing); DEFER_TAGS: an A/B variant
+    tag: str = ""  # "#2": a second instance of the baseline (bracketing); VARIANT_TAGS: an A/B variant
 
     @property
     def name(self) -> str:
@@ -109,9 +109,10 @@ def _device_type(args) -> str:
     return "cuda" if args.device.startswith("cuda") else "cpu"
 
 
-# Config tags of a deferral A/B in one process (`--runs eagle3:4:defer0`): the engine is built with
-# SPECSERVE_DEFER_DRAFTS set to the value (spec/decoder.py reads it at build time).
-DEFER_TAGS = {"#defer0": "0", "#defer1": "1"}
+# Config tags of an A/B in one process (`--runs eagle3:4:defer0`): the engine is built with the
+# variable set (each is read when an engine is built; see specserve/envs.py).
+VARIANT_TAGS = {"#defer0": ("SPECSERVE_DEFER_DRAFTS", "0"), "#defer1": ("SPECSERVE_DEFER_DRAFTS", "1"),
+                "#chain1": ("SPECSERVE_DRAFT_CHAIN_GRAPH", "1"), "#pieces0": ("SPECSERVE_PREFILL_PIECES", "0")}
 
 
 # -- running configurations -------------------------------------------------------------------
@@ -129,7 +130,8 @@ class Runner:
         if c not in self.engines:
             start = time.monotonic()
             a = self.args
-            with env_set("SPECSERVE_DEFER_DRAFTS", DEFER_TAGS.get(c.tag)):  # read when the engine is built
+            name, value = VARIANT_TAGS.get(c.tag, ("", None))
+            with env_set(name, value):  # read when the engine is built
                 llm = LLM(model=a.target, progress=False, speculative_config=spec_config(c.method, c.k, a),
                           max_model_len=a.max_model_len, max_num_seqs=c.batch, device=a.device,
                           kv_cache_memory_bytes=default_kv_bytes(a), load_format=a.load_format)

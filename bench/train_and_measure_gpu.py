@@ -131,10 +131,11 @@ def _configs(args, heads: dict[str, Path]) -> list[spec_bench.Config]:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     configs = [spec_bench.Config("none", 0, b) for b in batch_sizes]
     for run in (r for r in args.runs.split(",") if r):
-        method, k, *variant = run.split(":")  # method:k[:defer0|defer1], see spec_runs.DEFER_TAGS
+        method, k, *variant = run.split(":")  # method:k[:variant], see spec_runs.VARIANT_TAGS
         tag = f"#{variant[0]}" if variant else ""
-        if tag and tag not in spec_bench.DEFER_TAGS:
-            raise SystemExit(f"--runs {run!r}: a third field must be one of {sorted(t[1:] for t in spec_bench.DEFER_TAGS)}")
+        if tag and tag not in spec_bench.VARIANT_TAGS:
+            raise SystemExit(f"--runs {run!r}: a third field must be one of "
+                             f"{sorted(t[1:] for t in spec_bench.VARIANT_TAGS)}")
         if method in heads and not (heads[method] / "model.safetensors").is_file():
             print(f"no {method} head on disk: not measured", flush=True)
             continue
