@@ -116,12 +116,12 @@ class DraftChainGraphs:
         pool = None
         with gc_paused_for_capture():
             for bs in reversed(self.sizes):
+                self._inputs.zero_()  # no row has steps: nothing is stored in the KV
+                self.first.zero_()
+                for _ in range(2):  # warm up (Triton compiles, cuBLAS picks): a step is a step at any length
+                    self._chain(bs, 1)
+                torch.cuda.synchronize(self.runner.device)
                 for steps in range(self.max_steps, 0, -1):  # longest first: later graphs reuse its pool
-                    self._inputs.zero_()
-                    self.first.zero_()
-                    for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-                        self._chain(bs, steps)
-                    torch.cuda.synchronize(self.runner.device)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
                         self._chain(bs, steps)
