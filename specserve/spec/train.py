@@ -291,13 +291,17 @@ def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainS
         for g in opt.param_groups:
             g["lr"] = args.lr * g.get("lr_scale", 1.0) * _lr_factor(frac, step, warmup)
         tb = target_batch(target, [s.token_ids for s in batch], head.cfg.aux_hidden_layers, device, head.d2t)
+        times.mark("target")
         with autocast:
             loss, accs = head_loss(head, target, tb.ids, [len(s.token_ids) for s in batch], starts, tb.feats,
                                    tb.probs, tb.last, num_blocks, parallel, args.hard_label_weight, tb.top)
+        times.mark("head_forward")
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        times.mark("backward")
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
+        times.mark("optimizer")
         del tb  # the next step's target forward need not share memory with it
         times.end()
         step += 1

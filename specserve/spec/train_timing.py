@@ -20,6 +20,8 @@ class StepTimes:
     walls: list[float] = field(default_factory=list)  # seconds from each step's start to the next one's
     shapes: list[tuple[int, int]] = field(default_factory=list)  # (sequences, padded length) per step
     _events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    # Per step, (phase, event) at the end of each marked phase (CUDA only): GPU time by phase.
+    _phases: list[list[tuple[str, torch.cuda.Event]]] = field(default_factory=list)
     _last: float | None = None  # the last step's start
     _last_end: float | None = None  # the last step's end (its work queued)
     _open: torch.cuda.Event | None = None
@@ -33,6 +35,14 @@ class StepTimes:
         if self.device.type == "cuda":
             self._open = torch.cuda.Event(enable_timing=True)
             self._open.record()
+            self._phases.append([])
+
+    def mark(self, phase: str) -> None:
+        """The step's work queued so far ends `phase` (the phases of a step follow one another)."""
+        if self._open is not None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._phases[-1].append((phase, ev))
 
     def end(self) -> None:
         self._last_end = time.monotonic()
@@ -61,6 +71,7 @@ class StepTimes:
         known = [g for g in gpu if g is not None]
         if known:
             out["gpu_s_mean"] = round(sum(known) / len(known), 4)
+            out["gpu_s_by_phase"] = self._by_phase()
         buckets: dict[str, list[int]] = {}
         for i, (_, length) in enumerate(self.shapes[:len(self.walls)]):
             name = next((f"<={b}" for b in LENGTH_BUCKETS if length <= b), f">{LENGTH_BUCKETS[-1]}")
@@ -72,3 +83,15 @@ class StepTimes:
                        gpu[i] is not None for i in ix)), 4)} if known else {})}
             for name, ix in sorted(buckets.items(), key=lambda kv: int(kv[0].lstrip("<=>")))}
         return out
+
+    def _by_phase(self) -> dict[str, float]:
+        """Mean GPU seconds per step of each marked phase (from the step's start or the previous mark)."""
+        sums: dict[str, float] = {}
+        counted = 0
+        for (begin, _), marks in zip(self._events, self._phases):
+            prev = begin
+            for phase, ev in marks:
+                sums[phase] = sums.get(phase, 0.0) + prev.elapsed_time(ev) / 1e3
+                prev = ev
+            counted += 1
+        return {k: round(v / max(1, counted), 4) for k, v in sums.items()}

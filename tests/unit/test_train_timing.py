@@ -26,3 +26,22 @@ def test_step_times_by_length(monkeypatch) -> None:
                                 "<=2048": {"steps": 1, "seqs": 4.0, "wall_s": 0.8}}
     assert list(out["by_length"]) == ["<=256", "<=512", "<=2048"]  # ordered by length
     assert StepTimes(torch.device("cpu")).summary() == {}
+
+
+class _Event:
+    """A recorded CUDA event's stand-in: elapsed_time as torch.cuda.Event gives it (ms)."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, later: "_Event") -> float:
+        return later.ms - self.ms
+
+
+def test_gpu_time_by_phase() -> None:
+    times = StepTimes(torch.device("cpu"))
+    # Two steps: target 100 / 140 ms, head forward 20 / 20, backward 50 / 70 (ms of GPU time).
+    for start, marks in ((0.0, (100.0, 120.0, 170.0)), (500.0, (640.0, 660.0, 730.0))):
+        times._events.append((_Event(start), _Event(marks[-1])))
+        times._phases.append([(name, _Event(ms)) for name, ms in zip(("target", "head_forward", "backward"), marks)])
+    assert times._by_phase() == {"target": 0.12, "head_forward": 0.02, "backward": 0.06}
