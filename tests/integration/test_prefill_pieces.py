@@ -64,3 +64,18 @@ def test_two_requests_share_pieces_and_async_steps(tiny_llama_dir) -> None:
         llm.engine.scheduler.prefill_piece = piece
         runs[piece] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert runs[16] == runs[None]
+
+
+def test_pieces_with_preemption(tiny_llama_dir) -> None:
+    """Two requests in pieces in a pool of 8 blocks of 16: preemption between pieces and decode steps;
+    the same tokens as whole prompts in a large pool."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + (7 * i + r) % 300 for i in range(45 + 5 * r)]} for r in range(2)]
+    plain = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    block = plain.engine.runner.spec.bytes_per_block
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=8 * block)
+    llm.engine.scheduler.prefill_piece = 16
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.kv.check_integrity()
