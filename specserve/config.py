@@ -112,6 +112,8 @@ class SpeculativeConfig:
     adaptive: bool = True
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
     draft_tensor_parallel_size: int | None = None
+    # vLLM's: no drafts while more than this many requests run (the controller or table decides below).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -126,6 +128,9 @@ class SpeculativeConfig:
             # every draft token for a model small enough to fit one GPU.
             raise ValueError("speculative_config.draft_tensor_parallel_size must be 1 (drafts run unsharded "
                              f"on rank 0), got {self.draft_tensor_parallel_size!r}.")
+        n = self.disable_by_batch_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 2):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 2, got {n!r}.")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max.")

@@ -29,3 +29,17 @@ class FixedController:
 
     def observe(self, step: SpecStepStats) -> None:
         pass
+
+
+class BatchSizeLimit:
+    """vLLM's `disable_by_batch_size`: no drafts while more than `limit` requests run; at or below it the
+    inner controller (fixed, table or adaptive) chooses. Everything else is the inner controller's."""
+
+    def __init__(self, inner, limit: int) -> None:
+        self.inner, self.limit = inner, limit
+
+    def choose(self, batch_size: int) -> int:
+        return 0 if batch_size > self.limit else self.inner.choose(batch_size)
+
+    def __getattr__(self, name: str):  # observe, prepare, the adaptive controller's state
+        return getattr(self.inner, name)

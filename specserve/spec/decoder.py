@@ -53,6 +53,15 @@ def build_proposer(cfg: SpeculativeConfig, engine_parts) -> Proposer:
 
 
 def build_controller(cfg: SpeculativeConfig):
+    controller = _controller(cfg)
+    if cfg.disable_by_batch_size is not None:
+        from specserve.spec.controller import BatchSizeLimit
+
+        return BatchSizeLimit(controller, cfg.disable_by_batch_size)
+    return controller
+
+
+def _controller(cfg: SpeculativeConfig):
     if cfg.adaptive and not cfg.num_speculative_tokens_per_batch_size:
         try:
             from specserve.spec.adaptive import AdaptiveController

@@ -22,6 +22,9 @@ from tests.helpers.tiny_models import make_tiny_model_dir
     ({"model": "x"}, "method is required"),
     ({"method": "ngram", "bogus": 1}, "unknown keys"),
     ("{not json", "not valid JSON"),
+    ({"method": "ngram", "disable_by_batch_size": 1}, "disable_by_batch_size must be an integer >= 2"),
+    ({"method": "ngram", "disable_by_batch_size": "4"}, "disable_by_batch_size"),
+    ({"method": "ngram", "disable_by_batch_size": True}, "disable_by_batch_size"),
 ], ids=lambda v: str(v)[:40])
 def test_bad_config_fails_before_loading(cfg, match):
     # The model path does not exist: the config error must come first.

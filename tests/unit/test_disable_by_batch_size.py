@@ -1,0 +1,45 @@
+"""speculative_config.disable_by_batch_size (vLLM's): no drafts while more than N requests run; at or
+below N the configured controller chooses; greedy output unchanged either way."""
+from __future__ import annotations
+
+from specserve import LLM, SamplingParams
+from specserve.config import SpeculativeConfig
+from specserve.spec.controller import BatchSizeLimit, FixedController
+from specserve.spec.decoder import build_controller
+
+
+def test_limit_wraps_the_controller() -> None:
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False, disable_by_batch_size=2)
+    ctl = build_controller(cfg)
+    assert isinstance(ctl, BatchSizeLimit) and isinstance(ctl.inner, FixedController)
+    assert [ctl.choose(b) for b in (1, 2, 3, 64)] == [4, 4, 0, 0]
+    assert ctl.k == 4  # the inner controller's state reads through
+    table = SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=3,
+                              num_speculative_tokens_per_batch_size=((1, 1, 4), (2, 8, 2)))
+    assert [build_controller(table).choose(b) for b in (1, 2, 3, 4)] == [4, 2, 2, 0]
+    assert not isinstance(build_controller(SpeculativeConfig(method="ngram")), BatchSizeLimit)
+
+
+def test_no_drafts_above_the_limit(tiny_llama_dir) -> None:
+    """Four requests of different lengths: while more than two run nothing is drafted, then the last
+    two draft; the same greedy tokens as without speculation."""
+    motif = [11, 42, 7, 99, 23]
+    prompts = [{"prompt_token_ids": motif * (2 + r) + [3 + r]} for r in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 10 * r, ignore_eos=True) for r in range(4)]
+    plain = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    drafts = {}
+    for limit in (None, 2):
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "prompt_lookup_min": 1,
+                "prompt_lookup_max": 3}
+        if limit is not None:
+            spec["disable_by_batch_size"] = limit
+        llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20, speculative_config=spec)
+        chosen = []
+        real = llm.engine.spec.controller.choose
+        llm.engine.spec.controller.choose = lambda b, real=real: chosen.append((b, real(b))) or chosen[-1][1]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+        drafts[limit] = llm.engine.stats.get("spec_decode_num_draft_tokens_total")
+        if limit is not None:
+            assert all(k == 0 for b, k in chosen if b > limit) and any(k > 0 for b, k in chosen if b <= limit)
+    assert 0 < drafts[2] < drafts[None]
