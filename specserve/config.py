@@ -114,6 +114,8 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None
     # vLLM's: no drafts while more than this many requests run (the controller or table decides below).
     disable_by_batch_size: int | None = None
+    # vLLM's: no drafts for a request past this length (the draft model's window is cut to it too).
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -131,6 +133,9 @@ class SpeculativeConfig:
         n = self.disable_by_batch_size
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 2):
             raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 2, got {n!r}.")
+        n = self.max_model_len
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 2):
+            raise ValueError(f"speculative_config.max_model_len must be an integer >= 2, got {n!r}.")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max.")

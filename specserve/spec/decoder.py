@@ -81,7 +81,9 @@ class SpecDecoder:
         self.controller = build_controller(cfg)
         self.rejection = RejectionSampler()
         self.stats = stats
-        self.max_model_len = engine_parts.loaded.max_model_len
+        # Drafts stop where a request reaches the context window, or speculative_config.max_model_len.
+        window = engine_parts.loaded.max_model_len
+        self.max_model_len = min(window, cfg.max_model_len or window)
         self.vocab_size = engine_parts.loaded.arch.vocab_size
         self.device = engine_parts.device
         # structured output (issue 8): set by the engine; cuts drafts at grammar-invalid tokens.

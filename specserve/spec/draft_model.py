@@ -194,7 +194,8 @@ def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
     load_format = "dummy" if target.identity.startswith("dummy:") else "auto"
     source = _Source.open(ModelConfig(model=cfg.model, load_format=load_format))
     check_same_vocabulary(target, cfg.model, int(source.hf_config["vocab_size"]), None)
-    max_len = min(target.max_model_len, int(source.hf_config.get("max_position_embeddings", 4096)))
+    max_len = min(target.max_model_len, int(source.hf_config.get("max_position_embeddings", 4096)),
+                  cfg.max_model_len or target.max_model_len)
     dtype_name = str(dtype).removeprefix("torch.")
     loaded = load_model(ModelConfig(model=cfg.model, dtype=dtype_name, max_model_len=max_len, load_format=load_format),
                         parts.device, dtype, _ops_for(parts.device), progress=False)

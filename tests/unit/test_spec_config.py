@@ -25,6 +25,8 @@ from tests.helpers.tiny_models import make_tiny_model_dir
     ({"method": "ngram", "disable_by_batch_size": 1}, "disable_by_batch_size must be an integer >= 2"),
     ({"method": "ngram", "disable_by_batch_size": "4"}, "disable_by_batch_size"),
     ({"method": "ngram", "disable_by_batch_size": True}, "disable_by_batch_size"),
+    ({"method": "ngram", "max_model_len": 0}, "max_model_len must be an integer >= 2"),
+    ({"method": "ngram", "max_model_len": 2048.0}, "max_model_len"),
 ], ids=lambda v: str(v)[:40])
 def test_bad_config_fails_before_loading(cfg, match):
     # The model path does not exist: the config error must come first.

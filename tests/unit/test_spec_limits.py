@@ -1,5 +1,6 @@
-"""speculative_config.disable_by_batch_size (vLLM's): no drafts while more than N requests run; at or
-below N the configured controller chooses; greedy output unchanged either way."""
+"""vLLM's speculative_config limits: disable_by_batch_size (no drafts while more than N requests run; at
+or below N the configured controller chooses) and max_model_len (no drafts for a request past that
+length); greedy output unchanged either way."""
 from __future__ import annotations
 
 from specserve import LLM, SamplingParams
@@ -43,3 +44,24 @@ def test_no_drafts_above_the_limit(tiny_llama_dir) -> None:
         if limit is not None:
             assert all(k == 0 for b, k in chosen if b > limit) and any(k > 0 for b, k in chosen if b <= limit)
     assert 0 < drafts[2] < drafts[None]
+
+
+def test_no_drafts_past_the_speculative_max_model_len(tiny_llama_dir) -> None:
+    """A draft model with max_model_len 40: a 20-token prompt drafts until its request nears 40 tokens,
+    then decodes plainly to 60; the same tokens as without speculation, fewer drafts than unlimited."""
+    prompt = {"prompt_token_ids": [5 + (7 * i) % 300 for i in range(20)]}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    want = plain.generate(prompt, params)[0].outputs[0].token_ids
+    drafts = {}
+    for limit in (None, 40):
+        spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3, "adaptive": False}
+        if limit is not None:
+            spec["max_model_len"] = limit
+        llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20, speculative_config=spec)
+        assert llm.generate(prompt, params)[0].outputs[0].token_ids == want
+        drafts[limit] = llm.engine.stats.get("spec_decode_num_draft_tokens_total")
+        if limit is not None:
+            assert llm.engine.spec.proposer.max_len == limit  # the draft's own window
+    # Drafting covers ~20 of the 40 new tokens with the limit, all of them without.
+    assert 0 < drafts[40] < drafts[None]
