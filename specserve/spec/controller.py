@@ -42,4 +42,6 @@ class BatchSizeLimit:
         return 0 if batch_size > self.limit else self.inner.choose(batch_size)
 
     def __getattr__(self, name: str):  # observe, prepare, the adaptive controller's state
+        if name == "inner":  # not set yet (a copy being built): no recursion through this method
+            raise AttributeError(name)
         return getattr(self.inner, name)
