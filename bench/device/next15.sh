@@ -2,7 +2,7 @@
 # Twelfth session, first call (~3 min, random weights, no uploads; carry .whl):
 #   tests.txt: GPU tests of this session's unmeasured code: prefill-graph pieces for short prompts
 #     (tests/gpu/test_async_engine.py test_short_prompts_prefill_in_graph_pieces), the EAGLE start-up
-#     compile test, the graphed EAGLE paths;
+#     compile test, the graphed EAGLE paths, the draft chain graph (tests/gpu/test_draft_chain_gpu.py);
 #   ttft.txt: bench/ttft_short.py, TTFT of one prompt of 32-400 tokens with pieces on / off (1.5B shape);
 #   train_profile.txt: where a head-training step's ~0.31 s of GPU time goes (bench/train_profile.py);
 #   chain*/: the draft model's chained steps as one CUDA graph (SPECSERVE_DRAFT_CHAIN_GRAPH, off by
@@ -22,8 +22,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/env.sh
 OUT=${OUT:-/tmp/out}
-timeout 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_async_engine.py tests/gpu/test_warmup_gpu.py \
-  tests/gpu/test_eagle_graph_gpu.py > "$OUT/tests.txt" 2>&1
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_async_engine.py tests/gpu/test_warmup_gpu.py \
+  tests/gpu/test_eagle_graph_gpu.py tests/gpu/test_draft_chain_gpu.py > "$OUT/tests.txt" 2>&1
 tail -n 4 "$OUT/tests.txt"
 timeout 120 python3 bench/ttft_short.py --out "$OUT/ttft.json" > "$OUT/ttft.txt" 2>&1
 grep -v Warn "$OUT/ttft.txt" | tail -n 7
