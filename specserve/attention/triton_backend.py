@@ -19,7 +19,8 @@ import torch
 from specserve import envs
 
 from specserve.attention.base import AttentionMetadata
-from specserve.attention.triton_paged import paged_attention, reshape_and_cache
+from specserve.attention.triton_kv_write import reshape_and_cache
+from specserve.attention.triton_paged import paged_attention
 from specserve.attention.triton_rope_cache import rope_and_cache
 from specserve.kv.spec import KVFormat, LayerKVCache
 

@@ -1,4 +1,4 @@
-"""Triton kernels over the paged KV cache: the KV write (reshape_and_cache) and paged attention.
+"""Triton paged attention over the paged KV cache (the KV write: triton_kv_write.py).
 
 The torch twin and test oracle is `attention/torch_ref.py`. Imported only when the Triton
 backend is selected on CUDA (or under TRITON_INTERPRET=1 for debugging on the CPU).
@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.attention.triton_kv_write import _check_cache
 from specserve.model.layers.pdl import pdl_prologue, use_pdl
 
 LOG2E = 1.4426950408889634
@@ -56,32 +57,6 @@ MIN_SPLIT_COUNTERS = 1 << 16  # first allocation of the per-device counter buffe
 # warps, BLOCK_M 16, d 128: 64 adds no register over the main loop's 168; 128 spills).
 M_REDUCE_REGS = 16
 ACC_REDUCE_REGS = 64
-
-
-@triton.jit
-def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-    stride_c_block, stride_c_slot, stride_c_head,
-    num_kv_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)  # batch metadata: safe before the PDL wait
-    pdl_prologue(USE_PDL)  # k, v only after it; every program waits before it may return
-    if slot < 0:  # a padding token (CUDA-graph batches): nothing to store
-        return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    mask = (h[:, None] < num_kv_heads) & (d[None, :] < HEAD_DIM)
-    k = tl.load(key_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :], mask=mask)
-    v = tl.load(value_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :], mask=mask)
-    dst = block * stride_c_block + offset * stride_c_slot + h[:, None] * stride_c_head + d[None, :]
-    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -270,41 +245,6 @@ def _reduce_splits_kernel(
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
-
-
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of the paged cache.
-
-    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] (same strides).
-    slot_mapping: [num_tokens] int; a negative slot marks a padding token and is skipped.
-    """
-    num_tokens, num_kv_heads, head_dim = key.shape
-    _check_cache(key_cache, value_cache, num_kv_heads, head_dim)
-    if key.stride(-1) != 1 or value.stride(-1) != 1:
-        raise ValueError("key and value need a contiguous last (head_dim) dimension")
-    if num_tokens == 0:
-        return
-    block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
-    pdl = use_pdl(key)
-    _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=key_cache.shape[1],
-        num_warps=4 if block_h * block_d >= 2048 else 1, USE_PDL=pdl, launch_pdl=pdl,
-    )
-
-
-def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
-    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
-        raise ValueError("key_cache and value_cache must have the same shape and strides")
-    if key_cache.shape[2] != num_kv_heads or key_cache.shape[3] != head_dim:
-        raise ValueError(f"cache is [blocks, block_size, {key_cache.shape[2]}, {key_cache.shape[3]}], "
-                         f"expected {num_kv_heads} kv heads of head_dim {head_dim} (unquantized layout)")
-    if key_cache.stride(3) != 1:
-        raise ValueError("cache head_dim must be contiguous")
 
 
 def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype,

@@ -2,7 +2,7 @@
 
 A decode step otherwise runs two tiny kernels per layer back to back: rotate q and k in place
 (model/layers/triton_ops.apply_rope), then copy k and v into their cache slots
-(triton_paged.reshape_and_cache). Each costs ~1.5-2 us on the H200, mostly launch and tail, not
+(triton_kv_write.reshape_and_cache). Each costs ~1.5-2 us on the H200, mostly launch and tail, not
 bytes; one program per token now rotates q in place, rotates k (in place too, so the result is
 exactly what the two-kernel path leaves behind) and stores k and v at the token's slot.
 """
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.attention.triton_paged import _check_cache
+from specserve.attention.triton_kv_write import _check_cache
 from specserve.model.layers.pdl import pdl_prologue, use_pdl
 from specserve.model.layers.triton_ops import _rope_cos_sin
 

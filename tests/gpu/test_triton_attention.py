@@ -99,7 +99,7 @@ def run_kernels(batch: Batch, num_splits: int | None = None, fused_reduce: bool 
 
 
 def write_cache(batch: Batch) -> None:
-    from specserve.attention.triton_paged import reshape_and_cache
+    from specserve.attention.triton_kv_write import reshape_and_cache
 
     reshape_and_cache(batch.k, batch.v, batch.cache.key, batch.cache.value, batch.meta.slot_mapping)
 
@@ -118,7 +118,7 @@ def attend(batch: Batch, num_splits: int | None = None, fused_reduce: bool = Tru
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_reshape_and_cache(dtype: torch.dtype, block_size: int, device: torch.device) -> None:
-    from specserve.attention.triton_paged import reshape_and_cache
+    from specserve.attention.triton_kv_write import reshape_and_cache
 
     batch = make_batch([(5, 7), (0, 30), (40, 1)], 8, 4, 64, block_size, dtype, device, seed=1, pad_tokens=3)
     _, ref_cache = reference(batch)
@@ -132,7 +132,7 @@ def test_rope_and_cache_equals_two_kernels(dtype: torch.dtype, num_heads: int, n
                                            device: torch.device) -> None:
     """The fused RoPE + KV write leaves q, k and the cache bitwise as apply_rope then
     reshape_and_cache do (padding tokens: rotated, not stored)."""
-    from specserve.attention.triton_paged import reshape_and_cache
+    from specserve.attention.triton_kv_write import reshape_and_cache
     from specserve.attention.triton_rope_cache import rope_and_cache
     from specserve.model.layers.triton_ops import apply_rope
 
