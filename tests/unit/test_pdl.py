@@ -63,7 +63,7 @@ PRE_WAIT_KERNELS = {
         ({"cu_query_lens_ptr", "seq_lens_ptr", "block_tables_ptr"}, {"q_ptr", "key_cache_ptr", "part_m_ptr"}),
     ("specserve.attention.triton_paged", "_reduce_splits_kernel"):
         ({"cu_query_lens_ptr"}, {"part_m_ptr", "part_acc_ptr", "out_ptr"}),
-    ("specserve.attention.triton_paged", "_reshape_and_cache_kernel"):
+    ("specserve.attention.triton_kv_write", "_reshape_and_cache_kernel"):
         ({"slot_mapping_ptr"}, {"key_ptr", "value_ptr", "key_cache_ptr"}),
 }
 
