@@ -98,13 +98,12 @@ class DraftChainGraphs:
         base, limit = self.base[:bs], self.steps[:bs]
         tokens = self.first[:bs]
         for s in range(steps):
-            active = limit > s
             # A row past its steps stays at its last position (inside its blocks) and stores nothing.
-            pos = base + torch.minimum(torch.full_like(limit, s), (limit - 1).clamp_(min=0))
+            pos = base + (limit - 1).clamp(min=0, max=s)
             block = torch.div(pos, blk, rounding_mode="floor").clamp_(max=self.max_blocks - 1)
             slot = self.tables[:bs].gather(1, block.unsqueeze(1)).squeeze(1) * blk + pos % blk
             self.positions[:bs].copy_(pos)
-            self.slots[:bs].copy_(torch.where(active, slot, torch.full_like(slot, -1)))
+            self.slots[:bs].copy_(slot.masked_fill_(limit <= s, -1))
             self.seq_lens[:bs].copy_(pos + 1)
             with forward_context(ForwardContext(meta, runner.kv_caches, runner.fmt, runner.backend)):
                 out = runner.model(tokens, self.positions[:bs])

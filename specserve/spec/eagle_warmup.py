@@ -8,6 +8,8 @@ variant the first time it runs. On the H200 the first HumanEval prompt of the fi
 process ran at 215 tok/s, and the first batch of four at 554, against ~1,000 and ~2,100 for the
 following ones (bench/train_and_measure_gpu.py, 2026-11-30, in two sessions); only the first engine
 paid, as a compile that Triton's disk cache then serves would. These forwards move that to start-up.
+Variants that sizes alone do not reach are made one instead: the attention kernels do not specialize
+the block table's width (triton_paged.py), and head uploads are 16-byte aligned (eagle_graph.py).
 """
 from __future__ import annotations
 
