@@ -46,6 +46,8 @@ from specserve.model.layers.pdl import use_pdl
 SHAPES = {
     "qwen1.5b-qkv": (2048, 1536), "qwen1.5b-o": (1536, 1536), "qwen1.5b-gate_up": (17920, 1536),
     "qwen1.5b-down": (1536, 8960), "qwen1.5b-lm_head": (151936, 1536),
+    "qwen0.5b-qkv": (1152, 896), "qwen0.5b-o": (896, 896), "qwen0.5b-gate_up": (9728, 896),
+    "qwen0.5b-down": (896, 4864), "qwen0.5b-lm_head": (151936, 896),
     "llama8b-qkv": (6144, 4096), "llama8b-o": (4096, 4096), "llama8b-gate_up": (28672, 4096),
     "llama8b-down": (4096, 14336), "llama8b-lm_head": (128256, 4096),
 }

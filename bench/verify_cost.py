@@ -4,7 +4,7 @@ A speculative step at batch 1 is a target forward over k+1 positions plus the pr
 step pays only if that forward costs little more than a 1-position decode. This replays the
 engine's own captured CUDA graphs (the target's, for query lengths 1..k+1, and the draft model's
 q = 1 / 2 graphs) with a realistic context length and times them with CUDA events, then lists the
-kernels whose time grows from q = 1 to q = 4 (torch profiler, per replay).
+kernels per query length, q = 1, 2, 4, 5 and k+1 (torch profiler, per replay).
 
     python bench/verify_cost.py --target qwen2.5-1.5b --draft qwen2.5-0.5b --k 8 --context 400
 """
@@ -91,14 +91,17 @@ def main() -> None:
                 base = base or ms
                 res[name][f"{bs}x{q}"] = ms
                 print(f"{name:7} {bs:3d} {q:3d} {ms:7.3f} {ms / base:6.2f}", flush=True)
-    for q in (1, 4, 5):
-        if (1, q) in target.graphs:
-            res["kernels"][f"q{q}"] = kernel_times(target, (1, q), args.context)
-    if "q1" in res["kernels"] and "q4" in res["kernels"]:
-        k1, k4 = res["kernels"]["q1"], res["kernels"]["q4"]
-        print(f"\n{'kernel (target, bs 1)':60} {'us q=1':>8} {'us q=4':>8}")
-        for name in sorted(set(k1) | set(k4), key=lambda n: -k4.get(n, 0))[:25]:
-            print(f"{name:60} {k1.get(name, 0):8.1f} {k4.get(name, 0):8.1f}")
+    qs = [q for q in (1, 2, 4, 5, args.k + 1) if (1, q) in target.graphs]
+    for q in dict.fromkeys(qs):
+        res["kernels"][f"q{q}"] = kernel_times(target, (1, q), args.context)
+    if len(res["kernels"]) > 1:
+        cols = list(res["kernels"])
+        last = res["kernels"][cols[-1]]
+        names = set().union(*res["kernels"].values())
+        print(f"\n{'kernel (target, bs 1), us per replay':60} " + " ".join(f"{c:>8}" for c in cols))
+        for name in sorted(names, key=lambda n: -last.get(n, 0))[:30]:
+            print(f"{name:60} " + " ".join(f"{res['kernels'][c].get(name, 0):8.1f}" for c in cols))
+        print(f"{'total':60} " + " ".join(f"{sum(res['kernels'][c].values()):8.1f}" for c in cols))
     with open(os.path.join(args.out, "verify_cost.json"), "w") as f:
         json.dump({"args": vars(args), **res}, f, indent=1)
 
