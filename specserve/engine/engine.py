@@ -63,11 +63,10 @@ class Engine(AsyncStepMixin):
             self.spec.structured = self.structured
         self.async_scheduling = _use_async_scheduling(config, self.device)
         # Short prompts in graph-sized pieces (scheduler/scheduler.py) where prefill graphs were
-        # captured. Not with an EAGLE head: it drafts from the target features of the step that ends
-        # the prompt, and would miss the earlier pieces' rows.
+        # captured. An EAGLE head takes each piece's target features as it runs (SpecDecoder.absorb).
         graphs = getattr(self.runner, "graphs", None)
         lens = getattr(graphs, "prefill_query_lens", ()) if graphs is not None else ()
-        if lens and envs.prefill_pieces() and (self.spec is None or not self.spec.proposer.needs_target_hidden):
+        if lens and envs.prefill_pieces():
             self.scheduler.prefill_piece = max(lens)
 
     # -- requests ----------------------------------------------------------------------------
@@ -192,6 +191,7 @@ class Engine(AsyncStepMixin):
             outputs.extend(self._update(sched, new_tokens, accepted))
             if self.spec is not None:
                 self.spec.observe_step(sched, time.perf_counter() - start)
+                self.spec.absorb(sched, [t is not None for t in new_tokens], step_out)
                 self._propose(sched, new_tokens, step_out)
         self._record_step_stats(sched)
         return outputs

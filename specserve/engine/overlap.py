@@ -119,6 +119,8 @@ class AsyncStepMixin:
                 self.scheduler.update_computed(s, 0)
                 if smp:
                     s.request.add_pending_token()
+            if spec is not None:  # mid-prefill rows to an EAGLE head (their inputs are all known now)
+                spec.absorb(sched, samples, step_out)
             launched = (sched, samples, step_out)
         if prev is not None:
             outputs.extend(self._resolve(prev)[0])

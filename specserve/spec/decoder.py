@@ -182,6 +182,16 @@ class SpecDecoder:
         self._proposal = ProposalStats.measure(k, [c[1] for c in chosen], [len(c[0].spec_token_ids) for c in chosen],
                                                time.perf_counter() - start)
 
+    def absorb(self, sched: SchedulerOutput, samples: list[bool], step: StepOutput) -> None:
+        """After a forward: the scheduled requests that did not sample (mid-prefill) hand their rows to a
+        proposer that keeps target features (EAGLE heads' `absorb`), so a prompt fed in pieces or
+        chunks is whole in its context. samples: per scheduled entry, whether it sampled."""
+        absorb = getattr(self.proposer, "absorb", None)
+        chosen = [(s.request, i) for i, (s, smp) in enumerate(zip(sched.scheduled, samples))
+                  if not smp and not s.request.is_finished]
+        if absorb is not None and chosen:
+            absorb(ProposeInput([c[0] for c in chosen], [1] * len(chosen), step, [c[1] for c in chosen]))
+
     def skip_proposal(self, num_reqs: int) -> None:
         """The controller chose k = 0 for the next step, which runs without proposing (asynchronous
         scheduling): recorded as a proposal of nothing, as propose() would with k = 0."""

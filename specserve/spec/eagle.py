@@ -14,8 +14,9 @@ attention backend), not a dense per-request tensor: requests of different length
 one varlen forward with no padding, the GPU path reuses the Triton paged kernels, and blocks come
 and go with requests like the target's. A request's head sequence is compact: only real rows the
 head has seen, at their true RoPE positions. Positions whose features it never saw (a prefix-cache
-hit, a prefill chunk that did not sample, so the proposer was not called) are simply absent from its
-context: drafts get a little worse, verification keeps the output exact. Draft rows sit after the
+hit) are simply absent from its context: drafts get a little worse, verification keeps the output
+exact. A prefill chunk that does not sample (a graph-sized piece of a short prompt, a chunk of a long
+one) is absorbed: its rows enter the head's KV in that step (`absorb`), without drafts. Draft rows sit after the
 real rows and are overwritten by the next propose, because their KV came from the head's own
 hidden states, never from the target's.
 
@@ -255,6 +256,28 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery):
         else:
             result = self._draft_autoregressive(plan, embeds, hidden, pos, meta, pick_dev, tables)
         self._hand_over(plan.reqs, result)
+
+    @torch.inference_mode()
+    def absorb(self, inp: ProposeInput) -> None:
+        """A prefill chunk that did not sample (a graph-sized piece, or a chunk of a long prompt): its
+        rows enter the head's KV now, with no drafts, so the head's context holds the whole prompt when
+        the chunk that ends it drafts. Without it those positions are absent from the head's context."""
+        plan = self._plan(inp)  # inp.num_draft_tokens are 1: no draft rows reserved
+        if not plan.reqs:
+            return
+        tables = [self.kv.block_ids(s.request_id) for s in plan.seqs]
+        arrays = attention_arrays([s.num_computed_tokens for s in plan.seqs], plan.num_real, tables,
+                                  self.kv.block_size)
+        host = [np.asarray(v, dtype=np.int64) for v in (plan.feature_rows, plan.next_tokens, plan.positions)]
+        dev = self.upload.send(host + arrays)
+        rows, next_tokens, pos = dev[:3]
+        step = inp.step
+        parts = step.aux_hidden if self.aux_hidden_layers else [step.all_hidden]  # each [num_tokens, hidden]
+        hidden = self.head.fuse_target(torch.cat([p.index_select(0, rows) for p in parts], dim=-1))
+        self._head(self.target.embed_tokens(next_tokens), hidden, pos,
+                   attention_metadata(arrays, dev[3:], plan.num_real))  # writes the rows' K/V
+        for seq, m in zip(plan.seqs, plan.num_real):
+            seq.num_computed_tokens += m
 
     def _hand_over(self, reqs: list[Request], result: DraftTokens | FlatDrafts | tuple[list[list[int]], list]
                    ) -> None:
