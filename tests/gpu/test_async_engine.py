@@ -206,8 +206,8 @@ def test_draft_catch_ups_replay_prefill_graphs(tiny_llama_dir, device: torch.dev
 
 def test_short_prompts_prefill_in_graph_pieces(tiny_llama_dir, tmp_path, device: torch.device, monkeypatch) -> None:
     """A 172-token prompt alone is fed in 64-token pieces, each a prefill-graph replay (no eager
-    forward), with the CPU path's tokens; an EAGLE engine keeps whole prompts (its head drafts from
-    the last step's features)."""
+    forward), with the CPU path's tokens; an EAGLE engine too (its head absorbs each piece's features),
+    with the same tokens."""
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a GPU")
     from specserve.runner.cuda_graph import CudaGraphRunner
@@ -235,7 +235,10 @@ def test_short_prompts_prefill_in_graph_pieces(tiny_llama_dir, tmp_path, device:
     eagle = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
                 kv_cache_memory_bytes=8 << 20, speculative_config={"method": "eagle3", "model": str(head),
                                                                      "num_speculative_tokens": 2})
-    assert eagle.engine.scheduler.prefill_piece is None
+    assert eagle.engine.scheduler.prefill_piece == 64
+    runs.clear()
+    assert eagle.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == got
+    assert [n for n, _ in runs[:3]] == [64, 64, 44] and all(replayed for _, replayed in runs[:3]), runs
     monkeypatch.setenv("SPECSERVE_PREFILL_PIECES", "0")  # the A/B switch: whole prompts again
     off = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
               kv_cache_memory_bytes=8 << 20)
