@@ -112,7 +112,8 @@ def _device_type(args) -> str:
 # Config tags of an A/B in one process (`--runs eagle3:4:defer0`): the engine is built with the
 # variable set (each is read when an engine is built; see specserve/envs.py).
 VARIANT_TAGS = {"#defer0": ("SPECSERVE_DEFER_DRAFTS", "0"), "#defer1": ("SPECSERVE_DEFER_DRAFTS", "1"),
-                "#chain1": ("SPECSERVE_DRAFT_CHAIN_GRAPH", "1"), "#pieces0": ("SPECSERVE_PREFILL_PIECES", "0")}
+                "#chain1": ("SPECSERVE_DRAFT_CHAIN_GRAPH", "1"), "#pieces0": ("SPECSERVE_PREFILL_PIECES", "0"),
+                "#skinny0": ("SPECSERVE_SKINNY", "0")}
 
 
 # -- running configurations -------------------------------------------------------------------
@@ -131,7 +132,7 @@ class Runner:
             start = time.monotonic()
             a = self.args
             name, value = VARIANT_TAGS.get(c.tag, ("", None))
-            with env_set(name, value):  # read when the engine is built
+            with env_set(name, value):  # read when the engine is built (and its graphs captured)
                 llm = LLM(model=a.target, progress=False, speculative_config=spec_config(c.method, c.k, a),
                           max_model_len=a.max_model_len, max_num_seqs=c.batch, device=a.device,
                           kv_cache_memory_bytes=default_kv_bytes(a), load_format=a.load_format)
@@ -157,7 +158,8 @@ class Runner:
         before = [st.get(n) for n in names]
         _sync()
         start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
+        with env_set(*VARIANT_TAGS.get(c.tag, ("", None))):  # and while it runs (eager forwards read some)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
         _sync()
         wall = time.perf_counter() - start
         drafts, accepted, drafted = (st.get(n) - b for n, b in zip(names, before))
