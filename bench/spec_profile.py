@@ -241,7 +241,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def measure(llm: LLM, steps: int, cprofile: bool = False, temperature: float = 0.0) -> dict:
+def measure(llm: LLM, steps: int, cprofile: bool = False, temperature: float = 0.0, kernels: int = 0) -> dict:
     eng = llm.engine
     _start(llm, 4 * steps + 64, temperature)
     for _ in range(steps // 2):  # warm up
@@ -261,8 +261,14 @@ def measure(llm: LLM, steps: int, cprofile: bool = False, temperature: float = 0
             for _ in range(steps):
                 eng.step()
             _sync()
-        busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / steps  # us -> s
+        averages = prof.key_averages()
+        busy = sum(e.self_device_time_total for e in averages) / 1e6 / steps  # us -> s
+        top = sorted((e for e in averages if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+        # Per step: us of device time and launches, by kernel (with PDL, overlapping kernels both count).
+        kernel_rows = [(e.key[:70], e.self_device_time_total / steps, e.count / steps) for e in top[:kernels]]
     res = {"wall_ms": wall * 1e3, "tokens_per_step": tokens, "gpu_busy_ms": busy * 1e3}
+    if kernels and eng.device.type == "cuda":
+        res["kernels"] = kernel_rows
     verify: list[float] = []
     propose: list[float] = []
     undo = [_wrap_call(eng.runner, "execute", _timer(verify))]
@@ -320,6 +326,7 @@ def main() -> None:
                     "(Engine._sample: metadata, rejection or plain sampler, read-back)")
     ap.add_argument("--eagle-step-graphs", default=None, choices=("auto", "static", "eager"),
                     help="EagleProposer.step_graphs for the head configs (default: the class default)")
+    ap.add_argument("--kernels", type=int, default=0, help="CUDA: list each config's N costliest kernels per step")
     ap.add_argument("--emulate-replay", action="store_true",
                     help="CPU, with --eagle-step-graphs static: static head forwards return cached outputs")
     args = ap.parse_args()
@@ -352,11 +359,13 @@ def main() -> None:
             continue
         llm = _engine(args, spec)
         prof = name in args.cprofile.split(",")
-        results[name] = measure(llm, args.steps, prof and not args.ops, args.temperature)
+        results[name] = measure(llm, args.steps, prof and not args.ops, args.temperature, args.kernels)
         if args.ops:
             results[name] |= measure_host(llm, args.steps, prof, args.temperature)
         print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v
-                                for k, v in results[name].items()}), flush=True)
+                                for k, v in results[name].items() if k != "kernels"}), flush=True)
+        for kname, us, count in results[name].get("kernels", []):
+            print(f"    {kname:70} {us:8.1f} us {count:6.1f} launches per step")
         del llm
         gc.collect()
         if torch.cuda.is_available():
