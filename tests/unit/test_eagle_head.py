@@ -12,7 +12,7 @@ from specserve import LLM, SamplingParams
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.model.arch import ModelArch, rope_cos_sin_cache
-from specserve.spec.eagle import head_attention_metadata
+from specserve.spec.eagle_setup import head_attention_metadata
 from specserve.spec.eagle_head import (EagleHead, default_aux_layers, head_config_for, make_random_head_dir,
                                        read_head_config, save_head)
 from specserve.spec.train import _block_mask, head_block_outputs, train_main
