@@ -326,6 +326,8 @@ def main() -> None:
                     "(Engine._sample: metadata, rejection or plain sampler, read-back)")
     ap.add_argument("--eagle-step-graphs", default=None, choices=("auto", "static", "eager"),
                     help="EagleProposer.step_graphs for the head configs (default: the class default)")
+    ap.add_argument("--draft-vocab", type=int, default=32768,
+                    help="the random heads' draft vocabulary (train-draft's default; 0 = the target's whole one)")
     ap.add_argument("--kernels", type=int, default=0, help="CUDA: list each config's N costliest kernels per step")
     ap.add_argument("--emulate-replay", action="store_true",
                     help="CPU, with --eagle-step-graphs static: static head forwards return cached outputs")
@@ -344,9 +346,17 @@ def main() -> None:
     if "tiny" in (args.target, args.draft):
         _tiny(tmp, args)
     fmt = args.load_format
-    heads = {"eagle3": make_random_head_dir(args.target, f"{tmp}/e3", "eagle3", load_format=fmt),
-             "p-eagle": make_random_head_dir(args.target, f"{tmp}/pe", "eagle3", num_mask_slots=args.k - 1,
-                                            load_format=fmt)}
+    # A reduced draft vocabulary as train-draft gives the real heads (its first N ids: only the width
+    # matters for timing); 0 = the full vocabulary.
+    d2t = list(range(args.draft_vocab)) if args.draft_vocab else None
+
+    def head(out: str, **kw):
+        try:
+            return make_random_head_dir(args.target, out, "eagle3", load_format=fmt, d2t=d2t, **kw)
+        except ValueError:  # a target with a smaller vocabulary (`tiny`): its whole one
+            return make_random_head_dir(args.target, out, "eagle3", load_format=fmt, **kw)
+
+    heads = {"eagle3": head(f"{tmp}/e3"), "p-eagle": head(f"{tmp}/pe", num_mask_slots=args.k - 1)}
     base = {"num_speculative_tokens": args.k, "adaptive": False}
     configs = {"none": None,
                "ngram": {**base, "method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},

@@ -3,8 +3,9 @@
 #   tests.txt: EAGLE engines prefilling in pieces (tests/gpu/test_async_engine.py: the 172-token prompt's pieces
 #     replay graphs with the plain tokens; tests/gpu/test_warmup_gpu.py: an EAGLE-3 engine's first requests,
 #     pieces and absorb forwards included, compile nothing after start-up), the graphed EAGLE paths;
-#   spec_kernels.txt: where an EAGLE-3 k = 4 step's ~2.7 ms of GPU time goes (bench/spec_profile.py --kernels),
-#     and the draft model's at k = 12, with the skinny table (d8b80b5);
+#   spec_kernels.txt: where an EAGLE-3 k = 4 step's ~2.7 ms of GPU time goes (bench/spec_profile.py --kernels; its
+#     random heads now have train-draft's 32,768-token draft vocabulary, then once the whole one as before), and
+#     the draft model's at k = 12, with the skinny table (d8b80b5);
 #   verify.txt: the verify graphs' kernels with the skinny table (bench/verify_cost.py).
 # Then, in one lease, the 29 uploads (bench/device/next12.sh's header; carry only the part) and:
 #   bash bench/train_and_measure_gpu.sh --phase train --total-s 575 --num-prompts 8192 --gen-s 150 \
@@ -23,6 +24,8 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_async_engine
 tail -n 4 "$OUT/tests.txt"
 timeout 120 python3 bench/spec_profile.py --k 4 --steps 60 --configs none,eagle3 --kernels 25 --out "$OUT" \
   > "$OUT/spec_kernels.txt" 2>&1
+timeout 100 python3 bench/spec_profile.py --k 4 --steps 60 --configs eagle3 --draft-vocab 0 --out "$OUT" \
+  >> "$OUT/spec_kernels.txt" 2>&1  # the twelfth session's random heads had the whole vocabulary
 timeout 100 python3 bench/spec_profile.py --k 12 --steps 40 --configs draft_model --kernels 20 --out "$OUT" \
   >> "$OUT/spec_kernels.txt" 2>&1
 grep -v -i warn "$OUT/spec_kernels.txt" | tail -n 60
