@@ -96,6 +96,14 @@ def attn_fused_reduce() -> bool:
     return _switch("SPECSERVE_ATTN_FUSED_REDUCE") is True
 
 
+def attn_split_by_length() -> bool:
+    """SPECSERVE_ATTN_SPLIT_BY_LENGTH=0: split-KV attention spreads every sequence over all of a launch's
+    splits, as before (A/B runs). Default on: each q block uses only the splits its own keys warrant
+    (attention/triton_paged.py), which matters in CUDA graphs, whose split count is sized for
+    max_model_len."""
+    return _switch("SPECSERVE_ATTN_SPLIT_BY_LENGTH") is not False
+
+
 def qkv_rope_fused() -> bool:
     """SPECSERVE_QKV_ROPE_FUSED=1: a decoder layer's input norm + qkv GEMV also applies RoPE and writes
     K/V into the paged cache (model/layers/triton_qkv_rope.py), one launch fewer per layer at decode

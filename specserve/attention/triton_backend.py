@@ -42,6 +42,7 @@ class TritonBackend:
             raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}.")
         self.num_splits = num_splits
         self.fused_reduce = envs.attn_fused_reduce() if fused_reduce is None else fused_reduce
+        self.split_by_length = envs.attn_split_by_length()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                 fmt: KVFormat, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -81,4 +82,5 @@ class TritonBackend:
     def _attend(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention(q, cache.key, cache.value, meta.cu_query_lens, meta.seq_lens,
                                meta.block_tables, meta.max_query_len, meta.max_seq_len, scale,
-                               num_splits=self.num_splits, fused_reduce=self.fused_reduce)
+                               num_splits=self.num_splits, fused_reduce=self.fused_reduce,
+                               split_by_length=self.split_by_length)

@@ -15,6 +15,9 @@ per-sequence launch is needed: the launch is CUDA-graph capturable.
 Split-KV (flash-decoding): when the batch alone gives too few programs to fill the SMs (decode at
 batch 1 over a long context), each program also takes one of `num_splits` contiguous ranges of its
 sequence's KV tiles and writes an unnormalized partial (acc, running max m, denominator l) in fp32.
+num_splits is a host upper bound (a CUDA graph's is sized for max_model_len); with `split_by_length`
+a q block spreads its keys over only as many splits as its own length warrants (MIN_KEYS_PER_SPLIT
+keys or more each), so a 400-token context in a graph captured for 32k runs 1 split, not 128.
 Softmax statistics are fp32 throughout, in base 2.
 
 The splits are combined by `_reduce_splits_kernel`, a second launch (~1.6 us per layer on the H200,
@@ -28,7 +31,7 @@ acquire: the program that sees num_splits - 1 sees every other split's partials)
 program reads all splits' partials back with L2 (`.cg`) loads, combines them as
 `_reduce_splits_kernel` does, writes the output and stores 0 to the counter, so every launch (and
 every CUDA-graph replay) starts and ends with all counters at 0. Split programs with no KV tile
-still store (m=-inf, l=0) and count; spare q blocks return before touching their counter (all of
+still store (m=-inf, l=0) and count, but not their acc, which both reduces read only where m > -inf; spare q blocks return before touching their counter (all of
 a block's splits are spare together). The counters are one persistent zeroed buffer per device
 (`_split_counters`), allocated outside CUDA-graph capture and never freed: it is shared by every
 launch on that device, which is safe because launches that use it are ordered on one stream (each
@@ -95,9 +98,11 @@ def _combine_splits(part_acc_ptr, part_m_ptr, part_l_ptr, ml_base, row_ok, offs_
     for s0 in range(0, num_splits, ACC_CHUNK):
         ml = ml_base[:, None] + s0 + c[None, :]
         ok = row_ok[:, None] & (s0 + c[None, :] < num_splits)
-        w = tl.exp2(tl.load(part_m_ptr + ml, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_max[:, None])
+        m = tl.load(part_m_ptr + ml, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(m - m_max[:, None])
         denom += tl.sum(w * tl.load(part_l_ptr + ml, mask=ok, other=0.0, cache_modifier=".cg"), 1)
-        pa = tl.load(part_acc_ptr + ml[:, :, None] * HEAD_DIM_PAD + offs_d[None, None, :], mask=ok[:, :, None],
+        has = ok & (m > float("-inf"))  # an empty split's acc is never written (nor read)
+        pa = tl.load(part_acc_ptr + ml[:, :, None] * HEAD_DIM_PAD + offs_d[None, None, :], mask=has[:, :, None],
                      other=0.0, cache_modifier=".cg")
         acc += tl.sum(pa * w[:, :, None], 1)
     return acc, denom
@@ -118,6 +123,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
     FUSED_REDUCE: tl.constexpr = False, M_CHUNK: tl.constexpr = 1, ACC_CHUNK: tl.constexpr = 1,
+    SPLIT_MIN_KEYS: tl.constexpr = 0,
 ):
     # Before the PDL wait: only batch metadata (no kernel of the forward writes it; model/layers/
     # pdl.py): the sequence search, its query range and length, and the block ids of this program's
@@ -140,7 +146,10 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     if SPLIT:
-        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        used = num_splits
+        if SPLIT_MIN_KEYS > 0:  # the host's rule (choose_num_splits) on this q block's own length
+            used = tl.minimum(tl.maximum(kv_end // SPLIT_MIN_KEYS, 1), num_splits)
+        tiles_per_split = tl.cdiv(num_tiles, used)
         tile_lo = split * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     else:
@@ -202,7 +211,9 @@ def _paged_attention_kernel(
         ml = ml_base + split
         tl.store(part_m_ptr + ml, m_i, mask=row_ok)
         tl.store(part_l_ptr + ml, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        # A split with no KV tile leaves its acc unwritten: both reduces read acc only where m > -inf.
+        tl.store(part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc,
+                 mask=row_ok[:, None] & (tile_lo < tile_hi))
         if FUSED_REDUCE:
             # Every warp's partial stores precede the barrier, the barrier precedes the release.
             tl.debug_barrier()
@@ -240,8 +251,9 @@ def _reduce_splits_kernel(
     m_max = tl.max(m, 0)
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
     denom = tl.sum(w * l, 0)
+    has = s_ok & (m > float("-inf"))  # an empty split's acc may be unwritten: never read it
     acc = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                  mask=s_ok[:, None], other=0.0)
+                  mask=has[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
@@ -325,7 +337,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                     cu_query_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
                     num_splits: int | None = None, block_n: int | None = None,
-                    fused_reduce: bool = False) -> torch.Tensor:
+                    fused_reduce: bool = False, split_by_length: bool = True) -> torch.Tensor:
     """Causal attention of the batch's new queries over their sequences' paged KV (already written).
 
     q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -335,6 +347,10 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     tokens past cu_query_lens[-1] are left unwritten. Returns out [num_tokens, num_heads, head_dim].
     fused_reduce: split-KV partials are combined by the last split program of each (q block, kv
     head) (one launch) instead of by `_reduce_splits_kernel` (a second launch).
+    split_by_length: with split-KV, each q block uses only as many of the num_splits ranges as its own
+    keys warrant (>= MIN_KEYS_PER_SPLIT each, the rule choose_num_splits applies to max_seq_len); the
+    rest own no tile. A CUDA graph sizes num_splits for max_model_len, so without this a short
+    context's keys are spread over up to MAX_SPLITS programs and reduced from as many partials.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
@@ -381,6 +397,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         num_warps=num_warps, num_stages=num_stages, USE_PDL=pdl, launch_pdl=pdl,
         FUSED_REDUCE=fused, M_CHUNK=_split_chunk(splits_pad, block_m, threads * M_REDUCE_REGS) if fused else 1,
         ACC_CHUNK=_split_chunk(splits_pad, block_m * head_dim_pad, threads * ACC_REDUCE_REGS) if fused else 1,
+        SPLIT_MIN_KEYS=MIN_KEYS_PER_SPLIT if split and split_by_length else 0,
     )
     if split and not fused:
         _reduce_splits_kernel[(num_tokens, num_heads)](

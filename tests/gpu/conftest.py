@@ -6,7 +6,9 @@ suite covers the torch twins. The modules import triton lazily, so collection ne
 
 With triton installed and TRITON_INTERPRET=1 they also run on the CPU through Triton's own
 interpreter (slow, small shapes; for debugging kernels with no GPU at hand). Three gaps of the
-triton 3.6 interpreter are patched for that mode only (see `_patch_interpreter`).
+triton 3.6 interpreter are patched for that mode only (see `_patch_interpreter`). Use triton 3.6 (the
+H200 image's; `pip install triton==3.6.0`): triton 3.9's interpreter, which xgrammar may pull in,
+refuses a block mask combined with a scalar condition ("mask has unsupported dtype").
 """
 from __future__ import annotations
 

@@ -386,6 +386,33 @@ def test_fused_reduce_chunking(regs: int, device: torch.device, adversarial: Non
     assert_counters_reset(device)
 
 
+@pytest.mark.parametrize("split_by_length", [True, False], ids=["by_length", "all_splits"])
+@pytest.mark.parametrize("fused_reduce", [True, False], ids=["fused", "two_kernels"])
+def test_graph_sized_splits_over_short_contexts(split_by_length: bool, fused_reduce: bool, device: torch.device,
+                                                 adversarial: None) -> None:
+    """A split count sized for a long max_model_len (as a CUDA graph's) over contexts of 0-700 keys,
+    decode and 4-row verify rows in one batch. By length, a q block uses only the splits its keys
+    warrant (1-2 here, MIN_KEYS_PER_SPLIT each): the splits past them own no tile and leave their acc
+    unwritten (NaN under `adversarial`), which both reduces must skip. Both settings match the oracle,
+    and each other to rounding."""
+    from specserve.attention.triton_paged import paged_attention
+
+    dtype = torch.float32
+    batch = make_batch([(0, 1), (9, 1), (300, 4), (700, 1), (520, 4)], 8, 2, 64, 16, dtype, device, seed=21)
+    ref, _ = reference(batch)
+    write_cache(batch)
+    meta, cache = batch.meta, batch.cache
+    outs = []
+    for by_length in (split_by_length, not split_by_length):
+        out = torch.full(batch.q.shape, float("nan"), dtype=dtype, device=batch.q.device)
+        outs.append(paged_attention(batch.q, cache.key, cache.value, meta.cu_query_lens, meta.seq_lens,
+                                    meta.block_tables, meta.max_query_len, 32768, batch.scale, out=out,
+                                    num_splits=64, fused_reduce=fused_reduce, split_by_length=by_length))
+    assert_close(outs[0], ref, dtype)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    assert_counters_reset(device)
+
+
 @pytest.mark.parametrize("fused_reduce", [True, False], ids=["fused", "two_kernels"])
 def test_backend_split_with_graph_padding(fused_reduce: bool, device: torch.device, adversarial: None) -> None:
     """Through the backend with 16 splits: padding tokens and zero-length sequences make spare q blocks,
