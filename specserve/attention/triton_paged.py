@@ -47,13 +47,11 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.attention.launch_sizes import MAX_SPLITS, MIN_KEYS_PER_SPLIT, SMALL_QUERY_MAX
 from specserve.attention.triton_kv_write import _check_cache
 from specserve.model.layers.pdl import pdl_prologue, use_pdl
 
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 128
-SMALL_QUERY_MAX = 16  # query lengths up to this take decode-sized launches (attention_config)
-MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (partials, reduce) outweighs its work
 MIN_SPLIT_COUNTERS = 1 << 16  # first allocation of the per-device counter buffer (256 KiB)
 # fp32 registers per thread that one chunk of partials read by the last split program takes: its m
 # values while finding the maxima, its [BLOCK_M, chunk, D_PAD] acc values while combining (sm_90, 4

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.attention.triton_paged import MIN_KEYS_PER_SPLIT, SMALL_QUERY_MAX
+from specserve.attention.launch_sizes import MIN_KEYS_PER_SPLIT, SMALL_QUERY_MAX
 from specserve.kv.manager import KVCacheManager
-from specserve.model.layers.triton_gemv import gemv_max_m
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.request import Request
@@ -66,6 +65,8 @@ SPLIT_CONTEXT = 2 * MIN_KEYS_PER_SPLIT  # a context long enough for split-KV att
 def start_up_rows() -> tuple[list[int], list[int]]:
     """(row counts of the fresh start-up forwards, row counts of those after SPLIT_CONTEXT): every GEMV
     row count and every decode-sized attention query length."""
+    from specserve.model.layers.triton_gemv import gemv_max_m  # imports triton: GPU start-up only
+
     return list(range(1, max(gemv_max_m(), SMALL_QUERY_MAX) + 1)), list(range(1, SMALL_QUERY_MAX + 1))
 
 
