@@ -300,11 +300,14 @@ class Engine(AsyncStepMixin):
                     break
             if advanced:
                 self.kv.cache_computed_blocks(req)
+            stop_str, kept = _stop_string(group.detoks[index], req.output_token_ids[-accepted:])
+            if kept < accepted:  # a stop string ended the text before the step's last accepted token
+                req.trim_output_tokens(accepted - kept)
+                accepted, status = kept, None
             # issue 8: the grammar saw the end (or a token it rejects): nothing more may follow.
             if self.structured.advance(req, req.output_token_ids[-accepted:]) and status is None:
                 status = RequestStatus.FINISHED_STOPPED
             step_stats.add(req, accepted, now)
-            stop_str = group.detoks[index].add_tokens(req.output_token_ids[-accepted:])
             if stop_str is not None and status is None:
                 req.stop_reason, status = stop_str, RequestStatus.FINISHED_STOPPED
             if status is not None:
@@ -366,6 +369,19 @@ _ids = itertools.count()
 
 def next_request_id() -> str:
     return str(next(_ids))
+
+
+def _stop_string(detok, tokens: list[int]) -> tuple[str | None, int]:
+    """Feed a step's new tokens to the detokenizer one at a time, as plain decoding would: (the stop
+    string that matched or None, how many tokens up to and including the one that completed it). With
+    speculation a step accepts several tokens; those after a stop string are not part of the output."""
+    if len(tokens) == 1:
+        return detok.add_tokens(tokens), 1
+    for i, tok in enumerate(tokens):
+        stop = detok.add_tokens([tok])
+        if stop is not None:
+            return stop, i + 1
+    return None, len(tokens)
 
 
 def _use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:

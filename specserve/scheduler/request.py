@@ -84,6 +84,12 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 
+    def trim_output_tokens(self, n: int) -> None:
+        """Forget the last n output tokens (accepted drafts past a stop string; the request finishes)."""
+        if n > 0:
+            del self.output_token_ids[-n:]
+            del self.all_token_ids[-n:]
+
     def add_pending_token(self) -> None:
         self.all_token_ids.append(PLACEHOLDER)
         self.num_pending_tokens += 1
