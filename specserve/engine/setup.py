@@ -54,7 +54,7 @@ def _ops_for(device: torch.device):
 
 
 def _eos_ids(loaded: LoadedModel) -> tuple[int, ...]:
-    ids = set(loaded.arch.eos_token_ids)
+    ids = set(loaded.arch.eos_token_ids) | set(loaded.extra_eos_token_ids)
     tok = loaded.tokenizer
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:
         ids.add(tok.eos_token_id)

@@ -241,6 +241,26 @@ class GGUFCheckpoint:
         return f"GGUFCheckpoint({str(self.path)!r}, model_type={self.config['model_type']!r})"
 
 
+# Control tokens that end a turn or a document, by text, as llama.cpp's vocabulary loader marks
+# end-of-generation tokens (llama-vocab.cpp): a GGUF names one eos token (Qwen2.5-Instruct: <|im_end|>),
+# but the model may also emit another (<|endoftext|>), which vLLM reads from generation_config.json.
+END_OF_GENERATION_TEXTS = frozenset({"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",
+                                     "<|end|>", "<end_of_turn>", "<|return|>", "<EOT>"})
+_CONTROL = 3  # gguf TokenType.CONTROL
+
+
+def end_of_generation_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
+    """Ids of the GGUF vocabulary's end-of-generation control tokens and its eot / eom ids."""
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    types = metadata.get("tokenizer.ggml.token_type") or []
+    ids = {i for i, (text, kind) in enumerate(zip(tokens, types))
+           if kind == _CONTROL and text in END_OF_GENERATION_TEXTS}
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if metadata.get(key) is not None:
+            ids.add(int(metadata[key]))
+    return tuple(sorted(ids))
+
+
 def read_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     """Open a GGUF file: parse its metadata into an HF config; tensors are read later, lazily."""
     path = Path(path)

@@ -31,6 +31,10 @@ class LoadedModel:
     name: str
     identity: str  # stable id of the weights (for keying persisted KV)
     max_model_len: int
+    # Tokens that also end generation, beyond config.json's eos_token_id: an HF dir's
+    # generation_config.json eos ids (as vLLM reads them), a GGUF's end-of-generation control tokens
+    # (as llama.cpp finds them). Qwen2.5's <|endoftext|> is one: GGUF files name only <|im_end|>.
+    extra_eos_token_ids: tuple[int, ...] = ()
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -62,7 +66,7 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: 
     model.eval().requires_grad_(False)
     tokenizer = source.tokenizer(cfg.tokenizer)
     return LoadedModel(model, arch, hf_config, tokenizer, cfg.served_model_name or source.name,
-                       source.identity, max_len)
+                       source.identity, max_len, source.end_of_generation_ids())
 
 
 @torch.no_grad()
@@ -107,6 +111,10 @@ class _Source:
             return AutoTokenizer.from_pretrained(override)
         return None
 
+    def end_of_generation_ids(self) -> tuple[int, ...]:
+        """Token ids that end generation besides config.json's eos_token_id (LoadedModel's field)."""
+        return ()
+
 
 class _ShapeSource(_Source):
     def __init__(self, name: str) -> None:
@@ -123,6 +131,17 @@ class _HFDirSource(_Source):
             digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
         super().__init__(name, cfg, f"hf:{name}:{digest.hexdigest()[:16]}")
         self.path, self.files = path, files
+
+    def end_of_generation_ids(self) -> tuple[int, ...]:
+        gen = self.path / "generation_config.json"
+        if not gen.is_file():
+            return ()
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            return ()
+        ids = eos if isinstance(eos, list) else [eos]
+        return tuple(int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool))
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
@@ -157,6 +176,11 @@ class _GGUFSource(_Source):
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.ckpt.iter_tensors(torch.float32)
+
+    def end_of_generation_ids(self) -> tuple[int, ...]:
+        from specserve.model.gguf_loader import end_of_generation_ids
+
+        return end_of_generation_ids(self.ckpt.metadata)
 
     def tokenizer(self, override: str | None) -> Any | None:
         if override:
