@@ -47,6 +47,7 @@ from specserve.server.serving_common import (
     parse_model,
     read_json,
     require_tokenizer,
+    validation_error,
 )
 from specserve.server.serving_completion import create_completion
 
@@ -64,7 +65,7 @@ def version() -> str:
 
 
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 class GuardMiddleware:
@@ -189,7 +190,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
 def _tokenize(engine: AsyncEngine, req: TokenizeRequest) -> dict[str, Any]:
     check_model(engine, req.model)
     if (req.prompt is None) == (req.messages is None):
-        raise APIError("give exactly one of prompt or messages", param="prompt")
+        raise APIError("give exactly one of prompt or messages", param="prompt", code="invalid_value")
     if req.messages is not None:
         ids = render_chat(engine, req.messages, req.add_generation_prompt)
     else:
@@ -206,8 +207,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(str(exc.detail), exc.status_code, type_))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(APIError(str(exc.errors()[:1]), 400, code="invalid_value"))
+    async def request_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(validation_error(list(exc.errors())))
 
 
 def uvicorn_config(app: FastAPI, settings: ServerConfig, **overrides: Any) -> uvicorn.Config:

@@ -2,24 +2,48 @@
 
 Requests accept vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, stop_token_ids, ...) that the OpenAI client sends through `extra_body`. Unknown
-fields are ignored, as OpenAI and vLLM do. Value ranges are checked by SamplingParams, which
-names the field in its error; here we check only shapes and types.
+fields are ignored, as OpenAI and vLLM do. JSON null for any optional field means "not given"
+(OpenAI and vLLM declare them nullable): fields whose type has no None fall back to their default.
+Value ranges are checked by SamplingParams, which names the field in its error; here we check
+only shapes and types.
 """
 from __future__ import annotations
 
+import functools
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _accepts_none(annotation: Any) -> bool:
+    return annotation is Any or annotation is None or type(None) in get_args(annotation)
+
+
+@functools.cache
+def _null_means_default(cls: type[BaseModel]) -> frozenset[str]:
+    """Optional fields of `cls` whose type has no None: a JSON null there means the default."""
+    return frozenset(name for name, f in cls.model_fields.items()
+                     if not f.is_required() and not _accepts_none(f.annotation))
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_null_optionals(cls, data: Any) -> Any:
+        """`"n": null` is the same as leaving `n` out; required fields stay required (null is an error)."""
+        if isinstance(data, dict):
+            names = _null_means_default(cls)
+            if any(data.get(name, 0) is None for name in names):
+                data = {k: v for k, v in data.items() if not (v is None and k in names)}
+        return data
 
 
 class StreamOptions(OpenAIModel):

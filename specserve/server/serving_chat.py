@@ -60,7 +60,8 @@ def render_chat(engine: AsyncEngine, messages: list[ChatMessage], add_generation
                            param=f"messages.{i}.content", code="invalid_value")
     tokenizer = require_tokenizer(engine, "messages")
     if not getattr(tokenizer, "chat_template", None):
-        raise APIError("this model has no chat template; use /v1/completions", param="messages")
+        raise APIError("this model has no chat template; use /v1/completions", param="messages",
+                       code="unsupported")
     conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in messages]
     extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
@@ -93,7 +94,7 @@ def _validate(req: ChatCompletionRequest) -> None:
     if req.tools:
         raise APIError("tools are not supported by this server", param="tools", code="unsupported")
     if req.top_logprobs is not None and not req.logprobs:
-        raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value")
 
 
 async def create_chat_completion(engine: AsyncEngine, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -101,13 +102,13 @@ async def create_chat_completion(engine: AsyncEngine, req: ChatCompletionRequest
     _validate(req)
     prompt_ids = render_chat(engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = build_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    params = build_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs")
     params = fit_context(params, [len(prompt_ids)], engine.max_model_len, "messages")
     reply_id = random_id("chatcmpl")
     try:
         stream = await engine.add_requests([RequestSpec(reply_id, {"prompt_token_ids": prompt_ids}, params)])
     except Exception as e:  # noqa: BLE001 - engine_error re-raises what it does not map
-        raise engine_error(e) from None
+        raise engine_error(e, engine) from None
     if req.stream:
         chunks = _stream(engine, req, stream, reply_id, len(prompt_ids))
         return StreamingResponse(guarded_stream(chunks, stream.close), media_type="text/event-stream")

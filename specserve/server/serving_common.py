@@ -31,9 +31,11 @@ class APIError(Exception):
     """An error answered with the OpenAI body; `message` is shown to the client verbatim."""
 
     def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
+        self.headers = headers  # extra HTTP headers of the response (Retry-After on overload)
 
     def body(self) -> dict[str, Any]:
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
@@ -44,10 +46,17 @@ class ClientDisconnected(Exception):
     """The client went away before the reply was ready; its requests were aborted."""
 
 
-def engine_error(e: Exception) -> APIError:
+RETRY_AFTER_S = 1  # what an overloaded server asks clients to wait (Retry-After header)
+
+
+def engine_error(e: Exception, engine: AsyncEngine | None = None) -> APIError:
     """Map an exception from AsyncEngine.add_requests to the HTTP error the client sees."""
     if isinstance(e, EngineOverloadedError):
-        return APIError(str(e), 503, "service_unavailable_error", code="overloaded")
+        limit = getattr(engine, "max_num_queued_requests", None)
+        message = (f"server overloaded: more than {limit} request(s) would be waiting; retry later"
+                   if limit is not None else "server overloaded: too many requests waiting; retry later")
+        return APIError(message, 503, "service_unavailable_error", code="overloaded",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, EngineDeadError):
         return APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable")
     if isinstance(e, ValueError):
@@ -87,10 +96,28 @@ def parse_model(cls: type[M], body: Any) -> M:
     try:
         return cls.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[", "str")))
-        msg = f"{loc or 'body'}: {err['msg']}" + (f" ({len(e.errors())} errors)" if len(e.errors()) > 1 else "")
-        raise APIError(msg, param=loc.split(".")[0] if loc else None, code="invalid_value") from None
+        raise validation_error(e.errors()) from None
+
+
+# Parts of a pydantic error location that name a union member or a validator, not a field:
+# "str", "list[TextPart]", "function-after[...]", "TextPart", ...
+_TYPE_TAG_RE = re.compile(r"^(str|int|float|bool|none|bytes)$|[\[\]-]|^[A-Z]")
+
+
+def validation_error(errors: list[Any]) -> APIError:
+    """400 for pydantic (or FastAPI) validation errors: `param` is the top-level field of the first
+    error, and the message names its path, e.g. "stream: Input should be a valid boolean"."""
+    if not errors:
+        return APIError("request body is invalid", code="invalid_value")
+    err = errors[0]
+    parts = list(err.get("loc", ()))
+    if parts and parts[0] == "body":  # FastAPI's RequestValidationError locations
+        parts = parts[1:]
+    parts = [str(p) for p in parts if isinstance(p, int) or not _TYPE_TAG_RE.search(str(p))]
+    loc = ".".join(parts)
+    more = f" ({len(errors)} errors)" if len(errors) > 1 else ""
+    message = f"{loc}: {err.get('msg', 'invalid value')}{more}" if loc else f"request body: {err.get('msg')}{more}"
+    return APIError(message, param=parts[0] if parts else None, code="invalid_value")
 
 
 def check_model(engine: AsyncEngine, model: str | None) -> None:
@@ -98,17 +125,21 @@ def check_model(engine: AsyncEngine, model: str | None) -> None:
         raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
 
 
-def build_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """SamplingParams from the request; unsupported OpenAI features answer 400, not silence."""
+def build_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                 logprobs_param: str = "logprobs") -> SamplingParams:
+    """SamplingParams from the request; unsupported OpenAI features answer 400, not silence.
+
+    `logprobs_param` is the request field `logprobs` came from (chat: top_logprobs)."""
     if req.logit_bias:
         raise APIError("logit_bias is not supported", param="logit_bias", code="unsupported")
     if not 1 <= req.n <= MAX_N:
         raise APIError(f"n must be between 1 and {MAX_N}, got {req.n}", param="n", code="invalid_value")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise APIError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}",
-                       param="logprobs", code="invalid_value")
+        raise APIError(f"{logprobs_param} must be between 0 and {MAX_LOGPROBS}, got {logprobs}",
+                       param=logprobs_param, code="invalid_value")
     if req.stream_options is not None and not req.stream:
-        raise APIError("stream_options can only be set when stream is true", param="stream_options")
+        raise APIError("stream_options can only be set when stream is true", param="stream_options",
+                       code="invalid_value")
     try:
         from specserve.sample.structured import structured_from_openai
 

@@ -116,14 +116,16 @@ async def create_completion(engine: AsyncEngine, req: CompletionRequest, raw: Re
     if req.suffix:
         raise APIError("suffix is not supported", param="suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
-        raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of")
+        raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of",
+                       code="unsupported")
     if req.echo and req.logprobs is not None:
         raise APIError("echo together with logprobs is not supported", param="echo", code="unsupported")
     if req.echo:
         require_tokenizer(engine, "echo")
     prompts = _prompts(engine, req.prompt)
     if len(prompts) * req.n > 128:
-        raise APIError("too many completions in one request (prompts * n > 128)", param="n")
+        raise APIError("too many completions in one request (prompts * n > 128)", param="n",
+                       code="invalid_value")
     params = build_params(req, req.max_tokens, req.logprobs)
     params = fit_context(params, [len(p.token_ids) for p in prompts], engine.max_model_len, "prompt")
     reply_id = random_id("cmpl")
@@ -132,7 +134,7 @@ async def create_completion(engine: AsyncEngine, req: CompletionRequest, raw: Re
     try:
         stream = await engine.add_requests(specs)
     except Exception as e:  # noqa: BLE001 - engine_error re-raises what it does not map
-        raise engine_error(e) from None
+        raise engine_error(e, engine) from None
     reply = _Reply(engine, req, prompts, ids, reply_id)
     if req.stream:
         return StreamingResponse(guarded_stream(_stream(reply, stream), stream.close),
