@@ -33,8 +33,9 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special,
                                      clean_up_tokenization_spaces=False)
 
-    def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string that matched (text is then cut), else None."""
+    def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> str | None:
+        """Append tokens; returns the stop string that matched (text is then cut), else None.
+        check_stop False: no stop string may end the text yet (min_tokens not reached)."""
         if self.tokenizer is None:
             return None
         if self._stream is not None:
@@ -44,7 +45,7 @@ class IncrementalDetokenizer:
                 piece = stream.step(backend, t)
                 if piece:
                     self.text += piece
-            return self._check_stop(old_len) if len(self.text) > old_len else None
+            return self._check_stop(old_len) if check_stop and len(self.text) > old_len else None
         self.ids.extend(token_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
@@ -53,7 +54,7 @@ class IncrementalDetokenizer:
         old_len = len(self.text)
         self.text += new_text[len(prefix_text):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._check_stop(old_len)
+        return self._check_stop(old_len) if check_stop else None
 
     def _check_stop(self, old_len: int) -> str | None:
         if not self.stop:

@@ -300,8 +300,12 @@ class Engine(AsyncStepMixin):
                     break
             if advanced:
                 self.kv.cache_computed_blocks(req)
-            stop_str, kept = _stop_string(group.detoks[index], req.output_token_ids[-accepted:])
-            if kept < accepted:  # a stop string ended the text before the step's last accepted token
+            new = req.output_token_ids[-accepted:]
+            # A stop token's (or EOS's) text is not part of the output unless asked for (vLLM's rule).
+            hide = status == RequestStatus.FINISHED_STOPPED and not req.params.include_stop_str_in_output
+            stop_str, kept = _stop_string(group.detoks[index], new[:-1] if hide else new,
+                                          req.num_output_tokens - accepted, req.params.min_tokens)
+            if stop_str is not None and kept < accepted:  # a stop string ended the text before the step's end
                 req.trim_output_tokens(accepted - kept)
                 accepted, status = kept, None
             # issue 8: the grammar saw the end (or a token it rejects): nothing more may follow.
@@ -371,14 +375,13 @@ def next_request_id() -> str:
     return str(next(_ids))
 
 
-def _stop_string(detok, tokens: list[int]) -> tuple[str | None, int]:
+def _stop_string(detok, tokens: list[int], num_before: int, min_tokens: int) -> tuple[str | None, int]:
     """Feed a step's new tokens to the detokenizer one at a time, as plain decoding would: (the stop
     string that matched or None, how many tokens up to and including the one that completed it). With
-    speculation a step accepts several tokens; those after a stop string are not part of the output."""
-    if len(tokens) == 1:
-        return detok.add_tokens(tokens), 1
+    speculation a step accepts several tokens; those after a stop string are not part of the output.
+    num_before: output tokens before these; stop strings count only past min_tokens (vLLM's rule)."""
     for i, tok in enumerate(tokens):
-        stop = detok.add_tokens([tok])
+        stop = detok.add_tokens([tok], check_stop=num_before + i + 1 > min_tokens)
         if stop is not None:
             return stop, i + 1
     return None, len(tokens)
