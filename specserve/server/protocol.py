@@ -97,6 +97,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra field: each prompt token's logprob and top-n
 
 
 class TextPart(OpenAIModel):
@@ -175,6 +176,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's shape: one entry per prompt token (None for the first), {token id: {logprob, rank,
+    # decoded_token}}; only when the request asked for prompt_logprobs.
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -19,6 +20,7 @@ from specserve.server.protocol import (
     random_id,
 )
 from specserve.server.serving_common import (
+    MAX_LOGPROBS,
     SSE_DONE,
     APIError,
     ClientDisconnected,
@@ -72,12 +74,26 @@ class _Reply:
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens)
 
-    def logprobs(self, index: int, c: CompletionOutput, start: int) -> CompletionLogprobs | None:
-        """Logprobs of tokens [start, len(token_ids)); text offsets continue across chunks."""
+    def logprobs(self, index: int, c: CompletionOutput, start: int,
+                 echoed: RequestOutput | None = None) -> CompletionLogprobs | None:
+        """Logprobs of tokens [start, len(token_ids)); text offsets continue across chunks. echoed: the
+        output whose prompt is echoed in this chunk, whose prompt tokens come first (vLLM: the first
+        prompt token has no logprob)."""
         if self.req.logprobs is None:
             return None
         out = CompletionLogprobs()
         offset = self.text_offsets.get(index, 0)
+        if echoed is not None:
+            scored = echoed.prompt_logprobs or []
+            for i, tid in enumerate(echoed.prompt_token_ids):
+                top = scored[i] if i < len(scored) else None
+                tok = token_text(self.engine, tid, top.get(tid) if top else None)
+                out.tokens.append(tok)
+                out.token_logprobs.append(max(top[tid].logprob, MIN_LOGPROB) if top and tid in top else None)
+                out.top_logprobs.append(None if top is None else {  # top-n and the prompt token, as vLLM
+                    token_text(self.engine, t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in top.items()})
+                out.text_offset.append(offset)
+                offset += len(tok)
         for i in range(start, len(c.token_ids)):
             tid = c.token_ids[i]
             top = c.logprobs[i] if c.logprobs is not None and i < len(c.logprobs) else {}
@@ -118,8 +134,6 @@ async def create_completion(engine: AsyncEngine, req: CompletionRequest, raw: Re
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of",
                        code="unsupported")
-    if req.echo and req.logprobs is not None:
-        raise APIError("echo together with logprobs is not supported", param="echo", code="unsupported")
     if req.echo:
         require_tokenizer(engine, "echo")
     prompts = _prompts(engine, req.prompt)
@@ -127,6 +141,13 @@ async def create_completion(engine: AsyncEngine, req: CompletionRequest, raw: Re
         raise APIError("too many completions in one request (prompts * n > 128)", param="n",
                        code="invalid_value")
     params = build_params(req, req.max_tokens, req.logprobs)
+    # echo with logprobs scores the prompt too (vLLM; lm-eval's loglikelihood requests rely on it).
+    wanted = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
+    if wanted:
+        if not 0 <= max(wanted) <= MAX_LOGPROBS:
+            raise APIError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {max(wanted)}",
+                           param="prompt_logprobs", code="invalid_value")
+        params = params.clone(prompt_logprobs=max(wanted))
     params = fit_context(params, [len(p.token_ids) for p in prompts], engine.max_model_len, "prompt")
     reply_id = random_id("cmpl")
     ids = [f"{reply_id}-{i}" for i in range(len(prompts))]
@@ -163,8 +184,10 @@ def _full_response(reply: _Reply, finals: dict[str, RequestOutput]) -> Completio
         for c in output.outputs:
             index = reply.choice_index(output, c)
             text = (reply.echo_text(reply.prompt_of(output)) if reply.req.echo else "") + c.text
-            choices.append(CompletionChoice(index=index, text=text, logprobs=reply.logprobs(index, c, 0),
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            logprobs = reply.logprobs(index, c, 0, output if reply.req.echo else None)
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                            prompt_logprobs=_prompt_logprobs(reply.req, output)))
             num_generated += len(c.token_ids)
     choices.sort(key=lambda ch: ch.index)
     return CompletionResponse(id=reply.id, model=reply.engine.model_name, choices=choices,
@@ -184,15 +207,18 @@ async def _stream(reply: _Reply, stream: RequestStream):  # -> AsyncIterator[str
                 continue
             delta, start = tracker.advance(index, c)
             generated[index] = len(c.token_ids)
-            if req.echo and index not in echoed:
-                echoed.add(index)
+            first = index not in echoed
+            echoed.add(index)
+            if req.echo and first:
                 delta = reply.echo_text(reply.prompt_of(output)) + delta
             if not delta and c.finish_reason is None and len(c.token_ids) == start:
                 continue
             if c.finish_reason is not None:
                 done.add(index)
-            choice = CompletionChoice(index=index, text=delta, logprobs=reply.logprobs(index, c, start),
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            logprobs = reply.logprobs(index, c, start, output if req.echo and first else None)
+            choice = CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=c.finish_reason,
+                                      stop_reason=c.stop_reason,
+                                      prompt_logprobs=_prompt_logprobs(req, output) if first else None)
             usage = reply.usage(sum(generated.values())) if continuous else None
             yield sse(CompletionChunk(id=reply.id, created=reply.created, model=reply.engine.model_name,
                                       choices=[choice], usage=usage))
@@ -200,3 +226,12 @@ async def _stream(reply: _Reply, stream: RequestStream):  # -> AsyncIterator[str
         yield sse(CompletionChunk(id=reply.id, created=reply.created, model=reply.engine.model_name,
                                   choices=[], usage=reply.usage(sum(generated.values()))))
     yield SSE_DONE
+
+
+def _prompt_logprobs(req: CompletionRequest, output: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` of a choice, when the request asked for them."""
+    if req.prompt_logprobs is None or output.prompt_logprobs is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in output.prompt_logprobs]
