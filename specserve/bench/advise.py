@@ -294,9 +294,18 @@ def add_advise_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--window", type=float, default=30.0, help="seconds to sample (0: one snapshot, "
                         "totals since the server started)")
-    parser.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
+    parser.add_argument("--interval", type=float, default=None,
+                        help="seconds between samples (default: window / 10, between 0.5 and 5; gauges such "
+                             "as running requests are only seen at the samples)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--json", action="store_true", help="print the advice as JSON")
+
+
+def default_interval(window_s: float, interval_s: float | None) -> float:
+    """--interval, or window / 10 within [0.5, 5] s: a 5 s window sampled every 5 s saw only its two ends."""
+    if interval_s is not None:
+        return interval_s
+    return min(5.0, max(0.5, window_s / 10))
 
 
 def sample(base_url: str, window_s: float, interval_s: float, headers: dict[str, str]) -> list[MetricsSnapshot]:
@@ -320,7 +329,7 @@ def advise_main(args: argparse.Namespace) -> int:
     """Run `specserve advise`; 1 when /metrics could not be read."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
-        snaps = sample(args.base_url, args.window, args.interval, headers)
+        snaps = sample(args.base_url, args.window, default_interval(args.window, args.interval), headers)
     except (httpx.HTTPError, ValueError) as e:
         print(f"specserve advise: cannot read {args.base_url}/metrics: {e}")
         return 1

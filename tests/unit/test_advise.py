@@ -160,3 +160,12 @@ def test_histogram_quantile_and_single_snapshot() -> None:
     assert stats.seconds is None and stats.counters["generation_tokens"] == 42 and stats.rate("preemptions") is None
     with pytest.raises(ValueError):
         advise([])
+
+
+def test_default_interval_samples_a_short_window_more_than_twice() -> None:
+    from specserve.bench.advise import default_interval
+
+    assert default_interval(5.0, None) == 0.5  # a 5 s window: 11 samples, not its two ends
+    assert default_interval(30.0, None) == 3.0
+    assert default_interval(600.0, None) == 5.0
+    assert default_interval(5.0, 2.0) == 2.0  # --interval given
