@@ -31,6 +31,7 @@ from specserve.sample.structured import StructuredOutputs
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.request import Request, RequestStatus
 from specserve.scheduler.scheduler import SchedulerOutput
+from specserve.spec.verify_logprobs import verify_logprobs
 
 
 class Engine(AsyncStepMixin):
@@ -207,6 +208,9 @@ class Engine(AsyncStepMixin):
         logits = self.structured.apply(logits, sampling, num_drafts)
         if self.spec is not None and any(num_drafts):
             token_lists, num_accepted = self.spec.verify(sampling, num_drafts, logits, self._sampling_meta(sampling))
+            found = verify_logprobs(sampling, num_drafts, token_lists, logits)
+            if found is not None:
+                self._store_logprobs(*found)
         else:
             out = self._sample_tokens(sampling, logits)
             token_lists, num_accepted = [[t] for t in out.token_ids.tolist()], [0] * len(entries)
@@ -308,6 +312,7 @@ class Engine(AsyncStepMixin):
             if stop_str is not None and kept < accepted:  # a stop string ended the text before the step's end
                 req.trim_output_tokens(accepted - kept)
                 accepted, status = kept, None
+            req.trim_logprobs()  # a verify step scored tokens past a stop
             # issue 8: the grammar saw the end (or a token it rejects): nothing more may follow.
             if self.structured.advance(req, req.output_token_ids[-accepted:]) and status is None:
                 status = RequestStatus.FINISHED_STOPPED

@@ -90,6 +90,12 @@ class Request:
             del self.output_token_ids[-n:]
             del self.all_token_ids[-n:]
 
+    def trim_logprobs(self) -> None:
+        """Drop logprob entries past the output tokens (a verify step scored every token it emitted)."""
+        while len(self.logprobs) > len(self.output_token_ids):
+            entry = self.logprobs.pop()
+            self.cumulative_logprob -= next(iter(entry.values()))[0]  # the sampled token comes first
+
     def add_pending_token(self) -> None:
         self.all_token_ids.append(PLACEHOLDER)
         self.num_pending_tokens += 1

@@ -166,7 +166,7 @@ class SpecDecoder:
             k = self.controller.choose(batch_size)
         self.last_k = k
         self.stats.set("spec_decode_chosen_num_tokens", k)
-        budgets = [0 if r.params.logprobs is not None else draft_budget(r, k, self.max_model_len) for r in reqs]
+        budgets = [draft_budget(r, k, self.max_model_len) for r in reqs]
         chosen = [(r, b, i) for r, b, i in zip(reqs, budgets, batch_index) if b > 0]
         for r in reqs:
             r.spec_token_ids, r.spec_draft_probs = [], None
