@@ -126,6 +126,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     add_generation_prompt: bool = True
+    # vLLM's: the last (assistant) message stays open and the model continues it; needs
+    # add_generation_prompt false.
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 

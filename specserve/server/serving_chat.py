@@ -45,11 +45,11 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf
 # Arguments of apply_chat_template a client must not override through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict",
                              "return_tensors", "padding", "truncation", "max_length", "chat_template",
-                             "tools", "documents", "tokenizer_kwargs"}
+                             "tools", "documents", "tokenizer_kwargs", "continue_final_message"}
 
 
 def render_chat(engine: AsyncEngine, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False) -> list[int]:
     """Validate messages and apply the chat template; the result is tokenized without adding
     special tokens again (the template already holds BOS where the model wants one)."""
     if not messages:
@@ -66,8 +66,9 @@ def render_chat(engine: AsyncEngine, messages: list[ChatMessage], add_generation
                     for m in messages]
     extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
     try:
+        opened = {"continue_final_message": True} if continue_final_message else {}
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **extra)
+                                             add_generation_prompt=add_generation_prompt, **opened, **extra)
     except Exception as e:  # noqa: BLE001 - jinja errors (role order, ...) are the client's
         raise APIError(f"messages could not be rendered with the chat template: {e}",
                        param="messages", code="invalid_value") from None
@@ -95,12 +96,19 @@ def _validate(req: ChatCompletionRequest) -> None:
         raise APIError("tools are not supported by this server", param="tools", code="unsupported")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError("continue_final_message needs add_generation_prompt to be false (as vLLM)",
+                       param="continue_final_message", code="invalid_value")
+    if req.continue_final_message and req.messages and req.messages[-1].role != "assistant":
+        raise APIError("continue_final_message needs the last message to be the assistant's",
+                       param="continue_final_message", code="invalid_value")
 
 
 async def create_chat_completion(engine: AsyncEngine, req: ChatCompletionRequest, raw: Request) -> Response:
     check_model(engine, req.model)
     _validate(req)
-    prompt_ids = render_chat(engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    prompt_ids = render_chat(engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                             req.continue_final_message)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = build_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs")
     params = fit_context(params, [len(prompt_ids)], engine.max_model_len, "messages")
