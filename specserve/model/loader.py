@@ -93,13 +93,20 @@ class _Source:
             return _ShapeSource(cfg.model)
         path = Path(cfg.model).expanduser()
         if (path / "config.json").is_file():
-            return _HFDirSource(path.name, path)
+            return _HFDirSource(path.name, path)._check_format(cfg.load_format, "safetensors")
         from specserve.model.catalog import resolve_model
 
         resolved = resolve_model(cfg.model)
         if resolved.kind == "gguf":
-            return _GGUFSource(resolved.name, Path(resolved.path))
-        return _HFDirSource(resolved.name, Path(resolved.path))
+            return _GGUFSource(resolved.name, Path(resolved.path))._check_format(cfg.load_format, "gguf")
+        return _HFDirSource(resolved.name, Path(resolved.path))._check_format(cfg.load_format, "safetensors")
+
+    def _check_format(self, load_format: str, kind: str) -> "_Source":
+        """An explicit load_format must be what the model reference holds (vLLM refuses a mismatch too)."""
+        if load_format in ("safetensors", "gguf") and load_format != kind:
+            raise ValueError(f"load_format {load_format!r} does not match model {self.name!r}, which is {kind}; "
+                             f"use load_format 'auto' or '{kind}'.")
+        return self
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         raise ValueError(f"{self.name} has no weights; use load_format='dummy'.")

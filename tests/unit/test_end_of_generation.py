@@ -37,3 +37,4 @@ def test_generation_config_eos_ids_end_generation(tiny_llama_dir, tmp_path) -> N
     got = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0]
     first = out.token_ids.index(stop_at)
     assert got.token_ids == out.token_ids[:first + 1] and got.finish_reason == "stop"
+
