@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +22,11 @@ SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 
 def _help(text: str, **kw: Any) -> Any:
     return field(metadata={"help": text}, **kw)
+
+
+def _is_int(value: Any) -> bool:
+    """A real integer: Python's bool is an int, but `true` is no count of anything."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,17 @@ class SchedulerConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
 
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """vLLM's rule: without chunked prefill a prompt is prefilled in one step, so a token budget
+        below max_model_len would silently cap the context. Run once max_model_len is known (here
+        when the user gave it; the model's own default is known only once it is loaded)."""
+        n = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill and n is not None and n < max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({n}) is smaller than max_model_len ({max_model_len}) "
+                             "with enable_chunked_prefill off: a prompt is prefilled in one step, so the "
+                             "context would be capped at max_num_batched_tokens. Raise max_num_batched_tokens "
+                             "to at least max_model_len, lower max_model_len, or enable chunked prefill.")
+
 
 @dataclass(frozen=True)
 class OffloadConfig:
@@ -91,14 +109,57 @@ class OffloadConfig:
     disk_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.cpu_bytes < 0 or self.disk_bytes < 0:
-            raise ValueError("kv_offload cpu_bytes and disk_bytes must be >= 0.")
+        if self.cpu_bytes < 0:
+            raise ValueError("kv_offload_cpu_bytes (--kv-offload-cpu-bytes) must be >= 0, "
+                             f"got {self.cpu_bytes}.")
+        if self.disk_bytes < 0:
+            raise ValueError("kv_offload_disk_bytes (--kv-offload-disk-bytes) must be >= 0, "
+                             f"got {self.disk_bytes}.")
         if self.disk_bytes > 0 and not self.disk_path:
-            raise ValueError("kv_offload disk_bytes > 0 needs disk_path.")
+            raise ValueError("kv_offload_disk_bytes (--kv-offload-disk-bytes) > 0 needs kv_offload_disk_path "
+                             "(--kv-offload-disk-path), the directory of the disk tier.")
+        if self.disk_path is None:
+            return
+        # A path without a size is refused rather than given a default budget: the disk tier fills
+        # the directory up to its size, on a disk shared with model weights and logs, so only the
+        # user can choose it. LMCache's local disk backend likewise takes its size from the user
+        # (max_local_disk_size), as vLLM's CPU offloading does (--kv-offloading-size).
+        if self.disk_bytes == 0:
+            raise ValueError("kv_offload_disk_path (--kv-offload-disk-path) is set but kv_offload_disk_bytes "
+                             "(--kv-offload-disk-bytes) is not: give the disk tier a size (e.g. "
+                             "--kv-offload-disk-bytes 100G), or drop the path.")
+        _check_disk_dir(os.fspath(self.disk_path))
 
     @property
     def enabled(self) -> bool:
         return self.cpu_bytes > 0 or (self.disk_bytes > 0 and self.disk_path is not None)
+
+
+def _check_disk_dir(path: str) -> None:
+    """The disk tier's directory must be one, or be creatable: checked before anything loads, so
+    the error names the flag instead of surfacing as a bare OSError from the disk tier."""
+    name = "kv_offload_disk_path (--kv-offload-disk-path)"
+    if not path.strip():
+        raise ValueError(f"{name} must not be empty.")
+    if os.path.lexists(path) and not os.path.exists(path):
+        raise ValueError(f"{name} {path!r} is a broken symbolic link.")
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ValueError(f"{name} {path!r} exists and is not a directory.")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{name} {path!r} is not writable.")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{name} {path!r} cannot be created: {parent!r} is not a directory.")
+    # Permission bits do not tell (root passes them; /proc refuses anyway): create and remove a
+    # directory where the tier's would go. It leaves nothing behind; the tier creates its own.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".specserve-probe-", dir=parent))
+    except OSError as e:
+        raise ValueError(f"{name} {path!r} cannot be created in {parent!r}: {e.strerror or e}.") from None
 
 
 @dataclass(frozen=True)
@@ -120,25 +181,53 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}.")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+        if not _is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 1:
             raise ValueError("speculative_config.num_speculative_tokens must be an integer >= 1, "
                              f"got {self.num_speculative_tokens!r}.")
         if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
             raise ValueError(f"speculative_config.model is required for method {self.method!r}.")
-        if self.draft_tensor_parallel_size not in (None, 1):
+        for name in ("parallel_drafting", "adaptive"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"speculative_config.{name} must be true or false, got {value!r}.")
+        n = self.draft_tensor_parallel_size
+        if n is not None and (not _is_int(n) or n != 1):
             # Drafts run unsharded on rank 0 (issue 9); sharding them would put a collective in
             # every draft token for a model small enough to fit one GPU.
             raise ValueError("speculative_config.draft_tensor_parallel_size must be 1 (drafts run unsharded "
-                             f"on rank 0), got {self.draft_tensor_parallel_size!r}.")
+                             f"on rank 0), got {n!r}.")
         n = self.disable_by_batch_size
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 2):
+        if n is not None and (not _is_int(n) or n < 2):
             raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 2, got {n!r}.")
         n = self.max_model_len
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 2):
+        if n is not None and (not _is_int(n) or n < 2):
             raise ValueError(f"speculative_config.max_model_len must be an integer >= 2, got {n!r}.")
+        self._check_prompt_lookup()
+        self._check_table()
+
+    def _check_prompt_lookup(self) -> None:
+        # vLLM's rule: n-gram sizes are >= 1 and min <= max (an unset one takes the other's value).
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            n = getattr(self, name)
+            if n is not None and (not _is_int(n) or n < 1):
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {n!r}.")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and lo > hi:
-            raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max.")
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
+                             f"prompt_lookup_max ({hi}).")
+
+    def _check_table(self) -> None:
+        table = self.num_speculative_tokens_per_batch_size
+        if table is None:
+            return
+        name = "speculative_config.num_speculative_tokens_per_batch_size"
+        if not isinstance(table, (list, tuple)):
+            raise ValueError(f"{name} must be a list of [min_batch, max_batch, k] rows, got {table!r}.")
+        for row in table:
+            if (not isinstance(row, (list, tuple)) or len(row) != 3 or not all(_is_int(v) for v in row)
+                    or row[0] < 0 or row[0] > row[1] or row[2] < 0):
+                raise ValueError(f"{name} rows must be [min_batch, max_batch, k] integers with "
+                                 f"0 <= min_batch <= max_batch and k >= 0, got {row!r}.")
 
     @classmethod
     def from_any(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -158,7 +247,7 @@ class SpeculativeConfig:
         if "method" not in value:
             raise ValueError("speculative_config.method is required.")
         table = value.get("num_speculative_tokens_per_batch_size")
-        if table is not None:
+        if isinstance(table, (list, tuple)) and all(isinstance(r, (list, tuple)) for r in table):
             value = {**value, "num_speculative_tokens_per_batch_size": tuple(tuple(r) for r in table)}
         return cls(**value)
 
@@ -187,6 +276,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
         if self.scheduler.async_scheduling and self.parallel.tensor_parallel_size > 1:
             raise ValueError("async_scheduling cannot be combined with tensor_parallel_size > 1.")
+        if self.model.max_model_len is not None:
+            self.scheduler.check_max_model_len(self.model.max_model_len)
 
     @classmethod
     def from_kwargs(cls, **kw: Any) -> EngineConfig:

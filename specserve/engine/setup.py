@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from specserve.config import EngineConfig
+from specserve.engine.validate import check_kv_capacity
 from specserve.kv.manager import KVCacheManager
 from specserve.kv.key_offset import install_key_offsets
 from specserve.kv.spec import KVCacheSpec, kv_format
@@ -66,6 +67,7 @@ def max_num_batched_tokens(config: EngineConfig, device: torch.device, max_model
     sc = config.scheduler
     max_batched = sc.max_num_batched_tokens or (2048 if device.type == "cuda" else 512)
     if not sc.enable_chunked_prefill:
+        sc.check_max_model_len(max_model_len)  # a budget the user set must hold a whole prompt
         max_batched = max(max_batched, max_model_len)
     return max_batched
 
@@ -103,6 +105,10 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     num_blocks = spec.num_blocks_for(budget)
     if agree is not None:
         num_blocks = agree(num_blocks)
+    # As vLLM: the pool must hold one max_model_len sequence. An error where the user chose
+    # max_model_len; a warning where it is the model's default (tests force preemption that way).
+    check_kv_capacity(num_blocks, spec.bytes_per_block, loaded.max_model_len, cc,
+                      strict=config.model.max_model_len is not None)
     runner = make_runner(loaded, spec, num_blocks, device, backend)
     if graphs:
         runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, query_lens, PREFILL_QUERY_LENS)

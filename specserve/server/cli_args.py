@@ -23,9 +23,12 @@ _CHOICES = {"dtype": cfg.DTYPES, "kv_cache_dtype": cfg.KV_CACHE_DTYPES, "load_fo
 # Help for config fields that carry none in their metadata.
 _HELP = {"tensor_parallel_size": "GPUs to shard the model over",
          "kv_offload_cpu_bytes": "CPU tier for evicted KV blocks, bytes (0 = off; accepts 4G)",
-         "kv_offload_disk_path": "directory of the disk tier for evicted KV blocks",
-         "kv_offload_disk_bytes": "disk tier size, bytes (0 = off; accepts 100G)"}
+         "kv_offload_disk_path": "directory of the disk tier for evicted KV blocks "
+                                 "(needs --kv-offload-disk-bytes)",
+         "kv_offload_disk_bytes": "disk tier size, bytes (accepts 100G; needs --kv-offload-disk-path)"}
 _ENGINE_SECTIONS = (cfg.ModelConfig, cfg.CacheConfig, cfg.SchedulerConfig, cfg.ParallelConfig)
+# Engine config fields that only the HTTP server reads: `serve` has them, `generate` / `chat` do not.
+SERVER_ONLY_FIELDS = frozenset({"served_model_name", "max_num_queued_requests"})
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -89,7 +92,9 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, 
                flag: str | None = None) -> None:
     base = _base_type(hint)
     default = f.default if f.default is not dataclasses.MISSING else None
-    help_ = f"{f.metadata.get('help') or _HELP.get(dest, '')} (default: {default})".strip()
+    help_ = f.metadata.get("help") or _HELP.get(dest, "")
+    if "default" not in help_.lower():  # some helps state their default in words (e.g. "2048 GPU, 512 CPU")
+        help_ = f"{help_} (default: {default})".strip()
     kw: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_}
     if base is bool:
         kw["action"] = argparse.BooleanOptionalAction
@@ -121,7 +126,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
                             help=f"catalog name, model dir, .gguf file or HF id (default: {cfg.DEFAULT_MODEL})")
     group = parser.add_argument_group("engine")
     for cls in _ENGINE_SECTIONS:
-        _add_dataclass(group, cls)
+        _add_dataclass(group, cls, skip=SERVER_ONLY_FIELDS)
     _add_dataclass(group, cfg.OffloadConfig, prefix="kv_offload_")
     group.add_argument("--speculative-config", dest="speculative_config", default=argparse.SUPPRESS,
                        metavar="JSON", help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
@@ -148,7 +153,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    _add_dataclass(parser.add_argument_group("server"), ServerConfig)
+    """Server flags, and the engine fields only the server reads (they still go to the EngineConfig
+    through `engine_kwargs`)."""
+    group = parser.add_argument_group("server")
+    _add_dataclass(group, ServerConfig)
+    for cls in _ENGINE_SECTIONS:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in SERVER_ONLY_FIELDS:
+                _add_field(group, f, hints[f.name], f.name)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
