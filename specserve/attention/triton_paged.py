@@ -31,8 +31,9 @@ acquire: the program that sees num_splits - 1 sees every other split's partials)
 program reads all splits' partials back with L2 (`.cg`) loads, combines them as
 `_reduce_splits_kernel` does, writes the output and stores 0 to the counter, so every launch (and
 every CUDA-graph replay) starts and ends with all counters at 0. Split programs with no KV tile
-still store (m=-inf, l=0) and count, but not their acc, which both reduces read only where m > -inf; spare q blocks return before touching their counter (all of
-a block's splits are spare together). The counters are one persistent zeroed buffer per device
+still store (m=-inf, l=0) and count, but not their acc, which both reduces read only where
+m > -inf; spare q blocks return before touching their counter (all of a block's splits are spare
+together). The counters are one persistent zeroed buffer per device
 (`_split_counters`), allocated outside CUDA-graph capture and never freed: it is shared by every
 launch on that device, which is safe because launches that use it are ordered on one stream (each
 kernel, PDL included, waits for the previous grid to finish before touching it); two attention

@@ -60,10 +60,12 @@ def test_echo_with_logprobs_scores_the_prompt(url, reference, stream) -> None:
     assert len(token_logprobs) == len(PROMPT) + 3
     assert token_logprobs[0] is None and tops[0] is None
     want = [reference.prompt_logprobs[i][t].logprob for i, t in enumerate(PROMPT) if i > 0]
-    assert all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4) for a, b in zip(token_logprobs[1:len(PROMPT)], want)), (token_logprobs, want)
+    close = [math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4) for a, b in zip(token_logprobs[1:len(PROMPT)], want)]
+    assert all(close), (token_logprobs, want)
     gen = reference.outputs[0]
     want_gen = [gen.logprobs[i][t].logprob for i, t in enumerate(gen.token_ids)]
-    assert all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4) for a, b in zip(token_logprobs[len(PROMPT):], want_gen)), (token_logprobs, want_gen)
+    close = [math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4) for a, b in zip(token_logprobs[len(PROMPT):], want_gen)]
+    assert all(close), (token_logprobs, want_gen)
     # top-2, plus the token itself when outside them (ids that decode to the same text share a key)
     assert all(1 <= len(t) <= 3 for t in tops[1:]), tops
 
