@@ -78,8 +78,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = _help("token budget per step (default: 2048 GPU, 512 CPU)",
                                                default=None)
     enable_chunked_prefill: bool = _help("split long prompts over steps", default=True)
-    max_num_queued_requests: int | None = _help("waiting requests beyond which new ones get 503",
-                                                default=None)
+    max_num_queued_requests: int | None = _help("requests waiting beyond the running batch (max_num_seqs) "
+                                                "past which new ones get 503", default=None)
     async_scheduling: bool | None = _help(
         "prepare the next step while the GPU runs this one; with speculation, the steps that draft "
         "nothing (default: on for CUDA without tensor parallelism)", default=None)

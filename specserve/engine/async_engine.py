@@ -345,9 +345,9 @@ class AsyncEngine:
         """
         limit = self.max_num_queued_requests
         num_new = sum(spec.params.n for spec in cmd.requests)  # the scheduler queues each of n
-        if limit is not None and self._engine.num_waiting_requests() + num_new > limit:
+        if limit is not None and self._engine.num_would_wait(num_new) > limit:
             cmd.future.set_exception(EngineOverloadedError(
-                f"server overloaded: more than {limit} requests waiting; retry later"))
+                f"server overloaded: more than {limit} request(s) would be waiting; retry later"))
             return
         added: list[str] = []
         try:

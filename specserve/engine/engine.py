@@ -136,6 +136,12 @@ class Engine(AsyncStepMixin):
     def num_waiting_requests(self) -> int:
         return self.scheduler.num_waiting
 
+    def num_would_wait(self, num_new: int) -> int:
+        """Requests left waiting if num_new more arrived now: those beyond the running batch's free
+        slots (a burst at an idle server mostly runs at once, it does not queue)."""
+        sched = self.scheduler
+        return max(0, sched.num_waiting + len(sched.running) + num_new - sched.max_num_seqs)
+
     def kv_cache_usage(self) -> float:
         return self.kv.usage()
 

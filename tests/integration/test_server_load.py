@@ -14,7 +14,7 @@ from specserve.engine.async_engine import AsyncEngine
 from specserve.server.api import BackgroundServer
 from specserve.server.cli_args import ServerConfig
 
-MAX_QUEUED = 100
+MAX_QUEUED = 60  # requests beyond the 64 running slots: one request of 125 prompts overflows it
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_metrics_count_prompt_tokens_and_prefix_hits(server, model):
 
 
 def test_overload_answers_503_and_admits_nothing(server, model):
-    body = {"model": model, "prompt": [f"p{i}" for i in range(MAX_QUEUED + 1)], "max_tokens": 2}
+    body = {"model": model, "prompt": [f"p{i}" for i in range(64 + MAX_QUEUED + 1)], "max_tokens": 2}
     resp = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "overloaded"
     wait_idle(server)

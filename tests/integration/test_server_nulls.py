@@ -20,13 +20,14 @@ from specserve.server.api import BackgroundServer
 from specserve.server.cli_args import ServerConfig
 
 MAX_QUEUED = 4
+MAX_SEQS = 2  # a burst fills the running batch first; past it, requests wait
 USER = [{"role": "user", "content": "Where is Paris?"}]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     config = EngineConfig.from_kwargs(model=str(tiny_llama_dir), kv_cache_memory_bytes=4 << 20,
-                                      max_model_len=128, max_num_queued_requests=MAX_QUEUED)
+                                      max_model_len=128, max_num_seqs=MAX_SEQS, max_num_queued_requests=MAX_QUEUED)
     engine = AsyncEngine.from_config(config, progress=False)
     srv = BackgroundServer(engine, ServerConfig(port=0, log_interval=0, uvicorn_log_level="warning")).start()
     yield srv
@@ -153,7 +154,10 @@ def test_every_400_has_a_code(http, path, body, param, code):
 
 
 def test_overload_503_has_retry_after(http, model):
-    resp = http.post("/v1/completions", json={"model": model, "prompt": ["p"] * (MAX_QUEUED + 1), "max_tokens": 2})
+    burst = MAX_SEQS + MAX_QUEUED
+    fits = http.post("/v1/completions", json={"model": model, "prompt": ["p"] * burst, "max_tokens": 2})
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == burst  # 2 run, 4 wait
+    resp = http.post("/v1/completions", json={"model": model, "prompt": ["p"] * (burst + 1), "max_tokens": 2})
     assert resp.status_code == 503, resp.text
     assert resp.headers["retry-after"] == "1"
     error = resp.json()["error"]
