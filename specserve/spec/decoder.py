@@ -22,6 +22,7 @@ from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec.adaptive import ProposalStats, SpecStepStats, verify_counts
 from specserve.spec.base import ProposeInput, Proposer, draft_budget, stack_draft_probs
+from specserve.spec.controller import FixedController
 from specserve.spec.draft_tokens import DeferredDrafts
 
 
@@ -69,8 +70,6 @@ def _controller(cfg: SpeculativeConfig):
             return AdaptiveController(cfg)
         except ImportError:
             pass
-    from specserve.spec.controller import FixedController
-
     return FixedController(cfg)
 
 
@@ -79,6 +78,12 @@ class SpecDecoder:
         self.cfg = cfg
         self.proposer = build_proposer(cfg, engine_parts)
         self.controller = build_controller(cfg)
+        # Seeded random requests draft only when k does not follow the load: the rejection sampler draws
+        # k uniforms per step from a request's generator, so with k chosen per step (adaptive
+        # controller, batch-size table, disable_by_batch_size) the same seed would sample differently
+        # under other load. Without drafts such a request draws exactly as plain sampling does.
+        self.k_follows_load = type(self.controller) is not FixedController or bool(
+            cfg.num_speculative_tokens_per_batch_size)
         self.rejection = RejectionSampler()
         self.stats = stats
         # Drafts stop where a request reaches the context window, or speculative_config.max_model_len.
@@ -166,7 +171,8 @@ class SpecDecoder:
             k = self.controller.choose(batch_size)
         self.last_k = k
         self.stats.set("spec_decode_chosen_num_tokens", k)
-        budgets = [draft_budget(r, k, self.max_model_len) for r in reqs]
+        budgets = [0 if self.k_follows_load and r.generator is not None and not r.params.greedy
+                   else draft_budget(r, k, self.max_model_len) for r in reqs]
         chosen = [(r, b, i) for r, b, i in zip(reqs, budgets, batch_index) if b > 0]
         for r in reqs:
             r.spec_token_ids, r.spec_draft_probs = [], None

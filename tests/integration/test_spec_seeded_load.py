@@ -1,0 +1,48 @@
+"""Seeded random requests under a k that follows the load (the default adaptive controller, a batch
+size table): the same seed samples the same tokens alone, in a batch, and as without speculation.
+The rejection sampler draws k uniforms per step from a request's generator, so such requests do not
+draft; greedy requests in the same batch still do."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from specserve import LLM, SamplingParams
+
+K = 3
+SPECS = {"adaptive": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+                      "prompt_lookup_max": 3},
+         "table": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                   "num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 8, 1]]}}
+PROMPT = {"prompt_token_ids": [11, 42, 7, 99, 23] * 6}
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_seeded_samples_do_not_follow_the_load(tiny_llama_dir, monkeypatch, name) -> None:
+    kw = {"progress": False, "kv_cache_memory_bytes": 4 << 20, "enable_prefix_caching": False}
+    plain = LLM(model=str(tiny_llama_dir), **kw)
+    want = plain.generate(PROMPT, SEEDED)[0].outputs[0].token_ids
+    llm = LLM(model=str(tiny_llama_dir), **kw, speculative_config=SPECS[name])
+    spec = llm.engine.spec
+    assert spec.k_follows_load
+    if name == "adaptive":  # k varies from step to step, as under changing load and timings
+        ks = itertools.cycle([K, 0, 1, K, 2])
+        monkeypatch.setattr(spec.controller, "choose", lambda batch_size: next(ks))
+    alone = llm.generate(PROMPT, SEEDED)[0].outputs[0].token_ids
+    batch = llm.generate([PROMPT, PROMPT, {"prompt_token_ids": [5, 6, 7] * 5}], [SEEDED, GREEDY, GREEDY])
+    assert alone == want and batch[0].outputs[0].token_ids == want
+    drafts = {m.name: m.value for m in llm.get_metrics() if not m.labels}["specserve:spec_decode_num_drafts_total"]
+    assert drafts > 0  # the greedy requests drafted
+    assert batch[1].outputs[0].token_ids == plain.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+
+
+def test_fixed_k_keeps_drafting_seeded_requests(tiny_llama_dir) -> None:
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
+              speculative_config={**SPECS["adaptive"], "adaptive": False})
+    assert not llm.engine.spec.k_follows_load
+    first = llm.generate(PROMPT, SEEDED)[0].outputs[0].token_ids
+    drafts = {m.name: m.value for m in llm.get_metrics() if not m.labels}["specserve:spec_decode_num_drafts_total"]
+    assert drafts > 0 and llm.generate(PROMPT, SEEDED)[0].outputs[0].token_ids == first
