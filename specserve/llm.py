@@ -63,23 +63,41 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: each conversation through the chat template; outputs report the rendered
+        prompt. continue_final_message leaves the last (assistant) message open for the model to go on."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template)}
-                   for c in conversations]
+        prompts = []
+        for c in conversations:
+            text = self._render_chat(c, add_generation_prompt, chat_template, continue_final_message,
+                                     chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": self._encode_rendered(text)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return self._encode_rendered(self._render_chat(messages, add_generation_prompt, chat_template,
+                                                       continue_final_message, chat_template_kwargs))
+
+    def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool, chat_template: str | None,
+                     continue_final_message: bool, chat_template_kwargs: dict[str, Any] | None) -> str:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so it has no chat template.")
         if not messages:
             raise ValueError("messages must not be empty.")
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                       chat_template=chat_template)
+        if continue_final_message and (add_generation_prompt or messages[-1].get("role") != "assistant"):
+            raise ValueError("continue_final_message needs add_generation_prompt=False and a last message "
+                             "from the assistant.")
+        opened = {"continue_final_message": True} if continue_final_message else {}
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                       chat_template=chat_template, **opened, **(chat_template_kwargs or {}))
+
+    def _encode_rendered(self, text: str) -> list[int]:
         # The template already holds BOS and friends: do not add special tokens again.
-        return list(tok.encode(text, add_special_tokens=False))
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
 
     def get_metrics(self) -> list[Metric]:
         """The same series the server exports, named `specserve:<name>`."""

@@ -5,6 +5,7 @@ never admits a request it cannot serve.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {value!r}.")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -47,6 +52,16 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}.")
 
+        # Numbers first: NaN passes every comparison below, and true / false are no counts.
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed"):
+            if isinstance(getattr(self, name), bool):
+                raise bad(name, "must be an integer, not a boolean")
+        if self.seed is not None and isinstance(self.seed, int) and not -(1 << 63) <= self.seed < (1 << 64):
+            raise bad("seed", "must fit in 64 bits")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if self.temperature < 0.0:

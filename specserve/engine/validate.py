@@ -12,10 +12,13 @@ logger = logging.getLogger(__name__)
 
 def resolve_prompt(prompt: str | list[int] | dict, tokenizer: Any | None,
                    vocab_size: int) -> tuple[str | None, list[int]]:
-    """Returns (prompt text or None, prompt token ids)."""
+    """Returns (prompt text or None, prompt token ids). A dict with both keys (vLLM's TokensPrompt
+    with its text, as LLM.chat builds) is served from its token ids and reports its text."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            prompt = prompt["prompt_token_ids"]
+            text = prompt.get("prompt")
+            _, ids = resolve_prompt(prompt["prompt_token_ids"], tokenizer, vocab_size)
+            return (text if isinstance(text, str) else None), ids
         elif "prompt" in prompt:
             prompt = prompt["prompt"]
         else:
