@@ -170,9 +170,14 @@ def plot_compare(current: dict[str, Any], baseline: dict[str, Any], path: Path,
         else:
             _concurrency_axis(ax, sorted({x for _, r in results for x in sweep_series(r)["max_concurrency"]}))
         ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"{labels[0]} vs {labels[1]}")
-    fig.tight_layout()
+    # One legend for the figure, under the panels: run names (result files) are long, and per-panel
+    # legends covered the curves and the axis labels.
+    handles, names = axes[-1].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=min(4, len(names)), fontsize=8, frameon=False)
+    unbounded = any(r["max_concurrency"] is None for _, runs in results for r in runs)
+    note = " (runs without a concurrency limit drawn at their number of requests)" if unbounded and not single else ""
+    fig.suptitle(f"{labels[0]} vs {labels[1]}{note}")
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
