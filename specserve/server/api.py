@@ -148,6 +148,10 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
     @_guarded
     async def chat_completions(request: Request) -> Response:
         req = parse_model(ChatCompletionRequest, await read_json(request, limit))
+        if req.chat_template is not None and not settings.trust_request_chat_template:
+            # As vLLM: a client's Jinja runs in a sandbox but may still loop for long; opt in.
+            raise APIError("a chat_template in the request needs the server started with "
+                           "--trust-request-chat-template", param="chat_template", code="unsupported")
         return await create_chat_completion(engine, req, request)
 
     @app.get("/v1/models")

@@ -49,6 +49,8 @@ class ServerConfig:
     graceful_shutdown_timeout: float = field(default=5.0, metadata={
         "help": "on SIGTERM, seconds in-flight requests may run before they are aborted"})
     uvicorn_log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
+    trust_request_chat_template: bool = field(default=False, metadata={
+        "help": "accept a chat_template sent with a chat request (vLLM's flag; off: such requests get 400)"})
 
     def __post_init__(self) -> None:
         if self.metrics_prefix not in ("specserve", "vllm"):

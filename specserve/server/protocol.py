@@ -14,7 +14,8 @@ import time
 import uuid
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 def random_id(prefix: str) -> str:
@@ -77,6 +78,10 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Keep only the last k prompt tokens (left truncation); -1: the model's max length.
+    truncate_prompt_tokens: int | None = Field(default=None, strict=True)  # strict: true is not 1
+    # Logprob token strings spelled "token_id:{id}" (vLLM's spelling), not the decoded text.
+    return_tokens_as_token_ids: bool = False
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* extras.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -98,6 +103,16 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     prompt_logprobs: int | None = None  # vLLM's extra field: each prompt token's logprob and top-n
+    add_special_tokens: bool = True  # vLLM's: tokenize text prompts with the tokenizer's BOS etc.
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("invalid_value", "must be a string, a list of strings, a list of token ids "
+                                      "or a list of token-id lists") from None
 
 
 class TextPart(OpenAIModel):
@@ -109,6 +124,21 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # Seen only to be refused (tools are not supported): rendering them would drop the calls.
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _text_parts_only(cls, value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            if isinstance(value, list) and any(isinstance(p, dict) and p.get("type") not in ("text", None)
+                                               for p in value):
+                raise PydanticCustomError("unsupported", "only text content parts are supported") from None
+            raise PydanticCustomError("invalid_value", "must be a string or a list of text parts "
+                                      "({'type': 'text', 'text': ...})") from None
 
     def text(self) -> str:
         if self.content is None:
@@ -129,7 +159,10 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: the last (assistant) message stays open and the model continues it; needs
     # add_generation_prompt false.
     continue_final_message: bool = False
+    chat_template: str | None = None  # a Jinja template used instead of the model's
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # vLLM's: BOS etc. on top of what the template renders
+    echo: bool = False  # vLLM's: a final assistant message's content prefixes the reply
 
 
 class TokenizeRequest(OpenAIModel):

@@ -5,6 +5,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -35,9 +36,10 @@ from specserve.server.serving_common import (
     engine_error,
     fit_context,
     guarded_stream,
+    logprob_token,
     require_tokenizer,
     sse,
-    token_text,
+    truncation_size,
     until_disconnected,
 )
 
@@ -49,45 +51,65 @@ _RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt"
 
 
 def render_chat(engine: AsyncEngine, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False) -> list[int]:
-    """Validate messages and apply the chat template; the result is tokenized without adding
-    special tokens again (the template already holds BOS where the model wants one)."""
-    if not messages:
-        raise APIError("messages must be a non-empty list", param="messages", code="invalid_value")
-    for i, m in enumerate(messages):
-        if m.role != "assistant" and m.content is None:
-            raise APIError(f"messages.{i}.content is required for role {m.role!r}",
-                           param=f"messages.{i}.content", code="invalid_value")
+                template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
+                chat_template: str | None = None, add_special_tokens: bool = False) -> list[int]:
+    """Validate messages and apply the chat template (the request's `chat_template` when given, else
+    the model's); the result is tokenized without adding special tokens again (the template
+    already holds BOS where the model wants one) unless add_special_tokens (vLLM's field)."""
+    _check_messages(messages)
     tokenizer = require_tokenizer(engine, "messages")
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError("this model has no chat template; use /v1/completions", param="messages",
-                       code="unsupported")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise APIError("this model has no chat template; use /v1/completions or send chat_template",
+                       param="messages", code="unsupported")
     conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in messages]
     extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    custom = {"chat_template": chat_template} if chat_template is not None else {}
+    param = "chat_template" if custom else "messages"
     try:
         opened = {"continue_final_message": True} if continue_final_message else {}
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **opened, **extra)
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **custom, **opened, **extra)
+    except jinja2.TemplateSyntaxError as e:
+        raise APIError(f"chat_template is not a valid Jinja template: {e}", param=param,
+                       code="invalid_value") from None
     except Exception as e:  # noqa: BLE001 - jinja errors (role order, ...) are the client's
-        raise APIError(f"messages could not be rendered with the chat template: {e}",
-                       param="messages", code="invalid_value") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+        which = "the given chat_template" if custom else "the chat template"
+        raise APIError(f"messages could not be rendered with {which}: {e}", param=param,
+                       code="invalid_value") from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def _logprobs(engine: AsyncEngine, c: CompletionOutput, start: int, top_n: int) -> ChatLogprobs:
+def _check_messages(messages: list[ChatMessage]) -> None:
+    if not messages:
+        raise APIError("messages must be a non-empty list", param="messages", code="invalid_value")
+    for i, m in enumerate(messages):
+        if m.tool_calls or m.function_call is not None:
+            field = "tool_calls" if m.tool_calls else "function_call"
+            raise APIError(f"messages.{i}.{field}: tool calls are not supported by this server", param="messages",
+                           code="unsupported")
+        if m.role != "assistant" and m.content is None:
+            raise APIError(f"messages.{i}.content is required for role {m.role!r}",
+                           param=f"messages.{i}.content", code="invalid_value")
+
+
+def _logprobs(engine: AsyncEngine, c: CompletionOutput, start: int, top_n: int, as_ids: bool = False) -> ChatLogprobs:
+    """as_ids: vLLM's return_tokens_as_token_ids, tokens spelled "token_id:{id}" (bytes stay the text's)."""
     content = []
     for i in range(start, len(c.token_ids)):
         tid = c.token_ids[i]
         top = c.logprobs[i] if c.logprobs is not None and i < len(c.logprobs) else {}
         sampled = top.get(tid)
-        tok = token_text(engine, tid, sampled)
+        tok, text = logprob_token(engine, tid, sampled, as_ids)
         ranked = sorted(top.items(), key=lambda kv: -kv[1].logprob)[:top_n]
+        tops = []
+        for t, lp in ranked:
+            shown, t_text = logprob_token(engine, t, lp, as_ids)
+            tops.append(TopLogprob(token=shown, logprob=max(lp.logprob, MIN_LOGPROB),
+                                   bytes=list(t_text.encode("utf-8"))))
         content.append(ChatTokenLogprob(
             token=tok, logprob=max(sampled.logprob, MIN_LOGPROB) if sampled else MIN_LOGPROB,
-            bytes=list(tok.encode("utf-8")),
-            top_logprobs=[TopLogprob(token=(s := token_text(engine, t, lp)), logprob=max(lp.logprob, MIN_LOGPROB),
-                                     bytes=list(s.encode("utf-8"))) for t, lp in ranked]))
+            bytes=list(text.encode("utf-8")), top_logprobs=tops))
     return ChatLogprobs(content=content)
 
 
@@ -107,8 +129,11 @@ def _validate(req: ChatCompletionRequest) -> None:
 async def create_chat_completion(engine: AsyncEngine, req: ChatCompletionRequest, raw: Request) -> Response:
     check_model(engine, req.model)
     _validate(req)
+    keep = truncation_size(req.truncate_prompt_tokens, engine.max_model_len)
     prompt_ids = render_chat(engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
-                             req.continue_final_message)
+                             req.continue_final_message, req.chat_template, req.add_special_tokens)
+    if keep is not None:
+        prompt_ids = prompt_ids[-keep:]  # vLLM's truncate_prompt_tokens: the last k tokens
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = build_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs")
     params = fit_context(params, [len(prompt_ids)], engine.max_model_len, "messages")
@@ -138,6 +163,12 @@ async def _last(stream: RequestStream) -> RequestOutput:
     return final
 
 
+def _echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: a final message in the response's role (assistant) prefixes the reply."""
+    last = req.messages[-1] if req.messages else None
+    return last.text() if req.echo and last is not None and last.role == "assistant" else ""
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
@@ -145,8 +176,10 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
 
 def _full_response(engine: AsyncEngine, req: ChatCompletionRequest, final: RequestOutput,
                    reply_id: str) -> ChatCompletionResponse:
-    choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                          logprobs=_logprobs(engine, c, 0, req.top_logprobs or 0) if req.logprobs else None,
+    echo = _echo_text(req)
+    as_ids = req.return_tokens_as_token_ids
+    choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=echo + c.text),
+                          logprobs=_logprobs(engine, c, 0, req.top_logprobs or 0, as_ids) if req.logprobs else None,
                           finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                for c in final.outputs]
     generated = sum(len(c.token_ids) for c in final.outputs)
@@ -164,9 +197,11 @@ async def _stream(engine: AsyncEngine, req: ChatCompletionRequest, stream: Reque
         return sse(ChatCompletionChunk(id=reply_id, created=created, model=engine.model_name,
                                        choices=choices, usage=usage))
 
-    # The role comes first, as OpenAI sends it, before the first token is ready.
+    # The role comes first, as OpenAI sends it, before the first token is ready (with the echoed
+    # final assistant message when the request asked for echo).
+    echo = _echo_text(req)
     for i in range(req.n):
-        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echo))])
     tracker, done, generated = DeltaTracker(), set(), {}
     async for output in stream:
         for c in output.outputs:
@@ -178,7 +213,8 @@ async def _stream(engine: AsyncEngine, req: ChatCompletionRequest, stream: Reque
                 continue
             if c.finish_reason is not None:
                 done.add(c.index)
-            logprobs = _logprobs(engine, c, start, req.top_logprobs or 0) if req.logprobs else None
+            logprobs = (_logprobs(engine, c, start, req.top_logprobs or 0, req.return_tokens_as_token_ids)
+                        if req.logprobs else None)
             usage = _usage(num_prompt_tokens, sum(generated.values())) if continuous else None
             yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=delta), logprobs=logprobs,
                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason)], usage)

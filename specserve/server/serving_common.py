@@ -117,7 +117,8 @@ def validation_error(errors: list[Any]) -> APIError:
     loc = ".".join(parts)
     more = f" ({len(errors)} errors)" if len(errors) > 1 else ""
     message = f"{loc}: {err.get('msg', 'invalid value')}{more}" if loc else f"request body: {err.get('msg')}{more}"
-    return APIError(message, param=parts[0] if parts else None, code="invalid_value")
+    code = "unsupported" if err.get("type") == "unsupported" else "invalid_value"  # protocol's custom errors
+    return APIError(message, param=parts[0] if parts else None, code=code)
 
 
 def check_model(engine: AsyncEngine, model: str | None) -> None:
@@ -180,6 +181,21 @@ def fit_context(params: SamplingParams, prompt_lens: list[int], max_model_len: i
     return params
 
 
+def truncation_size(k: int | None, max_model_len: int) -> int | None:
+    """vLLM's truncate_prompt_tokens: how many prompt tokens to keep (the last ones), or None."""
+    if k is None:
+        return None
+    if k == -1:  # the model's max length
+        return max_model_len
+    if k < 1:
+        raise APIError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k}",
+                       param="truncate_prompt_tokens", code="invalid_value")
+    if k > max_model_len:
+        raise APIError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); "
+                       "select a smaller truncation size", param="truncate_prompt_tokens", code="invalid_value")
+    return k
+
+
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
@@ -227,6 +243,13 @@ def token_text(engine: AsyncEngine, token_id: int, lp: Logprob | None) -> str:
     if engine.tokenizer is None:
         return f"token_id:{token_id}"  # vLLM's spelling when there is no tokenizer
     return engine.tokenizer.decode([token_id])
+
+
+def logprob_token(engine: AsyncEngine, token_id: int, lp: Logprob | None, as_ids: bool) -> tuple[str, str]:
+    """(the token as shown in logprobs, its text): shown as "token_id:{id}" with vLLM's
+    return_tokens_as_token_ids, else its text."""
+    text = token_text(engine, token_id, lp)
+    return (f"token_id:{token_id}" if as_ids else text), text
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from specserve.engine.async_engine import AsyncEngine, RequestSpec, RequestStream
-from specserve.outputs import CompletionOutput, RequestOutput
+from specserve.outputs import CompletionOutput, Logprob, RequestOutput
 from specserve.server.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -31,9 +31,10 @@ from specserve.server.serving_common import (
     engine_error,
     fit_context,
     guarded_stream,
+    logprob_token,
     require_tokenizer,
     sse,
-    token_text,
+    truncation_size,
     until_disconnected,
 )
 
@@ -83,33 +84,41 @@ class _Reply:
             return None
         out = CompletionLogprobs()
         offset = self.text_offsets.get(index, 0)
+        as_ids = self.req.return_tokens_as_token_ids  # token strings "token_id:{id}"; offsets stay in the text
+
+        def shown(tid: int, lp: Logprob | None) -> str:
+            return logprob_token(self.engine, tid, lp, as_ids)[0]
+
         if echoed is not None:
             scored = echoed.prompt_logprobs or []
             for i, tid in enumerate(echoed.prompt_token_ids):
                 top = scored[i] if i < len(scored) else None
-                tok = token_text(self.engine, tid, top.get(tid) if top else None)
+                tok, text = logprob_token(self.engine, tid, top.get(tid) if top else None, as_ids)
                 out.tokens.append(tok)
                 out.token_logprobs.append(max(top[tid].logprob, MIN_LOGPROB) if top and tid in top else None)
                 out.top_logprobs.append(None if top is None else {  # top-n and the prompt token, as vLLM
-                    token_text(self.engine, t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in top.items()})
+                    shown(t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in top.items()})
                 out.text_offset.append(offset)
-                offset += len(tok)
+                offset += len(text)
         for i in range(start, len(c.token_ids)):
             tid = c.token_ids[i]
             top = c.logprobs[i] if c.logprobs is not None and i < len(c.logprobs) else {}
             sampled = top.get(tid)
-            tok = token_text(self.engine, tid, sampled)
+            tok, text = logprob_token(self.engine, tid, sampled, as_ids)
             out.tokens.append(tok)
             out.token_logprobs.append(max(sampled.logprob, MIN_LOGPROB) if sampled else None)
-            out.top_logprobs.append({token_text(self.engine, t, lp): max(lp.logprob, MIN_LOGPROB)
-                                     for t, lp in top.items()})
+            out.top_logprobs.append({shown(t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in top.items()})
             out.text_offset.append(offset)
-            offset += len(tok)
+            offset += len(text)
         self.text_offsets[index] = offset
         return out
 
 
-def _prompts(engine: AsyncEngine, prompt: str | list[int] | list[str] | list[list[int]]) -> list[_Prompt]:
+def _prompts(engine: AsyncEngine, req: CompletionRequest) -> list[_Prompt]:
+    """The request's prompts as token ids: text tokenized (with the tokenizer's special tokens when
+    add_special_tokens), then left-truncated to the last truncate_prompt_tokens tokens (vLLM)."""
+    prompt = req.prompt
+    keep = truncation_size(req.truncate_prompt_tokens, engine.max_model_len)
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -119,11 +128,21 @@ def _prompts(engine: AsyncEngine, prompt: str | list[int] | list[str] | list[lis
     out = []
     for p in prompt:
         if isinstance(p, str):
-            require_tokenizer(engine, "prompt")
-            out.append(_Prompt(p, engine.encode(p) if p else []))
+            tokenizer = require_tokenizer(engine, "prompt")
+            if not p:
+                ids = []
+            elif req.add_special_tokens:
+                ids = engine.encode(p)  # the engine's own tokenization of a text prompt
+            else:
+                ids = list(tokenizer.encode(p, add_special_tokens=False))
+            prompt_item = _Prompt(p, ids)
         else:
             check_token_ids(p, engine.vocab_size, "prompt")
-            out.append(_Prompt(None, list(p)))
+            prompt_item = _Prompt(None, list(p))
+        if keep is not None and len(prompt_item.token_ids) > keep:
+            # echo shows what the model saw: the kept tokens, decoded
+            prompt_item = _Prompt(None, prompt_item.token_ids[-keep:])
+        out.append(prompt_item)
     return out
 
 
@@ -136,7 +155,7 @@ async def create_completion(engine: AsyncEngine, req: CompletionRequest, raw: Re
                        code="unsupported")
     if req.echo:
         require_tokenizer(engine, "echo")
-    prompts = _prompts(engine, req.prompt)
+    prompts = _prompts(engine, req)
     if len(prompts) * req.n > 128:
         raise APIError("too many completions in one request (prompts * n > 128)", param="n",
                        code="invalid_value")
