@@ -123,15 +123,31 @@ def _load_target(args, device: torch.device, generate: bool):
     any; otherwise it is built small, only for its model and tokenizer)."""
     from specserve import LLM
 
-    kw = dict(model=args.target, device=device.type, max_model_len=args.max_model_len or args.max_seq_len,
-              progress=not args.quiet, load_format=getattr(args, "load_format", "auto"))
+    max_len = args.max_model_len or args.max_seq_len  # the RoPE table must reach the longest sequence
+    load_format = getattr(args, "load_format", "auto")
+    kw = dict(model=args.target, device=device.type, max_model_len=max_len, progress=not args.quiet,
+              load_format=load_format)
     if not generate:
-        kw.update(kv_cache_memory_bytes=1 << 22, max_num_seqs=1, enforce_eager=True)
+        # Only the model and tokenizer are used: the smallest KV pool the engine accepts, one sequence
+        # of max_model_len (float32 bytes, the largest KV dtype), so training keeps the memory.
+        kw.update(kv_cache_memory_bytes=_one_sequence_kv_bytes(args.target, load_format, max_len), max_num_seqs=1,
+                  enforce_eager=True)
     elif device.type == "cuda":
         kw.update(gpu_memory_utilization=0.45, max_num_seqs=256)  # the rest is for training after
     else:
         kw.update(max_num_seqs=32)
     return LLM(**kw)
+
+
+def _one_sequence_kv_bytes(target: str, load_format: str, max_len: int, block: int = 16) -> int:
+    """KV bytes of one float32 sequence of max_len tokens (rounded up to blocks, one block spare)."""
+    from specserve.config import ModelConfig
+    from specserve.model.arch import ModelArch
+    from specserve.model.loader import _Source  # reads config without weights, as make_random_head_dir
+
+    arch = ModelArch.from_hf_config(_Source.open(ModelConfig(model=target, load_format=load_format)).hf_config)
+    per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 4
+    return (-(-max_len // block) + 1) * block * per_token
 
 
 def prepare_data(args, llm, deadline: float) -> list[train_data.TrainSeq]:

@@ -391,3 +391,22 @@ def test_the_head_layer_starts_random_unless_asked_to_copy_the_target() -> None:
     assert _parser().parse_args(base).no_init_from_target is True
     assert _parser().parse_args(base + ["--no-init-from-target"]).no_init_from_target is True
     assert _parser().parse_args(base + ["--init-from-target"]).no_init_from_target is False
+
+
+
+def test_train_target_without_generation_fits_its_kv_pool(tmp_path):
+    """Resuming on cached data (or training on token-id data) loads the target only for its model
+    and tokenizer: its KV pool is sized for one max_seq_len sequence, so the engine's start-up check
+    (a pool must hold max_model_len) passes. A fixed 4 MiB pool did not hold this target's 8,192
+    tokens (512 bytes each), and `train-draft --resume` refused to start on SmolLM2."""
+    import argparse
+
+    from specserve.spec.train import _load_target, _one_sequence_kv_bytes
+    from tests.helpers.tiny_models import make_tiny_model_dir
+
+    target = str(make_tiny_model_dir(tmp_path / "t", max_position_embeddings=16384, num_layers=4))
+    need = _one_sequence_kv_bytes(target, "auto", 16384)
+    assert need > 1 << 22  # 4 layers * 2 * 2 KV heads * 16 dims * 4 bytes = 1 KiB per token
+    args = argparse.Namespace(target=target, max_model_len=None, max_seq_len=16384, quiet=True, load_format="auto")
+    eng = _load_target(args, torch.device("cpu"), generate=False).engine
+    assert eng.max_model_len == 16384 and eng.kv.num_blocks * eng.kv.block_size >= 16384
