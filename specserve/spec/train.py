@@ -157,6 +157,8 @@ def prepare_data(args, llm, deadline: float) -> list[train_data.TrainSeq]:
         return [train_data.TrainSeq(e.token_ids, e.num_prompt_tokens) for e in train_data.load_jsonl(cached)]
     examples = (train_data.load_jsonl(args.data) if args.data
                 else train_data.stdlib_examples(args.num_prompts, args.seed))
+    if args.data:
+        train_data.check_vocab(examples, llm.engine.vocab_size, args.data)
     seqs = train_data.build_sequences(llm, examples, args.max_new_tokens, args.max_seq_len, args.temperature,
                                       deadline, args.seed, progress=not args.quiet)
     if not seqs:
@@ -251,6 +253,9 @@ def run_training(args, llm=None) -> TrainResult:
     device = _device(args.device)
     if args.data:
         train_data.refuse_humaneval(args.data)
+    if not args.resume and (Path(args.out) / "model.safetensors").is_file():
+        print(f"specserve train-draft: {args.out} holds a head; starting fresh and overwriting it "
+              "(--resume continues it)", file=sys.stderr)
     if llm is None:
         llm = _load_target(args, device, _needs_generation(args))
     loaded = llm.engine.loaded

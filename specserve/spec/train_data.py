@@ -142,29 +142,62 @@ def stdlib_examples(num: int, seed: int = 0) -> list[Example]:
 
 
 def load_jsonl(path: str | Path) -> list[Example]:
+    """Examples of a JSONL file; a bad line raises ValueError naming the file and line."""
     refuse_humaneval(path)
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}.") from None
     examples = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row: dict[str, Any] = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON: {e}.") from None
-        if "token_ids" in row:
-            examples.append(Example(token_ids=[int(t) for t in row["token_ids"]],
-                                    num_prompt_tokens=int(row.get("num_prompt_tokens", 0))))
-        elif "messages" in row:
-            examples.append(Example(messages=list(row["messages"])))
-        elif "prompt" in row:
-            examples.append(Example(messages=[{"role": "user", "content": str(row["prompt"])}]))
-        elif "text" in row:
-            examples.append(Example(text=str(row["text"])))
-        else:
-            raise ValueError(f"{path}:{n}: needs 'prompt', 'messages', 'text' or 'token_ids'.")
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: a line must be a JSON object.")
+        examples.append(_example(row, f"{path}:{n}"))
     if not examples:
         raise ValueError(f"{path} holds no examples.")
     return examples
+
+
+def _example(row: dict[str, Any], where: str) -> Example:
+    if "token_ids" in row:
+        ids, num_prompt = row["token_ids"], row.get("num_prompt_tokens", 0)
+        if (not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                                         for t in ids)):
+            raise ValueError(f"{where}: token_ids must be a non-empty list of non-negative integers.")
+        if isinstance(num_prompt, bool) or not isinstance(num_prompt, int) or not 0 <= num_prompt <= len(ids):
+            raise ValueError(f"{where}: num_prompt_tokens must be an integer in [0, len(token_ids)].")
+        return Example(token_ids=list(ids), num_prompt_tokens=num_prompt)
+    if "messages" in row:
+        messages = row["messages"]
+        if (not isinstance(messages, list) or not messages
+                or any(not isinstance(m, dict) or not isinstance(m.get("role"), str)
+                       or not isinstance(m.get("content"), str) for m in messages)):
+            raise ValueError(f"{where}: messages must be a non-empty list of {{'role': str, 'content': str}}.")
+        return Example(messages=list(messages))
+    if "prompt" in row:
+        if not isinstance(row["prompt"], str) or not row["prompt"]:
+            raise ValueError(f"{where}: prompt must be a non-empty string.")
+        return Example(messages=[{"role": "user", "content": row["prompt"]}])
+    if "text" in row:
+        if not isinstance(row["text"], str) or not row["text"]:
+            raise ValueError(f"{where}: text must be a non-empty string.")
+        return Example(text=row["text"])
+    raise ValueError(f"{where}: needs 'prompt', 'messages', 'text' or 'token_ids'.")
+
+
+def check_vocab(examples: list[Example], vocab_size: int, path: str | Path) -> None:
+    """Token ids of token_ids examples must index the target's vocabulary (an embedding lookup
+    past it fails deep in training otherwise)."""
+    for i, e in enumerate(examples):
+        if e.token_ids is not None and max(e.token_ids) >= vocab_size:
+            raise ValueError(f"{path}: example {i + 1} has token id {max(e.token_ids)}, outside the target's "
+                             f"vocabulary [0, {vocab_size}).")
 
 
 def _prompt_ids(llm, messages: list[dict[str, str]]) -> list[int]:
