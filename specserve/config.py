@@ -289,10 +289,22 @@ class EngineConfig:
             names = {f.name for f in dataclasses.fields(sub)}
             parts[name] = sub(**{k: kw.pop(k) for k in list(kw) if k in names})
         offload = kw.pop("kv_offload", None) or {}
+        # The CLI's flat names work as keywords too (LLM(kv_offload_cpu_bytes=...)), as every other
+        # engine setting is a flat keyword.
+        flat = {k[len("kv_offload_"):]: kw.pop(k) for k in list(kw) if k.startswith("kv_offload_")}
         if isinstance(offload, OffloadConfig):
+            if flat:
+                raise ValueError(f"give kv_offload or the kv_offload_* keywords, not both: {sorted(flat)}.")
             parts["offload"] = offload
         else:
-            parts["offload"] = OffloadConfig(**offload)
+            if not isinstance(offload, dict):
+                raise ValueError(f"kv_offload must be a dict or an OffloadConfig, got {offload!r}.")
+            fields = {f.name for f in dataclasses.fields(OffloadConfig)}
+            unknown = sorted(set(offload) - fields) + sorted(f"kv_offload_{k}" for k in set(flat) - fields)
+            if unknown:
+                raise ValueError(f"unknown kv_offload settings: {unknown}; known: {sorted(fields)} "
+                                 "(or the kv_offload_* keywords).")
+            parts["offload"] = OffloadConfig(**{**offload, **flat})
         parts["speculative"] = SpeculativeConfig.from_any(kw.pop("speculative_config", None))
         device = kw.pop("device", "auto")
         if kw:

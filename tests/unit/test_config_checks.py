@@ -203,3 +203,18 @@ def test_engine_start_checks_the_kv_pool_and_the_token_budget(tiny_llama_dir, ca
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) is smaller than max_model_len"):
         LLM(model=model, progress=False, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=4,
             enable_chunked_prefill=False)
+
+
+def test_offload_settings_as_flat_keywords_or_a_dict(tmp_path):
+    """LLM(kv_offload_cpu_bytes=...) as the CLI flags are named, or kv_offload={...}; unknown names
+    are a ValueError naming them (found by an independent check: flat names were refused, a mistyped
+    dict key was a TypeError)."""
+    flat = EngineConfig.from_kwargs(kv_offload_cpu_bytes=1 << 20, kv_offload_disk_path=str(tmp_path / "d"),
+                                    kv_offload_disk_bytes=1 << 20)
+    nested = EngineConfig.from_kwargs(kv_offload={"cpu_bytes": 1 << 20, "disk_path": str(tmp_path / "d"),
+                                                  "disk_bytes": 1 << 20})
+    assert flat.offload == nested.offload and flat.offload.enabled
+    with pytest.raises(ValueError, match="cpu_byte"):
+        EngineConfig.from_kwargs(kv_offload={"cpu_byte": 1})
+    with pytest.raises(ValueError, match="kv_offload_cpu_byte"):
+        EngineConfig.from_kwargs(kv_offload_cpu_byte=1)
