@@ -86,6 +86,8 @@ class SpecDecoder:
             cfg.num_speculative_tokens_per_batch_size)
         self.rejection = RejectionSampler()
         self.stats = stats
+        for pos in range(cfg.num_speculative_tokens):  # every position exported from the start, at 0
+            stats.inc("spec_decode_num_accepted_tokens_per_pos_total", 0, _POSITION_LABELS[pos])
         # Drafts stop where a request reaches the context window, or speculative_config.max_model_len.
         window = engine_parts.loaded.max_model_len
         self.max_model_len = min(window, cfg.max_model_len or window)

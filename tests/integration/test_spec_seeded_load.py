@@ -46,3 +46,13 @@ def test_fixed_k_keeps_drafting_seeded_requests(tiny_llama_dir) -> None:
     first = llm.generate(PROMPT, SEEDED)[0].outputs[0].token_ids
     drafts = {m.name: m.value for m in llm.get_metrics() if not m.labels}["specserve:spec_decode_num_drafts_total"]
     assert drafts > 0 and llm.generate(PROMPT, SEEDED)[0].outputs[0].token_ids == first
+
+
+def test_every_position_is_exported_before_any_acceptance(tiny_llama_dir) -> None:
+    """spec_decode_num_accepted_tokens_per_pos_total{position} has positions 0..k-1 at 0 from the start
+    (dashboards see the series before the first acceptance; found by an independent check)."""
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
+              speculative_config={**SPECS["adaptive"], "num_speculative_tokens": 5})
+    per_pos = {m.labels["position"]: m.value for m in llm.get_metrics()
+               if m.name.endswith("spec_decode_num_accepted_tokens_per_pos_total")}
+    assert per_pos == {str(p): 0.0 for p in range(5)}
