@@ -109,6 +109,10 @@ class DiskTier:
         """`contains` without asking the file system (no stat): what this process has seen."""
         return key in self._writer or file_name(key) in self._index
 
+    def count_miss(self) -> None:
+        """A lookup probed a block this tier does not hold (a query without a hit)."""
+        self._stats.add(queries=1)
+
     def get(self, key: BlockKey) -> PackedPayload | None:
         pending = self._writer.copy_pending(key)
         self._stats.add(queries=1)

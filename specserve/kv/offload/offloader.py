@@ -129,7 +129,7 @@ class KVOffloader:
                 if len(hits) == len(rest):
                     break
                 rest = rest[len(hits):]
-            run = self._disk_run(rest)
+            run = self._disk_run(rest, count_miss=True)
             if not run:
                 break
             got = self.disk.get_many(run, self.mover.layout)
@@ -141,14 +141,21 @@ class KVOffloader:
                 break
         return found
 
-    def _disk_run(self, hashes: list[BlockHash]) -> list[BlockHash]:
-        """The leading hashes that are on disk and not in the CPU tier."""
+    def _disk_run(self, hashes: list[BlockHash], count_miss: bool = False) -> list[BlockHash]:
+        """The leading hashes that are on disk and not in the CPU tier. count_miss (a lookup): a run
+        that ends at a block the disk does not hold counts that probe as a disk query, as the CPU
+        tier's get_many counts its first miss; otherwise a lookup the disk could not serve left no
+        trace and the disk's hit rate read ~100%."""
         run: list[BlockHash] = []
         if self.disk is None:
             return run
         for h in hashes:
             self.queue.wait_for(h)
-            if (self.cpu is not None and self.cpu.contains(h)) or not self.disk.contains(h):
+            if self.cpu is not None and self.cpu.contains(h):
+                break
+            if not self.disk.contains(h):
+                if count_miss:
+                    self.disk.count_miss()
                 break
             run.append(h)
         return run
