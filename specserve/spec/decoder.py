@@ -195,9 +195,11 @@ class SpecDecoder:
         proposer that keeps target features (EAGLE heads' `absorb`), so a prompt fed in pieces or
         chunks is whole in its context. samples: per scheduled entry, whether it sampled."""
         absorb = getattr(self.proposer, "absorb", None)
+        if absorb is None:  # every step calls this: proposers without target features stop here
+            return
         chosen = [(s.request, i) for i, (s, smp) in enumerate(zip(sched.scheduled, samples))
                   if not smp and not s.request.is_finished]
-        if absorb is not None and chosen:
+        if chosen:
             absorb(ProposeInput([c[0] for c in chosen], [1] * len(chosen), step, [c[1] for c in chosen]))
 
     def skip_proposal(self, num_reqs: int) -> None:
