@@ -193,22 +193,11 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery):
             positions, q_lens, pick, src = self._parallel_layout(plan)
         else:
             positions, q_lens, pick = plan.positions, plan.num_real, np.cumsum(plan.num_real) - 1
-        # Every host input of the first forward (gathers, positions, attention metadata): one copy.
-        arrays = attention_arrays(ctx, q_lens, tables, self.kv.block_size)
-        host = [np.asarray(plan.feature_rows, dtype=np.int64), np.asarray(plan.next_tokens, dtype=np.int64),
-                np.asarray(positions, dtype=np.int64), np.asarray(pick, dtype=np.int64)]
+        extra = [np.asarray(pick, dtype=np.int64)] + ([src] if self.parallel else [])
+        embeds, hidden, pos, meta, (pick_dev, *src_dev) = self._first_inputs(plan, inp.step, ctx, q_lens, tables,
+                                                                             positions, extra)
         if self.parallel:
-            host.append(src)
-        dev = self.upload.send(host + arrays)
-        rows, next_tokens, pos, pick_dev = dev[:4]
-        meta = attention_metadata(arrays, dev[-4:], q_lens)
-        step = inp.step
-        parts = step.aux_hidden if self.aux_hidden_layers else [step.all_hidden]  # each [num_tokens, hidden]
-        feats = torch.cat([p.index_select(0, rows) for p in parts], dim=-1)  # [num_real, n * hidden]
-        hidden = self.head.fuse_target(feats)  # [num_real, hidden]
-        embeds = self.target.embed_tokens(next_tokens)  # [num_real, hidden]
-        if self.parallel:
-            result = self._draft_parallel(plan, embeds, hidden, dev[4], pos, meta, pick_dev)
+            result = self._draft_parallel(plan, embeds, hidden, src_dev[0], pos, meta, pick_dev)
         else:
             result = self._draft_autoregressive(plan, embeds, hidden, pos, meta, pick_dev, tables)
         self._hand_over(plan.reqs, result)
@@ -222,18 +211,28 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery):
         if not plan.reqs:
             return
         tables = [self.kv.block_ids(s.request_id) for s in plan.seqs]
-        arrays = attention_arrays([s.num_computed_tokens for s in plan.seqs], plan.num_real, tables,
-                                  self.kv.block_size)
-        host = [np.asarray(v, dtype=np.int64) for v in (plan.feature_rows, plan.next_tokens, plan.positions)]
-        dev = self.upload.send(host + arrays)
-        rows, next_tokens, pos = dev[:3]
-        step = inp.step
-        parts = step.aux_hidden if self.aux_hidden_layers else [step.all_hidden]  # each [num_tokens, hidden]
-        hidden = self.head.fuse_target(torch.cat([p.index_select(0, rows) for p in parts], dim=-1))
-        self._head(self.target.embed_tokens(next_tokens), hidden, pos,
-                   attention_metadata(arrays, dev[3:], plan.num_real))  # writes the rows' K/V
+        ctx = [s.num_computed_tokens for s in plan.seqs]
+        embeds, hidden, pos, meta, _ = self._first_inputs(plan, inp.step, ctx, plan.num_real, tables,
+                                                          plan.positions, [])
+        self._head(embeds, hidden, pos, meta)  # writes the rows' K/V
         for seq, m in zip(plan.seqs, plan.num_real):
             seq.num_computed_tokens += m
+
+    def _first_inputs(self, plan: _Plan, step, ctx: list[int], q_lens: list[int], tables: list[list[int]],
+                      positions: list[int], extra: list[np.ndarray]):
+        """The eager first forward's inputs: every host array (the real rows' gathers, `positions`,
+        `extra`, the attention metadata) in one copy, then the real rows' token embeddings and fused
+        target features. Returns (embeds [num_real, hidden], hidden [num_real, hidden], positions
+        [rows], metadata, the device copies of `extra`)."""
+        arrays = attention_arrays(ctx, q_lens, tables, self.kv.block_size)
+        host = [np.asarray(v, dtype=np.int64) for v in (plan.feature_rows, plan.next_tokens, positions)]
+        dev = self.upload.send(host + extra + arrays)
+        rows, next_tokens, pos = dev[:3]
+        meta = attention_metadata(arrays, dev[-len(arrays):], q_lens)
+        parts = step.aux_hidden if self.aux_hidden_layers else [step.all_hidden]  # each [num_tokens, hidden]
+        feats = torch.cat([p.index_select(0, rows) for p in parts], dim=-1)  # [num_real, n * hidden]
+        hidden = self.head.fuse_target(feats)
+        return self.target.embed_tokens(next_tokens), hidden, pos, meta, dev[3:3 + len(extra)]
 
     def _hand_over(self, reqs: list[Request], result: DraftTokens | FlatDrafts | tuple[list[list[int]], list]
                    ) -> None:
