@@ -8,7 +8,7 @@
 #     the draft model's at k = 12, with the skinny table (d8b80b5);
 #   verify.txt: the verify graphs' kernels with the skinny table (bench/verify_cost.py);
 #   split*/: batch-1 decode (1.5B, 128 + 256 tokens) with max_model_len 4096 and 32768, split-KV by each
-#     sequence's length (SPECSERVE_ATTN_SPLIT_BY_LENGTH, default on since this session) against all of
+#     sequence's length (SPECSERVE_ATTN_SPLIT_BY_LENGTH, on by default when this was written) against all of
 #     the graph's splits (=0): a graph sized for 32k spread a 400-token context over up to 128 splits.
 # Then, in one lease, the 29 uploads (bench/device/next12.sh's header; carry only the part) and:
 #   bash bench/train_and_measure_gpu.sh --phase train --total-s 575 --num-prompts 8192 --gen-s 150 \

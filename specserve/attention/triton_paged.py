@@ -336,7 +336,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                     cu_query_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
                     num_splits: int | None = None, block_n: int | None = None,
-                    fused_reduce: bool = False, split_by_length: bool = True) -> torch.Tensor:
+                    fused_reduce: bool = False, split_by_length: bool = False) -> torch.Tensor:
     """Causal attention of the batch's new queries over their sequences' paged KV (already written).
 
     q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
