@@ -4,7 +4,8 @@ Self-distillation, as EAGLE does: the head learns the target's own behaviour, so
 target's answers (greedy or low temperature) to instruction-style prompts. The prompts come from
 the stdlib's functions, classes and docstrings (present on every machine, no download), or from a
 JSONL file: {"prompt": ...}, {"messages": [...]} (answered by the target), {"text": ...} or
-{"token_ids": [...]} (used as is). HumanEval is for measuring and is refused.
+{"token_ids": [...]} (used as is). HumanEval is for measuring and is refused: a file named after it,
+or a row that is one of its tasks (refuse_humaneval_row).
 """
 from __future__ import annotations
 
@@ -66,8 +67,34 @@ class TrainSeq:
 
 
 def refuse_humaneval(path: str | Path) -> None:
+    """ValueError when the file's path names HumanEval (a renamed copy is caught row by row)."""
     if _HUMANEVAL.search(str(path)):
-        raise ValueError(f"{path}: HumanEval is the benchmark; never train draft heads on it.")
+        raise ValueError(f"{path}: the path names HumanEval; HumanEval is the benchmark, never train draft "
+                         "heads on it.")
+
+
+# Fields a row of HumanEval or a derivative names itself in: openai_humaneval and HumanEval+
+# ("task_id": "HumanEval/0"), MultiPL-E ("name": "HumanEval_0_has_close_elements"), or a user's own tag.
+_HUMANEVAL_ID_FIELDS = ("task_id", "name", "id", "source", "dataset")
+# The data set's own schema: a row copied from it without its task_id still has these fields.
+_HUMANEVAL_FIELDS = frozenset({"canonical_solution", "entry_point", "test"})
+
+
+def refuse_humaneval_row(row: dict[str, Any], where: str) -> None:
+    """ValueError when a --data row is a HumanEval task, whatever the file is called. Only its id
+    fields and keys are looked at (cheap, and reliable: matching the prompt text would need the data
+    set itself, which this code must not hold)."""
+    for key in _HUMANEVAL_ID_FIELDS:
+        value = row.get(key)
+        if isinstance(value, str) and _HUMANEVAL.search(value):
+            reason = f"its {key} is {value!r}"
+            break
+    else:
+        if not _HUMANEVAL_FIELDS <= row.keys():
+            return
+        reason = "it has HumanEval's fields (canonical_solution, entry_point, test)"
+    raise ValueError(f"{where}: this row is a HumanEval task ({reason}); HumanEval is the benchmark, never train "
+                     "draft heads on it.")
 
 
 def stdlib_root() -> Path:
@@ -158,6 +185,7 @@ def load_jsonl(path: str | Path) -> list[Example]:
             raise ValueError(f"{path}:{n}: not JSON: {e}.") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{n}: a line must be a JSON object.")
+        refuse_humaneval_row(row, f"{path}:{n}")
         examples.append(_example(row, f"{path}:{n}"))
     if not examples:
         raise ValueError(f"{path} holds no examples.")

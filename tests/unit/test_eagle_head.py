@@ -157,11 +157,31 @@ def test_train_resume_and_beat_a_random_head(tiny_llama_dir, tmp_path):
     assert trained > untrained + 0.05, (trained, untrained)
 
 
-def test_train_refuses_humaneval(tiny_llama_dir, tmp_path):
-    data = tmp_path / "HumanEval.jsonl"
-    data.write_text(json.dumps({"prompt": "def f(): pass"}) + "\n")
-    assert train_main(["--target", str(tiny_llama_dir), "--method", "eagle3", "--out", str(tmp_path / "o"),
-                       "--data", str(data), "--steps", "1", "--quiet"]) == 2
+def test_train_refuses_humaneval(tiny_llama_dir, tmp_path_factory: pytest.TempPathFactory,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """HumanEval is refused by the file's name and by a row's content (a copy renamed data.jsonl), before
+    anything is written; and only for that: the same prompt in a clean file trains with these flags."""
+    tmp_path = tmp_path_factory.mktemp("data")  # tmp_path would be named after this test: "humaneval"
+    argv = ["--target", str(tiny_llama_dir), "--method", "eagle3", "--steps", "1", "--max-seq-len", "128",
+            "--max-new-tokens", "8", "--quiet"]
+    prompt = 'def incr_list(l: list):\n    """Return list with elements incremented by 1."""\n'
+    fields = {"canonical_solution": "    return [e + 1 for e in l]\n", "entry_point": "incr_list",
+              "test": "def check(candidate):\n    assert candidate([]) == []\n"}
+    cases = [("HumanEval.jsonl", {"prompt": prompt}, "the path names HumanEval"),
+             ("data.jsonl", {"task_id": "HumanEval/42", "prompt": prompt}, "its task_id is 'HumanEval/42'"),
+             ("data.jsonl", {"prompt": prompt, **fields}, "it has HumanEval's fields")]
+    for i, (name, row, reason) in enumerate(cases):
+        data = tmp_path / str(i) / name
+        data.parent.mkdir()
+        data.write_text(json.dumps({"text": "a fine line of text"}) + "\n" + json.dumps(row) + "\n")
+        assert train_main(argv + ["--out", str(tmp_path / str(i) / "o"), "--data", str(data)]) == 2, name
+        err = capsys.readouterr().err
+        where = str(data) if name.startswith("HumanEval") else f"{data}:2:"  # the file, and the row's line
+        assert where in err and reason in err and "HumanEval is the benchmark" in err, err
+        assert not (tmp_path / str(i) / "o").exists()
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text(json.dumps({"text": "a fine line of text"}) + "\n" + json.dumps({"prompt": prompt}) + "\n")
+    assert train_main(argv + ["--out", str(tmp_path / "c"), "--data", str(clean)]) == 0
 
 
 # -- a reduced draft vocabulary ----------------------------------------------------------------------
