@@ -157,7 +157,8 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
-        # Layers whose outputs (pre-norm hidden states) are also returned, for EAGLE-3 heads.
+        # Layers whose inputs (the residual stream entering layer i; layer 0's is the embeddings) are
+        # also returned, for EAGLE-3 heads (the states EAGLE-3 and vLLM take).
         self.aux_hidden_layers: tuple[int, ...] = ()
         # Set by model/tp.py: a vocabulary-sharded head that computes and gathers the logits.
         self.logits_head: nn.Module | None = None

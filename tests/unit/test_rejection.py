@@ -14,6 +14,7 @@ from specserve.sampling_params import SamplingParams
 CPU = torch.device("cpu")
 VOCAB = 8
 START = 0  # context token every simulated sequence starts from
+PROMPT = [1, 2]  # every row's prompt (the repetition penalty counts it)
 NUM_ROWS = 20_000  # sequences per distribution test; the chi-square sees NUM_ROWS pairs
 FILTERS = {"none": {}, "filtered": {"temperature": 0.8, "top_k": 5, "top_p": 0.85}}
 SEEDS = {(k, f): 100 * i + j for i, k in enumerate([1, 2, 3, 4, "mixed"]) for j, f in enumerate(FILTERS)}
@@ -32,7 +33,7 @@ def build(params: list[SamplingParams], outputs: list[list[int]] | None = None,
           generators: list | None = None, vocab: int = VOCAB,
           stop_ids: list[list[int]] | None = None) -> SamplingMetadata:
     n = len(params)
-    return SamplingMetadata.build(params, [[1, 2]] * n, outputs or [[] for _ in range(n)],
+    return SamplingMetadata.build(params, [PROMPT] * n, outputs or [[] for _ in range(n)],
                                   generators or [None] * n, vocab, CPU, stop_ids)
 
 
@@ -55,12 +56,15 @@ class MarkovPair:
         self.draft = self.target + torch.randn(VOCAB, VOCAB, generator=gen)
 
     def propose(self, contexts: torch.Tensor, num_drafts: list[int], one_hot: bool,
-                gen: torch.Generator) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Drafts chained from each context; random ones sampled from softmax(draft)."""
+                gen: torch.Generator, draft_params: SamplingParams | None = None
+                ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Drafts chained from each context; random ones sampled from softmax(draft), or with
+        draft_params from compute_target_probs(draft) (as DraftSampler filters a request's drafts)."""
         max_k = max(num_drafts, default=0)
         tokens, probs, ctx = [], [], contexts
         for _ in range(max_k):
-            draft_probs = self.draft[ctx].softmax(-1)  # [rows, vocab]
+            draft_probs = (self.draft[ctx].softmax(-1) if draft_params is None  # [rows, vocab]
+                           else compute_target_probs(self.draft[ctx], build([draft_params] * len(ctx))))
             ctx = (draft_probs.argmax(-1) if one_hot
                    else torch.multinomial(draft_probs, 1, generator=gen)[:, 0])
             tokens.append(ctx)
@@ -76,19 +80,20 @@ class MarkovPair:
         return self.target[torch.tensor(flat)]  # [total_drafts + rows, vocab]
 
 
-def generate_two(pair: MarkovPair, params: list[SamplingParams], num_drafts: list[int],
-                 one_hot: bool, seed: int) -> np.ndarray:
-    """Speculatively decode until every row has >= 2 tokens: [rows, 2] first two tokens."""
+def generate_prefix(pair: MarkovPair, params: list[SamplingParams], num_drafts: list[int],
+                    one_hot: bool, seed: int, length: int = 2,
+                    draft_params: SamplingParams | None = None) -> np.ndarray:
+    """Speculatively decode until every row has >= length tokens: [rows, length] first tokens."""
     gen = torch.Generator().manual_seed(seed)
     sampler = RejectionSampler(torch.Generator().manual_seed(seed + 1))
     generated: list[list[int]] = [[] for _ in params]
     while True:
-        rows = [i for i, out in enumerate(generated) if len(out) < 2]
+        rows = [i for i, out in enumerate(generated) if len(out) < length]
         if not rows:
-            return np.array([out[:2] for out in generated])
+            return np.array([out[:length] for out in generated])
         contexts = [generated[i][-1] if generated[i] else START for i in rows]
         drafts, draft_probs = pair.propose(torch.tensor(contexts), [num_drafts[i] for i in rows],
-                                           one_hot, gen)
+                                           one_hot, gen, draft_params)
         meta = build([params[i] for i in rows], outputs=[generated[i] for i in rows])
         out = sampler(drafts, draft_probs, pair.target_logits(contexts, drafts), meta)
         for i, tokens, n, row_drafts in zip(rows, out.output_token_ids, out.num_accepted, drafts):
@@ -105,7 +110,7 @@ def test_output_follows_the_target_distribution(k: int | str, filters: str, one_
     pair = MarkovPair(seed=11)
     params = SamplingParams(**FILTERS[filters])
     num_drafts = [i % 5 for i in range(num_rows)] if k == "mixed" else [k] * num_rows
-    pairs = generate_two(pair, [params] * num_rows, num_drafts, one_hot, seed=SEEDS[k, filters])
+    pairs = generate_prefix(pair, [params] * num_rows, num_drafts, one_hot, seed=SEEDS[k, filters])
     probs = compute_target_probs(pair.target, build([params] * VOCAB)).double().numpy()  # [ctx, next]
     if filters == "filtered":
         assert (probs > 0).sum(-1).max() <= 5
@@ -124,7 +129,7 @@ def test_mixed_greedy_and_random_rows_in_one_batch() -> None:
     pair = MarkovPair(seed=12)
     random_params = SamplingParams(temperature=0.9, top_p=0.9)
     params = [SamplingParams(temperature=0.0) if i % 3 == 0 else random_params for i in range(num_rows)]
-    pairs = generate_two(pair, params, [1 + i % 4 for i in range(num_rows)], one_hot=False, seed=5)
+    pairs = generate_prefix(pair, params, [1 + i % 4 for i in range(num_rows)], one_hot=False, seed=5)
     first_greedy = int(pair.target[START].argmax())
     assert (pairs[::3] == [first_greedy, int(pair.target[first_greedy].argmax())]).all()
     probs = compute_target_probs(pair.target, build([random_params] * VOCAB)).double().numpy()
@@ -133,6 +138,108 @@ def test_mixed_greedy_and_random_rows_in_one_batch() -> None:
     joint = (probs[START][:, None] * probs).ravel()
     assert counts[joint == 0].sum() == 0
     assert pooled_chisquare(counts, joint) > 1e-3
+
+
+# The filters below are checked against an independent numpy reference of the sampler's semantics
+# (penalties -> temperature -> min_p -> softmax), not against compute_target_probs: a stage that
+# verification skipped or reordered would otherwise change the expectation along with the output.
+LENGTH = 3  # tokens checked per sequence: with k = 2 drafts, draft positions 0, 1 and the bonus
+FILTER_ROWS = 12_000  # sequences per case: enough power for these effects, ~0.5 s a case
+# Each keeps 3-6 of the 8 tokens per context; at T = 1.3 applying min-p before the temperature
+# would keep other sets (7 tokens over the 8 contexts).
+MIN_P = {"min_p=0.1": {"min_p": 0.1}, "min_p=0.2,T=1.3": {"min_p": 0.2, "temperature": 1.3}}
+PENALTIES = {"repetition": {"repetition_penalty": 1.8},
+             "presence+frequency": {"presence_penalty": 1.0, "frequency_penalty": 0.6},
+             "all+min_p,T=0.8": {"repetition_penalty": 1.5, "presence_penalty": 0.5,
+                                 "frequency_penalty": 0.4, "min_p": 0.1, "temperature": 0.8}}
+# one_hot: argmax drafts (draft_probs None); raw: sampled from softmax(draft), unfiltered (min-p on
+# the target side only, still lossless); filtered: sampled from the draft logits after the request's
+# temperature and min-p (DraftSampler's way), so draft_probs have zeros too.
+DRAFTS = ["one_hot", "raw", "filtered"]
+
+
+def reference_probs(logits: np.ndarray, params: SamplingParams, output: list[int]) -> np.ndarray:
+    """[vocab] float64: the distribution the plain sampler draws the next token from, after
+    `output` (prompt PROMPT), per the documented semantics (sample/penalties.py, sampler.py)."""
+    x = logits.astype(np.float64).copy()
+    seen = sorted(set(PROMPT) | set(output))
+    x[seen] = np.where(x[seen] < 0, x[seen] * params.repetition_penalty, x[seen] / params.repetition_penalty)
+    counts = np.bincount(np.asarray(output, dtype=np.int64), minlength=len(x))
+    x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    probs = np.exp((x - x.max()) / params.temperature)
+    ratio = probs / probs.max()
+    # float32 rounding in the sampler could flip a token sitting on the threshold: keep clear of it.
+    assert params.min_p == 0 or np.abs(ratio / params.min_p - 1).min() > 1e-3
+    probs[ratio < params.min_p] = 0.0
+    return probs / probs.sum()
+
+
+def reference_joint(pair: MarkovPair, params: SamplingParams, length: int) -> np.ndarray:
+    """[vocab] * length: probability of each sequence of the first `length` tokens."""
+    target = pair.target.double().numpy()
+
+    def extend(prefix: list[int]) -> np.ndarray:
+        probs = reference_probs(target[prefix[-1] if prefix else START], params, prefix)
+        if len(prefix) + 1 == length:
+            return probs
+        rest = (VOCAB,) * (length - len(prefix) - 1)
+        return np.stack([p * extend(prefix + [t]) if p > 0 else np.zeros(rest) for t, p in enumerate(probs)])
+
+    return extend([])
+
+
+def assert_follows(seqs: np.ndarray, joint: np.ndarray) -> None:
+    """seqs [rows, length] ~ joint, by chi-square on the joint and on each position's marginal;
+    never a sequence of probability 0 (e.g. with a token min-p removed)."""
+    length = seqs.shape[1]
+    counts = np.bincount(np.ravel_multi_index(tuple(seqs.T), joint.shape), minlength=joint.size)
+    assert counts[joint.ravel() == 0].sum() == 0, "emitted a token the filters removed"
+    assert pooled_chisquare(counts, joint.ravel()) > 1e-3
+    for j in range(length):
+        marginal = joint.sum(axis=tuple(a for a in range(length) if a != j))
+        assert pooled_chisquare(np.bincount(seqs[:, j], minlength=VOCAB), marginal) > 1e-3, f"token {j}"
+
+
+def run_filter_case(params: SamplingParams, drafts: str, k: int | str, seed: int) -> None:
+    pair = MarkovPair(seed=13)
+    num_drafts = [i % 5 for i in range(FILTER_ROWS)] if k == "mixed" else [k] * FILTER_ROWS
+    draft_params = None
+    if drafts == "filtered":  # DraftSampler applies the request's params; penalties are not used here
+        draft_params = SamplingParams(temperature=params.temperature, min_p=params.min_p)
+    seqs = generate_prefix(pair, [params] * FILTER_ROWS, num_drafts, drafts == "one_hot", seed, LENGTH,
+                           draft_params)
+    assert_follows(seqs, reference_joint(pair, params, LENGTH))
+
+
+def filter_cases(settings: list[str], drafts: list[str], mixed: list[tuple[str, str]]) -> list:
+    """Every setting x drafts with k = 2, plus the (setting, drafts) pairs in `mixed` with 0-4 drafts
+    per row (so rows batch different numbers of drafts)."""
+    cases = [(s, d, 2) for s in settings for d in drafts] + [(s, d, "mixed") for s, d in mixed]
+    return [pytest.param(s, d, k, 3000 + i, id=f"{s}-{d}-{k}") for i, (s, d, k) in enumerate(cases)]
+
+
+@pytest.mark.parametrize("setting, drafts, k, seed", filter_cases(list(MIN_P), DRAFTS, [
+    ("min_p=0.1", "filtered"), ("min_p=0.2,T=1.3", "raw")]))
+def test_min_p_output_follows_the_filtered_target(setting: str, drafts: str, k: int | str, seed: int) -> None:
+    """Every draft position and the bonus emit the min-p-filtered target distribution, and a token
+    min-p removed is never emitted: not by acceptance, recovery (the residual) or the bonus."""
+    params = SamplingParams(**MIN_P[setting])
+    assert (reference_joint(MarkovPair(seed=13), params, 1) == 0).sum() >= 2  # min-p bites at token 0
+    run_filter_case(params, drafts, k, seed)
+
+
+@pytest.mark.parametrize("setting, drafts, k, seed", filter_cases(list(PENALTIES), ["one_hot", "raw"], [
+    ("all+min_p,T=0.8", "raw")]))
+def test_penalized_output_follows_the_penalized_target(setting: str, drafts: str, k: int | str,
+                                                       seed: int) -> None:
+    """With penalties each emitted token follows the target penalized by everything emitted before
+    it: earlier steps' tokens and, within a step, the accepted drafts before its position."""
+    params = SamplingParams(**PENALTIES[setting])
+    unpenalized = SamplingParams(temperature=params.temperature, min_p=params.min_p)
+    pair = MarkovPair(seed=13)
+    # The penalties move the distribution far more than the chi-square can miss.
+    assert np.abs(reference_joint(pair, params, LENGTH) - reference_joint(pair, unpenalized, LENGTH)).sum() > 0.2
+    run_filter_case(params, drafts, k, seed)
 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])
