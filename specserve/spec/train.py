@@ -6,7 +6,7 @@ padded batch for its features and next-token distributions (train_target.py), th
 S blocks of rows that mimic serving, against the target's distributions (train_loss.py). This file
 holds the command: its flags, the data and the head's setup, the loop (a cosine learning rate after
 a warmup) and the checkpoints: head + optimizer + step, written every --save-every steps and at the
-end; --resume continues from them.
+end; --resume continues from them. At the end, training.json records the data, steps and metrics.
 
 Reduced draft vocabulary (--draft-vocab-size N, by default 32768 for targets with a larger
 vocabulary): the head proposes only N tokens, d2t (ascending target ids, saved with the head):
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import random
 import sys
@@ -275,9 +276,9 @@ def run_training(args, llm=None) -> TrainResult:
         _train_loop(args, head, opt, loaded.model, seqs, progress, device, deadline)
     except BaseException:
         if progress["step"] > step:  # keep what was trained (a GPU run must not end with nothing)
-            _save(args, head, opt, progress["step"], progress["metrics"])
+            _save(args, head, opt, progress["step"], progress["metrics"], seqs)
         raise
-    _save(args, head, opt, progress["step"], progress["metrics"])
+    _save(args, head, opt, progress["step"], progress["metrics"], seqs)
     return TrainResult(Path(args.out), progress["step"], len(seqs), progress["metrics"],
                        progress["timing"].summary())
 
@@ -357,8 +358,25 @@ def _metrics(recent: list[tuple[list[str], torch.Tensor]]) -> dict[str, float]:
     return {k: round(sums[k] / len(recent), 4) for k in recent[-1][0]}
 
 
-def _save(args, head: EagleHead, opt, step: int, metrics: dict) -> None:
+TRAINING_NAME = "training.json"
+
+
+def _provenance(args, step: int, metrics: dict, seqs: list[train_data.TrainSeq]) -> dict:
+    """What the head was trained from, for whoever serves it later (not read back by specserve)."""
+    return {"method": args.method, "target": args.target, "steps": step,
+            "data": str(Path(args.data).resolve()) if args.data else "stdlib self-distillation",
+            "num_sequences": len(seqs), "num_tokens": sum(len(s.token_ids) for s in seqs),
+            "num_answer_tokens": sum(len(s.token_ids) - s.num_prompt_tokens for s in seqs),
+            "metrics": metrics}
+
+
+def _save(args, head: EagleHead, opt, step: int, metrics: dict,
+          seqs: list[train_data.TrainSeq] | None = None) -> None:
     save_head(head, args.out)
+    if seqs is not None:
+        tmp = Path(args.out) / (TRAINING_NAME + ".tmp")
+        tmp.write_text(json.dumps(_provenance(args, step, metrics, seqs), indent=2) + "\n")
+        tmp.replace(Path(args.out) / TRAINING_NAME)
     if getattr(args, "no_train_state", False):
         return
     tmp = Path(args.out) / (STATE_NAME + ".tmp")

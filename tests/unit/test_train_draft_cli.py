@@ -54,7 +54,7 @@ def _rows(tok) -> list[dict]:
 
 def test_train_from_a_user_jsonl_then_serve_the_head(tiny_llama_dir: Path, tiny_llm: LLM, tmp_path: Path) -> None:
     """A few steps on the user's file write a head that speculative_config.model loads; greedy output
-    with it equals plain decoding. The head records its target; the sequences it trained on
+    with it equals plain decoding. The head records its target and training.json its data; the sequences it trained on
     (distill.jsonl) are the file's rows: chats answered by the target, text and ids as given."""
     tok = tiny_llm.get_tokenizer()
     rows = _rows(tok)
@@ -76,6 +76,10 @@ def test_train_from_a_user_jsonl_then_serve_the_head(tiny_llama_dir: Path, tiny_
     assert {"token_ids": list(tok.encode(TEXT)), "num_prompt_tokens": 0} in seqs
     assert {"token_ids": rows[3]["token_ids"], "num_prompt_tokens": 3} in seqs
     assert len(seqs) == len(rows)
+    # training.json says what the head learned from (the user's file, not stdlib self-distillation).
+    made = json.loads((out / "training.json").read_text())
+    assert made["data"] == str(data.resolve()) and made["steps"] == 4 and made["method"] == "eagle3"
+    assert made["num_sequences"] == len(seqs) and made["num_tokens"] == sum(len(s["token_ids"]) for s in seqs)
 
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     spec = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
