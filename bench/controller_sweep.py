@@ -312,6 +312,7 @@ def _record_point(result: dict[str, Any], pol_name: str, c: int, rows: list[dict
         row["verify_steps"] = dict(replays)
     if policy is not None:
         row["steps_by_k"] = policy.steps_by_k()
+        row["slow_proposals"] = policy.slow_proposals()
     result["points"].setdefault(pol_name, {})[str(c)] = row
     lat = row["latency_ms"]
     print(f"[{name}] {pol_name:>15} c={c:<4} {row['tokens_per_s']:9.1f} tok/s  "

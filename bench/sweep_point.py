@@ -123,6 +123,19 @@ class Policy:
                            "tokens_per_step": round(sum(r[3] for r in rows) / n, 3)}
         return out
 
+    def slow_proposals(self, factor: float = 4.0, floor_ms: float = 20.0) -> list[list[float]]:
+        """Proposals that took over `floor_ms` and `factor` x the median of their k in this point: [step
+        index, k, proposal ms, the previous step's k] (a stall: JIT, a shape without a graph)."""
+        by_k: dict[int, list[float]] = {}
+        for k, _, prop, _ in self.steps:
+            by_k.setdefault(k, []).append(prop)
+        median = {k: sorted(v)[len(v) // 2] for k, v in by_k.items()}
+        out = []
+        for i, (k, _, prop, _) in enumerate(self.steps):
+            if k > 0 and 1e3 * prop > floor_ms and prop > factor * median[k]:
+                out.append([i, k, round(1e3 * prop, 2), self.steps[i - 1][0] if i else -1])
+        return out
+
     def install(self, llm: LLM) -> None:
         spec = llm.engine.spec
         spec.controller = self.controller

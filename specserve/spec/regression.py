@@ -1,7 +1,8 @@
 """`DecayedRegression`: the step-cost fit of the adaptive controller's estimators (estimators.py).
 
 Non-negative least squares with relative errors over a decayed window of observations, outliers
-clipped where the fit has data, re-solved lazily. Plain Python floats: 2-3 features per fit.
+clipped where the fit has data, re-solved lazily, predictions rescaled to the mean of what was
+observed. Plain Python floats: 2-3 features per fit.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 
 _RESOLVE_EVERY = 4  # observations between re-solves of a fit (see coefficients())
 _SURPRISE = 0.25  # an observation this far (relative) from the fit's prediction re-solves it at once
+_LEVEL_FROM = 5.0  # observations (decayed) before the fit's level is calibrated (and outliers clipped)
 
 
 class DecayedRegression:
@@ -33,6 +35,9 @@ class DecayedRegression:
         self.weight = 0.0
         self._theta: list[float] | None = None
         self._unsolved = 0  # observations added since theta was solved
+        # The level: decayed mean of observed / fitted y (within outlier_factor of each other), over
+        # observations made once the fit had data; one pseudo-observation of 1 as its prior.
+        self._level_sum, self._level_weight = 0.0, 0.0
 
     def add(self, x: Sequence[float], y: float) -> None:
         """Add one observation; y above `outlier_factor` x the prediction (JIT, GC pauses) is clipped,
@@ -44,12 +49,17 @@ class DecayedRegression:
             inside = self.covers(v)
             self.max_x = max(self.max_x * d, v)
             self.min_x = min(self.min_x / d, v)
-        if self.weight >= 5.0:
-            pred = self.predict(x)
+        if self.weight >= _LEVEL_FROM:
+            raw = self._raw(x)
+            pred = raw * self.level()
             if pred > 0 and inside:
                 y = min(y, self.outlier_factor * pred)
             if abs(y - pred) > _SURPRISE * pred:
                 self._theta = None  # far from the fit: solve again at once (see coefficients())
+            # beyond outlier_factor either way the cost changed (JIT done) or hiccupped: no spread to learn
+            if raw > 0 and 1.0 / self.outlier_factor < y / raw < self.outlier_factor:
+                self._level_sum = d * self._level_sum + y / raw
+                self._level_weight = d * self._level_weight + 1.0
         # Relative least squares (weight 1/y^2): timing noise is proportional to the time, and a 5%
         # wobble on a 250 ms step must not drown a 2 ms step's intercept. (It also follows costs that
         # drop, once JIT or graph capture is done, within a sample or two; the price is that a y far
@@ -93,15 +103,27 @@ class DecayedRegression:
             active.pop(sol.index(min(sol)))
         return theta
 
-    def predict(self, x: Sequence[float]) -> float:
+    def level(self) -> float:
+        """What the relative fit's predictions are scaled by: the mean of observed / fitted y. Relative
+        least squares (weights 1 / y^2) fits y that vary at one x to sum(1 / y) / sum(1 / y^2), below
+        their mean: a cost alternating 3 and 9 ms fits 3.6 ms, not 6. What throughput pays is the mean
+        (on the H200 pair, concurrency 1, a draft model's k = 11 proposals fitted 4.4 ms and averaged
+        6.6; the adaptive controller drafted 10-11 tokens where 8 were faster). Scaling by the mean
+        ratio keeps the relative fit's shape over x and its quick following of a cost that drops."""
+        return (self._level_sum + 1.0) / (self._level_weight + 1.0)
+
+    def _raw(self, x: Sequence[float]) -> float:
         return sum(map(operator.mul, self.coefficients(), x))
+
+    def predict(self, x: Sequence[float]) -> float:
+        return self._raw(x) * self.level()
 
     def predict_many(self, xs: Sequence[Sequence[float]], min_weight: float = 1.0) -> list[float] | None:
         """The fitted y at each x, or None before `min_weight` (decayed) observations."""
         if self.weight < min_weight:
             return None
-        theta = self.coefficients()
-        return [sum(map(operator.mul, theta, x)) for x in xs]
+        theta, level = self.coefficients(), self.level()
+        return [level * sum(map(operator.mul, theta, x)) for x in xs]
 
 
 def _solve_small(a: list[list[float]], b: list[float]) -> list[float]:

@@ -64,6 +64,9 @@ class World:
     prompt_tok_s: float = 0.0
     arrival_s: float = 0.0
     async_gap_s: float = 0.0  # host work per overlapped step that no timer covers (the engine loop, choose)
+    # (from k, probability, seconds): a proposal of at least that k sometimes costs that much more (a
+    # draft model falling off its CUDA graphs now and then); its mean cost is what throughput pays
+    spikes: tuple[int, float, float] = (0, 0.0, 0.0)
 
     def verify_s(self, tokens: int, q: int) -> float:
         t = self.step_s + self.per_token_s * tokens
@@ -125,6 +128,8 @@ def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: 
         b = world.batch
         drafted, accepted = _draft_and_verify(world, [k] * b, rng)
         propose_s = world.propose_s(k, since_draft)
+        if world.spikes[1] and k >= world.spikes[0] > 0 and rng.random() < world.spikes[1]:
+            propose_s += world.spikes[2]
         since_draft = 1 if k else since_draft + 1
         qs = {1 + d for d in drafted}
         verify_s = world.verify_s(b + sum(drafted), qs.pop() if len(qs) == 1 else -1)

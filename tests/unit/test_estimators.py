@@ -107,3 +107,21 @@ def test_position_rates_fade_toward_the_prior_in_time() -> None:
     for _ in range(20):
         rates.age(0.8)  # time passing without samples
     assert 0.5 < rates.rates()[0] < 0.8
+
+
+def test_a_fit_predicts_the_mean_of_costs_that_vary_and_still_follows_a_drop() -> None:
+    """Relative least squares alone fits 3 and 9 ms alternating to ~3.6 ms; throughput pays the mean, 6."""
+    fit = DecayedRegression(2, window=32, ridge=(0.0, 1e-4))
+    for i in range(200):
+        fit.add((1.0, 1.0), 0.003 if i % 2 else 0.009)
+    assert abs(fit.predict((1.0, 1.0)) - 0.006) < 0.0005, fit.predict((1.0, 1.0))
+    assert abs(fit.predict_many([(1.0, 1.0)])[0] - fit.predict((1.0, 1.0))) < 1e-12
+    steady = DecayedRegression(2, window=32, ridge=(0.0, 1e-4))
+    for _ in range(50):
+        steady.add((1.0, 1.0), 0.002)
+    assert abs(steady.predict((1.0, 1.0)) - 0.002) < 1e-6  # a constant cost stays exact
+    # a cost that drops (JIT done: 250 ms, then 2 ms) is followed within a few observations
+    jit = DecayedRegression(2, window=32, ridge=(0.0, 1e-4))
+    for y in [0.25] * 6 + [0.002] * 6:
+        jit.add((1.0, 1.0), y)
+    assert jit.predict((1.0, 1.0)) < 0.004, jit.predict((1.0, 1.0))
