@@ -308,6 +308,7 @@ def _record_point(result: dict[str, Any], pol_name: str, c: int, rows: list[dict
         row["chosen_k"] = {str(k): v for k, v in sorted(Counter(policy.choices).items())}
         row["mean_chosen_k"] = sum(policy.choices) / len(policy.choices)
         row["controller"] = controller_beliefs(policy.controller, c)
+        row["drafting_by_batch"] = policy.drafting_by_batch()
     if replays and policy is not None:
         row["verify_steps"] = dict(replays)
     if policy is not None:

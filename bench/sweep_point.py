@@ -90,12 +90,14 @@ class Policy:
     def __init__(self, name: str, controller: Any, graph_qs: tuple[int, ...] | None) -> None:
         self.name, self.controller, self.graph_qs = name, controller, graph_qs
         self.choices: list[int] = []
+        self.batches: list[int] = []  # the batch size of each choice
         self.steps: list[tuple[int, float, float, int]] = []  # per step: (k, step s, proposal s, tokens)
         choose, observe = controller.choose, controller.observe
 
         def recording(batch_size: int) -> int:
             k = choose(batch_size)
             self.choices.append(k)
+            self.batches.append(batch_size)
             return k
 
         def observing(step) -> None:
@@ -108,6 +110,7 @@ class Policy:
 
     def clear(self) -> None:
         self.choices.clear()
+        self.batches.clear()
         self.steps.clear()
 
     def steps_by_k(self) -> dict[str, dict[str, float]]:
@@ -122,6 +125,14 @@ class Policy:
                            "propose_ms": round(1e3 * sum(r[2] for r in rows) / n, 4),
                            "tokens_per_step": round(sum(r[3] for r in rows) / n, 3)}
         return out
+
+    def drafting_by_batch(self) -> dict[str, list[int]]:
+        """Per batch size: [choices, choices with k > 0, sum of k] (where in a point the controller drafted)."""
+        out: dict[str, list[int]] = {}
+        for b, k in zip(self.batches, self.choices):
+            row = out.setdefault(str(b), [0, 0, 0])
+            row[0], row[1], row[2] = row[0] + 1, row[1] + (k > 0), row[2] + k
+        return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
     def slow_proposals(self, factor: float = 4.0, floor_ms: float = 20.0) -> list[list[float]]:
         """Proposals that took over `floor_ms` and `factor` x the median of their k in this point: [step
