@@ -5,9 +5,13 @@ The H200 pair sweep (2026-11-30) measured the adaptive controller's first run at
 tok/s against 802-855 for its later runs: its k = 4 proposals averaged 6.9 ms against 2.8 ms warm,
 and they alone (the fixed-k policies never pause drafting) feed the draft model the tokens it skipped,
 in eager forwards of every chunk size. This probe times such forwards directly, on the draft model
-and the target, so a first-use cost (JIT, cuBLAS heuristics, allocator growth) shows as first >> second.
+and the target, for one or several sequences at once (`--batches`: a catch-up after a pause feeds
+every running request), so a first-use cost (JIT, cuBLAS heuristics, allocator growth) shows as
+first >> second; every Triton compile after start-up is logged with its kernel and constexprs, also
+through adaptive engine runs at concurrency 1 and 4.
 
-    python3 bench/catch_up_probe.py [--model M --draft D] [--contexts 200,600] [--sizes 3,5,...] [--old-warm-up]
+    python3 bench/catch_up_probe.py [--model M --draft D] [--contexts 200,600] [--sizes 3,5,...] [--batches 1,4]
+        [--old-warm-up] [--no-engine-runs]
     python3 bench/catch_up_probe.py --device cpu --model <tiny dir> --draft <tiny dir> --sizes 3,17 \
         --contexts 40,300 --max-model-len 512  # smoke
 """
@@ -38,21 +42,44 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def chunk_after_context(runner: ModelRunner, context: int, new: int, tag: str) -> float:
-    """Seconds of one forward of `new` tokens of a sequence whose first `context` tokens are in the KV
-    (computed by a forward before, untimed), over a throwaway block table of the runner's pool."""
-    total = context + new
-    blocks = -(-total // runner.block_size) + 1
+def chunk_after_context(runner: ModelRunner, context: int, new: int, tag: str, batch: int = 1) -> float:
+    """Seconds of one forward of `new` tokens of each of `batch` sequences whose first `context` tokens
+    (context + 7 * i for sequence i, so lengths differ) are in the KV (computed by a forward before,
+    untimed), over a throwaway block table of the runner's pool."""
+    contexts = [context + 7 * i for i in range(batch)]
+    blocks = sum(-(-(c + new) // runner.block_size) + 1 for c in contexts)
     kv = KVCacheManager(min(runner.num_blocks, blocks), runner.block_size, enable_prefix_caching=False)
-    req = Request(f"probe-{tag}-{context}-{new}", [1] * total, SamplingParams(max_tokens=1), 1)
-    kv.allocate_slots(req, total)
-    ModelRunner.execute(runner, SchedulerOutput([ScheduledRequest(req, context, 0)], context), kv.block_ids)
-    req.num_computed_tokens = context
+    reqs = []
+    for i, c in enumerate(contexts):
+        req = Request(f"probe-{tag}-{context}-{new}-{i}", [1] * (c + new), SamplingParams(max_tokens=1), 1)
+        kv.allocate_slots(req, c + new)
+        reqs.append(req)
+    ModelRunner.execute(runner, SchedulerOutput([ScheduledRequest(r, c, 0) for r, c in zip(reqs, contexts)],
+                                                sum(contexts)), kv.block_ids)
+    for r, c in zip(reqs, contexts):
+        r.num_computed_tokens = c
     _sync(runner.device)
     start = time.perf_counter()
-    ModelRunner.execute(runner, SchedulerOutput([ScheduledRequest(req, new, 0)], new), kv.block_ids)
+    ModelRunner.execute(runner, SchedulerOutput([ScheduledRequest(r, new, 0) for r in reqs], new * batch), kv.block_ids)
     _sync(runner.device)
     return time.perf_counter() - start
+
+
+def log_compiles() -> list[str]:
+    """Record every Triton JIT compile from now on (kernel, constexprs, signature: Triton's
+    jit_cache_hook runs before each): a first-use stall names its kernel."""
+    from triton import knobs
+
+    seen: list[str] = []
+
+    def hook(key, repr, fn, compile, **_):  # noqa: A002, ANN001, ANN202 (Triton's hook signature)
+        consts = {k: v for k, v in compile["constants"].items()}
+        seen.append(f"{getattr(fn, 'name', fn)} {consts} {compile['signature']}")
+        print(f"    compile: {seen[-1]}", flush=True)
+        return False  # compile as usual
+
+    knobs.runtime.jit_cache_hook = hook
+    return seen
 
 
 def main() -> None:
@@ -65,6 +92,8 @@ def main() -> None:
     p.add_argument("--sizes", default="3,5,8,9,10,12,16,17,24,33,64,128")
     p.add_argument("--old-warm-up", action="store_true",
                    help="start-up forwards as before 2026-11-30's ninth session: GEMV row counts only, fresh sequences")
+    p.add_argument("--batches", default="1", help="sequences per chunk forward (a catch-up of several requests)")
+    p.add_argument("--no-engine-runs", action="store_true", help="skip the adaptive engine runs at the end")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -79,31 +108,42 @@ def main() -> None:
               enable_prefix_caching=False, speculative_config=spec, kv_cache_memory_bytes=1 << 30)
     print(f"engine built in {time.perf_counter() - t:.1f} s", flush=True)
     runners = {"draft": llm.engine.spec.proposer.runner, "target": llm.engine.runner}
+    compiles = log_compiles()
     rows = []
     for name, runner in runners.items():
-        for context in (int(c) for c in args.contexts.split(",")):
-            if context + max(sizes) >= args.max_model_len:
-                continue
-            for n in sizes:
-                first = chunk_after_context(runner, context, n, f"{name}a")
-                second = chunk_after_context(runner, context, n, f"{name}b")
-                rows.append({"runner": name, "context": context, "new": n, "first_ms": first * 1e3,
-                             "second_ms": second * 1e3})
-                flag = "  <- first use" if first > 2 * second + 0.005 else ""
-                print(f"{name:6} context {context:4} + {n:4} tokens: first {first * 1e3:8.2f} ms, "
-                      f"second {second * 1e3:8.2f} ms{flag}", flush=True)
+        for batch in (int(b) for b in args.batches.split(",")):
+            for context in (int(c) for c in args.contexts.split(",")):
+                if context + 7 * batch + max(sizes) >= args.max_model_len:
+                    continue
+                for n in sizes:
+                    before = len(compiles)
+                    first = chunk_after_context(runner, context, n, f"{name}a", batch)
+                    second = chunk_after_context(runner, context, n, f"{name}b", batch)
+                    rows.append({"runner": name, "batch": batch, "context": context, "new": n,
+                                 "first_ms": first * 1e3, "second_ms": second * 1e3,
+                                 "compiles": compiles[before:]})
+                    flag = "  <- first use" if first > 2 * second + 0.005 else ""
+                    print(f"{name:6} batch {batch} context {context:4} + {n:4} tokens: first {first * 1e3:8.2f} ms, "
+                          f"second {second * 1e3:8.2f} ms{flag}", flush=True)
+    if args.no_engine_runs:
+        Path(args.out, "catch_up_probe.json").write_text(json.dumps(rows, indent=1))
+        return
     # The same through the engine: the adaptive controller at concurrency 1, twice
     params = SamplingParams(temperature=0.0, max_tokens=min(256, args.max_model_len // 2), ignore_eos=True)
     prompt_len = min(150, args.max_model_len // 4)
     prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 10 for j in range(prompt_len)]} for i in range(4)]
     for run in range(2):
-        t = time.perf_counter()
-        for pr in prompts:
-            llm.generate([pr], params)
-        s = time.perf_counter() - t
-        rate = len(prompts) * params.max_tokens / s
-        print(f"adaptive, concurrency 1, run {run + 1}: {rate:.1f} tok/s", flush=True)
-        rows.append({"run": run + 1, "tokens_per_s": rate})
+        for together in (False, True):  # concurrency 1, then all four at once (catch-ups of 4 sequences)
+            before = len(compiles)
+            t = time.perf_counter()
+            for group in ([prompts] if together else [[pr] for pr in prompts]):
+                llm.generate(group, params)
+            s = time.perf_counter() - t
+            rate = len(prompts) * params.max_tokens / s
+            c = len(prompts) if together else 1
+            print(f"adaptive, concurrency {c}, run {run + 1}: {rate:.1f} tok/s, "
+                  f"{len(compiles) - before} compiles", flush=True)
+            rows.append({"run": run + 1, "concurrency": c, "tokens_per_s": rate, "compiles": compiles[before:]})
     Path(args.out, f"catch_up_probe{'_old' if args.old_warm_up else ''}.json").write_text(json.dumps(rows, indent=1))
 
 
