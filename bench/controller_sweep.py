@@ -238,6 +238,7 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
         result["policies"] = (["off"] if "off" in engines else []) + [p.name for p in policies]
         result["graph_query_lens"] = {p.name: p.graph_qs for p in policies}
         _warm_up(engines, policies, prompts, max(levels), args)
+        compile_log = log_compiles(result)  # what compiles after start-up and warm-up: a stall's kernel
         if not args.no_gc_freeze:  # as `specserve serve` does after start-up: full collections skip it
             gc.collect()
             gc.freeze()
@@ -268,13 +269,16 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
                     policy = next((p for p in policies if p.name == pol_name), None)
                     if policy is not None:
                         policy.install(llm)
+                    compile_log[0] = f"{pol_name} c={c} warm-up"
                     if args.point_warmup_tokens > 0:
                         _point_warm_up(llm, prompts, c, args.point_warmup_tokens, args)
+                    compile_log[0] = f"{pol_name} c={c} part {run}"
                     if policy is not None:  # what the controller chose and saw in this policy's parts only
                         if run == 0:
                             policy.clear()
                         else:
                             del policy.choices[marks[pol_name][0]:], policy.steps[marks[pol_name][1]:]
+                            del policy.batches[marks[pol_name][0]:]
                     if graph_counts is not None:
                         graph_counts.clear()
                     parts.setdefault(pol_name, []).append(
@@ -296,6 +300,26 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
     result["elapsed_s"] = time.monotonic() - t0
     writer.write()
     return result
+
+
+def log_compiles(result: dict[str, Any]) -> list[str]:
+    """Log every Triton compile from now on into result["compiles"] as [label, kernel and constexprs]
+    (Triton's jit_cache_hook runs before each); returns the one-item list holding the current label."""
+    label = ["start-up"]
+    result["compiles"] = []
+    try:
+        from triton import knobs
+    except ImportError:  # a CPU install without triton: nothing compiles
+        return label
+
+    def hook(key: Any, repr: str, fn: Any, compile: dict[str, Any], **_: Any) -> bool:  # noqa: A002
+        entry = [label[0], f"{getattr(fn, 'name', fn)} {dict(compile.get('constants', {}))}"]
+        result["compiles"].append(entry)
+        print(f"  compile during {entry[0]}: {entry[1]}", flush=True)
+        return False  # compile as usual
+
+    knobs.runtime.jit_cache_hook = hook
+    return label
 
 
 def _record_point(result: dict[str, Any], pol_name: str, c: int, rows: list[dict[str, Any]], policy: Policy | None,
