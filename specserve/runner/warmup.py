@@ -44,18 +44,26 @@ def dummy_logits(runner: ModelRunner, rows: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def warm_small_forwards(runner: ModelRunner, max_rows: int, context: int = 0) -> list[int]:
-    """dummy_forward of t tokens after `context` for t = 1..max_rows (a captured graph where one fits,
-    eagerly otherwise) and the LM head over t rows. It writes only KV slots of the first few blocks of
-    the runner's pool and runs before any request exists, so nothing that matters is overwritten.
-    Returns the row counts run (none if the context leaves no room)."""
+    """dummy_forward of t tokens after `context` for t = 1..max_rows, eagerly, and the LM head over t
+    rows. Eagerly even where a captured graph would fit this single sequence: the same query lengths
+    come mid-serving in shapes no graph covers (a draft model catching up on 3-9 tokens of each of 4
+    requests: on the H200 such a catch-up compiled an attention and three GEMM variants, a 545 ms
+    stall, because the single-sequence start-up forwards had replayed the 16-token prefill graph).
+    It writes only KV slots of the first few blocks of the runner's pool and runs before any request
+    exists, so nothing that matters is overwritten. Returns the row counts run (none if the context
+    leaves no room)."""
     room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size) - context
     max_rows = min(max_rows, room)
     # A few blocks are enough; a manager over the whole pool would build its free list of every
     # block (0.2 s for 266k blocks) for each row count.
     num_blocks = min(runner.num_blocks, -(-(context + max_rows) // runner.block_size) + 1)
-    for t in range(1, max_rows + 1):
-        dummy_forward(runner, t, num_blocks, context)
-        dummy_logits(runner, t)
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        for t in range(1, max_rows + 1):
+            dummy_forward(runner, t, num_blocks, context)
+            dummy_logits(runner, t)
+    finally:
+        runner.graphs = graphs
     return list(range(1, max_rows + 1))
 
 

@@ -75,3 +75,35 @@ def test_first_eagle_requests_compile_nothing_after_start_up(tiny_qwen2_dir, tmp
         llm.generate([{"prompt_token_ids": [7 + i % 300 for i in range(n)]}], params)
     llm.generate([{"prompt_token_ids": [9 + (i * r) % 300 for i in range(20 + 30 * r)]} for r in range(4)], params)
     assert compiled == [], compiled
+
+
+def test_catch_ups_of_several_requests_compile_nothing_after_start_up(tiny_qwen2_dir, monkeypatch,
+                                                                      device: torch.device) -> None:
+    """1..16 new tokens of each of 4 sequences after a context (a draft model catching up on a pause in
+    drafting feeds every running request) compile no kernel after start-up. No captured graph covers
+    that shape, and before the start-up forwards ran eagerly the H200 pair sweep stalled 545 ms on it
+    (an attention launch of a query block the single-sequence forwards had only replayed in a graph)."""
+    from specserve.kv.manager import KVCacheManager
+    from specserve.runner.model_runner import ModelRunner
+    from specserve.scheduler.request import Request
+    from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+    llm = LLM(model=str(tiny_qwen2_dir), progress=False, device="cuda", dtype="bfloat16", max_num_seqs=8,
+              kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    assert runner.graphs is not None
+    contexts = [40 + 7 * i for i in range(4)]
+    # the prompts' own forwards (eager prefills of 4 sequences) compile at the first request, as in serving
+    llm.generate([{"prompt_token_ids": [3] * c} for c in contexts], SamplingParams(max_tokens=2, ignore_eos=True))
+    compiled = _count_compiles(monkeypatch)
+    for n in range(1, 17):
+        kv = KVCacheManager(64, runner.block_size, enable_prefix_caching=False)
+        reqs = [Request(f"c{n}-{i}", [3] * (c + n), SamplingParams(max_tokens=1), 1) for i, c in enumerate(contexts)]
+        for r, c in zip(reqs, contexts):
+            kv.allocate_slots(r, c + n)
+        ModelRunner.execute(runner, SchedulerOutput([ScheduledRequest(r, c, 0) for r, c in zip(reqs, contexts)],
+                                                    sum(contexts)), kv.block_ids)
+        for r, c in zip(reqs, contexts):
+            r.num_computed_tokens = c
+        ModelRunner.execute(runner, SchedulerOutput([ScheduledRequest(r, n, 0) for r in reqs], 4 * n), kv.block_ids)
+    assert compiled == [], compiled

@@ -33,3 +33,25 @@ def test_warm_up_fits_a_tiny_pool(tiny_llama_dir) -> None:
     runner = llm.engine.runner
     runner.num_blocks = 2
     assert warm_small_forwards(runner, 64) == list(range(1, 17))
+
+
+def test_warm_up_runs_eagerly_where_a_graph_would_fit(tiny_llama_dir) -> None:
+    """Mid-serving the same query lengths come in shapes no graph covers (a catch-up of several
+    requests), so the start-up forwards run eagerly, and the runner's graphs are back afterwards."""
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    runner = llm.engine.runner
+
+    class NoGraphs:
+        aux_hidden_layers = ()
+
+        def __getattr__(self, name):
+            pytest.fail(f"the warm-up used the graphs ({name})")
+
+    sentinel = NoGraphs()
+    runner.graphs = sentinel
+    seen = []
+    real = runner._execute
+    runner._execute = lambda sched, *a, **kw: seen.append(runner.graphs) or real(sched, *a, **kw)
+    assert warm_small_forwards(runner, 4) == [1, 2, 3, 4]
+    assert seen == [None] * 4 and runner.graphs is sentinel
+    del runner._execute
