@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve import LLM  # noqa: E402
@@ -34,6 +35,8 @@ from specserve.runner.model_runner import ModelRunner  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
 from specserve.scheduler.request import Request  # noqa: E402
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
+
+from compile_log import log_compiles  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -65,23 +68,6 @@ def chunk_after_context(runner: ModelRunner, context: int, new: int, tag: str, b
     return time.perf_counter() - start
 
 
-def log_compiles() -> list[str]:
-    """Record every Triton JIT compile from now on (kernel, constexprs, signature: Triton's
-    jit_cache_hook runs before each): a first-use stall names its kernel."""
-    from triton import knobs
-
-    seen: list[str] = []
-
-    def hook(key, repr, fn, compile, **_):  # noqa: A002, ANN001, ANN202 (Triton's hook signature)
-        consts = {k: v for k, v in compile["constants"].items()}
-        seen.append(f"{getattr(fn, 'name', fn)} {consts} {compile['signature']}")
-        print(f"    compile: {seen[-1]}", flush=True)
-        return False  # compile as usual
-
-    knobs.runtime.jit_cache_hook = hook
-    return seen
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -108,7 +94,13 @@ def main() -> None:
               enable_prefix_caching=False, speculative_config=spec, kv_cache_memory_bytes=1 << 30)
     print(f"engine built in {time.perf_counter() - t:.1f} s", flush=True)
     runners = {"draft": llm.engine.spec.proposer.runner, "target": llm.engine.runner}
-    compiles = log_compiles()
+    compiles: list[str] = []  # every Triton compile from here on: a stall's kernel
+
+    def report(kernel: str) -> None:
+        compiles.append(kernel)
+        print(f"    compile: {kernel}", flush=True)
+
+    log_compiles(report)
     rows = []
     for name, runner in runners.items():
         for batch in (int(b) for b in args.batches.split(",")):

@@ -78,6 +78,7 @@ def _load_bench(name: str) -> Any:
 spec_bench = _load_bench("spec_bench")  # humaneval_prompts, shared_models, free_memory
 sweep_point = _load_bench("sweep_point")  # engines, policies, one point (records token timestamps)
 sweep_report = _load_bench("sweep_report")  # the JSON, markdown tables and PNGs
+compile_log = _load_bench("compile_log")  # names the kernels that compile mid-run
 # Names this script's users may know it by (moved to sweep_point / sweep_report).
 from _bench_sweep_point import (SPEC_COUNTERS, Policy, build, capture_all_verify_graphs,  # noqa: E402,F401
                                 count_graph_replays, kv_bytes_for, make_policies, merge_points, percentiles,
@@ -238,7 +239,7 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
         result["policies"] = (["off"] if "off" in engines else []) + [p.name for p in policies]
         result["graph_query_lens"] = {p.name: p.graph_qs for p in policies}
         _warm_up(engines, policies, prompts, max(levels), args)
-        compile_log = log_compiles(result)  # what compiles after start-up and warm-up: a stall's kernel
+        compile_label = log_compiles(result)  # what compiles after start-up and warm-up: a stall's kernel
         if not args.no_gc_freeze:  # as `specserve serve` does after start-up: full collections skip it
             gc.collect()
             gc.freeze()
@@ -269,10 +270,10 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
                     policy = next((p for p in policies if p.name == pol_name), None)
                     if policy is not None:
                         policy.install(llm)
-                    compile_log[0] = f"{pol_name} c={c} warm-up"
+                    compile_label[0] = f"{pol_name} c={c} warm-up"
                     if args.point_warmup_tokens > 0:
                         _point_warm_up(llm, prompts, c, args.point_warmup_tokens, args)
-                    compile_log[0] = f"{pol_name} c={c} part {run}"
+                    compile_label[0] = f"{pol_name} c={c} part {run}"
                     if policy is not None:  # what the controller chose and saw in this policy's parts only
                         if run == 0:
                             policy.clear()
@@ -303,22 +304,16 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
 
 
 def log_compiles(result: dict[str, Any]) -> list[str]:
-    """Log every Triton compile from now on into result["compiles"] as [label, kernel and constexprs]
-    (Triton's jit_cache_hook runs before each); returns the one-item list holding the current label."""
+    """Log every Triton compile from now on into result["compiles"] as [label, kernel and constexprs];
+    returns the one-item list holding the current label."""
     label = ["start-up"]
     result["compiles"] = []
-    try:
-        from triton import knobs
-    except ImportError:  # a CPU install without triton: nothing compiles
-        return label
 
-    def hook(key: Any, repr: str, fn: Any, compile: dict[str, Any], **_: Any) -> bool:  # noqa: A002
-        entry = [label[0], f"{getattr(fn, 'name', fn)} {dict(compile.get('constants', {}))}"]
-        result["compiles"].append(entry)
-        print(f"  compile during {entry[0]}: {entry[1]}", flush=True)
-        return False  # compile as usual
+    def report(kernel: str) -> None:
+        result["compiles"].append([label[0], kernel])
+        print(f"  compile during {label[0]}: {kernel}", flush=True)
 
-    knobs.runtime.jit_cache_hook = hook
+    compile_log.log_compiles(report)
     return label
 
 
