@@ -19,6 +19,10 @@ split-KV partials reduced by its `_reduce_splits_kernel`) and picks one of the k
        hardware e4m3x2 -> f16x2 conversion): ~35% fewer instructions per tile than v2 in the
        sm_90 SASS, which matters because nvfp4 decode is about as long as its memory traffic. A
        decoder of integer instructions only (no conversions) measured 3% slower (2026-11-30).
+  "v4" (nvfp4): v3 with its float16 dot operands in the 16-bit register layout (Triton gives them
+       the 8-bit one because of the scale loads; `triton_dot_layout.py`): 996 against 1,130 sm_90
+       instructions per 128-key tile, the difference register moves (961 against 1,110 with
+       the decoder's single byte permute): 534 against 591 us at batch 32 / 32k on the H200.
   "v3" (fp8, `triton_quant_fp8.py`): the same structure, capped at 128 registers (4 programs per
        SM), with V read as 16-bit units so that P.V's operand comes from a transposing ldmatrix
        instead of one shared-memory byte load per value. Its byte-tile predecessor (v2, removed:
@@ -28,7 +32,7 @@ split-KV partials reduced by its `_reduce_splits_kernel`) and picks one of the k
 `DEFAULT_VARIANT` says which one a call without `variant=` gets; bench/kv_quant_gpu.py checks and
 times all of them. On the H200 (2026-11-30, batch 32, 32k context, 32 / 8 heads, head_dim 128):
 bf16 1,167 us; fp8 v1 1,596, v3 588 (0.50x bf16, 3.7 TB/s); nvfp4 v1 3,224, v2 1,159, v3 594
-(0.51x, 2.0 TB/s: bound by its instruction count). The PTX decoders are checked exhaustively on the
+(0.51x, 2.0 TB/s: bound by its instruction count), v4 534 (0.46x, 2.3 TB/s; fifteenth session). The PTX decoders are checked exhaustively on the
 GPU (test_nvfp4_decoders_are_exact, test_fp8_unit_decode_is_exact); the interpreter runs the
 plain-Triton decoders.
 
@@ -66,10 +70,15 @@ __all__ = [
     "reshape_and_cache_quant",
 ]
 
-VARIANTS = {"fp8": ("v1", "v3"), "nvfp4": ("v1", "v2", "v3")}
-DEFAULT_VARIANT = {"fp8": "v3", "nvfp4": "v3"}
+VARIANTS = {"fp8": ("v1", "v3"), "nvfp4": ("v1", "v2", "v3", "v4")}
+DEFAULT_VARIANT = {"fp8": "v3", "nvfp4": "v4"}
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions y and z
 V2_PROGRAMS_PER_SM = 4  # v2 / v3 decode programs resident per SM (4 warps, <= 128 registers each)
+# nvfp4 v4 splits into at least this many (where the context allows): on the H200 at batch 32 (one wave
+# at 2 splits), 8 splits took 528 / 531 us against 537 / 542 at 2 (32k), 2,062 against 2,104 (128k),
+# 150 against 154 (4k); its programs are bound by instructions more than by memory, and shorter ones
+# balance better over the SMs (2026-11-30, fifteenth session).
+V4_MIN_SPLITS = 8
 
 
 def choose_num_splits_quant(num_seqs: int, max_query_len: int, max_seq_len: int, num_kv_heads: int,
@@ -80,6 +89,7 @@ def choose_num_splits_quant(num_seqs: int, max_query_len: int, max_seq_len: int,
     in flight and more programs per SM keep the loads coming. v1: about 4 waves of programs
     (rounded up). v2 / v3: as many programs as fit at once (4 per SM at <= 128 registers per
     thread), rounded down, so the grid is one full wave instead of one wave and a partial one.
+    v4: the same, but at least V4_MIN_SPLITS.
     """
     programs = num_seqs * triton.cdiv(max(max_query_len, 1), block_q) * num_kv_heads
     by_length = max_seq_len // MIN_KEYS_PER_SPLIT
@@ -87,6 +97,8 @@ def choose_num_splits_quant(num_seqs: int, max_query_len: int, max_seq_len: int,
         by_sms = triton.cdiv(4 * num_sms, programs)
     else:
         by_sms = (V2_PROGRAMS_PER_SM * num_sms) // programs
+        if variant == "v4":
+            by_sms = max(by_sms, V4_MIN_SPLITS)
     return max(1, min(by_sms, by_length, MAX_SPLITS))
 
 
@@ -113,7 +125,7 @@ def quant_attention_config(max_query_len: int, group: int, head_dim: int, name: 
         maxnreg = 128
         if block_m <= 32 and block_n == 64:
             block_n = 128  # H200, B=32 / 32k: 588 us (sm_90 SASS: 7.9 instructions per key and thread, 11.6 at 64)
-    elif variant == "v3" and block_m <= 32 and block_n == 64:
+    elif variant in ("v3", "v4") and block_m <= 32 and block_n == 64:
         block_n, maxnreg = 128, 128  # nvfp4 v3 on the H200, B=32 / 32k: 604 us against 719 at 64 keys, no cap
     return block_m, block_n, num_warps, num_stages, maxnreg
 

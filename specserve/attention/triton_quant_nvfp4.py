@@ -1,4 +1,4 @@
-"""nvfp4 paged attention, variants "v2" and "v3": structured like triton_paged's bf16 kernel.
+"""nvfp4 paged attention, variants "v2", "v3" and "v4": structured like triton_paged's bf16 kernel.
 
 A cache row (one token, one KV head) is head_dim / 2 bytes, byte i holding elements 2i (low nibble)
 and 2i + 1 (high nibble), plus head_dim / 16 e4m3 scales. The kernel reads the row as head_dim / 4
@@ -25,6 +25,10 @@ Two decoders (the DECODER constexpr), both exact:
      per 4 bytes, a byte permute pairs the two units' codes, and the hardware `cvt.rn.f16x2.e4m3x2`
      makes two float16 per instruction. Triton's interpreter runs no inline assembly: there the
      kernel takes the v2 decoder.
+v4 is v3 with its float16 dot operands in the register layout of 16-bit types (kWidth 2) instead of
+the 8-bit one Triton derives from the scale loads (triton_dot_layout.py): no register moves for Q and
+P (sm_90 SASS of a 128-key tile: 961 instructions against v3's 1,110). It opts in per specialization:
+DOT_KWIDTH2 names the compiled kernel with triton_dot_layout's suffix, which its stage hook acts on.
 v1 (triton_quant_v1.py) ran eight dots of depth head_dim / 8 over 32-bit words and gathered a scale
 per word with a synchronous 1-byte load. Scales multiply the decoded values in float16 (exact:
 products of a 2-bit and a 4-bit significand, >= 2^-24); the constant (2^14 or 2^6) * global_scale
@@ -36,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.attention import triton_dot_layout
 from specserve.attention.triton_quant_common import (
     NVFP4_DECODE,
     _load_q16,
@@ -53,23 +58,24 @@ from specserve.attention.triton_quant_common import (
 
 E4M3_DECODE = 64.0  # 2^6: the v3 decode yields e2m1 * 2^-6
 # $4 = two 16-bit units: bytes (u0.lo, u0.hi, u1.lo, u1.hi). Output j = nibble j of u0 (low half) and
-# of u1 (high half) as float16. l / h: the e4m3 bytes of each byte's low / high nibble; the byte
-# permute 0x3120 turns (b0, b1, b2, b3) into (b0, b2, b1, b3), pairing u0's and u1's bytes.
+# of u1 (high half) as float16. The byte permute 0x3120 first turns (b0, b1, b2, b3) into
+# (b0, b2, b1, b3), pairing u0's and u1's bytes; l / h: the e4m3 bytes of each byte's low / high
+# nibble. Every shift-and-mask keeps bits within their byte, so permuting once before them does what
+# permuting l and h after them did (one byte permute per 8 codes instead of two).
 _DECODE_PTX = tl.constexpr("""
 {
-.reg .b32 t, u, l, h;
+.reg .b32 x, t, u, l, h;
 .reg .b16 l02, l13, h02, h13;
-shl.b32 t, $4, 4;
+prmt.b32 x, $4, 0, 0x3120;
+shl.b32 t, x, 4;
 and.b32 t, t, 0x80808080;
-shl.b32 u, $4, 2;
+shl.b32 u, x, 2;
 and.b32 u, u, 0x1C1C1C1C;
 or.b32 l, t, u;
-shr.b32 u, $4, 2;
+shr.b32 u, x, 2;
 and.b32 u, u, 0x1C1C1C1C;
-and.b32 t, $4, 0x80808080;
+and.b32 t, x, 0x80808080;
 or.b32 h, t, u;
-prmt.b32 l, l, 0, 0x3120;
-prmt.b32 h, h, 0, 0x3120;
 mov.b32 {l02, l13}, l;
 mov.b32 {h02, h13}, h;
 cvt.rn.f16x2.e4m3x2 $0, l02;
@@ -80,7 +86,9 @@ cvt.rn.f16x2.e4m3x2 $3, h13;
 """)
 
 
-DECODERS = {"v2": 0, "v3": 1}  # variant -> the kernel's DECODER
+DECODERS = {"v2": 0, "v3": 1, "v4": 1}  # variant -> the kernel's DECODER
+KWIDTH2 = {"v2": False, "v3": False, "v4": True}  # variant -> the kernel's DOT_KWIDTH2
+triton_dot_layout.install()  # before the first compile of an opted-in kernel (the hook is not in Triton's key)
 
 
 @triton.jit
@@ -155,7 +163,15 @@ def _nvfp4_tile(tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2
     return m_i, l_i, a0, a1, a2, a3
 
 
-@triton.jit(do_not_specialize=["sm_scale_log2", "v_factor", "num_seqs", "num_splits", "stride_bt_seq"])
+def _kernel_name(specialization) -> str:
+    """The compiled kernel's name: triton_dot_layout's hook retargets the dot operands of those with
+    DOT_KWIDTH2 (a constexpr, so they are their own cache entries)."""
+    return triton_dot_layout.kernel_name("_paged_attention_nvfp4_v2_kernel",
+                                         bool(specialization.constants.get("DOT_KWIDTH2")))
+
+
+@triton.jit(do_not_specialize=["sm_scale_log2", "v_factor", "num_seqs", "num_splits", "stride_bt_seq"],
+            repr=_kernel_name)
 def _paged_attention_nvfp4_v2_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr, cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,
@@ -166,7 +182,7 @@ def _paged_attention_nvfp4_v2_kernel(
     QUADS: tl.constexpr, QUADS_PAD: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, DECODER: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, DECODER: tl.constexpr, DOT_KWIDTH2: tl.constexpr,
 ):
     q_block_idx, kv_head, split, num_heads = _program(GROUP, HEADS_FIRST)
     spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
@@ -214,8 +230,8 @@ def _paged_attention_nvfp4_v2_kernel(
 
 def launch_nvfp4_v2(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, grid_qblocks: int,
                     num_splits: int, scale_log2: float, meta: dict, heads_first: bool, variant: str = "v2") -> None:
-    """The v2 or v3 nvfp4 kernel (they differ in the decoder) over the launch paged_attention_quant
-    prepared."""
+    """The v2, v3 or v4 nvfp4 kernel (they differ in the decoder and the dot operands' layout) over the
+    launch paged_attention_quant prepared."""
     num_seqs = common[3].shape[0] - 1
     block_tables = common[5]
     # 16-bit units: a row is head_dim / 2 bytes, an even count (head_dim % 16 == 0), so the view is exact.
@@ -233,4 +249,5 @@ def launch_nvfp4_v2(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tupl
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         C_BLOCK=kc.stride(0), C_SLOT=kc.stride(1), C_HEAD=kc.stride(2), S_BLOCK=ks.stride(0), S_SLOT=ks.stride(1),
         S_HEAD=ks.stride(2), QUADS=quads, QUADS_PAD=triton.next_power_of_2(quads), GROUPS=groups,
-        G_PAD=triton.next_power_of_2(groups), HEADS_FIRST=heads_first, DECODER=decoder, **meta)
+        G_PAD=triton.next_power_of_2(groups), HEADS_FIRST=heads_first, DECODER=decoder,
+        DOT_KWIDTH2=KWIDTH2[variant] and q.is_cuda, **meta)
