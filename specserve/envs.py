@@ -25,9 +25,6 @@ meaning; other modules must not touch `os.environ` directly.
 |                   |                                  | instead of prefill-graph pieces (A/B runs) |
 | SPECSERVE_DRAFT_CHAIN_GRAPH | 0 (spec/draft_chain.py)  | 1: a draft model's chained steps of a     |
 |                   |                                  | propose replay as one CUDA graph          |
-| SPECSERVE_SHADOW_DRAFTS | 1 (spec/shadow.py)         | 0: the adaptive controller learns n-gram  |
-|                   |                                  | acceptance only from steps that draft     |
-|                   |                                  | (A/B runs)                                |
 | TRITON_INTERPRET  | unset                            | 1: Triton kernels run in its CPU          |
 |                   |                                  | interpreter (kernel debugging, tests)     |
 """
@@ -132,12 +129,6 @@ def draft_chain_graph() -> bool:
     """SPECSERVE_DRAFT_CHAIN_GRAPH=1: a draft model's greedy chained steps of a propose run as one CUDA
     graph (spec/draft_chain.py; eagerly on the CPU). Default off until it is measured on the H200."""
     return _switch("SPECSERVE_DRAFT_CHAIN_GRAPH") is True
-
-
-def shadow_drafts() -> bool:
-    """SPECSERVE_SHADOW_DRAFTS=0: no shadow n-gram drafts (spec/shadow.py) while the adaptive controller
-    drafts nothing; it then learns acceptance from steps that draft only (A/B runs). Default on."""
-    return _switch("SPECSERVE_SHADOW_DRAFTS") is not False
 
 
 def triton_interpret() -> bool:

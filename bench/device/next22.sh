@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (The shadow drafts were reverted after this run, which measured no gain: docs/benchmarks.md, fifteenth session.)
 # Fifteenth session, issue 7: shadow n-gram drafts (spec/shadow.py) on the 8B n-gram sweep, A/B in two
 # processes (SPECSERVE_SHADOW_DRAFTS=1, then 0), concurrency 4-64 where drafting and no drafts are close
 # (16 was 0.934 of no drafts in this session's first call, with stale acceptance behind its k = 4 steps).

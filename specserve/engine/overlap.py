@@ -88,7 +88,7 @@ class AsyncStepMixin:
         # (Structured requests always get a proposal: it also cuts drafts and starts their masks.)
         k = None if self.structured.num_requests else spec.controller.choose(len(self.scheduler.running))
         if k == 0:
-            spec.skip_proposal(self.scheduler.running)
+            spec.skip_proposal(len(self.scheduler.running))
             return self._step_async()
         prev, self._inflight = self._inflight, None
         outputs, new_tokens = self._resolve(prev)

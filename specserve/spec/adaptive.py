@@ -420,14 +420,6 @@ class AdaptiveController:
             self.fill.add(p.asked_per_pos, p.drafted_per_pos)
         self._account(step, p, choice)
 
-    def observe_shadow(self, asked: tuple[int, ...], drafted: tuple[int, ...], reached: tuple[int, ...],
-                       accepted: tuple[int, ...]) -> None:
-        """Fill and acceptance measured without drafting (spec/shadow.py: what n-gram drafts would have
-        got); per draft position, as a proposal's and a verify step's counts."""
-        self.fill.add(asked, drafted)
-        self.acceptance.add(reached, accepted)
-        self._drafting_version += 1
-
     def _account(self, step: SpecStepStats, p: ProposalStats | None, choice: _Choice | None) -> None:
         """Exploration budget: all the time observed, and what exploring lost against the best k."""
         cycle = max(step.step_seconds, 0.0) + (p.seconds if p is not None else 0.0)

@@ -24,8 +24,6 @@ from specserve.spec.adaptive import ProposalStats, SpecStepStats, verify_counts
 from specserve.spec.base import ProposeInput, Proposer, draft_budget, stack_draft_probs
 from specserve.spec.controller import FixedController
 from specserve.spec.draft_tokens import DeferredDrafts
-from specserve.spec.ngram import NgramProposer
-from specserve.spec.shadow import SHADOW_EVERY, ShadowDrafts
 
 
 class _PositionLabels(dict):
@@ -109,12 +107,6 @@ class SpecDecoder:
         self.proposer.defer_drafts = getattr(engine_parts.runner, "accepts_pending", False) and wanted
         self._deferred: DeferredDrafts | None = None
         self._wait_s = 0.0  # this step's wait for deferred drafts: the proposal's time, not the step's
-        # n-gram drafts are a function of the history: while the adaptive controller drafts nothing, it
-        # still learns their acceptance from what they would have got (spec/shadow.py)
-        self.shadow: ShadowDrafts | None = None
-        self._steps_without_drafts = 0
-        if isinstance(self.proposer, NgramProposer) and envs.shadow_drafts():
-            self.shadow = ShadowDrafts(cfg.num_speculative_tokens, self.proposer.min_n, self.proposer.max_n)
 
     def pending_drafts(self) -> PendingTokens | None:
         """The last proposal's drafts still on the device: the verify step's placeholders read them."""
@@ -180,8 +172,6 @@ class SpecDecoder:
         if k is None:
             k = self.controller.choose(batch_size)
         self.last_k = k
-        if k == 0:
-            self._shadow_sample(reqs)
         self.stats.set("spec_decode_chosen_num_tokens", k)
         budgets = [0 if self.k_follows_load and r.generator is not None and not r.params.greedy
                    else draft_budget(r, k, self.max_model_len) for r in reqs]
@@ -212,25 +202,12 @@ class SpecDecoder:
         if chosen:
             absorb(ProposeInput([c[0] for c in chosen], [1] * len(chosen), step, [c[1] for c in chosen]))
 
-    def skip_proposal(self, reqs: list[Request]) -> None:
+    def skip_proposal(self, num_reqs: int) -> None:
         """The controller chose k = 0 for the next step, which runs without proposing (asynchronous
         scheduling): recorded as a proposal of nothing, as propose() would with k = 0."""
         self.last_k = 0
         self.stats.set("spec_decode_chosen_num_tokens", 0)
-        self._shadow_sample(reqs)
-        self._proposal = ProposalStats.measure(0, [0] * len(reqs), [], 0.0)
-
-    def _shadow_sample(self, reqs: list[Request]) -> None:
-        """Every SHADOW_EVERY-th step without drafts: the n-gram drafts' would-be outcome to the controller."""
-        observe = getattr(self.controller, "observe_shadow", None)  # (benchmarks swap controllers)
-        if self.shadow is None or observe is None:
-            return
-        self._steps_without_drafts += 1
-        if self._steps_without_drafts % SHADOW_EVERY:
-            return
-        counts = self.shadow.sample([r for r in reqs if r.params.greedy or r.generator is None])
-        if counts is not None:
-            observe(*counts)
+        self._proposal = ProposalStats.measure(0, [0] * num_reqs, [], 0.0)
 
     def on_finished(self, req: Request) -> None:
         self.proposer.on_request_finished(req)

@@ -14,10 +14,8 @@ from specserve.spec.adaptive import (
     AdaptiveController,
     ProposalStats,
     SpecStepStats,
-    count_above,
     verify_counts,
 )
-from specserve.spec.shadow import SHADOW_EVERY, SHADOW_REQUESTS
 
 K = 4
 CFG = SpeculativeConfig(method="ngram", num_speculative_tokens=K)
@@ -114,13 +112,11 @@ def _draft_and_verify(world: World, budgets: list[int], rng: random.Random) -> t
 
 
 def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: int = 0,
-              work_ahead: bool = False, shadow: bool = False) -> tuple[float, list[int]]:
+              work_ahead: bool = False) -> tuple[float, list[int]]:
     """Output tokens per second of `policy` (a controller, or a fixed k) over `steps` steps. work_ahead:
     the controller prepares its next choice during each step, before observing it (as the engine does
-    while a synchronous step's forward runs). shadow: as the decoder does for n-gram drafts, every
-    SHADOW_EVERY-th step without drafts tells the controller what K-token drafts of SHADOW_REQUESTS
-    requests would have got (spec/shadow.py)."""
-    rng, shadow_rng, without = random.Random(seed), random.Random(seed + 1), 0
+    while a synchronous step's forward runs)."""
+    rng = random.Random(seed)
     tokens = seconds = 0.0
     chosen, since_draft, was_sync = [], 1, False  # (a run goes on from where the last one stopped)
     if isinstance(policy, AdaptiveController):
@@ -148,12 +144,6 @@ def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: 
             proposal = ProposalStats.measure(k, [k] * b if k else [], drafted if k else [], propose_s)
             reached, acc = verify_counts(drafted, accepted)
             policy.observe(SpecStepStats(b, b + sum(drafted), sum(drafted), verify_s, reached, acc, proposal))
-            without = 0 if k else without + 1
-            if shadow and k == 0 and without % SHADOW_EVERY == 0:
-                n = min(SHADOW_REQUESTS, b)
-                would, got = _draft_and_verify(world, [policy.max_k] * n, shadow_rng)
-                policy.observe_shadow(count_above([policy.max_k] * n, policy.max_k), count_above(would, policy.max_k),
-                                      *verify_counts(would, got))
     return tokens / seconds, chosen
 
 
