@@ -65,6 +65,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.spec.adaptive import AdaptiveController
+from specserve.spec.estimators import batch_bucket
 
 
 def _load_bench(name: str) -> Any:
@@ -108,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--ks", default="1,2,4", help="fixed k values; the adaptive controller drafts 0..max(ks)")
     p.add_argument("--policies", default="off,fixed,adaptive,adaptive+graphs",
-                   help="subset of off, fixed, adaptive, adaptive+graphs (the last on CUDA only)")
+                   help="subset of off, fixed, adaptive, adaptive-uncalibrated (without estimators."
+                        "TokenCalibration), adaptive+graphs (the last on CUDA only)")
     p.add_argument("--output-len", type=int, default=256, help="output tokens per request below --high-from")
     p.add_argument("--output-len-high", type=int, default=128, help="output tokens from --high-from on")
     p.add_argument("--high-from", type=int, default=64)
@@ -225,7 +227,7 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
         policies: list[Policy] = []
         if "off" in args.policies.split(","):
             engines["off"] = build(mode, args, None, max(levels), max_len, kv)
-        if any(p in args.policies.split(",") for p in ("fixed", "adaptive", "adaptive+graphs")):
+        if any(p in args.policies.split(",") for p in ("fixed", "adaptive", "adaptive-uncalibrated", "adaptive+graphs")):
             spec_llm = engines["spec"] = build(mode, args, spec_config(mode, args, max_k), max(levels), max_len, kv)
             own_qs = () if args.no_recapture else capture_all_verify_graphs(spec_llm, max_k)
             if args.no_recapture and spec_llm.engine.runner.graphs is not None:
@@ -363,14 +365,18 @@ def _warm_up(engines: dict[str, LLM], policies: list[Policy], prompts: list[list
 def controller_beliefs(ctrl: AdaptiveController, c: int) -> dict[str, Any]:
     """What the adaptive controller believed at the end of a point, at batch c (why it chose its k):
     predicted step seconds and tokens/s per k, which k it priced on its own measurements there, the
-    acceptance and fill per position, its catch-up pricing and the exploration budget spent."""
+    acceptance and fill per position, the calibration of drafts per request at this batch size (what
+    drafting got over what acceptance and fill predicted), its catch-up pricing and the exploration
+    budget spent."""
+
     est = ctrl.estimate(c)
     costs = ctrl.costs
     return {"best_k": est.best_k, "step_ms": [round(t * 1e3, 4) for t in est.step_seconds],
             "propose_ms": [round(t * 1e3, 4) for t in est.propose_seconds],
             "tokens_per_s": [round(r, 1) for r in est.tokens_per_s], "trusted": list(est.trusted),
             "decode_trusted": est.decode_trusted, "acceptance": [round(a, 3) for a in est.acceptance_per_pos],
-            "fill": [round(f, 3) for f in est.fill_per_pos], "cold_extra": costs.cold_extra,
+            "fill": [round(f, 3) for f in est.fill_per_pos],
+            "calibration": round(ctrl.calibration.ratio(batch_bucket(c)), 3), "cold_extra": costs.cold_extra,
             "decode_age": costs.decode_age(c), "samples": [costs.samples(c, k) for k in range(1, ctrl.max_k + 1)],
             "exploration_loss_s": round(ctrl.exploration_loss_seconds, 5),
             "observed_s": round(ctrl.observed_seconds, 4), "num_observed": costs.num_observed}

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 TARGET = 0.95  # the adaptive controller within 5% of the best fixed choice and of no speculation
-ADAPTIVE = ("adaptive", "adaptive+graphs")
+ADAPTIVE = ("adaptive", "adaptive-uncalibrated", "adaptive+graphs")
 
 
 def _levels(result: dict[str, Any]) -> list[int]:

@@ -18,7 +18,7 @@ import torch
 import specserve.engine.engine as engine_module
 from specserve import LLM, SamplingParams
 from specserve.engine.output_processor import StepTokenStats
-from specserve.spec.adaptive import AdaptiveController
+from specserve.spec.adaptive import AdaptiveController, AdaptiveSettings
 from specserve.spec.controller import FixedController
 
 SPEC_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
@@ -168,6 +168,9 @@ def make_policies(args: argparse.Namespace, cfg: Any, own_qs: tuple[int, ...], c
                        (1, k + 1)) for k in ks]
     if "adaptive" in wanted:
         out.append(Policy("adaptive", AdaptiveController(cfg), own_qs or (1, max_k + 1)))
+    if "adaptive-uncalibrated" in wanted:  # A/B of estimators.TokenCalibration
+        out.append(Policy("adaptive-uncalibrated", AdaptiveController(cfg, AdaptiveSettings(calibrate=False)),
+                          own_qs or (1, max_k + 1)))
     if "adaptive+graphs" in wanted and cuda_graphs:
         out.append(Policy("adaptive+graphs", AdaptiveController(cfg), tuple(range(1, max_k + 2))))
     return out

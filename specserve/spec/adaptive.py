@@ -13,6 +13,9 @@ short or empty). Everything is measured here, over moving windows:
     (`acceptance_horizon`), so what was measured below the prior long ago (while not drafting) drifts
     back to it (a rate measured above it stays: faded, it would keep the controller from drafting, so
     from measuring it again);
+  - per batch-size bucket, the ratio of the drafts accepted per request to those predicted, over the
+    bucket's drafting steps (estimators.TokenCalibration): it scales E[tokens | k] - 1 there, since
+    the windows above follow the requests measured last and another load's may accept less;
   - costs per batch-size bucket (1, 2, 3-4, 5-8, ...: estimators.StepCosts): a plain decode step, a
     verify step per k, a (warm) proposal per k, each fitted on the steps of that bucket only. Step
     costs are not one smooth curve across batch sizes (GEMV at one row, GEMM above; graph sizes), nor
@@ -69,6 +72,7 @@ from specserve.spec.adaptive_settings import AdaptiveSettings, ControllerEstimat
 from specserve.spec.estimators import (
     PositionRates,
     StepCosts,
+    TokenCalibration,
     batch_bucket,
 )
 from specserve.spec.regression import DecayedRegression
@@ -100,6 +104,7 @@ class _Choice(NamedTuple):
     cold: bool  # no drafts were proposed the step before (or never): a draft model catches up first
     after_prompt: bool  # the step before computed a prompt chunk: a draft model may feed that prompt first
     unseen_tokens: float | None  # tokens computed since the last proposal with drafts (None: never drafted)
+    predicted_extra: float  # drafts per request the model (uncalibrated) predicted to be accepted
 
 
 class _Terms(NamedTuple):
@@ -107,7 +112,8 @@ class _Terms(NamedTuple):
 
     alpha: list[float]
     fill: list[float]
-    expected: list[float]  # k = 0..K
+    expected: list[float]  # k = 0..K, calibrated (estimators.TokenCalibration)
+    raw_expected: list[float]  # k = 0..K, as the acceptance and fill windows predict
     seconds: list[float]  # k = 1..K: verify + proposal
     propose: list[float]  # k = 1..K
     trusted: list[bool]  # k = 0..K ([0]: always)
@@ -122,6 +128,7 @@ class AdaptiveController:
         self.acceptance = PositionRates(self.max_k, s.acceptance_prior, s.prior_weight, s.acceptance_window)
         self.fill = PositionRates(self.max_k, 1.0, s.prior_weight, s.acceptance_window)
         self.costs = StepCosts(self.max_k, s.cost_window, s.slope_ridge, s.stale_after, s.budget_window)
+        self.calibration = TokenCalibration()
         # the cost model's fits under the names benches and tests know
         self.verify_cost, self.verify_cost_by_k = self.costs.verify_cost, self.costs.verify_cost_by_k
         self.decode_cost, self.propose_cost = self.costs.decode_cost, self.costs.propose_cost
@@ -179,13 +186,15 @@ class AdaptiveController:
             survive *= a
             expected.append(expected[-1] + f * survive)
             verified.append(verified[-1] + f)
+        raw, ratio = expected, self.calibration.ratio(batch_bucket(b)) if self.settings.calibrate else 1.0
+        expected = [1.0 + ratio * (e - 1.0) for e in raw]
         seconds, trusted = self.costs.verify_seconds(b, [b * v for v in verified[1:]])
         propose = self.costs.propose_seconds(b)
         # a draft model feeds every new request's prompt at its next proposal: per output token, a
         # recurring cost of drafting where requests come and go (the warm proposal fits leave it out)
         feed = b * self.costs.prompt_feed_seconds()
         seconds = [t + p + feed * e for t, p, e in zip(seconds, propose, expected[1:])]
-        terms = _Terms(alpha, fill, expected, seconds, propose, [True] + trusted)
+        terms = _Terms(alpha, fill, expected, raw, seconds, propose, [True] + trusted)
         if self.verify_cost.weight >= 1.0:  # before that, the decode fit (which changes) stands in
             self._drafting_cache = (key, terms)
         return terms
@@ -225,7 +234,8 @@ class AdaptiveController:
     # -- the interface the decoder calls ------------------------------------------------------
     def choose(self, batch_size: int) -> int:
         """k for the next proposal: the best k; or, within budget, a k to measure (see the module doc)."""
-        est = self.estimate(batch_size, self._terms_for_choice(float(max(batch_size, 1))))
+        terms = self._terms_for_choice(float(max(batch_size, 1)))
+        est = self.estimate(batch_size, terms)
         self.num_choices += 1
         bucket = batch_bucket(batch_size)
         if bucket != self._bucket:  # another load: what was being measured (a burst) is moot
@@ -258,7 +268,8 @@ class AdaptiveController:
         if k > 0 and cold and self._resume_booked:
             exploring = True  # drafting resumes after exploring k = 0: its catch-up is exploration's cost
         self._resume_booked = k == 0 and exploring and best > 0
-        self._pending = _Choice(k, exploring, best, cold, self.costs.after_prompt, self.costs.unseen_tokens)
+        self._pending = _Choice(k, exploring, best, cold, self.costs.after_prompt, self.costs.unseen_tokens,
+                                terms.raw_expected[k] - 1.0)
         self._prev_k = self.last_choice = k
         self.last = est if k == best else replace(est, chosen_k=k)
         return k
@@ -411,6 +422,7 @@ class AdaptiveController:
             # believing it long after it recovered.
             keep = math.exp(-_EPOCH / self.settings.acceptance_horizon)
             self.acceptance.age(keep)
+            self.calibration.age(keep)
             self.fill.age(keep)
             self._drafting_version += 1
         self.costs.observe(step, choice is not None and choice.cold, choice is not None and choice.after_prompt,
@@ -418,6 +430,10 @@ class AdaptiveController:
         self.acceptance.add(step.reached_per_pos, step.accepted_per_pos)
         if p is not None and p.num_seqs > 0 and p.num_speculative_tokens > 0:
             self.fill.add(p.asked_per_pos, p.drafted_per_pos)
+        if choice is not None and choice.k > 0 and step.num_draft_tokens > 0 and step.batch_size > 0:
+            # what this step's drafts got against what the windows predicted for them, at this load
+            self.calibration.add(batch_bucket(step.batch_size), choice.predicted_extra,
+                                 sum(step.accepted_per_pos) / step.batch_size, step.batch_size)
         self._account(step, p, choice)
 
     def _account(self, step: SpecStepStats, p: ProposalStats | None, choice: _Choice | None) -> None:

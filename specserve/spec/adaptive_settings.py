@@ -25,6 +25,7 @@ class AdaptiveSettings:
     explore_budget: float | None = 0.01  # exploring may lose at most this fraction of the time (None: no cap)
     budget_window: float = 2000.0  # steps over which the exploration budget is counted
     switch_margin: float = 0.02  # keep the previous best unless another k is this much faster
+    calibrate: bool = True  # scale predicted drafts per bucket by what drafting got (TokenCalibration)
     stale_after: int = 1000  # observations after which a bucket's measurement of a k is a guess again
     reprobe_after: int = 250  # while drafting, re-measure a plain decode step this often (observations)
 

@@ -124,6 +124,51 @@ class PositionRates:
         return [(h + prior * pw) / (n + pw) for h, n in zip(self.hits, self.trials)]
 
 
+class TokenCalibration:
+    """Per batch bucket, what drafting steps got against what the acceptance model predicted for them
+    (accepted drafts per request), as a decayed ratio that starts at 1.
+
+    The acceptance and fill windows are shared by every batch size and follow the requests measured
+    last. Where the requests running at one load accept less than that (requests at another stage of
+    their answers, the tail of a batch), the model over-predicts there every time: on the H200 8B
+    n-gram sweep, k = 4 steps at 8 and 16 requests got 0.23 and 0.25 drafts per request where 0.61 and
+    0.44 were predicted, and the controller kept drafting at 0.93-0.96 of no drafts. What drafting is
+    predicted to give at a bucket is scaled by its ratio.
+
+    The window counts requests (`window`), but at least `min_steps` steps: one request's drafts vary a
+    lot from step to step (a batch-1 ratio over 16 steps fell to 0.86 by chance where drafting paid, and
+    a ratio that stops drafting gets no samples to recover from), and a step's requests share their
+    moment. A prior of `prior_requests` requests at the ratio 1 keeps a few samples from deciding."""
+
+    def __init__(self, window: float = 128.0, min_steps: float = 16.0, prior_requests: float = 16.0,
+                 lo: float = 0.2, hi: float = 1.5) -> None:
+        self.window, self.min_steps, self.prior_requests, self.lo, self.hi = window, min_steps, prior_requests, lo, hi
+        self._sums: dict[int, list[float]] = {}  # bucket -> [realized, predicted, requests], decayed
+
+    def add(self, bucket: int, predicted: float, realized: float, requests: int) -> None:
+        """One drafting step: drafts accepted per request, predicted and realized, over `requests`."""
+        sums = self._sums.setdefault(bucket, [0.0, 0.0, 0.0])
+        keep = math.exp(-requests / max(self.window, self.min_steps * requests))
+        sums[0] = sums[0] * keep + realized * requests
+        sums[1] = sums[1] * keep + predicted * requests
+        sums[2] = sums[2] * keep + requests
+
+    def ratio(self, bucket: int) -> float:
+        realized, predicted, requests = self._sums.get(bucket, (0.0, 0.0, 0.0))
+        if requests <= 0.0:
+            return 1.0
+        prior = self.prior_requests * predicted / requests  # prior_requests at the mean prediction
+        if predicted + prior <= 0.0:
+            return 1.0
+        return min(max((realized + prior) / (predicted + prior), self.lo), self.hi)
+
+    def age(self, keep: float) -> None:
+        """Time passing: every bucket's ratio drifts back toward 1 until measured again."""
+        for sums in self._sums.values():
+            for i in range(3):
+                sums[i] *= keep
+
+
 _DECODE = 0  # LocalFits key of plain decode steps (verify steps and proposals: their k)
 # A bucket's plain decode step (always a CUDA graph, no drafts) costs within this factor of its fit
 # unless the world changed; verify fits do not restart (graph replays and eager forwards alternate).

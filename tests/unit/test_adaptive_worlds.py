@@ -302,3 +302,30 @@ def test_a_load_where_drafts_stop_paying_explores_little(seed: int) -> None:
     rate, chosen = run_world(sixteen, ctrl, 500, seed)
     drafting = sum(k > 0 for k in chosen) / len(chosen)
     assert rate >= 0.97 * fixed[0] and drafting <= 0.08, (rate / fixed[0], drafting, Counter(chosen))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_load_whose_requests_accept_less_than_the_last_measured_stops_drafting(seed: int) -> None:
+    """Bursts of 2 requests that accept 95% of n-gram drafts between stretches of 16 that accept 30%
+    (and get fewer): the shared acceptance windows, refreshed by every burst, over-predict at 16 each
+    time the load comes back, as on the H200 8B n-gram sweep at 8 and 16 requests (k = 4 steps got 0.23
+    and 0.25 drafts per request where 0.61 and 0.44 were predicted). Without the per-bucket calibration
+    (estimators.TokenCalibration) the controller drafted 25% of the steps at 16 and ran at 0.92 of no
+    drafts there; with it, <= 8% and >= 0.97. At 2 requests it still drafts (k = 4 pays 2.5x there)."""
+    def world(batch: int, alpha: float, fill: tuple[float, ...]) -> World:
+        return World(batch=batch, alpha=alpha, step_s=0.0044, per_token_s=2e-5, eager_s=0.0065, graph_qs=(1,),
+                     lookup_s=8e-5, fill=fill)
+
+    small, big = world(2, 0.95, (0.9, 0.8, 0.7, 0.6)), world(16, 0.3, (0.5, 0.3, 0.25, 0.2))
+    off = run_world(big, 0, 600)[0]
+    assert max(run_world(big, k, 600)[0] for k in range(1, K + 1)) < 0.8 * off
+    ctrl, rates, chosen, small_chosen = AdaptiveController(CFG), [], [], []
+    for cycle in range(12):
+        small_chosen += run_world(small, ctrl, 80, 50 * seed + cycle)[1]
+        rate, ks = run_world(big, ctrl, 80, 50 * seed + cycle)
+        if cycle >= 4:  # past the first measurements of both loads
+            rates.append(rate)
+            chosen += ks
+    drafting = sum(k > 0 for k in chosen) / len(chosen)
+    assert sum(rates) / len(rates) >= 0.97 * off and drafting <= 0.08, (sum(rates) / len(rates) / off, drafting)
+    assert mostly(small_chosen[-300:]) == K

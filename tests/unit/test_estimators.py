@@ -125,3 +125,39 @@ def test_a_fit_predicts_the_mean_of_costs_that_vary_and_still_follows_a_drop() -
     for y in [0.25] * 6 + [0.002] * 6:
         jit.add((1.0, 1.0), y)
     assert jit.predict((1.0, 1.0)) < 0.004, jit.predict((1.0, 1.0))
+
+
+def test_token_calibration_starts_at_1_and_follows_what_drafting_got() -> None:
+    from specserve.spec.estimators import TokenCalibration
+
+    cal = TokenCalibration()
+    assert cal.ratio(3) == 1.0
+    cal.add(3, predicted=0.6, realized=0.2, requests=8)  # one step: the prior of 16 requests still weighs most
+    assert 0.6 < cal.ratio(3) < 1.0
+    for _ in range(60):
+        cal.add(3, predicted=0.6, realized=0.24, requests=8)
+    # 0.4 measured over a window of 128 requests, shrunk toward 1 by the prior of 16
+    assert cal.ratio(3) == pytest.approx((0.24 * 128 + 0.6 * 16) / (0.6 * 128 + 0.6 * 16), abs=0.01)
+    assert cal.ratio(4) == 1.0  # per bucket: another load keeps its own
+    for _ in range(60):
+        cal.add(3, predicted=0.5, realized=2.0, requests=8)
+    assert cal.ratio(3) == 1.5  # clamped
+    for _ in range(200):
+        cal.age(0.9)
+    assert cal.ratio(3) == pytest.approx(1.0)  # no samples for a long time: back to 1
+
+
+def test_token_calibration_window_is_requests_but_at_least_16_steps() -> None:
+    """At batch 1 a step's realized drafts swing from 0 to k: 16 steps would let chance decide (the
+    serving world's batch 1 fell to 0.86 and stopped drafting where it paid); 128 requests do not."""
+    from specserve.spec.estimators import TokenCalibration
+
+    one, sixteen = TokenCalibration(), TokenCalibration()
+    for _ in range(200):
+        one.add(0, predicted=3.0, realized=3.0, requests=1)
+        sixteen.add(4, predicted=0.5, realized=0.5, requests=16)
+    for _ in range(16):  # 16 bad steps
+        one.add(0, predicted=3.0, realized=0.0, requests=1)
+        sixteen.add(4, predicted=0.5, realized=0.0, requests=16)
+    assert one.ratio(0) > 0.85  # 16 of a 128-step window
+    assert sixteen.ratio(4) < 0.5  # 16 steps are the window at 16 requests a step
