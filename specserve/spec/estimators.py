@@ -131,9 +131,9 @@ class TokenCalibration:
     The acceptance and fill windows are shared by every batch size and follow the requests measured
     last. Where the requests running at one load accept less than that (requests at another stage of
     their answers, the tail of a batch), the model over-predicts there every time: on the H200 8B
-    n-gram sweep, k = 4 steps at 8 and 16 requests got 0.23 and 0.25 drafts per request where 0.61 and
-    0.44 were predicted, and the controller kept drafting at 0.93-0.96 of no drafts. What drafting is
-    predicted to give at a bucket is scaled by its ratio.
+    n-gram sweep, k = 4 steps at 8 and 16 requests got 0.23-0.31 and 0.17-0.25 accepted drafts per
+    request where 0.61 and 0.44-0.49 were predicted, and the controller kept drafting at 0.93-0.96 of
+    no drafts. What drafting is predicted to give at a bucket is scaled by its ratio.
 
     The window counts requests (`window`), but at least `min_steps` steps: one request's drafts vary a
     lot from step to step (a batch-1 ratio over 16 steps fell to 0.86 by chance where drafting paid, and
