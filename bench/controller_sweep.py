@@ -368,7 +368,6 @@ def controller_beliefs(ctrl: AdaptiveController, c: int) -> dict[str, Any]:
     acceptance and fill per position, the calibration of drafts per request at this batch size (what
     drafting got over what acceptance and fill predicted), its catch-up pricing and the exploration
     budget spent."""
-
     est = ctrl.estimate(c)
     costs = ctrl.costs
     return {"best_k": est.best_k, "step_ms": [round(t * 1e3, 4) for t in est.step_seconds],

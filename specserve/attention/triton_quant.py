@@ -32,9 +32,9 @@ split-KV partials reduced by its `_reduce_splits_kernel`) and picks one of the k
 `DEFAULT_VARIANT` says which one a call without `variant=` gets; bench/kv_quant_gpu.py checks and
 times all of them. On the H200 (2026-11-30, batch 32, 32k context, 32 / 8 heads, head_dim 128):
 bf16 1,167 us; fp8 v1 1,596, v3 588 (0.50x bf16, 3.7 TB/s); nvfp4 v1 3,224, v2 1,159, v3 594
-(0.51x, 2.0 TB/s: bound by its instruction count), v4 534 (0.46x, 2.3 TB/s; fifteenth session). The PTX decoders are checked exhaustively on the
-GPU (test_nvfp4_decoders_are_exact, test_fp8_unit_decode_is_exact); the interpreter runs the
-plain-Triton decoders.
+(0.51x, 2.0 TB/s: bound by its instruction count), v4 534 (0.46x, 2.3 TB/s; fifteenth session). The
+PTX decoders are checked exhaustively on the GPU (test_nvfp4_decoders_are_exact,
+test_fp8_unit_decode_is_exact); the interpreter runs the plain-Triton decoders.
 
 Both formats run their dots in float16 with float32 accumulation. Q is bf16 in the models, so it is
 clamped to float16's finite range first (|q| > 65504 does not occur in practice; bf16 -> fp16 is
