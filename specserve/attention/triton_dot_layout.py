@@ -14,10 +14,10 @@ specialization through `triton.jit(repr=...)`, so its cache entries differ from 
 stage runs Triton's own pass list in two halves: up to AccelerateMatmul, then the 16-bit operands'
 kWidth 4 becomes 2 in the module's text, which is parsed back, then the remaining passes. Every
 other kernel takes the original stage. The pass list is a copy of `CUDABackend.make_ttgir` in
-Triton 3.6 for sm_8x / sm_9x; the hook only acts while that method's source is the one copied
-(`_MAKE_TTGIR_SHA256`), otherwise (another Triton) opted-in kernels compile as Triton makes them. A
-failure inside the two halves also falls back to the original stage, on an untouched copy of the
-module: a layout is a performance choice, never a correctness one.
+Triton 3.6 for sm_8x / sm_9x; the hook is installed only on Triton 3.6 with that method's source the
+one copied (`_MAKE_TTGIR_SHA256`), otherwise (another Triton) opted-in kernels compile as Triton makes
+them. A failure inside the two halves also falls back to the original stage, on an untouched copy of
+the module: a layout is a performance choice, never a correctness one.
 """
 from __future__ import annotations
 
@@ -123,8 +123,10 @@ def _make_ttgir_kw2(mod: Any, metadata: dict, opt: Any, capability: int) -> Any:
 
 
 def _pass_list_matches(backend: Any) -> bool:
+    """Whether `backend` (a CUDA backend object or its class) has the make_ttgir this module copies."""
+    cls = backend if isinstance(backend, type) else type(backend)
     try:
-        source = inspect.getsource(type(backend).make_ttgir)
+        source = inspect.getsource(cls.make_ttgir)
     except (OSError, TypeError, AttributeError):
         return False
     return hashlib.sha256(source.encode()).hexdigest() == _MAKE_TTGIR_SHA256
@@ -157,18 +159,29 @@ def _retarget_stage(backend: Any, stages: dict, capability: int, options: Any) -
     stages["ttgir"] = ttgir
 
 
+def _copied_triton() -> bool:
+    """Whether this is the Triton whose hook protocol and pass list this module was written for (3.6:
+    Triton 3.9 also calls the stages hook without arguments, for a cache key, and a hook of 3.6's shape
+    there breaks every compile in the process)."""
+    try:
+        import triton
+        from triton.backends.nvidia.compiler import CUDABackend
+    except ImportError:
+        return False
+    return triton.__version__.startswith("3.6.") and _pass_list_matches(CUDABackend)
+
+
 def install() -> bool:
-    """Install the stage hook once per process (chained after any hook already there). False when
-    Triton has no stages hook (then opted-in kernels compile as Triton makes them)."""
+    """Install the stage hook once per process (chained after any hook already there). False, and
+    nothing installed, on any other Triton than the one copied (opted-in kernels then compile as
+    Triton makes them)."""
     global _installed
     if _installed:
         return True
-    try:
-        from triton import knobs
-    except ImportError:
+    if not _copied_triton():
         return False
-    if not hasattr(knobs.runtime, "add_stages_inspection_hook"):
-        return False
+    from triton import knobs
+
     previous: Callable | None = knobs.runtime.add_stages_inspection_hook
 
     def hook(backend: Any, stages: dict, options: Any, language: Any, capability: int) -> None:
