@@ -319,6 +319,9 @@ def log_compiles(result: dict[str, Any]) -> list[str]:
     return label
 
 
+TRACE_UP_TO = 32  # concurrency up to which an adaptive policy's point keeps every choice and step (JSON size)
+
+
 def _record_point(result: dict[str, Any], pol_name: str, c: int, rows: list[dict[str, Any]], policy: Policy | None,
                   replays: Counter | None) -> None:
     """A policy's point: its parts merged, and what the adaptive controller chose, believed and measured."""
@@ -330,6 +333,8 @@ def _record_point(result: dict[str, Any], pol_name: str, c: int, rows: list[dict
         row["mean_chosen_k"] = sum(policy.choices) / len(policy.choices)
         row["controller"] = controller_beliefs(policy.controller, c)
         row["drafting_by_batch"] = policy.drafting_by_batch()
+        if c <= TRACE_UP_TO:
+            row["trace"] = policy.trace()
     if replays and policy is not None:
         row["verify_steps"] = dict(replays)
     if policy is not None:

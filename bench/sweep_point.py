@@ -91,6 +91,7 @@ class Policy:
         self.name, self.controller, self.graph_qs = name, controller, graph_qs
         self.choices: list[int] = []
         self.batches: list[int] = []  # the batch size of each choice
+        self.beliefs: list[tuple[int, int]] = []  # per choice: (best k, 1 if it explores) of an adaptive one
         self.steps: list[tuple[int, float, float, int]] = []  # per step: (k, step s, proposal s, tokens)
         choose, observe = controller.choose, controller.observe
 
@@ -98,6 +99,9 @@ class Policy:
             k = choose(batch_size)
             self.choices.append(k)
             self.batches.append(batch_size)
+            last, pending = getattr(controller, "last", None), getattr(controller, "_pending", None)
+            if last is not None and pending is not None:
+                self.beliefs.append((last.best_k, int(pending.exploring)))
             return k
 
         def observing(step) -> None:
@@ -111,7 +115,15 @@ class Policy:
     def clear(self) -> None:
         self.choices.clear()
         self.batches.clear()
+        self.beliefs.clear()
         self.steps.clear()
+
+    def trace(self) -> dict[str, list[list[float]]]:
+        """Every choice ([batch, k, best k, explores]) and every step ([k of the proposal it verified, step
+        ms, proposal ms, tokens]) of a point, in order: why an adaptive policy lost where it did."""
+        choices = [[b, k, *bel] for b, k, bel in zip(self.batches, self.choices, self.beliefs)]
+        steps = [[k, round(1e3 * t, 3), round(1e3 * p, 3), n] for k, t, p, n in self.steps]
+        return {"choices": choices, "steps": steps}
 
     def steps_by_k(self) -> dict[str, dict[str, float]]:
         """What the engine measured per step during a point, by the k of the proposal the step verified

@@ -52,3 +52,25 @@ def test_one_part_is_the_run_itself() -> None:
     assert merged["tokens_per_s"] == pytest.approx(expected_rate)
     assert merged["latency_ms"]["itl"] == percentiles(itls)
     assert "runs" not in merged and "acceptance_rate" not in merged
+
+
+def test_an_adaptive_policy_traces_its_choices_and_steps() -> None:
+    """sweep_point.Policy.trace: what an adaptive controller chose (with the best k it saw and whether it
+    explored) and what every step measured, in order (the JSON keeps it up to concurrency 32)."""
+    from sweep_point import Policy
+
+    from specserve.config import SpeculativeConfig
+    from specserve.spec.adaptive import AdaptiveController, SpecStepStats
+
+    ctrl = AdaptiveController(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    policy = Policy("adaptive", ctrl, None)
+    ks, seen = [], []
+    for _ in range(3):
+        ks.append(ctrl.choose(4))
+        seen.append([ctrl.last.best_k, int(ctrl._pending.exploring)])
+    ctrl.observe(SpecStepStats(4, 4, 0, 0.002))
+    trace = policy.trace()
+    assert trace["choices"] == [[4, k, *s] for k, s in zip(ks, seen)]
+    assert trace["steps"] == [[-1, 2.0, 0.0, 4]]
+    policy.clear()
+    assert policy.trace() == {"choices": [], "steps": []}
