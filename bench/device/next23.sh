@@ -7,7 +7,8 @@
 # Then, in one lease, the 29 uploads (bench/device/put_part.sh; carry only the part) and the pair:
 #   python3 bench/controller_sweep.py --mode pair --policies off,fixed,adaptive,adaptive-uncalibrated \
 #     --ks 4,8,12 --min-requests 8 --rounds 3 --interleave 3 --time-budget-s 540 --plots --out-dir "$OUT"
-# (the pair missed at 2, 0.948, and 8, 0.87: catch-ups after steps without drafts in a near tie).
+# (the pair missed at 2, 0.948, and 8, 0.87: catch-ups after steps without drafts in a near tie; the JSON
+# now keeps every choice and step of the adaptive policies up to concurrency 32, "trace", to see why).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/env.sh
