@@ -41,24 +41,7 @@ short or empty). Everything is measured here, over moving windows:
     Nor do warm proposals right after a prompt chunk enter a bucket's fit: where requests come and go
     a draft model feeds every new request's prompt at its next proposal, a recurring cost of drafting
     priced apart, per output token (estimators.StepCosts.prompt_feed_seconds).
-Exploration: every `explore_every`-th choice tries another k on a fixed schedule (no randomness), so
-costs and the acceptance of positions just beyond the best k stay measured: a neighbour of the best
-(from k = 0, alternately 1 and K); a k predicted to beat the best where it has no fresh data of its
-own bucket is tried at once (every few choices) instead. A neighbour predicted to cost more than
-`explore_max_loss` of the throughput only every `explore_backoff`-th time. Exploring from k = 0 lasts
-`explore_burst` steps (the first pays a draft model's catch-up, the next gives a warm proposal to learn
-from), longer while its warm steps clearly beat no drafts; a draft model starts exploring a bucket only
-once a plain decode step there was measured (what drafting has to beat). Exploring is paid from a
-budget: the time it measurably lost (an exploring step's time minus the time the best k would have
-taken for the tokens it produced) stays under `explore_budget` of the time observed, over a moving
-window, counting what the next exploration is expected to lose: its steps as priced now (a predicted
-gain offsets) plus, for a proposer that catches up, the catch-up when drafting starts or resumes. A k
-that a bucket measured only once or twice lately (maybe a fluke: JIT, an eager first run), or the first
-look at drafting in a bucket, is explored on the benefit of the doubt (capped by the budget itself, not
-by what exploring elsewhere cost); so is drafting from k = 0 while a catch-up was measured fewer than
-three times (charged at most a warm proposal for it). With an expensive draft model or useless drafts
-the controller so stays within about that fraction of no speculation; where exploring costs nothing it
-explores on every slot.
+Exploration (which k to measure besides the best, within what budget): spec/exploration.py.
 """
 from __future__ import annotations
 
@@ -75,6 +58,7 @@ from specserve.spec.estimators import (
     TokenCalibration,
     batch_bucket,
 )
+from specserve.spec.exploration import PROMISING_GAP, Exploration
 from specserve.spec.regression import DecayedRegression
 from specserve.spec.step_stats import (
     ProposalStats,
@@ -90,9 +74,7 @@ __all__ = [
     "ProposalStats", "SpecStepStats", "count_above", "verify_counts",
 ]
 
-_PROMISING_GAP = 3  # choices between explorations of a promising k outside the schedule
 _EPOCH = 64  # observations between acceptance fading steps (and staleness checks of the cached terms)
-_DOUBT_SAMPLES = 3  # a k measured fewer times than this at a bucket (lately) is explored as a guess
 
 
 class _Choice(NamedTuple):
@@ -119,7 +101,7 @@ class _Terms(NamedTuple):
     trusted: list[bool]  # k = 0..K ([0]: always)
 
 
-class AdaptiveController:
+class AdaptiveController(Exploration):
     """Chooses k in 0..num_speculative_tokens each step from batch size, acceptance and measured costs."""
 
     def __init__(self, cfg: SpeculativeConfig, settings: AdaptiveSettings | None = None) -> None:
@@ -137,7 +119,7 @@ class AdaptiveController:
         self.exploration_loss_seconds = 0.0  # decayed: what exploring cost beyond the best k
         self.num_choices = 0
         self._last_probe: int | None = None  # the choice that last probed a plain decode step
-        self._last_promising = -_PROMISING_GAP  # the choice that last explored a promising untrusted k
+        self._last_promising = -PROMISING_GAP  # the choice that last explored a promising untrusted k
         self.best_k = self.max_k
         self.last_choice = self.max_k
         self.last: ControllerEstimates | None = None
@@ -297,31 +279,6 @@ class AdaptiveController:
         self._decode_wait = self._decode_wait + 1 if waiting else 0
         return waiting and self._decode_wait <= 4 * self.settings.explore_every
 
-    def _candidate(self, est: ControllerEstimates) -> int:
-        """The k to explore now, or the best k: a promising one at once (every few choices), else a
-        neighbour on the schedule's slots."""
-        s = self.settings
-        promising = self._promising(est)
-        if promising is not None and self.num_choices - self._last_promising >= _PROMISING_GAP:
-            # predicted to beat the best where this bucket has no fresh data (the load just changed,
-            # say): measure it now rather than at the next slot
-            self._last_promising = self.num_choices
-            return promising
-        if s.explore_every and self.num_choices % s.explore_every == 0:
-            return self._neighbour(est, self.num_choices // s.explore_every, promising)
-        return est.best_k
-
-    def _start_burst(self, k: int, steps: int, exploring: bool) -> None:
-        self._burst_k, self._burst_left, self._burst_exploring, self._burst_extra = k, steps - 1, exploring, 0
-        self._burst_loss = self._burst_cycle = 0.0  # over its warm steps (see _extend_burst)
-
-    def _burst_steps(self, candidate: int) -> int:
-        """Steps an exploration lasts: from k = 0, a cold proposal then a warm one; to k = 0 from drafting,
-        two (the first step without drafts is no measurement); else one."""
-        if candidate == 0:
-            return max(self.settings.explore_burst, 2) if self.last_choice != 0 else 1
-        return max(self.settings.explore_burst, 1) if self.last_choice == 0 else 1
-
     def _should_probe_decode(self, batch_size: int) -> bool:
         if self.verify_cost.weight < 2.0:
             return False  # the first steps: drafting K and measuring it comes first
@@ -336,76 +293,6 @@ class AdaptiveController:
         # when drafting resumes, and its decode cost is re-measured when it goes stale anyway.
         age = self.costs.decode_age(batch_size)
         return not known or (not self.catches_up() and age is not None and age >= s.reprobe_after)
-
-    def _may_explore(self, k: int, steps: int, est: ControllerEstimates) -> bool:
-        """Whether the budget has room for exploring k now. What it will cost: its steps as priced now
-        (each step's time minus the time the best k takes for its tokens; a predicted gain offsets and,
-        where nothing else is paid, is always worth measuring: once measured, the k is no longer a
-        guess), plus, for a proposer that catches up after a pause (a draft model), one catch-up when
-        drafting starts (k > 0 after k = 0: every token it has not seen) or resumes (after k = 0)."""
-        s = self.settings
-        if s.explore_budget is None or self.observed_seconds <= 0:
-            return True  # no cap; or nothing measured yet, so no price to judge it by
-        b, best = est.batch_size, est.best_k
-        best_rate = est.tokens_per_s[best]
-        step_loss = est.step_seconds[k] - b * est.expected_tokens[k] / best_rate if best_rate > 0 else 0.0
-        # Doubt: this bucket measured k far from paying only once or twice lately (maybe a fluke: JIT,
-        # an eager first run, a pause), or no k > 0 at all (drafting here is priced on guesses from other
-        # batch sizes, and they do not say it is far from paying). Then give k the benefit of the doubt
-        # (at most a step's worth lost) and do not hold its measurement back by what exploring elsewhere
-        # cost (the budget itself still caps it): a few such explorations per bucket and period.
-        measured = self.costs.samples(b, k) if k > 0 else _DOUBT_SAMPLES
-        near = est.tokens_per_s[k] >= (1.0 - s.explore_max_loss) * best_rate
-        doubt = (0 < measured < _DOUBT_SAMPLES and not near) or (measured == 0 and near and len(est.trusted) == 1)
-        cold_start = k > 0 and best == 0 and self.catches_up()
-        # So is a catch-up priced on fewer than a few measurements (the first ones may have run into JIT
-        # or warm-up): priced that high, no exploration from k = 0 fits the budget, so none measures it
-        # again. Charge it at most a warm proposal (the guess before any was measured) meanwhile.
-        catch_up_doubt = cold_start and self.costs.catch_up_cost.weight < _DOUBT_SAMPLES
-        if doubt:
-            step_loss = min(step_loss, est.step_seconds[best])
-        expected = steps * step_loss
-        if self.catches_up():
-            if cold_start and self.costs.unseen_tokens != 0:
-                catch_up = self.costs.catch_up_seconds(self.costs.unseen_tokens, est.propose_seconds[k])
-                expected += min(catch_up, est.propose_seconds[k]) if catch_up_doubt else catch_up
-            elif k == 0 and best > 0:
-                expected += self.costs.catch_up_seconds(float(b * steps), est.propose_seconds[best])
-        if expected <= 0:
-            return True  # predicted to gain: past losses do not matter
-        spent = 0.0 if doubt or catch_up_doubt else self.exploration_loss_seconds
-        # the time the budget is a share of: what was observed over the window, or, while the window is
-        # still filling, what it will hold at the best k's pace (a young controller explores too)
-        window_seconds = self.observed_seconds
-        if self.costs.num_observed < s.budget_window:
-            window_seconds = max(window_seconds, s.budget_window * est.step_seconds[best])
-        return spent + expected <= s.explore_budget * window_seconds
-
-    def _promising(self, est: ControllerEstimates) -> int | None:
-        """The k predicted to beat the best by more than the switch margin where this bucket has no fresh
-        data (so it may not be chosen on the prediction alone), if any."""
-        rates, bar = est.tokens_per_s, (1.0 + self.settings.switch_margin) * est.tokens_per_s[est.best_k]
-        untrusted = [k for k in range(1, self.max_k + 1) if k not in est.trusted and rates[k] > bar]
-        return max(untrusted, key=rates.__getitem__) if untrusted else None
-
-    def _neighbour(self, est: ControllerEstimates, slot: int, promising: int | None) -> int:
-        """The k to try at exploration slot `slot`: `promising` (see _promising), if any; else alternately
-        above and below the best k, and from k = 0 alternately 1 and K (verify costs are not smooth in k:
-        K may replay a CUDA graph where 1 runs eagerly, so "1 does not pay" does not mean "nothing
-        pays")."""
-        best, s = est.best_k, self.settings
-        if promising is not None:
-            return promising
-        step = 1 if slot % 2 == 1 else -1
-        if not 0 <= best + step <= self.max_k:
-            step = -step
-        k = min(max(best + step, 0), self.max_k)
-        if best == 0 and slot % 2 == 0:
-            k = self.max_k
-        costly = est.tokens_per_s[k] < (1.0 - s.explore_max_loss) * est.tokens_per_s[best]
-        if costly and (slot // 2) % s.explore_backoff != 0:
-            return best  # measured often enough: this neighbour is far from paying
-        return k
 
     def observe(self, step: SpecStepStats) -> None:
         """Learn from one finished step: its cost, the acceptance of its drafts, its proposal's cost."""
@@ -452,15 +339,3 @@ class AdaptiveController:
                 self.exploration_loss_seconds += loss
                 self._extend_burst(choice, loss, cycle)
 
-    def _extend_burst(self, choice: _Choice, loss: float, cycle: float) -> None:
-        """An exploration from k = 0 whose warm steps so far clearly beat no drafts goes on for another
-        step (up to `explore_every` more): the catch-up is paid, measuring more costs nothing, and a
-        belief built while not drafting (acceptance measured long ago, costs from another batch size)
-        is corrected in one exploration instead of one step per budget period."""
-        if choice.k == 0 or choice.best_k != 0 or choice.cold:
-            return
-        s = self.settings
-        self._burst_loss, self._burst_cycle = self._burst_loss + loss, self._burst_cycle + cycle
-        if (self._burst_loss < -s.switch_margin * self._burst_cycle and self._burst_exploring
-                and self._burst_k == choice.k and self._burst_left == 0 and self._burst_extra < s.explore_every):
-            self._burst_left, self._burst_extra = 1, self._burst_extra + 1
