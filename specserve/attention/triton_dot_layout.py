@@ -37,7 +37,6 @@ _MAKE_TTGIR_SHA256 = "806a6c72a470b1ffe3caebde353775863ca4a1f68ab8209b7b093507be
 # a 16-bit float operand with the 8-bit layout: "...xf16, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 4}>"
 _KWIDTH4_16BIT = re.compile(r"(x(?:f16|bf16), #ttg\.dot_op<\{opIdx = [01], parent = #\w+), kWidth = 4\}>")
 _installed = False
-_warned = False
 
 
 def retarget_kwidth(ttgir: str) -> str:
@@ -132,17 +131,11 @@ def _pass_list_matches(backend: Any) -> bool:
     return hashlib.sha256(source.encode()).hexdigest() == _MAKE_TTGIR_SHA256
 
 
-def _retarget_stage(backend: Any, stages: dict, capability: int, options: Any) -> None:
-    """Replace stages["ttgir"] for opted-in kernels (CUDA sm_8x / sm_9x, Triton language only)."""
-    global _warned
+def _retarget_stage(stages: dict, capability: int, options: Any) -> None:
+    """Replace stages["ttgir"] for opted-in kernels (CUDA sm_8x / sm_9x, Triton language only; install()
+    checked that this Triton's pass list is the one copied)."""
     if capability // 10 not in (8, 9) or "ttir" not in stages or "ttgir" not in stages:
         return  # another target, or a Gluon source (no "ttir" stage)
-    if not _pass_list_matches(backend):
-        if not _warned:
-            _warned = True
-            logger.info("triton_dot_layout: this Triton's make_ttgir is not the one copied; "
-                        "kernels that opt in compile with Triton's layouts")
-        return
     original = stages["ttgir"]
 
     def ttgir(src: Any, metadata: dict) -> Any:
@@ -187,7 +180,7 @@ def install() -> bool:
     def hook(backend: Any, stages: dict, options: Any, language: Any, capability: int) -> None:
         if previous is not None:
             previous(backend, stages, options, language, capability)
-        _retarget_stage(backend, stages, capability, options)
+        _retarget_stage(stages, capability, options)
 
     knobs.runtime.add_stages_inspection_hook = hook
     _installed = True
