@@ -23,16 +23,23 @@ split-KV partials reduced by its `_reduce_splits_kernel`) and picks one of the k
        the 8-bit one because of the scale loads; `triton_dot_layout.py`): 996 against 1,130 sm_90
        instructions per 128-key tile, the difference register moves (961 against 1,110 with
        the decoder's single byte permute): 534 against 591 us at batch 32 / 32k on the H200.
+  "v5" (nvfp4): v4 with the score scale in exp2's fma (no multiply per score) and int32 cache
+       offsets where the cache allows (checked on the host): 917 instructions per tile.
+  "v6" (nvfp4): v5 with the softmax denominator from a dot of P with ones instead of a row sum, which
+       crossed the warps through shared memory: 900 instructions and 6 barriers per tile against 9.
+       B = 32 / 32k on the H200: 524-528 us against v4's 532-533 in the same processes (sixteenth
+       session). The default where the launch is bound by throughput (`default_variant`).
   "v3" (fp8, `triton_quant_fp8.py`): the same structure, capped at 128 registers (4 programs per
        SM), with V read as 16-bit units so that P.V's operand comes from a transposing ldmatrix
        instead of one shared-memory byte load per value. Its byte-tile predecessor (v2, removed:
        1,449 us at batch 32 / 32k) had 64 LDS.U8 per thread per 64-key tile and spilled under the
        cap; v3 has neither, 740 against 1,107 instructions per tile.
 
-`DEFAULT_VARIANT` says which one a call without `variant=` gets; bench/kv_quant_gpu.py checks and
+`default_variant` says which one a call without `variant=` gets; bench/kv_quant_gpu.py checks and
 times all of them. On the H200 (2026-11-30, batch 32, 32k context, 32 / 8 heads, head_dim 128):
 bf16 1,167 us; fp8 v1 1,596, v3 588 (0.50x bf16, 3.7 TB/s); nvfp4 v1 3,224, v2 1,159, v3 594
-(0.51x, 2.0 TB/s: bound by its instruction count), v4 534 (0.46x, 2.3 TB/s; fifteenth session). The
+(0.51x, 2.0 TB/s: bound by its instruction count), v4 534 (0.46x, 2.3 TB/s; fifteenth session), v6
+524-528 (0.448-0.452x of bf16's 1,164-1,169 in the same processes; sixteenth session). The
 PTX decoders are checked exhaustively on the GPU (test_nvfp4_decoders_are_exact,
 test_fp8_unit_decode_is_exact); the interpreter runs the plain-Triton decoders.
 
@@ -62,6 +69,7 @@ from specserve.kv.spec import KVFormat, LayerKVCache
 
 __all__ = [
     "DEFAULT_VARIANT",
+    "default_variant",
     "NVFP4_DECODE",
     "VARIANTS",
     "choose_num_splits_quant",
@@ -70,8 +78,14 @@ __all__ = [
     "reshape_and_cache_quant",
 ]
 
-VARIANTS = {"fp8": ("v1", "v3"), "nvfp4": ("v1", "v2", "v3", "v4")}
-DEFAULT_VARIANT = {"fp8": "v3", "nvfp4": "v4"}
+VARIANTS = {"fp8": ("v1", "v3"), "nvfp4": ("v1", "v2", "v3", "v4", "v5", "v6")}
+DEFAULT_VARIANT = {"fp8": "v3", "nvfp4": "v6"}
+# nvfp4 v6 has fewer instructions and barriers per tile than v4 and a longer critical path (the row sums
+# are a dot). On the H200 (sixteenth session, 4 processes) it was 1-1.5% faster at B = 32 / 32k and
+# 1-3% at 128k, but 4-8% slower at B = 1 (few programs, each bound by its latency) and level at
+# B = 32 / 4k. Launches with fewer (sequence, KV head) programs than SMs, or short contexts, keep v4.
+NVFP4_LATENCY_VARIANT = "v4"
+NVFP4_V6_MIN_CONTEXT = 16384
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions y and z
 V2_PROGRAMS_PER_SM = 4  # v2 / v3 decode programs resident per SM (4 warps, <= 128 registers each)
 # nvfp4 v4 splits into at least this many (where the context allows): on the H200 at batch 32 (one wave
@@ -97,9 +111,16 @@ def choose_num_splits_quant(num_seqs: int, max_query_len: int, max_seq_len: int,
         by_sms = triton.cdiv(4 * num_sms, programs)
     else:
         by_sms = (V2_PROGRAMS_PER_SM * num_sms) // programs
-        if variant == "v4":
+        if variant in ("v4", "v5", "v6"):
             by_sms = max(by_sms, V4_MIN_SPLITS)
     return max(1, min(by_sms, by_length, MAX_SPLITS))
+
+
+def default_variant(name: str, num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> str:
+    """The kernel variant a call without `variant=` gets (host ints only: CUDA-graph safe)."""
+    if name == "nvfp4" and (num_seqs * num_kv_heads < num_sms or max_seq_len < NVFP4_V6_MIN_CONTEXT):
+        return NVFP4_LATENCY_VARIANT
+    return DEFAULT_VARIANT[name]
 
 
 def quant_attention_config(max_query_len: int, group: int, head_dim: int, name: str,
@@ -125,7 +146,7 @@ def quant_attention_config(max_query_len: int, group: int, head_dim: int, name: 
         maxnreg = 128
         if block_m <= 32 and block_n == 64:
             block_n = 128  # H200, B=32 / 32k: 588 us (sm_90 SASS: 7.9 instructions per key and thread, 11.6 at 64)
-    elif variant in ("v3", "v4") and block_m <= 32 and block_n == 64:
+    elif variant in ("v3", "v4", "v5", "v6") and block_m <= 32 and block_n == 64:
         block_n, maxnreg = 128, 128  # nvfp4 v3 on the H200, B=32 / 32k: 604 us against 719 at 64 keys, no cap
     return block_m, block_n, num_warps, num_stages, maxnreg
 
@@ -142,13 +163,14 @@ def paged_attention_quant(q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, c
     q: [num_tokens, num_heads, head_dim]; cache: LayerKVCache in `fmt`'s layout (spec.py).
     Returns out [num_tokens, num_heads, head_dim] in q's dtype; padding rows are left unwritten.
     block_n / num_warps / num_stages / maxnreg (a register cap per thread; 0: none) override the tile
-    configuration, variant the kernel (VARIANTS[fmt.name]; None: DEFAULT_VARIANT), heads_first the
+    configuration, variant the kernel (VARIANTS[fmt.name]; None: default_variant()), heads_first the
     v2 / v3 grid order (None: KV heads fastest whenever the grid allows it) -- for benchmarks and tests.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = cache.key.shape[2]
     check_quant_cache(fmt, cache, num_kv_heads, head_dim)
-    variant = variant or DEFAULT_VARIANT[fmt.name]
+    num_seqs = cu_query_lens.shape[0] - 1
+    variant = variant or default_variant(fmt.name, num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
     if variant not in VARIANTS[fmt.name]:
         raise ValueError(f"{fmt.name} variant must be one of {VARIANTS[fmt.name]}, got {variant!r}")
     if fmt.name == "fp8" and variant == "v3" and head_dim % 2:
@@ -159,7 +181,6 @@ def paged_attention_quant(q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, c
         raise ValueError("q needs a contiguous last (head_dim) dimension")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    num_seqs = cu_query_lens.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads

@@ -161,6 +161,24 @@ def _softmax_step_full(s, m_i, l_i):
 
 
 @triton.jit
+def _softmax_probs_scaled(raw, c, offs_n, n_ok, q_pos, m_i, FULL: tl.constexpr):
+    """(p, alpha, m_new) of the online softmax over scores raw * c, c > 0, without forming them: the
+    row max is taken on raw and scaled once per row, and exp2's argument is one fma per score (saves
+    the multiply of every score, 16 per thread and 128-key tile at 16 rows). FULL: every row sees the
+    whole tile (_softmax_step_full), else as _softmax_step."""
+    if not FULL:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        raw = tl.where(visible, raw, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(raw, 1) * c)
+    if FULL:
+        m_safe = m_new
+    else:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(tl.fma(raw, c, -m_safe[:, None]))
+    return p, tl.exp2(m_i - m_safe), m_new
+
+
+@triton.jit
 def _store_rows(acc, cols, col_ok, factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
                 part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head,
                 HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, STORE_ML: tl.constexpr):

@@ -1,4 +1,4 @@
-"""nvfp4 paged attention, variants "v2", "v3" and "v4": structured like triton_paged's bf16 kernel.
+"""nvfp4 paged attention, variants "v2" to "v6": structured like triton_paged's bf16 kernel.
 
 A cache row (one token, one KV head) is head_dim / 2 bytes, byte i holding elements 2i (low nibble)
 and 2i + 1 (high nibble), plus head_dim / 16 e4m3 scales. The kernel reads the row as head_dim / 4
@@ -29,6 +29,11 @@ v4 is v3 with its float16 dot operands in the register layout of 16-bit types (k
 the 8-bit one Triton derives from the scale loads (triton_dot_layout.py): no register moves for Q and
 P (sm_90 SASS of a 128-key tile: 961 instructions against v3's 1,110). It opts in per specialization:
 DOT_KWIDTH2 names the compiled kernel with triton_dot_layout's suffix, which its stage hook acts on.
+v5 (FUSED_SCALE, OFFS32) is v4 with the score scale in exp2's fma and, where the host finds every cache
+offset below 2^31, int32 offsets (961 -> 917 instructions); v6 (ROWSUM_MMA) takes the softmax
+denominator from a dot of P with ones, where tl.sum crossed the warps through shared memory (900
+instructions, 6 barriers against 9). Its l_i is [BLOCK_M, 16], every column the row sum of P in float16
+(the same P that multiplies V).
 v1 (triton_quant_v1.py) ran eight dots of depth head_dim / 8 over 32-bit words and gathered a scale
 per word with a synchronous 1-byte load. Scales multiply the decoded values in float16 (exact:
 products of a 2-bit and a 4-bit significand, >= 2^-24); the constant (2^14 or 2^6) * global_scale
@@ -51,6 +56,7 @@ from specserve.attention.triton_quant_common import (
     _softmax_init,
     _softmax_step,
     _softmax_step_full,
+    _softmax_probs_scaled,
     _store_rows4,
     _tile_rows,
     _zeros4,
@@ -86,8 +92,19 @@ cvt.rn.f16x2.e4m3x2 $3, h13;
 """)
 
 
-DECODERS = {"v2": 0, "v3": 1, "v4": 1}  # variant -> the kernel's DECODER
-KWIDTH2 = {"v2": False, "v3": False, "v4": True}  # variant -> the kernel's DOT_KWIDTH2
+DECODERS = {"v2": 0, "v3": 1, "v4": 1, "v5": 1, "v6": 1}  # variant -> the kernel's DECODER
+KWIDTH2 = {"v2": False, "v3": False, "v4": True, "v5": True, "v6": True}  # variant -> the kernel's DOT_KWIDTH2
+LEAN = {"v5", "v6"}  # variants with FUSED_SCALE and (where the cache allows) OFFS32
+ROWSUM_BY_DOT = {"v6"}  # variants with ROWSUM_MMA
+_INT32_MAX = 2**31 - 1
+
+
+def offsets_fit_int32(*tensors: torch.Tensor) -> bool:
+    """Whether every element offset into each tensor (from its first element) fits in int32 (OFFS32)."""
+    return all(sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) <= _INT32_MAX
+               for t in tensors)
+
+
 triton_dot_layout.install()  # before the first compile of an opted-in kernel (the hook is not in Triton's key)
 
 
@@ -135,27 +152,51 @@ def _scaled_tiles(unit_ptrs, scale_ptrs, mask, scale_mask, BLOCK_N: tl.constexpr
 def _nvfp4_tile(tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, k_base, v_base, ks_base,
                 vs_base, c_ok, g_ok, sm_scale_log2, C_BLOCK: tl.constexpr, C_SLOT: tl.constexpr,
                 S_BLOCK: tl.constexpr, S_SLOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                QUADS_PAD: tl.constexpr, G_PAD: tl.constexpr, DECODER: tl.constexpr, MASKED: tl.constexpr):
+                QUADS_PAD: tl.constexpr, G_PAD: tl.constexpr, DECODER: tl.constexpr, MASKED: tl.constexpr,
+                FUSED_SCALE: tl.constexpr, OFFS32: tl.constexpr, ROWSUM_MMA: tl.constexpr):
     """One KV tile of the online softmax: returns the updated (m_i, l_i, a0..a3). MASKED False: the
-    tile is in range and visible to every row."""
+    tile is in range and visible to every row. FUSED_SCALE: the score scale goes into exp2's fma
+    (_softmax_probs_scaled). ROWSUM_MMA (with FUSED_SCALE): l_i is [BLOCK_M, 16], the row sums of P
+    from a dot with ones. OFFS32: the cache offsets of an unmasked tile in int32 (the host checked that
+    every offset fits): 24 fewer instructions per 128-key tile than int64 (sm_90 SASS)."""
     if MASKED:
         offs_n, n_ok, block_ids, slot = _tile_rows(table, tile, kv_end, BLOCK_N, BLOCK_SIZE)
     else:
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end  # unused by the unmasked loads and softmax
-        block_ids = tl.load(table + offs_n // BLOCK_SIZE).to(tl.int64)
-        slot = offs_n % BLOCK_SIZE
+        if OFFS32 and BLOCK_N % BLOCK_SIZE == 0:
+            # The tile starts a cache block: block index and slot come from the tile's key offsets
+            # alone (no signed division of every position).
+            keys = tl.arange(0, BLOCK_N)
+            block_ids = tl.load(table + tile * (BLOCK_N // BLOCK_SIZE) + keys // BLOCK_SIZE)
+            slot = keys % BLOCK_SIZE
+        else:
+            block_ids = tl.load(table + offs_n // BLOCK_SIZE)
+            if not OFFS32:
+                block_ids = block_ids.to(tl.int64)
+            slot = offs_n % BLOCK_SIZE
     row = (block_ids * C_BLOCK + slot * C_SLOT)[:, None]
     srow = (block_ids * S_BLOCK + slot * S_SLOT)[:, None]
     mask = n_ok[:, None] & c_ok[None, :]
     s_mask = n_ok[:, None] & g_ok[None, :]
     k0, k1, k2, k3 = _scaled_tiles(k_base + row, ks_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER,
                                    MASKED)
-    s = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None) * sm_scale_log2
-    if MASKED:
-        p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
+    if FUSED_SCALE:
+        raw = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None)
+        p, alpha, m_i = _softmax_probs_scaled(raw, sm_scale_log2, offs_n, n_ok, q_pos, m_i, not MASKED)
+        if ROWSUM_MMA:
+            # l_i is [BLOCK_M, 16], every column the row sum: P.1 on the tensor cores, where tl.sum
+            # would reduce across the warps through shared memory (3 of the tile's 9 barriers).
+            p16 = p.to(tl.float16)
+            l_i = tl.dot(p16, tl.full([BLOCK_N, 16], 1.0, tl.float16), l_i * alpha[:, None])
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
     else:
-        p, alpha, m_i, l_i = _softmax_step_full(s, m_i, l_i)
+        s = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None) * sm_scale_log2
+        if MASKED:
+            p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
+        else:
+            p, alpha, m_i, l_i = _softmax_step_full(s, m_i, l_i)
     p16 = p.to(tl.float16)
     v0, v1, v2, v3 = _scaled_tiles(v_base + row, vs_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER,
                                    MASKED)
@@ -183,6 +224,7 @@ def _paged_attention_nvfp4_v2_kernel(
     GROUP: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     HEADS_FIRST: tl.constexpr, DECODER: tl.constexpr, DOT_KWIDTH2: tl.constexpr,
+    FUSED_SCALE: tl.constexpr, OFFS32: tl.constexpr, ROWSUM_MMA: tl.constexpr,
 ):
     q_block_idx, kv_head, split, num_heads = _program(GROUP, HEADS_FIRST)
     spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
@@ -201,6 +243,8 @@ def _paged_attention_nvfp4_v2_kernel(
     q0, q2 = tl.split(q_lo)
     q1, q3 = tl.split(q_hi)
     m_i, l_i = _softmax_init(BLOCK_M)
+    if ROWSUM_MMA:
+        l_i = tl.zeros([BLOCK_M, 16], tl.float32)
     a0, a1, a2, a3 = _zeros4(BLOCK_M, QUADS_PAD)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = key_cache_ptr + kv_head * C_HEAD + c[None, :]
@@ -217,12 +261,14 @@ def _paged_attention_nvfp4_v2_kernel(
             m_i, l_i, a0, a1, a2, a3 = _nvfp4_tile(
                 tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, k_base, v_base, ks_base,
                 vs_base, c_ok, g_ok, sm_scale_log2, C_BLOCK, C_SLOT, S_BLOCK, S_SLOT, BLOCK_N, BLOCK_SIZE,
-                QUADS_PAD, G_PAD, DECODER, False)
+                QUADS_PAD, G_PAD, DECODER, False, FUSED_SCALE, OFFS32, ROWSUM_MMA)
     for tile in range(tile_mid, tile_hi):
         m_i, l_i, a0, a1, a2, a3 = _nvfp4_tile(
             tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, k_base, v_base, ks_base,
             vs_base, c_ok, g_ok, sm_scale_log2, C_BLOCK, C_SLOT, S_BLOCK, S_SLOT, BLOCK_N, BLOCK_SIZE,
-            QUADS_PAD, G_PAD, DECODER, True)
+            QUADS_PAD, G_PAD, DECODER, True, FUSED_SCALE, OFFS32, ROWSUM_MMA)
+    if ROWSUM_MMA:
+        l_i = tl.max(l_i, 1)  # its columns are equal
     _store_rows4(a0, a1, a2, a3, 4 * c, c_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr,
                  part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT,
                  True)
@@ -250,4 +296,6 @@ def launch_nvfp4_v2(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tupl
         C_BLOCK=kc.stride(0), C_SLOT=kc.stride(1), C_HEAD=kc.stride(2), S_BLOCK=ks.stride(0), S_SLOT=ks.stride(1),
         S_HEAD=ks.stride(2), QUADS=quads, QUADS_PAD=triton.next_power_of_2(quads), GROUPS=groups,
         G_PAD=triton.next_power_of_2(groups), HEADS_FIRST=heads_first, DECODER=decoder,
-        DOT_KWIDTH2=KWIDTH2[variant] and q.is_cuda, **meta)
+        DOT_KWIDTH2=KWIDTH2[variant] and q.is_cuda, FUSED_SCALE=variant in LEAN,
+        OFFS32=variant in LEAN and offsets_fit_int32(kc, ks),
+        ROWSUM_MMA=variant in ROWSUM_BY_DOT, **meta)

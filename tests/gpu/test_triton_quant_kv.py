@@ -4,7 +4,7 @@ The write kernel must reproduce `quant.write_kv` bit for bit: data bytes and sca
 saturation included, run on the CPU as the oracle. Attention reads the same bytes; its reference
 is TorchRefBackend in float64 over the dequantized cache, so what differs is only the kernels'
 float16 operands and fp32 accumulation. Every attention kernel variant (triton_quant.VARIANTS: fp8
-v1 / v3, nvfp4 v1 / v2 / v3 / v4) runs every attention test, and the newer kernels also under each
+v1 / v3, nvfp4 v1 to v6) runs every attention test, and the newer kernels also under each
 launch option bench/kv_quant_gpu.py sweeps (test_launch_options). Slots that no sequence owns hold
 NaN scales (and NaN fp8 bytes), so any read outside a sequence's context shows up as NaN; outputs
 are poisoned with NaN before the kernel runs, so every row must be written. Reads past the end of a
@@ -14,7 +14,7 @@ sized pool and, in the interpreter, checks the addresses of every load and store
 Under TRITON_INTERPRET=1 the interpreter's float8 conversions are replaced by torch's (it
 truncates instead of rounding to nearest even and drops the mantissa carry); see
 `tests/helpers/quant_kv.patch_fp8_interpreter`. The interpreter runs no inline PTX, so there nvfp4
-v3 / v4 take v2's decoder (fp8 v3: a byte bitcast), and v4 has no dot layouts to change (they are
+v3 to v6 take v2's decoder (fp8 v3: a byte bitcast), and v4 to v6 have no dot layouts to change (they are
 compiled for the GPU only: tests/unit/test_triton_dot_layout.py); test_nvfp4_decoders_are_exact and
 test_fp8_unit_decode_is_exact check the PTX decoders on the GPU for all 65536 inputs.
 """

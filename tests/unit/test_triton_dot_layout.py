@@ -35,7 +35,7 @@ def _compile_decode_kernel(kwidth2: bool):
     consts = dict(C_BLOCK=16 * 8 * 32, C_SLOT=8 * 32, C_HEAD=32, S_BLOCK=16 * 8 * 8, S_SLOT=64, S_HEAD=8,
                   QUADS=32, QUADS_PAD=32, GROUPS=8, G_PAD=8, GROUP=4, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
                   BLOCK_M=16, BLOCK_Q=4, BLOCK_N=128, SPLIT=True, HEADS_FIRST=True, DECODER=1,
-                  DOT_KWIDTH2=kwidth2)
+                  DOT_KWIDTH2=kwidth2, FUSED_SCALE=False, OFFS32=False, ROWSUM_MMA=False)
     assert set(consts) <= set(fn.arg_names)
     signature = {n: "constexpr" if n in consts else _POINTERS.get(n, "fp32" if n in ("sm_scale_log2", "v_factor")
                                                                   else "i32") for n in fn.arg_names}

@@ -1,0 +1,51 @@
+"""Host-side choices of the quantized-KV attention launch (no GPU: the kernels run in tests/gpu/).
+
+- default_variant: nvfp4 takes v6 where the launch is bound by throughput (at least as many
+  (sequence, KV head) programs as SMs, long contexts) and v4 elsewhere; fp8 always v3.
+- offsets_fit_int32: the nvfp4 kernels' OFFS32 (int32 cache offsets) only where every offset fits.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from specserve.attention import triton_quant  # noqa: E402
+from specserve.attention.triton_quant_nvfp4 import offsets_fit_int32  # noqa: E402
+
+SMS = 132
+
+
+@pytest.mark.parametrize("num_seqs,max_seq_len,want", [
+    (32, 32768, "v6"),  # the issue's shape: 256 programs before splitting
+    (32, 131072, "v6"),
+    (17, 16384, "v6"),  # 136 >= 132 programs, at the context threshold
+    (16, 32768, "v4"),  # 128 programs: fewer than the SMs
+    (1, 131072, "v4"),  # latency-bound
+    (32, 4096, "v4"),  # short contexts: level on the H200
+    (32, 16383, "v4"),
+])
+def test_nvfp4_default_variant_follows_the_launch(num_seqs: int, max_seq_len: int, want: str) -> None:
+    assert triton_quant.default_variant("nvfp4", num_seqs, 8, max_seq_len, SMS) == want
+    assert want in triton_quant.VARIANTS["nvfp4"]
+
+
+def test_fp8_default_variant_is_fixed() -> None:
+    for num_seqs, ctx in ((1, 4096), (256, 131072)):
+        assert triton_quant.default_variant("fp8", num_seqs, 8, ctx, SMS) == triton_quant.DEFAULT_VARIANT["fp8"]
+
+
+def test_offsets_fit_int32_at_the_boundary() -> None:
+    # Meta tensors: shapes and strides only, nothing allocated.
+    small = torch.empty((1024, 16, 8, 32), dtype=torch.int16, device="meta")
+    assert offsets_fit_int32(small)
+    # 2^31 elements: the last offset is 2^31 - 1, the largest int32.
+    edge = torch.empty((2**31 // (16 * 8 * 32), 16, 8, 32), dtype=torch.int16, device="meta")
+    assert offsets_fit_int32(edge)
+    over = torch.empty((2**31 // (16 * 8 * 32) + 1, 16, 8, 32), dtype=torch.int16, device="meta")
+    assert not offsets_fit_int32(over)
+    assert not offsets_fit_int32(small, over)  # every tensor must fit
+    # A strided view reaches as far as its largest offset, not its element count.
+    strided = torch.empty((2, 4), dtype=torch.int16, device="meta").as_strided((2, 4), (2**31 - 3, 1))
+    assert not offsets_fit_int32(strided)
