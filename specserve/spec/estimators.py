@@ -202,13 +202,16 @@ class StepCosts:
         self.local_propose = LocalFits(lambda: DecayedRegression(2, window, (0.0, ridge)), stale_after)  # (1, B)
         self._keep = 1.0 - 1.0 / window
         self.pure_decode_weight = 0.0  # decayed count of steps without drafts and without prompt chunks
-        # What a cold proposal costs beyond a warm one, over (1, tokens the proposer has not seen).
-        self.catch_up_cost = DecayedRegression(2, window, (0.0, ridge))
+        # What a cold proposal costs beyond a warm one, over (1, tokens the proposer has not seen). With the
+        # range of token counts it saw: one far beyond is news, not an outlier to clip (on the H200 pair,
+        # sixteenth session, catch-ups of a few hundred tokens took 10-16 ms, graph replays or one eager
+        # forward, and one of ~13k tokens at 256 requests 374 ms: clipped to 5x the fit, it taught nothing).
+        self.catch_up_cost = DecayedRegression(2, window, (0.0, ridge), range_feature=1)
         # What feeding new requests' prompts costs (over 1, tokens): a warm proposal right after prompt chunks
         # against this bucket's warm fit. Apart from catch_up_cost: a pause's catch-up says little about it.
         self.prompt_feed_cost = DecayedRegression(2, window, (0.0, ridge))
         self.cold_extra: float | None = None  # a first proposal after a pause costs (1 + this) x a warm one
-        self._last_cold: tuple[int, float, float | None] | None = None  # (k, seconds, unseen) of a cold one
+        self._last_cold: tuple[int, float, float | None, int] | None = None  # (k, seconds, unseen, B) of a cold one
         self.unseen_tokens: float | None = None  # computed since the last proposal with drafts (None: never drafted)
         self._arrivals = 0.0  # decayed share of steps that computed a prompt chunk (new requests)
         # decayed over the same window: steps with prompt chunks, their prompt tokens, output tokens
@@ -307,6 +310,7 @@ class StepCosts:
         if p is not None and p.num_seqs > 0 and p.num_speculative_tokens > 0:
             self._observe_proposal(p, cold, after_prompt, unseen)
         elif p is not None:
+            self._record_unpaired_cold(self._last_cold)
             self._last_cold = None
         self._count_unseen(step, p)
 
@@ -368,23 +372,44 @@ class StepCosts:
         prompt chunks against this bucket's own fit; the latter is also what feeding a prompt costs
         (prompt_feed_cost: drafting's recurring price where requests come and go)."""
         k, b = min(p.num_speculative_tokens, self.max_k), p.num_seqs
-        last_cold = self._last_cold
-        self._last_cold = (k, p.seconds, unseen) if cold and not after_prompt else None
+        last_cold, self._last_cold = self._last_cold, None
         if not cold and not after_prompt and last_cold is not None and last_cold[0] == k:
             extra = min(last_cold[1] / p.seconds - 1.0, 10.0) if p.seconds > 1e-7 else 0.0
             self.cold_extra = extra if self.cold_extra is None else 0.5 * (self.cold_extra + extra)
             if last_cold[2]:
                 self.catch_up_cost.add((1.0, last_cold[2]), max(last_cold[1] - p.seconds, 1e-6))
-        elif not cold and after_prompt and unseen:
-            local = self.local_propose.get(float(b), k)
-            if local is not None:
-                fed = max(p.seconds - local.predict((1.0, float(b))), 1e-6)
-                self.catch_up_cost.add((1.0, unseen), fed)
-                self.prompt_feed_cost.add((1.0, unseen), fed)
+        else:
+            self._record_unpaired_cold(last_cold)
+            if not cold and after_prompt and unseen:
+                local = self.local_propose.get(float(b), k)
+                if local is not None:
+                    fed = max(p.seconds - local.predict((1.0, float(b))), 1e-6)
+                    self.catch_up_cost.add((1.0, unseen), fed)
+                    self.prompt_feed_cost.add((1.0, unseen), fed)
+        if cold and not after_prompt:
+            self._last_cold = (k, p.seconds, unseen, b)
         if not cold or not self.catches_up():
             self.propose_cost.add((1.0, p.num_speculative_tokens, p.num_speculative_tokens * b, b), p.seconds)
             if not after_prompt:
                 self.local_propose.add(b, k, (1.0, float(b)), p.seconds, self.num_observed)
+
+    def _record_unpaired_cold(self, cold: tuple[int, float, float | None, int] | None) -> None:
+        """A cold proposal that no warm one of its k followed (drafting stopped again at once: an
+        exploration, a catch-up that turned out dear): its catch-up against the warm fits' prediction
+        for its k and batch, which is all there is to price it by. Dropped, the costliest catch-ups (the
+        ones after which the controller stops drafting) would never be measured."""
+        if cold is None or not cold[2]:
+            return
+        k, seconds, unseen, b = cold
+        local = self.local_propose.get(float(b), k)
+        if local is not None:
+            warm = local.predict((1.0, float(b)))
+        else:
+            t = self.propose_cost.predict_many([(1.0, k, k * b, b)])
+            if t is None:
+                return
+            warm = t[0]
+        self.catch_up_cost.add((1.0, unseen), max(seconds - max(warm, 0.0), 1e-6))
 
     def _count_unseen(self, step: SpecStepStats, p: ProposalStats | None) -> None:
         """Tokens a draft model would have to catch up on: those computed since it last drafted, less
