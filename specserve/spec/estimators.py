@@ -204,8 +204,8 @@ class StepCosts:
         self.pure_decode_weight = 0.0  # decayed count of steps without drafts and without prompt chunks
         # What a cold proposal costs beyond a warm one, over (1, tokens the proposer has not seen). With the
         # range of token counts it saw: one far beyond is news, not an outlier to clip (on the H200 pair,
-        # sixteenth session, catch-ups of a few hundred tokens took 10-16 ms, graph replays or one eager
-        # forward, and one of ~13k tokens at 256 requests 374 ms: clipped to 5x the fit, it taught nothing).
+        # sixteenth session, small catch-ups took 10-16 ms, graph replays or one eager forward, and one at
+        # 256 requests 374 ms: clipped to 5x the fit, it would have taught little).
         self.catch_up_cost = DecayedRegression(2, window, (0.0, ridge), range_feature=1)
         # What feeding new requests' prompts costs (over 1, tokens): a warm proposal right after prompt chunks
         # against this bucket's warm fit. Apart from catch_up_cost: a pause's catch-up says little about it.

@@ -1,8 +1,8 @@
 """What a draft model's catch-up costs, as the adaptive controller learns it (estimators.StepCosts).
 
-On the H200 pair (sixteenth session) catch-ups of a few hundred tokens took 10-16 ms and one of ~13k
-tokens, at 256 requests, 374 ms; the controller then stopped drafting at once. Such a catch-up must
-be learned: one far beyond the token counts measured is news (not clipped as an outlier), and a cold
+On the H200 pair (sixteenth session) small catch-ups took 10-16 ms and one at 256 requests 374 ms;
+the controller then stopped drafting at once. Such a catch-up must be learned (here: 300-token ones of
+10 ms, then one of 13k tokens and 370 ms): one far beyond the token counts measured is news (not clipped as an outlier), and a cold
 proposal that no warm one of its k follows is priced against the warm fits instead of dropped.
 """
 from __future__ import annotations
