@@ -81,9 +81,11 @@ __all__ = [
 VARIANTS = {"fp8": ("v1", "v3"), "nvfp4": ("v1", "v2", "v3", "v4", "v5", "v6")}
 DEFAULT_VARIANT = {"fp8": "v3", "nvfp4": "v6"}
 # nvfp4 v6 has fewer instructions and barriers per tile than v4 and a longer critical path (the row sums
-# are a dot). On the H200 (sixteenth session, 4 processes) it was 1-1.5% faster at B = 32 / 32k and
-# 1-3% at 128k, but 4-8% slower at B = 1 (few programs, each bound by its latency) and level at
-# B = 32 / 4k. Launches with fewer (sequence, KV head) programs than SMs, or short contexts, keep v4.
+# are a dot). On the H200 (sixteenth session, decode, 4 processes) it was 1-1.5% faster at B = 32 / 32k
+# and 1.7-2.5% at 128k (in two of three), but 4-11% slower at B = 1 (few programs, each bound by its
+# latency) and level at B = 32 / 4k. Only plain decode launches were timed: launches with query rows
+# beyond one token (prefill chunks, verify steps), fewer (sequence, KV head) programs than SMs, or short
+# contexts keep v4.
 NVFP4_LATENCY_VARIANT = "v4"
 NVFP4_V6_MIN_CONTEXT = 16384
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions y and z
@@ -116,9 +118,11 @@ def choose_num_splits_quant(num_seqs: int, max_query_len: int, max_seq_len: int,
     return max(1, min(by_sms, by_length, MAX_SPLITS))
 
 
-def default_variant(name: str, num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> str:
+def default_variant(name: str, num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                    num_sms: int) -> str:
     """The kernel variant a call without `variant=` gets (host ints only: CUDA-graph safe)."""
-    if name == "nvfp4" and (num_seqs * num_kv_heads < num_sms or max_seq_len < NVFP4_V6_MIN_CONTEXT):
+    if name == "nvfp4" and (max_query_len > 1 or num_seqs * num_kv_heads < num_sms
+                            or max_seq_len < NVFP4_V6_MIN_CONTEXT):
         return NVFP4_LATENCY_VARIANT
     return DEFAULT_VARIANT[name]
 
@@ -170,7 +174,8 @@ def paged_attention_quant(q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, c
     num_kv_heads = cache.key.shape[2]
     check_quant_cache(fmt, cache, num_kv_heads, head_dim)
     num_seqs = cu_query_lens.shape[0] - 1
-    variant = variant or default_variant(fmt.name, num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
+    variant = variant or default_variant(fmt.name, num_seqs, num_kv_heads, max_query_len, max_seq_len,
+                                         _num_sms(q.device))
     if variant not in VARIANTS[fmt.name]:
         raise ValueError(f"{fmt.name} variant must be one of {VARIANTS[fmt.name]}, got {variant!r}")
     if fmt.name == "fp8" and variant == "v3" and head_dim % 2:

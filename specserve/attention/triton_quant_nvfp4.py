@@ -242,6 +242,7 @@ def _paged_attention_nvfp4_v2_kernel(
     q_lo, q_hi = tl.split(tl.reshape(q, [BLOCK_M, QUADS_PAD, 2, 2]))  # j = 0, 2 and j = 1, 3
     q0, q2 = tl.split(q_lo)
     q1, q3 = tl.split(q_hi)
+    tl.static_assert(FUSED_SCALE or not ROWSUM_MMA, "ROWSUM_MMA needs FUSED_SCALE")
     m_i, l_i = _softmax_init(BLOCK_M)
     if ROWSUM_MMA:
         l_i = tl.zeros([BLOCK_M, 16], tl.float32)

@@ -1,7 +1,7 @@
 """Host-side choices of the quantized-KV attention launch (no GPU: the kernels run in tests/gpu/).
 
-- default_variant: nvfp4 takes v6 where the launch is bound by throughput (at least as many
-  (sequence, KV head) programs as SMs, long contexts) and v4 elsewhere; fp8 always v3.
+- default_variant: nvfp4 takes v6 for plain decode launches bound by throughput (at least as many
+  (sequence, KV head) programs as SMs, long contexts: what was timed) and v4 elsewhere; fp8 always v3.
 - offsets_fit_int32: the nvfp4 kernels' OFFS32 (int32 cache offsets) only where every offset fits.
 """
 from __future__ import annotations
@@ -27,13 +27,19 @@ SMS = 132
     (32, 16383, "v4"),
 ])
 def test_nvfp4_default_variant_follows_the_launch(num_seqs: int, max_seq_len: int, want: str) -> None:
-    assert triton_quant.default_variant("nvfp4", num_seqs, 8, max_seq_len, SMS) == want
+    assert triton_quant.default_variant("nvfp4", num_seqs, 8, 1, max_seq_len, SMS) == want
     assert want in triton_quant.VARIANTS["nvfp4"]
+
+
+@pytest.mark.parametrize("max_query_len", [2, 5, 512])
+def test_nvfp4_launches_beyond_plain_decode_keep_v4(max_query_len: int) -> None:
+    # verify steps (k + 1 rows per sequence) and prefill chunks: v6 was not timed there
+    assert triton_quant.default_variant("nvfp4", 32, 8, max_query_len, 32768, SMS) == "v4"
 
 
 def test_fp8_default_variant_is_fixed() -> None:
     for num_seqs, ctx in ((1, 4096), (256, 131072)):
-        assert triton_quant.default_variant("fp8", num_seqs, 8, ctx, SMS) == triton_quant.DEFAULT_VARIANT["fp8"]
+        assert triton_quant.default_variant("fp8", num_seqs, 8, 1, ctx, SMS) == triton_quant.DEFAULT_VARIANT["fp8"]
 
 
 def test_offsets_fit_int32_at_the_boundary() -> None:
