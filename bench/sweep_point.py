@@ -93,6 +93,10 @@ class Policy:
         self.batches: list[int] = []  # the batch size of each choice
         self.beliefs: list[tuple[int, int]] = []  # per choice: (best k, 1 if it explores) of an adaptive one
         self.steps: list[tuple[int, float, float, int]] = []  # per step: (k, step s, proposal s, tokens)
+        # per step: (batch size, tokens the proposer had not seen, the catch-up the controller predicted
+        # for them, s); the last two only for a cold proposal of an adaptive controller, else 0
+        self.step_extras: list[tuple[int, float, float]] = []
+        self._catch_up: tuple[float, float] = (0.0, 0.0)  # of the last choice: (unseen tokens, predicted s)
         choose, observe = controller.choose, controller.observe
 
         def recording(batch_size: int) -> int:
@@ -102,12 +106,18 @@ class Policy:
             last, pending = getattr(controller, "last", None), getattr(controller, "_pending", None)
             if last is not None and pending is not None:
                 self.beliefs.append((last.best_k, int(pending.exploring)))
+                unseen = pending.unseen_tokens
+                cold = k > 0 and pending.cold and unseen is not None
+                self._catch_up = ((unseen, controller.costs.catch_up_seconds(unseen, last.propose_seconds[k]))
+                                  if cold else (0.0, 0.0))
             return k
 
         def observing(step) -> None:
             p = step.proposal
             self.steps.append((p.num_speculative_tokens if p is not None else -1, step.step_seconds,
                                p.seconds if p is not None else 0.0, step.batch_size + sum(step.accepted_per_pos)))
+            self.step_extras.append((step.batch_size, *self._catch_up))
+            self._catch_up = (0.0, 0.0)
             observe(step)
 
         controller.choose, controller.observe = recording, observing
@@ -117,6 +127,7 @@ class Policy:
         self.batches.clear()
         self.beliefs.clear()
         self.steps.clear()
+        self.step_extras.clear()
 
     def trace(self) -> dict[str, list[list[float]]]:
         """Every choice ([batch, k, best k, explores]) and every step ([k of the proposal it verified, step
@@ -148,7 +159,8 @@ class Policy:
 
     def slow_proposals(self, factor: float = 4.0, floor_ms: float = 20.0) -> list[list[float]]:
         """Proposals that took over `floor_ms` and `factor` x the median of their k in this point: [step
-        index, k, proposal ms, the previous step's k] (a stall: JIT, a shape without a graph)."""
+        index, k, proposal ms, the previous step's k, batch size, tokens the proposer had not seen, the
+        catch-up ms the controller predicted] (a stall: JIT, a shape without a graph, a catch-up)."""
         by_k: dict[int, list[float]] = {}
         for k, _, prop, _ in self.steps:
             by_k.setdefault(k, []).append(prop)
@@ -156,7 +168,9 @@ class Policy:
         out = []
         for i, (k, _, prop, _) in enumerate(self.steps):
             if k > 0 and 1e3 * prop > floor_ms and prop > factor * median[k]:
-                out.append([i, k, round(1e3 * prop, 2), self.steps[i - 1][0] if i else -1])
+                b, unseen, predicted = self.step_extras[i]
+                out.append([i, k, round(1e3 * prop, 2), self.steps[i - 1][0] if i else -1, b, round(unseen),
+                            round(1e3 * predicted, 2)])
         return out
 
     def install(self, llm: LLM) -> None:

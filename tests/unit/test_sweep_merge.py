@@ -74,3 +74,35 @@ def test_an_adaptive_policy_traces_its_choices_and_steps() -> None:
     assert trace["steps"] == [[-1, 2.0, 0.0, 4]]
     policy.clear()
     assert policy.trace() == {"choices": [], "steps": []}
+
+
+def test_a_slow_proposal_reports_its_batch_and_the_catch_up_predicted_for_it() -> None:
+    """sweep_point.Policy.slow_proposals: a stall's batch size, the tokens the proposer had not seen and
+    the catch-up the controller predicted for them (the pair's 374 ms stall at 256 requests had none of
+    these in the sixteenth session's JSON)."""
+    from types import SimpleNamespace
+
+    from sweep_point import Policy
+
+    from specserve.spec.adaptive import ProposalStats, SpecStepStats
+
+    class Scripted:  # the controller interface Policy records: choose / observe, last / _pending / costs
+        def __init__(self) -> None:
+            self.last = SimpleNamespace(best_k=1, propose_seconds=[0.0, 0.005])
+            self._pending = SimpleNamespace(exploring=False, cold=True, unseen_tokens=13000.0)
+            self.costs = SimpleNamespace(catch_up_seconds=lambda tokens, warm: 0.015 if tokens == 13000.0 else 0.0)
+
+        def choose(self, batch_size: int) -> int:
+            return 1
+
+        def observe(self, step: SpecStepStats) -> None:
+            self._pending = SimpleNamespace(exploring=False, cold=False, unseen_tokens=0.0)
+
+    ctrl = Scripted()
+    policy = Policy("adaptive", ctrl, None)
+    for seconds in (0.374, 0.005, 0.005, 0.005):
+        k = ctrl.choose(57)
+        ctrl.observe(SpecStepStats(57, 57 * (k + 1), 57 * k, 0.004, proposal=ProposalStats.measure(k, [k] * 57,
+                                                                                                   [k] * 57, seconds)))
+    assert policy.slow_proposals() == [[0, 1, 374.0, -1, 57, 13000, 15.0]]
+    assert [e[0] for e in policy.step_extras] == [57] * 4 and policy.step_extras[1][1:] == (0.0, 0.0)
