@@ -17,7 +17,8 @@ short or empty). Everything is measured here, over moving windows:
     bucket's drafting steps (estimators.TokenCalibration): it scales E[tokens | k] - 1 there, since
     the windows above follow the requests measured last and another load's may accept less;
   - costs per batch-size bucket (1, 2, 3-4, 5-8, ...: estimators.StepCosts): a plain decode step, a
-    verify step per k, a (warm) proposal per k, each fitted on the steps of that bucket only. Step
+    verify step per k, a (warm) proposal per k, each fitted on the steps of that bucket only (the
+    proposals' then pooled where noise priced a larger k below a smaller one). Step
     costs are not one smooth curve across batch sizes (GEMV at one row, GEMM above; graph sizes), nor
     across k (a query length with a captured CUDA graph replays in a fraction of an eager forward's
     time), so a measurement at batch 2 says little about batch 1 or 8. Fits over every bucket (linear

@@ -144,3 +144,16 @@ def _solve_small(a: list[list[float]], b: list[float]) -> list[float]:
         acc = m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))
         x[r] = acc / m[r][r] if m[r][r] != 0.0 else 0.0
     return x
+
+
+def non_decreasing(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The weighted least-squares fit of `values` that never decreases (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [weighted sum, weight, count]
+    for v, w in zip(values, weights):
+        blocks.append([v * w, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+            total, weight, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += weight
+            blocks[-1][2] += count
+    return [total / weight for total, weight, count in blocks for _ in range(int(count))]

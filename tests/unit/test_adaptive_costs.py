@@ -1,9 +1,12 @@
-"""What a draft model's catch-up costs, as the adaptive controller learns it (estimators.StepCosts).
+"""What proposals cost, as the adaptive controller learns it (estimators.StepCosts): a draft model's
+catch-up, and warm proposals by k.
 
 On the H200 pair (sixteenth session) small catch-ups took 10-16 ms and one at 256 requests 374 ms;
 the controller then stopped drafting at once. Such a catch-up must be learned (here: 300-token ones of
-10 ms, then one of 13k tokens and 370 ms): one far beyond the token counts measured is news (not clipped as an outlier), and a cold
-proposal that no warm one of its k follows is priced against the warm fits instead of dropped.
+10 ms, then one of 13k tokens and 370 ms): one far beyond the token counts measured is news (not
+clipped as an outlier), and a cold proposal that no warm one of its k follows is priced against the
+warm fits instead of dropped. Warm proposals cost no less for more drafts: per-k fits of a few
+samples each are pooled where noise put them out of order.
 """
 from __future__ import annotations
 
@@ -61,3 +64,32 @@ def test_a_cold_proposal_that_drafting_stops_after_is_still_measured() -> None:
     feed.step(0, 0.0)
     assert feed.costs.catch_up_seconds(13000.0, WARM_S) > 0.25
     assert abs(feed.costs.catch_up_seconds(300.0, WARM_S) - 0.010) < 0.003  # the small ones still fit
+
+
+def test_non_decreasing_pools_adjacent_violators() -> None:
+    from specserve.spec.regression import non_decreasing
+
+    assert non_decreasing([1.0, 2.0, 3.0], [1.0, 1.0, 1.0]) == [1.0, 2.0, 3.0]  # in order: unchanged
+    pooled = non_decreasing([6.30, 5.73, 5.94], [1.0, 1.0, 1.0])
+    assert pooled == [sum([6.30, 5.73, 5.94]) / 3] * 3
+    # the weights decide where a violating pair meets: a well-measured k moves less than a guess
+    a, b = non_decreasing([4.0, 2.0], [3.0, 1.0])
+    assert a == b == 3.5
+    out = non_decreasing([1.0, 5.0, 2.0, 6.0], [1.0, 1.0, 1.0, 1.0])
+    assert out == [1.0, 3.5, 3.5, 6.0]
+
+
+def test_warm_proposal_costs_never_fall_with_k() -> None:
+    """Per-k fits of a few noisy samples each (the H200 pair at 2 requests priced k = 8 / 9 / 10 at
+    6.30 / 5.73 / 5.94 ms): the prices the controller uses are in order, pooled where they were not."""
+    costs = StepCosts(max_k=K, window=32.0, ridge=1e-4, stale_after=1000, arrivals_window=2000.0)
+    measured = {1: 0.0020, 2: 0.0031, 3: 0.0026, 4: 0.0040}  # k = 3 below k = 2: noise
+    for k, seconds in measured.items():
+        for _ in range(4):
+            drafts = [k] * B
+            costs.observe(SpecStepStats(B, B * (k + 1), B * k, STEP_S,
+                                        proposal=ProposalStats.measure(k, drafts, drafts, seconds)), False, False, 0.0)
+    prices = costs.propose_seconds(float(B))
+    assert all(a <= b + 1e-12 for a, b in zip(prices, prices[1:]))
+    assert abs(prices[0] - measured[1]) < 2e-4 and abs(prices[3] - measured[4]) < 4e-4  # in order: kept
+    assert abs(prices[1] - prices[2]) < 1e-9 and measured[3] < prices[1] < measured[2]  # the violators pooled
