@@ -131,9 +131,12 @@ class Policy:
 
     def trace(self) -> dict[str, list[list[float]]]:
         """Every choice ([batch, k, best k, explores]) and every step ([k of the proposal it verified, step
-        ms, proposal ms, tokens]) of a point, in order: why an adaptive policy lost where it did."""
+        ms, proposal ms, tokens, batch, tokens the proposer had not seen and the catch-up ms predicted for
+        them (a cold proposal of an adaptive controller, else 0)]) of a point, in order: why an adaptive
+        policy lost where it did."""
         choices = [[b, k, *bel] for b, k, bel in zip(self.batches, self.choices, self.beliefs)]
-        steps = [[k, round(1e3 * t, 3), round(1e3 * p, 3), n] for k, t, p, n in self.steps]
+        steps = [[k, round(1e3 * t, 3), round(1e3 * p, 3), n, b, round(unseen), round(1e3 * predicted, 2)]
+                 for (k, t, p, n), (b, unseen, predicted) in zip(self.steps, self.step_extras)]
         return {"choices": choices, "steps": steps}
 
     def steps_by_k(self) -> dict[str, dict[str, float]]:

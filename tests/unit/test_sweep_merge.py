@@ -71,7 +71,7 @@ def test_an_adaptive_policy_traces_its_choices_and_steps() -> None:
     ctrl.observe(SpecStepStats(4, 4, 0, 0.002))
     trace = policy.trace()
     assert trace["choices"] == [[4, k, *s] for k, s in zip(ks, seen)]
-    assert trace["steps"] == [[-1, 2.0, 0.0, 4]]
+    assert trace["steps"] == [[-1, 2.0, 0.0, 4, 4, 0, 0.0]]
     policy.clear()
     assert policy.trace() == {"choices": [], "steps": []}
 
