@@ -54,7 +54,7 @@ CONFIGS = {
     # v5: v4 with the score scale in exp2's fma and int32 cache offsets (917 against 961 sm_90
     # instructions per 128-key tile, sixteenth session).
     ("nvfp4", "v5"): [{}, {"num_splits": 12}, {"num_stages": 4}],
-    # v6: v5 with the softmax denominator from a dot with ones (904 instructions, 6 barriers against 9).
+    # v6: v5 with the softmax denominator from a dot with ones (900 instructions, 6 barriers against 9).
     ("nvfp4", "v6"): [{}, {"num_splits": 12}, {"num_stages": 4}],
 }
 SPLIT_SWEEP = (1, 2, 3, 4, 8)
