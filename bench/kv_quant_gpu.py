@@ -122,8 +122,11 @@ class Bench:
         self.save()
 
     def time_shape(self, batch: int, context: int, sweep: bool) -> None:
+        # bf16 is timed first and again last, each on a cache of its own: on the H200 (sixteenth session)
+        # the first large shape a process timed ran ~9.5% slower (1,276-1,281 against 1,164-1,169 us at
+        # B = 32 / 32k). Every ratio is to the faster of the two (the stricter baseline).
         base = None
-        for name in ("bf16", "fp8", "nvfp4"):
+        for name in ("bf16", "fp8", "nvfp4", "bf16"):
             if self.over_budget(f"B={batch} ctx={context} {name}"):
                 continue
             try:
@@ -160,7 +163,23 @@ class Bench:
                       f"{us:9.1f} us  {ratio}  {row['gbs']:6.0f} GB/s", flush=True)
             del p
             _free()
+        self._rebase(batch, context)
         self.save()
+
+    def _rebase(self, batch: int, context: int) -> None:
+        """Of this shape's two bf16 timings the faster is its "default" row and every ratio's base; the
+        other stays as "repeat (slower)"."""
+        rows = [r for r in self.result["timings"] if (r["batch"], r["context"]) == (batch, context)]
+        bf16 = sorted((r for r in rows if r["kv"] == "bf16"), key=lambda r: r["us"])
+        if not bf16:
+            return
+        for i, r in enumerate(bf16):
+            r["config"] = "default" if i == 0 else "repeat (slower)"
+        for r in rows:
+            r["vs_bf16"] = r["us"] / bf16[0]["us"]
+        if len(bf16) > 1:
+            print(f"  B={batch:<2} ctx={context:<6} bf16 {bf16[0]['us']:.1f} and {bf16[1]['us']:.1f} us: "
+                  f"ratios are to {bf16[0]['us']:.1f}", flush=True)
 
     def best_cfg(self, name: str, variant: str) -> list[dict]:
         """The fastest non-default config of the sweep shape, if any (as a one-item list)."""
@@ -286,7 +305,7 @@ def print_tables(result: dict, contexts: list[int]) -> None:
     for batch in sorted(ck.BATCHES):
         for context in contexts:
             here = [r for r in rows if r["batch"] == batch and r["context"] == context]
-            b = next((r for r in here if r["kv"] == "bf16"), None)
+            b = next((r for r in here if r["kv"] == "bf16" and r["config"] == "default"), None)
             if b is None:
                 continue
             cells = [f"{b['us']:,.1f}"]
