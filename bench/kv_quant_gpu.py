@@ -123,8 +123,9 @@ class Bench:
 
     def time_shape(self, batch: int, context: int, sweep: bool) -> None:
         # bf16 is timed first and again last, each on a cache of its own: on the H200 (sixteenth session)
-        # the first large shape a process timed ran ~9.5% slower (1,276-1,281 against 1,164-1,169 us at
-        # B = 32 / 32k). Every ratio is to the faster of the two (the stricter baseline).
+        # bf16 at B = 32 / 32k took 1,276-1,281 us in the processes whose correctness check had run at
+        # 32k and 1,164-1,169 in the others (cause unknown). Every ratio is to the faster of the two (the
+        # stricter baseline).
         base = None
         for name in ("bf16", "fp8", "nvfp4", "bf16"):
             if self.over_budget(f"B={batch} ctx={context} {name}"):
