@@ -256,7 +256,7 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
             runs = max(1, min(args.interleave, num_requests // c))
             per_run = [num_requests // runs + (i < num_requests % runs) for i in range(runs)]
             parts: dict[str, list[dict[str, Any]]] = {}
-            marks: dict[str, tuple[int, int]] = {}  # per policy: its choices and steps so far
+            marks: dict[str, tuple[int, int]] = {}  # per policy: where its records stood after its last part
             replays: dict[str, Counter] = {}  # per policy: graph replays over its parts
             for run, n in enumerate(per_run):  # each policy's part of the point, the policies alternating
                 for pol_name in result["policies"]:
@@ -279,15 +279,14 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
                     if policy is not None:  # what the controller chose and saw in this policy's parts only
                         if run == 0:
                             policy.clear()
-                        else:
-                            del policy.choices[marks[pol_name][0]:], policy.steps[marks[pol_name][1]:]
-                            del policy.batches[marks[pol_name][0]:]
+                        else:  # the warm-up's records are not the point's
+                            policy.drop_after(marks[pol_name])
                     if graph_counts is not None:
                         graph_counts.clear()
                     parts.setdefault(pol_name, []).append(
                         run_point(llm, prompts, c, n, output_len_at(c, args), args, f"{pol_name}-c{c}-{run}"))
                     if policy is not None:
-                        marks[pol_name] = (len(policy.choices), len(policy.steps))
+                        marks[pol_name] = policy.mark()
                     if graph_counts is not None:
                         replays.setdefault(pol_name, Counter()).update(graph_counts)
                     if run == len(per_run) - 1:  # the policy's last part: its point is complete

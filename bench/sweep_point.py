@@ -122,6 +122,16 @@ class Policy:
 
         controller.choose, controller.observe = recording, observing
 
+    def mark(self) -> tuple[int, int]:
+        """Where the records stand (choices, steps): drop_after(mark) forgets what came after."""
+        return len(self.choices), len(self.steps)
+
+    def drop_after(self, mark: tuple[int, int]) -> None:
+        """Forget every record (choices and what goes with them, steps and theirs) made after `mark`."""
+        choices, steps = mark
+        del self.choices[choices:], self.batches[choices:], self.beliefs[choices:]
+        del self.steps[steps:], self.step_extras[steps:]
+
     def clear(self) -> None:
         self.choices.clear()
         self.batches.clear()

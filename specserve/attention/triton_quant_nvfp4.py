@@ -184,12 +184,7 @@ def _nvfp4_tile(tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2
     if FUSED_SCALE:
         raw = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None)
         p, alpha, m_i = _softmax_probs_scaled(raw, sm_scale_log2, offs_n, n_ok, q_pos, m_i, not MASKED)
-        if ROWSUM_MMA:
-            # l_i is [BLOCK_M, 16], every column the row sum: P.1 on the tensor cores, where tl.sum
-            # would reduce across the warps through shared memory (3 of the tile's 9 barriers).
-            p16 = p.to(tl.float16)
-            l_i = tl.dot(p16, tl.full([BLOCK_N, 16], 1.0, tl.float16), l_i * alpha[:, None])
-        else:
+        if not ROWSUM_MMA:
             l_i = l_i * alpha + tl.sum(p, 1)
     else:
         s = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None) * sm_scale_log2
@@ -198,6 +193,10 @@ def _nvfp4_tile(tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2
         else:
             p, alpha, m_i, l_i = _softmax_step_full(s, m_i, l_i)
     p16 = p.to(tl.float16)
+    if ROWSUM_MMA:
+        # l_i is [BLOCK_M, 16], every column the row sum: P.1 on the tensor cores, where tl.sum would
+        # reduce across the warps through shared memory (3 of the tile's 9 barriers).
+        l_i = tl.dot(p16, tl.full([BLOCK_N, 16], 1.0, tl.float16), l_i * alpha[:, None])
     v0, v1, v2, v3 = _scaled_tiles(v_base + row, vs_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER,
                                    MASKED)
     a0, a1, a2, a3 = _pv4(p16, v0, v1, v2, v3, a0, a1, a2, a3, alpha)

@@ -267,17 +267,17 @@ class StepCosts:
         took a few samples: on the H200 pair at 2 requests (sixteenth session) k = 8 / 9 / 10 were priced
         6.30 / 5.73 / 5.94 ms where its steps at 1-2 requests took 5.84 / 5.69 / 7.03 on average, and it
         rated 10 21% above 8. Pooled (weighted by each fit's samples), they are in order."""
-        values, weights = [], []
-        for k in range(1, self.max_k + 1):
-            local = self.local_propose.get(b, k)
-            if local is not None:
-                values.append(max(local.predict((1.0, b)), 0.0))
-                weights.append(local.weight)
-            else:
-                t = self.propose_cost.predict_many([(1.0, k, k * b, b)])
-                values.append(max(t[0], 0.0) if t is not None else 0.0)
-                weights.append(_GUESS_WEIGHT)
-        return non_decreasing(values, weights)
+        priced = [self._warm_proposal(k, b) or (0.0, _GUESS_WEIGHT) for k in range(1, self.max_k + 1)]
+        return non_decreasing([max(t, 0.0) for t, _ in priced], [w for _, w in priced])
+
+    def _warm_proposal(self, k: int, b: float) -> tuple[float, float] | None:
+        """(seconds, weight) of a warm proposal of k at batch b: this bucket's own fit (weighing its
+        samples), else the fit over every batch size (a guess: _GUESS_WEIGHT); None before any."""
+        local = self.local_propose.get(b, k)
+        if local is not None:
+            return local.predict((1.0, b)), local.weight
+        t = self.propose_cost.predict_many([(1.0, k, k * b, b)])
+        return None if t is None else (t[0], _GUESS_WEIGHT)
 
     def decode_age(self, b: float) -> int | None:
         """Observations since this bucket last measured a plain decode step (None: never)."""
@@ -409,15 +409,9 @@ class StepCosts:
         if cold is None or not cold[2]:
             return
         k, seconds, unseen, b = cold
-        local = self.local_propose.get(float(b), k)
-        if local is not None:
-            warm = local.predict((1.0, float(b)))
-        else:
-            t = self.propose_cost.predict_many([(1.0, k, k * b, b)])
-            if t is None:
-                return
-            warm = t[0]
-        self.catch_up_cost.add((1.0, unseen), max(seconds - max(warm, 0.0), 1e-6))
+        warm = self._warm_proposal(k, float(b))
+        if warm is not None:
+            self.catch_up_cost.add((1.0, unseen), max(seconds - max(warm[0], 0.0), 1e-6))
 
     def _count_unseen(self, step: SpecStepStats, p: ProposalStats | None) -> None:
         """Tokens a draft model would have to catch up on: those computed since it last drafted, less

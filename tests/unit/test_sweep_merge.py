@@ -106,3 +106,29 @@ def test_a_slow_proposal_reports_its_batch_and_the_catch_up_predicted_for_it() -
                                                                                                    [k] * 57, seconds)))
     assert policy.slow_proposals() == [[0, 1, 374.0, -1, 57, 13000, 15.0]]
     assert [e[0] for e in policy.step_extras] == [57] * 4 and policy.step_extras[1][1:] == (0.0, 0.0)
+
+
+def test_dropping_a_warm_up_keeps_every_record_aligned() -> None:
+    """controller_sweep drops what a policy recorded during the warm-up between two parts of a point:
+    the choices with their batch sizes and beliefs, the steps with their extras, all from the same mark."""
+    from sweep_point import Policy
+
+    from specserve.config import SpeculativeConfig
+    from specserve.spec.adaptive import AdaptiveController, SpecStepStats
+
+    ctrl = AdaptiveController(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    policy = Policy("adaptive", ctrl, None)
+
+    def one(batch: int) -> None:
+        ctrl.choose(batch)
+        ctrl.observe(SpecStepStats(batch, batch, 0, 0.002))
+
+    one(4)
+    mark = policy.mark()
+    one(8)  # the warm-up
+    policy.drop_after(mark)
+    one(2)
+    trace = policy.trace()
+    assert [c[0] for c in trace["choices"]] == [4, 2] and [s[4] for s in trace["steps"]] == [4, 2]
+    assert len(policy.beliefs) == len(policy.choices) == len(policy.batches) == 2
+    assert len(policy.step_extras) == len(policy.steps) == 2
