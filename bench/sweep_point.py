@@ -108,7 +108,8 @@ class Policy:
                 self.beliefs.append((last.best_k, int(pending.exploring)))
                 unseen = pending.unseen_tokens
                 cold = k > 0 and pending.cold and unseen is not None
-                self._catch_up = ((unseen, controller.costs.catch_up_seconds(unseen, last.propose_seconds[k]))
+                self._catch_up = ((unseen, controller.costs.catch_up_seconds(unseen, last.propose_seconds[k],
+                                                                                  batch_size))
                                   if cold else (0.0, 0.0))
             return k
 

@@ -267,7 +267,8 @@ class AdaptiveController(Exploration):
             return False
         rate0 = est.tokens_per_s[0]
         saved = est.batch_size * est.expected_tokens[best] / rate0 - est.step_seconds[best]  # per step
-        catch_up = self.costs.catch_up_seconds(self.costs.unseen_tokens, est.propose_seconds[best])
+        catch_up = self.costs.catch_up_seconds(self.costs.unseen_tokens, est.propose_seconds[best],
+                                                  est.batch_size)
         steady = max(self.num_choices - self._bucket_since, self.settings.explore_every)
         return saved * steady < catch_up
 

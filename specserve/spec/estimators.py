@@ -208,6 +208,11 @@ class StepCosts:
         # sixteenth session, small catch-ups took 10-16 ms, graph replays or one eager forward, and one at
         # 256 requests 374 ms: clipped to 5x the fit, it would have taught little).
         self.catch_up_cost = DecayedRegression(2, window, (0.0, ridge), range_feature=1)
+        # The same per batch-size bucket (key 0), which prices a bucket once it has any: on the H200 pair
+        # (seventeenth session) catching up took 2.6 ms at 1 request and 10-16 ms at 2-4 whatever the
+        # token count (24-1,151), and the many feeds at 1 request had the pooled fit say 2-4 ms at 4.
+        self.local_catch_up = LocalFits(lambda: DecayedRegression(2, window, (0.0, ridge), range_feature=1),
+                                        stale_after)
         # What feeding new requests' prompts costs (over 1, tokens): a warm proposal right after prompt chunks
         # against this bucket's warm fit. Apart from catch_up_cost: a pause's catch-up says little about it.
         self.prompt_feed_cost = DecayedRegression(2, window, (0.0, ridge))
@@ -292,9 +297,13 @@ class StepCosts:
         it skipped; n-gram lookups do not), as far as measured; unknown counts as yes."""
         return self.cold_extra is None or self.cold_extra > _CATCH_UP_EXTRA
 
-    def catch_up_seconds(self, tokens: float | None, warm: float) -> float:
-        """A cold proposal's cost beyond a warm one (`warm`) when the proposer has not seen `tokens`."""
+    def catch_up_seconds(self, tokens: float | None, warm: float, b: float | None = None) -> float:
+        """A cold proposal's cost beyond a warm one (`warm`) when the proposer has not seen `tokens`, at
+        batch size b: that bucket's own fit where it has one, else the fit over every batch size."""
         if tokens is not None:
+            local = self.local_catch_up.get(b, 0) if b is not None else None
+            if local is not None:
+                return max(local.predict((1.0, tokens)), 0.0)
             t = self.catch_up_cost.predict_many([(1.0, tokens)])
             if t is not None:
                 return max(t[0], 0.0)
@@ -378,26 +387,29 @@ class StepCosts:
         load starts, priced by the fit over every size where it is the rule). What catching up costs:
         a cold proposal against the warm one right after it (an exploration burst), a warm one after
         prompt chunks against this bucket's own fit; the latter is also what feeding a prompt costs
-        (prompt_feed_cost: drafting's recurring price where requests come and go)."""
-        k, b = min(p.num_speculative_tokens, self.max_k), p.num_seqs
+        (prompt_feed_cost: drafting's recurring price where requests come and go). Proposals are keyed
+        by their depth, not the k chosen: near the output budget's end a k = 12 proposal ran 1-5 draft
+        forwards (0.4-3 ms against 7-10), which, as k = 12 and weighted as relative errors, dragged its fits
+        down and flattened the pooled fit's slope (on the H200 pair every k <= 10 was priced alike)."""
+        k, b = min(p.depth, self.max_k), p.num_seqs
         last_cold, self._last_cold = self._last_cold, None
         if not cold and not after_prompt and last_cold is not None and last_cold[0] == k:
             extra = min(last_cold[1] / p.seconds - 1.0, 10.0) if p.seconds > 1e-7 else 0.0
             self.cold_extra = extra if self.cold_extra is None else 0.5 * (self.cold_extra + extra)
             if last_cold[2]:
-                self.catch_up_cost.add((1.0, last_cold[2]), max(last_cold[1] - p.seconds, 1e-6))
+                self._add_catch_up(b, last_cold[2], max(last_cold[1] - p.seconds, 1e-6))
         else:
             self._record_unpaired_cold(last_cold)
             if not cold and after_prompt and unseen:
                 local = self.local_propose.get(float(b), k)
                 if local is not None:
                     fed = max(p.seconds - local.predict((1.0, float(b))), 1e-6)
-                    self.catch_up_cost.add((1.0, unseen), fed)
+                    self._add_catch_up(b, unseen, fed)
                     self.prompt_feed_cost.add((1.0, unseen), fed)
         if cold and not after_prompt:
             self._last_cold = (k, p.seconds, unseen, b)
         if not cold or not self.catches_up():
-            self.propose_cost.add((1.0, p.num_speculative_tokens, p.num_speculative_tokens * b, b), p.seconds)
+            self.propose_cost.add((1.0, k, k * b, b), p.seconds)
             if not after_prompt:
                 self.local_propose.add(b, k, (1.0, float(b)), p.seconds, self.num_observed)
 
@@ -411,7 +423,11 @@ class StepCosts:
         k, seconds, unseen, b = cold
         warm = self._warm_proposal(k, float(b))
         if warm is not None:
-            self.catch_up_cost.add((1.0, unseen), max(seconds - max(warm[0], 0.0), 1e-6))
+            self._add_catch_up(b, unseen, max(seconds - max(warm[0], 0.0), 1e-6))
+
+    def _add_catch_up(self, b: int, unseen: float, seconds: float) -> None:
+        self.catch_up_cost.add((1.0, unseen), seconds)
+        self.local_catch_up.add(b, 0, (1.0, unseen), seconds, self.num_observed)
 
     def _count_unseen(self, step: SpecStepStats, p: ProposalStats | None) -> None:
         """Tokens a draft model would have to catch up on: those computed since it last drafted, less

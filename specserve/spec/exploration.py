@@ -92,10 +92,10 @@ class Exploration:
         expected = steps * step_loss
         if self.catches_up():
             if cold_start and self.costs.unseen_tokens != 0:
-                catch_up = self.costs.catch_up_seconds(self.costs.unseen_tokens, est.propose_seconds[k])
+                catch_up = self.costs.catch_up_seconds(self.costs.unseen_tokens, est.propose_seconds[k], b)
                 expected += min(catch_up, est.propose_seconds[k]) if catch_up_doubt else catch_up
             elif k == 0 and best > 0:
-                expected += self.costs.catch_up_seconds(float(b * steps), est.propose_seconds[best])
+                expected += self.costs.catch_up_seconds(float(b * steps), est.propose_seconds[best], b)
         if expected <= 0:
             return True  # predicted to gain: past losses do not matter
         spent = 0.0 if doubt or catch_up_doubt else self.exploration_loss_seconds

@@ -51,6 +51,12 @@ class ProposalStats:
     drafted_per_pos: tuple[int, ...]  # requests that got one
     seconds: float
 
+    @property
+    def depth(self) -> int:
+        """Draft positions asked of any request: k, or fewer where every request nears its output budget
+        (a draft model runs this many forwards; at 1-2 tokens left one takes a tenth of a k = 12 proposal)."""
+        return sum(1 for n in self.asked_per_pos if n > 0)
+
     @classmethod
     def measure(cls, k: int, budgets: Sequence[int], num_drafted: Sequence[int], seconds: float) -> ProposalStats:
         return cls(len(budgets), k, count_above(budgets, k), count_above(num_drafted, k), seconds)

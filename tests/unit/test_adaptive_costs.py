@@ -7,6 +7,10 @@ the controller then stopped drafting at once. Such a catch-up must be learned (h
 clipped as an outlier), and a cold proposal that no warm one of its k follows is priced against the
 warm fits instead of dropped. Warm proposals cost no less for more drafts: per-k fits of a few
 samples each are pooled where noise put them out of order.
+
+On the next run (seventeenth session) proposals cut short by the output budget (1-5 draft forwards where
+12 were chosen) had been priced as k = 12, and catch-ups at 2-4 requests cost 4x what the many prompt
+feeds at 1 request had the pooled fit say: proposals are priced at their depth, catch-ups per bucket.
 """
 from __future__ import annotations
 
@@ -19,16 +23,19 @@ B, K, STEP_S, WARM_S = 4, 4, 0.004, 0.005
 class _Feed:
     """StepCosts fed as the engine does, on a simulated clock (no pauses)."""
 
-    def __init__(self) -> None:
-        self.costs = StepCosts(max_k=K, window=32.0, ridge=1e-4, stale_after=1000, arrivals_window=2000.0)
+    def __init__(self, max_k: int = K) -> None:
+        self.costs = StepCosts(max_k=max_k, window=32.0, ridge=1e-4, stale_after=1000, arrivals_window=2000.0)
         self.now = 0.0
         self.costs.clock = lambda: self.now
 
-    def step(self, k: int, propose_s: float, cold: bool = False, unseen: float | None = None) -> None:
-        drafts = [k] * B if k else []
+    def step(self, k: int, propose_s: float, cold: bool = False, unseen: float | None = None, b: int = B,
+             budget: int | None = None) -> None:
+        """budget: every request's draft budget (default k; fewer near the end of its output)."""
+        drafts = [k if budget is None else budget] * b if k else []
         proposal = ProposalStats.measure(k, drafts, drafts, propose_s)
         self.now += STEP_S + propose_s
-        self.costs.observe(SpecStepStats(B, B * (k + 1), B * k, STEP_S, proposal=proposal), cold, False, unseen)
+        self.costs.observe(SpecStepStats(b, b + sum(drafts), sum(drafts), STEP_S, proposal=proposal), cold, False,
+                           unseen)
 
     def warm_up(self) -> None:
         for _ in range(20):
@@ -93,3 +100,36 @@ def test_warm_proposal_costs_never_fall_with_k() -> None:
     assert all(a <= b + 1e-12 for a, b in zip(prices, prices[1:]))
     assert abs(prices[0] - measured[1]) < 2e-4 and abs(prices[3] - measured[4]) < 4e-4  # in order: kept
     assert abs(prices[1] - prices[2]) < 1e-9 and measured[3] < prices[1] < measured[2]  # the violators pooled
+
+
+def test_proposals_cut_short_by_the_output_budget_are_priced_at_their_depth() -> None:
+    """k = 12 proposals of 7.2 ms, and near each request's end ones whose budget allowed 1 draft (one
+    forward, 0.6 ms): k = 12 stays priced at 7.2 ms, and the short ones price k = 1."""
+    feed = _Feed(max_k=12)
+    for i in range(48):
+        if i % 4 == 3:
+            feed.step(12, 0.0006, b=1, budget=1)
+        else:
+            feed.step(12, 0.0072, b=1)
+    prices = feed.costs.propose_seconds(1.0)
+    assert abs(prices[11] - 0.0072) < 0.0005
+    assert abs(prices[0] - 0.0006) < 0.0002
+
+
+def test_catch_ups_are_priced_per_batch_size_where_measured() -> None:
+    """Many cheap catch-ups (prompt feeds, say) at 1 request, two dear ones at 4 (the H200 pair: 2.6 ms
+    against 10-16 ms): at 4 the controller expects the dear ones, at 1 the cheap ones; at a batch size
+    without any it falls back to the fit over every size."""
+    feed = _Feed()
+    for _ in range(20):
+        feed.step(0, 0.0, b=1)
+        feed.step(K, WARM_S + 0.0026, cold=True, unseen=172.0, b=1)
+        feed.step(K, WARM_S, b=1)
+    for _ in range(2):
+        feed.step(0, 0.0)
+        feed.step(K, WARM_S + 0.012, cold=True, unseen=60.0)
+        feed.step(K, WARM_S)
+    assert abs(feed.costs.catch_up_seconds(60.0, WARM_S, B) - 0.012) < 0.002
+    assert abs(feed.costs.catch_up_seconds(172.0, WARM_S, 1) - 0.0026) < 0.001
+    pooled = feed.costs.catch_up_seconds(60.0, WARM_S)
+    assert pooled == feed.costs.catch_up_seconds(60.0, WARM_S, 64)  # no data at 64: the pooled fit

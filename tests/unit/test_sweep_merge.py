@@ -90,7 +90,7 @@ def test_a_slow_proposal_reports_its_batch_and_the_catch_up_predicted_for_it() -
         def __init__(self) -> None:
             self.last = SimpleNamespace(best_k=1, propose_seconds=[0.0, 0.005])
             self._pending = SimpleNamespace(exploring=False, cold=True, unseen_tokens=13000.0)
-            self.costs = SimpleNamespace(catch_up_seconds=lambda tokens, warm: 0.015 if tokens == 13000.0 else 0.0)
+            self.costs = SimpleNamespace(catch_up_seconds=lambda tokens, warm, b: 0.015 if tokens == 13000.0 else 0.0)
 
         def choose(self, batch_size: int) -> int:
             return 1
