@@ -7,7 +7,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/env.sh
 OUT=${OUT:-/tmp/out}
-for ctx in 4096,32768,131072 32768,131072; do
+# Arguments: the processes' --contexts (default both orders).
+for ctx in ${@:-4096,32768,131072 32768,131072}; do
   dir="$OUT/p${ctx%%,*}"
   mkdir -p "$dir"
   OUT="$dir" timeout 175 python3 bench/kv_quant_gpu.py --contexts $ctx --budget 145 > "$dir/kvq.txt" 2>&1
