@@ -209,8 +209,8 @@ class StepCosts:
         # 256 requests 374 ms: clipped to 5x the fit, it would have taught little).
         self.catch_up_cost = DecayedRegression(2, window, (0.0, ridge), range_feature=1)
         # The same per batch-size bucket (key 0), which prices a bucket once it has any: on the H200 pair
-        # (seventeenth session) catching up took 2.6 ms at 1 request and 10-16 ms at 2-4 whatever the
-        # token count (24-1,151), and the many feeds at 1 request had the pooled fit say 2-4 ms at 4.
+        # (seventeenth session) catching up took ~2.6 ms at 1 request, 1-10 ms at 2 and 10-16 ms at 4
+        # whatever the token count (24-1,151), and the many feeds at 1 request had the pooled fit say 2-4 ms at 4.
         self.local_catch_up = LocalFits(lambda: DecayedRegression(2, window, (0.0, ridge), range_feature=1),
                                         stale_after)
         # What feeding new requests' prompts costs (over 1, tokens): a warm proposal right after prompt chunks
