@@ -11,7 +11,8 @@ first >> second; every Triton compile after start-up is logged with its kernel a
 through adaptive engine runs at concurrency 1 and 4.
 
     python3 bench/catch_up_probe.py [--model M --draft D] [--contexts 200,600] [--sizes 3,5,...] [--batches 1,4]
-        [--old-warm-up] [--no-engine-runs]
+        [--old-warm-up] [--no-engine-runs] [--load-format dummy]
+    SPECSERVE_CATCH_UP_GRAPHS=0 python3 bench/catch_up_probe.py ...  # the draft without catch-up graphs (A/B)
     python3 bench/catch_up_probe.py --device cpu --model <tiny dir> --draft <tiny dir> --sizes 3,17 \
         --contexts 40,300 --max-model-len 512  # smoke
 """
@@ -72,6 +73,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--load-format", default="auto", help="dummy: random weights of a shape name (qwen2.5-1.5b)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--contexts", default="200,600", help="600: past 2 x MIN_KEYS_PER_SPLIT (split-KV launches)")
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -90,7 +92,8 @@ def main() -> None:
         warmup.warm_start_up = lambda runner: warmup.warm_small_forwards(runner, gemv_max_m())
     spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": 4}
     t = time.perf_counter()
-    llm = LLM(model=args.model, progress=False, device=args.device, max_model_len=args.max_model_len, max_num_seqs=8,
+    llm = LLM(model=args.model, progress=False, device=args.device, max_model_len=args.max_model_len,
+              max_num_seqs=max(8, *(int(b) for b in args.batches.split(","))), load_format=args.load_format,
               enable_prefix_caching=False, speculative_config=spec, kv_cache_memory_bytes=1 << 30)
     print(f"engine built in {time.perf_counter() - t:.1f} s", flush=True)
     runners = {"draft": llm.engine.spec.proposer.runner, "target": llm.engine.runner}

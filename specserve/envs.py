@@ -125,6 +125,13 @@ def prefill_pieces() -> bool:
     return _switch("SPECSERVE_PREFILL_PIECES") is not False
 
 
+def catch_up_graphs() -> bool:
+    """SPECSERVE_CATCH_UP_GRAPHS=0: a draft model captures prefill graphs of one or two sequences for
+    its catch-ups, as before the catch-up graphs of up to 32 (runner/cuda_graph.py CATCH_UP_QUERY_LENS;
+    A/B runs). Default on."""
+    return _switch("SPECSERVE_CATCH_UP_GRAPHS") is not False
+
+
 def draft_chain_graph() -> bool:
     """SPECSERVE_DRAFT_CHAIN_GRAPH=1: a draft model's greedy chained steps of a propose run as one CUDA
     graph (spec/draft_chain.py; eagerly on the CPU). Default off until it is measured on the H200."""

@@ -68,15 +68,16 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner once capture_graphs() ran
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...] = (1,),
-                       prefill_query_lens: tuple[int, ...] = ()) -> None:
-        """Capture decode (and verify) CUDA graphs for batch sizes up to max_num_seqs, and short
-        prefills of a few sequences (runner/cuda_graph.py PREFILL_QUERY_LENS); then run one forward of
-        each small row count (runner/warmup.py)."""
+                       prefill_query_lens: tuple[int, ...] = (), catch_up_query_lens: tuple[int, ...] = ()) -> None:
+        """Capture decode (and verify) CUDA graphs for batch sizes up to max_num_seqs, short prefills
+        of a few sequences (runner/cuda_graph.py PREFILL_QUERY_LENS) and a draft model's catch-ups
+        (CATCH_UP_QUERY_LENS); then run one forward of each small row count (runner/warmup.py)."""
         from specserve.runner.cuda_graph import CudaGraphRunner, graph_batch_sizes
 
         sizes = graph_batch_sizes(max_num_seqs)
         runner = CudaGraphRunner(self.model, self.kv_caches, self.fmt, self.backend, self.device,
-                                 max_model_len, self.block_size, sizes, query_lens, prefill_query_lens)
+                                 max_model_len, self.block_size, sizes, query_lens, prefill_query_lens,
+                                 catch_up_query_lens)
         runner.capture()
         self.graphs = runner
         # The small eager forwards graphs do not cover compile their kernels now, not mid-serving.
@@ -104,7 +105,7 @@ class ModelRunner:
         scheduler output, placeholders or logits selection. rows: arange(num_tokens) on the device."""
         n = host.num_tokens
         key = self.graphs.graph_key(host) if self.graphs is not None else None
-        if key is not None:
+        if key is not None and not self.graphs.scores_rows(key[1]):
             return self.graphs.run(host, key, (rows, input_ids))
         staging = self.staging
         if staging is not None:
@@ -156,9 +157,10 @@ class ModelRunner:
         fill = self._fill(host, sched, pending)
         aux = None
         if key is not None:
-            # The graph has its own static input buffers and scores every token.
+            # The graph has its own static input buffers and scores every token (a catch-up graph:
+            # the batch's logits rows, in order).
             batch = BatchInputs(None, None, None, None, host.logit_rows)
-            if len(host.logits_indices) != host.num_tokens:
+            if len(host.logits_indices) != host.num_tokens and not self.graphs.scores_rows(key[1]):
                 batch = host.to_device(self.device, self.staging, only_logits=True)
             self._staged()
             logits = self.graphs.run(host, key, fill)

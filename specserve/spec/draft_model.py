@@ -27,7 +27,7 @@ from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec
 from specserve.model.loader import LoadedModel, load_model
 from specserve.runner.batch import HostBatch, block_table_array
-from specserve.runner.cuda_graph import PREFILL_MAX_BATCH, PREFILL_QUERY_LENS, graph_output_bytes
+from specserve.runner.cuda_graph import CATCH_UP_QUERY_LENS, PREFILL_QUERY_LENS, graph_output_bytes
 from specserve.runner.model_runner import ModelRunner
 from specserve.sample.h2d import cached_tensor
 from specserve.sample.metadata import SamplingMetadata
@@ -74,18 +74,25 @@ def draft_kv_blocks(target_num_blocks: int, bytes_per_block: int, device: torch.
 
 
 # Catch-up graphs: query lengths 1 and 2 at every batch size (after verification the catch-up feeds one
-# or two tokens per request), and the target's short-prefill lengths for one or two sequences: after a
-# pause in drafting (the adaptive controller's k = 0 steps) the draft feeds the tokens it skipped, and
-# eagerly a forward of the 0.5B draft took ~10 ms on the H200 for any chunk of 3-128 tokens (host-bound
-# launches; bench/catch_up_probe.py), against ~2 ms for the 1.5B target's replayed prefill graphs.
-_CATCH_UP_QUERY_LENS = (1, 2)
+# or two tokens per request), and longer catch-ups (runner/cuda_graph.py CATCH_UP_QUERY_LENS) of up to
+# 32 requests: after a pause in drafting (the adaptive controller's k = 0 steps) the draft feeds every
+# request the tokens it skipped, and eagerly a forward of the 0.5B draft took ~10 ms on the H200 for any
+# chunk of 3-128 tokens (host-bound launches; bench/catch_up_probe.py), against ~2 ms for the 1.5B
+# target's replayed prefill graphs.
+_VERIFY_QUERY_LENS = (1, 2)
 _GRAPH_PIECES = 4  # a catch-up of up to this many longest-graph lengths replays the graph per piece (below)
+
+
+def _graph_lens() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(prefill, catch-up) lengths the draft captures besides _VERIFY_QUERY_LENS."""
+    return ((), CATCH_UP_QUERY_LENS) if envs.catch_up_graphs() else (PREFILL_QUERY_LENS, ())
 
 
 def _graph_bytes(max_num_seqs: int, vocab_size: int, hidden_size: int) -> int:
     """What the draft's catch-up graphs keep allocated (their float32 logits and hidden outputs):
-    about 2.5 GiB for 256 sequences and a 152k vocabulary."""
-    return graph_output_bytes(max_num_seqs, _CATCH_UP_QUERY_LENS, PREFILL_QUERY_LENS, vocab_size, hidden_size, 4)
+    about 2.6 GiB for 256 sequences and a 152k vocabulary."""
+    prefill, catch_up = _graph_lens()
+    return graph_output_bytes(max_num_seqs, _VERIFY_QUERY_LENS, prefill, vocab_size, hidden_size, 4, catch_up)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -226,10 +233,10 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
         # a rejection) or two (the last draft, accepted, and the bonus token): graphs for both
         # lengths, a step mixing them pads per sequence (runner/cuda_graph.py graph_for). The last
         # draft is never fed on its own, which would cost one more forward per cycle. Longer
-        # catch-ups of one or two requests pad to a prefill graph (see _CATCH_UP_QUERY_LENS).
+        # catch-ups pad to a catch-up graph (see _VERIFY_QUERY_LENS).
         if graphs:
-            self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, _CATCH_UP_QUERY_LENS,
-                                       PREFILL_QUERY_LENS)
+            self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, _VERIFY_QUERY_LENS,
+                                       *_graph_lens())
         self.chain = _ChainSteps(self.runner, self.kv)
         if envs.draft_chain_graph() and cfg.num_speculative_tokens > 1:  # spec/draft_chain.py
             from specserve.spec.draft_chain import DraftChainGraphs
@@ -289,16 +296,16 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
 
     def catch_up_cap(self, unseen: list[int]) -> int | None:
         """The most tokens one sequence feeds per catch-up forward, for sequences with `unseen` tokens
-        each (None: no cap). A catch-up of one or two sequences, one longer than the longest prefill
-        graph, of at most _GRAPH_PIECES such lengths in all (a new request's prompt, say), goes in
+        each (None: no cap). A catch-up of sequences that fit the catch-up graphs, one longer than the
+        longest of them but at most _GRAPH_PIECES such lengths (a new request's prompt, say), goes in
         pieces of that length, each a graph replay: on the H200 an eager forward of the 0.5B draft took
         ~10 ms for any 3-128 tokens, a replay of the target's 64-token graph ~2 ms."""
         graphs = self.runner.graphs
-        lens = graphs.prefill_query_lens if graphs is not None else ()
-        if not lens or not unseen or len(unseen) > PREFILL_MAX_BATCH:
+        lens = (graphs.catch_up_query_lens or graphs.prefill_query_lens) if graphs is not None else ()
+        if not lens or not unseen or len(unseen) > graphs.sizes_by_q[max(lens)][-1]:
             return None
         piece = max(lens)
-        return piece if max(unseen) > piece and sum(unseen) <= _GRAPH_PIECES * piece else None
+        return piece if piece < max(unseen) <= _GRAPH_PIECES * piece else None
 
     def _catch_up(self, seqs: list[_DraftSeq]) -> torch.Tensor:
         """Feed every seq's unseen tokens, in forwards of at most max_batched tokens (and catch_up_cap()

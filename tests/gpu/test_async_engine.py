@@ -170,16 +170,19 @@ def test_short_prefills_replay_prefill_graphs(tiny_llama_dir, device: torch.devi
     assert got == [cpu.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
 
 
-def test_draft_catch_ups_replay_prefill_graphs(tiny_llama_dir, device: torch.device, monkeypatch) -> None:
-    """A draft model catching up after steps without drafts (here: k = 0 while more than 2 requests run)
-    pads its catch-up of one or two requests to a captured prefill graph instead of a ~10 ms eager
-    forward, and the tokens stay plain decoding's."""
+@pytest.mark.parametrize("drafting_up_to", [2, 4])
+def test_draft_catch_ups_replay_catch_up_graphs(tiny_llama_dir, device: torch.device, monkeypatch,
+                                                drafting_up_to: int) -> None:
+    """A draft model catching up after steps without drafts (here: k = 0 while more than 2 or 4 requests
+    run) pads its catch-up of every running request to a captured catch-up graph, which scores each
+    sequence's last row only, instead of a ~10 ms eager forward; the tokens stay plain decoding's, and
+    drafting for itself, every draft is accepted."""
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a GPU")
-    from specserve.runner.cuda_graph import CudaGraphRunner
+    from specserve.runner.cuda_graph import CATCH_UP_QUERY_LENS, CudaGraphRunner
 
-    table = {"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]], "adaptive": False,
-             "num_speculative_tokens": 3}
+    table = {"num_speculative_tokens_per_batch_size": [[1, drafting_up_to, 3], [drafting_up_to + 1, 64, 0]],
+             "adaptive": False, "num_speculative_tokens": 3}
     prompts = _prompts(6, seed=21)
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(6)]
     plain = _generate(tiny_llama_dir, "cuda", params, prompts, async_scheduling=False)
@@ -187,7 +190,7 @@ def test_draft_catch_ups_replay_prefill_graphs(tiny_llama_dir, device: torch.dev
               kv_cache_memory_bytes=8 << 20,
               speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), **table})
     draft_graphs = llm.engine.spec.proposer.runner.graphs
-    assert draft_graphs is not None and set(draft_graphs.prefill_query_lens) == {16, 64}
+    assert draft_graphs is not None and draft_graphs.catch_up_query_lens == CATCH_UP_QUERY_LENS
     keys: list[tuple[int, int]] = []
     original = CudaGraphRunner.graph_for
 
@@ -201,7 +204,10 @@ def test_draft_catch_ups_replay_prefill_graphs(tiny_llama_dir, device: torch.dev
     got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == plain
-    assert any(q in (16, 64) for _, q in keys), f"no catch-up replayed a prefill graph: {keys}"
+    st = llm.engine.stats  # drafting for itself: the catch-ups' scored rows are the right ones
+    assert st.get("spec_decode_num_accepted_tokens_total") == st.get("spec_decode_num_draft_tokens_total") > 0
+    caught_up = {bs for bs, q in keys if q in CATCH_UP_QUERY_LENS}
+    assert caught_up and max(caught_up) >= drafting_up_to, f"no catch-up of {drafting_up_to} replayed a graph: {keys}"
 
 
 def test_short_prompts_prefill_in_graph_pieces(tiny_llama_dir, tmp_path, device: torch.device, monkeypatch) -> None:

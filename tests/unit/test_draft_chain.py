@@ -175,18 +175,19 @@ def test_self_draft_with_different_budgets_accepts_every_draft(tiny_llama_dir) -
 
 
 
-def test_catch_up_cap_pieces_long_catch_ups_of_one_or_two_requests(tiny_llama_dir) -> None:
-    """With prefill graphs of 16 / 64 tokens, a catch-up of 1-2 sequences with one over 64 tokens and
-    at most 256 in all is fed in pieces of 64 (each a graph replay); otherwise one forward."""
+def test_catch_up_cap_pieces_long_catch_ups(tiny_llama_dir) -> None:
+    """With catch-up graphs of up to 64 tokens for up to 32 sequences, a catch-up with one sequence over
+    64 tokens and none over 256 is fed in pieces of 64 (each a graph replay); otherwise one forward."""
     llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
               speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3})
     proposer = llm.engine.spec.proposer
     assert proposer.catch_up_cap([172]) is None  # no graphs (the CPU)
-    proposer.runner.graphs = SimpleNamespace(prefill_query_lens=(16, 64))
+    proposer.runner.graphs = SimpleNamespace(catch_up_query_lens=(4, 16, 64), sizes_by_q={64: (1, 2, 4, 8, 16, 32)})
     assert proposer.catch_up_cap([172]) == 64 and proposer.catch_up_cap([172, 1]) == 64
     assert proposer.catch_up_cap([40, 40]) is None  # each fits a graph as it is
     assert proposer.catch_up_cap([300]) is None  # eager: one forward beats 5 replays
-    assert proposer.catch_up_cap([100, 1, 1]) is None  # no prefill graph for 3 sequences
+    assert proposer.catch_up_cap([100, 1, 1]) == 64 and proposer.catch_up_cap([100] * 32) == 64
+    assert proposer.catch_up_cap([100] * 33) is None  # no catch-up graph for 33 sequences
 
 
 def test_catch_ups_in_pieces_keep_every_draft_right(tiny_llama_dir, monkeypatch) -> None:

@@ -65,10 +65,12 @@ def test_padded_step_gives_the_same_logits(tiny_llama_dir):
     torch.testing.assert_close(padded.logits, ragged.logits, rtol=1e-5, atol=1e-5)
 
 
-def _graphs(query_lens, sizes_by_q, max_model_len=64, max_blocks=8):
+def _graphs(query_lens, sizes_by_q, max_model_len=64, max_blocks=8, catch_up_query_lens=()):
+    """A CudaGraphRunner's choosing part, without its buffers and graphs (no CUDA on the CPU)."""
     ns = SimpleNamespace(query_lens=query_lens, sizes_by_q=sizes_by_q, max_model_len=max_model_len,
-                         max_blocks=max_blocks)
-    ns.graph_key = lambda b: CudaGraphRunner.graph_key(ns, b)
+                         max_blocks=max_blocks, catch_up_query_lens=catch_up_query_lens)
+    for name in ("graph_key", "scores_rows", "_fits"):
+        setattr(ns, name, getattr(CudaGraphRunner, name).__get__(ns))
     return ns
 
 
@@ -90,6 +92,31 @@ def test_graph_for_picks_exact_then_shortest_padding(tiny_llama_dir):
     assert batch is uniform and key == (2, 3)
 
 
+def test_catch_up_graphs_only_for_one_scored_row_per_sequence(tiny_llama_dir):
+    """A catch-up graph scores one row per sequence: a step that scores more (a verify step) pads to a
+    graph that scores every row, or runs eagerly; a catch-up of 3 sequences, each scoring its last row,
+    pads to it."""
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    _, verify = _ragged_step(llm, [[], [5, 6], [8]])  # query lengths 1, 3, 2, every row scored
+    g = _graphs((1, 2, 4, 16), {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2, 4), 16: (1, 2, 4)},
+                max_model_len=llm.engine.max_model_len, catch_up_query_lens=(4,))
+    batch, key = CudaGraphRunner.graph_for(g, verify)
+    assert key == (4, 16) and batch.query_lens == [16, 16, 16]  # not the catch-up length 4
+    g.query_lens, g.catch_up_query_lens = (1, 2, 4), (4, 16)
+    assert CudaGraphRunner.graph_for(g, verify) is None
+    g.query_lens = (1, 2, 4, 16)
+    eng = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20).engine
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for i in range(3):
+        eng.add_request(f"c{i}", {"prompt_token_ids": list(range(40 + i, 43 + 2 * i))}, params)
+    sched = eng.scheduler.schedule()  # prompts of 3, 4 and 5 tokens, each scoring its last row
+    host = build_host_batch(sched, eng.kv.block_ids, eng.kv.block_size)
+    assert host.query_lens == [3, 4, 5] and len(host.logits_indices) == 3
+    batch, key = CudaGraphRunner.graph_for(g, host)
+    assert key == (4, 16) and batch.query_lens == [16, 16, 16]
+    assert [int(batch.input_ids[i]) for i in batch.logits_indices] == [42, 44, 46]  # each one's last token
+
+
 def test_middle_lengths_only_for_small_batches():
     from specserve.runner.cuda_graph import DEFAULT_BATCH_SIZES, MID_QUERY_MAX_BATCH, sizes_by_query_len
 
@@ -107,6 +134,20 @@ def test_prefill_lengths_only_for_one_or_two_sequences():
     assert sizes[1] == sizes[4] == (1, 2, 4, 8)  # the verify edges are unchanged by prefill lengths
     assert sizes[16] == sizes[64] == tuple(b for b in (1, 2, 4, 8) if b <= PREFILL_MAX_BATCH)
     assert sizes_by_query_len([1, 2], (1, 16), (16,))[16] == (1, 2)  # already a verify length
+
+
+def test_catch_up_lengths_up_to_32_sequences():
+    """Catch-up graphs (one scored row per sequence) get batch sizes up to CATCH_UP_MAX_BATCH; a length
+    that is already a verify or prefill length keeps those graphs (which score every row)."""
+    from specserve.runner.cuda_graph import (CATCH_UP_MAX_BATCH, DEFAULT_BATCH_SIZES, catch_up_lens_of,
+                                             sizes_by_query_len)
+
+    assert catch_up_lens_of((1, 2), (), (4, 16, 64)) == (4, 16, 64)
+    assert catch_up_lens_of((1, 4), (16,), (4, 16, 64)) == (64,)
+    sizes = sizes_by_query_len(list(DEFAULT_BATCH_SIZES), (1, 2), (), (4, 64))
+    assert sizes[1] == sizes[2] == DEFAULT_BATCH_SIZES
+    assert sizes[4] == sizes[64] == tuple(b for b in DEFAULT_BATCH_SIZES if b <= CATCH_UP_MAX_BATCH)
+    assert CATCH_UP_MAX_BATCH > 2  # beyond the prefill graphs' two sequences
 
 
 def test_short_prefill_pads_to_a_prefill_graph(tiny_llama_dir):
@@ -165,6 +206,9 @@ def test_graph_output_bytes_counts_every_captured_pair():
     assert verify == int((1 + 2 + 3) * (1 + 2 + 4 + 8) * per_row * 1.1)
     prefill = graph_output_bytes(8, (1,), PREFILL_QUERY_LENS, 1000, 64, 2)
     assert prefill == int((15 + sum(PREFILL_QUERY_LENS) * (1 + 2)) * per_row * 1.1)  # batch sizes 1 and 2
+    # catch-up graphs keep [bs, vocab] logits and [bs * q, hidden] states, at every size up to 8 here
+    catch_up = graph_output_bytes(8, (1,), (), 1000, 64, 2, (1, 4, 16))
+    assert catch_up == int((15 * per_row + 2 * 15 * 1000 * 4 + 15 * (4 + 16) * 64 * 2) * 1.1)
 
 
 def test_gc_paused_for_capture_collects_first_and_restores() -> None:
