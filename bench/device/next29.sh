@@ -10,12 +10,12 @@ source bench/device/env.sh
 OUT=${OUT:-/tmp/out}
 case "${1:-}" in
   catchup)
-    timeout 300 python3 -m pytest -q tests/gpu/test_async_engine.py tests/gpu/test_warmup_gpu.py \
+    timeout 220 python3 -m pytest -q --durations=5 tests/gpu/test_async_engine.py tests/gpu/test_warmup_gpu.py \
       tests/gpu/test_draft_chain_gpu.py > "$OUT/gpu_tests.txt" 2>&1
     tail -12 "$OUT/gpu_tests.txt"
     for on in 1 0; do
       mkdir -p "$OUT/graphs$on"
-      SPECSERVE_CATCH_UP_GRAPHS=$on timeout 150 python3 bench/catch_up_probe.py --model qwen2.5-1.5b \
+      SPECSERVE_CATCH_UP_GRAPHS=$on timeout 120 python3 bench/catch_up_probe.py --model qwen2.5-1.5b \
         --draft qwen2.5-0.5b --load-format dummy --batches 1,4,16,32 --contexts 300 --sizes 3,8,16,33,64 \
         --max-model-len 2048 --no-engine-runs --out "$OUT/graphs$on" > "$OUT/graphs$on/probe.txt" 2>&1
       echo "== SPECSERVE_CATCH_UP_GRAPHS=$on"; grep -E "^draft|engine built|Error|error" "$OUT/graphs$on/probe.txt"
