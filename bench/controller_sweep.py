@@ -83,7 +83,7 @@ compile_log = _load_bench("compile_log")  # names the kernels that compile mid-r
 # Names this script's users may know it by (moved to sweep_point / sweep_report).
 from _bench_sweep_point import (SPEC_COUNTERS, Policy, build, capture_all_verify_graphs,  # noqa: E402,F401
                                 count_graph_replays, kv_bytes_for, make_policies, merge_points, percentiles,
-                                run_point, spec_config, spec_counters)
+                                run_point, slow_runs, spec_config, spec_counters)
 from _bench_sweep_report import Writer, _commit, _fmt  # noqa: E402,F401
 
 MODES = {
@@ -345,6 +345,8 @@ def _record_point(result: dict[str, Any], pol_name: str, c: int, rows: list[dict
           f"TPOT p50 {lat['tpot']['p50'] or 0:7.2f} p99 {lat['tpot']['p99'] or 0:7.2f} ms  "
           f"accept {_fmt(row.get('acceptance_rate'))}  k {_fmt(row.get('mean_chosen_k'))}  "
           f"{row.get('verify_steps', '')}", flush=True)
+    for line in slow_runs(row.get("runs", [])):
+        print(f"[{name}] {pol_name:>15} c={c:<4} {line}", flush=True)
 
 
 def _warm_up(engines: dict[str, LLM], policies: list[Policy], prompts: list[list[int]], width: int,

@@ -282,6 +282,32 @@ class GcPauses:
         return {"count": list(self.count), "ms": [round(x, 2) for x in self.ms]}
 
 
+def step_profile(step_ms: list[tuple[float, int, int]], slowest: int = 3) -> dict[str, Any]:
+    """A run's engine.step() wall times: median, total, and the slowest few as [ms, step index,
+    requests running], so a run that stalled shows whether one step took the time or all ran slower."""
+    times = sorted(t for t, _, _ in step_ms)
+    top = sorted(step_ms, reverse=True)[:slowest]
+    return {"p50": round(times[len(times) // 2], 3) if times else None, "total": round(sum(times), 1),
+            "slowest": [[round(t, 2), i, n] for t, i, n in top]}
+
+
+def slow_runs(runs: list[dict[str, Any]], factor: float = 1.15) -> list[str]:
+    """A line for each run of a point that took factor x its median run or more: where its time went
+    (its step-time median and slowest steps against a typical run's), so a stall is told from a choice."""
+    if len(runs) < 3:
+        return []
+    median = sorted(r["seconds"] for r in runs)[len(runs) // 2]
+    typical = min(runs, key=lambda r: abs(r["seconds"] - median))
+    lines = []
+    for i, r in enumerate(runs):
+        prof, base = r.get("steps_ms") or {}, typical.get("steps_ms") or {}
+        if r["seconds"] >= factor * median and prof:
+            lines.append(f"slow run {i}: {r['seconds']:.3f} s (median {median:.3f}); step p50 {prof['p50']} ms "
+                         f"(typical {base.get('p50')}), slowest [ms, step, running] {prof['slowest']} "
+                         f"(typical {base.get('slowest')})")
+    return lines
+
+
 def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, output_len: int,
               args: argparse.Namespace, tag: str) -> dict[str, Any]:
     """num_requests requests, c in flight; throughput and per-request latencies."""
@@ -302,9 +328,12 @@ def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, out
 
     while queue and len(arrival) - len(finished) < c:
         submit()
+    step_ms: list[tuple[float, int, int]] = []  # (wall ms of engine.step(), step index, requests running)
     with GcPauses() as pauses:
         while len(finished) < num_requests:
+            t0 = time.perf_counter()
             outs = engine.step()
+            step_ms.append(((time.perf_counter() - t0) * 1e3, steps, len(engine.scheduler.running)))
             steps += 1
             now = time.monotonic()
             for out in outs:
@@ -339,6 +368,7 @@ def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, out
                      for r in records],
         "_itls_ms": [x * ms for x in itls],  # for merge_points; dropped before the row is saved
         "gc": pauses.summary(),
+        "steps_ms": step_profile(step_ms),
     }
     if before is not None:
         drafts, drafted, accepted = (spec_counters(llm)[k] - before[k] for k in SPEC_COUNTERS)
@@ -367,10 +397,12 @@ def merge_points(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "requests": reqs,
     }
     if len(rows) > 1:
-        merged["runs"] = [{"seconds": row["seconds"], "tokens_per_s": row["tokens_per_s"], "gc": row.get("gc")}
-                          for row in rows]
-    elif "gc" in rows[0]:
-        merged["gc"] = rows[0]["gc"]
+        merged["runs"] = [{"seconds": row["seconds"], "tokens_per_s": row["tokens_per_s"], "gc": row.get("gc"),
+                           "steps_ms": row.get("steps_ms")} for row in rows]
+    else:
+        for key in ("gc", "steps_ms"):
+            if key in rows[0]:
+                merged[key] = rows[0][key]
     spec = [row.pop("_spec") for row in rows if "_spec" in row]
     if spec:
         drafts, drafted, accepted = (sum(x[i] for x in spec) for i in range(3))

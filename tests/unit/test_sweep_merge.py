@@ -45,6 +45,40 @@ def test_parts_merge_into_one_point() -> None:
     assert "_itls_ms" not in merged and "_spec" not in merged
 
 
+def test_step_profile_names_the_steps_a_stalled_run_spent_its_time_in() -> None:
+    """sweep_point.step_profile: a run's step wall times as a median, a total and the slowest steps
+    (ms, index, requests running); merge_points keeps each run's profile."""
+    from sweep_point import step_profile
+
+    steps = [(5.0 + 0.01 * i, i, 256) for i in range(150)]
+    steps[40] = (400.0, 40, 250)  # one step took the stall
+    prof = step_profile(steps)
+    assert prof["p50"] == pytest.approx(5.75, abs=0.01)
+    assert prof["total"] == pytest.approx(sum(t for t, _, _ in steps), abs=0.1)
+    assert prof["slowest"][0] == [400.0, 40, 250] and prof["slowest"][1][1] == 149 and len(prof["slowest"]) == 3
+    assert step_profile([]) == {"p50": None, "total": 0, "slowest": []}
+    rng = random.Random(5)
+    (a, _), (b, _) = _part(rng, 4, 1.0, None), _part(rng, 4, 1.1, None)
+    a["steps_ms"], b["steps_ms"] = prof, step_profile(steps[:10])
+    assert [r["steps_ms"] for r in merge_points([a, b])["runs"]] == [prof, step_profile(steps[:10])]
+
+
+def test_slow_runs_are_told_with_their_slowest_steps() -> None:
+    """sweep_point.slow_runs: a run of a point at 1.15x its median run or more gets a line with its
+    slowest steps beside a typical run's; a point of fewer than 3 runs has no median to judge by."""
+    from sweep_point import slow_runs
+
+    typical = {"p50": 5.0, "total": 740.0, "slowest": [[12.0, 3, 256]]}
+    stalled = {"p50": 5.1, "total": 1150.0, "slowest": [[400.0, 40, 250]]}
+    runs = [{"seconds": s, "steps_ms": typical} for s in (0.75, 0.76, 0.74)]
+    assert slow_runs(runs) == []
+    lines = slow_runs(runs + [{"seconds": 1.16, "steps_ms": stalled}])
+    assert len(lines) == 1 and lines[0].startswith("slow run 3: 1.160 s (median 0.760)")
+    assert "[[400.0, 40, 250]]" in lines[0] and "[[12.0, 3, 256]]" in lines[0]
+    assert slow_runs(runs[:2] + [{"seconds": 1.16, "steps_ms": stalled}]) != []
+    assert slow_runs([{"seconds": 1.0, "steps_ms": typical}, {"seconds": 2.0, "steps_ms": stalled}]) == []
+
+
 def test_one_part_is_the_run_itself() -> None:
     row, itls = _part(random.Random(4), 6, 1.2, None)
     expected_rate = row["tokens_per_s"]
