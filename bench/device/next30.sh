@@ -3,7 +3,9 @@
 # eighteenth session ran one point with them (concurrency 4, 64-token warm-up: 0.972 of fixed k = 4,
 # against 0.90-0.94 before) and timed catch-up forwards of 4-32 requests at 1.2-4.3 ms against 9-12 eager.
 # Its engine builds took 26-33 s with the graphs and 4-5 s without, but the graphs' process always ran
-# first on a fresh machine (cold caches): `buildtime` runs the other order, twice.
+# first on a fresh machine (cold caches): `buildtime` runs the other order, twice. The sweep now prints a
+# line for each run 1.15x its point's median or slower, with its slowest steps (4a9e207): the eighteenth
+# session's stalls (256: 0.90 and 1.16 s against ~0.75, the controller at k = 0 throughout) were not explained.
 #   bash bench/device/next30.sh buildtime   # no model needed (~90 s)
 #   (the 29 uploads: bench/device/put_part.sh, carry only the part)
 #   bash bench/device/next30.sh pair        # the pair, 5 rounds, 64-token warm-up (~450 s)
