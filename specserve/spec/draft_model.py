@@ -76,9 +76,9 @@ def draft_kv_blocks(target_num_blocks: int, bytes_per_block: int, device: torch.
 # Catch-up graphs: query lengths 1 and 2 at every batch size (after verification the catch-up feeds one
 # or two tokens per request), and longer catch-ups (runner/cuda_graph.py CATCH_UP_QUERY_LENS) of up to
 # 32 requests: after a pause in drafting (the adaptive controller's k = 0 steps) the draft feeds every
-# request the tokens it skipped, and eagerly a forward of the 0.5B draft took ~10 ms on the H200 for any
-# chunk of 3-128 tokens (host-bound launches; bench/catch_up_probe.py), against ~2 ms for the 1.5B
-# target's replayed prefill graphs.
+# request the tokens it skipped, and eagerly a forward of the 0.5B draft took 9-12 ms on the H200 for
+# any 3-64 tokens of 4-32 requests (host-bound launches; bench/catch_up_probe.py), a catch-up graph's
+# replay 1.2-4.3 ms (docs/benchmarks.md, eighteenth session).
 _VERIFY_QUERY_LENS = (1, 2)
 _GRAPH_PIECES = 4  # a catch-up of up to this many longest-graph lengths replays the graph per piece (below)
 
@@ -90,7 +90,7 @@ def _graph_lens() -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def _graph_bytes(max_num_seqs: int, vocab_size: int, hidden_size: int) -> int:
     """What the draft's catch-up graphs keep allocated (their float32 logits and hidden outputs):
-    about 2.6 GiB for 256 sequences and a 152k vocabulary."""
+    about 2.5 GiB for 256 sequences and a 152k vocabulary."""
     prefill, catch_up = _graph_lens()
     return graph_output_bytes(max_num_seqs, _VERIFY_QUERY_LENS, prefill, vocab_size, hidden_size, 4, catch_up)
 
@@ -233,7 +233,7 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
         # a rejection) or two (the last draft, accepted, and the bonus token): graphs for both
         # lengths, a step mixing them pads per sequence (runner/cuda_graph.py graph_for). The last
         # draft is never fed on its own, which would cost one more forward per cycle. Longer
-        # catch-ups pad to a catch-up graph (see _VERIFY_QUERY_LENS).
+        # catch-ups pad to a catch-up graph (see the comment above _VERIFY_QUERY_LENS).
         if graphs:
             self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, _VERIFY_QUERY_LENS,
                                        *_graph_lens())
@@ -299,7 +299,7 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
         each (None: no cap). A catch-up of sequences that fit the catch-up graphs, one longer than the
         longest of them but at most _GRAPH_PIECES such lengths (a new request's prompt, say), goes in
         pieces of that length, each a graph replay: on the H200 an eager forward of the 0.5B draft took
-        ~10 ms for any 3-128 tokens, a replay of the target's 64-token graph ~2 ms."""
+        ~10 ms for any 3-128 tokens, a replay of its 64-token catch-up graph 1.2-4.3 ms (1-32 requests)."""
         graphs = self.runner.graphs
         lens = (graphs.catch_up_query_lens or graphs.prefill_query_lens) if graphs is not None else ()
         if not lens or not unseen or len(unseen) > graphs.sizes_by_q[max(lens)][-1]:
