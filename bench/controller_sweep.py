@@ -29,10 +29,13 @@ engine runs one full-width prefill first (JIT for the largest shapes is nobody's
 Before each point, every policy alike runs c unmeasured requests of --point-warmup-tokens at the
 point's concurrency: a point measures the steady state at its load, not the transient after the load
 jumped from the previous level (where an adaptive controller explores the new batch size).
-With --interleave N a point's requests run in N parts, the policies' parts in turn (off, k=1, ...,
-adaptive, off, ...; each part after its own warm-up), and the parts are merged (sweep_point.
+With --interleave N a point's requests run in N parts, the policies' parts in turn (each part after
+its own warm-up), in an order that changes every round (sweep_point.round_order, a Williams design:
+each policy once in each position, after different policies), and the parts are merged (sweep_point.
 merge_points): two runs of the same work at concurrency 32-128 measured up to 18% apart on the H200,
-more than the 5% the controller is held to.
+more than the 5% the controller is held to, and slow spells of a few seconds hit whichever policies
+ran in them (eighteenth session: every step of a run up to ~50% slower). Until then the order was
+fixed, and the adaptive policy always ran right after the heaviest fixed k.
 The time budget skips a point that would not finish before its mode's deadline (estimated from the
 points already run); a second mode inherits what the first left unused.
 
@@ -83,7 +86,7 @@ compile_log = _load_bench("compile_log")  # names the kernels that compile mid-r
 # Names this script's users may know it by (moved to sweep_point / sweep_report).
 from _bench_sweep_point import (SPEC_COUNTERS, Policy, build, capture_all_verify_graphs,  # noqa: E402,F401
                                 count_graph_replays, kv_bytes_for, make_policies, merge_points, percentiles,
-                                run_point, slow_runs, spec_config, spec_counters)
+                                round_order, run_point, slow_runs, spec_config, spec_counters)
 from _bench_sweep_report import Writer, _commit, _fmt  # noqa: E402,F401
 
 MODES = {
@@ -259,7 +262,7 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
             marks: dict[str, tuple[int, int]] = {}  # per policy: where its records stood after its last part
             replays: dict[str, Counter] = {}  # per policy: graph replays over its parts
             for run, n in enumerate(per_run):  # each policy's part of the point, the policies alternating
-                for pol_name in result["policies"]:
+                for pol_name in round_order(result["policies"], run):
                     if run == 0:
                         est = estimate_seconds(result["points"], pol_name, c, prev_c, args)
                         if time.monotonic() + est > deadline:

@@ -282,6 +282,24 @@ class GcPauses:
         return {"count": list(self.count), "ms": [round(x, 2) for x in self.ms]}
 
 
+def round_order(policies: list[str], run: int) -> list[str]:
+    """The order the policies run their parts in round `run` of a point: the rows of a Williams design
+    (a Latin square balanced for what runs just before). Over len(policies) rounds each policy runs once
+    in each position; with an even number of policies each one follows every other once, with an odd
+    number it follows two others (every other twice over twice the rounds, the rows then mirrored). So
+    slow spells on the machine, or heat left by the heaviest policy, do not fall on one policy always."""
+    n = len(policies)
+    if n == 0:
+        return []
+    first, lo, hi = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
+    while len(first) < n:
+        first.append(lo if len(first) % 2 else hi)
+        lo, hi = (lo + 1, hi) if len(first) % 2 == 0 else (lo, hi - 1)
+    r = run % (2 * n if n % 2 else n)
+    row = [(x + r) % n for x in first]
+    return [policies[i] for i in (row[::-1] if r >= n else row)]
+
+
 def step_profile(step_ms: list[tuple[float, int, int]], slowest: int = 3) -> dict[str, Any]:
     """A run's engine.step() wall times: median, total, and the slowest few as [ms, step index,
     requests running], so a run that stalled shows whether one step took the time or all ran slower."""

@@ -79,6 +79,25 @@ def test_slow_runs_are_told_with_their_slowest_steps() -> None:
     assert slow_runs([{"seconds": 1.0, "steps_ms": typical}, {"seconds": 2.0, "steps_ms": stalled}]) == []
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_rounds_balance_positions_and_predecessors(n: int) -> None:
+    """sweep_point.round_order (a Williams design): over n rounds each of n policies runs once in each
+    position; each follows every other equally often over n rounds (n even) or 2n rounds (n odd), so
+    the adaptive policy does not always run right after the same fixed k."""
+    from sweep_point import round_order
+
+    names = [f"p{i}" for i in range(n)]
+    rounds = [round_order(names, r) for r in range(n)]
+    assert all(sorted(r) == names for r in rounds)
+    for pos in range(n):
+        assert sorted(r[pos] for r in rounds) == names
+    full = rounds if n % 2 == 0 else [round_order(names, r) for r in range(2 * n)]
+    pairs = [(a, b) for r in full for a, b in zip(r, r[1:])]
+    every = [(a, b) for a in names for b in names if a != b]
+    assert sorted(pairs) == sorted(every * (1 if n % 2 == 0 else 2))  # every ordered pair equally often
+    assert round_order(names, 2 * n + 1) == round_order(names, 1) and round_order([], 3) == []
+
+
 def test_one_part_is_the_run_itself() -> None:
     row, itls = _part(random.Random(4), 6, 1.2, None)
     expected_rate = row["tokens_per_s"]
