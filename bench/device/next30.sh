@@ -5,7 +5,8 @@
 # Its engine builds took 26-33 s with the graphs and 4-5 s without, but the graphs' process always ran
 # first on a fresh machine (cold caches): `buildtime` runs the other order, twice. The sweep now prints a
 # line for each run 1.15x its point's median or slower, with its slowest steps (4a9e207): the eighteenth
-# session's stalls (256: 0.90 and 1.16 s against ~0.75, the controller at k = 0 throughout) were not explained.
+# session's slow runs (256: 0.90 and 1.16 s against ~0.75, the controller at k = 0 throughout; TTFT and TPOT
+# both ~50% up) were not explained. The policies' order now changes every round (5289b0f, a Williams design).
 #   bash bench/device/next30.sh buildtime   # no model needed (~90 s)
 #   (the 29 uploads: bench/device/put_part.sh, carry only the part)
 #   bash bench/device/next30.sh pair        # the pair, 5 rounds, 64-token warm-up (~450 s)
