@@ -291,10 +291,7 @@ def round_order(policies: list[str], run: int) -> list[str]:
     n = len(policies)
     if n == 0:
         return []
-    first, lo, hi = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
-    while len(first) < n:
-        first.append(lo if len(first) % 2 else hi)
-        lo, hi = (lo + 1, hi) if len(first) % 2 == 0 else (lo, hi - 1)
+    first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
     r = run % (2 * n if n % 2 else n)
     row = [(x + r) % n for x in first]
     return [policies[i] for i in (row[::-1] if r >= n else row)]
