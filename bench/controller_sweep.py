@@ -18,8 +18,11 @@ CUDA only). Steps mixing draft lengths pad to a captured length. The JSON counts
 padded replays and eager verify steps per point.
 
 Protocol per (concurrency c, policy), levels in the outer loop so a time-out cuts the largest
-concurrencies of every policy alike: max(c * --rounds, --min-requests) requests, c in flight (closed loop:
-a finished request is replaced at once), greedy, a fixed number of output tokens (ignore_eos; fewer
+concurrencies of every policy alike: max(c * --rounds * --waves, --min-requests) requests, c in flight
+(closed loop: a finished request is replaced at once); throughput counts the output tokens of each part's
+steady window, from its first submission to its last (c requests in flight throughout; --window run: the
+whole part, drain included, as before the nineteenth session, when a part of one wave of c requests
+charged the adaptive policy ~25% of its time at c = 16 for its last requests running nearly alone), greedy, a fixed number of output tokens (ignore_eos; fewer
 at high concurrency: --output-len-high from --high-from on), prefix caching off (prompts repeat
 across policies). Per request, from token timestamps the engine records: TTFT, TPOT
 ((last - first token) / (n - 1)), E2E; per streamed chunk: ITL (a verify step delivers several tokens
@@ -119,6 +122,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--high-from", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1,
                    help="requests per point: max(c * rounds, --min-requests) (more rounds: less noise at high c)")
+    p.add_argument("--waves", type=int, default=2,
+                   help="requests per part in rounds of c (closed loop: c in flight, a finished one replaced); "
+                        "with 2 or more the throughput is taken while c were in flight (--window)")
+    p.add_argument("--window", choices=("steady", "run"), default="steady",
+                   help="throughput over the part's steady window (first to last submission: c in flight "
+                        "throughout) or over the whole run with its drain (the protocol before the nineteenth session)")
     p.add_argument("--interleave", type=int, default=1,
                    help="split each point's requests into this many parts (whole rounds of c at least) and "
                         "run the policies' parts in turn, so a slow spell of the machine hits every policy")
@@ -186,12 +195,12 @@ def estimate_seconds(points: dict[str, dict[str, Any]], name: str, c: int, prev_
                      args: argparse.Namespace) -> float:
     """A point's duration, guessed from what ran: this level's other policies, else this policy's last level."""
     warm = 1.0 + args.point_warmup_tokens / output_len_at(c, args)  # the point's warm-up, at most
-    here = [rows[str(c)]["seconds"] for rows in points.values() if str(c) in rows]
+    here = [rows[str(c)].get("run_seconds", rows[str(c)]["seconds"]) for rows in points.values() if str(c) in rows]
     if here:
         return max(here) * warm
     if prev_c is not None and str(prev_c) in points.get(name, {}):
         prev = points[name][str(prev_c)]
-        return prev["seconds"] * (c / prev_c) ** 0.7 * output_len_at(c, args) / output_len_at(prev_c, args) * warm
+        return prev.get("run_seconds", prev["seconds"]) * (c / prev_c) ** 0.7 * output_len_at(c, args) / output_len_at(prev_c, args) * warm
     return 0.0
 
 
@@ -255,8 +264,8 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
         graph_counts = count_graph_replays(engines["spec"], max_k + 1) if "spec" in engines else None
         prev_c = None
         for c in levels:
-            num_requests = max(c * args.rounds, min_requests)
-            runs = max(1, min(args.interleave, num_requests // c))
+            num_requests = max(c * args.rounds * args.waves, min_requests)
+            runs = max(1, min(args.interleave, num_requests // (c * args.waves)))
             per_run = [num_requests // runs + (i < num_requests % runs) for i in range(runs)]
             parts: dict[str, list[dict[str, Any]]] = {}
             marks: dict[str, tuple[int, int]] = {}  # per policy: where its records stood after its last part

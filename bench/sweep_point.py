@@ -371,10 +371,17 @@ def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, out
         records.append((first - t0, tpot, last - t0, n))
         itls += [b[0] - a[0] for a, b in itertools.pairwise(ev)]
     tokens = sum(r[3] for r in records)
+    run_seconds, run_tokens = seconds, tokens
+    window = steady_window(arrival, finished, _EVENTS, c) if args.window == "steady" else None
+    done = num_requests
+    if window is not None:
+        seconds, tokens, done = window
     ms = 1000.0
     row: dict[str, Any] = {
         "num_requests": num_requests, "output_len": output_len, "seconds": seconds, "steps": steps,
-        "output_tokens": tokens, "tokens_per_s": tokens / seconds, "requests_per_s": num_requests / seconds,
+        "output_tokens": tokens, "tokens_per_s": tokens / seconds, "requests_per_s": done / seconds,
+        "window": "steady" if window is not None else "run", "run_seconds": run_seconds,
+        "run_output_tokens": run_tokens,
         "latency_ms": {"ttft": percentiles([r[0] * ms for r in records]),
                        "tpot": percentiles([r[1] * ms for r in records if r[1] is not None]),
                        "itl": percentiles([x * ms for x in itls]),
@@ -393,6 +400,23 @@ def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, out
     return row
 
 
+def steady_window(arrival: dict[str, float], finished: dict[str, float], events: list[tuple[str, float, int]],
+                  c: int) -> tuple[float, int, int] | None:
+    """(seconds, output tokens, requests finished) of a closed-loop run while c requests were in flight:
+    from the first submission to the last, after which the queue is empty and the run drains (None when
+    nothing was ever replaced: at most c requests). In the drain fewer requests run, and how long it lasts
+    depends on the policy: under speculation requests advance at different paces, so the last of them
+    runs alone at the end, which a server with a steady load never sees (nineteenth session: with one
+    wave of c requests per part, the drain took ~25% of the adaptive policy's time at concurrency 16)."""
+    if len(arrival) <= c:
+        return None
+    t0, t1 = min(arrival.values()), max(arrival.values())
+    if t1 <= t0:
+        return None
+    tokens = sum(n for _, t, n in events if t <= t1)
+    return t1 - t0, tokens, sum(1 for t in finished.values() if t <= t1)
+
+
 def merge_points(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One point from run_point rows of the same policy and concurrency, run apart (interleaved with
     the other policies' runs): throughput over their summed time, latency percentiles over all their
@@ -404,15 +428,19 @@ def merge_points(rows: list[dict[str, Any]]) -> dict[str, Any]:
     num_requests = sum(row["num_requests"] for row in rows)
     merged: dict[str, Any] = {
         "num_requests": num_requests, "output_len": rows[0]["output_len"], "seconds": seconds,
+        "run_seconds": sum(row.get("run_seconds", row["seconds"]) for row in rows),
+        "window": rows[0].get("window", "run"),
         "steps": sum(row["steps"] for row in rows), "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-        "requests_per_s": num_requests / seconds,
+        "requests_per_s": sum(row.get("requests_per_s", row["num_requests"] / row["seconds"]) * row["seconds"]
+                              for row in rows) / seconds,
         "latency_ms": {"ttft": percentiles([r[0] for r in reqs]),
                        "tpot": percentiles([r[1] for r in reqs if r[1] is not None]),
                        "itl": percentiles(itls), "e2el": percentiles([r[2] for r in reqs])},
         "requests": reqs,
     }
     if len(rows) > 1:
-        merged["runs"] = [{"seconds": row["seconds"], "tokens_per_s": row["tokens_per_s"], "gc": row.get("gc"),
+        merged["runs"] = [{"seconds": row["seconds"], "tokens_per_s": row["tokens_per_s"],
+                           "run_seconds": row.get("run_seconds"), "gc": row.get("gc"),
                            "steps_ms": row.get("steps_ms")} for row in rows]
     else:
         for key in ("gc", "steps_ms"):

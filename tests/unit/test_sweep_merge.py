@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from sweep_point import merge_points, percentiles  # noqa: E402
+from sweep_point import merge_points, percentiles, steady_window  # noqa: E402
 
 
 def _part(rng: random.Random, num_requests: int, seconds: float, spec: tuple[int, int, int] | None) -> dict:
@@ -185,3 +185,36 @@ def test_dropping_a_warm_up_keeps_every_record_aligned() -> None:
     assert [c[0] for c in trace["choices"]] == [4, 2] and [s[4] for s in trace["steps"]] == [4, 2]
     assert len(policy.beliefs) == len(policy.choices) == len(policy.batches) == 2
     assert len(policy.step_extras) == len(policy.steps) == 2
+
+
+def test_the_steady_window_ends_where_the_queue_ran_dry() -> None:
+    """Two requests in flight, four in all: the window runs from the first submission to the last (when
+    the slower first request finished); the drain after it, where one request runs alone, is left out."""
+    arrival = {"a": 10.0, "b": 10.0, "c": 11.0, "d": 11.5}  # c replaced a (done at 11.0), d replaced b
+    finished = {"a": 11.0, "b": 11.5, "c": 12.0, "d": 12.6}
+    events = [("a", 10.2, 1), ("b", 10.2, 1), ("a", 11.0, 9), ("b", 11.0, 4), ("c", 11.2, 1), ("b", 11.5, 5),
+              ("c", 11.5, 3), ("d", 11.7, 1), ("c", 12.0, 6), ("d", 12.6, 9)]
+    seconds, tokens, done = steady_window(arrival, finished, events, 2)
+    assert seconds == pytest.approx(1.5)
+    assert tokens == 1 + 1 + 9 + 4 + 1 + 5 + 3  # every token up to 11.5, none of the drain's
+    assert done == 2
+
+
+def test_no_steady_window_without_a_replacement() -> None:
+    """One wave (at most c requests): nothing was replaced, so the whole run is the measure."""
+    arrival = {"a": 1.0, "b": 1.0}
+    assert steady_window(arrival, {"a": 2.0, "b": 3.0}, [("a", 2.0, 5), ("b", 3.0, 5)], 2) is None
+
+
+def test_windowed_parts_merge_their_windows() -> None:
+    """Parts measured over their steady windows merge by window time and tokens; the whole runs' time
+    is kept beside it (what the sweep's time budget predicts from)."""
+    rng = random.Random(5)
+    (a, _), (b, _) = _part(rng, 8, 1.0, None), _part(rng, 8, 0.5, None)
+    a.update(run_seconds=1.4, requests_per_s=4 / 1.0, window="steady")
+    b.update(run_seconds=0.9, requests_per_s=5 / 0.5, window="steady")
+    merged = merge_points([a, b])
+    assert merged["seconds"] == pytest.approx(1.5) and merged["run_seconds"] == pytest.approx(2.3)
+    assert merged["requests_per_s"] == pytest.approx(9 / 1.5)
+    assert merged["window"] == "steady"
+    assert [r["run_seconds"] for r in merged["runs"]] == [1.4, 0.9]
