@@ -68,6 +68,33 @@ def warm_small_forwards(runner: ModelRunner, max_rows: int, context: int = 0) ->
 
 
 SPLIT_CONTEXT = 2 * MIN_KEYS_PER_SPLIT  # a context long enough for split-KV attention launches
+# Prompt-sized row counts (attention's 64-row query blocks past SMALL_QUERY_MAX; Triton specializes integer
+# arguments that are 1 or divisible by 16, so 64 and a length of neither kind cover the classes).
+PROMPT_ROWS = (64, 200)
+
+
+@torch.inference_mode()
+def warm_prompt_forwards(runner: ModelRunner, rows: tuple[int, ...] = PROMPT_ROWS) -> list[tuple[int, int]]:
+    """dummy_forward of each prompt-sized row count, fresh and after SPLIT_CONTEXT, eagerly: the
+    attention launches of a prompt or of a long catch-up, with and without split-KV. A target compiles
+    them at its first prompt anyway; a draft model only at its first catch-up of more than SMALL_QUERY_MAX
+    tokens outside its graphs, mid-serving (nineteenth session's H200 pair sweep: the draft's eager
+    prefill attention compiled during the adaptive policy's run at concurrency 32). Returns the
+    (context, rows) run; sizes the pool or max_model_len cannot hold are skipped."""
+    room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size)
+    done = []
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        for context in (0, SPLIT_CONTEXT):
+            for t in rows:
+                if context + t > room:
+                    continue
+                num_blocks = min(runner.num_blocks, -(-(context + t) // runner.block_size) + 1)
+                dummy_forward(runner, t, num_blocks, context)
+                done.append((context, t))
+    finally:
+        runner.graphs = graphs
+    return done
 
 
 def start_up_rows() -> tuple[list[int], list[int]]:
@@ -85,7 +112,9 @@ def warm_start_up(runner: ModelRunner) -> None:
     these lengths come mid-serving: a draft model catching up on the tokens of a pause in drafting
     (the H200 pair sweep's first adaptive run at concurrency 1 measured 373 tok/s against 802-855
     later, when catch-ups of 9-16 tokens, a query block no start-up forward had used, compiled
-    then), a prompt's last chunk, a verify batch between the captured lengths."""
+    then), a prompt's last chunk, a verify batch between the captured lengths; and one forward of each
+    prompt-sized row count (warm_prompt_forwards)."""
     fresh, after = start_up_rows()
     warm_small_forwards(runner, len(fresh))
     warm_small_forwards(runner, len(after), context=SPLIT_CONTEXT)
+    warm_prompt_forwards(runner)

@@ -19,15 +19,11 @@ from specserve.model.layers.triton_gemv import gemv_max_m
 from specserve.runner import warmup
 from specserve.spec.eagle_graph import attention_arrays, attention_metadata
 
-# Beyond the target's start-up row counts, prompt-sized ones (Triton specializes integer arguments
-# that are 1 or divisible by 16, so 16, 64 and a length of neither kind cover the classes).
-PROMPT_ROWS = (64, 200)
-
-
 def warm_rows() -> tuple[list[int], list[int]]:
-    """(row counts of fresh forwards, row counts of forwards after warmup.SPLIT_CONTEXT)."""
+    """(row counts of fresh forwards, row counts of forwards after warmup.SPLIT_CONTEXT): the target's
+    start-up row counts and, fresh, the prompt-sized ones (warmup.PROMPT_ROWS)."""
     fresh, after = warmup.start_up_rows()
-    return fresh + list(PROMPT_ROWS), after
+    return fresh + list(warmup.PROMPT_ROWS), after
 
 
 @torch.inference_mode()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.runner.warmup import warm_small_forwards
+from specserve.runner.warmup import PROMPT_ROWS, SPLIT_CONTEXT, warm_prompt_forwards, warm_small_forwards
 
 
 def test_warm_up_runs_every_small_row_count_and_changes_no_output(tiny_llama_dir) -> None:
@@ -55,3 +55,33 @@ def test_warm_up_runs_eagerly_where_a_graph_would_fit(tiny_llama_dir) -> None:
     assert warm_small_forwards(runner, 4) == [1, 2, 3, 4]
     assert seen == [None] * 4 and runner.graphs is sentinel
     del runner._execute
+
+
+def test_prompt_sized_forwards_run_fresh_and_after_a_split_context(tiny_llama_dir) -> None:
+    """A draft model's first catch-up of more than SMALL_QUERY_MAX tokens outside its graphs ran prefill
+    attention that no start-up forward had compiled: the warm-up runs the prompt-sized row counts, fresh
+    and after a context long enough for split-KV, eagerly, and changes no output."""
+    prompts = [{"prompt_token_ids": [5, 9, 11, 3, 7]}, {"prompt_token_ids": [2, 4, 6]}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    warmed = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    runner = warmed.engine.runner
+    room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size)
+    expected = [(ctx, t) for ctx in (0, SPLIT_CONTEXT) for t in PROMPT_ROWS if ctx + t <= room]
+    assert (0, max(PROMPT_ROWS)) in expected  # the tiny model's pool holds the fresh ones at least
+    seen = []
+    real = runner._execute
+    runner._execute = lambda sched, *a, **kw: seen.append((sched.num_batched_tokens, runner.graphs)) or real(
+        sched, *a, **kw)
+    assert warm_prompt_forwards(runner) == expected
+    assert seen == [(t, None) for _, t in expected]  # eagerly, one forward per (context, rows)
+    del runner._execute
+    assert [o.outputs[0].token_ids for o in warmed.generate(prompts, params)] == want
+
+
+def test_prompt_sized_forwards_skip_what_the_pool_cannot_hold(tiny_llama_dir) -> None:
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    runner = llm.engine.runner
+    runner.num_blocks = 5  # 64 of the 80 slots a forward may use: the 64-row forward fits, nothing else
+    assert warm_prompt_forwards(runner) == [(0, 64)]
