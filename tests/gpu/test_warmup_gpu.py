@@ -107,3 +107,20 @@ def test_catch_ups_of_several_requests_compile_nothing_after_start_up(tiny_qwen2
             r.num_computed_tokens = c
         ModelRunner.execute(runner, SchedulerOutput([ScheduledRequest(r, n, 0) for r in reqs], 4 * n), kv.block_ids)
     assert compiled == [], compiled
+
+
+def test_a_draft_models_first_long_catch_ups_compile_no_attention(tiny_qwen2_dir, monkeypatch,
+                                                                    device: torch.device) -> None:
+    """A draft model feeds a new request's whole prompt at its first proposal: an eager forward of more
+    than SMALL_QUERY_MAX tokens of several requests, i.e. prefill-sized attention. Start-up compiles it
+    (runner/warmup.warm_prompt_forwards): on the H200 pair sweep the draft's prefill attention compiled
+    in the middle of a measured run (nineteenth session, twice)."""
+    llm = LLM(model=str(tiny_qwen2_dir), progress=False, device="cuda", dtype="bfloat16", max_num_seqs=8,
+              kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False,
+              speculative_config={"method": "draft_model", "model": str(tiny_qwen2_dir), "num_speculative_tokens": 4})
+    compiled = _count_compiles(monkeypatch)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for n in (37, 200):
+        llm.generate([{"prompt_token_ids": [7 + i % 300 for i in range(n)]}], params)
+    llm.generate([{"prompt_token_ids": [9 + (i * r) % 300 for i in range(40 + 50 * r)]} for r in range(4)], params)
+    assert not [name for name in compiled if "attention" in name], compiled
