@@ -23,25 +23,39 @@ def _levels(result: dict[str, Any]) -> list[int]:
     return [c for c in result["concurrency"] if any(str(c) in rows for rows in result["points"].values())]
 
 
-def _tps(result: dict[str, Any], policy: str, c: int) -> float | None:
+def closed_loop_tps(row: dict[str, Any], c: int) -> float | None:
+    """Output tokens/s of c clients that each send their next request when the last one finished, by
+    Little's law: c x mean output tokens / mean end-to-end latency, over the point's requests. No window
+    edge enters it: neither a drain where few requests run nor a replacement's prompt in the last steps."""
+    reqs = row.get("requests") or []
+    e2e = sum(r[2] for r in reqs)
+    return c * sum(r[3] for r in reqs) / (e2e / 1e3) if reqs and e2e > 0 else None
+
+
+def _tps(result: dict[str, Any], policy: str, c: int, metric: str = "tokens_per_s") -> float | None:
+    """A point's throughput: as measured ("tokens_per_s"), or "closed_loop" (closed_loop_tps)."""
     row = result["points"].get(policy, {}).get(str(c))
-    return None if row is None else row["tokens_per_s"]
+    if row is None:
+        return None
+    return closed_loop_tps(row, c) if metric == "closed_loop" else row["tokens_per_s"]
 
 
-def best_fixed(result: dict[str, Any], c: int) -> tuple[str, float] | None:
+def best_fixed(result: dict[str, Any], c: int, metric: str = "tokens_per_s") -> tuple[str, float] | None:
     """The best of no speculation and every fixed k at this concurrency (all of them measured)."""
     fixed = [p for p in result["policies"] if p == "off" or p.startswith("k=")]
-    values = [(p, _tps(result, p, c)) for p in fixed]
+    values = [(p, _tps(result, p, c, metric)) for p in fixed]
     if not values or any(v is None for _, v in values):
         return None
     return max(values, key=lambda pv: pv[1])
 
 
-def verdicts(result: dict[str, Any], policy: str = "adaptive") -> list[tuple[int, float | None, float | None]]:
+def verdicts(result: dict[str, Any], policy: str = "adaptive",
+             metric: str = "tokens_per_s") -> list[tuple[int, float | None, float | None]]:
     """(c, policy / best fixed, policy / off) at every measured level."""
     out = []
     for c in _levels(result):
-        mine, off, best = _tps(result, policy, c), _tps(result, "off", c), best_fixed(result, c)
+        mine, off = _tps(result, policy, c, metric), _tps(result, "off", c, metric)
+        best = best_fixed(result, c, metric)
         out.append((c, mine / best[1] if mine and best else None, mine / off if mine and off else None))
     return out
 
@@ -78,28 +92,10 @@ def markdown_tables(result: dict[str, Any]) -> str:
              ""]
     if not _levels(result):
         return "\n".join(lines[:3] + ["No point was measured."])
-    adaptive = [p for p in ADAPTIVE if p in pols]
-    head = ["concurrency"] + pols + ["best fixed"]
-    for p in adaptive:
-        head += [f"{p} / best", f"{p} / off", f"{p} mean k"]
-    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for c in _levels(result):
-        best = best_fixed(result, c)
-        cells = [str(c)] + [_fmt_tps(_tps(result, p, c)) for p in pols]
-        cells.append("-" if best is None else f"{best[0]} ({best[1]:.0f})")
-        for p in adaptive:
-            v = {cc: (a, b) for cc, a, b in verdicts(result, p)}[c]
-            row = result["points"].get(p, {}).get(str(c)) or {}
-            k = row.get("mean_chosen_k")
-            cells += [_ratio(v[0]), _ratio(v[1]), "-" if k is None else f"{k:.2f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    for p in adaptive:
-        v = [x for x in verdicts(result, p) if x[1] is not None and x[2] is not None]
-        if v:
-            met = sum(1 for _, a, b in v if a >= TARGET and b >= TARGET)
-            worst = min(v, key=lambda x: min(x[1], x[2]))
-            lines += ["", (f"{p}: target met at {met} of {len(v)} concurrency levels; worst at {worst[0]}: "
-                           f"{worst[1]:.3f} of the best fixed choice, {worst[2]:.3f} of no speculation.")]
+    lines += _throughput_table(result, "tokens_per_s")
+    lines += ["", ("Closed-loop output tokens/s by Little's law (c x mean output tokens / mean end-to-end latency; "
+                   "✗: below the target)"), ""]
+    lines += _throughput_table(result, "closed_loop")
     for metric, title in (("tpot", "TPOT"), ("ttft", "TTFT"), ("e2el", "end-to-end latency")):
         lines += ["", f"{title}, ms, p50 / p99", "", "| concurrency | " + " | ".join(pols) + " |",
                   "|" + " --- |" * (len(pols) + 1)]
@@ -122,6 +118,35 @@ def markdown_tables(result: dict[str, Any]) -> str:
     if result.get("skipped"):
         lines += ["", "Not run (time budget): " + ", ".join(f"{p} c={c}" for p, c in result["skipped"])]
     return "\n".join(lines)
+
+
+def _throughput_table(result: dict[str, Any], metric: str) -> list[str]:
+    """The throughput table's lines (each policy, the best fixed choice, the adaptive policies' ratios
+    and mean k) and the verdict line, by `metric` (see _tps)."""
+    pols = result["policies"]
+    adaptive = [p for p in ADAPTIVE if p in pols]
+    head = ["concurrency"] + pols + ["best fixed"]
+    for p in adaptive:
+        head += [f"{p} / best", f"{p} / off", f"{p} mean k"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for c in _levels(result):
+        best = best_fixed(result, c, metric)
+        cells = [str(c)] + [_fmt_tps(_tps(result, p, c, metric)) for p in pols]
+        cells.append("-" if best is None else f"{best[0]} ({best[1]:.0f})")
+        for p in adaptive:
+            v = {cc: (a, b) for cc, a, b in verdicts(result, p, metric)}[c]
+            row = result["points"].get(p, {}).get(str(c)) or {}
+            k = row.get("mean_chosen_k")
+            cells += [_ratio(v[0]), _ratio(v[1]), "-" if k is None else f"{k:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    for p in adaptive:
+        v = [x for x in verdicts(result, p, metric) if x[1] is not None and x[2] is not None]
+        if v:
+            met = sum(1 for _, a, b in v if a >= TARGET and b >= TARGET)
+            worst = min(v, key=lambda x: min(x[1], x[2]))
+            lines += ["", (f"{p}: target met at {met} of {len(v)} concurrency levels; worst at {worst[0]}: "
+                           f"{worst[1]:.3f} of the best fixed choice, {worst[2]:.3f} of no speculation.")]
+    return lines
 
 
 def _fmt_tps(x: float | None) -> str:
