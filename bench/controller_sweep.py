@@ -71,7 +71,6 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.spec.adaptive import AdaptiveController
-from specserve.spec.estimators import batch_bucket
 
 
 def _load_bench(name: str) -> Any:
@@ -86,11 +85,13 @@ spec_bench = _load_bench("spec_bench")  # humaneval_prompts, shared_models, free
 sweep_point = _load_bench("sweep_point")  # engines, policies, one point (records token timestamps)
 sweep_report = _load_bench("sweep_report")  # the JSON, markdown tables and PNGs
 compile_log = _load_bench("compile_log")  # names the kernels that compile mid-run
+sweep_beliefs = _load_bench("sweep_beliefs")  # what an adaptive controller believed at a point's end
 # Names this script's users may know it by (moved to sweep_point / sweep_report).
 from _bench_sweep_point import (SPEC_COUNTERS, Policy, build, capture_all_verify_graphs,  # noqa: E402,F401
                                 count_graph_replays, kv_bytes_for, make_policies, merge_points, percentiles,
                                 round_order, run_point, slow_runs, spec_config, spec_counters)
 from _bench_sweep_report import Writer, _commit, _fmt  # noqa: E402,F401
+from _bench_sweep_beliefs import controller_beliefs, decode_price  # noqa: E402,F401
 
 MODES = {
     "pair": {"model": "qwen2.5-coder-1.5b-instruct", "load_format": "auto", "method": "draft_model",
@@ -270,6 +271,7 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
             parts: dict[str, list[dict[str, Any]]] = {}
             marks: dict[str, tuple[int, int]] = {}  # per policy: where its records stood after its last part
             replays: dict[str, Counter] = {}  # per policy: graph replays over its parts
+            warm_traces: dict[str, list[dict[str, Any]]] = {}  # per policy: its warm-ups' traces
             for run, n in enumerate(per_run):  # each policy's part of the point, the policies alternating
                 for pol_name in round_order(result["policies"], run):
                     if run == 0:
@@ -286,7 +288,10 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
                         policy.install(llm)
                     compile_label[0] = f"{pol_name} c={c} warm-up"
                     if args.point_warmup_tokens > 0:
+                        before = policy.mark() if policy is not None else None
                         _point_warm_up(llm, prompts, c, args.point_warmup_tokens, args)
+                        if before is not None and c <= TRACE_UP_TO:  # where the controller met this load first
+                            warm_traces.setdefault(pol_name, []).append(policy.trace_after(before))
                     compile_label[0] = f"{pol_name} c={c} part {run}"
                     if policy is not None:  # what the controller chose and saw in this policy's parts only
                         if run == 0:
@@ -302,7 +307,8 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
                     if graph_counts is not None:
                         replays.setdefault(pol_name, Counter()).update(graph_counts)
                     if run == len(per_run) - 1:  # the policy's last part: its point is complete
-                        _record_point(result, pol_name, c, parts[pol_name], policy, replays.get(pol_name))
+                        _record_point(result, pol_name, c, parts[pol_name], policy, replays.get(pol_name),
+                                      warm_traces.get(pol_name))
                         result["elapsed_s"] = time.monotonic() - t0
                         writer.write()
             prev_c = c
@@ -334,7 +340,7 @@ TRACE_UP_TO = 32  # concurrency up to which an adaptive policy's point keeps eve
 
 
 def _record_point(result: dict[str, Any], pol_name: str, c: int, rows: list[dict[str, Any]], policy: Policy | None,
-                  replays: Counter | None) -> None:
+                  replays: Counter | None, warm_traces: list[dict[str, Any]] | None = None) -> None:
     """A policy's point: its parts merged, and what the adaptive controller chose, believed and measured."""
     name = result["mode"]
     row = merge_points(rows)
@@ -346,6 +352,7 @@ def _record_point(result: dict[str, Any], pol_name: str, c: int, rows: list[dict
         row["drafting_by_batch"] = policy.drafting_by_batch()
         if c <= TRACE_UP_TO:
             row["trace"] = policy.trace()
+            row["trace_warmups"] = warm_traces or []
     if replays and policy is not None:
         row["verify_steps"] = dict(replays)
     if policy is not None:
@@ -378,25 +385,6 @@ def _warm_up(engines: dict[str, LLM], policies: list[Policy], prompts: list[list
             engines["spec"].generate(wide, short)
         engines["spec"].generate(few, params)
         policy.clear()
-
-
-def controller_beliefs(ctrl: AdaptiveController, c: int) -> dict[str, Any]:
-    """What the adaptive controller believed at the end of a point, at batch c (why it chose its k):
-    predicted step seconds and tokens/s per k, which k it priced on its own measurements there, the
-    acceptance and fill per position, the calibration of drafts per request at this batch size (what
-    drafting got over what acceptance and fill predicted), its catch-up pricing and the exploration
-    budget spent."""
-    est = ctrl.estimate(c)
-    costs = ctrl.costs
-    return {"best_k": est.best_k, "step_ms": [round(t * 1e3, 4) for t in est.step_seconds],
-            "propose_ms": [round(t * 1e3, 4) for t in est.propose_seconds],
-            "tokens_per_s": [round(r, 1) for r in est.tokens_per_s], "trusted": list(est.trusted),
-            "decode_trusted": est.decode_trusted, "acceptance": [round(a, 3) for a in est.acceptance_per_pos],
-            "fill": [round(f, 3) for f in est.fill_per_pos],
-            "calibration": round(ctrl.calibration.ratio(batch_bucket(c)), 3), "cold_extra": costs.cold_extra,
-            "decode_age": costs.decode_age(c), "samples": [costs.samples(c, k) for k in range(1, ctrl.max_k + 1)],
-            "exploration_loss_s": round(ctrl.exploration_loss_seconds, 5),
-            "observed_s": round(ctrl.observed_seconds, 4), "num_observed": costs.num_observed}
 
 
 def _point_warm_up(llm: LLM, prompts: list[list[int]], c: int, tokens: int, args: argparse.Namespace) -> None:

@@ -94,8 +94,8 @@ class Policy:
         self.beliefs: list[tuple[int, int]] = []  # per choice: (best k, 1 if it explores) of an adaptive one
         self.steps: list[tuple[int, float, float, int]] = []  # per step: (k, step s, proposal s, tokens)
         # per step: (batch size, tokens the proposer had not seen, the catch-up the controller predicted
-        # for them, s); the last two only for a cold proposal of an adaptive controller, else 0
-        self.step_extras: list[tuple[int, float, float]] = []
+        # for them, s; the two only for a cold proposal of an adaptive controller, else 0; prompt tokens)
+        self.step_extras: list[tuple[int, float, float, int]] = []  # (..., prompt tokens the step computed)
         self._catch_up: tuple[float, float] = (0.0, 0.0)  # of the last choice: (unseen tokens, predicted s)
         choose, observe = controller.choose, controller.observe
 
@@ -117,7 +117,8 @@ class Policy:
             p = step.proposal
             self.steps.append((p.num_speculative_tokens if p is not None else -1, step.step_seconds,
                                p.seconds if p is not None else 0.0, step.batch_size + sum(step.accepted_per_pos)))
-            self.step_extras.append((step.batch_size, *self._catch_up))
+            prompt = max(step.num_batched_tokens - step.batch_size - step.num_draft_tokens, 0)
+            self.step_extras.append((step.batch_size, *self._catch_up, prompt))
             self._catch_up = (0.0, 0.0)
             observe(step)
 
@@ -143,11 +144,17 @@ class Policy:
     def trace(self) -> dict[str, list[list[float]]]:
         """Every choice ([batch, k, best k, explores]) and every step ([k of the proposal it verified, step
         ms, proposal ms, tokens, batch, tokens the proposer had not seen and the catch-up ms predicted for
-        them (a cold proposal of an adaptive controller, else 0)]) of a point, in order: why an adaptive
-        policy lost where it did."""
-        choices = [[b, k, *bel] for b, k, bel in zip(self.batches, self.choices, self.beliefs)]
-        steps = [[k, round(1e3 * t, 3), round(1e3 * p, 3), n, b, round(unseen), round(1e3 * predicted, 2)]
-                 for (k, t, p, n), (b, unseen, predicted) in zip(self.steps, self.step_extras)]
+        them (a cold proposal of an adaptive controller, else 0), prompt tokens the step computed (new
+        requests: such a step runs eagerly)]) of a point, in order: why an adaptive policy lost where it did."""
+        return self.trace_after((0, 0))
+
+    def trace_after(self, mark: tuple[int, int]) -> dict[str, list[list[float]]]:
+        """trace() of the records made after `mark` (a point's warm-up, say: where the controller met the
+        point's load first)."""
+        c0, s0 = mark
+        choices = [[b, k, *bel] for b, k, bel in zip(self.batches[c0:], self.choices[c0:], self.beliefs[c0:])]
+        steps = [[k, round(1e3 * t, 3), round(1e3 * p, 3), n, b, round(unseen), round(1e3 * predicted, 2), prompt]
+                 for (k, t, p, n), (b, unseen, predicted, prompt) in zip(self.steps[s0:], self.step_extras[s0:])]
         return {"choices": choices, "steps": steps}
 
     def steps_by_k(self) -> dict[str, dict[str, float]]:
@@ -182,7 +189,7 @@ class Policy:
         out = []
         for i, (k, _, prop, _) in enumerate(self.steps):
             if k > 0 and 1e3 * prop > floor_ms and prop > factor * median[k]:
-                b, unseen, predicted = self.step_extras[i]
+                b, unseen, predicted, _ = self.step_extras[i]
                 out.append([i, k, round(1e3 * prop, 2), self.steps[i - 1][0] if i else -1, b, round(unseen),
                             round(1e3 * predicted, 2)])
         return out

@@ -122,9 +122,10 @@ def test_an_adaptive_policy_traces_its_choices_and_steps() -> None:
         ks.append(ctrl.choose(4))
         seen.append([ctrl.last.best_k, int(ctrl._pending.exploring)])
     ctrl.observe(SpecStepStats(4, 4, 0, 0.002))
+    ctrl.observe(SpecStepStats(4, 4 + 300, 0, 0.012))  # two new requests' prompts (150 tokens each) besides
     trace = policy.trace()
     assert trace["choices"] == [[4, k, *s] for k, s in zip(ks, seen)]
-    assert trace["steps"] == [[-1, 2.0, 0.0, 4, 4, 0, 0.0]]
+    assert trace["steps"] == [[-1, 2.0, 0.0, 4, 4, 0, 0.0, 0], [-1, 12.0, 0.0, 4, 4, 0, 0.0, 300]]
     policy.clear()
     assert policy.trace() == {"choices": [], "steps": []}
 
@@ -158,7 +159,7 @@ def test_a_slow_proposal_reports_its_batch_and_the_catch_up_predicted_for_it() -
         ctrl.observe(SpecStepStats(57, 57 * (k + 1), 57 * k, 0.004, proposal=ProposalStats.measure(k, [k] * 57,
                                                                                                    [k] * 57, seconds)))
     assert policy.slow_proposals() == [[0, 1, 374.0, -1, 57, 13000, 15.0]]
-    assert [e[0] for e in policy.step_extras] == [57] * 4 and policy.step_extras[1][1:] == (0.0, 0.0)
+    assert [e[0] for e in policy.step_extras] == [57] * 4 and policy.step_extras[1][1:] == (0.0, 0.0, 0)
 
 
 def test_dropping_a_warm_up_keeps_every_record_aligned() -> None:
@@ -218,3 +219,42 @@ def test_windowed_parts_merge_their_windows() -> None:
     assert merged["requests_per_s"] == pytest.approx(9 / 1.5)
     assert merged["window"] == "steady"
     assert [r["run_seconds"] for r in merged["runs"]] == [1.4, 0.9]
+
+
+def test_the_decode_price_names_each_source() -> None:
+    """controller_sweep.decode_price: the bucket's own decode fit, the pooled decode and verify fits and
+    the clean-decode count, as the controller holds them (a k = 0 priced far above a real decode step
+    shows which one it came from)."""
+    from sweep_beliefs import decode_price
+
+    from specserve.config import SpeculativeConfig
+    from specserve.spec.adaptive import AdaptiveController, SpecStepStats
+
+    ctrl = AdaptiveController(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    ctrl.costs.clock = iter(i * 0.002 for i in range(1000)).__next__  # a step apart: no gap, no pause
+    for _ in range(6):
+        ctrl.observe(SpecStepStats(16, 16, 0, 0.002))
+    price = decode_price(ctrl.costs, 16)
+    assert price["local_ms"] is not None and abs(price["local_ms"] - 2.0) < 0.1
+    assert price["local_weight"] >= 1 and price["pure_decode_weight"] > 1
+    assert price["verify_fit_ms"] is None  # no verify step was seen
+    assert decode_price(ctrl.costs, 64)["local_ms"] is None  # another bucket has no fit of its own
+
+
+def test_a_warm_up_trace_holds_only_what_came_after_its_mark() -> None:
+    from sweep_point import Policy
+
+    from specserve.config import SpeculativeConfig
+    from specserve.spec.adaptive import AdaptiveController, SpecStepStats
+
+    ctrl = AdaptiveController(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    policy = Policy("adaptive", ctrl, None)
+    ctrl.choose(4)
+    ctrl.observe(SpecStepStats(4, 4, 0, 0.002))
+    mark = policy.mark()
+    ctrl.choose(8)
+    ctrl.observe(SpecStepStats(8, 8 + 100, 0, 0.009))
+    warm = policy.trace_after(mark)
+    assert [c[0] for c in warm["choices"]] == [8]
+    assert warm["steps"] == [[-1, 9.0, 0.0, 8, 8, 0, 0.0, 100]]
+    assert len(policy.trace()["steps"]) == 2
