@@ -358,7 +358,7 @@ class StepCosts:
     def _observe_step(self, step: SpecStepStats, p: ProposalStats | None, timed: bool, untimed: float) -> None:
         decode = step.batch_size + step.num_draft_tokens  # one token per request, plus its drafts
         prefill = max(step.num_batched_tokens - decode, 0)  # the rest: prompt chunks
-        self.after_prompt = prefill > 0
+        after_prompt, self.after_prompt = self.after_prompt, prefill > 0
         if step.step_seconds <= 0 or step.num_batched_tokens <= 0:
             return
         x = (1.0, float(decode), float(prefill))
@@ -374,7 +374,12 @@ class StepCosts:
             self.verify_cost.add(x, y)
             self.verify_cost_by_k[k].add(x, y)
             self.local_cost.add(step.batch_size, k, x, y, self.num_observed)
-        elif timed:
+        elif timed and not after_prompt:
+            # Not a step right after one with prompt chunks: with asynchronous scheduling a plain step's
+            # timer also waits for the step before it to finish on the GPU, and an eager prompt step's
+            # tail can be several ms. A few such samples skew a bucket's decode fit for as long as it
+            # stays fresh (on the H200 pair, nineteenth session, the fit at batch 17-32 said 4.76 ms where
+            # a decode step took 1.92, after the point's warm-up had brought 32 new requests at once).
             y = step.step_seconds + untimed  # (see above)
             self.decode_cost.add(x, y)
             self.pure_decode_weight = self.pure_decode_weight * self._keep + (1.0 if prefill == 0 else 0.0)
