@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Twentieth session, issue 7: the pair sweep again with the nineteenth session's records, before and after
-# a controller change. The nineteenth session found, with two waves per part (closed loop, replacement):
+# Twentieth session, issue 7: the pair sweep again, with the nineteenth session's records and its one
+# controller change (95b64b9: a plain step right after one with prompt chunks is no decode measurement),
+# not yet run on the device. The nineteenth session found, with two waves per part (closed loop, replacement):
 # 5 of 9 by Little's law; at 32 k = 0 priced at 4.76 ms by the controller's own decode fit (a decode step
 # took 1.92); at 4 and 8 switches between k = 0 and k = 5-12, each paying a catch-up. The JSON now keeps
 # each adaptive point's warm-up traces (where the controller met the load first), every step's prompt
