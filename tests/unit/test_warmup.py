@@ -8,12 +8,19 @@ from specserve import LLM, SamplingParams
 from specserve.runner.warmup import PROMPT_ROWS, SPLIT_CONTEXT, warm_prompt_forwards, warm_small_forwards
 
 
+PROMPTS = [{"prompt_token_ids": [5, 9, 11, 3, 7]}, {"prompt_token_ids": [2, 4, 6]}]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _two_engines(model_dir) -> tuple[list[list[int]], LLM, LLM]:
+    """(greedy outputs of PROMPTS from a fresh engine, that engine, a second fresh one to warm up)."""
+    plain = LLM(model=str(model_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, PARAMS)]
+    return want, plain, LLM(model=str(model_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+
+
 def test_warm_up_runs_every_small_row_count_and_changes_no_output(tiny_llama_dir) -> None:
-    prompts = [{"prompt_token_ids": [5, 9, 11, 3, 7]}, {"prompt_token_ids": [2, 4, 6]}]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    plain = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    warmed = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    want, plain, warmed = _two_engines(tiny_llama_dir)
     runner = warmed.engine.runner
     calls = []
     real = runner._execute
@@ -24,7 +31,7 @@ def test_warm_up_runs_every_small_row_count_and_changes_no_output(tiny_llama_dir
     assert calls == list(range(1, 9))  # one forward of each row count, through the runner's dispatch
     del runner._execute, runner.execute
     assert warmed.engine.kv.pool.num_free_blocks == plain.engine.kv.pool.num_free_blocks  # the engine's KV untouched
-    assert [o.outputs[0].token_ids for o in warmed.generate(prompts, params)] == want
+    assert [o.outputs[0].token_ids for o in warmed.generate(PROMPTS, PARAMS)] == want
 
 
 def test_warm_up_fits_a_tiny_pool(tiny_llama_dir) -> None:
@@ -61,11 +68,7 @@ def test_prompt_sized_forwards_run_fresh_and_after_a_split_context(tiny_llama_di
     """A draft model's first catch-up of more than SMALL_QUERY_MAX tokens outside its graphs ran prefill
     attention that no start-up forward had compiled: the warm-up runs the prompt-sized row counts, fresh
     and after a context long enough for split-KV, eagerly, and changes no output."""
-    prompts = [{"prompt_token_ids": [5, 9, 11, 3, 7]}, {"prompt_token_ids": [2, 4, 6]}]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    plain = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    warmed = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
+    want, _, warmed = _two_engines(tiny_llama_dir)
     runner = warmed.engine.runner
     room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size)
     expected = [(ctx, t) for ctx in (0, SPLIT_CONTEXT) for t in PROMPT_ROWS if ctx + t <= room]
@@ -77,7 +80,7 @@ def test_prompt_sized_forwards_run_fresh_and_after_a_split_context(tiny_llama_di
     assert warm_prompt_forwards(runner) == expected
     assert seen == [(t, None) for _, t in expected]  # eagerly, one forward per (context, rows)
     del runner._execute
-    assert [o.outputs[0].token_ids for o in warmed.generate(prompts, params)] == want
+    assert [o.outputs[0].token_ids for o in warmed.generate(PROMPTS, PARAMS)] == want
 
 
 def test_prompt_sized_forwards_skip_what_the_pool_cannot_hold(tiny_llama_dir) -> None:
