@@ -19,12 +19,13 @@ padded replays and eager verify steps per point.
 
 Protocol per (concurrency c, policy), levels in the outer loop so a time-out cuts the largest
 concurrencies of every policy alike: max(c * --rounds * --waves, --min-requests) requests, c in flight
-(closed loop: a finished request is replaced at once); throughput counts the output tokens of each part's
+(closed loop: a finished request is replaced at once). Throughput counts the output tokens of each part's
 steady window, from its first submission to its last (c requests in flight throughout; --window run: the
 whole part, drain included, as before the nineteenth session, when a part of one wave of c requests
-charged the adaptive policy ~25% of its time at c = 16 for its last requests running nearly alone), greedy, a fixed number of output tokens (ignore_eos; fewer
-at high concurrency: --output-len-high from --high-from on), prefix caching off (prompts repeat
-across policies). Per request, from token timestamps the engine records: TTFT, TPOT
+charged the adaptive policy a quarter of its time at c = 16 for its last requests running nearly
+alone); the tables also give it by Little's law (plot_sweep.closed_loop_tps). Greedy, a fixed number of
+output tokens (ignore_eos; fewer at high concurrency: --output-len-high from --high-from on), prefix
+caching off (prompts repeat across policies). Per request, from token timestamps the engine records: TTFT, TPOT
 ((last - first token) / (n - 1)), E2E; per streamed chunk: ITL (a verify step delivers several tokens
 in one chunk). Each engine and controller is warmed up first (JIT, graphs, the controller's first
 measurements: a server's controller has long left its start-up when load changes), and every
@@ -201,7 +202,8 @@ def estimate_seconds(points: dict[str, dict[str, Any]], name: str, c: int, prev_
         return max(here) * warm
     if prev_c is not None and str(prev_c) in points.get(name, {}):
         prev = points[name][str(prev_c)]
-        return prev.get("run_seconds", prev["seconds"]) * (c / prev_c) ** 0.7 * output_len_at(c, args) / output_len_at(prev_c, args) * warm
+        scale = (c / prev_c) ** 0.7 * output_len_at(c, args) / output_len_at(prev_c, args)
+        return prev.get("run_seconds", prev["seconds"]) * scale * warm
     return 0.0
 
 

@@ -19,6 +19,7 @@ from specserve.model.layers.triton_gemv import gemv_max_m
 from specserve.runner import warmup
 from specserve.spec.eagle_graph import attention_arrays, attention_metadata
 
+
 def warm_rows() -> tuple[list[int], list[int]]:
     """(row counts of fresh forwards, row counts of forwards after warmup.SPLIT_CONTEXT): the target's
     start-up row counts and, fresh, the prompt-sized ones (warmup.PROMPT_ROWS)."""

@@ -379,7 +379,7 @@ class StepCosts:
             # timer also waits for the step before it to finish on the GPU, and an eager prompt step's
             # tail can be several ms. A few such samples skew a bucket's decode fit for as long as it
             # stays fresh (on the H200 pair, nineteenth session, the fit at batch 17-32 said 4.76 ms where
-            # a decode step took 1.92, after the point's warm-up had brought 32 new requests at once).
+            # a decode step took 1.92; that point's warm-up had just brought 32 new requests at once).
             y = step.step_seconds + untimed  # (see above)
             self.decode_cost.add(x, y)
             self.pure_decode_weight = self.pure_decode_weight * self._keep + (1.0 if prefill == 0 else 0.0)
