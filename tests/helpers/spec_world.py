@@ -64,6 +64,9 @@ class World:
     prompt_tok_s: float = 0.0
     arrival_s: float = 0.0
     async_gap_s: float = 0.0  # host work per overlapped step that no timer covers (the engine loop, choose)
+    # run_serving: an overlapped step right after one that computed a prompt chunk reads this much more on
+    # its timer (it waits for that eager forward's GPU tail); the time is the prompt step's, counted there
+    prompt_tail_s: float = 0.0
     # (from k, probability, seconds): a proposal of at least that k sometimes costs that much more (a
     # draft model falling off its CUDA graphs now and then); its mean cost is what throughput pays
     spikes: tuple[int, float, float] = (0, 0.0, 0.0)
@@ -165,7 +168,7 @@ def run_serving(world: World, policy: AdaptiveController | int, steps: int, seed
     done = [(i * n) // b for i in range(b)]  # tokens each slot's request has generated
     joining = [False] * b  # the slot's next request joins in the next step (its prompt chunk)
     chosen: list[int] = []
-    since_draft, was_sync, last_k, unseen_prompt = 1, False, None, 0
+    since_draft, was_sync, last_k, unseen_prompt, prev_prompt = 1, False, None, 0, False
     ctrl = policy if isinstance(policy, AdaptiveController) else None
     if ctrl is not None:
         start = ctrl.clock()
@@ -192,6 +195,9 @@ def run_serving(world: World, policy: AdaptiveController | int, steps: int, seed
         verify_s = world.verify_s(len(running) + sum(drafted), q) + new * world.prompt_len * world.prompt_tok_s
         sync = last_k != 0  # the last proposal drafted (or none was made yet): the step runs synchronously
         spent, verify_s = world.timed(verify_s, sync, was_sync)
+        if prev_prompt and not sync:
+            verify_s += world.prompt_tail_s
+        prev_prompt = new > 0
         seconds += spent
         was_sync = sync
         seconds += propose_s + new * world.arrival_s  # (admitting a request: host work nobody times)
