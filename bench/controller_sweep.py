@@ -83,14 +83,16 @@ def _load_bench(name: str) -> Any:
 
 
 spec_bench = _load_bench("spec_bench")  # humaneval_prompts, shared_models, free_memory
-sweep_point = _load_bench("sweep_point")  # engines, policies, one point (records token timestamps)
+sweep_point = _load_bench("sweep_point")  # engines, one point (records token timestamps)
+sweep_policy = _load_bench("sweep_policy")  # the policies and what they record
 sweep_report = _load_bench("sweep_report")  # the JSON, markdown tables and PNGs
 compile_log = _load_bench("compile_log")  # names the kernels that compile mid-run
 sweep_beliefs = _load_bench("sweep_beliefs")  # what an adaptive controller believed at a point's end
-# Names this script's users may know it by (moved to sweep_point / sweep_report).
-from _bench_sweep_point import (SPEC_COUNTERS, Policy, build, capture_all_verify_graphs,  # noqa: E402,F401
-                                count_graph_replays, kv_bytes_for, make_policies, merge_points, percentiles,
+# Names this script's users may know it by (moved to sweep_point / sweep_policy / sweep_report).
+from _bench_sweep_point import (SPEC_COUNTERS, build, capture_all_verify_graphs,  # noqa: E402,F401
+                                count_graph_replays, kv_bytes_for, merge_points, percentiles,
                                 round_order, run_point, slow_runs, spec_config, spec_counters)
+from _bench_sweep_policy import Policy, make_policies  # noqa: E402,F401
 from _bench_sweep_report import Writer, _commit, _fmt  # noqa: E402,F401
 from _bench_sweep_beliefs import controller_beliefs, decode_price  # noqa: E402,F401
 

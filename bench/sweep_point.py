@@ -1,4 +1,4 @@
-"""bench/controller_sweep.py's engines, policies and one measured point.
+"""bench/controller_sweep.py's engines and one measured point (the policies: sweep_policy.py).
 
 Imported for its side effect too: the engine's StepTokenStats is replaced by one that records
 every (request, time, new tokens) a step reports, the token timestamps run_point measures from.
@@ -6,7 +6,6 @@ every (request, time, new tokens) a step reports, the token timestamps run_point
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import itertools
 import time
@@ -18,8 +17,6 @@ import torch
 import specserve.engine.engine as engine_module
 from specserve import LLM, SamplingParams
 from specserve.engine.output_processor import StepTokenStats
-from specserve.spec.adaptive import AdaptiveController, AdaptiveSettings
-from specserve.spec.controller import FixedController
 
 SPEC_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
                  "spec_decode_num_accepted_tokens_total")
@@ -84,146 +81,6 @@ def capture_all_verify_graphs(llm: LLM, max_k: int) -> tuple[int, ...]:
     return own
 
 
-class Policy:
-    """A controller for the shared speculative engine, and the verify graph lengths it may use."""
-
-    def __init__(self, name: str, controller: Any, graph_qs: tuple[int, ...] | None) -> None:
-        self.name, self.controller, self.graph_qs = name, controller, graph_qs
-        self.choices: list[int] = []
-        self.batches: list[int] = []  # the batch size of each choice
-        self.beliefs: list[tuple[int, int]] = []  # per choice: (best k, 1 if it explores) of an adaptive one
-        self.steps: list[tuple[int, float, float, int]] = []  # per step: (k, step s, proposal s, tokens)
-        # per step: (batch size, tokens the proposer had not seen, the catch-up the controller predicted
-        # for them, s; the two only for a cold proposal of an adaptive controller, else 0; prompt tokens)
-        self.step_extras: list[tuple[int, float, float, int]] = []  # (..., prompt tokens the step computed)
-        self._catch_up: tuple[float, float] = (0.0, 0.0)  # of the last choice: (unseen tokens, predicted s)
-        choose, observe = controller.choose, controller.observe
-
-        def recording(batch_size: int) -> int:
-            k = choose(batch_size)
-            self.choices.append(k)
-            self.batches.append(batch_size)
-            last, pending = getattr(controller, "last", None), getattr(controller, "_pending", None)
-            if last is not None and pending is not None:
-                self.beliefs.append((last.best_k, int(pending.exploring)))
-                unseen = pending.unseen_tokens
-                cold = k > 0 and pending.cold and unseen is not None
-                self._catch_up = ((unseen, controller.costs.catch_up_seconds(unseen, last.propose_seconds[k],
-                                                                                  batch_size))
-                                  if cold else (0.0, 0.0))
-            return k
-
-        def observing(step) -> None:
-            p = step.proposal
-            self.steps.append((p.num_speculative_tokens if p is not None else -1, step.step_seconds,
-                               p.seconds if p is not None else 0.0, step.batch_size + sum(step.accepted_per_pos)))
-            prompt = max(step.num_batched_tokens - step.batch_size - step.num_draft_tokens, 0)
-            self.step_extras.append((step.batch_size, *self._catch_up, prompt))
-            self._catch_up = (0.0, 0.0)
-            observe(step)
-
-        controller.choose, controller.observe = recording, observing
-
-    def mark(self) -> tuple[int, int]:
-        """Where the records stand (choices, steps): drop_after(mark) forgets what came after."""
-        return len(self.choices), len(self.steps)
-
-    def drop_after(self, mark: tuple[int, int]) -> None:
-        """Forget every record (choices and what goes with them, steps and theirs) made after `mark`."""
-        choices, steps = mark
-        del self.choices[choices:], self.batches[choices:], self.beliefs[choices:]
-        del self.steps[steps:], self.step_extras[steps:]
-
-    def clear(self) -> None:
-        self.choices.clear()
-        self.batches.clear()
-        self.beliefs.clear()
-        self.steps.clear()
-        self.step_extras.clear()
-
-    def trace(self) -> dict[str, list[list[float]]]:
-        """Every choice ([batch, k, best k, explores]) and every step ([k of the proposal it verified, step
-        ms, proposal ms, tokens, batch, tokens the proposer had not seen and the catch-up ms predicted for
-        them (a cold proposal of an adaptive controller, else 0), prompt tokens the step computed (new
-        requests: such a step runs eagerly)]) of a point, in order: why an adaptive policy lost where it did."""
-        return self.trace_after((0, 0))
-
-    def trace_after(self, mark: tuple[int, int]) -> dict[str, list[list[float]]]:
-        """trace() of the records made after `mark` (a point's warm-up, say: where the controller met the
-        point's load first)."""
-        c0, s0 = mark
-        choices = [[b, k, *bel] for b, k, bel in zip(self.batches[c0:], self.choices[c0:], self.beliefs[c0:])]
-        steps = [[k, round(1e3 * t, 3), round(1e3 * p, 3), n, b, round(unseen), round(1e3 * predicted, 2), prompt]
-                 for (k, t, p, n), (b, unseen, predicted, prompt) in zip(self.steps[s0:], self.step_extras[s0:])]
-        return {"choices": choices, "steps": steps}
-
-    def steps_by_k(self) -> dict[str, dict[str, float]]:
-        """What the engine measured per step during a point, by the k of the proposal the step verified
-        (-1: no proposal, e.g. a prompt step): steps, mean step and proposal ms, tokens per step, the
-        costs the adaptive controller fits (so its beliefs can be checked against them)."""
-        out: dict[str, dict[str, float]] = {}
-        for k in sorted({s[0] for s in self.steps}):
-            rows = [s for s in self.steps if s[0] == k]
-            n = len(rows)
-            out[str(k)] = {"steps": n, "step_ms": round(1e3 * sum(r[1] for r in rows) / n, 4),
-                           "propose_ms": round(1e3 * sum(r[2] for r in rows) / n, 4),
-                           "tokens_per_step": round(sum(r[3] for r in rows) / n, 3)}
-        return out
-
-    def drafting_by_batch(self) -> dict[str, list[int]]:
-        """Per batch size: [choices, choices with k > 0, sum of k] (where in a point the controller drafted)."""
-        out: dict[str, list[int]] = {}
-        for b, k in zip(self.batches, self.choices):
-            row = out.setdefault(str(b), [0, 0, 0])
-            row[0], row[1], row[2] = row[0] + 1, row[1] + (k > 0), row[2] + k
-        return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
-
-    def slow_proposals(self, factor: float = 4.0, floor_ms: float = 20.0) -> list[list[float]]:
-        """Proposals that took over `floor_ms` and `factor` x the median of their k in this point: [step
-        index, k, proposal ms, the previous step's k, batch size, tokens the proposer had not seen, the
-        catch-up ms the controller predicted] (a stall: JIT, a shape without a graph, a catch-up)."""
-        by_k: dict[int, list[float]] = {}
-        for k, _, prop, _ in self.steps:
-            by_k.setdefault(k, []).append(prop)
-        median = {k: sorted(v)[len(v) // 2] for k, v in by_k.items()}
-        out = []
-        for i, (k, _, prop, _) in enumerate(self.steps):
-            if k > 0 and 1e3 * prop > floor_ms and prop > factor * median[k]:
-                b, unseen, predicted, _ = self.step_extras[i]
-                out.append([i, k, round(1e3 * prop, 2), self.steps[i - 1][0] if i else -1, b, round(unseen),
-                            round(1e3 * predicted, 2)])
-        return out
-
-    def install(self, llm: LLM) -> None:
-        spec = llm.engine.spec
-        spec.controller = self.controller
-        spec._proposal = None  # the last proposal belonged to another policy's controller
-        graphs = llm.engine.runner.graphs
-        if graphs is not None and self.graph_qs is not None:
-            verify = {q for q in self.graph_qs if any(key[1] == q for key in graphs.graphs)}
-            # Short prefills keep their graphs under every policy (as in the "off" engine).
-            graphs.query_lens = tuple(sorted(verify | set(graphs.prefill_query_lens)))
-
-
-def make_policies(args: argparse.Namespace, cfg: Any, own_qs: tuple[int, ...], cuda_graphs: bool) -> list[Policy]:
-    wanted = set(args.policies.split(","))
-    ks = sorted({int(k) for k in args.ks.split(",")})
-    max_k = cfg.num_speculative_tokens
-    out = []
-    if "fixed" in wanted:
-        out += [Policy(f"k={k}", FixedController(dataclasses.replace(cfg, num_speculative_tokens=k, adaptive=False)),
-                       (1, k + 1)) for k in ks]
-    if "adaptive" in wanted:
-        out.append(Policy("adaptive", AdaptiveController(cfg), own_qs or (1, max_k + 1)))
-    if "adaptive-uncalibrated" in wanted:  # A/B of estimators.TokenCalibration
-        out.append(Policy("adaptive-uncalibrated", AdaptiveController(cfg, AdaptiveSettings(calibrate=False)),
-                          own_qs or (1, max_k + 1)))
-    if "adaptive+graphs" in wanted and cuda_graphs:
-        out.append(Policy("adaptive+graphs", AdaptiveController(cfg), tuple(range(1, max_k + 2))))
-    return out
-
-
-# -- one point --------------------------------------------------------------------------------------
 def spec_counters(llm: LLM) -> dict[str, float]:
     return {k: float(llm.engine.stats.get(k)) for k in SPEC_COUNTERS}
 

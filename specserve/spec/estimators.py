@@ -1,7 +1,7 @@
 """Estimators over decayed windows of observations, for the adaptive controller (adaptive.py).
 
-`LocalFits` keeps one `regression.DecayedRegression` (a step-cost fit) per batch-size bucket;
-`PositionRates` tracks a success rate per draft position (acceptance, fill) with a prior; `StepCosts`
+`LocalFits` (bucket_fits.py) keeps one `regression.DecayedRegression` (a step-cost fit) per
+batch-size bucket; `PositionRates` tracks a success rate per draft position (acceptance, fill) with a prior; `StepCosts`
 is the controller's cost model built of them.
 """
 from __future__ import annotations
@@ -10,78 +10,11 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
+from specserve.spec.bucket_fits import LocalFits, batch_bucket
 from specserve.spec.regression import DecayedRegression, non_decreasing
 from specserve.spec.step_stats import ProposalStats, SpecStepStats
 
-
-def batch_bucket(batch_size: float) -> int:
-    """0 for batch 1, 1 for 2, 2 for 3-4, 3 for 5-8, ...: the kernels (GEMV at one row, GEMM above),
-    the CUDA graph sizes and the memory/compute balance change with the batch in steps, so step costs
-    are not one smooth curve across batch sizes. (Memoized: ~20 calls per step, on the critical path.)"""
-    bucket = _BUCKETS.get(batch_size)
-    if bucket is None:
-        bucket = (max(math.ceil(batch_size), 1) - 1).bit_length()
-        if len(_BUCKETS) < 4096:
-            _BUCKETS[batch_size] = bucket
-    return bucket
-
-
-_BUCKETS: dict[float, int] = {}
-
-
-class LocalFits:
-    """Cost fits per (batch-size bucket, key), each fed only the steps of its bucket, created on first use.
-
-    A fit is `fresh` while it has data (weight >= 1) and was updated within `stale_after` observations:
-    what a bucket measured long ago (warm-up, other load) is a guess, like a prediction carried over
-    from another batch size, until it is measured again (then the fit starts over)."""
-
-    def __init__(self, make: Callable[[], DecayedRegression], stale_after: float) -> None:
-        self._make, self.stale_after = make, stale_after
-        self._fits: dict[tuple[int, int], DecayedRegression] = {}
-        self._stamps: dict[tuple[int, int], int] = {}
-        self._counts: dict[tuple[int, int], int] = {}
-        self._off: dict[tuple[int, int], int] = {}  # the last observation above (1) or below (-1) restart_ratio
-
-    def add(self, batch_size: float, key: int, x: Sequence[float], y: float, now: int,
-            restart_ratio: float | None = None) -> None:
-        """One observation of the bucket of batch_size; a stale fit starts over (its data was a guess),
-        and so does one that mispredicts y by more than restart_ratio times the same way twice in a row
-        (the step cost changed: what it held was measured in a disturbance, warm-up say, and would
-        outweigh rare new measurements for a whole window)."""
-        slot = (batch_bucket(batch_size), key)
-        fit = self._fits.get(slot)
-        fresh = now - self._stamps.get(slot, now) <= self.stale_after
-        if fit is not None and fresh and restart_ratio is not None and fit.weight >= 1.0:
-            predicted = fit.predict(x)
-            off = 0 if predicted / restart_ratio <= y <= predicted * restart_ratio else (1 if y > predicted else -1)
-            # two in a row, the same way: one outlier (a hiccup, a step timed at its launch) only averages in
-            fresh = off == 0 or self._off.get(slot) != off
-            self._off[slot] = off
-        if fit is None or not fresh:
-            fit = self._fits[slot] = self._make()
-        self._counts[slot] = (self._counts.get(slot, 0) if fresh else 0) + 1
-        fit.add(x, y)
-        self._stamps[slot] = now
-
-    def samples(self, batch_size: float, key: int, now: int) -> int:
-        """How many observations the bucket's fit for key took since it was last stale (0: none, or stale)."""
-        slot = (batch_bucket(batch_size), key)
-        return self._counts.get(slot, 0) if self.fresh(batch_size, key, now) else 0
-
-    def get(self, batch_size: float, key: int) -> DecayedRegression | None:
-        """The bucket's fit for key if it has data (fresh or not)."""
-        fit = self._fits.get((batch_bucket(batch_size), key))
-        return fit if fit is not None and fit.weight >= 1.0 else None
-
-    def fresh(self, batch_size: float, key: int, now: int) -> bool:
-        slot = (batch_bucket(batch_size), key)
-        return self.get(batch_size, key) is not None and now - self._stamps[slot] <= self.stale_after
-
-    def age(self, batch_size: float, key: int, now: int) -> int | None:
-        """Observations since the bucket's fit for key was last updated (None: never)."""
-        stamp = self._stamps.get((batch_bucket(batch_size), key))
-        return None if stamp is None else now - stamp
+__all__ = ["LocalFits", "PositionRates", "StepCosts", "TokenCalibration", "batch_bucket"]
 
 
 class PositionRates:

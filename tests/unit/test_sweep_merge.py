@@ -108,9 +108,9 @@ def test_one_part_is_the_run_itself() -> None:
 
 
 def test_an_adaptive_policy_traces_its_choices_and_steps() -> None:
-    """sweep_point.Policy.trace: what an adaptive controller chose (with the best k it saw and whether it
+    """sweep_policy.Policy.trace: what an adaptive controller chose (with the best k it saw and whether it
     explored) and what every step measured, in order (the JSON keeps it up to concurrency 32)."""
-    from sweep_point import Policy
+    from sweep_policy import Policy
 
     from specserve.config import SpeculativeConfig
     from specserve.spec.adaptive import AdaptiveController, SpecStepStats
@@ -131,12 +131,12 @@ def test_an_adaptive_policy_traces_its_choices_and_steps() -> None:
 
 
 def test_a_slow_proposal_reports_its_batch_and_the_catch_up_predicted_for_it() -> None:
-    """sweep_point.Policy.slow_proposals: a stall's batch size, the tokens the proposer had not seen and
+    """sweep_policy.Policy.slow_proposals: a stall's batch size, the tokens the proposer had not seen and
     the catch-up the controller predicted for them (the pair's 374 ms stall at 256 requests had none of
     these in the sixteenth session's JSON)."""
     from types import SimpleNamespace
 
-    from sweep_point import Policy
+    from sweep_policy import Policy
 
     from specserve.spec.adaptive import ProposalStats, SpecStepStats
 
@@ -165,7 +165,7 @@ def test_a_slow_proposal_reports_its_batch_and_the_catch_up_predicted_for_it() -
 def test_dropping_a_warm_up_keeps_every_record_aligned() -> None:
     """controller_sweep drops what a policy recorded during the warm-up between two parts of a point:
     the choices with their batch sizes and beliefs, the steps with their extras, all from the same mark."""
-    from sweep_point import Policy
+    from sweep_policy import Policy
 
     from specserve.config import SpeculativeConfig
     from specserve.spec.adaptive import AdaptiveController, SpecStepStats
@@ -242,7 +242,7 @@ def test_the_decode_price_names_each_source() -> None:
 
 
 def test_a_warm_up_trace_holds_only_what_came_after_its_mark() -> None:
-    from sweep_point import Policy
+    from sweep_policy import Policy
 
     from specserve.config import SpeculativeConfig
     from specserve.spec.adaptive import AdaptiveController, SpecStepStats
