@@ -10,7 +10,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from specserve.spec.bucket_fits import LocalFits, batch_bucket
+from specserve.spec.bucket_fits import LocalFits, PlainStepTimes, batch_bucket
 from specserve.spec.regression import DecayedRegression, non_decreasing
 from specserve.spec.step_stats import ProposalStats, SpecStepStats
 
@@ -134,6 +134,7 @@ class StepCosts:
         self.propose_cost = DecayedRegression(4, window, (0.0, ridge, ridge, ridge))
         self.local_cost = LocalFits(fit, stale_after)  # decode (key 0), verify steps (key k)
         self.local_propose = LocalFits(lambda: DecayedRegression(2, window, (0.0, ridge)), stale_after)  # (1, B)
+        self.plain_steps = PlainStepTimes(2 * window, stale_after)  # bounds a bucket's decode price from above
         self._keep = 1.0 - 1.0 / window
         self.pure_decode_weight = 0.0  # decayed count of steps without drafts and without prompt chunks
         # What a cold proposal costs beyond a warm one, over (1, tokens the proposer has not seen). With the
@@ -167,16 +168,18 @@ class StepCosts:
         """A plain decode step of b requests, and whether this bucket measured it lately. Else the decode
         fit over every batch size; the verify fit until a clean decode step was seen."""
         x = (1.0, b, 0.0)
+        bound = self.plain_steps.bound(b, self.num_observed)  # what plain steps here took, prompts and all
+        cap = (lambda t: min(t, bound)) if bound is not None else (lambda t: t)
         local = self.local_cost.get(b, _DECODE)
         if local is not None:
-            return max(local.predict(x), 1e-9), self.local_cost.fresh(b, _DECODE, self.num_observed)
+            return cap(max(local.predict(x), 1e-9)), self.local_cost.fresh(b, _DECODE, self.num_observed)
         order = (self.decode_cost, self.verify_cost)
         if self.pure_decode_weight < 1.0 and self.verify_cost.weight >= 1.0:
             order = (self.verify_cost, self.decode_cost)
         for model in order:
             t = model.predict_many([x])
             if t is not None:
-                return max(t[0], 1e-9), False
+                return cap(max(t[0], 1e-9)), False
         return 1.0, False  # nothing measured: every k costs the same, the prior decides
 
     def verify_seconds(self, b: float, num_tokens: list[float]) -> tuple[list[float], list[bool]]:
@@ -285,6 +288,9 @@ class StepCosts:
             self.unseen_tokens = 0.0  # the engine idled: nothing ran, so every request now running is new
         plain = step.num_draft_tokens == 0 and (p is None or p.num_speculative_tokens == 0)
         same_way = not paused and self._prev_plain is plain
+        if plain and same_way and since is not None and step.batch_size > 0:
+            # (not the first plain step after drafting: timed at its launch, its forward lands in the next)
+            self.plain_steps.add(step.batch_size, step.step_seconds + max(unexplained, 0.0), self.num_observed)
         timed, self._prev_timed, self._prev_plain = self._prev_timed and not paused, plain and not paused, plain
         return timed, (max(unexplained, 0.0) if same_way else 0.0)
 

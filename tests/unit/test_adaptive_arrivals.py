@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from specserve.spec.adaptive import AdaptiveController
+from specserve.spec.adaptive import AdaptiveController, ProposalStats, SpecStepStats, verify_counts
 from tests.helpers.spec_world import CFG, K, mostly, run_serving, serving_world
 
 STEPS = 2000
@@ -75,3 +75,34 @@ def test_prompt_tails_on_the_timers_do_not_raise_the_decode_price(batch: int) ->
     rate, chosen = run_serving(world, ctrl, STEPS, seed=batch)
     assert ctrl.estimate(batch).step_seconds[0] == pytest.approx(world.step_s, rel=0.03)
     assert_near_best(batch, rate, chosen)
+
+
+def test_rare_clean_decode_steps_do_not_outprice_what_plain_steps_take() -> None:
+    """At concurrency 256 (H200 pair, twentieth session) nearly every step computed prompt chunks, so the
+    bucket's decode fit learned from a few clean steps only, whose timers carried the host work of a
+    batch of finishing requests: it priced a decode step at 17.7 ms for 800 observations, where steps
+    without drafts took ~4 ms, prompt chunks included. The controller drafted k = 12, at 0.69 of no
+    drafting. What plain steps took bounds the decode price."""
+    ctrl = AdaptiveController(CFG)
+    now = [0.0]
+    ctrl.clock = lambda: now[0]
+    batch, plain = 256, ProposalStats.measure(0, [], [], 0.0)
+
+    def observe(tokens: int, seconds: float, k: int = 0, propose_s: float = 0.0) -> None:
+        now[0] += seconds + propose_s  # no pause between observations
+        proposal = ProposalStats.measure(k, [k] * batch, [k] * batch, propose_s) if k else plain
+        counts = verify_counts([k] * batch, [k] * batch) if k else ((), ())
+        ctrl.observe(SpecStepStats(batch, tokens, k * batch, seconds, *counts, proposal))
+
+    for _ in range(20):  # drafting K, every draft accepted: 5 tokens per request in 27 ms
+        observe(batch * (K + 1), 0.015, K, 0.012)
+    for _ in range(60):  # steps without drafts, each with a new request's prompt chunk: 4 ms
+        observe(batch + 170, 0.004)
+    for _ in range(3):  # clean steps whose timers carry the host work of finishing requests
+        observe(batch, 0.0177)
+    local = ctrl.costs.local_cost.get(batch, 0)
+    assert local is not None and local.predict((1.0, batch, 0.0)) > 0.015  # what the decode fit learned
+    est = ctrl.estimate(batch)
+    assert est.step_seconds[0] < 0.0055
+    assert est.tokens_per_s[0] > est.tokens_per_s[K]
+    assert ctrl.choose(batch) == 0
