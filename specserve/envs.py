@@ -125,6 +125,13 @@ def prefill_pieces() -> bool:
     return _switch("SPECSERVE_PREFILL_PIECES") is not False
 
 
+def prefill_apart() -> bool:
+    """SPECSERVE_PREFILL_APART=1: beside a decoding batch of more than two requests, a new request's short
+    prompt runs in prefill-graph pieces in steps of its own instead of one eager step with the whole batch
+    (scheduler/scheduler.py prefill_apart). Default off until it is measured on the H200."""
+    return _switch("SPECSERVE_PREFILL_APART") is True
+
+
 def catch_up_graphs() -> bool:
     """SPECSERVE_CATCH_UP_GRAPHS=0: a draft model captures prefill graphs of one or two sequences for
     its catch-ups, as before the catch-up graphs of up to 32 (runner/cuda_graph.py CATCH_UP_QUERY_LENS;

@@ -69,6 +69,7 @@ class Engine(AsyncStepMixin):
         lens = getattr(graphs, "prefill_query_lens", ()) if graphs is not None else ()
         if lens and envs.prefill_pieces():
             self.scheduler.prefill_piece = max(lens)
+            self.scheduler.prefill_apart = envs.prefill_apart()
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,
@@ -197,7 +198,8 @@ class Engine(AsyncStepMixin):
             new_tokens, accepted = self._sample(sched, step_out.logits)
             outputs.extend(self._update(sched, new_tokens, accepted))
             if self.spec is not None:
-                self.spec.observe_step(sched, time.perf_counter() - start)
+                if not sched.apart:  # prompt pieces apart verify nothing: the next step pairs with the proposal
+                    self.spec.observe_step(sched, time.perf_counter() - start)
                 self.spec.absorb(sched, [t is not None for t in new_tokens], step_out)
                 self._propose(sched, new_tokens, step_out)
         self._record_step_stats(sched)

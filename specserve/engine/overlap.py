@@ -129,7 +129,7 @@ class AsyncStepMixin:
                                          if row is not None])
         if launched is not None:
             self._inflight = self._launch_sampling(*launched)
-            if spec is not None:
+            if spec is not None and not sched.apart:  # (see Engine._step_sync)
                 spec.observe_step(sched, time.perf_counter() - start)
         self._record_step_stats(sched)
         return outputs
