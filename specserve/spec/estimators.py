@@ -168,19 +168,19 @@ class StepCosts:
         """A plain decode step of b requests, and whether this bucket measured it lately. Else the decode
         fit over every batch size; the verify fit until a clean decode step was seen."""
         x = (1.0, b, 0.0)
-        bound = self.plain_steps.bound(b, self.num_observed)  # what plain steps here took, prompts and all
-        cap = (lambda t: min(t, bound)) if bound is not None else (lambda t: t)
         local = self.local_cost.get(b, _DECODE)
         if local is not None:
-            return cap(max(local.predict(x), 1e-9)), self.local_cost.fresh(b, _DECODE, self.num_observed)
-        order = (self.decode_cost, self.verify_cost)
-        if self.pure_decode_weight < 1.0 and self.verify_cost.weight >= 1.0:
-            order = (self.verify_cost, self.decode_cost)
-        for model in order:
-            t = model.predict_many([x])
-            if t is not None:
-                return cap(max(t[0], 1e-9)), False
-        return 1.0, False  # nothing measured: every k costs the same, the prior decides
+            t, trusted = max(local.predict(x), 1e-9), self.local_cost.fresh(b, _DECODE, self.num_observed)
+        else:
+            order = (self.decode_cost, self.verify_cost)
+            if self.pure_decode_weight < 1.0 and self.verify_cost.weight >= 1.0:
+                order = (self.verify_cost, self.decode_cost)
+            found = next((p for p in (m.predict_many([x]) for m in order) if p is not None), None)
+            if found is None:
+                return 1.0, False  # nothing measured: every k costs the same, the prior decides
+            t, trusted = max(found[0], 1e-9), False
+        bound = self.plain_steps.bound(b, self.num_observed)  # what plain steps here took, prompts and all
+        return (t if bound is None else min(t, bound)), trusted
 
     def verify_seconds(self, b: float, num_tokens: list[float]) -> tuple[list[float], list[bool]]:
         """Verify steps for k = 1.. (num_tokens[k - 1] tokens), and whether each is priced on fresh data
