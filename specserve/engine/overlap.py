@@ -129,8 +129,11 @@ class AsyncStepMixin:
                                          if row is not None])
         if launched is not None:
             self._inflight = self._launch_sampling(*launched)
-            if spec is not None and not sched.apart:  # (see Engine._step_sync)
-                spec.observe_step(sched, time.perf_counter() - start)
+            if spec is not None:  # (see Engine._step_sync)
+                if sched.apart:
+                    spec.observe_apart(sched)
+                else:
+                    spec.observe_step(sched, time.perf_counter() - start)
         self._record_step_stats(sched)
         return outputs
 

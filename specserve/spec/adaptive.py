@@ -296,6 +296,10 @@ class AdaptiveController(Exploration):
         age = self.costs.decode_age(batch_size)
         return not known or (not self.catches_up() and age is not None and age >= s.reprobe_after)
 
+    def observe_apart(self, prompt_tokens: int, new_prompts: int) -> None:
+        """A step of prompt pieces alone, beside the waiting batch (see StepCosts.observe_apart)."""
+        self.costs.observe_apart(prompt_tokens, new_prompts)
+
     def observe(self, step: SpecStepStats) -> None:
         """Learn from one finished step: its cost, the acceptance of its drafts, its proposal's cost."""
         p = step.proposal

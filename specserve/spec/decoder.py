@@ -107,6 +107,7 @@ class SpecDecoder:
         self.proposer.defer_drafts = getattr(engine_parts.runner, "accepts_pending", False) and wanted
         self._deferred: DeferredDrafts | None = None
         self._wait_s = 0.0  # this step's wait for deferred drafts: the proposal's time, not the step's
+        self._apart_ids: set[str] = set()  # the requests of the last step of prompt pieces apart
 
     def pending_drafts(self) -> PendingTokens | None:
         """The last proposal's drafts still on the device: the verify step's placeholders read them."""
@@ -157,6 +158,16 @@ class SpecDecoder:
                                               sum(s.num_spec_tokens for s in sched.scheduled), step_seconds,
                                               reached, accepted, proposal))
         self._proposal = None
+
+    def observe_apart(self, sched: SchedulerOutput) -> None:
+        """A step of prompt pieces apart (sched.apart): no observation of its own (it verifies nothing;
+        the next step pairs with the proposal), but the adaptive controller learns the prompts it
+        computed and keeps its time out of the next step's price (StepCosts.observe_apart)."""
+        ids = {s.request.request_id for s in sched.scheduled}
+        started, self._apart_ids = len(ids - self._apart_ids), ids  # a prompt's pieces run in consecutive ones
+        observe = getattr(self.controller, "observe_apart", None)
+        if observe is not None:
+            observe(sched.num_batched_tokens, started)
 
     def work_ahead(self, batch_size: int) -> None:
         """Called while the GPU runs a synchronous step: the controller prepares its next choice."""

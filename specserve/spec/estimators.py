@@ -162,6 +162,10 @@ class StepCosts:
         self._observed_at: float | None = None
         self._prev_timed = True  # the previous step ran overlapped with the one before (see _timed)
         self._prev_plain: bool | None = None  # the previous step had no drafts (None: none observed)
+        # Prompt pieces computed in steps apart since the last observed step (observe_apart): (tokens,
+        # prompts they started); the next observed step counts them as its prompt chunks, not in its price.
+        self._apart = (0, 0)
+        self._after_apart = False  # the next observed step's timer may also cover a step apart's forward
 
     # -- predictions --------------------------------------------------------------------------
     def decode_seconds(self, b: float) -> tuple[float, bool]:
@@ -267,6 +271,23 @@ class StepCosts:
             self._last_cold = None
         self._count_unseen(step, p)
 
+    def observe_apart(self, prompt_tokens: int, new_prompts: int) -> None:
+        """A step of prompt pieces alone (scheduler/scheduler.py prefill_apart), beside a decoding batch
+        that waits: it verifies nothing, so it is no observation of its own. Its time is no later step's
+        price, and the next step's timer may also cover its forward (asynchronous scheduling waits for it;
+        a synchronous step apart samples nothing, so nothing waited for it): that step prices nothing. Its
+        prompt tokens still count as the next step's prompt chunks (arrivals, and what a draft model has
+        not seen), and each prompt it started as one arrival.
+
+        On the H200 pair at concurrency 32 (twenty-first session) steps apart went unobserved: the decode
+        steps after them carried their forwards, a decode step was priced 2.87 ms where it took ~2.1, and
+        the controller drafted at 0.83 of no drafting."""
+        tokens, started = self._apart
+        self._apart = (tokens + prompt_tokens, started + new_prompts)
+        self._observed_at = self.clock()  # the next step's interval starts here
+        self._prev_plain = None  # (so no host time of the interval is charged to the next step)
+        self._after_apart = True
+
     def _timed(self, step: SpecStepStats, p: ProposalStats | None) -> tuple[bool, float]:
         """(whether a step without drafts was timed to its end, the host time since the last observation
         that no timer covered). The latter only if this step and the one before ran the same way (both
@@ -297,8 +318,9 @@ class StepCosts:
     def _observe_step(self, step: SpecStepStats, p: ProposalStats | None, timed: bool, untimed: float) -> None:
         decode = step.batch_size + step.num_draft_tokens  # one token per request, plus its drafts
         prefill = max(step.num_batched_tokens - decode, 0)  # the rest: prompt chunks
-        after_prompt, self.after_prompt = self.after_prompt, prefill > 0
-        if step.step_seconds <= 0 or step.num_batched_tokens <= 0:
+        after_prompt, self.after_prompt = self.after_prompt, prefill > 0 or self._apart[0] > 0
+        after_apart, self._after_apart = self._after_apart, False
+        if step.step_seconds <= 0 or step.num_batched_tokens <= 0 or after_apart:
             return
         x = (1.0, float(decode), float(prefill))
         if step.num_draft_tokens > 0:
@@ -377,11 +399,15 @@ class StepCosts:
         """Tokens a draft model would have to catch up on: those computed since it last drafted, less
         those of requests that finished since (the share of the batch replaced per step is estimated
         from how often a step computes a prompt chunk: new requests)."""
+        (apart_tokens, apart_started), self._apart = self._apart, (0, 0)
         prefill = max(step.num_batched_tokens - step.batch_size - step.num_draft_tokens, 0)
-        self._arrivals += ((1.0 if prefill > 0 else 0.0) - self._arrivals) / self._arrivals_window
+        # a step's own prompt chunk is one arrival (or a chunk of one); pieces apart count the prompts they started
+        arrived = 1.0 if prefill > 0 or apart_started > 0 else 0.0
+        prefill += apart_tokens
+        self._arrivals += (arrived - self._arrivals) / self._arrivals_window
         keep = 1.0 - 1.0 / self._arrivals_window
         steps, prompt, out = self._prompts
-        self._prompts = (steps * keep + (1.0 if prefill > 0 else 0.0), prompt * keep + prefill,
+        self._prompts = (steps * keep + arrived, prompt * keep + prefill,
                          out * keep + step.batch_size + sum(step.accepted_per_pos))
         if p is not None and p.num_speculative_tokens > 0 and p.num_seqs > 0:
             # the proposal fed the proposer everything before this step; of this step, the next warm
@@ -389,4 +415,4 @@ class StepCosts:
             self.unseen_tokens = float(prefill)
         elif self.unseen_tokens is not None:
             turnover = min(self._arrivals / max(step.batch_size, 1), 1.0)
-            self.unseen_tokens = self.unseen_tokens * (1.0 - turnover) + step.num_batched_tokens
+            self.unseen_tokens = self.unseen_tokens * (1.0 - turnover) + step.num_batched_tokens + apart_tokens

@@ -8,6 +8,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.scheduler.scheduler import PIECE_MAX_SEQS, PIECES
+from specserve.spec.adaptive import AdaptiveController
 from specserve.spec.eagle import EagleProposer
 from specserve.spec.eagle_head import make_random_head_dir
 
@@ -74,6 +75,9 @@ def test_prompts_apart_give_the_same_tokens(tiny_llama_dir, tmp_path, monkeypatc
         if method == "eagle3":
             monkeypatch.setattr(EagleProposer, "step_graphs", "eager")
             spec["model"] = str(make_random_head_dir(str(tiny_llama_dir), tmp_path / "head", "eagle3"))
+    told: list[tuple[int, int]] = []  # what the adaptive controller heard of steps apart
+    monkeypatch.setattr(AdaptiveController, "observe_apart",
+                        lambda self, tokens, started: told.append((tokens, started)))
     runs = {}
     for apart in (False, True):
         llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=8 << 20,
@@ -88,6 +92,11 @@ def test_prompts_apart_give_the_same_tokens(tiny_llama_dir, tmp_path, monkeypatc
         assert len(entries) <= PIECE_MAX_SEQS
         # prompt pieces only: no decode row, no piece over PIECE, never a prompt's last token
         assert all(out == 0 and 1 <= n <= PIECE and n < left for _, n, out, left in entries), entries
+    if method == "ngram":  # (adaptive) each step apart reported, its tokens, the prompts it started
+        assert [t for t, _ in told] == [sum(n for _, n, *_ in entries) for entries in apart]
+        assert sum(s for _, s in told) == len({rid for entries in apart for rid, *_ in entries})
+    else:
+        assert not told
 
 
 def test_a_burst_or_a_long_prompt_runs_as_usual(tiny_llama_dir) -> None:

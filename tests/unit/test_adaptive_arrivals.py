@@ -106,3 +106,49 @@ def test_rare_clean_decode_steps_do_not_outprice_what_plain_steps_take() -> None
     assert est.step_seconds[0] < 0.0055
     assert est.tokens_per_s[0] > est.tokens_per_s[K]
     assert ctrl.choose(batch) == 0
+
+
+def _serve_with_prompts_apart(tell: bool) -> AdaptiveController:
+    """Concurrency 32 with prompts apart (scheduler prefill_apart), asynchronous scheduling: a new request's
+    171-token prompt runs in pieces of 64, 64, 43 in steps of their own (3 ms each), each followed by a
+    decode step of the batch (2 ms); its last token joins the third. Every step's timer reads the forward
+    before it (it waits for it). tell: the engine reports the steps apart (observe_apart), as it now does."""
+    ctrl = AdaptiveController(CFG)
+    now = [0.0]
+    ctrl.clock = lambda: now[0]
+    batch, plain = 32, ProposalStats.measure(0, [], [], 0.0)
+    for _ in range(20):  # drafting K, every draft accepted: 5 tokens per request in 14 ms
+        now[0] += 0.014
+        counts = verify_counts([K] * batch, [K] * batch)
+        ctrl.observe(SpecStepStats(batch, batch * (K + 1), K * batch, 0.006, *counts,
+                                   ProposalStats.measure(K, [K] * batch, [K] * batch, 0.008)))
+    prev = 0.002
+    cycle = (64, None, 64, None, 43, None, None, None, None, None)  # the pieces, then plain decode steps
+    for i, piece in enumerate(cycle * 40 + cycle[:6]):  # (ends on an arrival: the steps after pieces last)
+        if piece is not None:
+            now[0] += 0.003
+            if tell:
+                ctrl.observe_apart(piece, 1 if i % len(cycle) == 0 else 0)  # (the first piece starts a prompt)
+            prev = 0.003
+            continue
+        now[0] += 0.002
+        ctrl.observe(SpecStepStats(batch, batch, 0, prev, (), (), plain))
+        prev = 0.002
+    return ctrl
+
+
+def test_steps_of_prompts_apart_stay_out_of_the_decode_price() -> None:
+    """On the H200 pair at concurrency 32 (twenty-first session), with prompts apart, steps apart went
+    unobserved: the decode step after each carried its forward on the timer and its time in the interval
+    since the last observation. A decode step was priced 2.87 ms (it took ~2.1) and the controller
+    drafted, at 0.83 of no drafting. Reported, they price nothing, and each prompt is one arrival of 171
+    tokens."""
+    unseen = _serve_with_prompts_apart(tell=False).estimate(32)
+    assert unseen.step_seconds[0] > 0.0025  # the failure: the steps apart inflate the decode price
+    ctrl = _serve_with_prompts_apart(tell=True)
+    est = ctrl.estimate(32)
+    assert est.step_seconds[0] == pytest.approx(0.002, rel=0.03)
+    assert est.tokens_per_s[0] > est.tokens_per_s[K]  # 16,000 tokens/s against 11,400
+    assert ctrl.choose(32) == 0
+    steps, prompt, _ = ctrl.costs._prompts  # decayed: arrivals, their prompt tokens
+    assert prompt / steps == pytest.approx(171, rel=0.01)
