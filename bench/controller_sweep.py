@@ -357,6 +357,8 @@ def _record_point(result: dict[str, Any], pol_name: str, c: int, rows: list[dict
         if c <= TRACE_UP_TO:
             row["trace"] = policy.trace()
             row["trace_warmups"] = warm_traces or []
+        else:
+            row["trace_drafting"] = policy.drafting_trace()
     if replays and policy is not None:
         row["verify_steps"] = dict(replays)
     if policy is not None:

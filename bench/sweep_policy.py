@@ -84,6 +84,14 @@ class Policy:
                  for (k, t, p, n), (b, unseen, predicted, prompt) in zip(self.steps[s0:], self.step_extras[s0:])]
         return {"choices": choices, "steps": steps}
 
+    def drafting_trace(self) -> dict[str, list[list[float]]]:
+        """trace()'s choices with k > 0 and the steps verifying a proposal of k > 0, each led by its index in
+        the point: above TRACE_UP_TO (controller_sweep.py) the whole trace is too large to keep, and where
+        drafting is rare (an exploration, its catch-up) these few records are what it cost."""
+        full = self.trace()
+        return {"choices": [[i, *c] for i, c in enumerate(full["choices"]) if c[1] > 0],
+                "steps": [[i, *st] for i, st in enumerate(full["steps"]) if st[0] > 0]}
+
     def steps_by_k(self) -> dict[str, dict[str, float]]:
         """What the engine measured per step during a point, by the k of the proposal the step verified
         (-1: no proposal, e.g. a prompt step): steps, mean step and proposal ms, tokens per step, the

@@ -258,3 +258,25 @@ def test_a_warm_up_trace_holds_only_what_came_after_its_mark() -> None:
     assert [c[0] for c in warm["choices"]] == [8]
     assert warm["steps"] == [[-1, 9.0, 0.0, 8, 8, 0, 0.0, 100]]
     assert len(policy.trace()["steps"]) == 2
+
+
+def test_a_drafting_trace_keeps_only_drafting_choices_and_steps_with_their_indices() -> None:
+    """Above concurrency 32 the JSON keeps only the choices with k > 0 and the steps verifying drafts."""
+    from sweep_policy import Policy
+
+    from specserve.config import SpeculativeConfig
+    from specserve.spec.adaptive import AdaptiveController, ProposalStats, SpecStepStats, verify_counts
+
+    ctrl = AdaptiveController(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    policy = Policy("adaptive", ctrl, None)
+    ks = [ctrl.choose(b) for b in (4, 4, 64)]
+    plain = ProposalStats.measure(0, [], [], 0.0)
+    ctrl.observe(SpecStepStats(4, 4, 0, 0.002, (), (), plain))
+    counts = verify_counts([3] * 4, [2] * 4)
+    ctrl.observe(SpecStepStats(4, 16, 12, 0.004, *counts, ProposalStats.measure(3, [3] * 4, [3] * 4, 0.001)))
+    ctrl.observe(SpecStepStats(4, 4, 0, 0.002, (), (), plain))
+    full, drafting = policy.trace(), policy.drafting_trace()
+    assert [row[0] for row in full["steps"]] == [0, 3, 0]
+    assert drafting["steps"] == [[1, *full["steps"][1]]]
+    assert [c[0] for c in drafting["choices"]] == [i for i, k in enumerate(ks) if k > 0]
+    assert [c[1:] for c in drafting["choices"]] == [c for c in full["choices"] if c[1] > 0]
