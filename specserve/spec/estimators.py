@@ -108,6 +108,7 @@ _DECODE = 0  # LocalFits key of plain decode steps (verify steps and proposals: 
 _DECODE_RESTART = 1.5
 _CATCH_UP_EXTRA = 0.25  # a proposer whose first proposal after a pause costs 25% more catches up
 _COLD_EXTRA_GUESS = 1.0  # until measured: a first proposal after a pause costs twice a warm one
+_CATCH_UP_REACH = 2.0  # a catch-up fit prices token counts up to this many times the largest it saw
 _PAUSE_S = 0.005  # unaccounted time between two observations beyond this (and the step's own): a pause
 _GUESS_WEIGHT = 0.5  # what a k's proposal cost guessed from the fit over every batch size weighs against measured ones
 
@@ -239,15 +240,24 @@ class StepCosts:
 
     def catch_up_seconds(self, tokens: float | None, warm: float, b: float | None = None) -> float:
         """A cold proposal's cost beyond a warm one (`warm`) when the proposer has not seen `tokens`, at
-        batch size b: that bucket's own fit where it has one, else the fit over every batch size."""
-        if tokens is not None:
-            local = self.local_catch_up.get(b, 0) if b is not None else None
-            if local is not None:
-                return max(local.predict((1.0, tokens)), 0.0)
-            t = self.catch_up_cost.predict_many([(1.0, tokens)])
-            if t is not None:
-                return max(t[0], 0.0)
-        return (self.cold_extra if self.cold_extra is not None else _COLD_EXTRA_GUESS) * warm
+        batch size b: that bucket's own fit where it has one, else the fit over every batch size. Far
+        beyond the token counts a fit has seen, no less than the ratio of cold to warm proposals measured:
+        where requests come and go a fit learns mostly from prompt feeds of a few hundred tokens, and
+        extrapolated to a pause's catch-up it says ~0. On the H200 pair at 128 requests (twenty-first
+        session) one of 44,880 tokens was priced 0.0 ms and took 177 ms."""
+        ratio = (self.cold_extra if self.cold_extra is not None else _COLD_EXTRA_GUESS) * warm
+        if tokens is None:
+            return ratio
+        local = self.local_catch_up.get(b, 0) if b is not None else None
+        if local is not None:
+            fit, t = local, local.predict((1.0, tokens))
+        else:
+            fit, found = self.catch_up_cost, self.catch_up_cost.predict_many([(1.0, tokens)])
+            if found is None:
+                return ratio
+            t = found[0]
+        t = max(t, 0.0)
+        return t if tokens <= _CATCH_UP_REACH * fit.max_x else max(t, ratio)
 
     def prompt_feed_seconds(self) -> float:
         """What feeding new requests' prompts to the proposer (a draft model catches up on them at its
@@ -274,9 +284,9 @@ class StepCosts:
     def observe_apart(self, prompt_tokens: int, new_prompts: int) -> None:
         """A step of prompt pieces alone (scheduler/scheduler.py prefill_apart), beside a decoding batch
         that waits: it verifies nothing, so it is no observation of its own. Its time is no later step's
-        price, and the next step's timer may also cover its forward (asynchronous scheduling waits for it;
-        a synchronous step apart samples nothing, so nothing waited for it): that step prices nothing. Its
-        prompt tokens still count as the next step's prompt chunks (arrivals, and what a draft model has
+        price, and the next step's timer may also cover its forward (asynchronous scheduling waits for it
+        there; a synchronous step apart samples nothing, so its forward may still run when the next step
+        starts): that step prices nothing. Its prompt tokens still count as the next step's prompt chunks (arrivals, and what a draft model has
         not seen), and each prompt it started as one arrival.
 
         On the H200 pair at concurrency 32 (twenty-first session) steps apart went unobserved: the decode

@@ -133,3 +133,22 @@ def test_catch_ups_are_priced_per_batch_size_where_measured() -> None:
     assert abs(feed.costs.catch_up_seconds(172.0, WARM_S, 1) - 0.0026) < 0.001
     pooled = feed.costs.catch_up_seconds(60.0, WARM_S)
     assert pooled == feed.costs.catch_up_seconds(60.0, WARM_S, 64)  # no data at 64: the pooled fit
+
+
+def test_a_pause_far_beyond_the_prompt_feeds_measured_costs_no_less_than_the_cold_ratio() -> None:
+    """Where requests come and go, a bucket's catch-up fit learns mostly from prompt feeds: warm
+    proposals right after a prompt chunk, a few hundred tokens each, often no dearer than a warm proposal
+    (measured as ~0). Extrapolated to a pause's catch-up the fit says ~0: on the H200 pair at 128 requests
+    (twenty-first session) one of 44,880 tokens was priced 0.0 ms and took 177 ms, on an exploration.
+    Beyond twice the token counts a fit has seen, a catch-up costs no less than the measured ratio of
+    cold to warm proposals (here 2: 10 ms extra on 5 ms) says."""
+    feed = _Feed()
+    feed.warm_up()
+    for _ in range(40):  # prompt feeds of 172 tokens that cost nothing over a warm proposal
+        proposal = ProposalStats.measure(K, [K] * B, [K] * B, WARM_S)
+        feed.now += STEP_S + WARM_S
+        feed.costs.observe(SpecStepStats(B, B + K * B, K * B, STEP_S, proposal=proposal), False, True, 172.0)
+    local = feed.costs.local_catch_up.get(B, 0)
+    assert local is not None and local.predict((1.0, 44880.0)) < 0.002  # what the fit alone says
+    assert feed.costs.catch_up_seconds(44880.0, WARM_S, B) >= 0.0099  # 2 x the 5 ms warm proposal
+    assert feed.costs.catch_up_seconds(172.0, WARM_S, B) < 0.002  # within the fit's data: the fit
