@@ -382,7 +382,7 @@ class StepCosts:
                     fed = max(p.seconds - local.predict((1.0, float(b))), 1e-6)
                     self._add_catch_up(b, unseen, fed)
                     self.prompt_feed_cost.add((1.0, unseen), fed)
-        if cold and not after_prompt:
+        if cold:  # (after a prompt chunk too: its unseen tokens hold the prompt; at high load every step has one)
             self._last_cold = (k, p.seconds, unseen, b)
         if not cold or not self.catches_up():
             self.propose_cost.add((1.0, k, k * b, b), p.seconds)
@@ -393,13 +393,20 @@ class StepCosts:
         """A cold proposal that no warm one of its k followed (drafting stopped again at once: an
         exploration, a catch-up that turned out dear): its catch-up against the warm fits' prediction
         for its k and batch, which is all there is to price it by. Dropped, the costliest catch-ups (the
-        ones after which the controller stops drafting) would never be measured."""
+        ones after which the controller stops drafting) would never be measured. The ratio of cold to
+        warm takes it too: where every warm proposal follows a prompt chunk (many requests), no pair is
+        clean, and a ratio measured once at the start (a first proposal that had nothing to catch up on,
+        say) would otherwise say for good that the proposer does not catch up (catches_up), so no
+        exploration would be charged its catch-up."""
         if cold is None or not cold[2]:
             return
         k, seconds, unseen, b = cold
         warm = self._warm_proposal(k, float(b))
         if warm is not None:
             self._add_catch_up(b, unseen, max(seconds - max(warm[0], 0.0), 1e-6))
+            if warm[0] > 1e-7:
+                extra = min(seconds / warm[0] - 1.0, 10.0)
+                self.cold_extra = extra if self.cold_extra is None else 0.5 * (self.cold_extra + extra)
 
     def _add_catch_up(self, b: int, unseen: float, seconds: float) -> None:
         self.catch_up_cost.add((1.0, unseen), seconds)
