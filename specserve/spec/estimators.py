@@ -370,8 +370,7 @@ class StepCosts:
         k, b = min(p.depth, self.max_k), p.num_seqs
         last_cold, self._last_cold = self._last_cold, None
         if not cold and not after_prompt and last_cold is not None and last_cold[0] == k:
-            extra = min(last_cold[1] / p.seconds - 1.0, 10.0) if p.seconds > 1e-7 else 0.0
-            self.cold_extra = extra if self.cold_extra is None else 0.5 * (self.cold_extra + extra)
+            self._add_cold_extra(last_cold[1], p.seconds)
             if last_cold[2]:
                 self._add_catch_up(b, last_cold[2], max(last_cold[1] - p.seconds, 1e-6))
         else:
@@ -404,9 +403,11 @@ class StepCosts:
         warm = self._warm_proposal(k, float(b))
         if warm is not None:
             self._add_catch_up(b, unseen, max(seconds - max(warm[0], 0.0), 1e-6))
-            if warm[0] > 1e-7:
-                extra = min(seconds / warm[0] - 1.0, 10.0)
-                self.cold_extra = extra if self.cold_extra is None else 0.5 * (self.cold_extra + extra)
+            self._add_cold_extra(seconds, warm[0])
+
+    def _add_cold_extra(self, cold_s: float, warm_s: float) -> None:
+        extra = min(cold_s / warm_s - 1.0, 10.0) if warm_s > 1e-7 else 0.0
+        self.cold_extra = extra if self.cold_extra is None else 0.5 * (self.cold_extra + extra)
 
     def _add_catch_up(self, b: int, unseen: float, seconds: float) -> None:
         self.catch_up_cost.add((1.0, unseen), seconds)
