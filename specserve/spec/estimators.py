@@ -165,8 +165,7 @@ class StepCosts:
         self._prev_plain: bool | None = None  # the previous step had no drafts (None: none observed)
         # Prompt pieces computed in steps apart since the last observed step (observe_apart): (tokens,
         # prompts they started); the next observed step counts them as its prompt chunks, not in its price.
-        self._apart = (0, 0)
-        self._after_apart = False  # the next observed step's timer may also cover a step apart's forward
+        self._apart = (0, 0)  # (also: the next observed step's timer may cover a step apart's forward)
 
     # -- predictions --------------------------------------------------------------------------
     def decode_seconds(self, b: float) -> tuple[float, bool]:
@@ -286,8 +285,8 @@ class StepCosts:
         that waits: it verifies nothing, so it is no observation of its own. Its time is no later step's
         price, and the next step's timer may also cover its forward (asynchronous scheduling waits for it
         there; a synchronous step apart samples nothing, so its forward may still run when the next step
-        starts): that step prices nothing. Its prompt tokens still count as the next step's prompt chunks (arrivals, and what a draft model has
-        not seen), and each prompt it started as one arrival.
+        starts): that step prices nothing. Its prompt tokens still count as the next step's prompt chunks
+        (arrivals, and what a draft model has not seen), and each prompt it started as one arrival.
 
         On the H200 pair at concurrency 32 (twenty-first session) steps apart went unobserved: the decode
         steps after them carried their forwards, a decode step was priced 2.87 ms where it took ~2.1, and
@@ -296,7 +295,6 @@ class StepCosts:
         self._apart = (tokens + prompt_tokens, started + new_prompts)
         self._observed_at = self.clock()  # the next step's interval starts here
         self._prev_plain = None  # (so no host time of the interval is charged to the next step)
-        self._after_apart = True
 
     def _timed(self, step: SpecStepStats, p: ProposalStats | None) -> tuple[bool, float]:
         """(whether a step without drafts was timed to its end, the host time since the last observation
@@ -328,8 +326,8 @@ class StepCosts:
     def _observe_step(self, step: SpecStepStats, p: ProposalStats | None, timed: bool, untimed: float) -> None:
         decode = step.batch_size + step.num_draft_tokens  # one token per request, plus its drafts
         prefill = max(step.num_batched_tokens - decode, 0)  # the rest: prompt chunks
-        after_prompt, self.after_prompt = self.after_prompt, prefill > 0 or self._apart[0] > 0
-        after_apart, self._after_apart = self._after_apart, False
+        after_apart = self._apart[0] > 0  # (_count_unseen takes the pieces' tokens after this)
+        after_prompt, self.after_prompt = self.after_prompt, prefill > 0 or after_apart
         if step.step_seconds <= 0 or step.num_batched_tokens <= 0 or after_apart:
             return
         x = (1.0, float(decode), float(prefill))
