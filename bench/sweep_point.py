@@ -71,13 +71,15 @@ def capture_all_verify_graphs(llm: LLM, max_k: int) -> tuple[int, ...]:
     runner = llm.engine.runner
     if runner.graphs is None:
         return ()
-    own = tuple(runner.graphs.verify_query_lens)
-    prefill = runner.graphs.prefill_query_lens
+    old = runner.graphs
+    own = tuple(old.verify_query_lens)
+    kept = (old.prefill_query_lens, old.catch_up_query_lens, old.mixed_token_lens)
     runner.graphs = None  # free the engine's own graphs before capturing the larger set
+    del old
     gc.collect()
     torch.cuda.empty_cache()
     runner.capture_graphs(llm.engine.scheduler.max_num_seqs, llm.engine.max_model_len, tuple(range(1, max_k + 2)),
-                          prefill)
+                          *kept)
     return own
 
 
@@ -88,7 +90,8 @@ def spec_counters(llm: LLM) -> dict[str, float]:
 def count_graph_replays(llm: LLM, max_q: int) -> Counter:
     """Wrap graph_for to count the steps that replayed a graph as they were ("graph") or padded per
     sequence to a captured length ("padded": n-gram drafts of several lengths), and those that ran
-    eagerly: one query length with no graph ("eager"), several ("ragged"), or a prompt chunk."""
+    eagerly: one query length with no graph ("eager"), several ("ragged"), or a prompt chunk; "mixed":
+    ragged steps that replayed a mixed graph (runner/cuda_graph.py MIXED_TOKEN_LENS)."""
     counts: Counter = Counter()
     graphs = llm.engine.runner.graphs
     if graphs is None:
@@ -98,7 +101,9 @@ def count_graph_replays(llm: LLM, max_q: int) -> Counter:
     def counting(batch):
         found = inner(batch)
         q = batch.uniform_query_len()
-        if found is not None:
+        if found is not None and len(found[1]) > 2:
+            counts["mixed"] += 1
+        elif found is not None:
             counts["graph" if found[0] is batch else "padded"] += 1
         elif max(batch.cu_query_lens[1:] - batch.cu_query_lens[:-1]) > max_q:
             counts["prefill"] += 1

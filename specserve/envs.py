@@ -139,6 +139,12 @@ def catch_up_graphs() -> bool:
     return _switch("SPECSERVE_CATCH_UP_GRAPHS") is not False
 
 
+def mixed_graphs() -> bool:
+    """SPECSERVE_MIXED_GRAPHS=0: ragged steps (a prompt chunk beside decoding requests) run eagerly, as
+    before the target's mixed CUDA graphs (runner/cuda_graph.py MIXED_TOKEN_LENS; A/B runs). Default on."""
+    return _switch("SPECSERVE_MIXED_GRAPHS") is not False
+
+
 def draft_chain_graph() -> bool:
     """SPECSERVE_DRAFT_CHAIN_GRAPH=1: a draft model's greedy chained steps of a propose run as one CUDA
     graph (spec/draft_chain.py; eagerly on the CPU). Default off until it is measured on the H200."""

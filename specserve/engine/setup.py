@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from specserve import envs
 from specserve.config import EngineConfig
 from specserve.engine.validate import check_kv_capacity
 from specserve.kv.manager import KVCacheManager
@@ -13,7 +14,7 @@ from specserve.kv.key_offset import install_key_offsets
 from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.metrics.stats import StatsCollector
 from specserve.model.loader import LoadedModel, load_model, resolve_dtype
-from specserve.runner.cuda_graph import PREFILL_QUERY_LENS, graph_output_bytes
+from specserve.runner.cuda_graph import MIXED_TOKEN_LENS, PREFILL_QUERY_LENS, graph_output_bytes
 from specserve.runner.memory import kv_budget_bytes
 from specserve.runner.model_runner import ModelRunner, select_backend
 from specserve.runner.warmup import dummy_forward, dummy_logits
@@ -98,8 +99,11 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     # Every verify length: the controller drafts 0..k tokens per step (runner/cuda_graph.py keeps
     # the middle lengths to small batches); short prefills of one or two sequences too.
     query_lens = tuple(range(1, k + 2))
+    # Ragged steps too (a prompt chunk beside decoding requests); not under tensor parallelism, whose
+    # ranks replay only the graphs ShardRunner.execute_host finds by graph_key.
+    mixed = MIXED_TOKEN_LENS if shard is None and envs.mixed_graphs() else ()
     reserve = graph_output_bytes(sc.max_num_seqs, query_lens, PREFILL_QUERY_LENS, arch.vocab_size, arch.hidden_size,
-                                 torch.finfo(dtype).bits // 8) if graphs else 0
+                                 torch.finfo(dtype).bits // 8, (), mixed, loaded.max_model_len) if graphs else 0
     budget = kv_budget_bytes(spec, device, cc.gpu_memory_utilization, cc.kv_cache_memory_bytes, profile,
                              sc.max_num_seqs * loaded.max_model_len, reserve)
     num_blocks = spec.num_blocks_for(budget)
@@ -111,7 +115,7 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                       strict=config.model.max_model_len is not None)
     runner = make_runner(loaded, spec, num_blocks, device, backend)
     if graphs:
-        runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, query_lens, PREFILL_QUERY_LENS)
+        runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, query_lens, PREFILL_QUERY_LENS, (), mixed)
     return runner
 
 

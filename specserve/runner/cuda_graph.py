@@ -9,8 +9,16 @@ captured length, is padded to it per sequence (`graph_for`). Short prefills of o
 (a question after a prefix-cache hit, a chat turn, a short prompt) pad the same way to a captured
 prefill length. A draft model's catch-ups (the tokens it skipped while the controller drafted nothing,
 for every running request) pad to catch-up graphs, which score one row per sequence at most (the rows
-in a static index buffer) and so stay small at batch sizes up to CATCH_UP_MAX_BATCH. Everything else
-runs eagerly.
+in a static index buffer) and so stay small at batch sizes up to CATCH_UP_MAX_BATCH.
+
+Mixed graphs take what no uniform length holds: any ragged step of up to MIXED_TOKEN_LENS[-1] tokens
+(a new prompt's chunk beside decoding or verifying requests, several prompts at once). They are
+captured per (batch size, token count) with the query length bound at the token count, so any split
+of the tokens over the sequences replays the same launches (the attention kernel finds each q block's
+sequence from cu_query_lens). Padding tokens go after the real ones and belong to no sequence (slot -1,
+no K/V stored, their rows garbage); padding sequences are empty. A mixed graph stops at the final
+hidden states: the LM head runs after the replay on the rows the step scores, so one graph serves any
+number of scored rows and keeps only [tokens, hidden] for good. Everything else runs eagerly.
 """
 from __future__ import annotations
 
@@ -39,6 +47,12 @@ PREFILL_MAX_BATCH = 2
 # graph's logits at [bs, vocab]: every length up to 32 sequences holds ~160 MB at a 152k vocabulary.
 CATCH_UP_QUERY_LENS = (4, 16, 64)
 CATCH_UP_MAX_BATCH = 32
+# Token counts of the mixed graphs. In the H200 controller sweep (docs/benchmarks.md) every step that
+# carried a prompt chunk beside a decoding batch ran eagerly, 12-21 ms of host time for ~2 ms of GPU
+# work at 4-32 requests of the 1.5B, while a decode step took 1.5-2 ms: under speculation requests
+# finish at different steps, so each arrival paid that on its own. Past 1024 tokens a forward's GPU
+# work outweighs its launches.
+MIXED_TOKEN_LENS = (128, 256, 512, 1024)
 
 
 def sizes_by_query_len(batch_sizes: list[int], query_lens: tuple[int, ...], prefill_lens: tuple[int, ...] = (),
@@ -61,6 +75,23 @@ def sizes_by_query_len(batch_sizes: list[int], query_lens: tuple[int, ...], pref
     return sizes
 
 
+def mixed_graph_sizes(batch_sizes: tuple[int, ...] | list[int], token_lens: tuple[int, ...],
+                      max_model_len: int) -> dict[int, tuple[int, ...]]:
+    """Batch sizes of the mixed graphs per token count: the powers of two among `batch_sizes` and the
+    largest of them (padding sequences are empty, so a coarse ladder costs little), each below the
+    token count (a ragged step has more tokens than sequences) and able to hold the token count in
+    sequences of at most max_model_len (the capture's dummy batch spreads the tokens evenly)."""
+    if not batch_sizes:
+        return {}
+    ladder = sorted({b for b in batch_sizes if b & (b - 1) == 0} | {max(batch_sizes)})
+    sizes = {}
+    for t in sorted(set(token_lens)):
+        fit = tuple(b for b in ladder if b < t and -(-t // b) <= max_model_len)
+        if fit:
+            sizes[t] = fit
+    return sizes
+
+
 def catch_up_lens_of(query_lens: tuple[int, ...], prefill_lens: tuple[int, ...],
                      catch_up_lens: tuple[int, ...]) -> tuple[int, ...]:
     """The catch-up lengths that get graphs of their own (scoring one row per sequence): those that are
@@ -77,12 +108,13 @@ def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def graph_output_bytes(max_num_seqs: int, query_lens: tuple[int, ...], prefill_lens: tuple[int, ...],
-                       vocab_size: int, hidden_size: int, act_bytes: int, catch_up_lens: tuple[int, ...] = ()) -> int:
+                       vocab_size: int, hidden_size: int, act_bytes: int, catch_up_lens: tuple[int, ...] = (),
+                       mixed_token_lens: tuple[int, ...] = (), max_model_len: int | None = None) -> int:
     """Memory the captured graphs keep after capture: every graph's static outputs (float32 logits
-    [bs * q, vocab], [bs, vocab] for a catch-up graph, and the final hidden states [bs * q, hidden])
-    live in the shared pool for good, so they add up over all (batch size, query length) pairs; +10%
-    for the pool's own slack. The KV pool is sized with this held back, so gpu_memory_utilization
-    bounds the engine as a whole."""
+    [bs * q, vocab], [bs, vocab] for a catch-up graph, and the final hidden states [bs * q, hidden];
+    a mixed graph keeps only its hidden states [tokens, hidden]) live in the shared pool for good, so
+    they add up over all captured keys; +10% for the pool's own slack. The KV pool is sized with this
+    held back, so gpu_memory_utilization bounds the engine as a whole."""
     query_lens = tuple(sorted(set(query_lens)))
     catch_up = catch_up_lens_of(query_lens, prefill_lens, catch_up_lens)
     sizes = sizes_by_query_len(sorted(graph_batch_sizes(max_num_seqs)), query_lens, prefill_lens, catch_up)
@@ -90,6 +122,9 @@ def graph_output_bytes(max_num_seqs: int, query_lens: tuple[int, ...], prefill_l
     for q, batch_sizes in sizes.items():
         for bs in batch_sizes:
             total += (bs if q in catch_up else bs * q) * vocab_size * 4 + bs * q * hidden_size * act_bytes
+    window = max(mixed_token_lens, default=0) if max_model_len is None else max_model_len
+    for t, batch_sizes in mixed_graph_sizes(graph_batch_sizes(max_num_seqs), mixed_token_lens, window).items():
+        total += len(batch_sizes) * t * hidden_size * act_bytes
     return int(total * 1.1)
 
 
@@ -114,7 +149,7 @@ class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches, fmt, backend, device: torch.device,
                  max_model_len: int, block_size: int, batch_sizes: tuple[int, ...],
                  query_lens: tuple[int, ...] = (1,), prefill_query_lens: tuple[int, ...] = (),
-                 catch_up_query_lens: tuple[int, ...] = ()) -> None:
+                 catch_up_query_lens: tuple[int, ...] = (), mixed_token_lens: tuple[int, ...] = ()) -> None:
         self.model, self.kv_caches, self.fmt, self.backend = model, kv_caches, fmt, backend
         self.device = device
         self.max_model_len = max_model_len
@@ -126,9 +161,12 @@ class CudaGraphRunner:
         self.sizes_by_q = sizes_by_query_len(self.batch_sizes, self.verify_query_lens, self.prefill_query_lens,
                                              self.catch_up_query_lens)
         self.query_lens = tuple(sorted(self.sizes_by_q))
+        # token count -> batch sizes of the mixed graphs; their keys are (bs, tokens, tokens)
+        self.mixed_sizes = mixed_graph_sizes(self.batch_sizes, mixed_token_lens, max_model_len)
+        self.mixed_token_lens = tuple(sorted(self.mixed_sizes))
         self.max_blocks = -(-max_model_len // block_size)
         max_bs = self.batch_sizes[-1]
-        t = max(bs * q for q, sizes in self.sizes_by_q.items() for bs in sizes)
+        t = max([bs * q for q, sizes in self.sizes_by_q.items() for bs in sizes] + list(self.mixed_sizes))
         r = max((self.sizes_by_q[q][-1] for q in self.catch_up_query_lens), default=0)
         # All int inputs travel in one pinned host buffer and one copy per step (views below).
         self._i64_host = torch.zeros(3 * t + r, dtype=torch.int64, pin_memory=True)
@@ -141,26 +179,39 @@ class CudaGraphRunner:
         self.cu_query_lens, self.seq_lens, flat_tables = self._i32.split([max_bs + 1, max_bs,
                                                                           max_bs * self.max_blocks])
         self.block_tables = flat_tables.view(max_bs, self.max_blocks)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.hidden_outputs: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        # Keys: (bs, q) for uniform query length q; (bs, tokens, tokens) for a mixed graph.
+        self.graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, ...], torch.Tensor] = {}
+        self.hidden_outputs: dict[tuple[int, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.aux_hidden_layers = tuple(getattr(model, "aux_hidden_layers", ()))  # what the graphs return
         self._pool = None
         self._copied = torch.cuda.Event()
         self._copied_recorded = False
 
-    def _meta(self, bs: int, q: int) -> AttentionMetadata:
-        n = bs * q
+    @staticmethod
+    def num_tokens_of(key: tuple[int, ...]) -> int:
+        """The token rows a graph runs: bs * q for a uniform graph, its token count for a mixed one."""
+        return key[2] if len(key) > 2 else key[0] * key[1]
+
+    @staticmethod
+    def is_mixed(key: tuple[int, ...]) -> bool:
+        """A mixed graph: its replay returns hidden states [n, hidden], not logits."""
+        return len(key) > 2
+
+    def _meta(self, key: tuple[int, ...]) -> AttentionMetadata:
+        bs, q, n = key[0], key[1], self.num_tokens_of(key)
         return AttentionMetadata(self.cu_query_lens[:bs + 1], self.seq_lens[:bs], self.block_tables[:bs],
                                  self.slot_mapping[:n], max_query_len=q, max_seq_len=self.max_model_len,
                                  num_seqs=bs, num_tokens=n)
 
-    def _forward(self, bs: int, q: int) -> torch.Tensor:
-        n = bs * q
-        ctx = ForwardContext(self._meta(bs, q), self.kv_caches, self.fmt, self.backend)
+    def _forward(self, key: tuple[int, ...]) -> tuple[torch.Tensor | None, torch.Tensor, list[torch.Tensor]]:
+        bs, q, n = key[0], key[1], self.num_tokens_of(key)
+        ctx = ForwardContext(self._meta(key), self.kv_caches, self.fmt, self.backend)
         with forward_context(ctx):
             out = self.model(self.input_ids[:n], self.positions[:n])
         hidden, aux = out if isinstance(out, tuple) else (out, [])
+        if self.is_mixed(key):  # the LM head runs after the replay, on the rows the step scores
+            return None, hidden, aux
         # Every token of a decode/verify step is scored, so the LM head runs inside the graph too; a
         # catch-up scores each sequence's last fed token only (the rows in score_rows).
         # hidden/aux stay static outputs too: EAGLE heads read them after the replay.
@@ -181,27 +232,36 @@ class CudaGraphRunner:
             self._capture_all()
 
     def _capture_all(self) -> None:
-        for q in self.query_lens:
-            for bs in reversed(self.sizes_by_q[q]):  # largest first: later graphs reuse its pool
-                self._fill_dummy(bs, q)
-                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-                    self._forward(bs, q)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    out, hidden, aux = self._forward(bs, q)
-                self._pool = graph.pool()
-                self.graphs[(bs, q)] = graph
-                self.outputs[(bs, q)] = out
-                self.hidden_outputs[(bs, q)] = (hidden, aux)
+        # largest first within each kind: later graphs reuse its pool
+        keys = [(bs, q) for q in self.query_lens for bs in reversed(self.sizes_by_q[q])]
+        keys += [(bs, t, t) for t in sorted(self.mixed_sizes, reverse=True) for bs in reversed(self.mixed_sizes[t])]
+        for key in keys:
+            self._fill_dummy(key)
+            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
+                self._forward(key)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out, hidden, aux = self._forward(key)
+            self._pool = graph.pool()
+            self.graphs[key] = graph
+            if out is not None:
+                self.outputs[key] = out
+            self.hidden_outputs[key] = (hidden, aux)
         torch.cuda.synchronize(self.device)
 
-    def _fill_dummy(self, bs: int, q: int) -> None:
+    def _fill_dummy(self, key: tuple[int, ...]) -> None:
+        """The batch a capture runs: bs sequences sharing the key's tokens evenly (q each for a uniform
+        graph) over block 0, storing no K/V. Only the launches matter: replays read the real inputs."""
+        bs, n = key[0], self.num_tokens_of(key)
         self.input_ids.zero_()
         self.score_rows.zero_()
         self.slot_mapping.fill_(-1)
-        self.cu_query_lens[:bs + 1] = torch.arange(bs + 1, device=self.device, dtype=torch.int32) * q
-        self.seq_lens[:bs] = q
+        lens = torch.full((bs,), n // bs, dtype=torch.int32, device=self.device)
+        lens[:n % bs] += 1
+        self.cu_query_lens[0] = 0
+        self.cu_query_lens[1:bs + 1] = torch.cumsum(lens, 0, dtype=torch.int32)
+        self.seq_lens[:bs] = lens
         self.block_tables.zero_()
 
     def graph_key(self, batch: HostBatch) -> tuple[int, int] | None:
@@ -213,50 +273,69 @@ class CudaGraphRunner:
             return None
         return (sizes[bisect.bisect_left(sizes, batch.num_seqs)], q)
 
-    def graph_for(self, batch: HostBatch) -> tuple[HostBatch, tuple[int, int]] | None:
-        """(the batch to run, its graph): the batch itself if a graph fits it as it is, else the
+    def graph_for(self, batch: HostBatch) -> tuple[HostBatch, tuple[int, ...]] | None:
+        """(the batch to run, its graph): the batch itself if a graph fits it as it is; else the
         batch padded to the shortest captured query length that holds every sequence (runner/
-        batch.py pad_to_query_len; steps mixing draft lengths), else None (run eagerly)."""
+        batch.py pad_to_query_len; steps mixing draft lengths) or the batch as it is in the smallest
+        mixed graph that holds it, whichever runs fewer token rows (the uniform one on a tie: its LM
+        head is in the graph); else None (run eagerly)."""
         key = self.graph_key(batch)
         if key is not None:
             return batch, key
         if not batch.query_lens or batch.block_tables.shape[1] > self.max_blocks:
             return None
+        mixed = self.mixed_key(batch)
         longest = max(batch.query_lens)
         for q in sorted(self.query_lens):
             sizes = self.sizes_by_q.get(q, ())
             if q >= longest and sizes and batch.num_seqs <= sizes[-1] and self._fits(batch, q):
+                key = (sizes[bisect.bisect_left(sizes, batch.num_seqs)], q)
+                if mixed is not None and self.num_tokens_of(mixed) < self.num_tokens_of(key):
+                    break
                 padded = pad_to_query_len(batch, q, self.max_model_len)
-                return None if padded is None else (padded, (sizes[bisect.bisect_left(sizes, batch.num_seqs)], q))
+                if padded is not None:
+                    return padded, key
+                break
+        return None if mixed is None else (batch, mixed)
+
+    def mixed_key(self, batch: HostBatch) -> tuple[int, int, int] | None:
+        """The smallest mixed graph that holds the batch as it is: (bs, tokens, tokens), or None."""
+        if batch.block_tables.shape[1] > self.max_blocks:
+            return None
+        for t in sorted(self.mixed_sizes):
+            sizes = self.mixed_sizes[t]
+            if t >= batch.num_tokens and batch.num_seqs <= sizes[-1]:
+                return (sizes[bisect.bisect_left(sizes, batch.num_seqs)], t, t)
         return None
 
-    def hidden(self, key: tuple[int, int], n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def hidden(self, key: tuple[int, ...], n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The last replay's final hidden states [n, hidden] and aux layer inputs (each [n, hidden]);
         valid until the next replay."""
         hidden, aux = self.hidden_outputs[key]
         return hidden[:n], [a[:n] for a in aux]
 
-    def run(self, batch: HostBatch, key: tuple[int, int],
+    def run(self, batch: HostBatch, key: tuple[int, ...],
             fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Replay the graph for `key` on this batch; returns logits [batch.num_tokens, vocab], or for a
-        catch-up graph those of its scored rows, [len(batch.logits_indices), vocab].
+        catch-up graph those of its scored rows, [len(batch.logits_indices), vocab]; for a mixed graph
+        the final hidden states [batch.num_tokens, hidden] (the caller scores its rows).
         fill: (flat token indices, their input ids), both on the device: placeholders' tokens."""
-        bs, q = key
+        bs, q, padded = key[0], key[1], self.num_tokens_of(key)
         if self._copied_recorded:  # the previous step's copies have left the pinned buffers
             self._copied.synchronize()
         n, s = batch.num_tokens, batch.num_seqs
         t = self.input_ids.numel()
         i64 = self._i64_host.numpy()
         i64[:n] = batch.input_ids
-        i64[n:bs * q] = 0  # padding tokens: any valid id (not a placeholder left by an earlier step)
+        i64[n:padded] = 0  # padding tokens: any valid id (not a placeholder left by an earlier step)
         i64[t:t + n] = batch.positions
-        i64[2 * t:2 * t + bs * q] = -1  # padding tokens store no K/V
+        i64[2 * t:2 * t + padded] = -1  # padding tokens store no K/V
         i64[2 * t:2 * t + n] = batch.slot_mapping
-        scored = self.scores_rows(q)
+        scored = not self.is_mixed(key) and self.scores_rows(q)
+        scored_rows = len(batch.logits_indices)
         if scored:
-            rows = len(batch.logits_indices)
             i64[3 * t:3 * t + bs] = 0  # padding sequences score row 0 (any row; nobody reads it)
-            i64[3 * t:3 * t + rows] = batch.logits_indices
+            i64[3 * t:3 * t + scored_rows] = batch.logits_indices
         max_bs = self.seq_lens.numel()
         i32 = self._i32_host.numpy()
         i32[:bs + 1] = n  # padding sequences are empty
@@ -267,11 +346,13 @@ class CudaGraphRunner:
         tables[:s, :batch.block_tables.shape[1]] = batch.block_tables
         # Stale entries beyond each row's blocks are never read (seq_lens bounds the reads).
         self._i64.copy_(self._i64_host, non_blocking=True)
-        rows = 2 * max_bs + 1 + s * self.max_blocks
-        self._i32[:rows].copy_(self._i32_host[:rows], non_blocking=True)
+        filled = 2 * max_bs + 1 + s * self.max_blocks
+        self._i32[:filled].copy_(self._i32_host[:filled], non_blocking=True)
         record(self._copied, self.device)
         self._copied_recorded = True
         if fill is not None:
             self.input_ids.index_copy_(0, fill[0], fill[1])
         self.graphs[key].replay()
-        return self.outputs[key][:rows] if scored else self.outputs[key][:n]
+        if self.is_mixed(key):
+            return self.hidden_outputs[key][0][:n]
+        return self.outputs[key][:scored_rows] if scored else self.outputs[key][:n]

@@ -68,16 +68,18 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner once capture_graphs() ran
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...] = (1,),
-                       prefill_query_lens: tuple[int, ...] = (), catch_up_query_lens: tuple[int, ...] = ()) -> None:
+                       prefill_query_lens: tuple[int, ...] = (), catch_up_query_lens: tuple[int, ...] = (),
+                       mixed_token_lens: tuple[int, ...] = ()) -> None:
         """Capture decode (and verify) CUDA graphs for batch sizes up to max_num_seqs, short prefills
-        of a few sequences (runner/cuda_graph.py PREFILL_QUERY_LENS) and a draft model's catch-ups
-        (CATCH_UP_QUERY_LENS); then run one forward of each small row count (runner/warmup.py)."""
+        of a few sequences (runner/cuda_graph.py PREFILL_QUERY_LENS), a draft model's catch-ups
+        (CATCH_UP_QUERY_LENS) and ragged steps of up to max(mixed_token_lens) tokens (MIXED_TOKEN_LENS);
+        then run one forward of each small row count (runner/warmup.py)."""
         from specserve.runner.cuda_graph import CudaGraphRunner, graph_batch_sizes
 
         sizes = graph_batch_sizes(max_num_seqs)
         runner = CudaGraphRunner(self.model, self.kv_caches, self.fmt, self.backend, self.device,
                                  max_model_len, self.block_size, sizes, query_lens, prefill_query_lens,
-                                 catch_up_query_lens)
+                                 catch_up_query_lens, mixed_token_lens)
         runner.capture()
         self.graphs = runner
         # The small eager forwards graphs do not cover compile their kernels now, not mid-serving.
@@ -156,7 +158,14 @@ class ModelRunner:
             host, key = found
         fill = self._fill(host, sched, pending)
         aux = None
-        if key is not None:
+        if key is not None and self.graphs.is_mixed(key):
+            # A ragged step: the graph ends at the hidden states; the LM head scores the step's rows.
+            batch = host.to_device(self.device, self.staging, only_logits=True)
+            self._staged()
+            hidden = self.graphs.run(host, key, fill)  # [num_tokens, hidden]
+            if need_hidden:
+                _, aux = self.graphs.hidden(key, host.num_tokens)
+        elif key is not None:
             # The graph has its own static input buffers and scores every token (a catch-up graph:
             # the batch's logits rows, in order).
             batch = BatchInputs(None, None, None, None, host.logit_rows)

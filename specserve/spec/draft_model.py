@@ -27,7 +27,7 @@ from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec
 from specserve.model.loader import LoadedModel, load_model
 from specserve.runner.batch import HostBatch, block_table_array
-from specserve.runner.cuda_graph import CATCH_UP_QUERY_LENS, PREFILL_QUERY_LENS, graph_output_bytes
+from specserve.runner.cuda_graph import CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS, PREFILL_QUERY_LENS, graph_output_bytes
 from specserve.runner.model_runner import ModelRunner
 from specserve.sample.h2d import cached_tensor
 from specserve.sample.metadata import SamplingMetadata
@@ -88,11 +88,19 @@ def _graph_lens() -> tuple[tuple[int, ...], tuple[int, ...]]:
     return ((), CATCH_UP_QUERY_LENS) if envs.catch_up_graphs() else (PREFILL_QUERY_LENS, ())
 
 
-def _graph_bytes(max_num_seqs: int, vocab_size: int, hidden_size: int) -> int:
+def _mixed_lens() -> tuple[int, ...]:
+    """Token counts of the draft's mixed graphs (runner/cuda_graph.py MIXED_TOKEN_LENS): a catch-up that
+    feeds a new request's prompt beside the others' one or two tokens replays one of them instead of
+    pieces padded to 64 tokens per sequence (2,048 rows at 32 requests)."""
+    return MIXED_TOKEN_LENS if envs.mixed_graphs() else ()
+
+
+def _graph_bytes(max_num_seqs: int, vocab_size: int, hidden_size: int, max_model_len: int) -> int:
     """What the draft's catch-up graphs keep allocated (their float32 logits and hidden outputs):
     about 2.5 GiB for 256 sequences and a 152k vocabulary."""
     prefill, catch_up = _graph_lens()
-    return graph_output_bytes(max_num_seqs, _VERIFY_QUERY_LENS, prefill, vocab_size, hidden_size, 4, catch_up)
+    return graph_output_bytes(max_num_seqs, _VERIFY_QUERY_LENS, prefill, vocab_size, hidden_size, 4, catch_up,
+                              _mixed_lens(), max_model_len)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -221,7 +229,8 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
         arch, tspec = self.loaded.arch, parts.runner.spec
         spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, tspec.block_size, tspec.fmt)
         graphs = parts.runner.graphs is not None
-        reserve = _graph_bytes(parts.scheduler.max_num_seqs, arch.vocab_size, arch.hidden_size) if graphs else 0
+        reserve = (_graph_bytes(parts.scheduler.max_num_seqs, arch.vocab_size, arch.hidden_size,
+                                self.loaded.max_model_len) if graphs else 0)
         num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "draft model", reserve)
         self.runner = ModelRunner(self.loaded, spec, num_blocks, self.device, parts.runner.backend)
         self.kv = KVCacheManager(num_blocks, tspec.block_size, enable_prefix_caching=False)
@@ -236,7 +245,7 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
         # catch-ups pad to a catch-up graph (see the comment above _VERIFY_QUERY_LENS).
         if graphs:
             self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, _VERIFY_QUERY_LENS,
-                                       *_graph_lens())
+                                       *_graph_lens(), _mixed_lens())
         self.chain = _ChainSteps(self.runner, self.kv)
         if envs.draft_chain_graph() and cfg.num_speculative_tokens > 1:  # spec/draft_chain.py
             from specserve.spec.draft_chain import DraftChainGraphs
@@ -304,6 +313,9 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
         lens = (graphs.catch_up_query_lens or graphs.prefill_query_lens) if graphs is not None else ()
         if not lens or not unseen or len(unseen) > graphs.sizes_by_q[max(lens)][-1]:
             return None
+        sizes = graphs.mixed_sizes
+        if sizes and sum(unseen) <= max(sizes) and len(unseen) <= sizes[max(sizes)][-1]:
+            return None  # the whole catch-up fits a mixed graph: one replay
         piece = max(lens)
         return piece if piece < max(unseen) <= _GRAPH_PIECES * piece else None
 

@@ -19,7 +19,7 @@ def recapture_with_aux(runner, aux_layers: tuple[int, ...]) -> None:
     if old is None or old.aux_hidden_layers == tuple(aux_layers):
         return
     args = (old.batch_sizes[-1], old.max_model_len, old.verify_query_lens, old.prefill_query_lens,
-            old.catch_up_query_lens)
+            old.catch_up_query_lens, old.mixed_token_lens)
     runner.graphs = None
     del old  # free its memory pool before the new capture
     gc.collect()

@@ -16,6 +16,7 @@ def _serve(path, apart: bool, monkeypatch, spec=None) -> tuple[dict[str, list[in
     from specserve.runner.cuda_graph import CudaGraphRunner
 
     monkeypatch.setenv("SPECSERVE_PREFILL_APART", "1" if apart else "0")
+    monkeypatch.setenv("SPECSERVE_MIXED_GRAPHS", "0")  # else the arrival's mixed step replays a mixed graph
     llm = LLM(model=str(path), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
               kv_cache_memory_bytes=16 << 20, enable_prefix_caching=False, speculative_config=spec)
     eng = llm.engine

@@ -182,12 +182,18 @@ def test_catch_up_cap_pieces_long_catch_ups(tiny_llama_dir) -> None:
               speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3})
     proposer = llm.engine.spec.proposer
     assert proposer.catch_up_cap([172]) is None  # no graphs (the CPU)
-    proposer.runner.graphs = SimpleNamespace(catch_up_query_lens=(4, 16, 64), sizes_by_q={64: (1, 2, 4, 8, 16, 32)})
+    proposer.runner.graphs = SimpleNamespace(catch_up_query_lens=(4, 16, 64), sizes_by_q={64: (1, 2, 4, 8, 16, 32)},
+                                             mixed_sizes={})
     assert proposer.catch_up_cap([172]) == 64 and proposer.catch_up_cap([172, 1]) == 64
     assert proposer.catch_up_cap([40, 40]) is None  # each fits a graph as it is
     assert proposer.catch_up_cap([300]) is None  # eager: one forward beats 5 replays
     assert proposer.catch_up_cap([100, 1, 1]) == 64 and proposer.catch_up_cap([100] * 32) == 64
     assert proposer.catch_up_cap([100] * 33) is None  # no catch-up graph for 33 sequences
+    # With mixed graphs (up to 256 tokens for up to 16 sequences here) a catch-up they hold goes whole.
+    proposer.runner.graphs.mixed_sizes = {128: (1, 2, 4, 8, 16), 256: (1, 2, 4, 8, 16)}
+    assert proposer.catch_up_cap([172, 1]) is None and proposer.catch_up_cap([172] + [2] * 15) is None
+    assert proposer.catch_up_cap([172, 172]) == 64  # 344 tokens: more than the largest mixed graph
+    assert proposer.catch_up_cap([100] * 2 + [1] * 15) == 64  # 17 sequences: more than its largest batch
 
 
 def test_catch_ups_in_pieces_keep_every_draft_right(tiny_llama_dir, monkeypatch) -> None:

@@ -65,12 +65,14 @@ def test_padded_step_gives_the_same_logits(tiny_llama_dir):
     torch.testing.assert_close(padded.logits, ragged.logits, rtol=1e-5, atol=1e-5)
 
 
-def _graphs(query_lens, sizes_by_q, max_model_len=64, max_blocks=8, catch_up_query_lens=()):
+def _graphs(query_lens, sizes_by_q, max_model_len=64, max_blocks=8, catch_up_query_lens=(), mixed_sizes=None):
     """A CudaGraphRunner's choosing part, without its buffers and graphs (no CUDA on the CPU)."""
     ns = SimpleNamespace(query_lens=query_lens, sizes_by_q=sizes_by_q, max_model_len=max_model_len,
-                         max_blocks=max_blocks, catch_up_query_lens=catch_up_query_lens)
-    for name in ("graph_key", "scores_rows", "_fits"):
+                         max_blocks=max_blocks, catch_up_query_lens=catch_up_query_lens,
+                         mixed_sizes=mixed_sizes or {})
+    for name in ("graph_key", "scores_rows", "_fits", "mixed_key"):
         setattr(ns, name, getattr(CudaGraphRunner, name).__get__(ns))
+    ns.num_tokens_of = CudaGraphRunner.num_tokens_of
     return ns
 
 
