@@ -56,6 +56,10 @@ CONFIGS = {
     ("nvfp4", "v5"): [{}, {"num_splits": 12}, {"num_stages": 4}],
     # v6: v5 with the softmax denominator from a dot with ones (900 instructions, 6 barriers against 9).
     ("nvfp4", "v6"): [{}, {"num_splits": 12}, {"num_stages": 4}],
+    # v7: v6 with the softmax of the first 8 of a decode tile's 16 rows only (the rest are padding) and K
+    # decoded from 32-bit words without a byte permute (sm_90 SASS of the unmasked loop: 815 against 882
+    # instructions, bench/kernel_sass.py).
+    ("nvfp4", "v7"): [{}, {"num_splits": 12}, {"num_stages": 4}],
 }
 SPLIT_SWEEP = (1, 2, 3, 4, 8)
 T0 = time.perf_counter()

@@ -20,6 +20,7 @@ One run, about two minutes (`--budget`, default 140 s; what does not fit is skip
 Prints markdown tables last; writes JSON to $OUT/kv_quant_gpu.json (after every step) when OUT is set.
 
     PYTHONPATH=. python bench/kv_quant_gpu.py [--budget 140] [--contexts 4096,32768,131072] [--capacity]
+        [--batches 32,1] [--only nvfp4:v6,nvfp4:v7]   (--only: these kernels and bf16, nothing else)
 """
 from __future__ import annotations
 
@@ -96,6 +97,8 @@ class Bench:
     def check_configs(self, batch: int, context: int) -> None:
         print(f"correctness (b): every timed launch config at B={batch} ctx={context} vs float32 SDPA", flush=True)
         for name in ("fp8", "nvfp4"):
+            if not triton_quant.VARIANTS.get(name):
+                continue  # --only left none of this format
             try:
                 p = Decode(name, batch, context)
                 ref = p.reference()
@@ -133,6 +136,8 @@ class Bench:
         base = None
         for name, repeat in (("bf16", False), ("fp8", False), ("nvfp4", False),
                              ("bf16", True), ("fp8", True), ("nvfp4", True)):
+            if name != "bf16" and not triton_quant.VARIANTS.get(name):
+                continue  # --only left none of this format
             if self.over_budget(f"B={batch} ctx={context} {name}{' repeat' if repeat else ''}"):
                 continue
             try:
@@ -366,6 +371,19 @@ def _smoke_setup() -> None:
     ck.SPLIT_SWEEP = (1, 2)
 
 
+def only_kernels(spec: str) -> None:
+    """--only: restrict this process's triton_quant.VARIANTS and CONFIGS to the listed (format, variant)."""
+    keep = {tuple(k.strip().split(":")) for k in spec.split(",") if k.strip()}
+    unknown = keep - {(n, v) for n, vs in triton_quant.VARIANTS.items() for v in vs}
+    if unknown:
+        raise SystemExit(f"--only: unknown kernels {sorted(unknown)}")
+    for name, variants in list(triton_quant.VARIANTS.items()):
+        triton_quant.VARIANTS[name] = tuple(v for v in variants if (name, v) in keep)
+    for key in list(CONFIGS):
+        if key not in keep:
+            del CONFIGS[key]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="4096,32768,131072")
@@ -374,12 +392,21 @@ def main() -> None:
     parser.add_argument("--capacity-model", default="llama-3.1-8b")
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1),
                         help="processes that compile the kernels up front (0: compile on first use)")
+    parser.add_argument("--batches", default=None, help="decode batch sizes, the first also the sweep's "
+                        "(default 32,1)")
+    parser.add_argument("--only", default=None, help="time and check only these kernels (and bf16), e.g. "
+                        "nvfp4:v6,nvfp4:v7")
     parser.add_argument("--smoke", action="store_true",
                         help="check this script on the CPU: TRITON_INTERPRET=1, tiny shapes, timings meaningless")
     args = parser.parse_args()
     if args.smoke:
         _smoke_setup()
         ck.DEVICE, ck.SWEEP_SHAPE, ck.BATCHES, args.contexts, args.workers = "cpu", (2, 40), (2, 1), "40,72", 0
+    if args.batches:
+        ck.BATCHES = tuple(int(b) for b in args.batches.split(","))
+        ck.SWEEP_SHAPE = (ck.BATCHES[0], ck.SWEEP_SHAPE[1])
+    if args.only:
+        only_kernels(args.only)
     torch.manual_seed(0)
     contexts = [int(c) for c in args.contexts.split(",")]
     bench = Bench(args.budget, contexts)

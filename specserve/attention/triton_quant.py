@@ -29,6 +29,14 @@ split-KV partials reduced by its `_reduce_splits_kernel`) and picks one of the k
        crossed the warps through shared memory: 900 instructions and 6 barriers per tile against 9.
        B = 32 / 32k on the H200: 524-528 us against v4's 532-533 in the same processes (sixteenth
        session). The default where the launch is bound by throughput (`default_variant`).
+  "v7" (nvfp4): v6 that, where no q block can hold a query row in its second half (plain decode at
+       up to 8 query heads per KV head, `triton_quant_nvfp4.half_rows_apply`), computes the online
+       softmax of the first 8 of the tile's 16 rows only: the tensor cores' minimum M pads a decode's
+       4 rows to 16, and rows r + 8 of the accumulator sit in registers of their own, so their exp2s,
+       row max, P conversions and rescales drop out at compile time. And K read as 32-bit words and
+       decoded without a byte permute (Q in the matching column order). sm_90 SASS of the unmasked loop:
+       796 instructions per tile against v6's 882 (bench/kernel_sass.py). Not timed on the H200 yet, so
+       not a default.
   "v3" (fp8, `triton_quant_fp8.py`): the same structure, capped at 128 registers (4 programs per
        SM), with V read as 16-bit units so that P.V's operand comes from a transposing ldmatrix
        instead of one shared-memory byte load per value. Its byte-tile predecessor (v2, removed:
@@ -78,7 +86,7 @@ __all__ = [
     "reshape_and_cache_quant",
 ]
 
-VARIANTS = {"fp8": ("v1", "v3"), "nvfp4": ("v1", "v2", "v3", "v4", "v5", "v6")}
+VARIANTS = {"fp8": ("v1", "v3"), "nvfp4": ("v1", "v2", "v3", "v4", "v5", "v6", "v7")}
 DEFAULT_VARIANT = {"fp8": "v3", "nvfp4": "v6"}
 # nvfp4 v6 has fewer instructions and barriers per tile than v4 and a longer critical path (the row sums
 # are a dot). On the H200 (sixteenth session, decode, 4 processes) it was 1-1.5% faster at B = 32 / 32k
@@ -113,7 +121,7 @@ def choose_num_splits_quant(num_seqs: int, max_query_len: int, max_seq_len: int,
         by_sms = triton.cdiv(4 * num_sms, programs)
     else:
         by_sms = (V2_PROGRAMS_PER_SM * num_sms) // programs
-        if variant in ("v4", "v5", "v6"):
+        if variant in ("v4", "v5", "v6", "v7"):
             by_sms = max(by_sms, V4_MIN_SPLITS)
     return max(1, min(by_sms, by_length, MAX_SPLITS))
 
@@ -150,7 +158,7 @@ def quant_attention_config(max_query_len: int, group: int, head_dim: int, name: 
         maxnreg = 128
         if block_m <= 32 and block_n == 64:
             block_n = 128  # H200, B=32 / 32k: 588 us (sm_90 SASS: 7.9 instructions per key and thread, 11.6 at 64)
-    elif variant in ("v3", "v4", "v5", "v6") and block_m <= 32 and block_n == 64:
+    elif variant in ("v3", "v4", "v5", "v6", "v7") and block_m <= 32 and block_n == 64:
         block_n, maxnreg = 128, 128  # nvfp4 v3 on the H200, B=32 / 32k: 604 us against 719 at 64 keys, no cap
     return block_m, block_n, num_warps, num_stages, maxnreg
 
@@ -223,7 +231,7 @@ def paged_attention_quant(q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, c
             launch_fp8_v3(q, cache, fmt, out, common, q_blocks, num_splits, scale_log2, meta, heads_first)
         else:
             launch_nvfp4_v2(q, cache, fmt, out, common, q_blocks, num_splits, scale_log2, meta, heads_first,
-                            variant=variant)
+                            variant=variant, max_query_len=max_query_len)
     if split:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, cu_query_lens, num_seqs, num_splits,

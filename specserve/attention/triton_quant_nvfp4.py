@@ -1,4 +1,4 @@
-"""nvfp4 paged attention, variants "v2" to "v6": structured like triton_paged's bf16 kernel.
+"""nvfp4 paged attention, variants "v2" to "v7": structured like triton_paged's bf16 kernel.
 
 A cache row (one token, one KV head) is head_dim / 2 bytes, byte i holding elements 2i (low nibble)
 and 2i + 1 (high nibble), plus head_dim / 16 e4m3 scales. The kernel reads the row as head_dim / 4
@@ -34,6 +34,20 @@ offset below 2^31, int32 offsets (961 -> 917 instructions); v6 (ROWSUM_MMA) take
 denominator from a dot of P with ones, where tl.sum crossed the warps through shared memory (900
 instructions, 6 barriers against 9). Its l_i is [BLOCK_M, 16], every column the row sum of P in float16
 (the same P that multiplies V).
+v7 (HALF_ROWS, K_PAIRS) is v6 with two changes (sm_90 SASS of the unmasked loop: 815 instructions
+against 882, measured with bench/kernel_sass.py on Triton 3.6):
+  HALF_ROWS, where no query row can sit in the second half of a q block (half_rows_apply: a plain
+     decode pads its GROUP rows to the tensor cores' 16): the scores, probabilities, row max and
+     rescale factors of rows 8..15 are replaced by constants (_first_half_rows). Rows r and r + 8 of
+     an m16n8 accumulator are registers of their own, so LLVM drops their softmax outright: half the
+     exp2s, fmas, max reductions, P conversions and accumulator rescales (882 -> 837).
+  K_PAIRS: K is read as 32-bit words (units 2a, 2a + 1) and decoded without the byte permute
+     (_DECODE_PAIRS_PTX): each cvt then pairs two codes of one unit, which fixes a column order of
+     its own for the four K tiles (_decode_pairs); Q is loaded in the same order, once per program.
+     The tl.join that puts the halves back makes Triton give the QK^T operands the 8-consecutive-k
+     register layout (kWidth 8), in which a thread's K words are one 16-byte shared-memory load and its
+     group scales come in adjacent pairs (one LDS.U16 per two groups instead of LDS.U8s and a byte
+     pack) (837 -> 815). V keeps the permute: P.V pairs two keys per register.
 v1 (triton_quant_v1.py) ran eight dots of depth head_dim / 8 over 32-bit words and gathered a scale
 per word with a synchronous 1-byte load. Scales multiply the decoded values in float16 (exact:
 products of a 2-bit and a 4-bit significand, >= 2^-24); the constant (2^14 or 2^6) * global_scale
@@ -91,11 +105,39 @@ cvt.rn.f16x2.e4m3x2 $3, h13;
 }
 """)
 
+# v7's K decoder (K_PAIRS): $4 = one 32-bit word of the cache row, units (u_p, u_p+1) for p even, with no
+# byte permute. The same shifts and masks as _DECODE_PTX; each cvt then takes the two codes of one byte
+# pair of the word: $0 = (E_0, E_2) of u_p, $1 = (E_1, E_3) of u_p, $2 = (E_0, E_2) of u_p+1, $3 = (E_1,
+# E_3) of u_p+1 (low half first): elements 8a + {0, 2}, 8a + {1, 3}, 8a + {4, 6}, 8a + {5, 7} of word a.
+_DECODE_PAIRS_PTX = tl.constexpr("""
+{
+.reg .b32 t, u, l, h;
+.reg .b16 l0, l1, h0, h1;
+shl.b32 t, $4, 4;
+and.b32 t, t, 0x80808080;
+shl.b32 u, $4, 2;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 l, t, u;
+shr.b32 u, $4, 2;
+and.b32 u, u, 0x1C1C1C1C;
+and.b32 t, $4, 0x80808080;
+or.b32 h, t, u;
+mov.b32 {l0, l1}, l;
+mov.b32 {h0, h1}, h;
+cvt.rn.f16x2.e4m3x2 $0, l0;
+cvt.rn.f16x2.e4m3x2 $1, h0;
+cvt.rn.f16x2.e4m3x2 $2, l1;
+cvt.rn.f16x2.e4m3x2 $3, h1;
+}
+""")
 
-DECODERS = {"v2": 0, "v3": 1, "v4": 1, "v5": 1, "v6": 1}  # variant -> the kernel's DECODER
-KWIDTH2 = {"v2": False, "v3": False, "v4": True, "v5": True, "v6": True}  # variant -> the kernel's DOT_KWIDTH2
-LEAN = {"v5", "v6"}  # variants with FUSED_SCALE and (where the cache allows) OFFS32
-ROWSUM_BY_DOT = {"v6"}  # variants with ROWSUM_MMA
+
+DECODERS = {"v2": 0, "v3": 1, "v4": 1, "v5": 1, "v6": 1, "v7": 1}  # variant -> the kernel's DECODER
+KWIDTH2 = {"v2": False, "v3": False, "v4": True, "v5": True, "v6": True, "v7": True}  # -> DOT_KWIDTH2
+LEAN = {"v5", "v6", "v7"}  # variants with FUSED_SCALE and (where the cache allows) OFFS32
+ROWSUM_BY_DOT = {"v6", "v7"}  # variants with ROWSUM_MMA
+HALF_ROWS_VARIANTS = {"v7"}  # variants with HALF_ROWS where the launch allows it (half_rows_apply)
+K_PAIRS_VARIANTS = {"v7"}  # variants with K_PAIRS
 _INT32_MAX = 2**31 - 1
 
 
@@ -103,6 +145,27 @@ def offsets_fit_int32(*tensors: torch.Tensor) -> bool:
     """Whether every element offset into each tensor (from its first element) fits in int32 (OFFS32)."""
     return all(sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) <= _INT32_MAX
                for t in tensors)
+
+
+def half_rows_apply(max_query_len: int, group: int, block_m: int) -> bool:
+    """Whether no row of the second half of a q block (rows >= BLOCK_M / 2) can hold a query row: a
+    sequence's query rows are q_idx * GROUP + h for q_idx < q_len <= max_query_len, all in its first q
+    block and below max_query_len * group. Plain decode (one row per sequence and head) with up to 8
+    heads per KV head, and 2-token verify steps at GQA 4, qualify."""
+    return max_query_len * group <= block_m // 2
+
+
+def kernel_flags(variant: str, on_gpu: bool, offs32: bool, max_query_len: int, group: int, block_m: int,
+                 words_aligned: bool = True) -> dict:
+    """The nvfp4 kernel's variant constexprs. on_gpu False (Triton's interpreter, which runs no inline
+    assembly and no stage hook): the v2 decoder and Triton's layouts. offs32: every cache offset fits
+    in int32 (offsets_fit_int32). words_aligned: the key cache starts 4-byte aligned (K_PAIRS reads it
+    as 32-bit words; its strides are even by the format)."""
+    return dict(DECODER=DECODERS[variant] if on_gpu else 0, DOT_KWIDTH2=KWIDTH2[variant] and on_gpu,
+                FUSED_SCALE=variant in LEAN, OFFS32=variant in LEAN and offs32,
+                ROWSUM_MMA=variant in ROWSUM_BY_DOT,
+                HALF_ROWS=variant in HALF_ROWS_VARIANTS and half_rows_apply(max_query_len, group, block_m),
+                K_PAIRS=variant in K_PAIRS_VARIANTS and words_aligned)
 
 
 triton_dot_layout.install()  # before the first compile of an opted-in kernel (the hook is not in Triton's key)
@@ -132,6 +195,68 @@ def _decode(units, DECODER: tl.constexpr):
 
 
 @triton.jit
+def _half16(w, HIGH: tl.constexpr):
+    """Half HIGH (0: bits 0-15, 1: bits 16-31) of int32 words, as float16 bits."""
+    if HIGH:
+        w = w >> 16
+    return w.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _pair_tile(lo, hi, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr):
+    """float16 [BLOCK_N, QUADS_PAD / 2] x 2 -> [BLOCK_N, QUADS_PAD], lo at the even columns."""
+    return tl.reshape(tl.join(lo, hi), [BLOCK_N, QUADS_PAD])
+
+
+@triton.jit
+def _decode_pairs(words, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr, DECODER: tl.constexpr):
+    """int32 words [BLOCK_N, QUADS_PAD / 2] (word a: units 2a, 2a + 1) -> four float16 tiles
+    [BLOCK_N, QUADS_PAD]; column c = 2a + b of tile k holds element 8a + 4 (k // 2) + 2b + k % 2 of the
+    row (v7's K order: what _DECODE_PAIRS_PTX gives without a byte permute; Q's columns follow it)."""
+    if DECODER == 1:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(_DECODE_PAIRS_PTX, "=r,=r,=r,=r,r", [words],
+                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                                   is_pure=True, pack=1)
+        e0 = _pair_tile(_half16(o0, 0), _half16(o0, 1), BLOCK_N, QUADS_PAD)
+        e1 = _pair_tile(_half16(o1, 0), _half16(o1, 1), BLOCK_N, QUADS_PAD)
+        e2 = _pair_tile(_half16(o2, 0), _half16(o2, 1), BLOCK_N, QUADS_PAD)
+        e3 = _pair_tile(_half16(o3, 0), _half16(o3, 1), BLOCK_N, QUADS_PAD)
+    else:
+        lo = words.to(tl.uint16)  # unit 2a
+        hi = (words >> 16).to(tl.uint16)  # unit 2a + 1
+        e0 = _pair_tile(_nibble16(lo, 0), _nibble16(lo, 2), BLOCK_N, QUADS_PAD)
+        e1 = _pair_tile(_nibble16(lo, 1), _nibble16(lo, 3), BLOCK_N, QUADS_PAD)
+        e2 = _pair_tile(_nibble16(hi, 0), _nibble16(hi, 2), BLOCK_N, QUADS_PAD)
+        e3 = _pair_tile(_nibble16(hi, 1), _nibble16(hi, 3), BLOCK_N, QUADS_PAD)
+    return e0, e1, e2, e3
+
+
+@triton.jit
+def _group_scales(scale_ptrs, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr, G_PAD: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """A tile's group scales as float16 [BLOCK_N, QUADS_PAD]: column c holds group c // 4's."""
+    if MASKED:
+        sc = tl.load(scale_ptrs, mask=scale_mask, other=0.0).to(tl.float16)
+    else:
+        sc = tl.load(scale_ptrs).to(tl.float16)
+    return tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, G_PAD, 4]), [BLOCK_N, QUADS_PAD])
+
+
+@triton.jit
+def _scaled_pair_tiles(word_ptrs, scale_ptrs, mask, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr,
+                       G_PAD: tl.constexpr, DECODER: tl.constexpr, MASKED: tl.constexpr):
+    """_scaled_tiles from the row's 32-bit words, in _decode_pairs's column order (v7's K). Column c of
+    every tile is an element of unit 2 (c // 2) or 2 (c // 2) + 1, both of group c // 4."""
+    if MASKED:
+        words = tl.load(word_ptrs, mask=mask, other=0)
+    else:
+        words = tl.load(word_ptrs)
+    sc = _group_scales(scale_ptrs, scale_mask, BLOCK_N, QUADS_PAD, G_PAD, MASKED)
+    e0, e1, e2, e3 = _decode_pairs(words, BLOCK_N, QUADS_PAD, DECODER)
+    return e0 * sc, e1 * sc, e2 * sc, e3 * sc
+
+
+@triton.jit
 def _scaled_tiles(unit_ptrs, scale_ptrs, mask, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr,
                   G_PAD: tl.constexpr, DECODER: tl.constexpr, MASKED: tl.constexpr):
     """One cache tile -> E_0..E_3, float16 [BLOCK_N, QUADS_PAD] (elements 4c + j), times group scales.
@@ -149,16 +274,32 @@ def _scaled_tiles(unit_ptrs, scale_ptrs, mask, scale_mask, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def _first_half_rows(p, alpha, m_new, first):
+    """The online softmax step's (p, alpha, m_new) with the rows outside `first` made constants (p 0,
+    alpha 1, m 0). A row's index in the tensor-core accumulator layout is known per register at compile
+    time (rows r and r + 8 of an m16n8 tile sit in registers of their own), so LLVM folds the selects
+    and drops every instruction that only fed the second half's scores: the exp2s, their fmas, the row
+    max and its shuffles, the P conversions, and the rescale multiplies (x * 1.0)."""
+    return tl.where(first[:, None], p, 0.0), tl.where(first, alpha, 1.0), tl.where(first, m_new, 0.0)
+
+
+@triton.jit
 def _nvfp4_tile(tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, k_base, v_base, ks_base,
-                vs_base, c_ok, g_ok, sm_scale_log2, C_BLOCK: tl.constexpr, C_SLOT: tl.constexpr,
+                vs_base, c_ok, g_ok, sm_scale_log2, first, kw_base, a_off, a_ok, C_BLOCK: tl.constexpr,
+                C_SLOT: tl.constexpr,
                 S_BLOCK: tl.constexpr, S_SLOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 QUADS_PAD: tl.constexpr, G_PAD: tl.constexpr, DECODER: tl.constexpr, MASKED: tl.constexpr,
-                FUSED_SCALE: tl.constexpr, OFFS32: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+                FUSED_SCALE: tl.constexpr, OFFS32: tl.constexpr, ROWSUM_MMA: tl.constexpr,
+                HALF_ROWS: tl.constexpr, K_PAIRS: tl.constexpr):
     """One KV tile of the online softmax: returns the updated (m_i, l_i, a0..a3). MASKED False: the
     tile is in range and visible to every row. FUSED_SCALE: the score scale goes into exp2's fma
     (_softmax_probs_scaled). ROWSUM_MMA (with FUSED_SCALE): l_i is [BLOCK_M, 16], the row sums of P
     from a dot with ones. OFFS32: the cache offsets of an unmasked tile in int32 (the host checked that
-    every offset fits): 24 fewer instructions per 128-key tile than int64 (sm_90 SASS)."""
+    every offset fits): 24 fewer instructions per 128-key tile than int64 (sm_90 SASS). HALF_ROWS (with
+    FUSED_SCALE): only the rows in `first` (the first half of the q block) can be query rows; the
+    softmax of the others is not computed (_first_half_rows). K_PAIRS: K is read as 32-bit words
+    (kw_base: the head's first unit; a_off / a_ok: word a of a row, whether it is in range) and decoded
+    without the byte permute (_scaled_pair_tiles); the kernel gave Q the same column order."""
     if MASKED:
         offs_n, n_ok, block_ids, slot = _tile_rows(table, tile, kv_end, BLOCK_N, BLOCK_SIZE)
     else:
@@ -179,11 +320,22 @@ def _nvfp4_tile(tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2
     srow = (block_ids * S_BLOCK + slot * S_SLOT)[:, None]
     mask = n_ok[:, None] & c_ok[None, :]
     s_mask = n_ok[:, None] & g_ok[None, :]
-    k0, k1, k2, k3 = _scaled_tiles(k_base + row, ks_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER,
-                                   MASKED)
+    if K_PAIRS:
+        # The same rows as 32-bit words: a row starts 4-byte aligned (every stride is even: a row is
+        # head_dim / 4 units, a multiple of 4).
+        kw = (kw_base + row).to(tl.pointer_type(tl.int32)) + a_off
+        k0, k1, k2, k3 = _scaled_pair_tiles(kw, ks_base + srow, n_ok[:, None] & a_ok[None, :], s_mask,
+                                            BLOCK_N, QUADS_PAD, G_PAD, DECODER, MASKED)
+    else:
+        k0, k1, k2, k3 = _scaled_tiles(k_base + row, ks_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD,
+                                       DECODER, MASKED)
     if FUSED_SCALE:
         raw = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None)
+        if HALF_ROWS:
+            raw = tl.where(first[:, None], raw, 0.0)  # constants into the row max: its chain folds
         p, alpha, m_i = _softmax_probs_scaled(raw, sm_scale_log2, offs_n, n_ok, q_pos, m_i, not MASKED)
+        if HALF_ROWS:
+            p, alpha, m_i = _first_half_rows(p, alpha, m_i, first)
         if not ROWSUM_MMA:
             l_i = l_i * alpha + tl.sum(p, 1)
     else:
@@ -223,7 +375,8 @@ def _paged_attention_nvfp4_v2_kernel(
     GROUP: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     HEADS_FIRST: tl.constexpr, DECODER: tl.constexpr, DOT_KWIDTH2: tl.constexpr,
-    FUSED_SCALE: tl.constexpr, OFFS32: tl.constexpr, ROWSUM_MMA: tl.constexpr,
+    FUSED_SCALE: tl.constexpr, OFFS32: tl.constexpr, ROWSUM_MMA: tl.constexpr, HALF_ROWS: tl.constexpr,
+    K_PAIRS: tl.constexpr,
 ):
     q_block_idx, kv_head, split, num_heads = _program(GROUP, HEADS_FIRST)
     spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
@@ -238,16 +391,29 @@ def _paged_attention_nvfp4_v2_kernel(
     # Q's columns 4c + j as Q_j: one contiguous load, split in registers.
     d = tl.arange(0, HEAD_DIM_PAD)
     q = _load_q16(q_ptr, tok, head, row_ok, d, d < 4 * QUADS, stride_q_tok, stride_q_head)
-    q_lo, q_hi = tl.split(tl.reshape(q, [BLOCK_M, QUADS_PAD, 2, 2]))  # j = 0, 2 and j = 1, 3
-    q0, q2 = tl.split(q_lo)
-    q1, q3 = tl.split(q_hi)
+    if K_PAIRS:
+        # K's columns in _decode_pairs's order: column c = 2a + b of Q_k is element 8a + 4 (k // 2) + 2b + k % 2.
+        q = tl.permute(tl.reshape(q, [BLOCK_M, QUADS_PAD // 2, 2, 2, 2]), (0, 1, 3, 2, 4))  # [m, a, b, k // 2, k % 2]
+        q_even, q_odd = tl.split(tl.reshape(q, [BLOCK_M, QUADS_PAD, 2, 2]))  # k = 0, 2 and k = 1, 3
+        q0, q2 = tl.split(q_even)
+        q1, q3 = tl.split(q_odd)
+    else:
+        q_lo, q_hi = tl.split(tl.reshape(q, [BLOCK_M, QUADS_PAD, 2, 2]))  # j = 0, 2 and j = 1, 3
+        q0, q2 = tl.split(q_lo)
+        q1, q3 = tl.split(q_hi)
     tl.static_assert(FUSED_SCALE or not ROWSUM_MMA, "ROWSUM_MMA needs FUSED_SCALE")
+    tl.static_assert(FUSED_SCALE or not HALF_ROWS, "HALF_ROWS needs FUSED_SCALE")
+    first = tl.arange(0, BLOCK_M) < BLOCK_M // 2  # HALF_ROWS: the rows that can be query rows
     m_i, l_i = _softmax_init(BLOCK_M)
     if ROWSUM_MMA:
         l_i = tl.zeros([BLOCK_M, 16], tl.float32)
     a0, a1, a2, a3 = _zeros4(BLOCK_M, QUADS_PAD)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = key_cache_ptr + kv_head * C_HEAD + c[None, :]
+    a = tl.arange(0, QUADS_PAD // 2)  # K_PAIRS: word a of a row (units 2a, 2a + 1)
+    a_ok = a < QUADS // 2
+    kw_base = key_cache_ptr + kv_head * C_HEAD
+    a_off = a[None, :]
     v_base = value_cache_ptr + kv_head * C_HEAD + c[None, :]
     ks_base = key_scale_ptr + kv_head * S_HEAD + g[None, :]
     vs_base = value_scale_ptr + kv_head * S_HEAD + g[None, :]
@@ -260,13 +426,14 @@ def _paged_attention_nvfp4_v2_kernel(
         for tile in range(tile_lo, tile_mid):
             m_i, l_i, a0, a1, a2, a3 = _nvfp4_tile(
                 tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, k_base, v_base, ks_base,
-                vs_base, c_ok, g_ok, sm_scale_log2, C_BLOCK, C_SLOT, S_BLOCK, S_SLOT, BLOCK_N, BLOCK_SIZE,
-                QUADS_PAD, G_PAD, DECODER, False, FUSED_SCALE, OFFS32, ROWSUM_MMA)
+                vs_base, c_ok, g_ok, sm_scale_log2, first, kw_base, a_off, a_ok, C_BLOCK, C_SLOT, S_BLOCK, S_SLOT,
+                BLOCK_N, BLOCK_SIZE, QUADS_PAD, G_PAD, DECODER, False, FUSED_SCALE, OFFS32, ROWSUM_MMA, HALF_ROWS,
+                K_PAIRS)
     for tile in range(tile_mid, tile_hi):
         m_i, l_i, a0, a1, a2, a3 = _nvfp4_tile(
             tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, k_base, v_base, ks_base,
-            vs_base, c_ok, g_ok, sm_scale_log2, C_BLOCK, C_SLOT, S_BLOCK, S_SLOT, BLOCK_N, BLOCK_SIZE,
-            QUADS_PAD, G_PAD, DECODER, True, FUSED_SCALE, OFFS32, ROWSUM_MMA)
+            vs_base, c_ok, g_ok, sm_scale_log2, first, kw_base, a_off, a_ok, C_BLOCK, C_SLOT, S_BLOCK, S_SLOT, BLOCK_N,
+            BLOCK_SIZE, QUADS_PAD, G_PAD, DECODER, True, FUSED_SCALE, OFFS32, ROWSUM_MMA, HALF_ROWS, K_PAIRS)
     if ROWSUM_MMA:
         l_i = tl.max(l_i, 1)  # its columns are equal
     _store_rows4(a0, a1, a2, a3, 4 * c, c_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr,
@@ -275,9 +442,10 @@ def _paged_attention_nvfp4_v2_kernel(
 
 
 def launch_nvfp4_v2(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, grid_qblocks: int,
-                    num_splits: int, scale_log2: float, meta: dict, heads_first: bool, variant: str = "v2") -> None:
-    """The v2, v3 or v4 nvfp4 kernel (they differ in the decoder and the dot operands' layout) over the
-    launch paged_attention_quant prepared."""
+                    num_splits: int, scale_log2: float, meta: dict, heads_first: bool, variant: str = "v2",
+                    max_query_len: int | None = None) -> None:
+    """The v2 to v7 nvfp4 kernel (they differ in kernel_flags) over the launch paged_attention_quant
+    prepared. max_query_len (None: unknown) lets v7 skip the second half of every q block's rows."""
     num_seqs = common[3].shape[0] - 1
     block_tables = common[5]
     # 16-bit units: a row is head_dim / 2 bytes, an even count (head_dim % 16 == 0), so the view is exact.
@@ -287,15 +455,14 @@ def launch_nvfp4_v2(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tupl
     head_dim = meta.pop("HEAD_DIM")
     quads, groups = head_dim // 4, head_dim // 16
     # Triton's interpreter runs no inline assembly: it takes the v2 decoder
-    decoder = DECODERS[variant] if q.is_cuda else 0
-    const = (E4M3_DECODE if decoder == 1 else NVFP4_DECODE) * fmt.global_scale
+    flags = kernel_flags(variant, q.is_cuda, variant in LEAN and offsets_fit_int32(kc, ks),
+                         meta["BLOCK_M"] if max_query_len is None else max_query_len, meta["GROUP"], meta["BLOCK_M"],
+                         words_aligned=kc.data_ptr() % 4 == 0)
+    const = (E4M3_DECODE if flags["DECODER"] == 1 else NVFP4_DECODE) * fmt.global_scale
     grid = (num_kv_heads, grid_qblocks, num_splits) if heads_first else (grid_qblocks, num_kv_heads, num_splits)
     _paged_attention_nvfp4_v2_kernel[grid](
         out, q, kc, vc, ks, vs, *common, scale_log2 * const, const, num_seqs, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         C_BLOCK=kc.stride(0), C_SLOT=kc.stride(1), C_HEAD=kc.stride(2), S_BLOCK=ks.stride(0), S_SLOT=ks.stride(1),
         S_HEAD=ks.stride(2), QUADS=quads, QUADS_PAD=triton.next_power_of_2(quads), GROUPS=groups,
-        G_PAD=triton.next_power_of_2(groups), HEADS_FIRST=heads_first, DECODER=decoder,
-        DOT_KWIDTH2=KWIDTH2[variant] and q.is_cuda, FUSED_SCALE=variant in LEAN,
-        OFFS32=variant in LEAN and offsets_fit_int32(kc, ks),
-        ROWSUM_MMA=variant in ROWSUM_BY_DOT, **meta)
+        G_PAD=triton.next_power_of_2(groups), HEADS_FIRST=heads_first, **flags, **meta)

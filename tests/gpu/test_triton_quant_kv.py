@@ -4,7 +4,7 @@ The write kernel must reproduce `quant.write_kv` bit for bit: data bytes and sca
 saturation included, run on the CPU as the oracle. Attention reads the same bytes; its reference
 is TorchRefBackend in float64 over the dequantized cache, so what differs is only the kernels'
 float16 operands and fp32 accumulation. Every attention kernel variant (triton_quant.VARIANTS: fp8
-v1 / v3, nvfp4 v1 to v6) runs every attention test, and the newer kernels also under each
+v1 / v3, nvfp4 v1 to v7) runs every attention test, and the newer kernels also under each
 launch option bench/kv_quant_gpu.py sweeps (test_launch_options). Slots that no sequence owns hold
 NaN scales (and NaN fp8 bytes), so any read outside a sequence's context shows up as NaN; outputs
 are poisoned with NaN before the kernel runs, so every row must be written. Reads past the end of a
@@ -14,9 +14,10 @@ sized pool and, in the interpreter, checks the addresses of every load and store
 Under TRITON_INTERPRET=1 the interpreter's float8 conversions are replaced by torch's (it
 truncates instead of rounding to nearest even and drops the mantissa carry); see
 `tests/helpers/quant_kv.patch_fp8_interpreter`. The interpreter runs no inline PTX, so there nvfp4
-v3 to v6 take v2's decoder (fp8 v3: a byte bitcast), and v4 to v6 have no dot layouts to change (they are
-compiled for the GPU only: tests/unit/test_triton_dot_layout.py); test_nvfp4_decoders_are_exact and
-test_fp8_unit_decode_is_exact check the PTX decoders on the GPU for all 65536 inputs.
+v3 to v7 take v2's decoder (fp8 v3: a byte bitcast; v7's K: its plain twin, same column order), and v4
+to v7 have no dot layouts to change (they are compiled for the GPU only: tests/unit/test_triton_dot_layout.py);
+test_nvfp4_decoders_are_exact and test_fp8_unit_decode_is_exact check the PTX decoders on the GPU for all
+65536 inputs (test_nvfp4_pair_decoder_is_exact: v7's K decoder, each unit in both halves of a word).
 """
 from __future__ import annotations
 
@@ -180,6 +181,61 @@ def test_nvfp4_decoders_are_exact(device: torch.device) -> None:
         nvfp4_units_kernel[(units.numel() // 1024,)](units, out, DECODER=decoder, BLOCK=1024)
         factor = E4M3_DECODE if decoder == 1 else NVFP4_DECODE
         assert torch.equal(out.float().cpu() * factor, want), f"{variant}'s decoder differs from the torch LUT"
+
+
+def test_nvfp4_pair_decoder_is_exact(device: torch.device) -> None:
+    """v7's K decoder (32-bit words, no byte permute; inline PTX on the GPU, plain Triton in the
+    interpreter) against the torch LUT on all 65536 units, each once in a word's low and once in its
+    high half, every value at the element the kernel's Q order gives it."""
+    from specserve.attention.triton_quant_common import NVFP4_DECODE
+    from specserve.attention.triton_quant_nvfp4 import E4M3_DECODE
+    from tests.helpers.quant_decode import nvfp4_pairs_kernel
+
+    all_units = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    fmt = kv_format("nvfp4", torch.float32)
+    for units in (all_units, all_units.roll(1)):  # unit i in the low half, then in the high half
+        codes = units.view(torch.uint8).view(-1, 1, 2)
+        want = quant.dequantize(codes, torch.ones(codes.shape[0], 1, 1).to(torch.float8_e4m3fn), fmt,
+                                torch.float32).reshape(-1) / fmt.global_scale
+        words = units.view(torch.int32).to(device)  # little-endian: unit 2a is word a's low half
+        for decoder in ((0, 1) if device.type == "cuda" else (0,)):
+            out = torch.full((4 * units.numel(),), float("nan"), dtype=torch.float16, device=device)
+            nvfp4_pairs_kernel[(words.numel() // (64 * 16),)](words, out, DECODER=decoder, ROWS=64, WORDS=16)
+            factor = E4M3_DECODE if decoder == 1 else NVFP4_DECODE
+            assert torch.equal(out.float().cpu() * factor, want), f"pair decoder {decoder} differs from the torch LUT"
+
+
+# Decode-only batches: v7 computes the softmax of the first half of every q block's rows only
+# (triton_quant_nvfp4.half_rows_apply); the mixed batches above never qualify.
+DECODE_ONLY = [(1, 4), (4, 1), (4, 2), (6, 1), (8, 1), (7, 1)]
+
+
+@pytest.mark.parametrize("name,variant", [k for k in KERNELS if k[0] == "nvfp4" and k[1] != "v1"],
+                         ids=[f"{n}-{v}" for n, v in KERNELS if n == "nvfp4" and v != "v1"])
+@pytest.mark.parametrize("group,query_len", DECODE_ONLY, ids=[f"g{g}-q{q}" for g, q in DECODE_ONLY])
+def test_decode_only_batch(name: str, variant: str, group: int, query_len: int, device: torch.device,
+                           interpreting: bool) -> None:
+    """Plain decode / 2-token verify batches at several GQA groups, split and unsplit, with tiles with
+    and without masks. v7 skips the second half of the rows exactly where half_rows_apply says so
+    (here: query_len * group <= 8); every output row must still be written (they start as NaN)."""
+    from specserve.attention import triton_quant, triton_quant_nvfp4
+
+    dtype = torch.bfloat16
+    fmt = kv_format(name, dtype)
+    contexts = [1, 130, 300] if interpreting else [1, 130, 3000, 9000]
+    batch = make_batch([(c, query_len) for c in contexts], group * 2, 2, 128, 16, fmt, dtype, device,
+                       seed=group * 10 + query_len)
+    block_m = triton_quant.quant_attention_config(query_len, group, 128, name, variant)[0]
+    half = triton_quant_nvfp4.half_rows_apply(query_len, group, block_m)
+    assert half == (query_len * group <= 8)
+    ref, written = reference(batch, fmt)
+    initial = LayerKVCache(*(t.clone() for t in batch.cache))
+    for num_splits in (None, 1):
+        for dst, src in zip(batch.cache, initial):
+            dst.copy_(src)
+        out = run_kernels(batch, fmt, num_splits, variant)
+        assert_same_bytes(batch.cache, written)
+        assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
 
 
 def test_fp8_unit_decode_is_exact(device: torch.device) -> None:

@@ -3,6 +3,8 @@
 - default_variant: nvfp4 takes v6 for plain decode launches bound by throughput (at least as many
   (sequence, KV head) programs as SMs, long contexts: what was timed) and v4 elsewhere; fp8 always v3.
 - offsets_fit_int32: the nvfp4 kernels' OFFS32 (int32 cache offsets) only where every offset fits.
+- kernel_flags / half_rows_apply: nvfp4 v7 skips the second half of a q block's rows only where no
+  query row can sit there, and is v6 otherwise.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from specserve.attention import triton_quant  # noqa: E402
-from specserve.attention.triton_quant_nvfp4 import offsets_fit_int32  # noqa: E402
+from specserve.attention.triton_quant_nvfp4 import half_rows_apply, kernel_flags, offsets_fit_int32  # noqa: E402
 
 SMS = 132
 
@@ -55,3 +57,38 @@ def test_offsets_fit_int32_at_the_boundary() -> None:
     # A strided view reaches as far as its largest offset, not its element count.
     strided = torch.empty((2, 4), dtype=torch.int16, device="meta").as_strided((2, 4), (2**31 - 3, 1))
     assert not offsets_fit_int32(strided)
+
+
+@pytest.mark.parametrize("max_query_len,group,want", [
+    (1, 4, True),  # the issue's decode: 4 rows of 16
+    (1, 8, True),
+    (2, 4, True),  # a 2-token verify step at GQA 4
+    (1, 1, True),
+    (1, 9, False),
+    (3, 4, False),
+    (5, 2, False),
+    (16, 4, False),  # prefill chunks
+])
+def test_v7_half_rows_only_where_no_query_row_is_in_the_second_half(max_query_len: int, group: int,
+                                                                     want: bool) -> None:
+    block_m = triton_quant.quant_attention_config(max_query_len, group, 128, "nvfp4", "v7")[0]
+    assert half_rows_apply(max_query_len, group, block_m) == want
+    # every query row of a sequence is below max_query_len * group in its q block (triton_quant_common._locate)
+    assert not want or max_query_len * group <= block_m // 2
+    flags = kernel_flags("v7", True, True, max_query_len, group, block_m)
+    assert flags["HALF_ROWS"] == want and flags["K_PAIRS"]
+    v6 = kernel_flags("v6", True, True, max_query_len, group, block_m)
+    assert {k: v for k, v in flags.items() if k not in ("HALF_ROWS", "K_PAIRS")} == \
+        {k: v for k, v in v6.items() if k not in ("HALF_ROWS", "K_PAIRS")}
+    assert not v6["HALF_ROWS"] and not v6["K_PAIRS"]
+    # a key cache not 4-byte aligned: v7 reads K as units, as v6
+    assert not kernel_flags("v7", True, True, max_query_len, group, block_m, words_aligned=False)["K_PAIRS"]
+
+
+def test_v7_is_selectable_and_split_like_v6() -> None:
+    assert "v7" in triton_quant.VARIANTS["nvfp4"]
+    for args in ((32, 1, 32768, 8, 4, SMS), (1, 1, 131072, 8, 4, SMS), (32, 4, 4096, 8, 4, SMS)):
+        assert (triton_quant.choose_num_splits_quant(*args, variant="v7")
+                == triton_quant.choose_num_splits_quant(*args, variant="v6"))
+    assert (triton_quant.quant_attention_config(1, 4, 128, "nvfp4", "v7")
+            == triton_quant.quant_attention_config(1, 4, 128, "nvfp4", "v6"))

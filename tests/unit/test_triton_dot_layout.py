@@ -29,13 +29,16 @@ def fresh_triton_cache(tmp_path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("TRITON_ALWAYS_COMPILE", "1")
 
 
-def _compile_decode_kernel(kwidth2: bool):
-    """The 8B decode specialization (32 / 8 heads, head_dim 128, 16-token blocks, 128-key tiles) for sm_90."""
+def _compile_decode_kernel(kwidth2: bool, **flags):
+    """The 8B decode specialization (32 / 8 heads, head_dim 128, 16-token blocks, 128-key tiles) for sm_90
+    (flags: other variant constexprs)."""
     fn = nvfp4._paged_attention_nvfp4_v2_kernel
     consts = dict(C_BLOCK=16 * 8 * 32, C_SLOT=8 * 32, C_HEAD=32, S_BLOCK=16 * 8 * 8, S_SLOT=64, S_HEAD=8,
                   QUADS=32, QUADS_PAD=32, GROUPS=8, G_PAD=8, GROUP=4, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
                   BLOCK_M=16, BLOCK_Q=4, BLOCK_N=128, SPLIT=True, HEADS_FIRST=True, DECODER=1,
-                  DOT_KWIDTH2=kwidth2, FUSED_SCALE=False, OFFS32=False, ROWSUM_MMA=False)
+                  DOT_KWIDTH2=kwidth2, FUSED_SCALE=False, OFFS32=False, ROWSUM_MMA=False, HALF_ROWS=False,
+                  K_PAIRS=False)
+    consts.update(flags)
     assert set(consts) <= set(fn.arg_names)
     signature = {n: "constexpr" if n in consts else _POINTERS.get(n, "fp32" if n in ("sm_scale_log2", "v_factor")
                                                                   else "i32") for n in fn.arg_names}
@@ -105,3 +108,17 @@ def test_other_kernels_compile_as_triton_makes_them(fresh_triton_cache) -> None:
                     {"N": 32})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert compiled.metadata.name == "dot_kernel" and compiled.asm["cubin"]
+
+
+def test_v7_specialization_compiles_with_its_layouts(fresh_triton_cache) -> None:
+    """nvfp4 v7's decode specialization (bench/kernel_sass.py counts its SASS): on Triton 3.6 the P.V
+    operands get kWidth 2 from the hook and the QK^T operands keep the kWidth 8 that K_PAIRS's join
+    gives them (a thread's K words in one 16-byte load); no 8-bit layout is left."""
+    from specserve.attention.triton_quant_nvfp4 import kernel_flags
+
+    flags = kernel_flags("v7", True, True, max_query_len=1, group=4, block_m=16)
+    assert flags["HALF_ROWS"] and flags["K_PAIRS"]
+    v7 = _compile_decode_kernel(True, **flags)
+    assert v7.asm["cubin"]
+    if triton_dot_layout._copied_triton():
+        assert _kwidths(v7.asm["ttgir"]) == {"2", "8"}
