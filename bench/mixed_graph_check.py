@@ -1,7 +1,9 @@
 """Mixed CUDA graphs on a real model (H200): the same greedy tokens with and without them, and what a
 step that carries a new prompt beside decoding requests costs either way.
 
-One engine per setting (SPECSERVE_MIXED_GRAPHS=1, then 0), built in turn in this process. Each serves
+One engine per setting, built in turn in this process: SPECSERVE_MIXED_GRAPHS=1, 0, then 1 again (the
+twenty-second session's run, on then off only, saw the other steps 15% slower with the graphs on: an
+order effect, or a cost of the graphs?). Each serves
 the same schedule: `--decoding` HumanEval chat prompts decode, and one more prompt arrives every
 `--every` steps until `--arrivals` have come, greedy, `--max-tokens` each. Prints, per setting, the
 forwards of the target that replayed a mixed graph, replayed another graph or ran eagerly, the mean
@@ -96,7 +98,7 @@ def main() -> None:
     mode = controller_sweep.MODES["pair"]
     ns = argparse.Namespace(humaneval=None)
     prompts = controller_sweep.chat_prompts(args.model, ns, {**mode, "model": args.model})
-    runs = [serve(args, prompts, True), serve(args, prompts, False)]
+    runs = [serve(args, prompts, True), serve(args, prompts, False), serve(args, prompts, True)]
     a, b = runs[0]["tokens"], runs[1]["tokens"]
     diff = {}
     for rid in sorted(a):
@@ -110,6 +112,8 @@ def main() -> None:
         print(f"| {'on' if r['mixed'] else 'off'} | {f.get('mixed', 0)} / {f.get('graph', 0)} / {f.get('eager', 0)} | "
               f"{r['prompt_step_ms']:.2f} ({r['prompt_steps']}) | {r['other_step_ms']:.2f} ({r['other_steps']}) |")
     print(f"same greedy tokens: {len(a) - len(diff)} of {len(a)} requests; first differing position: {diff}")
+    again = runs[2]["tokens"]
+    print(f"mixed graphs on, twice: {sum(again.get(r) == a[r] for r in a)} of {len(a)} requests the same")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "mixed_graph_check.json").write_text(json.dumps(
         {"runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs], "differ": diff}, indent=1))
