@@ -5,7 +5,7 @@
 # early drafting left requests finishing at different steps, and each arrival then cost one eager step of
 # the whole batch (~13 ms against ~1.7 ms for a decode step). Mixed graphs replay those steps instead.
 #   (the 36 uploads first, as in next35.sh; every upload and both calls in ONE batch)
-#   bash bench/device/next36.sh tests   # GPU tests of the graphs + bench/mixed_graph_check.py (~150 s)
+#   bash bench/device/next36.sh tests   # GPU tests of the graphs + bench/mixed_graph_check.py, on, off, on (~300 s)
 #   bash bench/device/next36.sh sweep   # the whole pair sweep, 1-256, in one call (~500 s)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,8 +16,8 @@ case "${1:-}" in
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mixed_graphs_gpu.py \
       tests/gpu/test_async_engine.py tests/gpu/test_prefill_apart_gpu.py > "$OUT/tests.txt" 2>&1
     echo "== GPU tests: rc $?"; tail -15 "$OUT/tests.txt"
-    timeout 150 python3 bench/mixed_graph_check.py --out "$OUT" > "$OUT/mixed_check.txt" 2>&1
-    echo "== mixed_graph_check: rc $?"; tail -8 "$OUT/mixed_check.txt" ;;
+    timeout 260 python3 bench/mixed_graph_check.py --out "$OUT" > "$OUT/mixed_check.txt" 2>&1
+    echo "== mixed_graph_check: rc $?"; tail -9 "$OUT/mixed_check.txt" ;;
   sweep)
     mkdir -p "$OUT/all"
     timeout 570 python3 bench/controller_sweep.py --mode pair --policies off,fixed,adaptive --ks 4,8,12 \
