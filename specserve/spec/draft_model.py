@@ -308,7 +308,8 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
         each (None: no cap). A catch-up of sequences that fit the catch-up graphs, one longer than the
         longest of them but at most _GRAPH_PIECES such lengths (a new request's prompt, say), goes in
         pieces of that length, each a graph replay: on the H200 an eager forward of the 0.5B draft took
-        ~10 ms for any 3-128 tokens, a replay of its 64-token catch-up graph 1.2-4.3 ms (1-32 requests)."""
+        ~10 ms for any 3-128 tokens, a replay of its 64-token catch-up graph 1.2-4.3 ms (1-32 requests).
+        A catch-up that a mixed graph holds whole (runner/cuda_graph.py MIXED_TOKEN_LENS) is not cut."""
         graphs = self.runner.graphs
         lens = (graphs.catch_up_query_lens or graphs.prefill_query_lens) if graphs is not None else ()
         if not lens or not unseen or len(unseen) > graphs.sizes_by_q[max(lens)][-1]:
