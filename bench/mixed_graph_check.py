@@ -36,12 +36,15 @@ def serve(args: argparse.Namespace, prompts: list[list[int]], mixed: bool) -> di
     eng = llm.engine
     eng.stream_outputs = False
     forwards: Counter = Counter()
+    kind = ["none"]  # the last target forward's kind, for the step that issued it
     original = CudaGraphRunner.graph_for
 
     def spy(self, batch):
         found = original(self, batch)
         if self is eng.runner.graphs:
             forwards["eager" if found is None else "mixed" if len(found[1]) > 2 else "graph"] += 1
+            kind[0] = ("eager" if batch.num_tokens <= 1024 else "eager > 1024 tokens") if found is None else (
+                "mixed" if len(found[1]) > 2 else "graph")
         return found
 
     CudaGraphRunner.graph_for = spy
@@ -53,6 +56,7 @@ def serve(args: argparse.Namespace, prompts: list[list[int]], mixed: bool) -> di
             for i in range(args.decoding):
                 eng.add_request(f"{rnd}d{i}", {"prompt_token_ids": prompts[i]}, params)
             arrived, with_prompt, without = 0, [], []
+            by_kind: dict[str, list[float]] = {}
             for step in range(100_000):
                 if step and step % args.every == 0 and arrived < args.arrivals:
                     eng.add_request(f"{rnd}a{arrived}", {"prompt_token_ids": prompts[args.decoding + arrived]}, params)
@@ -60,11 +64,13 @@ def serve(args: argparse.Namespace, prompts: list[list[int]], mixed: bool) -> di
                 prompt_step = any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.waiting) or any(
                     r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running)
                 sync()
+                kind[0] = "none"
                 t0 = time.perf_counter()
                 for out in eng.step():
                     done[out.request_id[1:]] = list(out.outputs[0].token_ids)
                 sync()
                 (with_prompt if prompt_step else without).append(time.perf_counter() - t0)
+                by_kind.setdefault(kind[0], []).append(time.perf_counter() - t0)
                 if arrived == args.arrivals and not eng.has_unfinished_requests():
                     break
             if rnd == 0:
@@ -74,7 +80,9 @@ def serve(args: argparse.Namespace, prompts: list[list[int]], mixed: bool) -> di
     eng.kv.check_integrity()
     result = {"mixed": mixed, "forwards": dict(forwards), "tokens": done,
               "prompt_step_ms": 1e3 * sum(with_prompt) / max(len(with_prompt), 1), "prompt_steps": len(with_prompt),
-              "other_step_ms": 1e3 * sum(without) / max(len(without), 1), "other_steps": len(without)}
+              "other_step_ms": 1e3 * sum(without) / max(len(without), 1), "other_steps": len(without),
+              # a step's wall time by the kind of the target forward it issued: do graphs slow the others?
+              "ms_by_forward": {k: [round(1e3 * sum(v) / len(v), 3), len(v)] for k, v in sorted(by_kind.items())}}
     del llm, eng
     gc.collect()
     if torch.cuda.is_available():
@@ -111,6 +119,9 @@ def main() -> None:
         f = r["forwards"]
         print(f"| {'on' if r['mixed'] else 'off'} | {f.get('mixed', 0)} / {f.get('graph', 0)} / {f.get('eager', 0)} | "
               f"{r['prompt_step_ms']:.2f} ({r['prompt_steps']}) | {r['other_step_ms']:.2f} ({r['other_steps']}) |")
+    for r in runs:
+        print(f"mixed graphs {'on' if r['mixed'] else 'off'}: step ms (n) by the target forward it issued: "
+              f"{r['ms_by_forward']}")
     print(f"same greedy tokens: {len(a) - len(diff)} of {len(a)} requests; first differing position: {diff}")
     again = runs[2]["tokens"]
     print(f"mixed graphs on, twice: {sum(again.get(r) == a[r] for r in a)} of {len(a)} requests the same")

@@ -17,7 +17,7 @@ case "${1:-}" in
       tests/gpu/test_async_engine.py tests/gpu/test_prefill_apart_gpu.py > "$OUT/tests.txt" 2>&1
     echo "== GPU tests: rc $?"; tail -15 "$OUT/tests.txt"
     timeout 260 python3 bench/mixed_graph_check.py --out "$OUT" > "$OUT/mixed_check.txt" 2>&1
-    echo "== mixed_graph_check: rc $?"; tail -9 "$OUT/mixed_check.txt" ;;
+    echo "== mixed_graph_check: rc $?"; tail -12 "$OUT/mixed_check.txt" ;;
   sweep)
     mkdir -p "$OUT/all"
     timeout 570 python3 bench/controller_sweep.py --mode pair --policies off,fixed,adaptive --ks 4,8,12 \
