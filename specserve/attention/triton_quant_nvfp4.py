@@ -17,14 +17,8 @@ time (LDS.U8 + PRMT, seen in the sm_90 SASS of a byte version), and from 32-bit 
 pair rows at all. The decode is elementwise, so it runs on the units right where they come out of
 shared memory in the dot-operand layout, with no layout conversion of the float16 tiles.
 
-Two decoders (the DECODER constexpr), both exact:
-  v2 (plain Triton): nibble (s, e1, e0, m) goes to float16 bits (15, 11, 10, 9), which *is* the
-     float16 number e2m1 * 2^-14 (subnormal 0.5 included); a few integer ops per value.
-  v3 (inline PTX, sm_89+): two units (8 codes) per 32-bit register; every nibble becomes the e4m3
-     byte (s, 0, 0, e1, e0, m, 0, 0) = e2m1 * 2^-6 with four SIMD-within-a-register shifts and masks
-     per 4 bytes, a byte permute pairs the two units' codes, and the hardware `cvt.rn.f16x2.e4m3x2`
-     makes two float16 per instruction. Triton's interpreter runs no inline assembly: there the
-     kernel takes the v2 decoder.
+The decoders (the DECODER constexpr: v2's plain Triton one, v3's inline PTX one, both exact) and the
+scaled tiles they feed are in triton_nvfp4_decode.py.
 v4 is v3 with its float16 dot operands in the register layout of 16-bit types (kWidth 2) instead of
 the 8-bit one Triton derives from the scale loads (triton_dot_layout.py): no register moves for Q and
 P (sm_90 SASS of a 128-key tile: 961 instructions against v3's 1,110). It opts in per specialization:
@@ -34,7 +28,7 @@ offset below 2^31, int32 offsets (961 -> 917 instructions); v6 (ROWSUM_MMA) take
 denominator from a dot of P with ones, where tl.sum crossed the warps through shared memory (900
 instructions, 6 barriers against 9). Its l_i is [BLOCK_M, 16], every column the row sum of P in float16
 (the same P that multiplies V).
-v7 (HALF_ROWS, K_PAIRS) is v6 with two changes (sm_90 SASS of the unmasked loop: 815 instructions
+v7 (HALF_ROWS, K_PAIRS) is v6 with two changes (sm_90 SASS of the unmasked loop: 796 instructions
 against 882, measured with bench/kernel_sass.py on Triton 3.6):
   HALF_ROWS, where no query row can sit in the second half of a q block (half_rows_apply: a plain
      decode pads its GROUP rows to the tensor cores' 16): the scores, probabilities, row max and
@@ -47,11 +41,10 @@ against 882, measured with bench/kernel_sass.py on Triton 3.6):
      The tl.join that puts the halves back makes Triton give the QK^T operands the 8-consecutive-k
      register layout (kWidth 8), in which a thread's K words are one 16-byte shared-memory load and its
      group scales come in adjacent pairs (one LDS.U16 per two groups instead of LDS.U8s and a byte
-     pack) (837 -> 815). V keeps the permute: P.V pairs two keys per register.
+     pack) (837 -> 796). V keeps the permute: P.V pairs two keys per register.
 v1 (triton_quant_v1.py) ran eight dots of depth head_dim / 8 over 32-bit words and gathered a scale
-per word with a synchronous 1-byte load. Scales multiply the decoded values in float16 (exact:
-products of a 2-bit and a 4-bit significand, >= 2^-24); the constant (2^14 or 2^6) * global_scale
-goes into the score scale (K) and the output (V).
+per word with a synchronous 1-byte load. The decoders' constant (2^14 or 2^6) * global_scale goes
+into the score scale (K) and the output (V).
 """
 from __future__ import annotations
 
@@ -60,6 +53,7 @@ import triton
 import triton.language as tl
 
 from specserve.attention import triton_dot_layout
+from specserve.attention.triton_nvfp4_decode import E4M3_DECODE, _scaled_pair_tiles, _scaled_tiles
 from specserve.attention.triton_quant_common import (
     NVFP4_DECODE,
     _load_q16,
@@ -75,62 +69,6 @@ from specserve.attention.triton_quant_common import (
     _tile_rows,
     _zeros4,
 )
-
-E4M3_DECODE = 64.0  # 2^6: the v3 decode yields e2m1 * 2^-6
-# $4 = two 16-bit units: bytes (u0.lo, u0.hi, u1.lo, u1.hi). Output j = nibble j of u0 (low half) and
-# of u1 (high half) as float16. The byte permute 0x3120 first turns (b0, b1, b2, b3) into
-# (b0, b2, b1, b3), pairing u0's and u1's bytes; l / h: the e4m3 bytes of each byte's low / high
-# nibble. Every shift-and-mask keeps bits within their byte, so permuting once before them does what
-# permuting l and h after them did (one byte permute per 8 codes instead of two).
-_DECODE_PTX = tl.constexpr("""
-{
-.reg .b32 x, t, u, l, h;
-.reg .b16 l02, l13, h02, h13;
-prmt.b32 x, $4, 0, 0x3120;
-shl.b32 t, x, 4;
-and.b32 t, t, 0x80808080;
-shl.b32 u, x, 2;
-and.b32 u, u, 0x1C1C1C1C;
-or.b32 l, t, u;
-shr.b32 u, x, 2;
-and.b32 u, u, 0x1C1C1C1C;
-and.b32 t, x, 0x80808080;
-or.b32 h, t, u;
-mov.b32 {l02, l13}, l;
-mov.b32 {h02, h13}, h;
-cvt.rn.f16x2.e4m3x2 $0, l02;
-cvt.rn.f16x2.e4m3x2 $1, h02;
-cvt.rn.f16x2.e4m3x2 $2, l13;
-cvt.rn.f16x2.e4m3x2 $3, h13;
-}
-""")
-
-# v7's K decoder (K_PAIRS): $4 = one 32-bit word of the cache row, units (u_p, u_p+1) for p even, with no
-# byte permute. The same shifts and masks as _DECODE_PTX; each cvt then takes the two codes of one byte
-# pair of the word: $0 = (E_0, E_2) of u_p, $1 = (E_1, E_3) of u_p, $2 = (E_0, E_2) of u_p+1, $3 = (E_1,
-# E_3) of u_p+1 (low half first): elements 8a + {0, 2}, 8a + {1, 3}, 8a + {4, 6}, 8a + {5, 7} of word a.
-_DECODE_PAIRS_PTX = tl.constexpr("""
-{
-.reg .b32 t, u, l, h;
-.reg .b16 l0, l1, h0, h1;
-shl.b32 t, $4, 4;
-and.b32 t, t, 0x80808080;
-shl.b32 u, $4, 2;
-and.b32 u, u, 0x1C1C1C1C;
-or.b32 l, t, u;
-shr.b32 u, $4, 2;
-and.b32 u, u, 0x1C1C1C1C;
-and.b32 t, $4, 0x80808080;
-or.b32 h, t, u;
-mov.b32 {l0, l1}, l;
-mov.b32 {h0, h1}, h;
-cvt.rn.f16x2.e4m3x2 $0, l0;
-cvt.rn.f16x2.e4m3x2 $1, h0;
-cvt.rn.f16x2.e4m3x2 $2, l1;
-cvt.rn.f16x2.e4m3x2 $3, h1;
-}
-""")
-
 
 DECODERS = {"v2": 0, "v3": 1, "v4": 1, "v5": 1, "v6": 1, "v7": 1}  # variant -> the kernel's DECODER
 KWIDTH2 = {"v2": False, "v3": False, "v4": True, "v5": True, "v6": True, "v7": True}  # -> DOT_KWIDTH2
@@ -169,108 +107,6 @@ def kernel_flags(variant: str, on_gpu: bool, offs32: bool, max_query_len: int, g
 
 
 triton_dot_layout.install()  # before the first compile of an opted-in kernel (the hook is not in Triton's key)
-
-
-@triton.jit
-def _nibble16(u, J: tl.constexpr):
-    """uint16 units -> float16 code * 2^-14 of nibble J: bits (s, e1, e0, m) -> (15, 11, 10, 9)."""
-    n = u >> (4 * J)
-    return (((n << 12) & 0x8000) | ((n << 9) & 0x0E00)).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _decode(units, DECODER: tl.constexpr):
-    """uint16 [..] -> the four nibbles of every unit as float16: code * 2^-6 with DECODER 1 (v3,
-    inline PTX), else code * 2^-14 (0: v2, plain Triton)."""
-    if DECODER == 1:
-        e0, e1, e2, e3 = tl.inline_asm_elementwise(_DECODE_PTX, "=r,=r,=r,=r,r", [units],
-                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                   is_pure=True, pack=2)
-    else:
-        e0 = _nibble16(units, 0)
-        e1 = _nibble16(units, 1)
-        e2 = _nibble16(units, 2)
-        e3 = _nibble16(units, 3)
-    return e0, e1, e2, e3
-
-
-@triton.jit
-def _half16(w, HIGH: tl.constexpr):
-    """Half HIGH (0: bits 0-15, 1: bits 16-31) of int32 words, as float16 bits."""
-    if HIGH:
-        w = w >> 16
-    return w.to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _pair_tile(lo, hi, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr):
-    """float16 [BLOCK_N, QUADS_PAD / 2] x 2 -> [BLOCK_N, QUADS_PAD], lo at the even columns."""
-    return tl.reshape(tl.join(lo, hi), [BLOCK_N, QUADS_PAD])
-
-
-@triton.jit
-def _decode_pairs(words, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr, DECODER: tl.constexpr):
-    """int32 words [BLOCK_N, QUADS_PAD / 2] (word a: units 2a, 2a + 1) -> four float16 tiles
-    [BLOCK_N, QUADS_PAD]; column c = 2a + b of tile k holds element 8a + 4 (k // 2) + 2b + k % 2 of the
-    row (v7's K order: what _DECODE_PAIRS_PTX gives without a byte permute; Q's columns follow it)."""
-    if DECODER == 1:
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(_DECODE_PAIRS_PTX, "=r,=r,=r,=r,r", [words],
-                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                                                   is_pure=True, pack=1)
-        e0 = _pair_tile(_half16(o0, 0), _half16(o0, 1), BLOCK_N, QUADS_PAD)
-        e1 = _pair_tile(_half16(o1, 0), _half16(o1, 1), BLOCK_N, QUADS_PAD)
-        e2 = _pair_tile(_half16(o2, 0), _half16(o2, 1), BLOCK_N, QUADS_PAD)
-        e3 = _pair_tile(_half16(o3, 0), _half16(o3, 1), BLOCK_N, QUADS_PAD)
-    else:
-        lo = words.to(tl.uint16)  # unit 2a
-        hi = (words >> 16).to(tl.uint16)  # unit 2a + 1
-        e0 = _pair_tile(_nibble16(lo, 0), _nibble16(lo, 2), BLOCK_N, QUADS_PAD)
-        e1 = _pair_tile(_nibble16(lo, 1), _nibble16(lo, 3), BLOCK_N, QUADS_PAD)
-        e2 = _pair_tile(_nibble16(hi, 0), _nibble16(hi, 2), BLOCK_N, QUADS_PAD)
-        e3 = _pair_tile(_nibble16(hi, 1), _nibble16(hi, 3), BLOCK_N, QUADS_PAD)
-    return e0, e1, e2, e3
-
-
-@triton.jit
-def _group_scales(scale_ptrs, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr, G_PAD: tl.constexpr,
-                  MASKED: tl.constexpr):
-    """A tile's group scales as float16 [BLOCK_N, QUADS_PAD]: column c holds group c // 4's."""
-    if MASKED:
-        sc = tl.load(scale_ptrs, mask=scale_mask, other=0.0).to(tl.float16)
-    else:
-        sc = tl.load(scale_ptrs).to(tl.float16)
-    return tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, G_PAD, 4]), [BLOCK_N, QUADS_PAD])
-
-
-@triton.jit
-def _scaled_pair_tiles(word_ptrs, scale_ptrs, mask, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr,
-                       G_PAD: tl.constexpr, DECODER: tl.constexpr, MASKED: tl.constexpr):
-    """_scaled_tiles from the row's 32-bit words, in _decode_pairs's column order (v7's K). Column c of
-    every tile is an element of unit 2 (c // 2) or 2 (c // 2) + 1, both of group c // 4."""
-    if MASKED:
-        words = tl.load(word_ptrs, mask=mask, other=0)
-    else:
-        words = tl.load(word_ptrs)
-    sc = _group_scales(scale_ptrs, scale_mask, BLOCK_N, QUADS_PAD, G_PAD, MASKED)
-    e0, e1, e2, e3 = _decode_pairs(words, BLOCK_N, QUADS_PAD, DECODER)
-    return e0 * sc, e1 * sc, e2 * sc, e3 * sc
-
-
-@triton.jit
-def _scaled_tiles(unit_ptrs, scale_ptrs, mask, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr,
-                  G_PAD: tl.constexpr, DECODER: tl.constexpr, MASKED: tl.constexpr):
-    """One cache tile -> E_0..E_3, float16 [BLOCK_N, QUADS_PAD] (elements 4c + j), times group scales.
-    MASKED False: every row and column is in range (no predicate on the loads)."""
-    if MASKED:
-        units = tl.load(unit_ptrs, mask=mask, other=0).to(tl.uint16, bitcast=True)
-        sc = tl.load(scale_ptrs, mask=scale_mask, other=0.0).to(tl.float16)  # [BLOCK_N, G_PAD]
-    else:
-        units = tl.load(unit_ptrs).to(tl.uint16, bitcast=True)
-        sc = tl.load(scale_ptrs).to(tl.float16)
-    # Unit c belongs to group c // 4 (4 units = 16 values).
-    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, G_PAD, 4]), [BLOCK_N, QUADS_PAD])
-    e0, e1, e2, e3 = _decode(units, DECODER)
-    return e0 * sc, e1 * sc, e2 * sc, e3 * sc
 
 
 @triton.jit

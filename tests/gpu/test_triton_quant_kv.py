@@ -167,7 +167,8 @@ def test_nvfp4_decoders_are_exact(device: torch.device) -> None:
     """The nvfp4 decoders (v2 plain Triton, v3 / v4 inline PTX: the GPU only) against the torch LUT,
     on all 65536 units."""
     from specserve.attention.triton_quant_common import NVFP4_DECODE
-    from specserve.attention.triton_quant_nvfp4 import DECODERS, E4M3_DECODE
+    from specserve.attention.triton_nvfp4_decode import E4M3_DECODE
+    from specserve.attention.triton_quant_nvfp4 import DECODERS
     from tests.helpers.quant_decode import nvfp4_units_kernel
 
     units = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).to(device)
@@ -188,7 +189,7 @@ def test_nvfp4_pair_decoder_is_exact(device: torch.device) -> None:
     interpreter) against the torch LUT on all 65536 units, each once in a word's low and once in its
     high half, every value at the element the kernel's Q order gives it."""
     from specserve.attention.triton_quant_common import NVFP4_DECODE
-    from specserve.attention.triton_quant_nvfp4 import E4M3_DECODE
+    from specserve.attention.triton_nvfp4_decode import E4M3_DECODE
     from tests.helpers.quant_decode import nvfp4_pairs_kernel
 
     all_units = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)

@@ -1,0 +1,173 @@
+"""The nvfp4 cache's e2m1 decoders and scaled tiles, for the attention kernel of triton_quant_nvfp4.py.
+
+A cache row (one token, one KV head) is head_dim / 2 bytes, byte i holding elements 2i (low nibble) and
+2i + 1 (high nibble), read as 16-bit units ("quads": unit c holds elements 4c + j in its nibble j) or,
+for v7's K (K_PAIRS), as 32-bit words (units 2a, 2a + 1). Two decoders (the kernel's DECODER constexpr),
+both exact:
+  0 (v2, plain Triton): nibble (s, e1, e0, m) goes to float16 bits (15, 11, 10, 9), which *is* the
+     float16 number e2m1 * 2^-14 (subnormal 0.5 included); a few integer ops per value.
+  1 (v3 on, inline PTX, sm_89+): two units (8 codes) per 32-bit register; every nibble becomes the e4m3
+     byte (s, 0, 0, e1, e0, m, 0, 0) = e2m1 * 2^-6 with four SIMD-within-a-register shifts and masks
+     per 4 bytes, and the hardware `cvt.rn.f16x2.e4m3x2` makes two float16 per instruction. Triton's
+     interpreter runs no inline assembly: there the kernel takes decoder 0.
+Scales multiply the decoded values in float16 (exact: products of a 2-bit and a 4-bit significand,
+>= 2^-24); the kernel folds the constant (2^14 or 2^6) * global_scale into the score scale and output.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+E4M3_DECODE = 64.0  # 2^6: the v3 decode yields e2m1 * 2^-6
+# $4 = two 16-bit units: bytes (u0.lo, u0.hi, u1.lo, u1.hi). Output j = nibble j of u0 (low half) and
+# of u1 (high half) as float16. The byte permute 0x3120 first turns (b0, b1, b2, b3) into
+# (b0, b2, b1, b3), pairing u0's and u1's bytes; l / h: the e4m3 bytes of each byte's low / high
+# nibble. Every shift-and-mask keeps bits within their byte, so permuting once before them does what
+# permuting l and h after them did (one byte permute per 8 codes instead of two).
+_DECODE_PTX = tl.constexpr("""
+{
+.reg .b32 x, t, u, l, h;
+.reg .b16 l02, l13, h02, h13;
+prmt.b32 x, $4, 0, 0x3120;
+shl.b32 t, x, 4;
+and.b32 t, t, 0x80808080;
+shl.b32 u, x, 2;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 l, t, u;
+shr.b32 u, x, 2;
+and.b32 u, u, 0x1C1C1C1C;
+and.b32 t, x, 0x80808080;
+or.b32 h, t, u;
+mov.b32 {l02, l13}, l;
+mov.b32 {h02, h13}, h;
+cvt.rn.f16x2.e4m3x2 $0, l02;
+cvt.rn.f16x2.e4m3x2 $1, h02;
+cvt.rn.f16x2.e4m3x2 $2, l13;
+cvt.rn.f16x2.e4m3x2 $3, h13;
+}
+""")
+
+# v7's K decoder (K_PAIRS): $4 = one 32-bit word of the cache row, units (u_p, u_p+1) for p even, with no
+# byte permute. The same shifts and masks as _DECODE_PTX; each cvt then takes the two codes of one byte
+# pair of the word: $0 = (E_0, E_2) of u_p, $1 = (E_1, E_3) of u_p, $2 = (E_0, E_2) of u_p+1, $3 = (E_1,
+# E_3) of u_p+1 (low half first): elements 8a + {0, 2}, 8a + {1, 3}, 8a + {4, 6}, 8a + {5, 7} of word a.
+_DECODE_PAIRS_PTX = tl.constexpr("""
+{
+.reg .b32 t, u, l, h;
+.reg .b16 l0, l1, h0, h1;
+shl.b32 t, $4, 4;
+and.b32 t, t, 0x80808080;
+shl.b32 u, $4, 2;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 l, t, u;
+shr.b32 u, $4, 2;
+and.b32 u, u, 0x1C1C1C1C;
+and.b32 t, $4, 0x80808080;
+or.b32 h, t, u;
+mov.b32 {l0, l1}, l;
+mov.b32 {h0, h1}, h;
+cvt.rn.f16x2.e4m3x2 $0, l0;
+cvt.rn.f16x2.e4m3x2 $1, h0;
+cvt.rn.f16x2.e4m3x2 $2, l1;
+cvt.rn.f16x2.e4m3x2 $3, h1;
+}
+""")
+
+
+@triton.jit
+def _nibble16(u, J: tl.constexpr):
+    """uint16 units -> float16 code * 2^-14 of nibble J: bits (s, e1, e0, m) -> (15, 11, 10, 9)."""
+    n = u >> (4 * J)
+    return (((n << 12) & 0x8000) | ((n << 9) & 0x0E00)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _decode(units, DECODER: tl.constexpr):
+    """uint16 [..] -> the four nibbles of every unit as float16: code * 2^-6 with DECODER 1 (v3,
+    inline PTX), else code * 2^-14 (0: v2, plain Triton)."""
+    if DECODER == 1:
+        e0, e1, e2, e3 = tl.inline_asm_elementwise(_DECODE_PTX, "=r,=r,=r,=r,r", [units],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=2)
+    else:
+        e0 = _nibble16(units, 0)
+        e1 = _nibble16(units, 1)
+        e2 = _nibble16(units, 2)
+        e3 = _nibble16(units, 3)
+    return e0, e1, e2, e3
+
+
+@triton.jit
+def _half16(w, HIGH: tl.constexpr):
+    """Half HIGH (0: bits 0-15, 1: bits 16-31) of int32 words, as float16 bits."""
+    if HIGH:
+        w = w >> 16
+    return w.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _pair_tile(lo, hi, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr):
+    """float16 [BLOCK_N, QUADS_PAD / 2] x 2 -> [BLOCK_N, QUADS_PAD], lo at the even columns."""
+    return tl.reshape(tl.join(lo, hi), [BLOCK_N, QUADS_PAD])
+
+
+@triton.jit
+def _decode_pairs(words, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr, DECODER: tl.constexpr):
+    """int32 words [BLOCK_N, QUADS_PAD / 2] (word a: units 2a, 2a + 1) -> four float16 tiles
+    [BLOCK_N, QUADS_PAD]; column c = 2a + b of tile k holds element 8a + 4 (k // 2) + 2b + k % 2 of the
+    row (v7's K order: what _DECODE_PAIRS_PTX gives without a byte permute; Q's columns follow it)."""
+    if DECODER == 1:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(_DECODE_PAIRS_PTX, "=r,=r,=r,=r,r", [words],
+                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                                   is_pure=True, pack=1)
+        e0 = _pair_tile(_half16(o0, 0), _half16(o0, 1), BLOCK_N, QUADS_PAD)
+        e1 = _pair_tile(_half16(o1, 0), _half16(o1, 1), BLOCK_N, QUADS_PAD)
+        e2 = _pair_tile(_half16(o2, 0), _half16(o2, 1), BLOCK_N, QUADS_PAD)
+        e3 = _pair_tile(_half16(o3, 0), _half16(o3, 1), BLOCK_N, QUADS_PAD)
+    else:
+        lo = words.to(tl.uint16)  # unit 2a
+        hi = (words >> 16).to(tl.uint16)  # unit 2a + 1
+        e0 = _pair_tile(_nibble16(lo, 0), _nibble16(lo, 2), BLOCK_N, QUADS_PAD)
+        e1 = _pair_tile(_nibble16(lo, 1), _nibble16(lo, 3), BLOCK_N, QUADS_PAD)
+        e2 = _pair_tile(_nibble16(hi, 0), _nibble16(hi, 2), BLOCK_N, QUADS_PAD)
+        e3 = _pair_tile(_nibble16(hi, 1), _nibble16(hi, 3), BLOCK_N, QUADS_PAD)
+    return e0, e1, e2, e3
+
+
+@triton.jit
+def _group_scales(scale_ptrs, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr, G_PAD: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """A tile's group scales as float16 [BLOCK_N, QUADS_PAD]: column c holds group c // 4's."""
+    if MASKED:
+        sc = tl.load(scale_ptrs, mask=scale_mask, other=0.0).to(tl.float16)
+    else:
+        sc = tl.load(scale_ptrs).to(tl.float16)
+    return tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, G_PAD, 4]), [BLOCK_N, QUADS_PAD])
+
+
+@triton.jit
+def _scaled_pair_tiles(word_ptrs, scale_ptrs, mask, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr,
+                       G_PAD: tl.constexpr, DECODER: tl.constexpr, MASKED: tl.constexpr):
+    """_scaled_tiles from the row's 32-bit words, in _decode_pairs's column order (v7's K). Column c of
+    every tile is an element of unit 2 (c // 2) or 2 (c // 2) + 1, both of group c // 4."""
+    if MASKED:
+        words = tl.load(word_ptrs, mask=mask, other=0)
+    else:
+        words = tl.load(word_ptrs)
+    sc = _group_scales(scale_ptrs, scale_mask, BLOCK_N, QUADS_PAD, G_PAD, MASKED)
+    e0, e1, e2, e3 = _decode_pairs(words, BLOCK_N, QUADS_PAD, DECODER)
+    return e0 * sc, e1 * sc, e2 * sc, e3 * sc
+
+
+@triton.jit
+def _scaled_tiles(unit_ptrs, scale_ptrs, mask, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr,
+                  G_PAD: tl.constexpr, DECODER: tl.constexpr, MASKED: tl.constexpr):
+    """One cache tile -> E_0..E_3, float16 [BLOCK_N, QUADS_PAD] (elements 4c + j), times group scales.
+    MASKED False: every row and column is in range (no predicate on the loads)."""
+    if MASKED:
+        units = tl.load(unit_ptrs, mask=mask, other=0).to(tl.uint16, bitcast=True)
+    else:
+        units = tl.load(unit_ptrs).to(tl.uint16, bitcast=True)
+    sc = _group_scales(scale_ptrs, scale_mask, BLOCK_N, QUADS_PAD, G_PAD, MASKED)  # unit c: group c // 4
+    e0, e1, e2, e3 = _decode(units, DECODER)
+    return e0 * sc, e1 * sc, e2 * sc, e3 * sc
