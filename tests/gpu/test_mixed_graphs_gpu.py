@@ -26,8 +26,7 @@ def _serve(path, mixed: bool, monkeypatch, spec=None):
     target: list[tuple[int, tuple | None]] = []
     draft: list[tuple[int, tuple | None]] = []
     original = CudaGraphRunner.graph_for
-    draft_graphs = getattr(getattr(eng.spec, "proposer", None), "runner", None) if eng.spec else None
-    draft_graphs = draft_graphs.graphs if draft_graphs is not None else None
+    draft_graphs = eng.spec.proposer.runner.graphs if spec is not None else None
 
     def spy(self, batch):
         found = original(self, batch)
