@@ -28,15 +28,17 @@ split-KV partials reduced by its `_reduce_splits_kernel`) and picks one of the k
   "v6" (nvfp4): v5 with the softmax denominator from a dot of P with ones instead of a row sum, which
        crossed the warps through shared memory: 900 instructions and 6 barriers per tile against 9.
        B = 32 / 32k on the H200: 524-528 us against v4's 532-533 in the same processes (sixteenth
-       session). The default where the launch is bound by throughput (`default_variant`).
+       session). The default where the launch was bound by throughput until the twenty-third session.
   "v7" (nvfp4): v6 that, where no q block can hold a query row in its second half (plain decode at
        up to 8 query heads per KV head, `triton_quant_nvfp4.half_rows_apply`), computes the online
        softmax of the first 8 of the tile's 16 rows only: the tensor cores' minimum M pads a decode's
        4 rows to 16, and rows r + 8 of the accumulator sit in registers of their own, so their exp2s,
        row max, P conversions and rescales drop out at compile time. And K read as 32-bit words and
        decoded without a byte permute (Q in the matching column order). sm_90 SASS of the unmasked loop:
-       796 instructions per tile against v6's 882 (bench/kernel_sass.py). Not timed on the H200 yet, so
-       not a default.
+       796 instructions per tile against v6's 882 (bench/kernel_sass.py). B = 32 / 32k on the H200
+       (twenty-third session, 3 processes, every launch timed twice): 517-521 us = 0.4446-0.4491x of
+       bf16 against v6's 523-526 us = 0.4507-0.4522x in the same processes. The default where the
+       launch is bound by throughput (`default_variant`).
   "v3" (fp8, `triton_quant_fp8.py`): the same structure, capped at 128 registers (4 programs per
        SM), with V read as 16-bit units so that P.V's operand comes from a transposing ldmatrix
        instead of one shared-memory byte load per value. Its byte-tile predecessor (v2, removed:
@@ -47,7 +49,8 @@ split-KV partials reduced by its `_reduce_splits_kernel`) and picks one of the k
 times all of them. On the H200 (2026-11-30, batch 32, 32k context, 32 / 8 heads, head_dim 128):
 bf16 1,167 us; fp8 v1 1,596, v3 588 (0.50x bf16, 3.7 TB/s); nvfp4 v1 3,224, v2 1,159, v3 594
 (0.51x, 2.0 TB/s: bound by its instruction count), v4 534 (0.46x, 2.3 TB/s; fifteenth session), v6
-524-528 (0.448-0.452x of bf16's 1,164-1,169 in the same processes; sixteenth session). The
+524-528 (0.448-0.452x of bf16's 1,164-1,169 in the same processes; sixteenth session), v7 517-521
+(0.445-0.449x of bf16's 1,160-1,163; twenty-third session). The
 PTX decoders are checked exhaustively on the GPU (test_nvfp4_decoders_are_exact,
 test_fp8_unit_decode_is_exact); the interpreter runs the plain-Triton decoders.
 
@@ -87,15 +90,16 @@ __all__ = [
 ]
 
 VARIANTS = {"fp8": ("v1", "v3"), "nvfp4": ("v1", "v2", "v3", "v4", "v5", "v6", "v7")}
-DEFAULT_VARIANT = {"fp8": "v3", "nvfp4": "v6"}
-# nvfp4 v6 has fewer instructions and barriers per tile than v4 and a longer critical path (the row sums
-# are a dot). On the H200 (sixteenth session, decode, 4 processes) it was 1-1.5% faster at B = 32 / 32k
+DEFAULT_VARIANT = {"fp8": "v3", "nvfp4": "v7"}
+# nvfp4 v6 / v7 have fewer instructions and barriers per tile than v4 and a longer critical path (the row
+# sums are a dot; v7 then drops the padding rows' softmax and the K byte permute, 0.6-1.4% faster than v6
+# at B = 32 / 32k in three processes of the twenty-third session). On the H200 (sixteenth session, decode, 4 processes) it was 1-1.5% faster at B = 32 / 32k
 # and 1.7-2.5% at 128k (in two of three), but 4-11% slower at B = 1 (few programs, each bound by its
 # latency) and level at B = 32 / 4k. Only plain decode launches were timed: launches with query rows
 # beyond one token (prefill chunks, verify steps), fewer (sequence, KV head) programs than SMs, or short
 # contexts keep v4.
 NVFP4_LATENCY_VARIANT = "v4"
-NVFP4_V6_MIN_CONTEXT = 16384
+NVFP4_THROUGHPUT_MIN_CONTEXT = 16384
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions y and z
 V2_PROGRAMS_PER_SM = 4  # v2 / v3 decode programs resident per SM (4 warps, <= 128 registers each)
 # nvfp4 v4 splits into at least this many (where the context allows): on the H200 at batch 32 (one wave
@@ -130,7 +134,7 @@ def default_variant(name: str, num_seqs: int, num_kv_heads: int, max_query_len: 
                     num_sms: int) -> str:
     """The kernel variant a call without `variant=` gets (host ints only: CUDA-graph safe)."""
     if name == "nvfp4" and (max_query_len > 1 or num_seqs * num_kv_heads < num_sms
-                            or max_seq_len < NVFP4_V6_MIN_CONTEXT):
+                            or max_seq_len < NVFP4_THROUGHPUT_MIN_CONTEXT):
         return NVFP4_LATENCY_VARIANT
     return DEFAULT_VARIANT[name]
 

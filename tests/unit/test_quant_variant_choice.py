@@ -1,6 +1,6 @@
 """Host-side choices of the quantized-KV attention launch (no GPU: the kernels run in tests/gpu/).
 
-- default_variant: nvfp4 takes v6 for plain decode launches bound by throughput (at least as many
+- default_variant: nvfp4 takes v7 for plain decode launches bound by throughput (at least as many
   (sequence, KV head) programs as SMs, long contexts: what was timed) and v4 elsewhere; fp8 always v3.
 - offsets_fit_int32: the nvfp4 kernels' OFFS32 (int32 cache offsets) only where every offset fits.
 - kernel_flags / half_rows_apply: nvfp4 v7 skips the second half of a q block's rows only where no
@@ -20,9 +20,9 @@ SMS = 132
 
 
 @pytest.mark.parametrize("num_seqs,max_seq_len,want", [
-    (32, 32768, "v6"),  # the issue's shape: 256 programs before splitting
-    (32, 131072, "v6"),
-    (17, 16384, "v6"),  # 136 >= 132 programs, at the context threshold
+    (32, 32768, "v7"),  # the issue's shape: 256 programs before splitting
+    (32, 131072, "v7"),
+    (17, 16384, "v7"),  # 136 >= 132 programs, at the context threshold
     (16, 32768, "v4"),  # 128 programs: fewer than the SMs
     (1, 131072, "v4"),  # latency-bound
     (32, 4096, "v4"),  # short contexts: level on the H200
@@ -35,7 +35,7 @@ def test_nvfp4_default_variant_follows_the_launch(num_seqs: int, max_seq_len: in
 
 @pytest.mark.parametrize("max_query_len", [2, 5, 512])
 def test_nvfp4_launches_beyond_plain_decode_keep_v4(max_query_len: int) -> None:
-    # verify steps (k + 1 rows per sequence) and prefill chunks: v6 was not timed there
+    # verify steps (k + 1 rows per sequence) and prefill chunks: v6 / v7 were not timed there
     assert triton_quant.default_variant("nvfp4", 32, 8, max_query_len, 32768, SMS) == "v4"
 
 
