@@ -117,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
-    p.add_argument("--ks", default="1,2,4", help="fixed k values; the adaptive controller drafts 0..max(ks)")
+    p.add_argument("--ks", default="1,2,4", help="fixed k values (0: the speculative engine, never drafting); the adaptive controller drafts 0..max(ks)")
     p.add_argument("--policies", default="off,fixed,adaptive,adaptive+graphs",
                    help="subset of off, fixed, adaptive, adaptive-uncalibrated (without estimators."
                         "TokenCalibration), adaptive+graphs (the last on CUDA only)")

@@ -140,14 +140,23 @@ class Policy:
             graphs.query_lens = tuple(sorted(verify | set(graphs.prefill_query_lens)))
 
 
+def _fixed(cfg: Any, k: int) -> FixedController:
+    """Fixed k; k = 0 is the speculative engine that never drafts (no controller work either): against
+    "off" it prices what carrying a proposer costs, against "adaptive" what the controller does."""
+    if k == 0:
+        ctl = FixedController(dataclasses.replace(cfg, adaptive=False))
+        ctl.k = 0
+        return ctl
+    return FixedController(dataclasses.replace(cfg, num_speculative_tokens=k, adaptive=False))
+
+
 def make_policies(args: argparse.Namespace, cfg: Any, own_qs: tuple[int, ...], cuda_graphs: bool) -> list[Policy]:
     wanted = set(args.policies.split(","))
     ks = sorted({int(k) for k in args.ks.split(",")})
     max_k = cfg.num_speculative_tokens
     out = []
     if "fixed" in wanted:
-        out += [Policy(f"k={k}", FixedController(dataclasses.replace(cfg, num_speculative_tokens=k, adaptive=False)),
-                       (1, k + 1)) for k in ks]
+        out += [Policy(f"k={k}", _fixed(cfg, k), (1, k + 1)) for k in ks]
     if "adaptive" in wanted:
         out.append(Policy("adaptive", AdaptiveController(cfg), own_qs or (1, max_k + 1)))
     if "adaptive-uncalibrated" in wanted:  # A/B of estimators.TokenCalibration

@@ -50,6 +50,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
+    num_spec_tokens: int = 0  # draft tokens to verify, over every scheduled request (counted as scheduled)
     preempted: list[Request] = field(default_factory=list)
     apart: bool = False  # prompt pieces only, beside a decoding batch that waits (see prefill_apart)
 
@@ -205,6 +206,7 @@ class Scheduler:
                 if num_spec < len(req.spec_token_ids):
                     req.spec_token_ids = req.spec_token_ids[:num_spec]
                 out.scheduled.append(ScheduledRequest(req, num_new, num_spec))
+                out.num_spec_tokens += num_spec
                 budget -= num_new
                 i += 1
                 continue
@@ -224,6 +226,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         out.scheduled = [s for s in out.scheduled if s.request is not req]
+        out.num_spec_tokens = sum(s.num_spec_tokens for s in out.scheduled)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

@@ -155,7 +155,7 @@ class SpecDecoder:
             proposal = dataclasses.replace(proposal, seconds=proposal.seconds + wait)
             step_seconds = max(0.0, step_seconds - wait)
         self.controller.observe(SpecStepStats(len(sched.scheduled), sched.num_batched_tokens,
-                                              sum(s.num_spec_tokens for s in sched.scheduled), step_seconds,
+                                              sched.num_spec_tokens, step_seconds,
                                               reached, accepted, proposal))
         self._proposal = None
 
@@ -218,7 +218,7 @@ class SpecDecoder:
         scheduling): recorded as a proposal of nothing, as propose() would with k = 0."""
         self.last_k = 0
         self.stats.set("spec_decode_chosen_num_tokens", 0)
-        self._proposal = ProposalStats.measure(0, [0] * num_reqs, [], 0.0)
+        self._proposal = ProposalStats.nothing(num_reqs)
 
     def on_finished(self, req: Request) -> None:
         self.proposer.on_request_finished(req)

@@ -247,3 +247,11 @@ def test_engine_greedy_output_does_not_depend_on_the_controller(tiny_llama_dir) 
     assert adaptive.num_choices > 0 and adaptive.last is not None and chosen["adaptive"] == adaptive.last_choice
     assert adaptive.verify_cost.weight > 0 and adaptive.decode_cost.weight > 0  # it measured both kinds of step
     assert adaptive.acceptance.trials[0] > 0 and adaptive.fill.trials[0] > 0
+
+
+@pytest.mark.parametrize("num_seqs", [0, 1, 256])
+def test_a_proposal_of_nothing_is_measure_of_k_0(num_seqs: int) -> None:
+    """ProposalStats.nothing (the record of each k = 0 choice at high load) is what measure() makes of
+    it, field for field: the controller learns the same from either."""
+    assert ProposalStats.nothing(num_seqs) == ProposalStats.measure(0, [0] * num_seqs, [], 0.0)
+    assert ProposalStats.nothing(num_seqs).depth == 0

@@ -72,6 +72,41 @@ def test_preemption_frees_latest_and_requeues_first():
     s.kv.check_integrity()
 
 
+def test_num_spec_tokens_counts_the_scheduled_drafts_also_after_a_preemption():
+    """SchedulerOutput.num_spec_tokens (what the adaptive controller reads every step) is the sum over
+    the scheduled entries: drafts cut by the budget count as cut, a preempted request's drop out."""
+    s = _sched(num_blocks=6, budget=100)
+    a, b = _req("a", 6), _req("b", 6)
+    s.add_request(a)
+    s.add_request(b)
+    for x in s.schedule().scheduled:  # 2 blocks each
+        s.update_computed(x, 0)
+    a.append_output_tokens([1])
+    b.append_output_tokens([2])
+    a.spec_token_ids, b.spec_token_ids = [5], [8]
+    out = s.schedule()  # 8 slots each: still 2 blocks each
+    assert not out.preempted
+    assert [x.num_spec_tokens for x in out.scheduled] == [1, 1] and out.num_spec_tokens == 2
+    for x in out.scheduled:
+        s.update_computed(x, x.num_spec_tokens)  # every draft rejected
+    a.append_output_tokens([3] * 6)  # 13 tokens + 2 drafts: 4 blocks, which only b's give back
+    a.spec_token_ids = [5, 6]
+    b.spec_token_ids = [8, 9]
+    out = s.schedule()
+    assert [p.request_id for p in out.preempted] == ["b"]
+    assert [x.request.request_id for x in out.scheduled] == ["a"]
+    assert out.num_spec_tokens == sum(x.num_spec_tokens for x in out.scheduled) == 2
+    tight = _sched(budget=3)
+    r = _req("r", 2)
+    tight.add_request(r)
+    for x in tight.schedule().scheduled:
+        tight.update_computed(x, 0)
+    r.append_output_tokens([1])
+    r.spec_token_ids = [4, 5, 6]
+    out = tight.schedule()  # the budget holds the new token and 2 of the 3 drafts
+    assert out.scheduled[0].num_spec_tokens == 2 == out.num_spec_tokens
+
+
 def _steps(s: Scheduler) -> list[list[tuple[str, int]]]:
     """Schedule until nothing is left to compute (each step's tokens counted computed, no sampling)."""
     steps = []
