@@ -7,6 +7,7 @@
 #   (the 36 uploads first, as in next35.sh; every upload and the calls in ONE batch)
 #   bash bench/device/next38.sh diag    # mixed_graph_check.py (on, off, on), then off / k=0 / k=12 / adaptive at 64 and 256 (~330 s)
 #   bash bench/device/next38.sh sweep   # the whole pair sweep, 1-256, in one call (~540 s)
+#   bash bench/device/next38.sh hostcost [LIMIT_S]  # bench/spec_host_cost.py on the dummy 1.5B / 0.5B shapes (no upload)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/env.sh
@@ -32,5 +33,8 @@ case "${1:-}" in
     sed -n '/^Output tokens/,/^TPOT/p' "$OUT/all.txt"
     grep -E "compile during|slow run|setup|skipping" "$OUT/all.txt" | head -12
     tail -2 "$OUT/all.txt" ;;
-  *) echo "usage: $0 diag|sweep" >&2; exit 2 ;;
+  hostcost)
+    timeout "${2:-170}" python3 bench/spec_host_cost.py --levels 64,256 --rounds 3 --out "$OUT" > "$OUT/hostcost.txt" 2>&1
+    echo "== spec_host_cost: rc $?"; grep -vE "Warning|warn" "$OUT/hostcost.txt" | tail -22 ;;
+  *) echo "usage: $0 diag|sweep|hostcost" >&2; exit 2 ;;
 esac

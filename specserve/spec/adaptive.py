@@ -76,6 +76,18 @@ __all__ = [
 ]
 
 _EPOCH = 64  # observations between acceptance fading steps (and staleness checks of the cached terms)
+_HOLD_CHOICES = 8  # a hold (see AdaptiveSettings.hold_margin) repeats k = 0 for at most this many choices
+_HOLD_SHRINK = 15 / 16  # ... at a batch no smaller than this share of the one it was priced at
+
+
+class _Hold(NamedTuple):
+    """A choice of k = 0 with drafting far behind, repeated without pricing (see AdaptiveController.choose)."""
+
+    bucket: int
+    batch_size: int
+    since: int  # num_choices when it was priced
+    drafting_version: int
+    epoch: int
 
 
 class _Choice(NamedTuple):
@@ -136,6 +148,8 @@ class AdaptiveController(Exploration):
         self._drafting_version = 0  # bumped by every observation that changes what drafting is predicted to give
         self._drafting_cache: tuple[tuple[float, int, int], _Terms] | None = None
         self._ahead: tuple[float, int, _Terms] | None = None  # prepare(): (batch, num_observed, terms)
+        self._hold: _Hold | None = None
+        self.num_held = 0  # choices the hold answered
 
     @property
     def cold_extra(self) -> float | None:
@@ -217,6 +231,10 @@ class AdaptiveController(Exploration):
     # -- the interface the decoder calls ------------------------------------------------------
     def choose(self, batch_size: int) -> int:
         """k for the next proposal: the best k; or, within budget, a k to measure (see the module doc)."""
+        if self._hold is not None:
+            if self._holds(self._hold, batch_size):
+                return self._repeat_zero()
+            self._hold = None
         terms = self._terms_for_choice(float(max(batch_size, 1)))
         est = self.estimate(batch_size, terms)
         self.num_choices += 1
@@ -255,7 +273,47 @@ class AdaptiveController(Exploration):
                                 terms.raw_expected[k] - 1.0)
         self._prev_k = self.last_choice = k
         self.last = est if k == best else replace(est, chosen_k=k)
+        self._hold = self._hold_from(est, k, exploring, bucket)
         return k
+
+    # -- the hold: k = 0 repeated while drafting is far behind ------------------------------------
+    def _hold_from(self, est: ControllerEstimates, k: int, exploring: bool, bucket: int) -> _Hold | None:
+        """A hold on this choice if it was k = 0 as the best, not exploring nor in a burst, on a fresh
+        decode price, with every k > 0 (measured or guessed) at most 1 - hold_margin of no drafts' rate.
+        Then no k is promising (which takes a rate above no drafts'), no decode probe or catch-up rule
+        applies (those need a best k > 0), and what could change that (a drafting step, acceptance
+        fading, another load) ends the hold (_holds)."""
+        margin = self.settings.hold_margin
+        if (margin is None or k != 0 or est.best_k != 0 or exploring or self._burst_left > 0
+                or not est.decode_trusted or len(est.tokens_per_s) < 2):
+            return None
+        if max(est.tokens_per_s[1:]) >= (1.0 - margin) * est.tokens_per_s[0]:
+            return None
+        return _Hold(bucket, est.batch_size, self.num_choices, self._drafting_version,
+                     self.costs.num_observed // _EPOCH)
+
+    def _holds(self, hold: _Hold, batch_size: int) -> bool:
+        """Whether the next choice repeats the hold's k = 0: the same batch bucket and not much smaller
+        a batch (drafting gains on smaller ones), nothing learnt about drafting since, the same acceptance
+        epoch, at most _HOLD_CHOICES choices on, and not an exploration slot (those price as usual)."""
+        every = self.settings.explore_every
+        nxt = self.num_choices + 1
+        return (batch_bucket(batch_size) == hold.bucket and batch_size >= _HOLD_SHRINK * hold.batch_size
+                and self._drafting_version == hold.drafting_version
+                and self.costs.num_observed // _EPOCH == hold.epoch
+                and nxt - hold.since <= _HOLD_CHOICES and not (every and nxt % every == 0))
+
+    def _repeat_zero(self) -> int:
+        """choose()'s bookkeeping for a held k = 0, as a priced choice of k = 0 as the best would leave it
+        (the estimates in `last` stay those of the choice that was priced)."""
+        self.num_choices += 1
+        self.num_held += 1
+        self._ahead = None  # (a prepared choice is for the next priced one)
+        self._decode_wait = 0  # (the hold's decode price was fresh)
+        self._resume_booked = False
+        self._pending = _Choice(0, False, 0, True, self.costs.after_prompt, self.costs.unseen_tokens, 0.0)
+        self._prev_k = self.last_choice = 0
+        return 0
 
     def _not_worth_a_catch_up(self, est: ControllerEstimates) -> bool:
         """Whether to stay at k = 0 although drafting is predicted to be faster: starting to draft costs

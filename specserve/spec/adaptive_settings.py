@@ -28,6 +28,11 @@ class AdaptiveSettings:
     calibrate: bool = True  # scale predicted drafts per bucket by what drafting got (TokenCalibration)
     stale_after: int = 1000  # observations after which a bucket's measurement of a k is a guess again
     reprobe_after: int = 250  # while drafting, re-measure a plain decode step this often (observations)
+    # While every k > 0 is priced this far below no drafts (and nothing drafting-related changed), the
+    # choices up to the next exploration slot repeat k = 0 without pricing again (AdaptiveController's
+    # hold; None: price every choice). At high load the engine's host work bounds the step, so the
+    # controller's own is paid on every step (H200 pair, concurrency 256: ~0.3-0.6 ms a step).
+    hold_margin: float | None = 0.2
 
 
 @dataclass(frozen=True)

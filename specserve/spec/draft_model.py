@@ -80,6 +80,13 @@ def draft_kv_blocks(target_num_blocks: int, bytes_per_block: int, device: torch.
 # any 3-64 tokens of 4-32 requests (host-bound launches; bench/catch_up_probe.py), a catch-up graph's
 # replay 1.2-4.3 ms (docs/benchmarks.md, eighteenth session).
 _VERIFY_QUERY_LENS = (1, 2)
+# A catch-up's forwards take up to this many tokens (or the scheduler's budget, if larger). Starting to
+# draft at high load feeds the draft every running request's context: on the H200 pair at 64 requests
+# (twenty-third session) 10,985 and 15,407 tokens took 99.6 and 196 ms in eager forwards of 2,048 tokens,
+# ~16-25 ms each where the 0.5B draft's GPU work is a few ms: host-bound launches, paid per forward.
+# Fewer, larger forwards pay them fewer times; the activations of 8,192 tokens of a draft-sized model
+# are a few hundred MB, within the GPU memory the draft's pool leaves (_GPU_RESERVE_BYTES).
+CATCH_UP_BATCHED_TOKENS = 8192
 _GRAPH_PIECES = 4  # a catch-up of up to this many longest-graph lengths replays the graph per piece (below)
 
 
@@ -235,7 +242,7 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
         self.runner = ModelRunner(self.loaded, spec, num_blocks, self.device, parts.runner.backend)
         self.kv = KVCacheManager(num_blocks, tspec.block_size, enable_prefix_caching=False)
         self.max_len = self.loaded.max_model_len
-        self.max_batched = parts.scheduler.max_num_batched_tokens
+        self.max_batched = max(parts.scheduler.max_num_batched_tokens, CATCH_UP_BATCHED_TOKENS)
         self.sampler = DraftSampler(arch.vocab_size, self.device)
         self.seqs: dict[str, _DraftSeq] = {}
         # After verification the catch-up feeds one new token per request (the target's own, after

@@ -215,3 +215,47 @@ def test_catch_ups_in_pieces_keep_every_draft_right(tiny_llama_dir, monkeypatch)
     assert_self_draft_is_plain(tiny_llama_dir, prompts, [6, 9, 13, 17], num_speculative_tokens=3,
                                num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 64, 0]])
     assert max(longest) > 10  # some catch-up took three pieces or more
+
+
+def test_a_catch_up_goes_in_forwards_beyond_the_scheduler_budget(tiny_llama_dir, monkeypatch) -> None:
+    """A catch-up whose unseen tokens exceed the scheduler's token budget (32 here)
+    runs in forwards of up to CATCH_UP_BATCHED_TOKENS, not of the budget: a drafting start at high load
+    feeds every request's context, and each eager forward costs its launches. Drafting for itself, every
+    draft is still accepted and the output is plain decoding's (the table drafts only at <= 2 requests,
+    so the draft catches up on the two left once the third finishes)."""
+    from specserve.spec import draft_model
+    from specserve.spec.draft_model import DraftModelProposer
+
+    sizes: list[int] = []
+    real = DraftModelProposer._catch_up
+
+    def spy(self, seqs):
+        runner_execute = self.runner.execute
+
+        def execute(sched, *a, **kw):
+            sizes.append(sched.num_batched_tokens or sum(x.num_new_tokens for x in sched.scheduled))
+            return runner_execute(sched, *a, **kw)
+
+        self.runner.execute = execute
+        try:
+            return real(self, seqs)
+        finally:
+            del self.runner.execute
+
+    monkeypatch.setattr(DraftModelProposer, "_catch_up", spy)
+    prompts = [[5 + (3 * i + r) % 50 for i in range(40 + 5 * r)] for r in range(3)]
+    plain = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32)
+    spec = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32,
+               speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "adaptive": False,
+                                   "num_speculative_tokens": 3,
+                                   "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]]})
+    assert spec.engine.spec.proposer.max_batched == draft_model.CATCH_UP_BATCHED_TOKENS
+    outs = []
+    for llm in (plain, spec):
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 24, 6)])
+        outs.append([o.outputs[0].token_ids for o in got])
+    assert outs[0] == outs[1]
+    assert max(sizes) > 32  # a context of 45-70 tokens in one forward, beyond the budget of 32
+    st = spec.engine.stats
+    assert st.get("spec_decode_num_accepted_tokens_total") == st.get("spec_decode_num_draft_tokens_total") > 0
