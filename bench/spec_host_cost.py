@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(progress=False, max_num_seqs=max(levels), enable_prefix_caching=False, device=args.device,
               kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)), max_model_len=args.input_len + args.output_len + 64,
               **fmt)
-    spec_cfg = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k, **fmt}
+    spec_cfg = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}  # (dummy as the target)
     engines = {"off": LLM(model=args.model, **kw), "spec": LLM(model=args.model, speculative_config=spec_cfg, **kw)}
     spec = engines["spec"].engine.spec
     controllers = {name: _Timed(c) for name, c in _controllers(spec.cfg).items()}
