@@ -14,7 +14,7 @@ source bench/device/env.sh
 OUT=${OUT:-/tmp/out}
 case "${1:-}" in
   diag)
-    timeout 150 python3 bench/mixed_graph_check.py --out "$OUT" > "$OUT/mixed_check.txt" 2>&1
+    timeout 260 python3 bench/mixed_graph_check.py --out "$OUT" > "$OUT/mixed_check.txt" 2>&1
     echo "== mixed_graph_check: rc $?"; tail -14 "$OUT/mixed_check.txt"
     mkdir -p "$OUT/diag"
     timeout 330 python3 bench/controller_sweep.py --mode pair --policies off,fixed,adaptive --ks 0,12 \

@@ -43,6 +43,10 @@ short or empty). Everything is measured here, over moving windows:
     a draft model feeds every new request's prompt at its next proposal, a recurring cost of drafting
     priced apart, per output token (estimators.StepCosts.prompt_feed_seconds).
 Exploration (which k to measure besides the best, within what budget): spec/exploration.py.
+The hold: where k = 0 is the best and every k > 0 is priced far below it (AdaptiveSettings.hold_margin),
+the choices up to the next exploration slot repeat k = 0 without pricing (the same choices: no rule
+that could draft applies there). At high load the host bounds the step, and pricing every choice cost
+~0.13-0.17 ms per step of the H200's host time (bench/spec_host_cost.py).
 """
 from __future__ import annotations
 
