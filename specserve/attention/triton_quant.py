@@ -91,13 +91,13 @@ __all__ = [
 
 VARIANTS = {"fp8": ("v1", "v3"), "nvfp4": ("v1", "v2", "v3", "v4", "v5", "v6", "v7")}
 DEFAULT_VARIANT = {"fp8": "v3", "nvfp4": "v7"}
-# nvfp4 v6 / v7 have fewer instructions and barriers per tile than v4 and a longer critical path (the row
-# sums are a dot; v7 then drops the padding rows' softmax and the K byte permute, 0.6-1.4% faster than v6
-# at B = 32 / 32k in three processes of the twenty-third session). On the H200 (sixteenth session, decode, 4 processes) it was 1-1.5% faster at B = 32 / 32k
+# nvfp4 v6 has fewer instructions and barriers per tile than v4 and a longer critical path (the row sums
+# are a dot). On the H200 (sixteenth session, decode, 4 processes) it was 1-1.5% faster at B = 32 / 32k
 # and 1.7-2.5% at 128k (in two of three), but 4-11% slower at B = 1 (few programs, each bound by its
-# latency) and level at B = 32 / 4k. Only plain decode launches were timed: launches with query rows
-# beyond one token (prefill chunks, verify steps), fewer (sequence, KV head) programs than SMs, or short
-# contexts keep v4.
+# latency) and level at B = 32 / 4k. v7 (v6 without the padding rows' softmax and the K byte permute) was
+# 0.6-1.4% faster than v6 at B = 32 / 32k in three processes (twenty-third session). Only plain decode
+# launches were timed: launches with query rows beyond one token (prefill chunks, verify steps), fewer
+# (sequence, KV head) programs than SMs, or short contexts keep v4.
 NVFP4_LATENCY_VARIANT = "v4"
 NVFP4_THROUGHPUT_MIN_CONTEXT = 16384
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions y and z

@@ -31,7 +31,8 @@ class AdaptiveSettings:
     # While every k > 0 is priced this far below no drafts (and nothing drafting-related changed), the
     # choices up to the next exploration slot repeat k = 0 without pricing again (AdaptiveController's
     # hold; None: price every choice). At high load the engine's host work bounds the step, so the
-    # controller's own is paid on every step (H200 pair, concurrency 256: ~0.3-0.6 ms a step).
+    # controller's own is paid on every step (H200, 64-256 requests: choose + observe 0.13-0.17 ms a step
+    # priced, 0.10-0.12 with the hold; bench/spec_host_cost.py).
     hold_margin: float | None = 0.2
 
 
