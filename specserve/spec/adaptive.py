@@ -290,7 +290,7 @@ class AdaptiveController(Exploration):
         fading, another load) ends the hold (_holds)."""
         margin = self.settings.hold_margin
         if (margin is None or k != 0 or est.best_k != 0 or exploring or self._burst_left > 0
-                or not est.decode_trusted or len(est.tokens_per_s) < 2):
+                or not est.decode_trusted):
             return None
         if max(est.tokens_per_s[1:]) >= (1.0 - margin) * est.tokens_per_s[0]:
             return None

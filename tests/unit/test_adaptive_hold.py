@@ -63,15 +63,23 @@ def test_exploration_slots_are_priced() -> None:
 
 def test_another_load_or_a_drafting_step_ends_the_hold() -> None:
     ctrl = AdaptiveController(CFG12)
-    run_world(_busy_world(0.5), ctrl, 600)
-    while ctrl._hold is None or (ctrl.num_choices + 1) % ctrl.settings.explore_every == 0:
-        run_world(_busy_world(0.5), ctrl, 1)
+    world = _busy_world(0.5)
+    run_world(world, ctrl, 600)
+    every = ctrl.settings.explore_every
+    for _ in range(100):  # to a state where the next choice is held: a hold, not at a slot, not too long
+        hold = ctrl._hold
+        nxt = ctrl.num_choices + 1
+        if hold is not None and nxt % every != 0 and nxt - hold.since <= 8:
+            break
+        run_world(world, ctrl, 1)
+    else:
+        pytest.fail("no hold in 100 steps where drafting is far behind")
+    assert ctrl._holds(hold, 256)
+    assert not ctrl._holds(hold, 239)  # a batch 7% smaller: drafting may gain there
+    assert not ctrl._holds(hold, 300)  # another batch bucket
+    assert not ctrl._holds(hold._replace(epoch=hold.epoch - 1), 256)  # acceptance faded since
     n = ctrl.num_held
     assert ctrl.choose(256) == 0 and ctrl.num_held == n + 1  # held
-    ctrl._hold = ctrl._hold._replace(since=ctrl.num_choices - 1)  # (the slot and length rules aside)
-    assert ctrl._holds(ctrl._hold, 256) or (ctrl.num_choices + 1) % ctrl.settings.explore_every == 0
-    assert not ctrl._holds(ctrl._hold, 239)  # a batch 7% smaller: drafting may gain there
-    assert not ctrl._holds(ctrl._hold, 300)  # another batch bucket
     ctrl._drafting_version += 1  # a step with drafts observed
     assert not ctrl._holds(ctrl._hold, 256)
 

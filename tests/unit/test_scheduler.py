@@ -74,7 +74,8 @@ def test_preemption_frees_latest_and_requeues_first():
 
 def test_num_spec_tokens_counts_the_scheduled_drafts_also_after_a_preemption():
     """SchedulerOutput.num_spec_tokens (what the adaptive controller reads every step) is the sum over
-    the scheduled entries: drafts cut by the budget count as cut, a preempted request's drop out."""
+    the scheduled entries: drafts cut by the budget count as cut, and a step that preempts a request
+    counts only the entries it kept."""
     s = _sched(num_blocks=6, budget=100)
     a, b = _req("a", 6), _req("b", 6)
     s.add_request(a)
