@@ -24,7 +24,8 @@ class AdaptiveSettings:
     explore_burst: int = 2  # steps an exploration from k = 0 lasts (a draft model's catch-up, then a warm step)
     explore_budget: float | None = 0.01  # exploring may lose at most this fraction of the time (None: no cap)
     budget_window: float = 2000.0  # steps over which the exploration budget is counted
-    switch_margin: float = 0.02  # keep the previous best unless another k is this much faster
+    switch_margin: float = 0.02  # between drafting and not: keep the previous best unless another k is this much faster
+    prefer_fewer: float = 0.02  # the best k: the smallest priced within this share of the fastest (0: the fastest)
     calibrate: bool = True  # scale predicted drafts per bucket by what drafting got (TokenCalibration)
     stale_after: int = 1000  # observations after which a bucket's measurement of a k is a guess again
     reprobe_after: int = 250  # while drafting, re-measure a plain decode step this often (observations)

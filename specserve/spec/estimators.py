@@ -109,6 +109,10 @@ _DECODE_RESTART = 1.5
 _CATCH_UP_EXTRA = 0.25  # a proposer whose first proposal after a pause costs 25% more catches up
 _COLD_EXTRA_GUESS = 1.0  # until measured: a first proposal after a pause costs twice a warm one
 _CATCH_UP_REACH = 2.0  # a catch-up fit prices token counts up to this many times the largest it saw
+# A catch-up of this many tokens or more runs as forwards of thousands of tokens: its time is its tokens'
+# (per-call costs are noise), so such catch-ups price larger ones per token (StepCosts.catch_up_seconds).
+_LARGE_CATCH_UP = 4096
+_LARGE_KEEP = 0.75  # what each new large catch-up leaves of the ones before it in the per-token price
 _PAUSE_S = 0.005  # unaccounted time between two observations beyond this (and the step's own): a pause
 _GUESS_WEIGHT = 0.5  # what a k's proposal cost guessed from the fit over every batch size weighs against measured ones
 
@@ -152,6 +156,8 @@ class StepCosts:
         # against this bucket's warm fit. Apart from catch_up_cost: a pause's catch-up says little about it.
         self.prompt_feed_cost = DecayedRegression(2, window, (0.0, ridge))
         self.cold_extra: float | None = None  # a first proposal after a pause costs (1 + this) x a warm one
+        # Decayed (seconds, tokens) of catch-ups of _LARGE_CATCH_UP tokens or more: their cost per token.
+        self._large_catch_ups = (0.0, 0.0)
         self._last_cold: tuple[int, float, float | None, int] | None = None  # (k, seconds, unseen, B) of a cold one
         self.unseen_tokens: float | None = None  # computed since the last proposal with drafts (None: never drafted)
         self._arrivals = 0.0  # decayed share of steps that computed a prompt chunk (new requests)
@@ -240,23 +246,29 @@ class StepCosts:
     def catch_up_seconds(self, tokens: float | None, warm: float, b: float | None = None) -> float:
         """A cold proposal's cost beyond a warm one (`warm`) when the proposer has not seen `tokens`, at
         batch size b: that bucket's own fit where it has one, else the fit over every batch size. Far
-        beyond the token counts a fit has seen, no less than the ratio of cold to warm proposals measured:
-        where requests come and go a fit learns mostly from prompt feeds of a few hundred tokens, and
-        extrapolated to a pause's catch-up it says ~0. On the H200 pair at 128 requests (twenty-first
-        session) one of 44,880 tokens was priced 0.0 ms and took 177 ms."""
+        beyond the token counts a fit has seen, no less than the ratio of cold to warm proposals measured,
+        nor (from _LARGE_CATCH_UP tokens) than large catch-ups took per token: where requests come and go
+        a fit learns mostly from prompt feeds of a few hundred tokens, and extrapolated to a pause's
+        catch-up it says ~0. On the H200 pair at 128 requests (twenty-first session) one of 44,880 tokens
+        was priced 0.0 ms and took 177 ms."""
         ratio = (self.cold_extra if self.cold_extra is not None else _COLD_EXTRA_GUESS) * warm
         if tokens is None:
             return ratio
+        # Beyond the fits' data, no less than what large catch-ups measured per token: on the H200 pair
+        # (twenty-third session) catch-ups of 27k, 68k and 137k tokens took 26, 62 and 141 ms, and the
+        # last, at 256 requests, was priced 24 ms by the cold ratio (the fits had seen prompt feeds).
+        seconds, counted = self._large_catch_ups
+        floor = max(ratio, tokens * seconds / counted) if counted > 0 and tokens >= _LARGE_CATCH_UP else ratio
         local = self.local_catch_up.get(b, 0) if b is not None else None
         if local is not None:
             fit, t = local, local.predict((1.0, tokens))
         else:
             fit, found = self.catch_up_cost, self.catch_up_cost.predict_many([(1.0, tokens)])
             if found is None:
-                return ratio
+                return floor
             t = found[0]
         t = max(t, 0.0)
-        return t if tokens <= _CATCH_UP_REACH * fit.max_x else max(t, ratio)
+        return t if tokens <= _CATCH_UP_REACH * fit.max_x else max(t, floor)
 
     def prompt_feed_seconds(self) -> float:
         """What feeding new requests' prompts to the proposer (a draft model catches up on them at its
@@ -410,6 +422,9 @@ class StepCosts:
     def _add_catch_up(self, b: int, unseen: float, seconds: float) -> None:
         self.catch_up_cost.add((1.0, unseen), seconds)
         self.local_catch_up.add(b, 0, (1.0, unseen), seconds, self.num_observed)
+        if unseen >= _LARGE_CATCH_UP:
+            s, n = self._large_catch_ups
+            self._large_catch_ups = (s * _LARGE_KEEP + seconds, n * _LARGE_KEEP + unseen)
 
     def _count_unseen(self, step: SpecStepStats, p: ProposalStats | None) -> None:
         """Tokens a draft model would have to catch up on: those computed since it last drafted, less

@@ -8,7 +8,8 @@ own bucket is tried at once (every few choices) instead. A neighbour predicted t
 `explore_max_loss` of the throughput only every `explore_backoff`-th time. Exploring from k = 0 lasts
 `explore_burst` steps (the first pays a draft model's catch-up, the next gives a warm proposal to learn
 from), longer while its warm steps clearly beat no drafts; a draft model starts exploring a bucket only
-once a plain decode step there was measured (what drafting has to beat). Exploring is paid from a
+once a plain decode step there was measured (what drafting has to beat), and not while the batch fills
+(a burst of arrivals: the batch size measured is gone a step later). Exploring is paid from a
 budget: the time it measurably lost (an exploring step's time minus the time the best k would have
 taken for the tokens it produced) stays under `explore_budget` of the time observed, over a moving
 window, counting what the next exploration is expected to lose: its steps as priced now (a predicted
@@ -63,15 +64,24 @@ class Exploration:
         return max(self.settings.explore_burst, 1) if self.last_choice == 0 else 1
 
     def _may_explore(self, k: int, steps: int, est: ControllerEstimates) -> bool:
-        """Whether the budget has room for exploring k now. What it will cost: its steps as priced now
+        """Whether exploring k now is worth measuring (not while the batch fills) and the budget has room
+        for it. What it will cost: its steps as priced now
         (each step's time minus the time the best k takes for its tokens; a predicted gain offsets and,
         where nothing else is paid, is always worth measuring: once measured, the k is no longer a
         guess), plus, for a proposer that catches up after a pause (a draft model), one catch-up when
         drafting starts (k > 0 after k = 0: every token it has not seen) or resumes (after k = 0)."""
         s = self.settings
+        b, best = est.batch_size, est.best_k
+        if (k > 0 and best == 0 and self.costs.after_prompt and b > self._prev_batch
+                and self.catches_up()):
+            # Not while the batch fills (prompt chunks of new requests, more requests than the choice
+            # before): the batch size it would measure is gone a step later, the catch-up also feeds the
+            # new prompts, and its warm proposal is kept out of the bucket's fits. On the H200 pair
+            # (twenty-third session) most explorations at 256 requests started so, at 10, 16, 43, 55 and
+            # 116 requests of a part's first steps, with proposals of 15-141 ms.
+            return False
         if s.explore_budget is None or self.observed_seconds <= 0:
             return True  # no cap; or nothing measured yet, so no price to judge it by
-        b, best = est.batch_size, est.best_k
         best_rate = est.tokens_per_s[best]
         step_loss = est.step_seconds[k] - b * est.expected_tokens[k] / best_rate if best_rate > 0 else 0.0
         # Doubt: this bucket measured k far from paying only once or twice lately (maybe a fluke: JIT,

@@ -14,6 +14,8 @@ feeds at 1 request had the pooled fit say: proposals are priced at their depth, 
 """
 from __future__ import annotations
 
+import pytest
+
 from specserve.spec.estimators import StepCosts
 from specserve.spec.step_stats import ProposalStats, SpecStepStats
 
@@ -152,3 +154,29 @@ def test_a_pause_far_beyond_the_prompt_feeds_measured_costs_no_less_than_the_col
     assert local is not None and local.predict((1.0, 44880.0)) < 0.002  # what the fit alone says
     assert feed.costs.catch_up_seconds(44880.0, WARM_S, B) >= 0.0099  # 2 x the 5 ms warm proposal
     assert feed.costs.catch_up_seconds(172.0, WARM_S, B) < 0.002  # within the fit's data: the fit
+
+
+def test_large_catch_ups_price_larger_ones_per_token() -> None:
+    """Catch-ups of thousands of tokens run as large forwards, so their time is their tokens': on the
+    H200 pair (twenty-third session) 27k, 68k and 137k tokens took 26, 62 and 141 ms, and the last was
+    priced 24 ms (the fits had learned from prompt feeds; the cold ratio priced it). Far beyond what the
+    fits saw, a catch-up costs no less than the large ones measured per token."""
+    feed = _Feed()
+    feed.warm_up()  # 300-token catch-ups of 10 ms
+    for _ in range(2):  # 20,000 tokens in 20 ms: 1 us per token
+        feed.step(0, 0.0)
+        feed.step(K, WARM_S + 0.020, cold=True, unseen=20000.0)
+        feed.step(K, WARM_S)
+    fit = feed.costs.catch_up_cost
+    assert fit.predict((1.0, 137000.0)) < 0.1  # what the fit alone says (its slope is the small ones')
+    assert feed.costs.catch_up_seconds(137000.0, WARM_S) == pytest.approx(0.137, rel=0.05)
+    assert feed.costs.catch_up_seconds(300.0, WARM_S) == pytest.approx(0.010, abs=0.003)  # the fit's own
+
+
+def test_small_catch_ups_do_not_set_a_per_token_price() -> None:
+    """Only catch-ups of _LARGE_CATCH_UP tokens or more price others per token: a 300-token one of 10 ms
+    (mostly per-call costs) says nothing of 100,000 tokens."""
+    feed = _Feed()
+    feed.warm_up()
+    assert feed.costs._large_catch_ups == (0.0, 0.0)
+    assert feed.costs.catch_up_seconds(100000.0, WARM_S) < 0.1  # 33 us a token would say 3.3 s
