@@ -36,13 +36,14 @@ class _Timed:
     """Wraps a controller's choose / observe with timers (their seconds summed), passing the rest on."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.seconds, self.calls = inner, 0.0, 0
+        self.inner, self.seconds, self.calls, self.drafting = inner, 0.0, 0, 0
 
     def choose(self, batch_size: int) -> int:
         t = time.perf_counter()
         k = self.inner.choose(batch_size)
         self.seconds += time.perf_counter() - t
         self.calls += 1
+        self.drafting += k > 0
         return k
 
     def observe(self, step) -> None:
@@ -63,15 +64,47 @@ def _controllers(cfg) -> dict[str, object]:
             "adaptive-priced": AdaptiveController(cfg, AdaptiveSettings(hold_margin=None))}
 
 
-def _part(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, int, int]:
-    """(seconds, engine steps, output tokens) of one closed batch."""
+class _Sections:
+    """Seconds per named section of an engine step (scheduling, the forward's launch, resolving the step in
+    flight, ...), summed into `into` while installed: where a policy's extra time per step goes."""
+
+    def __init__(self, llm: LLM) -> None:
+        eng = llm.engine
+        self.into: dict[str, float] = {}
+        targets = [("schedule", eng.scheduler, "schedule"), ("execute", eng.runner, "execute"),
+                   ("resolve", eng, "_resolve"), ("launch_sampling", eng, "_launch_sampling"),
+                   ("update", eng, "_update")]
+        if eng.spec is not None:
+            targets += [("observe_step", eng.spec, "observe_step"), ("propose", eng.spec, "propose"),
+                        ("skip_proposal", eng.spec, "skip_proposal")]
+        for name, obj, attr in targets:
+            self._wrap(name, obj, attr)
+
+    def _wrap(self, name: str, obj, attr: str) -> None:
+        inner = getattr(obj, attr)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                self.into[name] = self.into.get(name, 0.0) + time.perf_counter() - t
+
+        setattr(obj, attr, timed)
+
+
+def _part(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, int, int, float]:
+    """(seconds, engine steps, output tokens, median ms of an engine step) of one closed batch."""
     eng = llm.engine
-    steps = [0]
+    walls: list[float] = []
     step = eng.step
 
     def counted():
-        steps[0] += 1
-        return step()
+        t = time.perf_counter()
+        try:
+            return step()
+        finally:
+            walls.append(time.perf_counter() - t)
 
     eng.step = counted
     try:
@@ -81,7 +114,7 @@ def _part(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, i
         seconds = time.perf_counter() - t
     finally:
         del eng.step
-    return seconds, steps[0], sum(len(o.outputs[0].token_ids) for o in outs)
+    return seconds, len(walls), sum(len(o.outputs[0].token_ids) for o in outs), 1e3 * statistics.median(walls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,37 +148,50 @@ def main(argv: list[str] | None = None) -> int:
         if name != "off":
             spec.controller, spec._proposal = controllers[name], None
         _part(llm, prompts, 16)
+    sections = {name: _Sections(llm) for name, llm in engines.items()}
     result = {"config": vars(args), "levels": {}}
     for c in levels:
-        rows: dict[str, list[tuple[float, int, int, float]]] = {name: [] for name in policies}
+        rows: dict[str, list[tuple[float, int, int, float, float, int]]] = {name: [] for name in policies}
+        split: dict[str, dict[str, float]] = {name: {} for name in policies}  # section seconds over the parts
         for r in range(args.rounds):
             order = policies[r % len(policies):] + policies[:r % len(policies)]  # each policy in each slot
             for name in order:
-                llm = engines["off" if name == "off" else "spec"]
+                engine_name = "off" if name == "off" else "spec"
+                llm = engines[engine_name]
                 ctl = controllers.get(name)
                 if ctl is not None:
                     spec.controller, spec._proposal = ctl, None
-                    before = (ctl.seconds, ctl.calls)
-                seconds, steps, tokens = _part(llm, prompts[:c], args.output_len)
+                    before = (ctl.seconds, ctl.calls, ctl.drafting)
+                sections[engine_name].into = split[name]
+                seconds, steps, tokens, p50 = _part(llm, prompts[:c], args.output_len)
                 own = (ctl.seconds - before[0]) / max(ctl.calls - before[1], 1) if ctl is not None else 0.0
-                rows[name].append((seconds, steps, tokens, own))
+                drafting = ctl.drafting - before[2] if ctl is not None else 0
+                rows[name].append((seconds, steps, tokens, own, p50, drafting))
         table = {}
         for name, rs in rows.items():
-            table[name] = {"ms_per_step": statistics.median(1e3 * s / n for s, n, _, _ in rs),
-                           "tokens_per_s": statistics.median(t / s for s, _, t, _ in rs),
-                           "controller_us_per_step": statistics.median(1e6 * o for *_, o in rs),
-                           "parts": [[round(s, 4), n, t] for s, n, t, _ in rs]}
+            steps = sum(r[1] for r in rs)
+            table[name] = {"ms_per_step": statistics.median(1e3 * r[0] / r[1] for r in rs),
+                           "tokens_per_s": statistics.median(r[2] / r[0] for r in rs),
+                           "controller_us_per_step": statistics.median(1e6 * r[3] for r in rs),
+                           "step_p50_ms": statistics.median(r[4] for r in rs),
+                           "section_ms_per_step": {k: round(1e3 * v / steps, 4) for k, v in split[name].items()},
+                           "parts": [[round(r[0], 4), r[1], r[2], round(r[4], 3), r[5]] for r in rs]}
         held = controllers["adaptive"].inner
         table["adaptive"]["held_share"] = held.num_held / max(held.num_choices, 1)
         result["levels"][str(c)] = table
         print(f"\nconcurrency {c} (median of {args.rounds} parts; controller: its choose + observe per step)")
-        print("| policy | ms per step | output tokens/s | / off | controller us per step |")
-        print("| --- | --- | --- | --- | --- |")
+        print("| policy | ms per step | step p50 ms | output tokens/s | / off | controller us per step | drafting steps |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         base = table["off"]["tokens_per_s"]
         for name in policies:
             t = table[name]
-            print(f"| {name} | {t['ms_per_step']:.3f} | {t['tokens_per_s']:,.0f} | {t['tokens_per_s'] / base:.3f} | "
-                  f"{t['controller_us_per_step']:.1f} |")
+            print(f"| {name} | {t['ms_per_step']:.3f} | {t['step_p50_ms']:.3f} | {t['tokens_per_s']:,.0f} | "
+                  f"{t['tokens_per_s'] / base:.3f} | {t['controller_us_per_step']:.1f} | "
+                  f"{sum(part[4] for part in t['parts'])} |")
+        names = sorted({k for name in policies for k in table[name]["section_ms_per_step"]})
+        print("ms per step by section: " + "; ".join(
+            f"{name}: " + " ".join(f"{k}={table[name]['section_ms_per_step'].get(k, 0.0):.3f}" for k in names)
+            for name in policies))
         print(f"adaptive: {100 * table['adaptive']['held_share']:.0f}% of its choices so far held")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "spec_host_cost.json").write_text(json.dumps(result, indent=1))

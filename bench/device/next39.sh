@@ -6,6 +6,7 @@
 #   (the 36 uploads first, as in next35.sh; every upload and the calls in ONE batch)
 #   bash bench/device/next39.sh sweep        # the whole pair sweep, 1-256, in one call (as next38.sh sweep, ~560 s)
 #   bash bench/device/next39.sh ngram LEVELS [BUDGET_S]   # the 8B n-gram sweep at LEVELS (no upload)
+#   bash bench/device/next39.sh hostcost LEVELS ROUNDS     # spec_host_cost.py with step medians and sections (no upload)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/env.sh
@@ -30,5 +31,8 @@ case "${1:-}" in
     sed -n '/^Output tokens/,/^TPOT/p' "$OUT/ng.txt"
     grep -E "compile during|slow run|setup|skipping" "$OUT/ng.txt" | head -12
     tail -2 "$OUT/ng.txt" ;;
-  *) echo "usage: $0 sweep|ngram LEVELS [BUDGET_S]" >&2; exit 2 ;;
+  hostcost)
+    timeout 300 python3 bench/spec_host_cost.py --levels "$2" --rounds "$3" --out "$OUT" > "$OUT/hostcost.txt" 2>&1
+    echo "== spec_host_cost: rc $?"; grep -vE "Warning|warn" "$OUT/hostcost.txt" | tail -26 ;;
+  *) echo "usage: $0 sweep|ngram LEVELS [BUDGET_S]|hostcost LEVELS ROUNDS" >&2; exit 2 ;;
 esac
