@@ -255,8 +255,8 @@ class StepCosts:
         if tokens is None:
             return ratio
         # Beyond the fits' data, no less than what large catch-ups measured per token: on the H200 pair
-        # (twenty-third session) catch-ups of 27k, 68k and 137k tokens took 26, 62 and 141 ms, and the
-        # last, at 256 requests, was priced 24 ms by the cold ratio (the fits had seen prompt feeds).
+        # (twenty-third session) catch-ups of 27k, 68k and 137k tokens took 26, 62 and 141 ms (~1 us a
+        # token), and the last, at 256 requests, had been priced 24 ms.
         seconds, counted = self._large_catch_ups
         floor = max(ratio, tokens * seconds / counted) if counted > 0 and tokens >= _LARGE_CATCH_UP else ratio
         local = self.local_catch_up.get(b, 0) if b is not None else None
@@ -305,6 +305,10 @@ class StepCosts:
         the controller drafted at 0.83 of no drafting."""
         tokens, started = self._apart
         self._apart = (tokens + prompt_tokens, started + new_prompts)
+        # A choice made now follows prompt chunks: its proposal feeds them to a draft model first (kept
+        # out of the bucket's warm fits), and the batch is filling (exploration.py). Left to the next
+        # observed step, the flag would say what the step before the pieces did.
+        self.after_prompt = True
         self._observed_at = self.clock()  # the next step's interval starts here
         self._prev_plain = None  # (so no host time of the interval is charged to the next step)
 

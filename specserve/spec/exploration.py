@@ -77,8 +77,8 @@ class Exploration:
             # Not while the batch fills (prompt chunks of new requests, more requests than the choice
             # before): the batch size it would measure is gone a step later, the catch-up also feeds the
             # new prompts, and its warm proposal is kept out of the bucket's fits. On the H200 pair
-            # (twenty-third session) most explorations at 256 requests started so, at 10, 16, 43, 55 and
-            # 116 requests of a part's first steps, with proposals of 15-141 ms.
+            # (twenty-third session) most explorations at 256 requests started so, at 10-55 requests in
+            # a part's first steps (steps of 1,500-1,800 prompt tokens), with proposals of 15-40 ms.
             return False
         if s.explore_budget is None or self.observed_seconds <= 0:
             return True  # no cap; or nothing measured yet, so no price to judge it by

@@ -158,9 +158,9 @@ def test_a_pause_far_beyond_the_prompt_feeds_measured_costs_no_less_than_the_col
 
 def test_large_catch_ups_price_larger_ones_per_token() -> None:
     """Catch-ups of thousands of tokens run as large forwards, so their time is their tokens': on the
-    H200 pair (twenty-third session) 27k, 68k and 137k tokens took 26, 62 and 141 ms, and the last was
-    priced 24 ms (the fits had learned from prompt feeds; the cold ratio priced it). Far beyond what the
-    fits saw, a catch-up costs no less than the large ones measured per token."""
+    H200 pair (twenty-third session) 27k, 68k and 137k tokens took 26, 62 and 141 ms, and the last had
+    been priced 24 ms. Far beyond what the fits saw, a catch-up costs no less than the large ones
+    measured per token."""
     feed = _Feed()
     feed.warm_up()  # 300-token catch-ups of 10 ms
     for _ in range(2):  # 20,000 tokens in 20 ms: 1 us per token

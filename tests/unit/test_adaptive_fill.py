@@ -1,8 +1,8 @@
 """The adaptive controller does not start exploring drafts from k = 0 while the batch fills.
 
 On the H200 pair (twenty-third session) most explorations at 256 requests started in a part's first
-steps, while the batch filled with new requests' prompt chunks (10, 16, 43, 55, 116 requests): each paid
-a draft model's catch-up (proposals of 15-141 ms), measured a batch size gone a step later, and its warm
+steps, while the batch filled with new requests' prompt chunks (10-55 requests): each paid a draft
+model's catch-up (proposals of 15-40 ms), measured a batch size gone a step later, and its warm
 proposal (after prompt chunks) was kept out of the bucket's fits. Here a controller at k = 0 goes through
 drains and fills again and again, with exploration uncapped (so every slot explores), and must explore
 in the steady steps only; the same run without the rule explores in the fills too."""
@@ -34,22 +34,33 @@ def _world(alpha: float) -> World:
                  fill=(1.0,) * 12)
 
 
-def _cycles(ctrl: AdaptiveController, world: World, rule: bool, cycles: int = 40) -> tuple[Counter, Counter]:
-    """Drain to 8 requests, fill back to 256 with prompt chunks, run steady; the k chosen in the fills'
-    choices and in the steady ones. rule=False: the controller believes the batch never grew."""
+def _cycles(ctrl: AdaptiveController, world: World, rule: bool, cycles: int = 40,
+            apart: bool = False) -> tuple[Counter, Counter]:
+    """Drain to 8 requests, fill back to 256 with prompt chunks, run steady; the k explored (chosen while
+    the best k was another) in the fills' choices and in the steady ones (0: not exploring). rule=False:
+    the controller believes the batch never grew. apart: the prompts run in steps of their own before
+    each filling step (scheduler prefill_apart), reported with observe_apart; the observed steps compute
+    none."""
     rng = random.Random(0)
     now = [ctrl.clock()]
     ctrl.clock = lambda: now[0]
     filling, steady = Counter(), Counter()
     since = 1
-    schedule = ([(b, 0, False) for b in (200, 112, 48) for _ in range(3)] + [(8, 0, False)] * 2 + [(8, PROMPT, False)]
-                + [(b, PROMPT, True) for b in (16, 48, 112, 200)] + [(256, 0, True)] + [(256, 0, False)] * 30)
+    # (with pieces apart the fill's first choice follows the first prompt step directly)
+    drain_end = [(8, 0, False)] * 3 if apart else [(8, 0, False)] * 2 + [(8, PROMPT, False)]
+    schedule = ([(b, 0, False) for b in (200, 112, 48, 16) for _ in range(3)] + drain_end
+                + [(b, PROMPT, True) for b in (16, 48, 112, 200)] + [(256, 0, True)]
+                + [(256, 0, False)] * 31)  # (51 choices a cycle: the exploration slots move through it)
     for _ in range(cycles):
         for b, prompt, fills in schedule:  # (batch, prompt tokens this step computes, a choice of the fill)
             if not rule:
                 ctrl._prev_batch = 10 ** 9
+            if apart and prompt:
+                now[0] += prompt * 2e-6
+                ctrl.observe_apart(prompt, 8)
+                prompt = 0
             k = ctrl.choose(b)
-            (filling if fills else steady)[k] += 1
+            (filling if fills else steady)[k if ctrl._pending.exploring else 0] += 1
             drafted, accepted = _draft_and_verify(world, [k] * b, rng)
             propose_s = world.propose_s(k, since)
             since = 1 if k else since + 1
@@ -70,7 +81,19 @@ def test_no_exploration_from_k0_while_the_batch_fills(alpha: float) -> None:
         run_world(world, ctrl, 1500)
         runs[rule] = _cycles(ctrl, world, rule)
     filling, steady = runs[True]
-    assert set(filling) == {0}, filling  # every choice of the fills: no drafts
+    assert set(filling) == {0}, filling  # no choice of the fills explores
     assert sum(n for k, n in steady.items() if k) > 100  # exploring goes on in the steady steps
     filling_without, _ = runs[False]
     assert sum(n for k, n in filling_without.items() if k) > 10  # without the rule the fills explore
+
+
+def test_prompts_apart_fill_the_batch_too() -> None:
+    """With prompt pieces in steps of their own (prefill_apart) the choice right after them follows
+    prompt chunks as well. Before, the controller's flag said what the last observed step did, and the
+    fill's first choice (after a drain without prompts) explored."""
+    world = _world(0.5)
+    ctrl = AdaptiveController(CFG12, AdaptiveSettings(explore_budget=None, explore_backoff=1))
+    run_world(world, ctrl, 1500)
+    filling, steady = _cycles(ctrl, world, rule=True, apart=True)
+    assert set(filling) == {0}, filling
+    assert sum(n for k, n in steady.items() if k) > 100
