@@ -60,6 +60,46 @@ def verdicts(result: dict[str, Any], policy: str = "adaptive",
     return out
 
 
+def paired_ratios(result: dict[str, Any], policy: str, other: str, c: int) -> list[float]:
+    """Per round of a point run in parts (--interleave), `policy`'s part throughput over `other`'s part
+    of the same round (the parts of a round run back to back): a slow spell of the machine that lasts a
+    round hits both, so the ratios spread less than the pooled totals. Empty without parts."""
+    mine = (result["points"].get(policy, {}).get(str(c)) or {}).get("runs") or []
+    theirs = (result["points"].get(other, {}).get(str(c)) or {}).get("runs") or []
+    return [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(mine, theirs) if b.get("tokens_per_s")]
+
+
+def _paired_table(result: dict[str, Any]) -> list[str]:
+    """Each adaptive policy against the best fixed choice (by pooled throughput) and no speculation, paired
+    by round: the median of the rounds' ratios and their range."""
+    pols = result["policies"]
+    adaptive = [p for p in ADAPTIVE if p in pols]
+    if not adaptive or "off" not in pols:
+        return []
+    lines = ["", ("Paired by round (median of the rounds' part throughput ratios, range in brackets; the "
+                  "best fixed choice as above)"), ""]
+    head = ["concurrency", "rounds"]
+    for p in adaptive:
+        head += [f"{p} / best", f"{p} / off"]
+    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for c in _levels(result):
+        best = best_fixed(result, c)
+        cells, rounds = [str(c)], 0
+        for p in adaptive:
+            for other in (best[0] if best else None, "off"):
+                r = paired_ratios(result, p, other, c) if other else []
+                rounds = max(rounds, len(r))
+                cells.append("-" if not r else f"{_ratio(_median(r))} [{min(r):.2f}-{max(r):.2f}]")
+        lines.append("| " + " | ".join(cells[:1] + [str(rounds)] + cells[1:]) + " |")
+    return lines
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
 def _ratio(x: float | None) -> str:
     if x is None:
         return "-"
@@ -96,6 +136,7 @@ def markdown_tables(result: dict[str, Any]) -> str:
     lines += ["", ("Closed-loop output tokens/s by Little's law (c x mean output tokens / mean end-to-end latency; "
                    "✗: below the target)"), ""]
     lines += _throughput_table(result, "closed_loop")
+    lines += _paired_table(result)
     for metric, title in (("tpot", "TPOT"), ("ttft", "TTFT"), ("e2el", "end-to-end latency")):
         lines += ["", f"{title}, ms, p50 / p99", "", "| concurrency | " + " | ".join(pols) + " |",
                   "|" + " --- |" * (len(pols) + 1)]

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from plot_sweep import closed_loop_tps, markdown_tables, verdicts  # noqa: E402
+from plot_sweep import closed_loop_tps, markdown_tables, paired_ratios, verdicts  # noqa: E402
 
 
 def _row(tps: float, e2e_ms: list[float], tokens: int = 100) -> dict:
@@ -46,3 +46,17 @@ def test_the_tables_give_both_measures_and_their_verdicts() -> None:
     assert "Closed-loop output tokens/s by Little's law" in md
     # closed loop: k = 4's requests took 450 ms (889 tok/s); the adaptive's mean is 375 ms (1067)
     assert "| 4 | 1000 | 889 | 1067 | off (1000) | 1.07 | 1.07 | - |" in md
+
+
+def test_rounds_are_paired_with_the_same_round_of_the_other_policy() -> None:
+    """A slow spell that hits one round slows both policies' parts of it: the paired ratios see through it
+    where the pooled totals do not (here 0.9 pooled against 1.0 in every round but the slow one)."""
+    result = _result()
+    runs = {"off": [1000.0, 1000.0, 500.0], "k=4": [900.0, 900.0, 450.0], "adaptive": [1000.0, 1000.0, 250.0]}
+    for p, tps in runs.items():
+        result["points"][p]["4"]["runs"] = [{"tokens_per_s": t} for t in tps]
+    assert paired_ratios(result, "adaptive", "off", 4) == pytest.approx([1.0, 1.0, 0.5])
+    assert paired_ratios(result, "adaptive", "k=9", 4) == []  # no such policy: nothing to pair
+    md = markdown_tables(result)
+    assert "Paired by round" in md
+    assert "| 4 | 3 | 1.00 [0.50-1.00] | 1.00 [0.50-1.00] |" in md  # best fixed is off (1000 pooled)
