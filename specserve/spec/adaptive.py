@@ -238,8 +238,8 @@ class AdaptiveController(Exploration):
         have fewer samples; the fastest of noisy prices is priced high by chance, and deep acceptance is
         measured only in the stretches deep drafts were chosen in), and a smaller k does less work per
         token. Where acceptance changes in stretches (tests/unit/test_adaptive_stretches.py) taking the
-        fastest drafted 1-2 tokens more than the best fixed k, at 0.95-0.99 of it; the smallest within 2%
-        ran at 0.985-1.008. On the H200 pair (twenty-fourth session) adaptive / best fixed went from 0.946
+        fastest drafted 1.0-2.4 tokens more than the best fixed k, at 0.95-0.99 of it; the smallest within
+        2% ran at 0.985-1.008. On the H200 pair (twenty-fourth session) adaptive / best fixed went from 0.946
         to 1.00 at 2 requests and from 0.955 to 0.98 at 8; at 1 it now drafted 6 where 8 was best (0.94).
         Across drafting and not (k = 0 against k > 0, where a draft model pays a catch-up to start) the
         previous best stays while it is within switch_margin of the fastest (hysteresis)."""

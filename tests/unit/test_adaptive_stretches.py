@@ -4,7 +4,7 @@ draft model at the H200 pair's costs: the best k is chosen among near-ties (Adap
 On the H200 pair (twenty-third session) the controller drafted more than the best fixed k at 1-2
 requests (k = 9-10 where 8 was best; fixed 12 was 12% slower than 8 at 2) and ran at 0.95 of it. The
 rate is flat in k near its top while the price of a deep draft is the least certain; taking the fastest
-of the prices drafted 1-2 tokens too many here too, at 0.951-0.993 of the best fixed k (0.985-1.008
+of the prices drafted 1.0-2.4 tokens too many here too, at 0.951-0.993 of the best fixed k (0.985-1.008
 with the rule)."""
 from __future__ import annotations
 
