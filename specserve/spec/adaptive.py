@@ -237,10 +237,11 @@ class AdaptiveController(Exploration):
         Near the top the rate is flat in k while its price gets less certain with k (deeper positions
         have fewer samples; the fastest of noisy prices is priced high by chance, and deep acceptance is
         measured only in the stretches deep drafts were chosen in), and a smaller k does less work per
-        token. Where acceptance changes in stretches (tests/unit/test_adaptive_stretches.py) taking the
-        fastest drafted 1.0-2.4 tokens more than the best fixed k, at 0.95-0.99 of it; the smallest within
-        2% ran at 0.985-1.008. On the H200 pair (twenty-fourth session) adaptive / best fixed went from 0.946
-        to 1.00 at 2 requests and from 0.955 to 0.98 at 8; at 1 it now drafted 6 where 8 was best (0.94).
+        token. Simulated (tests/unit/test_adaptive_stretches.py, batch 1-16): where acceptance changes in
+        stretches, taking the fastest drafted 1.6-2.4 tokens too many (0.951-0.997 of the best fixed k);
+        where it is flat, a 2% band drafted 1.3-3.0 too few (0.972-0.987); a 1% band ran at 0.981-1.007 in
+        both. On the H200 pair (twenty-fourth session, 2% band) adaptive / best fixed went from 0.946 to
+        1.00 at 2 requests and from 0.955 to 0.98 at 8, and at 1 it drafted 6 where 8 was best (0.94).
         Across drafting and not (k = 0 against k > 0, where a draft model pays a catch-up to start) the
         previous best stays while it is within switch_margin of the fastest (hysteresis)."""
         s = self.settings

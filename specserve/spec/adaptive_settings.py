@@ -25,7 +25,10 @@ class AdaptiveSettings:
     explore_budget: float | None = 0.01  # exploring may lose at most this fraction of the time (None: no cap)
     budget_window: float = 2000.0  # steps over which the exploration budget is counted
     switch_margin: float = 0.02  # between drafting and not: keep the previous best unless another k is this much faster
-    prefer_fewer: float = 0.02  # the best k: the smallest priced within this share of the fastest (0: the fastest)
+    # The best k: the smallest priced within this share of the fastest (0: the fastest). 1%: where
+    # acceptance comes in stretches the fastest drafts too much, and where it is flat 2% drafts too little
+    # (AdaptiveController._among_near_ties).
+    prefer_fewer: float = 0.01
     calibrate: bool = True  # scale predicted drafts per bucket by what drafting got (TokenCalibration)
     stale_after: int = 1000  # observations after which a bucket's measurement of a k is a guess again
     reprobe_after: int = 250  # while drafting, re-measure a plain decode step this often (observations)

@@ -1,11 +1,14 @@
-"""The adaptive controller where acceptance changes in stretches along each request (code), with a
-draft model at the H200 pair's costs: the best k is chosen among near-ties (AdaptiveSettings.prefer_fewer).
+"""The adaptive controller with a draft model at the H200 pair's costs, where acceptance is the same
+all along (flat) or changes in stretches along each request (code): the best k is chosen among near-ties
+(AdaptiveSettings.prefer_fewer).
 
 On the H200 pair (twenty-third session) the controller drafted more than the best fixed k at 1-2
-requests (k = 9-10 where 8 was best; fixed 12 was 12% slower than 8 at 2) and ran at 0.95 of it. The
-rate is flat in k near its top while the price of a deep draft is the least certain; taking the fastest
-of the prices drafted 1.0-2.4 tokens too many here too, at 0.951-0.993 of the best fixed k (0.985-1.008
-with the rule)."""
+requests (k = 9-10 where 8 was best; fixed 12 was 12% slower than 8 at 2) and ran at 0.95 of it: near
+its top the rate is flat in k while the price of a deep draft is the least certain. Taking the smallest
+k priced within 2% of the fastest (twenty-fourth session) mended 2 requests (1.00) but drafted k = 6
+where 8 was best at 1 (0.94). Here, taking the fastest drafts 1.6-2.4 tokens too many where acceptance
+comes in stretches (0.951 of the best fixed k at batch 1), a 2% band 1.3-3.0 too few where it is flat
+(0.972 at batch 1), and the default 1% band stays within 2% of the best fixed k in both."""
 from __future__ import annotations
 
 from collections import Counter
@@ -19,10 +22,12 @@ from tests.helpers.stretch_world import StretchWorld, run_stretches
 CFG12 = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=12)
 STEPS = 3000
 
-# (regimes, stretch length): mostly predictable code with novel lines between; and a harder mix
+# (regimes, stretch length): mostly predictable code with novel lines between; a harder mix; the same
+# acceptance throughout
 WORLDS = {
     "code": (((0.995, 0.5), (0.93, 0.3), (0.7, 0.2)), 60.0),
     "mixed": (((0.99, 0.35), (0.9, 0.35), (0.6, 0.3)), 40.0),
+    "flat": (((0.955, 1.0),), 60.0),
 }
 COSTS = {1: (0.0023, 0.0006), 4: (0.0026, 0.0009), 16: (0.0033, 0.0009)}  # batch: (step, draft forward)
 
@@ -39,21 +44,32 @@ def _adaptive(world: StretchWorld, settings: AdaptiveSettings | None = None) -> 
     return run_stretches(world, ctrl, STEPS, seed=1, first_request=200)
 
 
-@pytest.mark.parametrize("name,batch", [("code", 1), ("code", 16), ("mixed", 1), ("mixed", 4)])
-def test_within_2_percent_of_the_best_fixed_k_where_acceptance_comes_in_stretches(name: str, batch: int) -> None:
+def _mean(chosen: list[int]) -> float:
+    return sum(chosen) / len(chosen)
+
+
+@pytest.mark.parametrize("name,batch", [("code", 1), ("code", 16), ("mixed", 1), ("mixed", 4), ("flat", 1),
+                                        ("flat", 4)])
+def test_within_2_5_percent_of_the_best_fixed_k(name: str, batch: int) -> None:
     world = _world(name, batch)
-    fixed = {k: run_stretches(world, k, STEPS, seed=1, first_request=200)[0] for k in range(2, 11)}
+    fixed = {k: run_stretches(world, k, STEPS, seed=1, first_request=200)[0] for k in range(2, 13)}
     best = max(fixed, key=fixed.get)
     rate, chosen = _adaptive(world)
-    assert rate >= 0.98 * fixed[best], (rate / fixed[best], best, Counter(chosen).most_common(4))
-    assert sum(chosen) / len(chosen) <= best + 1.5, (best, Counter(chosen).most_common(4))
+    assert rate >= 0.975 * fixed[best], (rate / fixed[best], best, Counter(chosen).most_common(4))
+    assert best - 2.5 <= _mean(chosen) <= best + 1.5, (best, Counter(chosen).most_common(4))
 
 
-def test_the_fastest_priced_k_drafts_too_much_there() -> None:
-    """What the rule mends: taking the fastest of the prices (prefer_fewer=0) drafts more per step and
-    runs slower in the same world."""
+def test_the_fastest_priced_k_drafts_too_much_where_acceptance_comes_in_stretches() -> None:
     world = _world("code", 1)
     rate, chosen = _adaptive(world)
     rate_fastest, chosen_fastest = _adaptive(world, AdaptiveSettings(prefer_fewer=0.0))
-    assert sum(chosen_fastest) / len(chosen_fastest) > sum(chosen) / len(chosen) + 1.0
-    assert rate_fastest < 0.99 * rate
+    assert _mean(chosen_fastest) > _mean(chosen) + 0.8
+    assert rate_fastest < 0.985 * rate
+
+
+def test_a_wider_band_drafts_too_little_where_acceptance_is_flat() -> None:
+    world = _world("flat", 1)
+    rate, chosen = _adaptive(world)
+    rate_wide, chosen_wide = _adaptive(world, AdaptiveSettings(prefer_fewer=0.02))
+    assert _mean(chosen_wide) < _mean(chosen) - 1.0
+    assert rate_wide < 0.985 * rate
