@@ -291,7 +291,9 @@ def plot_result(result: dict[str, Any], out_dir: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", help="controller_sweep_<mode>.json files")
-    p.add_argument("--out-dir", default="docs/img")
+    p.add_argument("--out-dir", default=None,
+                   help="where the PNGs go (default: beside each JSON; docs/img only when asked, so a look at "
+                        "an old run does not overwrite the plots the docs show)")
     p.add_argument("--md", default=None, help="also write the tables to this file")
     p.add_argument("--no-plots", action="store_true", help="tables only")
     args = p.parse_args(argv)
@@ -300,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(Path(path).read_text())
         tables.append(markdown_tables(result))
         if not args.no_plots:
-            for png in plot_result(result, Path(args.out_dir)):
+            for png in plot_result(result, Path(args.out_dir) if args.out_dir else Path(path).parent):
                 print(f"wrote {png}")
     text = "\n\n".join(tables)
     print(text)
