@@ -9,11 +9,14 @@ and one with a draft model whose controller is swapped between parts:
   adaptive-priced  the same without its hold (AdaptiveSettings.hold_margin=None): every choice priced
 The parts alternate (off, k=0, adaptive, adaptive-priced, then the next round), each a closed batch of
 `c` requests of `--input-len` random tokens and `--output-len` greedy tokens. Prints, per level, each
-policy's median over rounds of ms per engine step and output tokens/s, and the controller's own time
-per step (its choose and observe, timed around the calls).
+policy's median over rounds of ms per engine step and output tokens/s, the median engine step, the
+steps it drafted in, the controller's own time per step (its choose and observe, timed around the
+calls), and each policy's time per step in the engine's sections (schedule, execute, resolve,
+launch_sampling, update, observe_step, propose, skip_proposal; every policy pays the same few
+microseconds of their timers): where a policy's extra time per step goes, beyond its controller's own.
 
     python bench/spec_host_cost.py                       # H200: the dummy Qwen2.5 1.5B / 0.5B shapes
-    python bench/spec_host_cost.py --model /tiny --draft /tiny --device cpu --levels 16 --rounds 1   # smoke
+    python bench/spec_host_cost.py --model /tiny --draft /tiny --device cpu --levels 16 --rounds 1 --kv-gib 0.25  # smoke
 """
 from __future__ import annotations
 
