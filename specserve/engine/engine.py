@@ -198,12 +198,15 @@ class Engine(AsyncStepMixin):
             new_tokens, accepted = self._sample(sched, step_out.logits)
             outputs.extend(self._update(sched, new_tokens, accepted))
             if self.spec is not None:
+                late = None
                 if sched.apart:  # prompt pieces apart verify nothing: the next step pairs with the proposal
                     self.spec.observe_apart(sched)
-                else:
-                    self.spec.observe_step(sched, time.perf_counter() - start)
+                else:  # (observed after the next proposal where the controller allows: SpecDecoder.deliver)
+                    late = self.spec.observe_step(sched, time.perf_counter() - start, late=True)
                 self.spec.absorb(sched, [t is not None for t in new_tokens], step_out)
                 self._propose(sched, new_tokens, step_out)
+                if late is not None:
+                    self.spec.deliver(late)
         self._record_step_stats(sched)
         return outputs
 

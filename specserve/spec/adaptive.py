@@ -43,6 +43,11 @@ short or empty). Everything is measured here, over moving windows:
     a draft model feeds every new request's prompt at its next proposal, a recurring cost of drafting
     priced apart, per output token (estimators.StepCosts.prompt_feed_seconds).
 Exploration (which k to measure besides the best, within what budget): spec/exploration.py.
+Observing late: while drafting steadily at the best k, a synchronous step is observed after the next
+choice and proposal (defer_observation; the engine's SpecDecoder.deliver), so observe's host work runs
+while that proposal's drafts run on the GPU; the next choice's after-prompt flag and unseen tokens are
+then set as observing first would have left them, and the observation's interval leaves out the next
+proposal's host time (SpecStepStats.ahead_seconds).
 The hold: where k = 0 is the best and every k > 0 is priced far below it (AdaptiveSettings.hold_margin),
 the choices up to the next exploration slot repeat k = 0 without pricing (the same choices: no rule
 that could draft applies there). At high load the host bounds the step; on the H200's host choose and
@@ -143,6 +148,7 @@ class AdaptiveController(Exploration):
         self.last: ControllerEstimates | None = None
         self._prev_k: int | None = None  # the k of the previous choice (None: none yet)
         self._pending: _Choice | None = None
+        self._set_aside: _Choice | None = None  # the choice of a step to be observed late (defer_observation)
         self._burst_k, self._burst_left = 0, 0
         self._burst_extra = 0  # steps an exploration was extended by (see _extend_burst)
         self._burst_loss = self._burst_cycle = 0.0
@@ -385,11 +391,25 @@ class AdaptiveController(Exploration):
         """A step of prompt pieces alone, beside the waiting batch (see StepCosts.observe_apart)."""
         self.costs.observe_apart(prompt_tokens, new_prompts)
 
+    def defer_observation(self) -> bool:
+        """Whether the step that just ran may be observed after the next choice, so that observing runs
+        while that proposal's drafts run on the GPU (decoder.SpecDecoder.deliver); if so, its choice is
+        set aside for that observation. Only while drafting steadily at the best k: an exploration, a
+        probe or a burst decides its next step on what this one measured (_extend_burst)."""
+        c = self._pending
+        if (c is None or c.k == 0 or c.exploring or c.k != c.best_k or self._burst_left > 0
+                or self._set_aside is not None):
+            return False
+        self._set_aside, self._pending = c, None
+        return True
+
     def observe(self, step: SpecStepStats) -> None:
         """Learn from one finished step: its cost, the acceptance of its drafts, its proposal's cost."""
         p = step.proposal
-        choice = None
-        if p is not None:
+        choice, late = None, self._set_aside is not None
+        if late:
+            choice, self._set_aside = self._set_aside, None
+        elif p is not None:
             choice, self._pending = self._pending, None
         if step.num_draft_tokens > 0 or (p is not None and p.num_speculative_tokens > 0):
             self._drafting_version += 1
@@ -405,6 +425,10 @@ class AdaptiveController(Exploration):
             self._drafting_version += 1
         self.costs.observe(step, choice is not None and choice.cold, choice is not None and choice.after_prompt,
                            None if choice is None else choice.unseen_tokens)
+        if late and self._pending is not None:
+            # the next choice was made before this observation: what it would have read of this step
+            self._pending = self._pending._replace(after_prompt=self.costs.after_prompt,
+                                                   unseen_tokens=self.costs.unseen_tokens)
         self.acceptance.add(step.reached_per_pos, step.accepted_per_pos)
         if p is not None and p.num_seqs > 0 and p.num_speculative_tokens > 0:
             self.fill.add(p.asked_per_pos, p.drafted_per_pos)

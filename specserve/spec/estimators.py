@@ -169,6 +169,7 @@ class StepCosts:
         self._observed_at: float | None = None
         self._prev_timed = True  # the previous step ran overlapped with the one before (see _timed)
         self._prev_plain: bool | None = None  # the previous step had no drafts (None: none observed)
+        self._ahead_seconds = 0.0  # the last observation's ahead_seconds (SpecStepStats)
         # Prompt pieces computed in steps apart since the last observed step (observe_apart): (tokens,
         # prompts they started); the next observed step counts them as its prompt chunks, not in its price.
         self._apart = (0, 0)  # (also: the next observed step's timer may cover a step apart's forward)
@@ -311,6 +312,7 @@ class StepCosts:
         self.after_prompt = True
         self._observed_at = self.clock()  # the next step's interval starts here
         self._prev_plain = None  # (so no host time of the interval is charged to the next step)
+        self._ahead_seconds = 0.0  # (a proposal made before this is not in the next interval)
 
     def _timed(self, step: SpecStepStats, p: ProposalStats | None) -> tuple[bool, float]:
         """(whether a step without drafts was timed to its end, the host time since the last observation
@@ -327,7 +329,11 @@ class StepCosts:
         nor proposal accounts for, beyond a step's worth: the engine had nothing to run)."""
         now = self.clock()
         since, self._observed_at = (None if self._observed_at is None else now - self._observed_at), now
-        unexplained = 0.0 if since is None else since - step.step_seconds - (p.seconds if p is not None else 0.0)
+        # An observation made late (step.ahead_seconds) comes after the next proposal's host work, which is
+        # then in this interval and not in the next; this step's own proposal's was in the interval before.
+        ahead, self._ahead_seconds = step.ahead_seconds - self._ahead_seconds, step.ahead_seconds
+        unexplained = (0.0 if since is None
+                       else since - step.step_seconds - (p.seconds if p is not None else 0.0) - ahead)
         paused = unexplained > max(_PAUSE_S, step.step_seconds)
         if paused and self.unseen_tokens is not None:
             self.unseen_tokens = 0.0  # the engine idled: nothing ran, so every request now running is new

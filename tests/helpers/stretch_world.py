@@ -9,7 +9,7 @@ a finished request is replaced by the next one at once (no prompt steps: what is
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specserve.spec.adaptive import AdaptiveController, ProposalStats, SpecStepStats, verify_counts
 
@@ -50,9 +50,11 @@ class StretchWorld:
 
 
 def run_stretches(world: StretchWorld, policy: AdaptiveController | int, steps: int, seed: int = 0,
-                  first_request: int = 0) -> tuple[float, list[int]]:
+                  first_request: int = 0, late: bool = False) -> tuple[float, list[int]]:
     """Output tokens per second of `policy` (a controller or a fixed k) over `steps` steps, and the k of
-    every choice. The batch starts with requests first_request.. at staggered points of their outputs."""
+    every choice. The batch starts with requests first_request.. at staggered points of their outputs.
+    late: as the engine's synchronous steps do, a step the controller lets be observed late
+    (defer_observation) is observed after the next proposal, with that proposal's host seconds."""
     content = world.content(seed)
     b, n = world.batch, world.output_len
     slots = [first_request + i for i in range(b)]
@@ -64,9 +66,15 @@ def run_stretches(world: StretchWorld, policy: AdaptiveController | int, steps: 
         start = ctrl.clock()
         ctrl.clock = lambda: start + seconds
     chosen = []
+    waiting: SpecStepStats | None = None  # a step to observe after the next proposal
     for _ in range(steps):
         k = ctrl.choose(b) if ctrl is not None else policy
         chosen.append(k)
+        propose_s = (k + 1) * world.draft_s if k else 0.0
+        seconds += propose_s  # (the proposal's host work: all of it, in this world)
+        if waiting is not None:
+            ctrl.observe(replace(waiting, ahead_seconds=propose_s))
+            waiting = None
         budgets = [max(0, min(k, n - d - 1)) for d in done]
         accepted = []
         for slot, d, m in zip(slots, done, budgets):
@@ -76,8 +84,7 @@ def run_stretches(world: StretchWorld, policy: AdaptiveController | int, steps: 
                 a += 1
             accepted.append(a)
         verify_s = world.step_s + (world.per_token_s * sum(budgets) + world.verify_host_s if k else 0.0)
-        propose_s = (k + 1) * world.draft_s if k else 0.0
-        seconds += verify_s + propose_s
+        seconds += verify_s
         for i, a in enumerate(accepted):
             got = min(1 + a, n - done[i])
             tokens += got
@@ -87,5 +94,11 @@ def run_stretches(world: StretchWorld, policy: AdaptiveController | int, steps: 
         if ctrl is not None:
             proposal = ProposalStats.measure(k, budgets if k else [], budgets if k else [], propose_s)
             reached, acc = verify_counts(budgets, accepted)
-            ctrl.observe(SpecStepStats(b, b + sum(budgets), sum(budgets), verify_s, reached, acc, proposal))
+            stats = SpecStepStats(b, b + sum(budgets), sum(budgets), verify_s, reached, acc, proposal)
+            if late and ctrl.defer_observation():
+                waiting = stats
+            else:
+                ctrl.observe(stats)
+    if waiting is not None:
+        ctrl.observe(waiting)
     return tokens / seconds, chosen
