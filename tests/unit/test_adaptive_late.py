@@ -1,6 +1,7 @@
 """Observing a synchronous step after the next proposal (AdaptiveController.defer_observation,
-SpecDecoder.deliver): the controller's observe then runs while that proposal's drafts run on the GPU,
-instead of on the critical path (~0.1 ms of a 7-11 ms drafting step on the H200 pair).
+SpecDecoder.deliver): the controller's observe (~0.1 ms of host time) then runs while that proposal's
+drafts run on the GPU, instead of while the GPU waits (drafting steps take 7-11 ms on the H200 pair at
+1-16 requests).
 
 What must hold: the same prices and choices as observing first (the observation's interval then holds
 the next proposal's host time, SpecStepStats.ahead_seconds takes it out), only while drafting steadily
