@@ -12,7 +12,7 @@ The parts alternate (off, k=0, adaptive, adaptive-priced, then the next round), 
 policy's median over rounds of ms per engine step and output tokens/s, the median engine step, the
 steps it drafted in, the controller's own time per step (its choose and observe, timed around the
 calls), and each policy's time per step in the engine's sections (schedule, execute, resolve,
-launch_sampling, update, observe_step, propose, skip_proposal; every policy pays the same few
+launch_sampling, update, observe_step, deliver, propose, skip_proposal; every policy pays the same few
 microseconds of their timers): where a policy's extra time per step goes, beyond its controller's own.
 
     python bench/spec_host_cost.py                       # H200: the dummy Qwen2.5 1.5B / 0.5B shapes
@@ -78,8 +78,8 @@ class _Sections:
                    ("resolve", eng, "_resolve"), ("launch_sampling", eng, "_launch_sampling"),
                    ("update", eng, "_update")]
         if eng.spec is not None:
-            targets += [("observe_step", eng.spec, "observe_step"), ("propose", eng.spec, "propose"),
-                        ("skip_proposal", eng.spec, "skip_proposal")]
+            targets += [("observe_step", eng.spec, "observe_step"), ("deliver", eng.spec, "deliver"),
+                        ("propose", eng.spec, "propose"), ("skip_proposal", eng.spec, "skip_proposal")]
         for name, obj, attr in targets:
             self._wrap(name, obj, attr)
 
