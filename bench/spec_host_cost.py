@@ -16,7 +16,8 @@ launch_sampling, update, observe_step, deliver, propose, skip_proposal; every po
 microseconds of their timers): where a policy's extra time per step goes, beyond its controller's own.
 
     python bench/spec_host_cost.py                       # H200: the dummy Qwen2.5 1.5B / 0.5B shapes
-    python bench/spec_host_cost.py --model /tiny --draft /tiny --device cpu --levels 16 --rounds 1 --kv-gib 0.25  # smoke
+    python bench/spec_host_cost.py --model /tiny --draft /tiny --device cpu --levels 16 --rounds 1 \
+        --kv-gib 0.25                                    # CPU smoke
 """
 from __future__ import annotations
 
@@ -183,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         table["adaptive"]["held_share"] = held.num_held / max(held.num_choices, 1)
         result["levels"][str(c)] = table
         print(f"\nconcurrency {c} (median of {args.rounds} parts; controller: its choose + observe per step)")
-        print("| policy | ms per step | step p50 ms | output tokens/s | / off | controller us per step | drafting steps |")
+        print("| policy | ms per step | step p50 ms | output tokens/s | / off | controller us per step "
+              "| drafting steps |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         base = table["off"]["tokens_per_s"]
         for name in policies:

@@ -48,11 +48,8 @@ choice and proposal (defer_observation; the engine's SpecDecoder.deliver), so ob
 while that proposal's drafts run on the GPU; the next choice's after-prompt flag and unseen tokens are
 then set as observing first would have left them, and the observation's interval leaves out the next
 proposal's host time (SpecStepStats.ahead_seconds).
-The hold: where k = 0 is the best and every k > 0 is priced far below it (AdaptiveSettings.hold_margin),
-the choices up to the next exploration slot repeat k = 0 without pricing (the same choices: no rule
-that could draft applies there). At high load the host bounds the step; on the H200's host choose and
-observe took 0.13-0.17 ms per step with every choice priced, 0.10-0.12 with the hold (bench/
-spec_host_cost.py, 64 and 256 requests).
+The hold (spec/hold.py): where k = 0 is the best and every k > 0 is priced far below it, the choices up
+to the next exploration slot repeat k = 0 without pricing.
 """
 from __future__ import annotations
 
@@ -62,14 +59,12 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from specserve.config import SpeculativeConfig
+from specserve.spec.acceptance import PositionRates, TokenCalibration
 from specserve.spec.adaptive_settings import AdaptiveSettings, ControllerEstimates
-from specserve.spec.estimators import (
-    PositionRates,
-    StepCosts,
-    TokenCalibration,
-    batch_bucket,
-)
+from specserve.spec.bucket_fits import batch_bucket
+from specserve.spec.estimators import StepCosts
 from specserve.spec.exploration import PROMISING_GAP, Exploration
+from specserve.spec.hold import Hold, HoldMixin
 from specserve.spec.regression import DecayedRegression
 from specserve.spec.step_stats import (
     ProposalStats,
@@ -78,26 +73,14 @@ from specserve.spec.step_stats import (
     verify_counts,
 )
 
-# The measurements and estimators live in step_stats.py and estimators.py; their names stay importable
-# from here (the decoder, the controller protocol, benches and tests import them from this module).
+# The measurements and estimators live in step_stats.py, acceptance.py and estimators.py; their names
+# stay importable from here (the decoder, the controller protocol, benches and tests import them here).
 __all__ = [
     "AdaptiveController", "AdaptiveSettings", "ControllerEstimates", "DecayedRegression", "PositionRates",
     "ProposalStats", "SpecStepStats", "count_above", "verify_counts",
 ]
 
 _EPOCH = 64  # observations between acceptance fading steps (and staleness checks of the cached terms)
-_HOLD_CHOICES = 8  # a hold (see AdaptiveSettings.hold_margin) repeats k = 0 for at most this many choices
-_HOLD_SHRINK = 15 / 16  # ... at a batch no smaller than this share of the one it was priced at
-
-
-class _Hold(NamedTuple):
-    """A choice of k = 0 with drafting far behind, repeated without pricing (see AdaptiveController.choose)."""
-
-    bucket: int
-    batch_size: int
-    since: int  # num_choices when it was priced
-    drafting_version: int
-    epoch: int
 
 
 class _Choice(NamedTuple):
@@ -124,7 +107,7 @@ class _Terms(NamedTuple):
     trusted: list[bool]  # k = 0..K ([0]: always)
 
 
-class AdaptiveController(Exploration):
+class AdaptiveController(Exploration, HoldMixin):
     """Chooses k in 0..num_speculative_tokens each step from batch size, acceptance and measured costs."""
 
     def __init__(self, cfg: SpeculativeConfig, settings: AdaptiveSettings | None = None) -> None:
@@ -159,7 +142,7 @@ class AdaptiveController(Exploration):
         self._drafting_version = 0  # bumped by every observation that changes what drafting is predicted to give
         self._drafting_cache: tuple[tuple[float, int, int], _Terms] | None = None
         self._ahead: tuple[float, int, _Terms] | None = None  # prepare(): (batch, num_observed, terms)
-        self._hold: _Hold | None = None
+        self._hold: Hold | None = None
         self.num_held = 0  # choices the hold answered
         self._prev_batch = 0  # the batch size of the previous choice
 
@@ -179,13 +162,17 @@ class AdaptiveController(Exploration):
     def catches_up(self) -> bool:
         return self.costs.catches_up()
 
+    def epoch(self) -> int:
+        """The acceptance epoch: observations // _EPOCH (acceptance fades, cached terms are checked, once each)."""
+        return self.costs.num_observed // _EPOCH
+
     # -- the model ---------------------------------------------------------------------------
     def _drafting_terms(self, b: float) -> _Terms:
         """At batch b: alpha and fill per position; expected tokens per request for k = 0..K; predicted
         seconds for k = 1..K; which k are priced on fresh data of this bucket. Only steps with drafts
         change them (and time, slowly: fading, staleness): while the controller sits at k = 0 they come
         from a cache (every step's bookkeeping runs this)."""
-        key = (b, self._drafting_version, self.costs.num_observed // _EPOCH)
+        key = (b, self._drafting_version, self.epoch())
         if self._drafting_cache is not None and self._drafting_cache[0] == key:
             return self._drafting_cache[1]
         alpha, fill = self.acceptance.rates(), self.fill.rates()
@@ -309,33 +296,7 @@ class AdaptiveController(Exploration):
         self._prev_batch = batch_size
         return k
 
-    # -- the hold: k = 0 repeated while drafting is far behind ------------------------------------
-    def _hold_from(self, est: ControllerEstimates, k: int, exploring: bool, bucket: int) -> _Hold | None:
-        """A hold on this choice if it was k = 0 as the best, not exploring nor in a burst, on a fresh
-        decode price, with every k > 0 (measured or guessed) at most 1 - hold_margin of no drafts' rate.
-        Then no k is promising (which takes a rate above no drafts'), no decode probe or catch-up rule
-        applies (those need a best k > 0), and what could change that (a drafting step, acceptance
-        fading, another load) ends the hold (_holds)."""
-        margin = self.settings.hold_margin
-        if (margin is None or k != 0 or est.best_k != 0 or exploring or self._burst_left > 0
-                or not est.decode_trusted):
-            return None
-        if max(est.tokens_per_s[1:]) >= (1.0 - margin) * est.tokens_per_s[0]:
-            return None
-        return _Hold(bucket, est.batch_size, self.num_choices, self._drafting_version,
-                     self.costs.num_observed // _EPOCH)
-
-    def _holds(self, hold: _Hold, batch_size: int) -> bool:
-        """Whether the next choice repeats the hold's k = 0: the same batch bucket and not much smaller
-        a batch (drafting gains on smaller ones), nothing learnt about drafting since, the same acceptance
-        epoch, at most _HOLD_CHOICES choices on, and not an exploration slot (those price as usual)."""
-        every = self.settings.explore_every
-        nxt = self.num_choices + 1
-        return (batch_bucket(batch_size) == hold.bucket and batch_size >= _HOLD_SHRINK * hold.batch_size
-                and self._drafting_version == hold.drafting_version
-                and self.costs.num_observed // _EPOCH == hold.epoch
-                and nxt - hold.since <= _HOLD_CHOICES and not (every and nxt % every == 0))
-
+    # -- the hold (spec/hold.py): k = 0 repeated while drafting is far behind ---------------------
     def _repeat_zero(self) -> int:
         """choose()'s bookkeeping for a held k = 0, as a priced choice of k = 0 as the best would leave it
         (the estimates in `last` stay those of the choice that was priced)."""
