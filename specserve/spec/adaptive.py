@@ -63,7 +63,7 @@ from specserve.spec.acceptance import PositionRates, TokenCalibration
 from specserve.spec.adaptive_settings import AdaptiveSettings, ControllerEstimates
 from specserve.spec.bucket_fits import batch_bucket
 from specserve.spec.estimators import StepCosts
-from specserve.spec.exploration import PROMISING_GAP, Exploration
+from specserve.spec.exploration import FILL_CHOICES, PROMISING_GAP, Exploration
 from specserve.spec.hold import Hold, HoldMixin
 from specserve.spec.regression import DecayedRegression
 from specserve.spec.step_stats import (
@@ -145,6 +145,7 @@ class AdaptiveController(Exploration, HoldMixin):
         self._hold: Hold | None = None
         self.num_held = 0  # choices the hold answered
         self._prev_batch = 0  # the batch size of the previous choice
+        self._grew_at = -FILL_CHOICES  # the choice whose batch was larger than the one before (exploration.py)
 
     @property
     def cold_extra(self) -> float | None:
@@ -251,8 +252,9 @@ class AdaptiveController(Exploration, HoldMixin):
         """k for the next proposal: the best k; or, within budget, a k to measure (see the module doc)."""
         if self._hold is not None:
             if self._holds(self._hold, batch_size):
-                self._prev_batch = batch_size
-                return self._repeat_zero()
+                k = self._repeat_zero()
+                self._note_batch(batch_size)
+                return k
             self._hold = None
         terms = self._terms_for_choice(float(max(batch_size, 1)))
         est = self.estimate(batch_size, terms)
@@ -293,8 +295,14 @@ class AdaptiveController(Exploration, HoldMixin):
         self._prev_k = self.last_choice = k
         self.last = est if k == best else replace(est, chosen_k=k)
         self._hold = self._hold_from(est, k, exploring, bucket)
-        self._prev_batch = batch_size
+        self._note_batch(batch_size)
         return k
+
+    def _note_batch(self, batch_size: int) -> None:
+        """After a choice: its batch size, and whether the batch grew (the fill rule, exploration.py)."""
+        if batch_size > self._prev_batch:
+            self._grew_at = self.num_choices
+        self._prev_batch = batch_size
 
     # -- the hold (spec/hold.py): k = 0 repeated while drafting is far behind ---------------------
     def _repeat_zero(self) -> int:

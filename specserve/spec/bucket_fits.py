@@ -46,7 +46,7 @@ class LocalFits:
         fit = self._fits.get(slot)
         fresh = now - self._stamps.get(slot, now) <= self.stale_after
         if fit is not None and fresh and restart_ratio is not None and fit.weight >= 1.0:
-            predicted = fit.predict(x)
+            predicted = fit.predict_recent(x)
             off = 0 if predicted / restart_ratio <= y <= predicted * restart_ratio else (1 if y > predicted else -1)
             # two in a row, the same way: one outlier (a hiccup, a step timed at its launch) only averages in
             fresh = off == 0 or self._off.get(slot) != off

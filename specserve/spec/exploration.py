@@ -31,6 +31,9 @@ if TYPE_CHECKING:  # the controller's pending choice (adaptive.py imports this m
     from specserve.spec.adaptive import _Choice
 
 PROMISING_GAP = 3  # choices between explorations of a promising k outside the schedule
+# The batch fills while prompt chunks come and it grew within this many choices: a prompt split over two
+# steps, or arrivals a step apart, leave a choice or two with the batch as before in the middle of a fill.
+FILL_CHOICES = 4
 _DOUBT_SAMPLES = 3  # a k measured fewer times than this at a bucket (lately) is explored as a guess
 
 
@@ -72,13 +75,15 @@ class Exploration:
         drafting starts (k > 0 after k = 0: every token it has not seen) or resumes (after k = 0)."""
         s = self.settings
         b, best = est.batch_size, est.best_k
-        if (k > 0 and best == 0 and self.costs.after_prompt and b > self._prev_batch
-                and self.catches_up()):
-            # Not while the batch fills (prompt chunks of new requests, more requests than the choice
-            # before): the batch size it would measure is gone a step later, the catch-up also feeds the
-            # new prompts, and its warm proposal is kept out of the bucket's fits. On the H200 pair
-            # (twenty-third session) most explorations at 256 requests started so, at 10-55 requests in
-            # a part's first steps (steps of 1,500-1,800 prompt tokens), with proposals of 15-40 ms.
+        filling = b > self._prev_batch or self.num_choices - self._grew_at < FILL_CHOICES
+        if k > 0 and best == 0 and self.costs.after_prompt and filling and self.catches_up():
+            # Not while the batch fills (prompt chunks of new requests, and more requests than a few
+            # choices before): the batch size it would measure is gone a step later, the catch-up also
+            # feeds the new prompts, and its warm proposal is kept out of the bucket's fits. On the H200
+            # pair (twenty-third session) most explorations at 256 requests started so, at 10-55 requests
+            # in a part's first steps (steps of 1,500-1,800 prompt tokens), with proposals of 15-40 ms. A
+            # choice whose batch had not grown since the one before was still in a fill (twenty-fifth, 64
+            # requests: explorations at 38 and 43 of a wave's 64, proposals of 24-28 ms, ~0.1 s of a part).
             return False
         if s.explore_budget is None or self.observed_seconds <= 0:
             return True  # no cap; or nothing measured yet, so no price to judge it by

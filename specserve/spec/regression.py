@@ -50,7 +50,10 @@ class DecayedRegression:
             self.max_x = max(self.max_x * d, v)
             self.min_x = min(self.min_x / d, v)
         if self.weight >= _LEVEL_FROM:
-            raw = self._raw(x)
+            # judged by the theta solved last (a few observations old): solving here would re-solve every
+            # few adds although nothing reads the fit (at high load, every step adds a plain decode step
+            # to two fits, and the controller's host time is paid on every step)
+            raw = self._raw_recent(x)
             pred = raw * self.level()
             if pred > 0 and inside:
                 y = min(y, self.outlier_factor * pred)
@@ -114,8 +117,17 @@ class DecayedRegression:
     def _raw(self, x: Sequence[float]) -> float:
         return sum(map(operator.mul, self.coefficients(), x))
 
+    def _raw_recent(self, x: Sequence[float]) -> float:
+        return sum(map(operator.mul, self._theta if self._theta is not None else self.coefficients(), x))
+
     def predict(self, x: Sequence[float]) -> float:
         return self._raw(x) * self.level()
+
+    def predict_recent(self, x: Sequence[float]) -> float:
+        """predict(x) by the theta solved last, unless there is none: for judging a new observation (an
+        outlier, a changed cost), where a theta a few observations old does as well and re-solving on
+        every add would cost the solves that only reads need."""
+        return self._raw_recent(x) * self.level()
 
     def predict_many(self, xs: Sequence[Sequence[float]], min_weight: float = 1.0) -> list[float] | None:
         """The fitted y at each x, or None before `min_weight` (decayed) observations."""

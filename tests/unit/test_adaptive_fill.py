@@ -35,12 +35,13 @@ def _world(alpha: float) -> World:
 
 
 def _cycles(ctrl: AdaptiveController, world: World, rule: bool, cycles: int = 40,
-            apart: bool = False) -> tuple[Counter, Counter]:
+            apart: bool = False, pauses: bool = False) -> tuple[Counter, Counter]:
     """Drain to 8 requests, fill back to 256 with prompt chunks, run steady; the k explored (chosen while
     the best k was another) in the fills' choices and in the steady ones (0: not exploring). rule=False:
     the controller believes the batch never grew. apart: the prompts run in steps of their own before
     each filling step (scheduler prefill_apart), reported with observe_apart; the observed steps compute
-    none."""
+    none. pauses: each size of the fill lasts two steps (a prompt split over two), so half its choices
+    see the batch as the choice before did."""
     rng = random.Random(0)
     now = [ctrl.clock()]
     ctrl.clock = lambda: now[0]
@@ -49,12 +50,13 @@ def _cycles(ctrl: AdaptiveController, world: World, rule: bool, cycles: int = 40
     # (with pieces apart the fill's first choice follows the first prompt step directly)
     drain_end = [(8, 0, False)] * 3 if apart else [(8, 0, False)] * 2 + [(8, PROMPT, False)]
     schedule = ([(b, 0, False) for b in (200, 112, 48, 16) for _ in range(3)] + drain_end
-                + [(b, PROMPT, True) for b in (16, 48, 112, 200)] + [(256, 0, True)]
-                + [(256, 0, False)] * 31)  # (51 choices a cycle: the exploration slots move through it)
+                + [(b, PROMPT, True) for b in (16, 48, 112, 200) for _ in range(2 if pauses else 1)]
+                + [(256, 0, True)]
+                + [(256, 0, False)] * (27 if pauses else 31))  # (51 choices a cycle: the slots move through it)
     for _ in range(cycles):
         for b, prompt, fills in schedule:  # (batch, prompt tokens this step computes, a choice of the fill)
             if not rule:
-                ctrl._prev_batch = 10 ** 9
+                ctrl._prev_batch, ctrl._grew_at = 10 ** 9, -10 ** 9
             if apart and prompt:
                 now[0] += prompt * 2e-6
                 ctrl.observe_apart(prompt, 8)
@@ -95,5 +97,18 @@ def test_prompts_apart_fill_the_batch_too() -> None:
     ctrl = AdaptiveController(CFG12, AdaptiveSettings(explore_budget=None, explore_backoff=1))
     run_world(world, ctrl, 1500)
     filling, steady = _cycles(ctrl, world, rule=True, apart=True)
+    assert set(filling) == {0}, filling
+    assert sum(n for k, n in steady.items() if k) > 100
+
+
+def test_a_fill_that_pauses_is_still_a_fill() -> None:
+    """A fill where the batch keeps its size for a step now and then (a prompt's chunks over two steps,
+    arrivals a step apart) is a fill throughout: the batch grew within FILL_CHOICES choices. On the H200
+    pair at 64 requests (twenty-fifth session) explorations started at 38 and 43 requests of a wave's
+    64, with 24-28 ms proposals."""
+    world = _world(0.5)
+    ctrl = AdaptiveController(CFG12, AdaptiveSettings(explore_budget=None, explore_backoff=1))
+    run_world(world, ctrl, 1500)
+    filling, steady = _cycles(ctrl, world, rule=True, pauses=True)
     assert set(filling) == {0}, filling
     assert sum(n for k, n in steady.items() if k) > 100

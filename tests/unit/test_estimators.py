@@ -161,3 +161,23 @@ def test_token_calibration_window_is_requests_but_at_least_16_steps() -> None:
         sixteen.add(4, predicted=0.5, realized=0.0, requests=16)
     assert one.ratio(0) > 0.85  # 16 of a 128-step window
     assert sixteen.ratio(4) < 0.5  # 16 steps are the window at 16 requests a step
+
+
+def test_a_fit_solves_when_read_not_on_every_add(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At high load two decode fits take an observation every step; solving them is for the reads (a priced
+    choice), not for judging each new observation, which the last solved theta does as well."""
+    solves = []
+    fit = DecayedRegression(3, window=32, ridge=(0.0, 1e-4, 1e-4), range_feature=1)
+    for b in (60, 62, 64) * 10:
+        fit.add((1.0, float(b), 0.0), 0.002 + 1e-5 * b)
+    before = fit.predict((1.0, 64.0, 0.0))
+    original = DecayedRegression._solve
+    monkeypatch.setattr(DecayedRegression, "_solve", lambda self: solves.append(1) or original(self))
+    for b in (60, 62, 64) * 40:
+        fit.add((1.0, float(b), 0.0), 0.002 + 1e-5 * b)
+    assert solves == []  # nothing surprising came, nothing read the fit
+    assert fit.predict_recent((1.0, 64.0, 0.0)) == pytest.approx(before, rel=1e-4)  # (the theta it has)
+    assert fit.predict((1.0, 64.0, 0.0)) == pytest.approx(0.00264, rel=0.01) and len(solves) == 1
+    fit.add((1.0, 64.0, 0.0), 0.004)  # far from the fit (+50%): solved again at the next add or read
+    fit.add((1.0, 64.0, 0.0), 0.00264)
+    assert len(solves) == 2
