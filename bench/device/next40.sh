@@ -4,7 +4,7 @@
 # a step at 128 requests), and the fill rule remembers growth (a batch that grew within 4 choices fills).
 #   bash bench/device/next40.sh hostcost LEVELS ROUNDS     # spec_host_cost.py (no upload)
 #   (the 36 uploads, as in next35.sh; every upload and the sweep in ONE batch)
-#   bash bench/device/next40.sh sweep LEVELS BUDGET_S      # the pair sweep at LEVELS, next39.sh's settings
+#   bash bench/device/next40.sh sweep LEVELS BUDGET_S [ROUNDS]  # the pair sweep at LEVELS, next39.sh's settings
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/env.sh
@@ -15,13 +15,13 @@ case "${1:-}" in
     echo "== spec_host_cost: rc $?"; grep -vE "Warning|warn" "$OUT/hostcost.txt" | tail -40 ;;
   sweep)
     mkdir -p "$OUT/all"
-    budget=${3:-300}
+    budget=${3:-300} rounds=${4:-5}
     timeout $((budget + 30)) python3 bench/controller_sweep.py --mode pair --policies off,fixed,adaptive --ks 4,8,12 \
-      --concurrency "$2" --min-requests 8 --rounds 5 --interleave 5 --waves 2 \
+      --concurrency "$2" --min-requests 8 --rounds "$rounds" --interleave "$rounds" --waves 2 \
       --point-warmup-tokens 64 --time-budget-s "$budget" --plots --out-dir "$OUT/all" > "$OUT/all.txt" 2>&1
     echo "== sweep: rc $?"
     sed -n '/^Output tokens/,/^TPOT/p' "$OUT/all.txt"
     grep -E "compile during|slow run|setup|skipping" "$OUT/all.txt" | head -12
     tail -2 "$OUT/all.txt" ;;
-  *) echo "usage: $0 hostcost LEVELS ROUNDS | sweep LEVELS BUDGET_S" >&2; exit 2 ;;
+  *) echo "usage: $0 hostcost LEVELS ROUNDS | sweep LEVELS BUDGET_S [ROUNDS]" >&2; exit 2 ;;
 esac
