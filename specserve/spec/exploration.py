@@ -82,8 +82,9 @@ class Exploration:
             # feeds the new prompts, and its warm proposal is kept out of the bucket's fits. On the H200
             # pair (twenty-third session) most explorations at 256 requests started so, at 10-55 requests
             # in a part's first steps (steps of 1,500-1,800 prompt tokens), with proposals of 15-40 ms. A
-            # choice whose batch had not grown since the one before was still in a fill (twenty-fifth, 64
-            # requests: explorations at 38 and 43 of a wave's 64, proposals of 24-28 ms, ~0.1 s of a part).
+            # choice whose batch had not grown since the one before may still be in a fill (twenty-fifth,
+            # 64 requests: an exploration at 38 of a wave's 64, proposals of 28 and 24 ms, ~0.1 s of a part;
+            # with the memory, none at 64 in the next run).
             return False
         if s.explore_budget is None or self.observed_seconds <= 0:
             return True  # no cap; or nothing measured yet, so no price to judge it by

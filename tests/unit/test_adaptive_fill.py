@@ -89,26 +89,19 @@ def test_no_exploration_from_k0_while_the_batch_fills(alpha: float) -> None:
     assert sum(n for k, n in filling_without.items() if k) > 10  # without the rule the fills explore
 
 
-def test_prompts_apart_fill_the_batch_too() -> None:
-    """With prompt pieces in steps of their own (prefill_apart) the choice right after them follows
+@pytest.mark.parametrize("apart, pauses", [(True, False), (False, True)], ids=["apart", "pauses"])
+def test_fills_with_prompts_apart_or_pauses(apart: bool, pauses: bool) -> None:
+    """apart: with prompt pieces in steps of their own (prefill_apart) the choice right after them follows
     prompt chunks as well. Before, the controller's flag said what the last observed step did, and the
-    fill's first choice (after a drain without prompts) explored."""
+    fill's first choice (after a drain without prompts) explored.
+    pauses: a fill where the batch keeps its size for a step now and then (a prompt's chunks over two
+    steps, arrivals a step apart) is a fill throughout: the batch grew within FILL_CHOICES choices.
+    Looking at the choice before only, this world's fills explored 20 times. On the H200 pair at 64
+    requests (twenty-fifth session) an exploration started at 38 requests of a wave's 64 (its second
+    step at 43), with 28 and 24 ms proposals."""
     world = _world(0.5)
     ctrl = AdaptiveController(CFG12, AdaptiveSettings(explore_budget=None, explore_backoff=1))
     run_world(world, ctrl, 1500)
-    filling, steady = _cycles(ctrl, world, rule=True, apart=True)
-    assert set(filling) == {0}, filling
-    assert sum(n for k, n in steady.items() if k) > 100
-
-
-def test_a_fill_that_pauses_is_still_a_fill() -> None:
-    """A fill where the batch keeps its size for a step now and then (a prompt's chunks over two steps,
-    arrivals a step apart) is a fill throughout: the batch grew within FILL_CHOICES choices. On the H200
-    pair at 64 requests (twenty-fifth session) explorations started at 38 and 43 requests of a wave's
-    64, with 24-28 ms proposals."""
-    world = _world(0.5)
-    ctrl = AdaptiveController(CFG12, AdaptiveSettings(explore_budget=None, explore_backoff=1))
-    run_world(world, ctrl, 1500)
-    filling, steady = _cycles(ctrl, world, rule=True, pauses=True)
+    filling, steady = _cycles(ctrl, world, rule=True, apart=apart, pauses=pauses)
     assert set(filling) == {0}, filling
     assert sum(n for k, n in steady.items() if k) > 100
