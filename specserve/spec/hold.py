@@ -3,7 +3,7 @@ k = 0 is the best and every k > 0 is priced far below it (AdaptiveSettings.hold_
 to the next exploration slot repeat k = 0 without pricing. They are the same choices: no rule that could
 draft applies there. At high load the host bounds the step; on the H200's host choose and observe took
 0.13-0.17 ms per step with every choice priced, 0.10-0.12 with the hold (bench/spec_host_cost.py, 64 and
-256 requests)."""
+256 requests); ~0.09 with the hold once the fits solved only when read (twenty-fifth session, 128 and 256)."""
 from __future__ import annotations
 
 from typing import NamedTuple
