@@ -145,7 +145,7 @@ class AdaptiveController(Exploration, HoldMixin):
         self._hold: Hold | None = None
         self.num_held = 0  # choices the hold answered
         self._prev_batch = 0  # the batch size of the previous choice
-        self._grew_at = -FILL_CHOICES  # the choice whose batch was larger than the one before (exploration.py)
+        self._grew_at = -FILL_CHOICES  # the last choice whose batch was larger than the one before (exploration.py)
 
     @property
     def cold_extra(self) -> float | None:
