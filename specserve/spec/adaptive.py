@@ -59,7 +59,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from specserve.config import SpeculativeConfig
-from specserve.spec.acceptance import PositionRates, TokenCalibration
+from specserve.spec.acceptance import PositionRates, TokenCalibration, predicted_accepted
 from specserve.spec.adaptive_settings import AdaptiveSettings, ControllerEstimates
 from specserve.spec.bucket_fits import batch_bucket
 from specserve.spec.estimators import StepCosts
@@ -92,7 +92,9 @@ class _Choice(NamedTuple):
     cold: bool  # no drafts were proposed the step before (or never): a draft model catches up first
     after_prompt: bool  # the step before computed a prompt chunk: a draft model may feed that prompt first
     unseen_tokens: float | None  # tokens computed since the last proposal with drafts (None: never drafted)
-    predicted_extra: float  # drafts per request the model (uncalibrated) predicted to be accepted
+    # per draft position i < k: drafts accepted per request asked for one there, as the windows (uncalibrated)
+    # predicted (fill_i x alpha_0..alpha_i; TokenCalibration compares what the step got with their sum)
+    increments: tuple[float, ...]
 
 
 class _Terms(NamedTuple):
@@ -290,8 +292,9 @@ class AdaptiveController(Exploration, HoldMixin):
         if k > 0 and cold and self._resume_booked:
             exploring = True  # drafting resumes after exploring k = 0: its catch-up is exploration's cost
         self._resume_booked = k == 0 and exploring and best > 0
+        raw = terms.raw_expected
         self._pending = _Choice(k, exploring, best, cold, self.costs.after_prompt, self.costs.unseen_tokens,
-                                terms.raw_expected[k] - 1.0)
+                                tuple(raw[i + 1] - raw[i] for i in range(k)))
         self._prev_k = self.last_choice = k
         self.last = est if k == best else replace(est, chosen_k=k)
         self._hold = self._hold_from(est, k, exploring, bucket)
@@ -313,7 +316,7 @@ class AdaptiveController(Exploration, HoldMixin):
         self._ahead = None  # (a prepared choice is for the next priced one)
         self._decode_wait = 0  # (the hold's decode price was fresh)
         self._resume_booked = False
-        self._pending = _Choice(0, False, 0, True, self.costs.after_prompt, self.costs.unseen_tokens, 0.0)
+        self._pending = _Choice(0, False, 0, True, self.costs.after_prompt, self.costs.unseen_tokens, ())
         self._prev_k = self.last_choice = 0
         return 0
 
@@ -401,9 +404,10 @@ class AdaptiveController(Exploration, HoldMixin):
         self.acceptance.add(step.reached_per_pos, step.accepted_per_pos)
         if p is not None and p.num_seqs > 0 and p.num_speculative_tokens > 0:
             self.fill.add(p.asked_per_pos, p.drafted_per_pos)
-        if choice is not None and choice.k > 0 and step.num_draft_tokens > 0 and step.batch_size > 0:
+        if choice is not None and choice.k > 0 and step.num_draft_tokens > 0 and step.batch_size > 0 and p is not None:
             # what this step's drafts got against what the windows predicted for them, at this load
-            self.calibration.add(batch_bucket(step.batch_size), choice.predicted_extra,
+            self.calibration.add(batch_bucket(step.batch_size),
+                                 predicted_accepted(choice.increments, p, step.batch_size),
                                  sum(step.accepted_per_pos) / step.batch_size, step.batch_size)
         self._account(step, p, choice)
 

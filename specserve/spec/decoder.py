@@ -213,8 +213,11 @@ class SpecDecoder:
             if self.structured.num_requests:  # grammars read the drafts now
                 self.resolve_drafts()
             self.structured.prepare(reqs)
+        # (a seeded sampled request never drafts here: not at its end, like one computing a prompt chunk)
+        at_end = sum(1 for r, b in zip(reqs, budgets) if b == 0 and not (
+            self.k_follows_load and r.generator is not None and not r.params.greedy)) if k else 0
         self._proposal = ProposalStats.measure(k, [c[1] for c in chosen], [len(c[0].spec_token_ids) for c in chosen],
-                                               time.perf_counter() - start)
+                                               time.perf_counter() - start, at_end)
 
     def absorb(self, sched: SchedulerOutput, samples: list[bool], step: StepOutput) -> None:
         """After a forward: the scheduled requests that did not sample (mid-prefill) hand their rows to a

@@ -50,6 +50,9 @@ class ProposalStats:
     asked_per_pos: tuple[int, ...]  # requests asked for a draft at position i (budget > i)
     drafted_per_pos: tuple[int, ...]  # requests that got one
     seconds: float
+    # requests left out of num_seqs because their output budget or the context window ends here (they may
+    # not draft at all): what the drafts were predicted to give leaves them out (acceptance.predicted_accepted)
+    num_at_end: int = 0
 
     @property
     def depth(self) -> int:
@@ -58,8 +61,9 @@ class ProposalStats:
         return sum(1 for n in self.asked_per_pos if n > 0)
 
     @classmethod
-    def measure(cls, k: int, budgets: Sequence[int], num_drafted: Sequence[int], seconds: float) -> ProposalStats:
-        return cls(len(budgets), k, count_above(budgets, k), count_above(num_drafted, k), seconds)
+    def measure(cls, k: int, budgets: Sequence[int], num_drafted: Sequence[int], seconds: float,
+                num_at_end: int = 0) -> ProposalStats:
+        return cls(len(budgets), k, count_above(budgets, k), count_above(num_drafted, k), seconds, num_at_end)
 
     @classmethod
     def nothing(cls, num_seqs: int) -> ProposalStats:

@@ -216,7 +216,8 @@ def run_serving(world: World, policy: AdaptiveController | int, steps: int, seed
             proposal = None
             if running:
                 proposal = ProposalStats.measure(k, [m for m in budgets if m] if k else [],
-                                                 [d for d, m in zip(drafted, budgets) if m] if k else [], propose_s)
+                                                 [d for d, m in zip(drafted, budgets) if m] if k else [], propose_s,
+                                                 sum(1 for m in budgets if not m) if k else 0)
             reached, acc = verify_counts(drafted, accepted)
             ctrl.observe(SpecStepStats(b, len(running) + sum(drafted) + new * world.prompt_len, sum(drafted),
                                        verify_s, reached, acc, proposal))
