@@ -12,15 +12,8 @@ cd "$(dirname "$0")/../.."
 source bench/device/env.sh
 OUT=${OUT:-/tmp/out}
 case "${1:-}" in
-  sweep)
-    mkdir -p "$OUT/all"
-    timeout 570 python3 bench/controller_sweep.py --mode pair --policies off,fixed,adaptive --ks 4,8,12 \
-      --concurrency 1,2,4,8,16,32,64,128,256 --min-requests 8 --rounds 5 --interleave 5 --waves 2 \
-      --point-warmup-tokens 64 --time-budget-s 540 --plots --out-dir "$OUT/all" > "$OUT/all.txt" 2>&1
-    echo "== sweep: rc $?"
-    sed -n '/^Output tokens/,/^TPOT/p' "$OUT/all.txt"
-    grep -E "compile during|slow run|setup|skipping" "$OUT/all.txt" | head -12
-    tail -2 "$OUT/all.txt" ;;
+  sweep)  # (next40.sh runs the pair sweep at any levels: these are this script's)
+    exec bash bench/device/next40.sh sweep 1,2,4,8,16,32,64,128,256 540 5 ;;
   ngram)
     mkdir -p "$OUT/ng"
     budget=${3:-520}
@@ -31,8 +24,6 @@ case "${1:-}" in
     sed -n '/^Output tokens/,/^TPOT/p' "$OUT/ng.txt"
     grep -E "compile during|slow run|setup|skipping" "$OUT/ng.txt" | head -12
     tail -2 "$OUT/ng.txt" ;;
-  hostcost)
-    timeout 300 python3 bench/spec_host_cost.py --levels "$2" --rounds "$3" --out "$OUT" > "$OUT/hostcost.txt" 2>&1
-    echo "== spec_host_cost: rc $?"; grep -vE "Warning|warn" "$OUT/hostcost.txt" | tail -26 ;;
+  hostcost) exec bash bench/device/next40.sh hostcost "$2" "$3" ;;
   *) echo "usage: $0 sweep|ngram LEVELS [BUDGET_S]|hostcost LEVELS ROUNDS" >&2; exit 2 ;;
 esac

@@ -199,7 +199,9 @@ class SpecDecoder:
             k = self.controller.choose(batch_size)
         self.last_k = k
         self.stats.set("spec_decode_chosen_num_tokens", k)
-        budgets = [0 if self.k_follows_load and r.generator is not None and not r.params.greedy
+        # -1: a seeded sampled request, which drafts only where k does not follow the load (see __init__);
+        # 0: one whose output budget or the context window ends here
+        budgets = [-1 if self.k_follows_load and r.generator is not None and not r.params.greedy
                    else draft_budget(r, k, self.max_model_len) for r in reqs]
         chosen = [(r, b, i) for r, b, i in zip(reqs, budgets, batch_index) if b > 0]
         for r in reqs:
@@ -213,11 +215,8 @@ class SpecDecoder:
             if self.structured.num_requests:  # grammars read the drafts now
                 self.resolve_drafts()
             self.structured.prepare(reqs)
-        # (a seeded sampled request never drafts here: not at its end, like one computing a prompt chunk)
-        at_end = sum(1 for r, b in zip(reqs, budgets) if b == 0 and not (
-            self.k_follows_load and r.generator is not None and not r.params.greedy)) if k else 0
         self._proposal = ProposalStats.measure(k, [c[1] for c in chosen], [len(c[0].spec_token_ids) for c in chosen],
-                                               time.perf_counter() - start, at_end)
+                                               time.perf_counter() - start, budgets.count(0) if k else 0)
 
     def absorb(self, sched: SchedulerOutput, samples: list[bool], step: StepOutput) -> None:
         """After a forward: the scheduled requests that did not sample (mid-prefill) hand their rows to a

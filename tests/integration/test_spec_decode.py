@@ -145,6 +145,23 @@ def test_self_draft_accepts_every_draft(spec_dirs, reference):
     assert per_pos == {str(p): c["spec_decode_num_drafts_total"] for p in range(K)}
 
 
+
+def test_proposals_count_the_requests_at_their_end(spec_dirs, reference):
+    """A request whose output ends after this step is asked for no drafts, and the proposal says so
+    (ProposalStats.num_at_end: the calibration predicts it none). Drafting for itself, every request makes
+    1 + 4 x 4 tokens, then has one left: asked for none once."""
+    llm = LLM(model=spec_dirs["target"], progress=False, kv_cache_memory_bytes=4 << 20,
+              speculative_config=_spec_config("draft_self", spec_dirs))
+    seen = []
+    ctrl = llm.engine.spec.controller
+    observe = ctrl.observe
+    ctrl.observe = lambda step: (seen.append(step.proposal), observe(step))
+    max_tokens = 1 + (K + 1) * 4 + 1
+    assert _generate(llm, _prompts(), max_tokens) == [r[:max_tokens] for r in reference]
+    proposals = [p for p in seen if p is not None and p.num_speculative_tokens > 0]
+    assert sum(p.num_at_end for p in proposals) == len(_prompts())
+    assert all(p.num_at_end == 0 for p in seen if p is not None and p.num_speculative_tokens == 0)
+
 def test_smollm2_drafting_for_itself():
     from specserve.model.catalog import install_command, model_path
 
