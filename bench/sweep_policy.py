@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from typing import Any
 
 from specserve import LLM
 from specserve.spec.adaptive import AdaptiveController, AdaptiveSettings
 from specserve.spec.controller import FixedController
+
+
+def _priced(est: Any) -> tuple[float, ...]:
+    """What a choice's estimates say of no drafts against the fastest k > 0 (see Policy.beliefs); () for
+    a controller that prices nothing."""
+    rates = getattr(est, "tokens_per_s", ())
+    if len(rates) < 2:
+        return ()
+    k1 = max(range(1, len(rates)), key=rates.__getitem__)
+    return (round(rates[0], 1), k1, round(rates[k1], 1), round(est.expected_tokens[k1], 3),
+            round(1e3 * est.step_seconds[k1], 3), round(1e3 * est.step_seconds[0], 3))
 
 
 class Policy:
@@ -18,21 +30,27 @@ class Policy:
         self.name, self.controller, self.graph_qs = name, controller, graph_qs
         self.choices: list[int] = []
         self.batches: list[int] = []  # the batch size of each choice
-        self.beliefs: list[tuple[int, int]] = []  # per choice: (best k, 1 if it explores) of an adaptive one
+        # per choice of an adaptive one: (best k, 1 if it explores, 1 if the hold answered it, then as priced
+        # (the last priced choice's, if held): tokens/s at k = 0, the fastest k > 0 and its tokens/s, tokens
+        # per request and step ms predicted for it, step ms predicted for k = 0)
+        self.beliefs: list[tuple[float, ...]] = []
         self.steps: list[tuple[int, float, float, int]] = []  # per step: (k, step s, proposal s, tokens)
         # per step: (batch size, tokens the proposer had not seen, the catch-up the controller predicted
         # for them, s; the two only for a cold proposal of an adaptive controller, else 0; prompt tokens)
-        self.step_extras: list[tuple[int, float, float, int]] = []  # (..., prompt tokens the step computed)
+        self.step_extras: list[tuple[int, float, float, int, float]] = []  # (..., prompt tokens, s since the last)
         self._catch_up: tuple[float, float] = (0.0, 0.0)  # of the last choice: (unseen tokens, predicted s)
+        self._observed_at: float | None = None  # perf_counter at the last observation
         choose, observe = controller.choose, controller.observe
 
         def recording(batch_size: int) -> int:
+            held = getattr(controller, "num_held", 0)
             k = choose(batch_size)
+            held = int(getattr(controller, "num_held", 0) > held)
             self.choices.append(k)
             self.batches.append(batch_size)
             last, pending = getattr(controller, "last", None), getattr(controller, "_pending", None)
             if last is not None and pending is not None:
-                self.beliefs.append((last.best_k, int(pending.exploring)))
+                self.beliefs.append((last.best_k, int(pending.exploring), held, *_priced(last)))
                 unseen = pending.unseen_tokens
                 cold = k > 0 and pending.cold and unseen is not None
                 self._catch_up = ((unseen, controller.costs.catch_up_seconds(unseen, last.propose_seconds[k],
@@ -45,7 +63,11 @@ class Policy:
             self.steps.append((p.num_speculative_tokens if p is not None else -1, step.step_seconds,
                                p.seconds if p is not None else 0.0, step.batch_size + sum(step.accepted_per_pos)))
             prompt = max(step.num_batched_tokens - step.batch_size - step.num_draft_tokens, 0)
-            self.step_extras.append((step.batch_size, *self._catch_up, prompt))
+            # the wall time since the observation before: the step's real price, host work that no timer
+            # covers included (the controller's cost fits add it where two steps ran the same way)
+            now = time.perf_counter()
+            since, self._observed_at = (0.0 if self._observed_at is None else now - self._observed_at), now
+            self.step_extras.append((step.batch_size, *self._catch_up, prompt, since))
             self._catch_up = (0.0, 0.0)
             observe(step)
 
@@ -69,10 +91,13 @@ class Policy:
         self.step_extras.clear()
 
     def trace(self) -> dict[str, list[list[float]]]:
-        """Every choice ([batch, k, best k, explores]) and every step ([k of the proposal it verified, step
-        ms, proposal ms, tokens, batch, tokens the proposer had not seen and the catch-up ms predicted for
-        them (a cold proposal of an adaptive controller, else 0), prompt tokens the step computed (new
-        requests: such a step runs eagerly)]) of a point, in order: why an adaptive policy lost where it did."""
+        """Every choice ([batch, k, best k, explores, held, then as priced: tokens/s at k = 0, the fastest
+        k > 0, its tokens/s, its tokens per request, its step ms, k = 0's step ms]) and every step ([k of the
+        proposal it verified, step ms, proposal ms, tokens, batch, tokens the proposer had not seen and the
+        catch-up ms predicted for them (a cold proposal of an adaptive controller, else 0), prompt tokens
+        the step computed (new requests: such a step runs eagerly), ms since the observation before]) of
+        a point, in order: why an adaptive policy lost where it did (what it believed against what the
+        steps got)."""
         return self.trace_after((0, 0))
 
     def trace_after(self, mark: tuple[int, int]) -> dict[str, list[list[float]]]:
@@ -80,8 +105,10 @@ class Policy:
         point's load first)."""
         c0, s0 = mark
         choices = [[b, k, *bel] for b, k, bel in zip(self.batches[c0:], self.choices[c0:], self.beliefs[c0:])]
-        steps = [[k, round(1e3 * t, 3), round(1e3 * p, 3), n, b, round(unseen), round(1e3 * predicted, 2), prompt]
-                 for (k, t, p, n), (b, unseen, predicted, prompt) in zip(self.steps[s0:], self.step_extras[s0:])]
+        steps = [[k, round(1e3 * t, 3), round(1e3 * p, 3), n, b, round(unseen), round(1e3 * predicted, 2), prompt,
+                  round(1e3 * since, 3)]
+                 for (k, t, p, n), (b, unseen, predicted, prompt, since)
+                 in zip(self.steps[s0:], self.step_extras[s0:])]
         return {"choices": choices, "steps": steps}
 
     def drafting_trace(self) -> dict[str, list[list[float]]]:
@@ -124,7 +151,7 @@ class Policy:
         out = []
         for i, (k, _, prop, _) in enumerate(self.steps):
             if k > 0 and 1e3 * prop > floor_ms and prop > factor * median[k]:
-                b, unseen, predicted, _ = self.step_extras[i]
+                b, unseen, predicted, _, _ = self.step_extras[i]
                 out.append([i, k, round(1e3 * prop, 2), self.steps[i - 1][0] if i else -1, b, round(unseen),
                             round(1e3 * predicted, 2)])
         return out

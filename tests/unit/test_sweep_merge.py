@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,12 +121,19 @@ def test_an_adaptive_policy_traces_its_choices_and_steps() -> None:
     ks, seen = [], []
     for _ in range(3):
         ks.append(ctrl.choose(4))
-        seen.append([ctrl.last.best_k, int(ctrl._pending.exploring)])
+        rates = ctrl.last.tokens_per_s
+        k1 = max(range(1, 4), key=rates.__getitem__)  # the fastest k > 0 as priced
+        seen.append([ctrl.last.best_k, int(ctrl._pending.exploring), 0, round(rates[0], 1), k1,
+                     round(rates[k1], 1), round(ctrl.last.expected_tokens[k1], 3),
+                     round(1e3 * ctrl.last.step_seconds[k1], 3), round(1e3 * ctrl.last.step_seconds[0], 3)])
     ctrl.observe(SpecStepStats(4, 4, 0, 0.002))
+    time.sleep(0.01)
     ctrl.observe(SpecStepStats(4, 4 + 300, 0, 0.012))  # two new requests' prompts (150 tokens each) besides
     trace = policy.trace()
     assert trace["choices"] == [[4, k, *s] for k, s in zip(ks, seen)]
-    assert trace["steps"] == [[-1, 2.0, 0.0, 4, 4, 0, 0.0, 0], [-1, 12.0, 0.0, 4, 4, 0, 0.0, 300]]
+    assert [st[:-1] for st in trace["steps"]] == [[-1, 2.0, 0.0, 4, 4, 0, 0.0, 0], [-1, 12.0, 0.0, 4, 4, 0, 0.0, 300]]
+    # the wall time between observations: none before the first, the sleep (at least) before the second
+    assert trace["steps"][0][-1] == 0.0 and trace["steps"][1][-1] >= 10.0
     policy.clear()
     assert policy.trace() == {"choices": [], "steps": []}
 
@@ -159,7 +167,7 @@ def test_a_slow_proposal_reports_its_batch_and_the_catch_up_predicted_for_it() -
         ctrl.observe(SpecStepStats(57, 57 * (k + 1), 57 * k, 0.004, proposal=ProposalStats.measure(k, [k] * 57,
                                                                                                    [k] * 57, seconds)))
     assert policy.slow_proposals() == [[0, 1, 374.0, -1, 57, 13000, 15.0]]
-    assert [e[0] for e in policy.step_extras] == [57] * 4 and policy.step_extras[1][1:] == (0.0, 0.0, 0)
+    assert [e[0] for e in policy.step_extras] == [57] * 4 and policy.step_extras[1][1:4] == (0.0, 0.0, 0)
 
 
 def test_dropping_a_warm_up_keeps_every_record_aligned() -> None:
@@ -256,7 +264,7 @@ def test_a_warm_up_trace_holds_only_what_came_after_its_mark() -> None:
     ctrl.observe(SpecStepStats(8, 8 + 100, 0, 0.009))
     warm = policy.trace_after(mark)
     assert [c[0] for c in warm["choices"]] == [8]
-    assert warm["steps"] == [[-1, 9.0, 0.0, 8, 8, 0, 0.0, 100]]
+    assert [st[:-1] for st in warm["steps"]] == [[-1, 9.0, 0.0, 8, 8, 0, 0.0, 100]]
     assert len(policy.trace()["steps"]) == 2
 
 
