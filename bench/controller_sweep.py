@@ -242,11 +242,23 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
         kv = kv_bytes_for(mode["model"], mode["load_format"], device, args.dtype, max(levels) * per_request)
         engines: dict[str, LLM] = {}
         policies: list[Policy] = []
+        phases: dict[str, float] = {}  # setup seconds by phase (a sweep must fit one device call)
+        mark = t0  # (the first phase: the prompts, the KV budget)
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            phases[name], mark = round(now - mark, 1), now
+
+        phase("prompts")
         if "off" in args.policies.split(","):
             engines["off"] = build(mode, args, None, max(levels), max_len, kv)
+            phase("off engine")
         if any(p in args.policies.split(",") for p in ("fixed", "adaptive", "adaptive-uncalibrated", "adaptive+graphs")):
             spec_llm = engines["spec"] = build(mode, args, spec_config(mode, args, max_k), max(levels), max_len, kv)
+            phase("speculative engine")
             own_qs = () if args.no_recapture else capture_all_verify_graphs(spec_llm, max_k)
+            phase("verify graphs")
             if args.no_recapture and spec_llm.engine.runner.graphs is not None:
                 own_qs = tuple(spec_llm.engine.runner.graphs.verify_query_lens)
             policies = make_policies(args, spec_llm.engine.spec.cfg, own_qs, spec_llm.engine.runner.graphs is not None)
@@ -258,12 +270,14 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
         result["policies"] = (["off"] if "off" in engines else []) + [p.name for p in policies]
         result["graph_query_lens"] = {p.name: p.graph_qs for p in policies}
         _warm_up(engines, policies, prompts, max(levels), args)
+        phase("warm-up")
         compile_label = log_compiles(result)  # what compiles after start-up and warm-up: a stall's kernel
         if not args.no_gc_freeze:  # as `specserve serve` does after start-up: full collections skip it
             gc.collect()
             gc.freeze()
         result["setup_s"] = time.monotonic() - t0
-        print(f"[{name}] setup {result['setup_s']:.1f} s; policies {result['policies']}; "
+        result["setup_phases_s"] = phases
+        print(f"[{name}] setup {result['setup_s']:.1f} s {phases}; policies {result['policies']}; "
               f"{len(prompts)} prompts, {result['prompt_tokens_mean']:.0f} tokens on average", flush=True)
         writer.write()
         graph_counts = count_graph_replays(engines["spec"], max_k + 1) if "spec" in engines else None

@@ -5,6 +5,10 @@
 #   bash bench/device/next40.sh hostcost LEVELS ROUNDS     # spec_host_cost.py (no upload)
 #   (the 36 uploads, as in next35.sh; every upload and the sweep in ONE batch)
 #   bash bench/device/next40.sh sweep LEVELS BUDGET_S [ROUNDS]  # the pair sweep at LEVELS, next39.sh's settings
+# Twenty-sixth session: the whole sweep in one call (next39.sh sweep) ran out of its 570 s at 256 (setup took
+# 181 s, 142 s in the next machine; the points ~400 s). Split it over two calls, each with its own setup:
+#   bash bench/device/next40.sh sweep 1,2,4,8,16 330 5      # ~310 s
+#   bash bench/device/next40.sh sweep 32,64,128,256 540 5   # ~450 s
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/env.sh
