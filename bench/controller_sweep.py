@@ -377,7 +377,10 @@ def _record_point(result: dict[str, Any], pol_name: str, c: int, rows: list[dict
         row["verify_steps"] = dict(replays)
     if policy is not None:
         row["steps_by_k"] = policy.steps_by_k()
+        row["time_by_batch"] = policy.time_by_batch()
         row["slow_proposals"] = policy.slow_proposals()
+        if c <= TRACE_UP_TO and "trace" not in row:  # a fixed k's steps: what the adaptive one's compare with
+            row["trace_steps"] = policy.trace()["steps"]
     result["points"].setdefault(pol_name, {})[str(c)] = row
     lat = row["latency_ms"]
     print(f"[{name}] {pol_name:>15} c={c:<4} {row['tokens_per_s']:9.1f} tok/s  "

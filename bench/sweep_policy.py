@@ -82,6 +82,7 @@ class Policy:
         choices, steps = mark
         del self.choices[choices:], self.batches[choices:], self.beliefs[choices:]
         del self.steps[steps:], self.step_extras[steps:]
+        self._observed_at = None  # (a part starts: the time since what was dropped is no step's)
 
     def clear(self) -> None:
         self.choices.clear()
@@ -89,15 +90,16 @@ class Policy:
         self.beliefs.clear()
         self.steps.clear()
         self.step_extras.clear()
+        self._observed_at = None
 
     def trace(self) -> dict[str, list[list[float]]]:
         """Every choice ([batch, k, best k, explores, held, then as priced: tokens/s at k = 0, the fastest
         k > 0, its tokens/s, its tokens per request, its step ms, k = 0's step ms]) and every step ([k of the
         proposal it verified, step ms, proposal ms, tokens, batch, tokens the proposer had not seen and the
         catch-up ms predicted for them (a cold proposal of an adaptive controller, else 0), prompt tokens
-        the step computed (new requests: such a step runs eagerly), ms since the observation before]) of
-        a point, in order: why an adaptive policy lost where it did (what it believed against what the
-        steps got)."""
+        the step computed (new requests: such a step runs eagerly), ms since the observation before (0 for
+        a part's first)]) of a point, in order: why an adaptive policy lost where it did (what it believed
+        against what the steps got)."""
         return self.trace_after((0, 0))
 
     def trace_after(self, mark: tuple[int, int]) -> dict[str, list[list[float]]]:
@@ -132,6 +134,16 @@ class Policy:
                            "tokens_per_step": round(sum(r[3] for r in rows) / n, 3)}
         return out
 
+    def time_by_batch(self) -> dict[str, list[float]]:
+        """Per batch size: [steps, ms between observations (host work outside the timers included),
+        tokens] over a point's parts: where in a point a policy spent its time, and at what rate (at the
+        full batch, and in the fills and drains around it), to compare with another policy's."""
+        out: dict[str, list[float]] = {}
+        for (_, _, _, n), (b, _, _, _, since) in zip(self.steps, self.step_extras):
+            row = out.setdefault(str(b), [0, 0.0, 0])
+            row[0], row[1], row[2] = row[0] + 1, row[1] + 1e3 * since, row[2] + n
+        return {b: [n, round(ms, 2), tokens] for b, (n, ms, tokens) in sorted(out.items(), key=lambda kv: int(kv[0]))}
+
     def drafting_by_batch(self) -> dict[str, list[int]]:
         """Per batch size: [choices, choices with k > 0, sum of k] (where in a point the controller drafted)."""
         out: dict[str, list[int]] = {}
@@ -157,6 +169,7 @@ class Policy:
         return out
 
     def install(self, llm: LLM) -> None:
+        self._observed_at = None  # (the time since this policy's last part is no step's)
         spec = llm.engine.spec
         spec.controller = self.controller
         spec._proposal = None  # the last proposal belonged to another policy's controller

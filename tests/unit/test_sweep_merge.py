@@ -288,3 +288,29 @@ def test_a_drafting_trace_keeps_only_drafting_choices_and_steps_with_their_indic
     assert drafting["steps"] == [[1, *full["steps"][1]]]
     assert [c[0] for c in drafting["choices"]] == [i for i, k in enumerate(ks) if k > 0]
     assert [c[1:] for c in drafting["choices"]] == [c for c in full["choices"] if c[1] > 0]
+
+
+def test_time_by_batch_sums_the_wall_time_between_observations_per_batch_size() -> None:
+    """sweep_policy.Policy.time_by_batch: per batch size, steps, the ms between observations and the
+    tokens, over a point's parts; a part starts afresh (the time since the policy's last part, while
+    other policies ran, is no step's)."""
+    from sweep_policy import Policy
+
+    from specserve.config import SpeculativeConfig
+    from specserve.spec.adaptive import SpecStepStats
+    from specserve.spec.controller import FixedController
+
+    ctrl = FixedController(SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+    policy = Policy("k=2", ctrl, None)
+    for b in (4, 4, 3):
+        ctrl.observe(SpecStepStats(b, b, 0, 0.001))
+        time.sleep(0.005)
+    mark = policy.mark()
+    time.sleep(0.05)  # another policy's part
+    policy.drop_after(mark)
+    ctrl.observe(SpecStepStats(4, 4, 0, 0.001))
+    got = policy.time_by_batch()
+    assert list(got) == ["3", "4"] and got["3"][0] == 1 and got["4"][0] == 3
+    assert got["3"][2] == 3 and got["4"][2] == 12
+    assert 5.0 <= got["4"][1] < 25.0  # one gap of ~5 ms (the first step has none), none of the 50 ms
+    assert got["3"][1] >= 5.0
