@@ -392,7 +392,8 @@ class AdaptiveController(Exploration, HoldMixin):
             # believing it long after it recovered.
             keep = math.exp(-_EPOCH / self.settings.acceptance_horizon)
             self.acceptance.age(keep)
-            self.calibration.age(keep)
+            horizon = self.settings.calibration_horizon if self.catches_up() else self.settings.acceptance_horizon
+            self.calibration.age(math.exp(-_EPOCH / horizon))
             self.fill.age(keep)
             self._drafting_version += 1
         self.costs.observe(step, choice is not None and choice.cold, choice is not None and choice.after_prompt,

@@ -13,6 +13,15 @@ class AdaptiveSettings:
     prior_weight: float = 4.0  # samples the prior is worth
     acceptance_window: float = 100.0  # samples per position
     acceptance_horizon: float = 1000.0  # observations over which acceptance measured then fades toward the prior
+    # For a proposer that catches up (a draft model), observations over which a bucket's calibration
+    # ratio (acceptance.TokenCalibration) fades toward 1; else acceptance_horizon. A ratio that dipped by
+    # chance just before the controller stopped drafting gets no samples to recover from, and a draft
+    # model's explorations from k = 0 are rare (each starts with a catch-up): in a simulated pair at 16
+    # requests (acceptance 0.93 at every step) the controller stopped at a ratio of 0.93, where drafting
+    # got 0.98 of the prediction on average, and ran at 0.89 of fixed k = 7 for the 3,000 steps after
+    # (0.98 with 250; tests/unit/test_adaptive_calibration.py). An n-gram lookup explores cheaply and
+    # often, and its ratio far below 1 (the H200 8B at 8-16 requests) is no chance dip.
+    calibration_horizon: float = 250.0
     cost_window: float = 32.0  # steps per cost model
     slope_ridge: float = 1e-4
     explore_every: int = 10  # every n-th choice tries a neighbour of the best k (0: never)
