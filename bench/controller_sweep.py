@@ -70,7 +70,7 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 
 import torch
 
-from specserve import LLM, SamplingParams
+from specserve import LLM
 from specserve.spec.adaptive import AdaptiveController
 
 
@@ -91,7 +91,8 @@ sweep_beliefs = _load_bench("sweep_beliefs")  # what an adaptive controller beli
 # Names this script's users may know it by (moved to sweep_point / sweep_policy / sweep_report).
 from _bench_sweep_point import (SPEC_COUNTERS, build, capture_all_verify_graphs,  # noqa: E402,F401
                                 count_graph_replays, kv_bytes_for, merge_points, percentiles,
-                                round_order, run_point, slow_runs, spec_config, spec_counters)
+                                point_warm_up, round_order, run_point, slow_runs, spec_config, spec_counters,
+                                warm_up)
 from _bench_sweep_policy import Policy, make_policies  # noqa: E402,F401
 from _bench_sweep_report import Writer, _commit, _fmt  # noqa: E402,F401
 from _bench_sweep_beliefs import controller_beliefs, decode_price  # noqa: E402,F401
@@ -269,7 +270,7 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
         result["prompt_tokens_mean"] = sum(map(len, prompts)) / len(prompts)
         result["policies"] = (["off"] if "off" in engines else []) + [p.name for p in policies]
         result["graph_query_lens"] = {p.name: p.graph_qs for p in policies}
-        _warm_up(engines, policies, prompts, max(levels), args)
+        warm_up(engines, policies, prompts, max(levels), args)
         phase("warm-up")
         compile_label = log_compiles(result)  # what compiles after start-up and warm-up: a stall's kernel
         if not args.no_gc_freeze:  # as `specserve serve` does after start-up: full collections skip it
@@ -307,7 +308,7 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
                     compile_label[0] = f"{pol_name} c={c} warm-up"
                     if args.point_warmup_tokens > 0:
                         before = policy.mark() if policy is not None else None
-                        _point_warm_up(llm, prompts, c, args.point_warmup_tokens, args)
+                        point_warm_up(llm, prompts, c, args.point_warmup_tokens, args)
                         if before is not None and c <= TRACE_UP_TO:  # where the controller met this load first
                             warm_traces.setdefault(pol_name, []).append(policy.trace_after(before))
                     compile_label[0] = f"{pol_name} c={c} part {run}"
@@ -389,33 +390,6 @@ def _record_point(result: dict[str, Any], pol_name: str, c: int, rows: list[dict
           f"{row.get('verify_steps', '')}", flush=True)
     for line in slow_runs(row.get("runs", [])):
         print(f"[{name}] {pol_name:>15} c={c:<4} {line}", flush=True)
-
-
-def _warm_up(engines: dict[str, LLM], policies: list[Policy], prompts: list[list[int]], width: int,
-             args: argparse.Namespace) -> None:
-    """JIT and graphs on every path (prefill at full width, decode, verify eager and replayed), so no
-    policy's first point pays them, and the adaptive controllers past their first measurements."""
-    wide = [{"prompt_token_ids": prompts[i % len(prompts)]} for i in range(width)]
-    few = wide[:2]
-    params = SamplingParams(temperature=0.0, max_tokens=min(16, args.output_len), ignore_eos=True)
-    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    if "off" in engines:
-        engines["off"].generate(wide, short)
-        engines["off"].generate(few, params)
-    for i, policy in enumerate(policies):
-        policy.install(engines["spec"])
-        if i == 0:
-            engines["spec"].generate(wide, short)
-        engines["spec"].generate(few, params)
-        policy.clear()
-
-
-def _point_warm_up(llm: LLM, prompts: list[list[int]], c: int, tokens: int, args: argparse.Namespace) -> None:
-    """c requests of `tokens` output tokens at the point's concurrency, unmeasured, before every policy's
-    point alike: the point then measures the steady state at this load (an adaptive controller has met
-    this batch size, as a server's has long after its load changed), not the first steps after a jump."""
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=not args.respect_eos)
-    llm.generate([{"prompt_token_ids": prompts[i % len(prompts)]} for i in range(c)], params)
 
 
 def deadlines(args: argparse.Namespace, start: float) -> list[float]:

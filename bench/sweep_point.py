@@ -269,6 +269,34 @@ def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, out
     return row
 
 
+def warm_up(engines: dict[str, LLM], policies: list[Any], prompts: list[list[int]], width: int,
+            args: argparse.Namespace) -> None:
+    """JIT and graphs on every path (prefill at full width, decode, verify eager and replayed), so no
+    policy's first point pays them, and the adaptive controllers past their first measurements.
+    policies: sweep_policy.Policy objects, installed on engines["spec"] in turn."""
+    wide = [{"prompt_token_ids": prompts[i % len(prompts)]} for i in range(width)]
+    few = wide[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=min(16, args.output_len), ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    if "off" in engines:
+        engines["off"].generate(wide, short)
+        engines["off"].generate(few, params)
+    for i, policy in enumerate(policies):
+        policy.install(engines["spec"])
+        if i == 0:
+            engines["spec"].generate(wide, short)
+        engines["spec"].generate(few, params)
+        policy.clear()
+
+
+def point_warm_up(llm: LLM, prompts: list[list[int]], c: int, tokens: int, args: argparse.Namespace) -> None:
+    """c requests of `tokens` output tokens at the point's concurrency, unmeasured, before every policy's
+    point alike: the point then measures the steady state at this load (an adaptive controller has met
+    this batch size, as a server's has long after its load changed), not the first steps after a jump."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=not args.respect_eos)
+    llm.generate([{"prompt_token_ids": prompts[i % len(prompts)]} for i in range(c)], params)
+
+
 def steady_window(arrival: dict[str, float], finished: dict[str, float], events: list[tuple[str, float, int]],
                   c: int) -> tuple[float, int, int] | None:
     """(seconds, output tokens, requests finished) of a closed-loop run while c requests were in flight:
