@@ -24,8 +24,9 @@ steady window, from its first submission to its last (c requests in flight throu
 whole part, drain included, as before the nineteenth session, when a part of one wave of c requests
 charged the adaptive policy a quarter of its time at c = 16 for its last requests running nearly
 alone); the tables also give it by Little's law (plot_sweep.closed_loop_tps). Greedy, a fixed number of
-output tokens (ignore_eos; fewer at high concurrency: --output-len-high from --high-from on), prefix
-caching off (prompts repeat across policies). Per request, from token timestamps the engine records: TTFT, TPOT
+output tokens per request (ignore_eos; fewer at high concurrency: --output-len-high from --high-from on;
+with --output-len-spread each request's drawn around it, the same for every policy: equal lengths keep a
+closed loop in lockstep or not by chance, sweep_point.output_lengths), prefix caching off (prompts repeat across policies). Per request, from token timestamps the engine records: TTFT, TPOT
 ((last - first token) / (n - 1)), E2E; per streamed chunk: ITL (a verify step delivers several tokens
 in one chunk). Each engine and controller is warmed up first (JIT, graphs, the controller's first
 measurements: a server's controller has long left its start-up when load changes), and every
@@ -125,6 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256, help="output tokens per request below --high-from")
     p.add_argument("--output-len-high", type=int, default=128, help="output tokens from --high-from on")
     p.add_argument("--high-from", type=int, default=64)
+    p.add_argument("--output-len-spread", type=float, default=0.0,
+                   help="s in [0, 1): each request's output length uniform in [L (1 - s), L (1 + s)] (L: "
+                        "--output-len or --output-len-high), the same for every policy (sweep_point.output_lengths)")
     p.add_argument("--rounds", type=int, default=1,
                    help="requests per point: max(c * rounds, --min-requests) (more rounds: less noise at high c)")
     p.add_argument("--waves", type=int, default=2,
@@ -238,8 +242,11 @@ def run_mode(name: str, args: argparse.Namespace, deadline: float, out_dir: Path
         use_chat = mode["prompts"] == "humaneval" or (mode["prompts"] == "auto" and mode["load_format"] != "dummy")
         prompts = chat_prompts(mode["model"], args, mode) if use_chat else None
         longest_prompt = max(map(len, prompts)) if prompts else args.input_len
-        max_len = -(-(longest_prompt + max(args.output_len, args.output_len_high) + max_k + 8) // 16) * 16
-        per_request = longest_prompt + max(args.output_len, args.output_len_high) + max_k + 32
+        # (the longest a request may ask for: sweep_point.output_lengths' upper end)
+        longest_output = max(round(n * (1.0 + args.output_len_spread))
+                             for n in (args.output_len, args.output_len_high))
+        max_len = -(-(longest_prompt + longest_output + max_k + 8) // 16) * 16
+        per_request = longest_prompt + longest_output + max_k + 32
         kv = kv_bytes_for(mode["model"], mode["load_format"], device, args.dtype, max(levels) * per_request)
         engines: dict[str, LLM] = {}
         policies: list[Policy] = []

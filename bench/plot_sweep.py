@@ -125,7 +125,9 @@ def markdown_tables(result: dict[str, Any]) -> str:
              (f"{result['device']}, commit {result.get('commit')}, {result.get('date')}; "
               f"{result.get('prompt_tokens_mean', 0):.0f} prompt tokens on average; output "
               f"{result['config']['output_len']} tokens per request below concurrency "
-              f"{result['config']['high_from']}, {result['config']['output_len_high']} from it on; at least "
+              f"{result['config']['high_from']}, {result['config']['output_len_high']} from it on"
+              + (f" (each request's within ±{result['config']['output_len_spread']:.0%} of that)"
+                 if result['config'].get('output_len_spread') else "") + "; at least "
               f"{result['min_requests']} requests per point; greedy; K = {result['max_k']}."),
              "",
              "Output tokens/s (✗: below the target, 0.95)",

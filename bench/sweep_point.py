@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import random
 import time
 from collections import Counter
 from typing import Any
@@ -192,12 +193,34 @@ def slow_runs(runs: list[dict[str, Any]], factor: float = 1.15) -> list[str]:
     return lines
 
 
+def output_lengths(output_len: int, spread: float, num_requests: int, seed: int) -> list[int]:
+    """Each request's output tokens: `output_len`, or with `spread` s > 0 drawn uniformly from
+    [output_len (1 - s), output_len (1 + s)] (mean output_len), the same for every policy and part (request
+    i's length depends on the seed and i alone: the parts of a point run the same requests).
+
+    Why spread: with one length for all, a closed loop of c requests that start together runs in lockstep
+    (they end in the same step and are replaced at once) or, once drafting desynchronized them, with
+    arrivals every step, and which of the two a part settles in decides its throughput. On the H200 pair
+    (twenty-seventh session) five parts of identical work without speculation at 256 requests ran at
+    17-31 k tokens/s (step medians 3.4-6.0 ms), at 128 at 23-28 k; a server's requests end when their
+    answers do."""
+    if spread <= 0.0:
+        return [output_len] * num_requests
+    if not 0.0 < spread < 1.0:
+        raise ValueError(f"output_len_spread must be in [0, 1), got {spread}")
+    rng = random.Random(f"output-lengths-{seed}-{output_len}-{spread}")
+    lo, hi = max(1, round(output_len * (1.0 - spread))), round(output_len * (1.0 + spread))
+    return [rng.randint(lo, hi) for _ in range(num_requests)]
+
+
 def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, output_len: int,
               args: argparse.Namespace, tag: str) -> dict[str, Any]:
     """num_requests requests, c in flight; throughput and per-request latencies."""
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=not args.respect_eos)
-    queue = [(f"{tag}-{i}", prompts[i % len(prompts)]) for i in range(num_requests)]
+    lengths = output_lengths(output_len, getattr(args, "output_len_spread", 0.0), num_requests, args.seed)
+    queue = [(f"{tag}-{i}", prompts[i % len(prompts)],
+              SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=not args.respect_eos))
+             for i, n in enumerate(lengths)]
     arrival: dict[str, float] = {}
     finished: dict[str, float] = {}
     before = spec_counters(llm) if engine.spec is not None else None
@@ -206,7 +229,7 @@ def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, out
     start = time.perf_counter()
 
     def submit() -> None:
-        rid, ids = queue.pop(0)
+        rid, ids, params = queue.pop(0)
         arrival[rid] = time.monotonic()
         engine.add_request(rid, {"prompt_token_ids": ids}, params, arrival_time=arrival[rid])
 

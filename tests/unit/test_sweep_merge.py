@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from sweep_point import merge_points, percentiles, steady_window  # noqa: E402
+from sweep_point import merge_points, output_lengths, percentiles, steady_window  # noqa: E402
 
 
 def _part(rng: random.Random, num_requests: int, seconds: float, spec: tuple[int, int, int] | None) -> dict:
@@ -314,3 +314,18 @@ def test_time_by_batch_sums_the_wall_time_between_observations_per_batch_size() 
     assert got["3"][2] == 3 and got["4"][2] == 12
     assert 5.0 <= got["4"][1] < 25.0  # one gap of ~5 ms (the first step has none), none of the 50 ms
     assert got["3"][1] >= 5.0
+
+
+def test_output_lengths_spread_around_the_mean_and_match_across_parts() -> None:
+    """Without a spread every request asks for output_len; with one, lengths lie in [L(1-s), L(1+s)], vary
+    (a closed loop must not stay in lockstep), average near L, and request i's length depends on i and the
+    seed alone (every policy's part of a point runs the same requests)."""
+    assert output_lengths(256, 0.0, 5, 0) == [256] * 5
+    lengths = output_lengths(256, 0.5, 2000, 0)
+    assert min(lengths) >= 128 and max(lengths) <= 384
+    assert len(set(lengths)) > 100
+    assert abs(sum(lengths) / len(lengths) - 256) < 8
+    assert output_lengths(256, 0.5, 40, 0) == lengths[:40]
+    assert output_lengths(256, 0.5, 40, 1) != lengths[:40]
+    with pytest.raises(ValueError, match="output_len_spread"):
+        output_lengths(256, 1.0, 3, 0)
