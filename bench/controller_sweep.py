@@ -25,12 +25,12 @@ whole part, drain included, as before the nineteenth session, when a part of one
 charged the adaptive policy a quarter of its time at c = 16 for its last requests running nearly
 alone); the tables also give it by Little's law (plot_sweep.closed_loop_tps). Greedy, a fixed number of
 output tokens per request (ignore_eos; fewer at high concurrency: --output-len-high from --high-from on;
-with --output-len-spread each request's drawn around it, the same for every policy: equal lengths keep a
-closed loop in lockstep or not by chance, sweep_point.output_lengths), prefix caching off (prompts repeat across policies). Per request, from token timestamps the engine records: TTFT, TPOT
-((last - first token) / (n - 1)), E2E; per streamed chunk: ITL (a verify step delivers several tokens
-in one chunk). Each engine and controller is warmed up first (JIT, graphs, the controller's first
-measurements: a server's controller has long left its start-up when load changes), and every
-engine runs one full-width prefill first (JIT for the largest shapes is nobody's point's cost).
+with --output-len-spread each request's drawn around it, the same for every policy: sweep_point.
+output_lengths), prefix caching off (prompts repeat across policies). Per request, from token timestamps
+the engine records: TTFT, TPOT ((last - first token) / (n - 1)), E2E; per streamed chunk: ITL (a verify
+step delivers several tokens in one chunk). Each engine and controller is warmed up first (JIT, graphs,
+the controller's first measurements: a server's controller has long left its start-up when load
+changes), and every engine runs one full-width prefill first (JIT for the largest shapes is nobody's point's cost).
 Before each point, every policy alike runs c unmeasured requests of --point-warmup-tokens at the
 point's concurrency: a point measures the steady state at its load, not the transient after the load
 jumped from the previous level (where an adaptive controller explores the new batch size).

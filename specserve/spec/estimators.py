@@ -30,6 +30,31 @@ _LARGE_CATCH_UP = 4096
 _LARGE_KEEP = 0.75  # what each new large catch-up leaves of the ones before it in the per-token price
 _PAUSE_S = 0.005  # unaccounted time between two observations beyond this (and the step's own): a pause
 _GUESS_WEIGHT = 0.5  # what a k's proposal cost guessed from the fit over every batch size weighs against measured ones
+# A bucket's fit prices decode-token counts up to this factor beyond the span it measured as it fits them;
+# further out, by its price at the span's edge times the fit over every batch size's ratio (_local_price).
+_SPAN_SLACK = 1.1
+
+
+def _local_price(local: DecayedRegression, tokens: float, pooled: DecayedRegression) -> float:
+    """A step of `tokens` decode tokens as a bucket's fit (features 1, decode tokens, prefill tokens) prices
+    it: as fitted within its measured span (give or take _SPAN_SLACK); beyond, its price at the span's
+    nearest edge times the ratio the fit over every batch size (`pooled`) gives between the two counts.
+
+    A bucket's fit that saw one batch size cannot tell its slope from its intercept: the ridge makes it
+    flat, and it prices every other size in the bucket as that one. On the H200 pair at 256 requests
+    (twenty-seventh session) the 129-256 bucket's decode fit had seen only full batches (6.6 ms); in a
+    part's fill, at 129-155 requests, it priced a decode step at 6.6 ms where one takes about 2.5-3 (128
+    requests: 2.4 ms), drafting looked 35-45% faster, and the policy drafted 150 steps there (0.88 of no
+    drafts at that level)."""
+    t = local.predict((1.0, tokens, 0.0))
+    lo, hi = local.min_x, local.max_x
+    if not lo <= hi or lo / _SPAN_SLACK <= tokens <= hi * _SPAN_SLACK:
+        return t
+    edge = min(max(tokens, lo), hi)
+    ratio = pooled.predict_many([(1.0, tokens, 0.0), (1.0, edge, 0.0)])
+    if ratio is None or ratio[0] <= 0.0 or ratio[1] <= 0.0:
+        return t
+    return local.predict((1.0, edge, 0.0)) * ratio[0] / ratio[1]
 
 
 class StepCosts:
@@ -96,7 +121,8 @@ class StepCosts:
         x = (1.0, b, 0.0)
         local = self.local_cost.get(b, _DECODE)
         if local is not None:
-            t, trusted = max(local.predict(x), 1e-9), self.local_cost.fresh(b, _DECODE, self.num_observed)
+            pooled = self.decode_cost if self.decode_cost.weight >= 1.0 else self.verify_cost
+            t, trusted = max(_local_price(local, b, pooled), 1e-9), self.local_cost.fresh(b, _DECODE, self.num_observed)
         else:
             order = (self.decode_cost, self.verify_cost)
             if self.pure_decode_weight < 1.0 and self.verify_cost.weight >= 1.0:
@@ -118,7 +144,7 @@ class StepCosts:
         for k, x in enumerate(num_tokens, start=1):
             local, own = self.local_cost.get(b, k), self.verify_cost_by_k[k]
             if local is not None:
-                seconds.append(max(local.predict((1.0, x, 0.0)), 1e-9))
+                seconds.append(max(_local_price(local, x, own if own.weight >= 1.0 else self.verify_cost), 1e-9))
                 trusted.append(self.local_cost.fresh(b, k, self.num_observed))
                 continue
             model = own if own.weight >= 1.0 else self.verify_cost if not nothing_measured else self.decode_cost
