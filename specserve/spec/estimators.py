@@ -43,9 +43,9 @@ def _local_price(local: DecayedRegression, tokens: float, pooled: DecayedRegress
     A bucket's fit that saw one batch size cannot tell its slope from its intercept: the ridge makes it
     flat, and it prices every other size in the bucket as that one. On the H200 pair at 256 requests
     (twenty-seventh session) the 129-256 bucket's decode fit had seen only full batches (6.6 ms); in a
-    part's fill, at 129-155 requests, it priced a decode step at 6.6 ms where one takes about 2.5-3 (128
-    requests: 2.4 ms), drafting looked 35-45% faster, and the policy drafted 150 steps there (0.88 of no
-    drafts at that level)."""
+    part's fill, at 129-155 requests, it priced a decode step at 6.6 ms (one at 128 requests takes 2.4),
+    drafting looked 1.3-2.0 times as fast, and the policy drafted in 148 choices there (0.88 of no drafts
+    at that level)."""
     t = local.predict((1.0, tokens, 0.0))
     lo, hi = local.min_x, local.max_x
     if not lo <= hi or lo / _SPAN_SLACK <= tokens <= hi * _SPAN_SLACK:
