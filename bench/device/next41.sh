@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Twenty-seventh session, issue 7. The pair sweep with spread output lengths (controller_sweep
 # --output-len-spread 0.5: each request's length uniform in [L/2, 3L/2], the same for every policy). With one
-# length for all, parts of identical work without speculation ran at 17-31 k tokens/s at 256 requests and
-# 23-28 k at 128 (the closed loop in lockstep or not), more than the 5% the controller is held to.
+# length for all, parts of identical work without speculation ran at 17-31k tokens/s at 256 requests and
+# 23-28k at 128. With the spread (this script's run, 4 rounds) they ran at 26-38k and 27-34k: no steadier.
 #   (the 36 uploads, as in next35.sh; every upload and both calls in ONE batch)
 #   bash bench/device/next41.sh sweep 1,2,4,8,16 330 4       # ~270 s
 #   bash bench/device/next41.sh sweep 32,64,128,256 540 4    # ~320 s

@@ -3,8 +3,8 @@
 On the H200 pair at 256 requests (twenty-seventh session) the 129-256 bucket's decode fit had seen only
 full batches (6.6 ms a step). In a part's fill, at 129-155 requests, it priced a decode step at 6.6 ms
 (one at 128 requests takes 2.4), and drafting, priced on verify steps measured at those sizes, looked
-1.3-2.0 times as fast as no drafts. Beyond its span a bucket's fit now takes its shape from the fit over every batch
-size."""
+1.3-2.0 times as fast as no drafts. Beyond its span a bucket's fit now takes its shape from the fit over
+every batch size."""
 from __future__ import annotations
 
 import pytest
