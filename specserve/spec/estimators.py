@@ -51,6 +51,7 @@ def _local_price(local: DecayedRegression, tokens: float, pooled: DecayedRegress
     if not lo <= hi or lo / _SPAN_SLACK <= tokens <= hi * _SPAN_SLACK:
         return t
     edge = min(max(tokens, lo), hi)
+    # (the fits are non-negative least squares: the ratio lies between 1, flat, and tokens / edge, proportional)
     ratio = pooled.predict_many([(1.0, tokens, 0.0), (1.0, edge, 0.0)])
     if ratio is None or ratio[0] <= 0.0 or ratio[1] <= 0.0:
         return t
