@@ -157,6 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads (steadier CPU smoke runs)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if not 0.0 <= args.output_len_spread < 1.0:  # (before the engines are built, not at the first point)
+        p.error(f"--output-len-spread must be in [0, 1), got {args.output_len_spread}")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     args.modes = [m for m in args.mode.split(",") if m]

@@ -217,7 +217,7 @@ def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, out
               args: argparse.Namespace, tag: str) -> dict[str, Any]:
     """num_requests requests, c in flight; throughput and per-request latencies."""
     engine = llm.engine
-    lengths = output_lengths(output_len, getattr(args, "output_len_spread", 0.0), num_requests, args.seed)
+    lengths = output_lengths(output_len, args.output_len_spread, num_requests, args.seed)
     queue = [(f"{tag}-{i}", prompts[i % len(prompts)],
               SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=not args.respect_eos))
              for i, n in enumerate(lengths)]

@@ -46,15 +46,14 @@ def _local_price(local: DecayedRegression, tokens: float, pooled: DecayedRegress
     part's fill, at 129-155 requests, it priced a decode step at 6.6 ms (one at 128 requests takes 2.4),
     drafting looked 1.3-2.0 times as fast, and the policy drafted in 148 choices there (0.88 of no drafts
     at that level)."""
-    t = local.predict((1.0, tokens, 0.0))
     lo, hi = local.min_x, local.max_x
     if not lo <= hi or lo / _SPAN_SLACK <= tokens <= hi * _SPAN_SLACK:
-        return t
+        return local.predict((1.0, tokens, 0.0))
     edge = min(max(tokens, lo), hi)
     # (the fits are non-negative least squares: the ratio lies between 1, flat, and tokens / edge, proportional)
     ratio = pooled.predict_many([(1.0, tokens, 0.0), (1.0, edge, 0.0)])
     if ratio is None or ratio[0] <= 0.0 or ratio[1] <= 0.0:
-        return t
+        return local.predict((1.0, tokens, 0.0))
     return local.predict((1.0, edge, 0.0)) * ratio[0] / ratio[1]
 
 
