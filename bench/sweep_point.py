@@ -8,7 +8,10 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import os
 import random
+import shutil
+import subprocess
 import time
 from collections import Counter
 from typing import Any
@@ -167,13 +170,44 @@ def round_order(policies: list[str], run: int) -> list[str]:
     return [policies[i] for i in (row[::-1] if r >= n else row)]
 
 
-def step_profile(step_ms: list[tuple[float, int, int]], slowest: int = 3) -> dict[str, Any]:
+def step_profile(step_ms: list[tuple[float, int, int]], slowest: int = 3, full: int | None = None) -> dict[str, Any]:
     """A run's engine.step() wall times: median, total, and the slowest few as [ms, step index,
-    requests running], so a run that stalled shows whether one step took the time or all ran slower."""
+    requests running], so a run that stalled shows whether one step took the time or all ran slower.
+    With `full` (the point's concurrency), also the median and count of the steps that ran `full`
+    requests: parts whose full-batch steps differ ran the same kind of step slower (the machine), where
+    parts that differ only in their medians ran a different mix of steps (the schedule)."""
     times = sorted(t for t, _, _ in step_ms)
     top = sorted(step_ms, reverse=True)[:slowest]
-    return {"p50": round(times[len(times) // 2], 3) if times else None, "total": round(sum(times), 1),
-            "slowest": [[round(t, 2), i, n] for t, i, n in top]}
+    prof: dict[str, Any] = {"p50": round(times[len(times) // 2], 3) if times else None, "total": round(sum(times), 1),
+                            "slowest": [[round(t, 2), i, n] for t, i, n in top]}
+    if full is not None:
+        at_full = sorted(t for t, _, n in step_ms if n >= full)
+        prof["full_p50"] = round(at_full[len(at_full) // 2], 3) if at_full else None
+        prof["full_steps"] = len(at_full)
+    return prof
+
+
+_GPU_QUERY = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw")
+
+
+def machine_state(cpu_s: float) -> dict[str, Any]:
+    """What the machine was doing at the end of a run, to tell a slow run's cause: the process's CPU
+    seconds over the run (every thread), the 1-minute load average, and the GPU's clocks, temperature and
+    power from nvidia-smi where there is one (~tens of ms, outside the timed run). On the H200 the pair's
+    parts without speculation ran 17-31k tokens/s at 256 requests with one step median per part of
+    either ~3.4 or ~5.8 ms (twenty-seventh session); the GPU's clocks or the host's say which."""
+    state: dict[str, Any] = {"cpu_s": round(cpu_s, 3), "load1": round(os.getloadavg()[0], 2)}
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            line = subprocess.run([smi, f"--query-gpu={','.join(_GPU_QUERY)}", "--format=csv,noheader,nounits",
+                                   "--id=0"], capture_output=True, text=True, timeout=5).stdout.strip()
+            values = [v.strip() for v in line.split(",")]
+            if len(values) == len(_GPU_QUERY):
+                state["gpu"] = dict(zip(("sm_mhz", "mem_mhz", "temp_c", "power_w"), values))
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return state
 
 
 def slow_runs(runs: list[dict[str, Any]], factor: float = 1.15) -> list[str]:
@@ -187,9 +221,11 @@ def slow_runs(runs: list[dict[str, Any]], factor: float = 1.15) -> list[str]:
     for i, r in enumerate(runs):
         prof, base = r.get("steps_ms") or {}, typical.get("steps_ms") or {}
         if r["seconds"] >= factor * median and prof:
+            full = (f"; full-batch step p50 {prof['full_p50']} ms (typical {base.get('full_p50')})"
+                    if prof.get("full_p50") is not None else "")
             lines.append(f"slow run {i}: {r['seconds']:.3f} s (median {median:.3f}); step p50 {prof['p50']} ms "
                          f"(typical {base.get('p50')}), slowest [ms, step, running] {prof['slowest']} "
-                         f"(typical {base.get('slowest')})")
+                         f"(typical {base.get('slowest')}){full}")
     return lines
 
 
@@ -236,6 +272,7 @@ def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, out
     while queue and len(arrival) - len(finished) < c:
         submit()
     step_ms: list[tuple[float, int, int]] = []  # (wall ms of engine.step(), step index, requests running)
+    cpu0 = time.process_time()
     with GcPauses() as pauses:
         while len(finished) < num_requests:
             t0 = time.perf_counter()
@@ -249,6 +286,7 @@ def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, out
                     if queue:
                         submit()
     seconds = time.perf_counter() - start
+    machine = machine_state(time.process_time() - cpu0)
     chunks: dict[str, list[tuple[float, int]]] = {}
     for rid, t, n in _EVENTS:
         chunks.setdefault(rid, []).append((t, n))
@@ -282,7 +320,8 @@ def run_point(llm: LLM, prompts: list[list[int]], c: int, num_requests: int, out
                      for r in records],
         "_itls_ms": [x * ms for x in itls],  # for merge_points; dropped before the row is saved
         "gc": pauses.summary(),
-        "steps_ms": step_profile(step_ms),
+        "steps_ms": step_profile(step_ms, full=c),
+        "machine": machine,
     }
     if before is not None:
         drafts, drafted, accepted = (spec_counters(llm)[k] - before[k] for k in SPEC_COUNTERS)
@@ -361,9 +400,9 @@ def merge_points(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if len(rows) > 1:
         merged["runs"] = [{"seconds": row["seconds"], "tokens_per_s": row["tokens_per_s"],
                            "run_seconds": row.get("run_seconds"), "gc": row.get("gc"),
-                           "steps_ms": row.get("steps_ms")} for row in rows]
+                           "steps_ms": row.get("steps_ms"), "machine": row.get("machine")} for row in rows]
     else:
-        for key in ("gc", "steps_ms"):
+        for key in ("gc", "steps_ms", "machine"):
             if key in rows[0]:
                 merged[key] = rows[0][key]
     spec = [row.pop("_spec") for row in rows if "_spec" in row]

@@ -64,6 +64,35 @@ def test_step_profile_names_the_steps_a_stalled_run_spent_its_time_in() -> None:
     assert [r["steps_ms"] for r in merge_points([a, b])["runs"]] == [prof, step_profile(steps[:10])]
 
 
+def test_step_profile_tells_full_batch_steps_apart() -> None:
+    """With the point's concurrency, step_profile also gives the median of the steps that ran a full batch:
+    two parts with the same medians overall but slower full-batch steps ran the same steps slower."""
+    from sweep_point import step_profile
+
+    fill = [(20.0, i, i + 1) for i in range(31)]  # prompt-heavy steps while the batch fills
+    full = [(3.0 + 0.001 * i, 31 + i, 32) for i in range(60)]
+    prof = step_profile(fill + full, full=32)
+    assert prof["full_steps"] == 60 and prof["full_p50"] == pytest.approx(3.03, abs=0.001)
+    assert step_profile(fill, full=32)["full_p50"] is None
+    assert "full_p50" not in step_profile(fill + full)
+
+
+def test_machine_state_is_carried_per_part() -> None:
+    """machine_state gives the run's process CPU seconds and the load average (and the GPU's clocks where
+    nvidia-smi is there); merge_points keeps each part's beside its step profile."""
+    from sweep_point import machine_state
+
+    state = machine_state(1.23456)
+    assert state["cpu_s"] == 1.235 and state["load1"] >= 0.0
+    rng = random.Random(6)
+    (a, _), (b, _) = _part(rng, 4, 1.0, None), _part(rng, 4, 1.1, None)
+    a["machine"], b["machine"] = {"cpu_s": 1.0, "load1": 0.5}, {"cpu_s": 2.0, "load1": 0.7}
+    assert [r["machine"]["cpu_s"] for r in merge_points([a, b])["runs"]] == [1.0, 2.0]
+    (one, _), = [_part(rng, 4, 1.0, None)]
+    one["machine"] = {"cpu_s": 3.0, "load1": 0.1}
+    assert merge_points([one])["machine"] == {"cpu_s": 3.0, "load1": 0.1}
+
+
 def test_slow_runs_are_told_with_their_slowest_steps() -> None:
     """sweep_point.slow_runs: a run of a point at 1.15x its median run or more gets a line with its
     slowest steps beside a typical run's; a point of fewer than 3 runs has no median to judge by."""
