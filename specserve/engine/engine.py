@@ -265,7 +265,14 @@ class Engine(AsyncStepMixin):
                 reqs.append(s.request)
                 index.append(i)
         if reqs:
+            if k is None:  # (a k chosen already was chosen with the queue as it was then)
+                self._set_arriving()
             self.spec.propose(reqs, index, step_out, len(self.scheduler.running), k)
+
+    def _set_arriving(self) -> None:
+        """The queue that can join the batch, for the speculation controller's next choice."""
+        sch = self.scheduler
+        self.spec.set_arriving(len(sch.waiting), sch.max_num_seqs - len(sch.running))
 
     @staticmethod
     def _store_logprobs(reqs: list[Request | None], lp) -> None:

@@ -86,6 +86,8 @@ class AsyncStepMixin:
             return self._step_async()
         # In a run of overlapped steps: the controller chooses for the next step, as propose() would.
         # (Structured requests always get a proposal: it also cuts drafts and starts their masks.)
+        if not self.structured.num_requests:
+            self._set_arriving()
         k = None if self.structured.num_requests else spec.controller.choose(len(self.scheduler.running))
         if k == 0:
             spec.skip_proposal(len(self.scheduler.running))

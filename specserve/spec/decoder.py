@@ -184,6 +184,18 @@ class SpecDecoder:
         if observe is not None:
             observe(sched.num_batched_tokens, started)
 
+    def set_arriving(self, num_waiting: int, free_seats: int) -> None:
+        """Before a choice: how many queued requests can join the batch (waiting ones, at most the free
+        seats), for a controller that holds drafting back while the batch fills (AdaptiveController's
+        arrivals rule). Wrappers (BatchSizeLimit, benches' timers) pass it to the controller inside."""
+        target = self.controller
+        # (by __dict__: a wrapper's __getattr__ reads the inner controller's attributes, but setting one on
+        # the wrapper would not reach it)
+        while "inner" in getattr(target, "__dict__", {}):
+            target = target.inner
+        if "arriving" in getattr(target, "__dict__", {}):
+            target.arriving = max(0, min(num_waiting, free_seats))
+
     def work_ahead(self, batch_size: int) -> None:
         """Called while the GPU runs a synchronous step: the controller prepares its next choice."""
         prepare = getattr(self.controller, "prepare", None)
