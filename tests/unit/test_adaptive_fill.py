@@ -35,6 +35,28 @@ def _world(alpha: float) -> World:
                  fill=(1.0,) * 12)
 
 
+def _warmed(world: World) -> AdaptiveController:
+    """A controller with exploring uncapped (every slot explores), after 1,500 steps of `world`."""
+    ctrl = AdaptiveController(CFG12, AdaptiveSettings(explore_budget=None, explore_backoff=1))
+    run_world(world, ctrl, 1500)
+    return ctrl
+
+
+def _step(ctrl: AdaptiveController, world: World, rng: random.Random, now: list[float], b: int, k: int,
+          prompt: int, since: int, feed_prompt: bool = False) -> int:
+    """One step of b requests at k, computing `prompt` prompt tokens, observed by ctrl on the simulated
+    clock `now`; feed_prompt: a proposal with drafts feeds those prompt tokens to the draft model too.
+    Returns the steps since the last proposal with drafts, for the next step."""
+    drafted, accepted = _draft_and_verify(world, [k] * b, rng)
+    propose_s = world.propose_s(k, since, prompt if k and feed_prompt else 0)
+    verify_s = world.verify_s(b + sum(drafted), 1 + k) + prompt * 2e-6
+    now[0] += verify_s + propose_s
+    reached, acc = verify_counts(drafted, accepted)
+    proposal = ProposalStats.measure(k, [k] * b if k else [], drafted if k else [], propose_s)
+    ctrl.observe(SpecStepStats(b, b + sum(drafted) + prompt, sum(drafted), verify_s, reached, acc, proposal))
+    return 1 if k else since + 1
+
+
 def _cycles(ctrl: AdaptiveController, world: World, rule: bool, cycles: int = 40,
             apart: bool = False, pauses: bool = False) -> tuple[Counter, Counter]:
     """Drain to 8 requests, fill back to 256 with prompt chunks, run steady; the k explored (chosen while
@@ -64,25 +86,14 @@ def _cycles(ctrl: AdaptiveController, world: World, rule: bool, cycles: int = 40
                 prompt = 0
             k = ctrl.choose(b)
             (filling if fills else steady)[k if ctrl._pending.exploring else 0] += 1
-            drafted, accepted = _draft_and_verify(world, [k] * b, rng)
-            propose_s = world.propose_s(k, since)
-            since = 1 if k else since + 1
-            verify_s = world.verify_s(b + sum(drafted), 1 + k) + prompt * 2e-6
-            now[0] += verify_s + propose_s
-            reached, acc = verify_counts(drafted, accepted)
-            proposal = ProposalStats.measure(k, [k] * b if k else [], drafted if k else [], propose_s)
-            ctrl.observe(SpecStepStats(b, b + sum(drafted) + prompt, sum(drafted), verify_s, reached, acc, proposal))
+            since = _step(ctrl, world, rng, now, b, k, prompt, since)
     return filling, steady
 
 
 @pytest.mark.parametrize("alpha", [0.5, 0.8])
 def test_no_exploration_from_k0_while_the_batch_fills(alpha: float) -> None:
     world = _world(alpha)
-    runs = {}
-    for rule in (True, False):
-        ctrl = AdaptiveController(CFG12, AdaptiveSettings(explore_budget=None, explore_backoff=1))
-        run_world(world, ctrl, 1500)
-        runs[rule] = _cycles(ctrl, world, rule)
+    runs = {rule: _cycles(_warmed(world), world, rule) for rule in (True, False)}
     filling, steady = runs[True]
     assert set(filling) == {0}, filling  # no choice of the fills explores
     assert sum(n for k, n in steady.items() if k) > 100  # exploring goes on in the steady steps
@@ -101,8 +112,7 @@ def test_fills_with_prompts_apart_or_pauses(apart: bool, pauses: bool) -> None:
     requests (twenty-fifth session) an exploration started at 38 requests of a wave's 64 (its second
     step at 43), with 28 and 24 ms proposals."""
     world = _world(0.5)
-    ctrl = AdaptiveController(CFG12, AdaptiveSettings(explore_budget=None, explore_backoff=1))
-    run_world(world, ctrl, 1500)
+    ctrl = _warmed(world)
     filling, steady = _cycles(ctrl, world, rule=True, apart=apart, pauses=pauses)
     assert set(filling) == {0}, filling
     assert sum(n for k, n in steady.items() if k) > 100
@@ -136,14 +146,7 @@ def _part_starts(ctrl: AdaptiveController, world: World, rule: bool, cycles: int
                 filling[k] += 1
             elif b <= 16:
                 small[k] += 1
-            drafted, accepted = _draft_and_verify(world, [k] * b, rng)
-            propose_s = world.propose_s(k, since, prompt if k else 0)
-            since = 1 if k else since + 1
-            verify_s = world.verify_s(b + sum(drafted), 1 + k) + prompt * 2e-6
-            now[0] += verify_s + propose_s
-            reached, acc = verify_counts(drafted, accepted)
-            proposal = ProposalStats.measure(k, [k] * b if k else [], drafted if k else [], propose_s)
-            ctrl.observe(SpecStepStats(b, b + sum(drafted) + prompt, sum(drafted), verify_s, reached, acc, proposal))
+            since = _step(ctrl, world, rng, now, b, k, prompt, since, feed_prompt=True)
     return filling, small
 
 
@@ -155,11 +158,7 @@ def test_no_drafting_while_queued_requests_fill_the_batch() -> None:
     ran at 0.92 of no drafts. The drain's small batches, with nothing queued, still draft; without the
     queue reported the fills draft too."""
     world = _pair_world()
-    runs = {}
-    for rule in (True, False):
-        ctrl = AdaptiveController(CFG12, AdaptiveSettings(explore_budget=None, explore_backoff=1))
-        run_world(world, ctrl, 1500)
-        runs[rule] = _part_starts(ctrl, world, rule)
+    runs = {rule: _part_starts(_warmed(world), world, rule) for rule in (True, False)}
     filling, small = runs[True]
     assert set(filling) == {0}, filling
     assert sum(n for k, n in small.items() if k) > 0.5 * sum(small.values()), small
@@ -172,8 +171,7 @@ def test_a_queue_the_batch_does_not_take_in_holds_drafting_back_briefly() -> Non
     back beyond FILL_CHOICES choices after the batch last grew; one or two queued requests beside a large
     batch are no fill; and a proposer that does not catch up (n-gram lookup) is never held back."""
     world = _pair_world()
-    ctrl = AdaptiveController(CFG12, AdaptiveSettings(explore_budget=None, explore_backoff=1))
-    run_world(world, ctrl, 1500)
+    ctrl = _warmed(world)
     _part_starts(ctrl, world, rule=True, cycles=10)
     ctrl.choose(8)  # the batch shrinks to 8 and stays
     ctrl.arriving = 20
