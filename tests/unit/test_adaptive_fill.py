@@ -15,13 +15,13 @@ import pytest
 
 from specserve.config import SpeculativeConfig
 from specserve.spec.adaptive import (
-    FILL_CHOICES,
     AdaptiveController,
     AdaptiveSettings,
     ProposalStats,
     SpecStepStats,
     verify_counts,
 )
+from specserve.spec.exploration import FILL_CHOICES
 from tests.helpers.spec_world import World, _draft_and_verify, run_world
 
 CFG12 = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=12)
