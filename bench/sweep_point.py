@@ -194,8 +194,9 @@ def machine_state(cpu_s: float) -> dict[str, Any]:
     """What the machine was doing at the end of a run, to tell a slow run's cause: the process's CPU
     seconds over the run (every thread), the 1-minute load average, and the GPU's clocks, temperature and
     power from nvidia-smi where there is one (~tens of ms, outside the timed run). On the H200 the pair's
-    parts without speculation ran 17-31k tokens/s at 256 requests with one step median per part of
-    either ~3.4 or ~5.8 ms (twenty-seventh session); the GPU's clocks or the host's say which."""
+    parts without speculation ran 17-31k tokens/s at 256 requests (twenty-seventh session). In the
+    twenty-eighth, the SM clock read 1,980 MHz after every part, CPU seconds equalled wall seconds, and the
+    slow parts' full-batch steps took 1.4-1.8x as long at 20-40% lower power: the GPU waited on the host."""
     state: dict[str, Any] = {"cpu_s": round(cpu_s, 3), "load1": round(os.getloadavg()[0], 2)}
     smi = shutil.which("nvidia-smi")
     if smi:
