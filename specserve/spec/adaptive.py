@@ -63,7 +63,8 @@ from specserve.spec.acceptance import PositionRates, TokenCalibration, predicted
 from specserve.spec.adaptive_settings import AdaptiveSettings, ControllerEstimates
 from specserve.spec.bucket_fits import batch_bucket
 from specserve.spec.estimators import StepCosts
-from specserve.spec.exploration import FILL_CHOICES, PROMISING_GAP, Exploration
+from specserve.spec.batch_growth import FILL_CHOICES, BatchGrowth
+from specserve.spec.exploration import PROMISING_GAP, Exploration
 from specserve.spec.hold import Hold, HoldMixin
 from specserve.spec.regression import DecayedRegression
 from specserve.spec.step_stats import (
@@ -81,12 +82,6 @@ __all__ = [
 ]
 
 _EPOCH = 64  # observations between acceptance fading steps (and staleness checks of the cached terms)
-# The arrivals rule (AdaptiveController._arrivals_due): queued requests, as a share of the batch and at
-# least, that make a growing batch a fill. A share, so that a request or two joining a large batch is no
-# fill; growing, so that a queue the batch cannot take in (the KV cache full, say) holds nothing back
-# beyond a few choices after each replacement.
-ARRIVALS_SHARE = 0.25
-ARRIVALS_MIN = 2
 
 
 class _Choice(NamedTuple):
@@ -115,7 +110,7 @@ class _Terms(NamedTuple):
     trusted: list[bool]  # k = 0..K ([0]: always)
 
 
-class AdaptiveController(Exploration, HoldMixin):
+class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
     """Chooses k in 0..num_speculative_tokens each step from batch size, acceptance and measured costs."""
 
     def __init__(self, cfg: SpeculativeConfig, settings: AdaptiveSettings | None = None) -> None:
@@ -153,10 +148,8 @@ class AdaptiveController(Exploration, HoldMixin):
         self._hold: Hold | None = None
         self.num_held = 0  # choices the hold answered
         self._prev_batch = 0  # the batch size of the previous choice
-        self._grew_at = -FILL_CHOICES  # the last choice whose batch was larger than the one before (exploration.py)
-        # Requests queued to join the batch when the next choice is made (at most the free seats), which
-        # the engine sets before each choice (SpecDecoder.set_arriving): the arrivals rule (_arrivals_due).
-        self.arriving = 0
+        self._grew_at = -FILL_CHOICES  # the last choice whose batch was larger than the one before (batch_growth.py)
+        self.arriving = 0  # requests queued to join the batch at the next choice (batch_growth.py)
 
     @property
     def cold_extra(self) -> float | None:
@@ -313,12 +306,6 @@ class AdaptiveController(Exploration, HoldMixin):
         self._note_batch(batch_size)
         return k
 
-    def _note_batch(self, batch_size: int) -> None:
-        """After a choice: its batch size, and whether the batch grew (the fill rule, exploration.py)."""
-        if batch_size > self._prev_batch:
-            self._grew_at = self.num_choices
-        self._prev_batch = batch_size
-
     # -- the hold (spec/hold.py): k = 0 repeated while drafting is far behind ---------------------
     def _repeat_zero(self) -> int:
         """choose()'s bookkeeping for a held k = 0, as a priced choice of k = 0 as the best would leave it
@@ -331,37 +318,6 @@ class AdaptiveController(Exploration, HoldMixin):
         self._pending = _Choice(0, False, 0, True, self.costs.after_prompt, self.costs.unseen_tokens, ())
         self._prev_k = self.last_choice = 0
         return 0
-
-    def _arrivals_due(self, batch_size: int) -> bool:
-        """Whether to draft nothing now because the batch is filling: a proposer that catches up (a draft
-        model), a batch that grew at this choice or within FILL_CHOICES before it, and more requests
-        queued to join it (`arriving`) than ARRIVALS_SHARE of it (two at least). A choice priced at the
-        batch of the moment says to draft where that batch would pay for it, but the batch is gone a step
-        later, and each drafting step on the way feeds the new requests' prompts to the draft model. On
-        the H200 pair at 64 requests (twenty-eighth session) parts started at k = 0 and, at 4, 16 and 31
-        requests of a fill, drafted at k = 9-11 (priced 10-18% above no drafts there) in steps of 28-42 ms,
-        most with 1,700-1,900 prompt tokens: ~0.18 s of the 0.30 s by which its parts outlasted those of no
-        drafts, and the point at 0.92 of them. Once the queue has joined, the choice is priced at the batch
-        that stays."""
-        queued = self.arriving
-        if queued < ARRIVALS_MIN or queued < ARRIVALS_SHARE * batch_size or not self.catches_up():
-            return False
-        return batch_size > self._prev_batch or self.num_choices - self._grew_at < FILL_CHOICES
-
-    def _not_worth_a_catch_up(self, est: ControllerEstimates) -> bool:
-        """Whether to stay at k = 0 although drafting is predicted to be faster: starting to draft costs
-        a proposer that catches up (a draft model) a one-off catch-up, repaid only if the batch stays
-        about this size long enough. How long is unknown; the guess is as long as it already has (a
-        batch that just changed, say requests finishing one after another, is likely to change again)."""
-        best = est.best_k
-        if best == 0 or self.last_choice != 0 or not self.catches_up():
-            return False
-        rate0 = est.tokens_per_s[0]
-        saved = est.batch_size * est.expected_tokens[best] / rate0 - est.step_seconds[best]  # per step
-        catch_up = self.costs.catch_up_seconds(self.costs.unseen_tokens, est.propose_seconds[best],
-                                                  est.batch_size)
-        steady = max(self.num_choices - self._bucket_since, self.settings.explore_every)
-        return saved * steady < catch_up
 
     def _wait_for_decode(self, est: ControllerEstimates) -> bool:
         """Whether a proposer that catches up waits with exploring drafting from k = 0: until a step or

@@ -248,7 +248,7 @@ class StepCosts:
         tokens, started = self._apart
         self._apart = (tokens + prompt_tokens, started + new_prompts)
         # A choice made now follows prompt chunks: its proposal feeds them to a draft model first (kept
-        # out of the bucket's warm fits), and the batch is filling (exploration.py). Left to the next
+        # out of the bucket's warm fits), and the batch is filling (batch_growth.py). Left to the next
         # observed step, the flag would say what the step before the pieces did.
         self.after_prompt = True
         self._observed_at = self.clock()  # the next step's interval starts here

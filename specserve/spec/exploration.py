@@ -31,9 +31,6 @@ if TYPE_CHECKING:  # the controller's pending choice (adaptive.py imports this m
     from specserve.spec.adaptive import _Choice
 
 PROMISING_GAP = 3  # choices between explorations of a promising k outside the schedule
-# The batch fills while prompt chunks come and it grew within this many choices: a prompt split over two
-# steps, or arrivals a step apart, leave a choice or two with the batch as before in the middle of a fill.
-FILL_CHOICES = 4
 _DOUBT_SAMPLES = 3  # a k measured fewer times than this at a bucket (lately) is explored as a guess
 
 
@@ -75,7 +72,7 @@ class Exploration:
         drafting starts (k > 0 after k = 0: every token it has not seen) or resumes (after k = 0)."""
         s = self.settings
         b, best = est.batch_size, est.best_k
-        filling = b > self._prev_batch or self.num_choices - self._grew_at < FILL_CHOICES
+        filling = self._batch_grew(b)  # (batch_growth.py)
         if k > 0 and best == 0 and self.costs.after_prompt and filling and self.catches_up():
             # Not while the batch fills (prompt chunks of new requests, and more requests than a few
             # choices before): the batch size it would measure is gone a step later, the catch-up also

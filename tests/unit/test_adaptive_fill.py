@@ -21,7 +21,7 @@ from specserve.spec.adaptive import (
     SpecStepStats,
     verify_counts,
 )
-from specserve.spec.exploration import FILL_CHOICES
+from specserve.spec.batch_growth import FILL_CHOICES
 from tests.helpers.spec_world import World, _draft_and_verify, run_world
 
 CFG12 = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=12)
