@@ -57,6 +57,32 @@ def _local_price(local: DecayedRegression, tokens: float, pooled: DecayedRegress
     return local.predict((1.0, edge, 0.0)) * ratio[0] / ratio[1]
 
 
+def _between_measured(prices: dict[int, float], k: int, tokens: Callable[[int], float]) -> float | None:
+    """The price of k on the line between the nearest k below and above it that a bucket measured
+    (`prices`: k -> price; `tokens(k)`: the position on the line, a step's token count), or None without
+    a measured k on both sides.
+
+    Verify steps and proposals cost about linearly in k at one batch size (more tokens through the same
+    graphs, one draft forward per draft), and a bucket's own prices say far more about it than fits over
+    every batch size do. On the H200 pair at 16 requests (twenty-eighth session) the bucket had measured
+    no drafts, k = 8 and k = 10-12, the fits over every batch size (k = 4 measured at 1-4 requests) priced
+    a k = 4 step at 8.73 ms, and fixed k = 4's steps took 7.1-7.6: drafting 4 never looked worth trying,
+    and the controller drafted 10-12 and none at 0.92 of fixed k = 4. The line runs at or below a cost
+    that is concave in k, so a k it prices well is tried (exploration measures it) rather than assumed.
+    Only in a bucket that measured its plain decode step lately: where it has not (every step computes a
+    prompt chunk, say), no drafts are priced on a guess too, and guesses that make drafting cheaper there
+    only make it look better than no drafts (a simulated 128 requests, tests/unit/test_adaptive_arrivals.py,
+    drafted at 0.93 of no drafts)."""
+    lo = max((j for j in prices if j < k), default=None)
+    hi = min((j for j in prices if j > k), default=None)
+    if lo is None or hi is None:
+        return None
+    x_lo, x_hi = tokens(lo), tokens(hi)
+    if x_hi <= x_lo:
+        return prices[lo]
+    return prices[lo] + (tokens(k) - x_lo) * (prices[hi] - prices[lo]) / (x_hi - x_lo)
+
+
 class StepCosts:
     """What steps and proposals cost, as the adaptive controller (adaptive.py) measures them.
 
@@ -100,6 +126,7 @@ class StepCosts:
         self._large_catch_ups = (0.0, 0.0)
         self._last_cold: tuple[int, float, float | None, int] | None = None  # (k, seconds, unseen, B) of a cold one
         self.unseen_tokens: float | None = None  # computed since the last proposal with drafts (None: never drafted)
+        self._counted_batch = 0  # the batch size of the last step counted into unseen_tokens
         self._arrivals = 0.0  # decayed share of steps that computed a prompt chunk (new requests)
         # decayed over the same window: steps with prompt chunks, their prompt tokens, output tokens
         self._prompts = (0.0, 0.0, 0.0)
@@ -136,21 +163,36 @@ class StepCosts:
 
     def verify_seconds(self, b: float, num_tokens: list[float]) -> tuple[list[float], list[bool]]:
         """Verify steps for k = 1.. (num_tokens[k - 1] tokens), and whether each is priced on fresh data
-        of this bucket. Else, as a guess: the k's fit over every batch size (a query length with a CUDA
-        graph costs a fraction of an eager one), the fit over every k, the decode fit. Before any verify
-        step was measured every k counts as priced (the prior decides: draft K and measure)."""
+        of this bucket. Else, as a guess: between the k this bucket measured below and above it
+        (_between_measured), or the k's fit over every batch size (a query length with a CUDA graph costs
+        a fraction of an eager one), the fit over every k, the decode fit. Before any verify step was
+        measured every k counts as priced (the prior decides: draft K and measure)."""
         nothing_measured = self.verify_cost.weight < 1.0
-        seconds, trusted = [], []
+        own_prices: dict[int, float] = {}  # k -> this bucket's own price (the anchors of the guesses)
         for k, x in enumerate(num_tokens, start=1):
             local, own = self.local_cost.get(b, k), self.verify_cost_by_k[k]
             if local is not None:
-                seconds.append(max(_local_price(local, x, own if own.weight >= 1.0 else self.verify_cost), 1e-9))
+                own_prices[k] = max(_local_price(local, x, own if own.weight >= 1.0 else self.verify_cost), 1e-9)
+        # (see _between_measured: only where the bucket priced what drafting has to beat, a plain step)
+        anchored = bool(own_prices) and self.local_cost.fresh(b, _DECODE, self.num_observed)
+        if anchored:
+            own_prices[0] = self.decode_seconds(b)[0]  # (its own bucket's: a plain step of b tokens)
+        seconds, trusted = [], []
+        for k, x in enumerate(num_tokens, start=1):
+            if k in own_prices:
+                seconds.append(own_prices[k])
                 trusted.append(self.local_cost.fresh(b, k, self.num_observed))
                 continue
+            trusted.append(nothing_measured)
+            between = (_between_measured(own_prices, k, lambda j: b if j == 0 else num_tokens[j - 1])
+                       if anchored else None)
+            if between is not None:
+                seconds.append(max(between, 1e-9))
+                continue
+            own = self.verify_cost_by_k[k]
             model = own if own.weight >= 1.0 else self.verify_cost if not nothing_measured else self.decode_cost
             t = model.predict_many([(1.0, x, 0.0)])
             seconds.append(max(t[0], 1e-9) if t is not None else 1.0)
-            trusted.append(nothing_measured)
         return seconds, trusted
 
     def propose_seconds(self, b: float) -> list[float]:
@@ -165,10 +207,18 @@ class StepCosts:
 
     def _warm_proposal(self, k: int, b: float) -> tuple[float, float] | None:
         """(seconds, weight) of a warm proposal of k at batch b: this bucket's own fit (weighing its
-        samples), else the fit over every batch size (a guess: _GUESS_WEIGHT); None before any."""
+        samples); else, as a guess (_GUESS_WEIGHT), between the k this bucket measured below (or none
+        drafted, 0 s) and above it (_between_measured), or the fit over every batch size; None before any."""
         local = self.local_propose.get(b, k)
         if local is not None:
             return local.predict((1.0, b)), local.weight
+        measured = {j: fit.predict((1.0, b)) for j in range(1, self.max_k + 1)
+                    if j != k and (fit := self.local_propose.get(b, j)) is not None}
+        if not self.local_cost.fresh(b, _DECODE, self.num_observed):
+            measured = {}  # (see _between_measured: the bucket has not priced what drafting has to beat)
+        between = _between_measured({0: 0.0, **measured}, k, float) if measured else None
+        if between is not None:
+            return between, _GUESS_WEIGHT
         t = self.propose_cost.predict_many([(1.0, k, k * b, b)])
         return None if t is None else (t[0], _GUESS_WEIGHT)
 
@@ -397,4 +447,10 @@ class StepCosts:
             self.unseen_tokens = float(prefill)
         elif self.unseen_tokens is not None:
             turnover = min(self._arrivals / max(step.batch_size, 1), 1.0)
-            self.unseen_tokens = self.unseen_tokens * (1.0 - turnover) + step.num_batched_tokens + apart_tokens
+            # A batch that shrank lost requests that nothing replaced, and their unseen tokens with them
+            # (a share each): counted on, a catch-up at 4 requests after a spell at 16 was priced as
+            # feeding all 16 requests' tokens, 4x what it costs, and kept exploring from k = 0 off budget.
+            shrink = min(step.batch_size / self._counted_batch, 1.0) if self._counted_batch > 0 else 1.0
+            self.unseen_tokens = (self.unseen_tokens * (1.0 - turnover) * shrink
+                                  + step.num_batched_tokens + apart_tokens)
+        self._counted_batch = step.batch_size
