@@ -108,6 +108,7 @@ class _Terms(NamedTuple):
     seconds: list[float]  # k = 1..K: verify + proposal
     propose: list[float]  # k = 1..K
     trusted: list[bool]  # k = 0..K ([0]: always)
+    verified: list[float]  # k = 0..K: tokens a step verifies per request (1 + the drafts it is predicted to get)
 
 
 class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
@@ -150,6 +151,7 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
         self._prev_batch = 0  # the batch size of the previous choice
         self._grew_at = -FILL_CHOICES  # the last choice whose batch was larger than the one before (batch_growth.py)
         self.arriving = 0  # requests queued to join the batch at the next choice (batch_growth.py)
+        self.token_budget: int | None = None  # the scheduler's tokens per step (the engine sets it; _budget_shares)
 
     @property
     def cold_extra(self) -> float | None:
@@ -195,7 +197,7 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
         # recurring cost of drafting where requests come and go (the warm proposal fits leave it out)
         feed = b * self.costs.prompt_feed_seconds()
         seconds = [t + p + feed * e for t, p, e in zip(seconds, propose, expected[1:])]
-        terms = _Terms(alpha, fill, expected, raw, seconds, propose, [True] + trusted)
+        terms = _Terms(alpha, fill, expected, raw, seconds, propose, [True] + trusted, verified)
         if self.verify_cost.weight >= 1.0:  # before that, the decode fit (which changes) stands in
             self._drafting_cache = (key, terms)
         return terms
@@ -221,7 +223,7 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
         terms = self._drafting_terms(b) if terms is None else terms
         decode_s, decode_trusted = self.costs.decode_seconds(b)
         seconds = [decode_s] + terms.seconds
-        rates = [b * e / t for e, t in zip(terms.expected, seconds)]
+        rates = [b * e / t * f for e, t, f in zip(terms.expected, seconds, self._budget_shares(b, terms))]
         # A k is chosen on measurements of this batch bucket only: a guess carried over from another
         # batch size (or from long ago) is explored first, within budget, rather than acted on.
         eligible = [k for k in range(len(rates)) if terms.trusted[k]]
@@ -229,6 +231,23 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
         return ControllerEstimates(int(b), best, best, tuple(terms.alpha), tuple(terms.fill),
                                    tuple(terms.expected), tuple(seconds), tuple(rates), tuple(eligible),
                                    (0.0,) + tuple(terms.propose), decode_trusted)
+
+    def _budget_shares(self, b: float, terms: _Terms) -> list[float]:
+        """Per k = 0..K: the share of the b requests a step can serve within the scheduler's token budget
+        (`token_budget`, max_num_batched_tokens; None: all). Each request asks for the tokens it verifies,
+        and the prompts of the requests that replace finished ones ask for theirs (prompt tokens per output
+        token, as measured, times the tokens it is expected to make). Requests the budget leaves out sit the
+        step out, and new ones wait to be admitted.
+
+        The step prices leave this out: they are fitted at the token counts the steps had. On the H200 pair
+        at 256 requests (twenty-ninth session, 2,048-token budget, ~172-token prompts, 128 output tokens)
+        k = 10 was priced at 46k tokens/s against 33k for no drafts, and fixed k = 12 made 15.9k against
+        28.5k: 256 requests of 11 verified tokens and ~13 prompt tokens each ask for 3x the budget."""
+        budget = self.token_budget
+        if not budget:
+            return [1.0] * len(terms.expected)
+        rho = self.costs.prompt_tokens_per_output()
+        return [min(1.0, budget / max(b * (v + rho * e), 1e-9)) for v, e in zip(terms.verified, terms.expected)]
 
     def _among_near_ties(self, eligible: list[int], rates: list[float]) -> int:
         """The best k of `eligible` (ascending): the smallest priced within `prefer_fewer` of the fastest.

@@ -1,4 +1,6 @@
-"""Step-cost fits per batch-size bucket, for the adaptive controller's cost model (estimators.py)."""
+"""Step-cost fits per batch-size bucket, and how a bucket prices what it has not measured (beyond the batch
+sizes it saw: local_price; a k between the k it measured: between_measured), for the adaptive controller's
+cost model (estimators.py)."""
 from __future__ import annotations
 
 import math
@@ -112,3 +114,56 @@ class PlainStepTimes:
             return None
         w, s, b = sums
         return s / w * max(1.0, batch_size * w / b)
+
+
+# A bucket's fit prices decode-token counts up to this factor beyond the span it measured as it fits them;
+# further out, by its price at the span's edge times the fit over every batch size's ratio (local_price).
+_SPAN_SLACK = 1.1
+
+
+def local_price(local: DecayedRegression, tokens: float, pooled: DecayedRegression) -> float:
+    """A step of `tokens` decode tokens as a bucket's fit (features 1, decode tokens, prefill tokens) prices
+    it: as fitted within its measured span (give or take _SPAN_SLACK); beyond, its price at the span's
+    nearest edge times the ratio the fit over every batch size (`pooled`) gives between the two counts.
+
+    A bucket's fit that saw one batch size cannot tell its slope from its intercept: the ridge makes it
+    flat, and it prices every other size in the bucket as that one. On the H200 pair at 256 requests
+    (twenty-seventh session) the 129-256 bucket's decode fit had seen only full batches (6.6 ms); in a
+    part's fill, at 129-155 requests, it priced a decode step at 6.6 ms (one at 128 requests takes 2.4),
+    drafting looked 1.3-2.0 times as fast, and the policy drafted in 148 choices there (0.88 of no drafts
+    at that level)."""
+    lo, hi = local.min_x, local.max_x
+    if not lo <= hi or lo / _SPAN_SLACK <= tokens <= hi * _SPAN_SLACK:
+        return local.predict((1.0, tokens, 0.0))
+    edge = min(max(tokens, lo), hi)
+    # (the fits are non-negative least squares: the ratio lies between 1, flat, and tokens / edge, proportional)
+    ratio = pooled.predict_many([(1.0, tokens, 0.0), (1.0, edge, 0.0)])
+    if ratio is None or ratio[0] <= 0.0 or ratio[1] <= 0.0:
+        return local.predict((1.0, tokens, 0.0))
+    return local.predict((1.0, edge, 0.0)) * ratio[0] / ratio[1]
+
+
+def between_measured(prices: dict[int, float], k: int, tokens: Callable[[int], float]) -> float | None:
+    """The price of k on the line between the nearest k below and above it that a bucket measured
+    (`prices`: k -> price; `tokens(k)`: the position on the line, a step's token count), or None without
+    a measured k on both sides.
+
+    Verify steps and proposals cost about linearly in k at one batch size (more tokens through the same
+    graphs, one draft forward per draft), and a bucket's own prices say far more about it than fits over
+    every batch size do. On the H200 pair at 16 requests (twenty-eighth session) the bucket had measured
+    no drafts, k = 8 and k = 10-12, the fits over every batch size (k = 4 measured at 1-4 requests) priced
+    a k = 4 step at 8.73 ms, and fixed k = 4's steps took 7.1-7.6: drafting 4 never looked worth trying,
+    and the controller drafted 10-12 and none at 0.92 of fixed k = 4. The line runs at or below a cost
+    that is concave in k, so a k it prices well is tried (exploration measures it) rather than assumed.
+    Only in a bucket that measured its plain decode step lately, on enough clean steps (estimators.
+    StepCosts._anchored): where it has not (every step computes a prompt chunk, say), no drafts are priced
+    on a guess too, and guesses that make drafting cheaper there only make it look better than no drafts
+    (a simulated 128 requests, tests/unit/test_adaptive_arrivals.py, drafted at 0.93 of no drafts)."""
+    lo = max((j for j in prices if j < k), default=None)
+    hi = min((j for j in prices if j > k), default=None)
+    if lo is None or hi is None:
+        return None
+    x_lo, x_hi = tokens(lo), tokens(hi)
+    if x_hi <= x_lo:
+        return prices[lo]
+    return prices[lo] + (tokens(k) - x_lo) * (prices[hi] - prices[lo]) / (x_hi - x_lo)

@@ -78,6 +78,11 @@ class SpecDecoder:
         self.cfg = cfg
         self.proposer = build_proposer(cfg, engine_parts)
         self.controller = build_controller(cfg)
+        scheduler = getattr(engine_parts, "scheduler", None)
+        inner = self._innermost_controller()
+        if scheduler is not None and "token_budget" in getattr(inner, "__dict__", {}):
+            # what a step can verify and admit: the adaptive controller prices drafting within it
+            inner.token_budget = scheduler.max_num_batched_tokens
         # Seeded random requests draft only when k does not follow the load: the rejection sampler draws
         # k uniforms per step from a request's generator, so with k chosen per step (adaptive
         # controller, batch-size table, disable_by_batch_size) the same seed would sample differently
@@ -188,13 +193,18 @@ class SpecDecoder:
         """Before a choice: how many queued requests can join the batch (waiting ones, at most the free
         seats), for a controller that holds drafting back while the batch fills (AdaptiveController's
         arrivals rule). Wrappers (BatchSizeLimit, benches' timers) pass it to the controller inside."""
-        target = self.controller
-        # (by __dict__: a wrapper's __getattr__ reads the inner controller's attributes, but setting one on
-        # the wrapper would not reach it)
-        while "inner" in getattr(target, "__dict__", {}):
-            target = target.inner
+        target = self._innermost_controller()
         if "arriving" in getattr(target, "__dict__", {}):
             target.arriving = max(0, min(num_waiting, free_seats))
+
+    def _innermost_controller(self):
+        """The controller inside any wrappers (BatchSizeLimit, benches' timers): by __dict__, since a
+        wrapper's __getattr__ reads the inner controller's attributes, but setting one on the wrapper would
+        not reach it."""
+        target = self.controller
+        while "inner" in getattr(target, "__dict__", {}):
+            target = target.inner
+        return target
 
     def work_ahead(self, batch_size: int) -> None:
         """Called while the GPU runs a synchronous step: the controller prepares its next choice."""

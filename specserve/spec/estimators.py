@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from specserve.spec.acceptance import PositionRates, TokenCalibration
-from specserve.spec.bucket_fits import LocalFits, PlainStepTimes, batch_bucket
+from specserve.spec.bucket_fits import LocalFits, PlainStepTimes, batch_bucket, between_measured, local_price
 from specserve.spec.regression import DecayedRegression, non_decreasing
 from specserve.spec.step_stats import ProposalStats, SpecStepStats
 
@@ -29,58 +29,8 @@ _CATCH_UP_REACH = 2.0  # a catch-up fit prices token counts up to this many time
 _LARGE_CATCH_UP = 4096
 _LARGE_KEEP = 0.75  # what each new large catch-up leaves of the ones before it in the per-token price
 _PAUSE_S = 0.005  # unaccounted time between two observations beyond this (and the step's own): a pause
+_ANCHOR_WEIGHT = 8.0  # clean decode steps (decayed) a bucket's fit needs before unmeasured k are priced against it
 _GUESS_WEIGHT = 0.5  # what a k's proposal cost guessed from the fit over every batch size weighs against measured ones
-# A bucket's fit prices decode-token counts up to this factor beyond the span it measured as it fits them;
-# further out, by its price at the span's edge times the fit over every batch size's ratio (_local_price).
-_SPAN_SLACK = 1.1
-
-
-def _local_price(local: DecayedRegression, tokens: float, pooled: DecayedRegression) -> float:
-    """A step of `tokens` decode tokens as a bucket's fit (features 1, decode tokens, prefill tokens) prices
-    it: as fitted within its measured span (give or take _SPAN_SLACK); beyond, its price at the span's
-    nearest edge times the ratio the fit over every batch size (`pooled`) gives between the two counts.
-
-    A bucket's fit that saw one batch size cannot tell its slope from its intercept: the ridge makes it
-    flat, and it prices every other size in the bucket as that one. On the H200 pair at 256 requests
-    (twenty-seventh session) the 129-256 bucket's decode fit had seen only full batches (6.6 ms); in a
-    part's fill, at 129-155 requests, it priced a decode step at 6.6 ms (one at 128 requests takes 2.4),
-    drafting looked 1.3-2.0 times as fast, and the policy drafted in 148 choices there (0.88 of no drafts
-    at that level)."""
-    lo, hi = local.min_x, local.max_x
-    if not lo <= hi or lo / _SPAN_SLACK <= tokens <= hi * _SPAN_SLACK:
-        return local.predict((1.0, tokens, 0.0))
-    edge = min(max(tokens, lo), hi)
-    # (the fits are non-negative least squares: the ratio lies between 1, flat, and tokens / edge, proportional)
-    ratio = pooled.predict_many([(1.0, tokens, 0.0), (1.0, edge, 0.0)])
-    if ratio is None or ratio[0] <= 0.0 or ratio[1] <= 0.0:
-        return local.predict((1.0, tokens, 0.0))
-    return local.predict((1.0, edge, 0.0)) * ratio[0] / ratio[1]
-
-
-def _between_measured(prices: dict[int, float], k: int, tokens: Callable[[int], float]) -> float | None:
-    """The price of k on the line between the nearest k below and above it that a bucket measured
-    (`prices`: k -> price; `tokens(k)`: the position on the line, a step's token count), or None without
-    a measured k on both sides.
-
-    Verify steps and proposals cost about linearly in k at one batch size (more tokens through the same
-    graphs, one draft forward per draft), and a bucket's own prices say far more about it than fits over
-    every batch size do. On the H200 pair at 16 requests (twenty-eighth session) the bucket had measured
-    no drafts, k = 8 and k = 10-12, the fits over every batch size (k = 4 measured at 1-4 requests) priced
-    a k = 4 step at 8.73 ms, and fixed k = 4's steps took 7.1-7.6: drafting 4 never looked worth trying,
-    and the controller drafted 10-12 and none at 0.92 of fixed k = 4. The line runs at or below a cost
-    that is concave in k, so a k it prices well is tried (exploration measures it) rather than assumed.
-    Only in a bucket that measured its plain decode step lately: where it has not (every step computes a
-    prompt chunk, say), no drafts are priced on a guess too, and guesses that make drafting cheaper there
-    only make it look better than no drafts (a simulated 128 requests, tests/unit/test_adaptive_arrivals.py,
-    drafted at 0.93 of no drafts)."""
-    lo = max((j for j in prices if j < k), default=None)
-    hi = min((j for j in prices if j > k), default=None)
-    if lo is None or hi is None:
-        return None
-    x_lo, x_hi = tokens(lo), tokens(hi)
-    if x_hi <= x_lo:
-        return prices[lo]
-    return prices[lo] + (tokens(k) - x_lo) * (prices[hi] - prices[lo]) / (x_hi - x_lo)
 
 
 class StepCosts:
@@ -149,7 +99,7 @@ class StepCosts:
         local = self.local_cost.get(b, _DECODE)
         if local is not None:
             pooled = self.decode_cost if self.decode_cost.weight >= 1.0 else self.verify_cost
-            t, trusted = max(_local_price(local, b, pooled), 1e-9), self.local_cost.fresh(b, _DECODE, self.num_observed)
+            t, trusted = max(local_price(local, b, pooled), 1e-9), self.local_cost.fresh(b, _DECODE, self.num_observed)
         else:
             order = (self.decode_cost, self.verify_cost)
             if self.pure_decode_weight < 1.0 and self.verify_cost.weight >= 1.0:
@@ -164,7 +114,7 @@ class StepCosts:
     def verify_seconds(self, b: float, num_tokens: list[float]) -> tuple[list[float], list[bool]]:
         """Verify steps for k = 1.. (num_tokens[k - 1] tokens), and whether each is priced on fresh data
         of this bucket. Else, as a guess: between the k this bucket measured below and above it
-        (_between_measured), or the k's fit over every batch size (a query length with a CUDA graph costs
+        (between_measured), or the k's fit over every batch size (a query length with a CUDA graph costs
         a fraction of an eager one), the fit over every k, the decode fit. Before any verify step was
         measured every k counts as priced (the prior decides: draft K and measure)."""
         nothing_measured = self.verify_cost.weight < 1.0
@@ -172,9 +122,8 @@ class StepCosts:
         for k, x in enumerate(num_tokens, start=1):
             local, own = self.local_cost.get(b, k), self.verify_cost_by_k[k]
             if local is not None:
-                own_prices[k] = max(_local_price(local, x, own if own.weight >= 1.0 else self.verify_cost), 1e-9)
-        # (see _between_measured: only where the bucket priced what drafting has to beat, a plain step)
-        anchored = bool(own_prices) and self.local_cost.fresh(b, _DECODE, self.num_observed)
+                own_prices[k] = max(local_price(local, x, own if own.weight >= 1.0 else self.verify_cost), 1e-9)
+        anchored = bool(own_prices) and self._anchored(b)
         if anchored:
             own_prices[0] = self.decode_seconds(b)[0]  # (its own bucket's: a plain step of b tokens)
         seconds, trusted = [], []
@@ -184,7 +133,7 @@ class StepCosts:
                 trusted.append(self.local_cost.fresh(b, k, self.num_observed))
                 continue
             trusted.append(nothing_measured)
-            between = (_between_measured(own_prices, k, lambda j: b if j == 0 else num_tokens[j - 1])
+            between = (between_measured(own_prices, k, lambda j: b if j == 0 else num_tokens[j - 1])
                        if anchored else None)
             if between is not None:
                 seconds.append(max(between, 1e-9))
@@ -208,19 +157,29 @@ class StepCosts:
     def _warm_proposal(self, k: int, b: float) -> tuple[float, float] | None:
         """(seconds, weight) of a warm proposal of k at batch b: this bucket's own fit (weighing its
         samples); else, as a guess (_GUESS_WEIGHT), between the k this bucket measured below (or none
-        drafted, 0 s) and above it (_between_measured), or the fit over every batch size; None before any."""
+        drafted, 0 s) and above it (between_measured), or the fit over every batch size; None before any."""
         local = self.local_propose.get(b, k)
         if local is not None:
             return local.predict((1.0, b)), local.weight
         measured = {j: fit.predict((1.0, b)) for j in range(1, self.max_k + 1)
                     if j != k and (fit := self.local_propose.get(b, j)) is not None}
-        if not self.local_cost.fresh(b, _DECODE, self.num_observed):
-            measured = {}  # (see _between_measured: the bucket has not priced what drafting has to beat)
-        between = _between_measured({0: 0.0, **measured}, k, float) if measured else None
+        if not self._anchored(b):
+            measured = {}
+        between = between_measured({0: 0.0, **measured}, k, float) if measured else None
         if between is not None:
             return between, _GUESS_WEIGHT
         t = self.propose_cost.predict_many([(1.0, k, k * b, b)])
         return None if t is None else (t[0], _GUESS_WEIGHT)
+
+    def _anchored(self, b: float) -> bool:
+        """Whether this bucket prices a k it has not measured between the k it has (between_measured): only
+        once it measured a plain decode step lately on enough clean steps (what drafting has to beat). On the
+        H200 pair at 128 requests (twenty-ninth session), where nearly every step computes a prompt chunk,
+        the bucket's decode fit held one clean step, of 6.6 ms (full batches took 2.4-3.2): k = 3 between it
+        and k = 1 was priced at 1.8x no drafts, explored, and the policy drafted 11 at 0.91 of no drafts."""
+        local = self.local_cost.get(b, _DECODE)
+        return (local is not None and local.weight >= _ANCHOR_WEIGHT
+                and self.local_cost.fresh(b, _DECODE, self.num_observed))
 
     def decode_age(self, b: float) -> int | None:
         """Observations since this bucket last measured a plain decode step (None: never)."""
@@ -270,6 +229,12 @@ class StepCosts:
         steps, prompt, out = self._prompts
         t = self.prompt_feed_cost.predict_many([(1.0, prompt / steps)]) if steps > 1e-3 and out > 0.0 else None
         return 0.0 if t is None else steps * max(t[0], 0.0) / out
+
+    def prompt_tokens_per_output(self) -> float:
+        """Prompt tokens computed per output token, over the arrivals window: what the requests that replace
+        finished ones ask of a step's token budget for each token the batch makes (0 before any)."""
+        _, prompt, out = self._prompts
+        return prompt / out if out > 0.0 else 0.0
 
     # -- observations -------------------------------------------------------------------------
     def observe(self, step: SpecStepStats, cold: bool, after_prompt: bool, unseen: float | None) -> None:

@@ -1,4 +1,4 @@
-"""A k that a batch-size bucket has not measured, priced between the k it has (estimators._between_measured).
+"""A k that a batch-size bucket has not measured, priced between the k it has (bucket_fits.between_measured).
 
 On the H200 pair at 16 requests (twenty-eighth session) the bucket had measured no drafts, k = 8 and
 k = 10-12; fits over every batch size, whose k = 4 data came from 1-4 requests, priced a k = 4 step at
@@ -81,3 +81,30 @@ def test_beyond_the_measured_k_or_without_a_decode_step_the_guess_stays() -> Non
     verify, _ = costs.verify_seconds(16.0, tokens)
     assert verify[4 - 1] == pytest.approx(verify_s(16, 4), rel=0.05)  # between k = 2 and 8 now
     assert verify[10 - 1] == pytest.approx(costs.verify_cost.predict((1.0, tokens[10 - 1], 0.0)))
+
+
+def test_a_decode_price_of_one_clean_step_is_no_anchor() -> None:
+    """On the H200 pair at 128 requests (twenty-ninth session) nearly every step computed a prompt chunk;
+    the bucket's decode fit held one clean step, of 6.6 ms where full batches took 2.4-3.2, and k = 3
+    priced between it and k = 1 looked 1.8x as fast as no drafts. With a single decode step measured the
+    guesses stay those of the fits over every batch size; with enough, the line is drawn."""
+    clock = [0.0]
+    costs = StepCosts(max_k=K, window=32.0, ridge=1e-4, stale_after=1000, arrivals_window=2000.0)
+    costs.clock = lambda: clock[0]
+    for _ in range(30):  # k = 4 at 2 requests, at 3x the line: the guess for k = 4 elsewhere
+        observe(costs, clock, 2, 4, 3.0 * verify_s(2, 4), 3.0 * propose_s(2, 4))
+    for k in (2, 8):
+        for _ in range(30):
+            observe(costs, clock, 16, k, verify_s(16, k), propose_s(16, k))
+    for _ in range(3):  # the first plain step after drafting is timed at its launch: no measurement
+        observe(costs, clock, 16, 0, decode_s(16), 0.0)
+    local = costs.local_cost.get(16.0, 0)
+    assert local is not None and local.weight < 8.0
+    tokens = [16.0 * (k + 1) for k in range(1, K + 1)]
+    guess = costs.verify_cost_by_k[4].predict((1.0, tokens[4 - 1], 0.0))
+    assert guess > 1.3 * verify_s(16, 4)  # (far from the line)
+    assert costs.verify_seconds(16.0, tokens)[0][4 - 1] == pytest.approx(guess)
+    for _ in range(30):
+        observe(costs, clock, 16, 0, decode_s(16), 0.0)
+    assert costs.verify_seconds(16.0, tokens)[0][4 - 1] == pytest.approx(verify_s(16, 4), rel=0.05)
+    assert costs.propose_seconds(16.0)[4 - 1] == pytest.approx(propose_s(16, 4), rel=0.05)

@@ -213,6 +213,7 @@ def test_the_engine_reports_the_queue_before_each_choice(tiny_llama_dir, limit: 
     if limit is not None:
         ctrl = ctrl.inner  # (BatchSizeLimit)
     assert isinstance(ctrl, AdaptiveController)
+    assert ctrl.token_budget == 96  # (the scheduler's: drafting is priced within it, test_adaptive_budget.py)
     seen = []
     choose = ctrl.choose
 

@@ -1,4 +1,4 @@
-"""A batch-size bucket's cost fit beyond the batch sizes it measured (estimators._local_price).
+"""A batch-size bucket's cost fit beyond the batch sizes it measured (bucket_fits.local_price).
 
 On the H200 pair at 256 requests (twenty-seventh session) the 129-256 bucket's decode fit had seen only
 full batches (6.6 ms a step). In a part's fill, at 129-155 requests, it priced a decode step at 6.6 ms
