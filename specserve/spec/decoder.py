@@ -197,7 +197,7 @@ class SpecDecoder:
         if "arriving" in getattr(target, "__dict__", {}):
             target.arriving = max(0, min(num_waiting, free_seats))
 
-    def _innermost_controller(self):
+    def _innermost_controller(self) -> object:
         """The controller inside any wrappers (BatchSizeLimit, benches' timers): by __dict__, since a
         wrapper's __getattr__ reads the inner controller's attributes, but setting one on the wrapper would
         not reach it."""

@@ -162,9 +162,7 @@ class StepCosts:
         if local is not None:
             return local.predict((1.0, b)), local.weight
         measured = {j: fit.predict((1.0, b)) for j in range(1, self.max_k + 1)
-                    if j != k and (fit := self.local_propose.get(b, j)) is not None}
-        if not self._anchored(b):
-            measured = {}
+                    if j != k and (fit := self.local_propose.get(b, j)) is not None} if self._anchored(b) else {}
         between = between_measured({0: 0.0, **measured}, k, float) if measured else None
         if between is not None:
             return between, _GUESS_WEIGHT
@@ -173,10 +171,11 @@ class StepCosts:
 
     def _anchored(self, b: float) -> bool:
         """Whether this bucket prices a k it has not measured between the k it has (between_measured): only
-        once it measured a plain decode step lately on enough clean steps (what drafting has to beat). On the
-        H200 pair at 128 requests (twenty-ninth session), where nearly every step computes a prompt chunk,
-        the bucket's decode fit held one clean step, of 6.6 ms (full batches took 2.4-3.2): k = 3 between it
-        and k = 1 was priced at 1.8x no drafts, explored, and the policy drafted 11 at 0.91 of no drafts."""
+        once it measured a plain decode step lately on enough clean steps (what drafting has to beat, and
+        the line's low end). On the H200 pair at 128 requests (twenty-ninth session), where nearly every
+        step computes a prompt chunk, the bucket's decode fit held one clean step, of 6.6 ms, where full
+        batches took 2.4-3.2: a line from there prices every k below the first measured one as dear as
+        that, and no drafts cheaper than it is against them."""
         local = self.local_cost.get(b, _DECODE)
         return (local is not None and local.weight >= _ANCHOR_WEIGHT
                 and self.local_cost.fresh(b, _DECODE, self.num_observed))
@@ -413,8 +412,9 @@ class StepCosts:
         elif self.unseen_tokens is not None:
             turnover = min(self._arrivals / max(step.batch_size, 1), 1.0)
             # A batch that shrank lost requests that nothing replaced, and their unseen tokens with them
-            # (a share each): counted on, a catch-up at 4 requests after a spell at 16 was priced as
-            # feeding all 16 requests' tokens, 4x what it costs, and kept exploring from k = 0 off budget.
+            # (a share each). Counted on, a catch-up at 4 requests after a spell at 16 was priced as feeding
+            # all 16 requests' tokens, 4x what it costs, and no exploration from k = 0 fit the budget again
+            # (a simulated pair, tests/unit/test_adaptive_worlds.py: 600 choices of no drafts where K won).
             shrink = min(step.batch_size / self._counted_batch, 1.0) if self._counted_batch > 0 else 1.0
             self.unseen_tokens = (self.unseen_tokens * (1.0 - turnover) * shrink
                                   + step.num_batched_tokens + apart_tokens)

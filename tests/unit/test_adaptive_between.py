@@ -84,10 +84,10 @@ def test_beyond_the_measured_k_or_without_a_decode_step_the_guess_stays() -> Non
 
 
 def test_a_decode_price_of_one_clean_step_is_no_anchor() -> None:
-    """On the H200 pair at 128 requests (twenty-ninth session) nearly every step computed a prompt chunk;
-    the bucket's decode fit held one clean step, of 6.6 ms where full batches took 2.4-3.2, and k = 3
-    priced between it and k = 1 looked 1.8x as fast as no drafts. With a single decode step measured the
-    guesses stay those of the fits over every batch size; with enough, the line is drawn."""
+    """On the H200 pair at 128 requests (twenty-ninth session) nearly every step computed a prompt chunk,
+    and the bucket's decode fit held one clean step, of 6.6 ms where full batches took 2.4-3.2: no anchor
+    for a line. With a single decode step measured the guesses stay those of the fits over every batch
+    size; with enough, the line is drawn."""
     clock = [0.0]
     costs = StepCosts(max_k=K, window=32.0, ridge=1e-4, stale_after=1000, arrivals_window=2000.0)
     costs.clock = lambda: clock[0]
