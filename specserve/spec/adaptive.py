@@ -243,10 +243,9 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
         at 256 requests (twenty-ninth session, 2,048-token budget, ~172-token prompts, 128 output tokens)
         k = 10 was priced at 46k tokens/s against 33k for no drafts, and fixed k = 12 made 15.9k against
         28.5k: 256 requests of 11 verified tokens and ~13 prompt tokens each ask for 3x the budget."""
-        budget = self.token_budget
-        if not budget:
-            return [1.0] * len(terms.expected)
-        rho = self.costs.prompt_tokens_per_output()
+        budget, rho = self.token_budget, self.costs.prompt_tokens_per_output()
+        if not budget or b * (terms.verified[-1] + rho * terms.expected[-1]) <= budget:
+            return [1.0] * len(terms.expected)  # (K asks the most: every k fits)
         return [min(1.0, budget / max(b * (v + rho * e), 1e-9)) for v, e in zip(terms.verified, terms.expected)]
 
     def _among_near_ties(self, eligible: list[int], rates: list[float]) -> int:

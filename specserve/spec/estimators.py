@@ -151,23 +151,32 @@ class StepCosts:
         took a few samples: on the H200 pair at 2 requests (sixteenth session) k = 8 / 9 / 10 were priced
         6.30 / 5.73 / 5.94 ms where its steps at 1-2 requests took 5.84 / 5.69 / 7.03 on average, and it
         rated 10 21% above 8. Pooled (weighted by each fit's samples), they are in order."""
-        priced = [self._warm_proposal(k, b) or (0.0, _GUESS_WEIGHT) for k in range(1, self.max_k + 1)]
+        priced = [p or (0.0, _GUESS_WEIGHT) for p in self._warm_proposals(b)]
         return non_decreasing([max(t, 0.0) for t, _ in priced], [w for _, w in priced])
 
-    def _warm_proposal(self, k: int, b: float) -> tuple[float, float] | None:
-        """(seconds, weight) of a warm proposal of k at batch b: this bucket's own fit (weighing its
+    def _warm_proposals(self, b: float) -> list[tuple[float, float] | None]:
+        """(seconds, weight) of a warm proposal of k = 1..K at batch b: this bucket's own fit (weighing its
         samples); else, as a guess (_GUESS_WEIGHT), between the k this bucket measured below (or none
-        drafted, 0 s) and above it (between_measured), or the fit over every batch size; None before any."""
-        local = self.local_propose.get(b, k)
-        if local is not None:
-            return local.predict((1.0, b)), local.weight
-        measured = {j: fit.predict((1.0, b)) for j in range(1, self.max_k + 1)
-                    if j != k and (fit := self.local_propose.get(b, j)) is not None} if self._anchored(b) else {}
-        between = between_measured({0: 0.0, **measured}, k, float) if measured else None
-        if between is not None:
-            return between, _GUESS_WEIGHT
-        t = self.propose_cost.predict_many([(1.0, k, k * b, b)])
-        return None if t is None else (t[0], _GUESS_WEIGHT)
+        drafted, 0 s) and above it (between_measured), or the fit over every batch size; None before any.
+        (Each bucket fit is read once: while drafting, every step prices every k.)"""
+        own: dict[int, tuple[float, float]] = {}
+        for k in range(1, self.max_k + 1):
+            local = self.local_propose.get(b, k)
+            if local is not None:
+                own[k] = (local.predict((1.0, b)), local.weight)
+        line = {0: 0.0, **{k: t for k, (t, _) in own.items()}} if own and self._anchored(b) else None
+        priced: list[tuple[float, float] | None] = []
+        for k in range(1, self.max_k + 1):
+            if k in own:
+                priced.append(own[k])
+                continue
+            between = between_measured(line, k, float) if line is not None else None
+            if between is not None:
+                priced.append((between, _GUESS_WEIGHT))
+                continue
+            t = self.propose_cost.predict_many([(1.0, k, k * b, b)])
+            priced.append(None if t is None else (t[0], _GUESS_WEIGHT))
+        return priced
 
     def _anchored(self, b: float) -> bool:
         """Whether this bucket prices a k it has not measured between the k it has (between_measured): only
@@ -375,7 +384,7 @@ class StepCosts:
         if cold is None or not cold[2]:
             return
         k, seconds, unseen, b = cold
-        warm = self._warm_proposal(k, float(b))
+        warm = self._warm_proposals(float(b))[k - 1]
         if warm is not None:
             self._add_catch_up(b, unseen, max(seconds - max(warm[0], 0.0), 1e-6))
             self._add_cold_extra(seconds, warm[0])
