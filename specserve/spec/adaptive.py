@@ -7,7 +7,8 @@ Goodput model (TurboSpec-style), per request in a batch of B:
   choose          argmax_k  B * E[tokens | k] / cost(k)
 alpha_i is the acceptance of draft position i given that every earlier one was accepted; fill_j is
 how often the proposer produced a draft at position j when asked for one (n-gram lookups come back
-short or empty). Everything is measured here, over moving windows:
+short or empty), times the share of the batch whose output room reaches j (requests a few tokens from
+their max_tokens draft less: output_room.py). Everything else is measured here, over moving windows:
   - alpha and fill: exponentially decayed counts per position, with an optimistic prior (so a fresh
     controller drafts K and measures, rather than never trying); they also fade in time
     (`acceptance_horizon`), so what was measured below the prior long ago (while not drafting) drifts
@@ -54,7 +55,7 @@ to the next exploration slot repeat k = 0 without pricing.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -66,6 +67,7 @@ from specserve.spec.estimators import StepCosts
 from specserve.spec.batch_growth import FILL_CHOICES, BatchGrowth
 from specserve.spec.exploration import PROMISING_GAP, Exploration
 from specserve.spec.hold import Hold, HoldMixin
+from specserve.spec.output_room import reach_shares
 from specserve.spec.regression import DecayedRegression
 from specserve.spec.step_stats import (
     ProposalStats,
@@ -104,7 +106,7 @@ class _Terms(NamedTuple):
     alpha: list[float]
     fill: list[float]
     expected: list[float]  # k = 0..K, calibrated (estimators.TokenCalibration)
-    raw_expected: list[float]  # k = 0..K, as the acceptance and fill windows predict
+    raw_expected: list[float]  # k = 0..K, as the acceptance and fill windows predict (every request asked for k)
     seconds: list[float]  # k = 1..K: verify + proposal
     propose: list[float]  # k = 1..K
     trusted: list[bool]  # k = 0..K ([0]: always)
@@ -152,6 +154,8 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
         self._grew_at = -FILL_CHOICES  # the last choice whose batch was larger than the one before (batch_growth.py)
         self.arriving = 0  # requests queued to join the batch at the next choice (batch_growth.py)
         self.token_budget: int | None = None  # the scheduler's tokens per step (the engine sets it; _budget_shares)
+        # the running requests' output rooms, read when a choice is priced (the engine sets it; output_room.py)
+        self.output_room: Callable[[], Sequence[int]] | None = None
 
     @property
     def cold_extra(self) -> float | None:
@@ -177,22 +181,30 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
     def _drafting_terms(self, b: float) -> _Terms:
         """At batch b: alpha and fill per position; expected tokens per request for k = 0..K; predicted
         seconds for k = 1..K; which k are priced on fresh data of this bucket. Only steps with drafts
-        change them (and time, slowly: fading, staleness): while the controller sits at k = 0 they come
-        from a cache (every step's bookkeeping runs this)."""
-        key = (b, self._drafting_version, self.epoch())
+        change them (and time, slowly: fading, staleness; and the batch's output rooms, where requests near
+        their ends: output_room.py): while the controller sits at k = 0 they come from a cache (every
+        step's bookkeeping runs this)."""
+        reach = reach_shares(self.output_room(), self.max_k) if self.output_room is not None else None
+        key = (b, self._drafting_version, self.epoch(), reach)
         if self._drafting_cache is not None and self._drafting_cache[0] == key:
             return self._drafting_cache[1]
         alpha, fill = self.acceptance.rates(), self.fill.rates()
-        expected, verified = [1.0], [1.0]
+        raw, expected, verified = [1.0], [1.0], [1.0]
         survive = 1.0
-        for a, f in zip(alpha, fill):
+        for i, (a, f) in enumerate(zip(alpha, fill)):
             survive *= a
+            raw.append(raw[-1] + f * survive)
+            # a request whose output room ends before position i drafts nothing there (output_room.py)
+            f *= reach[i] if reach is not None else 1.0
             expected.append(expected[-1] + f * survive)
             verified.append(verified[-1] + f)
-        raw, ratio = expected, self.calibration.ratio(batch_bucket(b)) if self.settings.calibrate else 1.0
-        expected = [1.0 + ratio * (e - 1.0) for e in raw]
+        ratio = self.calibration.ratio(batch_bucket(b)) if self.settings.calibrate else 1.0
+        expected = [1.0 + ratio * (e - 1.0) for e in expected]
         seconds, trusted = self.costs.verify_seconds(b, [b * v for v in verified[1:]])
         propose = self.costs.propose_seconds(b)
+        if reach is not None:  # a proposal runs as deep as the deepest budget: k beyond it costs no more
+            depth = sum(1 for r in reach if r > 0.0)
+            propose = [propose[min(k, depth) - 1] if depth else 0.0 for k in range(1, self.max_k + 1)]
         # a draft model feeds every new request's prompt at its next proposal: per output token, a
         # recurring cost of drafting where requests come and go (the warm proposal fits leave it out)
         feed = b * self.costs.prompt_feed_seconds()

@@ -24,6 +24,7 @@ from specserve.spec.adaptive import ProposalStats, SpecStepStats, verify_counts
 from specserve.spec.base import ProposeInput, Proposer, draft_budget, stack_draft_probs
 from specserve.spec.controller import FixedController
 from specserve.spec.draft_tokens import DeferredDrafts
+from specserve.spec.output_room import output_rooms
 
 
 class _PositionLabels(dict):
@@ -96,6 +97,11 @@ class SpecDecoder:
         # Drafts stop where a request reaches the context window, or speculative_config.max_model_len.
         window = engine_parts.loaded.max_model_len
         self.max_model_len = min(window, cfg.max_model_len or window)
+        if scheduler is not None and "output_room" in getattr(inner, "__dict__", {}):
+            # how far into a draft the running requests can go (their output budgets' ends): read when
+            # the adaptive controller prices a choice, over the batch the choice is made for
+            limit = self.max_model_len
+            inner.output_room = lambda: output_rooms(scheduler.running, limit)
         self.vocab_size = engine_parts.loaded.arch.vocab_size
         self.device = engine_parts.device
         # structured output (issue 8): set by the engine; cuts drafts at grammar-invalid tokens.

@@ -1,7 +1,8 @@
 """Synthetic serving worlds for the adaptive speculation controller's tests: a `World` prices a step
 as an H200 shows it (graphs, eager verify, drafter and catch-up costs, asynchronous scheduling), and
 `run_world` plays the engine's part for a controller or a fixed k. `run_serving` plays it with
-request boundaries (requests finish and new ones bring their prompts: `serving_world`).
+request boundaries (requests finish and new ones bring their prompts: `serving_world`), `run_waves` with
+waves of requests that end together (the batch drains, then fills again).
 """
 from __future__ import annotations
 
@@ -223,6 +224,77 @@ def run_serving(world: World, policy: AdaptiveController | int, steps: int, seed
                                        verify_s, reached, acc, proposal))
     return tokens / seconds, chosen
 
+
+
+def run_waves(world: World, policy: AdaptiveController | int, waves: int, seed: int = 0, rooms: bool = True,
+              admit: int = 12) -> tuple[float, list[tuple[int, int]]]:
+    """Output tokens per second of `policy` over `waves` waves of `world.batch` requests, and (batch, k) of
+    every choice. Each wave's requests are admitted `admit` a step (a token budget's worth of prompt chunks,
+    prompt_len tokens each at prompt_tok_s, eager), each generates output_len tokens, and the next wave
+    starts once the last has finished: the batch drains at each wave's end with every request near its end
+    (one max_tokens, ignore_eos), as in bench/controller_sweep.py's parts. rooms: the controller reads the
+    running requests' output rooms (the engine's SpecDecoder gives it them: spec/output_room.py).
+
+    A proposer that catches up (catchup_s, catchup_tok_s) feeds, at a proposal with drafts, every token of
+    the running requests it has not seen: their prompts, and what steps without drafts made; a warm
+    proposal's feed of the last step's tokens is in its own cost. Verify steps as run_world's."""
+    rng = random.Random(seed)
+    b, n = world.batch, world.output_len
+    tokens = seconds = 0.0
+    ctrl = policy if isinstance(policy, AdaptiveController) else None
+    if ctrl is not None:
+        start = ctrl.clock()
+        ctrl.clock = lambda: start + seconds  # simulated time (the controller looks for pauses)
+    chosen: list[tuple[int, int]] = []
+    last_k, was_sync = None, False
+    for _ in range(waves):
+        done: list[int | None] = [None] * b  # output tokens of each request (None: not admitted yet)
+        seen = [0] * b  # tokens of each request the proposer has seen, prompt included
+        while True:
+            running = [i for i in range(b) if done[i] is not None and done[i] < n]
+            new = [i for i in range(b) if done[i] is None][:admit]
+            if not running and not new:
+                break
+            if ctrl is not None and rooms:
+                ctrl.output_room = lambda running=running: [n - done[i] - 1 for i in running]
+            k = 0
+            if running:
+                k = ctrl.choose(len(running)) if ctrl is not None else policy
+                last_k = k
+                chosen.append((len(running), k))
+            budgets = [max(0, min(k, n - done[i] - 1)) for i in running]
+            drafted, accepted = _draft_and_verify(world, budgets, rng)
+            depth = max(budgets, default=0)
+            propose_s = 0.0
+            if depth:
+                behind = sum(world.prompt_len + done[i] - seen[i] for i in running)
+                propose_s = (depth + 1) * world.draft_s + len(running) * world.lookup_s
+                if behind and world.catches_up:
+                    propose_s += world.catchup_s + world.catchup_tok_s * behind
+            qs = {1 + d for d in drafted}
+            q = -1 if new or len(qs) != 1 else qs.pop()  # a step with a prompt chunk runs eagerly
+            verify_s = world.verify_s(len(running) + sum(drafted), q) + len(new) * world.prompt_len * world.prompt_tok_s
+            sync = last_k != 0
+            spent, timed = world.timed(verify_s, sync, was_sync)
+            was_sync = sync
+            seconds += spent + propose_s
+            for i, a in zip(running, accepted):
+                got = min(1 + a, n - done[i])
+                tokens += got
+                done[i] += got
+                if depth:  # the next warm proposal feeds this step's tokens as part of its own cost
+                    seen[i] = world.prompt_len + done[i]
+            for i in new:
+                done[i] = 1
+                tokens += 1
+            if ctrl is not None and running:
+                asked = [m for m in budgets if m] if k else []
+                proposal = ProposalStats.measure(k, asked, [d for d, m in zip(drafted, budgets) if m] if k else [],
+                                                 propose_s, sum(1 for m in budgets if not m) if k else 0)
+                reached, acc = verify_counts(drafted, accepted)
+                ctrl.observe(SpecStepStats(len(running), len(running) + sum(drafted) + len(new) * world.prompt_len,
+                                           sum(drafted), timed, reached, acc, proposal))
+    return tokens / seconds, chosen
 
 # -- the H200 sweep's failure: under-drafting at concurrency 1-8 with a draft model --------------------
 # A 0.5B draft model for a 1.5B target on an H200 with asynchronous scheduling, per batch size (from
