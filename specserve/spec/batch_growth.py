@@ -26,7 +26,8 @@ class BatchGrowth:
     `_prev_batch` (the batch size of the previous choice), `_grew_at` (the last choice whose batch was
     larger than the one before), `_bucket_since` (the choice since which the batch bucket is the same) and
     `arriving` (requests queued to join the batch at the next choice, at most the free seats; the engine
-    sets it before each choice through SpecDecoder.set_arriving)."""
+    sets it before each choice through SpecDecoder.set_arriving), and `output_room` (the running requests'
+    output rooms, or None: spec/output_room.py)."""
 
     def _note_batch(self, batch_size: int) -> None:
         """After a choice: its batch size, and whether the batch grew."""
@@ -57,7 +58,8 @@ class BatchGrowth:
         """Whether to stay at k = 0 although drafting is predicted to be faster: starting to draft costs
         a proposer that catches up (a draft model) a one-off catch-up, repaid only if the batch stays
         about this size long enough. How long is unknown; the guess is as long as it already has (a
-        batch that just changed, say requests finishing one after another, is likely to change again)."""
+        batch that just changed, say requests finishing one after another, is likely to change again), and
+        no longer than its requests have left to their max_tokens, on average."""
         best = est.best_k
         if best == 0 or self.last_choice != 0 or not self.catches_up():
             return False
@@ -66,4 +68,9 @@ class BatchGrowth:
         catch_up = self.costs.catch_up_seconds(self.costs.unseen_tokens, est.propose_seconds[best],
                                                   est.batch_size)
         steady = max(self.num_choices - self._bucket_since, self.settings.explore_every)
+        rooms = self.output_room() if self.output_room is not None else None
+        if rooms:
+            # nor beyond the steps the batch's requests have left (their output rooms, at the best k's
+            # pace): a wave of requests that end together is repaid over its rest only (output_room.py)
+            steady = min(steady, (sum(rooms) / len(rooms) + 1.0) / est.expected_tokens[best])
         return saved * steady < catch_up

@@ -24,9 +24,10 @@ def output_rooms(reqs: Sequence[Request], max_model_len: int) -> list[int]:
     """Per request: the drafts it could take at its next proposal (base.draft_budget without the k):
     the tokens left to its output budget and to the context window, less the one the step samples
     anyway. Tokens still in flight (asynchronous scheduling) count as generated: all_token_ids holds
-    their placeholders."""
-    return [min(r.max_tokens + len(r.prompt_token_ids), max_model_len) - len(r.all_token_ids) - 1
-            for r in reqs]
+    their placeholders. A request that has sampled nothing yet, nor has a token in flight, is still
+    computing its prompt: the next proposal is not for it (0)."""
+    return [min(r.max_tokens + p, max_model_len) - n - 1 if (n := len(r.all_token_ids)) > (p := len(r.prompt_token_ids))
+            else 0 for r in reqs]
 
 
 def reach_shares(rooms: Sequence[int], max_k: int) -> tuple[float, ...] | None:

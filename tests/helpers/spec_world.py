@@ -227,13 +227,15 @@ def run_serving(world: World, policy: AdaptiveController | int, steps: int, seed
 
 
 def run_waves(world: World, policy: AdaptiveController | int, waves: int, seed: int = 0, rooms: bool = True,
-              admit: int = 12) -> tuple[float, list[tuple[int, int]]]:
-    """Output tokens per second of `policy` over `waves` waves of `world.batch` requests, and (batch, k) of
-    every choice. Each wave's requests are admitted `admit` a step (a token budget's worth of prompt chunks,
-    prompt_len tokens each at prompt_tok_s, eager), each generates output_len tokens, and the next wave
-    starts once the last has finished: the batch drains at each wave's end with every request near its end
-    (one max_tokens, ignore_eos), as in bench/controller_sweep.py's parts. rooms: the controller reads the
-    running requests' output rooms (the engine's SpecDecoder gives it them: spec/output_room.py).
+              admit: int = 12) -> tuple[float, list[tuple[int, int, bool]]]:
+    """Output tokens per second of `policy` over `waves` waves of `world.batch` requests, and (batch, k,
+    whether the batch drains: every request of the wave admitted, some finished) of every choice. Each
+    wave's requests are admitted `admit` a step (a token budget's worth of prompt chunks, prompt_len tokens
+    each at prompt_tok_s, eager; the controller learns how many wait, as from the engine's set_arriving),
+    each generates output_len tokens, and the next wave starts once the last has finished: the batch
+    drains at each wave's end with every request near its end (one max_tokens, ignore_eos), as in
+    bench/controller_sweep.py's parts. rooms: the controller reads the running requests' output rooms (the
+    engine's SpecDecoder gives it them: spec/output_room.py).
 
     A proposer that catches up (catchup_s, catchup_tok_s) feeds, at a proposal with drafts, every token of
     the running requests it has not seen: their prompts, and what steps without drafts made; a warm
@@ -245,7 +247,7 @@ def run_waves(world: World, policy: AdaptiveController | int, waves: int, seed: 
     if ctrl is not None:
         start = ctrl.clock()
         ctrl.clock = lambda: start + seconds  # simulated time (the controller looks for pauses)
-    chosen: list[tuple[int, int]] = []
+    chosen: list[tuple[int, int, bool]] = []
     last_k, was_sync = None, False
     for _ in range(waves):
         done: list[int | None] = [None] * b  # output tokens of each request (None: not admitted yet)
@@ -255,13 +257,16 @@ def run_waves(world: World, policy: AdaptiveController | int, waves: int, seed: 
             new = [i for i in range(b) if done[i] is None][:admit]
             if not running and not new:
                 break
-            if ctrl is not None and rooms:
-                ctrl.output_room = lambda running=running: [n - done[i] - 1 for i in running]
+            waiting = sum(1 for d in done if d is None)
+            if ctrl is not None:
+                ctrl.arriving = min(waiting, admit)
+                if rooms:
+                    ctrl.output_room = lambda running=running: [n - done[i] - 1 for i in running]
             k = 0
             if running:
                 k = ctrl.choose(len(running)) if ctrl is not None else policy
                 last_k = k
-                chosen.append((len(running), k))
+                chosen.append((len(running), k, not waiting and len(running) < b))
             budgets = [max(0, min(k, n - done[i] - 1)) for i in running]
             drafted, accepted = _draft_and_verify(world, budgets, rng)
             depth = max(budgets, default=0)
