@@ -18,9 +18,8 @@ that a bucket measured only once or twice lately (maybe a fluke: JIT, an eager f
 look at drafting in a bucket, is explored on the benefit of the doubt (capped by the budget itself, not
 by what exploring elsewhere cost; unless it starts with a catch-up, which is measured apart); so is
 drafting from k = 0 while a catch-up was measured fewer than three times (charged at most a warm
-proposal for it). With an expensive draft model or useless drafts
-the controller so stays within about that fraction of no speculation; where exploring costs nothing it
-explores on every slot.
+proposal for it). With an expensive draft model or useless drafts the controller so stays within about
+that fraction of no speculation; where exploring costs nothing it explores on every slot.
 """
 from __future__ import annotations
 
