@@ -225,7 +225,6 @@ def run_serving(world: World, policy: AdaptiveController | int, steps: int, seed
     return tokens / seconds, chosen
 
 
-
 def run_waves(world: World, policy: AdaptiveController | int, waves: int, seed: int = 0, rooms: bool = True,
               admit: int = 12) -> tuple[float, list[tuple[int, int, bool]]]:
     """Output tokens per second of `policy` over `waves` waves of `world.batch` requests, and (batch, k,
@@ -300,6 +299,7 @@ def run_waves(world: World, policy: AdaptiveController | int, waves: int, seed: 
                 ctrl.observe(SpecStepStats(len(running), len(running) + sum(drafted) + len(new) * world.prompt_len,
                                            sum(drafted), timed, reached, acc, proposal))
     return tokens / seconds, chosen
+
 
 # -- the H200 sweep's failure: under-drafting at concurrency 1-8 with a draft model --------------------
 # A 0.5B draft model for a 1.5B target on an H200 with asynchronous scheduling, per batch size (from
