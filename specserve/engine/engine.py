@@ -193,20 +193,22 @@ class Engine(AsyncStepMixin):
                 step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden, **kw)
             self.kv.after_forward()
             if self.spec is not None:  # host work for the next choice, while the forward runs
+                self.spec.deliver_late()  # (the last step's observation, if set aside: SpecDecoder.observe_step)
                 self.spec.work_ahead(len(self.scheduler.running))
                 self.spec.resolve_drafts()  # the drafts' ids, for the rejection sampler
             new_tokens, accepted = self._sample(sched, step_out.logits)
             outputs.extend(self._update(sched, new_tokens, accepted))
             if self.spec is not None:
-                late = None
                 if sched.apart:  # prompt pieces apart verify nothing: the next step pairs with the proposal
                     self.spec.observe_apart(sched)
-                else:  # (observed after the next proposal where the controller allows: SpecDecoder.deliver)
-                    late = self.spec.observe_step(sched, time.perf_counter() - start, late=True)
+                else:  # (observed once the next forward is launched where the controller allows)
+                    self.spec.observe_step(sched, time.perf_counter() - start, late=True)
                 self.spec.absorb(sched, [t is not None for t in new_tokens], step_out)
                 self._propose(sched, new_tokens, step_out)
-                if late is not None:
-                    self.spec.deliver(late)
+                if not self.scheduler.running and not self.scheduler.waiting:
+                    self.spec.deliver_late()  # no forward follows to overlap it with
+        elif self.spec is not None:
+            self.spec.deliver_late()
         self._record_step_stats(sched)
         return outputs
 

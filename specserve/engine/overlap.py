@@ -117,6 +117,8 @@ class AsyncStepMixin:
             if plan:
                 self._store_prompt_logprobs(sched, plan, step_out.prompt_logprobs)
             self.kv.after_forward()
+            if spec is not None:
+                spec.deliver_late()  # (a synchronous step's observation, set aside: while this forward runs)
             for s, smp in zip(sched.scheduled, samples):
                 self.scheduler.update_computed(s, 0)
                 if smp:
@@ -124,6 +126,8 @@ class AsyncStepMixin:
             if spec is not None:  # mid-prefill rows to an EAGLE head (their inputs are all known now)
                 spec.absorb(sched, samples, step_out)
             launched = (sched, samples, step_out)
+        elif spec is not None:
+            spec.deliver_late()
         if prev is not None:
             outputs.extend(self._resolve(prev)[0])
             if spec is not None and self.structured.num_requests:  # no proposal follows: start the masks

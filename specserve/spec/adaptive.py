@@ -45,10 +45,10 @@ their max_tokens draft less: output_room.py). Everything else is measured here, 
     priced apart, per output token (estimators.StepCosts.prompt_feed_seconds).
 Exploration (which k to measure besides the best, within what budget): spec/exploration.py.
 Observing late: while drafting steadily at the best k, a synchronous step is observed after the next
-choice and proposal (defer_observation; the engine's SpecDecoder.deliver), so observe's host work runs
-while that proposal's drafts run on the GPU; the next choice's after-prompt flag and unseen tokens are
-then set as observing first would have left them, and the observation's interval leaves out the next
-proposal's host time (SpecStepStats.ahead_seconds).
+choice and proposal, once the forward they feed is launched (defer_observation; SpecDecoder.deliver_late),
+so observe's host work runs while the GPU computes; the next choice's after-prompt flag and unseen tokens
+are then set as observing first would have left them, and the observation's interval leaves out the
+next proposal's host time (SpecStepStats.ahead_seconds).
 The hold (spec/hold.py): where k = 0 is the best and every k > 0 is priced far below it, the choices up
 to the next exploration slot repeat k = 0 without pricing.
 """
@@ -147,7 +147,8 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
         self._bucket, self._bucket_since = -1, 0  # the batch bucket of the last choice, since which choice
         self._drafting_version = 0  # bumped by every observation that changes what drafting is predicted to give
         self._drafting_cache: tuple[tuple[float, int, int], _Terms] | None = None
-        self._ahead: tuple[float, int, _Terms] | None = None  # prepare(): (batch, num_observed, terms)
+        self._ahead: tuple[float, int, _Terms, tuple[int, int], ControllerEstimates] | None = None  # prepare()
+        self._num_seen = 0  # observations of any kind (observe, observe_apart): what an estimate was made on
         self._hold: Hold | None = None
         self.num_held = 0  # choices the hold answered
         self._prev_batch = 0  # the batch size of the previous choice
@@ -215,18 +216,23 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
         return terms
 
     def prepare(self, batch_size: int) -> None:
-        """Work ahead, while the GPU runs a step: the drafting terms for the next choice at this batch
-        size. choose() takes them if the batch size is the same and at most that step was observed since
-        (one step behind, for acceptance and the cost fits, which re-solve every few steps anyway), and
-        skips their ~2/3 of its host time: a synchronous step's choice is on the critical path."""
+        """Work ahead, while the GPU runs a step: the drafting terms and estimates for the next choice at
+        this batch size. choose() takes the terms if the batch size is the same and at most that step was
+        observed since (one step behind, for acceptance and the cost fits, which re-solve every few steps
+        anyway), the estimates only if nothing was observed since (the engine observes a steady drafting
+        step before this, SpecDecoder.deliver_late), and skips ~3/4 of its host time: a synchronous step's
+        choice is on the critical path."""
         b = float(max(batch_size, 1))
-        self._ahead = (b, self.costs.num_observed, self._drafting_terms(b))
+        terms = self._drafting_terms(b)
+        self._ahead = (b, self.costs.num_observed, terms, (self._num_seen, self.best_k), self.estimate(batch_size, terms))
 
-    def _terms_for_choice(self, b: float) -> _Terms:
+    def _prepared(self, b: float) -> tuple[_Terms, ControllerEstimates | None]:
+        """The drafting terms for a choice at batch b, and its estimates where prepare() made them on the
+        same observations and best k (else None)."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == b and self.costs.num_observed - ahead[1] <= 1:
-            return ahead[2]
-        return self._drafting_terms(b)
+        if ahead is None or ahead[0] != b or self.costs.num_observed - ahead[1] > 1:
+            return self._drafting_terms(b), None
+        return ahead[2], (ahead[4] if ahead[3] == (self._num_seen, self.best_k) else None)
 
     def estimate(self, batch_size: int, terms: _Terms | None = None) -> ControllerEstimates:
         """Expected tokens/s for every k at this batch size (no exploration, no state change); `terms`:
@@ -290,8 +296,8 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
                 self._note_batch(batch_size)
                 return k
             self._hold = None
-        terms = self._terms_for_choice(float(max(batch_size, 1)))
-        est = self.estimate(batch_size, terms)
+        terms, est = self._prepared(float(max(batch_size, 1)))
+        est = est or self.estimate(batch_size, terms)
         self.num_choices += 1
         bucket = batch_bucket(batch_size)
         if bucket != self._bucket:  # another load: what was being measured (a burst) is moot
@@ -375,12 +381,12 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
 
     def observe_apart(self, prompt_tokens: int, new_prompts: int) -> None:
         """A step of prompt pieces alone, beside the waiting batch (see StepCosts.observe_apart)."""
+        self._num_seen += 1
         self.costs.observe_apart(prompt_tokens, new_prompts)
 
     def defer_observation(self) -> bool:
         """Whether the step that just ran may be observed after the next choice, so that observing runs
-        while that proposal's drafts run on the GPU (decoder.SpecDecoder.deliver); if so, its choice is
-        set aside for that observation. Only while drafting steadily at the best k: an exploration, a
+        while the GPU computes (decoder.SpecDecoder.deliver_late); if so, its choice is set aside for it. Only while drafting steadily at the best k: an exploration, a
         probe or a burst decides its next step on what this one measured (_extend_burst)."""
         c = self._pending
         if (c is None or c.k == 0 or c.exploring or c.k != c.best_k or self._burst_left > 0
@@ -391,7 +397,7 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
 
     def observe(self, step: SpecStepStats) -> None:
         """Learn from one finished step: its cost, the acceptance of its drafts, its proposal's cost."""
-        p = step.proposal
+        p, self._num_seen = step.proposal, self._num_seen + 1
         choice, late = None, self._set_aside is not None
         if late:
             choice, self._set_aside = self._set_aside, None

@@ -78,12 +78,11 @@ class SpecDecoder:
     def __init__(self, cfg: SpeculativeConfig, engine_parts, stats: StatsCollector) -> None:
         self.cfg = cfg
         self.proposer = build_proposer(cfg, engine_parts)
-        self.controller = build_controller(cfg)
-        scheduler = getattr(engine_parts, "scheduler", None)
-        inner = self._innermost_controller()
-        if scheduler is not None and "token_budget" in getattr(inner, "__dict__", {}):
-            # what a step can verify and admit: the adaptive controller prices drafting within it
-            inner.token_budget = scheduler.max_num_batched_tokens
+        self._scheduler = getattr(engine_parts, "scheduler", None)
+        # Drafts stop where a request reaches the context window, or speculative_config.max_model_len.
+        window = engine_parts.loaded.max_model_len
+        self.max_model_len = min(window, cfg.max_model_len or window)
+        self.controller = build_controller(cfg)  # (the setter wires the engine's side into it)
         # Seeded random requests draft only when k does not follow the load: the rejection sampler draws
         # k uniforms per step from a request's generator, so with k chosen per step (adaptive
         # controller, batch-size table, disable_by_batch_size) the same seed would sample differently
@@ -94,14 +93,6 @@ class SpecDecoder:
         self.stats = stats
         for pos in range(cfg.num_speculative_tokens):  # every position exported from the start, at 0
             stats.inc("spec_decode_num_accepted_tokens_per_pos_total", 0, _POSITION_LABELS[pos])
-        # Drafts stop where a request reaches the context window, or speculative_config.max_model_len.
-        window = engine_parts.loaded.max_model_len
-        self.max_model_len = min(window, cfg.max_model_len or window)
-        if scheduler is not None and "output_room" in getattr(inner, "__dict__", {}):
-            # how far into a draft the running requests can go (their output budgets' ends): read when
-            # the adaptive controller prices a choice, over the batch the choice is made for
-            limit = self.max_model_len
-            inner.output_room = lambda: output_rooms(scheduler.running, limit)
         self.vocab_size = engine_parts.loaded.arch.vocab_size
         self.device = engine_parts.device
         # structured output (issue 8): set by the engine; cuts drafts at grammar-invalid tokens.
@@ -119,6 +110,34 @@ class SpecDecoder:
         self._deferred: DeferredDrafts | None = None
         self._wait_s = 0.0  # this step's wait for deferred drafts: the proposal's time, not the step's
         self._apart_ids: set[str] = set()  # the requests of the last step of prompt pieces apart
+
+    @property
+    def controller(self):
+        """Chooses k per step (spec/controller.py, spec/adaptive.py), possibly inside wrappers."""
+        return self._controller
+
+    @controller.setter
+    def controller(self, controller) -> None:
+        """Sets the controller and wires the engine's side into the innermost one, whenever one is set
+        (benches swap theirs in): the scheduler's token budget, within which the adaptive controller
+        prices drafting, and the running requests' output rooms (how far into a draft they can go: their
+        output budgets' ends), read when it prices a choice. Without them it prices every request as
+        able to take k drafts and a step as admitting any number of tokens: on the H200 pair at 64
+        requests (thirty-first session, a controller swapped in without them) it explored k = 11 at a
+        wave's end, priced at 9.2 tokens per request, where the 12 requests left made 1.25."""
+        if getattr(self, "_late", None) is not None:
+            self.deliver_late()  # an observation set aside goes to the controller whose step it was
+        self._controller = controller
+        self._late: SpecStepStats | None = None  # observe_step's, set aside until the next launch
+        inner, sched = self._innermost_controller(), self._scheduler
+        if sched is None:
+            return
+        fields = getattr(inner, "__dict__", {})
+        if "token_budget" in fields:
+            inner.token_budget = sched.max_num_batched_tokens
+        if "output_room" in fields:
+            limit = self.max_model_len
+            inner.output_room = lambda: output_rooms(sched.running, limit)
 
     def pending_drafts(self) -> PendingTokens | None:
         """The last proposal's drafts still on the device: the verify step's placeholders read them."""
@@ -158,12 +177,14 @@ class SpecDecoder:
             if count:
                 st.inc("spec_decode_num_accepted_tokens_per_pos_total", count, _POSITION_LABELS[pos])
 
-    def observe_step(self, sched: SchedulerOutput, step_seconds: float, late: bool = False) -> SpecStepStats | None:
-        """The controller observes the step that just ran. late: the caller proposes next and may deliver()
-        the observation after that proposal, if the controller agrees (defer_observation): observing then
-        overlaps the proposal's draft forwards on the GPU instead of running while it waits (the adaptive
-        controller's observe takes ~0.1 ms of host time, against drafting steps of 7-11 ms on the H200
-        pair at 1-16 requests). Returns the observation to deliver, or None if observed now."""
+    def observe_step(self, sched: SchedulerOutput, step_seconds: float, late: bool = False) -> None:
+        """The controller observes the step that just ran. late: the caller proposes next, and the
+        observation may wait, if the controller agrees (defer_observation), until the forward after that
+        proposal is launched (deliver_late): observing then runs while the GPU computes instead of while
+        it waits. The adaptive controller's observe takes ~0.05-0.1 ms of host time; with an n-gram
+        proposer nothing else runs on the GPU between a step and the next (the 8B shape at 1 request
+        takes ~4.5 ms a step on the H200)."""
+        self.deliver_late()
         (reached, accepted), self._verified = self._verified, ((), ())
         wait, self._wait_s = self._wait_s, 0.0
         proposal = self._proposal
@@ -175,13 +196,18 @@ class SpecDecoder:
         self._proposal = None
         defer = getattr(self.controller, "defer_observation", None) if late and proposal is not None else None
         if defer is not None and defer():
-            return stats
+            self._late = stats
+            return
         self.controller.observe(stats)
-        return None
 
-    def deliver(self, stats: SpecStepStats) -> None:
-        """Observe a step observe_step(late=True) returned, after the next proposal: that proposal's host
-        seconds are in the interval since the last observation (SpecStepStats.ahead_seconds)."""
+    def deliver_late(self) -> None:
+        """Observe the step observe_step(late=True) set aside, if any: the engine calls this once the next
+        forward is launched, or where none follows (every other observation delivers it first, so the
+        controller sees its steps in order). The proposal made since is in the interval since the last
+        observation: its host seconds go with it (SpecStepStats.ahead_seconds)."""
+        stats, self._late = self._late, None
+        if stats is None:
+            return
         ahead = self._proposal.seconds if self._proposal is not None else 0.0
         self.controller.observe(dataclasses.replace(stats, ahead_seconds=ahead))
 
@@ -189,6 +215,7 @@ class SpecDecoder:
         """A step of prompt pieces apart (sched.apart): no observation of its own (it verifies nothing;
         the next step pairs with the proposal), but the adaptive controller learns the prompts it
         computed and keeps its time out of the next step's price (StepCosts.observe_apart)."""
+        self.deliver_late()
         ids = {s.request.request_id for s in sched.scheduled}
         started, self._apart_ids = len(ids - self._apart_ids), ids  # a prompt's pieces run in consecutive ones
         observe = getattr(self.controller, "observe_apart", None)
@@ -261,6 +288,7 @@ class SpecDecoder:
     def skip_proposal(self, num_reqs: int) -> None:
         """The controller chose k = 0 for the next step, which runs without proposing (asynchronous
         scheduling): recorded as a proposal of nothing, as propose() would with k = 0."""
+        self.deliver_late()  # (the controller sees its steps in order)
         self.last_k = 0
         self.stats.set("spec_decode_chosen_num_tokens", 0)
         self._proposal = ProposalStats.nothing(num_reqs)

@@ -83,7 +83,7 @@ class SpecStepStats:
     reached_per_pos: tuple[int, ...] = ()  # see verify_counts
     accepted_per_pos: tuple[int, ...] = ()
     proposal: ProposalStats | None = None  # the proposal whose drafts this step verified
-    # Observed late (after the next proposal was made, so that observing overlaps the draft's forwards:
-    # decoder.SpecDecoder.deliver): that proposal's host seconds, which the time since the observation
+    # Observed late (after the next proposal was made, so that observing overlaps the next forward:
+    # decoder.SpecDecoder.deliver_late): that proposal's host seconds, which the time since the observation
     # before now includes (estimators.StepCosts._timed). 0: observed before the next proposal.
     ahead_seconds: float = 0.0

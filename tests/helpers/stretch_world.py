@@ -54,7 +54,8 @@ def run_stretches(world: StretchWorld, policy: AdaptiveController | int, steps: 
     """Output tokens per second of `policy` (a controller or a fixed k) over `steps` steps, and the k of
     every choice. The batch starts with requests first_request.. at staggered points of their outputs.
     late: as the engine's synchronous steps do, a step the controller lets be observed late
-    (defer_observation) is observed after the next proposal, with that proposal's host seconds."""
+    (defer_observation) is observed after the next proposal (as the next forward launches: the engine's
+    SpecDecoder.deliver_late), with that proposal's host seconds."""
     content = world.content(seed)
     b, n = world.batch, world.output_len
     slots = [first_request + i for i in range(b)]

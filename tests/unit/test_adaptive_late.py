@@ -1,14 +1,16 @@
-"""Observing a synchronous step after the next proposal (AdaptiveController.defer_observation,
-SpecDecoder.deliver): the controller's observe (~0.1 ms of host time) then runs while that proposal's
-drafts run on the GPU, instead of while the GPU waits (drafting steps take 7-11 ms on the H200 pair at
-1-16 requests).
+"""Observing a synchronous step after the next proposal, once the forward it feeds is launched
+(AdaptiveController.defer_observation, SpecDecoder.deliver_late): the controller's observe (~0.05-0.1 ms
+of host time) then runs while the GPU computes, instead of while it waits (an n-gram proposer leaves the
+GPU idle between a step and the next: the 8B shape at 1 request takes ~4.5 ms a step on the H200).
 
 What must hold: the same prices and choices as observing first (the observation's interval then holds
 the next proposal's host time, SpecStepStats.ahead_seconds takes it out), only while drafting steadily
 (an exploration decides its next step on what it measured), and in the engine every step observed once,
-with greedy output unchanged."""
+with greedy output unchanged; the estimates prepare() makes while a forward runs are the ones choose()
+would make."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -16,6 +18,7 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
 from specserve.spec.adaptive import AdaptiveController
+from tests.helpers.spec_world import CFG, World, run_world
 from tests.helpers.stretch_world import StretchWorld, run_stretches
 
 CFG12 = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=12)
@@ -113,3 +116,59 @@ def test_the_engine_observes_every_step_once_and_decodes_as_before(tiny_llama_di
     assert counts["observed"] == counts["steps"] > 0
     assert counts["late"] > 0
     assert ctrl._set_aside is None  # nothing left waiting
+
+
+def test_late_observations_wait_for_the_next_forward(tiny_llama_dir) -> None:
+    """In the engine, a step set aside is observed after the next forward is launched (or once nothing
+    is left to run), never later than the next step's own observation."""
+    rng = random.Random(8)
+    prompts = [[rng.randrange(10, 300) for _ in range(n)] for n in (6, 11)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 4}
+    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20, speculative_config=spec)
+    decoder, runner = llm.engine.spec, llm.engine.runner
+    ctrl = decoder.controller
+    events: list[str] = []
+    execute, observe_step, observe = runner.execute, decoder.observe_step, ctrl.observe
+
+    def counting_execute(*a, **kw):
+        events.append("launch")
+        return execute(*a, **kw)
+
+    def counting_step(*a, **kw):
+        out = observe_step(*a, **kw)
+        events.append("set aside" if decoder._late is not None else "step")
+        return out
+
+    def counting_observe(step) -> None:
+        events.append("late" if step.ahead_seconds > 0 else "now")
+        observe(step)
+
+    runner.execute, decoder.observe_step, ctrl.observe = counting_execute, counting_step, counting_observe
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    asides = [i for i, e in enumerate(events) if e == "set aside"]
+    assert len(asides) > 3 and decoder._late is None and ctrl._set_aside is None
+    for i in asides:
+        nxt = next(j for j in range(i + 1, len(events)) if events[j] in ("late", "now"))
+        assert events[nxt] == "late"  # the set-aside one, first
+        assert "launch" in events[i + 1:nxt] or nxt == len(events) - 1  # after the next launch, or at the end
+        assert "step" not in events[i + 1:nxt] and "set aside" not in events[i + 1:nxt]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_prepared_estimates_are_the_ones_choose_would_make(batch: int) -> None:
+    """prepare() then choose() gives the choice and estimates choose() alone gives on the same state."""
+    world = World(batch, alpha=0.6, step_s=0.0042, lookup_s=0.0002, fill=(0.4, 0.35, 0.3, 0.25))
+    ctrl = AdaptiveController(CFG)
+    run_world(world, ctrl, 300, work_ahead=True)
+    reused = 0
+    for _ in range(40):
+        alone = copy.deepcopy(ctrl)
+        alone._ahead = None
+        ctrl.prepare(batch)
+        reused += ctrl._ahead is not None and ctrl._prepared(float(batch))[1] is not None
+        ctrl.prepare(batch)
+        assert ctrl.choose(batch) == alone.choose(batch)
+        assert ctrl.last == alone.last
+        run_world(world, ctrl, 3, work_ahead=True)
+    assert reused == 40

@@ -160,3 +160,30 @@ def test_waves_that_end_together_run_near_the_best_fixed_choice(seed: int) -> No
     drains = [b for b, k, draining in chosen if k and draining]
     assert rate >= 0.97 * max(fixed.values()), (rate, fixed)
     assert len(drains) <= 15, Counter(b // 8 * 8 for b in drains)
+
+
+def test_a_controller_swapped_in_is_wired_as_the_engine_builds_it(tiny_llama_dir) -> None:
+    """Benches install their own controllers (spec.controller = ...): the decoder wires the scheduler's
+    token budget and the running requests' rooms into each, past wrappers, as into the one it built.
+    (The thirty-first session's sweep priced drafting without them: a controller swapped in had neither.)"""
+    from specserve import LLM
+    from specserve.config import SpeculativeConfig
+    from specserve.spec.controller import BatchSizeLimit
+
+    spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 4}
+    llm = LLM(model=str(tiny_llama_dir), speculative_config=spec, progress=False, kv_cache_memory_bytes=4 << 20)
+    decoder, sch = llm.engine.spec, llm.engine.scheduler
+    cfg = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=4)
+    for swapped in (AdaptiveController(cfg), BatchSizeLimit(AdaptiveController(cfg), 64)):
+        inner = swapped.inner if isinstance(swapped, BatchSizeLimit) else swapped
+        assert inner.token_budget is None and inner.output_room is None
+        decoder.controller = swapped
+        assert decoder.controller is swapped
+        assert inner.token_budget == sch.max_num_batched_tokens
+        assert inner.output_room is not None and list(inner.output_room()) == []  # nothing running
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    seen = []
+    room = inner.output_room
+    inner.output_room = lambda: seen.append(list(room())) or seen[-1]
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params)
+    assert seen and min(min(r) for r in seen if r) < 4  # the request's end, read through the swapped-in one
