@@ -142,6 +142,7 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
         self._burst_extra = 0  # steps an exploration was extended by (see _extend_burst)
         self._burst_loss = self._burst_cycle = 0.0
         self._burst_exploring = False  # the burst in progress is booked to the exploration budget
+        self._explored_plain: bool | None = None  # whether the last step booked as exploring drafted nothing
         self._resume_booked = False  # the next drafting choice resumes after an exploration of k = 0
         self._decode_wait = 0  # choices waiting for a decode measurement (see _wait_for_decode)
         self._bucket, self._bucket_since = -1, 0  # the batch bucket of the last choice, since which choice
@@ -431,20 +432,4 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
                                  predicted_accepted(choice.increments, p, step.batch_size),
                                  sum(step.accepted_per_pos) / step.batch_size, step.batch_size)
         self._account(step, p, choice)
-
-    def _account(self, step: SpecStepStats, p: ProposalStats | None, choice: _Choice | None) -> None:
-        """Exploration budget: all the time observed, and what exploring lost against the best k."""
-        cycle = max(step.step_seconds, 0.0) + (p.seconds if p is not None else 0.0)
-        keep = self._budget_keep
-        self.observed_seconds = self.observed_seconds * keep + cycle
-        self.exploration_loss_seconds *= keep
-        if choice is not None and choice.exploring:
-            # against the best k as priced now, with this step's data in: a best priced wrong before
-            # (a batch size the fits had not seen) must not be booked as exploration's loss
-            best_rate = self.estimate(step.batch_size).tokens_per_s[choice.best_k]
-            if best_rate > 0:
-                tokens = step.batch_size + sum(step.accepted_per_pos)
-                loss = cycle - tokens / best_rate
-                self.exploration_loss_seconds += loss
-                self._extend_burst(choice, loss, cycle)
 

@@ -28,7 +28,7 @@ _CATCH_UP_REACH = 2.0  # a catch-up fit prices token counts up to this many time
 # (per-call costs are noise), so such catch-ups price larger ones per token (StepCosts.catch_up_seconds).
 _LARGE_CATCH_UP = 4096
 _LARGE_KEEP = 0.75  # what each new large catch-up leaves of the ones before it in the per-token price
-_PAUSE_S = 0.005  # unaccounted time between two observations beyond this (and the step's own): a pause
+PAUSE_S = 0.005  # unaccounted time between two observations beyond this (and the step's own): a pause
 _ANCHOR_WEIGHT = 8.0  # clean decode steps (decayed) a bucket's fit needs before unmeasured k are priced against it
 _GUESS_WEIGHT = 0.5  # what a k's proposal cost guessed from the fit over every batch size weighs against measured ones
 
@@ -84,6 +84,9 @@ class StepCosts:
         self.num_observed = 0
         self.clock: Callable[[], float] = time.perf_counter  # when observe() is called (finds pauses)
         self._observed_at: float | None = None
+        # the last observed step's wall time beyond its own timers and proposal (None: the first one, or
+        # right after steps apart): what the exploration budget also counts (Exploration._account)
+        self.last_unexplained: float | None = None
         self._prev_timed = True  # the previous step ran overlapped with the one before (see _timed)
         self._prev_plain: bool | None = None  # the previous step had no drafts (None: none observed)
         self._ahead_seconds = 0.0  # the last observation's ahead_seconds (SpecStepStats)
@@ -298,7 +301,8 @@ class StepCosts:
         ahead, self._ahead_seconds = step.ahead_seconds - self._ahead_seconds, step.ahead_seconds
         unexplained = (0.0 if since is None
                        else since - step.step_seconds - (p.seconds if p is not None else 0.0) - ahead)
-        paused = unexplained > max(_PAUSE_S, step.step_seconds)
+        paused = unexplained > max(PAUSE_S, step.step_seconds)
+        self.last_unexplained = None if since is None else unexplained
         if paused and self.unseen_tokens is not None:
             self.unseen_tokens = 0.0  # the engine idled: nothing ran, so every request now running is new
         plain = step.num_draft_tokens == 0 and (p is None or p.num_speculative_tokens == 0)

@@ -71,6 +71,13 @@ class World:
     # (from k, probability, seconds): a proposal of at least that k sometimes costs that much more (a
     # draft model falling off its CUDA graphs now and then); its mean cost is what throughput pays
     spikes: tuple[int, float, float] = (0, 0.0, 0.0)
+    # run_world with launch_s: an overlapped step is observed when it is launched, as the engine does (its
+    # forward lands in the next interval between observations; the first step that drafts after it waits
+    # for that forward, so its interval holds two)
+    observe_at_launch: bool = False
+    # run_world with launch_s: host time no timer covers at each switch from no drafts to drafts (the engine
+    # leaves its overlapped run: the step in flight is resolved, the proposal waits for it)
+    switch_s: float = 0.0
 
     def verify_s(self, tokens: int, q: int) -> float:
         t = self.step_s + self.per_token_s * tokens
@@ -123,10 +130,13 @@ def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: 
     rng = random.Random(seed)
     tokens = seconds = 0.0
     chosen, since_draft, was_sync = [], 1, False  # (a run goes on from where the last one stopped)
+    observed_at = None  # (observe_at_launch: the simulated time of the observation, if not now)
     if isinstance(policy, AdaptiveController):
         start = policy.clock()
-        policy.clock = lambda: start + seconds  # simulated time (the controller looks for pauses)
+        # simulated time (the controller looks for pauses)
+        policy.clock = lambda: start + (seconds if observed_at is None else observed_at)
     for _ in range(steps):
+        launched_at = seconds
         k = policy.choose(world.batch) if isinstance(policy, AdaptiveController) else policy
         chosen.append(k)
         b = world.batch
@@ -138,6 +148,8 @@ def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: 
         qs = {1 + d for d in drafted}
         verify_s = world.verify_s(b + sum(drafted), qs.pop() if len(qs) == 1 else -1)
         spent, verify_s = world.timed(verify_s, k > 0, was_sync)
+        if k > 0 and not was_sync and world.launch_s is not None:
+            spent += world.switch_s
         seconds += spent
         was_sync = k > 0
         tokens += b + sum(accepted)
@@ -145,6 +157,8 @@ def run_world(world: World, policy: AdaptiveController | int, steps: int, seed: 
         if isinstance(policy, AdaptiveController):
             if work_ahead:
                 policy.prepare(b)
+            overlapped = world.observe_at_launch and world.launch_s is not None and k == 0
+            observed_at = launched_at + world.launch_s if overlapped else None
             proposal = ProposalStats.measure(k, [k] * b if k else [], drafted if k else [], propose_s)
             reached, acc = verify_counts(drafted, accepted)
             policy.observe(SpecStepStats(b, b + sum(drafted), sum(drafted), verify_s, reached, acc, proposal))
