@@ -225,7 +225,8 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
         choice is on the critical path."""
         b = float(max(batch_size, 1))
         terms = self._drafting_terms(b)
-        self._ahead = (b, self.costs.num_observed, terms, (self._num_seen, self.best_k), self.estimate(batch_size, terms))
+        key = (self._num_seen, self.best_k)  # (what the estimates depend on beyond the terms)
+        self._ahead = (b, self.costs.num_observed, terms, key, self.estimate(batch_size, terms))
 
     def _prepared(self, b: float) -> tuple[_Terms, ControllerEstimates | None]:
         """The drafting terms for a choice at batch b, and its estimates where prepare() made them on the
@@ -387,8 +388,9 @@ class AdaptiveController(Exploration, HoldMixin, BatchGrowth):
 
     def defer_observation(self) -> bool:
         """Whether the step that just ran may be observed after the next choice, so that observing runs
-        while the GPU computes (decoder.SpecDecoder.deliver_late); if so, its choice is set aside for it. Only while drafting steadily at the best k: an exploration, a
-        probe or a burst decides its next step on what this one measured (_extend_burst)."""
+        while the GPU computes (decoder.SpecDecoder.deliver_late); if so, its choice is set aside for it.
+        Only while drafting steadily at the best k: an exploration, a probe or a burst decides its next
+        step on what this one measured (_extend_burst)."""
         c = self._pending
         if (c is None or c.k == 0 or c.exploring or c.k != c.best_k or self._burst_left > 0
                 or self._set_aside is not None):

@@ -12,8 +12,9 @@ once a plain decode step there was measured (what drafting has to beat), and not
 (a burst of arrivals: the batch size measured is gone a step later). Exploring is paid from a
 budget: the time it measurably lost (an exploring step's wall time minus the time the best k would have
 taken for the tokens it produced; and the step after it, where a switch moved time between the two:
-_account) stays under `explore_budget` of the time observed, over a moving window, counting what the next exploration is expected to lose: its steps as priced now (a predicted
-gain offsets) plus, for a proposer that catches up, the catch-up when drafting starts or resumes. A k
+_account) stays under `explore_budget` of the time observed, over a moving window, counting what the
+next exploration is expected to lose: its steps as priced now (a predicted gain offsets) plus, for a
+proposer that catches up, the catch-up when drafting starts or resumes. A k
 that a bucket measured only once or twice lately (maybe a fluke: JIT, an eager first run), or the first
 look at drafting in a bucket, is explored on the benefit of the doubt (capped by the budget itself, not
 by what exploring elsewhere cost; unless it starts with a catch-up, which is measured apart); so is
@@ -177,8 +178,8 @@ class Exploration:
         two forwards), and the first one without drafts after drafting is timed at its launch (its
         interval holds none). So the step that follows an exploration the other way is booked too. On
         the H200 with the 8B shape and n-gram at 16 requests (thirty-first session) the timers booked
-        ~1.0 ms lost per exploring step where the wall time showed ~1.8 (~0.6% of the time booked
-        against ~2.5% spent: the 1% budget never bound)."""
+        28 ms lost over a point's 84 exploring steps, wall time 168 ms of its 5.3 s: the booked share
+        stood at 0.58% against the 1% budget, which never bound, and drafting cost 3.7% of the point."""
         cycle = max(step.step_seconds, 0.0) + (p.seconds if p is not None else 0.0)
         extra = self.costs.last_unexplained
         bound = max(PAUSE_S, cycle)  # (decode_seconds only where it could matter: it is not free)
