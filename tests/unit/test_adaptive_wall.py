@@ -15,7 +15,7 @@ from tests.helpers.spec_world import CFG, World, run_world
 
 def _switching_world(batch: int = 16, switch_s: float = 0.0036) -> World:
     """An 8B-like n-gram step: no drafts 4.63 ms at 16 requests; a draft token costs 0.13 ms to verify, so
-    every k loses 15-20%; overlapped steps are observed at their launch, and each switch to drafting
+    every fixed k loses 14-17%; overlapped steps are observed at their launch, and each switch to drafting
     holds `switch_s` of host time no timer covers."""
     return World(batch=batch, alpha=0.6, step_s=0.00463 - 0.0001335 * batch, per_token_s=0.0001335,
                  lookup_s=0.000075, fill=(0.42, 0.26, 0.21, 0.19), launch_s=0.0007, sync_host_s=0.0003,
@@ -38,12 +38,12 @@ def test_switches_no_timer_covers_count_against_the_budget(seed: int) -> None:
 
 
 def test_without_switch_costs_the_booking_is_the_timers() -> None:
-    """Where the timers cover every switch (no untimed host work), the wall booking changes nothing that
-    matters: the same share of steps drafting and the same throughput, give or take a step or two."""
+    """Where the timers cover every switch (no untimed host work), the wall booking keeps what the timers'
+    booking gave: within the budget of no drafts, with about the budget booked."""
     world = _switching_world(switch_s=0.0)
     ctrl = AdaptiveController(CFG)
     run_world(world, ctrl, 1000, seed=4, work_ahead=True)
-    rate, chosen = run_world(world, ctrl, 2000, seed=14, work_ahead=True)
+    rate, _ = run_world(world, ctrl, 2000, seed=14, work_ahead=True)
     off, _ = run_world(world, 0, 3000)
     assert rate >= 0.988 * off
     assert 0.005 < ctrl.exploration_loss_seconds / ctrl.observed_seconds < 0.012
