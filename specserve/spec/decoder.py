@@ -288,7 +288,6 @@ class SpecDecoder:
     def skip_proposal(self, num_reqs: int) -> None:
         """The controller chose k = 0 for the next step, which runs without proposing (asynchronous
         scheduling): recorded as a proposal of nothing, as propose() would with k = 0."""
-        self.deliver_late()  # (the controller sees its steps in order)
         self.last_k = 0
         self.stats.set("spec_decode_chosen_num_tokens", 0)
         self._proposal = ProposalStats.nothing(num_reqs)

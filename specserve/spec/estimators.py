@@ -305,7 +305,7 @@ class StepCosts:
         self.last_unexplained = None if since is None else unexplained
         if paused and self.unseen_tokens is not None:
             self.unseen_tokens = 0.0  # the engine idled: nothing ran, so every request now running is new
-        plain = step.num_draft_tokens == 0 and (p is None or p.num_speculative_tokens == 0)
+        plain = step.plain
         same_way = not paused and self._prev_plain is plain
         if plain and same_way and since is not None and step.batch_size > 0:
             # (not the first plain step after drafting: timed at its launch, its forward lands in the next)

@@ -189,7 +189,7 @@ class Exploration:
         keep = self._budget_keep
         self.observed_seconds = self.observed_seconds * keep + wall
         self.exploration_loss_seconds *= keep
-        plain = step.num_draft_tokens == 0 and (p is None or p.num_speculative_tokens == 0)
+        plain = step.plain
         exploring = choice is not None and choice.exploring
         # (the step after an exploration offsets what the exploration's interval held: only if that was booked)
         after, self._explored_plain = self._explored_plain, (plain if exploring and extra is not None else None)

@@ -87,3 +87,8 @@ class SpecStepStats:
     # decoder.SpecDecoder.deliver_late): that proposal's host seconds, which the time since the observation
     # before now includes (estimators.StepCosts._timed). 0: observed before the next proposal.
     ahead_seconds: float = 0.0
+
+    @property
+    def plain(self) -> bool:
+        """Nothing drafted: no drafts verified, and its proposal (if any) asked for none."""
+        return self.num_draft_tokens == 0 and (self.proposal is None or self.proposal.num_speculative_tokens == 0)
