@@ -26,11 +26,14 @@ class StepRecord:
 
     batch_size: int  # requests scheduled in the step
     k: int  # the controller's choice for this step (0: the step verified no drafts)
-    reached: tuple[int, ...]  # per draft position j < k: requests that had a draft at position j
-    accepted: tuple[int, ...]  # per draft position j < k: requests whose draft at position j was accepted
+    # per draft position j < k: requests whose draft at j was verified with every earlier one accepted
+    reached: tuple[int, ...]
+    accepted: tuple[int, ...]  # per draft position j < k: requests whose drafts at 0..j were all accepted
     step_seconds: float  # the target's forward + sampling/verification, host wall time
     propose_seconds: float  # the proposal that fed this step (0.0 when none ran)
     catch_up_tokens: int = 0  # tokens the proposer fed beyond its drafting (a draft model catching up)
+    # requests the proposal asked for drafts (None: reached[0]); one asked that got no draft is a rejection
+    num_asked: int | None = None
 
 
 class StepCostTable(Protocol):
@@ -83,17 +86,165 @@ class TableController(Controller):
 
 
 class AdaptiveController(Controller):
-    """k = argmax over 0..max_k of expected tokens per second (to be written)."""
+    """k = argmax over 0..max_k of expected tokens per second for a batch of b requests:
 
-    def __init__(self, max_k: int, costs: StepCostTable) -> None:
+        rate(b, k) = b * E[tokens | k] / cost(b, k)
+        E[tokens | k] = 1 + sum_{j<k} prod_{i<=j} alpha_i
+        cost(b, 0) = T(b, 1)
+        cost(b, k) = T(b, k + 1) + D(b, k) + S(b) / switch_horizon   (S only when the last choice was 0)
+
+    - alpha_j, the acceptance of draft position j given every earlier one was accepted: decayed counts
+      (`window_steps` drafting steps) on top of an optimistic prior (`prior`, worth `prior_weight`
+      requests), so a fresh controller drafts and measures. A request that reached position j (j = 0:
+      was asked for drafts) and got no draft there counts as a rejection: a lookup that finds nothing
+      gains nothing. A position measured below the prior and not measured for s steps counts its
+      samples at (1 - 1 / drift_steps) ** s of their weight, so the rate drifts back to the prior and a
+      controller that stopped drafting tries again; a new measurement counts them in full again, so
+      where acceptance stays low the tries stay rare. A position measured above the prior keeps its
+      rate (optimism corrects itself by drafting, pessimism would not).
+    - T(b, q): the target's step of b requests of q tokens each, from the cost table measured at
+      start-up. Only the table prices the target, so no noise in step timings can make verifying look
+      cheaper than it is: where T(b, k + 1) >= (k + 1) * T(b, 1), no acceptance makes k win (under
+      load this switches drafting off).
+    - D(b, k) = k * (seconds per draft step): a moving average of warm proposals' seconds / k per
+      batch-size bucket (powers of two; an unmeasured bucket takes the nearest measured one, none: 0).
+    - S(b), the one-off catch-up a draft model pays when drafting resumes after k = 0 (it feeds every
+      token computed meanwhile): one draft step plus seconds per catch-up token (a moving average
+      over resumed proposals, `catch_up_tokens`, beyond a draft step and the warm proposal) times the
+      tokens computed since the last drafting step. It is amortized over `switch_horizon` drafting
+      steps, so a gain too small to repay it within them keeps k = 0 (no flapping). A proposer that
+      never reports catch-up tokens (n-gram) pays none.
+    Ties go to the smaller k.
+    """
+
+    def __init__(self, max_k: int, costs: StepCostTable, *, prior: float = 0.8, prior_weight: float = 2.0,
+                 window_steps: float = 32.0, drift_steps: float = 500.0, switch_horizon: float = 100.0) -> None:
         super().__init__(max_k)
+        if not 0.0 < prior <= 1.0:
+            raise ValueError(f"prior must be in (0, 1], got {prior!r}")
+        for name, value in (("prior_weight", prior_weight), ("window_steps", window_steps),
+                            ("drift_steps", drift_steps), ("switch_horizon", switch_horizon)):
+            if not value > 0.0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
         self.costs = costs
+        self.prior, self.prior_weight, self.switch_horizon = prior, prior_weight, switch_horizon
+        self._keep = 1.0 - 1.0 / max(window_steps, 1.0)  # per step that measured it
+        self._drift = 1.0 - 1.0 / max(drift_steps, 1.0)  # per step that did not
+        self._hits = [0.0] * max_k  # decayed per step that measured the position
+        self._trials = [0.0] * max_k
+        self._idle = [0] * max_k  # steps since the position was last measured
+        self._alpha = (prior,) * max_k
+        self._expected = self._expected_by_k()
+        self._draft: dict[int, tuple[float, float]] = {}  # bucket -> decayed (seconds per draft step, steps)
+        self._catch_up = (0.0, 0.0)  # decayed (seconds beyond a draft step and the warm proposal, tokens)
+        self._skipped = 0  # tokens computed since the last drafting step (what a draft model catches up on)
+        self._last_observed_k: int | None = None
+        self.last_choice: int | None = None
 
+    # -- read-outs -----------------------------------------------------------------------------
+    def acceptance(self) -> tuple[float, ...]:
+        """alpha_j for draft positions j = 0..max_k - 1."""
+        return self._alpha
+
+    def expected_tokens(self, k: int) -> float:
+        """E[tokens | k] per request per step."""
+        return self._expected[k]
+
+    def draft_seconds(self, batch_size: int, k: int) -> float:
+        """D(b, k): a warm proposal of k drafts for batch_size requests."""
+        if k <= 0 or not self._draft:
+            return 0.0
+        want = _bucket(batch_size)
+        nearest = min(self._draft, key=lambda b: (abs(b.bit_length() - want.bit_length()), -b))
+        seconds, weight = self._draft[nearest]
+        return k * seconds / weight
+
+    def switch_seconds(self, batch_size: int) -> float:
+        """S(b): what starting to draft now costs once (0 while drafting, or for a proposer that never
+        caught up). Drafting stands still where the last choice (or, before any, the last step) was 0."""
+        seconds, tokens = self._catch_up
+        idle = self.last_choice if self.last_choice is not None else self._last_observed_k
+        if idle != 0 or tokens <= 0.0:
+            return 0.0
+        return self.draft_seconds(batch_size, 1) + self._skipped * seconds / tokens
+
+    def expected_rate(self, batch_size: int, k: int) -> float:
+        """rate(b, k), tokens per second, as choose() compares them now."""
+        b = max(batch_size, 1)
+        cost = self.costs.seconds(b, k + 1)
+        if k > 0:
+            cost += self.draft_seconds(b, k) + self.switch_seconds(b) / self.switch_horizon
+        return b * self.expected_tokens(k) / cost
+
+    # -- the controller ------------------------------------------------------------------------
     def choose(self, batch_size: int) -> int:
-        raise NotImplementedError
+        best_k, best = 0, self.expected_rate(batch_size, 0)
+        for k in range(1, self.max_k + 1):
+            rate = self.expected_rate(batch_size, k)
+            if rate > best:
+                best_k, best = k, rate
+        self.last_choice = best_k
+        return best_k
 
     def observe(self, record: StepRecord) -> None:
-        raise NotImplementedError
+        if record.batch_size <= 0:
+            return
+        k = min(record.k, self.max_k)
+        cold = self._last_observed_k in (None, 0)
+        self._last_observed_k = k
+        self._observe_acceptance(record, k)
+        if k == 0:
+            self._skipped += record.batch_size
+            return
+        per_step = record.propose_seconds / k
+        if not cold:
+            self._add_draft_step(record.batch_size, per_step)
+        elif record.catch_up_tokens > 0 and self._draft:
+            # a resumed proposal: what it took beyond the warm proposal and one draft step, per token fed
+            warm = self.draft_seconds(record.batch_size, k + 1)
+            keep = self._keep
+            seconds, tokens = self._catch_up
+            self._catch_up = (seconds * keep + max(record.propose_seconds - warm, 0.0),
+                              tokens * keep + record.catch_up_tokens)
+        self._skipped = 0
+
+    def _observe_acceptance(self, record: StepRecord, k: int) -> None:
+        for j in range(self.max_k):
+            trials = 0
+            if j < k:  # requests that drafted position j had every earlier draft accepted (j = 0: asked)
+                asked = record.num_asked if record.num_asked is not None else _at(record.reached, 0)
+                trials = _at(record.accepted, j - 1) if j > 0 else asked
+            if trials > 0:
+                self._hits[j] = self._hits[j] * self._keep + min(_at(record.accepted, j), trials)
+                self._trials[j] = self._trials[j] * self._keep + trials
+                self._idle[j] = 0
+            else:
+                self._idle[j] += 1
+        w, p = self.prior_weight, self.prior
+        weight = [self._drift ** idle if h < p * n else 1.0 for h, n, idle in zip(self._hits, self._trials, self._idle)]
+        self._alpha = tuple((h * s + p * w) / (n * s + w) for h, n, s in zip(self._hits, self._trials, weight))
+        self._expected = self._expected_by_k()
+
+    def _expected_by_k(self) -> list[float]:
+        expected, survive = [1.0], 1.0
+        for a in self._alpha:
+            survive *= a
+            expected.append(expected[-1] + survive)
+        return expected
+
+    def _add_draft_step(self, batch_size: int, seconds: float) -> None:
+        bucket = _bucket(batch_size)
+        total, weight = self._draft.get(bucket, (0.0, 0.0))
+        self._draft[bucket] = (total * self._keep + seconds, weight * self._keep + 1.0)
+
+
+def _at(counts: tuple[int, ...], i: int) -> int:
+    return counts[i] if i < len(counts) else 0
+
+
+def _bucket(batch_size: int) -> int:
+    """The power of two at or above batch_size: draft costs are averaged per bucket."""
+    return 1 << max(batch_size - 1, 0).bit_length()
 
 
 def build_controller(cfg: SpeculativeConfig, costs: StepCostTable | None) -> Controller:

@@ -1,0 +1,170 @@
+"""The target's step cost by shape, measured once at start-up: what the adaptive speculation
+controller (speculative/control.py) prices verify steps with.
+
+`measure_step_costs` times one target step (forward, LM head over every verified row, greedy pick)
+of b requests of q tokens each, for every measured batch size b and q = 1..max_query_len, with
+placeholder inputs through the runner's own `execute` (so a step replays the CUDA graph a real one
+would, padding included, and under tensor parallelism every rank runs it). `CostTable` answers any
+(batch size, query length) from that grid.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Mapping
+
+import torch
+
+from specserve.kv.manager import KVCacheManager
+from specserve.runner.model_runner import ModelRunner
+from specserve.sampling_params import SamplingParams
+from specserve.scheduler.request import Request
+from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+CPU_BATCH_SIZES = (1, 4, 16)  # few: CPU tests build engines often; the table extrapolates beyond
+CONTEXT_TOKENS = 256  # tokens each measured request has in the KV before its step (attention reads them)
+
+
+class CostTable:
+    """Seconds of a target step of `batch_size` requests of `query_len` tokens each, from a measured
+    grid {(batch_size, query_len): seconds}.
+
+    Per measured batch size, linear in the query length between measured lengths (linear extrapolation
+    past the longest, the shortest's cost below it); across batch sizes, linear between measured sizes,
+    linear extrapolation past the largest (never decreasing), the smallest's cost below it. A step of
+    more tokens never costs less than one of fewer at the same batch size: a measured cost that says
+    so is noise, and each length's cost is raised to the largest at the lengths below it (otherwise
+    a noisy cheap verify length would look like free drafts)."""
+
+    def __init__(self, grid: Mapping[tuple[int, int], float]) -> None:
+        if not grid:
+            raise ValueError("grid must hold at least one (batch_size, query_len) measurement")
+        rows: dict[int, list[tuple[int, float]]] = {}
+        for (b, q), seconds in grid.items():
+            if b < 1 or q < 1 or not seconds > 0.0:
+                raise ValueError(f"grid entry ({b}, {q}): {seconds!r} needs batch_size >= 1, query_len >= 1 "
+                                 "and seconds > 0")
+            rows.setdefault(b, []).append((q, float(seconds)))
+        self._rows: dict[int, tuple[list[int], list[float]]] = {}
+        for b, points in rows.items():
+            points.sort()
+            qs, costs, top = [], [], 0.0
+            for q, seconds in points:
+                top = max(top, seconds)
+                qs.append(q)
+                costs.append(top)
+            self._rows[b] = (qs, costs)
+        self.batch_sizes: tuple[int, ...] = tuple(sorted(self._rows))
+
+    @property
+    def grid(self) -> dict[tuple[int, int], float]:
+        """The measured grid as the table uses it (each length raised to the lengths below it)."""
+        return {(b, q): s for b, (qs, costs) in self._rows.items() for q, s in zip(qs, costs)}
+
+    def seconds(self, batch_size: int, query_len: int) -> float:
+        sizes = self.batch_sizes
+        if batch_size <= sizes[0]:
+            return self._at(sizes[0], query_len)
+        i = bisect.bisect_left(sizes, batch_size)
+        if i < len(sizes) and sizes[i] == batch_size:
+            return self._at(batch_size, query_len)
+        if len(sizes) == 1:  # one size measured: a larger batch costs in proportion to its tokens
+            return self._at(sizes[0], query_len) * batch_size / sizes[0]
+        lo, hi = (sizes[i - 1], sizes[i]) if i < len(sizes) else (sizes[-2], sizes[-1])
+        return _line(lo, self._at(lo, query_len), hi, self._at(hi, query_len), batch_size)
+
+    def _at(self, batch_size: int, query_len: int) -> float:
+        """The measured batch size's cost at query_len."""
+        qs, costs = self._rows[batch_size]
+        if query_len <= qs[0]:
+            return costs[0]
+        i = bisect.bisect_left(qs, query_len)
+        if i < len(qs) and qs[i] == query_len:
+            return costs[i]
+        if len(qs) == 1:  # one length measured: longer ones cost in proportion to their tokens
+            return costs[0] * query_len / qs[0]
+        j = min(i, len(qs) - 1)
+        return _line(qs[j - 1], costs[j - 1], qs[j], costs[j], query_len)
+
+
+def _line(x0: int, y0: float, x1: int, y1: float, x: int) -> float:
+    """y at x on the line through (x0, y0) and (x1, y1), x0 < x1, with the slope at least 0."""
+    slope = max((y1 - y0) / (x1 - x0), 0.0)
+    return y0 + slope * (x - x0)
+
+
+def step_cost_batch_sizes(runner: ModelRunner, max_num_seqs: int) -> tuple[int, ...]:
+    """The batch sizes to measure: with CUDA graphs, the captured decode sizes up to max_num_seqs (a
+    step pads to the next one, so those are the shapes that run); else a few (CPU_BATCH_SIZES up to
+    max_num_seqs), between and beyond which the table interpolates."""
+    sizes = runner.graphs.batch_sizes if runner.graphs is not None else CPU_BATCH_SIZES
+    return tuple(b for b in sizes if b <= max_num_seqs) or (1,)
+
+
+@torch.inference_mode()
+def measure_step_costs(runner: ModelRunner, batch_sizes: tuple[int, ...] | list[int], max_query_len: int,
+                       kv: KVCacheManager | None = None, context: int = CONTEXT_TOKENS,
+                       repeats: int | None = None) -> CostTable:
+    """Time one target step per (batch size, query length 1..max_query_len): one warm-up step, then
+    the mean of `repeats` steps (3 on CUDA, 1 on the CPU), synchronized around them.
+
+    Each request has `context` tokens in the KV before its step (fewer where the pool or
+    max_model_len holds less; a batch size the pool cannot hold at all is skipped). The KV slots are
+    blocks taken from `kv`'s pool and freed afterwards (its free count is unchanged, nothing enters the
+    prefix cache), or without `kv` the runner's first blocks, which only start-up may use (nothing is
+    in them yet). Call it before any request runs: the blocks' contents are overwritten."""
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len must be >= 1, got {max_query_len!r}")
+    cuda = runner.device.type == "cuda"
+    repeats = repeats if repeats is not None else (3 if cuda else 1)
+    block_size = runner.block_size
+    free = kv.num_free_blocks() if kv is not None else runner.num_blocks
+    grid: dict[tuple[int, int], float] = {}
+    for b in sorted(set(batch_sizes)):
+        per_request = free // b if b > 0 else 0
+        room = min(per_request * block_size, runner.loaded.max_model_len) - max_query_len
+        if room < 0:
+            continue
+        num_blocks = -(-(min(context, room) + max_query_len) // block_size)
+        ids = kv.pool.allocate(b * num_blocks) if kv is not None else list(range(b * num_blocks))
+        if ids is None:
+            continue
+        try:
+            tables = [ids[i * num_blocks:(i + 1) * num_blocks] for i in range(b)]
+            for q in range(1, max_query_len + 1):
+                grid[(b, q)] = _time_step(runner, tables, min(context, room), q, repeats, cuda)
+        finally:
+            if kv is not None:
+                kv.pool.free(list(reversed(ids)))
+    if not grid:
+        raise ValueError("the KV pool holds no measurable step; raise kv_cache_memory_bytes or "
+                         "gpu_memory_utilization")
+    return CostTable(grid)
+
+
+def _time_step(runner: ModelRunner, tables: list[list[int]], context: int, q: int, repeats: int,
+               cuda: bool) -> float:
+    """Seconds of one step of len(tables) requests, each verifying q - 1 drafts after `context` tokens."""
+    params = SamplingParams(max_tokens=1)
+    scheduled = []
+    for i in range(len(tables)):
+        req = Request(f"step-cost-{i}", [0] * (context + 1), params, 1)
+        req.num_computed_tokens = context
+        req.spec_token_ids = [0] * (q - 1)
+        scheduled.append(ScheduledRequest(req, q, q - 1))
+    sched = SchedulerOutput(scheduled, len(tables) * q, len(tables) * (q - 1))
+    block_ids = {s.request.request_id: table for s, table in zip(scheduled, tables)}
+
+    def step() -> None:
+        out = runner.execute(sched, block_ids.__getitem__)
+        out.logits.argmax(dim=-1).cpu()  # the greedy pick and its read-back end every step
+
+    step()  # warm-up: compiles, allocator growth
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+    return (time.perf_counter() - start) / repeats
