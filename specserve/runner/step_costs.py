@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from specserve.kv.manager import KVCacheManager
+from specserve.runner.cuda_graph import graph_batch_sizes
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.request import Request
@@ -88,16 +89,22 @@ class CostTable:
 
 
 def _line(x0: int, y0: float, x1: int, y1: float, x: int) -> float:
-    """y at x on the line through (x0, y0) and (x1, y1), x0 < x1, with the slope at least 0."""
-    slope = max((y1 - y0) / (x1 - x0), 0.0)
-    return y0 + slope * (x - x0)
+    """y at x on the line through (x0, y0) and (x1, y1), x0 < x1; past x1 the line never decreases."""
+    slope = (y1 - y0) / (x1 - x0)
+    return y0 + slope * (x - x0) if x <= x1 else y1 + max(slope, 0.0) * (x - x1)
 
 
 def step_cost_batch_sizes(runner: ModelRunner, max_num_seqs: int) -> tuple[int, ...]:
     """The batch sizes to measure: with CUDA graphs, the captured decode sizes up to max_num_seqs (a
-    step pads to the next one, so those are the shapes that run); else a few (CPU_BATCH_SIZES up to
-    max_num_seqs), between and beyond which the table interpolates."""
-    sizes = runner.graphs.batch_sizes if runner.graphs is not None else CPU_BATCH_SIZES
+    step pads to the next one, so those are the shapes that run); eagerly on CUDA, the sizes graphs
+    would have; on the CPU a few (CPU_BATCH_SIZES up to max_num_seqs), between and beyond which the
+    table interpolates."""
+    if runner.graphs is not None:
+        sizes: tuple[int, ...] = tuple(runner.graphs.batch_sizes)
+    elif runner.device.type == "cuda":
+        sizes = graph_batch_sizes(max_num_seqs)
+    else:
+        sizes = CPU_BATCH_SIZES
     return tuple(b for b in sizes if b <= max_num_seqs) or (1,)
 
 

@@ -170,19 +170,25 @@ class AdaptiveController(Controller):
 
     def expected_rate(self, batch_size: int, k: int) -> float:
         """rate(b, k), tokens per second, as choose() compares them now."""
+        return self.expected_rates(batch_size)[k]
+
+    def expected_rates(self, batch_size: int) -> list[float]:
+        """rate(b, k) for k = 0..max_k."""
         b = max(batch_size, 1)
-        cost = self.costs.seconds(b, k + 1)
-        if k > 0:
-            cost += self.draft_seconds(b, k) + self.switch_seconds(b) / self.switch_horizon
-        return b * self.expected_tokens(k) / cost
+        per_draft = self.draft_seconds(b, 1)
+        switch = self.switch_seconds(b) / self.switch_horizon
+        rates = [b / self.costs.seconds(b, 1)]
+        for k in range(1, self.max_k + 1):
+            rates.append(b * self._expected[k] / (self.costs.seconds(b, k + 1) + k * per_draft + switch))
+        return rates
 
     # -- the controller ------------------------------------------------------------------------
     def choose(self, batch_size: int) -> int:
-        best_k, best = 0, self.expected_rate(batch_size, 0)
+        rates = self.expected_rates(batch_size)
+        best_k = 0
         for k in range(1, self.max_k + 1):
-            rate = self.expected_rate(batch_size, k)
-            if rate > best:
-                best_k, best = k, rate
+            if rates[k] > rates[best_k]:
+                best_k = k
         self.last_choice = best_k
         return best_k
 
