@@ -106,8 +106,9 @@ class AdaptiveController(Controller):
       start-up. Only the table prices the target, so no noise in step timings can make verifying look
       cheaper than it is: where T(b, k + 1) >= (k + 1) * T(b, 1), no acceptance makes k win (under
       load this switches drafting off).
-    - D(b, k) = k * (seconds per draft step): a moving average of warm proposals' seconds / k per
-      batch-size bucket (powers of two; an unmeasured bucket takes the nearest measured one, none: 0).
+    - D(b, k) = k * (seconds per draft step): a moving average of warm proposals' seconds / k (warm:
+      the step before drafted too) per batch-size bucket (powers of two; an unmeasured bucket takes
+      the nearest measured one, none: 0).
     - S(b), the one-off catch-up a draft model pays when drafting resumes after k = 0 (it feeds every
       token computed meanwhile): one draft step plus seconds per catch-up token (a moving average
       over resumed proposals, `catch_up_tokens`, beyond a draft step and the warm proposal) times the

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.runner.step_costs import CPU_BATCH_SIZES, CostTable, measure_step_costs, step_cost_batch_sizes
+from specserve.runner.step_costs import (
+    CPU_BATCH_SIZES,
+    CostTable,
+    measure_step_costs,
+    step_cost_batch_sizes,
+)
 
 
 def test_cost_table_interpolates_and_extrapolates() -> None:
