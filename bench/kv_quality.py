@@ -213,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log(f"model {args.model}, KV dtypes {args.kv_dtypes}")
     result = run(args)
-    path = Path(args.json) if args.json else Path(os.environ["OUT"]) / "kv_quality.json" if "OUT" in os.environ else None
+    path = Path(args.json) if args.json else None
+    if path is None and os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "kv_quality.json"
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2, default=str))

