@@ -1,8 +1,13 @@
-"""CPU, SmolLM2-135M (float32): specserve vs transformers in the same run.
+"""CPU offline benchmark: specserve against transformers on the embedded SmolLM2-135M (float32).
 
-Batch-1 decode tokens/s (same chat prompt, greedy, 64 new tokens, decode steps only) and the
-total throughput of 16 concurrent requests. Runs alternate (A B A B) and report medians, so a
-busy machine slows both sides alike. Prints a table and writes JSON (--out).
+Batch-1 decode tokens/s (the same chat prompt, greedy, --new-tokens new tokens, decode steps only)
+and the total throughput of --concurrency requests at once, specserve and transformers (the
+baseline, on the same GGUF) in the same run. Runs alternate (A B A B) and report medians, so a busy
+machine slows both sides alike.
+
+    python bench/cpu_smollm2.py --new-tokens 64 --concurrency 16 --repeats 3
+
+Writes JSON (--out) and prints a short table last.
 """
 from __future__ import annotations
 
@@ -65,11 +70,12 @@ def hf_concurrent_tok_s(model, tok, prompts: list[list[int]], new: int) -> float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="cpu_smollm2.json")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--new-tokens", type=int, default=64, help="new tokens per request")
+    ap.add_argument("--concurrency", type=int, default=16, help="requests at once in the throughput part")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each side (medians reported)")
+    ap.add_argument("--out", default="cpu_smollm2.json", help="result JSON")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 

@@ -1,17 +1,20 @@
-"""Offline GPU benchmark (H200): specserve vs transformers on dummy shapes, against the bandwidth floor.
+"""Offline GPU benchmark: specserve against transformers and against the bandwidth floor, dummy weights.
 
-One run measures, side by side:
-  - device-to-device copy bandwidth -> decode floor = weight bytes / bandwidth;
-  - bf16 matmul rate (8192^3) -> prefill matmul time;
-  - specserve batch-1 and batch-32 decode ms/step (128-token prompt, 256 new tokens), end to end
-    through Engine.step (scheduling, sampling, detokenization-free token ids);
-  - transformers static-cache batch-1 decode and dynamic-cache batch-32 throughput, same shapes;
-  - offline throughput: N requests of 512 prompt + 256 output tokens submitted at once;
-  - one 8,192-token prefill (optional) against its matmul time;
-  - logits relative error of the Triton + CUDA-graph path against the torch reference path.
-Prints a table last and writes JSON to $OUT (or --out).
+One run measures, per model shape (specserve/model/shapes.py names, random weights of the real shape):
+  - device-to-device copy bandwidth -> decode floor = weight bytes / bandwidth (the baseline a
+    decode step cannot beat), and the bf16 matmul rate (8192^3) -> a prefill's matmul time;
+  - specserve decode ms/step at batch 1 and batch 32 (128-token prompts, --new-tokens new tokens),
+    end to end through Engine.step, timed after every prefill finished;
+  - transformers on the same shape in the same process: static-cache batch-1 decode ms/step and
+    dynamic-cache batch-32 tokens/s (the baseline measured in the same run);
+  - offline throughput: --num-requests requests of 512 prompt + 256 output tokens submitted at once;
+  - one 8,192-token prefill (with --max-model-len above 8192) against its matmul time.
 
-usage: python bench/gpu_offline.py --shapes qwen2.5-1.5b llama-3.1-8b [--parts ...] [--num-requests 1000]
+    python bench/gpu_offline.py --shapes qwen2.5-1.5b llama-3.1-8b
+    python bench/gpu_offline.py --shapes qwen2.5-1.5b --parts floor decode     # decode only, a minute
+
+Prints one JSON line per shape, writes gpu_offline.json into --out, and prints a short table last.
+Needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -21,13 +24,15 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from specserve import LLM, SamplingParams
 from specserve.model.shapes import SHAPES
 
-PARTS = ("floor", "decode", "transformers", "throughput", "prefill", "accuracy")
+PARTS = ("floor", "decode", "transformers", "throughput", "prefill")
 
 
 def copy_bandwidth(num_bytes: int = 4 << 30) -> float:
@@ -66,17 +71,26 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
+def _step_until(eng: Any, rids: set[str], counts: dict[str, int], done: Callable[[dict[str, int]], bool]) -> None:
+    """Step the engine, counting each request's output tokens, until done(counts) holds."""
+    while not done(counts) and eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id in rids:
+                counts[out.request_id] = len(out.outputs[0].token_ids)
+
+
 def specserve_decode(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> float:
     """ms per decode step with `batch` sequences (timed after every prefill finished)."""
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    for i, p in enumerate(_prompts(batch, prompt_len, eng.vocab_size, seed=batch)):
-        eng.add_request(f"d{batch}-{i}", {"prompt_token_ids": p}, params)
-    while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
-        eng.step()
-    # Tokens sampled already (with asynchronous scheduling one may still be in flight): the timed
-    # loop produces the rest, one decode step each.
-    done = min(r.num_output_tokens + r.num_pending_tokens for r in eng.scheduler.requests.values())
+    rids = {f"d{batch}-{time.monotonic_ns()}-{i}" for i in range(batch)}
+    for rid, p in zip(sorted(rids), _prompts(batch, prompt_len, eng.vocab_size, seed=batch)):
+        eng.add_request(rid, {"prompt_token_ids": p}, params)
+    counts = dict.fromkeys(rids, 0)
+    _step_until(eng, rids, counts, lambda c: min(c.values()) > 0)
+    # The timed loop produces the rest, one decode step each (with asynchronous scheduling one more
+    # token may already be in flight: one step in `new_tokens`).
+    done = min(counts.values())
     torch.cuda.synchronize()
     t = time.perf_counter()
     while eng.has_unfinished_requests():
@@ -101,11 +115,10 @@ def specserve_throughput(llm: LLM, num: int, prompt_len: int, out_len: int) -> f
 
 def specserve_prefill(llm: LLM, length: int) -> float:
     eng = llm.engine
-    (p,) = _prompts(1, length, eng.vocab_size, seed=3)
-    eng.add_request("prefill-warm", {"prompt_token_ids": p[:512]}, SamplingParams(max_tokens=1))
+    warm, p = _prompts(2, length, eng.vocab_size, seed=3)  # two prompts: no prefix-cache hit
+    eng.add_request("prefill-warm", {"prompt_token_ids": warm[:512]}, SamplingParams(max_tokens=1))
     while eng.has_unfinished_requests():
         eng.step()
-    eng.kv.reset_prefix_cache()
     torch.cuda.synchronize()
     t = time.perf_counter()
     eng.add_request("prefill", {"prompt_token_ids": p}, SamplingParams(max_tokens=1))
@@ -115,29 +128,11 @@ def specserve_prefill(llm: LLM, length: int) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def logits_error(llm: LLM, length: int = 200) -> float:
-    """‖triton - torch_ref‖/‖torch_ref‖ of the logits of every position of one prefill (bf16 both)."""
-    from specserve.attention.torch_ref import TorchRefBackend
-    from specserve.kv.manager import KVCacheManager
-    from specserve.runner.model_runner import ModelRunner
-    from specserve.scheduler.request import Request
-    from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
-
-    eng = llm.engine
-    (p,) = _prompts(1, length, eng.vocab_size, seed=11)
-    logits = []
-    for backend in (eng.runner.backend, TorchRefBackend()):
-        runner = ModelRunner(eng.loaded, eng.runner.spec, 32, eng.device, backend)
-        kv = KVCacheManager(32, eng.kv.block_size, False)
-        # Score every position: the prompt's tail poses as draft tokens under verification.
-        req = Request("acc", p[:1], SamplingParams(max_tokens=1), 1)
-        req.spec_token_ids = p[1:]
-        kv.allocate_slots(req, length)
-        sched = SchedulerOutput([ScheduledRequest(req, length, length - 1)], length)
-        logits.append(runner.execute(sched, kv.block_ids).logits.float())
-        del runner
-    fast, ref = logits
-    return float((fast - ref).norm() / ref.norm())
+def num_gpu_blocks(llm: LLM) -> int | None:
+    for m in llm.get_metrics():
+        if m.name.endswith("cache_config_info"):
+            return int(m.labels["num_gpu_blocks"])
+    return None
 
 
 def transformers_runs(shape: str, prompt_len: int, new_tokens: int, batch: int) -> dict[str, float]:
@@ -174,10 +169,7 @@ def transformers_runs(shape: str, prompt_len: int, new_tokens: int, batch: int) 
     ids_b = torch.tensor(_prompts(batch, 128, vocab, 2), device="cuda")
     step_ms(ids_b, 16)
     res[f"hf_dynamic_b{batch}_tok_s"] = batch / step_ms(ids_b, new_tokens) * 1e3
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    return res
+    return res  # the model is freed with this frame (the caller collects)
 
 
 def _guard(res: dict, name: str, fn) -> None:
@@ -191,6 +183,11 @@ def _guard(res: dict, name: str, fn) -> None:
         res[f"{name}_error"] = repr(e)
 
 
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def run_shape(shape: str, args: argparse.Namespace, bw: float, mm: float) -> dict:
     from specserve.model.arch import ModelArch
 
@@ -199,23 +196,18 @@ def run_shape(shape: str, args: argparse.Namespace, bw: float, mm: float) -> dic
     res: dict = {"shape": shape, "weight_bytes": weight_bytes, "floor_ms": weight_bytes / bw * 1e3}
     if "transformers" in args.parts:
         _guard(res, "transformers", lambda: res.update(transformers_runs(shape, 128, args.new_tokens, 32)))
+        _free()
     t = time.perf_counter()
     llm = LLM(model=shape, load_format="dummy", max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.85,
               progress=False)
     res["engine_init_s"] = time.perf_counter() - t
-    res["num_gpu_blocks"] = llm.engine.kv.num_blocks
+    res["num_gpu_blocks"] = num_gpu_blocks(llm)
 
     def decode() -> None:
         specserve_decode(llm, 1, 128, 16)  # warm up
-        res["async_scheduling"] = llm.engine.async_scheduling
         res["b1_ms_per_step"] = specserve_decode(llm, 1, 128, args.new_tokens)
         res["b32_ms_per_step"] = specserve_decode(llm, 32, 128, args.new_tokens)
-        # The same engine stepping synchronously (the flag is read per step), for the comparison.
-        mode, llm.engine.async_scheduling = llm.engine.async_scheduling, False
-        res["sync_b1_ms_per_step"] = specserve_decode(llm, 1, 128, args.new_tokens)
-        res["sync_b32_ms_per_step"] = specserve_decode(llm, 32, 128, args.new_tokens)
-        llm.engine.async_scheduling = mode
 
     def prefill() -> None:
         linear = arch.num_params() - arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
@@ -229,24 +221,21 @@ def run_shape(shape: str, args: argparse.Namespace, bw: float, mm: float) -> dic
             llm, args.num_requests, 512, 256)))
     if "prefill" in args.parts and args.max_model_len > 8192:
         _guard(res, "prefill", prefill)
-    if "accuracy" in args.parts:
-        _guard(res, "accuracy", lambda: res.update(logits_rel_err=logits_error(llm)))
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    return res
+    llm.engine.shutdown()
+    return res  # the engine is freed with this frame (the caller collects)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b"])
-    ap.add_argument("--parts", nargs="+", default=list(PARTS))
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--num-requests", type=int, default=1000)
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b"], help="model shape names (dummy weights)")
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="what to measure")
+    ap.add_argument("--new-tokens", type=int, default=256, help="new tokens per decode measurement")
+    ap.add_argument("--num-requests", type=int, default=1000, help="requests of the throughput part")
+    ap.add_argument("--max-model-len", type=int, default=4096, help="above 8192 adds the prefill part")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="the engine's running batch cap")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the engine's token budget per step")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory of gpu_offline.json")
     args = ap.parse_args()
     bw = copy_bandwidth()
     mm = matmul_rate() if "prefill" in args.parts else float("nan")
@@ -254,6 +243,7 @@ def main() -> None:
                "torch": torch.__version__, "shapes": []}
     for shape in args.shapes:
         results["shapes"].append(run_shape(shape, args, bw, mm))
+        _free()
         print(json.dumps(results["shapes"][-1]), flush=True)
     with open(os.path.join(args.out, "gpu_offline.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -261,21 +251,17 @@ def main() -> None:
 
 
 def print_table(results: dict) -> None:
-    print(f"\ncopy bandwidth {results['copy_bandwidth_GBs']:.0f} GB/s; bf16 matmul {results['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
-    for r in results["shapes"]:
-        if "sync_b1_ms_per_step" in r:
-            print(f"{r['shape']}: synchronous scheduling b1 {r['sync_b1_ms_per_step']:.3f} ms "
-                  f"({100 * r['floor_ms'] / r['sync_b1_ms_per_step']:.1f}% of floor), "
-                  f"b32 {r['sync_b32_ms_per_step']:.3f} ms")
+    print(f"\ncopy bandwidth {results['copy_bandwidth_GBs']:.0f} GB/s; "
+          f"bf16 matmul {results['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
     print(f"{'shape':14} {'floor ms':>8} {'b1 ms':>7} {'%floor':>6} {'HF b1 ms':>8} {'vs HF':>6} {'b32 ms':>7} "
-          f"{'tput tok/s':>10} {'HF b32 tok/s':>12} {'ratio':>6} {'prefill ms':>10} {'mm ms':>6} {'logit err':>9}")
+          f"{'tput tok/s':>10} {'HF b32 tok/s':>12} {'ratio':>6} {'prefill ms':>10} {'mm ms':>6}")
     for r in results["shapes"]:
         b1, hf = r.get("b1_ms_per_step", float("nan")), r.get("hf_static_b1_ms_per_step", float("nan"))
         tput, hf32 = r.get("throughput_tok_s", float("nan")), r.get("hf_dynamic_b32_tok_s", float("nan"))
         print(f"{r['shape']:14} {r['floor_ms']:8.3f} {b1:7.3f} {100 * r['floor_ms'] / b1:5.1f}% {hf:8.3f} "
               f"{hf / b1:5.2f}x {r.get('b32_ms_per_step', float('nan')):7.3f} {tput:10.0f} {hf32:12.0f} "
               f"{tput / hf32:5.1f}x {r.get('prefill_8192_ms', float('nan')):10.1f} "
-              f"{r.get('prefill_matmul_ms', float('nan')):6.1f} {r.get('logits_rel_err', float('nan')):9.2e}")
+              f"{r.get('prefill_matmul_ms', float('nan')):6.1f}")
 
 
 if __name__ == "__main__":

@@ -1,68 +1,82 @@
-"""Perplexity on held-out Python with each KV cache dtype (issue 6), and the driver of all three
-KV measurements in one process (`--tasks ppl,ttft,humaneval`: one model load for all).
+"""KV cache dtypes: perplexity on held-out Python and KV capacity, per --kv-dtypes, in one run.
 
-Perplexity. Text: Python standard library files that the draft-head training data
-(specserve/spec/train_data.py) never reads: it skips every folder in its `_SKIP_DIRS`, so Lib/test,
-Lib/turtledemo and Lib/lib2to3 are held out. The files, in order: `kv_common.HELD_OUT_FILES`
-(test_textwrap, test_statistics, test_heapq, test_bisect, test_fractions, test_shlex), then
-turtledemo/*.py, lib2to3/*.py, test/test_*.py, until --ppl-tokens tokens; the script checks
-against train_data's skip list and names the files it used in the JSON. (Held out from our own
-training only: the model itself has probably seen CPython's sources.)
-Each file is cut into windows of --ppl-window tokens (no special tokens added); each window is
-one request with `prompt_logprobs=0, max_tokens=1`, all submitted at once. Perplexity =
-exp(mean negative log-likelihood) over every scored token (each window's first token is not
-scored), the same token set for every dtype.
+Perplexity. Text: Python standard library files under Lib/test, Lib/turtledemo and Lib/lib2to3,
+folders that the draft-head training data (specserve train-draft) never reads. The files, in order:
+HELD_OUT_FILES, then turtledemo/*.py, lib2to3/*.py, test/test_*.py, until --ppl-tokens tokens; the
+JSON names the files used. (Held out from specserve's own training only: the model itself has
+probably seen CPython's sources.) Each file is cut into windows of --ppl-window tokens; each window
+is one request with `prompt_logprobs=0, max_tokens=1`, all submitted at once. Perplexity =
+exp(mean negative log-likelihood) over every scored token; the change against the first dtype of
+--kv-dtypes (the baseline, bf16 by default) is computed on the tokens both scored. Both attention
+backends write a step's K/V into the paged cache before attending over it, so every scored token
+sees the KV format, prefill included.
 
-Does the KV dtype show? Both attention backends write the step's K/V into the paged cache first
-and then attend over the cache (torch_ref.py: write_kv then gather_kv; triton_backend.py:
-reshape_and_cache(_quant) then paged_attention(_quant) over the block table): prefill reads K/V
-back from the (quantized) cache, also for the tokens of the same chunk, so the score of every
-token sees the KV format even when a window is one prefill chunk. The default token budget
-(2048 on CUDA) chunks a 4096-token window anyway; --max-num-batched-tokens changes it.
+Capacity: the tokens the KV pool holds with each dtype at the same pool size (--kv-cache-gib), from
+the engine's `cache_config_info` metric (blocks x block size).
 
-    python bench/kv_quality.py                                # perplexity, bf16 / fp8 / nvfp4
-    python bench/kv_quality.py --tasks ppl,ttft,humaneval     # all three (issue 6), ~200 s on an H200
-    python bench/kv_quality.py --model smollm2-135m-instruct --ppl-tokens 1024 --ppl-window 512  # CPU smoke
+    python bench/kv_quality.py                                 # Qwen2.5-Coder-1.5B, bf16 / fp8 / nvfp4
+    python bench/kv_quality.py --model smollm2-135m-instruct --kv-dtypes float32,fp8 \\
+        --ppl-tokens 1024 --ppl-window 512 --kv-cache-gib 0.25     # CPU smoke test
 
-Prints progress with timestamps and a markdown table last; writes $OUT/kv_quality.json when OUT
-is set (else --json); with several tasks also each task's own JSON (humaneval_kv, tier_ttft).
+Prints progress with timestamps, writes --json (default $OUT/kv_quality.json when OUT is set) and
+prints a short markdown table last.
 """
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import math
+import os
 import sys
+import sysconfig
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-from kv_common import (Budget, add_common_args, close_llm, environment, generate_until, held_out_files,  # noqa: E402
-                       log, make_llm, md_table, read_text, shared_models, stdlib_root, write_json)
-from specserve import SamplingParams  # noqa: E402
+from specserve import LLM, SamplingParams
 
-TARGETS = {"fp8": 0.5, "nvfp4": 3.0}  # issue 6: perplexity increase over bf16, percent
-TASK_SHARES = {"ppl": 1.0, "ttft": 1.0, "humaneval": 2.0}  # how a --time-budget-s is split
-
-
-def add_ppl_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-dtypes", default="bfloat16,fp8,nvfp4")
-    p.add_argument("--ppl-tokens", type=int, default=32768, help="tokens scored per dtype (about)")
-    p.add_argument("--ppl-window", type=int, default=4096, help="tokens per request")
-    p.add_argument("--num-files", type=int, default=0, help="at most this many files (0: as many as needed)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+# The explicit list comes first so the token set is the same on every machine with that Python; the
+# globs fill up when it runs short.
+HELD_OUT_FILES = ("test/test_textwrap.py", "test/test_statistics.py", "test/test_heapq.py",
+                  "test/test_bisect.py", "test/test_fractions.py", "test/test_shlex.py")
+HELD_OUT_GLOBS = ("turtledemo/*.py", "lib2to3/*.py", "test/test_*.py")
+_T0 = time.monotonic()
 
 
-def heldout_windows(tokenizer, max_tokens: int, window: int, num_files: int = 0) -> tuple[list[list[int]], list[str]]:
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - _T0:6.1f}s] {msg}", flush=True)
+
+
+def stdlib_root() -> Path:
+    """The standard library's directory; $SPECSERVE_STDLIB_ROOT points at a copy of its tree (some
+    distributions ship Python without test/, turtledemo/ or lib2to3/)."""
+    return Path(os.environ.get("SPECSERVE_STDLIB_ROOT") or sysconfig.get_paths()["stdlib"])
+
+
+def held_out_files(root: Path) -> list[Path]:
+    """The held-out files in a fixed order: the explicit list, then the globs (sorted)."""
+    out = [root / rel for rel in HELD_OUT_FILES if (root / rel).is_file()]
+    for pattern in HELD_OUT_GLOBS:
+        out += [f for f in sorted(root.glob(pattern)) if f not in out]
+    return out
+
+
+def heldout_windows(tokenizer: Any, max_tokens: int, window: int) -> tuple[list[list[int]], list[str]]:
     """Token windows of held-out files, in file order, until max_tokens; and the files used."""
     root = stdlib_root()
-    windows, used, total = [], [], 0
+    windows: list[list[int]] = []
+    used: list[str] = []
+    total = 0
     for f in held_out_files(root):
-        if total >= max_tokens or (num_files and len(used) >= num_files):
+        if total >= max_tokens:
             break
-        text = read_text(f)
-        if not text:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
             continue
         ids = tokenizer.encode(text, add_special_tokens=False)
         used.append(str(f.relative_to(root)))
@@ -77,139 +91,138 @@ def heldout_windows(tokenizer, max_tokens: int, window: int, num_files: int = 0)
     return windows, used
 
 
-def score_dtype(args, kv_dtype: str, windows: list[list[int]], budget: Budget) -> tuple[dict, list]:
-    llm = None
+def make_llm(args: argparse.Namespace, **kw: Any) -> LLM:
+    if args.kv_cache_gib:
+        kw.setdefault("kv_cache_memory_bytes", int(args.kv_cache_gib * (1 << 30)))
+    return LLM(model=args.model, progress=False, dtype=args.dtype, max_model_len=args.max_model_len,
+               max_num_batched_tokens=args.max_num_batched_tokens, **kw)
+
+
+def close_llm(llm: LLM) -> None:
+    llm.engine.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def cache_info(llm: LLM) -> dict[str, str]:
+    """The labels of `specserve:cache_config_info`: cache_dtype, block_size, num_gpu_blocks, ..."""
+    return next((m.labels for m in llm.get_metrics() if m.name.endswith("cache_config_info")), {})
+
+
+def score_dtype(args: argparse.Namespace, kv_dtype: str, windows: list[list[int]]) -> tuple[dict, list]:
+    """One engine with this KV dtype: the log-likelihood of every scored token, and the pool's capacity."""
+    t = time.monotonic()
+    llm = make_llm(args, kv_cache_dtype=kv_dtype, enforce_eager=True, enable_prefix_caching=False)
     try:
-        t = time.monotonic()
-        llm = make_llm(args, kv_cache_dtype=kv_dtype, enforce_eager=True, enable_prefix_caching=False,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
-        log(f"ppl {kv_dtype}: engine ready in {time.monotonic() - t:.1f}s; scoring {len(windows)} windows")
+        info = cache_info(llm)
+        log(f"{kv_dtype}: engine ready in {time.monotonic() - t:.1f}s; scoring {len(windows)} windows")
         t = time.monotonic()
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        outs = generate_until(llm, [{"prompt_token_ids": w} for w in windows], params, budget, f"ppl-{kv_dtype}")
+        outs = llm.generate([{"prompt_token_ids": w} for w in windows], params)
         secs = time.monotonic() - t
-        per_token: list[float | None] = []
+        per_token: list[float] = []
         for w, out in zip(windows, outs):
-            if out is None or out.prompt_logprobs is None:
-                per_token.extend([None] * (len(w) - 1))
-                continue
+            assert out.prompt_logprobs is not None  # asked for with prompt_logprobs=0
+            # Each window's first token has no context: it is not scored.
             per_token.extend(e[tok].logprob for e, tok in zip(out.prompt_logprobs[1:], w[1:]))
-        got = [x for x in per_token if x is not None]
-        nll = -sum(got) / max(1, len(got))
-        row = {"kv_dtype": kv_dtype, "tokens": len(got), "nll": nll, "ppl": math.exp(nll), "seconds": secs,
-               "complete": len(got) == len(per_token),
-               "cache_dtype": llm.engine.runner.spec.fmt.name}
-        log(f"ppl {kv_dtype}: {row['ppl']:.4f} over {len(got)} tokens in {secs:.1f}s")
+        nll = -sum(per_token) / max(1, len(per_token))
+        blocks = int(info.get("num_gpu_blocks", 0))
+        row = {"kv_dtype": kv_dtype, "cache_dtype": info.get("cache_dtype"), "tokens": len(per_token),
+               "nll": nll, "ppl": math.exp(nll), "seconds": round(secs, 2),
+               "kv_capacity_tokens": blocks * int(info.get("block_size", 0))}
+        log(f"{kv_dtype}: perplexity {row['ppl']:.4f} over {len(per_token)} tokens in {secs:.1f}s; "
+            f"the pool holds {row['kv_capacity_tokens']} tokens")
         return row, per_token
     finally:
         close_llm(llm)
 
 
-def run_ppl(args, budget: Budget) -> dict:
-    tokenizer = None
-    rows, per_dtype = [], {}
-    windows, files = [], []
-    for kv_dtype in [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]:
-        if budget.expired():
-            rows.append({"kv_dtype": kv_dtype, "error": "skipped: time budget"})
-            continue
-        try:
-            if tokenizer is None:
-                tokenizer = _tokenizer(args)
-                windows, files = heldout_windows(tokenizer, args.ppl_tokens, args.ppl_window, args.num_files)
-                log(f"ppl: {sum(map(len, windows))} tokens in {len(windows)} windows from {len(files)} files: "
-                    f"{', '.join(files)}")
-            row, per_token = score_dtype(args, kv_dtype, windows, budget)
-            rows.append(row)
-            per_dtype[kv_dtype] = per_token
-        except Exception as e:  # one configuration failing must not lose the others
-            traceback.print_exc()
-            rows.append({"kv_dtype": kv_dtype, "error": f"{type(e).__name__}: {e}"})
-    _compare(rows, per_dtype)
-    return {"task": "perplexity", "model": args.model, "files": files, "windows": len(windows),
-            "window_tokens": args.ppl_window, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "targets_pct_over_bf16": TARGETS, "rows": rows}
-
-
-def _tokenizer(args):
-    """The model's tokenizer, from a small engine (the weights stay loaded for the next ones)."""
-    llm = make_llm(args, enforce_eager=True, kv_cache_memory_bytes=64 << 20)
-    tok = llm.get_tokenizer()
-    close_llm(llm)
-    return tok
-
-
-def _compare(rows: list[dict], per_dtype: dict[str, list]) -> None:
-    """Perplexity change vs bf16 in percent, on the tokens both scored; mean |logprob difference|."""
-    base_name = next((d for d in ("bfloat16", "auto", "float16", "float32") if d in per_dtype), None)
-    if base_name is None:
+def compare(rows: list[dict], per_dtype: dict[str, list[float]]) -> None:
+    """Against the first dtype scored (the baseline): perplexity change in percent, mean |logprob
+    difference| per token, and capacity as a multiple of the baseline's."""
+    if not rows or rows[0]["kv_dtype"] not in per_dtype:
         return
-    base = per_dtype[base_name]
-    for row in rows:
-        other = per_dtype.get(row.get("kv_dtype"))
+    base_row, base = rows[0], per_dtype[rows[0]["kv_dtype"]]
+    for row in rows[1:]:
+        other = per_dtype.get(row["kv_dtype"])
         if other is None:
             continue
-        pairs = [(a, b) for a, b in zip(base, other) if a is not None and b is not None]
-        if not pairs:
-            continue
-        nll_b = -sum(a for a, _ in pairs) / len(pairs)
-        nll_o = -sum(b for _, b in pairs) / len(pairs)
-        row["ppl_delta_pct"] = 100.0 * (math.exp(nll_o - nll_b) - 1.0)
-        row["mean_abs_dlogprob"] = sum(abs(a - b) for a, b in pairs) / len(pairs)
-        target = TARGETS.get(row["kv_dtype"])
-        if target is not None:
-            row["target_pct"] = target
-            row["meets_target"] = row["ppl_delta_pct"] <= target
+        row["ppl_delta_pct"] = 100.0 * (math.exp(sum(base) / len(base) - sum(other) / len(other)) - 1.0)
+        row["mean_abs_dlogprob"] = sum(abs(a - b) for a, b in zip(base, other)) / len(base)
+        if base_row["kv_capacity_tokens"]:
+            row["capacity_x"] = row["kv_capacity_tokens"] / base_row["kv_capacity_tokens"]
 
 
-def ppl_table(result: dict) -> str:
-    return md_table(result["rows"], [("kv_dtype", "KV dtype"), ("tokens", "tokens"), ("ppl", "perplexity"),
-                                     ("ppl_delta_pct", "vs bf16 %"), ("target_pct", "target %"),
-                                     ("meets_target", "ok"), ("mean_abs_dlogprob", "mean |dlogprob|"),
-                                     ("seconds", "s"), ("error", "error")])
+def md_table(rows: list[dict]) -> str:
+    cols = [("kv_dtype", "KV dtype"), ("tokens", "tokens"), ("ppl", "perplexity"), ("ppl_delta_pct", "vs base %"),
+            ("mean_abs_dlogprob", "mean |dlogprob|"), ("kv_capacity_tokens", "KV tokens"),
+            ("capacity_x", "x base"), ("error", "error")]
+
+    def cell(v: Any) -> str:
+        return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+    return "\n".join(lines + ["| " + " | ".join(cell(r.get(k)) for k, _ in cols) + " |" for r in rows])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(p)
-    p.add_argument("--tasks", default="ppl", help="comma list of ppl, ttft, humaneval (run in this order)")
-    add_ppl_args(p)
-    import humaneval_kv
-    import tier_ttft
+def run(args: argparse.Namespace) -> dict:
+    llm = make_llm(args, enforce_eager=True, kv_cache_memory_bytes=64 << 20)
+    tokenizer = llm.get_tokenizer()
+    close_llm(llm)
+    if tokenizer is None:
+        raise SystemExit(f"{args.model} has no tokenizer: perplexity needs one")
+    windows, files = heldout_windows(tokenizer, args.ppl_tokens, args.ppl_window)
+    log(f"{sum(map(len, windows))} tokens in {len(windows)} windows from {len(files)} files: {', '.join(files)}")
+    rows: list[dict] = []
+    per_dtype: dict[str, list[float]] = {}
+    for kv_dtype in args.kv_dtypes:
+        try:
+            row, per_token = score_dtype(args, kv_dtype, windows)
+            rows.append(row)
+            per_dtype[kv_dtype] = per_token
+        except Exception as e:  # noqa: BLE001 - one dtype failing must not lose the others' numbers
+            traceback.print_exc()
+            rows.append({"kv_dtype": kv_dtype, "error": f"{type(e).__name__}: {e}"})
+    compare(rows, per_dtype)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"model": args.model, "device": device, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "files": files, "windows": len(windows), "window_tokens": args.ppl_window, "rows": rows}
 
-    humaneval_kv.add_he_args(p)
-    tier_ttft.add_ttft_args(p)
-    args = p.parse_args()
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    runners = {"ppl": (run_ppl, ppl_table, "kv_quality"),
-               "ttft": (tier_ttft.run_ttft, tier_ttft.ttft_table, "tier_ttft"),
-               "humaneval": (humaneval_kv.run_humaneval, humaneval_kv.he_table, "humaneval_kv")}
-    unknown = [t for t in tasks if t not in runners]
-    if unknown:
-        raise SystemExit(f"unknown tasks {unknown}; choose from {sorted(runners)}")
-    budget = Budget(args.time_budget_s)
-    log(f"tasks {tasks}, model {args.model}, budget {args.time_budget_s}s, {environment()}")
-    results, tables = {}, []
-    with shared_models():
-        for i, task in enumerate(tasks):
-            run, table, name = runners[task]
-            shares = [TASK_SHARES[t] for t in tasks[i:]]
-            sub = budget.sub(shares[0] / sum(shares))
-            t = time.monotonic()
-            try:
-                results[task] = run(args, sub)
-            except Exception as e:
-                traceback.print_exc()
-                results[task] = {"task": task, "error": f"{type(e).__name__}: {e}", "rows": []}
-            results[task]["seconds"] = time.monotonic() - t
-            log(f"{task} done in {results[task]['seconds']:.1f}s")
-            tables.append(f"### {task} ({args.model})\n\n{table(results[task])}")
-            if len(tasks) > 1 and name != "kv_quality":
-                write_json(name, None, {**results[task], "env": environment()})
-    combined = {"env": environment(), "model": args.model, "tasks": results}
-    write_json("kv_quality", args.json, combined)
-    print("\n" + "\n\n".join(tables), flush=True)
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="catalog name, .gguf file or HF dir")
+    p.add_argument("--kv-dtypes", default="bfloat16,fp8,nvfp4", help="comma list; the first is the baseline")
+    p.add_argument("--ppl-tokens", type=int, default=32768, help="tokens scored per dtype (about)")
+    p.add_argument("--ppl-window", type=int, default=4096, help="tokens per request")
+    p.add_argument("--dtype", default="auto", help="weights / activations dtype")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    p.add_argument("--kv-cache-gib", type=float, default=8.0, help="KV pool per engine (the same for every dtype)")
+    p.add_argument("--json", default=None, help="result path (default $OUT/kv_quality.json when OUT is set)")
+    args = p.parse_args(argv)
+    args.kv_dtypes = [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]
+    if not args.kv_dtypes:
+        p.error("--kv-dtypes: at least one dtype")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log(f"model {args.model}, KV dtypes {args.kv_dtypes}")
+    result = run(args)
+    path = Path(args.json) if args.json else None
+    if path is None and os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "kv_quality.json"
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2, default=str))
+        log(f"wrote {path}")
+    print(f"\n### KV dtypes ({args.model}, {result['device']})\n\n{md_table(result['rows'])}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

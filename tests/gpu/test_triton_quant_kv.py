@@ -5,7 +5,7 @@ saturation included, run on the CPU as the oracle. Attention reads the same byte
 is TorchRefBackend in float64 over the dequantized cache, so what differs is only the kernels'
 float16 operands and fp32 accumulation. Every attention kernel variant (triton_quant.VARIANTS: fp8
 v1 / v3, nvfp4 v1 to v7) runs every attention test, and the newer kernels also under each
-launch option bench/kv_quant_gpu.py sweeps (test_launch_options). Slots that no sequence owns hold
+non-default launch option (test_launch_options). Slots that no sequence owns hold
 NaN scales (and NaN fp8 bytes), so any read outside a sequence's context shows up as NaN; outputs
 are poisoned with NaN before the kernel runs, so every row must be written. Reads past the end of a
 tensor need not show in the output: test_quant_kv_bounds.py puts the KV at the end of an exactly
@@ -129,7 +129,7 @@ def test_long_context_decode_and_verify(name: str, variant: str, query_len: int,
         assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
 
 
-# Non-default launches of the v2 / v3 kernels (what bench/kv_quant_gpu.py sweeps): grid order, tiles,
+# Non-default launches of the v2 / v3 kernels: grid order, tiles,
 # warps, no register cap.
 LAUNCHES = [{"heads_first": False}, {"block_n": 128, "num_warps": 8}, {"num_warps": 2}, {"block_n": 32},
             {"maxnreg": 0, "num_splits": 1}]

@@ -1,6 +1,6 @@
 """Shared pieces of the quantized-KV kernel tests (tests/gpu/test_triton_quant_kv.py,
 test_quant_kv_bounds.py): batches over a NaN-poisoned paged cache, the float64 oracle, the kernels'
-launch, and the interpreter's float8 patch (also used by bench/kv_quant_gpu.py --smoke).
+launch, and the interpreter's float8 patch.
 
 A test module takes the float8 patch by importing `fp8_interpreter` (an autouse fixture).
 """
@@ -33,7 +33,7 @@ TOL = {torch.float32: (3e-3, 1e-2), torch.bfloat16: (1e-2, 5e-2)}
 def patch_fp8_interpreter():
     """Make the interpreter do float8 conversions with torch (round to nearest even, as the GPU).
 
-    Returns a function that undoes it. Also used by bench/kv_quant_gpu.py --smoke.
+    Returns a function that undoes it.
     """
     import numpy as np
     import triton.language as tl

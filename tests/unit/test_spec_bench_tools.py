@@ -1,79 +1,63 @@
-"""The speculative benchmark's helpers: acceptance replayed for any k equals what the engine measures,
-transformers on specserve's own tensors decodes like specserve, and the held-out stdlib files
-never reach draft-head training."""
+"""bench/spec_bench.py on the CPU: one run compares no speculation, fixed k and the adaptive
+controller for n-gram and a draft model, all at once and one at a time, with greedy outputs equal
+to the baseline's; and the held-out stdlib files never reach draft-head training."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from specserve import LLM, SamplingParams
 from specserve.spec import train_data
 from tests.helpers.tiny_models import make_tiny_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from hf_shared import hf_model_sharing  # noqa: E402
-from spec_sim import _walk, draft_agreement, simulate_draft, simulate_ngram  # noqa: E402
+import spec_bench
 
-MAX_TOKENS = 40
-
-
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(5)
-    motif = torch.randint(10, 300, (7,), generator=g).tolist()
-    return [motif * 3 + [11, 12], torch.randint(10, 300, (30,), generator=g).tolist(), motif + [9] + motif]
+MAX_TOKENS = 12
 
 
-def _run(target: str, spec: dict | None, prompts: list[list[int]]) -> tuple[list[list[int]], float | None]:
-    llm = LLM(model=target, progress=False, kv_cache_memory_bytes=8 << 20, speculative_config=spec)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    st = llm.engine.stats
-    drafts = st.get("spec_decode_num_drafts_total")
-    al = 1 + st.get("spec_decode_num_accepted_tokens_total") / drafts if drafts else None
-    return [list(o.outputs[0].token_ids) for o in outs], al
+def test_spec_bench_compares_every_policy_in_one_run(tiny_llama_dir, tmp_path):
+    # The draft is the target's twin (same seed): every drafted token must be accepted.
+    draft_dir = make_tiny_model_dir(tmp_path / "draft", arch="llama", seed=1)
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("".join(f'{{"prompt": "def f{i}(x):\\n    return x + {i}\\n"}}\n' for i in range(3)))
+    out = tmp_path / "spec_bench.json"
+    args = spec_bench.parse_args(["--target", str(tiny_llama_dir), "--draft", str(draft_dir), "--ks", "1,2",
+                                  "--num-prompts", "3", "--one-prompts", "2", "--max-tokens", str(MAX_TOKENS),
+                                  "--ignore-eos", "--max-model-len", "256", "--kv-cache-gib", "0.01",
+                                  "--humaneval", str(problems), "--out", str(out)])
+    rows = spec_bench.run(args)
+
+    names = ["none", "ngram k=1", "ngram k=2", "ngram adaptive K=2",
+             "draft_model k=1", "draft_model k=2", "draft_model adaptive K=2"]
+    assert [(r.config, r.mode) for r in rows] == [(n, m) for n in names for m in ("all", "one")]
+    for r in rows:
+        assert r.tokens == r.requests * MAX_TOKENS and r.tok_s > 0
+        assert r.requests == (3 if r.mode == "all" else 2)
+        if r.method == "none":
+            assert r.x_none is None and r.drafts == 0
+            continue
+        assert r.same_as_none == 1.0  # greedy speculation is lossless
+        assert r.x_none == pytest.approx(r.tok_s / next(b.tok_s for b in rows
+                                                        if b.method == "none" and b.mode == r.mode), abs=1e-3)
+        assert (r.x_best_fixed is not None) == r.adaptive
+        if r.method == "draft_model" and not r.adaptive:
+            assert r.drafts > 0 and r.accepted == r.draft_tokens <= r.k * r.drafts
+    saved = json.loads(out.read_text())
+    assert [(r["config"], r["mode"]) for r in saved["rows"]] == [(r.config, r.mode) for r in rows]
+    table = spec_bench.table(rows).splitlines()
+    assert len(table) == 1 + len(rows) and "x none" in table[0]
 
 
-def _mean_al(totals: list[tuple[int, int, int]]) -> float:
-    return 1 + sum(t[2] for t in totals) / sum(t[0] for t in totals)
-
-
-@pytest.mark.parametrize("k", [1, 3])
-def test_replayed_acceptance_equals_measured(tiny_llama_dir, tmp_path, k):
-    target = str(tiny_llama_dir)
-    draft_dir = str(make_tiny_model_dir(tmp_path / "draft", arch="llama", seed=11, num_layers=1))
-    prompts = _prompts()
-    plain, _ = _run(target, None, prompts)
-    ngram_out, ngram_al = _run(target, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                                        "prompt_lookup_max": 5, "adaptive": False}, prompts)
-    draft_out, draft_al = _run(target, {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k,
-                                        "adaptive": False}, prompts)
-    assert ngram_out == plain and draft_out == plain
-    sim = [simulate_ngram(p, o, MAX_TOKENS, k, 2, 5) for p, o in zip(prompts, plain)]
-    assert _mean_al(sim) == pytest.approx(ngram_al, abs=1e-9)
-    draft = LLM(model=draft_dir, progress=False, kv_cache_memory_bytes=1 << 20).engine.loaded
-    sim = [simulate_draft(draft_agreement(draft, p, o), len(o), MAX_TOKENS, k) for p, o in zip(prompts, plain)]
-    assert _mean_al(sim) == pytest.approx(draft_al, abs=1e-9)
-
-
-def test_walk_all_accepted_is_k_plus_one():
-    drafts, drafted, accepted = _walk(1 + 4 * 5, 1000, 4, lambda j, budget: (budget, budget))
-    assert (drafts, drafted, accepted) == (4, 16, 16)  # the prefill samples the first token
-
-
-def test_hf_on_shared_tensors_decodes_like_specserve(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
-    hf = hf_model_sharing(llm.engine.loaded, llm.engine.eos_token_ids)
-    assert hf.model.embed_tokens.weight.data_ptr() == llm.engine.loaded.model.embed_tokens.weight.data_ptr()
-    for prompt in _prompts():
-        ours = llm.generate([{"prompt_token_ids": prompt}],
-                            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids
-        with torch.no_grad():
-            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-        assert theirs[0, len(prompt):].tolist() == list(ours)
+@pytest.mark.parametrize("argv, field", [(["--methods", "medusa"], "--methods"), (["--modes", "some"], "--modes"),
+                                         (["--ks", "0"], "--ks"), (["--methods", "eagle3"], "--methods")])
+def test_spec_bench_refuses_bad_arguments(argv, field, capsys):
+    with pytest.raises(SystemExit):
+        spec_bench.parse_args(argv)
+    assert field in capsys.readouterr().err
 
 
 def test_held_out_stdlib_files_are_never_training_sources():

@@ -111,7 +111,7 @@ def test_other_kernels_compile_as_triton_makes_them(fresh_triton_cache) -> None:
 
 
 def test_v7_specialization_compiles_with_its_layouts(fresh_triton_cache) -> None:
-    """nvfp4 v7's decode specialization (bench/kernel_sass.py counts its SASS): on Triton 3.6 the P.V
+    """nvfp4 v7's decode specialization: on Triton 3.6 the P.V
     operands get kWidth 2 from the hook and the QK^T operands keep the kWidth 8 that K_PAIRS's join
     gives them (a thread's K words in one 16-byte load); no 8-bit layout is left."""
     from specserve.attention.triton_quant_nvfp4 import kernel_flags
