@@ -5,10 +5,17 @@ prefix-affinity routing and failover behind one OpenAI-compatible front door.
     from specserve.ray import build_openai_app
     serve.run(build_openai_app({"model": "smollm2-135m-instruct"}, num_replicas=2))
 
-Importing this package imports Ray; nothing else in specserve does.
+Ray is imported when one of the names below is first used; `router` and `prom` need no Ray.
 """
-from specserve.ray.app import build_openai_app, serve_ray, start, stop
-from specserve.ray.frontdoor import FrontDoor, RouterOptions
-from specserve.ray.replica import SpecserveReplica
+import importlib
+from typing import Any
 
-__all__ = ["FrontDoor", "RouterOptions", "SpecserveReplica", "build_openai_app", "serve_ray", "start", "stop"]
+_EXPORTS = {"build_openai_app": "app", "serve_ray": "app", "start": "app", "stop": "app",
+            "FrontDoor": "frontdoor", "RouterOptions": "frontdoor", "SpecserveReplica": "replica"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'specserve.ray' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"specserve.ray.{_EXPORTS[name]}"), name)

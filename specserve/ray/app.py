@@ -70,10 +70,10 @@ def serve_ray(engine_kwargs: dict[str, Any], settings: ServerConfig, num_replica
               ray_address: str | None) -> int:
     """`specserve serve --data-parallel-backend ray`: serve until SIGTERM / SIGINT, then stop."""
     done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
     try:
         url = start(engine_kwargs, num_replicas, settings, ray_address)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
+            signal.signal(sig, lambda *_: done.set())
         logger.info("serving %d replica(s) through Ray Serve at %s", num_replicas, url)
         print(f"specserve: {num_replicas} replica(s) ready at {url}", flush=True)
         while not done.wait(0.5):

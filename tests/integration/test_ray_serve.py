@@ -12,7 +12,6 @@ import shutil
 import signal
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,29 +20,13 @@ pytest.importorskip("ray.serve", reason="needs the specserve[ray] extra")
 
 from specserve.bench.metrics_parse import parse_metrics  # noqa: E402
 from specserve.config import DEFAULT_MODEL  # noqa: E402
+from tests.helpers.ray_procs import ray_processes  # noqa: E402
 from tests.helpers.server_proc import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ENGINE = {"model": DEFAULT_MODEL, "kv_cache_memory_bytes": 256 << 20, "max_model_len": 1024}
 PROMPTS = [f"Question {i}: what is {i} plus {i * 3}? Answer:" if i % 2 else f"Write a short poem about the number {i}."
            for i in range(32)]
-
-
-def _ray_processes(tmpdir: str) -> list[int]:
-    """Pids of live processes whose command line or environment names this module's Ray temp dir
-    (workers retitle themselves, but inherit RAY_TMPDIR)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes()
-            state = next((ln for ln in (entry / "status").read_text().splitlines() if ln.startswith("State:")), "")
-        except OSError:
-            continue
-        if tmpdir.encode() in cmdline and "zombie" not in state:
-            pids.append(int(entry.name))
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +123,24 @@ def test_shared_prefix_lands_on_one_replica(cluster):
     assert set(served) == {"0", "1"}  # the merged page labels every replica's series
 
 
+def test_client_disconnect_aborts_on_the_replica(cluster):
+    url = cluster["url"]
+    body = {"model": DEFAULT_MODEL, "prompt": "Count slowly from one to one thousand:", "max_tokens": 900,
+            "temperature": 0.0, "ignore_eos": True, "stream": True}
+    before = _metrics(url).value("generation_tokens_total")
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())  # streaming has started; leave after the first event
+    deadline, snap = time.monotonic() + 20, _metrics(url)
+    while snap.value("num_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        snap = _metrics(url)
+    assert snap.value("num_requests_running") == 0
+    generated = snap.value("generation_tokens_total") - before
+    assert 0 < generated < 900  # stopped mid-way, not run to max_tokens
+    time.sleep(1.0)
+    assert _metrics(url).value("generation_tokens_total") == snap.value("generation_tokens_total")
+
+
 def test_killing_a_replica_loses_no_request(cluster):
     from ray import serve
 
@@ -168,10 +169,10 @@ def test_killing_a_replica_loses_no_request(cluster):
 
 
 def test_shutdown_leaves_no_ray_process(cluster):
-    assert _ray_processes(cluster["tmpdir"])  # the check below can see them
+    assert ray_processes(cluster["tmpdir"])  # the check below can see them
     cluster["stop"](joined=False)
     cluster["stopped"] = True
     deadline = time.monotonic() + 30
-    while _ray_processes(cluster["tmpdir"]) and time.monotonic() < deadline:
+    while ray_processes(cluster["tmpdir"]) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _ray_processes(cluster["tmpdir"]) == []
+    assert ray_processes(cluster["tmpdir"]) == []
