@@ -12,7 +12,7 @@ from typing import Any
 
 _EXPORTS = {"build_openai_app": "app", "serve_ray": "app", "start": "app", "stop": "app",
             "FrontDoor": "frontdoor", "RouterOptions": "frontdoor", "SpecserveReplica": "replica"}
-__all__ = sorted(_EXPORTS)
+__all__ = ["FrontDoor", "RouterOptions", "SpecserveReplica", "build_openai_app", "serve_ray", "start", "stop"]
 
 
 def __getattr__(name: str) -> Any:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray import serve
-from ray.serve import Application
+from ray.serve import Application, Deployment
 
 from specserve.ray.frontdoor import FrontDoor, RouterOptions
 from specserve.ray.replica import SpecserveReplica
@@ -34,10 +34,12 @@ def build_openai_app(engine_kwargs: dict[str, Any] | None = None, num_replicas: 
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas (data_parallel_size) must be >= 1, got {num_replicas}.")
-    replicas = [SpecserveReplica.options(name=f"specserve-replica-{i}",
-                                         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus})
+    # serve.deployment turned both classes into Deployments (mypy sees the classes).
+    replica, front_door = cast(Deployment, SpecserveReplica), cast(Deployment, FrontDoor)
+    replicas = [replica.options(name=f"specserve-replica-{i}",
+                                ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus})
                 .bind(dict(engine_kwargs or {}), settings) for i in range(num_replicas)]
-    return FrontDoor.options(name="specserve-front-door").bind(replicas, router or RouterOptions())
+    return front_door.options(name="specserve-front-door").bind(replicas, router or RouterOptions())
 
 
 def start(engine_kwargs: dict[str, Any], num_replicas: int, settings: ServerConfig,

@@ -17,7 +17,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI
 from ray import serve
@@ -84,9 +84,9 @@ def _text(content: Any) -> str:
 class FrontDoor:
     def __init__(self, replicas: Sequence[DeploymentHandle], options: RouterOptions | None = None) -> None:
         self.handles = list(replicas)
-        self.options = options or RouterOptions()
-        self.router = Router(len(self.handles), self.options.max_waiting, self.options.max_kv_usage,
-                             self.options.policy)
+        self.opts = options or RouterOptions()
+        self.router = Router(len(self.handles), self.opts.max_waiting, self.opts.max_kv_usage,
+                             self.opts.policy)
         self.tokenizer: Any = None
         self.block_size = 16
         self._poller: asyncio.Task | None = None
@@ -117,8 +117,8 @@ class FrontDoor:
         while (i := self.router.choose(key, exclude=tried)) is not None:
             tried.append(i)
             self.router.started(i)
-            gen = self.handles[i].options(stream=True).request.remote(
-                request.method, path, request.url.query.encode(), headers, body)
+            gen = cast(DeploymentResponseGenerator, self.handles[i].options(stream=True).request.remote(
+                request.method, path, request.url.query.encode(), headers, body))
             try:
                 status, head, first = await _head(gen)
             except Exception as e:  # noqa: BLE001 - the replica died or failed before answering
@@ -132,8 +132,8 @@ class FrontDoor:
             out["x-specserve-replica"] = str(i)
             is_sse = out.get("content-type", "").startswith("text/event-stream")
             return StreamingResponse(self._relay(i, gen, first, is_sse), status_code=status, headers=out)
-        e = _unavailable(f"no replica could take the request (tried {len(tried)})")
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        err = _unavailable(f"no replica could take the request (tried {len(tried)})")
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     # ------------------------------------------------------------------ streaming
     async def _relay(self, i: int, gen: DeploymentResponseGenerator, first: bytes,
@@ -145,7 +145,7 @@ class FrontDoor:
             async for item in gen:
                 if item[0] == "body":
                     yield item[1]
-        except Exception as e:  # noqa: BLE001 - the replica died mid-response
+        except Exception as e:  # the replica died mid-response
             failed = True
             logger.warning("replica %d failed mid-response: %s", i, e)
             if not is_sse:
@@ -179,11 +179,11 @@ class FrontDoor:
                 ids = self._encode(text, False)
         except Exception:  # noqa: BLE001 - a malformed body is the replica's to reject (400)
             return None
-        return routing_key(ids, self.block_size, self.options.prefix_blocks)
+        return routing_key(ids, self.block_size, self.opts.prefix_blocks)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # Only the first blocks matter; a token is rarely longer than 16 characters.
-        limit = 16 * self.block_size * self.options.prefix_blocks
+        limit = 16 * self.block_size * self.opts.prefix_blocks
         return list(self.tokenizer.encode(text[:limit], add_special_tokens=add_special_tokens))
 
     # ------------------------------------------------------------------ replica stats
@@ -201,7 +201,7 @@ class FrontDoor:
                     self.router.mark_down(i)
                 else:
                     self.router.mark_up(i, **stats)
-            await asyncio.sleep(self.options.poll_interval_s)
+            await asyncio.sleep(self.opts.poll_interval_s)
 
     async def _fetch_info(self) -> None:
         for i in self.router.live():
@@ -214,7 +214,7 @@ class FrontDoor:
         """A replica method's result, or None if it fails or takes longer than the poll timeout."""
         response = method.remote()
         try:
-            return await asyncio.wait_for(_awaited(response), self.options.poll_timeout_s)
+            return await asyncio.wait_for(_awaited(response), self.opts.poll_timeout_s)
         except Exception:  # noqa: BLE001 - down, restarting or busy past the timeout
             response.cancel()
             return None

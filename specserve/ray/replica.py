@@ -44,7 +44,7 @@ class SpecserveReplica:
     async def request(self, method: str, path: str, query: bytes, headers: Headers,
                       body: bytes) -> AsyncIterator[tuple[Any, ...]]:
         """Run one HTTP request through the app; yield its response start, then body pieces."""
-        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        queue: asyncio.Queue[Any] = asyncio.Queue()  # ASGI messages, then None when the app returns
         disconnected = asyncio.Event()
         body_sent = False
 

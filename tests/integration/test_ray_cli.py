@@ -15,9 +15,9 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="needs the specserve[ray] extra")
 
-from specserve.bench.metrics_parse import parse_metrics  # noqa: E402
-from tests.helpers.ray_procs import ray_processes  # noqa: E402
-from tests.helpers.server_proc import free_port, wait_healthy  # noqa: E402
+from specserve.bench.metrics_parse import parse_metrics
+from tests.helpers.ray_procs import ray_processes
+from tests.helpers.server_proc import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

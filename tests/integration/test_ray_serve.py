@@ -18,10 +18,10 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="needs the specserve[ray] extra")
 
-from specserve.bench.metrics_parse import parse_metrics  # noqa: E402
-from specserve.config import DEFAULT_MODEL  # noqa: E402
-from tests.helpers.ray_procs import ray_processes  # noqa: E402
-from tests.helpers.server_proc import free_port  # noqa: E402
+from specserve.bench.metrics_parse import parse_metrics
+from specserve.config import DEFAULT_MODEL
+from tests.helpers.ray_procs import ray_processes
+from tests.helpers.server_proc import free_port
 
 pytestmark = pytest.mark.slow
 ENGINE = {"model": DEFAULT_MODEL, "kv_cache_memory_bytes": 256 << 20, "max_model_len": 1024}

@@ -62,3 +62,12 @@ def test_merged_metrics_label_each_replica_and_parse():
     snap = parse_metrics(merged, 0.0)
     assert snap.by_label("num_requests_waiting", "replica") == {"0": 2.0, "1": 3.0}
     assert snap.value("request_success_total", {"replica": "1", "finished_reason": "stop"}) == 5.0
+
+
+def test_advise_reads_gauges_per_replica_on_a_merged_page():
+    from specserve.bench.advise import window_stats
+
+    page = ("# HELP specserve:kv_cache_usage_perc KV.\n# TYPE specserve:kv_cache_usage_perc gauge\n"
+            "specserve:kv_cache_usage_perc {}\n")
+    merged = merge_metrics([("0", page.format(0.6)), ("1", page.format(0.7))])
+    assert window_stats([parse_metrics(merged, 0.0)]).kv_usage_max == pytest.approx(0.7)  # not 1.3
