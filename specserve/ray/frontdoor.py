@@ -41,7 +41,7 @@ class RouterOptions:
 
     policy: str = "affinity"
     prefix_blocks: int = 4
-    max_waiting: int = 8
+    max_imbalance: int = 32
     max_kv_usage: float = 0.9
     poll_interval_s: float = 0.5
     poll_timeout_s: float = 2.0
@@ -85,7 +85,7 @@ class FrontDoor:
     def __init__(self, replicas: Sequence[DeploymentHandle], options: RouterOptions | None = None) -> None:
         self.handles = list(replicas)
         self.opts = options or RouterOptions()
-        self.router = Router(len(self.handles), self.opts.max_waiting, self.opts.max_kv_usage,
+        self.router = Router(len(self.handles), self.opts.max_imbalance, self.opts.max_kv_usage,
                              self.opts.policy)
         self.tokenizer: Any = None
         self.block_size = 16

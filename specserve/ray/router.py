@@ -45,13 +45,14 @@ class Router:
     """Pick a replica: the key's owner unless it is overloaded, else the less loaded of two.
 
     The owner is overridden when its KV usage reaches `max_kv_usage`, or when it has
-    `max_waiting` more requests waiting (or outstanding) than the least loaded live replica.
+    `max_imbalance` more requests in flight or waiting than the least loaded live replica (a
+    small threshold splits bursts of one prefix over replicas and loses the cache it routes for).
     `policy="round_robin"` ignores keys and load (the baseline affinity is measured against).
     """
 
     POLICIES = ("affinity", "round_robin")
 
-    def __init__(self, num_replicas: int, max_waiting: int = 8, max_kv_usage: float = 0.9,
+    def __init__(self, num_replicas: int, max_imbalance: int = 32, max_kv_usage: float = 0.9,
                  policy: str = "affinity", seed: int | None = None) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
@@ -59,7 +60,7 @@ class Router:
             raise ValueError(f"policy must be one of {self.POLICIES}, got {policy!r}.")
         self.policy, self._next = policy, 0
         self.replicas = [ReplicaLoad() for _ in range(num_replicas)]
-        self.max_waiting, self.max_kv_usage = max_waiting, max_kv_usage
+        self.max_imbalance, self.max_kv_usage = max_imbalance, max_kv_usage
         self._rng = random.Random(seed)
 
     def live(self, exclude: Sequence[int] = ()) -> list[int]:
@@ -80,7 +81,7 @@ class Router:
         if key is not None:
             i = self.owner(key, candidates)
             r, least = self.replicas[i], min(self.replicas[j].load for j in candidates)
-            if r.kv_usage < self.max_kv_usage and r.load - least < self.max_waiting:
+            if r.kv_usage < self.max_kv_usage and r.load - least < self.max_imbalance:
                 return i
         if len(candidates) == 1:
             return candidates[0]

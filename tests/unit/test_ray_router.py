@@ -30,7 +30,7 @@ def test_same_key_same_replica_and_only_the_dead_ones_keys_move():
 
 
 def test_load_overrides_affinity_and_p2c_picks_the_less_loaded():
-    router = Router(2, max_waiting=4, seed=0)
+    router = Router(2, max_imbalance=4, seed=0)
     key = routing_key(list(range(64)), 16, 4)
     owner = router.choose(key)
     for _ in range(4):
