@@ -36,7 +36,8 @@ def build_openai_app(engine_kwargs: dict[str, Any] | None = None, num_replicas: 
         raise ValueError(f"num_replicas (data_parallel_size) must be >= 1, got {num_replicas}.")
     # serve.deployment turned both classes into Deployments (mypy sees the classes).
     replica, front_door = cast(Deployment, SpecserveReplica), cast(Deployment, FrontDoor)
-    replicas = [replica.options(name=f"specserve-replica-{i}",
+    drain_s = (settings or ServerConfig()).graceful_shutdown_timeout  # in-flight requests may finish
+    replicas = [replica.options(name=f"specserve-replica-{i}", graceful_shutdown_timeout_s=drain_s,
                                 ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus})
                 .bind(dict(engine_kwargs or {}), settings) for i in range(num_replicas)]
     return front_door.options(name="specserve-front-door").bind(replicas, router or RouterOptions())
@@ -73,9 +74,10 @@ def serve_ray(engine_kwargs: dict[str, Any], settings: ServerConfig, num_replica
     """`specserve serve --data-parallel-backend ray`: serve until SIGTERM / SIGINT, then stop."""
     done = threading.Event()
     try:
-        url = start(engine_kwargs, num_replicas, settings, ray_address)
+        ray.init(address=ray_address, include_dashboard=False)
         for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
             signal.signal(sig, lambda *_: done.set())
+        url = start(engine_kwargs, num_replicas, settings, ray_address)
         logger.info("serving %d replica(s) through Ray Serve at %s", num_replicas, url)
         print(f"specserve: {num_replicas} replica(s) ready at {url}", flush=True)
         while not done.wait(0.5):

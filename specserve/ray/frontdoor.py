@@ -23,10 +23,11 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from specserve.ray.prom import merge_metrics
 from specserve.ray.router import Router, routing_key
+from specserve.server.api import error_response
 from specserve.server.serving_common import SSE_DONE, APIError, sse
 
 logger = logging.getLogger(__name__)
@@ -50,10 +51,6 @@ class RouterOptions:
 def _unavailable(message: str) -> APIError:
     return APIError(message, 503, "service_unavailable_error", code="engine_unavailable",
                     headers={"Retry-After": "1"})
-
-
-async def _awaited(response: Any) -> Any:
-    return await response
 
 
 async def _head(gen: DeploymentResponseGenerator) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -97,8 +94,7 @@ class FrontDoor:
         self._start_polling()
         if self.router.live():
             return Response(status_code=200)
-        e = _unavailable("no replica is up")
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return error_response(_unavailable("no replica is up"))
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -132,8 +128,7 @@ class FrontDoor:
             out["x-specserve-replica"] = str(i)
             is_sse = out.get("content-type", "").startswith("text/event-stream")
             return StreamingResponse(self._relay(i, gen, first, is_sse), status_code=status, headers=out)
-        err = _unavailable(f"no replica could take the request (tried {len(tried)})")
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        return error_response(_unavailable(f"no replica could take the request (tried {len(tried)})"))
 
     # ------------------------------------------------------------------ streaming
     async def _relay(self, i: int, gen: DeploymentResponseGenerator, first: bytes,
@@ -214,7 +209,7 @@ class FrontDoor:
         """A replica method's result, or None if it fails or takes longer than the poll timeout."""
         response = method.remote()
         try:
-            return await asyncio.wait_for(_awaited(response), self.opts.poll_timeout_s)
+            return await asyncio.wait_for(response, self.opts.poll_timeout_s)
         except Exception:  # noqa: BLE001 - down, restarting or busy past the timeout
             response.cancel()
             return None
