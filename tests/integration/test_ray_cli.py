@@ -55,3 +55,14 @@ def test_serve_with_two_ray_replicas_then_sigterm(tiny_llama_dir, tmp_path):
     while ray_processes(ray_tmp) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert ray_processes(ray_tmp) == [], (tmp_path / "out.txt").read_text()[-3000:]
+
+
+@pytest.mark.parametrize(("flags", "message"), [(["--data-parallel-size", "2"], "--data-parallel-backend ray"),
+                                                (["--ray-address", "auto"], "--data-parallel-backend ray"),
+                                                (["--data-parallel-size", "0"], "data_parallel_size must be >= 1")])
+def test_data_parallel_flags_without_a_backend_are_refused(flags, message, capsys):
+    from specserve.server.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", *flags])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
