@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 
 import httpx
@@ -38,7 +39,7 @@ def cluster():
     old = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = tmpdir
     url = start(ENGINE, 2, ServerConfig(port=free_port(), log_interval=0),
-                ray_init={"num_cpus": 4, "log_to_driver": False})
+                ray_init={"num_cpus": 4, "object_store_memory": 128 << 20, "log_to_driver": False})
     state = {"url": url, "tmpdir": tmpdir, "stop": stop, "stopped": False}
     yield state
     if not state["stopped"]:
@@ -50,9 +51,12 @@ def cluster():
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _complete(url: str, prompt: str, max_tokens: int = 8, stream: bool = False) -> tuple[int, str, str, dict]:
-    """(status, replica, text or error code, usage) of one completion; a stream is reassembled."""
-    body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
+def _complete(url: str, prompt: str, max_tokens: int = 8, stream: bool = False,
+              streaming_on_1: threading.Event | None = None) -> tuple[int, str, str, dict]:
+    """(status, replica, text or error code, usage) of one completion; a stream is reassembled.
+    `streaming_on_1` is set once a stream from replica 1 has delivered its first event."""
+    body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream,
+            "ignore_eos": True}
     if stream:
         body["stream_options"] = {"include_usage": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
@@ -70,6 +74,8 @@ def _complete(url: str, prompt: str, max_tokens: int = 8, stream: bool = False) 
             if "error" in event:
                 return 599, replica, event["error"]["code"], {}
             text += "".join(c["text"] for c in event["choices"])
+            if streaming_on_1 is not None and replica == "1":
+                streaming_on_1.set()
             usage = event.get("usage") or usage
         return 200, replica, text, usage
 
@@ -88,7 +94,7 @@ def test_greedy_equals_single_engine(cluster):
 
     results = _many(cluster["url"], PROMPTS)
     llm = LLM(**ENGINE)
-    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))]
+    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))]
     del llm
     assert [r[0] for r in results] == [200] * len(PROMPTS)
     assert [r[2] for r in results] == expected
@@ -149,14 +155,16 @@ def test_killing_a_replica_loses_no_request(cluster):
     old_pid = victim.info.remote().result()["pid"]
     prompts = [f"Item {i}: list three facts about the number {i}." for i in range(64)]
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
-        futures = [pool.submit(_complete, url, p, 16, i % 2 == 0) for i, p in enumerate(prompts)]
-        time.sleep(2.0)  # requests are admitted and some stream
-        os.kill(old_pid, signal.SIGKILL)
+        streaming_on_1 = threading.Event()
+        futures = [pool.submit(_complete, url, p, 32, i % 2 == 0, streaming_on_1) for i, p in enumerate(prompts)]
+        assert streaming_on_1.wait(120)
+        os.kill(old_pid, signal.SIGKILL)  # mid-stream for some requests, queued for others
         results = [f.result(timeout=300) for f in futures]
     completed = sum(r[0] == 200 for r in results)
     retryable = sum(r[0] in (503, 599) and r[2] == "engine_unavailable" for r in results)
     print(f"completed {completed}, retryable errors {retryable}")
     assert completed + retryable == 64
+    assert retryable >= 1  # the stream that was under way on the killed replica ended with an error event
     assert completed >= 32  # requests not yet streaming on the dead replica were retried, not failed
     deadline = time.monotonic() + 180  # Ray replaces the replica; the front door routes to it again
     while time.monotonic() < deadline:
