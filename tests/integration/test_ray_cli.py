@@ -3,6 +3,7 @@ its own Ray, serves through the front door, and leaves no Ray process behind aft
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,6 +56,7 @@ def test_serve_with_two_ray_replicas_then_sigterm(tiny_llama_dir, tmp_path):
     while ray_processes(ray_tmp) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert ray_processes(ray_tmp) == [], (tmp_path / "out.txt").read_text()[-3000:]
+    shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @pytest.mark.parametrize(("flags", "message"), [(["--data-parallel-size", "2"], "--data-parallel-backend ray"),
