@@ -93,7 +93,8 @@ def window_stats(snapshots: list[MetricsSnapshot]) -> WindowStats:
     stats = WindowStats(seconds=None if single else max(last.timestamp - first.timestamp, 1e-9))
     for key, names in GAUGES.items():
         name = _first_name(last, names)
-        values = [s.value(name) for s in snapshots] if name else [0.0]
+        # Per engine: the busiest series (one per replica behind a front door), not their sum.
+        values = [max((v for _, v in s.samples.get(name, [])), default=0.0) for s in snapshots] if name else [0.0]
         setattr(stats, f"{key}_avg", sum(values) / len(values))
         setattr(stats, f"{key}_max", max(values))
     for key, names in COUNTERS.items():

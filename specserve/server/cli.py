@@ -13,9 +13,12 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from specserve.config import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from specserve.server.cli_args import ServerConfig
 
 T = TypeVar("T")
 
@@ -59,11 +62,14 @@ def serve_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="specserve serve", description=SUBCOMMANDS["serve"])
     cli_args.add_engine_args(parser)
     cli_args.add_server_args(parser)
+    cli_args.add_data_parallel_args(parser)
     args = parser.parse_args(argv)
     settings = _config_or_exit("specserve serve", lambda: cli_args.server_config(args))
     config = _config_or_exit("specserve serve",
                              lambda: EngineConfig.from_kwargs(**cli_args.engine_kwargs(args)))
     _setup_logging()
+    if _config_or_exit("specserve serve", lambda: cli_args.wants_data_parallel(args)):
+        return _serve_ray(cli_args.engine_kwargs(args), settings, args)
 
     from specserve.engine.async_engine import AsyncEngine
     from specserve.server.api import make_server
@@ -84,6 +90,18 @@ def serve_main(argv: Sequence[str]) -> int:
     finally:
         engine.close(timeout=2.0)  # no-op when the app's lifespan already shut it down
     return 0 if server.started and server.engine_died_at is None else 1
+
+
+def _serve_ray(engine_kwargs: dict[str, Any], settings: ServerConfig, args: argparse.Namespace) -> int:
+    try:
+        from specserve.ray import serve_ray
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("ray"):
+            raise
+        print("specserve serve: error: --data-parallel-backend ray needs Ray Serve: "
+              "pip install 'specserve[ray]'", file=sys.stderr)
+        return 2
+    return serve_ray(engine_kwargs, settings, args.data_parallel_size, args.ray_address)
 
 
 # -------------------------------------------------------------------------------- generate

@@ -166,6 +166,26 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                 _add_field(group, f, hints[f.name], f.name)
 
 
+def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's data-parallel flags of `serve`; replicas run on Ray Serve (`specserve.ray`)."""
+    group = parser.add_argument_group("data parallel")
+    group.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine replicas behind one front door (default: 1)")
+    group.add_argument("--data-parallel-backend", choices=("ray",), default=None,
+                       help="ray: replicas as a Ray Serve application (pip install 'specserve[ray]')")
+    group.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster (default: start a local Ray instance)")
+
+
+def wants_data_parallel(args: argparse.Namespace) -> bool:
+    """True when `serve` should run replicas on Ray; ValueError for sizes without a backend."""
+    if args.data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}.")
+    if args.data_parallel_backend is None and (args.data_parallel_size > 1 or args.ray_address):
+        raise ValueError("data_parallel_size > 1 and ray_address need --data-parallel-backend ray.")
+    return args.data_parallel_backend == "ray"
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     return ServerConfig(**{k: v for k, v in vars(args).items() if k in names})

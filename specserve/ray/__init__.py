@@ -1,0 +1,21 @@
+"""specserve replicas on Ray Serve (`pip install 'specserve[ray]'`): data parallelism with
+prefix-affinity routing and failover behind one OpenAI-compatible front door.
+
+    from ray import serve
+    from specserve.ray import build_openai_app
+    serve.run(build_openai_app({"model": "smollm2-135m-instruct"}, num_replicas=2))
+
+Ray is imported when one of the names below is first used; `router` and `prom` need no Ray.
+"""
+import importlib
+from typing import Any
+
+_EXPORTS = {"build_openai_app": "app", "serve_ray": "app", "start": "app", "stop": "app",
+            "FrontDoor": "frontdoor", "RouterOptions": "frontdoor", "SpecserveReplica": "replica"}
+__all__ = ["FrontDoor", "RouterOptions", "SpecserveReplica", "build_openai_app", "serve_ray", "start", "stop"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'specserve.ray' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"specserve.ray.{_EXPORTS[name]}"), name)

@@ -1,0 +1,91 @@
+"""Build the Ray Serve application (N engine replicas + front door) and run it from `specserve serve`.
+
+Each replica is its own one-replica deployment (`specserve-replica-i`), so the front door can
+address it by index for prefix affinity; Ray Serve restarts a replica whose process dies or
+whose health check fails. The same application runs on one machine or a multi-node cluster:
+Ray places replicas wherever their `num_gpus` / `num_cpus` fit.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any, cast
+
+import ray
+from ray import serve
+from ray.serve import Application, Deployment
+
+from specserve.ray.frontdoor import FrontDoor, RouterOptions
+from specserve.ray.replica import SpecserveReplica
+from specserve.server.cli_args import ServerConfig
+
+logger = logging.getLogger(__name__)
+APP_NAME = "specserve"
+
+
+def build_openai_app(engine_kwargs: dict[str, Any] | None = None, num_replicas: int = 2,
+                     settings: ServerConfig | None = None, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
+                     router: RouterOptions | None = None) -> Application:
+    """The application to `serve.run`: `num_replicas` engines built from `engine_kwargs`
+    (`LLM(...)`'s names) behind one OpenAI-compatible front door.
+
+    `num_gpus` per replica is the tensor-parallel size on GPUs (0 for CPU replicas).
+    """
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas (data_parallel_size) must be >= 1, got {num_replicas}.")
+    # serve.deployment turned both classes into Deployments (mypy sees the classes).
+    replica, front_door = cast(Deployment, SpecserveReplica), cast(Deployment, FrontDoor)
+    drain_s = (settings or ServerConfig()).graceful_shutdown_timeout  # in-flight requests may finish
+    replicas = [replica.options(name=f"specserve-replica-{i}", graceful_shutdown_timeout_s=drain_s,
+                                ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus})
+                .bind(dict(engine_kwargs or {}), settings) for i in range(num_replicas)]
+    return front_door.options(name="specserve-front-door").bind(replicas, router or RouterOptions())
+
+
+def start(engine_kwargs: dict[str, Any], num_replicas: int, settings: ServerConfig,
+          ray_address: str | None = None, router: RouterOptions | None = None,
+          ray_init: dict[str, Any] | None = None) -> str:
+    """Start (or join, with `ray_address`) Ray, deploy the application, wait until it is ready;
+    return the front door's URL. `ray_init` adds arguments of `ray.init` (e.g. `num_cpus`)."""
+    if not ray.is_initialized():
+        ray.init(address=ray_address, include_dashboard=False, **(ray_init or {}))
+    has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    tp = int(engine_kwargs.get("tensor_parallel_size", 1))
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    app = build_openai_app(engine_kwargs, num_replicas, settings, num_cpus=1.0,
+                           num_gpus=float(tp) if has_gpus else 0.0, router=router)
+    serve.run(app, name=APP_NAME, route_prefix="/")
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    return f"http://{host}:{settings.port}"
+
+
+def stop(joined: bool) -> None:
+    """Remove the application; shut Serve and Ray down when this process started them."""
+    if joined:
+        serve.delete(APP_NAME)
+    else:
+        serve.shutdown()
+    ray.shutdown()
+
+
+def serve_ray(engine_kwargs: dict[str, Any], settings: ServerConfig, num_replicas: int,
+              ray_address: str | None) -> int:
+    """`specserve serve --data-parallel-backend ray`: serve until SIGTERM / SIGINT, then stop."""
+    done = threading.Event()
+    try:
+        ray.init(address=ray_address, include_dashboard=False)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
+            signal.signal(sig, lambda *_: done.set())
+        url = start(engine_kwargs, num_replicas, settings, ray_address)
+        logger.info("serving %d replica(s) through Ray Serve at %s", num_replicas, url)
+        print(f"specserve: {num_replicas} replica(s) ready at {url}", flush=True)
+        while not done.wait(0.5):
+            pass
+    except RuntimeError as e:  # deployment failed (e.g. a replica could not load the model)
+        logger.error("Ray Serve deployment failed: %s", e)
+        return 1
+    finally:
+        if ray.is_initialized():
+            stop(joined=ray_address is not None)
+    return 0

@@ -1,0 +1,215 @@
+"""The front door: one Ray Serve ingress that routes OpenAI requests to specserve replicas.
+
+Routing: completions and chat completions sharing their first `prefix_blocks` KV blocks go to
+the same replica (consistent hash of the prefix cache's chained block hash), unless that replica
+is overloaded; everything else goes to the less loaded of two random replicas (`router.py`).
+
+Failover contract: nothing reaches the client before a replica has produced its first body
+bytes, so a request whose replica dies (or answers 503) before that is retried on another one;
+a stream cut after that ends with an SSE error event (code `engine_unavailable`, retryable), never
+silently. A request is never sent again once the client has seen any of its output.
+(No `from __future__ import annotations`, and helpers defined before the class: FastAPI reads
+the routes' annotations, and `serve.ingress` pickles the class as it is defined.)
+"""
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from specserve.ray.prom import merge_metrics
+from specserve.ray.router import Router, routing_key
+from specserve.server.api import error_response
+from specserve.server.serving_common import SSE_DONE, APIError, sse
+
+logger = logging.getLogger(__name__)
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+_DROPPED_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
+app = FastAPI(title="specserve (Ray Serve front door)", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    """How the front door routes: see `router.Router` and `router.routing_key`."""
+
+    policy: str = "affinity"
+    prefix_blocks: int = 4
+    max_imbalance: int = 32
+    max_kv_usage: float = 0.9
+    poll_interval_s: float = 0.5
+    poll_timeout_s: float = 2.0
+
+
+def _unavailable(message: str) -> APIError:
+    return APIError(message, 503, "service_unavailable_error", code="engine_unavailable",
+                    headers={"Retry-After": "1"})
+
+
+async def _head(gen: DeploymentResponseGenerator) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The replica's status and headers and its first body bytes (all of a non-streamed body)."""
+    status: int | None = None
+    headers: list[tuple[bytes, bytes]] = []
+    with contextlib.suppress(StopAsyncIteration):
+        while True:
+            item = await gen.__anext__()
+            if item[0] == "start":
+                status, headers = item[1], item[2]
+            elif status is not None:
+                return status, headers, item[1]
+    if status is None:
+        raise RuntimeError("the replica ended the call without a response")
+    return status, headers, b""
+
+
+def _text(content: Any) -> str:
+    """A message's text: a string, or the text parts of a content list."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+@serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class FrontDoor:
+    def __init__(self, replicas: Sequence[DeploymentHandle], options: RouterOptions | None = None) -> None:
+        self.handles = list(replicas)
+        self.opts = options or RouterOptions()
+        self.router = Router(len(self.handles), self.opts.max_imbalance, self.opts.max_kv_usage,
+                             self.opts.policy)
+        self.tokenizer: Any = None
+        self.block_size = 16
+        self._poller: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health(self) -> Response:
+        self._start_polling()
+        if self.router.live():
+            return Response(status_code=200)
+        return error_response(_unavailable("no replica is up"))
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        self._start_polling()
+        texts = await asyncio.gather(*(self._call(h.metrics_text) for h in self.handles))
+        pages = [(str(i), text) for i, text in enumerate(texts) if text is not None]
+        return Response(merge_metrics(pages), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(self, request: Request) -> Response:
+        self._start_polling()
+        body, path = await request.body(), request.url.path
+        key = self._key(path, body) if path in ROUTED_PATHS else None
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"host"]
+        tried: list[int] = []
+        while (i := self.router.choose(key, exclude=tried)) is not None:
+            tried.append(i)
+            self.router.started(i)
+            gen = cast(DeploymentResponseGenerator, self.handles[i].options(stream=True).request.remote(
+                request.method, path, request.url.query.encode(), headers, body))
+            try:
+                status, head, first = await _head(gen)
+            except Exception as e:  # noqa: BLE001 - the replica died or failed before answering
+                logger.warning("replica %d failed before answering (%s); retrying elsewhere", i, e)
+                self._release(i, gen, down=True)
+                continue
+            if status == 503 and self.router.live(exclude=tried):  # overloaded or stopping: try another
+                self._release(i, gen)
+                continue
+            out = {k.decode("latin-1"): v.decode("latin-1") for k, v in head if k.lower() not in _DROPPED_HEADERS}
+            out["x-specserve-replica"] = str(i)
+            is_sse = out.get("content-type", "").startswith("text/event-stream")
+            return StreamingResponse(self._relay(i, gen, first, is_sse), status_code=status, headers=out)
+        return error_response(_unavailable(f"no replica could take the request (tried {len(tried)})"))
+
+    # ------------------------------------------------------------------ streaming
+    async def _relay(self, i: int, gen: DeploymentResponseGenerator, first: bytes,
+                     is_sse: bool) -> AsyncIterator[bytes]:
+        failed = False
+        try:
+            if first:
+                yield first
+            async for item in gen:
+                if item[0] == "body":
+                    yield item[1]
+        except Exception as e:  # the replica died mid-response
+            failed = True
+            logger.warning("replica %d failed mid-response: %s", i, e)
+            if not is_sse:
+                raise
+            err = _unavailable("the replica serving this stream failed; the output is incomplete")
+            yield (sse(err.body()) + SSE_DONE).encode()
+        finally:
+            self._release(i, gen, down=failed)
+
+    def _release(self, i: int, gen: DeploymentResponseGenerator, down: bool = False) -> None:
+        gen.cancel()  # no-op when it ended; else the replica sees a disconnect and aborts
+        self.router.finished(i)
+        if down:
+            self.router.mark_down(i)
+
+    # ------------------------------------------------------------------ routing key
+    def _key(self, path: str, body: bytes) -> bytes | None:
+        """The routing key of a completion or chat body; None (no affinity) when it has none."""
+        if self.tokenizer is None:
+            return None
+        try:
+            req = json.loads(body)
+            if path == "/v1/completions":
+                prompt = req["prompt"]
+                if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                    prompt = prompt[0]  # a batch: route by its first prompt
+                ids = prompt if isinstance(prompt, list) else self._encode(prompt, True)
+            else:
+                conversation = [{"role": m["role"], "content": _text(m.get("content"))} for m in req["messages"]]
+                text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+                ids = self._encode(text, False)
+        except Exception:  # noqa: BLE001 - a malformed body is the replica's to reject (400)
+            return None
+        return routing_key(ids, self.block_size, self.opts.prefix_blocks)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # Only the first blocks matter; a token is rarely longer than 16 characters.
+        limit = 16 * self.block_size * self.opts.prefix_blocks
+        return list(self.tokenizer.encode(text[:limit], add_special_tokens=add_special_tokens))
+
+    # ------------------------------------------------------------------ replica stats
+    def _start_polling(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            if self.tokenizer is None:
+                await self._fetch_info()
+            results = await asyncio.gather(*(self._call(h.stats) for h in self.handles))
+            for i, stats in enumerate(results):
+                if stats is None:
+                    self.router.mark_down(i)
+                else:
+                    self.router.mark_up(i, **stats)
+            await asyncio.sleep(self.opts.poll_interval_s)
+
+    async def _fetch_info(self) -> None:
+        for i in self.router.live():
+            info = await self._call(self.handles[i].info)
+            if info is not None:
+                self.tokenizer, self.block_size = info["tokenizer"], info["block_size"]
+                return
+
+    async def _call(self, method: Any) -> Any:
+        """A replica method's result, or None if it fails or takes longer than the poll timeout."""
+        response = method.remote()
+        try:
+            return await asyncio.wait_for(response, self.opts.poll_timeout_s)
+        except Exception:  # noqa: BLE001 - down, restarting or busy past the timeout
+            response.cancel()
+            return None
