@@ -31,7 +31,7 @@ from specserve.sample.structured import StructuredOutputs
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.request import Request, RequestStatus
 from specserve.scheduler.scheduler import SchedulerOutput
-from specserve.spec.verify_logprobs import verify_logprobs
+from specserve.speculative.verify import verify_logprobs
 
 
 class Engine(AsyncStepMixin):
@@ -54,7 +54,7 @@ class Engine(AsyncStepMixin):
         self.stream_outputs = True  # False: step() returns finished requests only
         self.spec = None
         if config.speculative is not None:
-            from specserve.spec.decoder import SpecDecoder
+            from specserve.speculative.decoder import SpecDecoder
 
             self.spec = SpecDecoder(config.speculative, parts, self.stats)
             self.runner.model.aux_hidden_layers = self.spec.proposer.aux_hidden_layers

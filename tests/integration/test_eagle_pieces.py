@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.spec.eagle import EagleProposer
-from specserve.spec.eagle_head import make_random_head_dir
+from specserve.speculative.proposers.eagle import EagleProposer
+from specserve.speculative.proposers.eagle_head import make_random_head_dir
 
 K = 3
 PROMPTS = [[5 + (7 * i) % 300 for i in range(50)],  # 50 tokens: pieces of 16, 16, 16, 2

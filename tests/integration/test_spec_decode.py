@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.spec.eagle_head import make_random_head_dir
-from specserve.spec.train_data import TrainSeq, draft_vocab
+from specserve.speculative.proposers.eagle_head import make_random_head_dir
+from specserve.train.data import TrainSeq, draft_vocab
 from tests.helpers.tiny_models import make_tiny_model_dir
 
 K = 3

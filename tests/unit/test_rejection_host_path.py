@@ -211,7 +211,7 @@ def test_verify_metrics_equal_per_request_counting(seed: int) -> None:
     from types import SimpleNamespace
 
     from specserve.metrics.stats import StatsCollector
-    from specserve.spec.decoder import SpecDecoder
+    from specserve.speculative.decoder import SpecDecoder
 
     rng = random.Random(seed)
     got, want = SimpleNamespace(stats=StatsCollector()), StatsCollector()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.spec import train_data
+from specserve.train import data as train_data
 from tests.helpers.tiny_models import make_tiny_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))

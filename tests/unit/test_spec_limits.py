@@ -6,7 +6,7 @@ from __future__ import annotations
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
 from specserve.spec.controller import BatchSizeLimit, FixedController
-from specserve.spec.decoder import build_controller
+from specserve.speculative.decoder import build_controller
 
 
 def test_limit_wraps_the_controller() -> None:

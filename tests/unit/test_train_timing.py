@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.spec import train_timing
-from specserve.spec.train_timing import StepTimes
+from specserve.train import timing as train_timing
+from specserve.train.timing import StepTimes
 
 
 def test_step_times_by_length(monkeypatch) -> None:

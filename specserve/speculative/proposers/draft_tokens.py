@@ -97,12 +97,16 @@ class DeferredDrafts:
 
 
 class DraftDelivery:
-    """How a proposer that drafts on the device hands its drafts over: read back now (`defer_drafts`
-    False), or left on the device as DeferredDrafts that the spec decoder takes (`take_deferred`)."""
+    """How a proposer that drafts on the device hands its drafts over: read back now, or left on the
+    device as DeferredDrafts that the decoder takes (`take_deferred`) where the runner allows it
+    (`allow_deferred`) and the proposer defers by default."""
 
-    defer_drafts: bool = False  # set by the spec decoder (SPECSERVE_DEFER_DRAFTS, else defers_by_default)
+    defer_drafts: bool = False
     defers_by_default: bool = True
     _deferred: DeferredDrafts | None = None
+
+    def allow_deferred(self, allowed: bool) -> None:
+        self.defer_drafts = allowed and self.defers_by_default
 
     def deliver(self, dt: DraftTokens, reqs: list[Request], finish: Finish) -> None:
         """Drafts of chained steps (DraftTokens)."""

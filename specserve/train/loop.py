@@ -28,20 +28,20 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specserve.spec import train_data
-from specserve.spec.eagle_head import EagleHead, head_config_for, save_head
-from specserve.spec.train_timing import StepTimes
+from specserve.train import data as train_data
+from specserve.speculative.proposers.eagle_head import EagleHead, head_config_for, save_head
+from specserve.train.timing import StepTimes
 
 # Re-exported: bench/ and the tests use them as train.<name>; _train_loop looks target_batch and
 # head_loss up here, so a monkeypatch of train.target_batch (bench/train_profile.py) takes effect.
-from specserve.spec.train_loss import (  # noqa: F401
+from specserve.train.loss import (  # noqa: F401
     _block_mask,
     head_block_outputs,
     head_loss,
     loss_rows,
     reduced_vocab_labels,
 )
-from specserve.spec.train_target import TargetBatch, dense_forward, target_batch  # noqa: F401
+from specserve.train.target import TargetBatch, dense_forward, target_batch  # noqa: F401
 
 STATE_NAME, DATA_NAME = "train_state.pt", "distill.jsonl"
 DEFAULT_DRAFT_VOCAB = 32768
@@ -223,7 +223,7 @@ def _init_from_head(head: EagleHead, path: str) -> None:
     does the draft vocabulary (d2t: this run's data and --draft-vocab-size choose it)."""
     from safetensors.torch import load_file
 
-    from specserve.spec.eagle_head import WEIGHTS_NAME
+    from specserve.speculative.proposers.eagle_head import WEIGHTS_NAME
 
     state = load_file(str(Path(path) / WEIGHTS_NAME))
     own = head.state_dict()

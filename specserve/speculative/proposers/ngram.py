@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from specserve.spec.base import ProposeInput
+from specserve.speculative.proposers.base import ProposeInput, Proposer
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     name = "ngram"
-    aux_hidden_layers: tuple[int, ...] = ()
-    needs_target_hidden = False
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
@@ -23,12 +21,6 @@ class NgramProposer:
         for req, k in zip(inp.requests, inp.num_draft_tokens):
             req.spec_token_ids = find_draft(req.all_token_ids, self.min_n, self.max_n, k)
             req.spec_draft_probs = None
-
-    def on_request_finished(self, req) -> None:
-        pass
-
-    def on_request_preempted(self, req) -> None:
-        pass
 
 
 def find_draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

@@ -38,18 +38,18 @@ from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.sample.h2d import h2d
 from specserve.scheduler.request import Request
-from specserve.spec.base import OwnKVLifecycle, ProposeInput
-from specserve.spec.draft_model import DraftSampler, assign_drafts, draft_kv_blocks
-from specserve.spec.draft_tokens import DraftDelivery, DraftTokens, assign_resolved
-from specserve.spec.eagle_first import FirstForwardGraphs
-from specserve.spec.eagle_graph import (
+from specserve.speculative.proposers.base import OwnKVLifecycle, ProposeInput, Proposer
+from specserve.speculative.proposers.draft_model import DraftSampler, assign_drafts, draft_kv_blocks
+from specserve.speculative.proposers.draft_tokens import DraftDelivery, DraftTokens, assign_resolved
+from specserve.speculative.proposers.eagle_first import FirstForwardGraphs
+from specserve.speculative.proposers.eagle_graph import (
     HeadStepGraphs,
     PinnedUpload,
     attention_arrays,
     attention_metadata,
 )
-from specserve.spec.eagle_head import EagleHead, load_head, target_lm_weight
-from specserve.spec.eagle_setup import graph_logits_bytes, recapture_with_aux, step_batch_sizes
+from specserve.speculative.proposers.eagle_head import EagleHead, load_head, target_lm_weight
+from specserve.speculative.proposers.eagle_setup import graph_logits_bytes, recapture_with_aux, step_batch_sizes
 
 
 @dataclass
@@ -98,7 +98,7 @@ class DraftVocabSampler(DraftSampler):
         return super().sample(full.index_copy_(1, self.d2t, logits), rows)
 
 
-class EagleProposer(OwnKVLifecycle, DraftDelivery):
+class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
     needs_target_hidden = True
     # The head's forwards over static buffers: the first forward of a propose (FirstForwardGraphs:
     # the real rows, and P-EAGLE's mask rows) and the autoregressive draft steps after it
@@ -135,9 +135,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery):
                              f"got {self.step_graphs!r}.")
         self.name = "p-eagle" if cfg.parallel_drafting else cfg.method
         self.parallel = cfg.parallel_drafting
-        # P-EAGLE reads its drafts back in propose unless SPECSERVE_DEFER_DRAFTS=1: deferred, its step
-        # measured slower on the H200 (random weights, k = 4, batch 1: 2.671 vs 2.386 and 2.498 vs
-        # 2.351 ms, each order once), while EAGLE-3 chains and the draft model gained; why is not known.
+        # P-EAGLE reads its drafts back in propose: deferred, its step measured slower.
         self.defers_by_default = not self.parallel
         self.aux_hidden_layers = hcfg.aux_hidden_layers
         recapture_with_aux(parts.runner, self.aux_hidden_layers)
@@ -172,7 +170,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery):
             feed = None if self.steps is None else (self.steps.hidden, self.steps.tokens)
             self.first = FirstForwardGraphs(*common, k, self.parallel, feed, capture)
         if self.device.type == "cuda":  # the eager first forwards' kernels compile now, not mid-serving
-            from specserve.spec.eagle_warmup import warm_eager_head
+            from specserve.speculative.proposers.eagle_warmup import warm_eager_head
 
             warm_eager_head(self)
 

@@ -21,21 +21,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specserve import envs
 from specserve.config import ModelConfig, SpeculativeConfig
 from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec
 from specserve.model.loader import LoadedModel, load_model
 from specserve.runner.batch import HostBatch, block_table_array
-from specserve.runner.cuda_graph import CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS, PREFILL_QUERY_LENS, graph_output_bytes
+from specserve.runner.cuda_graph import CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS, graph_output_bytes
 from specserve.runner.model_runner import ModelRunner
 from specserve.sample.h2d import cached_tensor
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import compute_target_probs, draw_exponential, random_sample
 from specserve.scheduler.request import PLACEHOLDER, Request
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
-from specserve.spec.base import OwnKVLifecycle, ProposeInput
-from specserve.spec.draft_tokens import DraftDelivery, DraftTokens, assign_resolved
+from specserve.speculative.proposers.base import OwnKVLifecycle, ProposeInput, Proposer
+from specserve.speculative.proposers.draft_tokens import DraftDelivery, DraftTokens, assign_resolved
 
 # Memory kept free on the GPU beside the draft's KV pool: its activations (catch-up forwards,
 # logits rows) and allocator slack.
@@ -73,41 +72,22 @@ def draft_kv_blocks(target_num_blocks: int, bytes_per_block: int, device: torch.
     return blocks
 
 
-# Catch-up graphs: query lengths 1 and 2 at every batch size (after verification the catch-up feeds one
-# or two tokens per request), and longer catch-ups (runner/cuda_graph.py CATCH_UP_QUERY_LENS) of up to
-# 32 requests: after a pause in drafting (the adaptive controller's k = 0 steps) the draft feeds every
-# request the tokens it skipped, and eagerly a forward of the 0.5B draft took 9-12 ms on the H200 for
-# any 3-64 tokens of 4-32 requests (host-bound launches; bench/catch_up_probe.py), a catch-up graph's
-# replay 1.2-4.3 ms (docs/benchmarks.md, eighteenth session).
+# After verification the catch-up feeds one token per request (the target's own, after a rejection)
+# or two (the last draft, accepted, and the bonus token): graphs for both at every batch size. Longer
+# catch-ups (after steps without drafts, or a new prompt) replay catch-up and mixed graphs
+# (runner/cuda_graph.py CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS): eager draft forwards are host-bound.
 _VERIFY_QUERY_LENS = (1, 2)
-# A catch-up's forwards take up to this many tokens (or the scheduler's budget, if larger). Starting to
-# draft at high load feeds the draft every running request's context: on the H200 pair at 64 requests
-# (twenty-third session) 10,985 and 15,407 tokens took 99.6 and 196 ms in eager forwards of 2,048 tokens,
-# ~16-25 ms each where the 0.5B draft's GPU work is a few ms: host-bound launches, paid per forward.
-# Fewer, larger forwards pay them fewer times; the activations of 8,192 tokens of a draft-sized model
-# are a few hundred MB, within the GPU memory the draft's pool leaves (_GPU_RESERVE_BYTES).
+# A catch-up's forwards take up to this many tokens (or the scheduler's budget, if larger): starting
+# to draft at high load feeds the draft every running request's context, and fewer, larger forwards
+# pay the per-forward launch cost fewer times. Their activations fit in _GPU_RESERVE_BYTES.
 CATCH_UP_BATCHED_TOKENS = 8192
 _GRAPH_PIECES = 4  # a catch-up of up to this many longest-graph lengths replays the graph per piece (below)
 
 
-def _graph_lens() -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(prefill, catch-up) lengths the draft captures besides _VERIFY_QUERY_LENS."""
-    return ((), CATCH_UP_QUERY_LENS) if envs.catch_up_graphs() else (PREFILL_QUERY_LENS, ())
-
-
-def _mixed_lens() -> tuple[int, ...]:
-    """Token counts of the draft's mixed graphs (runner/cuda_graph.py MIXED_TOKEN_LENS): a catch-up that
-    feeds a new request's prompt beside the others' one or two tokens replays one of them instead of
-    pieces padded to 64 tokens per sequence (2,048 rows at 32 requests)."""
-    return MIXED_TOKEN_LENS if envs.mixed_graphs() else ()
-
-
 def _graph_bytes(max_num_seqs: int, vocab_size: int, hidden_size: int, max_model_len: int) -> int:
-    """What the draft's catch-up graphs keep allocated (their float32 logits and hidden outputs):
-    about 2.5 GiB for 256 sequences and a 152k vocabulary."""
-    prefill, catch_up = _graph_lens()
-    return graph_output_bytes(max_num_seqs, _VERIFY_QUERY_LENS, prefill, vocab_size, hidden_size, 4, catch_up,
-                              _mixed_lens(), max_model_len)
+    """What the draft's catch-up graphs keep allocated (their float32 logits and hidden outputs)."""
+    return graph_output_bytes(max_num_seqs, _VERIFY_QUERY_LENS, (), vocab_size, hidden_size, 4, CATCH_UP_QUERY_LENS,
+                              MIXED_TOKEN_LENS, max_model_len)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -151,7 +131,7 @@ class DraftSampler:
 
     def sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits [len(rows), vocab] -> (tokens [len(rows)] int64 on the device, draft_probs
-        [len(rows), vocab] or None if these rows are all greedy). No host sync (spec/draft_tokens.py)."""
+        [len(rows), vocab] or None if these rows are all greedy). No host sync (speculative/proposers/draft_tokens.py)."""
         if logits.shape[1] != self.vocab_size:
             logits = logits[:, :self.vocab_size]
         if self._meta is None or all(self._greedy[r] for r in rows):
@@ -225,10 +205,8 @@ def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
     return loaded
 
 
-class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
+class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
     name = "draft_model"
-    aux_hidden_layers: tuple[int, ...] = ()
-    needs_target_hidden = False
 
     def __init__(self, cfg: SpeculativeConfig, parts) -> None:
         self.device = parts.device
@@ -245,22 +223,15 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
         self.max_batched = max(parts.scheduler.max_num_batched_tokens, CATCH_UP_BATCHED_TOKENS)
         self.sampler = DraftSampler(arch.vocab_size, self.device)
         self.seqs: dict[str, _DraftSeq] = {}
-        # After verification the catch-up feeds one new token per request (the target's own, after
-        # a rejection) or two (the last draft, accepted, and the bonus token): graphs for both
-        # lengths, a step mixing them pads per sequence (runner/cuda_graph.py graph_for). The last
-        # draft is never fed on its own, which would cost one more forward per cycle. Longer
-        # catch-ups pad to a catch-up graph (see the comment above _VERIFY_QUERY_LENS).
+        # A step mixing one- and two-token catch-ups pads per sequence (runner/cuda_graph.py graph_for).
         if graphs:
-            self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, _VERIFY_QUERY_LENS,
-                                       *_graph_lens(), _mixed_lens())
+            self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, _VERIFY_QUERY_LENS, (),
+                                       CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS)
         self.chain = _ChainSteps(self.runner, self.kv)
-        if envs.draft_chain_graph() and cfg.num_speculative_tokens > 1:  # spec/draft_chain.py
-            from specserve.spec.draft_chain import DraftChainGraphs
-
-            self.chain.graphs = DraftChainGraphs(self.runner, self.max_len, parts.scheduler.max_num_seqs,
-                                                 cfg.num_speculative_tokens - 1, capture=graphs)
+        self._catch_up_tokens = 0
 
     def propose(self, inp: ProposeInput) -> None:
+        self._catch_up_tokens = 0
         reqs, seqs, ks = [], [], []
         for req, k in zip(inp.requests, inp.num_draft_tokens):
             seq = self._sync(req)
@@ -274,6 +245,7 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
         if not reqs:
             return
         self.sampler.begin(reqs)
+        self._catch_up_tokens = sum(s.num_tokens - s.num_computed_tokens for s in seqs)
         logits = self._catch_up(seqs)  # [len(reqs), vocab]
         # Drafts stay on the device: each forward reads the previous draft there, and the host
         # reads all drafts once (draft_tokens.py).
@@ -292,6 +264,9 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
             assign_resolved(reqs, drafts, draft_probs, greedy)
 
         self.deliver(dt, reqs, finish)
+
+    def catch_up_tokens(self) -> int:
+        return self._catch_up_tokens
 
     def _sync(self, req: Request) -> _DraftSeq:
         """Keep the draft KV that still matches the request's tokens (rejected drafts fall out)."""
@@ -314,8 +289,7 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery):
         """The most tokens one sequence feeds per catch-up forward, for sequences with `unseen` tokens
         each (None: no cap). A catch-up of sequences that fit the catch-up graphs, one longer than the
         longest of them but at most _GRAPH_PIECES such lengths (a new request's prompt, say), goes in
-        pieces of that length, each a graph replay: on the H200 an eager forward of the 0.5B draft took
-        ~10 ms for any 3-128 tokens, a replay of its 64-token catch-up graph 1.2-4.3 ms (1-32 requests).
+        pieces of that length, each a graph replay instead of one host-bound eager forward.
         A catch-up that a mixed graph holds whole (runner/cuda_graph.py MIXED_TOKEN_LENS) is not cut."""
         graphs = self.runner.graphs
         lens = (graphs.catch_up_query_lens or graphs.prefill_query_lens) if graphs is not None else ()
@@ -378,23 +352,12 @@ class _ChainSteps:
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager) -> None:
         self.runner, self.kv = runner, kv
-        self.graphs = None  # DraftChainGraphs (spec/draft_chain.py) when SPECSERVE_DRAFT_CHAIN_GRAPH=1
 
     def run(self, seqs: list[_DraftSeq], ks: list[int], dt: DraftTokens, sampler: DraftSampler) -> None:
         """Steps 1..max(ks) - 1; request i takes part in steps s < ks[i]. The seqs' state is
         not touched (propose() counts the fed tokens afterwards)."""
         base = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
         tables = block_table_array([self.kv.block_ids(s.request_id) for s in seqs])
-        chain = self.graphs
-        if (chain is not None and sampler.all_greedy and chain.fits(len(seqs), max(ks) - 1)
-                and tables.shape[1] <= chain.max_blocks):
-            drafts = chain.run(base, ks, tables, dt.last_tokens)  # [max(ks) - 1, n]
-            everyone = list(range(len(seqs)))
-            for step in range(max(ks) - 1):
-                active = [i for i in everyone if ks[i] - 1 > step]
-                dt.add(active, drafts[step] if active == everyone
-                       else drafts[step].index_select(0, self._index(tuple(active))), None)
-            return
         active = list(range(len(seqs)))
         for step in range(1, max(ks)):
             prev, active = active, [i for i in active if ks[i] > step]

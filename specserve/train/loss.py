@@ -33,7 +33,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from specserve.spec.eagle_head import EagleHead, target_lm_weight
+from specserve.speculative.proposers.eagle_head import EagleHead, target_lm_weight
 
 
 def _block_mask(rows: int, s: int, device: torch.device) -> torch.Tensor:

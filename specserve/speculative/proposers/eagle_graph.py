@@ -39,9 +39,9 @@ from specserve.attention.base import AttentionBackend, AttentionMetadata
 from specserve.kv.spec import KVFormat, LayerKVCache
 from specserve.runner.cuda_graph import gc_paused_for_capture
 from specserve.runner.streams import record
-from specserve.spec.draft_model import DraftSampler
-from specserve.spec.draft_tokens import DraftTokens
-from specserve.spec.eagle_head import EagleHead
+from specserve.speculative.proposers.draft_model import DraftSampler
+from specserve.speculative.proposers.draft_tokens import DraftTokens
+from specserve.speculative.proposers.eagle_head import EagleHead
 
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 PAD_SLOT = -1  # stores no K/V: the Triton kernel and torch_ref both skip negative slots
