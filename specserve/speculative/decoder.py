@@ -127,13 +127,18 @@ class SpecDecoder:
         sampled nothing; batch_size: the requests running now."""
         self.observe(sched, step_seconds)
         self.absorb(sched, [t is not None for t in new_tokens], step)
+        self.propose_for(sched, new_tokens, step, batch_size)
+
+    def propose_for(self, sched: SchedulerOutput, new_tokens: list[list[int] | None], step: StepOutput,
+                    batch_size: int, k: int | None = None) -> None:
+        """Propose for the scheduled requests that got tokens and did not finish (see propose)."""
         reqs, index = [], []
         for i, (s, tokens) in enumerate(zip(sched.scheduled, new_tokens)):
             if tokens is not None and not s.request.is_finished:
                 reqs.append(s.request)
                 index.append(i)
         if reqs:
-            self.propose(reqs, index, step, batch_size)
+            self.propose(reqs, index, step, batch_size, k)
 
     def observe(self, sched: SchedulerOutput, step_seconds: float) -> None:
         """One StepRecord of the step just run to the controller (the wait for deferred drafts counts

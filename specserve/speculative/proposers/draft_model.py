@@ -187,7 +187,6 @@ def check_same_vocabulary(target: LoadedModel, draft_name: str, draft_vocab_size
 def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
     """Vocab size is checked from the config before any weight is read; token strings after."""
     from specserve.model.loader import _Source  # config and identity without the weights
-    from specserve.engine.setup import _ops_for
 
     target: LoadedModel = parts.loaded
     dtype = target.model.embed_tokens.weight.dtype
@@ -200,7 +199,7 @@ def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
                   cfg.max_model_len or target.max_model_len)
     dtype_name = str(dtype).removeprefix("torch.")
     loaded = load_model(ModelConfig(model=cfg.model, dtype=dtype_name, max_model_len=max_len, load_format=load_format),
-                        parts.device, dtype, _ops_for(parts.device), progress=False)
+                        parts.device, dtype, parts.ops, progress=False)
     check_same_vocabulary(target, cfg.model, loaded.arch.vocab_size, loaded.tokenizer)
     return loaded
 

@@ -1,8 +1,6 @@
 """Asynchronous scheduling: the host prepares step N+1 while the GPU still runs step N.
 
-A step's host work (schedule, batch build, sampling metadata, detokenize, stop checks) costs about
-half a millisecond; done between steps, the GPU waits for it (a third of a 1.5B decode step on the
-H200). With `async_scheduling` one `Engine.step()` runs:
+The alternative to `Engine.step_sync`, used when `async_scheduling` is on. One `AsyncLoop.step()`:
 
   1. schedule step N+1. A request that samples in step N holds a PLACEHOLDER as its last token, so
      the scheduler treats it like any known token (scheduler/request.py);
@@ -15,31 +13,35 @@ H200). With `async_scheduling` one `Engine.step()` runs:
   5. sample N+1 on the device, after step 4: penalties, min_tokens and grammar masks see the whole
      resolved history, so every sampling feature stays exact. Start the copy of its tokens.
 
-The output is the synchronous path's (greedy, seeded); a request that stops on a token the host had
+The output is the synchronous loop's (greedy, seeded); a request that stops on a token the host had
 not seen yet (EOS, a stop string) costs one extra forward row, and its step's outputs come out one
 step() call later. Not with tensor parallelism.
 
 With speculative decoding, proposers need the host to know the tokens, so only steps that verify no
-drafts overlap: after a proposal of k = 0, and then as long as the controller, asked once per step
-as propose() would, keeps choosing 0 (at high load, say). When it chooses k > 0 the step in flight
-is resolved, the proposer drafts from it (its hidden states are still there for EAGLE heads), and
-the step runs synchronously again (`_step_speculating`).
+drafts overlap: after a proposal of k = 0, and then as long as the controller, asked once per step,
+keeps choosing 0 (at high load, say). When it chooses k > 0 the step in flight is resolved, the
+proposer drafts from it (its hidden states are still there for EAGLE heads), and the next steps run
+synchronously (`Engine.step_sync`) until k is 0 again.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.outputs import RequestOutput
 from specserve.runner.batch import PendingTokens
-from specserve.runner.prompt_logprobs import plan_prompt_logprobs
+from specserve.runner.model_runner import StepOutput
 from specserve.runner.streams import record
 from specserve.sample.h2d import h2d
 from specserve.sample.sampler import LogprobsTensors
 from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from specserve.engine.engine import Engine
 
 
 @dataclass
@@ -47,7 +49,7 @@ class InFlightStep:
     """A step whose sampled tokens are still on their way to the host."""
 
     sched: SchedulerOutput
-    step_out: object  # the forward's StepOutput (a proposer drafting from this step reads it)
+    step_out: StepOutput  # the forward's output (a proposer drafting from this step reads it)
     rows: list[int | None]  # per scheduled entry: its row of tokens; None: sampled nothing (or dropped)
     reqs: list[Request]  # per row
     pending: PendingTokens | None  # None when no row sampled
@@ -70,88 +72,75 @@ def to_host_async(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-class AsyncStepMixin:
-    """Engine.step() with asynchronous scheduling; the Engine provides the rest."""
+class AsyncLoop:
+    """Engine.step() with asynchronous scheduling; the engine provides execute, update and sampling."""
 
-    _inflight: InFlightStep | None = None
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.inflight: InFlightStep | None = None
 
-    def _step_speculating(self) -> list[RequestOutput]:
-        """Speculation configured: overlap the steps that draft nothing, run the others synchronously."""
-        spec = self.spec
-        if self._inflight is None:
+    def step(self) -> list[RequestOutput]:
+        eng, spec = self.engine, self.engine.spec
+        if spec is None:
+            return self.overlapped()
+        if self.inflight is None:
             # The last proposal (at the end of a synchronous step) chose whether this step drafts.
-            if spec.last_k != 0 or self.structured.num_requests or any(
-                    r.spec_token_ids for r in self.scheduler.running):
-                return self._step_sync()
-            return self._step_async()
+            if spec.last_k != 0 or eng.structured.num_requests or any(
+                    r.spec_token_ids for r in eng.scheduler.running):
+                return eng.step_sync()
+            return self.overlapped()
         # In a run of overlapped steps: the controller chooses for the next step, as propose() would.
         # (Structured requests always get a proposal: it also cuts drafts and starts their masks.)
-        if not self.structured.num_requests:
-            self._set_arriving()
-        k = None if self.structured.num_requests else spec.controller.choose(len(self.scheduler.running))
+        batch_size = len(eng.scheduler.running)
+        k = None if eng.structured.num_requests else spec.choose(batch_size)
         if k == 0:
-            spec.skip_proposal(len(self.scheduler.running))
-            return self._step_async()
-        prev, self._inflight = self._inflight, None
+            spec.skip_proposal()
+            return self.overlapped()
+        prev, self.inflight = self.inflight, None
         outputs, new_tokens = self._resolve(prev)
-        self._propose(prev.sched, new_tokens, prev.step_out, k)
-        return outputs + self._step_sync()
+        spec.propose_for(prev.sched, new_tokens, prev.step_out, batch_size, k)
+        return outputs + eng.step_sync()
 
-    def _step_async(self) -> list[RequestOutput]:
+    def overlapped(self) -> list[RequestOutput]:
+        """Schedule and launch step N+1, then resolve step N (steps 1-5 of the module doc)."""
+        eng, spec = self.engine, self.engine.spec
         start = time.perf_counter()
-        outputs, self._pending = self._pending, []
-        prev, self._inflight = self._inflight, None
-        sched = self.scheduler.schedule()
-        self._fail_unfittable(sched, outputs)
+        outputs = eng.take_outputs()
+        prev, self.inflight = self.inflight, None
+        sched = eng.scheduler.schedule()
+        eng.fail_unfittable(sched, outputs)
         launched = None
-        spec = self.spec
         if not sched.empty:
-            if spec is not None:
-                for req in sched.preempted:
-                    spec.on_preempted(req)
             samples = [s.samples for s in sched.scheduled]  # before the advance changes the answer
-            plan = plan_prompt_logprobs(sched)
-            need_hidden = spec is not None and spec.proposer.needs_target_hidden
-            step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden, prompt_plan=plan or None,
-                                           pending=prev.pending if prev is not None else None)
-            if plan:
-                self._store_prompt_logprobs(sched, plan, step_out.prompt_logprobs)
-            self.kv.after_forward()
-            if spec is not None:
-                spec.deliver_late()  # (a synchronous step's observation, set aside: while this forward runs)
+            step_out = eng.execute(sched, prev.pending if prev is not None else None)
             for s, smp in zip(sched.scheduled, samples):
-                self.scheduler.update_computed(s, 0)
+                eng.scheduler.update_computed(s, 0)
                 if smp:
                     s.request.add_pending_token()
             if spec is not None:  # mid-prefill rows to an EAGLE head (their inputs are all known now)
                 spec.absorb(sched, samples, step_out)
             launched = (sched, samples, step_out)
-        elif spec is not None:
-            spec.deliver_late()
         if prev is not None:
             outputs.extend(self._resolve(prev)[0])
-            if spec is not None and self.structured.num_requests:  # no proposal follows: start the masks
-                self.structured.prepare([s.request for s, row in zip(prev.sched.scheduled, prev.rows)
-                                         if row is not None])
+            if spec is not None and eng.structured.num_requests:  # no proposal follows: start the masks
+                eng.structured.prepare([s.request for s, row in zip(prev.sched.scheduled, prev.rows)
+                                        if row is not None])
         if launched is not None:
-            self._inflight = self._launch_sampling(*launched)
-            if spec is not None:  # (see Engine._step_sync)
-                if sched.apart:
-                    spec.observe_apart(sched)
-                else:
-                    spec.observe_step(sched, time.perf_counter() - start)
-        self._record_step_stats(sched)
+            self.inflight = self._launch_sampling(*launched)
+            if spec is not None:
+                spec.observe(sched, time.perf_counter() - start)
+        eng.record_step_stats(sched)
         return outputs
 
     def _resolve(self, step: InFlightStep) -> tuple[list[RequestOutput], list[list[int] | None]]:
         """(outputs, each scheduled entry's new tokens or None)."""
         tokens = step.wait()
         if step.host_logprobs is not None:
-            self._store_logprobs([None if r.is_finished else r for r in step.reqs], step.host_logprobs)
+            self.engine.store_logprobs([None if r.is_finished else r for r in step.reqs], step.host_logprobs)
         new_tokens = [None if row is None else [tokens[row]] for row in step.rows]
-        return self._update(step.sched, new_tokens, [0] * len(new_tokens), advanced=True), new_tokens
+        return self.engine.update(step.sched, new_tokens, [0] * len(new_tokens), advanced=True), new_tokens
 
-    def _launch_sampling(self, sched: SchedulerOutput, samples: list[bool], step_out) -> InFlightStep:
+    def _launch_sampling(self, sched: SchedulerOutput, samples: list[bool], step_out: StepOutput) -> InFlightStep:
         rows: list[int | None] = []
         reqs: list[Request] = []
         logit_rows: list[int] = []
@@ -167,8 +156,8 @@ class AsyncStepMixin:
         logits = step_out.logits
         if len(logit_rows) != logits.shape[0]:
             logits = logits.index_select(0, h2d(torch.tensor(logit_rows), logits.device))
-        logits = self.structured.apply(logits, reqs, [0] * len(reqs))
-        out = self._sample_tokens(reqs, logits)
+        logits = self.engine.structured.apply(logits, reqs, [0] * len(reqs))
+        out = self.engine.sample_tokens(reqs, logits)
         tokens = out.token_ids.to(torch.int64)
         step = InFlightStep(sched, step_out, rows, reqs,
                             PendingTokens(tokens, {r.request_id: i for i, r in enumerate(reqs)}), to_host_async(tokens))
