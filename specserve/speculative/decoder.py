@@ -63,10 +63,6 @@ class SpecDecoder:
         # costs: runner/step_costs.py measure_step_costs (wired at merge)
         self.controller: Controller = build_controller(cfg, costs=None)
         self.disable_above = cfg.disable_by_batch_size  # vLLM's disable_by_batch_size: no drafts above it
-        # Seeded random requests draft only when k does not follow the load: the rejection sampler draws
-        # k uniforms per step from a request's generator, so with k chosen per step the same seed would
-        # sample differently under other load. Without drafts such a request draws as plain sampling does.
-        self.k_follows_load = self.controller.follows_load or self.disable_above is not None
         self.rejection = RejectionSampler()
         self.stats = stats
         for pos in range(cfg.num_speculative_tokens):  # every position exported from the start, at 0
@@ -80,6 +76,13 @@ class SpecDecoder:
         self.proposer.allow_deferred(parts.runner.accepts_pending)
         self._deferred: DeferredDrafts | None = None
         self._wait_s = 0.0  # this step's wait for deferred drafts: the proposal's time, not the step's
+
+    @property
+    def k_follows_load(self) -> bool:
+        """Seeded random requests draft only when k does not follow the load: the rejection sampler draws
+        k uniforms per step from a request's generator, so with k chosen per step the same seed would
+        sample differently under other load. Without drafts such a request draws as plain sampling does."""
+        return self.controller.follows_load or self.disable_above is not None
 
     # -- the verify step ---------------------------------------------------------------------
     def pending_drafts(self) -> PendingTokens | None:

@@ -1,17 +1,17 @@
 """`specserve train-draft`: train an EAGLE-3, P-EAGLE or EAGLE head for a target by self-distillation.
 
-Data (train_data.py): the target answers prompts made from the Python standard library; the head
+Data (data.py): the target answers prompts made from the Python standard library; the head
 learns on (prompt + answer) sequences. Each training step runs the frozen target once over a
-padded batch for its features and next-token distributions (train_target.py), then the head over
-S blocks of rows that mimic serving, against the target's distributions (train_loss.py). This file
+padded batch for its features and next-token distributions (target.py), then the head over
+S blocks of rows that mimic serving, against the target's distributions (loss.py). This file
 holds the command: its flags, the data and the head's setup, the loop (a cosine learning rate after
 a warmup) and the checkpoints: head + optimizer + step, written every --save-every steps and at the
 end; --resume continues from them. At the end, training.json records the data, steps and metrics.
 
 Reduced draft vocabulary (--draft-vocab-size N, by default 32768 for targets with a larger
 vocabulary): the head proposes only N tokens, d2t (ascending target ids, saved with the head):
-special tokens seen in the data plus the most frequent answer tokens (train_data.draft_vocab).
-train_loss.py says how its labels and accuracy are made.
+special tokens seen in the data plus the most frequent answer tokens (data.draft_vocab).
+loss.py says how its labels and accuracy are made.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,10 +30,8 @@ from tqdm.auto import tqdm
 
 from specserve.train import data as train_data
 from specserve.speculative.proposers.eagle_head import EagleHead, head_config_for, save_head
-from specserve.train.timing import StepTimes
 
-# Re-exported: bench/ and the tests use them as train.<name>; _train_loop looks target_batch and
-# head_loss up here, so a monkeypatch of train.target_batch (bench/train_profile.py) takes effect.
+# Re-exported: the tests use them as train.<name>.
 from specserve.train.loss import (  # noqa: F401
     _block_mask,
     head_block_outputs,
@@ -78,9 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", help="dummy: random target weights of a shape name (smoke tests)")
     # A random layer by default: a copy of the target's last layer expects the target's residual stream
-    # (rms ~28 with a few massive dimensions on SmolLM2) but gets fc's output (rms ~0.6). On
-    # SmolLM2-135M (80 steps, 2 seeds) the copy reached held-out acc1/2/3 of ~0.21/0.20/0.19, a random
-    # layer ~0.34/0.28/0.28 (docs/benchmarks.md, seventh session).
+    # but gets fc's output, of a much smaller scale; it trained to lower acceptance than a random one.
     p.add_argument("--init-from-target", dest="no_init_from_target", action="store_false",
                    help="start the decoder layer as a copy of the target's last layer (default: random)")
     p.add_argument("--no-init-from-target", action="store_true", default=True,
@@ -101,7 +97,6 @@ class TrainResult:
     steps: int
     num_sequences: int
     metrics: dict[str, float]
-    timing: dict = field(default_factory=dict)  # train_timing.StepTimes.summary()
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -271,7 +266,7 @@ def run_training(args, llm=None) -> TrainResult:
     opt = torch.optim.AdamW(_param_groups(args, head), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step = _maybe_resume(args, head, opt, device)
     deadline = start + budget - 5.0  # leave time for the final checkpoint
-    progress = {"step": step, "metrics": {}, "timing": StepTimes(device)}
+    progress = {"step": step, "metrics": {}}
     try:
         _train_loop(args, head, opt, loaded.model, seqs, progress, device, deadline)
     except BaseException:
@@ -279,8 +274,7 @@ def run_training(args, llm=None) -> TrainResult:
             _save(args, head, opt, progress["step"], progress["metrics"], seqs)
         raise
     _save(args, head, opt, progress["step"], progress["metrics"], seqs)
-    return TrainResult(Path(args.out), progress["step"], len(seqs), progress["metrics"],
-                       progress["timing"].summary())
+    return TrainResult(Path(args.out), progress["step"], len(seqs), progress["metrics"])
 
 
 def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainSeq], progress: dict,
@@ -298,7 +292,6 @@ def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainS
     recent: list[tuple[list[str], torch.Tensor]] = []  # the last METRIC_WINDOW steps' (names, values)
     bar = tqdm(total=args.steps, initial=step, desc=f"train {args.method}", disable=args.quiet)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    times: StepTimes = progress["timing"]
     while (args.steps is None or step < args.steps) and time.monotonic() < deadline:
         # Epoch e visits the same batches in its own seeded order, so a resumed run sees what the
         # uninterrupted one would have.
@@ -306,26 +299,20 @@ def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainS
         order = list(range(len(base_batches)))
         random.Random(args.seed * 1000 + epoch).shuffle(order)
         batch = [seqs[i] for i in base_batches[order[index]]]
-        times.start(len(batch), max(len(s.token_ids) for s in batch))
         starts = [max(0, s.num_prompt_tokens - 2) for s in batch]
         frac = (step / args.steps if args.steps else
                 (time.monotonic() - train_start) / max(1.0, deadline - train_start))
         for g in opt.param_groups:
             g["lr"] = args.lr * g.get("lr_scale", 1.0) * _lr_factor(frac, step, warmup)
         tb = target_batch(target, [s.token_ids for s in batch], head.cfg.aux_hidden_layers, device, head.d2t)
-        times.mark("target")
         with autocast:
             loss, accs = head_loss(head, target, tb.ids, [len(s.token_ids) for s in batch], starts, tb.feats,
                                    tb.probs, tb.last, num_blocks, parallel, args.hard_label_weight, tb.top)
-        times.mark("head_forward")
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        times.mark("backward")
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
-        times.mark("optimizer")
         del tb  # the next step's target forward need not share memory with it
-        times.end()
         step += 1
         recent.append((["loss", *(f"acc{i + 1}" for i in range(len(accs)))],
                        torch.stack([loss.detach().float(), *accs])))

@@ -1,6 +1,6 @@
 """Drafts left on the device for the verify step (speculative/proposers/draft_tokens.py DeferredDrafts): the verify
 batch's placeholder drafts are filled from them, the ids reach the host before the rejection sampler,
-and the output is the same as when propose reads its drafts back itself (SPECSERVE_DEFER_DRAFTS=0)."""
+and the output is the same as when propose reads its drafts back itself."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -103,10 +103,9 @@ def test_deferred_and_immediate_drafts_give_the_same_tokens(tiny_llama_dir, tmp_
     monkeypatch.setattr("specserve.runner.model_runner.pending_fill", spy)
     runs = {}
     for defer in ("1", "0"):
-        monkeypatch.setenv("SPECSERVE_DEFER_DRAFTS", defer)
         llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
                   speculative_config={**spec, "num_speculative_tokens": 3, "adaptive": False})
-        assert llm.engine.spec.proposer.defer_drafts is (defer == "1")
+        llm.engine.spec.proposer.defer_drafts = defer == "1"  # either way, whatever the proposer's default
         filled.clear()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         st = llm.engine.stats
@@ -115,8 +114,7 @@ def test_deferred_and_immediate_drafts_give_the_same_tokens(tiny_llama_dir, tmp_
         assert (sum(filled) > 0) is (defer == "1")
         llm.engine.kv.check_integrity()
     assert runs["1"] == runs["0"] and runs["1"][2] > 0
-    # Unset, each proposer's default: P-EAGLE reads back (measured slower deferred), the others defer.
-    monkeypatch.delenv("SPECSERVE_DEFER_DRAFTS")
+    # Each proposer's default: P-EAGLE reads back (measured slower deferred), the others defer.
     llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
               speculative_config={**spec, "num_speculative_tokens": 3, "adaptive": False})
     assert llm.engine.spec.proposer.defer_drafts is (method != "p-eagle")
