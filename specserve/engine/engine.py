@@ -6,12 +6,12 @@ With asynchronous scheduling, step() is the alternative loop of engine/async_loo
 """
 from __future__ import annotations
 
-import itertools
 import time
 
 import torch
 
 from specserve.config import EngineConfig
+from specserve.engine.async_loop import AsyncLoop
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.output_processor import (
     RequestGroup,
@@ -20,7 +20,6 @@ from specserve.engine.output_processor import (
     record_finished,
     request_output,
 )
-from specserve.engine.async_loop import AsyncLoop
 from specserve.engine.setup import EngineParts, build_engine_parts
 from specserve.engine.validate import resolve_max_tokens, resolve_prompt
 from specserve.outputs import RequestOutput
@@ -134,9 +133,6 @@ class Engine:
 
     def num_unfinished_requests(self) -> int:
         return len(self.groups)
-
-    def num_waiting_requests(self) -> int:
-        return self.scheduler.num_waiting
 
     def num_would_wait(self, num_new: int) -> int:
         """Requests left waiting if num_new more arrived now: those beyond the running batch's free
@@ -371,13 +367,6 @@ class Engine:
             st.inc("prefix_cache_queries_total", q - self._last_prefix[0])
             st.inc("prefix_cache_hits_total", h - self._last_prefix[1])
             self._last_prefix = (q, h)
-
-
-_ids = itertools.count()
-
-
-def next_request_id() -> str:
-    return str(next(_ids))
 
 
 def _stop_string(detok, tokens: list[int], num_before: int, min_tokens: int) -> tuple[str | None, int]:

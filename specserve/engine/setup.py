@@ -1,20 +1,24 @@
 """Build the engine's parts from an EngineConfig: device, model, KV pool, scheduler, sampler."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
 import torch
 
 from specserve.config import EngineConfig
 from specserve.engine.validate import check_kv_capacity
-from specserve.kv.manager import KVCacheManager
 from specserve.kv.key_offset import install_key_offsets
+from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.metrics.stats import StatsCollector
 from specserve.model.loader import LoadedModel, load_model, resolve_dtype
-from specserve.runner.cuda_graph import MIXED_TOKEN_LENS, PREFILL_QUERY_LENS, graph_output_bytes
+from specserve.runner.cuda_graph import (
+    MIXED_TOKEN_LENS,
+    PREFILL_QUERY_LENS,
+    graph_output_bytes,
+)
 from specserve.runner.memory import kv_budget_bytes
 from specserve.runner.model_runner import ModelRunner, select_backend
 from specserve.runner.warmup import dummy_forward, dummy_logits
@@ -125,7 +129,9 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     dtype = resolve_dtype(config.model.dtype, device)
     torch.manual_seed(config.model.seed)
     if config.parallel.tensor_parallel_size > 1:
-        from specserve.distributed.executor import build_tp_executor  # one process per rank
+        from specserve.distributed.executor import (
+            build_tp_executor,  # one process per rank
+        )
 
         runner = build_tp_executor(config, device, dtype, progress)
     else:

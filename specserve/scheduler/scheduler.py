@@ -98,9 +98,6 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

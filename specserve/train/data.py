@@ -298,8 +298,7 @@ def build_sequences(llm, examples: list[Example], max_new_tokens: int, max_seq_l
 def save_sequences(path: str | Path, seqs: list[TrainSeq]) -> None:
     tmp = Path(str(path) + ".tmp")
     with open(tmp, "w") as f:
-        for s in seqs:
-            f.write(json.dumps({"token_ids": s.token_ids, "num_prompt_tokens": s.num_prompt_tokens}) + "\n")
+        f.writelines(json.dumps({"token_ids": s.token_ids, "num_prompt_tokens": s.num_prompt_tokens}) + "\n" for s in seqs)
     tmp.replace(path)
 
 

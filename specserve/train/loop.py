@@ -28,8 +28,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from specserve.speculative.proposers.eagle_head import (
+    EagleHead,
+    head_config_for,
+    save_head,
+)
 from specserve.train import data as train_data
-from specserve.speculative.proposers.eagle_head import EagleHead, head_config_for, save_head
 
 # Re-exported: the tests use them as train.<name>.
 from specserve.train.loss import (  # noqa: F401
@@ -139,7 +143,9 @@ def _one_sequence_kv_bytes(target: str, load_format: str, max_len: int, block: i
     """KV bytes of one float32 sequence of max_len tokens (rounded up to blocks, one block spare)."""
     from specserve.config import ModelConfig
     from specserve.model.arch import ModelArch
-    from specserve.model.loader import _Source  # reads config without weights, as make_random_head_dir
+    from specserve.model.loader import (
+        _Source,  # reads config without weights, as make_random_head_dir
+    )
 
     arch = ModelArch.from_hf_config(_Source.open(ModelConfig(model=target, load_format=load_format)).hf_config)
     per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 4

@@ -5,9 +5,8 @@ draft vocabulary (half the tiny vocabulary, from the target's own answers) too, 
 only their tokens."""
 from __future__ import annotations
 
-import random
-
 import json
+import random
 from pathlib import Path
 
 import pytest

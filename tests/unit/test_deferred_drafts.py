@@ -18,7 +18,11 @@ from specserve.runner.batch import (
 )
 from specserve.scheduler.request import PLACEHOLDER
 from specserve.speculative.proposers import draft_tokens
-from specserve.speculative.proposers.draft_tokens import DeferredDrafts, DraftTokens, assign_resolved
+from specserve.speculative.proposers.draft_tokens import (
+    DeferredDrafts,
+    DraftTokens,
+    assign_resolved,
+)
 from tests.unit.test_draft_chain import assert_self_draft_is_plain
 
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
-from specserve.speculative.control import FixedController, TableController, build_controller
+from specserve.speculative.control import (
+    FixedController,
+    TableController,
+    build_controller,
+)
 
 
 def test_fixed_or_table_from_the_config() -> None:

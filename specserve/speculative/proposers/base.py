@@ -41,11 +41,11 @@ class Proposer(ABC):
     def propose(self, inp: ProposeInput) -> None:
         """Set req.spec_token_ids (len <= num_draft_tokens) and req.spec_draft_probs for each request."""
 
-    def absorb(self, inp: ProposeInput) -> None:  # noqa: B027 (no target features to keep)
+    def absorb(self, inp: ProposeInput) -> None:
         """Rows of requests that computed prompt tokens without sampling (a prompt fed in pieces or
         chunks): a proposer keeping target features takes them, so its context is whole."""
 
-    def allow_deferred(self, allowed: bool) -> None:  # noqa: B027 (drafts always on the host)
+    def allow_deferred(self, allowed: bool) -> None:
         """Whether drafts may stay on the device until the verify step (the runner fills its
         placeholders from them); set once by the decoder."""
 
@@ -58,10 +58,10 @@ class Proposer(ABC):
         request's new tokens); 0 for a proposer without its own context."""
         return 0
 
-    def on_request_finished(self, req: Request) -> None:  # noqa: B027
+    def on_request_finished(self, req: Request) -> None:
         """Release per-request proposer state (e.g. the draft model's KV blocks)."""
 
-    def on_request_preempted(self, req: Request) -> None:  # noqa: B027
+    def on_request_preempted(self, req: Request) -> None:
         """The target forgot this request's KV; forget the proposer's too."""
 
 

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,7 +68,7 @@ class EagleHeadConfig:
         return {"format": HEAD_FORMAT, **asdict(self), "aux_hidden_layers": list(self.aux_hidden_layers)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], where: str) -> "EagleHeadConfig":
+    def from_json(cls, data: dict[str, Any], where: str) -> EagleHeadConfig:
         if data.get("format") != HEAD_FORMAT:
             raise ValueError(f"{where} is not a specserve EAGLE head config (format must be {HEAD_FORMAT!r}).")
         try:
@@ -390,7 +391,9 @@ def make_random_head_dir(target_model: str, out_dir: str | Path, method: str = "
     load_format="dummy"): tests use it to check that speculation stays lossless whatever the head
     proposes, benchmarks to time a head's forward. d2t: a reduced draft vocabulary (ascending ids)."""
     from specserve.config import ModelConfig
-    from specserve.model.loader import _Source  # reads config + identity without loading weights
+    from specserve.model.loader import (
+        _Source,  # reads config + identity without loading weights
+    )
 
     source = _Source.open(ModelConfig(model=target_model, load_format=load_format))
     arch = ModelArch.from_hf_config(source.hf_config)

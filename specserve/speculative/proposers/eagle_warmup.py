@@ -4,10 +4,8 @@ The head's draft steps and its short first forwards replay CUDA graphs captured 
 kernels compiled then), but a new request's first propose feeds the head every prompt row in one
 eager forward: prefill-sized attention through the head's own KV, the separate RoPE and KV-write
 kernels, GEMV row counts of the fuse and LM-head linears that no graph used. Triton compiles each such
-variant the first time it runs. On the H200 the first HumanEval prompt of the first EAGLE-3 engine of a
-process ran at 215 tok/s, and the first batch of four at 554, against ~1,000 and ~2,100 for the
-following ones (bench/train_and_measure_gpu.py, 2026-11-30, in two sessions); only the first engine
-paid, as a compile that Triton's disk cache then serves would. These forwards move that to start-up.
+variant the first time it runs, which would slow the first requests of the first engine of a
+process several times over. These forwards move that compile to start-up.
 Variants that sizes alone do not reach are made one instead: the attention kernels do not specialize
 the block table's width (triton_paged.py), and head uploads are 16-byte aligned (eagle_graph.py).
 """
@@ -17,7 +15,10 @@ import torch
 
 from specserve.model.layers.triton_gemv import gemv_max_m
 from specserve.runner import warmup
-from specserve.speculative.proposers.eagle_graph import attention_arrays, attention_metadata
+from specserve.speculative.proposers.eagle_graph import (
+    attention_arrays,
+    attention_metadata,
+)
 
 
 def warm_rows() -> tuple[list[int], list[int]]:
