@@ -26,21 +26,15 @@ from specserve.speculative.control import Controller, StepRecord, build_controll
 from specserve.speculative.proposers import build_proposer
 from specserve.speculative.proposers.base import ProposeInput, draft_budget
 from specserve.speculative.proposers.draft_tokens import DeferredDrafts
-from specserve.speculative.verify import position_counts, verify_drafts
+from specserve.speculative.verify import (
+    POSITION_LABELS,
+    position_counts,
+    record_verify_metrics,
+    verify_drafts,
+)
 
 if TYPE_CHECKING:
     from specserve.engine.setup import EngineParts
-
-
-class _PositionLabels(dict):
-    """position -> its metric labels, built once."""
-
-    def __missing__(self, pos: int) -> dict[str, str]:
-        self[pos] = {"position": str(pos)}
-        return self[pos]
-
-
-_POSITION_LABELS = _PositionLabels()
 
 
 @dataclass
@@ -66,7 +60,7 @@ class SpecDecoder:
         self.rejection = RejectionSampler()
         self.stats = stats
         for pos in range(cfg.num_speculative_tokens):  # every position exported from the start, at 0
-            stats.inc("spec_decode_num_accepted_tokens_per_pos_total", 0, _POSITION_LABELS[pos])
+            stats.inc("spec_decode_num_accepted_tokens_per_pos_total", 0, POSITION_LABELS[pos])
         self.vocab_size = parts.loaded.arch.vocab_size
         self.structured = structured  # cuts drafts at grammar-invalid tokens
         self.last_k: int | None = None  # the k of the last proposal (0: the next step drafts nothing)
@@ -103,23 +97,10 @@ class SpecDecoder:
         """logits: [sum(num_drafts) + len(reqs), vocab]. Returns tokens and accepted counts per request."""
         self.resolve_drafts()
         tokens, num_accepted = verify_drafts(self.rejection, reqs, num_drafts, logits, meta, self.vocab_size)
-        self._record(num_drafts, num_accepted)
-        return tokens, num_accepted
-
-    def _record(self, num_drafts: list[int], num_accepted: list[int]) -> None:
-        """The spec_decode_* counters, one increment each per step."""
-        st = self.stats
         k = self._proposal.k if self._proposal is not None else 0
         self._verified = position_counts(num_drafts, num_accepted, max(k, max(num_drafts, default=0)))
-        num_seqs = len(num_drafts) - num_drafts.count(0)
-        if not num_seqs:
-            return
-        st.inc("spec_decode_num_drafts_total", num_seqs)
-        st.inc("spec_decode_num_draft_tokens_total", sum(num_drafts))
-        st.inc("spec_decode_num_accepted_tokens_total", sum(num_accepted))  # 0 where k is 0
-        for pos, count in enumerate(self._verified[1]):  # requests that accepted position pos
-            if count:
-                st.inc("spec_decode_num_accepted_tokens_per_pos_total", count, _POSITION_LABELS[pos])
+        record_verify_metrics(self.stats, num_drafts, num_accepted, self._verified[1])
+        return tokens, num_accepted
 
     # -- after the step ----------------------------------------------------------------------
     def after_step(self, sched: SchedulerOutput, new_tokens: list[list[int] | None], step: StepOutput,

@@ -10,10 +10,22 @@ from __future__ import annotations
 
 import torch
 
+from specserve.metrics.stats import StatsCollector
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection import RejectionSampler
 from specserve.sample.sampler import LogprobsTensors, compute_logprobs
 from specserve.scheduler.request import Request
+
+
+class _PositionLabels(dict):
+    """position -> its metric labels, built once."""
+
+    def __missing__(self, pos: int) -> dict[str, str]:
+        self[pos] = {"position": str(pos)}
+        return self[pos]
+
+
+POSITION_LABELS = _PositionLabels()
 
 
 def stack_draft_probs(reqs: list[Request], num_drafts: list[int], vocab_size: int,
@@ -53,6 +65,21 @@ def position_counts(num_drafts: list[int], num_accepted: list[int], k: int) -> t
         for j in range(min(a, k)):
             accepted[j] += 1
     return tuple(reached), tuple(accepted)
+
+
+def record_verify_metrics(stats: StatsCollector, num_drafts: list[int], num_accepted: list[int],
+                          accepted_per_pos: tuple[int, ...]) -> None:
+    """The spec_decode_* counters of one verify step, one increment each (not per request).
+    accepted_per_pos: position_counts' accepted counts."""
+    num_seqs = len(num_drafts) - num_drafts.count(0)
+    if not num_seqs:
+        return
+    stats.inc("spec_decode_num_drafts_total", num_seqs)
+    stats.inc("spec_decode_num_draft_tokens_total", sum(num_drafts))
+    stats.inc("spec_decode_num_accepted_tokens_total", sum(num_accepted))  # 0 where k is 0
+    for pos, count in enumerate(accepted_per_pos):
+        if count:
+            stats.inc("spec_decode_num_accepted_tokens_per_pos_total", count, POSITION_LABELS[pos])
 
 
 def verify_logprobs(reqs: list[Request], num_drafts: list[int], token_lists: list[list[int]],

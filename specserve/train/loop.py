@@ -79,16 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", help="dummy: random target weights of a shape name (smoke tests)")
-    # A random layer by default: a copy of the target's last layer expects the target's residual stream
-    # but gets fc's output, of a much smaller scale; it trained to lower acceptance than a random one.
-    p.add_argument("--init-from-target", dest="no_init_from_target", action="store_false",
-                   help="start the decoder layer as a copy of the target's last layer (default: random)")
-    p.add_argument("--no-init-from-target", action="store_true", default=True,
-                   help="random decoder layer instead of a copy (the default)")
     p.add_argument("--init-from", help="start from this head dir's weights (e.g. p-eagle from a trained eagle3 "
                                        "head: same real rows; the mask slots start fresh)")
-    p.add_argument("--layer-lr-scale", type=float, default=1.0,
-                   help="lr factor of the decoder layer (< 1 may suit a copy of the target's; fc/fuse/mask get --lr)")
     p.add_argument("--no-train-state", action="store_true",
                    help="write the head only (no optimizer state: not resumable)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -211,8 +203,6 @@ def _new_head(args, loaded, device: torch.device, d2t: list[int] | None = None) 
     head = EagleHead(cfg)
     if d2t is not None:
         head.set_draft_vocab(torch.tensor(d2t, dtype=torch.int64))
-    if not args.no_init_from_target:
-        head.init_from_target(loaded.model)
     if args.init_from:
         _init_from_head(head, args.init_from)
     return head.to(device=device, dtype=torch.float32)
@@ -232,12 +222,6 @@ def _init_from_head(head: EagleHead, path: str) -> None:
     if not same:
         raise ValueError(f"--init-from {path}: no tensor matches this head.")
     head.load_state_dict(same, strict=False)
-
-
-def _param_groups(args, head: EagleHead) -> list[dict]:
-    layer = [p for n, p in head.named_parameters() if n.startswith("layer.")]
-    rest = [p for n, p in head.named_parameters() if not n.startswith("layer.")]
-    return [{"params": layer, "lr_scale": args.layer_lr_scale}, {"params": rest, "lr_scale": 1.0}]
 
 
 def _lr_factor(progress: float, step: int, warmup: int) -> float:
@@ -269,7 +253,7 @@ def run_training(args, llm=None) -> TrainResult:
         torch.cuda.empty_cache()
     vocab = build_draft_vocab(args, loaded, seqs)
     head = _new_head(args, loaded, device, None if vocab is None else vocab.token_ids)
-    opt = torch.optim.AdamW(_param_groups(args, head), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step = _maybe_resume(args, head, opt, device)
     deadline = start + budget - 5.0  # leave time for the final checkpoint
     progress = {"step": step, "metrics": {}}
@@ -309,7 +293,7 @@ def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainS
         frac = (step / args.steps if args.steps else
                 (time.monotonic() - train_start) / max(1.0, deadline - train_start))
         for g in opt.param_groups:
-            g["lr"] = args.lr * g.get("lr_scale", 1.0) * _lr_factor(frac, step, warmup)
+            g["lr"] = args.lr * _lr_factor(frac, step, warmup)
         tb = target_batch(target, [s.token_ids for s in batch], head.cfg.aux_hidden_layers, device, head.d2t)
         with autocast:
             loss, accs = head_loss(head, target, tb.ids, [len(s.token_ids) for s in batch], starts, tb.feats,

@@ -12,9 +12,15 @@ from specserve import LLM, SamplingParams
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.model.arch import ModelArch, rope_cos_sin_cache
+from specserve.speculative.proposers.eagle_head import (
+    EagleHead,
+    default_aux_layers,
+    head_config_for,
+    make_random_head_dir,
+    read_head_config,
+    save_head,
+)
 from specserve.speculative.proposers.eagle_setup import head_attention_metadata
-from specserve.speculative.proposers.eagle_head import (EagleHead, default_aux_layers, head_config_for, make_random_head_dir,
-                                       read_head_config, save_head)
 from specserve.train.loop import _block_mask, head_block_outputs, train_main
 
 HF = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
@@ -400,18 +406,6 @@ def test_train_with_a_reduced_draft_vocab(tiny_llama_dir, tiny_llm, tmp_path):
     plain = [o.outputs[0].token_ids for o in tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == plain
     assert llm.engine.stats.get("spec_decode_num_draft_tokens_total") > 0
-
-
-def test_the_head_layer_starts_random_unless_asked_to_copy_the_target() -> None:
-    """train-draft's default decoder layer is random (a copy of the target's last layer trained worse:
-    docs/benchmarks.md, seventh session); --init-from-target brings the copy back."""
-    from specserve.train.loop import _parser
-
-    base = ["--target", "t", "--method", "eagle3", "--out", "o"]
-    assert _parser().parse_args(base).no_init_from_target is True
-    assert _parser().parse_args(base + ["--no-init-from-target"]).no_init_from_target is True
-    assert _parser().parse_args(base + ["--init-from-target"]).no_init_from_target is False
-
 
 
 def test_train_target_without_generation_fits_its_kv_pool(tmp_path):

@@ -284,25 +284,6 @@ class EagleHead(nn.Module):
             if isinstance(m, (RMSNorm, HeadLayer)):
                 m.ops = ops
 
-    @torch.no_grad()
-    def init_from_target(self, target: nn.Module, layer_index: int | None = None) -> None:
-        """Start the decoder layer from one of the target's (default: the last), the final norm from
-        the target's: a short training run then starts near a function that already reads hidden
-        states, instead of from noise."""
-        layers = target.layers
-        src = layers[len(layers) - 1 if layer_index is None else layer_index]
-        own = dict(self.layer.named_parameters())
-        mapping = {"input_layernorm.weight": src.input_layernorm.weight,
-                   "qkv_proj.weight": src.self_attn.qkv_proj.weight, "o_proj.weight": src.self_attn.o_proj.weight,
-                   "post_attention_layernorm.weight": src.post_attention_layernorm.weight,
-                   "gate_up_proj.weight": src.mlp.gate_up_proj.weight, "down_proj.weight": src.mlp.down_proj.weight}
-        if src.self_attn.qkv_proj.bias is not None and "qkv_proj.bias" in own:
-            mapping["qkv_proj.bias"] = src.self_attn.qkv_proj.bias
-        for name, value in mapping.items():
-            own[name].copy_(value.to(own[name].dtype))
-        if self.norm is not None:
-            self.norm.weight.copy_(target.norm.weight.to(self.norm.weight.dtype))
-
 
 def save_head(head: EagleHead, out_dir: str | Path) -> Path:
     """Write config.json + model.safetensors (weights float32, d2t int64) atomically enough for a
