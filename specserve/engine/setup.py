@@ -14,11 +14,7 @@ from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.metrics.stats import StatsCollector
 from specserve.model.loader import LoadedModel, load_model, resolve_dtype
-from specserve.runner.cuda_graph import (
-    MIXED_TOKEN_LENS,
-    PREFILL_QUERY_LENS,
-    graph_output_bytes,
-)
+from specserve.runner.cuda_graph import MIXED_TOKEN_LENS, PREFILL_QUERY_LENS, graph_output_bytes
 from specserve.runner.memory import kv_budget_bytes
 from specserve.runner.model_runner import ModelRunner, select_backend
 from specserve.runner.warmup import dummy_forward, dummy_logits

@@ -26,12 +26,7 @@ from specserve.speculative.control import Controller, StepRecord, build_controll
 from specserve.speculative.proposers import build_proposer
 from specserve.speculative.proposers.base import ProposeInput, draft_budget
 from specserve.speculative.proposers.draft_tokens import DeferredDrafts
-from specserve.speculative.verify import (
-    POSITION_LABELS,
-    position_counts,
-    record_verify_metrics,
-    verify_drafts,
-)
+from specserve.speculative.verify import POSITION_LABELS, position_counts, record_verify_metrics, verify_drafts
 
 if TYPE_CHECKING:
     from specserve.engine.setup import EngineParts

@@ -28,11 +28,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specserve.speculative.proposers.eagle_head import (
-    EagleHead,
-    head_config_for,
-    save_head,
-)
+from specserve.speculative.proposers.eagle_head import EagleHead, head_config_for, save_head
 from specserve.train import data as train_data
 
 # Re-exported: the tests use them as train.<name>.

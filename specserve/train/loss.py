@@ -1,5 +1,5 @@
-"""The head's loss in `specserve train-draft` (train.py), from the frozen target's batch
-(train_target.py).
+"""The head's loss in `specserve train-draft` (loop.py), from the frozen target's batch
+(target.py).
 
 The head runs over S "blocks" of rows that mimic serving:
 
@@ -15,7 +15,7 @@ distribution at t+1 (soft labels: what the rejection sampler accepts against), w
 per block. EAGLE-1 heads add EAGLE's feature regression (smooth L1 to the target's next hidden
 state, token loss weight 0.1).
 
-A head with a reduced draft vocabulary d2t (train.py chooses it) has logits [rows, N] over the
+A head with a reduced draft vocabulary d2t (loop.py chooses it) has logits [rows, N] over the
 target's LM-head rows d2t. The soft label is the target's distribution restricted to d2t and
 renormalized: the best draft distribution q on d2t, for sampling acceptance
 sum_x min(target(x), q(x)) and for cross-entropy alike, is target|d2t / target(d2t), so

@@ -1,4 +1,4 @@
-"""The frozen target's side of `specserve train-draft` (train.py): its features and next-token
+"""The frozen target's side of `specserve train-draft` (loop.py): its features and next-token
 distributions for a training batch.
 
 Each training step runs the target once over a padded batch of whole sequences: a plain causal
@@ -7,7 +7,7 @@ head's features (EAGLE-3: the aux layers' inputs; EAGLE-1: the last hidden state
 hidden state and the target's softmax (TargetBatch). With a reduced draft vocabulary d2t, only the
 softmax's columns d2t are kept (the softmax still runs over the whole vocabulary, which their
 normalization needs, a chunk of rows at a time) together with the target's argmax over the whole
-vocabulary; train_loss.py turns them into the head's labels.
+vocabulary; loss.py turns them into the head's labels.
 """
 from __future__ import annotations
 

@@ -247,7 +247,3 @@ def test_short_prompts_prefill_in_graph_pieces(tiny_llama_dir, tmp_path, device:
     runs.clear()
     assert eagle.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == got
     assert [n for n, _ in runs[:3]] == [64, 64, 44] and all(replayed for _, replayed in runs[:3]), runs
-    monkeypatch.setenv("SPECSERVE_PREFILL_PIECES", "0")  # the A/B switch: whole prompts again
-    off = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
-              kv_cache_memory_bytes=8 << 20)
-    assert off.engine.scheduler.prefill_piece is None

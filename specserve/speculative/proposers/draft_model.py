@@ -26,27 +26,15 @@ from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec
 from specserve.model.loader import LoadedModel, load_model
 from specserve.runner.batch import HostBatch, block_table_array
-from specserve.runner.cuda_graph import (
-    CATCH_UP_QUERY_LENS,
-    MIXED_TOKEN_LENS,
-    graph_output_bytes,
-)
+from specserve.runner.cuda_graph import CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS, graph_output_bytes
 from specserve.runner.model_runner import ModelRunner
 from specserve.sample.h2d import cached_tensor
 from specserve.sample.metadata import SamplingMetadata
-from specserve.sample.sampler import (
-    compute_target_probs,
-    draw_exponential,
-    random_sample,
-)
+from specserve.sample.sampler import compute_target_probs, draw_exponential, random_sample
 from specserve.scheduler.request import PLACEHOLDER, Request
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.speculative.proposers.base import OwnKVLifecycle, ProposeInput, Proposer
-from specserve.speculative.proposers.draft_tokens import (
-    DraftDelivery,
-    DraftTokens,
-    assign_resolved,
-)
+from specserve.speculative.proposers.draft_tokens import DraftDelivery, DraftTokens, assign_resolved
 
 # Memory kept free on the GPU beside the draft's KV pool: its activations (catch-up forwards,
 # logits rows) and allocator slack.

@@ -39,16 +39,8 @@ from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.sample.h2d import h2d
 from specserve.scheduler.request import Request
 from specserve.speculative.proposers.base import OwnKVLifecycle, ProposeInput, Proposer
-from specserve.speculative.proposers.draft_model import (
-    DraftSampler,
-    assign_drafts,
-    draft_kv_blocks,
-)
-from specserve.speculative.proposers.draft_tokens import (
-    DraftDelivery,
-    DraftTokens,
-    assign_resolved,
-)
+from specserve.speculative.proposers.draft_model import DraftSampler, assign_drafts, draft_kv_blocks
+from specserve.speculative.proposers.draft_tokens import DraftDelivery, DraftTokens, assign_resolved
 from specserve.speculative.proposers.eagle_first import FirstForwardGraphs
 from specserve.speculative.proposers.eagle_graph import (
     HeadStepGraphs,
@@ -56,16 +48,8 @@ from specserve.speculative.proposers.eagle_graph import (
     attention_arrays,
     attention_metadata,
 )
-from specserve.speculative.proposers.eagle_head import (
-    EagleHead,
-    load_head,
-    target_lm_weight,
-)
-from specserve.speculative.proposers.eagle_setup import (
-    graph_logits_bytes,
-    recapture_with_aux,
-    step_batch_sizes,
-)
+from specserve.speculative.proposers.eagle_head import EagleHead, load_head, target_lm_weight
+from specserve.speculative.proposers.eagle_setup import graph_logits_bytes, recapture_with_aux, step_batch_sizes
 
 
 @dataclass

@@ -38,13 +38,7 @@ import torch
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata
 from specserve.kv.spec import KVFormat, LayerKVCache
-from specserve.speculative.proposers.eagle_graph import (
-    PAD_SLOT,
-    PinnedUpload,
-    align8,
-    capture_per_batch_size,
-    replay,
-)
+from specserve.speculative.proposers.eagle_graph import PAD_SLOT, PinnedUpload, align8, capture_per_batch_size, replay
 from specserve.speculative.proposers.eagle_head import EagleHead
 
 # Each graph keeps its logits [bs * picks, vocab] (float32) alive: sizes above this many picks run

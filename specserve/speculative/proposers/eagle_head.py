@@ -19,7 +19,7 @@ target id), which is what the sampling path computes (eagle.py DraftVocabSampler
 sampled drafts, eager and CUDA-graph paths agree token for token.
 
 The layer never owns its attention: `attend(q, k, v)` is injected, the paged KV backend at serving
-time (eagle.py) and dense masked attention at training time (train_loss.py), so both run the same
+time (eagle.py) and dense masked attention at training time (train/loss.py), so both run the same
 weights through the same code.
 """
 from __future__ import annotations

@@ -8,11 +8,7 @@ import torch
 
 from specserve.attention.base import AttentionMetadata
 from specserve.speculative.proposers.eagle_first import MAX_GRAPH_PICKS
-from specserve.speculative.proposers.eagle_graph import (
-    PinnedUpload,
-    attention_arrays,
-    attention_metadata,
-)
+from specserve.speculative.proposers.eagle_graph import PinnedUpload, attention_arrays, attention_metadata
 
 
 def recapture_with_aux(runner, aux_layers: tuple[int, ...]) -> None:

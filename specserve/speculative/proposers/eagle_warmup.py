@@ -15,10 +15,7 @@ import torch
 
 from specserve.model.layers.triton_gemv import gemv_max_m
 from specserve.runner import warmup
-from specserve.speculative.proposers.eagle_graph import (
-    attention_arrays,
-    attention_metadata,
-)
+from specserve.speculative.proposers.eagle_graph import attention_arrays, attention_metadata
 
 
 def warm_rows() -> tuple[list[int], list[int]]:
