@@ -175,8 +175,6 @@ class Engine:
             start = time.perf_counter()
             drafts = self.spec.pending_drafts() if self.spec is not None else None
             step_out = self.execute(sched, drafts)
-            if self.spec is not None:
-                self.spec.resolve_drafts()  # the drafts' ids for the rejection sampler, while the forward runs
             new_tokens, accepted = self._sample(sched, step_out.logits)
             outputs.extend(self.update(sched, new_tokens, accepted))
             if self.spec is not None:

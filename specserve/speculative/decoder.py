@@ -1,9 +1,11 @@
 """Speculative decoding around the engine: propose after a step, verify in the next one.
 
 Owns the proposer, the controller (how many tokens to draft) and the rejection sampler, and records
-the spec_decode_* metrics. The engine calls, per step: `pending_drafts()` (before the forward),
-`resolve_drafts()` (while it runs), `verify()` (instead of sampling where drafts were scheduled) and
-`after_step()` (observe, absorb target features, propose); `on_finished` / `on_preempted` per request.
+the spec_decode_* metrics. The engine calls, per step: `pending_drafts()` (for the forward),
+`verify()` (instead of sampling where drafts were scheduled) and `after_step()` (observe, absorb
+target features, propose); `on_finished` / `on_preempted` per request. Asynchronous scheduling
+(engine/async_loop.py) calls the parts of after_step itself: `choose`, `skip_proposal`, `absorb`,
+`observe`, `propose_for`.
 """
 from __future__ import annotations
 
