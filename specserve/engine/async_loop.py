@@ -148,6 +148,7 @@ class AsyncLoop:
             if not smp or s.request.is_finished:  # finished when step N was resolved, or aborted
                 rows.append(None)
                 continue
+            assert lr is not None  # a sampling entry has logit rows
             rows.append(len(reqs))
             reqs.append(s.request)
             logit_rows.append(lr[0])

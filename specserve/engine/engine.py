@@ -7,6 +7,7 @@ With asynchronous scheduling, step() is the alternative loop of engine/async_loo
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -27,7 +28,7 @@ from specserve.runner.batch import PendingTokens
 from specserve.runner.model_runner import StepOutput
 from specserve.runner.prompt_logprobs import plan_prompt_logprobs
 from specserve.sample.metadata import SamplingMetadata
-from specserve.sample.sampler import SamplerOutput
+from specserve.sample.sampler import LogprobsTensors, SamplerOutput
 from specserve.sample.structured import StructuredOutputs
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.request import Request, RequestStatus
@@ -230,7 +231,7 @@ class Engine:
         return SamplingMetadata.build(
             [r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
             [r.generator for r in reqs], self.vocab_size, self.device,
-            [list(r.eos_token_ids) + r.params.stop_token_ids for r in reqs])
+            [list(r.eos_token_ids) + (r.params.stop_token_ids or []) for r in reqs])
 
     def sample_tokens(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
         """One token per row of logits [len(reqs), vocab], on the device."""
@@ -249,13 +250,13 @@ class Engine:
         return True
 
     @staticmethod
-    def store_logprobs(reqs: list[Request | None], lp) -> None:
+    def store_logprobs(reqs: Sequence[Request | None], lp: LogprobsTensors) -> None:
         """reqs: one per row of lp; None skips the row."""
         ids, values, ranks = lp.logprob_token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_token_ranks.tolist()
         for row, req in enumerate(reqs):
-            n = None if req is None else req.params.logprobs
-            if n is None:
+            if req is None or req.params.logprobs is None:
                 continue
+            n = req.params.logprobs
             entry = {ids[row][0]: (values[row][0], ranks[row])}
             for j in range(1, n + 1):
                 entry.setdefault(ids[row][j], (values[row][j], j))
@@ -286,31 +287,31 @@ class Engine:
                 continue
             group, index = self._child_to_group[req.request_id]
             status = None
-            accepted = 0
+            num_new = 0  # tokens of this step kept so far
             for tok in tokens:
                 if advanced:
                     req.resolve_pending_token(tok)
                 else:
                     req.append_output_tokens([tok])
-                accepted += 1
+                num_new += 1
                 status = check_token_stop(req, self.max_model_len)
                 if status is not None:
                     break
             if advanced:
                 self.kv.cache_computed_blocks(req)
-            new = req.output_token_ids[-accepted:]
+            new = req.output_token_ids[-num_new:]
             # A stop token's (or EOS's) text is not part of the output unless asked for (vLLM's rule).
             hide = status == RequestStatus.FINISHED_STOPPED and not req.params.include_stop_str_in_output
             stop_str, kept = _stop_string(group.detoks[index], new[:-1] if hide else new,
-                                          req.num_output_tokens - accepted, req.params.min_tokens)
-            if stop_str is not None and kept < accepted:  # a stop string ended the text before the step's end
-                req.trim_output_tokens(accepted - kept)
-                accepted, status = kept, None
+                                          req.num_output_tokens - num_new, req.params.min_tokens)
+            if stop_str is not None and kept < num_new:  # a stop string ended the text before the step's end
+                req.trim_output_tokens(num_new - kept)
+                num_new, status = kept, None
             req.trim_logprobs()  # a verify step scored tokens past a stop
             # the grammar saw the end (or a token it rejects): nothing more may follow.
-            if self.structured.advance(req, req.output_token_ids[-accepted:]) and status is None:
+            if self.structured.advance(req, req.output_token_ids[-num_new:]) and status is None:
                 status = RequestStatus.FINISHED_STOPPED
-            step_stats.add(req, accepted, now)
+            step_stats.add(req, num_new, now)
             if stop_str is not None and status is None:
                 req.stop_reason, status = stop_str, RequestStatus.FINISHED_STOPPED
             if status is not None:

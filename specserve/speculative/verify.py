@@ -100,4 +100,4 @@ def verify_logprobs(reqs: list[Request], num_drafts: list[int], token_lists: lis
         return None
     idx = torch.tensor(rows, dtype=torch.int64).to(logits.device)
     ids = torch.tensor(tokens, dtype=torch.int64).to(logits.device)
-    return owners, compute_logprobs(logits.index_select(0, idx), ids, max(r.params.logprobs for r in owners))
+    return owners, compute_logprobs(logits.index_select(0, idx), ids, max(r.params.logprobs or 0 for r in owners))
