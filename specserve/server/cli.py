@@ -189,7 +189,7 @@ def train_draft_main(argv: Sequence[str]) -> int:
     try:
         train = importlib.import_module("specserve.train.loop")
     except ModuleNotFoundError as e:
-        if e.name not in ("specserve.train.loop", "specserve.spec"):
+        if e.name not in ("specserve.train.loop", "specserve.train"):
             raise
         print("specserve train-draft: draft-head training comes with speculative decoding "
               "(specserve.train.loop) and is not available in this build.", file=sys.stderr)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -137,94 +136,6 @@ def test_one_part_is_the_run_itself() -> None:
     assert "runs" not in merged and "acceptance_rate" not in merged
 
 
-def test_an_adaptive_policy_traces_its_choices_and_steps() -> None:
-    """sweep_policy.Policy.trace: what an adaptive controller chose (with the best k it saw and whether it
-    explored) and what every step measured, in order (the JSON keeps it up to concurrency 32)."""
-    from sweep_policy import Policy
-
-    from specserve.config import SpeculativeConfig
-    from specserve.spec.adaptive import AdaptiveController, SpecStepStats
-
-    ctrl = AdaptiveController(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
-    policy = Policy("adaptive", ctrl, None)
-    ks, seen = [], []
-    for _ in range(3):
-        ks.append(ctrl.choose(4))
-        rates = ctrl.last.tokens_per_s
-        k1 = max(range(1, 4), key=rates.__getitem__)  # the fastest k > 0 as priced
-        seen.append([ctrl.last.best_k, int(ctrl._pending.exploring), 0, round(rates[0], 1), k1,
-                     round(rates[k1], 1), round(ctrl.last.expected_tokens[k1], 3),
-                     round(1e3 * ctrl.last.step_seconds[k1], 3), round(1e3 * ctrl.last.step_seconds[0], 3)])
-    ctrl.observe(SpecStepStats(4, 4, 0, 0.002))
-    time.sleep(0.01)
-    ctrl.observe(SpecStepStats(4, 4 + 300, 0, 0.012))  # two new requests' prompts (150 tokens each) besides
-    trace = policy.trace()
-    assert trace["choices"] == [[4, k, *s] for k, s in zip(ks, seen)]
-    assert [st[:-1] for st in trace["steps"]] == [[-1, 2.0, 0.0, 4, 4, 0, 0.0, 0], [-1, 12.0, 0.0, 4, 4, 0, 0.0, 300]]
-    # the wall time between observations: none before the first, the sleep (at least) before the second
-    assert trace["steps"][0][-1] == 0.0 and trace["steps"][1][-1] >= 10.0
-    policy.clear()
-    assert policy.trace() == {"choices": [], "steps": []}
-
-
-def test_a_slow_proposal_reports_its_batch_and_the_catch_up_predicted_for_it() -> None:
-    """sweep_policy.Policy.slow_proposals: a stall's batch size, the tokens the proposer had not seen and
-    the catch-up the controller predicted for them (the pair's 374 ms stall at 256 requests had none of
-    these in the sixteenth session's JSON)."""
-    from types import SimpleNamespace
-
-    from sweep_policy import Policy
-
-    from specserve.spec.adaptive import ProposalStats, SpecStepStats
-
-    class Scripted:  # the controller interface Policy records: choose / observe, last / _pending / costs
-        def __init__(self) -> None:
-            self.last = SimpleNamespace(best_k=1, propose_seconds=[0.0, 0.005])
-            self._pending = SimpleNamespace(exploring=False, cold=True, unseen_tokens=13000.0)
-            self.costs = SimpleNamespace(catch_up_seconds=lambda tokens, warm, b: 0.015 if tokens == 13000.0 else 0.0)
-
-        def choose(self, batch_size: int) -> int:
-            return 1
-
-        def observe(self, step: SpecStepStats) -> None:
-            self._pending = SimpleNamespace(exploring=False, cold=False, unseen_tokens=0.0)
-
-    ctrl = Scripted()
-    policy = Policy("adaptive", ctrl, None)
-    for seconds in (0.374, 0.005, 0.005, 0.005):
-        k = ctrl.choose(57)
-        ctrl.observe(SpecStepStats(57, 57 * (k + 1), 57 * k, 0.004, proposal=ProposalStats.measure(k, [k] * 57,
-                                                                                                   [k] * 57, seconds)))
-    assert policy.slow_proposals() == [[0, 1, 374.0, -1, 57, 13000, 15.0]]
-    assert [e[0] for e in policy.step_extras] == [57] * 4 and policy.step_extras[1][1:4] == (0.0, 0.0, 0)
-
-
-def test_dropping_a_warm_up_keeps_every_record_aligned() -> None:
-    """controller_sweep drops what a policy recorded during the warm-up between two parts of a point:
-    the choices with their batch sizes and beliefs, the steps with their extras, all from the same mark."""
-    from sweep_policy import Policy
-
-    from specserve.config import SpeculativeConfig
-    from specserve.spec.adaptive import AdaptiveController, SpecStepStats
-
-    ctrl = AdaptiveController(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
-    policy = Policy("adaptive", ctrl, None)
-
-    def one(batch: int) -> None:
-        ctrl.choose(batch)
-        ctrl.observe(SpecStepStats(batch, batch, 0, 0.002))
-
-    one(4)
-    mark = policy.mark()
-    one(8)  # the warm-up
-    policy.drop_after(mark)
-    one(2)
-    trace = policy.trace()
-    assert [c[0] for c in trace["choices"]] == [4, 2] and [s[4] for s in trace["steps"]] == [4, 2]
-    assert len(policy.beliefs) == len(policy.choices) == len(policy.batches) == 2
-    assert len(policy.step_extras) == len(policy.steps) == 2
-
-
 def test_the_steady_window_ends_where_the_queue_ran_dry() -> None:
     """Two requests in flight, four in all: the window runs from the first submission to the last (when
     the slower first request finished); the drain after it, where one request runs alone, is left out."""
@@ -256,93 +167,6 @@ def test_windowed_parts_merge_their_windows() -> None:
     assert merged["requests_per_s"] == pytest.approx(9 / 1.5)
     assert merged["window"] == "steady"
     assert [r["run_seconds"] for r in merged["runs"]] == [1.4, 0.9]
-
-
-def test_the_decode_price_names_each_source() -> None:
-    """controller_sweep.decode_price: the bucket's own decode fit, the pooled decode and verify fits and
-    the clean-decode count, as the controller holds them (a k = 0 priced far above a real decode step
-    shows which one it came from)."""
-    from sweep_beliefs import decode_price
-
-    from specserve.config import SpeculativeConfig
-    from specserve.spec.adaptive import AdaptiveController, SpecStepStats
-
-    ctrl = AdaptiveController(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
-    ctrl.costs.clock = iter(i * 0.002 for i in range(1000)).__next__  # a step apart: no gap, no pause
-    for _ in range(6):
-        ctrl.observe(SpecStepStats(16, 16, 0, 0.002))
-    price = decode_price(ctrl.costs, 16)
-    assert price["local_ms"] is not None and abs(price["local_ms"] - 2.0) < 0.1
-    assert price["local_weight"] >= 1 and price["pure_decode_weight"] > 1
-    assert price["verify_fit_ms"] is None  # no verify step was seen
-    assert decode_price(ctrl.costs, 64)["local_ms"] is None  # another bucket has no fit of its own
-
-
-def test_a_warm_up_trace_holds_only_what_came_after_its_mark() -> None:
-    from sweep_policy import Policy
-
-    from specserve.config import SpeculativeConfig
-    from specserve.spec.adaptive import AdaptiveController, SpecStepStats
-
-    ctrl = AdaptiveController(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
-    policy = Policy("adaptive", ctrl, None)
-    ctrl.choose(4)
-    ctrl.observe(SpecStepStats(4, 4, 0, 0.002))
-    mark = policy.mark()
-    ctrl.choose(8)
-    ctrl.observe(SpecStepStats(8, 8 + 100, 0, 0.009))
-    warm = policy.trace_after(mark)
-    assert [c[0] for c in warm["choices"]] == [8]
-    assert [st[:-1] for st in warm["steps"]] == [[-1, 9.0, 0.0, 8, 8, 0, 0.0, 100]]
-    assert len(policy.trace()["steps"]) == 2
-
-
-def test_a_drafting_trace_keeps_only_drafting_choices_and_steps_with_their_indices() -> None:
-    """Above concurrency 32 the JSON keeps only the choices with k > 0 and the steps verifying drafts."""
-    from sweep_policy import Policy
-
-    from specserve.config import SpeculativeConfig
-    from specserve.spec.adaptive import AdaptiveController, ProposalStats, SpecStepStats, verify_counts
-
-    ctrl = AdaptiveController(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
-    policy = Policy("adaptive", ctrl, None)
-    ks = [ctrl.choose(b) for b in (4, 4, 64)]
-    plain = ProposalStats.measure(0, [], [], 0.0)
-    ctrl.observe(SpecStepStats(4, 4, 0, 0.002, (), (), plain))
-    counts = verify_counts([3] * 4, [2] * 4)
-    ctrl.observe(SpecStepStats(4, 16, 12, 0.004, *counts, ProposalStats.measure(3, [3] * 4, [3] * 4, 0.001)))
-    ctrl.observe(SpecStepStats(4, 4, 0, 0.002, (), (), plain))
-    full, drafting = policy.trace(), policy.drafting_trace()
-    assert [row[0] for row in full["steps"]] == [0, 3, 0]
-    assert drafting["steps"] == [[1, *full["steps"][1]]]
-    assert [c[0] for c in drafting["choices"]] == [i for i, k in enumerate(ks) if k > 0]
-    assert [c[1:] for c in drafting["choices"]] == [c for c in full["choices"] if c[1] > 0]
-
-
-def test_time_by_batch_sums_the_wall_time_between_observations_per_batch_size() -> None:
-    """sweep_policy.Policy.time_by_batch: per batch size, steps, the ms between observations and the
-    tokens, over a point's parts; a part starts afresh (the time since the policy's last part, while
-    other policies ran, is no step's)."""
-    from sweep_policy import Policy
-
-    from specserve.config import SpeculativeConfig
-    from specserve.spec.adaptive import SpecStepStats
-    from specserve.spec.controller import FixedController
-
-    ctrl = FixedController(SpeculativeConfig(method="ngram", num_speculative_tokens=2))
-    policy = Policy("k=2", ctrl, None)
-    for b in (4, 4, 3):
-        ctrl.observe(SpecStepStats(b, b, 0, 0.001))
-        time.sleep(0.005)
-    mark = policy.mark()
-    time.sleep(0.05)  # another policy's part
-    policy.drop_after(mark)
-    ctrl.observe(SpecStepStats(4, 4, 0, 0.001))
-    got = policy.time_by_batch()
-    assert list(got) == ["3", "4"] and got["3"][0] == 1 and got["4"][0] == 3
-    assert got["3"][2] == 3 and got["4"][2] == 12
-    assert 5.0 <= got["4"][1] < 25.0  # one gap of ~5 ms (the first step has none), none of the 50 ms
-    assert got["3"][1] >= 5.0
 
 
 def test_output_lengths_spread_around_the_mean_and_match_across_parts() -> None:
