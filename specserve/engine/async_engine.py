@@ -163,10 +163,6 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     async def check_health(self) -> None:
         """Raise EngineDeadError if the engine loop is not alive."""
         if self._dead is not None:

@@ -1,17 +1,18 @@
 """Engine: add requests, step the scheduler and the model, return outputs.
 
-step() reads like the request flow in DESIGN.md: schedule -> runner forward -> sample (or
-verify drafts) -> scheduler update -> detokenize, stop checks -> stats.
+step() reads like the request flow in DESIGN.md: schedule -> runner forward -> sample (or verify
+drafts) -> scheduler update (detokenize, stop checks) -> speculation's after-step hook -> stats.
+With asynchronous scheduling, step() is the alternative loop of engine/async_loop.py.
 """
 from __future__ import annotations
 
-import itertools
 import time
+from collections.abc import Sequence
 
 import torch
 
-from specserve import envs
 from specserve.config import EngineConfig
+from specserve.engine.async_loop import AsyncLoop
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.output_processor import (
     RequestGroup,
@@ -20,21 +21,23 @@ from specserve.engine.output_processor import (
     record_finished,
     request_output,
 )
-from specserve.engine.overlap import AsyncStepMixin
 from specserve.engine.setup import EngineParts, build_engine_parts
 from specserve.engine.validate import resolve_max_tokens, resolve_prompt
 from specserve.outputs import RequestOutput
+from specserve.runner.batch import PendingTokens
+from specserve.runner.model_runner import StepOutput
 from specserve.runner.prompt_logprobs import plan_prompt_logprobs
 from specserve.sample.metadata import SamplingMetadata
-from specserve.sample.sampler import SamplerOutput
+from specserve.sample.sampler import LogprobsTensors, SamplerOutput
 from specserve.sample.structured import StructuredOutputs
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.request import Request, RequestStatus
 from specserve.scheduler.scheduler import SchedulerOutput
-from specserve.spec.verify_logprobs import verify_logprobs
+from specserve.speculative.decoder import SpecDecoder
+from specserve.speculative.verify import verify_logprobs
 
 
-class Engine(AsyncStepMixin):
+class Engine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
         parts: EngineParts = build_engine_parts(config, progress)
@@ -52,24 +55,17 @@ class Engine(AsyncStepMixin):
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._last_prefix = (0, 0)
         self.stream_outputs = True  # False: step() returns finished requests only
-        self.spec = None
-        if config.speculative is not None:
-            from specserve.spec.decoder import SpecDecoder
-
-            self.spec = SpecDecoder(config.speculative, parts, self.stats)
-            self.runner.model.aux_hidden_layers = self.spec.proposer.aux_hidden_layers
-        # structured output (issue 8): grammar matchers and masks; xgrammar loads on first use.
+        # structured output: grammar matchers and masks; xgrammar loads on first use.
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        if self.spec is not None:
-            self.spec.structured = self.structured
-        self.async_scheduling = _use_async_scheduling(config, self.device)
-        # Short prompts in graph-sized pieces (scheduler/scheduler.py) where prefill graphs were
-        # captured. An EAGLE head takes each piece's target features as it runs (SpecDecoder.absorb).
-        graphs = getattr(self.runner, "graphs", None)
-        lens = getattr(graphs, "prefill_query_lens", ()) if graphs is not None else ()
-        if lens and envs.prefill_pieces():
-            self.scheduler.prefill_piece = max(lens)
-            self.scheduler.prefill_apart = envs.prefill_apart()
+        self.spec: SpecDecoder | None = None
+        if config.speculative is not None:
+            self.spec = SpecDecoder(config.speculative, parts, self.stats, self.structured)
+            self.runner.model.aux_hidden_layers = self.spec.proposer.aux_hidden_layers
+        self.async_loop = AsyncLoop(self) if _use_async_scheduling(config, self.device) else None
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.async_loop is not None
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,
@@ -83,7 +79,7 @@ class Engine(AsyncStepMixin):
         max_tokens = resolve_max_tokens(len(token_ids), params, self.max_model_len, self.kv.num_blocks,
                                         self.kv.block_size)
         self._check_prompt_logprobs(params)
-        grammar = self.structured.compile(params)  # issue 8: ValueError on a bad schema/regex
+        grammar = self.structured.compile(params)  # ValueError on a bad schema/regex
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, text, token_ids, [], [], arrival, params.logprobs)
         for i in range(params.n):
@@ -102,7 +98,7 @@ class Engine(AsyncStepMixin):
         self.groups[request_id] = group
         for i, req in enumerate(group.children):
             self._child_to_group[req.request_id] = (group, i)
-            self.structured.add(req, grammar)  # issue 8: its first mask fills during the prefill
+            self.structured.add(req, grammar)  # its first mask fills during the prefill
             self.scheduler.add_request(req)
         self.kv.prefetch(group.children[0])
 
@@ -128,14 +124,16 @@ class Engine(AsyncStepMixin):
                 self._pending.append(request_output(group, self.tokenizer))
             self._drop(group)
 
+    def take_outputs(self) -> list[RequestOutput]:
+        """The outputs produced outside a step (aborts), once."""
+        outputs, self._pending = self._pending, []
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups) or bool(self._pending)
 
     def num_unfinished_requests(self) -> int:
         return len(self.groups)
-
-    def num_waiting_requests(self) -> int:
-        return self.scheduler.num_waiting
 
     def num_would_wait(self, num_new: int) -> int:
         """Requests left waiting if num_new more arrived now: those beyond the running batch's free
@@ -165,52 +163,45 @@ class Engine(AsyncStepMixin):
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.async_scheduling:  # engine/overlap.py
-            return self._step_async() if self.spec is None else self._step_speculating()
-        return self._step_sync()
+        if self.async_loop is not None:
+            return self.async_loop.step()
+        return self.step_sync()
 
-    def _step_sync(self) -> list[RequestOutput]:
-        outputs, self._pending = self._pending, []
-        if self._inflight is not None:  # asynchronous scheduling was switched off since
-            outputs.extend(self._resolve(self._inflight)[0])
-            self._inflight = None
+    def step_sync(self) -> list[RequestOutput]:
+        """One synchronous step: schedule -> execute -> sample/verify -> update -> speculation."""
+        outputs = self.take_outputs()
         sched = self.scheduler.schedule()
-        self._fail_unfittable(sched, outputs)
+        self.fail_unfittable(sched, outputs)
         if not sched.empty:
             start = time.perf_counter()
-            for req in sched.preempted:
-                if self.spec is not None:
-                    self.spec.on_preempted(req)
-            need_hidden = self.spec is not None and self.spec.proposer.needs_target_hidden
-            plan = plan_prompt_logprobs(sched)
-            # Drafts still on the device: the runner fills the verify step's placeholders from them.
             drafts = self.spec.pending_drafts() if self.spec is not None else None
-            kw = {"pending": drafts} if drafts is not None else {}
-            if plan:
-                step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden, prompt_plan=plan, **kw)
-                self._store_prompt_logprobs(sched, plan, step_out.prompt_logprobs)
-            else:
-                step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden, **kw)
-            self.kv.after_forward()
-            if self.spec is not None:  # host work for the next choice, while the forward runs
-                self.spec.deliver_late()  # (the last step's observation, if set aside: SpecDecoder.observe_step)
-                self.spec.work_ahead(len(self.scheduler.running))
-                self.spec.resolve_drafts()  # the drafts' ids, for the rejection sampler
+            step_out = self.execute(sched, drafts)
             new_tokens, accepted = self._sample(sched, step_out.logits)
-            outputs.extend(self._update(sched, new_tokens, accepted))
+            outputs.extend(self.update(sched, new_tokens, accepted))
             if self.spec is not None:
-                if sched.apart:  # prompt pieces apart verify nothing: the next step pairs with the proposal
-                    self.spec.observe_apart(sched)
-                else:  # (observed once the next forward is launched where the controller allows)
-                    self.spec.observe_step(sched, time.perf_counter() - start, late=True)
-                self.spec.absorb(sched, [t is not None for t in new_tokens], step_out)
-                self._propose(sched, new_tokens, step_out)
-                if not self.scheduler.running and not self.scheduler.waiting:
-                    self.spec.deliver_late()  # no forward follows to overlap it with
-        elif self.spec is not None:
-            self.spec.deliver_late()
-        self._record_step_stats(sched)
+                self.spec.after_step(sched, new_tokens, step_out, time.perf_counter() - start,
+                                     len(self.scheduler.running))
+        self.record_step_stats(sched)
         return outputs
+
+    def execute(self, sched: SchedulerOutput, pending: PendingTokens | None) -> StepOutput:
+        """The forward of a scheduled step (preempted requests leave the proposer first). pending: input
+        ids still on the device (drafts, or asynchronous scheduling's sampled tokens)."""
+        for req in sched.preempted:
+            if self.spec is not None:
+                self.spec.on_preempted(req)
+        need_hidden = self.spec is not None and self.spec.proposer.needs_target_hidden
+        plan = plan_prompt_logprobs(sched)
+        kw: dict = {}  # (the tensor-parallel executor takes neither)
+        if plan:
+            kw["prompt_plan"] = plan
+        if pending is not None:
+            kw["pending"] = pending
+        step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden, **kw)
+        if plan:
+            self._store_prompt_logprobs(sched, plan, step_out.prompt_logprobs)
+        self.kv.after_forward()
+        return step_out
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> tuple[list[list[int] | None], list[int]]:
         """Per scheduled request: its new tokens (None if mid-prefill) and accepted draft count."""
@@ -219,18 +210,18 @@ class Engine(AsyncStepMixin):
             return [None] * len(sched.scheduled), [0] * len(sched.scheduled)
         sampling = [s.request for s in entries]
         num_drafts = [s.num_spec_tokens for s in entries]
-        # issue 8: grammar masks, before every sampling path (the greedy fast path too)
+        # grammar masks, before every sampling path (the greedy fast path too)
         logits = self.structured.apply(logits, sampling, num_drafts)
         if self.spec is not None and any(num_drafts):
             token_lists, num_accepted = self.spec.verify(sampling, num_drafts, logits, self._sampling_meta(sampling))
             found = verify_logprobs(sampling, num_drafts, token_lists, logits)
             if found is not None:
-                self._store_logprobs(*found)
+                self.store_logprobs(*found)
         else:
-            out = self._sample_tokens(sampling, logits)
+            out = self.sample_tokens(sampling, logits)
             token_lists, num_accepted = [[t] for t in out.token_ids.tolist()], [0] * len(entries)
             if out.logprobs is not None:
-                self._store_logprobs(sampling, out.logprobs)
+                self.store_logprobs(sampling, out.logprobs)
         tokens_it, acc_it = iter(token_lists), iter(num_accepted)
         new_tokens = [next(tokens_it) if s.samples else None for s in sched.scheduled]
         accepted = [next(acc_it) if s.samples else 0 for s in sched.scheduled]
@@ -240,9 +231,9 @@ class Engine(AsyncStepMixin):
         return SamplingMetadata.build(
             [r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
             [r.generator for r in reqs], self.vocab_size, self.device,
-            [list(r.eos_token_ids) + r.params.stop_token_ids for r in reqs])
+            [list(r.eos_token_ids) + (r.params.stop_token_ids or []) for r in reqs])
 
-    def _sample_tokens(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
+    def sample_tokens(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
         """One token per row of logits [len(reqs), vocab], on the device."""
         if self._plain_greedy(reqs):
             # The common serving case: argmax, no metadata to build or copy.
@@ -258,32 +249,14 @@ class Engine(AsyncStepMixin):
                 return False
         return True
 
-    def _propose(self, sched: SchedulerOutput, new_tokens: list[list[int] | None], step_out,
-                 k: int | None = None) -> None:
-        """k: drafts per request, already chosen (None: the controller chooses now)."""
-        reqs, index = [], []
-        for i, (s, tokens) in enumerate(zip(sched.scheduled, new_tokens)):
-            if tokens is not None and not s.request.is_finished:
-                reqs.append(s.request)
-                index.append(i)
-        if reqs:
-            if k is None:  # (a k chosen already was chosen with the queue as it was then)
-                self._set_arriving()
-            self.spec.propose(reqs, index, step_out, len(self.scheduler.running), k)
-
-    def _set_arriving(self) -> None:
-        """The queue that can join the batch, for the speculation controller's next choice."""
-        sch = self.scheduler
-        self.spec.set_arriving(len(sch.waiting), sch.max_num_seqs - len(sch.running))
-
     @staticmethod
-    def _store_logprobs(reqs: list[Request | None], lp) -> None:
+    def store_logprobs(reqs: Sequence[Request | None], lp: LogprobsTensors) -> None:
         """reqs: one per row of lp; None skips the row."""
         ids, values, ranks = lp.logprob_token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_token_ranks.tolist()
         for row, req in enumerate(reqs):
-            n = None if req is None else req.params.logprobs
-            if n is None:
+            if req is None or req.params.logprobs is None:
                 continue
+            n = req.params.logprobs
             entry = {ids[row][0]: (values[row][0], ranks[row])}
             for j in range(1, n + 1):
                 entry.setdefault(ids[row][j], (values[row][j], j))
@@ -297,10 +270,10 @@ class Engine(AsyncStepMixin):
             req = sched.scheduled[item.sched_index].request
             req.prompt_logprobs.extend(entries)
 
-    def _update(self, sched: SchedulerOutput, new_tokens: list[list[int] | None],
+    def update(self, sched: SchedulerOutput, new_tokens: list[list[int] | None],
                 accepted: list[int], advanced: bool = False) -> list[RequestOutput]:
         """advanced: asynchronous scheduling already counted the step as computed and holds a
-        placeholder for each new token (engine/overlap.py)."""
+        placeholder for each new token (engine/async_loop.py)."""
         now = time.monotonic()
         step_stats = StepTokenStats()
         touched: dict[str, RequestGroup] = {}
@@ -314,37 +287,37 @@ class Engine(AsyncStepMixin):
                 continue
             group, index = self._child_to_group[req.request_id]
             status = None
-            accepted = 0
+            num_new = 0  # tokens of this step kept so far
             for tok in tokens:
                 if advanced:
                     req.resolve_pending_token(tok)
                 else:
                     req.append_output_tokens([tok])
-                accepted += 1
+                num_new += 1
                 status = check_token_stop(req, self.max_model_len)
                 if status is not None:
                     break
             if advanced:
                 self.kv.cache_computed_blocks(req)
-            new = req.output_token_ids[-accepted:]
+            new = req.output_token_ids[-num_new:]
             # A stop token's (or EOS's) text is not part of the output unless asked for (vLLM's rule).
             hide = status == RequestStatus.FINISHED_STOPPED and not req.params.include_stop_str_in_output
             stop_str, kept = _stop_string(group.detoks[index], new[:-1] if hide else new,
-                                          req.num_output_tokens - accepted, req.params.min_tokens)
-            if stop_str is not None and kept < accepted:  # a stop string ended the text before the step's end
-                req.trim_output_tokens(accepted - kept)
-                accepted, status = kept, None
+                                          req.num_output_tokens - num_new, req.params.min_tokens)
+            if stop_str is not None and kept < num_new:  # a stop string ended the text before the step's end
+                req.trim_output_tokens(num_new - kept)
+                num_new, status = kept, None
             req.trim_logprobs()  # a verify step scored tokens past a stop
-            # issue 8: the grammar saw the end (or a token it rejects): nothing more may follow.
-            if self.structured.advance(req, req.output_token_ids[-accepted:]) and status is None:
+            # the grammar saw the end (or a token it rejects): nothing more may follow.
+            if self.structured.advance(req, req.output_token_ids[-num_new:]) and status is None:
                 status = RequestStatus.FINISHED_STOPPED
-            step_stats.add(req, accepted, now)
+            step_stats.add(req, num_new, now)
             if stop_str is not None and status is None:
                 req.stop_reason, status = stop_str, RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self._finish(group, req, status)
             touched[group.request_id] = group
-        if self.spec is None:  # issue 8: next masks now; with speculation once drafts exist
+        if self.spec is None:  # next masks now; with speculation once drafts exist
             self.structured.prepare([s.request for s, t in zip(sched.scheduled, new_tokens) if t])
         step_stats.flush(self.stats)
         outputs = []
@@ -359,7 +332,7 @@ class Engine(AsyncStepMixin):
     def _finish(self, group: RequestGroup, req: Request, status: RequestStatus) -> None:
         req.drop_pending_tokens()  # asynchronous scheduling: a later step's token never counts
         self.scheduler.finish(req, status)
-        self.structured.release(req)  # issue 8
+        self.structured.release(req)
         if self.spec is not None:
             self.spec.on_finished(req)
         group.finished_ids.add(req.request_id)
@@ -370,7 +343,7 @@ class Engine(AsyncStepMixin):
         for req in group.children:
             self._child_to_group.pop(req.request_id, None)
 
-    def _fail_unfittable(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+    def fail_unfittable(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         """A waiting request that cannot get blocks even with nothing running can never run."""
         if sched.empty and not self.scheduler.running and self.scheduler.waiting:
             req = self.scheduler.waiting[0]
@@ -381,7 +354,7 @@ class Engine(AsyncStepMixin):
                 outputs.append(request_output(group, self.tokenizer))
                 self._drop(group)
 
-    def _record_step_stats(self, sched: SchedulerOutput) -> None:
+    def record_step_stats(self, sched: SchedulerOutput) -> None:
         st = self.stats
         st.set("num_requests_running", self.scheduler.num_running)
         st.set("num_requests_waiting", self.scheduler.num_waiting)
@@ -393,13 +366,6 @@ class Engine(AsyncStepMixin):
             st.inc("prefix_cache_queries_total", q - self._last_prefix[0])
             st.inc("prefix_cache_hits_total", h - self._last_prefix[1])
             self._last_prefix = (q, h)
-
-
-_ids = itertools.count()
-
-
-def next_request_id() -> str:
-    return str(next(_ids))
 
 
 def _stop_string(detok, tokens: list[int], num_before: int, min_tokens: int) -> tuple[str | None, int]:
@@ -416,6 +382,6 @@ def _stop_string(detok, tokens: list[int], num_before: int, min_tokens: int) -> 
 
 def _use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
     """On by default on CUDA; not with tensor parallelism. With speculation only the steps that
-    verify no drafts overlap (engine/overlap.py)."""
+    verify no drafts overlap (engine/async_loop.py)."""
     asked = config.scheduler.async_scheduling  # with tensor parallelism refused by EngineConfig
     return (device.type == "cuda" and config.parallel.tensor_parallel_size == 1) if asked is None else asked

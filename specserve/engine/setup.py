@@ -1,16 +1,16 @@
 """Build the engine's parts from an EngineConfig: device, model, KV pool, scheduler, sampler."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from types import ModuleType
 
 import torch
 
-from specserve import envs
 from specserve.config import EngineConfig
 from specserve.engine.validate import check_kv_capacity
-from specserve.kv.manager import KVCacheManager
 from specserve.kv.key_offset import install_key_offsets
+from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.metrics.stats import StatsCollector
 from specserve.model.loader import LoadedModel, load_model, resolve_dtype
@@ -32,6 +32,7 @@ class EngineParts:
     sampler: Sampler
     stats: StatsCollector
     eos_token_ids: tuple[int, ...]
+    ops: ModuleType  # the model's layer ops (Triton on CUDA, torch otherwise): a draft model loads with them
 
 
 def resolve_device(name: str) -> torch.device:
@@ -101,7 +102,7 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     query_lens = tuple(range(1, k + 2))
     # Ragged steps too (a prompt chunk beside decoding requests); not under tensor parallelism, whose
     # ranks replay only the graphs ShardRunner.execute_host finds by graph_key.
-    mixed = MIXED_TOKEN_LENS if shard is None and envs.mixed_graphs() else ()
+    mixed = MIXED_TOKEN_LENS if shard is None else ()
     reserve = graph_output_bytes(sc.max_num_seqs, query_lens, PREFILL_QUERY_LENS, arch.vocab_size, arch.hidden_size,
                                  torch.finfo(dtype).bits // 8, (), mixed, loaded.max_model_len) if graphs else 0
     budget = kv_budget_bytes(spec, device, cc.gpu_memory_utilization, cc.kv_cache_memory_bytes, profile,
@@ -124,7 +125,9 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     dtype = resolve_dtype(config.model.dtype, device)
     torch.manual_seed(config.model.seed)
     if config.parallel.tensor_parallel_size > 1:
-        from specserve.distributed.executor import build_tp_executor  # issue 9: one process per rank
+        from specserve.distributed.executor import (
+            build_tp_executor,  # one process per rank
+        )
 
         runner = build_tp_executor(config, device, dtype, progress)
     else:
@@ -135,8 +138,11 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                         hash_extra=f"{loaded.identity}|{spec.fmt.name}".encode())
     num_lookahead = config.speculative.num_speculative_tokens if config.speculative else 0
+    # Short prompts in graph-sized pieces where prefill graphs were captured (scheduler.py).
+    graphs = getattr(runner, "graphs", None)  # (the tensor-parallel executor captures none here)
+    piece = max(graphs.prefill_query_lens) if graphs is not None and graphs.prefill_query_lens else None
     scheduler = Scheduler(kv, sc.max_num_seqs, max_batched, loaded.max_model_len, sc.enable_chunked_prefill,
-                          num_lookahead)
+                          num_lookahead, prefill_piece=piece)
     stats = StatsCollector()
     if config.offload.enabled:
         if not cc.enable_prefix_caching:
@@ -151,7 +157,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     stats.set("cache_config_info", 1, {"block_size": str(cc.block_size), "cache_dtype": spec.fmt.name,
                                        "num_gpu_blocks": str(num_blocks),
                                        "enable_prefix_caching": str(cc.enable_prefix_caching)})
-    return EngineParts(device, loaded, runner, kv, scheduler, Sampler(), stats, _eos_ids(loaded))
+    return EngineParts(device, loaded, runner, kv, scheduler, Sampler(), stats, _eos_ids(loaded), _ops_for(device))
 
 
 def _profile_run(loaded: LoadedModel, spec: KVCacheSpec, device: torch.device, backend, num_tokens: int,

@@ -55,7 +55,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    # Asynchronous scheduling (engine/overlap.py): sampled tokens still on the device. Each is a
+    # Asynchronous scheduling (engine/async_loop.py): sampled tokens still on the device. Each is a
     # PLACEHOLDER at the tail of all_token_ids (the next step computes its position all the same;
     # the runner fills its input id on the device); not in output_token_ids until resolved.
     num_pending_tokens: int = 0

@@ -9,19 +9,10 @@ and it is recomputed later (its full blocks usually survive in the prefix cache)
 Within one forward every layer writes the whole batch's K/V before any attention reads, so a
 request may hit blocks that another request fills in the same step.
 
-Graph-sized prefill pieces (`prefill_piece`, set by the engine where the runner captured prefill
-graphs): while at most `PIECE_MAX_SEQS` requests are live, a prompt of up to PIECES pieces is fed a
-piece at a time, so each step replays a captured graph instead of running eagerly. On the H200 an
-eager forward of a short prefill cost 15-28 ms of host time for ~2 ms of GPU work (runner/
-cuda_graph.py), and a replay of the 1.5B target's 64-token graph ~2 ms.
-
-Prompts apart (`prefill_apart`, opt-in: SPECSERVE_PREFILL_APART=1): where more requests are live, a
-step mixing decode rows with a new request's prompt chunk is an eager forward of the whole batch (on
-the H200 pair at concurrency 8, 20.7 ms against a 1.6 ms decode step). Instead, while at most
-PIECE_MAX_SEQS short prompts wait beside a decoding batch, steps alternate: one computes only those
-prompts' pieces (a prefill graph), the next only the decoding batch (a decode or verify graph). A
-prompt's last token waits for a decoding step, where it is one more row of query length 1 and samples
-with the batch. Each request's tokens are computed as before; only the steps they share change.
+Graph-sized prefill pieces (`prefill_piece`: the longest captured prefill graph's query length, or
+None): while at most `PIECE_MAX_SEQS` requests are live, a prompt of up to PIECES pieces is fed a
+piece at a time, so each step replays a captured graph instead of running an eager forward, whose
+host-side launch cost dwarfs a short prefill's GPU work.
 """
 from __future__ import annotations
 
@@ -52,7 +43,6 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     num_spec_tokens: int = 0  # draft tokens to verify, over every scheduled request (counted as scheduled)
     preempted: list[Request] = field(default_factory=list)
-    apart: bool = False  # prompt pieces only, beside a decoding batch that waits (see prefill_apart)
 
     @property
     def empty(self) -> bool:
@@ -66,15 +56,12 @@ PIECE_MAX_SEQS = 2  # runner/cuda_graph.py PREFILL_MAX_BATCH: prefill graphs exi
 
 
 class Scheduler:
-    # The longest captured prefill graph's query length, or None (no piecewise prefill).
-    prefill_piece: int | None = None
-    # Prompt pieces in steps apart from a decoding batch (module doc); needs prefill_piece.
-    prefill_apart: bool = False
-    _apart_turn = True  # whether the next step of prompts apart computes the prompts (else the batch)
-
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True, num_lookahead_tokens: int = 0) -> None:
+                 max_model_len: int, enable_chunked_prefill: bool = True, num_lookahead_tokens: int = 0,
+                 prefill_piece: int | None = None) -> None:
+        """num_lookahead_tokens: KV slots kept per request for drafts; prefill_piece: see the module doc."""
         self.kv = kv
+        self.prefill_piece = prefill_piece
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -111,18 +98,9 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        prompts = self._prompts_apart()
-        if prompts is None:
-            self._apart_turn = True  # a prompt that comes apart next is computed first
-        elif self._schedule_apart(out, prompts):
-            out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
-            return out
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
@@ -130,65 +108,12 @@ class Scheduler:
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         return out
 
-    # -- prompts apart (module doc) -----------------------------------------------------------
-    def _prompts_apart(self) -> list[Request] | None:
-        """The requests whose prompts go apart from the decoding batch, or None where the rule does not
-        apply: at most PIECE_MAX_SEQS short prompts (waiting, or admitted and mid-prompt; at least 2
-        tokens left, at most PIECES pieces and one token), every other live request decoding, and more
-        than PIECE_MAX_SEQS live (below that a mixed step fits a prefill graph as it is)."""
-        piece = self.prefill_piece
-        if (not self.prefill_apart or piece is None or not self.enable_chunked_prefill
-                or len(self.running) + len(self.waiting) <= PIECE_MAX_SEQS):
-            return None
-        prompts = [r for r in self.running if r.num_output_tokens == 0 and r.num_tokens - r.num_computed_tokens > 1]
-        prompts += self.waiting
-        if len(prompts) > PIECE_MAX_SEQS or len(prompts) == len(self.running) + len(self.waiting):
-            return None  # a burst of prompts, or nothing decoding: one mixed step as usual
-        for r in prompts:
-            left = r.num_tokens - r.num_computed_tokens
-            if (r.num_output_tokens or r.num_pending_tokens or r.spec_token_ids or r.needs_prompt_logprobs
-                    or not 1 < left <= PIECES * piece + 1):
-                return None
-        return prompts
-
-    def _schedule_apart(self, out: SchedulerOutput, prompts: list[Request]) -> bool:
-        """One step of prompts apart: the prompts' next pieces (never a prompt's last token), or the
-        decoding batch without them; False if the prompts' turn scheduled nothing (no free slot)."""
-        turn, self._apart_turn = self._apart_turn, not self._apart_turn
-        if not turn:
-            self._schedule_running(out, self.max_num_batched_tokens, skip=frozenset(id(r) for r in prompts))
-            return bool(out.scheduled)  # (else the usual step, with what was preempted already in `out`)
-        piece, budget = self.prefill_piece, self.max_num_batched_tokens
-        for req in prompts:
-            if req in self.running:
-                num_new = min(piece, req.num_tokens - req.num_computed_tokens - 1, budget)
-                if num_new >= 1 and self.kv.allocate_slots(req, num_new, None, self.num_lookahead_tokens):
-                    out.scheduled.append(ScheduledRequest(req, num_new, 0))
-                    budget -= num_new
-                continue
-            if len(self.running) >= self.max_num_seqs or self.waiting[0] is not req:
-                break
-            # (a prompt cached but for its last token is admitted by the usual step instead: it samples)
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            num_new = min(piece, req.num_tokens - num_hit_tokens - 1, budget)
-            if num_new < 1 or not self.kv.allocate_slots(req, num_new, hits, self.num_lookahead_tokens):
-                break
-            self._admit(req, num_hit_tokens)
-            out.scheduled.append(ScheduledRequest(req, num_new, 0))
-            budget -= num_new
-        out.apart = bool(out.scheduled)
-        return out.apart
-
-    def _schedule_running(self, out: SchedulerOutput, budget: int, skip: frozenset[int] = frozenset()) -> int:
-        """skip: id() of running requests that sit this step out (prompts apart)."""
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_pending_tokens and req.finishes_by_length_on_pending(self.max_model_len):
                 i += 1  # asynchronous scheduling: its last token is in flight and ends it
-                continue
-            if skip and id(req) in skip:
-                i += 1
                 continue
             num_new = min(self._piece(req, req.num_tokens_with_spec - req.num_computed_tokens), budget)
             # Never go past the context window (drafts near the end are dropped).

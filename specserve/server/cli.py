@@ -205,12 +205,12 @@ def models_main(argv: Sequence[str]) -> int:
 
 def train_draft_main(argv: Sequence[str]) -> int:
     try:
-        train = importlib.import_module("specserve.spec.train")
+        train = importlib.import_module("specserve.train.loop")
     except ModuleNotFoundError as e:
-        if e.name not in ("specserve.spec.train", "specserve.spec"):
+        if e.name not in ("specserve.train.loop", "specserve.train"):
             raise
         print("specserve train-draft: draft-head training comes with speculative decoding "
-              "(specserve.spec.train) and is not available in this build.", file=sys.stderr)
+              "(specserve.train.loop) and is not available in this build.", file=sys.stderr)
         return 1
     return int(train.train_main(list(argv)) or 0)
 

@@ -57,7 +57,7 @@ class Controller(ABC):
     def choose(self, batch_size: int) -> int:
         """Drafts per request for the next step of `batch_size` running requests."""
 
-    def observe(self, record: StepRecord) -> None:  # noqa: B027 (the simple controllers learn nothing)
+    def observe(self, record: StepRecord) -> None:
         """What the step just run measured; called once per step, in order."""
 
 

@@ -50,11 +50,11 @@ def test_seeded_sampling_and_penalties_match_sync(tiny_llama_dir, device: torch.
 
 @pytest.mark.parametrize("method", ["draft_other", "draft_self", "eagle3", "p-eagle"])
 def test_speculation_with_device_chained_drafts(tiny_llama_dir, tmp_path, method, device: torch.device) -> None:
-    """Drafts stay on the device between draft forwards (spec/draft_tokens.py); greedy output must
+    """Drafts stay on the device between draft forwards (speculative/proposers/draft_tokens.py); greedy output must
     equal plain decoding, and a model drafting for itself must have every draft accepted."""
     if device.type != "cuda":
         pytest.skip("CUDA graphs and device-chained drafts need a GPU")
-    from specserve.spec.eagle_head import make_random_head_dir
+    from specserve.speculative.proposers.eagle_head import make_random_head_dir
     from tests.helpers.tiny_models import make_tiny_model_dir
 
     target = str(tiny_llama_dir)
@@ -118,7 +118,7 @@ def test_speculation_with_overlapped_k0_steps(tiny_llama_dir, tmp_path, method, 
     in flight, EAGLE from its graph's hidden states) both happen. Same tokens as plain decoding."""
     if device.type != "cuda":
         pytest.skip("asynchronous scheduling overlaps host work with a GPU")
-    from specserve.spec.eagle_head import make_random_head_dir
+    from specserve.speculative.proposers.eagle_head import make_random_head_dir
 
     table = {"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]], "adaptive": False,
              "num_speculative_tokens": 3}
@@ -219,7 +219,7 @@ def test_short_prompts_prefill_in_graph_pieces(tiny_llama_dir, tmp_path, device:
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a GPU")
     from specserve.runner.cuda_graph import CudaGraphRunner
-    from specserve.spec.eagle_head import make_random_head_dir
+    from specserve.speculative.proposers.eagle_head import make_random_head_dir
 
     prompt = [random.Random(9).randrange(5, 300) for _ in range(172)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -247,7 +247,3 @@ def test_short_prompts_prefill_in_graph_pieces(tiny_llama_dir, tmp_path, device:
     runs.clear()
     assert eagle.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == got
     assert [n for n, _ in runs[:3]] == [64, 64, 44] and all(replayed for _, replayed in runs[:3]), runs
-    monkeypatch.setenv("SPECSERVE_PREFILL_PIECES", "0")  # the A/B switch: whole prompts again
-    off = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
-              kv_cache_memory_bytes=8 << 20)
-    assert off.engine.scheduler.prefill_piece is None

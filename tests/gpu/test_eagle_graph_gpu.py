@@ -1,5 +1,5 @@
 """The EAGLE head's forwards as CUDA graphs on the GPU (the first forward of a propose,
-spec/eagle_first.py, and the draft steps, spec/eagle_graph.py; eagle, eagle3 and P-EAGLE): the same
+speculative/proposers/eagle_first.py, and the draft steps, speculative/proposers/eagle_graph.py; eagle, eagle3 and P-EAGLE): the same
 tokens as plain decoding and the same proposals as the eager head and as the static buffers
 without capture, over batches that need padding and requests that finish at different times."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.spec.eagle import EagleProposer
-from specserve.spec.eagle_first import MAX_GRAPH_PICKS
-from specserve.spec.eagle_head import make_random_head_dir
+from specserve.speculative.proposers.eagle import EagleProposer
+from specserve.speculative.proposers.eagle_first import MAX_GRAPH_PICKS
+from specserve.speculative.proposers.eagle_head import make_random_head_dir
 
 K = 3
 

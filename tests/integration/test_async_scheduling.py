@@ -1,4 +1,4 @@
-"""Asynchronous scheduling (engine/overlap.py) gives exactly the synchronous engine's outputs.
+"""Asynchronous scheduling (engine/async_loop.py) gives exactly the synchronous engine's outputs.
 
 On the CPU the "device" runs synchronously, but every piece of the overlap runs all the same:
 placeholders scheduled before their tokens are known, device-side input fill, resolution one
@@ -116,7 +116,7 @@ def test_abort_while_tokens_are_in_flight(tiny_llama_dir):
     for step in range(200):
         if step == 4:
             engine.abort_request(["1", "4"])
-            assert engine._inflight is not None  # aborted with a step still in flight
+            assert engine.async_loop.inflight is not None  # aborted with a step still in flight
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
@@ -173,7 +173,7 @@ def test_speculation_overlaps_the_steps_that_draft_nothing(tiny_llama_dir, tmp_p
     """k = 3 while at most 2 requests run, k = 0 above (vLLM's per-batch-size table): overlapped runs
     of k = 0 steps, and switches both ways as requests finish at different times. Same tokens as plain
     decoding; the switch back drafts from the step in flight (EAGLE reads its hidden states)."""
-    from specserve.spec.eagle_head import make_random_head_dir
+    from specserve.speculative.proposers.eagle_head import make_random_head_dir
 
     table = {"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]], "adaptive": False}
     cfg = {"ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, **table},
@@ -187,18 +187,18 @@ def test_speculation_overlaps_the_steps_that_draft_nothing(tiny_llama_dir, tmp_p
         [{"prompt_token_ids": p} for p in prompts], params)]
     llm = _llm(tiny_llama_dir, True, speculative_config={**cfg, "num_speculative_tokens": 3})
     eng, kinds = llm.engine, []
-    for name in ("_step_async", "_step_sync"):
-        inner = getattr(eng, name)
+    for owner, name in ((eng.async_loop, "overlapped"), (eng, "step_sync")):
+        inner = getattr(owner, name)
 
         def counted(inner=inner, name=name):
             kinds.append(name)
             return inner()
-        setattr(eng, name, counted)
+        setattr(owner, name, counted)
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == plain
     _check_freed(llm)
     if method != "adaptive":  # the table makes both kinds of steps happen
-        assert "_step_async" in kinds and "_step_sync" in kinds
+        assert "overlapped" in kinds and "step_sync" in kinds
         assert eng.stats.get("spec_decode_num_drafts_total") > 0
         if method == "draft_model":  # a model drafting for itself: every draft is accepted
             assert (eng.stats.get("spec_decode_num_accepted_tokens_total")

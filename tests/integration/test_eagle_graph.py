@@ -1,6 +1,6 @@
 """The EAGLE head's forwards over static buffers, forced on the CPU without capture: the first
-forward of a propose (FirstForwardGraphs, spec/eagle_first.py: real rows, and P-EAGLE's mask rows)
-and the autoregressive draft steps (HeadStepGraphs, spec/eagle_graph.py); the same padding, buffer
+forward of a propose (FirstForwardGraphs, speculative/proposers/eagle_first.py: real rows, and P-EAGLE's mask rows)
+and the autoregressive draft steps (HeadStepGraphs, speculative/proposers/eagle_graph.py); the same padding, buffer
 layout and metadata the CUDA graphs read on the GPU.
 
 Greedy output equals plain decoding, and every proposal (drafts, and for random rows the draft
@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.spec.eagle import EagleProposer
-from specserve.spec.eagle_first import FirstForwardGraphs
-from specserve.spec.eagle_graph import HeadStepGraphs, PinnedUpload, attention_arrays
-from specserve.spec.eagle_head import make_random_head_dir
+from specserve.speculative.proposers.eagle import EagleProposer
+from specserve.speculative.proposers.eagle_first import FirstForwardGraphs
+from specserve.speculative.proposers.eagle_graph import HeadStepGraphs, PinnedUpload, attention_arrays
+from specserve.speculative.proposers.eagle_head import make_random_head_dir
 from tests.integration.test_spec_decode import build_d2t
 
 K = 3

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.spec.eagle import EagleProposer
-from specserve.spec.eagle_head import make_random_head_dir
+from specserve.speculative.proposers.eagle import EagleProposer
+from specserve.speculative.proposers.eagle_head import make_random_head_dir
 
 K = 3
 PROMPTS = [[5 + (7 * i) % 300 for i in range(50)],  # 50 tokens: pieces of 16, 16, 16, 2
@@ -44,13 +44,13 @@ def _run(target: str, head: str | None, parallel: bool, piece: int | None, monke
     async_steps = []
     if eng.async_scheduling and spec is not None:
         # Overlapped steps run only where the controller chose k = 0: choose it while a prompt is
-        # still in prefill, so the pieces run as asynchronous steps (engine/overlap.py) and absorb there.
+        # still in prefill, so the pieces run as asynchronous steps (engine/async_loop.py) and absorb there.
         eng.spec.last_k = 0
-        choose = eng.spec.controller.choose
-        monkeypatch.setattr(eng.spec.controller, "choose", lambda b: 0 if any(
+        choose = eng.spec.choose
+        monkeypatch.setattr(eng.spec, "choose", lambda b: 0 if any(
             r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) else choose(b))
-        step_async = eng._step_async
-        monkeypatch.setattr(eng, "_step_async", lambda: async_steps.append(1) or step_async())
+        overlapped = eng.async_loop.overlapped
+        monkeypatch.setattr(eng.async_loop, "overlapped", lambda: async_steps.append(1) or overlapped())
     first: list = []
     context: list[int] = []
     proposer = eng.spec.proposer if spec else None

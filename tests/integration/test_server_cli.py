@@ -67,8 +67,8 @@ def test_dispatch_help_and_placeholders(capsys, monkeypatch):
     assert cli.main(["train-draft", "--help"]) == 0
     out = capsys.readouterr().out
     assert "specserve train-draft" in out and "--method" in out and "p-eagle" in out
-    # ... and its arguments reach specserve.spec.train.train_main, whose status is the command's.
-    from specserve.spec import train
+    # ... and its arguments reach specserve.train.loop.train_main, whose status is the command's.
+    from specserve.train import loop as train
 
     seen = []
     monkeypatch.setattr(train, "train_main", lambda argv: seen.append(argv) or 7)

@@ -5,17 +5,16 @@ draft vocabulary (half the tiny vocabulary, from the target's own answers) too, 
 only their tokens."""
 from __future__ import annotations
 
-import random
-
 import json
+import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.spec.eagle_head import make_random_head_dir
-from specserve.spec.train_data import TrainSeq, draft_vocab
+from specserve.speculative.proposers.eagle_head import make_random_head_dir
+from specserve.train.data import TrainSeq, draft_vocab
 from tests.helpers.tiny_models import make_tiny_model_dir
 
 K = 3
@@ -146,21 +145,24 @@ def test_self_draft_accepts_every_draft(spec_dirs, reference):
 
 
 
-def test_proposals_count_the_requests_at_their_end(spec_dirs, reference):
-    """A request whose output ends after this step is asked for no drafts, and the proposal says so
-    (ProposalStats.num_at_end: the calibration predicts it none). Drafting for itself, every request makes
-    1 + 4 x 4 tokens, then has one left: asked for none once."""
+def test_requests_at_their_end_get_no_drafts(spec_dirs, reference):
+    """A request whose output ends after this step is asked for no drafts, and the controller's record
+    of the step that follows says so (no request reached a draft). Drafting for itself, every request
+    makes 1 + 4 x (K + 1) tokens in four proposals, then has one left: proposed for no more."""
     llm = LLM(model=spec_dirs["target"], progress=False, kv_cache_memory_bytes=4 << 20,
               speculative_config=_spec_config("draft_self", spec_dirs))
-    seen = []
-    ctrl = llm.engine.spec.controller
-    observe = ctrl.observe
-    ctrl.observe = lambda step: (seen.append(step.proposal), observe(step))
+    spec = llm.engine.spec
+    records, proposed = [], []
+    observe, propose = spec.controller.observe, spec.proposer.propose
+    spec.controller.observe = lambda record: (records.append(record), observe(record))
+    spec.proposer.propose = lambda inp: (proposed.extend(r.request_id for r in inp.requests), propose(inp))
     max_tokens = 1 + (K + 1) * 4 + 1
     assert _generate(llm, _prompts(), max_tokens) == [r[:max_tokens] for r in reference]
-    proposals = [p for p in seen if p is not None and p.num_speculative_tokens > 0]
-    assert sum(p.num_at_end for p in proposals) == len(_prompts())
-    assert all(p.num_at_end == 0 for p in seen if p is not None and p.num_speculative_tokens == 0)
+    assert all(proposed.count(rid) == 4 for rid in set(proposed))
+    assert len(set(proposed)) == len(_prompts())
+    assert all(len(r.reached) == r.k and all(n <= r.batch_size for n in r.reached) for r in records)
+    assert [r.reached for r in records if r.k][-1] == (0,) * K  # the last proposal drafted nothing
+
 
 def test_smollm2_drafting_for_itself():
     from specserve.model.catalog import install_command, model_path

@@ -18,7 +18,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.model.catalog import install_command, model_path
-from specserve.spec.eagle_head import make_random_head_dir
+from specserve.speculative.proposers.eagle_head import make_random_head_dir
 
 MODEL = "smollm2-135m-instruct"
 K = 3

@@ -1,6 +1,6 @@
-"""Drafts left on the device for the verify step (spec/draft_tokens.py DeferredDrafts): the verify
+"""Drafts left on the device for the verify step (speculative/proposers/draft_tokens.py DeferredDrafts): the verify
 batch's placeholder drafts are filled from them, the ids reach the host before the rejection sampler,
-and the output is the same as when propose reads its drafts back itself (SPECSERVE_DEFER_DRAFTS=0)."""
+and the output is the same as when propose reads its drafts back itself."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -17,8 +17,12 @@ from specserve.runner.batch import (
     pending_fill,
 )
 from specserve.scheduler.request import PLACEHOLDER
-from specserve.spec import draft_tokens
-from specserve.spec.draft_tokens import DeferredDrafts, DraftTokens, assign_resolved
+from specserve.speculative.proposers import draft_tokens
+from specserve.speculative.proposers.draft_tokens import (
+    DeferredDrafts,
+    DraftTokens,
+    assign_resolved,
+)
 from tests.unit.test_draft_chain import assert_self_draft_is_plain
 
 
@@ -79,8 +83,8 @@ def test_deferred_and_immediate_drafts_give_the_same_tokens(tiny_llama_dir, tmp_
     drafts deferred (verify inputs filled on the device) as read back in propose, and the placeholders
     of deferred drafts were really filled; unset, deferral is on by default except for P-EAGLE. P-EAGLE: greedy requests only (its random drafts
     are read back in propose), through the static first forward (the GPU's graph path)."""
-    from specserve.spec.eagle import EagleProposer
-    from specserve.spec.eagle_head import make_random_head_dir
+    from specserve.speculative.proposers.eagle import EagleProposer
+    from specserve.speculative.proposers.eagle_head import make_random_head_dir
 
     spec = {"method": method, "model": str(tiny_llama_dir)}
     if method == "eagle3":
@@ -103,10 +107,9 @@ def test_deferred_and_immediate_drafts_give_the_same_tokens(tiny_llama_dir, tmp_
     monkeypatch.setattr("specserve.runner.model_runner.pending_fill", spy)
     runs = {}
     for defer in ("1", "0"):
-        monkeypatch.setenv("SPECSERVE_DEFER_DRAFTS", defer)
         llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
                   speculative_config={**spec, "num_speculative_tokens": 3, "adaptive": False})
-        assert llm.engine.spec.proposer.defer_drafts is (defer == "1")
+        llm.engine.spec.proposer.defer_drafts = defer == "1"  # either way, whatever the proposer's default
         filled.clear()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         st = llm.engine.stats
@@ -115,8 +118,7 @@ def test_deferred_and_immediate_drafts_give_the_same_tokens(tiny_llama_dir, tmp_
         assert (sum(filled) > 0) is (defer == "1")
         llm.engine.kv.check_integrity()
     assert runs["1"] == runs["0"] and runs["1"][2] > 0
-    # Unset, each proposer's default: P-EAGLE reads back (measured slower deferred), the others defer.
-    monkeypatch.delenv("SPECSERVE_DEFER_DRAFTS")
+    # Each proposer's default: P-EAGLE reads back (measured slower deferred), the others defer.
     llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
               speculative_config={**spec, "num_speculative_tokens": 3, "adaptive": False})
     assert llm.engine.spec.proposer.defer_drafts is (method != "p-eagle")

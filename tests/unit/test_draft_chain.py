@@ -1,5 +1,5 @@
 """Host work per draft forward (issue 5): build_host_batch's per-request loop, the draft model's
-chained single-token steps (spec/draft_model.py _ChainSteps) and Staging.put give the inputs the
+chained single-token steps (speculative/proposers/draft_model.py _ChainSteps) and Staging.put give the inputs the
 generic path gives (CPU)."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from specserve.runner import batch as batch_mod
 from specserve.runner.batch import Staging, block_table_array, build_host_batch
 from specserve.scheduler.request import PLACEHOLDER
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
-from specserve.spec.draft_model import _ChainSteps
+from specserve.speculative.proposers.draft_model import _ChainSteps
 
 BS = 4  # block size: queries cross block boundaries often
 
@@ -200,7 +200,7 @@ def test_catch_ups_in_pieces_keep_every_draft_right(tiny_llama_dir, monkeypatch)
     """Catch-ups fed in pieces of 5 tokens (the cap forced; on a GPU it is the prefill graphs' 64): a
     model drafting for itself still has every draft accepted, and the output is plain decoding's. The
     table drafts only while at most 2 requests run, so the draft catches up on whole prompts."""
-    from specserve.spec.draft_model import DraftModelProposer
+    from specserve.speculative.proposers.draft_model import DraftModelProposer
 
     monkeypatch.setattr(DraftModelProposer, "catch_up_cap", lambda self, unseen: 5)
     longest: list[int] = []
@@ -223,8 +223,8 @@ def test_a_catch_up_goes_in_forwards_beyond_the_scheduler_budget(tiny_llama_dir,
     feeds every request's context, and each eager forward costs its launches. Drafting for itself, every
     draft is still accepted and the output is plain decoding's (the table drafts only at <= 2 requests,
     so the draft catches up on the two left once the third finishes)."""
-    from specserve.spec import draft_model
-    from specserve.spec.draft_model import DraftModelProposer
+    from specserve.speculative.proposers import draft_model
+    from specserve.speculative.proposers.draft_model import DraftModelProposer
 
     sizes: list[int] = []
     real = DraftModelProposer._catch_up

@@ -12,10 +12,16 @@ from specserve import LLM, SamplingParams
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.model.arch import ModelArch, rope_cos_sin_cache
-from specserve.spec.eagle_setup import head_attention_metadata
-from specserve.spec.eagle_head import (EagleHead, default_aux_layers, head_config_for, make_random_head_dir,
-                                       read_head_config, save_head)
-from specserve.spec.train import _block_mask, head_block_outputs, train_main
+from specserve.speculative.proposers.eagle_head import (
+    EagleHead,
+    default_aux_layers,
+    head_config_for,
+    make_random_head_dir,
+    read_head_config,
+    save_head,
+)
+from specserve.speculative.proposers.eagle_setup import head_attention_metadata
+from specserve.train.loop import _block_mask, head_block_outputs, train_main
 
 HF = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
       "num_key_value_heads": 2, "num_hidden_layers": 6, "vocab_size": 50, "rms_norm_eps": 1e-6,
@@ -196,7 +202,7 @@ def _reduced_head(method: str = "eagle3", slots: int = 0) -> EagleHead:
 
 
 def _load(path, dtype=torch.float32) -> EagleHead:
-    from specserve.spec.eagle_head import load_head
+    from specserve.speculative.proposers.eagle_head import load_head
 
     return load_head(path, ModelArch.from_hf_config(HF), "id", torch.device("cpu"), dtype)
 
@@ -314,7 +320,7 @@ def test_reduced_vocab_drafts_keep_verification_lossless(filters):
         SamplingMetadata,
         compute_target_probs,
     )
-    from specserve.spec.eagle import DraftVocabSampler
+    from specserve.speculative.proposers.eagle import DraftVocabSampler
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(3)
@@ -402,18 +408,6 @@ def test_train_with_a_reduced_draft_vocab(tiny_llama_dir, tiny_llm, tmp_path):
     assert llm.engine.stats.get("spec_decode_num_draft_tokens_total") > 0
 
 
-def test_the_head_layer_starts_random_unless_asked_to_copy_the_target() -> None:
-    """train-draft's default decoder layer is random (a copy of the target's last layer trained worse:
-    docs/benchmarks.md, seventh session); --init-from-target brings the copy back."""
-    from specserve.spec.train import _parser
-
-    base = ["--target", "t", "--method", "eagle3", "--out", "o"]
-    assert _parser().parse_args(base).no_init_from_target is True
-    assert _parser().parse_args(base + ["--no-init-from-target"]).no_init_from_target is True
-    assert _parser().parse_args(base + ["--init-from-target"]).no_init_from_target is False
-
-
-
 def test_train_target_without_generation_fits_its_kv_pool(tmp_path):
     """Resuming on cached data (or training on token-id data) loads the target only for its model
     and tokenizer: its KV pool is sized for one max_seq_len sequence, so the engine's start-up check
@@ -421,7 +415,7 @@ def test_train_target_without_generation_fits_its_kv_pool(tmp_path):
     tokens (512 bytes each), and `train-draft --resume` refused to start on SmolLM2."""
     import argparse
 
-    from specserve.spec.train import _load_target, _one_sequence_kv_bytes
+    from specserve.train.loop import _load_target, _one_sequence_kv_bytes
     from tests.helpers.tiny_models import make_tiny_model_dir
 
     target = str(make_tiny_model_dir(tmp_path / "t", max_position_embeddings=16384, num_layers=4))

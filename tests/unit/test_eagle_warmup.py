@@ -1,12 +1,12 @@
-"""The EAGLE head's start-up forwards (spec/eagle_warmup.py; an engine runs them on CUDA, where they
+"""The EAGLE head's start-up forwards (speculative/proposers/eagle_warmup.py; an engine runs them on CUDA, where they
 compile kernels): every size that fits the head's KV pool and the position table runs once, eagerly,
 without taking a block a request could hold, and the tokens afterwards are unchanged."""
 from __future__ import annotations
 
 from specserve import LLM, SamplingParams
 from specserve.runner import warmup
-from specserve.spec import eagle_warmup
-from specserve.spec.eagle_head import make_random_head_dir
+from specserve.speculative.proposers import eagle_warmup
+from specserve.speculative.proposers.eagle_head import make_random_head_dir
 
 
 def test_eager_head_forwards_cover_every_size_that_fits(tiny_llama_dir, tmp_path, monkeypatch) -> None:

@@ -206,19 +206,19 @@ def test_cached_tensor_is_built_once_per_key() -> None:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_verify_metrics_equal_per_request_counting(seed: int) -> None:
-    """SpecDecoder._record adds each spec_decode_* counter once per step; the totals are those of
+    """record_verify_metrics adds each spec_decode_* counter once per step; the totals are those of
     counting request by request and position by position."""
     from types import SimpleNamespace
 
     from specserve.metrics.stats import StatsCollector
-    from specserve.spec.decoder import SpecDecoder
+    from specserve.speculative.verify import position_counts, record_verify_metrics
 
     rng = random.Random(seed)
     got, want = SimpleNamespace(stats=StatsCollector()), StatsCollector()
     for _ in range(4):
         ks = [rng.choice([0, 1, 3, 5]) for _ in range(rng.randint(1, 7))]
         accepted = [rng.randint(0, k) for k in ks]
-        SpecDecoder._record(got, ks, accepted)
+        record_verify_metrics(got.stats, ks, accepted, position_counts(ks, accepted, max(ks))[1])
         for k, a in zip(ks, accepted):
             if k:
                 want.inc("spec_decode_num_drafts_total")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.spec import train_data
+from specserve.train import data as train_data
 from tests.helpers.tiny_models import make_tiny_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))

@@ -5,20 +5,23 @@ from __future__ import annotations
 
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
-from specserve.spec.controller import BatchSizeLimit, FixedController
-from specserve.spec.decoder import build_controller
+from specserve.speculative.control import (
+    FixedController,
+    TableController,
+    build_controller,
+)
 
 
-def test_limit_wraps_the_controller() -> None:
+def test_fixed_or_table_from_the_config() -> None:
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False, disable_by_batch_size=2)
-    ctl = build_controller(cfg)
-    assert isinstance(ctl, BatchSizeLimit) and isinstance(ctl.inner, FixedController)
-    assert [ctl.choose(b) for b in (1, 2, 3, 64)] == [4, 4, 0, 0]
-    assert ctl.k == 4  # the inner controller's state reads through
+    ctl = build_controller(cfg, costs=None)
+    assert isinstance(ctl, FixedController) and not ctl.follows_load
+    assert [ctl.choose(b) for b in (1, 2, 3, 64)] == [4, 4, 4, 4]  # the limit is the decoder's
     table = SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=3,
                               num_speculative_tokens_per_batch_size=((1, 1, 4), (2, 8, 2)))
-    assert [build_controller(table).choose(b) for b in (1, 2, 3, 4)] == [4, 2, 2, 0]
-    assert not isinstance(build_controller(SpeculativeConfig(method="ngram")), BatchSizeLimit)
+    ctl = build_controller(table, costs=None)
+    assert isinstance(ctl, TableController) and ctl.follows_load
+    assert [ctl.choose(b) for b in (1, 2, 3, 9)] == [4, 2, 2, 0]
 
 
 def test_no_drafts_above_the_limit(tiny_llama_dir) -> None:
@@ -37,8 +40,8 @@ def test_no_drafts_above_the_limit(tiny_llama_dir) -> None:
             spec["disable_by_batch_size"] = limit
         llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20, speculative_config=spec)
         chosen = []
-        real = llm.engine.spec.controller.choose
-        llm.engine.spec.controller.choose = lambda b, real=real: chosen.append((b, real(b))) or chosen[-1][1]
+        real = llm.engine.spec.choose
+        llm.engine.spec.choose = lambda b, real=real: chosen.append((b, real(b))) or chosen[-1][1]
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
         drafts[limit] = llm.engine.stats.get("spec_decode_num_draft_tokens_total")
         if limit is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.spec.train import train_main
+from specserve.train.loop import train_main
 
 
 @pytest.mark.parametrize("line, match", [

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.spec.eagle_head import read_head_config
-from specserve.spec.train import train_main
-from specserve.spec.train_data import load_jsonl
+from specserve.speculative.proposers.eagle_head import read_head_config
+from specserve.train.loop import train_main
+from specserve.train.data import load_jsonl
 
 
 @pytest.mark.parametrize("row, reason", [

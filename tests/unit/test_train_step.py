@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
 from specserve.model.arch import ModelArch, rope_cos_sin_cache
 from specserve.model.llama import CausalLM
-from specserve.spec import train, train_target
-from specserve.spec.eagle_head import EagleHead, head_config_for
-from specserve.spec.train import (
+from specserve.train import loop as train, target as train_target
+from specserve.speculative.proposers.eagle_head import EagleHead, head_config_for
+from specserve.train.loop import (
     _block_mask,
     dense_forward,
     head_block_outputs,
@@ -301,7 +301,7 @@ def test_head_loss_reduced_vocab_equals_a_row_by_row_reference(method, parallel,
 
 
 def test_draft_vocab_from_answer_token_frequencies():
-    from specserve.spec.train_data import TrainSeq, draft_vocab
+    from specserve.train.data import TrainSeq, draft_vocab
 
     seqs = [TrainSeq([7, 7, 7, 7, 3, 3, 3, 9, 2], num_prompt_tokens=4),  # prompt 7 7 7 7, answer 3 3 3 9 2
             TrainSeq([5, 6, 3, 9, 9, 1], num_prompt_tokens=0)]  # no prompt: the loss predicts from token 2 on

@@ -1,0 +1,195 @@
+"""Speculative decoding around the engine: propose after a step, verify in the next one.
+
+Owns the proposer, the controller (how many tokens to draft) and the rejection sampler, and records
+the spec_decode_* metrics. The engine calls, per step: `pending_drafts()` (for the forward),
+`verify()` (instead of sampling where drafts were scheduled) and `after_step()` (observe, absorb
+target features, propose); `on_finished` / `on_preempted` per request. Asynchronous scheduling
+(engine/async_loop.py) calls the parts of after_step itself: `choose`, `skip_proposal`, `absorb`,
+`observe`, `propose_for`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.metrics.stats import StatsCollector
+from specserve.runner.batch import PendingTokens
+from specserve.runner.model_runner import StepOutput
+from specserve.sample.metadata import SamplingMetadata
+from specserve.sample.rejection import RejectionSampler
+from specserve.sample.structured import StructuredOutputs
+from specserve.scheduler.request import Request
+from specserve.scheduler.scheduler import SchedulerOutput
+from specserve.speculative.control import Controller, StepRecord, build_controller
+from specserve.speculative.proposers import build_proposer
+from specserve.speculative.proposers.base import ProposeInput, draft_budget
+from specserve.speculative.proposers.draft_tokens import DeferredDrafts
+from specserve.speculative.verify import POSITION_LABELS, position_counts, record_verify_metrics, verify_drafts
+
+if TYPE_CHECKING:
+    from specserve.engine.setup import EngineParts
+
+
+@dataclass
+class _Proposal:
+    """The last proposal, read by the step that verifies it."""
+
+    k: int
+    seconds: float
+    catch_up_tokens: int
+
+
+class SpecDecoder:
+    def __init__(self, cfg: SpeculativeConfig, parts: EngineParts, stats: StatsCollector,
+                 structured: StructuredOutputs) -> None:
+        self.cfg = cfg
+        self.proposer = build_proposer(cfg, parts)
+        # Drafts stop where a request reaches the context window, or speculative_config.max_model_len.
+        window = parts.loaded.max_model_len
+        self.max_model_len = min(window, cfg.max_model_len or window)
+        # costs: runner/step_costs.py measure_step_costs (wired at merge)
+        self.controller: Controller = build_controller(cfg, costs=None)
+        self.disable_above = cfg.disable_by_batch_size  # vLLM's disable_by_batch_size: no drafts above it
+        self.rejection = RejectionSampler()
+        self.stats = stats
+        for pos in range(cfg.num_speculative_tokens):  # every position exported from the start, at 0
+            stats.inc("spec_decode_num_accepted_tokens_per_pos_total", 0, POSITION_LABELS[pos])
+        self.vocab_size = parts.loaded.arch.vocab_size
+        self.structured = structured  # cuts drafts at grammar-invalid tokens
+        self.last_k: int | None = None  # the k of the last proposal (0: the next step drafts nothing)
+        self._proposal: _Proposal | None = None  # the last proposal, verified by the next step
+        self._verified: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # this step's position_counts
+        # Drafts left on the device for the verify step: only where the runner fills placeholders.
+        self.proposer.allow_deferred(parts.runner.accepts_pending)
+        self._deferred: DeferredDrafts | None = None
+        self._wait_s = 0.0  # this step's wait for deferred drafts: the proposal's time, not the step's
+
+    @property
+    def k_follows_load(self) -> bool:
+        """Seeded random requests draft only when k does not follow the load: the rejection sampler draws
+        k uniforms per step from a request's generator, so with k chosen per step the same seed would
+        sample differently under other load. Without drafts such a request draws as plain sampling does."""
+        return self.controller.follows_load or self.disable_above is not None
+
+    # -- the verify step ---------------------------------------------------------------------
+    def pending_drafts(self) -> PendingTokens | None:
+        """The last proposal's drafts still on the device: the verify step's placeholders read them."""
+        return self._deferred.pending if self._deferred is not None else None
+
+    def resolve_drafts(self) -> None:
+        """Bring deferred drafts to the host (waits for the proposer's last forward); a no-op if none."""
+        if self._deferred is None:
+            return
+        start = time.perf_counter()
+        deferred, self._deferred = self._deferred, None
+        deferred.resolve()
+        self._wait_s += time.perf_counter() - start
+
+    def verify(self, reqs: list[Request], num_drafts: list[int], logits: torch.Tensor,
+               meta: SamplingMetadata) -> tuple[list[list[int]], list[int]]:
+        """logits: [sum(num_drafts) + len(reqs), vocab]. Returns tokens and accepted counts per request."""
+        self.resolve_drafts()
+        tokens, num_accepted = verify_drafts(self.rejection, reqs, num_drafts, logits, meta, self.vocab_size)
+        k = self._proposal.k if self._proposal is not None else 0
+        self._verified = position_counts(num_drafts, num_accepted, max(k, max(num_drafts, default=0)))
+        record_verify_metrics(self.stats, num_drafts, num_accepted, self._verified[1])
+        return tokens, num_accepted
+
+    # -- after the step ----------------------------------------------------------------------
+    def after_step(self, sched: SchedulerOutput, new_tokens: list[list[int] | None], step: StepOutput,
+                   step_seconds: float, batch_size: int) -> None:
+        """Speculation's one hook after a step's update: the controller observes the step, a proposer
+        keeping target features absorbs the mid-prefill rows, and the requests that got tokens (and
+        did not finish) get drafts for the next step. new_tokens: per scheduled entry, None where it
+        sampled nothing; batch_size: the requests running now."""
+        self.observe(sched, step_seconds)
+        self.absorb(sched, [t is not None for t in new_tokens], step)
+        self.propose_for(sched, new_tokens, step, batch_size)
+
+    def propose_for(self, sched: SchedulerOutput, new_tokens: list[list[int] | None], step: StepOutput,
+                    batch_size: int, k: int | None = None) -> None:
+        """Propose for the scheduled requests that got tokens and did not finish (see propose)."""
+        reqs, index = [], []
+        for i, (s, tokens) in enumerate(zip(sched.scheduled, new_tokens)):
+            if tokens is not None and not s.request.is_finished:
+                reqs.append(s.request)
+                index.append(i)
+        if reqs:
+            self.propose(reqs, index, step, batch_size, k)
+
+    def observe(self, sched: SchedulerOutput, step_seconds: float) -> None:
+        """One StepRecord of the step just run to the controller (the wait for deferred drafts counts
+        as the proposal's time)."""
+        reached, accepted = self._verified
+        proposal, wait = self._proposal, self._wait_s
+        self._verified, self._proposal, self._wait_s = ((), ()), None, 0.0
+        k = proposal.k if proposal is not None else 0
+        pad = (0,) * max(0, k - len(reached))
+        self.controller.observe(StepRecord(
+            batch_size=len(sched.scheduled), k=k, reached=(reached + pad)[:k], accepted=(accepted + pad)[:k],
+            step_seconds=max(0.0, step_seconds - wait),
+            propose_seconds=(proposal.seconds if proposal is not None else 0.0) + wait,
+            catch_up_tokens=proposal.catch_up_tokens if proposal is not None else 0))
+
+    def absorb(self, sched: SchedulerOutput, samples: list[bool], step: StepOutput) -> None:
+        """The scheduled requests that did not sample (mid-prefill) hand their rows to a proposer that
+        reads target features, so a prompt fed in pieces or chunks is whole in its context.
+        samples: per scheduled entry, whether it sampled."""
+        if not self.proposer.needs_target_hidden:
+            return
+        chosen = [(s.request, i) for i, (s, smp) in enumerate(zip(sched.scheduled, samples))
+                  if not smp and not s.request.is_finished]
+        if chosen:
+            self.proposer.absorb(ProposeInput([c[0] for c in chosen], [1] * len(chosen), step,
+                                              [c[1] for c in chosen]))
+
+    def choose(self, batch_size: int) -> int:
+        """Drafts per request for the next step of `batch_size` running requests."""
+        if self.disable_above is not None and batch_size > self.disable_above:
+            return 0
+        return self.controller.choose(batch_size)
+
+    def propose(self, reqs: list[Request], batch_index: list[int], step: StepOutput | None,
+                batch_size: int, k: int | None = None) -> None:
+        """Drafts for `reqs` (batch_index: each one's entry in step.batch). k: already chosen for this
+        proposal (None: choose now)."""
+        self.resolve_drafts()  # an earlier proposal no step verified (its requests were not scheduled)
+        start = time.perf_counter()
+        if k is None:
+            k = self.choose(batch_size)
+        self.last_k = k
+        self.stats.set("spec_decode_chosen_num_tokens", k)
+        # 0: a seeded sampled request while k follows the load (see __init__), or one whose output
+        # budget or the context window ends here
+        budgets = [0 if self.k_follows_load and r.generator is not None and not r.params.greedy
+                   else draft_budget(r, k, self.max_model_len) for r in reqs]
+        chosen = [(r, b, i) for r, b, i in zip(reqs, budgets, batch_index) if b > 0]
+        for r in reqs:
+            r.spec_token_ids, r.spec_draft_probs = [], None
+        catch_up = 0
+        if chosen:
+            self.proposer.propose(ProposeInput([c[0] for c in chosen], [c[1] for c in chosen], step,
+                                               [c[2] for c in chosen]))
+            self._deferred = self.proposer.take_deferred()
+            catch_up = self.proposer.catch_up_tokens()
+        if self.structured.num_requests:  # grammars read the drafts now; cut them, start next masks
+            self.resolve_drafts()
+        self.structured.prepare(reqs)
+        self._proposal = _Proposal(k, time.perf_counter() - start, catch_up)
+
+    def skip_proposal(self) -> None:
+        """The next step runs without proposing (asynchronous scheduling chose k = 0): recorded as a
+        proposal of nothing, as propose() would with k = 0."""
+        self.last_k = 0
+        self.stats.set("spec_decode_chosen_num_tokens", 0)
+        self._proposal = _Proposal(0, 0.0, 0)
+
+    def on_finished(self, req: Request) -> None:
+        self.proposer.on_request_finished(req)
+
+    def on_preempted(self, req: Request) -> None:
+        self.proposer.on_request_preempted(req)

@@ -1,0 +1,91 @@
+"""The `Proposer` interface: anything that drafts tokens for the target to verify.
+
+After each step the decoder hands the proposer the requests that just received tokens and what the
+target computed in that step; the proposer sets each request's `spec_token_ids` (and
+`spec_draft_probs` when its drafts were sampled from a distribution rather than chosen
+deterministically). The next step verifies them in one target forward.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from specserve.runner.model_runner import StepOutput
+from specserve.scheduler.request import Request
+
+if TYPE_CHECKING:
+    from specserve.speculative.proposers.draft_tokens import DeferredDrafts
+
+
+@dataclass
+class ProposeInput:
+    requests: list[Request]  # running, just got tokens, not finished
+    num_draft_tokens: list[int]  # per request: how many to draft (>= 1; the controller decided)
+    step: StepOutput | None  # the target forward of this step (hidden states for EAGLE heads)
+    # Per request: index in step.batch of its scheduled entry, to find its tokens' hidden states.
+    batch_index: list[int]
+
+
+class Proposer(ABC):
+    """Drafts tokens. Only `propose` is required; the other hooks default to doing nothing, so the
+    decoder calls every one of them on every proposer."""
+
+    name: str = "proposer"
+    # Target layers whose hidden states the proposer needs (EAGLE-3); () = none.
+    aux_hidden_layers: tuple[int, ...] = ()
+    # Whether the proposer reads the target's hidden states (then `absorb` gets mid-prefill rows).
+    needs_target_hidden: bool = False
+
+    @abstractmethod
+    def propose(self, inp: ProposeInput) -> None:
+        """Set req.spec_token_ids (len <= num_draft_tokens) and req.spec_draft_probs for each request."""
+
+    def absorb(self, inp: ProposeInput) -> None:
+        """Rows of requests that computed prompt tokens without sampling (a prompt fed in pieces or
+        chunks): a proposer keeping target features takes them, so its context is whole."""
+
+    def allow_deferred(self, allowed: bool) -> None:
+        """Whether drafts may stay on the device until the verify step (the runner fills its
+        placeholders from them); set once by the decoder."""
+
+    def take_deferred(self) -> DeferredDrafts | None:
+        """The last proposal's drafts still on the device, handed over once (None: on the host)."""
+        return None
+
+    def catch_up_tokens(self) -> int:
+        """Tokens the last proposal fed beyond its drafting (a draft model catching up on the
+        request's new tokens); 0 for a proposer without its own context."""
+        return 0
+
+    def on_request_finished(self, req: Request) -> None:
+        """Release per-request proposer state (e.g. the draft model's KV blocks)."""
+
+    def on_request_preempted(self, req: Request) -> None:
+        """The target forgot this request's KV; forget the proposer's too."""
+
+
+class OwnKVLifecycle:
+    """Request lifecycle of a proposer with its own paged KV (draft model, EAGLE head).
+
+    Expects `self.seqs` (request id -> the proposer's sequence), `self.kv` (its KV manager) and
+    `self.sampler` (its draft sampler, which keeps per-request generators)."""
+
+    def on_request_finished(self, req: Request) -> None:
+        self._drop(req)
+
+    def on_request_preempted(self, req: Request) -> None:
+        self._drop(req)
+
+    def _drop(self, req: Request) -> None:
+        seq = self.seqs.pop(req.request_id, None)  # type: ignore[attr-defined]
+        if seq is not None:
+            self.kv.free(seq)  # type: ignore[attr-defined]
+        self.sampler.forget(req.request_id)  # type: ignore[attr-defined]
+
+
+def draft_budget(req: Request, k: int, max_model_len: int) -> int:
+    """At most k drafts, and none beyond the context window or the output budget."""
+    room_ctx = max_model_len - req.num_tokens - 1
+    room_out = req.max_tokens - req.num_output_tokens - 1
+    return max(0, min(k, room_ctx, room_out))

@@ -1,0 +1,389 @@
+"""Draft-model speculation: a smaller model with the target's tokenizer proposes k tokens.
+
+The draft has its own paged KV cache (its own KVCacheManager + ModelRunner). Per request it tracks
+how many of the request's tokens its cache holds (`_DraftSeq.num_computed_tokens`). Each propose:
+  1. sync: drafts the target rejected are dropped from that count (their KV is overwritten later);
+  2. catch up: one forward over every request's unseen tokens (usually the last draft + the
+     target's bonus/recovered token; the whole prompt the first time), chunked to the step budget;
+  3. k - 1 more forwards of one token per request, each sampling the next draft. These chained
+     steps skip the runner's generic batch building (`_ChainSteps`): positions, slots and sequence
+     lengths advance by one per step from arrays made once per propose, the previous draft goes
+     into the forward on the device, and a CUDA graph replays them when one fits.
+Greedy requests draft the argmax (one-hot drafts); random requests sample from the draft's own
+distribution processed with the request's sampling params and keep it in `spec_draft_probs`, so
+the rejection sampler stays lossless.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specserve.config import ModelConfig, SpeculativeConfig
+from specserve.kv.manager import KVCacheManager
+from specserve.kv.spec import KVCacheSpec
+from specserve.model.loader import LoadedModel, load_model
+from specserve.runner.batch import HostBatch, block_table_array
+from specserve.runner.cuda_graph import CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS, graph_output_bytes
+from specserve.runner.model_runner import ModelRunner
+from specserve.sample.h2d import cached_tensor
+from specserve.sample.metadata import SamplingMetadata
+from specserve.sample.sampler import compute_target_probs, draw_exponential, random_sample
+from specserve.scheduler.request import PLACEHOLDER, Request
+from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from specserve.speculative.proposers.base import OwnKVLifecycle, ProposeInput, Proposer
+from specserve.speculative.proposers.draft_tokens import DraftDelivery, DraftTokens, assign_resolved
+
+# Memory kept free on the GPU beside the draft's KV pool: its activations (catch-up forwards,
+# logits rows) and allocator slack.
+_GPU_RESERVE_BYTES = 2 << 30
+_VOCAB_SAMPLE = 256
+
+
+@dataclass
+class _DraftSeq:
+    """A request as the draft's own runner and KV manager see it (duck-types `Request` for them)."""
+
+    request_id: str
+    all_token_ids: list[int] = field(default_factory=list)  # real tokens, then drafts fed so far
+    num_computed_tokens: int = 0  # tokens whose KV the draft cache holds
+    num_real: int = 0  # how many of all_token_ids were the request's real tokens at the last sync
+    spec_token_ids: list[int] = field(default_factory=list)  # always empty (build_batch reads it)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def draft_kv_blocks(target_num_blocks: int, bytes_per_block: int, device: torch.device, what: str,
+                    reserve_bytes: int = 0) -> int:
+    """Blocks for a drafter's KV pool: as many tokens as the target's pool (so the drafter does not
+    run out first), capped on CUDA by what is left after the target took its share and
+    `reserve_bytes` more (what the drafter allocates after its pool, e.g. its CUDA graphs)."""
+    blocks = target_num_blocks + 4
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        usable = int((free - _GPU_RESERVE_BYTES - reserve_bytes) * 0.9)
+        if usable < 16 * bytes_per_block:
+            raise ValueError(f"no GPU memory left for the {what}'s KV cache; lower gpu_memory_utilization.")
+        blocks = min(blocks, usable // bytes_per_block)
+    return blocks
+
+
+# After verification the catch-up feeds one token per request (the target's own, after a rejection)
+# or two (the last draft, accepted, and the bonus token): graphs for both at every batch size. Longer
+# catch-ups (after steps without drafts, or a new prompt) replay catch-up and mixed graphs
+# (runner/cuda_graph.py CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS): eager draft forwards are host-bound.
+_VERIFY_QUERY_LENS = (1, 2)
+# A catch-up's forwards take up to this many tokens (or the scheduler's budget, if larger): starting
+# to draft at high load feeds the draft every running request's context, and fewer, larger forwards
+# pay the per-forward launch cost fewer times. Their activations fit in _GPU_RESERVE_BYTES.
+CATCH_UP_BATCHED_TOKENS = 8192
+_GRAPH_PIECES = 4  # a catch-up of up to this many longest-graph lengths replays the graph per piece (below)
+
+
+def _graph_bytes(max_num_seqs: int, vocab_size: int, hidden_size: int, max_model_len: int) -> int:
+    """What the draft's catch-up graphs keep allocated (their float32 logits and hidden outputs)."""
+    return graph_output_bytes(max_num_seqs, _VERIFY_QUERY_LENS, (), vocab_size, hidden_size, 4, CATCH_UP_QUERY_LENS,
+                              MIXED_TOKEN_LENS, max_model_len)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+class DraftSampler:
+    """Draft logits -> draft tokens. Greedy requests: argmax of the raw logits (one-hot drafts, probs
+    None). Random requests: a sample from compute_target_probs (the request's temperature, top-k/p,
+    min-p, penalties) with a generator of the proposer's own (seeded from the request's seed), so
+    the request's own random stream, which verification uses, is never consumed by drafting."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self._generators: dict[str, torch.Generator] = {}
+        self._meta: SamplingMetadata | None = None
+        self._greedy: list[bool] = []
+
+    def begin(self, reqs: list[Request]) -> None:
+        """Prepare one metadata row per request (rows of `sample` index into this list)."""
+        self._greedy = [r.params.greedy for r in reqs]
+        self._meta = None
+        if all(self._greedy):
+            return
+        gens = [None if r.params.greedy else self._generator(r) for r in reqs]
+        self._meta = SamplingMetadata.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs],
+                                            [r.output_token_ids for r in reqs], gens, self.vocab_size, self.device)
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        if req.params.seed is None:
+            return None
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed((req.params.seed * 7919 + 104729) % (1 << 63))
+            self._generators[req.request_id] = gen
+        return gen
+
+    def sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [len(rows), vocab] -> (tokens [len(rows)] int64 on the device, draft_probs
+        [len(rows), vocab] or None if these rows are all greedy). No host sync (speculative/proposers/draft_tokens.py)."""
+        if logits.shape[1] != self.vocab_size:
+            logits = logits[:, :self.vocab_size]
+        if self._meta is None or all(self._greedy[r] for r in rows):
+            return logits.argmax(dim=-1), None  # greedy drafts are one-hot: no distribution
+        meta = self._meta.select_rows(rows)
+        probs = compute_target_probs(logits, meta)
+        noise = draw_exponential(len(rows), self.vocab_size, meta.generators, None, logits.device)
+        tokens = random_sample(probs, noise)
+        if meta.greedy_mask is not None:  # the rows' greedy flags, already on the device
+            tokens = torch.where(meta.greedy_mask, logits.argmax(dim=-1), tokens)
+        return tokens, probs
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def is_greedy(self, row: int) -> bool:
+        return self._greedy[row]
+
+    @property
+    def all_greedy(self) -> bool:
+        """Every row of the propose (begin) is greedy."""
+        return all(self._greedy)
+
+
+def assign_drafts(reqs: list[Request], drafts: list[list[int]], probs: list[list[torch.Tensor]],
+                  sampler: DraftSampler) -> None:
+    """Set spec_token_ids / spec_draft_probs ([k, vocab], None for greedy = one-hot drafts)."""
+    for row, (req, tokens, rows) in enumerate(zip(reqs, drafts, probs)):
+        req.spec_token_ids = tokens
+        req.spec_draft_probs = None if sampler.is_greedy(row) or not rows else torch.stack(rows)
+
+
+def check_same_vocabulary(target: LoadedModel, draft_name: str, draft_vocab_size: int,
+                          draft_tokenizer) -> None:
+    """A draft must speak the target's token ids: same vocab size, same strings for sampled ids."""
+    where = f"speculative_config.model {draft_name!r}"
+    if draft_vocab_size != target.arch.vocab_size:
+        raise ValueError(f"{where} has vocab_size {draft_vocab_size}, the target {target.name!r} has "
+                         f"{target.arch.vocab_size}: a draft model must use the target's tokenizer.")
+    t_tok, d_tok = target.tokenizer, draft_tokenizer
+    if t_tok is None or d_tok is None:
+        return
+    if len(t_tok) != len(d_tok):
+        raise ValueError(f"{where}'s tokenizer has {len(d_tok)} tokens, the target's has {len(t_tok)}.")
+    ids = np.unique(np.linspace(0, len(t_tok) - 1, _VOCAB_SAMPLE).astype(np.int64)).tolist()
+    t_str, d_str = t_tok.convert_ids_to_tokens(ids), d_tok.convert_ids_to_tokens(ids)
+    bad = [i for i, a, b in zip(ids, t_str, d_str) if a != b]
+    if bad:
+        raise ValueError(f"{where}'s tokenizer differs from the target's (e.g. id {bad[0]}: "
+                         f"{d_str[ids.index(bad[0])]!r} vs {t_str[ids.index(bad[0])]!r}).")
+
+
+def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
+    """Vocab size is checked from the config before any weight is read; token strings after."""
+    from specserve.model.loader import (
+        _Source,  # config and identity without the weights
+    )
+
+    target: LoadedModel = parts.loaded
+    dtype = target.model.embed_tokens.weight.dtype
+    # A target with random weights of a named shape (load_format="dummy", speed and smoke tests)
+    # gets a draft of random weights too: shape names have no files to load.
+    load_format = "dummy" if target.identity.startswith("dummy:") else "auto"
+    source = _Source.open(ModelConfig(model=cfg.model, load_format=load_format))
+    check_same_vocabulary(target, cfg.model, int(source.hf_config["vocab_size"]), None)
+    max_len = min(target.max_model_len, int(source.hf_config.get("max_position_embeddings", 4096)),
+                  cfg.max_model_len or target.max_model_len)
+    dtype_name = str(dtype).removeprefix("torch.")
+    loaded = load_model(ModelConfig(model=cfg.model, dtype=dtype_name, max_model_len=max_len, load_format=load_format),
+                        parts.device, dtype, parts.ops, progress=False)
+    check_same_vocabulary(target, cfg.model, loaded.arch.vocab_size, loaded.tokenizer)
+    return loaded
+
+
+class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
+    name = "draft_model"
+
+    def __init__(self, cfg: SpeculativeConfig, parts) -> None:
+        self.device = parts.device
+        self.loaded = _load_draft(cfg, parts)
+        arch, tspec = self.loaded.arch, parts.runner.spec
+        spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, tspec.block_size, tspec.fmt)
+        graphs = parts.runner.graphs is not None
+        reserve = (_graph_bytes(parts.scheduler.max_num_seqs, arch.vocab_size, arch.hidden_size,
+                                self.loaded.max_model_len) if graphs else 0)
+        num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "draft model", reserve)
+        self.runner = ModelRunner(self.loaded, spec, num_blocks, self.device, parts.runner.backend)
+        self.kv = KVCacheManager(num_blocks, tspec.block_size, enable_prefix_caching=False)
+        self.max_len = self.loaded.max_model_len
+        self.max_batched = max(parts.scheduler.max_num_batched_tokens, CATCH_UP_BATCHED_TOKENS)
+        self.sampler = DraftSampler(arch.vocab_size, self.device)
+        self.seqs: dict[str, _DraftSeq] = {}
+        # A step mixing one- and two-token catch-ups pads per sequence (runner/cuda_graph.py graph_for).
+        if graphs:
+            self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, _VERIFY_QUERY_LENS, (),
+                                       CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS)
+        self.chain = _ChainSteps(self.runner, self.kv)
+        self._catch_up_tokens = 0
+
+    def propose(self, inp: ProposeInput) -> None:
+        self._catch_up_tokens = 0
+        reqs, seqs, ks = [], [], []
+        for req, k in zip(inp.requests, inp.num_draft_tokens):
+            seq = self._sync(req)
+            k = min(k, self.max_len - req.num_tokens)
+            lookahead = k - 1
+            if k <= 0 or not self.kv.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens, None, lookahead):
+                continue  # no room in the draft's window or pool: this request goes without drafts
+            reqs.append(req)
+            seqs.append(seq)
+            ks.append(k)
+        if not reqs:
+            return
+        self.sampler.begin(reqs)
+        self._catch_up_tokens = sum(s.num_tokens - s.num_computed_tokens for s in seqs)
+        logits = self._catch_up(seqs)  # [len(reqs), vocab]
+        # Drafts stay on the device: each forward reads the previous draft there, and the host
+        # reads all drafts once (draft_tokens.py).
+        dt = DraftTokens()
+        rows = list(range(len(reqs)))
+        dt.add(rows, *self.sampler.sample(logits, rows))
+        if max(ks) > 1:
+            self.chain.run(seqs, ks, dt, self.sampler)
+        for seq, k in zip(seqs, ks):
+            seq.num_computed_tokens += k - 1
+        greedy = [self.sampler.is_greedy(i) for i in range(len(reqs))]
+
+        def finish(drafts: list[list[int]], draft_probs: list[list[torch.Tensor]]) -> None:
+            for seq, d, k in zip(seqs, drafts, ks):  # the fed drafts (all but the last), which _sync compares
+                seq.all_token_ids.extend(d[:k - 1])
+            assign_resolved(reqs, drafts, draft_probs, greedy)
+
+        self.deliver(dt, reqs, finish)
+
+    def catch_up_tokens(self) -> int:
+        return self._catch_up_tokens
+
+    def _sync(self, req: Request) -> _DraftSeq:
+        """Keep the draft KV that still matches the request's tokens (rejected drafts fall out)."""
+        seq = self.seqs.get(req.request_id)
+        if seq is None:
+            seq = self.seqs[req.request_id] = _DraftSeq(req.request_id)
+        tokens = req.all_token_ids
+        fed = seq.all_token_ids[seq.num_real:seq.num_computed_tokens]
+        valid = seq.num_real + common_prefix_len(fed, tokens[seq.num_real:])
+        # At least the last token is fed again: its logits are where the first draft comes from.
+        seq.num_computed_tokens = min(seq.num_computed_tokens, valid, len(tokens) - 1)
+        # The first num_real ids are the request's own (its tokens only grow): swap the fed drafts for
+        # the new real tokens instead of copying the whole context every step.
+        del seq.all_token_ids[seq.num_real:]
+        seq.all_token_ids.extend(tokens[seq.num_real:])
+        seq.num_real = len(tokens)
+        return seq
+
+    def catch_up_cap(self, unseen: list[int]) -> int | None:
+        """The most tokens one sequence feeds per catch-up forward, for sequences with `unseen` tokens
+        each (None: no cap). A catch-up of sequences that fit the catch-up graphs, one longer than the
+        longest of them but at most _GRAPH_PIECES such lengths (a new request's prompt, say), goes in
+        pieces of that length, each a graph replay instead of one host-bound eager forward.
+        A catch-up that a mixed graph holds whole (runner/cuda_graph.py MIXED_TOKEN_LENS) is not cut."""
+        graphs = self.runner.graphs
+        lens = (graphs.catch_up_query_lens or graphs.prefill_query_lens) if graphs is not None else ()
+        if not lens or not unseen or len(unseen) > graphs.sizes_by_q[max(lens)][-1]:
+            return None
+        sizes = graphs.mixed_sizes
+        if sizes and sum(unseen) <= max(sizes) and len(unseen) <= sizes[max(sizes)][-1]:
+            return None  # the whole catch-up fits a mixed graph: one replay
+        piece = max(lens)
+        return piece if piece < max(unseen) <= _GRAPH_PIECES * piece else None
+
+    def _catch_up(self, seqs: list[_DraftSeq]) -> torch.Tensor:
+        """Feed every seq's unseen tokens, in forwards of at most max_batched tokens (and catch_up_cap()
+        per sequence); returns the logits of each seq's last token, [len(seqs), vocab], valid until the
+        draft's next forward (they may be a CUDA graph's output)."""
+        rows: list[torch.Tensor | None] = [None] * len(seqs)
+        pending = list(range(len(seqs)))
+        cap = self.catch_up_cap([s.num_tokens - s.num_computed_tokens for s in seqs]) or self.max_batched
+        while pending:
+            budget, sched, order = self.max_batched, SchedulerOutput(), []
+            for i in pending:
+                n = min(seqs[i].num_tokens - seqs[i].num_computed_tokens, budget, cap)
+                if n <= 0:
+                    break
+                sched.scheduled.append(ScheduledRequest(seqs[i], n, 0))
+                order.append(i)
+                budget -= n
+            samples = [s.samples for s in sched.scheduled]  # read before num_computed moves
+            out = self.runner.execute(sched, self.kv.block_ids)
+            got = []  # (seq, its logits row)
+            for j, (i, s) in enumerate(zip(order, sched.scheduled)):
+                seqs[i].num_computed_tokens += s.num_new_tokens
+                if samples[j]:
+                    got.append((i, out.batch.logit_rows[j][0]))
+            if got == [(i, i) for i in range(len(seqs))] and out.logits.shape[0] == len(seqs):
+                return out.logits  # the usual case: one forward, row i = seq i (no copies)
+            for i, first in got:
+                rows[i] = out.logits[first].clone()  # a CUDA graph's output is overwritten on replay
+            pending = [i for i in pending if rows[i] is None]
+        return torch.stack(rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_layout(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], list[tuple[int, int]]]:
+    """Host arrays of n sequences of one token each, every token scored (shared: never written):
+    (placeholder input ids, cu_query_lens, logits_indices, query_lens, logit_rows)."""
+    return (np.full(n, PLACEHOLDER, dtype=np.int64), np.arange(n + 1, dtype=np.int32), np.arange(n, dtype=np.int64),
+            [1] * n, [(i, 1) for i in range(n)])
+
+
+class _ChainSteps:
+    """The draft's single-token forwards of a propose after the catch-up (step s = 1..k-1 feeds the
+    draft of step s - 1), without the runner's generic per-request batch building: the block
+    tables are made once per propose, a step's positions are the catch-up's end + s - 1, and its
+    slots and sequence lengths follow from them in a few numpy operations. The fed token is the
+    previous step's draft, on the device: a CUDA graph takes it as its input fill, an eager
+    forward as its input ids (no placeholder fill, no index copy).
+
+    Same inputs as ModelRunner.execute would build (tests/unit/test_draft_chain.py checks it)."""
+
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager) -> None:
+        self.runner, self.kv = runner, kv
+
+    def run(self, seqs: list[_DraftSeq], ks: list[int], dt: DraftTokens, sampler: DraftSampler) -> None:
+        """Steps 1..max(ks) - 1; request i takes part in steps s < ks[i]. The seqs' state is
+        not touched (propose() counts the fed tokens afterwards)."""
+        base = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+        tables = block_table_array([self.kv.block_ids(s.request_id) for s in seqs])
+        active = list(range(len(seqs)))
+        for step in range(1, max(ks)):
+            prev, active = active, [i for i in active if ks[i] > step]
+            tokens = dt.last_tokens
+            if active != prev:  # fewer requests than the last step: their rows of its drafts
+                keep = dt.rows_in_last(active)
+                tokens = tokens.index_select(0, self._index(tuple(keep)))
+                base, tables = base[keep], tables[keep]
+            host = self.host_batch(base + (step - 1), tables)
+            dt.add(active, *sampler.sample(self.forward(host, tokens), active))
+
+    def host_batch(self, positions: np.ndarray, tables: np.ndarray) -> HostBatch:
+        """One token per sequence at `positions` ([n] int64) with block tables `tables`."""
+        bs = self.runner.block_size
+        n = len(positions)
+        ids, cu, logits_indices, query_lens, logit_rows = _uniform_layout(n)
+        slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        return HostBatch(ids, positions, slots, tables, (positions + 1).astype(np.int32), cu, logits_indices,
+                         query_lens, logit_rows)
+
+    def forward(self, host: HostBatch, tokens: torch.Tensor) -> torch.Tensor:
+        """host's batch with input ids `tokens` ([n] int64 on the device) -> logits [n, vocab]
+        (a CUDA graph's output when one ran: valid until the draft's next forward)."""
+        return self.runner.forward_scored(host, tokens, self._index(tuple(range(host.num_tokens))))
+
+    def _index(self, rows: tuple[int, ...]) -> torch.Tensor:
+        """rows as an int64 device tensor (cached: steady-state steps repeat them)."""
+        return cached_tensor(self.runner.device, ("rows", rows), lambda: torch.tensor(rows, dtype=torch.int64))

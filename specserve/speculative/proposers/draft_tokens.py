@@ -1,0 +1,148 @@
+"""Draft tokens kept on the device while a proposer drafts, read back to the host once.
+
+A proposer that drafts k tokens autoregressively feeds each draft into its next forward. Reading
+every draft back (`.tolist()`) would make the host wait for each forward: at batch 1 the GPU then
+idles between the small draft forwards. Instead each step's sampled tokens stay a device tensor,
+the next forward takes its inputs from it (an embedding lookup, or the runner's placeholder fill),
+and all drafts cross to the host in one copy at the end.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from specserve.runner.batch import PendingTokens
+from specserve.sample.h2d import h2d
+from specserve.scheduler.request import PLACEHOLDER, Request
+
+
+class DraftTokens:
+    def __init__(self) -> None:
+        self.steps: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (active, tokens, probs)
+
+    def add(self, active: list[int], tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
+        """Step s drafted tokens [len(active)] (and their distributions [len(active), vocab] or None)
+        for the requests `active` (indices into the propose's request list)."""
+        self.steps.append((active, tokens if tokens.dtype == torch.int64 else tokens.to(torch.int64), probs))
+
+    @property
+    def last_tokens(self) -> torch.Tensor:
+        """The last step's tokens, [len(its active)] on the device."""
+        return self.steps[-1][1]
+
+    def rows_in_last(self, active: list[int]) -> list[int]:
+        """These requests' rows in last_tokens (each must have drafted in the last step)."""
+        pos = {i: r for r, i in enumerate(self.steps[-1][0])}
+        return [pos[i] for i in active]
+
+    def request_major(self, n: int) -> tuple[torch.Tensor, list[int], list[list[torch.Tensor]]]:
+        """The n requests' drafts request-major: (flat [sum(counts)] int64 on the device, request i's
+        drafts in consecutive rows; counts per request; per request its drafts' distributions (device
+        rows; empty if greedy)). The steps are step-major, requests dropping out as they reach their k."""
+        per_req: list[list[int]] = [[] for _ in range(n)]  # request i's rows of the step-major flat
+        probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        at = 0
+        for active, _, p in self.steps:
+            for r, i in enumerate(active):
+                per_req[i].append(at + r)
+                if p is not None:
+                    probs[i].append(p[r])
+            at += len(active)
+        order = [row for rows in per_req for row in rows]
+        flat = torch.cat([t for _, t, _ in self.steps])
+        if order != list(range(len(order))):
+            flat = flat.index_select(0, h2d(torch.tensor(order, dtype=torch.int64), flat.device))
+        return flat, [len(rows) for rows in per_req], probs
+
+
+# finish(drafts, probs): per request of the proposal, its draft ids (host ints) and their
+# distributions (device rows; empty if greedy); called once the ids are on the host.
+Finish = Callable[[list[list[int]], list[list[torch.Tensor]]], None]
+
+
+class DeferredDrafts:
+    """A proposal's drafts left on the device for the step that verifies them.
+
+    Reading the drafts back at the end of a propose made the host wait for the proposer's last
+    forward before it could schedule and build the verify step, so the GPU idled through that host
+    work. Instead each request holds PLACEHOLDER drafts (how many is known), the engine schedules
+    and launches the verify step at once, the runner fills the placeholders' input ids from
+    `pending` on the device (runner/batch.py pending_fill), and `resolve()` brings the ids to the
+    host (for the rejection sampler) while the verify forward runs."""
+
+    def __init__(self, flat: torch.Tensor, counts: list[int], probs: list[list[torch.Tensor]],
+                 request_ids: list[str], finish: Finish) -> None:
+        """flat [sum(counts)] int64 on the device: request i's drafts in rows starts[i] .. + counts[i]
+        (request-major); probs: per request, its drafts' distributions (device rows; empty if greedy)."""
+        starts = np.cumsum([0] + counts).tolist()
+        self.pending = PendingTokens(flat, dict(zip(request_ids, starts)))
+        self._starts, self._probs, self._finish = starts, probs, finish
+        self._event = None
+        if flat.device.type == "cuda":
+            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flat
+
+    def resolve(self) -> None:
+        """Wait for the ids to reach the host, then hand them to `finish` (once)."""
+        if self._event is not None:
+            self._event.synchronize()
+        values, s = self._host.tolist(), self._starts
+        self._finish([values[s[i]:s[i + 1]] for i in range(len(s) - 1)], self._probs)
+
+
+class DraftDelivery:
+    """How a proposer that drafts on the device hands its drafts over: read back now, or left on the
+    device as DeferredDrafts that the decoder takes (`take_deferred`) where the runner allows it
+    (`allow_deferred`) and the proposer defers by default."""
+
+    defer_drafts: bool = False
+    defers_by_default: bool = True
+    _deferred: DeferredDrafts | None = None
+
+    def allow_deferred(self, allowed: bool) -> None:
+        self.defer_drafts = allowed and self.defers_by_default
+
+    def deliver(self, dt: DraftTokens, reqs: list[Request], finish: Finish) -> None:
+        """Drafts of chained steps (DraftTokens)."""
+        self.deliver_flat(*dt.request_major(len(reqs)), reqs, finish)
+
+    def deliver_flat(self, flat: torch.Tensor, counts: list[int], probs: list[list[torch.Tensor]],
+                     reqs: list[Request], finish: Finish) -> None:
+        """Drafts request-major in flat [sum(counts)] on the device (DraftTokens.request_major, or
+        P-EAGLE's picks of one forward); probs: per request, its drafts' distributions (device rows)."""
+        for req, k in zip(reqs, counts):
+            req.spec_token_ids, req.spec_draft_probs = [PLACEHOLDER] * k, None
+        deferred = DeferredDrafts(flat, counts, probs, [r.request_id for r in reqs], finish)
+        if self.defer_drafts:
+            self._deferred = deferred
+        else:
+            deferred.resolve()
+
+    def take_deferred(self) -> DeferredDrafts | None:
+        d, self._deferred = self._deferred, None
+        return d
+
+    def resolve_deferred(self) -> None:
+        """Read deferred drafts back now: for tools and tests that inspect drafts right after propose."""
+        d = self.take_deferred()
+        if d is not None:
+            d.resolve()
+
+
+def assign_resolved(reqs: list[Request], drafts: list[list[int]], probs: list[list[torch.Tensor]],
+                    greedy: list[bool]) -> None:
+    """Replace each request's placeholder drafts (DraftDelivery.deliver) by the drafted ids, and set
+    spec_draft_probs ([k, vocab]; None = one-hot drafts). A request keeps as many drafts as it still
+    holds placeholders: the scheduler may have cut them, and one preempted since holds none."""
+    for req, tokens, rows, g in zip(reqs, drafts, probs, greedy):
+        held = len(req.spec_token_ids)
+        if not held or req.spec_token_ids[0] != PLACEHOLDER:
+            continue
+        req.spec_token_ids = tokens[:held]
+        req.spec_draft_probs = None if g or not rows else torch.stack(rows[:held])

@@ -1,0 +1,391 @@
+"""The EAGLE / EAGLE-3 / P-EAGLE draft head: one decoder layer on top of the target's features.
+
+Row t of the head reads concat(embed(token t+1), hidden_t) and predicts token t+2, where hidden_t
+is the target's feature at position t for real rows (EAGLE-1: its final hidden state; EAGLE-3:
+`fuse` of the inputs of a low, a middle and a high layer) and the head's own output for
+autoregressive draft rows. P-EAGLE mask rows read a learned (mask_embed, mask_hidden) pair instead,
+so all k drafts come out of one forward. The target's embedding and LM head are reused, frozen;
+a checkpoint holds only the head's own weights.
+
+Reduced draft vocabulary (EAGLE-3's draft_vocab_size, optional): the head proposes only the
+`draft_vocab_size` target token ids in `d2t` (saved with its weights). Its LM head is those rows of
+the target's, gathered once when attached to the target (`attach_lm_head`): a draft step's logits
+are [rows, draft_vocab] instead of [rows, vocab] (the target's 151,936-row head is the largest
+part of a Qwen2.5 head step). Verification stays lossless: the draft distribution is zero outside
+the set, and the rejection sampler's residual max(0, target - draft) covers those tokens. d2t is
+sorted ascending: then the argmax over the draft logits, mapped through d2t, is exactly the argmax
+of the full-vocabulary logits that are -inf outside the set (ties included: both pick the lowest
+target id), which is what the sampling path computes (eagle.py DraftVocabSampler), so greedy and
+sampled drafts, eager and CUDA-graph paths agree token for token.
+
+The layer never owns its attention: `attend(q, k, v)` is injected, the paged KV backend at serving
+time (eagle.py) and dense masked attention at training time (train/loss.py), so both run the same
+weights through the same code.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from specserve.model.arch import ModelArch
+from specserve.model.layers import ops as torch_ops
+
+logger = logging.getLogger(__name__)
+
+HEAD_FORMAT = "specserve-eagle-head"
+HEAD_METHODS = ("eagle", "eagle3")
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+# q, k, v [rows, heads, head_dim] -> [rows, num_heads, head_dim]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class EagleHeadConfig:
+    method: str  # "eagle" (last hidden state) | "eagle3" (fused aux hidden states)
+    hidden_size: int
+    vocab_size: int
+    aux_hidden_layers: tuple[int, ...]  # target layers whose inputs eagle3 fuses; () for eagle
+    num_mask_slots: int  # P-EAGLE mask slots trained (k - 1); 0 = autoregressive only
+    layer: dict[str, Any]  # HF-style config of the head's one decoder layer
+    target: dict[str, Any]  # name, identity, num_layers, hidden_size, vocab_size of the target
+    # Tokens the head can propose (its `d2t` buffer, ascending target ids); None = the whole vocabulary.
+    draft_vocab_size: int | None = None
+
+    @property
+    def logits_width(self) -> int:
+        """Columns of the head's logits: the draft vocabulary, or the target's."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": HEAD_FORMAT, **asdict(self), "aux_hidden_layers": list(self.aux_hidden_layers)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: str) -> EagleHeadConfig:
+        if data.get("format") != HEAD_FORMAT:
+            raise ValueError(f"{where} is not a specserve EAGLE head config (format must be {HEAD_FORMAT!r}).")
+        try:
+            draft_vocab = data.get("draft_vocab_size")  # absent in heads from before reduced vocabularies
+            cfg = cls(str(data["method"]), int(data["hidden_size"]), int(data["vocab_size"]),
+                      tuple(int(i) for i in data["aux_hidden_layers"]), int(data["num_mask_slots"]),
+                      dict(data["layer"]), dict(data["target"]), None if draft_vocab is None else int(draft_vocab))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where} is missing or has a bad field: {e!r}.") from None
+        if cfg.draft_vocab_size is not None and not 1 <= cfg.draft_vocab_size <= cfg.vocab_size:
+            raise ValueError(f"{where}: draft_vocab_size must be in [1, vocab_size={cfg.vocab_size}] or null, "
+                             f"got {cfg.draft_vocab_size}.")
+        if cfg.method not in HEAD_METHODS:
+            raise ValueError(f"{where}: method must be one of {HEAD_METHODS}, got {cfg.method!r}.")
+        if cfg.method == "eagle3" and not cfg.aux_hidden_layers:
+            raise ValueError(f"{where}: an eagle3 head needs aux_hidden_layers.")
+        return cfg
+
+    def layer_arch(self) -> ModelArch:
+        return ModelArch.from_hf_config({**self.layer, "num_hidden_layers": 1})
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / middle / high layers (2, L/2, L-3, as vLLM and SGLang pick them), clamped and
+    deduplicated for tiny models. The engine returns each layer's input (the residual stream)."""
+    picks = {min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3)}
+    return tuple(sorted(picks))
+
+
+def head_config_for(target_arch: ModelArch, target_hf_config: dict[str, Any], target_name: str,
+                    target_identity: str, method: str, num_mask_slots: int = 0,
+                    draft_vocab_size: int | None = None) -> EagleHeadConfig:
+    """A head shaped like one decoder layer of the target (draft_vocab_size: see EagleHeadConfig)."""
+    if method not in HEAD_METHODS:
+        raise ValueError(f"head method must be one of {HEAD_METHODS}, got {method!r}.")
+    if draft_vocab_size is not None and not 1 <= draft_vocab_size <= target_arch.vocab_size:
+        raise ValueError(f"draft_vocab_size must be in [1, {target_arch.vocab_size}], got {draft_vocab_size}.")
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "attention_bias",
+            "max_position_embeddings", "vocab_size")
+    layer = {k: target_hf_config[k] for k in keys if target_hf_config.get(k) is not None}
+    layer.update(head_dim=target_arch.head_dim, attention_bias=target_arch.qkv_bias,
+                 num_key_value_heads=target_arch.num_kv_heads)
+    aux = default_aux_layers(target_arch.num_layers) if method == "eagle3" else ()
+    target = {"name": target_name, "identity": target_identity, "num_layers": target_arch.num_layers,
+              "hidden_size": target_arch.hidden_size, "vocab_size": target_arch.vocab_size}
+    return EagleHeadConfig(method, target_arch.hidden_size, target_arch.vocab_size, aux, num_mask_slots,
+                           layer, target, draft_vocab_size)
+
+
+def check_d2t(d2t: torch.Tensor, vocab_size: int, draft_vocab_size: int, where: str) -> None:
+    """ValueError unless d2t is [draft_vocab_size] integer target ids in [0, vocab_size), strictly
+    ascending (hence unique)."""
+    if d2t.dtype.is_floating_point or d2t.dtype.is_complex or d2t.dtype == torch.bool:
+        raise ValueError(f"{where}: d2t must hold integer token ids (int64), got {d2t.dtype}.")
+    if tuple(d2t.shape) != (draft_vocab_size,):
+        raise ValueError(f"{where}: d2t has shape {tuple(d2t.shape)}, the config's draft_vocab_size is "
+                         f"{draft_vocab_size}.")
+    ids = d2t.detach().to("cpu", torch.int64)
+    if draft_vocab_size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{where}: d2t holds token ids outside [0, {vocab_size}) (min {int(ids.min())}, "
+                         f"max {int(ids.max())}).")
+    steps = ids[1:] - ids[:-1]
+    if (steps == 0).any():
+        raise ValueError(f"{where}: d2t holds duplicate token ids (e.g. {int(ids[1:][steps == 0][0])}).")
+    if (steps < 0).any():
+        raise ValueError(f"{where}: d2t must be sorted ascending.")
+
+
+def target_lm_weight(target: nn.Module) -> torch.Tensor:
+    """The target's LM head weight [vocab, hidden] (its tied embedding when it has no lm_head)."""
+    if getattr(target, "logits_head", None) is not None:
+        raise ValueError("a reduced draft vocabulary needs the target's whole LM head (not a sharded one).")
+    lm_head = getattr(target, "lm_head", None)
+    return target.embed_tokens.weight if lm_head is None else lm_head.weight
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+        self.ops: ModuleType = torch_ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class HeadLayer(nn.Module):
+    """A Llama/Qwen2 decoder layer (same parameter names as the target's) with injected attention.
+    `ops`: the torch ops (training, CPU) or, serving on a GPU, the target's fused twins (EagleHead.set_ops)."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.ops: ModuleType = torch_ops
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.intermediate = arch.intermediate_size
+        h = arch.hidden_size
+        self.input_layernorm = RMSNorm(h, arch.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, arch.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(h, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                attend: Attend) -> torch.Tensor:
+        """x [rows, hidden] -> [rows, hidden] (pre-norm residual stream after the layer)."""
+        ops, norm = self.ops, self.input_layernorm
+        qkv, _ = ops.rms_norm_linear(x, None, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
+        q, k = ops.apply_rope(q.reshape(-1, self.num_heads, self.head_dim),
+                              k.reshape(-1, self.num_kv_heads, self.head_dim), positions, cos_sin)
+        attn = attend(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim))
+        x = x + ops.linear(attn.reshape(-1, self.q_size), self.o_proj.weight)
+        h = ops.linear_silu_and_mul(self.post_attention_layernorm(x), self.gate_up_proj.weight)  # silu(gate) * up
+        return x + ops.linear(h, self.down_proj.weight)
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: EagleHeadConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        arch = cfg.layer_arch()
+        h, eps = cfg.hidden_size, arch.rms_norm_eps
+        self.eps = eps
+        n_aux = len(cfg.aux_hidden_layers)
+        if cfg.method == "eagle3":
+            # Per-layer norms first: the residual streams of different depths differ in scale by
+            # orders of magnitude (Qwen2 has massive activations), which a bare fc trains badly on.
+            self.aux_norm = nn.Parameter(torch.ones(n_aux, h))
+            self.fuse = nn.Linear(n_aux * h, h, bias=False)
+        self.embed_norm = RMSNorm(h, eps)
+        self.hidden_norm = RMSNorm(h, eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = HeadLayer(arch)
+        # EAGLE-1 regresses the target's (already final-normed) hidden state, so its output goes to
+        # the LM head as is; EAGLE-3 predicts tokens only and normalizes like the target.
+        self.norm = RMSNorm(h, eps) if cfg.method == "eagle3" else None
+        if cfg.num_mask_slots > 0:
+            self.mask_embed = nn.Parameter(torch.randn(h) * 0.02)
+            self.mask_hidden = nn.Parameter(torch.randn(h) * 0.02)
+        # [draft_vocab] int64 target ids, ascending (set_draft_vocab / the checkpoint); None = full vocab.
+        d2t = None if cfg.draft_vocab_size is None else torch.arange(cfg.draft_vocab_size, dtype=torch.int64)
+        self.register_buffer("d2t", d2t)
+        # [draft_vocab, hidden]: the target's LM-head rows d2t, gathered once (attach_lm_head); not saved.
+        self.lm_weight: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
+        """The draft vocabulary (training): [draft_vocab_size] ascending target ids."""
+        if self.d2t is None:
+            raise ValueError("this head has no reduced draft vocabulary (draft_vocab_size is None).")
+        check_d2t(d2t, self.cfg.vocab_size, self.cfg.draft_vocab_size, "draft vocabulary")
+        self.d2t.copy_(d2t.to(self.d2t.device, torch.int64))
+        self.lm_weight = None  # gathered for the old rows
+
+    @torch.no_grad()
+    def attach_lm_head(self, weight: torch.Tensor) -> None:
+        """Gather the target's LM-head rows d2t (weight [vocab, hidden]) into one persistent
+        [draft_vocab, hidden] tensor of the weight's dtype and device, once: draft steps (and the CUDA
+        graphs that capture them) then read draft_vocab rows instead of the whole head. Call it after
+        the head has its device (a later .to() does not move it). Nothing to do for a full vocabulary."""
+        if self.d2t is None:
+            return
+        self.d2t = self.d2t.to(weight.device)
+        self.lm_weight = weight.detach().index_select(0, self.d2t).contiguous()
+
+    def compute_logits(self, normed: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        """normed [rows, hidden] (forward's logits_input) -> float32 logits [rows, cfg.logits_width]:
+        column j is token d2t[j] with a reduced vocabulary (attach_lm_head first), else the target's own."""
+        if self.d2t is None:
+            return target.compute_logits(normed)
+        if self.lm_weight is None:
+            raise RuntimeError("EagleHead.attach_lm_head must run before a reduced-vocabulary head drafts.")
+        return self.layer.ops.linear(normed, self.lm_weight).float()
+
+    def greedy_token_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        """compute_logits' output [rows, width] -> [rows] int64 target ids of each row's argmax."""
+        if self.d2t is None:
+            return logits[:, :self.cfg.vocab_size].argmax(dim=-1)
+        return self.d2t.index_select(0, logits.argmax(dim=-1))
+
+    def fuse_target(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, n_aux * hidden] (eagle3: concatenated aux states) or [rows, hidden] (eagle) -> [rows, hidden]."""
+        if self.cfg.method != "eagle3":
+            return target_hidden
+        n = self.aux_norm.shape[0]
+        x = target_hidden.reshape(target_hidden.shape[0], n, -1)
+        x32 = x.float()
+        x = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.aux_norm
+        return self.fuse(x.reshape(target_hidden.shape[0], -1))
+
+    def mask_inputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embeds, hidden) of P-EAGLE mask rows, each [rows, hidden]."""
+        return self.mask_embed.expand(rows, -1), self.mask_hidden.expand(rows, -1)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                cos_sin: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds, hidden [rows, hidden]; returns (out, logits_input), each [rows, hidden]: `out` is
+        fed back as the next row's hidden, `logits_input` goes to the target's LM head."""
+        x = self.layer.ops.linear(torch.cat([self.embed_norm(embeds), self.hidden_norm(hidden)], dim=-1),
+                                  self.fc.weight)
+        out = self.layer(x, positions, cos_sin, attend)
+        return out, (out if self.norm is None else self.norm(out))
+
+    def set_ops(self, ops: ModuleType) -> None:
+        """Run the norms, RoPE and projections through `ops` (same signatures as model/layers/ops.py):
+        serving on a GPU passes the target's fused Triton twins (fewer, faster kernels in the head's
+        forwards and CUDA graphs); training keeps the torch ops."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, HeadLayer)):
+                m.ops = ops
+
+
+def save_head(head: EagleHead, out_dir: str | Path) -> Path:
+    """Write config.json + model.safetensors (weights float32, d2t int64) atomically enough for a
+    resumable trainer."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().contiguous()
+             for k, v in head.state_dict().items()}
+    tmp = out / (WEIGHTS_NAME + ".tmp")
+    save_file(state, str(tmp), metadata={"format": HEAD_FORMAT})
+    tmp.replace(out / WEIGHTS_NAME)
+    (out / CONFIG_NAME).write_text(json.dumps(head.cfg.to_json(), indent=2) + "\n")
+    return out
+
+
+def read_head_config(path: str | Path) -> EagleHeadConfig:
+    """The config of a head directory; ValueError naming what is wrong."""
+    d = Path(path).expanduser()
+    where = f"speculative_config.model {str(path)!r}"
+    if not d.is_dir():
+        raise ValueError(f"{where} is not a directory holding an EAGLE head ({CONFIG_NAME} + {WEIGHTS_NAME}).")
+    if not (d / CONFIG_NAME).is_file() or not (d / WEIGHTS_NAME).is_file():
+        raise ValueError(f"{where} must hold {CONFIG_NAME} and {WEIGHTS_NAME}.")
+    try:
+        data = json.loads((d / CONFIG_NAME).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: {CONFIG_NAME} is not valid JSON: {e}.") from None
+    return EagleHeadConfig.from_json(data, f"{where}/{CONFIG_NAME}")
+
+
+def check_head_matches(cfg: EagleHeadConfig, arch: ModelArch, target_identity: str, where: str) -> None:
+    """Shapes must match the target exactly; a different weights identity only warns (the same
+    weights may live in another file)."""
+    want = {"hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size, "num_layers": arch.num_layers}
+    got = {k: cfg.target.get(k) for k in want}
+    if got != want:
+        raise ValueError(f"{where} was trained for a target with {got}, this target has {want}.")
+    if cfg.hidden_size != arch.hidden_size or cfg.vocab_size != arch.vocab_size:
+        raise ValueError(f"{where}: head hidden/vocab sizes do not match the target.")
+    if any(not 0 <= i < arch.num_layers for i in cfg.aux_hidden_layers):
+        raise ValueError(f"{where}: aux_hidden_layers {cfg.aux_hidden_layers} out of range for "
+                         f"{arch.num_layers} layers.")
+    if cfg.target.get("identity") != target_identity:
+        logger.warning("%s was trained on target %r, serving %r: same shapes, maybe other weights.",
+                       where, cfg.target.get("identity"), target_identity)
+
+
+def load_head(path: str | Path, arch: ModelArch, target_identity: str, device: torch.device,
+              dtype: torch.dtype) -> EagleHead:
+    """Load and validate a head directory for this target; ValueError before anything runs."""
+    from safetensors.torch import load_file
+
+    where = f"speculative_config.model {str(path)!r}"
+    cfg = read_head_config(path)
+    check_head_matches(cfg, arch, target_identity, where)
+    head = EagleHead(cfg)
+    try:
+        state = load_file(str(Path(path).expanduser() / WEIGHTS_NAME))
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"{where}: cannot read {WEIGHTS_NAME}: {e}.") from None
+    own = head.state_dict()
+    if cfg.draft_vocab_size is not None:
+        if "d2t" not in state:
+            raise ValueError(f"{where}: the config sets draft_vocab_size={cfg.draft_vocab_size} but "
+                             f"{WEIGHTS_NAME} holds no d2t tensor.")
+        check_d2t(state["d2t"], cfg.vocab_size, cfg.draft_vocab_size, where)
+        state["d2t"] = state["d2t"].to(torch.int64)
+    elif "d2t" in state:
+        raise ValueError(f"{where}: {WEIGHTS_NAME} holds a d2t tensor but the config has no draft_vocab_size.")
+    if set(state) != set(own):
+        raise ValueError(f"{where}: weights do not match the config (missing "
+                         f"{sorted(set(own) - set(state))[:4]}, unexpected {sorted(set(state) - set(own))[:4]}).")
+    bad = [k for k in own if tuple(state[k].shape) != tuple(own[k].shape)]
+    if bad:
+        raise ValueError(f"{where}: tensors of the wrong shape: {bad[:4]}.")
+    head.load_state_dict(state)
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def make_random_head_dir(target_model: str, out_dir: str | Path, method: str = "eagle3",
+                         num_mask_slots: int = 0, seed: int = 0, load_format: str = "auto",
+                         d2t: list[int] | None = None) -> Path:
+    """An untrained head for `target_model` (any LLM(model=...) reference; a shape name with
+    load_format="dummy"): tests use it to check that speculation stays lossless whatever the head
+    proposes, benchmarks to time a head's forward. d2t: a reduced draft vocabulary (ascending ids)."""
+    from specserve.config import ModelConfig
+    from specserve.model.loader import (
+        _Source,  # reads config + identity without loading weights
+    )
+
+    source = _Source.open(ModelConfig(model=target_model, load_format=load_format))
+    arch = ModelArch.from_hf_config(source.hf_config)
+    cfg = head_config_for(arch, source.hf_config, source.name, source.identity, method, num_mask_slots,
+                          None if d2t is None else len(d2t))
+    torch.manual_seed(seed)
+    head = EagleHead(cfg)
+    if d2t is not None:
+        head.set_draft_vocab(torch.tensor(d2t, dtype=torch.int64))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.05)
+    return save_head(head, out_dir)

@@ -1,0 +1,103 @@
+"""Verification of a step's drafts: the draft distributions stacked for the rejection sampler
+(sample/rejection.py), per-position counts for the controller, and the logprobs of the emitted tokens.
+
+A request asking for logprobs drafts like any other: the verify step scored each of its k + 1
+positions, and token j of its output (accepted drafts, then the bonus or resampled token) comes from
+its row j. Their logprobs are the log-softmax of those rows' raw logits (vLLM's default raw_logprobs,
+what the plain sampler returns), top-N included.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.metrics.stats import StatsCollector
+from specserve.sample.metadata import SamplingMetadata
+from specserve.sample.rejection import RejectionSampler
+from specserve.sample.sampler import LogprobsTensors, compute_logprobs
+from specserve.scheduler.request import Request
+
+
+class _PositionLabels(dict):
+    """position -> its metric labels, built once."""
+
+    def __missing__(self, pos: int) -> dict[str, str]:
+        self[pos] = {"position": str(pos)}
+        return self[pos]
+
+
+POSITION_LABELS = _PositionLabels()
+
+
+def stack_draft_probs(reqs: list[Request], num_drafts: list[int], vocab_size: int,
+                      device: torch.device) -> torch.Tensor | None:
+    """[total_drafts, vocab] draft_probs for the rejection sampler; None when every draft is one-hot."""
+    if all(r.spec_draft_probs is None for r, k in zip(reqs, num_drafts) if k > 0):
+        return None
+    rows = []
+    for r, k in zip(reqs, num_drafts):
+        if k == 0:
+            continue
+        if r.spec_draft_probs is not None:
+            rows.append(r.spec_draft_probs[:k].to(device))
+        else:
+            one_hot = torch.zeros(k, vocab_size, device=device)
+            one_hot[torch.arange(k), torch.tensor(r.spec_token_ids[:k], device=device)] = 1.0
+            rows.append(one_hot)
+    return torch.cat(rows)
+
+
+def verify_drafts(rejection: RejectionSampler, reqs: list[Request], num_drafts: list[int], logits: torch.Tensor,
+                  meta: SamplingMetadata, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """logits: [sum(num_drafts) + len(reqs), vocab]. Per request: its emitted tokens (accepted drafts,
+    then the bonus or resampled token) and how many drafts it accepted."""
+    drafts = [r.spec_token_ids[:k] for r, k in zip(reqs, num_drafts)]
+    draft_probs = stack_draft_probs(reqs, num_drafts, vocab_size, logits.device)
+    out = rejection(drafts, draft_probs, logits, meta)
+    return out.output_token_ids, out.num_accepted
+
+
+def position_counts(num_drafts: list[int], num_accepted: list[int], k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per draft position j < k: (requests that had a draft at j, requests that accepted the draft at j)."""
+    reached, accepted = [0] * k, [0] * k
+    for d, a in zip(num_drafts, num_accepted):
+        for j in range(min(d, k)):
+            reached[j] += 1
+        for j in range(min(a, k)):
+            accepted[j] += 1
+    return tuple(reached), tuple(accepted)
+
+
+def record_verify_metrics(stats: StatsCollector, num_drafts: list[int], num_accepted: list[int],
+                          accepted_per_pos: tuple[int, ...]) -> None:
+    """The spec_decode_* counters of one verify step, one increment each (not per request).
+    accepted_per_pos: position_counts' accepted counts."""
+    num_seqs = len(num_drafts) - num_drafts.count(0)
+    if not num_seqs:
+        return
+    stats.inc("spec_decode_num_drafts_total", num_seqs)
+    stats.inc("spec_decode_num_draft_tokens_total", sum(num_drafts))
+    stats.inc("spec_decode_num_accepted_tokens_total", sum(num_accepted))  # 0 where k is 0
+    for pos, count in enumerate(accepted_per_pos):
+        if count:
+            stats.inc("spec_decode_num_accepted_tokens_per_pos_total", count, POSITION_LABELS[pos])
+
+
+def verify_logprobs(reqs: list[Request], num_drafts: list[int], token_lists: list[list[int]],
+                    logits: torch.Tensor) -> tuple[list[Request], LogprobsTensors] | None:
+    """logits: [sum(num_drafts) + len(reqs), vocab], each request's k + 1 rows in turn. Returns (the
+    request of each emitted token that asked for logprobs, their logprobs) or None if none asked."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    owners: list[Request] = []
+    start = 0
+    for req, k, emitted in zip(reqs, num_drafts, token_lists):
+        if req.params.logprobs is not None:
+            rows.extend(range(start, start + len(emitted)))
+            tokens.extend(emitted)
+            owners.extend([req] * len(emitted))
+        start += k + 1
+    if not owners:
+        return None
+    idx = torch.tensor(rows, dtype=torch.int64).to(logits.device)
+    ids = torch.tensor(tokens, dtype=torch.int64).to(logits.device)
+    return owners, compute_logprobs(logits.index_select(0, idx), ids, max(r.params.logprobs or 0 for r in owners))
