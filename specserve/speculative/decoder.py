@@ -24,6 +24,7 @@ from specserve.sample.rejection import RejectionSampler
 from specserve.sample.structured import StructuredOutputs
 from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import SchedulerOutput
+from specserve.runner.step_costs import CostTable, measure_step_costs, step_cost_batch_sizes
 from specserve.speculative.control import Controller, StepRecord, build_controller
 from specserve.speculative.proposers import build_proposer
 from specserve.speculative.proposers.base import ProposeInput, draft_budget
@@ -41,6 +42,7 @@ class _Proposal:
     k: int
     seconds: float
     catch_up_tokens: int
+    num_asked: int  # requests asked for drafts (those whose budget allowed one)
 
 
 class SpecDecoder:
@@ -51,8 +53,8 @@ class SpecDecoder:
         # Drafts stop where a request reaches the context window, or speculative_config.max_model_len.
         window = parts.loaded.max_model_len
         self.max_model_len = min(window, cfg.max_model_len or window)
-        # costs: runner/step_costs.py measure_step_costs (wired at merge)
-        self.controller: Controller = build_controller(cfg, costs=None)
+        # Built after the proposer: an EAGLE head recaptures the target's graphs, whose steps are timed here.
+        self.controller: Controller = build_controller(cfg, _step_costs(cfg, parts))
         self.disable_above = cfg.disable_by_batch_size  # vLLM's disable_by_batch_size: no drafts above it
         self.rejection = RejectionSampler()
         self.stats = stats
@@ -133,7 +135,8 @@ class SpecDecoder:
             batch_size=len(sched.scheduled), k=k, reached=(reached + pad)[:k], accepted=(accepted + pad)[:k],
             step_seconds=max(0.0, step_seconds - wait),
             propose_seconds=(proposal.seconds if proposal is not None else 0.0) + wait,
-            catch_up_tokens=proposal.catch_up_tokens if proposal is not None else 0))
+            catch_up_tokens=proposal.catch_up_tokens if proposal is not None else 0,
+            num_asked=proposal.num_asked if proposal is not None else 0))
 
     def absorb(self, sched: SchedulerOutput, samples: list[bool], step: StepOutput) -> None:
         """The scheduled requests that did not sample (mid-prefill) hand their rows to a proposer that
@@ -179,17 +182,26 @@ class SpecDecoder:
         if self.structured.num_requests:  # grammars read the drafts now; cut them, start next masks
             self.resolve_drafts()
         self.structured.prepare(reqs)
-        self._proposal = _Proposal(k, time.perf_counter() - start, catch_up)
+        self._proposal = _Proposal(k, time.perf_counter() - start, catch_up, len(chosen))
 
     def skip_proposal(self) -> None:
         """The next step runs without proposing (asynchronous scheduling chose k = 0): recorded as a
         proposal of nothing, as propose() would with k = 0."""
         self.last_k = 0
         self.stats.set("spec_decode_chosen_num_tokens", 0)
-        self._proposal = _Proposal(0, 0.0, 0)
+        self._proposal = _Proposal(0, 0.0, 0, 0)
 
     def on_finished(self, req: Request) -> None:
         self.proposer.on_request_finished(req)
 
     def on_preempted(self, req: Request) -> None:
         self.proposer.on_request_preempted(req)
+
+
+def _step_costs(cfg: SpeculativeConfig, parts: EngineParts) -> CostTable | None:
+    """The target's step costs for the adaptive controller (None where it is not asked for): every
+    captured batch size up to max_num_seqs, verify lengths 1..k+1."""
+    if not cfg.adaptive or cfg.num_speculative_tokens_per_batch_size:
+        return None
+    sizes = step_cost_batch_sizes(parts.runner, parts.scheduler.max_num_seqs)
+    return measure_step_costs(parts.runner, sizes, cfg.num_speculative_tokens + 1, kv=parts.kv)
