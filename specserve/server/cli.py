@@ -66,8 +66,10 @@ def serve_main(argv: Sequence[str]) -> int:
     _setup_logging()
 
     from specserve.engine.async_engine import AsyncEngine
-    from specserve.server.api import make_server
+    from specserve.server.api import bind_socket, make_server
 
+    sock = _config_or_exit("specserve serve", lambda: bind_socket(settings.host, settings.port))
+    _config_or_exit("specserve serve", lambda: cli_args.apply_num_threads(args))
     engine = _config_or_exit("specserve serve", lambda: AsyncEngine.from_config(config))
     server = make_server(engine, settings)
     # What start-up built (modules, tokenizer tables, config) lives as long as the server: keep the
@@ -80,7 +82,7 @@ def serve_main(argv: Sequence[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.close(timeout=2.0)  # no-op when the app's lifespan already shut it down
     return 0 if server.started and server.engine_died_at is None else 1
@@ -113,6 +115,7 @@ def generate_main(argv: Sequence[str]) -> int:
         return 2
     from specserve import LLM
 
+    _config_or_exit("specserve generate", lambda: cli_args.apply_num_threads(args))
     kwargs = cli_args.engine_kwargs(args)
     llm = _config_or_exit("specserve generate", lambda: LLM(**{"model": DEFAULT_MODEL, **kwargs}))
     start = time.perf_counter()
@@ -145,6 +148,7 @@ def chat_main(argv: Sequence[str]) -> int:
     params = _config_or_exit("specserve chat", lambda: cli_args.sampling_params(args))
     from specserve import LLM
 
+    _config_or_exit("specserve chat", lambda: cli_args.apply_num_threads(args))
     kwargs = cli_args.engine_kwargs(args)
     llm = _config_or_exit("specserve chat", lambda: LLM(**{"model": DEFAULT_MODEL, **kwargs}))
     messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -33,12 +33,15 @@ from specserve.server.serving_common import (
     DeltaTracker,
     build_params,
     check_model,
+    check_prompt_chars,
     engine_error,
     fit_context,
     guarded_stream,
     logprob_token,
+    off_loop,
     require_tokenizer,
     sse,
+    token_bytes,
     truncation_size,
     until_disconnected,
 )
@@ -106,10 +109,10 @@ def _logprobs(engine: AsyncEngine, c: CompletionOutput, start: int, top_n: int, 
         for t, lp in ranked:
             shown, t_text = logprob_token(engine, t, lp, as_ids)
             tops.append(TopLogprob(token=shown, logprob=max(lp.logprob, MIN_LOGPROB),
-                                   bytes=list(t_text.encode("utf-8"))))
+                                   bytes=token_bytes(engine, t, t_text)))
         content.append(ChatTokenLogprob(
             token=tok, logprob=max(sampled.logprob, MIN_LOGPROB) if sampled else MIN_LOGPROB,
-            bytes=list(text.encode("utf-8")), top_logprobs=tops))
+            bytes=token_bytes(engine, tid, text), top_logprobs=tops))
     return ChatLogprobs(content=content)
 
 
@@ -130,8 +133,11 @@ async def create_chat_completion(engine: AsyncEngine, req: ChatCompletionRequest
     check_model(engine, req.model)
     _validate(req)
     keep = truncation_size(req.truncate_prompt_tokens, engine.max_model_len)
-    prompt_ids = render_chat(engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
-                             req.continue_final_message, req.chat_template, req.add_special_tokens)
+    if keep is None and req.messages:
+        check_prompt_chars(engine, sum(len(m.text()) for m in req.messages), "messages")
+    prompt_ids = await off_loop(render_chat, engine, req.messages, req.add_generation_prompt,
+                                req.chat_template_kwargs, req.continue_final_message, req.chat_template,
+                                req.add_special_tokens)
     if keep is not None:
         prompt_ids = prompt_ids[-keep:]  # vLLM's truncate_prompt_tokens: the last k tokens
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -27,11 +27,13 @@ from specserve.server.serving_common import (
     DeltaTracker,
     build_params,
     check_model,
+    check_prompt_chars,
     check_token_ids,
     engine_error,
     fit_context,
     guarded_stream,
     logprob_token,
+    off_loop,
     require_tokenizer,
     sse,
     truncation_size,
@@ -129,6 +131,8 @@ def _prompts(engine: AsyncEngine, req: CompletionRequest) -> list[_Prompt]:
     for p in prompt:
         if isinstance(p, str):
             tokenizer = require_tokenizer(engine, "prompt")
+            if keep is None:  # truncation keeps the last tokens of a longer text
+                check_prompt_chars(engine, len(p), "prompt")
             if not p:
                 ids = []
             elif req.add_special_tokens:
@@ -155,7 +159,7 @@ async def create_completion(engine: AsyncEngine, req: CompletionRequest, raw: Re
                        code="unsupported")
     if req.echo:
         require_tokenizer(engine, "echo")
-    prompts = _prompts(engine, req)
+    prompts = await off_loop(_prompts, engine, req)
     if len(prompts) * req.n > 128:
         raise APIError("too many completions in one request (prompts * n > 128)", param="n",
                        code="invalid_value")
