@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from specserve import envs
 from specserve.bench.metrics_parse import Histogram, MetricsSnapshot, parse_metrics
 
 LOW_CONCURRENCY = 8.0
@@ -291,13 +292,13 @@ def advise(snapshots: list[MetricsSnapshot]) -> list[Advice]:
 
 def add_advise_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `specserve advise`."""
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
     parser.add_argument("--window", type=float, default=30.0, help="seconds to sample (0: one snapshot, "
-                        "totals since the server started)")
+                        "totals since the server started; default: %(default)s)")
     parser.add_argument("--interval", type=float, default=None,
                         help="seconds between samples (default: window / 10, between 0.5 and 5; gauges such "
                              "as running requests are only seen at the samples)")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", default=None, help="Bearer key to send (default: $SPECSERVE_API_KEY)")
     parser.add_argument("--json", action="store_true", help="print the advice as JSON")
 
 
@@ -327,7 +328,8 @@ def sample(base_url: str, window_s: float, interval_s: float, headers: dict[str,
 
 def advise_main(args: argparse.Namespace) -> int:
     """Run `specserve advise`; 1 when /metrics could not be read."""
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    api_key = args.api_key or envs.api_key()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         snaps = sample(args.base_url, args.window, default_interval(args.window, args.interval), headers)
     except (httpx.HTTPError, ValueError) as e:

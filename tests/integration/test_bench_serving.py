@@ -31,7 +31,7 @@ from tests.helpers.server_proc import free_port
 
 MODEL = "stub-model"
 DELAY_S = 0.002
-STATE = {"requests": 0, "tokens": 0}
+STATE: dict[str, Any] = {"requests": 0, "tokens": 0, "prompts": []}
 
 
 def chunk_sizes(n: int) -> list[int]:
@@ -68,6 +68,7 @@ def make_app() -> FastAPI:
                                            "param": "model", "code": 404}}, status_code=404)
         n = int(body["max_tokens"])
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        STATE["prompts"].append(prompt)
         usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n, "total_tokens": len(prompt.split()) + n}
 
         def event(choice: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> str:
