@@ -72,6 +72,7 @@ FAMILIES: tuple[tuple[str, str, str, tuple[float, ...]], ...] = (
     ("kv_offload_bytes_total", "counter", "Bytes moved to or from an offload tier.", ()),
     ("kv_offload_errors_total", "counter", "Offload tier entries that failed to load (corrupt, foreign).", ()),
     ("cache_config_info", "info", "Information of the KV cache configuration.", ()),
+    ("spec_decode_config_info", "info", "The speculative decoding configuration (k: the most a step drafts).", ()),
 )
 
 

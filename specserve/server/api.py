@@ -130,6 +130,10 @@ async def _log_stats(engine: AsyncEngine, interval: float) -> None:
 def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
     """The server app. Its lifespan shuts the engine down (after uvicorn drained connections)."""
     metrics = PrometheusMetrics(engine.stats, settings.metrics_prefix)
+    spec = engine.config.speculative
+    if spec is not None:  # what `advise` sizes k against (the controller's choices are other series)
+        engine.stats.set("spec_decode_config_info", 1, {"method": spec.method, "adaptive": str(spec.adaptive),
+                                                        "num_speculative_tokens": str(spec.num_speculative_tokens)})
     limit = settings.max_request_body_bytes
 
     @contextlib.asynccontextmanager

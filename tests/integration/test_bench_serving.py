@@ -305,3 +305,4 @@ def test_bench_and_advise_against_a_real_specserve_server(specserve_server: str,
     assert out["regime"] == "low" and out["samples"] == 1 and out["window_s"] is None
     spec_advice = [a for a in out["advice"] if "drafts" in a["evidence"]]
     assert spec_advice and spec_advice[0]["evidence"]["drafts"] == int(stats.counters["drafts"]) > 0
+    assert spec_advice[0]["evidence"]["num_speculative_tokens"] == 3  # the configured k, from spec_decode_config_info
