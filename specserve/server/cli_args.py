@@ -143,7 +143,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
                        help="auto | cpu | cuda | cuda:N (default: auto)")
     group.add_argument("--num-threads", dest="num_threads", type=int, default=None,
                        help="torch CPU threads (default: the CPU cores this process may use, minus one "
-                            "for the Python threads, at most torch's own default, which OMP_NUM_THREADS sets)")
+                            "for the Python threads, at most what torch picks or OMP_NUM_THREADS sets)")
 
 
 def available_cpus() -> int:
