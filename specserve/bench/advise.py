@@ -68,7 +68,7 @@ class WindowStats:
     spec_info: dict[str, str] = field(default_factory=dict)  # spec_decode_config_info labels
     chosen_k: float | None = None
     chosen_k_samples: list[float] = field(default_factory=list)
-    # (requests running at its end, mean ITL in s, ITL observations) per interval between two snapshots
+    # (requests running, mean ITL in s, ITL observations) per interval between two snapshots
     step_points: list[tuple[float, float, float]] = field(default_factory=list)
     histograms: dict[str, Histogram] = field(default_factory=dict)
     cache_info: dict[str, str] = field(default_factory=dict)
@@ -90,10 +90,15 @@ COUNTERS = {"preemptions": ("num_preemptions_total",), "requests": ("request_suc
 HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "itl": "inter_token_latency_seconds",
               "e2e": "e2e_request_latency_seconds", "queue": "request_queue_time_seconds"}
 PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
+CHOSEN = "spec_decode_chosen_num_tokens"  # the controller's k of its last step
 
 
 def _first_name(snap: MetricsSnapshot, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if snap.has(n)), None)
+
+
+def _delta(hist: Histogram | None, earlier: Histogram | None) -> Histogram | None:
+    return hist.minus(earlier) if hist is not None and earlier is not None else hist
 
 
 def window_stats(snapshots: list[MetricsSnapshot]) -> WindowStats:
@@ -115,25 +120,21 @@ def window_stats(snapshots: list[MetricsSnapshot]) -> WindowStats:
     before = {} if single else first.by_label(PER_POS, "position")
     for pos, value in last.by_label(PER_POS, "position").items():
         stats.accepted_per_pos[int(pos)] = value - before.get(pos, 0.0)
-    stats.spec_configured = last.value("spec_decode_num_drafts_total") > 0 or \
-        last.value("spec_decode_chosen_num_tokens") > 0
-    if last.has("spec_decode_chosen_num_tokens"):
-        stats.chosen_k = last.value("spec_decode_chosen_num_tokens")
-        stats.chosen_k_samples = [s.value("spec_decode_chosen_num_tokens") for s in snapshots]
+    if last.has(CHOSEN):
+        stats.chosen_k_samples = [s.value(CHOSEN) for s in snapshots]
+        stats.chosen_k = stats.chosen_k_samples[-1]
     stats.spec_info = last.labels_of("spec_decode_config_info")
-    stats.spec_configured = stats.spec_configured or bool(stats.spec_info)
-    running = _first_name(last, GAUGES["running"])
-    for a, b in zip(snapshots, snapshots[1:]):
-        ha, hb = a.histogram(HISTOGRAMS["itl"]), b.histogram(HISTOGRAMS["itl"])
-        if hb is not None and running is not None:
-            d = hb.minus(ha) if ha is not None else hb
-            if d.count > 0:
-                stats.step_points.append((b.value(running), d.sum / d.count, d.count))
+    stats.spec_configured = bool(stats.spec_info) or last.value("spec_decode_num_drafts_total") > 0 or \
+        last.value(CHOSEN) > 0
+    running = _first_name(last, GAUGES["running"]) or GAUGES["running"][0]
+    for a, b in zip(snapshots, snapshots[1:]):  # ITL per interval, against the load at its end
+        d = _delta(b.histogram(HISTOGRAMS["itl"]), a.histogram(HISTOGRAMS["itl"]))
+        if d is not None and d.count > 0:
+            stats.step_points.append((b.value(running), d.sum / d.count, d.count))
     for key, name in HISTOGRAMS.items():
-        hist = last.histogram(name)
-        earlier = None if single else first.histogram(name)
-        if hist is not None:
-            stats.histograms[key] = hist.minus(earlier) if earlier is not None else hist
+        d = _delta(last.histogram(name), None if single else first.histogram(name))
+        if d is not None:
+            stats.histograms[key] = d
     stats.cache_info = last.labels_of("cache_config_info")
     return stats
 
@@ -181,36 +182,30 @@ def step_cost(s: WindowStats) -> tuple[float, float] | None:
     return (my + slope * (1.0 - mx)) * 1e3, slope * 1e3
 
 
-_SPEC_CONFIGS = ("For prompts the output copies (code edits, RAG, extraction) n-gram lookup needs no extra model: "
-                 "--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; otherwise an "
-                 "EAGLE head or a small draft model of the same family: '{\"method\": \"eagle3\", \"model\": HEAD, "
-                 "\"num_speculative_tokens\": 3}' or '{\"method\": \"draft_model\", \"model\": DRAFT}' "
-                 "(`specserve train-draft` trains a head). Metrics cannot tell which your traffic suits: compare "
-                 "with `specserve bench`.")
+_SPEC_CONFIGS = ("For outputs that copy their prompts (code edits, RAG, extraction) n-gram lookup needs no extra model:"
+                 " --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; otherwise an EAGLE "
+                 "head ('{\"method\": \"eagle3\", \"model\": HEAD}', `specserve train-draft` trains one) or a small "
+                 "draft model of the same family ('{\"method\": \"draft_model\", \"model\": DRAFT}'). Metrics cannot "
+                 "tell which suits your traffic: try them with `specserve bench`.")
 
 
 def _speculation_off(s: WindowStats) -> Advice:
     cost = step_cost(s)
+    share = max(cost[1], 0.0) / max(cost[0], 1e-9) if cost else None
     ev: Evidence = {**_load_evidence(s), "itl_p50_ms": _ms(s.histograms.get("itl"), 0.5),
                     "generation_tokens_per_s": _r(s.rate("generation_tokens"), 1),
                     "step_ms_1_request": _r(cost[0], 2) if cost else None,
                     "step_ms_per_extra_request": _r(cost[1], 2) if cost else None}
-    if cost is None:
+    if cost is None or share is None:
         return Advice("Low concurrency: speculation may pay (its cost is unmeasured here)", ev,
-                      "How much a step slows with more tokens decides whether verifying drafts pays, and this "
-                      "window saw one batch size only: sample during `specserve bench --max-concurrency 1,4`. "
-                      + _SPEC_CONFIGS, "low")
-    share = max(cost[1], 0.0) / max(cost[0], 1e-9)
-    verify = f"each extra token in a step costs {share:.0%} of a one-request step ({cost[1]:.1f} of {cost[0]:.1f} ms)"
-    if share >= DEAR_TOKEN:
-        return Advice("Low concurrency: speculation is unlikely to pay here", ev,
-                      f"Measured: {verify}, so verifying k drafted tokens costs about 1 + {share:.1f}k steps; "
-                      "drafts would need more accepted tokens than that per step (compute-bound, e.g. a CPU).",
-                      "info")
-    return Advice("Low concurrency: decode is latency-bound, turn speculation on", ev,
-                  f"Measured: {verify}, so verifying k drafted tokens costs about 1 + {share:.2f}k steps and "
-                  "every accepted token beyond that is a step saved. " + _SPEC_CONFIGS,
-                  "medium" if share < CHEAP_TOKEN else "low")
+                      "How much a step slows with more tokens decides whether verifying drafts pays, and this window "
+                      "saw one batch size: sample during `specserve bench --max-concurrency 1,4`. " + _SPEC_CONFIGS,
+                      "low")
+    title, severity = ("Low concurrency: speculation is unlikely to pay here", "info") if share >= DEAR_TOKEN else \
+        ("Low concurrency: decode is latency-bound, turn speculation on", "medium" if share < CHEAP_TOKEN else "low")
+    return Advice(title, ev, f"Measured: each extra token in a step costs {share:.0%} of a one-request step "
+                  f"({cost[1]:.1f} of {cost[0]:.1f} ms), so verifying k drafted tokens costs about 1 + {share:.2f}k "
+                  "steps; drafts pay only while more tokens than that are accepted a step. " + _SPEC_CONFIGS, severity)
 
 
 def _speculation_k(s: WindowStats) -> Advice | None:
@@ -231,7 +226,7 @@ def _speculation_k(s: WindowStats) -> Advice | None:
                           **{f"acceptance_pos_{i}": _r(a) for i, a in enumerate(per_pos)}}
     if drafts < MIN_DRAFTS:
         return Advice("Too few drafts to size k", evidence, f"Only {int(drafts)} drafts in the window (under "
-                      f"{MIN_DRAFTS}): sample longer or under load before changing num_speculative_tokens.", "info")
+                      f"{MIN_DRAFTS}): sample longer before changing num_speculative_tokens.", "info")
     note = (f" The controller drafted {drafted:.1f} of k={k_now} tokens per draft: rates of late positions count "
             "drafts that did not reach them, so they are lower bounds." if drafted < k_now - 0.5 else "")
     if per_pos[0] < ACCEPT_MIN:
@@ -252,12 +247,8 @@ def _speculation_k(s: WindowStats) -> Advice | None:
 
 
 def _speculation(s: WindowStats, where: str) -> list[Advice]:
-    out: list[Advice] = []
-    if where == "low" and not s.spec_configured:
-        out.append(_speculation_off(s))
-    k_advice = _speculation_k(s)
-    if k_advice is not None:
-        out.append(k_advice)
+    out = [_speculation_off(s)] if where == "low" and not s.spec_configured else []
+    out += [a for a in (_speculation_k(s),) if a is not None]
     if where == "high" and s.counters.get("drafts", 0.0) > 0:
         out.append(Advice("High concurrency: speculation competes with batching",
                           {"running_avg": _r(s.running_avg, 2), "chosen_k_last": s.chosen_k,
@@ -275,12 +266,9 @@ def _thin(s: WindowStats) -> list[Advice]:
         ("one snapshot: totals since the server started, not this load", s.seconds is None),
         (f"under {MIN_REQUESTS} requests finished", s.counters.get("requests", 0.0) < MIN_REQUESTS),
         (f"under {MIN_ITL_SAMPLES} inter-token latencies", itl is None or itl.count < MIN_ITL_SAMPLES)) if lacking]
-    if not reasons:
-        return []
-    return [Advice("Thin evidence: treat this advice as a first look", {"requests": int(s.counters.get("requests", 0)),
-                   "itl_samples": int(itl.count) if itl else 0, "window_s": _r(s.seconds, 1)},
-                   "The window had " + "; ".join(reasons) + ". Sample longer (--window) under representative load.",
-                   "info")]
+    ev: Evidence = {"requests": int(s.counters.get("requests", 0)), "itl_samples": int(itl.count) if itl else 0}
+    return [Advice("Thin evidence: treat this advice as a first look", ev, "The window had " + "; ".join(reasons)
+                   + ". Sample longer (--window) under representative load.", "info")] if reasons else []
 
 
 def _kv_pool(s: WindowStats) -> list[Advice]:

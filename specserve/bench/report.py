@@ -7,6 +7,7 @@ per-request records, which are stored beside them in the result JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -28,15 +29,13 @@ def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
         return None
     slos: dict[str, float] = {}
     for item in items:
-        key, sep, value = item.partition(":")
-        if not sep or key not in GOODPUT_KEYS:
-            raise ValueError(f"--goodput: '{item}' is not KEY:MS with KEY in {', '.join(GOODPUT_KEYS)}")
-        try:
-            slos[key] = float(value)
-        except ValueError:
-            raise ValueError(f"--goodput: '{item}' has no number of milliseconds") from None
-        if slos[key] < 0:
-            raise ValueError(f"--goodput: '{item}' must be >= 0 ms")
+        key, _, value = item.partition(":")
+        ms = -1.0
+        with contextlib.suppress(ValueError):
+            ms = float(value)
+        if key not in GOODPUT_KEYS or not ms >= 0:  # `not >=`: NaN too
+            raise ValueError(f"--goodput: '{item}' is not KEY:MS with KEY in {', '.join(GOODPUT_KEYS)} and MS >= 0")
+        slos[key] = ms
     return slos
 
 
@@ -50,8 +49,7 @@ def parse_concurrency(text: str | None) -> list[int | None]:
         raise ValueError(f"--max-concurrency: '{text}' is not an integer or a comma list of them") from None
     if min(nums) < 1:
         raise ValueError("--max-concurrency values must be >= 1")
-    values: list[int | None] = [*nums]
-    return values
+    return [*nums]
 
 
 def latency_samples_ms(records: list[RequestRecord]) -> dict[str, list[float]]:

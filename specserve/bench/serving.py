@@ -26,6 +26,7 @@ from tqdm.asyncio import tqdm
 from specserve import envs
 from specserve.bench.datasets import (
     SampleRequest,
+    TokenCounter,
     humaneval_requests,
     jsonl_requests,
     make_token_counter,
@@ -226,33 +227,24 @@ def resolve_model(base_url: str, headers: dict[str, str]) -> str:
     return str(models[0]["id"])
 
 
-def load_requests(args: argparse.Namespace, model: str, headers: dict[str, str], num_prompts: int,
-                  seed: int) -> tuple[list[SampleRequest], str]:
-    """`num_prompts` requests of the dataset drawn with `seed`, and how their prompt lengths were counted."""
+def load_requests(args: argparse.Namespace, counter: TokenCounter | None, num_prompts: int,
+                  seed: int) -> list[SampleRequest]:
+    """`num_prompts` requests of the dataset drawn with `seed`; prompt lengths by `counter`, else estimated."""
     if num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
-    counter = make_token_counter(args.base_url, model, headers)
-    how = "server /tokenize" if counter else "estimate (1 token per word)"
     out_len = args.output_len or 128
-    try:
-        if args.dataset_name == "random":
-            reqs = random_requests(num_prompts, args.random_input_len, args.random_output_len,
-                                   args.random_range_ratio, seed, counter)
-        elif args.dataset_name == "humaneval":
-            reqs = humaneval_requests(num_prompts, out_len, seed, counter, args.dataset_path)
-        elif args.dataset_path:
-            reqs = jsonl_requests(args.dataset_path, num_prompts, out_len, seed, counter)
-        else:
-            raise ValueError("--dataset-name jsonl needs --dataset-path")
-    finally:
-        if counter is not None:
-            counter.close()
-    return reqs, how
+    if args.dataset_name == "random":
+        return random_requests(num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
+                               seed, counter)
+    if args.dataset_name == "humaneval":
+        return humaneval_requests(num_prompts, out_len, seed, counter, args.dataset_path)
+    if not args.dataset_path:
+        raise ValueError("--dataset-name jsonl needs --dataset-path")
+    return jsonl_requests(args.dataset_path, num_prompts, out_len, seed, counter)
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else \
-        f"{seconds / 3600:.1f} h"
+def _duration(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
 def estimate(probe_s: float, num_prompts: int, sweep: list[int | None], request_rate: float) -> str:
@@ -277,9 +269,14 @@ def bench_main(args: argparse.Namespace) -> int:
         slos = parse_goodput(args.goodput)
         sweep = parse_concurrency(args.max_concurrency)
         model = args.model or resolve_model(args.base_url, headers)
-        probe_req, token_count = load_requests(args, model, headers, 1, args.seed)
-        points = [load_requests(args, model, headers, args.num_prompts, args.seed + 1 + i)[0]
-                  for i in range(len(sweep))]
+        counter = make_token_counter(args.base_url, model, headers)
+        token_count = "server /tokenize" if counter else "estimate (1 token per word)"
+        try:
+            probe_req = load_requests(args, counter, 1, args.seed)
+            points = [load_requests(args, counter, args.num_prompts, args.seed + 1 + i) for i in range(len(sweep))]
+        finally:
+            if counter is not None:
+                counter.close()
         baseline = load_baseline(args.compare)
     except (ValueError, OSError, httpx.HTTPError) as e:
         print(f"specserve bench: {e}")
@@ -299,10 +296,10 @@ def bench_main(args: argparse.Namespace) -> int:
         cfg = replace(base, max_concurrency=concurrency)
         repeated = sum(r.prompt in seen for r in requests)
         seen.update(r.prompt for r in requests)
-        print(f"Benchmark: {len(requests)} requests, rate {args.request_rate}, max concurrency {concurrency}", flush=True)
-        if repeated:
-            print(f"Note: {repeated} of these prompts were sent earlier in this run (the dataset repeats): the "
-                  "prefix cache may be warm for them.")
+        print(f"Benchmark: {len(requests)} requests, rate {args.request_rate}, max concurrency {concurrency}")
+        if repeated:  # a finite dataset ran out of fresh prompts
+            print(f"Note: {repeated} of these prompts were sent earlier in this run: the prefix cache may be warm "
+                  "for them.")
         records, duration = asyncio.run(run_benchmark(args.base_url, headers, cfg, requests))
         agg = compute_aggregates(records, duration, slos)
         print(format_table(agg, concurrency))

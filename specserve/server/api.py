@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import functools
 import hmac
-import importlib.metadata
 import logging
 import socket
 import threading
@@ -27,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from specserve import __version__
 from specserve.engine.async_engine import AsyncEngine
 from specserve.metrics.log import StatsLogger
 from specserve.metrics.prometheus import PrometheusMetrics
@@ -44,7 +44,6 @@ from specserve.server.serving_common import (
     APIError,
     check_model,
     check_token_ids,
-    off_loop,
     parse_model,
     read_json,
     require_tokenizer,
@@ -54,15 +53,6 @@ from specserve.server.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key (probes, scrapers)
-
-
-def version() -> str:
-    try:
-        return importlib.metadata.version("specserve")
-    except importlib.metadata.PackageNotFoundError:  # running from a source tree
-        import specserve
-
-        return specserve.__version__
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -146,7 +136,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
                 task.cancel()
             await engine.shutdown(timeout=2.0)  # SpecserveServer already drained it
 
-    app = FastAPI(title="specserve", version=version(), lifespan=lifespan)
+    app = FastAPI(title="specserve", version=__version__, lifespan=lifespan)
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=limit)
     _add_error_handlers(app)
 
@@ -182,7 +172,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
     @_guarded
     async def tokenize(request: Request) -> Response:
         req = parse_model(TokenizeRequest, await read_json(request, limit))
-        return JSONResponse(await off_loop(_tokenize, engine, req))
+        return JSONResponse(await asyncio.to_thread(_tokenize, engine, req))
 
     @app.post("/detokenize")
     @_guarded
@@ -202,7 +192,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
 
     @app.get("/version")
     async def get_version() -> Response:
-        return JSONResponse({"version": version()})
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
@@ -330,9 +320,3 @@ class BackgroundServer:
         self.server.should_exit = True
         self._thread.join(timeout)
         self._sock.close()
-
-    def __enter__(self) -> BackgroundServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -88,6 +88,14 @@ def serve_main(argv: Sequence[str]) -> int:
     return 0 if server.started and server.engine_died_at is None else 1
 
 
+def _load_llm(prog: str, args: argparse.Namespace):  # -> LLM
+    from specserve import LLM
+    from specserve.server import cli_args
+
+    _config_or_exit(prog, lambda: cli_args.apply_num_threads(args))
+    return _config_or_exit(prog, lambda: LLM(**{"model": DEFAULT_MODEL, **cli_args.engine_kwargs(args)}))
+
+
 # -------------------------------------------------------------------------------- generate
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt:
@@ -113,11 +121,7 @@ def generate_main(argv: Sequence[str]) -> int:
     if not prompts:
         print("specserve generate: error: no prompt given", file=sys.stderr)
         return 2
-    from specserve import LLM
-
-    _config_or_exit("specserve generate", lambda: cli_args.apply_num_threads(args))
-    kwargs = cli_args.engine_kwargs(args)
-    llm = _config_or_exit("specserve generate", lambda: LLM(**{"model": DEFAULT_MODEL, **kwargs}))
+    llm = _load_llm("specserve generate", args)
     start = time.perf_counter()
     try:
         outputs = llm.generate(prompts, params)
@@ -146,11 +150,7 @@ def chat_main(argv: Sequence[str]) -> int:
     parser.add_argument("--system", default=None, help="system prompt")
     args = parser.parse_args(argv)
     params = _config_or_exit("specserve chat", lambda: cli_args.sampling_params(args))
-    from specserve import LLM
-
-    _config_or_exit("specserve chat", lambda: cli_args.apply_num_threads(args))
-    kwargs = cli_args.engine_kwargs(args)
-    llm = _config_or_exit("specserve chat", lambda: LLM(**{"model": DEFAULT_MODEL, **kwargs}))
+    llm = _load_llm("specserve chat", args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("specserve chat: empty line or Ctrl-D to quit; /reset clears the history.", file=sys.stderr)
     while True:
@@ -190,15 +190,9 @@ def models_main(argv: Sequence[str]) -> int:
 
 
 def train_draft_main(argv: Sequence[str]) -> int:
-    try:
-        train = importlib.import_module("specserve.spec.train")
-    except ModuleNotFoundError as e:
-        if e.name not in ("specserve.spec.train", "specserve.spec"):
-            raise
-        print("specserve train-draft: draft-head training comes with speculative decoding "
-              "(specserve.spec.train) and is not available in this build.", file=sys.stderr)
-        return 1
-    return int(train.train_main(list(argv)) or 0)
+    from specserve.spec.train import train_main
+
+    return int(train_main(list(argv)) or 0)
 
 
 _RUNNERS: dict[str, Callable[[Sequence[str]], int]] = {

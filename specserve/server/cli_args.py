@@ -160,20 +160,17 @@ def choose_num_threads(requested: int | None, available: int, torch_default: int
     """torch's intra-op threads. torch's default counts the machine's cores, not the process's
     share; with as many threads as cores, the engine and HTTP threads (and any other process)
     preempt torch's spinning workers and a step waits for the slowest: keep one core for them."""
-    if requested is not None:
-        if requested < 1:
-            raise ValueError(f"num_threads must be >= 1, got {requested}.")
-        return requested
-    return max(1, min(torch_default, available - 1))
+    if requested is not None and requested < 1:
+        raise ValueError(f"num_threads must be >= 1, got {requested}.")
+    return requested or max(1, min(torch_default, available - 1))
 
 
 def apply_num_threads(args: argparse.Namespace) -> int:
     """Set torch's thread count from --num-threads (or the default above); returns it."""
     import torch
 
-    n = choose_num_threads(getattr(args, "num_threads", None), available_cpus(), torch.get_num_threads())
-    torch.set_num_threads(n)
-    return n
+    torch.set_num_threads(choose_num_threads(args.num_threads, available_cpus(), torch.get_num_threads()))
+    return torch.get_num_threads()
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -211,12 +208,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     if values.get("api_key") is None and values.get("api_key_file"):
-        lines = Path(values["api_key_file"]).read_text(encoding="utf-8").splitlines()
-        if not lines or not lines[0].strip():
+        first = (Path(values["api_key_file"]).read_text(encoding="utf-8").splitlines() or [""])[0].strip()
+        if not first:
             raise ValueError(f"api_key_file {values['api_key_file']} holds no key on its first line.")
-        values["api_key"] = lines[0].strip()
-    if values.get("api_key") is None:
-        values["api_key"] = envs.api_key()
+        values["api_key"] = first
+    values["api_key"] = values.get("api_key") or envs.api_key()
     return ServerConfig(**values)
 
 

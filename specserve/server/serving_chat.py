@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,6 +28,7 @@ from specserve.server.protocol import (
     random_id,
 )
 from specserve.server.serving_common import (
+    MIN_LOGPROB,
     SSE_DONE,
     APIError,
     ClientDisconnected,
@@ -38,7 +40,6 @@ from specserve.server.serving_common import (
     fit_context,
     guarded_stream,
     logprob_token,
-    off_loop,
     require_tokenizer,
     sse,
     token_bytes,
@@ -46,7 +47,6 @@ from specserve.server.serving_common import (
     until_disconnected,
 )
 
-MIN_LOGPROB = -9999.0  # JSON has no -inf
 # Arguments of apply_chat_template a client must not override through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict",
                              "return_tensors", "padding", "truncation", "max_length", "chat_template",
@@ -135,7 +135,7 @@ async def create_chat_completion(engine: AsyncEngine, req: ChatCompletionRequest
     keep = truncation_size(req.truncate_prompt_tokens, engine.max_model_len)
     if keep is None and req.messages:
         check_prompt_chars(engine, sum(len(m.text()) for m in req.messages), "messages")
-    prompt_ids = await off_loop(render_chat, engine, req.messages, req.add_generation_prompt,
+    prompt_ids = await asyncio.to_thread(render_chat, engine, req.messages, req.add_generation_prompt,
                                 req.chat_template_kwargs, req.continue_final_message, req.chat_template,
                                 req.add_special_tokens)
     if keep is not None:

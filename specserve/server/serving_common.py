@@ -26,6 +26,7 @@ T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 MAX_N = 128  # n * prompts per HTTP request: keeps one request from flooding the scheduler
 MAX_LOGPROBS = 20
+MIN_LOGPROB = -9999.0  # JSON has no -inf
 MAX_JSON_DEPTH = 64  # request bodies nest a few levels; json_schema / tool-like fields a few more
 _SURROGATE_RE = re.compile(r"[\ud800-\udfff]")  # only a JSON escape can put one into a str
 
@@ -123,19 +124,13 @@ def max_token_chars(tokenizer: Any) -> int:
 
 def check_prompt_chars(engine: AsyncEngine, num_chars: int, param: str) -> None:
     """Reject a text that cannot fit the context whatever its tokenization, before tokenizing it
-    (tokenizing megabytes takes seconds)."""
+    (megabytes take seconds). Handlers then tokenize with asyncio.to_thread, so the event loop keeps
+    serving (HF fast tokenizers release the GIL and are safe to share)."""
     limit = engine.max_model_len * max_token_chars(require_tokenizer(engine, param))
     if num_chars > limit:
-        raise APIError(f"This model's maximum context length is {engine.max_model_len} tokens. However, your "
-                       f"{param} has {num_chars} characters, more than any {engine.max_model_len} tokens "
-                       "can spell. Please reduce the length of the input.", param=param,
-                       code="context_length_exceeded")
-
-
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """Run tokenization or template rendering on a worker thread: the event loop keeps serving
-    (HF fast tokenizers release the GIL and are safe to share)."""
-    return await asyncio.to_thread(fn, *args)
+        raise APIError(f"This model's maximum context length is {engine.max_model_len} tokens. However, your {param} "
+                       f"has {num_chars} characters, more than {engine.max_model_len} tokens can spell. Please reduce "
+                       "the length of the input.", param=param, code="context_length_exceeded")
 
 
 def parse_model(cls: type[M], body: Any) -> M:
@@ -312,9 +307,7 @@ def token_bytes(engine: AsyncEngine, token_id: int, text: str) -> list[int]:
     if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
         return [int(piece[3:5], 16)]
     table = _byte_of_char()
-    if piece and all(ch in table for ch in piece):
-        return [table[ch] for ch in piece]
-    return list(text.encode("utf-8"))
+    return [table[ch] for ch in piece] if piece and all(ch in table for ch in piece) else list(text.encode("utf-8"))
 
 
 def logprob_token(engine: AsyncEngine, token_id: int, lp: Logprob | None, as_ids: bool) -> tuple[str, str]:

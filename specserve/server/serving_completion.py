@@ -1,6 +1,7 @@
 """POST /v1/completions: string, batch of strings, token ids, or batch of token id lists."""
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from specserve.server.protocol import (
 )
 from specserve.server.serving_common import (
     MAX_LOGPROBS,
+    MIN_LOGPROB,
     SSE_DONE,
     APIError,
     ClientDisconnected,
@@ -33,14 +35,11 @@ from specserve.server.serving_common import (
     fit_context,
     guarded_stream,
     logprob_token,
-    off_loop,
     require_tokenizer,
     sse,
     truncation_size,
     until_disconnected,
 )
-
-MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
 @dataclass
@@ -159,7 +158,7 @@ async def create_completion(engine: AsyncEngine, req: CompletionRequest, raw: Re
                        code="unsupported")
     if req.echo:
         require_tokenizer(engine, "echo")
-    prompts = await off_loop(_prompts, engine, req)
+    prompts = await asyncio.to_thread(_prompts, engine, req)
     if len(prompts) * req.n > 128:
         raise APIError("too many completions in one request (prompts * n > 128)", param="n",
                        code="invalid_value")
