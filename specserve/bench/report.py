@@ -162,9 +162,8 @@ def write_outputs(args: argparse.Namespace, result: dict[str, Any], baseline: di
     path = out_dir / name
     path.write_text(json.dumps(result, indent=1))
     print(f"Results: {path}", flush=True)
-    title = f"{cfg['model']} {cfg['endpoint']} ({cfg['dataset_name']})"
-    runs = result["runs"]
-    try:  # the results are saved: a missing or failing plotting library costs only the figures
+    title, runs = f"{cfg['model']} {cfg['endpoint']} ({cfg['dataset_name']})", result["runs"]
+    try:  # the results are saved: without matplotlib only the figures are missing
         plot = plot_sweep(runs, path.with_suffix(".png"), title) if len(runs) > 1 else \
             plot_run(runs[0], path.with_suffix(".png"), title)
         print(f"Plot: {plot}")

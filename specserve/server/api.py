@@ -61,9 +61,8 @@ def error_response(e: APIError) -> JSONResponse:
 
 class GuardMiddleware:
     """API key (Bearer), Content-Type of POSTs and the fast Content-Length check, before any route runs.
-
-    A POST must say `application/json`: the bodies a browser may send cross-site without a
-    preflight (text/plain, forms, an untyped Blob) never reach a route."""
+    A POST must say `application/json`: bodies a browser may send cross-site without a preflight
+    (text/plain, forms, an untyped Blob) never reach a route."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes

@@ -46,8 +46,7 @@ class ServerConfig:
     api_key: str | None = field(default=None, repr=False, metadata={
         "help": "require `Authorization: Bearer KEY` (/health and /metrics stay open); other local users "
                 "see it in `ps`: prefer SPECSERVE_API_KEY or --api-key-file"})
-    api_key_file: str | None = field(default=None, metadata={
-        "help": "read the API key from this file (its first line)"})
+    api_key_file: str | None = field(default=None, metadata={"help": "read the API key from this file's first line"})
     metrics_prefix: str = field(default="specserve", metadata={
         "help": "metric name prefix: specserve | vllm (for dashboards built for vLLM)"})
     max_request_body_bytes: int = field(default=16 << 20, metadata={

@@ -175,11 +175,6 @@ def _echo_text(req: ChatCompletionRequest) -> str:
     return last.text() if req.echo and last is not None and last.role == "assistant" else ""
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
-
-
 def _full_response(engine: AsyncEngine, req: ChatCompletionRequest, final: RequestOutput,
                    reply_id: str) -> ChatCompletionResponse:
     echo = _echo_text(req)
@@ -190,7 +185,7 @@ def _full_response(engine: AsyncEngine, req: ChatCompletionRequest, final: Reque
                for c in final.outputs]
     generated = sum(len(c.token_ids) for c in final.outputs)
     return ChatCompletionResponse(id=reply_id, model=engine.model_name, choices=choices,
-                                  usage=_usage(len(final.prompt_token_ids), generated))
+                                  usage=UsageInfo.of(len(final.prompt_token_ids), generated))
 
 
 async def _stream(engine: AsyncEngine, req: ChatCompletionRequest, stream: RequestStream,
@@ -221,9 +216,9 @@ async def _stream(engine: AsyncEngine, req: ChatCompletionRequest, stream: Reque
                 done.add(c.index)
             logprobs = (_logprobs(engine, c, start, req.top_logprobs or 0, req.return_tokens_as_token_ids)
                         if req.logprobs else None)
-            usage = _usage(num_prompt_tokens, sum(generated.values())) if continuous else None
+            usage = UsageInfo.of(num_prompt_tokens, sum(generated.values())) if continuous else None
             yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=delta), logprobs=logprobs,
                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason)], usage)
     if include_usage:
-        yield chunk([], _usage(num_prompt_tokens, sum(generated.values())))
+        yield chunk([], UsageInfo.of(num_prompt_tokens, sum(generated.values())))
     yield SSE_DONE

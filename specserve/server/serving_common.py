@@ -103,10 +103,9 @@ def _check_json(value: Any) -> None:
     stack = [(value, 0)]
     while stack:
         v, depth = stack.pop()
-        if isinstance(v, str):
-            if _SURROGATE_RE.search(v):
-                raise APIError("request body holds a lone UTF-16 surrogate (e.g. \\ud800), which is not "
-                               "valid Unicode", code="invalid_value")
+        if isinstance(v, str) and _SURROGATE_RE.search(v):
+            raise APIError("request body holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode",
+                           code="invalid_value")
         elif isinstance(v, (dict, list)):
             if depth >= MAX_JSON_DEPTH:
                 raise APIError(f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")

@@ -72,9 +72,7 @@ class _Reply:
         return prompt.text
 
     def usage(self, completion_tokens: int) -> UsageInfo:
-        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
-        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+        return UsageInfo.of(sum(len(p.token_ids) for p in self.prompts), completion_tokens)
 
     def logprobs(self, index: int, c: CompletionOutput, start: int,
                  echoed: RequestOutput | None = None) -> CompletionLogprobs | None:
