@@ -14,6 +14,7 @@ advice, each with the numbers it rests on.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -68,8 +69,7 @@ class WindowStats:
     spec_info: dict[str, str] = field(default_factory=dict)  # spec_decode_config_info labels
     chosen_k: float | None = None
     chosen_k_samples: list[float] = field(default_factory=list)
-    # (requests running, mean ITL in s, ITL observations) per interval between two snapshots
-    step_points: list[tuple[float, float, float]] = field(default_factory=list)
+    step_points: list[tuple[float, float, float]] = field(default_factory=list)  # (running, ITL s, count) a sample
     histograms: dict[str, Histogram] = field(default_factory=dict)
     cache_info: dict[str, str] = field(default_factory=dict)
 
@@ -127,7 +127,7 @@ def window_stats(snapshots: list[MetricsSnapshot]) -> WindowStats:
     stats.spec_configured = bool(stats.spec_info) or last.value("spec_decode_num_drafts_total") > 0 or \
         last.value(CHOSEN) > 0
     running = _first_name(last, GAUGES["running"]) or GAUGES["running"][0]
-    for a, b in zip(snapshots, snapshots[1:]):  # ITL per interval, against the load at its end
+    for a, b in itertools.pairwise(snapshots):  # ITL per interval, against the load at its end
         d = _delta(b.histogram(HISTOGRAMS["itl"]), a.histogram(HISTOGRAMS["itl"]))
         if d is not None and d.count > 0:
             stats.step_points.append((b.value(running), d.sum / d.count, d.count))
