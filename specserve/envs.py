@@ -27,6 +27,8 @@ meaning; other modules must not touch `os.environ` directly.
 |                   |                                  | propose replay as one CUDA graph          |
 | TRITON_INTERPRET  | unset                            | 1: Triton kernels run in its CPU          |
 |                   |                                  | interpreter (kernel debugging, tests)     |
+| SPECSERVE_API_KEY | unset (server/cli_args.py)       | the key `serve` requires when neither     |
+|                   |                                  | --api-key nor --api-key-file is given     |
 """
 from __future__ import annotations
 
@@ -154,3 +156,9 @@ def draft_chain_graph() -> bool:
 def triton_interpret() -> bool:
     """TRITON_INTERPRET=1: Triton kernels run on CPU tensors through Triton's interpreter."""
     return _get("TRITON_INTERPRET") == "1"
+
+
+def api_key() -> str | None:
+    """SPECSERVE_API_KEY: the API key of `specserve serve` (and the key `bench` / `advise` send)
+    when none is given on the command line; an environment variable stays out of `ps`."""
+    return _get("SPECSERVE_API_KEY")

@@ -1,23 +1,27 @@
 """`specserve advise`: sample a server's /metrics over a window and say where the bottleneck is.
 
 The rules follow the concurrency guide:
-  low (running < ~8, nothing waiting)  decode is memory-bandwidth bound: speculate (n-gram for
-                                       repetitive/code/RAG prompts, draft model / EAGLE otherwise);
-                                       when speculating, size k from per-position acceptance.
+  low (running < ~8, nothing waiting)  speculate where a step's cost grows little with its tokens
+                                       (judged from the measured ITL at the batch sizes seen); when
+                                       speculating, size k from the configured k, the controller's
+                                       choices and per-position acceptance.
   medium (8..50, or anything waiting)  the KV pool: gpu_memory_utilization, preemptions, queueing.
   high (50+)                           KV capacity: fp8 / nvfp4 KV, offload tiers, more replicas.
-plus prefix-cache reuse and latency percentiles from the server's histograms. `advise()` is pure:
-it takes parsed snapshots and returns advice, each with the numbers it rests on.
+plus prefix-cache reuse and latency percentiles from the server's histograms, and a note when the
+window holds too little to judge. `advise()` is pure: it takes parsed snapshots and returns
+advice, each with the numbers it rests on.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from specserve import envs
 from specserve.bench.metrics_parse import Histogram, MetricsSnapshot, parse_metrics
 
 LOW_CONCURRENCY = 8.0
@@ -26,6 +30,11 @@ KV_FULL = 0.9
 ACCEPT_MIN = 0.3  # a draft position is worth its verify cost while accepted this often
 ACCEPT_RAISE = 0.6  # the last position accepted this often: drafting further would likely pay
 PREFIX_LOW = 0.1
+MIN_DRAFTS = 50  # fewer drafts than this: per-position acceptance is noise
+MIN_REQUESTS = 10
+MIN_ITL_SAMPLES = 100
+CHEAP_TOKEN = 0.2  # an extra token in a step costs under this share of a step: verifying k is cheap
+DEAR_TOKEN = 0.5
 SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2, "info": 3}
 
 Evidence = dict[str, float | int | str | None]
@@ -57,7 +66,10 @@ class WindowStats:
     counters: dict[str, float] = field(default_factory=dict)
     accepted_per_pos: dict[int, float] = field(default_factory=dict)
     spec_configured: bool = False
+    spec_info: dict[str, str] = field(default_factory=dict)  # spec_decode_config_info labels
     chosen_k: float | None = None
+    chosen_k_samples: list[float] = field(default_factory=list)
+    step_points: list[tuple[float, float, float]] = field(default_factory=list)  # (running, ITL s, count) a sample
     histograms: dict[str, Histogram] = field(default_factory=dict)
     cache_info: dict[str, str] = field(default_factory=dict)
 
@@ -78,10 +90,15 @@ COUNTERS = {"preemptions": ("num_preemptions_total",), "requests": ("request_suc
 HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "itl": "inter_token_latency_seconds",
               "e2e": "e2e_request_latency_seconds", "queue": "request_queue_time_seconds"}
 PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
+CHOSEN = "spec_decode_chosen_num_tokens"  # the controller's k of its last step
 
 
 def _first_name(snap: MetricsSnapshot, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if snap.has(n)), None)
+
+
+def _delta(hist: Histogram | None, earlier: Histogram | None) -> Histogram | None:
+    return hist.minus(earlier) if hist is not None and earlier is not None else hist
 
 
 def window_stats(snapshots: list[MetricsSnapshot]) -> WindowStats:
@@ -104,15 +121,21 @@ def window_stats(snapshots: list[MetricsSnapshot]) -> WindowStats:
     before = {} if single else first.by_label(PER_POS, "position")
     for pos, value in last.by_label(PER_POS, "position").items():
         stats.accepted_per_pos[int(pos)] = value - before.get(pos, 0.0)
-    stats.spec_configured = last.value("spec_decode_num_drafts_total") > 0 or \
-        last.value("spec_decode_chosen_num_tokens") > 0
-    if last.has("spec_decode_chosen_num_tokens"):
-        stats.chosen_k = last.value("spec_decode_chosen_num_tokens")
+    if last.has(CHOSEN):
+        stats.chosen_k_samples = [s.value(CHOSEN) for s in snapshots]
+        stats.chosen_k = stats.chosen_k_samples[-1]
+    stats.spec_info = last.labels_of("spec_decode_config_info")
+    stats.spec_configured = bool(stats.spec_info) or last.value("spec_decode_num_drafts_total") > 0 or \
+        last.value(CHOSEN) > 0
+    running = _first_name(last, GAUGES["running"]) or GAUGES["running"][0]
+    for a, b in itertools.pairwise(snapshots):  # ITL per interval, against the load at its end
+        d = _delta(b.histogram(HISTOGRAMS["itl"]), a.histogram(HISTOGRAMS["itl"]))
+        if d is not None and d.count > 0:
+            stats.step_points.append((b.value(running), d.sum / d.count, d.count))
     for key, name in HISTOGRAMS.items():
-        hist = last.histogram(name)
-        earlier = None if single else first.histogram(name)
-        if hist is not None:
-            stats.histograms[key] = hist.minus(earlier) if earlier is not None else hist
+        d = _delta(last.histogram(name), None if single else first.histogram(name))
+        if d is not None:
+            stats.histograms[key] = d
     stats.cache_info = last.labels_of("cache_config_info")
     return stats
 
@@ -147,38 +170,72 @@ def _prefix_hit_rate(s: WindowStats) -> float | None:
     return s.counters.get("prefix_hits", 0.0) / queries if queries > 0 else None
 
 
+def step_cost(s: WindowStats) -> tuple[float, float] | None:
+    """(ms of a one-request step, ms each further request adds) from a least-squares line through
+    the mean ITL of each sampled interval against the requests running in it; None unless the
+    window saw batch sizes at least one request apart."""
+    pts = [(x, y, w) for x, y, w in s.step_points if x >= 0.5]
+    if len(pts) < 2 or max(x for x, _, _ in pts) - min(x for x, _, _ in pts) < 1.0:
+        return None
+    total = sum(w for _, _, w in pts)
+    mx, my = sum(x * w for x, _, w in pts) / total, sum(y * w for _, y, w in pts) / total
+    slope = sum(w * (x - mx) * (y - my) for x, y, w in pts) / sum(w * (x - mx) ** 2 for x, _, w in pts)
+    return (my + slope * (1.0 - mx)) * 1e3, slope * 1e3
+
+
+_SPEC_CONFIGS = ("For outputs that copy their prompts (code edits, RAG, extraction) n-gram lookup needs no extra model:"
+                 " --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; otherwise an EAGLE "
+                 "head ('{\"method\": \"eagle3\", \"model\": HEAD}', `specserve train-draft` trains one) or a small "
+                 "draft model of the same family ('{\"method\": \"draft_model\", \"model\": DRAFT}'). Metrics cannot "
+                 "tell which suits your traffic: try them with `specserve bench`.")
+
+
 def _speculation_off(s: WindowStats) -> Advice:
-    hit = _prefix_hit_rate(s)
-    lean = "n-gram first: the prefix cache hit rate suggests repeated content. " if hit is not None and hit >= 0.3 else ""
-    return Advice(
-        "Low concurrency: decode is latency-bound, turn speculation on",
-        {**_load_evidence(s), "itl_p50_ms": _ms(s.histograms.get("itl"), 0.5),
-         "generation_tokens_per_s": _r(s.rate("generation_tokens"), 1), "prefix_hit_rate": _r(hit)},
-        lean + "With few requests in the batch each step is bound by reading the weights; verifying k drafted "
-        "tokens costs about one step. For code, RAG or otherwise repetitive prompts use n-gram lookup "
-        "(no extra model): --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}'. Otherwise use an EAGLE head or a small draft "
-        "model of the same family: '{\"method\": \"eagle3\", \"model\": HEAD, \"num_speculative_tokens\": 3}' "
-        "or '{\"method\": \"draft_model\", \"model\": DRAFT, \"num_speculative_tokens\": 4}' "
-        "(`specserve train-draft` trains a head for this target).", "medium")
+    cost = step_cost(s)
+    share = max(cost[1], 0.0) / max(cost[0], 1e-9) if cost else None
+    ev: Evidence = {**_load_evidence(s), "itl_p50_ms": _ms(s.histograms.get("itl"), 0.5),
+                    "generation_tokens_per_s": _r(s.rate("generation_tokens"), 1),
+                    "step_ms_1_request": _r(cost[0], 2) if cost else None,
+                    "step_ms_per_extra_request": _r(cost[1], 2) if cost else None}
+    if cost is None or share is None:
+        return Advice("Low concurrency: speculation may pay (its cost is unmeasured here)", ev,
+                      "How much a step slows with more tokens decides whether verifying drafts pays, and this window "
+                      "saw one batch size: sample during `specserve bench --max-concurrency 1,4`. " + _SPEC_CONFIGS,
+                      "low")
+    title, severity = ("Low concurrency: speculation is unlikely to pay here", "info") if share >= DEAR_TOKEN else \
+        ("Low concurrency: decode is latency-bound, turn speculation on", "medium" if share < CHEAP_TOKEN else "low")
+    return Advice(title, ev, f"Measured: each extra token in a step costs {share:.0%} of a one-request step "
+                  f"({cost[1]:.1f} of {cost[0]:.1f} ms), so verifying k drafted tokens costs about 1 + {share:.2f}k "
+                  "steps; drafts pay only while more tokens than that are accepted a step. " + _SPEC_CONFIGS, severity)
 
 
 def _speculation_k(s: WindowStats) -> Advice | None:
     drafts = s.counters.get("drafts", 0.0)
     if drafts <= 0:
         return None
-    k_now = round(s.counters.get("draft_tokens", 0.0) / drafts)
-    per_pos = [s.accepted_per_pos.get(i, 0.0) / drafts for i in range(max(k_now, len(s.accepted_per_pos)))]
+    k_conf = int(s.spec_info["num_speculative_tokens"]) if "num_speculative_tokens" in s.spec_info else None
+    adaptive = s.spec_info.get("adaptive") == "True"
+    k_now = k_conf or max(len(s.accepted_per_pos), 1)  # without the info metric: the positions seen
+    drafted = s.counters.get("draft_tokens", 0.0) / drafts
+    per_pos = [s.accepted_per_pos.get(i, 0.0) / drafts for i in range(k_now)]
     k_best = sum(1 for a in per_pos if a >= ACCEPT_MIN)
-    evidence: Evidence = {"drafts": int(drafts), "num_speculative_tokens": k_now, "chosen_k_last": s.chosen_k,
+    chosen = s.chosen_k_samples
+    evidence: Evidence = {"drafts": int(drafts), "num_speculative_tokens": k_conf, "adaptive": str(adaptive),
+                          "mean_drafted_per_draft": _r(drafted, 2), "chosen_k_last": s.chosen_k,
+                          "chosen_k_mean": _r(sum(chosen) / len(chosen), 2) if chosen else None,
                           "mean_acceptance_length": _r(1.0 + s.counters.get("accepted", 0.0) / drafts),
                           **{f"acceptance_pos_{i}": _r(a) for i, a in enumerate(per_pos)}}
-    if not per_pos or per_pos[0] < ACCEPT_MIN:
+    if drafts < MIN_DRAFTS:
+        return Advice("Too few drafts to size k", evidence, f"Only {int(drafts)} drafts in the window (under "
+                      f"{MIN_DRAFTS}): sample longer before changing num_speculative_tokens.", "info")
+    note = (f" The controller drafted {drafted:.1f} of k={k_now} tokens per draft: rates of late positions count "
+            "drafts that did not reach them, so they are lower bounds." if drafted < k_now - 0.5 else "")
+    if per_pos[0] < ACCEPT_MIN:
         return Advice("Speculation rarely pays: drafts are mostly rejected", evidence,
                       f"Position 0 is accepted in under {ACCEPT_MIN:.0%} of drafts, so verification mostly "
-                      "wastes compute. Try another method (n-gram suits repetitive/code/RAG prompts; an EAGLE "
+                      "wastes compute. Try another method (n-gram suits prompts the output copies; an EAGLE "
                       "head trained on this target suits open-ended chat) or turn speculation off.", "high")
-    if k_best < k_now:
+    if k_best < k_now and not note:
         return Advice(f"Draft fewer tokens: num_speculative_tokens {k_now} -> {k_best}", evidence,
                       f"Positions {k_best}..{k_now - 1} are accepted in under {ACCEPT_MIN:.0%} of drafts; they cost "
                       f"verify width without paying back. Set \"num_speculative_tokens\": {k_best}.", "medium")
@@ -186,25 +243,33 @@ def _speculation_k(s: WindowStats) -> Advice | None:
         return Advice(f"Draft more tokens: num_speculative_tokens {k_now} -> {k_now + 2}", evidence,
                       f"The last draft position is still accepted {per_pos[k_now - 1]:.0%} of the time; "
                       f"try \"num_speculative_tokens\": {k_now + 2} and compare with `specserve bench`.", "low")
-    return Advice(f"Speculation is well sized (k={k_now})", evidence,
-                  "Acceptance falls below the break-even point right after the last drafted position; keep k.", "info")
+    what = "the controller picks 0..k per step" if adaptive else "acceptance falls below break-even after k"
+    return Advice(f"Speculation is well sized (k={k_now})", evidence, f"Keep k: {what}.{note}", "info")
 
 
 def _speculation(s: WindowStats, where: str) -> list[Advice]:
-    out: list[Advice] = []
-    if where == "low" and not s.spec_configured:
-        out.append(_speculation_off(s))
-    k_advice = _speculation_k(s)
-    if k_advice is not None:
-        out.append(k_advice)
+    out = [_speculation_off(s)] if where == "low" and not s.spec_configured else []
+    out += [a for a in (_speculation_k(s),) if a is not None]
     if where == "high" and s.counters.get("drafts", 0.0) > 0:
         out.append(Advice("High concurrency: speculation competes with batching",
                           {"running_avg": _r(s.running_avg, 2), "chosen_k_last": s.chosen_k,
                            "drafts": int(s.counters["drafts"])},
-                          "With a large batch the GPU is compute-bound and verifying drafts takes slots from real "
+                          "With a large batch each step is compute-bound and verifying drafts takes slots from real "
                           "tokens. Lower num_speculative_tokens or let the controller drop to 0 at this load.",
                           "medium"))
     return out
+
+
+def _thin(s: WindowStats) -> list[Advice]:
+    """What the window lacks for firm advice."""
+    itl = s.histograms.get("itl")
+    reasons = [r for r, lacking in (
+        ("one snapshot: totals since the server started, not this load", s.seconds is None),
+        (f"under {MIN_REQUESTS} requests finished", s.counters.get("requests", 0.0) < MIN_REQUESTS),
+        (f"under {MIN_ITL_SAMPLES} inter-token latencies", itl is None or itl.count < MIN_ITL_SAMPLES)) if lacking]
+    ev: Evidence = {"requests": int(s.counters.get("requests", 0)), "itl_samples": int(itl.count) if itl else 0}
+    return [Advice("Thin evidence: treat this advice as a first look", ev, "The window had " + "; ".join(reasons)
+                   + ". Sample longer (--window) under representative load.", "info")] if reasons else []
 
 
 def _kv_pool(s: WindowStats) -> list[Advice]:
@@ -286,19 +351,19 @@ def advise(snapshots: list[MetricsSnapshot]) -> list[Advice]:
     if where == "idle":
         return [Advice("No load in the window", _load_evidence(s),
                        "Nothing ran while sampling: send traffic (e.g. `specserve bench`) or widen --window.", "info")]
-    found = _speculation(s, where) + _kv_pool(s) + _high_capacity(s, where) + _prefix(s) + _latency(s)
+    found = _speculation(s, where) + _kv_pool(s) + _high_capacity(s, where) + _prefix(s) + _latency(s) + _thin(s)
     return sorted(found, key=lambda a: SEVERITY_ORDER.get(a.severity, 9))
 
 
 def add_advise_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `specserve advise`."""
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
     parser.add_argument("--window", type=float, default=30.0, help="seconds to sample (0: one snapshot, "
-                        "totals since the server started)")
+                        "totals since the server started; default: %(default)s)")
     parser.add_argument("--interval", type=float, default=None,
                         help="seconds between samples (default: window / 10, between 0.5 and 5; gauges such "
                              "as running requests are only seen at the samples)")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", default=None, help="Bearer key to send (default: $SPECSERVE_API_KEY)")
     parser.add_argument("--json", action="store_true", help="print the advice as JSON")
 
 
@@ -328,7 +393,8 @@ def sample(base_url: str, window_s: float, interval_s: float, headers: dict[str,
 
 def advise_main(args: argparse.Namespace) -> int:
     """Run `specserve advise`; 1 when /metrics could not be read."""
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    api_key = args.api_key or envs.api_key()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         snaps = sample(args.base_url, args.window, default_interval(args.window, args.interval), headers)
     except (httpx.HTTPError, ValueError) as e:

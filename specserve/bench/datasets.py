@@ -50,8 +50,7 @@ class ServerTokenCounter:
         self._model = model
 
     def __call__(self, text: str) -> int:
-        resp = self._client.post("/tokenize", json={"model": self._model, "prompt": text,
-                                                    "add_special_tokens": False})
+        resp = self._client.post("/tokenize", json={"model": self._model, "prompt": text, "add_special_tokens": False})
         resp.raise_for_status()
         body = resp.json()
         return int(body["count"]) if "count" in body else len(body["tokens"])

@@ -2,7 +2,7 @@
 
 Names are stored without their `specserve:` or `vllm:` prefix, so a dashboard built for either
 server reads the same. Series of one name with different labels are kept apart; the accessors
-sum over the series that match the labels asked for (e.g. several engines or models).
+sum over them (e.g. several engines or models) or group them by one label.
 """
 from __future__ import annotations
 
@@ -54,9 +54,6 @@ class Histogram:
             lower, below = (le if not math.isinf(le) else lower), cum
         return lower
 
-    def mean(self) -> float | None:
-        return self.sum / self.count if self.count > 0 else None
-
 
 @dataclass
 class MetricsSnapshot:
@@ -68,10 +65,9 @@ class MetricsSnapshot:
     def has(self, name: str) -> bool:
         return name in self.samples
 
-    def value(self, name: str, labels: dict[str, str] | None = None, default: float = 0.0) -> float:
-        """Sum of the series of `name` whose labels include `labels`; `default` when none match."""
-        matched = [v for lab, v in self.samples.get(name, []) if _matches(lab, labels)]
-        return float(sum(matched)) if matched else default
+    def value(self, name: str) -> float:
+        """Sum of the series of `name` (0 when absent)."""
+        return float(sum(v for _, v in self.samples.get(name, [])))
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
         """Values of `name` summed per value of one label, e.g. per draft `position`."""
@@ -96,10 +92,6 @@ class MetricsSnapshot:
             le = float(lab.get("le", "+Inf").replace("+Inf", "inf"))
             buckets[le] = buckets.get(le, 0.0) + v
         return Histogram(buckets, self.value(name + "_count"), self.value(name + "_sum"))
-
-
-def _matches(series_labels: dict[str, str], wanted: dict[str, str] | None) -> bool:
-    return all(series_labels.get(k) == v for k, v in (wanted or {}).items())
 
 
 def parse_metrics(text: str, timestamp: float) -> MetricsSnapshot:

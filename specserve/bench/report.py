@@ -7,6 +7,7 @@ per-request records, which are stored beside them in the result JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -28,15 +29,13 @@ def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
         return None
     slos: dict[str, float] = {}
     for item in items:
-        key, sep, value = item.partition(":")
-        if not sep or key not in GOODPUT_KEYS:
-            raise ValueError(f"--goodput: '{item}' is not KEY:MS with KEY in {', '.join(GOODPUT_KEYS)}")
-        try:
-            slos[key] = float(value)
-        except ValueError:
-            raise ValueError(f"--goodput: '{item}' has no number of milliseconds") from None
-        if slos[key] < 0:
-            raise ValueError(f"--goodput: '{item}' must be >= 0 ms")
+        key, _, value = item.partition(":")
+        ms = -1.0
+        with contextlib.suppress(ValueError):
+            ms = float(value)
+        if key not in GOODPUT_KEYS or not ms >= 0:  # `not >=`: NaN too
+            raise ValueError(f"--goodput: '{item}' is not KEY:MS with KEY in {', '.join(GOODPUT_KEYS)} and MS >= 0")
+        slos[key] = ms
     return slos
 
 
@@ -50,8 +49,7 @@ def parse_concurrency(text: str | None) -> list[int | None]:
         raise ValueError(f"--max-concurrency: '{text}' is not an integer or a comma list of them") from None
     if min(nums) < 1:
         raise ValueError("--max-concurrency values must be >= 1")
-    values: list[int | None] = [*nums]
-    return values
+    return [*nums]
 
 
 def latency_samples_ms(records: list[RequestRecord]) -> dict[str, list[float]]:
@@ -102,8 +100,13 @@ def compute_aggregates(records: list[RequestRecord], duration_s: float,
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `specserve bench` (named as `vllm bench serve`'s)."""
-    a = parser.add_argument
+    """Flags of `specserve bench` (named as `vllm bench serve`'s); every help ends with its default."""
+
+    def a(*flags: str, **kw: Any) -> None:
+        text = kw.get("help", "")
+        kw["help"] = text if "default" in text else f"{text} (default: %(default)s)".strip()
+        parser.add_argument(*flags, **kw)
+
     a("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
     a("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     a("--model", default=None, help="model name to send (default: the first of /v1/models)")
@@ -112,8 +115,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     a("--random-input-len", type=int, default=1024)
     a("--random-output-len", type=int, default=128)
     a("--random-range-ratio", type=float, default=0.0, help="lengths uniform in [L*(1-r), L*(1+r)]")
-    a("--output-len", type=int, default=None, help="max tokens for humaneval/jsonl (default 128)")
-    a("--num-prompts", type=int, default=1000)
+    a("--output-len", type=int, default=None, help="max tokens for humaneval/jsonl (default: 128)")
+    a("--num-prompts", type=int, default=1000, help="requests per concurrency point, each point fresh prompts")
     a("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals; inf: all at once")
     a("--max-concurrency", default=None, help="in-flight limit: one value, or a comma list to sweep")
     a("--result-dir", default="bench_results")
@@ -123,7 +126,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
       help="send ignore_eos (default: on for random, so output lengths are as asked)")
     a("--temperature", type=float, default=0.0)
     a("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:2000")
-    a("--api-key", default=None)
+    a("--api-key", default=None, help="Bearer key to send (default: $SPECSERVE_API_KEY)")
     a("--compare", default=None, metavar="PATH", help="plot this run against a saved result JSON")
     a("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     a("--max-duration", type=float, default=None, help="seconds one run may take; later requests fail")
@@ -158,13 +161,16 @@ def write_outputs(args: argparse.Namespace, result: dict[str, Any], baseline: di
         cfg["model"].replace("/", "_"), cfg["date"])
     path = out_dir / name
     path.write_text(json.dumps(result, indent=1))
-    title = f"{cfg['model']} {cfg['endpoint']} ({cfg['dataset_name']})"
-    runs = result["runs"]
-    plot = plot_sweep(runs, path.with_suffix(".png"), title) if len(runs) > 1 else \
-        plot_run(runs[0], path.with_suffix(".png"), title)
-    print(f"Results: {path}\nPlot: {plot}")
-    if baseline is not None:
-        cmp_path = plot_compare(result, baseline, path.with_name(path.stem + "_compare.png"),
-                                (path.stem, Path(args.compare).stem))
-        print(f"Comparison plot: {cmp_path}")
+    print(f"Results: {path}", flush=True)
+    title, runs = f"{cfg['model']} {cfg['endpoint']} ({cfg['dataset_name']})", result["runs"]
+    try:  # the results are saved: without matplotlib only the figures are missing
+        plot = plot_sweep(runs, path.with_suffix(".png"), title) if len(runs) > 1 else \
+            plot_run(runs[0], path.with_suffix(".png"), title)
+        print(f"Plot: {plot}")
+        if baseline is not None:
+            cmp_path = plot_compare(result, baseline, path.with_name(path.stem + "_compare.png"),
+                                    (path.stem, Path(args.compare).stem))
+            print(f"Comparison plot: {cmp_path}")
+    except ImportError as e:
+        print(f"Plots skipped ({e}): pip install matplotlib (or 'specserve[bench]') to draw them.")
     return path

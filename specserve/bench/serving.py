@@ -23,8 +23,10 @@ from typing import Any
 import httpx
 from tqdm.asyncio import tqdm
 
+from specserve import envs
 from specserve.bench.datasets import (
     SampleRequest,
+    TokenCounter,
     humaneval_requests,
     jsonl_requests,
     make_token_counter,
@@ -194,7 +196,7 @@ async def run_benchmark(base_url: str, headers: dict[str, str], cfg: RunConfig,
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(cfg.request_timeout_s)) as client:
-        pbar = tqdm(total=len(requests), disable=cfg.disable_tqdm)
+        pbar = tqdm(total=len(requests), disable=cfg.disable_tqdm, desc=f"concurrency {cfg.max_concurrency}")
         t0 = time.perf_counter()
         deadline = t0 + cfg.max_duration_s if cfg.max_duration_s else float("inf")
 
@@ -225,37 +227,56 @@ def resolve_model(base_url: str, headers: dict[str, str]) -> str:
     return str(models[0]["id"])
 
 
-def load_requests(args: argparse.Namespace, model: str, headers: dict[str, str]) -> tuple[list[SampleRequest], str]:
-    """The dataset's requests and how their prompt lengths were counted."""
-    if args.num_prompts < 1:
+def load_requests(args: argparse.Namespace, counter: TokenCounter | None, num_prompts: int,
+                  seed: int) -> list[SampleRequest]:
+    """`num_prompts` requests of the dataset drawn with `seed`; prompt lengths by `counter`, else estimated."""
+    if num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
-    counter = make_token_counter(args.base_url, model, headers)
-    how = "server /tokenize" if counter else "estimate (1 token per word)"
     out_len = args.output_len or 128
-    try:
-        if args.dataset_name == "random":
-            reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                                   args.random_range_ratio, args.seed, counter)
-        elif args.dataset_name == "humaneval":
-            reqs = humaneval_requests(args.num_prompts, out_len, args.seed, counter, args.dataset_path)
-        elif args.dataset_path:
-            reqs = jsonl_requests(args.dataset_path, args.num_prompts, out_len, args.seed, counter)
-        else:
-            raise ValueError("--dataset-name jsonl needs --dataset-path")
-    finally:
-        if counter is not None:
-            counter.close()
-    return reqs, how
+    if args.dataset_name == "random":
+        return random_requests(num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
+                               seed, counter)
+    if args.dataset_name == "humaneval":
+        return humaneval_requests(num_prompts, out_len, seed, counter, args.dataset_path)
+    if not args.dataset_path:
+        raise ValueError("--dataset-name jsonl needs --dataset-path")
+    return jsonl_requests(args.dataset_path, num_prompts, out_len, seed, counter)
+
+
+def _duration(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def estimate(probe_s: float, num_prompts: int, sweep: list[int | None], request_rate: float) -> str:
+    """The run's duration from the probe request's: between perfect batching (concurrency times
+    faster, no faster than the arrival rate) and none (one request after another)."""
+    low = sum(max(num_prompts * probe_s / (c or num_prompts), num_prompts / request_rate) for c in sweep)
+    high = len(sweep) * max(num_prompts * probe_s, num_prompts / request_rate)
+    hint = " (--num-prompts or --max-duration shorten it)" if high > 600 else ""
+    return (f"Estimate: the probe request took {probe_s:.2f} s; {len(sweep)} run(s) of {num_prompts} requests "
+            f"take {_duration(low)} to {_duration(high)}{hint}.")
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    """Run `specserve bench`; 0 when every request succeeded, 1 otherwise or on a setup error."""
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    """Run `specserve bench`; 0 when every request succeeded, 1 otherwise or on a setup error.
+
+    Each concurrency point sends fresh prompts (the dataset drawn with seed + 1 + point), so no
+    point finds the prompts of an earlier one in the prefix cache; prompts a finite dataset must
+    repeat are counted per run (`repeated_prompts`) and reported."""
+    api_key = args.api_key or envs.api_key()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         slos = parse_goodput(args.goodput)
         sweep = parse_concurrency(args.max_concurrency)
         model = args.model or resolve_model(args.base_url, headers)
-        requests, token_count = load_requests(args, model, headers)
+        counter = make_token_counter(args.base_url, model, headers)
+        token_count = "server /tokenize" if counter else "estimate (1 token per word)"
+        try:
+            probe_req = load_requests(args, counter, 1, args.seed)
+            points = [load_requests(args, counter, args.num_prompts, args.seed + 1 + i) for i in range(len(sweep))]
+        finally:
+            if counter is not None:
+                counter.close()
         baseline = load_baseline(args.compare)
     except (ValueError, OSError, httpx.HTTPError) as e:
         print(f"specserve bench: {e}")
@@ -264,18 +285,25 @@ def bench_main(args: argparse.Namespace) -> int:
     base = RunConfig(endpoint=args.endpoint, model=model, request_rate=args.request_rate, temperature=args.temperature,
                      ignore_eos=ignore_eos, request_timeout_s=args.request_timeout,
                      max_duration_s=args.max_duration, seed=args.seed, disable_tqdm=args.disable_tqdm)
-    probe, _ = asyncio.run(run_benchmark(args.base_url, headers, replace(base, disable_tqdm=True), requests[:1]))
+    probe, _ = asyncio.run(run_benchmark(args.base_url, headers, replace(base, disable_tqdm=True), probe_req))
     if not probe[0].success:
         print(f"specserve bench: the initial test request failed: {probe[0].error}")
         return 1
+    print(estimate(probe[0].e2el_s, args.num_prompts, sweep, args.request_rate), flush=True)
     result: dict[str, Any] = {"config": config_json(args, model, ignore_eos, token_count), "runs": []}
-    for concurrency in sweep:
+    seen = {probe_req[0].prompt}
+    for concurrency, requests in zip(sweep, points):
         cfg = replace(base, max_concurrency=concurrency)
+        repeated = sum(r.prompt in seen for r in requests)
+        seen.update(r.prompt for r in requests)
         print(f"Benchmark: {len(requests)} requests, rate {args.request_rate}, max concurrency {concurrency}")
+        if repeated:  # a finite dataset ran out of fresh prompts
+            print(f"Note: {repeated} of these prompts were sent earlier in this run: the prefix cache may be warm "
+                  "for them.")
         records, duration = asyncio.run(run_benchmark(args.base_url, headers, cfg, requests))
         agg = compute_aggregates(records, duration, slos)
         print(format_table(agg, concurrency))
-        result["runs"].append({"max_concurrency": concurrency, "aggregates": agg,
+        result["runs"].append({"max_concurrency": concurrency, "repeated_prompts": repeated, "aggregates": agg,
                                "requests": [r.to_json() for r in records]})
     if len(sweep) > 1:
         print(format_sweep(result["runs"]))

@@ -20,7 +20,7 @@ from specserve.metrics.stats import FAMILIES, Metric, StatsCollector
 
 PREFIXES = ("specserve", "vllm")
 # Families whose series only make sense with labels: no unlabeled zero placeholder for them.
-_LABELED_ONLY = {"spec_decode_num_accepted_tokens_per_pos_total", "cache_config_info"}
+_LABELED_ONLY = {"spec_decode_num_accepted_tokens_per_pos_total", "cache_config_info", "spec_decode_config_info"}
 _BUCKETS = {name: buckets for name, _kind, _help, buckets in FAMILIES}
 
 

@@ -67,11 +67,12 @@ FAMILIES: tuple[tuple[str, str, str, tuple[float, ...]], ...] = (
     ("spec_decode_num_accepted_tokens_total", "counter", "Number of accepted tokens.", ()),
     ("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Accepted tokens per draft position.", ()),
     ("spec_decode_chosen_num_tokens", "gauge", "Draft length the speculation controller chose last step.", ()),
-    ("kv_offload_queries_total", "counter", "Offload tier lookups, in tokens.", ()),
-    ("kv_offload_hits_total", "counter", "Offload tier hits, in tokens.", ()),
+    ("kv_offload_queries_total", "counter", "Offload tier lookups (prefetch reads too), in tokens.", ()),
+    ("kv_offload_hits_total", "counter", "Tokens loaded from an offload tier into a request's KV.", ()),
     ("kv_offload_bytes_total", "counter", "Bytes moved to or from an offload tier.", ()),
     ("kv_offload_errors_total", "counter", "Offload tier entries that failed to load (corrupt, foreign).", ()),
     ("cache_config_info", "info", "Information of the KV cache configuration.", ()),
+    ("spec_decode_config_info", "info", "The speculative decoding configuration (k: the most a step drafts).", ()),
 )
 
 

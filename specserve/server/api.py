@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import functools
 import hmac
-import importlib.metadata
 import logging
 import socket
 import threading
@@ -27,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from specserve import __version__
 from specserve.engine.async_engine import AsyncEngine
 from specserve.metrics.log import StatsLogger
 from specserve.metrics.prometheus import PrometheusMetrics
@@ -55,21 +55,14 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key (probes, scrapers)
 
 
-def version() -> str:
-    try:
-        return importlib.metadata.version("specserve")
-    except importlib.metadata.PackageNotFoundError:  # running from a source tree
-        import specserve
-
-        return specserve.__version__
-
-
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 class GuardMiddleware:
-    """API key (Bearer) and the fast Content-Length check, before any route runs."""
+    """API key (Bearer), Content-Type of POSTs and the fast Content-Length check, before any route runs.
+    A POST must say `application/json`: bodies a browser may send cross-site without a preflight
+    (text/plain, forms, an untyped Blob) never reach a route."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
@@ -77,18 +70,22 @@ class GuardMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-            error = self._check(scope["path"], headers)
+            error = self._check(scope["method"], scope["path"], headers)
             if error is not None:
                 await error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    def _check(self, path: str, headers: dict[str, str]) -> APIError | None:
+    def _check(self, method: str, path: str, headers: dict[str, str]) -> APIError | None:
         if self.api_key and path not in OPEN_PATHS:
             given = headers.get("authorization", "")
             token = given[7:] if given.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), self.api_key.encode()):
                 return APIError("Incorrect API key provided.", 401, code="invalid_api_key")
+        media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+        if method == "POST" and media_type != "application/json":
+            return APIError(f"Content-Type must be application/json, got {media_type or 'none'}", 415,
+                            code="unsupported_media_type")
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
             return APIError(f"request body exceeds the limit of {self.max_body_bytes} bytes", 413,
@@ -122,6 +119,10 @@ async def _log_stats(engine: AsyncEngine, interval: float) -> None:
 def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
     """The server app. Its lifespan shuts the engine down (after uvicorn drained connections)."""
     metrics = PrometheusMetrics(engine.stats, settings.metrics_prefix)
+    spec = engine.config.speculative
+    if spec is not None:  # what `advise` sizes k against (the controller's choices are other series)
+        engine.stats.set("spec_decode_config_info", 1, {"method": spec.method, "adaptive": str(spec.adaptive),
+                                                        "num_speculative_tokens": str(spec.num_speculative_tokens)})
     limit = settings.max_request_body_bytes
 
     @contextlib.asynccontextmanager
@@ -134,7 +135,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
                 task.cancel()
             await engine.shutdown(timeout=2.0)  # SpecserveServer already drained it
 
-    app = FastAPI(title="specserve", version=version(), lifespan=lifespan)
+    app = FastAPI(title="specserve", version=__version__, lifespan=lifespan)
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=limit)
     _add_error_handlers(app)
 
@@ -154,15 +155,23 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
                            "--trust-request-chat-template", param="chat_template", code="unsupported")
         return await create_chat_completion(engine, req, request)
 
+    card = ModelCard(id=engine.model_name, root=engine.config.model.model, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> Response:
-        card = ModelCard(id=engine.model_name, root=engine.config.model.model, max_model_len=engine.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    @_guarded
+    async def model(request: Request) -> Response:
+        check_model(engine, request.path_params["model_id"])
+        return JSONResponse(card.model_dump())
 
     @app.post("/tokenize")
     @_guarded
     async def tokenize(request: Request) -> Response:
-        return JSONResponse(_tokenize(engine, parse_model(TokenizeRequest, await read_json(request, limit))))
+        req = parse_model(TokenizeRequest, await read_json(request, limit))
+        return JSONResponse(await asyncio.to_thread(_tokenize, engine, req))
 
     @app.post("/detokenize")
     @_guarded
@@ -182,7 +191,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
 
     @app.get("/version")
     async def get_version() -> Response:
-        return JSONResponse({"version": version()})
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
@@ -257,6 +266,20 @@ class SpecserveServer(uvicorn.Server):
             drain.cancel()
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), for uvicorn to listen on: `serve` binds before it loads the
+    model, so a port in use is reported at once. OSError names the address."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot bind {host}:{port}: {e.strerror}") from None
+    return sock
+
+
 def make_server(engine: AsyncEngine, settings: ServerConfig, **overrides: Any) -> SpecserveServer:
     """The app and a uvicorn server for it (not started)."""
     return SpecserveServer(uvicorn_config(build_app(engine, settings), settings, **overrides), engine, settings)
@@ -271,9 +294,7 @@ class BackgroundServer:
     def __init__(self, engine: AsyncEngine, settings: ServerConfig | None = None, **overrides: Any) -> None:
         settings = settings or ServerConfig(port=0)
         self.engine = engine
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((settings.host, settings.port))
+        self._sock = bind_socket(settings.host, settings.port)
         self.host, self.port = self._sock.getsockname()[:2]
         self.server = make_server(engine, settings, **overrides)
         self._thread = threading.Thread(target=self._run, name="specserve-uvicorn", daemon=True)
@@ -298,9 +319,3 @@ class BackgroundServer:
         self.server.should_exit = True
         self._thread.join(timeout)
         self._sock.close()
-
-    def __enter__(self) -> BackgroundServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -72,8 +72,10 @@ def serve_main(argv: Sequence[str]) -> int:
         return _serve_ray(cli_args.engine_kwargs(args), settings, args)
 
     from specserve.engine.async_engine import AsyncEngine
-    from specserve.server.api import make_server
+    from specserve.server.api import bind_socket, make_server
 
+    sock = _config_or_exit("specserve serve", lambda: bind_socket(settings.host, settings.port))
+    _config_or_exit("specserve serve", lambda: cli_args.apply_num_threads(args))
     engine = _config_or_exit("specserve serve", lambda: AsyncEngine.from_config(config))
     server = make_server(engine, settings)
     # What start-up built (modules, tokenizer tables, config) lives as long as the server: keep the
@@ -86,7 +88,7 @@ def serve_main(argv: Sequence[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.close(timeout=2.0)  # no-op when the app's lifespan already shut it down
     return 0 if server.started and server.engine_died_at is None else 1
@@ -102,6 +104,14 @@ def _serve_ray(engine_kwargs: dict[str, Any], settings: ServerConfig, args: argp
               "pip install 'specserve[ray]'", file=sys.stderr)
         return 2
     return serve_ray(engine_kwargs, settings, args.data_parallel_size, args.ray_address)
+
+
+def _load_llm(prog: str, args: argparse.Namespace):  # -> LLM
+    from specserve import LLM
+    from specserve.server import cli_args
+
+    _config_or_exit(prog, lambda: cli_args.apply_num_threads(args))
+    return _config_or_exit(prog, lambda: LLM(**{"model": DEFAULT_MODEL, **cli_args.engine_kwargs(args)}))
 
 
 # -------------------------------------------------------------------------------- generate
@@ -129,10 +139,7 @@ def generate_main(argv: Sequence[str]) -> int:
     if not prompts:
         print("specserve generate: error: no prompt given", file=sys.stderr)
         return 2
-    from specserve import LLM
-
-    kwargs = cli_args.engine_kwargs(args)
-    llm = _config_or_exit("specserve generate", lambda: LLM(**{"model": DEFAULT_MODEL, **kwargs}))
+    llm = _load_llm("specserve generate", args)
     start = time.perf_counter()
     try:
         outputs = llm.generate(prompts, params)
@@ -161,10 +168,7 @@ def chat_main(argv: Sequence[str]) -> int:
     parser.add_argument("--system", default=None, help="system prompt")
     args = parser.parse_args(argv)
     params = _config_or_exit("specserve chat", lambda: cli_args.sampling_params(args))
-    from specserve import LLM
-
-    kwargs = cli_args.engine_kwargs(args)
-    llm = _config_or_exit("specserve chat", lambda: LLM(**{"model": DEFAULT_MODEL, **kwargs}))
+    llm = _load_llm("specserve chat", args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("specserve chat: empty line or Ctrl-D to quit; /reset clears the history.", file=sys.stderr)
     while True:
@@ -204,15 +208,9 @@ def models_main(argv: Sequence[str]) -> int:
 
 
 def train_draft_main(argv: Sequence[str]) -> int:
-    try:
-        train = importlib.import_module("specserve.train.loop")
-    except ModuleNotFoundError as e:
-        if e.name not in ("specserve.train.loop", "specserve.train"):
-            raise
-        print("specserve train-draft: draft-head training comes with speculative decoding "
-              "(specserve.train.loop) and is not available in this build.", file=sys.stderr)
-        return 1
-    return int(train.train_main(list(argv)) or 0)
+    from specserve.train.loop import train_main
+
+    return int(train_main(list(argv)) or 0)
 
 
 _RUNNERS: dict[str, Callable[[Sequence[str]], int]] = {

@@ -7,15 +7,19 @@ dataclass defaults stay the single source of defaults. This module imports no se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import re
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from specserve import config as cfg
+from specserve import envs
 from specserve.sampling_params import SamplingParams
 
 _CHOICES = {"dtype": cfg.DTYPES, "kv_cache_dtype": cfg.KV_CACHE_DTYPES, "load_format": cfg.LOAD_FORMATS,
@@ -39,8 +43,10 @@ class ServerConfig:
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=8000, metadata={"help": "port to bind"})
-    api_key: str | None = field(default=None, metadata={
-        "help": "require `Authorization: Bearer KEY` (/health and /metrics stay open)"})
+    api_key: str | None = field(default=None, repr=False, metadata={
+        "help": "require `Authorization: Bearer KEY` (/health and /metrics stay open); other local users "
+                "see it in `ps`: prefer SPECSERVE_API_KEY or --api-key-file"})
+    api_key_file: str | None = field(default=None, metadata={"help": "read the API key from this file's first line"})
     metrics_prefix: str = field(default="specserve", metadata={
         "help": "metric name prefix: specserve | vllm (for dashboards built for vLLM)"})
     max_request_body_bytes: int = field(default=16 << 20, metadata={
@@ -134,6 +140,36 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
                        metavar="JSON", help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     group.add_argument("--device", dest="device", default=argparse.SUPPRESS,
                        help="auto | cpu | cuda | cuda:N (default: auto)")
+    group.add_argument("--num-threads", dest="num_threads", type=int, default=None,
+                       help="torch CPU threads (default: the CPU cores this process may use, minus one "
+                            "for the Python threads, at most what torch picks or OMP_NUM_THREADS sets)")
+
+
+def available_cpus() -> int:
+    """CPU cores this process may use: its affinity mask, capped by a cgroup v2 CPU quota (containers)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, int(quota) // int(period)))
+    return max(1, n)
+
+
+def choose_num_threads(requested: int | None, available: int, torch_default: int) -> int:
+    """torch's intra-op threads. torch's default counts the machine's cores, not the process's
+    share; with as many threads as cores, the engine and HTTP threads (and any other process)
+    preempt torch's spinning workers and a step waits for the slowest: keep one core for them."""
+    if requested is not None and requested < 1:
+        raise ValueError(f"num_threads must be >= 1, got {requested}.")
+    return requested or max(1, min(torch_default, available - 1))
+
+
+def apply_num_threads(args: argparse.Namespace) -> int:
+    """Set torch's thread count from --num-threads (or the default above); returns it."""
+    import torch
+
+    torch.set_num_threads(choose_num_threads(args.num_threads, available_cpus(), torch.get_num_threads()))
+    return torch.get_num_threads()
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -187,8 +223,16 @@ def wants_data_parallel(args: argparse.Namespace) -> bool:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    """ServerConfig from the flags; the API key from --api-key, else --api-key-file, else SPECSERVE_API_KEY."""
     names = {f.name for f in dataclasses.fields(ServerConfig)}
-    return ServerConfig(**{k: v for k, v in vars(args).items() if k in names})
+    values = {k: v for k, v in vars(args).items() if k in names}
+    if values.get("api_key") is None and values.get("api_key_file"):
+        first = (Path(values["api_key_file"]).read_text(encoding="utf-8").splitlines() or [""])[0].strip()
+        if not first:
+            raise ValueError(f"api_key_file {values['api_key_file']} holds no key on its first line.")
+        values["api_key"] = first
+    values["api_key"] = values.get("api_key") or envs.api_key()
+    return ServerConfig(**values)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,23 +28,25 @@ from specserve.server.protocol import (
     random_id,
 )
 from specserve.server.serving_common import (
+    MIN_LOGPROB,
     SSE_DONE,
     APIError,
     ClientDisconnected,
     DeltaTracker,
     build_params,
     check_model,
+    check_prompt_chars,
     engine_error,
     fit_context,
     guarded_stream,
     logprob_token,
     require_tokenizer,
     sse,
+    token_bytes,
     truncation_size,
     until_disconnected,
 )
 
-MIN_LOGPROB = -9999.0  # JSON has no -inf
 # Arguments of apply_chat_template a client must not override through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict",
                              "return_tensors", "padding", "truncation", "max_length", "chat_template",
@@ -106,10 +109,10 @@ def _logprobs(engine: AsyncEngine, c: CompletionOutput, start: int, top_n: int, 
         for t, lp in ranked:
             shown, t_text = logprob_token(engine, t, lp, as_ids)
             tops.append(TopLogprob(token=shown, logprob=max(lp.logprob, MIN_LOGPROB),
-                                   bytes=list(t_text.encode("utf-8"))))
+                                   bytes=token_bytes(engine, t, t_text)))
         content.append(ChatTokenLogprob(
             token=tok, logprob=max(sampled.logprob, MIN_LOGPROB) if sampled else MIN_LOGPROB,
-            bytes=list(text.encode("utf-8")), top_logprobs=tops))
+            bytes=token_bytes(engine, tid, text), top_logprobs=tops))
     return ChatLogprobs(content=content)
 
 
@@ -130,8 +133,11 @@ async def create_chat_completion(engine: AsyncEngine, req: ChatCompletionRequest
     check_model(engine, req.model)
     _validate(req)
     keep = truncation_size(req.truncate_prompt_tokens, engine.max_model_len)
-    prompt_ids = render_chat(engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
-                             req.continue_final_message, req.chat_template, req.add_special_tokens)
+    if keep is None and req.messages:
+        check_prompt_chars(engine, sum(len(m.text()) for m in req.messages), "messages")
+    prompt_ids = await asyncio.to_thread(render_chat, engine, req.messages, req.add_generation_prompt,
+                                req.chat_template_kwargs, req.continue_final_message, req.chat_template,
+                                req.add_special_tokens)
     if keep is not None:
         prompt_ids = prompt_ids[-keep:]  # vLLM's truncate_prompt_tokens: the last k tokens
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -169,11 +175,6 @@ def _echo_text(req: ChatCompletionRequest) -> str:
     return last.text() if req.echo and last is not None and last.role == "assistant" else ""
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
-
-
 def _full_response(engine: AsyncEngine, req: ChatCompletionRequest, final: RequestOutput,
                    reply_id: str) -> ChatCompletionResponse:
     echo = _echo_text(req)
@@ -184,7 +185,7 @@ def _full_response(engine: AsyncEngine, req: ChatCompletionRequest, final: Reque
                for c in final.outputs]
     generated = sum(len(c.token_ids) for c in final.outputs)
     return ChatCompletionResponse(id=reply_id, model=engine.model_name, choices=choices,
-                                  usage=_usage(len(final.prompt_token_ids), generated))
+                                  usage=UsageInfo.of(len(final.prompt_token_ids), generated))
 
 
 async def _stream(engine: AsyncEngine, req: ChatCompletionRequest, stream: RequestStream,
@@ -215,9 +216,9 @@ async def _stream(engine: AsyncEngine, req: ChatCompletionRequest, stream: Reque
                 done.add(c.index)
             logprobs = (_logprobs(engine, c, start, req.top_logprobs or 0, req.return_tokens_as_token_ids)
                         if req.logprobs else None)
-            usage = _usage(num_prompt_tokens, sum(generated.values())) if continuous else None
+            usage = UsageInfo.of(num_prompt_tokens, sum(generated.values())) if continuous else None
             yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=delta), logprobs=logprobs,
                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason)], usage)
     if include_usage:
-        yield chunk([], _usage(num_prompt_tokens, sum(generated.values())))
+        yield chunk([], UsageInfo.of(num_prompt_tokens, sum(generated.values())))
     yield SSE_DONE

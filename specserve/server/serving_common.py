@@ -6,6 +6,7 @@ request changes no engine state (the engine validates again and would roll back 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -25,6 +26,9 @@ T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 MAX_N = 128  # n * prompts per HTTP request: keeps one request from flooding the scheduler
 MAX_LOGPROBS = 20
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+MAX_JSON_DEPTH = 64  # request bodies nest a few levels; json_schema / tool-like fields a few more
+_SURROGATE_RE = re.compile(r"[\ud800-\udfff]")  # only a JSON escape can put one into a str
 
 
 class APIError(Exception):
@@ -76,7 +80,8 @@ def field_in_message(message: str) -> str | None:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """Read the body with a size limit (413) and parse it (400); never trusts Content-Length alone."""
+    """Read the body with a size limit (413) and parse it (400); never trusts Content-Length alone.
+    What it returns holds only valid Unicode strings and nests at most MAX_JSON_DEPTH levels."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -84,9 +89,47 @@ async def read_json(request: Request, limit: int) -> Any:
             raise APIError(f"request body exceeds the limit of {limit} bytes", 413, code="request_too_large")
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
+    _check_json(body)
+    return body
+
+
+def _check_json(value: Any) -> None:
+    """Depth and lone surrogates ("\\ud800" decodes to a str that no tokenizer can encode), iteratively."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str) and _SURROGATE_RE.search(v):
+            raise APIError("request body holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode",
+                           code="invalid_value")
+        elif isinstance(v, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise APIError(f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+            items = [x for kv in v.items() for x in kv] if isinstance(v, dict) else v
+            stack.extend((x, depth + 1) for x in items)
+
+
+@functools.lru_cache(maxsize=8)
+def max_token_chars(tokenizer: Any) -> int:
+    """The longest token string of the vocabulary: a token covers at most this many characters of
+    text (byte-level BPE spells each byte as one character, SentencePiece a space as one)."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max((len(t) for t in tokens if t), default=1)
+
+
+def check_prompt_chars(engine: AsyncEngine, num_chars: int, param: str) -> None:
+    """Reject a text that cannot fit the context whatever its tokenization, before tokenizing it
+    (megabytes take seconds). Handlers then tokenize with asyncio.to_thread, so the event loop keeps
+    serving (HF fast tokenizers release the GIL and are safe to share)."""
+    limit = engine.max_model_len * max_token_chars(require_tokenizer(engine, param))
+    if num_chars > limit:
+        raise APIError(f"This model's maximum context length is {engine.max_model_len} tokens. However, your {param} "
+                       f"has {num_chars} characters, more than {engine.max_model_len} tokens can spell. Please reduce "
+                       "the length of the input.", param=param, code="context_length_exceeded")
 
 
 def parse_model(cls: type[M], body: Any) -> M:
@@ -243,6 +286,27 @@ def token_text(engine: AsyncEngine, token_id: int, lp: Logprob | None) -> str:
     if engine.tokenizer is None:
         return f"token_id:{token_id}"  # vLLM's spelling when there is no tokenizer
     return engine.tokenizer.decode([token_id])
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's spelling of bytes as characters (GPT-2's table), inverted."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(extra)}}
+
+
+def token_bytes(engine: AsyncEngine, token_id: int, text: str) -> list[int]:
+    """The token's UTF-8 bytes for logprobs. A token that holds part of a character decodes to
+    U+FFFD, so its own bytes come from the vocabulary: byte-level BPE spells one byte per
+    character, SentencePiece's byte fallback spells `<0xNN>`."""
+    if "\ufffd" not in text or engine.tokenizer is None:
+        return list(text.encode("utf-8"))
+    piece = engine.tokenizer.convert_ids_to_tokens(token_id) or ""
+    if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+        return [int(piece[3:5], 16)]
+    table = _byte_of_char()
+    return [table[ch] for ch in piece] if piece and all(ch in table for ch in piece) else list(text.encode("utf-8"))
 
 
 def logprob_token(engine: AsyncEngine, token_id: int, lp: Logprob | None, as_ids: bool) -> tuple[str, str]:

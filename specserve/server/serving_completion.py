@@ -1,6 +1,7 @@
 """POST /v1/completions: string, batch of strings, token ids, or batch of token id lists."""
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,12 +22,14 @@ from specserve.server.protocol import (
 )
 from specserve.server.serving_common import (
     MAX_LOGPROBS,
+    MIN_LOGPROB,
     SSE_DONE,
     APIError,
     ClientDisconnected,
     DeltaTracker,
     build_params,
     check_model,
+    check_prompt_chars,
     check_token_ids,
     engine_error,
     fit_context,
@@ -37,8 +40,6 @@ from specserve.server.serving_common import (
     truncation_size,
     until_disconnected,
 )
-
-MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
 @dataclass
@@ -71,9 +72,7 @@ class _Reply:
         return prompt.text
 
     def usage(self, completion_tokens: int) -> UsageInfo:
-        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
-        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+        return UsageInfo.of(sum(len(p.token_ids) for p in self.prompts), completion_tokens)
 
     def logprobs(self, index: int, c: CompletionOutput, start: int,
                  echoed: RequestOutput | None = None) -> CompletionLogprobs | None:
@@ -129,6 +128,8 @@ def _prompts(engine: AsyncEngine, req: CompletionRequest) -> list[_Prompt]:
     for p in prompt:
         if isinstance(p, str):
             tokenizer = require_tokenizer(engine, "prompt")
+            if keep is None:  # truncation keeps the last tokens of a longer text
+                check_prompt_chars(engine, len(p), "prompt")
             if not p:
                 ids = []
             elif req.add_special_tokens:
@@ -155,7 +156,7 @@ async def create_completion(engine: AsyncEngine, req: CompletionRequest, raw: Re
                        code="unsupported")
     if req.echo:
         require_tokenizer(engine, "echo")
-    prompts = _prompts(engine, req)
+    prompts = await asyncio.to_thread(_prompts, engine, req)
     if len(prompts) * req.n > 128:
         raise APIError("too many completions in one request (prompts * n > 128)", param="n",
                        code="invalid_value")

@@ -31,7 +31,7 @@ from tests.helpers.server_proc import free_port
 
 MODEL = "stub-model"
 DELAY_S = 0.002
-STATE = {"requests": 0, "tokens": 0}
+STATE: dict[str, Any] = {"requests": 0, "tokens": 0, "prompts": []}
 
 
 def chunk_sizes(n: int) -> list[int]:
@@ -68,6 +68,7 @@ def make_app() -> FastAPI:
                                            "param": "model", "code": 404}}, status_code=404)
         n = int(body["max_tokens"])
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        STATE["prompts"].append(prompt)
         usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n, "total_tokens": len(prompt.split()) + n}
 
         def event(choice: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> str:
@@ -304,3 +305,4 @@ def test_bench_and_advise_against_a_real_specserve_server(specserve_server: str,
     assert out["regime"] == "low" and out["samples"] == 1 and out["window_s"] is None
     spec_advice = [a for a in out["advice"] if "drafts" in a["evidence"]]
     assert spec_advice and spec_advice[0]["evidence"]["drafts"] == int(stats.counters["drafts"]) > 0
+    assert spec_advice[0]["evidence"]["num_speculative_tokens"] == 3  # the configured k, from spec_decode_config_info

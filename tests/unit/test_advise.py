@@ -14,7 +14,8 @@ ITL_BOUNDS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 def page(prefix: str = "specserve", running: float = 0, waiting: float = 0, kv: float = 0.0, preempt: float = 0,
          gen: float = 0, requests: float = 0, prefix_q: float = 0, prefix_h: float = 0, drafts: float = 0,
          draft_tokens: float = 0, accepted_pos: tuple[float, ...] = (), itl_counts: tuple[int, ...] = (),
-         cache: dict[str, str] | None = None, kv_name: str = "kv_cache_usage_perc") -> str:
+         cache: dict[str, str] | None = None, kv_name: str = "kv_cache_usage_perc", itl_sum: float | None = None,
+         spec_info: dict[str, str] | None = None, chosen_k: float | None = None) -> str:
     """A /metrics page in Prometheus text format with the given values (counters are totals)."""
     p = prefix + ":"
     lines = [f"# TYPE {p}num_requests_running gauge", f"{p}num_requests_running{{model_name=\"m\"}} {running}",
@@ -37,10 +38,14 @@ def page(prefix: str = "specserve", running: float = 0, waiting: float = 0, kv: 
         for bound, c in zip([*map(str, ITL_BOUNDS), "+Inf"], itl_counts):
             cum += c
             lines.append(f"{p}inter_token_latency_seconds_bucket{{le=\"{bound}\"}} {cum}")
-        lines += [f"{p}inter_token_latency_seconds_count {cum}", f"{p}inter_token_latency_seconds_sum {cum * 0.01}"]
-    if cache:
-        labels = ",".join(f'{k}="{v}"' for k, v in cache.items())
-        lines += [f"# TYPE {p}cache_config_info gauge", f"{p}cache_config_info{{{labels}}} 1.0"]
+        total = cum * 0.01 if itl_sum is None else itl_sum
+        lines += [f"{p}inter_token_latency_seconds_count {cum}", f"{p}inter_token_latency_seconds_sum {total}"]
+    for name, info in (("cache_config_info", cache), ("spec_decode_config_info", spec_info)):
+        if info:
+            labels = ",".join(f'{k}="{v}"' for k, v in info.items())
+            lines += [f"# TYPE {p}{name} gauge", f"{p}{name}{{{labels}}} 1.0"]
+    if chosen_k is not None:
+        lines += [f"# TYPE {p}spec_decode_chosen_num_tokens gauge", f"{p}spec_decode_chosen_num_tokens {chosen_k}"]
     return "\n".join(lines) + "\n"
 
 
@@ -68,11 +73,64 @@ def test_idle_server() -> None:
 
 def test_low_concurrency_without_speculation_suggests_it() -> None:
     found = advise(window({"gen": 1000}, {"running": 2, "gen": 3000, "requests": 10, "itl_counts": (0, 90, 10, 0, 0, 0, 0)}))
-    spec = find(found, "turn speculation on")
+    spec = find(found, "speculation may pay (its cost is unmeasured here)")  # one batch size: no step-cost slope
     assert spec.evidence["running_avg"] == 2 and spec.evidence["waiting_max"] == 0
-    assert spec.evidence["generation_tokens_per_s"] == 200.0
+    assert spec.evidence["generation_tokens_per_s"] == 200.0 and spec.evidence["step_ms_per_extra_request"] is None
     assert "ngram" in spec.action and "eagle3" in spec.action and "draft_model" in spec.action
+    assert "costs about one step" not in spec.action
     assert not any("KV cache" in t for t in titles(found))
+
+
+def steps(*phases: tuple[float, float]) -> list:
+    """Snapshots 5 s apart; phase i: `running` requests, 100 ITL observations of `itl_s` each."""
+    snaps, count, total = [parse_metrics(page(running=phases[0][0]), 0.0)], 0, 0.0
+    for i, (running, itl_s) in enumerate(phases, 1):
+        count, total = count + 100, total + 100 * itl_s
+        snaps.append(parse_metrics(page(running=running, gen=count, requests=10 * i, itl_counts=(0, 0, 0, 0, count, 0, 0),
+                                        itl_sum=total), 5.0 * i))
+    return snaps
+
+
+def test_step_cost_is_judged_from_measured_itl() -> None:
+    """A CPU whose ITL rose from 85 ms with one request to 140 ms with three: each extra token in a
+    step costs ~32% of a step, not "about nothing"; a GPU's 10 -> 10.4 ms makes drafting cheap."""
+    cpu = find(advise(steps((1, 0.085), (1, 0.085), (3, 0.140), (3, 0.140))), "Low concurrency")
+    assert cpu.evidence["step_ms_1_request"] == pytest.approx(85.0, abs=1.0)
+    assert cpu.evidence["step_ms_per_extra_request"] == pytest.approx(27.5, abs=1.0)
+    assert "32%" in cpu.action and cpu.severity == "low"
+    dear = find(advise(steps((1, 0.085), (3, 0.300), (3, 0.300))), "Low concurrency")
+    assert "unlikely to pay" in dear.title
+    gpu = find(advise(steps((1, 0.010), (1, 0.010), (3, 0.0104), (3, 0.0104))), "Low concurrency")
+    assert "turn speculation on" in gpu.title and gpu.severity == "medium"
+
+
+def test_configured_k_and_the_controllers_choices_come_from_metrics() -> None:
+    """Configured with k=4; the adaptive controller drafted 3 on average: advise says k=4."""
+    info = {"method": "ngram", "num_speculative_tokens": "4", "adaptive": "True"}
+    before = {"spec_info": info, "chosen_k": 2}
+    after = {"running": 1, "gen": 900, "requests": 20, "drafts": 200, "draft_tokens": 600, "spec_info": info,
+             "accepted_pos": (160, 120, 50, 10), "chosen_k": 4}
+    k = find(advise(window(before, after)), "well sized")
+    assert k.title.endswith("(k=4)") and k.evidence["num_speculative_tokens"] == 4
+    assert k.evidence["mean_drafted_per_draft"] == 3.0 and k.evidence["chosen_k_mean"] == 3.0
+    assert "lower bounds" in k.action
+
+
+def test_prefix_hit_rate_is_no_reason_for_ngram() -> None:
+    """A benchmark that repeats its prompts makes the prefix cache hit; n-gram needs outputs that copy
+    their prompts, which the hit rate does not show."""
+    found = advise(window({}, {"running": 2, "gen": 3000, "requests": 20, "prefix_q": 1e5, "prefix_h": 9e4}))
+    spec = find(found, "Low concurrency")
+    assert "hit rate" not in spec.action and "prefix_hit_rate" not in spec.evidence
+
+
+def test_thin_evidence_is_said() -> None:
+    found = advise([parse_metrics(page(running=1, gen=40, requests=2, drafts=10, draft_tokens=30,
+                                       accepted_pos=(8, 5, 1)), 0.0)])
+    thin = find(found, "Thin evidence")
+    assert "one snapshot" in thin.action and "requests finished" in thin.action
+    assert find(found, "Too few drafts").severity == "info"
+    assert not any("Draft fewer" in t or "Draft more" in t for t in titles(found))
 
 
 def test_low_concurrency_too_many_draft_positions() -> None:

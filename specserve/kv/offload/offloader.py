@@ -53,6 +53,11 @@ class KVOffloader:
         self._evicted: list[tuple[BlockHash, int]] | None = None  # collected inside batch_evictions()
         self._loads: deque[tuple[torch.cuda.Event, list[PackedPayload]]] = deque()  # H2D copies in flight
         self._last: dict[str, TierStats] = {}
+        # Tier of each payload the last lookup returned (by object id), and blocks loaded into the
+        # GPU per tier: kv_offload_hits_total counts what served a request, not what a tier read.
+        self._origin: dict[int, str] = {}
+        self._served: dict[str, int] = {}
+        self._served_last: dict[str, int] = {}
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
         self._lock = threading.Lock()  # orders engine lookups after a running prefetch
 
@@ -117,15 +122,20 @@ class KVOffloader:
         with self._lock:
             return self._lookup(hashes)
 
+    def _found(self, found: list[PackedPayload], hits: list[PackedPayload], tier: str) -> None:
+        found.extend(hits)
+        self._origin.update((id(p), tier) for p in hits)
+
     def _lookup(self, hashes: list[BlockHash]) -> list[PackedPayload]:
         found: list[PackedPayload] = []
+        self._origin = {}
         while len(found) < len(hashes):
             rest = hashes[len(found):]
             for h in rest:
                 self.queue.wait_for(h)  # a block on its way into the tiers: wait until it is there
             if self.cpu is not None:
                 hits = self.cpu.get_many(rest)
-                found.extend(hits)
+                self._found(found, hits, self.cpu.name)
                 if len(hits) == len(rest):
                     break
                 rest = rest[len(hits):]
@@ -134,7 +144,7 @@ class KVOffloader:
                 break
             got = self.disk.get_many(run, self.mover.layout)
             hits = _prefix(got)
-            found.extend(hits)
+            self._found(found, hits, self.disk.name)
             if self.cpu is not None and hits:  # promote off the engine thread
                 self.queue.submit(run[:len(hits)], hits, self.cpu.put_many)
             if len(hits) < len(run):
@@ -163,6 +173,9 @@ class KVOffloader:
     def load_into(self, block_ids: list[int], payloads: list[BlockPayload]) -> None:
         """Copy payloads into the (freshly allocated) blocks, ordered before the next forward."""
         packed = self.mover.check(payloads)
+        for p in payloads:
+            tier = self._origin.get(id(p), "cpu")
+            self._served[tier] = self._served.get(tier, 0) + 1
         done = self.mover.load_from_host(block_ids, packed)
         if done is not None:  # the host buffers (tier slots) stay leased until the copy has run
             self._loads.append((done, packed))
@@ -193,7 +206,9 @@ class KVOffloader:
             last = self._last.get(name, TierStats())
             lbl = {"tier": name}
             self.stats.inc("kv_offload_queries_total", (now.queries - last.queries) * self.block_size, lbl)
-            self.stats.inc("kv_offload_hits_total", (now.hits - last.hits) * self.block_size, lbl)
+            served = self._served.get(name, 0) - self._served_last.get(name, 0)
+            self.stats.inc("kv_offload_hits_total", served * self.block_size, lbl)
+            self._served_last[name] = self._served.get(name, 0)
             self.stats.inc("kv_offload_bytes_total", now.bytes_in - last.bytes_in, {**lbl, "direction": "store"})
             self.stats.inc("kv_offload_bytes_total", now.bytes_out - last.bytes_out, {**lbl, "direction": "load"})
             self.stats.inc("kv_offload_errors_total", now.errors - last.errors, lbl)
