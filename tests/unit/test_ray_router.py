@@ -61,7 +61,8 @@ def test_merged_metrics_label_each_replica_and_parse():
     assert merged.count("# TYPE specserve:num_requests_waiting gauge") == 1
     snap = parse_metrics(merged, 0.0)
     assert snap.by_label("num_requests_waiting", "replica") == {"0": 2.0, "1": 3.0}
-    assert snap.value("request_success_total", {"replica": "1", "finished_reason": "stop"}) == 5.0
+    assert snap.samples["request_success_total"] == [({"finished_reason": "stop", "replica": "0"}, 5.0),
+                                                     ({"finished_reason": "stop", "replica": "1"}, 5.0)]
 
 
 def test_advise_reads_gauges_per_replica_on_a_merged_page():
