@@ -40,7 +40,7 @@ from json_out import write_json_atomic
 
 from specserve.model.layers import triton_gemv, triton_ops
 from specserve.model.layers import triton_skinny as sk
-from specserve.model.layers.pdl import use_pdl
+from specserve.kernels.pdl import use_pdl
 
 # name -> (N, K) of weight [N, K]
 SHAPES = {

@@ -46,7 +46,7 @@ import triton
 from specserve import envs
 from specserve.model.layers import triton_skinny
 from specserve.model.layers.gemv_kernel import _gemv_kernel
-from specserve.model.layers.pdl import use_pdl
+from specserve.kernels.pdl import use_pdl
 from specserve.model.layers.triton_skinny import SkinnyConfig
 
 # Rows of x (tokens) up to which the GEMV may run: batch-1..8 decode and a batch-1 verify of k <= 7.
@@ -226,12 +226,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
 
 def _prefetch(n: int, k: int, m: int, device: torch.device) -> bool:
     """Whether the GEMV requests its weights early (the next tile one loop step ahead; a single tile
-    all before the PDL wait) for weight [n, k] and m rows: SPECSERVE_GEMV_PREFETCH, else the tuned
-    table's measurement for this shape (`prefetch_table`), else for short reductions
-    (K <= PREFETCH_MAX_K: the rule the whole-step A/B gave, see PREFETCH_MAX_K)."""
-    forced = envs.gemv_prefetch()
-    if forced is not None:
-        return forced
+    all before the PDL wait) for weight [n, k] and m rows: the tuned table's word for this shape
+    (`prefetch_table`), else for short reductions (K <= PREFETCH_MAX_K)."""
     tuned = prefetch_table(_device_name(device)).get(config_key(n, k, m))
     return tuned if tuned is not None else k <= PREFETCH_MAX_K
 
@@ -243,7 +239,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, kind: str) -> SkinnyConfig | 
         return None
     # The table first: every linear of a step asks, and a GPU without skinny entries answers here.
     entries = skinny_table(_device_name(x.device))[kind]
-    if not entries or not (envs.skinny() and triton_skinny.supports(x, weight)):
+    if not entries or not triton_skinny.supports(x, weight):
         return None
     return entries.get(config_key(weight.shape[0], x.shape[1], x.shape[0]))
 

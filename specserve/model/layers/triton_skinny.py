@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from specserve import envs
-from specserve.model.layers.pdl import pdl_prologue, use_pdl
+from specserve.kernels.pdl import pdl_prologue, use_pdl
 
 SKINNY_MIN_M = 1  # one row works too (x is padded to 16 rows); the engine picks it per shape where it beats the GEMV
 SKINNY_MAX_M = 16  # rows are padded to one 16-row MMA tile
