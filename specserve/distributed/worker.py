@@ -29,9 +29,9 @@ import torch.distributed as dist
 from specserve.attention.base import ForwardContext, forward_context
 from specserve.config import EngineConfig
 from specserve.distributed.parallel_state import TPGroup, init_tp_group
-from specserve.engine.setup import build_runner
+from specserve.runner.build import build_runner
 from specserve.model.loader import LoadedModel, resolve_dtype
-from specserve.model.tp import shard_model
+from specserve.distributed.tp import shard_model
 from specserve.runner.batch import BatchInputs, HostBatch, build_host_batch
 from specserve.runner.model_runner import ModelRunner, StepOutput
 from specserve.scheduler.scheduler import SchedulerOutput

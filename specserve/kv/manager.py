@@ -8,9 +8,24 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from typing import Protocol
 
 from specserve.kv.block_pool import BlockHash, BlockPool, hash_blocks
-from specserve.scheduler.request import Request
+
+
+class Request(Protocol):
+    """What the manager reads of a request (scheduler.request.Request, or a proposer's draft sequence).
+    An optional `num_pending_tokens` counts placeholder tokens whose ids are not known yet."""
+
+    request_id: str
+    block_hashes: list[BlockHash]
+    num_computed_tokens: int
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 class KVCacheManager:
@@ -183,6 +198,6 @@ class KVCacheManager:
         self.pool.check_integrity(refs)
 
 
-def _num_known(req) -> int:
+def _num_known(req: Request) -> int:
     """Tokens whose ids are known on the host. Draft sequences duck-type Request without pending tokens."""
     return req.num_tokens - getattr(req, "num_pending_tokens", 0)

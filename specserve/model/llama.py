@@ -52,7 +52,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.ops = ops
         # [num_kv_heads, head_dim], subtracted from keys before they are cached; set only for
-        # quantized KV formats (specserve/kv/key_offset.py says why attention is unchanged by it).
+        # quantized KV formats (specserve/model/key_offset.py says why attention is unchanged by it).
         self.key_offset: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -129,7 +129,7 @@ class CausalLM(nn.Module):
         # Layers whose inputs (the residual stream entering layer i; layer 0's is the embeddings) are
         # also returned, for EAGLE-3 heads (the states EAGLE-3 and vLLM take).
         self.aux_hidden_layers: tuple[int, ...] = ()
-        # Set by model/tp.py: a vocabulary-sharded head that computes and gathers the logits.
+        # Set by distributed/tp.py: a vocabulary-sharded head that computes and gathers the logits.
         self.logits_head: nn.Module | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

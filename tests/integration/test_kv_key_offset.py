@@ -1,4 +1,4 @@
-"""Key offsets for quantized KV (specserve/kv/key_offset.py) on a Qwen2-shaped model whose K bias
+"""Key offsets for quantized KV (specserve/model/key_offset.py) on a Qwen2-shaped model whose K bias
 has large outlier channels on slowly rotating RoPE pairs, as Qwen2.5 has (up to ~360 there).
 
 Without the offset, fp8 / nvfp4 KV spend their per-(token, head) / per-16 scales on the outliers and
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specserve import LLM, SamplingParams
-from specserve.kv.key_offset import slow_channels
+from specserve.model.key_offset import slow_channels
 from specserve.model.arch import ModelArch
 from tests.helpers.tiny_models import make_tiny_model_dir
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from specserve.distributed.parallel_state import TPGroup
 from specserve.model.arch import ModelArch
-from specserve.model.layers.parallel import (
+from specserve.distributed.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
