@@ -36,7 +36,6 @@ from specserve.attention.triton_quant_common import (
     _tile_rows,
 )
 
-
 # $2 = two units (bytes u0.lo, u0.hi, u1.lo, u1.hi); $0 = (u0.lo, u1.lo) and $1 = (u0.hi, u1.hi) as
 # float16 pairs. The byte permute 0x3120 turns (b0, b1, b2, b3) into (b0, b2, b1, b3).
 _UNIT_PTX = tl.constexpr("""

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from specserve.config import EngineConfig
 from specserve.distributed.launcher import WorkerProcs
 from specserve.distributed.parallel_state import TPGroup, adopt_default_group, init_tp_group, release_tp_group
+from specserve.distributed.tp import check_tp_size
 from specserve.distributed.worker import ShardRunner, Shutdown, StepMessage, build_rank_runner, release_cuda_graphs
 from specserve.model.arch import ModelArch
-from specserve.distributed.tp import check_tp_size
 from specserve.runner.batch import build_host_batch
 from specserve.runner.model_runner import StepOutput
 from specserve.scheduler.scheduler import SchedulerOutput

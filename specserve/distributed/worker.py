@@ -20,8 +20,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,10 +29,10 @@ import torch.distributed as dist
 from specserve.attention.base import ForwardContext, forward_context
 from specserve.config import EngineConfig
 from specserve.distributed.parallel_state import TPGroup, init_tp_group
-from specserve.runner.build import build_runner
-from specserve.model.loader import LoadedModel, resolve_dtype
 from specserve.distributed.tp import shard_model
+from specserve.model.loader import LoadedModel, resolve_dtype
 from specserve.runner.batch import BatchInputs, HostBatch, build_host_batch
+from specserve.runner.build import build_runner
 from specserve.runner.model_runner import ModelRunner, StepOutput
 from specserve.scheduler.scheduler import SchedulerOutput
 

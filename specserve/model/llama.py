@@ -6,8 +6,8 @@ cache from the forward context (attention/base.py), so the model itself stays ba
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import ModuleType
-from typing import Iterable
 
 import torch
 from torch import nn

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,8 +20,8 @@ from tqdm.auto import tqdm
 
 from specserve.config import ModelConfig
 from specserve.model.arch import ModelArch, rope_cos_sin_cache
-from specserve.model.llama import CausalLM
 from specserve.model.layers import ops as torch_ops
+from specserve.model.llama import CausalLM
 from specserve.model.shapes import SHAPES
 
 
@@ -109,7 +110,7 @@ class WeightSource:
         self.num_tensors: int | None = None
 
     @staticmethod
-    def open(cfg: ModelConfig) -> "WeightSource":
+    def open(cfg: ModelConfig) -> WeightSource:
         if cfg.load_format == "dummy" and cfg.model in SHAPES:
             return _ShapeSource(cfg.model)
         path = Path(cfg.model).expanduser()
@@ -122,7 +123,7 @@ class WeightSource:
             return _GGUFSource(resolved.name, Path(resolved.path))._check_format(cfg.load_format, "gguf")
         return _HFDirSource(resolved.name, Path(resolved.path))._check_format(cfg.load_format, "safetensors")
 
-    def _check_format(self, load_format: str, kind: str) -> "WeightSource":
+    def _check_format(self, load_format: str, kind: str) -> WeightSource:
         """An explicit load_format must be what the model reference holds (vLLM refuses a mismatch too)."""
         if load_format in ("safetensors", "gguf") and load_format != kind:
             raise ValueError(f"load_format {load_format!r} does not match model {self.name!r}, which is {kind}; "

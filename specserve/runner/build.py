@@ -1,8 +1,8 @@
 """Build a ModelRunner from an EngineConfig: load the model, size the KV pool, capture CUDA graphs."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable
 
 import torch
 

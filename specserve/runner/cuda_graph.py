@@ -156,8 +156,9 @@ class CudaGraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.verify_query_lens = tuple(sorted(set(query_lens)))  # decode (1) and verify (k + 1) lengths
         self.prefill_query_lens = tuple(q for q in prefill_query_lens if q <= max_model_len)
-        self.catch_up_query_lens = catch_up_lens_of(  # their graphs score one row per sequence at most
-            self.verify_query_lens, self.prefill_query_lens, tuple(q for q in catch_up_query_lens if q <= max_model_len))
+        catch_up = tuple(q for q in catch_up_query_lens if q <= max_model_len)
+        # their graphs score one row per sequence at most
+        self.catch_up_query_lens = catch_up_lens_of(self.verify_query_lens, self.prefill_query_lens, catch_up)
         self.sizes_by_q = sizes_by_query_len(self.batch_sizes, self.verify_query_lens, self.prefill_query_lens,
                                              self.catch_up_query_lens)
         self.query_lens = tuple(sorted(self.sizes_by_q))

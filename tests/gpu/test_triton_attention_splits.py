@@ -10,8 +10,16 @@ import pytest
 import torch
 
 from specserve.kv.spec import kv_format
-from tests.gpu.test_triton_attention import (assert_cache_written, assert_close, attend, make_batch, reference,
-                                             run_kernels, write_cache)
+from tests.gpu.test_triton_attention import (
+    assert_cache_written,
+    assert_close,
+    attend,
+    make_batch,
+    reference,
+    run_kernels,
+    write_cache,
+)
+
 
 @pytest.fixture
 def adversarial(monkeypatch: pytest.MonkeyPatch, interpreting: bool) -> None:

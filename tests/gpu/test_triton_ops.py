@@ -99,11 +99,12 @@ def _linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("n,k,with_bias", [(2048, 1536, True), (1536, 1536, False), (100, 200, True), (37, 1100, False)])
+@pytest.mark.parametrize("n,k,with_bias",
+                         [(2048, 1536, True), (1536, 1536, False), (100, 200, True), (37, 1100, False)])
 def test_gemv_linear(dtype: torch.dtype, m: int, n: int, k: int, with_bias: bool, device: torch.device,
                      interpreting: bool) -> None:
     """The GEMV (rows <= GEMV_MAX_M) against an fp64 reference and cuBLAS; ragged N and K are masked."""
-    from specserve.model.layers import triton_gemv, triton_ops
+    from specserve.model.layers import triton_ops
 
     if interpreting and n * k > 2048 * 1536 // 4:
         n, k = n // 4, k // 4

@@ -1,13 +1,13 @@
 """Triton kernels over quantized KV (fp8, nvfp4) against the torch oracle (kv/quant.py, torch_ref).
 
-The write kernel must reproduce `quant.write_kv` bit for bit: data bytes and scales, ties and
-saturation included, run on the CPU as the oracle. Attention reads the same bytes; its reference
-is TorchRefBackend in float64 over the dequantized cache, so what differs is only the kernels'
-float16 operands and fp32 accumulation. Every attention kernel variant (triton_quant.VARIANTS: fp8
-v3, nvfp4 v4 and v7) runs every attention test, also under each launch option bench/kv_quant_gpu.py sweeps (test_launch_options). Slots that no sequence owns hold
-NaN scales (and NaN fp8 bytes), so any read outside a sequence's context shows up as NaN; outputs
-are poisoned with NaN before the kernel runs, so every row must be written. Reads past the end of a
-tensor need not show in the output: test_quant_kv_bounds.py puts the KV at the end of an exactly
+The write kernel must reproduce `quant.write_kv` bit for bit: data bytes and scales, ties and saturation
+included, run on the CPU as the oracle. Attention reads the same bytes; its reference is TorchRefBackend
+in float64 over the dequantized cache, so what differs is only the kernels' float16 operands and fp32
+accumulation. Every attention kernel variant (triton_quant.VARIANTS: fp8 v3, nvfp4 v4 and v7) runs every
+attention test, also under each non-default launch option (test_launch_options). Slots that no sequence
+owns hold NaN scales (and NaN fp8 bytes), so any read outside a sequence's context shows up as NaN;
+outputs are poisoned with NaN before the kernel runs, so every row must be written. Reads past the end
+of a tensor need not show in the output: test_quant_kv_bounds.py puts the KV at the end of an exactly
 sized pool and, in the interpreter, checks the addresses of every load and store.
 
 Under TRITON_INTERPRET=1 the interpreter's float8 conversions are replaced by torch's (it
@@ -164,8 +164,8 @@ def test_odd_kv_head_count(name: str, variant: str, device: torch.device, interp
 def test_nvfp4_decoders_are_exact(device: torch.device) -> None:
     """The nvfp4 decoders (plain Triton; inline PTX: the GPU only) against the torch LUT,
     on all 65536 units."""
-    from specserve.attention.triton_quant_common import NVFP4_DECODE
     from specserve.attention.triton_nvfp4_decode import E4M3_DECODE
+    from specserve.attention.triton_quant_common import NVFP4_DECODE
     from tests.helpers.quant_decode import nvfp4_units_kernel
 
     units = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).to(device)
@@ -185,8 +185,8 @@ def test_nvfp4_pair_decoder_is_exact(device: torch.device) -> None:
     """v7's K decoder (32-bit words, no byte permute; inline PTX on the GPU, plain Triton in the
     interpreter) against the torch LUT on all 65536 units, each once in a word's low and once in its
     high half, every value at the element the kernel's Q order gives it."""
-    from specserve.attention.triton_quant_common import NVFP4_DECODE
     from specserve.attention.triton_nvfp4_decode import E4M3_DECODE
+    from specserve.attention.triton_quant_common import NVFP4_DECODE
     from tests.helpers.quant_decode import nvfp4_pairs_kernel
 
     all_units = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)

@@ -217,7 +217,8 @@ def test_engine_linear_follows_the_skinny_table(m: int, device: torch.device, dt
     try:
         mp.setattr(sk, "skinny_linear", lambda *a, **kw: calls.append("plain") or real_plain(*a, **kw))
         mp.setattr(sk, "skinny_linear_silu_and_mul", lambda *a, **kw: calls.append("silu") or real_silu(*a, **kw))
-        mp.setattr(triton_gemv, "skinny_table", lambda name: {"plain": {key: cfg}, "silu": {key: cfg._replace(block_n=16)}})
+        table = {"plain": {key: cfg}, "silu": {key: cfg._replace(block_n=16)}}
+        mp.setattr(triton_gemv, "skinny_table", lambda name: table)
         got = triton_ops.linear(x, w, b)
         act = triton_ops.linear_silu_and_mul(x, w)
         assert calls == ["plain", "silu"]

@@ -9,7 +9,6 @@ replays the graphs themselves.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from specserve import LLM, SamplingParams

@@ -7,8 +7,15 @@ from collections import OrderedDict, deque
 import torch
 
 from specserve.kv.offload.base import BlockKey, StatsCounter, TierStats
-from specserve.kv.offload.payload import (BlockLayout, BlockPayload, PackedPayload, copy_bytes, pack, paired_runs,
-                                          payload_nbytes)
+from specserve.kv.offload.payload import (
+    BlockLayout,
+    BlockPayload,
+    PackedPayload,
+    copy_bytes,
+    pack,
+    paired_runs,
+    payload_nbytes,
+)
 from specserve.kv.offload.slab import DEFAULT_CHUNK_BYTES, SlotSlab
 
 

@@ -1,5 +1,5 @@
-"""The GEMV's Triton kernel (`_gemv_kernel`) and its single-tile body (`_single_tile`). What it computes, its fusions, rounding and tiles:
-triton_gemv.py, which launches it and picks its tiles.
+"""The GEMV's Triton kernel (`_gemv_kernel`) and its single-tile body (`_single_tile`). What it
+computes, its fusions, rounding and tiles: triton_gemv.py, which launches it and picks its tiles.
 """
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ to a power of two) -> [BLOCK_N, BLOCK_K, num_warps], or [0, 0, 0] where cuBLAS m
 Shapes and GPUs without an entry use a heuristic (BLOCK_N such that the grid fills the SMs about
 twice) up to GEMV_UNTUNED_MAX_M rows; past it only tuned entries take the GEMV. The table's
 "prefetch" object says per shape whether the early weight loads (PREFETCH) measured faster, and its
-"skinny" objects where the tensor-core skinny GEMM (triton_skinny.py) beat both. A fixed table (not autotuning at start) keeps a run's kernels, so its bf16 rounding and
-greedy output, the same from one start to the next.
+"skinny" objects where the tensor-core skinny GEMM (triton_skinny.py) beat both. A fixed table (not
+autotuning at start) keeps a run's kernels, so its bf16 rounding and greedy output, the same from one
+start to the next.
 
 Where BLOCK_K >= K (tuned entries up to K = 2048; the default BLOCK_K up to 512) one tile covers
 the whole reduction: a program issues all its weight loads at once, and with PREFETCH before its
@@ -44,9 +45,9 @@ import torch.nn.functional as F
 import triton
 
 from specserve import envs
+from specserve.kernels.pdl import use_pdl
 from specserve.model.layers import triton_skinny
 from specserve.model.layers.gemv_kernel import _gemv_kernel
-from specserve.kernels.pdl import use_pdl
 from specserve.model.layers.triton_skinny import SkinnyConfig
 
 # Rows of x (tokens) up to which the GEMV may run: batch-1..8 decode and a batch-1 verify of k <= 7.

@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.model.layers import triton_gemv
 from specserve.kernels.pdl import pdl_prologue, use_pdl
 from specserve.kernels.rope import apply_rope  # noqa: F401  (the ops interface)
+from specserve.model.layers import triton_gemv
 
 
 @triton.jit
