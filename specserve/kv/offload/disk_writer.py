@@ -59,6 +59,12 @@ class DiskWriter:
         for t in self._threads:
             t.start()
 
+    @property
+    def _slots(self) -> SlotSlab:
+        """The slab, which exists whenever a slot is held (the first block sizes it)."""
+        assert self._slab is not None
+        return self._slab
+
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._pending or key in self._reserved
 
@@ -77,7 +83,7 @@ class DiskWriter:
                 slot = self._take_slot(src.nbytes)
                 self._reserved.add(key)
                 self._pending_bytes += src.nbytes
-                taken.append((key, src, None if slot is None else self._slab.view(slot), slot))
+                taken.append((key, src, None if slot is None else self._slots.view(slot), slot))
         if dropped:
             self._stats.add(dropped=dropped)
         try:
@@ -88,7 +94,7 @@ class DiskWriter:
                     self._reserved.discard(key)
                     self._pending_bytes -= src.nbytes
                     if slot is not None:
-                        self._slab.free(slot)
+                        self._slots.free(slot)
             raise
         with self._lock:
             for key, pending in entries:
@@ -104,8 +110,8 @@ class DiskWriter:
         # Rows of one staging buffer into slots taken in order: a few large copies, GIL released.
         for src, dst in paired_runs([s for s, _ in slotted], [d for _, d in slotted]):
             copy_bytes(dst, src)
-        return [(key, _Pending(PackedPayload(dst, src.layout), slot, self._slab.view_bytes(slot))
-                 if dst is not None else
+        return [(key, _Pending(PackedPayload(dst, src.layout), slot, self._slots.view_bytes(slot))
+                 if dst is not None and slot is not None else
                  _Pending(pack(src, out=torch.empty(src.nbytes, dtype=torch.uint8)), None, None))
                 for key, src, dst, slot in taken]
 
@@ -176,4 +182,4 @@ class DiskWriter:
                 del self._pending[key]
                 self._pending_bytes -= pending.payload.nbytes
                 if pending.slot is not None:
-                    self._slab.free(pending.slot)
+                    self._slots.free(pending.slot)

@@ -126,7 +126,7 @@ class PackedPayload(Mapping):
         self.lease = lease
         self._views: dict[str, torch.Tensor] | None = None
         if lease is not None:
-            buffer._specserve_lease = lease
+            setattr(buffer, "_specserve_lease", lease)  # noqa: B010  (torch.Tensor has no such field)
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +137,7 @@ class PackedPayload(Mapping):
             self._views = self.layout.views(self.buffer)
             if self.lease is not None:
                 for t in self._views.values():
-                    t._specserve_lease = self.lease
+                    setattr(t, "_specserve_lease", self.lease)  # noqa: B010
         return self._views
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -157,7 +157,7 @@ class PackedPayload(Mapping):
 
 
 # The public name: a payload is any mapping of tensor names to tensors; tiers return PackedPayloads.
-BlockPayload = Mapping[str, torch.Tensor]
+BlockPayload = Mapping[str, torch.Tensor] | PackedPayload
 
 
 def pack(payload: BlockPayload, out: torch.Tensor | None = None) -> PackedPayload:
