@@ -7,9 +7,9 @@ bit-identical to `quant.write_kv`) and `paged_attention_quant`, which follows
 partials reduced by its `_reduce_splits_kernel`) and picks a kernel variant:
 
   fp8 "v3" (`triton_quant_fp8.py`): the only fp8 kernel.
-  nvfp4 "v4" (`triton_quant_nvfp4.py`): inline-PTX nibble decode. Taken where a launch is bound by
-       latency: query rows beyond one token, fewer (sequence, KV head) programs than SMs, or short
-       contexts.
+  nvfp4 "v4" (`triton_quant_nvfp4.py`): inline-PTX nibble decode, float16 dot operands in the 16-bit
+       register layout (`triton_dot_layout.py`). Taken where a launch is bound by latency: query rows
+       beyond one token, fewer (sequence, KV head) programs than SMs, or short contexts.
   nvfp4 "v7": v4 plus the score scale in exp2's fma, int32 offsets where they fit, the softmax
        denominator from a dot, no softmax for the padding half of a q block, and K read as 32-bit
        words. Taken for plain decode bound by throughput (`default_variant`).

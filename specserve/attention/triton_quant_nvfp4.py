@@ -12,7 +12,8 @@ bytes: P.V's tensor-core operand pairs two consecutive keys per register, which 
 from a 16-bit tile and not from a byte tile.
 
 The decoders (DECODER: 1 inline PTX on the GPU, 0 plain Triton under the interpreter, both exact)
-are in triton_nvfp4_decode.py. "v4" is the plain kernel; "v7" adds (`kernel_flags`):
+are in triton_nvfp4_decode.py. Both variants take float16 dot operands in the 16-bit register layout
+(DOT_KWIDTH2, triton_dot_layout.py). v7 adds (`kernel_flags`):
   FUSED_SCALE / OFFS32: the score scale in exp2's fma; int32 cache offsets where every one fits.
   ROWSUM_MMA: the softmax denominator from a dot of P with ones (l_i is [BLOCK_M, 16]).
   HALF_ROWS: where no query row can sit in the second half of a q block (`half_rows_apply`), the
@@ -27,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.attention import triton_dot_layout
 from specserve.attention.triton_nvfp4_decode import E4M3_DECODE, _scaled_pair_tiles, _scaled_tiles
 from specserve.attention.triton_quant_common import (
     NVFP4_DECODE,
@@ -65,15 +67,18 @@ def half_rows_apply(max_query_len: int, group: int, block_m: int) -> bool:
 def kernel_flags(variant: str, on_gpu: bool, offs32: bool, max_query_len: int, group: int, block_m: int,
                  words_aligned: bool = True) -> dict:
     """The nvfp4 kernel's variant constexprs. on_gpu False (Triton's interpreter, which runs no inline
-    assembly): the plain Triton decoder. offs32: every cache offset fits
+    assembly and no stage hook): the plain Triton decoder and Triton's layouts. offs32: every cache offset fits
     in int32 (offsets_fit_int32). words_aligned: the key cache starts 4-byte aligned (K_PAIRS reads it
     as 32-bit words; its strides are even by the format)."""
     if variant not in ("v4", LEAN_VARIANT):
         raise ValueError(f"nvfp4 variant must be v4 or v7, got {variant!r}")
     lean = variant == LEAN_VARIANT
-    return dict(DECODER=1 if on_gpu else 0, FUSED_SCALE=lean, OFFS32=lean and offs32,
+    return dict(DECODER=1 if on_gpu else 0, DOT_KWIDTH2=on_gpu, FUSED_SCALE=lean, OFFS32=lean and offs32,
                 ROWSUM_MMA=lean, HALF_ROWS=lean and half_rows_apply(max_query_len, group, block_m),
                 K_PAIRS=lean and words_aligned)
+
+
+triton_dot_layout.install()  # before the first compile of an opted-in kernel (the hook is not in Triton's key)
 
 
 @triton.jit
@@ -158,7 +163,15 @@ def _nvfp4_tile(tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2
     return m_i, l_i, a0, a1, a2, a3
 
 
-@triton.jit(do_not_specialize=["sm_scale_log2", "v_factor", "num_seqs", "num_splits", "stride_bt_seq"])
+def _kernel_name(specialization) -> str:
+    """The compiled kernel's name: triton_dot_layout's hook retargets the dot operands of those with
+    DOT_KWIDTH2 (a constexpr, so they are their own cache entries)."""
+    return triton_dot_layout.kernel_name("_paged_attention_nvfp4_kernel",
+                                         bool(specialization.constants.get("DOT_KWIDTH2")))
+
+
+@triton.jit(do_not_specialize=["sm_scale_log2", "v_factor", "num_seqs", "num_splits", "stride_bt_seq"],
+            repr=_kernel_name)
 def _paged_attention_nvfp4_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr, cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,
@@ -169,7 +182,7 @@ def _paged_attention_nvfp4_kernel(
     QUADS: tl.constexpr, QUADS_PAD: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, DECODER: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, DECODER: tl.constexpr, DOT_KWIDTH2: tl.constexpr,
     FUSED_SCALE: tl.constexpr, OFFS32: tl.constexpr, ROWSUM_MMA: tl.constexpr, HALF_ROWS: tl.constexpr,
     K_PAIRS: tl.constexpr,
 ):

@@ -13,7 +13,8 @@ sized pool and, in the interpreter, checks the addresses of every load and store
 Under TRITON_INTERPRET=1 the interpreter's float8 conversions are replaced by torch's (it
 truncates instead of rounding to nearest even and drops the mantissa carry); see
 `tests/helpers/quant_kv.patch_fp8_interpreter`. The interpreter runs no inline PTX, so there nvfp4
-takes the plain Triton decoder (fp8: a byte bitcast; v7's K: its plain twin, same column order);
+takes the plain Triton decoder (fp8: a byte bitcast; v7's K: its plain twin, same column order), and
+has no dot layouts to change (they are compiled for the GPU only: tests/unit/test_triton_dot_layout.py);
 test_nvfp4_decoders_are_exact and test_fp8_unit_decode_is_exact check the PTX decoders on the GPU for all
 65536 inputs (test_nvfp4_pair_decoder_is_exact: v7's K decoder, each unit in both halves of a word).
 """

@@ -78,11 +78,11 @@ def test_v7_half_rows_only_where_no_query_row_is_in_the_second_half(max_query_le
     flags = kernel_flags("v7", True, True, max_query_len, group, block_m)
     assert flags["HALF_ROWS"] == want and flags["K_PAIRS"] and flags["FUSED_SCALE"] and flags["ROWSUM_MMA"]
     v4 = kernel_flags("v4", True, True, max_query_len, group, block_m)
-    assert v4["DECODER"] == 1
+    assert v4["DOT_KWIDTH2"] and v4["DECODER"] == 1
     assert not any(v4[k] for k in ("FUSED_SCALE", "OFFS32", "ROWSUM_MMA", "HALF_ROWS", "K_PAIRS"))
     # a key cache not 4-byte aligned: v7 reads K as units
     assert not kernel_flags("v7", True, True, max_query_len, group, block_m, words_aligned=False)["K_PAIRS"]
-    # the interpreter: the plain Triton decoder
+    # the interpreter: the plain Triton decoder and Triton's own layouts
     assert kernel_flags("v7", False, True, max_query_len, group, block_m)["DECODER"] == 0
     with pytest.raises(ValueError, match="variant"):
         kernel_flags("v6", True, True, max_query_len, group, block_m)
