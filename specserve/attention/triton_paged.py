@@ -50,8 +50,8 @@ def _find_seq(cu_query_lens_ptr, num_seqs, q_block_idx, BLOCK_Q: tl.constexpr):
 
 
 # The block table's row stride (the widest table of the batch) is not specialized: Triton would compile
-# one variant for a one-block table, one for a multiple of 16 and one for the rest, and EAGLE's eager
-# first forwards (tables as wide as the prompt) met a new one mid-serving (a stall of ~0.5 s on the H200).
+# a variant per stride class, and eager forwards with tables as wide as the prompt would meet a new
+# one mid-serving.
 @triton.jit(do_not_specialize=["sm_scale_log2", "num_seqs", "num_splits", "stride_bt_seq"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
@@ -208,7 +208,7 @@ def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch
 @functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 132  # interpreter runs: behave as on an H200
+        return 132  # interpreter runs
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

@@ -2,8 +2,8 @@
 
 A decode step otherwise runs two tiny kernels per layer back to back: rotate q and k in place
 (kernels/rope.apply_rope), then copy k and v into their cache slots
-(triton_kv_write.reshape_and_cache). Each costs ~1.5-2 us on the H200, mostly launch and tail, not
-bytes; one program per token now rotates q in place, rotates k (in place too, so the result is
+(triton_kv_write.reshape_and_cache), each mostly launch and tail. Here one program per token rotates q
+in place, rotates k (in place too, so the result is
 exactly what the two-kernel path leaves behind) and stores k and v at the token's slot.
 """
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 `submit` copies each block into memory of its own (slots of a slab, reused for the life of the
 tier) and returns: the caller's buffer is free at once. That matters on CUDA, where the caller's
-buffer is pinned staging from torch's caching host allocator: held until its blocks were on disk
-(~100 ms for an 8k-token prompt), it made the next request's device->host copy allocate fresh
-pinned memory (cudaHostAlloc, tens of ms per 64 MiB) on the engine thread. The copy releases the
+buffer is pinned staging from torch's caching host allocator, and holding it until the blocks are
+on disk would make the next device->host copy allocate fresh pinned memory on the engine thread. The copy releases the
 GIL; so do the writers' syscalls and checksum, and they handle a few blocks per queue item, so
 the Python they run per block (the GIL they take from the engine thread) stays small.
 

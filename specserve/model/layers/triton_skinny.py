@@ -227,7 +227,7 @@ def _scratch(device: torch.device, workspace_floats: int, num_counters: int) -> 
 @functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 132  # interpreter runs: behave as on an H200
+        return 132  # interpreter runs
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
