@@ -21,14 +21,13 @@ their acc, which the reduce reads only where m > -inf. Softmax statistics are fp
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from specserve.attention.launch_sizes import MAX_SPLITS, MIN_KEYS_PER_SPLIT, SMALL_QUERY_MAX
 from specserve.attention.triton_kv_write import _check_cache
+from specserve.kernels.device import num_sms
 from specserve.kernels.pdl import pdl_prologue, use_pdl
 
 LOG2E = 1.4426950408889634
@@ -205,13 +204,6 @@ def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch
     return block_m, block_n or bn, num_warps, num_stages
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_num_splits(num_seqs: int, max_query_len: int, max_seq_len: int, num_kv_heads: int,
                       block_q: int, num_sms: int) -> int:
     """How many KV ranges each (q block, kv head) is cut into: enough programs for ~2 waves of SMs.
@@ -255,7 +247,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     head_dim_pad = triton.next_power_of_2(head_dim)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, max_query_len, max_seq_len, num_kv_heads, block_q,
-                                       _num_sms(q.device))
+                                       num_sms(q.device))
     split = num_splits > 1
     if split:
         part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)

@@ -26,7 +26,6 @@ from specserve.attention.triton_paged import (
     LOG2E,
     MAX_SPLITS,
     MIN_KEYS_PER_SPLIT,
-    _num_sms,
     _reduce_splits_kernel,
     attention_config,
 )
@@ -34,6 +33,7 @@ from specserve.attention.triton_quant_common import NVFP4_DECODE, check_quant_ca
 from specserve.attention.triton_quant_fp8 import launch_fp8
 from specserve.attention.triton_quant_nvfp4 import launch_nvfp4
 from specserve.attention.triton_quant_write import reshape_and_cache_quant
+from specserve.kernels.device import num_sms
 from specserve.kv.spec import KVFormat, LayerKVCache
 
 __all__ = [
@@ -119,7 +119,7 @@ def paged_attention_quant(q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, c
     check_quant_cache(fmt, cache, num_kv_heads, head_dim)
     num_seqs = cu_query_lens.shape[0] - 1
     variant = variant or default_variant(fmt.name, num_seqs, num_kv_heads, max_query_len, max_seq_len,
-                                         _num_sms(q.device))
+                                         num_sms(q.device))
     if variant not in VARIANTS[fmt.name]:
         raise ValueError(f"{fmt.name} variant must be one of {VARIANTS[fmt.name]}, got {variant!r}")
     if fmt.name == "fp8" and head_dim % 2:
@@ -141,7 +141,7 @@ def paged_attention_quant(q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, c
     head_dim_pad = triton.next_power_of_2(head_dim)
     if num_splits is None:
         num_splits = choose_num_splits_quant(num_seqs, max_query_len, max_seq_len, num_kv_heads, block_q,
-                                             _num_sms(q.device), variant)
+                                             num_sms(q.device), variant)
     split = num_splits > 1
     if split:
         part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)

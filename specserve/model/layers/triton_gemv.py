@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import triton
 
 from specserve import envs
+from specserve.kernels.device import num_sms
 from specserve.kernels.pdl import use_pdl
 from specserve.model.layers import triton_skinny
 from specserve.model.layers.gemv_kernel import _gemv_kernel
@@ -126,14 +127,7 @@ def tile_config(n: int, k: int, m: int, device: torch.device) -> tuple[int, int,
         return tuned
     if m > GEMV_UNTUNED_MAX_M:
         return 0, 0, 0
-    return block_n_for(n, _num_sms(device)), _BLOCK_K, 4
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return block_n_for(n, num_sms(device)), _BLOCK_K, 4
 
 
 def block_n_for(n: int, num_sms: int) -> int:

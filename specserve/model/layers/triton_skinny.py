@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from specserve import envs
+from specserve.kernels.device import num_sms
 from specserve.kernels.pdl import pdl_prologue, use_pdl
 
 SKINNY_MIN_M = 1  # one row works too (x is padded to 16 rows); the engine picks it per shape where it beats the GEMV
@@ -224,13 +225,6 @@ def _scratch(device: torch.device, workspace_floats: int, num_counters: int) -> 
     return grown
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     """(splits launched, K per split): K tiles dealt evenly, no split empty."""
     k_tiles = triton.cdiv(k, block_k)
@@ -342,7 +336,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ValueError otherwise; 1 <= M since SKINNY_MIN_M = 1). config: explicit tiles, else `default_config`."""
     _check_inputs(x, weight, bias)
     if config is None:
-        config = default_config(weight.shape[0], x.shape[1], x.shape[0], _num_sms(x.device))
+        config = default_config(weight.shape[0], x.shape[1], x.shape[0], num_sms(x.device))
     return _launch(x, weight, bias, config, silu_out=False)
 
 
@@ -356,6 +350,6 @@ def skinny_linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
     if config is None:
         # Tuned as the plain [2 * inter, K] product; a program here reads block_n rows of gate and
         # block_n of up, so halve it to keep the same programs and bytes per program.
-        plain = default_config(weight.shape[0], x.shape[1], x.shape[0], _num_sms(x.device))
+        plain = default_config(weight.shape[0], x.shape[1], x.shape[0], num_sms(x.device))
         config = plain._replace(block_n=max(16, plain.block_n // 2))
     return _launch(x, weight, None, config, silu_out=True)
