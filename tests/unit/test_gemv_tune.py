@@ -113,7 +113,6 @@ def test_prefetch_entries_and_kept_sections(tmp_path: Path, monkeypatch: pytest.
     still wins; shapes without an entry keep the K <= PREFETCH_MAX_K rule), and a merged write keeps
     the other tools' sections (skinny_bench's)."""
     monkeypatch.setattr(triton_gemv, "CONFIG_DIR", tmp_path)
-    monkeypatch.delenv("SPECSERVE_GEMV_PREFETCH", raising=False)
     triton_gemv.clear_tables()
     monkeypatch.setattr(triton_gemv, "_device_name", lambda device: "New GPU")
     try:
@@ -127,7 +126,5 @@ def test_prefetch_entries_and_kept_sections(tmp_path: Path, monkeypatch: pytest.
         assert triton_gemv._prefetch(2048, 1536, 1, cpu) is False  # K <= 2048, measured slower with it
         assert triton_gemv._prefetch(2048, 1536, 2, cpu) is True  # no entry: the rule
         assert triton_gemv._prefetch(4096, 14336, 1, cpu) is False
-        monkeypatch.setenv("SPECSERVE_GEMV_PREFETCH", "0")
-        assert triton_gemv._prefetch(1536, 8960, 1, cpu) is False
     finally:
         triton_gemv.clear_tables()
