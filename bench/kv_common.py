@@ -71,7 +71,7 @@ def free_memory() -> None:
 def shared_models() -> Iterator[dict]:
     """Every LLM built inside shares loaded weights (same model, dtype, max_model_len, device):
     the GGUF is dequantized once per process, not once per configuration."""
-    import specserve.engine.setup as setup
+    import specserve.runner.build as setup
 
     cache: dict[tuple, Any] = {}
     original = setup.load_model

@@ -39,7 +39,7 @@ def humaneval_prompts(n: int, path: str | None = None) -> list[str]:
 @contextlib.contextmanager
 def shared_models() -> Iterator[dict]:
     """Every LLM built inside shares loaded models by (reference, dtype, length, device)."""
-    import specserve.engine.setup as setup
+    import specserve.runner.build as setup
     import specserve.spec.draft_model as draft_model
 
     cache: dict[tuple, Any] = {}

@@ -43,7 +43,7 @@ def _prompt_logprobs(model_dir, kv_cache_dtype: str) -> torch.Tensor:
 
 
 def _disable_offsets(monkeypatch) -> None:
-    import specserve.engine.setup as setup
+    import specserve.runner.build as setup
 
     original = setup.install_key_offsets
     monkeypatch.setattr(setup, "install_key_offsets", lambda model, arch, enabled: original(model, arch, False))
@@ -73,7 +73,7 @@ def test_offsets_keep_quantized_kv_close_to_float32(outlier_qwen2_dir, monkeypat
 def test_offsets_do_not_change_attention(outlier_qwen2_dir, monkeypatch) -> None:
     """Forcing offsets onto float32 KV: same log-probabilities (softmax ignores a per-query constant)."""
     plain = _prompt_logprobs(outlier_qwen2_dir, "float32")
-    import specserve.engine.setup as setup
+    import specserve.runner.build as setup
 
     original = setup.install_key_offsets
     monkeypatch.setattr(setup, "install_key_offsets", lambda model, arch, enabled: original(model, arch, True))
