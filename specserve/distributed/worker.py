@@ -93,7 +93,7 @@ class ShardRunner(ModelRunner):
             if len(host.logits_indices) != host.num_tokens:
                 batch = host.to_device(self.device, self.staging, only_logits=True)
                 logits = logits.index_select(0, batch.logits_indices)
-            return self._with_host(StepOutput(logits, None, batch), host)
+            return StepOutput(logits, None, batch, host=host)
         batch = host.to_device(self.device, self.staging)
         with forward_context(ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)):
             hidden = self.model(batch.input_ids, batch.positions)
@@ -104,12 +104,7 @@ class ShardRunner(ModelRunner):
         out = StepOutput(self.model.compute_logits(rows), rows, batch)
         if need_hidden:
             out.all_hidden, out.aux_hidden = hidden, aux
-        return self._with_host(out, host)
-
-    @staticmethod
-    def _with_host(out: StepOutput, host: HostBatch) -> StepOutput:
-        if hasattr(out, "host"):  # newer StepOutput carries the step's host layout
-            out.host = host
+        out.host = host
         return out
 
 

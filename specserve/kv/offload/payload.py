@@ -2,8 +2,8 @@
 
 One buffer per block is what makes offloading cheap: a tier slot, a disk file body and a
 host<->device copy are each one contiguous range instead of one small tensor per layer. The
-named tensors ("{layer}.key", ...) stay available as views into the buffer, so a payload still
-reads like the dict it used to be (`payload["0.key"]`, `set(payload)`, `payload.items()`).
+named tensors ("{layer}.key", ...) stay available as views into the buffer, so a payload reads
+like a dict (`payload["0.key"]`, `set(payload)`, `payload.items()`).
 """
 from __future__ import annotations
 
