@@ -263,7 +263,7 @@ def launch_nvfp4(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, 
     head_dim = meta.pop("HEAD_DIM")
     quads, groups = head_dim // 4, head_dim // 16
     # Triton's interpreter runs no inline assembly: it takes the plain Triton decoder
-    flags = kernel_flags(variant, q.is_cuda, offsets_fit_int32(kc, ks),
+    flags = kernel_flags(variant, q.is_cuda, variant == LEAN_VARIANT and offsets_fit_int32(kc, ks),
                          meta["BLOCK_M"] if max_query_len is None else max_query_len, meta["GROUP"], meta["BLOCK_M"],
                          words_aligned=kc.data_ptr() % 4 == 0)
     const = (E4M3_DECODE if flags["DECODER"] == 1 else NVFP4_DECODE) * fmt.global_scale
