@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specserve import LLM, SamplingParams
-from specserve.model.key_offset import slow_channels
 from specserve.model.arch import ModelArch
+from specserve.model.key_offset import slow_channels
 from tests.helpers.tiny_models import make_tiny_model_dir
 
 PROMPT = list(range(3, 150))
