@@ -192,7 +192,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.{name} must be true or false, got {value!r}.")
         n = self.draft_tensor_parallel_size
         if n is not None and (not _is_int(n) or n != 1):
-            # Drafts run unsharded on rank 0 (issue 9); sharding them would put a collective in
+            # Drafts run unsharded on rank 0; sharding them would put a collective in
             # every draft token for a model small enough to fit one GPU.
             raise ValueError("speculative_config.draft_tensor_parallel_size must be 1 (drafts run unsharded "
                              f"on rank 0), got {n!r}.")

@@ -2,26 +2,22 @@
 
 Imported lazily, only when selected on CUDA (it imports triton). One forward = two launches: the
 KV write (with RoPE, through `forward_rope`) and the paged attention kernel (plus a reduce launch
-for split-KV when the batch is too small to fill the GPU; `fused_reduce` folds it into the
-attention kernel, off by default: triton_paged.py says why). Quantized caches (fp8,
-nvfp4) take the kernels of `triton_quant.py`, which keep the separate reduce launch: the write
-kernel quantizes, the attention kernel dequantizes tiles as it reads them. Nothing
-reads tensor values on the host, so a decode forward can be captured in a CUDA graph: size it
-with fixed upper bounds (`max_seq_len`, `max_query_len`) and pad the batch with zero-length
-sequences (repeat the last `cu_query_lens` entry, `seq_lens` 0) and padding tokens whose slot is
-negative (their K/V is not stored, their output rows are garbage). `forward_cached` is attention
-alone, for K/V already written by the qkv projection's epilogue (model/layers/triton_qkv_rope.py).
+for split-KV when the batch is too small to fill the GPU). Quantized caches (fp8, nvfp4) take the
+kernels of `triton_quant.py`: the write kernel quantizes, the attention kernel dequantizes tiles as
+it reads them. Nothing reads tensor values on the host, so a decode forward can be captured in a
+CUDA graph: size it with fixed upper bounds (`max_seq_len`, `max_query_len`) and pad the batch with
+zero-length sequences (repeat the last `cu_query_lens` entry, `seq_lens` 0) and padding tokens whose
+slot is negative (their K/V is not stored, their output rows are garbage).
 """
 from __future__ import annotations
 
 import torch
 
-from specserve import envs
-
 from specserve.attention.base import AttentionMetadata
 from specserve.attention.triton_kv_write import reshape_and_cache
 from specserve.attention.triton_paged import paged_attention
 from specserve.attention.triton_rope_cache import rope_and_cache
+from specserve.kernels.rope import apply_rope
 from specserve.kv.spec import KVFormat, LayerKVCache
 
 
@@ -30,25 +26,19 @@ class TritonBackend:
 
     `num_splits` fixes the split-KV factor (None: chosen from the batch's host-side sizes; 1: never
     split). With a fixed value the result for a token does not depend on the rest of the batch's shape.
-    `fused_reduce` (unquantized caches): combine split-KV partials inside the attention kernel (True)
-    or in a second launch (False); the results agree to rounding. None: SPECSERVE_ATTN_FUSED_REDUCE
-    (default off: envs.attn_fused_reduce says why).
     """
 
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None, fused_reduce: bool | None = None) -> None:
+    def __init__(self, num_splits: int | None = None) -> None:
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}.")
         self.num_splits = num_splits
-        self.fused_reduce = envs.attn_fused_reduce() if fused_reduce is None else fused_reduce
-        self.split_by_length = envs.attn_split_by_length()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                 fmt: KVFormat, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] -> like q."""
         if fmt.quantized:
-            # fp8 / nvfp4: quantized in the write kernel, dequantized inside the attention kernel.
             from specserve.attention.triton_quant import paged_attention_quant, reshape_and_cache_quant
 
             reshape_and_cache_quant(k, v, cache, fmt, meta.slot_mapping)
@@ -63,24 +53,12 @@ class TritonBackend:
         """`forward` with q and k not yet rotated: RoPE and the KV write run as one kernel
         (unquantized caches; quantized ones rotate first, then take `forward`)."""
         if fmt.quantized:
-            from specserve.model.layers.triton_ops import apply_rope
-
             q, k = apply_rope(q, k, positions, cos_sin_cache)
             return self.forward(q, k, v, cache, fmt, meta, scale)
         rope_and_cache(q, k, v, positions, cos_sin_cache, cache.key, cache.value, meta.slot_mapping)
         return self._attend(q, cache, meta, scale)
 
-    def forward_cached(self, q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, meta: AttentionMetadata,
-                       scale: float) -> torch.Tensor:
-        """Attention alone, the step's K/V being in the cache already (rotated, at `meta.slot_mapping`):
-        model/layers/triton_qkv_rope.py writes them in the qkv projection's epilogue. q [num_tokens,
-        num_heads, head_dim] rotated -> like q. Unquantized caches only (that writer does not quantize)."""
-        if fmt.quantized:
-            raise ValueError(f"forward_cached reads an unquantized cache; the {fmt.name} cache takes forward_rope")
-        return self._attend(q, cache, meta, scale)
-
     def _attend(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention(q, cache.key, cache.value, meta.cu_query_lens, meta.seq_lens,
                                meta.block_tables, meta.max_query_len, meta.max_seq_len, scale,
-                               num_splits=self.num_splits, fused_reduce=self.fused_reduce,
-                               split_by_length=self.split_by_length)
+                               num_splits=self.num_splits)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.model.layers.pdl import pdl_prologue, use_pdl
+from specserve.kernels.pdl import pdl_prologue, use_pdl
 
 
 @triton.jit

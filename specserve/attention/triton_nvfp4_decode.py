@@ -4,9 +4,9 @@ A cache row (one token, one KV head) is head_dim / 2 bytes, byte i holding eleme
 2i + 1 (high nibble), read as 16-bit units ("quads": unit c holds elements 4c + j in its nibble j) or,
 for v7's K (K_PAIRS), as 32-bit words (units 2a, 2a + 1). Two decoders (the kernel's DECODER constexpr),
 both exact:
-  0 (v2, plain Triton): nibble (s, e1, e0, m) goes to float16 bits (15, 11, 10, 9), which *is* the
+  0 (plain Triton, for the interpreter): nibble (s, e1, e0, m) goes to float16 bits (15, 11, 10, 9), which *is* the
      float16 number e2m1 * 2^-14 (subnormal 0.5 included); a few integer ops per value.
-  1 (v3 on, inline PTX, sm_89+): two units (8 codes) per 32-bit register; every nibble becomes the e4m3
+  1 (inline PTX, sm_89+): two units (8 codes) per 32-bit register; every nibble becomes the e4m3
      byte (s, 0, 0, e1, e0, m, 0, 0) = e2m1 * 2^-6 with four SIMD-within-a-register shifts and masks
      per 4 bytes, and the hardware `cvt.rn.f16x2.e4m3x2` makes two float16 per instruction. Triton's
      interpreter runs no inline assembly: there the kernel takes decoder 0.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-E4M3_DECODE = 64.0  # 2^6: the v3 decode yields e2m1 * 2^-6
+E4M3_DECODE = 64.0  # 2^6: decoder 1 yields e2m1 * 2^-6
 # $4 = two 16-bit units: bytes (u0.lo, u0.hi, u1.lo, u1.hi). Output j = nibble j of u0 (low half) and
 # of u1 (high half) as float16. The byte permute 0x3120 first turns (b0, b1, b2, b3) into
 # (b0, b2, b1, b3), pairing u0's and u1's bytes; l / h: the e4m3 bytes of each byte's low / high
@@ -83,8 +83,8 @@ def _nibble16(u, J: tl.constexpr):
 
 @triton.jit
 def _decode(units, DECODER: tl.constexpr):
-    """uint16 [..] -> the four nibbles of every unit as float16: code * 2^-6 with DECODER 1 (v3,
-    inline PTX), else code * 2^-14 (0: v2, plain Triton)."""
+    """uint16 [..] -> the four nibbles of every unit as float16: code * 2^-6 with DECODER 1 (inline
+    PTX), else code * 2^-14 (0: plain Triton)."""
     if DECODER == 1:
         e0, e1, e2, e3 = tl.inline_asm_elementwise(_DECODE_PTX, "=r,=r,=r,=r,r", [units],
                                                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16),

@@ -14,35 +14,12 @@ per-sequence launch is needed: the launch is CUDA-graph capturable.
 
 Split-KV (flash-decoding): when the batch alone gives too few programs to fill the SMs (decode at
 batch 1 over a long context), each program also takes one of `num_splits` contiguous ranges of its
-sequence's KV tiles and writes an unnormalized partial (acc, running max m, denominator l) in fp32.
-num_splits is a host upper bound (a CUDA graph's is sized for max_model_len); with `split_by_length`
-a q block spreads its keys over only as many splits as its own length warrants (MIN_KEYS_PER_SPLIT
-keys or more each), so a 400-token context in a graph captured for 32k runs 1 split, not 128.
-Softmax statistics are fp32 throughout, in base 2.
-
-The splits are combined by `_reduce_splits_kernel`, a second launch (~1.6 us per layer on the H200,
-Qwen2.5-1.5B batch-1 decode), or, with `fused_reduce=True`, inside the same kernel ("last program
-reduces"). Measured on the H200 the fused form made the whole decode step slower (1.5B 1.456 vs
-1.406 ms, 8B 4.261 vs 4.183; its combine is a chain of serial L2 round trips after the atomic), so
-the backend keeps the second launch unless SPECSERVE_ATTN_FUSED_REDUCE=1. Each split program stores its partials,
-passes a CTA barrier (every warp's stores precede it), then adds 1 to the int32 counter of its
-(q block, kv head) with an acq_rel, gpu-scope atomic (release: its partials are published;
-acquire: the program that sees num_splits - 1 sees every other split's partials). That last
-program reads all splits' partials back with L2 (`.cg`) loads, combines them as
-`_reduce_splits_kernel` does, writes the output and stores 0 to the counter, so every launch (and
-every CUDA-graph replay) starts and ends with all counters at 0. Split programs with no KV tile
-still store (m=-inf, l=0) and count, but not their acc, which both reduces read only where
-m > -inf; spare q blocks return before touching their counter (all of a block's splits are spare
-together). The counters are one persistent zeroed buffer per device
-(`_split_counters`), allocated outside CUDA-graph capture and never freed: it is shared by every
-launch on that device, which is safe because launches that use it are ordered on one stream (each
-kernel, PDL included, waits for the previous grid to finish before touching it); two attention
-launches running concurrently on different streams of one device would corrupt it.
-Tests compare both paths.
+sequence's KV tiles and writes an unnormalized partial (acc, running max m, denominator l) in fp32;
+`_reduce_splits_kernel`, a second launch, combines them. num_splits is a host upper bound (a CUDA
+graph's is sized for max_model_len). Split programs with no KV tile store (m=-inf, l=0) but not
+their acc, which the reduce reads only where m > -inf. Softmax statistics are fp32, in base 2.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -50,15 +27,10 @@ import triton.language as tl
 
 from specserve.attention.launch_sizes import MAX_SPLITS, MIN_KEYS_PER_SPLIT, SMALL_QUERY_MAX
 from specserve.attention.triton_kv_write import _check_cache
-from specserve.model.layers.pdl import pdl_prologue, use_pdl
+from specserve.kernels.device import num_sms
+from specserve.kernels.pdl import pdl_prologue, use_pdl
 
 LOG2E = 1.4426950408889634
-MIN_SPLIT_COUNTERS = 1 << 16  # first allocation of the per-device counter buffer (256 KiB)
-# fp32 registers per thread that one chunk of partials read by the last split program takes: its m
-# values while finding the maxima, its [BLOCK_M, chunk, D_PAD] acc values while combining (sm_90, 4
-# warps, BLOCK_M 16, d 128: 64 adds no register over the main loop's 168; 128 spills).
-M_REDUCE_REGS = 16
-ACC_REDUCE_REGS = 64
 
 
 @triton.jit
@@ -76,44 +48,13 @@ def _find_seq(cu_query_lens_ptr, num_seqs, q_block_idx, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
-def _combine_splits(part_acc_ptr, part_m_ptr, part_l_ptr, ml_base, row_ok, offs_d, num_splits,
-                    BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, M_CHUNK: tl.constexpr,
-                    ACC_CHUNK: tl.constexpr):
-    """The math of `_reduce_splits_kernel` for BLOCK_M rows at once: (sum_s w_s acc_s, sum_s w_s l_s),
-    w_s = exp2(m_s - max_s m_s); empty splits (m = -inf) weigh 0. Row m's split s is partial
-    ml_base[m] + s. Partials of other programs are read with `.cg` loads (from L2, never a stale L1
-    line), in chunks of splits that bound the registers: M_CHUNK for the maxima, ACC_CHUNK for the rest."""
-    c = tl.arange(0, M_CHUNK)
-    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, M_CHUNK):
-        ok = row_ok[:, None] & (s0 + c[None, :] < num_splits)
-        m = tl.load(part_m_ptr + ml_base[:, None] + s0 + c[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
-        m_max = tl.maximum(m_max, tl.max(m, 1))
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    c = tl.arange(0, ACC_CHUNK)
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for s0 in range(0, num_splits, ACC_CHUNK):
-        ml = ml_base[:, None] + s0 + c[None, :]
-        ok = row_ok[:, None] & (s0 + c[None, :] < num_splits)
-        m = tl.load(part_m_ptr + ml, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(m - m_max[:, None])
-        denom += tl.sum(w * tl.load(part_l_ptr + ml, mask=ok, other=0.0, cache_modifier=".cg"), 1)
-        has = ok & (m > float("-inf"))  # an empty split's acc is never written (nor read)
-        pa = tl.load(part_acc_ptr + ml[:, :, None] * HEAD_DIM_PAD + offs_d[None, None, :], mask=has[:, :, None],
-                     other=0.0, cache_modifier=".cg")
-        acc += tl.sum(pa * w[:, :, None], 1)
-    return acc, denom
-
-
 # The block table's row stride (the widest table of the batch) is not specialized: Triton would compile
-# one variant for a one-block table, one for a multiple of 16 and one for the rest, and EAGLE's eager
-# first forwards (tables as wide as the prompt) met a new one mid-serving (a stall of ~0.5 s on the H200).
+# a variant per stride class, and eager forwards with tables as wide as the prompt would meet a new
+# one mid-serving.
 @triton.jit(do_not_specialize=["sm_scale_log2", "num_seqs", "num_splits", "stride_bt_seq"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr, counters_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
     cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,
     sm_scale_log2, num_seqs, num_splits,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
@@ -121,8 +62,6 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
-    FUSED_REDUCE: tl.constexpr = False, M_CHUNK: tl.constexpr = 1, ACC_CHUNK: tl.constexpr = 1,
-    SPLIT_MIN_KEYS: tl.constexpr = 0,
 ):
     # Before the PDL wait: only batch metadata (no kernel of the forward writes it; model/layers/
     # pdl.py): the sequence search, its query range and length, and the block ids of this program's
@@ -145,10 +84,7 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     if SPLIT:
-        used = num_splits
-        if SPLIT_MIN_KEYS > 0:  # the host's rule (choose_num_splits) on this q block's own length
-            used = tl.minimum(tl.maximum(kv_end // SPLIT_MIN_KEYS, 1), num_splits)
-        tiles_per_split = tl.cdiv(num_tiles, used)
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
         tile_lo = split * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     else:
@@ -159,7 +95,7 @@ def _paged_attention_kernel(
     first_n = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
     first_ids = tl.load(table + first_n // BLOCK_SIZE, mask=(first_n < kv_end) & live, other=0).to(tl.int64)
 
-    # Every program waits, spare ones included, before it returns (see model/layers/pdl.py).
+    # Every program waits, spare ones included, before it returns (see kernels/pdl.py).
     pdl_prologue(USE_PDL)
     if not live:
         return
@@ -206,24 +142,12 @@ def _paged_attention_kernel(
     out_ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
     out_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
-        ml_base = (tok * num_heads + head) * num_splits  # partials are [T, Hq, S(, D_PAD)] contiguous
-        ml = ml_base + split
+        ml = (tok * num_heads + head) * num_splits + split  # partials are [T, Hq, S(, D_PAD)] contiguous
         tl.store(part_m_ptr + ml, m_i, mask=row_ok)
         tl.store(part_l_ptr + ml, l_i, mask=row_ok)
-        # A split with no KV tile leaves its acc unwritten: both reduces read acc only where m > -inf.
+        # A split with no KV tile leaves its acc unwritten: the reduce reads acc only where m > -inf.
         tl.store(part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc,
                  mask=row_ok[:, None] & (tile_lo < tile_hi))
-        if FUSED_REDUCE:
-            # Every warp's partial stores precede the barrier, the barrier precedes the release.
-            tl.debug_barrier()
-            counter = counters_ptr + q_block_idx * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:  # the last split of this (q block, kv head) to finish
-                tl.store(counter, 0)  # no other program of this launch touches it again
-                total, denom = _combine_splits(part_acc_ptr, part_m_ptr, part_l_ptr, ml_base, row_ok, offs_d,
-                                               num_splits, BLOCK_M, HEAD_DIM_PAD, M_CHUNK, ACC_CHUNK)
-                total = total / tl.where(denom == 0.0, 1.0, denom)[:, None]
-                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -280,13 +204,6 @@ def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch
     return block_m, block_n or bn, num_warps, num_stages
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs: behave as on an H200
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_num_splits(num_seqs: int, max_query_len: int, max_seq_len: int, num_kv_heads: int,
                       block_q: int, num_sms: int) -> int:
     """How many KV ranges each (q block, kv head) is cut into: enough programs for ~2 waves of SMs.
@@ -300,43 +217,10 @@ def choose_num_splits(num_seqs: int, max_query_len: int, max_seq_len: int, num_k
     return max(1, min(triton.cdiv(2 * num_sms, programs), by_length, MAX_SPLITS))
 
 
-def _split_chunk(splits_pad: int, floats_per_split: int, budget_floats: int) -> int:
-    """Largest power of two <= splits_pad whose partials (floats_per_split each) fit the budget; >= 1."""
-    chunk = 1
-    while chunk < splits_pad and 2 * chunk * floats_per_split <= budget_floats:
-        chunk *= 2
-    return chunk
-
-
-_counters: dict[torch.device, list[torch.Tensor]] = {}  # device -> its counter buffers, the newest last
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """The device's int32 split counters ([>= needed], all 0 between launches; see the module docstring).
-
-    Grown (zeroed, twice what is needed, at least MIN_SPLIT_COUNTERS) only outside CUDA-graph capture:
-    a buffer allocated during capture would not be zeroed at replay. Outgrown buffers are kept alive,
-    because graphs captured earlier still replay over them.
-    """
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    held = _counters.setdefault(device, [])
-    if held and held[-1].numel() >= needed:
-        return held[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"paged_attention: the split-KV counter buffer on {device} holds "
-            f"{held[-1].numel() if held else 0} entries, this launch needs {needed}, and it cannot grow during "
-            "CUDA-graph capture; run the largest batch shape once eagerly before capturing, or use fused_reduce=False")
-    held.append(torch.zeros(max(MIN_SPLIT_COUNTERS, 2 * needed), dtype=torch.int32, device=device))
-    return held[-1]
-
-
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     cu_query_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
-                    num_splits: int | None = None, block_n: int | None = None,
-                    fused_reduce: bool = False, split_by_length: bool = False) -> torch.Tensor:
+                    num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """Causal attention of the batch's new queries over their sequences' paged KV (already written).
 
     q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -344,12 +228,6 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     block_tables: [num_seqs, max_blocks] int32. max_query_len / max_seq_len are host upper bounds
     (they size the grid and pick split-KV; nothing is read back from the device). Rows of padding
     tokens past cu_query_lens[-1] are left unwritten. Returns out [num_tokens, num_heads, head_dim].
-    fused_reduce: split-KV partials are combined by the last split program of each (q block, kv
-    head) (one launch) instead of by `_reduce_splits_kernel` (a second launch).
-    split_by_length: with split-KV, each q block uses only as many of the num_splits ranges as its own
-    keys warrant (>= MIN_KEYS_PER_SPLIT each, the rule choose_num_splits applies to max_seq_len); the
-    rest own no tile. A CUDA graph sizes num_splits for max_model_len, so without this a short
-    context's keys are spread over up to MAX_SPLITS programs and reduced from as many partials.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
@@ -369,7 +247,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     head_dim_pad = triton.next_power_of_2(head_dim)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, max_query_len, max_seq_len, num_kv_heads, block_q,
-                                       _num_sms(q.device))
+                                       num_sms(q.device))
     split = num_splits > 1
     if split:
         part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -379,13 +257,9 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     else:
         part_m = part_l = part_acc = out  # unused
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
-    fused = split and fused_reduce
-    counters = _split_counters(q.device, grid[0] * num_kv_heads) if fused else part_m
-    splits_pad = triton.next_power_of_2(num_splits)
-    threads = num_warps * 32
     pdl = use_pdl(q)
     _paged_attention_kernel[grid](
-        out, q, key_cache, value_cache, part_acc, part_m, part_l, counters,
+        out, q, key_cache, value_cache, part_acc, part_m, part_l,
         cu_query_lens, seq_lens, block_tables,
         scale * LOG2E, num_seqs, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -394,15 +268,12 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=bn, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages, USE_PDL=pdl, launch_pdl=pdl,
-        FUSED_REDUCE=fused, M_CHUNK=_split_chunk(splits_pad, block_m, threads * M_REDUCE_REGS) if fused else 1,
-        ACC_CHUNK=_split_chunk(splits_pad, block_m * head_dim_pad, threads * ACC_REDUCE_REGS) if fused else 1,
-        SPLIT_MIN_KEYS=MIN_KEYS_PER_SPLIT if split and split_by_length else 0,
     )
-    if split and not fused:
+    if split:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, cu_query_lens, num_seqs, num_splits,
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=splits_pad,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
             num_warps=4, USE_PDL=pdl, launch_pdl=pdl,
         )
     return out

@@ -1,4 +1,4 @@
-"""Pieces shared by the quantized-KV attention kernels (`triton_quant_v1`, `_fp8`, `_nvfp4`).
+"""Pieces shared by the quantized-KV attention kernels (`triton_quant_fp8`, `triton_quant_nvfp4`).
 
 Jit helpers follow `triton_paged.py`'s kernel (same q-block / GQA row packing, split-KV ranges and
 partials layout, reduced by `triton_paged._reduce_splits_kernel`); the program ids are passed in, so
@@ -82,16 +82,6 @@ def _load_q16(q_ptr, tok, head, row_ok, cols, col_ok, stride_q_tok, stride_q_hea
 
 
 @triton.jit
-def _load_q16_x4(q_ptr, tok, head, row_ok, cols, col_ok, stride_q_tok, stride_q_head):
-    """Q at columns cols + 0 .. cols + 3, four float16 tiles."""
-    q0 = _load_q16(q_ptr, tok, head, row_ok, cols + 0, col_ok, stride_q_tok, stride_q_head)
-    q1 = _load_q16(q_ptr, tok, head, row_ok, cols + 1, col_ok, stride_q_tok, stride_q_head)
-    q2 = _load_q16(q_ptr, tok, head, row_ok, cols + 2, col_ok, stride_q_tok, stride_q_head)
-    q3 = _load_q16(q_ptr, tok, head, row_ok, cols + 3, col_ok, stride_q_tok, stride_q_head)
-    return q0, q1, q2, q3
-
-
-@triton.jit
 def _softmax_init(BLOCK_M: tl.constexpr):
     """Running max and denominator of the online softmax, before the first tile."""
     return tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
@@ -127,15 +117,6 @@ def _pv4(p16, v0, v1, v2, v3, a0, a1, a2, a3, alpha):
 def _fp8_scores(q, k, k_scale, sm_scale_log2):
     """Base-2 scores of an fp8 tile: Q.K^T (K widened to float16) scaled per key column."""
     return tl.dot(q, tl.trans(k.to(tl.float16))) * (k_scale * sm_scale_log2)[None, :]
-
-
-@triton.jit
-def _fp8_accumulate(acc, alpha, p, v, v_scale):
-    """acc * alpha + P.V of an fp8 tile, V's row scales folded into P relative to the tile's largest
-    (so P * scale stays in [0, 1] in float16) and the largest multiplying the fp32 product."""
-    v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
-    pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
-    return acc * alpha[:, None] + tl.dot(pv, v.to(tl.float16)) * v_max
 
 
 @triton.jit

@@ -1,32 +1,21 @@
-"""fp8 (e4m3) paged attention, variant "v3": structured like triton_paged's bf16 kernel.
+"""fp8 (e4m3) paged attention (variant "v3"): structured like triton_paged's bf16 kernel.
 
-Per KV tile the loop does what the bf16 kernel does (block ids -> K tile -> Q.K^T -> online softmax
--> V tile -> P.V), plus one cvt per two values (e4m3 -> float16, `cvt.rn.f16x2.e4m3x2`) and two
-cheap per-key-row scalings. What differs from v1 (`triton_quant_v1.py`), and why:
+Per KV tile: block ids -> K tile -> Q.K^T -> online softmax -> V tile -> P.V, plus one cvt per two
+values (e4m3 -> float16, `cvt.rn.f16x2.e4m3x2`) and two per-key-row scalings.
 
-* Every load in the loop is a >= 4-byte vector that the software pipeliner turns into cp.async,
-  issued one tile ahead: no synchronous global round trip is left in the loop (v1 had two
-  dependent ones per tile). A token's scale is 2 bytes, too small for cp.async, so the kernel loads
-  the scales of SCALE_W adjacent heads of each token (the layout keeps a token's heads contiguous:
-  [blocks, block_size, heads, 1] float16, 16 bytes for 8 heads) and picks its own head's column in
-  registers. DRAM traffic does not grow: the other heads' programs read the same sectors, and the
-  grid runs the KV heads of a q block next to each other (HEADS_FIRST) so they share them in L2.
-* The cache strides are compile-time constants, so the compiler can prove the 16-byte alignment of
-  every row (runtime strides that are not multiples of 16 elements defeat vectorization).
-* V is read as 16-bit units. P.V's tensor-core operand pairs two consecutive *keys* per register,
-  i.e. two cache rows: from a byte tile the compiler gathers those bytes one at a time (the former
-  v2, a byte tile: 64 LDS.U8 per thread per 64-key tile in its sm_90 SASS, one cvt per byte, PRMTs
-  to pair them, and spills under the register cap). K is fine as bytes: its operand pairs two
-  columns of one row, which ldmatrix delivers with one cvt per two values. V is loaded as
-  [BLOCK_N, head_dim / 2] uint16 units (unit c = elements 2c, 2c + 1 of a row), which ldmatrix
-  transposes like a float16 tile; one byte permute and two `cvt.rn.f16x2.e4m3x2` per two units
-  decode each unit's low and high byte into two float16 tiles E_0 / E_1 (columns 2c and 2c + 1),
-  and P.V runs as two dots of width head_dim / 2 whose results interleave back into the output
-  columns. On the H200 (batch 32, 32k context) the kernel reads 3.7 TB/s, as fast as bf16's; v2 read
-  1.5 TB/s.
-* Scales multiply the scores per key column after Q.K^T and P per key row before P.V (M x N work,
-  not N x D), as in v1: P is scaled by v_scale / (the tile's largest v_scale) so it stays in [0, 1]
-  in float16, and the largest scale multiplies the fp32 product.
+* Every load in the loop is a >= 4-byte vector that the software pipeliner issues as cp.async one
+  tile ahead. A token's scale is 2 bytes, too small for cp.async, so the kernel loads the scales of
+  SCALE_W adjacent heads of each token (a token's heads are contiguous in the scale layout) and
+  picks its own head's column in registers; the grid runs a q block's KV heads side by side
+  (HEADS_FIRST) so they share those sectors in L2.
+* The cache strides are compile-time constants, so the compiler can prove 16-byte row alignment.
+* V is read as [BLOCK_N, head_dim / 2] 16-bit units (unit c = elements 2c, 2c + 1): P.V's
+  tensor-core operand pairs two consecutive keys per register, which ldmatrix transposes from a
+  16-bit tile. One byte permute and two cvts per two units give two float16 tiles (columns 2c and
+  2c + 1), and P.V runs as two dots whose results interleave back into the output columns.
+* Scales multiply the scores per key column after Q.K^T and P per key row before P.V: P is scaled
+  by v_scale / (the tile's largest v_scale) so it stays in [0, 1] in float16, and the largest scale
+  multiplies the fp32 product.
 
 Q is clamped to float16's finite range (bf16 -> fp16 is otherwise exact down to 2^-14).
 """
@@ -46,7 +35,6 @@ from specserve.attention.triton_quant_common import (
     _store_rows,
     _tile_rows,
 )
-
 
 # $2 = two units (bytes u0.lo, u0.hi, u1.lo, u1.hi); $0 = (u0.lo, u1.lo) and $1 = (u0.hi, u1.hi) as
 # float16 pairs. The byte permute 0x3120 turns (b0, b1, b2, b3) into (b0, b2, b1, b3).
@@ -82,7 +70,7 @@ def _row_scales(scale_base, srow, pick, n_ok):
 
 
 @triton.jit(do_not_specialize=["sm_scale_log2", "num_seqs", "num_splits", "stride_bt_seq"])
-def _paged_attention_fp8_v3_kernel(
+def _paged_attention_fp8_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_units_ptr, key_scale_ptr, value_scale_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr, cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,
     sm_scale_log2, num_seqs, num_splits,
@@ -127,8 +115,7 @@ def _paged_attention_fp8_v3_kernel(
         units = tl.load(v_base + row16[:, None], mask=n_ok[:, None] & c_ok[None, :], other=0)
         v0, v1 = _unit_halves(units.to(tl.uint16, bitcast=True), PTX)
         v_scale = _row_scales(vs_base, srow, pick, n_ok)
-        # As triton_quant_common._fp8_accumulate: row scales relative to the tile's largest go into P
-        # (so it stays <= 1).
+        # Row scales relative to the tile's largest go into P (so it stays <= 1 in float16).
         v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
         pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
         a0 = a0 * alpha[:, None] + tl.dot(pv, v0) * v_max
@@ -146,9 +133,9 @@ def scale_window(num_kv_heads: int, limit: int = 8) -> int:
     return w
 
 
-def launch_fp8_v3(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, grid_qblocks: int, num_splits: int,
+def launch_fp8(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, grid_qblocks: int, num_splits: int,
                   scale_log2: float, meta: dict, heads_first: bool) -> None:
-    """The v3 fp8 kernel over the launch that `triton_quant.paged_attention_quant` prepared."""
+    """The fp8 kernel over the launch that `triton_quant.paged_attention_quant` prepared."""
     num_seqs = common[3].shape[0] - 1
     block_tables = common[5]
     kc, ks = cache.key, cache.key_scale
@@ -156,7 +143,7 @@ def launch_fp8_v3(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple,
     grid = (num_kv_heads, grid_qblocks, num_splits) if heads_first else (grid_qblocks, num_kv_heads, num_splits)
     # head_dim is even here (paged_attention_quant checks it), so the int16 view is exact and every byte
     # stride halves (the kernel divides them).
-    _paged_attention_fp8_v3_kernel[grid](
+    _paged_attention_fp8_kernel[grid](
         out, q, kc, cache.value.view(torch.int16), ks, cache.value_scale, *common, scale_log2, num_seqs, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         C_BLOCK=kc.stride(0), C_SLOT=kc.stride(1), C_HEAD=kc.stride(2), S_BLOCK=ks.stride(0), S_SLOT=ks.stride(1),

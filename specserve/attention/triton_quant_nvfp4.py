@@ -1,50 +1,26 @@
-"""nvfp4 paged attention, variants "v2" to "v7": structured like triton_paged's bf16 kernel.
+"""nvfp4 paged attention (variants "v4" and "v7"): structured like triton_paged's bf16 kernel.
 
 A cache row (one token, one KV head) is head_dim / 2 bytes, byte i holding elements 2i (low nibble)
 and 2i + 1 (high nibble), plus head_dim / 16 e4m3 scales. The kernel reads the row as head_dim / 4
-16-bit units ("quads"): unit c holds elements 4c + j in its nibble j (j = 0..3, little-endian).
-Per KV tile it loads the units as one [BLOCK_N, head_dim / 4] tile and the scales as one
-[BLOCK_N, groups] tile (both cp.async, one tile ahead, like every load in the loop), decodes nibble
-j of every unit into a float16 tile E_j [BLOCK_N, head_dim / 4] (elements 4c + j), multiplies it by
-the unit's group scale (group c // 4), and contracts over head_dim in four dots of depth
-head_dim / 4: Q.K^T = sum_j Q_j.E_j^T with Q_j = Q's columns 4c + j, and P.V as four accumulators
-(output columns 4c + j). A dot's reduction runs over any ordering of head_dim, so this is exact.
+16-bit units ("quads": unit c holds elements 4c + j in its nibble j). Per KV tile it loads the units
+as one [BLOCK_N, head_dim / 4] tile and the scales as one [BLOCK_N, groups] tile (cp.async, one tile
+ahead), decodes nibble j of every unit into a float16 tile E_j (elements 4c + j), multiplies it by
+the unit's group scale, and contracts over head_dim in four dots of depth head_dim / 4:
+Q.K^T = sum_j Q_j.E_j^T with Q_j = Q's columns 4c + j, and P.V as four accumulators (output columns
+4c + j). A dot's reduction runs over any ordering of head_dim, so this is exact. 16-bit units, not
+bytes: P.V's tensor-core operand pairs two consecutive keys per register, which ldmatrix delivers
+from a 16-bit tile and not from a byte tile.
 
-Why 16-bit units and not bytes: the tensor-core operand of P.V pairs two consecutive *keys* per
-register, i.e. two rows of the cache. From a tile of 16-bit elements the compiler gets those pairs
-with one transposing ldmatrix per 8x8 block, as for bf16; from a byte tile it gathers bytes one at a
-time (LDS.U8 + PRMT, seen in the sm_90 SASS of a byte version), and from 32-bit words it cannot
-pair rows at all. The decode is elementwise, so it runs on the units right where they come out of
-shared memory in the dot-operand layout, with no layout conversion of the float16 tiles.
-
-The decoders (the DECODER constexpr: v2's plain Triton one, v3's inline PTX one, both exact) and the
-scaled tiles they feed are in triton_nvfp4_decode.py.
-v4 is v3 with its float16 dot operands in the register layout of 16-bit types (kWidth 2) instead of
-the 8-bit one Triton derives from the scale loads (triton_dot_layout.py): no register moves for Q and
-P (sm_90 SASS of a 128-key tile: 961 instructions against v3's 1,110). It opts in per specialization:
-DOT_KWIDTH2 names the compiled kernel with triton_dot_layout's suffix, which its stage hook acts on.
-v5 (FUSED_SCALE, OFFS32) is v4 with the score scale in exp2's fma and, where the host finds every cache
-offset below 2^31, int32 offsets (961 -> 917 instructions); v6 (ROWSUM_MMA) takes the softmax
-denominator from a dot of P with ones, where tl.sum crossed the warps through shared memory (900
-instructions, 6 barriers against 9). Its l_i is [BLOCK_M, 16], every column the row sum of P in float16
-(the same P that multiplies V).
-v7 (HALF_ROWS, K_PAIRS) is v6 with two changes (sm_90 SASS of the unmasked loop: 796 instructions
-against 882, measured with bench/kernel_sass.py on Triton 3.6):
-  HALF_ROWS, where no query row can sit in the second half of a q block (half_rows_apply: a plain
-     decode pads its GROUP rows to the tensor cores' 16): the scores, probabilities, row max and
-     rescale factors of rows 8..15 are replaced by constants (_first_half_rows). Rows r and r + 8 of
-     an m16n8 accumulator are registers of their own, so LLVM drops their softmax outright: half the
-     exp2s, fmas, max reductions, P conversions and accumulator rescales (882 -> 837).
-  K_PAIRS: K is read as 32-bit words (units 2a, 2a + 1) and decoded without the byte permute
-     (_DECODE_PAIRS_PTX): each cvt then pairs two codes of one unit, which fixes a column order of
-     its own for the four K tiles (_decode_pairs); Q is loaded in the same order, once per program.
-     The tl.join that puts the halves back makes Triton give the QK^T operands the 8-consecutive-k
-     register layout (kWidth 8), in which a thread's K words are one 16-byte shared-memory load and its
-     group scales come in adjacent pairs (one LDS.U16 per two groups instead of LDS.U8s and a byte
-     pack) (837 -> 796). V keeps the permute: P.V pairs two keys per register.
-v1 (triton_quant_v1.py) ran eight dots of depth head_dim / 8 over 32-bit words and gathered a scale
-per word with a synchronous 1-byte load. The decoders' constant (2^14 or 2^6) * global_scale goes
-into the score scale (K) and the output (V).
+The decoders (DECODER: 1 inline PTX on the GPU, 0 plain Triton under the interpreter, both exact)
+are in triton_nvfp4_decode.py. Both variants take float16 dot operands in the 16-bit register layout
+(DOT_KWIDTH2, triton_dot_layout.py). v7 adds (`kernel_flags`):
+  FUSED_SCALE / OFFS32: the score scale in exp2's fma; int32 cache offsets where every one fits.
+  ROWSUM_MMA: the softmax denominator from a dot of P with ones (l_i is [BLOCK_M, 16]).
+  HALF_ROWS: where no query row can sit in the second half of a q block (`half_rows_apply`), the
+     softmax of rows BLOCK_M / 2.. is replaced by constants, which the compiler drops.
+  K_PAIRS: K read as 32-bit words and decoded without a byte permute (_decode_pairs's column order;
+     Q is loaded in the same order).
+The decoders' constant (2^14 or 2^6) * global_scale goes into the score scale (K) and the output (V).
 """
 from __future__ import annotations
 
@@ -62,20 +38,15 @@ from specserve.attention.triton_quant_common import (
     _pv4,
     _qk4,
     _softmax_init,
+    _softmax_probs_scaled,
     _softmax_step,
     _softmax_step_full,
-    _softmax_probs_scaled,
     _store_rows4,
     _tile_rows,
     _zeros4,
 )
 
-DECODERS = {"v2": 0, "v3": 1, "v4": 1, "v5": 1, "v6": 1, "v7": 1}  # variant -> the kernel's DECODER
-KWIDTH2 = {"v2": False, "v3": False, "v4": True, "v5": True, "v6": True, "v7": True}  # -> DOT_KWIDTH2
-LEAN = {"v5", "v6", "v7"}  # variants with FUSED_SCALE and (where the cache allows) OFFS32
-ROWSUM_BY_DOT = {"v6", "v7"}  # variants with ROWSUM_MMA
-HALF_ROWS_VARIANTS = {"v7"}  # variants with HALF_ROWS where the launch allows it (half_rows_apply)
-K_PAIRS_VARIANTS = {"v7"}  # variants with K_PAIRS
+LEAN_VARIANT = "v7"  # the variant with FUSED_SCALE, OFFS32, ROWSUM_MMA, HALF_ROWS and K_PAIRS
 _INT32_MAX = 2**31 - 1
 
 
@@ -96,14 +67,15 @@ def half_rows_apply(max_query_len: int, group: int, block_m: int) -> bool:
 def kernel_flags(variant: str, on_gpu: bool, offs32: bool, max_query_len: int, group: int, block_m: int,
                  words_aligned: bool = True) -> dict:
     """The nvfp4 kernel's variant constexprs. on_gpu False (Triton's interpreter, which runs no inline
-    assembly and no stage hook): the v2 decoder and Triton's layouts. offs32: every cache offset fits
+    assembly and no stage hook): the plain Triton decoder and Triton's layouts. offs32: every cache offset fits
     in int32 (offsets_fit_int32). words_aligned: the key cache starts 4-byte aligned (K_PAIRS reads it
     as 32-bit words; its strides are even by the format)."""
-    return dict(DECODER=DECODERS[variant] if on_gpu else 0, DOT_KWIDTH2=KWIDTH2[variant] and on_gpu,
-                FUSED_SCALE=variant in LEAN, OFFS32=variant in LEAN and offs32,
-                ROWSUM_MMA=variant in ROWSUM_BY_DOT,
-                HALF_ROWS=variant in HALF_ROWS_VARIANTS and half_rows_apply(max_query_len, group, block_m),
-                K_PAIRS=variant in K_PAIRS_VARIANTS and words_aligned)
+    if variant not in ("v4", LEAN_VARIANT):
+        raise ValueError(f"nvfp4 variant must be v4 or v7, got {variant!r}")
+    lean = variant == LEAN_VARIANT
+    return dict(DECODER=1 if on_gpu else 0, DOT_KWIDTH2=on_gpu, FUSED_SCALE=lean, OFFS32=lean and offs32,
+                ROWSUM_MMA=lean, HALF_ROWS=lean and half_rows_apply(max_query_len, group, block_m),
+                K_PAIRS=lean and words_aligned)
 
 
 triton_dot_layout.install()  # before the first compile of an opted-in kernel (the hook is not in Triton's key)
@@ -194,13 +166,13 @@ def _nvfp4_tile(tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2
 def _kernel_name(specialization) -> str:
     """The compiled kernel's name: triton_dot_layout's hook retargets the dot operands of those with
     DOT_KWIDTH2 (a constexpr, so they are their own cache entries)."""
-    return triton_dot_layout.kernel_name("_paged_attention_nvfp4_v2_kernel",
+    return triton_dot_layout.kernel_name("_paged_attention_nvfp4_kernel",
                                          bool(specialization.constants.get("DOT_KWIDTH2")))
 
 
 @triton.jit(do_not_specialize=["sm_scale_log2", "v_factor", "num_seqs", "num_splits", "stride_bt_seq"],
             repr=_kernel_name)
-def _paged_attention_nvfp4_v2_kernel(
+def _paged_attention_nvfp4_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr, cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,
     sm_scale_log2, v_factor, num_seqs, num_splits,
@@ -277,10 +249,10 @@ def _paged_attention_nvfp4_v2_kernel(
                  True)
 
 
-def launch_nvfp4_v2(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, grid_qblocks: int,
-                    num_splits: int, scale_log2: float, meta: dict, heads_first: bool, variant: str = "v2",
-                    max_query_len: int | None = None) -> None:
-    """The v2 to v7 nvfp4 kernel (they differ in kernel_flags) over the launch paged_attention_quant
+def launch_nvfp4(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, grid_qblocks: int,
+                 num_splits: int, scale_log2: float, meta: dict, heads_first: bool, variant: str = "v7",
+                 max_query_len: int | None = None) -> None:
+    """The nvfp4 kernel (variants differ in kernel_flags) over the launch paged_attention_quant
     prepared. max_query_len (None: unknown) lets v7 skip the second half of every q block's rows."""
     num_seqs = common[3].shape[0] - 1
     block_tables = common[5]
@@ -290,13 +262,13 @@ def launch_nvfp4_v2(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tupl
     num_kv_heads = kc.shape[2]
     head_dim = meta.pop("HEAD_DIM")
     quads, groups = head_dim // 4, head_dim // 16
-    # Triton's interpreter runs no inline assembly: it takes the v2 decoder
-    flags = kernel_flags(variant, q.is_cuda, variant in LEAN and offsets_fit_int32(kc, ks),
+    # Triton's interpreter runs no inline assembly: it takes the plain Triton decoder
+    flags = kernel_flags(variant, q.is_cuda, variant == LEAN_VARIANT and offsets_fit_int32(kc, ks),
                          meta["BLOCK_M"] if max_query_len is None else max_query_len, meta["GROUP"], meta["BLOCK_M"],
                          words_aligned=kc.data_ptr() % 4 == 0)
     const = (E4M3_DECODE if flags["DECODER"] == 1 else NVFP4_DECODE) * fmt.global_scale
     grid = (num_kv_heads, grid_qblocks, num_splits) if heads_first else (grid_qblocks, num_kv_heads, num_splits)
-    _paged_attention_nvfp4_v2_kernel[grid](
+    _paged_attention_nvfp4_kernel[grid](
         out, q, kc, vc, ks, vs, *common, scale_log2 * const, const, num_seqs, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         C_BLOCK=kc.stride(0), C_SLOT=kc.stride(1), C_HEAD=kc.stride(2), S_BLOCK=ks.stride(0), S_SLOT=ks.stride(1),

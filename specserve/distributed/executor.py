@@ -26,9 +26,9 @@ import torch.distributed as dist
 from specserve.config import EngineConfig
 from specserve.distributed.launcher import WorkerProcs
 from specserve.distributed.parallel_state import TPGroup, adopt_default_group, init_tp_group, release_tp_group
+from specserve.distributed.tp import check_tp_size
 from specserve.distributed.worker import ShardRunner, Shutdown, StepMessage, build_rank_runner, release_cuda_graphs
 from specserve.model.arch import ModelArch
-from specserve.model.tp import check_tp_size
 from specserve.runner.batch import build_host_batch
 from specserve.runner.model_runner import StepOutput
 from specserve.scheduler.scheduler import SchedulerOutput
@@ -177,9 +177,9 @@ class TPExecutor(ShardRunner):
 
 def read_arch(config: EngineConfig) -> ModelArch:
     """The architecture from the model's config alone (no weights), as the loader will see it."""
-    from specserve.model.loader import _Source
+    from specserve.model.loader import WeightSource
 
-    source = _Source.open(config.model)
+    source = WeightSource.open(config.model)
     return ModelArch.from_hf_config({**source.hf_config, **(config.model.hf_overrides or {})})
 
 
@@ -209,7 +209,7 @@ def rank_devices(device: torch.device, tensor_parallel_size: int) -> list[torch.
 
 
 def _adopt(config: EngineConfig, device: torch.device) -> tuple[TPGroup, torch.device]:
-    """Rank 0 under torchrun (distributed/launch.py): the group exists, the other ranks wait in it."""
+    """Rank 0 under torchrun (server/launch.py): the group exists, the other ranks wait in it."""
     tp = config.parallel.tensor_parallel_size
     if dist.get_world_size() != tp or dist.get_rank() != 0:
         raise ValueError(f"tensor_parallel_size {tp} must equal the launcher's world size "

@@ -20,8 +20,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,10 +29,10 @@ import torch.distributed as dist
 from specserve.attention.base import ForwardContext, forward_context
 from specserve.config import EngineConfig
 from specserve.distributed.parallel_state import TPGroup, init_tp_group
-from specserve.engine.setup import build_runner
+from specserve.distributed.tp import shard_model
 from specserve.model.loader import LoadedModel, resolve_dtype
-from specserve.model.tp import shard_model
 from specserve.runner.batch import BatchInputs, HostBatch, build_host_batch
+from specserve.runner.build import build_runner
 from specserve.runner.model_runner import ModelRunner, StepOutput
 from specserve.scheduler.scheduler import SchedulerOutput
 
@@ -93,7 +93,7 @@ class ShardRunner(ModelRunner):
             if len(host.logits_indices) != host.num_tokens:
                 batch = host.to_device(self.device, self.staging, only_logits=True)
                 logits = logits.index_select(0, batch.logits_indices)
-            return self._with_host(StepOutput(logits, None, batch), host)
+            return StepOutput(logits, None, batch, host=host)
         batch = host.to_device(self.device, self.staging)
         with forward_context(ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)):
             hidden = self.model(batch.input_ids, batch.positions)
@@ -104,12 +104,7 @@ class ShardRunner(ModelRunner):
         out = StepOutput(self.model.compute_logits(rows), rows, batch)
         if need_hidden:
             out.all_hidden, out.aux_hidden = hidden, aux
-        return self._with_host(out, host)
-
-    @staticmethod
-    def _with_host(out: StepOutput, host: HostBatch) -> StepOutput:
-        if hasattr(out, "host"):  # newer StepOutput carries the step's host layout
-            out.host = host
+        out.host = host
         return out
 
 

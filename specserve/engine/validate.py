@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from specserve.config import CacheConfig
+from specserve.runner.memory import check_kv_capacity  # noqa: F401  (re-exported)
 from specserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,27 +57,3 @@ def resolve_max_tokens(num_prompt_tokens: int, params: SamplingParams, max_model
         raise ValueError(f"prompt has {num_prompt_tokens} tokens but the KV cache holds only "
                          f"{num_blocks * block_size}; raise kv_cache_memory_bytes or gpu_memory_utilization.")
     return params.max_tokens if params.max_tokens is not None else room
-
-
-def check_kv_capacity(num_blocks: int, bytes_per_block: int, max_model_len: int, cache: CacheConfig,
-                      strict: bool) -> None:
-    """Start-up check, as vLLM's: the KV pool must hold one sequence of max_model_len tokens.
-
-    `strict` raises ValueError, else the same message is logged as a warning (for a max_model_len
-    that is the model's default rather than the user's choice, which tests with tiny pools rely on).
-    """
-    capacity = num_blocks * cache.block_size
-    if capacity >= max_model_len:
-        return
-    needed = -(-max_model_len // cache.block_size) * bytes_per_block
-    if cache.kv_cache_memory_bytes is not None:
-        budget = f"kv_cache_memory_bytes ({cache.kv_cache_memory_bytes}) to at least {needed}"
-    else:
-        budget = (f"gpu_memory_utilization ({cache.gpu_memory_utilization}), or set kv_cache_memory_bytes "
-                  f"to at least {needed}")
-    msg = (f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {cache.block_size}) but max_model_len "
-           f"is {max_model_len}: one sequence of max_model_len does not fit. Lower max_model_len to at most "
-           f"{capacity} or raise {budget}.")
-    if strict:
-        raise ValueError(msg)
-    logger.warning(msg)

@@ -8,9 +8,27 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from typing import TYPE_CHECKING, Protocol
 
 from specserve.kv.block_pool import BlockHash, BlockPool, hash_blocks
-from specserve.scheduler.request import Request
+
+if TYPE_CHECKING:
+    from specserve.kv.offload.offloader import KVOffloader
+
+
+class Request(Protocol):
+    """What the manager reads of a request (scheduler.request.Request, or a proposer's draft sequence).
+    An optional `num_pending_tokens` counts placeholder tokens whose ids are not known yet."""
+
+    request_id: str
+    block_hashes: list[BlockHash]
+    num_computed_tokens: int
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 class KVCacheManager:
@@ -24,9 +42,9 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found (in GPU blocks or loaded from an offload tier)
-        self.offloader = None  # KVOffloader, when CPU/disk tiers are configured
+        self.offloader: KVOffloader | None = None  # when CPU/disk tiers are configured
 
-    def attach_offloader(self, offloader) -> None:
+    def attach_offloader(self, offloader: KVOffloader) -> None:
         self.offloader = offloader
         self.pool.on_evict = offloader.on_evict
 
@@ -75,6 +93,7 @@ class KVCacheManager:
 
     def _load_from_tiers(self, hashes: list[BlockHash], gpu_hits: list[int]) -> list[int]:
         """Copy the tier-resident run of `hashes` into fresh blocks, cached and free (like GPU hits)."""
+        assert self.offloader is not None
         payloads = self.offloader.lookup(hashes)
         # Pin the GPU hits so allocating room for the loads cannot evict them.
         self.pool.touch(gpu_hits)
@@ -183,6 +202,6 @@ class KVCacheManager:
         self.pool.check_integrity(refs)
 
 
-def _num_known(req) -> int:
+def _num_known(req: Request) -> int:
     """Tokens whose ids are known on the host. Draft sequences duck-type Request without pending tokens."""
     return req.num_tokens - getattr(req, "num_pending_tokens", 0)

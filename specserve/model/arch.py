@@ -34,7 +34,7 @@ class ModelArch:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArch":
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}.")

@@ -6,13 +6,12 @@ cache from the forward context (attention/base.py), so the model itself stays ba
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import ModuleType
-from typing import Iterable
 
 import torch
 from torch import nn
 
-from specserve import envs
 from specserve.attention.base import get_forward_context
 from specserve.model.arch import ModelArch
 from specserve.model.layers import ops as torch_ops
@@ -53,7 +52,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.ops = ops
         # [num_kv_heads, head_dim], subtracted from keys before they are cached; set only for
-        # quantized KV formats (specserve/kv/key_offset.py says why attention is unchanged by it).
+        # quantized KV formats (specserve/model/key_offset.py says why attention is unchanged by it).
         self.key_offset: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -103,46 +102,16 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The input norm runs fused with the qkv projection (one GEMV launch at decode sizes); a
-        # tensor-parallel shard of qkv is a plain matmul too, so this holds for it. Switched on, RoPE
-        # and the KV write join that launch too (`_fused_attention`).
+        # tensor-parallel shard of qkv is a plain matmul too, so this holds for it.
         attn, ops = self.self_attn, self.ops
-        fused = self._fused_attention(x, residual, positions, cos_sin)
-        if fused is not None:
-            x, residual = fused
-        else:
-            qkv, residual = ops.rms_norm_linear(x, residual, self.input_layernorm.weight, self.input_layernorm.eps,
-                                                attn.qkv_proj.weight, attn.qkv_proj.bias)
-            x = attn.attend(qkv, positions, cos_sin)
+        qkv, residual = ops.rms_norm_linear(x, residual, self.input_layernorm.weight, self.input_layernorm.eps,
+                                            attn.qkv_proj.weight, attn.qkv_proj.bias)
+        x = attn.attend(qkv, positions, cos_sin)
         # The post-attention norm, gate_up and the activation in one launch where the GPU's tuned
         # table says the fused norm pays (triton_gemv.norm_fuse_table); else the norm runs alone.
         ln = self.post_attention_layernorm
         x, residual = ops.rms_norm_linear_silu_and_mul(x, residual, ln.weight, ln.eps, self.mlp.gate_up_proj.weight)
         return self.mlp.down_proj(x), residual
-
-    def _fused_attention(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                         cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """SPECSERVE_QKV_ROPE_FUSED=1: the input norm, qkv, RoPE and the KV write in one launch
-        (model/layers/triton_qkv_rope.py), then attention over the cache and o_proj. Returns
-        (attention output [T, hidden], new residual [T, hidden]), or None where it does not apply
-        (switch off, a backend without `forward_cached`, a quantized cache or key offset, shapes
-        the fused kernel does not take): the caller runs the unfused path."""
-        if not envs.qkv_rope_fused():
-            return None
-        ctx, attn, ln = get_forward_context(), self.self_attn, self.input_layernorm
-        attend_cached = getattr(ctx.backend, "forward_cached", None)  # Triton: K/V already in the cache
-        if attend_cached is None or ctx.fmt.quantized or attn.key_offset is not None:
-            return None
-        from specserve.model.layers.triton_qkv_rope import rms_norm_qkv_rope_cache
-
-        cache = ctx.kv_caches[attn.layer_idx]
-        fused = rms_norm_qkv_rope_cache(x, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                        positions, cos_sin, cache.key, cache.value, ctx.meta.slot_mapping,
-                                        attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        if fused is None:
-            return None
-        q, residual = fused
-        out = attend_cached(q, cache, ctx.fmt, ctx.meta, attn.scale)
-        return attn.o_proj(out.reshape(-1, attn.q_size)), residual
 
 
 class CausalLM(nn.Module):
@@ -160,7 +129,7 @@ class CausalLM(nn.Module):
         # Layers whose inputs (the residual stream entering layer i; layer 0's is the embeddings) are
         # also returned, for EAGLE-3 heads (the states EAGLE-3 and vLLM take).
         self.aux_hidden_layers: tuple[int, ...] = ()
-        # Set by model/tp.py: a vocabulary-sharded head that computes and gathers the logits.
+        # Set by distributed/tp.py: a vocabulary-sharded head that computes and gathers the logits.
         self.logits_head: nn.Module | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,8 +20,8 @@ from tqdm.auto import tqdm
 
 from specserve.config import ModelConfig
 from specserve.model.arch import ModelArch, rope_cos_sin_cache
-from specserve.model.llama import CausalLM
 from specserve.model.layers import ops as torch_ops
+from specserve.model.llama import CausalLM
 from specserve.model.shapes import SHAPES
 
 
@@ -47,7 +48,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: ModuleType = torch_ops,
                progress: bool = True) -> LoadedModel:
-    source = _Source.open(cfg)
+    source = WeightSource.open(cfg)
     hf_config = {**source.hf_config, **(cfg.hf_overrides or {})}
     arch = ModelArch.from_hf_config(hf_config)
     max_len = cfg.max_model_len or arch.max_position_embeddings
@@ -101,7 +102,7 @@ def _init_dummy(model: CausalLM, seed: int) -> None:
             p.uniform_(-0.02, 0.02, generator=gen)
 
 
-class _Source:
+class WeightSource:
     """Where weights, config and tokenizer come from."""
 
     def __init__(self, name: str, hf_config: dict[str, Any], identity: str) -> None:
@@ -109,7 +110,7 @@ class _Source:
         self.num_tensors: int | None = None
 
     @staticmethod
-    def open(cfg: ModelConfig) -> "_Source":
+    def open(cfg: ModelConfig) -> WeightSource:
         if cfg.load_format == "dummy" and cfg.model in SHAPES:
             return _ShapeSource(cfg.model)
         path = Path(cfg.model).expanduser()
@@ -122,7 +123,7 @@ class _Source:
             return _GGUFSource(resolved.name, Path(resolved.path))._check_format(cfg.load_format, "gguf")
         return _HFDirSource(resolved.name, Path(resolved.path))._check_format(cfg.load_format, "safetensors")
 
-    def _check_format(self, load_format: str, kind: str) -> "_Source":
+    def _check_format(self, load_format: str, kind: str) -> WeightSource:
         """An explicit load_format must be what the model reference holds (vLLM refuses a mismatch too)."""
         if load_format in ("safetensors", "gguf") and load_format != kind:
             raise ValueError(f"load_format {load_format!r} does not match model {self.name!r}, which is {kind}; "
@@ -144,12 +145,14 @@ class _Source:
         return ()
 
 
-class _ShapeSource(_Source):
+
+
+class _ShapeSource(WeightSource):
     def __init__(self, name: str) -> None:
         super().__init__(name, dict(SHAPES[name]), f"dummy:{name}")
 
 
-class _HFDirSource(_Source):
+class _HFDirSource(WeightSource):
     def __init__(self, name: str, path: Path) -> None:
         cfg = json.loads((path / "config.json").read_text())
         files = sorted(path.glob("*.safetensors"))
@@ -192,7 +195,7 @@ class _HFDirSource(_Source):
             return None
 
 
-class _GGUFSource(_Source):
+class _GGUFSource(WeightSource):
     def __init__(self, name: str, path: Path) -> None:
         from specserve.model.gguf_loader import read_gguf
 

@@ -35,23 +35,17 @@ from specserve.runner.streams import record
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MID_QUERY_MAX_BATCH = 32
-# Prefill lengths captured for batches of up to PREFILL_MAX_BATCH sequences. Eagerly, the ~12
-# launches per layer of a 13-token prefill after an 8k-token prefix hit took 15-28 ms of host time on
-# the H200 machine for ~2 ms of GPU work (bench/tier_ttft.py). The graphs' [bs * q, vocab] float32
-# logits cost 240 rows of vocabulary (146 MB at Qwen2's 152k).
+# Prefill lengths captured for batches of up to PREFILL_MAX_BATCH sequences: eagerly, a short prefill
+# costs several times its GPU time in launches. The graphs' [bs * q, vocab] float32 logits cost 240
+# rows of vocabulary (146 MB at Qwen2's 152k).
 PREFILL_QUERY_LENS = (16, 64)
 PREFILL_MAX_BATCH = 2
-# Catch-up lengths (spec/draft_model.py): eagerly, a forward of the 0.5B draft took ~10 ms of host
-# time on the H200 for any 3-128 tokens, and a drafting start at 4 requests paid 12-26 ms for its
-# catch-up (docs/benchmarks.md, seventeenth session). Scoring only each sequence's last row keeps a
-# graph's logits at [bs, vocab]: every length up to 32 sequences holds ~160 MB at a 152k vocabulary.
+# Catch-up lengths of a draft model (eagerly its forward is bound by launches at any 3-128 tokens).
+# Scoring only each sequence's last row keeps a graph's logits at [bs, vocab].
 CATCH_UP_QUERY_LENS = (4, 16, 64)
 CATCH_UP_MAX_BATCH = 32
-# Token counts of the mixed graphs. In the H200 controller sweep (docs/benchmarks.md) every step that
-# carried a prompt chunk beside a decoding batch ran eagerly, 12-21 ms of host time for ~2 ms of GPU
-# work at 4-32 requests of the 1.5B, while a decode step took 1.5-2 ms: under speculation requests
-# finish at different steps, so each arrival paid that on its own. Past 1024 tokens a forward's GPU
-# work outweighs its launches.
+# Token counts of the mixed graphs (a prompt chunk beside a decoding batch), which eagerly cost several
+# times their GPU time in launches. Past 1024 tokens a forward's GPU work outweighs its launches.
 MIXED_TOKEN_LENS = (128, 256, 512, 1024)
 
 
@@ -156,8 +150,9 @@ class CudaGraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.verify_query_lens = tuple(sorted(set(query_lens)))  # decode (1) and verify (k + 1) lengths
         self.prefill_query_lens = tuple(q for q in prefill_query_lens if q <= max_model_len)
-        self.catch_up_query_lens = catch_up_lens_of(  # their graphs score one row per sequence at most
-            self.verify_query_lens, self.prefill_query_lens, tuple(q for q in catch_up_query_lens if q <= max_model_len))
+        catch_up = tuple(q for q in catch_up_query_lens if q <= max_model_len)
+        # their graphs score one row per sequence at most
+        self.catch_up_query_lens = catch_up_lens_of(self.verify_query_lens, self.prefill_query_lens, catch_up)
         self.sizes_by_q = sizes_by_query_len(self.batch_sizes, self.verify_query_lens, self.prefill_query_lens,
                                              self.catch_up_query_lens)
         self.query_lens = tuple(sorted(self.sizes_by_q))

@@ -1,11 +1,15 @@
 """Size the KV pool: an explicit byte budget, or profile the GPU and take what is left."""
 from __future__ import annotations
 
-from typing import Callable
+import logging
+from collections.abc import Callable
 
 import torch
 
+from specserve.config import CacheConfig
 from specserve.kv.spec import KVCacheSpec
+
+logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB when nothing is said, on the CPU
 
@@ -36,3 +40,27 @@ def kv_budget_bytes(spec: KVCacheSpec, device: torch.device, gpu_memory_utilizat
                          f"graphs {reserve_bytes / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); raise it, lower "
                          f"max_num_batched_tokens or max_num_seqs, or set enforce_eager.")
     return budget
+
+
+def check_kv_capacity(num_blocks: int, bytes_per_block: int, max_model_len: int, cache: CacheConfig,
+                      strict: bool) -> None:
+    """Start-up check, as vLLM's: the KV pool must hold one sequence of max_model_len tokens.
+
+    `strict` raises ValueError, else the same message is logged as a warning (for a max_model_len
+    that is the model's default rather than the user's choice, which tests with tiny pools rely on).
+    """
+    capacity = num_blocks * cache.block_size
+    if capacity >= max_model_len:
+        return
+    needed = -(-max_model_len // cache.block_size) * bytes_per_block
+    if cache.kv_cache_memory_bytes is not None:
+        budget = f"kv_cache_memory_bytes ({cache.kv_cache_memory_bytes}) to at least {needed}"
+    else:
+        budget = (f"gpu_memory_utilization ({cache.gpu_memory_utilization}), or set kv_cache_memory_bytes "
+                  f"to at least {needed}")
+    msg = (f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {cache.block_size}) but max_model_len "
+           f"is {max_model_len}: one sequence of max_model_len does not fit. Lower max_model_len to at most "
+           f"{capacity} or raise {budget}.")
+    if strict:
+        raise ValueError(msg)
+    logger.warning(msg)

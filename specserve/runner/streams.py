@@ -1,8 +1,8 @@
 """The current CUDA stream as a torch Stream object, cheaply.
 
 `torch.cuda.Event.record()` without a stream builds a fresh `torch.cuda.current_stream()` object
-on every call, which measured 30-40 us of Python on the H200 host: several times per engine step
-on the host's critical path. The raw stream handle is a plain C call, so the Stream object is
+on every call, tens of microseconds of Python several times per engine step on the host's critical
+path. The raw stream handle is a plain C call, so the Stream object is
 rebuilt only when the current stream changes (a side stream, a CUDA-graph capture).
 """
 from __future__ import annotations

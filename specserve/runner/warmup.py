@@ -4,10 +4,9 @@ The GEMV (model/layers/triton_gemv.py) serves every linear of up to `gemv_max_m(
 BLOCK_M, tiles and prefetch choice per row count: a row count no forward has used yet compiles new
 Triton variants, one per linear. CUDA graphs cover the decode and verify shapes, but other small
 forwards run eagerly mid-serving: a draft model catching up on 3-8 tokens, a prompt remainder of a
-few tokens, a verify batch between the captured lengths. In the H200 controller sweep one request of
-eight at concurrency 1 took 846 ms against 290-341 ms for the others, a one-off stall of the size such
-compiles take. Running one forward of each small row count here, together with the LM head at that
-many rows, moves those compiles to start-up (Triton's disk cache makes later start-ups cheap).
+few tokens, a verify batch between the captured lengths, and a first compile there stalls a request.
+Running one forward of each small row count here, together with the LM head at that many rows, moves
+those compiles to start-up (Triton's disk cache makes later start-ups cheap).
 """
 from __future__ import annotations
 
@@ -46,10 +45,8 @@ def dummy_logits(runner: ModelRunner, rows: int) -> torch.Tensor:
 def warm_small_forwards(runner: ModelRunner, max_rows: int, context: int = 0) -> list[int]:
     """dummy_forward of t tokens after `context` for t = 1..max_rows, eagerly, and the LM head over t
     rows. Eagerly even where a captured graph would fit this single sequence: the same query lengths
-    come mid-serving in shapes no graph covers (a draft model catching up on 3-9 tokens of each of 4
-    requests: on the H200 such a catch-up compiled an attention and three GEMM variants, a 545 ms
-    stall, because the single-sequence start-up forwards had replayed the 16-token prefill graph).
-    It writes only KV slots of the first few blocks of the runner's pool and runs before any request
+    come mid-serving in shapes no graph covers (a draft model catching up on a few tokens of several
+    requests). It writes only KV slots of the first few blocks of the runner's pool and runs before any request
     exists, so nothing that matters is overwritten. Returns the row counts run (none if the context
     leaves no room)."""
     room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size) - context
@@ -78,9 +75,8 @@ def warm_prompt_forwards(runner: ModelRunner, rows: tuple[int, ...] = PROMPT_ROW
     """dummy_forward of each prompt-sized row count, fresh and after SPLIT_CONTEXT, eagerly: the
     attention launches of a prompt or of a long catch-up, with and without split-KV. A target compiles
     them at its first prompt anyway; a draft model only at its first catch-up of more than SMALL_QUERY_MAX
-    tokens outside its graphs, mid-serving (nineteenth session's H200 pair sweep: the draft's eager
-    prefill attention compiled during the adaptive policy's run at concurrency 32). Returns the
-    (context, rows) run; sizes the pool or max_model_len cannot hold are skipped."""
+    tokens outside its graphs, mid-serving. Returns the (context, rows) run; sizes the pool or
+    max_model_len cannot hold are skipped."""
     room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size)
     done = []
     graphs, runner.graphs = runner.graphs, None
@@ -108,12 +104,9 @@ def start_up_rows() -> tuple[list[int], list[int]]:
 def warm_start_up(runner: ModelRunner) -> None:
     """The start-up forwards: every GEMV row count (1..gemv_max_m()) and every query length of
     attention's decode-sized launches (1..SMALL_QUERY_MAX: their query block grows with the length),
-    on a fresh sequence and after a context long enough for split-KV launches. Eager forwards of
-    these lengths come mid-serving: a draft model catching up on the tokens of a pause in drafting
-    (the H200 pair sweep's first adaptive run at concurrency 1 measured 373 tok/s against 802-855
-    later, when catch-ups of 9-16 tokens, a query block no start-up forward had used, compiled
-    then), a prompt's last chunk, a verify batch between the captured lengths; and one forward of each
-    prompt-sized row count (warm_prompt_forwards)."""
+    on a fresh sequence and after a context long enough for split-KV launches (eager forwards of these
+    lengths come mid-serving: draft catch-ups, a prompt's last chunk, a verify batch between the
+    captured lengths); and one forward of each prompt-sized row count (warm_prompt_forwards)."""
     fresh, after = start_up_rows()
     warm_small_forwards(runner, len(fresh))
     warm_small_forwards(runner, len(after), context=SPLIT_CONTEXT)

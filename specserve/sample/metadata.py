@@ -80,7 +80,8 @@ class SamplingMetadata:
         is_greedy = [p.greedy for p in params]
         all_greedy, all_random = all(is_greedy), not any(is_greedy)
         if all_greedy:  # greedy rows read no scalar: a cached tensor of neutral temperatures, no copy
-            temperature, greedy_mask, use = _ones(num_seqs, device), None, {}
+            use: dict[str, bool] = {}
+            temperature, greedy_mask = _ones(num_seqs, device), None
         else:
             scalars, use = _row_scalars(params, is_greedy, vocab_size)
             scalars = h2d(scalars, device)  # one host->device copy for all per-row scalars
@@ -124,17 +125,21 @@ class SamplingMetadata:
         if not all_greedy or self.penalties is not None:
             index = cached_tensor(device, ("rows", row_ids), lambda: torch.tensor(row_ids, dtype=torch.int64))
 
+        def rows() -> Tensor:
+            assert index is not None  # built for any non-greedy row and for penalties
+            return index
+
         def pick(t: Tensor | None) -> Tensor | None:
-            return None if t is None or all_greedy else t.index_select(0, index)
+            return None if t is None or all_greedy else t.index_select(0, rows())
 
         mixed = not (all_greedy or all_random)
         meta = replace(
             self,
-            temperature=_ones(len(row_ids), device) if all_greedy else self.temperature.index_select(0, index),
-            greedy_mask=self.greedy_mask.index_select(0, index) if mixed else None,
+            temperature=_ones(len(row_ids), device) if all_greedy else self.temperature.index_select(0, rows()),
+            greedy_mask=pick(self.greedy_mask) if mixed else None,
             top_k=pick(self.top_k), top_p=pick(self.top_p), min_p=pick(self.min_p),
             all_greedy=all_greedy, all_random=all_random,
-            penalties=None if self.penalties is None else select_penalty_rows(self.penalties, index),
+            penalties=None if self.penalties is None else select_penalty_rows(self.penalties, rows()),
             generators=[self.generators[i] for i in row_ids],
             is_greedy=is_greedy,
             min_tokens_stop_ids=[self.min_tokens_stop_ids[i] for i in row_ids],

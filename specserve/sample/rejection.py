@@ -93,11 +93,11 @@ class _DeviceLayout(NamedTuple):
         if not lay.uniform:
             per_draft.append(lay.draft_seq * lay.max_k + lay.draft_offset)
         per_seq = [lay.num_drafts, lay.seq_target_start, lay.seq_draft_start]
-        dev = iter(h2d_packed(per_draft + per_seq, device))
-        fields = [next(dev), next(dev)]
-        fields += [next(dev) if use else None for use in (with_draft_probs, meta.greedy_mask is not None,
-                                                           not lay.uniform)]
-        return cls(*fields, *dev)
+        sent = iter(h2d_packed(per_draft + per_seq, device))
+        ids, target_index = next(sent), next(sent)
+        draft_index, random_draft, pad_index = (next(sent) if use else None for use in (
+            with_draft_probs, meta.greedy_mask is not None, not lay.uniform))
+        return cls(ids, target_index, draft_index, random_draft, pad_index, *sent)
 
 
 def _check_shapes(lay: _Layout, draft_ids: np.ndarray, draft_probs: Tensor | None, target_logits: Tensor,
@@ -195,14 +195,14 @@ class RejectionSampler:
         target_p = target_probs.take(dev.target_index).double()  # [total_drafts]
         # u < target/draft without dividing; strict so a zero target prob never accepts.
         scaled_u = self._draw_uniform(lay, meta, device)
-        if draft_probs is not None:
+        if draft_probs is not None and dev.draft_index is not None:
             scaled_u = scaled_u * draft_probs.take(dev.draft_index).double()
         if dev.random_draft is not None:
             # Greedy rows' target_probs are one-hot at the target argmax: with u scaled to 0 a draft
             # is accepted iff it is that argmax (target_p 1, else 0).
             scaled_u = scaled_u * dev.random_draft
         accepted = (scaled_u < target_p).long()
-        if lay.uniform:
+        if dev.pad_index is None:  # lay.uniform
             padded = accepted.view(num_seqs, max_k)
         else:  # padding (0) ends short rows
             padded = accepted.new_zeros(num_seqs * max_k).index_copy_(0, dev.pad_index, accepted)

@@ -132,10 +132,10 @@ def _one_sequence_kv_bytes(target: str, load_format: str, max_len: int, block: i
     from specserve.config import ModelConfig
     from specserve.model.arch import ModelArch
     from specserve.model.loader import (
-        _Source,  # reads config without weights, as make_random_head_dir
+        WeightSource,  # reads config without weights, as make_random_head_dir
     )
 
-    arch = ModelArch.from_hf_config(_Source.open(ModelConfig(model=target, load_format=load_format)).hf_config)
+    arch = ModelArch.from_hf_config(WeightSource.open(ModelConfig(model=target, load_format=load_format)).hf_config)
     per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 4
     return (-(-max_len // block) + 1) * block * per_token
 

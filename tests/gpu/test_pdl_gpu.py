@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (model/layers/pdl.py): the decode path's Triton kernels launched
+"""Programmatic dependent launch (kernels/pdl.py): the decode path's Triton kernels launched
 with PDL inside CUDA graphs give bitwise the tokens of ordinary launches. A kernel that read its
 predecessor's output before `griddepcontrol.wait` would race and break this equality."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.model.layers.pdl import use_pdl
+from specserve.kernels.pdl import use_pdl
 
 
 def _run(path, monkeypatch, pdl: str, **kw) -> list:

@@ -1,4 +1,4 @@
-"""Quantized-KV attention kernels (fp8 v1 / v3, nvfp4 v1 to v7) never read or write outside their
+"""Quantized-KV attention kernels (fp8 v3, nvfp4 v4 and v7) never read or write outside their
 tensors: the sequences own the last blocks of an exactly sized pool, so an over-read runs off the end
 of every cache tensor. In the interpreter every load and store address is checked
 (tests/helpers/triton_bounds.py); on the GPU the outputs are compared with the float64 oracle.

@@ -92,9 +92,9 @@ def assert_cache_written(cache: LayerKVCache, ref_cache: LayerKVCache) -> None:
         torch.testing.assert_close(got.double(), want.to(got.dtype).double(), rtol=0, atol=0, equal_nan=True)
 
 
-def run_kernels(batch: Batch, num_splits: int | None = None, fused_reduce: bool = True) -> torch.Tensor:
+def run_kernels(batch: Batch, num_splits: int | None = None) -> torch.Tensor:
     write_cache(batch)
-    return attend(batch, num_splits, fused_reduce)
+    return attend(batch, num_splits)
 
 
 def write_cache(batch: Batch) -> None:
@@ -103,15 +103,14 @@ def write_cache(batch: Batch) -> None:
     reshape_and_cache(batch.k, batch.v, batch.cache.key, batch.cache.value, batch.meta.slot_mapping)
 
 
-def attend(batch: Batch, num_splits: int | None = None, fused_reduce: bool = True) -> torch.Tensor:
+def attend(batch: Batch, num_splits: int | None = None) -> torch.Tensor:
     """paged_attention over the batch's cache as it is (K/V already written), into a NaN-poisoned output."""
     from specserve.attention.triton_paged import paged_attention
 
     meta, cache = batch.meta, batch.cache
     out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype, device=batch.q.device)
     return paged_attention(batch.q, cache.key, cache.value, meta.cu_query_lens, meta.seq_lens, meta.block_tables,
-                           meta.max_query_len, meta.max_seq_len, batch.scale, out=out, num_splits=num_splits,
-                           fused_reduce=fused_reduce)
+                           meta.max_query_len, meta.max_seq_len, batch.scale, out=out, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -1,21 +1,20 @@
 """Triton kernels over quantized KV (fp8, nvfp4) against the torch oracle (kv/quant.py, torch_ref).
 
-The write kernel must reproduce `quant.write_kv` bit for bit: data bytes and scales, ties and
-saturation included, run on the CPU as the oracle. Attention reads the same bytes; its reference
-is TorchRefBackend in float64 over the dequantized cache, so what differs is only the kernels'
-float16 operands and fp32 accumulation. Every attention kernel variant (triton_quant.VARIANTS: fp8
-v1 / v3, nvfp4 v1 to v7) runs every attention test, and the newer kernels also under each
-non-default launch option (test_launch_options). Slots that no sequence owns hold
-NaN scales (and NaN fp8 bytes), so any read outside a sequence's context shows up as NaN; outputs
-are poisoned with NaN before the kernel runs, so every row must be written. Reads past the end of a
-tensor need not show in the output: test_quant_kv_bounds.py puts the KV at the end of an exactly
+The write kernel must reproduce `quant.write_kv` bit for bit: data bytes and scales, ties and saturation
+included, run on the CPU as the oracle. Attention reads the same bytes; its reference is TorchRefBackend
+in float64 over the dequantized cache, so what differs is only the kernels' float16 operands and fp32
+accumulation. Every attention kernel variant (triton_quant.VARIANTS: fp8 v3, nvfp4 v4 and v7) runs every
+attention test, also under each non-default launch option (test_launch_options). Slots that no sequence
+owns hold NaN scales (and NaN fp8 bytes), so any read outside a sequence's context shows up as NaN;
+outputs are poisoned with NaN before the kernel runs, so every row must be written. Reads past the end
+of a tensor need not show in the output: test_quant_kv_bounds.py puts the KV at the end of an exactly
 sized pool and, in the interpreter, checks the addresses of every load and store.
 
 Under TRITON_INTERPRET=1 the interpreter's float8 conversions are replaced by torch's (it
 truncates instead of rounding to nearest even and drops the mantissa carry); see
 `tests/helpers/quant_kv.patch_fp8_interpreter`. The interpreter runs no inline PTX, so there nvfp4
-v3 to v7 take v2's decoder (fp8 v3: a byte bitcast; v7's K: its plain twin, same column order), and v4
-to v7 have no dot layouts to change (they are compiled for the GPU only: tests/unit/test_triton_dot_layout.py);
+takes the plain Triton decoder (fp8: a byte bitcast; v7's K: its plain twin, same column order), and
+has no dot layouts to change (they are compiled for the GPU only: tests/unit/test_triton_dot_layout.py);
 test_nvfp4_decoders_are_exact and test_fp8_unit_decode_is_exact check the PTX decoders on the GPU for all
 65536 inputs (test_nvfp4_pair_decoder_is_exact: v7's K decoder, each unit in both halves of a word).
 """
@@ -129,15 +128,14 @@ def test_long_context_decode_and_verify(name: str, variant: str, query_len: int,
         assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
 
 
-# Non-default launches of the v2 / v3 kernels: grid order, tiles,
+# Non-default launches of the kernels: grid order, tiles,
 # warps, no register cap.
 LAUNCHES = [{"heads_first": False}, {"block_n": 128, "num_warps": 8}, {"num_warps": 2}, {"block_n": 32},
             {"maxnreg": 0, "num_splits": 1}]
-NEW_KERNELS = [k for k in KERNELS if k[1] != "v1"]
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
-@pytest.mark.parametrize("name,variant", NEW_KERNELS, ids=[f"{n}-{v}" for n, v in NEW_KERNELS])
+@pytest.mark.parametrize("name,variant", KERNELS, ids=KERNEL_IDS)
 def test_launch_options(name: str, variant: str, launch: dict, device: torch.device, interpreting: bool) -> None:
     """Decode, k+1 verify and a short prefill under each launch option the benchmark sweeps."""
     dtype = torch.bfloat16
@@ -164,11 +162,10 @@ def test_odd_kv_head_count(name: str, variant: str, device: torch.device, interp
 
 
 def test_nvfp4_decoders_are_exact(device: torch.device) -> None:
-    """The nvfp4 decoders (v2 plain Triton, v3 / v4 inline PTX: the GPU only) against the torch LUT,
+    """The nvfp4 decoders (plain Triton; inline PTX: the GPU only) against the torch LUT,
     on all 65536 units."""
-    from specserve.attention.triton_quant_common import NVFP4_DECODE
     from specserve.attention.triton_nvfp4_decode import E4M3_DECODE
-    from specserve.attention.triton_quant_nvfp4 import DECODERS
+    from specserve.attention.triton_quant_common import NVFP4_DECODE
     from tests.helpers.quant_decode import nvfp4_units_kernel
 
     units = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).to(device)
@@ -176,7 +173,7 @@ def test_nvfp4_decoders_are_exact(device: torch.device) -> None:
     codes = units.cpu().view(torch.uint8).view(-1, 1, 2)  # the unit's two bytes = elements 4c .. 4c + 3
     want = quant.dequantize(codes, torch.ones(codes.shape[0], 1, 1).to(torch.float8_e4m3fn), fmt,
                             torch.float32).reshape(-1) / fmt.global_scale
-    decoders = DECODERS if device.type == "cuda" else {"v2": 0}
+    decoders = {"ptx": 1, "plain": 0} if device.type == "cuda" else {"plain": 0}
     for variant, decoder in decoders.items():
         out = torch.empty(4 * units.numel(), dtype=torch.float16, device=device)
         nvfp4_units_kernel[(units.numel() // 1024,)](units, out, DECODER=decoder, BLOCK=1024)
@@ -188,8 +185,8 @@ def test_nvfp4_pair_decoder_is_exact(device: torch.device) -> None:
     """v7's K decoder (32-bit words, no byte permute; inline PTX on the GPU, plain Triton in the
     interpreter) against the torch LUT on all 65536 units, each once in a word's low and once in its
     high half, every value at the element the kernel's Q order gives it."""
-    from specserve.attention.triton_quant_common import NVFP4_DECODE
     from specserve.attention.triton_nvfp4_decode import E4M3_DECODE
+    from specserve.attention.triton_quant_common import NVFP4_DECODE
     from tests.helpers.quant_decode import nvfp4_pairs_kernel
 
     all_units = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
@@ -211,8 +208,8 @@ def test_nvfp4_pair_decoder_is_exact(device: torch.device) -> None:
 DECODE_ONLY = [(1, 4), (4, 1), (4, 2), (6, 1), (8, 1), (7, 1)]
 
 
-@pytest.mark.parametrize("name,variant", [k for k in KERNELS if k[0] == "nvfp4" and k[1] != "v1"],
-                         ids=[f"{n}-{v}" for n, v in KERNELS if n == "nvfp4" and v != "v1"])
+@pytest.mark.parametrize("name,variant", [k for k in KERNELS if k[0] == "nvfp4"],
+                         ids=[f"{n}-{v}" for n, v in KERNELS if n == "nvfp4"])
 @pytest.mark.parametrize("group,query_len", DECODE_ONLY, ids=[f"g{g}-q{q}" for g, q in DECODE_ONLY])
 def test_decode_only_batch(name: str, variant: str, group: int, query_len: int, device: torch.device,
                            interpreting: bool) -> None:

@@ -203,7 +203,7 @@ def test_cuda_graph_replay_chain_with_pdl(device: torch.device) -> None:
 def test_engine_linear_follows_the_skinny_table(m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                                                 monkeypatch: pytest.MonkeyPatch = None) -> None:
     """triton_ops.linear / linear_silu_and_mul take the skinny GEMM exactly where the tuned table has
-    an entry for (N, K, next_power_of_2(M)), and SPECSERVE_SKINNY=0 turns it off."""
+    an entry for (N, K, next_power_of_2(M))."""
     from specserve.model.layers import triton_gemv, triton_ops
     from specserve.model.layers import triton_skinny as sk
 
@@ -217,17 +217,14 @@ def test_engine_linear_follows_the_skinny_table(m: int, device: torch.device, dt
     try:
         mp.setattr(sk, "skinny_linear", lambda *a, **kw: calls.append("plain") or real_plain(*a, **kw))
         mp.setattr(sk, "skinny_linear_silu_and_mul", lambda *a, **kw: calls.append("silu") or real_silu(*a, **kw))
-        mp.setattr(triton_gemv, "skinny_table", lambda name: {"plain": {key: cfg}, "silu": {key: cfg._replace(block_n=16)}})
+        table = {"plain": {key: cfg}, "silu": {key: cfg._replace(block_n=16)}}
+        mp.setattr(triton_gemv, "skinny_table", lambda name: table)
         got = triton_ops.linear(x, w, b)
         act = triton_ops.linear_silu_and_mul(x, w)
         assert calls == ["plain", "silu"]
         torch.testing.assert_close(got.float(), _want(x, w, b), rtol=TOL[dtype], atol=TOL[dtype])
         torch.testing.assert_close(act.float(), ops.silu_and_mul(F.linear(x, w)).float(), rtol=TOL[dtype],
                                    atol=TOL[dtype])
-        mp.setenv("SPECSERVE_SKINNY", "0")
-        triton_ops.linear(x, w, b)
-        assert calls == ["plain", "silu"]  # off: the GEMV or cuBLAS ran
-        mp.delenv("SPECSERVE_SKINNY")
         mp.setattr(triton_gemv, "skinny_table", lambda name: {"plain": {}, "silu": {}})
         triton_ops.linear(x, w, b)
         assert calls == ["plain", "silu"]  # no entry for this shape

@@ -6,8 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from specserve.attention.triton_quant_fp8 import _unit_halves
 from specserve.attention.triton_nvfp4_decode import _decode, _decode_pairs
+from specserve.attention.triton_quant_fp8 import _unit_halves
 
 
 @triton.jit

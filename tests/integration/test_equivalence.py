@@ -72,15 +72,6 @@ def test_batch_size_does_not_change_output(tiny_llama_dir, reference, batch):
     assert got == ref[:batch]
 
 
-def test_qkv_rope_fused_switch_same_output(tiny_llama_dir, reference, monkeypatch):
-    """SPECSERVE_QKV_ROPE_FUSED=1: on the Triton backend, batches of up to 4 rows run the input norm,
-    qkv, RoPE and the KV write as one launch (bitwise the unfused path); the CPU path falls back."""
-    prompts, ref = reference
-    monkeypatch.setenv("SPECSERVE_QKV_ROPE_FUSED", "1")
-    got, _ = _run(tiny_llama_dir, prompts, max_num_seqs=4, block_size=4)
-    assert got == ref
-
-
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preemption_by_tiny_kv_budget(tiny_llama_dir, reference, prefix_caching):
     prompts, ref = reference

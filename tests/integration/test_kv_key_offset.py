@@ -1,4 +1,4 @@
-"""Key offsets for quantized KV (specserve/kv/key_offset.py) on a Qwen2-shaped model whose K bias
+"""Key offsets for quantized KV (specserve/model/key_offset.py) on a Qwen2-shaped model whose K bias
 has large outlier channels on slowly rotating RoPE pairs, as Qwen2.5 has (up to ~360 there).
 
 Without the offset, fp8 / nvfp4 KV spend their per-(token, head) / per-16 scales on the outliers and
@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specserve import LLM, SamplingParams
-from specserve.kv.key_offset import slow_channels
 from specserve.model.arch import ModelArch
+from specserve.model.key_offset import slow_channels
 from tests.helpers.tiny_models import make_tiny_model_dir
 
 PROMPT = list(range(3, 150))
@@ -43,7 +43,7 @@ def _prompt_logprobs(model_dir, kv_cache_dtype: str) -> torch.Tensor:
 
 
 def _disable_offsets(monkeypatch) -> None:
-    import specserve.engine.setup as setup
+    import specserve.runner.build as setup
 
     original = setup.install_key_offsets
     monkeypatch.setattr(setup, "install_key_offsets", lambda model, arch, enabled: original(model, arch, False))
@@ -73,7 +73,7 @@ def test_offsets_keep_quantized_kv_close_to_float32(outlier_qwen2_dir, monkeypat
 def test_offsets_do_not_change_attention(outlier_qwen2_dir, monkeypatch) -> None:
     """Forcing offsets onto float32 KV: same log-probabilities (softmax ignores a per-query constant)."""
     plain = _prompt_logprobs(outlier_qwen2_dir, "float32")
-    import specserve.engine.setup as setup
+    import specserve.runner.build as setup
 
     original = setup.install_key_offsets
     monkeypatch.setattr(setup, "install_key_offsets", lambda model, arch, enabled: original(model, arch, True))

@@ -14,16 +14,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.model.catalog import install_command, model_path
-from tests.helpers.tiny_models import make_tiny_model_dir
 from tests.helpers.server_proc import free_port, wait_healthy
+from tests.helpers.tiny_models import make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of", "numbers 0 1 2 3"]

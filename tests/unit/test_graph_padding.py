@@ -141,8 +141,12 @@ def test_prefill_lengths_only_for_one_or_two_sequences():
 def test_catch_up_lengths_up_to_32_sequences():
     """Catch-up graphs (one scored row per sequence) get batch sizes up to CATCH_UP_MAX_BATCH; a length
     that is already a verify or prefill length keeps those graphs (which score every row)."""
-    from specserve.runner.cuda_graph import (CATCH_UP_MAX_BATCH, DEFAULT_BATCH_SIZES, catch_up_lens_of,
-                                             sizes_by_query_len)
+    from specserve.runner.cuda_graph import (
+        CATCH_UP_MAX_BATCH,
+        DEFAULT_BATCH_SIZES,
+        catch_up_lens_of,
+        sizes_by_query_len,
+    )
 
     assert catch_up_lens_of((1, 2), (), (4, 16, 64)) == (4, 16, 64)
     assert catch_up_lens_of((1, 4), (16,), (4, 16, 64)) == (64,)

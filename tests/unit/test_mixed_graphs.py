@@ -9,10 +9,9 @@ replays the graphs themselves.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
-from specserve import LLM, SamplingParams, envs
+from specserve import LLM, SamplingParams
 from specserve.runner.batch import HostBatch, build_host_batch
 from specserve.runner.cuda_graph import CudaGraphRunner, graph_batch_sizes, graph_output_bytes, mixed_graph_sizes
 from tests.unit.test_graph_padding import _graphs, _ragged_step
@@ -107,15 +106,3 @@ def test_graph_output_bytes_counts_the_mixed_graphs_hidden_states():
     mixed = (4 * 16 + 4 * 64) * 64 * 2  # 16 tokens: sizes 1, 2, 4, 8; 64 tokens: the same four
     assert graph_output_bytes(8, (1,), (), 1000, 64, 2, (), (16, 64), 4096) == int((decode + mixed) * 1.1)
     assert graph_output_bytes(8, (1,), (), 1000, 64, 2, (), (), 4096) == int(decode * 1.1)
-
-
-@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False)])
-def test_mixed_graphs_switch(monkeypatch, value, on):
-    if value is None:
-        monkeypatch.delenv("SPECSERVE_MIXED_GRAPHS", raising=False)
-    else:
-        monkeypatch.setenv("SPECSERVE_MIXED_GRAPHS", value)
-    assert envs.mixed_graphs() is on
-    monkeypatch.setenv("SPECSERVE_MIXED_GRAPHS", "yes")
-    with pytest.raises(ValueError, match="SPECSERVE_MIXED_GRAPHS"):
-        envs.mixed_graphs()

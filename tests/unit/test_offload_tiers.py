@@ -12,8 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.kv.offload.base import (BlockPayload, OffloadTier, extract_block, extract_blocks,
-                                       insert_block, insert_blocks, payload_nbytes)
+from specserve.kv.offload.base import (
+    BlockPayload,
+    OffloadTier,
+    extract_block,
+    extract_blocks,
+    insert_block,
+    insert_blocks,
+    payload_nbytes,
+)
 from specserve.kv.offload.cpu import CpuTier
 from specserve.kv.offload.disk import DiskTier, encode_entry, file_name
 from specserve.kv.offload.payload import pack

@@ -1,5 +1,5 @@
 """SPECSERVE_PDL parsing, where programmatic dependent launch may be used, and what the attention
-kernels may load before their PDL wait (model/layers/pdl.py)."""
+kernels may load before their PDL wait (kernels/pdl.py)."""
 from __future__ import annotations
 
 import ast
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specserve import envs
-from specserve.model.layers.pdl import use_pdl
+from specserve.kernels.pdl import use_pdl
 
 
 def test_pdl_variable(monkeypatch) -> None:
@@ -29,29 +29,20 @@ def test_never_on_cpu_tensors(monkeypatch) -> None:
     assert use_pdl(torch.zeros(2)) is False
 
 
-def test_gemv_prefetch_rule(monkeypatch) -> None:
-    """Short reductions only by default (measured: it helps K = 1536, costs K = 4096 and more);
-    SPECSERVE_GEMV_PREFETCH forces it either way and refuses other values."""
+def test_gemv_prefetch_rule() -> None:
+    """Without a tuned `prefetch` entry (the CPU has no table) only short reductions prefetch."""
     from specserve.model.layers import triton_gemv
 
-    def prefetch(k: int) -> bool:  # a shape with no tuned `prefetch` entry (the CPU has no table)
+    def prefetch(k: int) -> bool:
         return triton_gemv._prefetch(2048, k, 1, torch.device("cpu"))
 
-    monkeypatch.delenv("SPECSERVE_GEMV_PREFETCH", raising=False)
     assert prefetch(1536) and prefetch(triton_gemv.PREFETCH_MAX_K)
     assert not prefetch(4096)
-    monkeypatch.setenv("SPECSERVE_GEMV_PREFETCH", "1")
-    assert prefetch(14336)
-    monkeypatch.setenv("SPECSERVE_GEMV_PREFETCH", "0")
-    assert not prefetch(1536)
-    monkeypatch.setenv("SPECSERVE_GEMV_PREFETCH", "2")
-    with pytest.raises(ValueError, match="SPECSERVE_GEMV_PREFETCH"):
-        prefetch(1536)
 
 
 # -- what the decode-path attention kernels load before their PDL wait ------------------------------
 # Read from the kernels' source (no GPU, no interpreter). Before `pdl_prologue(` only batch metadata
-# and constant tables may be touched (model/layers/pdl.py); q/k/v, the KV cache, the split-KV
+# and constant tables may be touched (kernels/pdl.py); q/k/v, the KV cache, the split-KV
 # partials, counters and the output only after it, and no store or return may come first.
 PRE_WAIT_ALLOWED = frozenset({"positions_ptr", "slot_mapping_ptr", "seq_lens_ptr", "cu_query_lens_ptr",
                               "block_tables_ptr", "cos_sin_ptr"})

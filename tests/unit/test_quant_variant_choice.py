@@ -4,7 +4,7 @@
   (sequence, KV head) programs as SMs, long contexts: what was timed) and v4 elsewhere; fp8 always v3.
 - offsets_fit_int32: the nvfp4 kernels' OFFS32 (int32 cache offsets) only where every offset fits.
 - kernel_flags / half_rows_apply: nvfp4 v7 skips the second half of a q block's rows only where no
-  query row can sit there, and is v6 otherwise.
+  query row can sit there.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_nvfp4_default_variant_follows_the_launch(num_seqs: int, max_seq_len: in
 
 @pytest.mark.parametrize("max_query_len", [2, 5, 512])
 def test_nvfp4_launches_beyond_plain_decode_keep_v4(max_query_len: int) -> None:
-    # verify steps (k + 1 rows per sequence) and prefill chunks: v6 / v7 were not timed there
+    # verify steps (k + 1 rows per sequence) and prefill chunks take the latency variant
     assert triton_quant.default_variant("nvfp4", 32, 8, max_query_len, 32768, SMS) == "v4"
 
 
@@ -76,19 +76,22 @@ def test_v7_half_rows_only_where_no_query_row_is_in_the_second_half(max_query_le
     # every query row of a sequence is below max_query_len * group in its q block (triton_quant_common._locate)
     assert not want or max_query_len * group <= block_m // 2
     flags = kernel_flags("v7", True, True, max_query_len, group, block_m)
-    assert flags["HALF_ROWS"] == want and flags["K_PAIRS"]
-    v6 = kernel_flags("v6", True, True, max_query_len, group, block_m)
-    assert {k: v for k, v in flags.items() if k not in ("HALF_ROWS", "K_PAIRS")} == \
-        {k: v for k, v in v6.items() if k not in ("HALF_ROWS", "K_PAIRS")}
-    assert not v6["HALF_ROWS"] and not v6["K_PAIRS"]
-    # a key cache not 4-byte aligned: v7 reads K as units, as v6
+    assert flags["HALF_ROWS"] == want and flags["K_PAIRS"] and flags["FUSED_SCALE"] and flags["ROWSUM_MMA"]
+    v4 = kernel_flags("v4", True, True, max_query_len, group, block_m)
+    assert v4["DOT_KWIDTH2"] and v4["DECODER"] == 1
+    assert not any(v4[k] for k in ("FUSED_SCALE", "OFFS32", "ROWSUM_MMA", "HALF_ROWS", "K_PAIRS"))
+    # a key cache not 4-byte aligned: v7 reads K as units
     assert not kernel_flags("v7", True, True, max_query_len, group, block_m, words_aligned=False)["K_PAIRS"]
+    # the interpreter: the plain Triton decoder and Triton's own layouts
+    assert kernel_flags("v7", False, True, max_query_len, group, block_m)["DECODER"] == 0
+    with pytest.raises(ValueError, match="variant"):
+        kernel_flags("v6", True, True, max_query_len, group, block_m)
 
 
-def test_v7_is_selectable_and_split_like_v6() -> None:
-    assert "v7" in triton_quant.VARIANTS["nvfp4"]
-    for args in ((32, 1, 32768, 8, 4, SMS), (1, 1, 131072, 8, 4, SMS), (32, 4, 4096, 8, 4, SMS)):
-        assert (triton_quant.choose_num_splits_quant(*args, variant="v7")
-                == triton_quant.choose_num_splits_quant(*args, variant="v6"))
-    assert (triton_quant.quant_attention_config(1, 4, 128, "nvfp4", "v7")
-            == triton_quant.quant_attention_config(1, 4, 128, "nvfp4", "v6"))
+def test_nvfp4_splits_at_least_its_minimum_where_the_context_allows() -> None:
+    assert triton_quant.VARIANTS["nvfp4"] == ("v4", "v7")
+    for variant in ("v4", "v7"):
+        assert triton_quant.choose_num_splits_quant(32, 1, 32768, 8, 4, SMS, variant) == triton_quant.NVFP4_MIN_SPLITS
+        assert triton_quant.choose_num_splits_quant(32, 1, 1024, 8, 4, SMS, variant) == 4  # 1024 // 256 keys
+    # fp8: one full wave of 4 programs per SM, rounded down
+    assert triton_quant.choose_num_splits_quant(32, 1, 32768, 8, 4, SMS, "v3") == (4 * SMS) // 256

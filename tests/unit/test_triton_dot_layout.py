@@ -2,7 +2,7 @@
 
 The nvfp4 kernel is compiled here for sm_90 on the CPU (Triton ships ptxas; no GPU is needed to
 compile): its v4 specialization (DOT_KWIDTH2) must come out with kWidth 2 on every dot operand where
-v3's has Triton's kWidth 4, or, on a Triton whose pass list the hook did not copy, exactly as v3. The
+the plain one has Triton's kWidth 4, or, on a Triton whose pass list the hook did not copy, exactly as it. The
 GPU tests (tests/gpu/test_triton_quant_kv.py) run v4 against the torch reference.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ def fresh_triton_cache(tmp_path, monkeypatch: pytest.MonkeyPatch):
 def _compile_decode_kernel(kwidth2: bool, **flags):
     """The 8B decode specialization (32 / 8 heads, head_dim 128, 16-token blocks, 128-key tiles) for sm_90
     (flags: other variant constexprs)."""
-    fn = nvfp4._paged_attention_nvfp4_v2_kernel
+    fn = nvfp4._paged_attention_nvfp4_kernel
     consts = dict(C_BLOCK=16 * 8 * 32, C_SLOT=8 * 32, C_HEAD=32, S_BLOCK=16 * 8 * 8, S_SLOT=64, S_HEAD=8,
                   QUADS=32, QUADS_PAD=32, GROUPS=8, G_PAD=8, GROUP=4, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
                   BLOCK_M=16, BLOCK_Q=4, BLOCK_N=128, SPLIT=True, HEADS_FIRST=True, DECODER=1,
@@ -69,8 +69,8 @@ def test_retarget_kwidth_edits_16bit_operands_only() -> None:
 
 def test_v4_specialization_is_named_for_the_hook(fresh_triton_cache) -> None:
     plain, kw2 = _compile_decode_kernel(False), _compile_decode_kernel(True)
-    assert plain.metadata.name == "_paged_attention_nvfp4_v2_kernel"
-    assert kw2.metadata.name == "_paged_attention_nvfp4_v2_kernel" + triton_dot_layout.KWIDTH2_SUFFIX
+    assert plain.metadata.name == "_paged_attention_nvfp4_kernel"
+    assert kw2.metadata.name == "_paged_attention_nvfp4_kernel" + triton_dot_layout.KWIDTH2_SUFFIX
     if triton_dot_layout._copied_triton():  # Triton 3.6, the H200's: the hook is in
         assert triton_dot_layout._installed
         assert _kwidths(plain.asm["ttgir"]) == {"4"}  # why the hook exists: the scale loads' 8-bit layout

@@ -7,7 +7,6 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.runner.warmup import PROMPT_ROWS, SPLIT_CONTEXT, warm_prompt_forwards, warm_small_forwards
 
-
 PROMPTS = [{"prompt_token_ids": [5, 9, 11, 3, 7]}, {"prompt_token_ids": [2, 4, 6]}]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

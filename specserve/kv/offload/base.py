@@ -43,7 +43,7 @@ class TierStats:
     evictions: int = 0  # entries dropped to stay under the byte budget
     dropped: int = 0  # puts not stored: larger than the tier, or the write queue was full
 
-    def snapshot(self) -> "TierStats":
+    def snapshot(self) -> TierStats:
         return TierStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 

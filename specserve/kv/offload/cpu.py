@@ -3,12 +3,20 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 import torch
 
 from specserve.kv.offload.base import BlockKey, StatsCounter, TierStats
-from specserve.kv.offload.payload import (BlockLayout, BlockPayload, PackedPayload, copy_bytes, pack, paired_runs,
-                                          payload_nbytes)
+from specserve.kv.offload.payload import (
+    BlockLayout,
+    BlockPayload,
+    PackedPayload,
+    copy_bytes,
+    pack,
+    paired_runs,
+    payload_nbytes,
+)
 from specserve.kv.offload.slab import DEFAULT_CHUNK_BYTES, SlotSlab
 
 
@@ -67,6 +75,12 @@ class CpuTier:
         self._stats = StatsCounter()
 
     @property
+    def _slots(self) -> SlotSlab:
+        """The slab, which exists whenever a slot is held (the first block that fits creates it)."""
+        assert self._slab is not None
+        return self._slab
+
+    @property
     def used_bytes(self) -> int:
         return 0 if self._slab is None else len(self._entries) * self._slab.slot_bytes
 
@@ -97,7 +111,7 @@ class CpuTier:
                 self._entries.move_to_end(key)
                 slot, layout = entry
                 self._pins[slot] = self._pins.get(slot, 0) + 1
-                view = self._slab.view(slot)
+                view = self._slots.view(slot)
         if entry is None:
             self._stats.add(queries=1)
             return None
@@ -117,7 +131,7 @@ class CpuTier:
                 self._entries.move_to_end(key)
                 found.append(entry)
                 self._pins[entry[0]] = self._pins.get(entry[0], 0) + 1
-            views = [self._slab.view(slot) for slot, _ in found]
+            views = [self._slots.view(slot) for slot, _ in found]
         missed = len(found) < len(keys)
         self._stats.add(queries=len(found) + missed, hits=len(found), bytes_out=sum(lay.nbytes for _, lay in found))
         return [PackedPayload(view, layout, _Lease(self._released, slot))
@@ -131,38 +145,38 @@ class CpuTier:
         if slot is None:
             return
         try:
-            packed = pack(payload, out=self._slab.view(slot))  # the copy, outside the lock
+            packed = pack(payload, out=self._slots.view(slot))  # the copy, outside the lock
         except Exception:
             with self._lock:
-                self._slab.free(slot)
+                self._slots.free(slot)
             raise
         with self._lock:
             if key in self._entries:  # another thread stored it meanwhile
-                self._slab.free(slot)
+                self._slots.free(slot)
                 self._entries.move_to_end(key)
                 return
             self._entries[key] = (slot, packed.layout)
         self._stats.add(bytes_in=size)
 
-    def put_many(self, keys: list[BlockKey], payloads: list[BlockPayload]) -> None:
+    def put_many(self, keys: list[BlockKey], payloads: Sequence[BlockPayload]) -> None:
         """`put` of each pair; blocks that sit side by side in the source (rows of one staging
         buffer) and land in adjacent slots are copied together: a step's blocks cost a few large
         copies and one lock, not a copy and a lock each (the store worker shares the GIL with
         the engine thread)."""
-        todo = [(k, pack(p)) for k, p in zip(keys, payloads)]
-        todo = [(k, p) for k, p in todo if self._fits(p.nbytes)]
-        slots = [self._reserve(k, p.nbytes) for k, p in todo]
-        todo = [(k, p, s) for (k, p), s in zip(todo, slots) if s is not None]
+        packed = [(k, pack(p)) for k, p in zip(keys, payloads)]
+        packed = [(k, p) for k, p in packed if self._fits(p.nbytes)]
+        slots = [self._reserve(k, p.nbytes) for k, p in packed]
+        todo = [(k, p, s) for (k, p), s in zip(packed, slots) if s is not None]
         if not todo:
             return
-        views = [self._slab.view(s) for _, _, s in todo]
+        views = [self._slots.view(s) for _, _, s in todo]
         for src, dst in paired_runs([p.buffer for _, p, _ in todo], views):
             copy_bytes(dst, src)
         stored = 0
         with self._lock:
             for key, payload, slot in todo:
                 if key in self._entries:  # another thread stored it meanwhile
-                    self._slab.free(slot)
+                    self._slots.free(slot)
                     self._entries.move_to_end(key)
                 else:
                     self._entries[key] = (slot, payload.layout)

@@ -25,6 +25,7 @@ import hashlib
 import itertools
 import logging
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -141,7 +142,7 @@ class DiskTier:
     def _get_rows(self, keys: list[BlockKey], layout: BlockLayout) -> list[PackedPayload | None]:
         n, nbytes = len(keys), layout.nbytes
         rows = torch.empty((n, nbytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        flat = memoryview(rows.view(-1).numpy()).cast("B")  # one conversion, sliced per row
+        flat = rows.view(-1).numpy().data.cast("B")  # one conversion, sliced per row
         found = self._writer.copy_pending_into(keys, rows, layout)  # queued since the caller looked
         todo = [i for i in range(n) if not found[i]]
         names = [file_name(keys[i]) for i in todo]
@@ -227,7 +228,7 @@ class DiskTier:
     def put(self, key: BlockKey, payload: BlockPayload) -> None:
         self.put_many([key], [payload])
 
-    def put_many(self, keys: list[BlockKey], payloads: list[BlockPayload]) -> None:
+    def put_many(self, keys: list[BlockKey], payloads: Sequence[BlockPayload]) -> None:
         """Queue each block not stored yet (copied: the caller may reuse its buffers at once)."""
         if self._closed:
             raise RuntimeError(f"{self.name} tier is closed")

@@ -58,7 +58,7 @@ def body_offset(key_len: int, layout_len: int) -> int:
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU uint8 tensor."""
-    return memoryview(t.numpy()).cast("B")
+    return t.numpy().data.cast("B")
 
 
 def encode_prefix(key: bytes, payload: PackedPayload, namespace: str, body: memoryview | None = None) -> bytes:
@@ -83,7 +83,7 @@ def write_entry(fd: int, key: bytes, payload: PackedPayload, namespace: str, bod
     bytes, when the caller has them as a memoryview already."""
     if body is None:
         body = _as_bytes(payload.buffer)
-    parts = [encode_prefix(key, payload, namespace, body), body]
+    parts: list[bytes | memoryview] = [encode_prefix(key, payload, namespace, body), body]
     total = sum(len(p) for p in parts)
     written = os.writev(fd, parts)
     while written < total:  # a short write (rare: signals, some file systems): finish it plainly

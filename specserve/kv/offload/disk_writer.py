@@ -2,9 +2,8 @@
 
 `submit` copies each block into memory of its own (slots of a slab, reused for the life of the
 tier) and returns: the caller's buffer is free at once. That matters on CUDA, where the caller's
-buffer is pinned staging from torch's caching host allocator: held until its blocks were on disk
-(~100 ms for an 8k-token prompt), it made the next request's device->host copy allocate fresh
-pinned memory (cudaHostAlloc, tens of ms per 64 MiB) on the engine thread. The copy releases the
+buffer is pinned staging from torch's caching host allocator, and holding it until the blocks are
+on disk would make the next device->host copy allocate fresh pinned memory on the engine thread. The copy releases the
 GIL; so do the writers' syscalls and checksum, and they handle a few blocks per queue item, so
 the Python they run per block (the GIL they take from the engine thread) stays small.
 
@@ -59,6 +58,12 @@ class DiskWriter:
         for t in self._threads:
             t.start()
 
+    @property
+    def _slots(self) -> SlotSlab:
+        """The slab, which exists whenever a slot is held (the first block sizes it)."""
+        assert self._slab is not None
+        return self._slab
+
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._pending or key in self._reserved
 
@@ -77,7 +82,7 @@ class DiskWriter:
                 slot = self._take_slot(src.nbytes)
                 self._reserved.add(key)
                 self._pending_bytes += src.nbytes
-                taken.append((key, src, None if slot is None else self._slab.view(slot), slot))
+                taken.append((key, src, None if slot is None else self._slots.view(slot), slot))
         if dropped:
             self._stats.add(dropped=dropped)
         try:
@@ -88,7 +93,7 @@ class DiskWriter:
                     self._reserved.discard(key)
                     self._pending_bytes -= src.nbytes
                     if slot is not None:
-                        self._slab.free(slot)
+                        self._slots.free(slot)
             raise
         with self._lock:
             for key, pending in entries:
@@ -104,8 +109,8 @@ class DiskWriter:
         # Rows of one staging buffer into slots taken in order: a few large copies, GIL released.
         for src, dst in paired_runs([s for s, _ in slotted], [d for _, d in slotted]):
             copy_bytes(dst, src)
-        return [(key, _Pending(PackedPayload(dst, src.layout), slot, self._slab.view_bytes(slot))
-                 if dst is not None else
+        return [(key, _Pending(PackedPayload(dst, src.layout), slot, self._slots.view_bytes(slot))
+                 if dst is not None and slot is not None else
                  _Pending(pack(src, out=torch.empty(src.nbytes, dtype=torch.uint8)), None, None))
                 for key, src, dst, slot in taken]
 
@@ -176,4 +181,4 @@ class DiskWriter:
                 del self._pending[key]
                 self._pending_bytes -= pending.payload.nbytes
                 if pending.slot is not None:
-                    self._slab.free(pending.slot)
+                    self._slots.free(pending.slot)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -140,7 +140,7 @@ class KVOffloader:
                     break
                 rest = rest[len(hits):]
             run = self._disk_run(rest, count_miss=True)
-            if not run:
+            if not run or self.disk is None:  # an empty run without a disk tier
                 break
             got = self.disk.get_many(run, self.mover.layout)
             hits = _prefix(got)
@@ -170,7 +170,7 @@ class KVOffloader:
             run.append(h)
         return run
 
-    def load_into(self, block_ids: list[int], payloads: list[BlockPayload]) -> None:
+    def load_into(self, block_ids: list[int], payloads: Sequence[BlockPayload]) -> None:
         """Copy payloads into the (freshly allocated) blocks, ordered before the next forward."""
         packed = self.mover.check(payloads)
         for p in payloads:
@@ -190,6 +190,7 @@ class KVOffloader:
             self._prefetcher.submit(self._prefetch, list(hashes))
 
     def _prefetch(self, hashes: list[BlockHash]) -> None:
+        assert self.cpu is not None and self.disk is not None  # prefetch() checked
         with self._lock:
             start = 0
             while start < len(hashes) and (self.cpu.contains(hashes[start]) or self.queue.pending(hashes[start])):

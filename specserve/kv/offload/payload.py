@@ -2,8 +2,8 @@
 
 One buffer per block is what makes offloading cheap: a tier slot, a disk file body and a
 host<->device copy are each one contiguous range instead of one small tensor per layer. The
-named tensors ("{layer}.key", ...) stay available as views into the buffer, so a payload still
-reads like the dict it used to be (`payload["0.key"]`, `set(payload)`, `payload.items()`).
+named tensors ("{layer}.key", ...) stay available as views into the buffer, so a payload reads
+like a dict (`payload["0.key"]`, `set(payload)`, `payload.items()`).
 """
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ class PackedPayload(Mapping):
         self.lease = lease
         self._views: dict[str, torch.Tensor] | None = None
         if lease is not None:
-            buffer._specserve_lease = lease
+            setattr(buffer, "_specserve_lease", lease)  # noqa: B010  (torch.Tensor has no such field)
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +137,7 @@ class PackedPayload(Mapping):
             self._views = self.layout.views(self.buffer)
             if self.lease is not None:
                 for t in self._views.values():
-                    t._specserve_lease = self.lease
+                    setattr(t, "_specserve_lease", self.lease)  # noqa: B010
         return self._views
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -157,7 +157,7 @@ class PackedPayload(Mapping):
 
 
 # The public name: a payload is any mapping of tensor names to tensors; tiers return PackedPayloads.
-BlockPayload = Mapping[str, torch.Tensor]
+BlockPayload = Mapping[str, torch.Tensor] | PackedPayload
 
 
 def pack(payload: BlockPayload, out: torch.Tensor | None = None) -> PackedPayload:

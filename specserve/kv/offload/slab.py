@@ -65,7 +65,7 @@ class SlotSlab:
                 return False
             chunk = torch.empty(count * self.slot_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
             first = self._num_slots
-            self._chunk_bytes.append(memoryview(chunk.numpy()).cast("B"))  # before the chunk is published
+            self._chunk_bytes.append(chunk.numpy().data.cast("B"))  # before the chunk is published
             self._chunks.append(chunk)
             self._num_slots += count
             # Slots of a chunk come out in address order, so blocks stored together are adjacent

@@ -88,6 +88,7 @@ class StoreQueue:
                 if job.rows is not None:
                     job.rows.wait()
                     job.payloads = job.rows.payloads()
+                assert job.payloads is not None  # a job carries payloads or rows that give them
                 job.put(job.keys, job.payloads)
             except Exception:  # a failed store is a later miss; the worker must survive it
                 logger.exception("KV offload: storing %d blocks failed", len(job.keys))

@@ -1,6 +1,8 @@
 """Tiers stacked fastest first (CPU, then disk): read-through with promotion, write-through."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from specserve.kv.offload.base import BlockKey, BlockPayload, OffloadTier, TierStats
 
 
@@ -38,7 +40,7 @@ class TieredStore:
         for tier in self.tiers:
             tier.put(key, payload)
 
-    def put_many(self, keys: list[BlockKey], payloads: list[BlockPayload]) -> None:
+    def put_many(self, keys: list[BlockKey], payloads: Sequence[BlockPayload]) -> None:
         """`put` of each pair, through a tier's own `put_many` where it has one (batched copies)."""
         for tier in self.tiers:
             put_many = getattr(tier, "put_many", None)

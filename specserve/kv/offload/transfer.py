@@ -62,7 +62,7 @@ class BlockMover:
 
     def __init__(self, caches: list[LayerKVCache]) -> None:
         self.layout = cache_layout(caches)
-        tensors = [t for cache in caches for t in zip(_FIELDS, cache) if t[1] is not None]
+        tensors = [(name, t) for cache in caches for name, t in zip(_FIELDS, cache) if t is not None]
         # Each cache tensor as [num_blocks, bytes of one block]: copies move bytes, whatever the
         # dtype (index_copy_ has no float8 kernel on the CPU; bytes are the same thing).
         self.parts = [t.view(torch.uint8).view(t.shape[0], -1) for _, t in tensors]

@@ -1,13 +1,12 @@
-"""The GEMV's Triton kernel (`_gemv_kernel`) and its single-tile body (`_single_tile`, also the core
-of triton_qkv_rope.py's fused launch). What it computes, its fusions, rounding and tiles:
-triton_gemv.py, which launches it and picks its tiles.
+"""The GEMV's Triton kernel (`_gemv_kernel`) and its single-tile body (`_single_tile`). What it
+computes, its fusions, rounding and tiles: triton_gemv.py, which launches it and picks its tiles.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from specserve.model.layers.pdl import pdl_prologue
+from specserve.kernels.pdl import pdl_prologue
 from specserve.model.layers.triton_skinny import _store_out
 
 

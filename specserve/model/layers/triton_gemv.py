@@ -1,36 +1,22 @@
 """Small-batch linear layers (GEMV) in Triton: y = act(x) W^T (+ b) for 1 to GEMV_MAX_M rows.
 
-Why: at batch 1 a decode step is bound by reading the weights, and cuBLAS's kernels for one row
-reach 20-65% of the H200's bandwidth on the small projections of a 1.5B model (o_proj 6.3 us for
-4.7 MB, qkv 5.4 us for 6.3 MB; bench/profile_kernels.py) plus a split-K reduce launch on some.
-This kernel streams W once: each program owns BLOCK_N output features (whole rows of W, read
-contiguously) for every row of x, with fp32 accumulation, and adds the bias in the epilogue.
-No split-K, so one launch. Tile sizes come from a per-GPU table measured by bench/gemv_tune.py
-(`gemv_configs/<device name>.json`, as vLLM ships its fused-MoE configs): key "N,K,M" (M rounded up
-to a power of two) -> [BLOCK_N, BLOCK_K, num_warps], or [0, 0, 0] where cuBLAS measured faster.
-Shapes and GPUs without an entry use a heuristic (BLOCK_N such that the grid fills the SMs about
-twice) up to GEMV_UNTUNED_MAX_M rows; past it only tuned entries take the GEMV. The table's
-"prefetch" object says per shape whether the early weight loads (PREFETCH) measured faster, and its
-"skinny" objects where the tensor-core skinny GEMM (triton_skinny.py) beat both. A fixed table (not autotuning at start) keeps a run's kernels, so its bf16 rounding and
-greedy output, the same from one start to the next.
+At batch 1 a decode step is bound by reading the weights. This kernel streams W once: each program
+owns BLOCK_N output features (whole rows of W) for every row of x, accumulates in fp32 and adds the
+bias in the epilogue; no split-K, so one launch. Where BLOCK_K >= K one tile covers the reduction
+and, with PREFETCH, every weight load is issued before the PDL wait (no kernel writes weights).
 
-Where BLOCK_K >= K (tuned entries up to K = 2048; the default BLOCK_K up to 512) one tile covers
-the whole reduction: a program issues all its weight loads at once, and with PREFETCH before its
-PDL wait (no kernel writes weights), so they overlap the previous kernel's tail.
+Tiles come from a per-GPU table written by bench/gemv_tune.py (`gemv_configs/<device name>.json`):
+"N,K,M" (M rounded up to a power of two) -> [BLOCK_N, BLOCK_K, num_warps], [0, 0, 0] where cuBLAS
+won; "prefetch", "norm_fuse" and "skinny" say per shape where the early loads, a fused norm and the
+tensor-core skinny GEMM (triton_skinny.py) won. Untuned shapes use a heuristic up to
+GEMV_UNTUNED_MAX_M rows. A fixed table (no autotuning at start) keeps the kernels, hence the bf16
+rounding and greedy output, the same from one start to the next.
 
-Fusions remove a launch each per layer. `rms_norm_linear`: the decoder layer's residual add
-+ RMSNorm (rounded as `ops.rms_norm`) as the prologue of the qkv projection; with a single tile
-each program takes 1/rms from the x row it already holds, else it makes a pre-pass over x.
-`linear_silu_and_mul`: the MLP's activation as the epilogue of gate_up: a program owns the same
-BLOCK_N features of gate and of up, so it writes silu(gate) * up (rounded as the unfused pair
-rounds) and the [M, 2 * inter] projection output is never stored. `rms_norm_linear_silu_and_mul`:
-both, for the post-attention norm. Whether a norm fusion pays depends on the shape (every program
-reads x); the table's "norm_fuse" object says where it was measured (`norm_fuse_table`). (A silu
-prologue on the down projection measured slower on the H200: every program recomputed silu over
-the whole row.)
-
-Only bfloat16 / float16 on CUDA with M <= GEMV_MAX_M take this path; everything else goes to
-`torch.nn.functional.linear` (cuBLAS), which stays the reference (twin: `ops.linear`).
+Fusions, one launch fewer each: `rms_norm_linear` (residual add + RMSNorm, rounded as
+`ops.rms_norm`, as the qkv projection's prologue), `linear_silu_and_mul` (the MLP's activation as
+gate_up's epilogue: a program owns the same features of gate and up), and both for the
+post-attention norm. Only bfloat16 / float16 with M <= GEMV_MAX_M on CUDA take this path; the rest
+goes to `torch.nn.functional.linear`, the reference (twin: `ops.linear`).
 """
 from __future__ import annotations
 
@@ -44,29 +30,23 @@ import torch.nn.functional as F
 import triton
 
 from specserve import envs
+from specserve.kernels.device import num_sms
+from specserve.kernels.pdl import use_pdl
 from specserve.model.layers import triton_skinny
 from specserve.model.layers.gemv_kernel import _gemv_kernel
-from specserve.model.layers.pdl import use_pdl
 from specserve.model.layers.triton_skinny import SkinnyConfig
 
-# Rows of x (tokens) up to which the GEMV may run: batch-1..8 decode and a batch-1 verify of k <= 7.
-# Each row costs BLOCK_N * BLOCK_K fp32 FMAs per tile on the CUDA cores, so the GEMV's lead shrinks
-# with every row (H200, 1.5B down: 7.2 us at M=1 vs cuBLAS 9.2; 20.1 vs 8.8 at M=4); the tuned
-# table says, per shape and M, where cuBLAS's tensor-core kernels take over.
+# Rows of x up to which the GEMV may run (batch 1-8 decode, a batch-1 verify of k <= 7): every row
+# costs CUDA-core FMAs, so past GEMV_UNTUNED_MAX_M rows only shapes the tuned table picks take it.
 GEMV_MAX_M = 8
-# Up to this many rows the GEMV also runs untuned shapes (heuristic tiles); from GEMV_UNTUNED_MAX_M + 1
-# to GEMV_MAX_M rows (a speculative verify of k = 4..7 at batch 1) only where the tuned table has an
-# entry saying it beat cuBLAS: every extra row costs the GEMV CUDA-core FMAs, so whether it still
-# wins there is a per-shape measurement, not a guess.
 GEMV_UNTUNED_MAX_M = 4
 _BLOCK_K = 512  # 1 KB of bf16 per weight row per step: 16-byte loads across 4 warps
 _MAX_BLOCK_N = 16
 # Without a tuned "norm_fuse" entry, the norm is fused only into projections with N <= this * K
 # (qkv, not gate_up): see `_norm_tiles`.
 NORM_FUSE_MAX_WIDTH = 4
-# The one-step-ahead weight loads (PREFETCH) only where K is at most this: measured on the H200 with
-# PDL, they took the 1.5B shape's decode step from 1.447 to 1.409 ms (K = 1536 and 8960) but the 8B's
-# from 4.225 to 4.432 (K = 4096 and 14336), whose longer loops Triton pipelines better by itself.
+# Without a tuned "prefetch" entry, the one-step-ahead weight loads only where K is at most this:
+# longer loops Triton pipelines better by itself.
 PREFETCH_MAX_K = 2048
 
 
@@ -147,14 +127,7 @@ def tile_config(n: int, k: int, m: int, device: torch.device) -> tuple[int, int,
         return tuned
     if m > GEMV_UNTUNED_MAX_M:
         return 0, 0, 0
-    return block_n_for(n, _num_sms(device)), _BLOCK_K, 4
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs: behave as on an H200
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return block_n_for(n, num_sms(device)), _BLOCK_K, 4
 
 
 def block_n_for(n: int, num_sms: int) -> int:
@@ -226,12 +199,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
 
 def _prefetch(n: int, k: int, m: int, device: torch.device) -> bool:
     """Whether the GEMV requests its weights early (the next tile one loop step ahead; a single tile
-    all before the PDL wait) for weight [n, k] and m rows: SPECSERVE_GEMV_PREFETCH, else the tuned
-    table's measurement for this shape (`prefetch_table`), else for short reductions
-    (K <= PREFETCH_MAX_K: the rule the whole-step A/B gave, see PREFETCH_MAX_K)."""
-    forced = envs.gemv_prefetch()
-    if forced is not None:
-        return forced
+    all before the PDL wait) for weight [n, k] and m rows: the tuned table's word for this shape
+    (`prefetch_table`), else for short reductions (K <= PREFETCH_MAX_K)."""
     tuned = prefetch_table(_device_name(device)).get(config_key(n, k, m))
     return tuned if tuned is not None else k <= PREFETCH_MAX_K
 
@@ -243,7 +212,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, kind: str) -> SkinnyConfig | 
         return None
     # The table first: every linear of a step asks, and a GPU without skinny entries answers here.
     entries = skinny_table(_device_name(x.device))[kind]
-    if not entries or not (envs.skinny() and triton_skinny.supports(x, weight)):
+    if not entries or not triton_skinny.supports(x, weight):
         return None
     return entries.get(config_key(weight.shape[0], x.shape[1], x.shape[0]))
 
@@ -276,12 +245,9 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, silu_and_mul) -> 
 def _norm_tiles(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                 weight: torch.Tensor, silu_out: bool) -> tuple[int, int, int] | None:
     """The fused norm + projection's tiles for x [M, K] @ weight^T, or None where the norm runs as its
-    own kernel. The tuned table's "norm_fuse" entry decides where it has one (fuse iff true). Without
-    one: only projections with N <= NORM_FUSE_MAX_WIDTH * K. Every program of the multi-tile path
-    re-reads x (and the residual) for its norm: cheap for a projection no wider than a few times its
-    input (qkv: 4.6 us fused vs 6.1 unfused, 1.5B on the H200), but with the many narrow programs of
-    gate_up it re-reads more bytes from L2 than the weight has (1.5B gate_up ~23 us fused vs 14.9 +
-    1.8 unfused). A single tile (BLOCK_K >= K) reads x once per program, which the tuner measures."""
+    own kernel. The tuned table's "norm_fuse" entry decides where it has one. Without one: only
+    projections with N <= NORM_FUSE_MAX_WIDTH * K, since every program of the multi-tile path re-reads
+    x for its norm (cheap for qkv, more bytes than the weight for the many narrow programs of gate_up)."""
     ok = _gemv_ok(x, weight, x.shape[-1]) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous() \
         and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
                                   and residual.stride(-1) == 1))

@@ -1,44 +1,28 @@
 """Skinny GEMM on the tensor cores: y [M, N] = x [M, K] @ W [N, K]^T (+ bias) for 1 <= M <= 16 rows.
 
-What: a Triton kernel for the linear layers of a speculative verify (batch 1, k + 1 = 2..9 rows)
-and of batch-2..16 decode. Each program owns BLOCK_N output features (BLOCK_N whole rows of W, read
-contiguously, K-chunk by K-chunk) for all M rows, which are padded to BLOCK_M = 16 so that
-`tl.dot` runs on the tensor cores with fp32 accumulation. The bias is added in the epilogue and the
-result rounded once to x's dtype. `skinny_linear_silu_and_mul` is the MLP's gate_up with its
-activation fused: a program owns the same BLOCK_N features of gate and of up and writes
-silu(gate) * up, with the roundings of F.linear followed by `ops.silu_and_mul`.
+For the linear layers of a speculative verify (batch 1, k + 1 rows) and of batch 2-16 decode. These
+products are bound by reading W, so their cost should be the weight bytes over the bandwidth
+whatever M is: the GEMV (triton_gemv.py) slows down with every row, cuBLAS at small M leaves
+bandwidth unused. Each program owns BLOCK_N output features (whole rows of W, K-chunk by K-chunk)
+for all M rows, padded to BLOCK_M = 16 so `tl.dot` runs on the tensor cores with fp32 accumulation;
+the bias is added in the epilogue and the result rounded once. `skinny_linear_silu_and_mul` is
+gate_up with its activation fused (the roundings of F.linear then `ops.silu_and_mul`).
 
-Why: these products are still bound by reading W (M <= 16 rows is far from the tensor cores'
-limit), so their cost should be the weight bytes over the bandwidth whatever M is. The GEMV of
-triton_gemv.py reduces every row on the CUDA cores and slows down with each row; cuBLAS at small M
-leaves bandwidth unused (a 4-row verify costs ~1.55x a 1-row decode step on the H200, for the same
-weight bytes). Here a padded row costs nothing but a few idle MMA lanes.
+Filling the GPU: programs = ceil(N / BLOCK_N) * SPLIT_K. `default_config` picks tiles and split
+from a small cost model (`estimate_us`); a benchmark passes its own `SkinnyConfig`.
 
-Filling the GPU: programs = ceil(N / BLOCK_N) * SPLIT_K. Where N alone gives too few tiles (a
-1536-wide o / down projection has 24 tiles of 64), K is split across programs as well; the
-default (`default_config`) picks the tiles and the split from a small model of waves, per-program
-bytes in flight and fixed costs (see `estimate_us`); a benchmark passes its own `SkinnyConfig`.
+Split-K is deterministic (greedy decoding must give the same tokens run to run): split s writes its
+fp32 partial to a workspace [S, M, N], passes a CTA barrier and increments the N tile's int32 counter
+with an acq_rel atomic; the program that sees S - 1 sums the S partials in the fixed order 0..S-1
+(`.cg` loads), adds the bias, stores, and resets the counter to 0, so a CUDA graph replays from a
+clean state. Workspace and counters are persistent per-device buffers (zeroed once, grown only
+outside CUDA-graph capture, never freed): launches that use them must be ordered on one stream.
 
-Split-K is deterministic (greedy decoding must give the same tokens run to run), so there are no
-float atomics on the output. "The last program reduces": split s writes its fp32 partial tile to
-a workspace [S, M, N], then (after a CTA barrier, so all its threads' stores are ordered before)
-increments the N tile's int32 counter with an acq_rel atomic. The program that sees S - 1 is the
-last of its tile: it sums the S partials in the fixed order 0..S-1 (`.cg` loads, past the
-non-coherent L1), adds the bias, stores, and writes the counter back to 0. The sum's order never
-depends on which program came last, so the result is bitwise the same every run; the counter is 0
-again when the kernel ends, so a CUDA graph replays it from a clean state. Workspace and counters
-are persistent per-device buffers (zeroed once, grown only outside CUDA-graph capture, never freed
-while a captured graph may still point at them): every launch that uses them must be ordered after
-the previous one (one stream per device, as the engine's forward runs; PDL keeps that order, since
-a program only touches them after its `griddepcontrol.wait`).
+PDL (kernels/pdl.py): each program issues its first weight tile load before the wait; x, the
+workspace and the counters only after it.
 
-Programmatic dependent launch (pdl.py): each program issues its first weight tile load before the
-PDL wait (no kernel writes weights), so those bytes come in while the previous kernel finishes;
-x, the workspace and the counters are read only after the wait. Triton pipelines the rest of the
-K loop (num_stages).
-
-Only bf16 / fp16 on CUDA (or Triton's CPU interpreter) take this path (`supports`); the twin and
-reference is `ops.linear` / `ops.linear_silu_and_mul` (torch.nn.functional.linear).
+Only bf16 / fp16 on CUDA (or Triton's CPU interpreter) take this path (`supports`); the reference is
+`ops.linear` / `ops.linear_silu_and_mul`.
 """
 from __future__ import annotations
 
@@ -50,7 +34,8 @@ import triton
 import triton.language as tl
 
 from specserve import envs
-from specserve.model.layers.pdl import pdl_prologue, use_pdl
+from specserve.kernels.device import num_sms
+from specserve.kernels.pdl import pdl_prologue, use_pdl
 
 SKINNY_MIN_M = 1  # one row works too (x is padded to 16 rows); the engine picks it per shape where it beats the GEMV
 SKINNY_MAX_M = 16  # rows are padded to one 16-row MMA tile
@@ -224,13 +209,6 @@ def _scratch(device: torch.device, workspace_floats: int, num_counters: int) -> 
     return grown
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs: behave as on an H200
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     """(splits launched, K per split): K tiles dealt evenly, no split empty."""
     k_tiles = triton.cdiv(k, block_k)
@@ -342,7 +320,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ValueError otherwise; 1 <= M since SKINNY_MIN_M = 1). config: explicit tiles, else `default_config`."""
     _check_inputs(x, weight, bias)
     if config is None:
-        config = default_config(weight.shape[0], x.shape[1], x.shape[0], _num_sms(x.device))
+        config = default_config(weight.shape[0], x.shape[1], x.shape[0], num_sms(x.device))
     return _launch(x, weight, bias, config, silu_out=False)
 
 
@@ -356,6 +334,6 @@ def skinny_linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
     if config is None:
         # Tuned as the plain [2 * inter, K] product; a program here reads block_n rows of gate and
         # block_n of up, so halve it to keep the same programs and bytes per program.
-        plain = default_config(weight.shape[0], x.shape[1], x.shape[0], _num_sms(x.device))
+        plain = default_config(weight.shape[0], x.shape[1], x.shape[0], num_sms(x.device))
         config = plain._replace(block_n=max(16, plain.block_n // 2))
     return _launch(x, weight, None, config, silu_out=True)

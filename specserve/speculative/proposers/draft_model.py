@@ -187,7 +187,7 @@ def check_same_vocabulary(target: LoadedModel, draft_name: str, draft_vocab_size
 def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
     """Vocab size is checked from the config before any weight is read; token strings after."""
     from specserve.model.loader import (
-        _Source,  # config and identity without the weights
+        WeightSource,  # config and identity without the weights
     )
 
     target: LoadedModel = parts.loaded
@@ -195,7 +195,7 @@ def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
     # A target with random weights of a named shape (load_format="dummy", speed and smoke tests)
     # gets a draft of random weights too: shape names have no files to load.
     load_format = "dummy" if target.identity.startswith("dummy:") else "auto"
-    source = _Source.open(ModelConfig(model=cfg.model, load_format=load_format))
+    source = WeightSource.open(ModelConfig(model=cfg.model, load_format=load_format))
     check_same_vocabulary(target, cfg.model, int(source.hf_config["vocab_size"]), None)
     max_len = min(target.max_model_len, int(source.hf_config.get("max_position_embeddings", 4096)),
                   cfg.max_model_len or target.max_model_len)

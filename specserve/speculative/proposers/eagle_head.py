@@ -373,10 +373,10 @@ def make_random_head_dir(target_model: str, out_dir: str | Path, method: str = "
     proposes, benchmarks to time a head's forward. d2t: a reduced draft vocabulary (ascending ids)."""
     from specserve.config import ModelConfig
     from specserve.model.loader import (
-        _Source,  # reads config + identity without loading weights
+        WeightSource,  # reads config + identity without loading weights
     )
 
-    source = _Source.open(ModelConfig(model=target_model, load_format=load_format))
+    source = WeightSource.open(ModelConfig(model=target_model, load_format=load_format))
     arch = ModelArch.from_hf_config(source.hf_config)
     cfg = head_config_for(arch, source.hf_config, source.name, source.identity, method, num_mask_slots,
                           None if d2t is None else len(d2t))

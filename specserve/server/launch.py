@@ -2,7 +2,7 @@
 
     torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \\
         --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 \\
-        -m specserve.distributed.launch serve MODEL --tensor-parallel-size 16 --host 0.0.0.0
+        -m specserve.server.launch serve MODEL --tensor-parallel-size 16 --host 0.0.0.0
 
 Every process joins torch's default process group through torchrun's rendezvous (`env://`: torch
 reads torchrun's variables; specserve reads none). Global rank 0 runs the `serve` command as
@@ -50,7 +50,7 @@ def _run_worker(argv: Sequence[str], device: torch.device) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "serve":
-        print("usage: torchrun ... -m specserve.distributed.launch serve [MODEL] [serve flags]", file=sys.stderr)
+        print("usage: torchrun ... -m specserve.server.launch serve [MODEL] [serve flags]", file=sys.stderr)
         return 2
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")

@@ -15,14 +15,14 @@ Norms and the RoPE table stay whole (replicated): every rank holds the full hidd
 """
 from __future__ import annotations
 
-from specserve.distributed.parallel_state import TPGroup
-from specserve.model.arch import ModelArch
-from specserve.model.layers.parallel import (
+from specserve.distributed.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from specserve.distributed.parallel_state import TPGroup
+from specserve.model.arch import ModelArch
 from specserve.model.llama import CausalLM
 
 

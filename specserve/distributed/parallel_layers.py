@@ -11,7 +11,7 @@ All slices are copied (`clone`), so the full tensors they came from can be freed
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
