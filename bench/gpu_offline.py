@@ -16,6 +16,7 @@ One run measures, per model shape (specserve/model/shapes.py names, random weigh
 Prints one JSON line per shape, writes gpu_offline.json into --out, and prints a short table last.
 Needs a CUDA GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,7 +64,7 @@ def matmul_rate(n: int = 8192) -> float:
     for _ in range(20):
         a @ b
     torch.cuda.synchronize()
-    return 2 * n ** 3 * 20 / (time.perf_counter() - t)
+    return 2 * n**3 * 20 / (time.perf_counter() - t)
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -159,8 +160,15 @@ def transformers_runs(shape: str, prompt_len: int, new_tokens: int, batch: int) 
                 stamps.append(time.perf_counter())
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-        model.generate(inp, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                       stopping_criteria=StoppingCriteriaList([Stamp()]), **kw)
+        model.generate(
+            inp,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([Stamp()]),
+            **kw,
+        )
         gaps = sorted(b - a for a, b in zip(stamps[1:], stamps[2:]))
         return gaps[len(gaps) // 2] * 1e3
 
@@ -198,9 +206,15 @@ def run_shape(shape: str, args: argparse.Namespace, bw: float, mm: float) -> dic
         _guard(res, "transformers", lambda: res.update(transformers_runs(shape, 128, args.new_tokens, 32)))
         _free()
     t = time.perf_counter()
-    llm = LLM(model=shape, load_format="dummy", max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.85,
-              progress=False)
+    llm = LLM(
+        model=shape,
+        load_format="dummy",
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=0.85,
+        progress=False,
+    )
     res["engine_init_s"] = time.perf_counter() - t
     res["num_gpu_blocks"] = num_gpu_blocks(llm)
 
@@ -217,8 +231,11 @@ def run_shape(shape: str, args: argparse.Namespace, bw: float, mm: float) -> dic
     if "decode" in args.parts:
         _guard(res, "decode", decode)
     if "throughput" in args.parts:
-        _guard(res, "throughput", lambda: res.update(throughput_tok_s=specserve_throughput(
-            llm, args.num_requests, 512, 256)))
+        _guard(
+            res,
+            "throughput",
+            lambda: res.update(throughput_tok_s=specserve_throughput(llm, args.num_requests, 512, 256)),
+        )
     if "prefill" in args.parts and args.max_model_len > 8192:
         _guard(res, "prefill", prefill)
     llm.engine.shutdown()
@@ -226,8 +243,9 @@ def run_shape(shape: str, args: argparse.Namespace, bw: float, mm: float) -> dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b"], help="model shape names (dummy weights)")
     ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="what to measure")
     ap.add_argument("--new-tokens", type=int, default=256, help="new tokens per decode measurement")
@@ -239,8 +257,13 @@ def main() -> None:
     args = ap.parse_args()
     bw = copy_bandwidth()
     mm = matmul_rate() if "prefill" in args.parts else float("nan")
-    results = {"copy_bandwidth_GBs": bw / 1e9, "bf16_matmul_TFLOPs": mm / 1e12, "device": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "shapes": []}
+    results = {
+        "copy_bandwidth_GBs": bw / 1e9,
+        "bf16_matmul_TFLOPs": mm / 1e12,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shapes": [],
+    }
     for shape in args.shapes:
         results["shapes"].append(run_shape(shape, args, bw, mm))
         _free()
@@ -251,17 +274,23 @@ def main() -> None:
 
 
 def print_table(results: dict) -> None:
-    print(f"\ncopy bandwidth {results['copy_bandwidth_GBs']:.0f} GB/s; "
-          f"bf16 matmul {results['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
-    print(f"{'shape':14} {'floor ms':>8} {'b1 ms':>7} {'%floor':>6} {'HF b1 ms':>8} {'vs HF':>6} {'b32 ms':>7} "
-          f"{'tput tok/s':>10} {'HF b32 tok/s':>12} {'ratio':>6} {'prefill ms':>10} {'mm ms':>6}")
+    print(
+        f"\ncopy bandwidth {results['copy_bandwidth_GBs']:.0f} GB/s; "
+        f"bf16 matmul {results['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
+    )
+    print(
+        f"{'shape':14} {'floor ms':>8} {'b1 ms':>7} {'%floor':>6} {'HF b1 ms':>8} {'vs HF':>6} {'b32 ms':>7} "
+        f"{'tput tok/s':>10} {'HF b32 tok/s':>12} {'ratio':>6} {'prefill ms':>10} {'mm ms':>6}"
+    )
     for r in results["shapes"]:
         b1, hf = r.get("b1_ms_per_step", float("nan")), r.get("hf_static_b1_ms_per_step", float("nan"))
         tput, hf32 = r.get("throughput_tok_s", float("nan")), r.get("hf_dynamic_b32_tok_s", float("nan"))
-        print(f"{r['shape']:14} {r['floor_ms']:8.3f} {b1:7.3f} {100 * r['floor_ms'] / b1:5.1f}% {hf:8.3f} "
-              f"{hf / b1:5.2f}x {r.get('b32_ms_per_step', float('nan')):7.3f} {tput:10.0f} {hf32:12.0f} "
-              f"{tput / hf32:5.1f}x {r.get('prefill_8192_ms', float('nan')):10.1f} "
-              f"{r.get('prefill_matmul_ms', float('nan')):6.1f}")
+        print(
+            f"{r['shape']:14} {r['floor_ms']:8.3f} {b1:7.3f} {100 * r['floor_ms'] / b1:5.1f}% {hf:8.3f} "
+            f"{hf / b1:5.2f}x {r.get('b32_ms_per_step', float('nan')):7.3f} {tput:10.0f} {hf32:12.0f} "
+            f"{tput / hf32:5.1f}x {r.get('prefill_8192_ms', float('nan')):10.1f} "
+            f"{r.get('prefill_matmul_ms', float('nan')):6.1f}"
+        )
 
 
 if __name__ == "__main__":

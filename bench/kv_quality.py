@@ -21,6 +21,7 @@ the engine's `cache_config_info` metric (blocks x block size).
 Prints progress with timestamps, writes --json (default $OUT/kv_quality.json when OUT is set) and
 prints a short markdown table last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,14 @@ from specserve import LLM, SamplingParams
 
 # The explicit list comes first so the token set is the same on every machine with that Python; the
 # globs fill up when it runs short.
-HELD_OUT_FILES = ("test/test_textwrap.py", "test/test_statistics.py", "test/test_heapq.py",
-                  "test/test_bisect.py", "test/test_fractions.py", "test/test_shlex.py")
+HELD_OUT_FILES = (
+    "test/test_textwrap.py",
+    "test/test_statistics.py",
+    "test/test_heapq.py",
+    "test/test_bisect.py",
+    "test/test_fractions.py",
+    "test/test_shlex.py",
+)
 HELD_OUT_GLOBS = ("turtledemo/*.py", "lib2to3/*.py", "test/test_*.py")
 _T0 = time.monotonic()
 
@@ -81,7 +88,7 @@ def heldout_windows(tokenizer: Any, max_tokens: int, window: int) -> tuple[list[
         ids = tokenizer.encode(text, add_special_tokens=False)
         used.append(str(f.relative_to(root)))
         for s in range(0, len(ids), window):
-            piece = ids[s:s + window][:max_tokens - total]
+            piece = ids[s : s + window][: max_tokens - total]
             if len(piece) < 32:  # a tail too short to say much
                 break
             windows.append(piece)
@@ -94,8 +101,14 @@ def heldout_windows(tokenizer: Any, max_tokens: int, window: int) -> tuple[list[
 def make_llm(args: argparse.Namespace, **kw: Any) -> LLM:
     if args.kv_cache_gib:
         kw.setdefault("kv_cache_memory_bytes", int(args.kv_cache_gib * (1 << 30)))
-    return LLM(model=args.model, progress=False, dtype=args.dtype, max_model_len=args.max_model_len,
-               max_num_batched_tokens=args.max_num_batched_tokens, **kw)
+    return LLM(
+        model=args.model,
+        progress=False,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        **kw,
+    )
 
 
 def close_llm(llm: LLM) -> None:
@@ -128,11 +141,19 @@ def score_dtype(args: argparse.Namespace, kv_dtype: str, windows: list[list[int]
             per_token.extend(e[tok].logprob for e, tok in zip(out.prompt_logprobs[1:], w[1:]))
         nll = -sum(per_token) / max(1, len(per_token))
         blocks = int(info.get("num_gpu_blocks", 0))
-        row = {"kv_dtype": kv_dtype, "cache_dtype": info.get("cache_dtype"), "tokens": len(per_token),
-               "nll": nll, "ppl": math.exp(nll), "seconds": round(secs, 2),
-               "kv_capacity_tokens": blocks * int(info.get("block_size", 0))}
-        log(f"{kv_dtype}: perplexity {row['ppl']:.4f} over {len(per_token)} tokens in {secs:.1f}s; "
-            f"the pool holds {row['kv_capacity_tokens']} tokens")
+        row = {
+            "kv_dtype": kv_dtype,
+            "cache_dtype": info.get("cache_dtype"),
+            "tokens": len(per_token),
+            "nll": nll,
+            "ppl": math.exp(nll),
+            "seconds": round(secs, 2),
+            "kv_capacity_tokens": blocks * int(info.get("block_size", 0)),
+        }
+        log(
+            f"{kv_dtype}: perplexity {row['ppl']:.4f} over {len(per_token)} tokens in {secs:.1f}s; "
+            f"the pool holds {row['kv_capacity_tokens']} tokens"
+        )
         return row, per_token
     finally:
         close_llm(llm)
@@ -155,9 +176,16 @@ def compare(rows: list[dict], per_dtype: dict[str, list[float]]) -> None:
 
 
 def md_table(rows: list[dict]) -> str:
-    cols = [("kv_dtype", "KV dtype"), ("tokens", "tokens"), ("ppl", "perplexity"), ("ppl_delta_pct", "vs base %"),
-            ("mean_abs_dlogprob", "mean |dlogprob|"), ("kv_capacity_tokens", "KV tokens"),
-            ("capacity_x", "x base"), ("error", "error")]
+    cols = [
+        ("kv_dtype", "KV dtype"),
+        ("tokens", "tokens"),
+        ("ppl", "perplexity"),
+        ("ppl_delta_pct", "vs base %"),
+        ("mean_abs_dlogprob", "mean |dlogprob|"),
+        ("kv_capacity_tokens", "KV tokens"),
+        ("capacity_x", "x base"),
+        ("error", "error"),
+    ]
 
     def cell(v: Any) -> str:
         return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
@@ -186,13 +214,22 @@ def run(args: argparse.Namespace) -> dict:
             rows.append({"kv_dtype": kv_dtype, "error": f"{type(e).__name__}: {e}"})
     compare(rows, per_dtype)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"model": args.model, "device": device, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "files": files, "windows": len(windows), "window_tokens": args.ppl_window, "rows": rows}
+    return {
+        "model": args.model,
+        "device": device,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "files": files,
+        "windows": len(windows),
+        "window_tokens": args.ppl_window,
+        "rows": rows,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="catalog name, .gguf file or HF dir")
     p.add_argument("--kv-dtypes", default="bfloat16,fp8,nvfp4", help="comma list; the first is the baseline")
     p.add_argument("--ppl-tokens", type=int, default=32768, help="tokens scored per dtype (about)")

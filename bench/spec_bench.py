@@ -24,6 +24,7 @@ one GPU holds one engine at a time. The JSON (--out) is rewritten after every co
 
 Prints progress, then a short table last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,11 @@ from specserve import LLM, SamplingParams
 METHODS = ("ngram", "draft_model", "eagle3")
 MODES = ("all", "one")
 NGRAM_MIN, NGRAM_MAX = 2, 5
-_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_accepted_tokens_total",
-             "spec_decode_num_draft_tokens_total")
+_COUNTERS = (
+    "spec_decode_num_drafts_total",
+    "spec_decode_num_accepted_tokens_total",
+    "spec_decode_num_draft_tokens_total",
+)
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,12 @@ def prompt_ids(llm: LLM, texts: list[str]) -> list[list[int]]:
     if llm.get_tokenizer() is None:
         gen = torch.Generator().manual_seed(0)
         vocab = llm.engine.vocab_size
-        return [torch.randint(min(100, vocab // 4), vocab - min(100, vocab // 4), (100 + len(t) // 8,),
-                              generator=gen).tolist() for t in texts]
+        return [
+            torch.randint(
+                min(100, vocab // 4), vocab - min(100, vocab // 4), (100 + len(t) // 8,), generator=gen
+            ).tolist()
+            for t in texts
+        ]
     return [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
 
 
@@ -128,8 +136,12 @@ def speculative_config(c: Config, args: argparse.Namespace) -> dict[str, Any] | 
 
 
 def build(c: Config, args: argparse.Namespace) -> LLM:
-    kw: dict[str, Any] = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-                          "device": args.device, "load_format": args.load_format}
+    kw: dict[str, Any] = {
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "device": args.device,
+        "load_format": args.load_format,
+    }
     if args.kv_cache_gib:
         kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
     return LLM(model=args.target, progress=False, speculative_config=speculative_config(c, args), **kw)
@@ -154,8 +166,9 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def measure(llm: LLM, c: Config, mode: str, prompts: list[list[int]], max_tokens: int,
-            ignore_eos: bool) -> tuple[Row, list[list[int]]]:
+def measure(
+    llm: LLM, c: Config, mode: str, prompts: list[list[int]], max_tokens: int, ignore_eos: bool
+) -> tuple[Row, list[list[int]]]:
     """One mode on a warm engine: output tokens over wall time, and the speculation counters' deltas."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     batches = [prompts] if mode == "all" else [[p] for p in prompts]
@@ -170,8 +183,20 @@ def measure(llm: LLM, c: Config, mode: str, prompts: list[list[int]], max_tokens
     seconds = time.perf_counter() - start
     drafts, accepted, drafted = (a - b for a, b in zip(_counters(llm), before))
     tokens = sum(map(len, outputs))
-    return Row(c.name, c.method, c.k, c.adaptive, mode, len(prompts), tokens, round(seconds, 4),
-               round(tokens / seconds, 2), drafts, accepted, drafted), outputs
+    return Row(
+        c.name,
+        c.method,
+        c.k,
+        c.adaptive,
+        mode,
+        len(prompts),
+        tokens,
+        round(seconds, 4),
+        round(tokens / seconds, 2),
+        drafts,
+        accepted,
+        drafted,
+    ), outputs
 
 
 def warm_up(llm: LLM, prompts: list[list[int]]) -> None:
@@ -209,7 +234,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         warm_up(llm, ids)
         print(f"{c.name}: built and warm in {time.monotonic() - start:.1f}s", flush=True)
         for mode in args.modes:
-            prompts = ids if mode == "all" else ids[:args.one_prompts]
+            prompts = ids if mode == "all" else ids[: args.one_prompts]
             row, outs = measure(llm, c, mode, prompts, args.max_tokens, args.ignore_eos)
             rows.append(row)
             outputs[(c.name, mode)] = outs
@@ -237,8 +262,10 @@ def table(rows: list[Row]) -> str:
     lines = [f"{'config':<24}{'mode':>5}{'reqs':>6}{'tok/s':>11}{'x none':>8}{'x best k':>9}{'AL':>6}{'same':>6}"]
     for r in rows:
         al = 1 + r.accepted / r.drafts if r.drafts else None
-        lines.append(f"{r.config:<24}{r.mode:>5}{r.requests:>6}{r.tok_s:>11.1f}{f(r.x_none, '{:.2f}x'):>8}"
-                     f"{f(r.x_best_fixed, '{:.2f}x'):>9}{f(al, '{:.2f}'):>6}{f(r.same_as_none, '{:.0%}'):>6}")
+        lines.append(
+            f"{r.config:<24}{r.mode:>5}{r.requests:>6}{r.tok_s:>11.1f}{f(r.x_none, '{:.2f}x'):>8}"
+            f"{f(r.x_best_fixed, '{:.2f}x'):>9}{f(al, '{:.2f}'):>6}{f(r.same_as_none, '{:.0%}'):>6}"
+        )
     return "\n".join(lines)
 
 
@@ -247,8 +274,9 @@ def _ints(s: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="catalog name, HF dir or .gguf")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="the draft_model method's model")
     p.add_argument("--eagle3-head", default=None, help="an EAGLE-3 head dir (adds the eagle3 method)")

@@ -1,4 +1,5 @@
 """specserve: an LLM inference engine and OpenAI-compatible server (speculative decoding, paged KV)."""
+
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling_params import SamplingParams
 

@@ -4,6 +4,7 @@ Values discovered at run time (the model's architecture, the number of KV blocks
 own objects (`model.arch.ModelArch`, `kv.spec.KVCacheSpec`), never here. CLI flags are generated
 from the fields (see `server/cli_args.py`): the field name with `_` -> `-` is the vLLM flag name.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,12 +32,10 @@ def _is_int(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = _help("catalog name, HF model dir, .gguf file, or HF id in the local cache",
-                       default=DEFAULT_MODEL)
+    model: str = _help("catalog name, HF model dir, .gguf file, or HF id in the local cache", default=DEFAULT_MODEL)
     dtype: str = _help("weights and activations: auto (bfloat16 on GPU, float32 on CPU)", default="auto")
     max_model_len: int | None = _help("context length (prompt + output); default: the model's", default=None)
-    load_format: str = _help("auto | dummy (random weights of the real shape) | safetensors | gguf",
-                             default="auto")
+    load_format: str = _help("auto | dummy (random weights of the real shape) | safetensors | gguf", default="auto")
     seed: int = _help("seed for dummy weights and unseeded sampling", default=0)
     tokenizer: str | None = _help("tokenizer dir, if not the model's", default=None)
     served_model_name: str | None = _help("name the API reports", default=None)
@@ -57,8 +56,7 @@ class CacheConfig:
     block_size: int = _help("tokens per KV block", default=16)
     kv_cache_dtype: str = _help("auto | bfloat16 | float16 | float32 | fp8 | nvfp4", default="auto")
     gpu_memory_utilization: float = _help("fraction of GPU memory the engine may use", default=0.9)
-    kv_cache_memory_bytes: int | None = _help("KV pool size in bytes (any device); overrides utilization",
-                                              default=None)
+    kv_cache_memory_bytes: int | None = _help("KV pool size in bytes (any device); overrides utilization", default=None)
     enable_prefix_caching: bool = _help("reuse KV blocks of identical prefixes", default=True)
 
     def __post_init__(self) -> None:
@@ -75,14 +73,16 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = _help("most requests running at once", default=256)
-    max_num_batched_tokens: int | None = _help("token budget per step (default: 2048 GPU, 512 CPU)",
-                                               default=None)
+    max_num_batched_tokens: int | None = _help("token budget per step (default: 2048 GPU, 512 CPU)", default=None)
     enable_chunked_prefill: bool = _help("split long prompts over steps", default=True)
-    max_num_queued_requests: int | None = _help("requests waiting beyond the running batch (max_num_seqs) "
-                                                "past which new ones get 503", default=None)
+    max_num_queued_requests: int | None = _help(
+        "requests waiting beyond the running batch (max_num_seqs) past which new ones get 503", default=None
+    )
     async_scheduling: bool | None = _help(
         "prepare the next step while the GPU runs this one; with speculation, the steps that draft "
-        "nothing (default: on for CUDA without tensor parallelism)", default=None)
+        "nothing (default: on for CUDA without tensor parallelism)",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -96,10 +96,12 @@ class SchedulerConfig:
         when the user gave it; the model's own default is known only once it is loaded)."""
         n = self.max_num_batched_tokens
         if not self.enable_chunked_prefill and n is not None and n < max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({n}) is smaller than max_model_len ({max_model_len}) "
-                             "with enable_chunked_prefill off: a prompt is prefilled in one step, so the "
-                             "context would be capped at max_num_batched_tokens. Raise max_num_batched_tokens "
-                             "to at least max_model_len, lower max_model_len, or enable chunked prefill.")
+            raise ValueError(
+                f"max_num_batched_tokens ({n}) is smaller than max_model_len ({max_model_len}) "
+                "with enable_chunked_prefill off: a prompt is prefilled in one step, so the "
+                "context would be capped at max_num_batched_tokens. Raise max_num_batched_tokens "
+                "to at least max_model_len, lower max_model_len, or enable chunked prefill."
+            )
 
 
 @dataclass(frozen=True)
@@ -110,14 +112,14 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         if self.cpu_bytes < 0:
-            raise ValueError("kv_offload_cpu_bytes (--kv-offload-cpu-bytes) must be >= 0, "
-                             f"got {self.cpu_bytes}.")
+            raise ValueError(f"kv_offload_cpu_bytes (--kv-offload-cpu-bytes) must be >= 0, got {self.cpu_bytes}.")
         if self.disk_bytes < 0:
-            raise ValueError("kv_offload_disk_bytes (--kv-offload-disk-bytes) must be >= 0, "
-                             f"got {self.disk_bytes}.")
+            raise ValueError(f"kv_offload_disk_bytes (--kv-offload-disk-bytes) must be >= 0, got {self.disk_bytes}.")
         if self.disk_bytes > 0 and not self.disk_path:
-            raise ValueError("kv_offload_disk_bytes (--kv-offload-disk-bytes) > 0 needs kv_offload_disk_path "
-                             "(--kv-offload-disk-path), the directory of the disk tier.")
+            raise ValueError(
+                "kv_offload_disk_bytes (--kv-offload-disk-bytes) > 0 needs kv_offload_disk_path "
+                "(--kv-offload-disk-path), the directory of the disk tier."
+            )
         if self.disk_path is None:
             return
         # A path without a size is refused rather than given a default budget: the disk tier fills
@@ -125,9 +127,11 @@ class OffloadConfig:
         # user can choose it. LMCache's local disk backend likewise takes its size from the user
         # (max_local_disk_size), as vLLM's CPU offloading does (--kv-offloading-size).
         if self.disk_bytes == 0:
-            raise ValueError("kv_offload_disk_path (--kv-offload-disk-path) is set but kv_offload_disk_bytes "
-                             "(--kv-offload-disk-bytes) is not: give the disk tier a size (e.g. "
-                             "--kv-offload-disk-bytes 100G), or drop the path.")
+            raise ValueError(
+                "kv_offload_disk_path (--kv-offload-disk-path) is set but kv_offload_disk_bytes "
+                "(--kv-offload-disk-bytes) is not: give the disk tier a size (e.g. "
+                "--kv-offload-disk-bytes 100G), or drop the path."
+            )
         _check_disk_dir(os.fspath(self.disk_path))
 
     @property
@@ -182,8 +186,10 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}.")
         if not _is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 1:
-            raise ValueError("speculative_config.num_speculative_tokens must be an integer >= 1, "
-                             f"got {self.num_speculative_tokens!r}.")
+            raise ValueError(
+                "speculative_config.num_speculative_tokens must be an integer >= 1, "
+                f"got {self.num_speculative_tokens!r}."
+            )
         if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
             raise ValueError(f"speculative_config.model is required for method {self.method!r}.")
         for name in ("parallel_drafting", "adaptive"):
@@ -194,8 +200,9 @@ class SpeculativeConfig:
         if n is not None and (not _is_int(n) or n != 1):
             # Drafts run unsharded on rank 0; sharding them would put a collective in
             # every draft token for a model small enough to fit one GPU.
-            raise ValueError("speculative_config.draft_tensor_parallel_size must be 1 (drafts run unsharded "
-                             f"on rank 0), got {n!r}.")
+            raise ValueError(
+                f"speculative_config.draft_tensor_parallel_size must be 1 (drafts run unsharded on rank 0), got {n!r}."
+            )
         n = self.disable_by_batch_size
         if n is not None and (not _is_int(n) or n < 2):
             raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 2, got {n!r}.")
@@ -213,8 +220,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {n!r}.")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and lo > hi:
-            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
-                             f"prompt_lookup_max ({hi}).")
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi}).")
 
     def _check_table(self) -> None:
         table = self.num_speculative_tokens_per_batch_size
@@ -224,10 +230,18 @@ class SpeculativeConfig:
         if not isinstance(table, (list, tuple)):
             raise ValueError(f"{name} must be a list of [min_batch, max_batch, k] rows, got {table!r}.")
         for row in table:
-            if (not isinstance(row, (list, tuple)) or len(row) != 3 or not all(_is_int(v) for v in row)
-                    or row[0] < 0 or row[0] > row[1] or row[2] < 0):
-                raise ValueError(f"{name} rows must be [min_batch, max_batch, k] integers with "
-                                 f"0 <= min_batch <= max_batch and k >= 0, got {row!r}.")
+            if (
+                not isinstance(row, (list, tuple))
+                or len(row) != 3
+                or not all(_is_int(v) for v in row)
+                or row[0] < 0
+                or row[0] > row[1]
+                or row[2] < 0
+            ):
+                raise ValueError(
+                    f"{name} rows must be [min_batch, max_batch, k] integers with "
+                    f"0 <= min_batch <= max_batch and k >= 0, got {row!r}."
+                )
 
     @classmethod
     def from_any(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -284,14 +298,18 @@ class EngineConfig:
         """Build from flat vLLM-style keyword arguments (LLM(...) and the CLI)."""
         kw = dict(kw)
         parts: dict[str, Any] = {}
-        for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                          ("parallel", ParallelConfig)):
+        for name, sub in (
+            ("model", ModelConfig),
+            ("cache", CacheConfig),
+            ("scheduler", SchedulerConfig),
+            ("parallel", ParallelConfig),
+        ):
             names = {f.name for f in dataclasses.fields(sub)}
             parts[name] = sub(**{k: kw.pop(k) for k in list(kw) if k in names})
         offload = kw.pop("kv_offload", None) or {}
         # The CLI's flat names work as keywords too (LLM(kv_offload_cpu_bytes=...)), as every other
         # engine setting is a flat keyword.
-        flat = {k[len("kv_offload_"):]: kw.pop(k) for k in list(kw) if k.startswith("kv_offload_")}
+        flat = {k[len("kv_offload_") :]: kw.pop(k) for k in list(kw) if k.startswith("kv_offload_")}
         if isinstance(offload, OffloadConfig):
             if flat:
                 raise ValueError(f"give kv_offload or the kv_offload_* keywords, not both: {sorted(flat)}.")
@@ -302,8 +320,9 @@ class EngineConfig:
             fields = {f.name for f in dataclasses.fields(OffloadConfig)}
             unknown = sorted(set(offload) - fields) + sorted(f"kv_offload_{k}" for k in set(flat) - fields)
             if unknown:
-                raise ValueError(f"unknown kv_offload settings: {unknown}; known: {sorted(fields)} "
-                                 "(or the kv_offload_* keywords).")
+                raise ValueError(
+                    f"unknown kv_offload settings: {unknown}; known: {sorted(fields)} (or the kv_offload_* keywords)."
+                )
             parts["offload"] = OffloadConfig(**{**offload, **flat})
         parts["speculative"] = SpeculativeConfig.from_any(kw.pop("speculative_config", None))
         device = kw.pop("device", "auto")

@@ -16,6 +16,7 @@ monkeypatch the environment and see the change. Other modules must not touch `os
 | SPECSERVE_API_KEY    | unset (server/cli_args.py)     | the key `serve` requires when neither      |
 |                      |                                | --api-key nor --api-key-file is given      |
 """
+
 from __future__ import annotations
 
 import os

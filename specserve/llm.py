@@ -1,4 +1,5 @@
 """LLM: the offline API, a thin loop over Engine.step() (vLLM's shape)."""
+
 from __future__ import annotations
 
 import itertools
@@ -26,12 +27,14 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Generate for each prompt; outputs in prompt order. All prompts are validated before any runs."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = sampling_params or SamplingParams()
@@ -61,40 +64,67 @@ class LLM:
         bar.close()
         return [done[i] for i in ids]
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True,
-             chat_template: str | None = None, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
         """vLLM's LLM.chat: each conversation through the chat template; outputs report the rendered
         prompt. continue_final_message leaves the last (assistant) message open for the model to go on."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for c in conversations:
-            text = self._render_chat(c, add_generation_prompt, chat_template, continue_final_message,
-                                     chat_template_kwargs)
+            text = self._render_chat(
+                c, add_generation_prompt, chat_template, continue_final_message, chat_template_kwargs
+            )
             prompts.append({"prompt": text, "prompt_token_ids": self._encode_rendered(text)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, continue_final_message: bool = False,
-                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        return self._encode_rendered(self._render_chat(messages, add_generation_prompt, chat_template,
-                                                       continue_final_message, chat_template_kwargs))
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        return self._encode_rendered(
+            self._render_chat(
+                messages, add_generation_prompt, chat_template, continue_final_message, chat_template_kwargs
+            )
+        )
 
-    def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool, chat_template: str | None,
-                     continue_final_message: bool, chat_template_kwargs: dict[str, Any] | None) -> str:
+    def _render_chat(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool,
+        chat_template: str | None,
+        continue_final_message: bool,
+        chat_template_kwargs: dict[str, Any] | None,
+    ) -> str:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so it has no chat template.")
         if not messages:
             raise ValueError("messages must not be empty.")
         if continue_final_message and (add_generation_prompt or messages[-1].get("role") != "assistant"):
-            raise ValueError("continue_final_message needs add_generation_prompt=False and a last message "
-                             "from the assistant.")
+            raise ValueError(
+                "continue_final_message needs add_generation_prompt=False and a last message from the assistant."
+            )
         opened = {"continue_final_message": True} if continue_final_message else {}
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                       chat_template=chat_template, **opened, **(chat_template_kwargs or {}))
+        return tok.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            **opened,
+            **(chat_template_kwargs or {}),
+        )
 
     def _encode_rendered(self, text: str) -> list[int]:
         # The template already holds BOS and friends: do not add special tokens again.

@@ -1,4 +1,5 @@
 """What the engine returns: vLLM's RequestOutput / CompletionOutput shapes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -3,6 +3,7 @@
 Validated on construction: a bad value raises ValueError naming the field, so the engine
 never admits a request it cannot serve.
 """
+
 from __future__ import annotations
 
 import math
@@ -86,8 +87,11 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be a non-negative integer")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0):
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or isinstance(self.prompt_logprobs, bool)
+            or self.prompt_logprobs < 0
+        ):
             raise bad("prompt_logprobs", "must be a non-negative integer")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
@@ -104,7 +108,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def clone(self, **changes: Any) -> "SamplingParams":
+    def clone(self, **changes: Any) -> SamplingParams:
         values = {f: getattr(self, f) for f in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)

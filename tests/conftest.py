@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random-weight models built once per session."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,7 @@ def tiny_llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", seed=2, num_heads=4,
-                               num_kv_heads=1)
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", seed=2, num_heads=4, num_kv_heads=1)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ one decode token, or k+1 tokens to verify) appended after `seq_len - query_len` 
 is already in the paged cache. Query token j of sequence b sits at position
 `seq_len[b] - query_len[b] + j` and attends causally to every key at a position <= its own.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,16 @@ class AttentionBackend(Protocol):
     returns [num_tokens, num_heads, head_dim] in q's dtype.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                fmt: KVFormat, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        fmt: KVFormat,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -57,7 +66,8 @@ class ForwardContext:
 
 
 _forward_context: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
-    "specserve_forward_context", default=None)
+    "specserve_forward_context", default=None
+)
 
 
 @contextlib.contextmanager

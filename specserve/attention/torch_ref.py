@@ -3,6 +3,7 @@
 Writes the step's K/V into the paged cache through `slot_mapping`, then, per sequence, gathers
 its whole context from the block table and runs causal attention of the new queries over it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,9 @@ from specserve.attention.base import AttentionMetadata
 from specserve.kv.spec import KVFormat, LayerKVCache
 
 
-def write_kv(cache: LayerKVCache, fmt: KVFormat, slot_mapping: torch.Tensor, key: torch.Tensor,
-             value: torch.Tensor) -> None:
+def write_kv(
+    cache: LayerKVCache, fmt: KVFormat, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
     """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots; slot -1 stores nothing
     (padding tokens, as in the Triton kernels)."""
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:
@@ -29,8 +31,9 @@ def write_kv(cache: LayerKVCache, fmt: KVFormat, slot_mapping: torch.Tensor, key
     cache.value.view(-1, num_kv_heads, dim).index_copy_(0, slot_mapping, value.to(cache.value.dtype))
 
 
-def gather_kv(cache: LayerKVCache, fmt: KVFormat, block_ids: torch.Tensor, num_tokens: int,
-              out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    cache: LayerKVCache, fmt: KVFormat, block_ids: torch.Tensor, num_tokens: int, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The first num_tokens tokens of one sequence: ([num_tokens, H, D], [num_tokens, H, D])."""
     if fmt.quantized:
         from specserve.kv import quant
@@ -44,8 +47,9 @@ def gather_kv(cache: LayerKVCache, fmt: KVFormat, block_ids: torch.Tensor, num_t
     return key.to(out_dtype), value.to(out_dtype)
 
 
-def gather_padded(cache: LayerKVCache, fmt: KVFormat, block_tables: torch.Tensor,
-                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_padded(
+    cache: LayerKVCache, fmt: KVFormat, block_tables: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every sequence's blocks at once: ([B, max_blocks * block_size, H, D], same for value)."""
     num_seqs, max_blocks = block_tables.shape
     ids = block_tables.reshape(-1).long()
@@ -68,8 +72,16 @@ class TorchRefBackend:
 
     name = "torch_ref"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                fmt: KVFormat, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        fmt: KVFormat,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         write_kv(cache, fmt, meta.slot_mapping, k, v)
         if meta.max_query_len == 1:
             return _decode_attention(q, cache, fmt, meta, scale)
@@ -82,31 +94,40 @@ class TorchRefBackend:
         for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
             if q_len == 0:
                 continue
-            qb = q[start:start + q_len]  # [q_len, Hq, D]
+            qb = q[start : start + q_len]  # [q_len, Hq, D]
             kb, vb = gather_kv(cache, fmt, meta.block_tables[b], s_len, q.dtype)  # [s_len, Hkv, D]
-            out[start:start + q_len] = _causal_attention(qb, kb, vb, s_len - q_len, group, scale)
+            out[start : start + q_len] = _causal_attention(qb, kb, vb, s_len - q_len, group, scale)
             start += q_len
         return out
 
 
-def _decode_attention(q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+def _decode_attention(
+    q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """q [B, Hq, D], one token per sequence, over each sequence's seq_len cached tokens."""
     key, value = gather_padded(cache, fmt, meta.block_tables, q.dtype)  # [B, L, Hkv, D]
     valid = torch.arange(key.shape[1], device=q.device)[None, :] < meta.seq_lens[:, None].long()  # [B, L]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), key.transpose(1, 2), value.transpose(1, 2),
-                                         attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
     return out.squeeze(2)
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, group: int,
-                      scale: float) -> torch.Tensor:
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, group: int, scale: float
+) -> torch.Tensor:
     """q [Q, Hq, D] at positions context_len..context_len+Q-1 over k/v [S, Hkv, D]."""
     q_len, s_len = q.shape[0], k.shape[0]
     q_pos = torch.arange(context_len, context_len + q_len, device=q.device)
     k_pos = torch.arange(s_len, device=q.device)
     mask = k_pos[None, :] <= q_pos[:, None]  # [Q, S]
     # SDPA wants [H, L, D]; float32 accumulation comes from the math kernel on CPU.
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, scale=scale, enable_gqa=group > 1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=group > 1
+    )
     return out.transpose(0, 1)

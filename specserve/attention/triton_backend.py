@@ -9,6 +9,7 @@ CUDA graph: size it with fixed upper bounds (`max_seq_len`, `max_query_len`) and
 zero-length sequences (repeat the last `cu_query_lens` entry, `seq_lens` 0) and padding tokens whose
 slot is negative (their K/V is not stored, their output rows are garbage).
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,21 +36,48 @@ class TritonBackend:
             raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}.")
         self.num_splits = num_splits
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                fmt: KVFormat, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        fmt: KVFormat,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] -> like q."""
         if fmt.quantized:
             from specserve.attention.triton_quant import paged_attention_quant, reshape_and_cache_quant
 
             reshape_and_cache_quant(k, v, cache, fmt, meta.slot_mapping)
-            return paged_attention_quant(q, cache, fmt, meta.cu_query_lens, meta.seq_lens, meta.block_tables,
-                                         meta.max_query_len, meta.max_seq_len, scale, num_splits=self.num_splits)
+            return paged_attention_quant(
+                q,
+                cache,
+                fmt,
+                meta.cu_query_lens,
+                meta.seq_lens,
+                meta.block_tables,
+                meta.max_query_len,
+                meta.max_seq_len,
+                scale,
+                num_splits=self.num_splits,
+            )
         reshape_and_cache(k, v, cache.key, cache.value, meta.slot_mapping)
         return self._attend(q, cache, meta, scale)
 
-    def forward_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     cos_sin_cache: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, meta: AttentionMetadata,
-                     scale: float) -> torch.Tensor:
+    def forward_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        cache: LayerKVCache,
+        fmt: KVFormat,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """`forward` with q and k not yet rotated: RoPE and the KV write run as one kernel
         (unquantized caches; quantized ones rotate first, then take `forward`)."""
         if fmt.quantized:
@@ -59,6 +87,15 @@ class TritonBackend:
         return self._attend(q, cache, meta, scale)
 
     def _attend(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention(q, cache.key, cache.value, meta.cu_query_lens, meta.seq_lens,
-                               meta.block_tables, meta.max_query_len, meta.max_seq_len, scale,
-                               num_splits=self.num_splits)
+        return paged_attention(
+            q,
+            cache.key,
+            cache.value,
+            meta.cu_query_lens,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.max_query_len,
+            meta.max_seq_len,
+            scale,
+            num_splits=self.num_splits,
+        )

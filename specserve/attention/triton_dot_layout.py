@@ -19,6 +19,7 @@ one copied (`_MAKE_TTGIR_SHA256`), otherwise (another Triton) opted-in kernels c
 them. A failure inside the two halves also falls back to the original stage, on an untouched copy of
 the module: a layout is a performance choice, never a correctness one.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -146,8 +147,9 @@ def _retarget_stage(stages: dict, capability: int, options: Any) -> None:
         try:
             return _make_ttgir_kw2(src, metadata, options, capability)
         except Exception as e:  # noqa: BLE001 - any failure: Triton's own layouts instead
-            logger.warning("triton_dot_layout: kWidth 2 failed for %s (%s); Triton's layouts instead",
-                           src.get_entry_func_name(), e)
+            logger.warning(
+                "triton_dot_layout: kWidth 2 failed for %s (%s); Triton's layouts instead", src.get_entry_func_name(), e
+            )
             return original(_parse(untouched, src.context), metadata)
 
     stages["ttgir"] = ttgir

@@ -1,6 +1,7 @@
 """The KV write into the paged cache as a Triton kernel (reshape_and_cache), and the cache-layout
 check that the attention kernels share (triton_paged.py). The torch twin is `attention/torch_ref.py
 write_kv`."""
+
 from __future__ import annotations
 
 import torch
@@ -12,11 +13,23 @@ from specserve.kernels.pdl import pdl_prologue, use_pdl
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-    stride_c_block, stride_c_slot, stride_c_head,
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
     num_kv_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     tok = tl.program_id(0).to(tl.int64)
@@ -36,8 +49,13 @@ def _reshape_and_cache_kernel(
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of the paged cache.
 
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] (same strides).
@@ -52,12 +70,26 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
     pdl = use_pdl(key)
     _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
         num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=key_cache.shape[1],
-        num_warps=4 if block_h * block_d >= 2048 else 1, USE_PDL=pdl, launch_pdl=pdl,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=key_cache.shape[1],
+        num_warps=4 if block_h * block_d >= 2048 else 1,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
 
 
@@ -65,7 +97,9 @@ def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv_head
     if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
         raise ValueError("key_cache and value_cache must have the same shape and strides")
     if key_cache.shape[2] != num_kv_heads or key_cache.shape[3] != head_dim:
-        raise ValueError(f"cache is [blocks, block_size, {key_cache.shape[2]}, {key_cache.shape[3]}], "
-                         f"expected {num_kv_heads} kv heads of head_dim {head_dim} (unquantized layout)")
+        raise ValueError(
+            f"cache is [blocks, block_size, {key_cache.shape[2]}, {key_cache.shape[3]}], "
+            f"expected {num_kv_heads} kv heads of head_dim {head_dim} (unquantized layout)"
+        )
     if key_cache.stride(3) != 1:
         raise ValueError("cache head_dim must be contiguous")

@@ -13,6 +13,7 @@ both exact:
 Scales multiply the decoded values in float16 (exact: products of a 2-bit and a 4-bit significand,
 >= 2^-24); the kernel folds the constant (2^14 or 2^6) * global_scale into the score scale and output.
 """
+
 from __future__ import annotations
 
 import triton
@@ -86,9 +87,14 @@ def _decode(units, DECODER: tl.constexpr):
     """uint16 [..] -> the four nibbles of every unit as float16: code * 2^-6 with DECODER 1 (inline
     PTX), else code * 2^-14 (0: plain Triton)."""
     if DECODER == 1:
-        e0, e1, e2, e3 = tl.inline_asm_elementwise(_DECODE_PTX, "=r,=r,=r,=r,r", [units],
-                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                   is_pure=True, pack=2)
+        e0, e1, e2, e3 = tl.inline_asm_elementwise(
+            _DECODE_PTX,
+            "=r,=r,=r,=r,r",
+            [units],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
     else:
         e0 = _nibble16(units, 0)
         e1 = _nibble16(units, 1)
@@ -117,9 +123,14 @@ def _decode_pairs(words, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr, DECODER
     [BLOCK_N, QUADS_PAD]; column c = 2a + b of tile k holds element 8a + 4 (k // 2) + 2b + k % 2 of the
     row (v7's K order: what _DECODE_PAIRS_PTX gives without a byte permute; Q's columns follow it)."""
     if DECODER == 1:
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(_DECODE_PAIRS_PTX, "=r,=r,=r,=r,r", [words],
-                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                                                   is_pure=True, pack=1)
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            _DECODE_PAIRS_PTX,
+            "=r,=r,=r,=r,r",
+            [words],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
         e0 = _pair_tile(_half16(o0, 0), _half16(o0, 1), BLOCK_N, QUADS_PAD)
         e1 = _pair_tile(_half16(o1, 0), _half16(o1, 1), BLOCK_N, QUADS_PAD)
         e2 = _pair_tile(_half16(o2, 0), _half16(o2, 1), BLOCK_N, QUADS_PAD)
@@ -135,8 +146,9 @@ def _decode_pairs(words, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr, DECODER
 
 
 @triton.jit
-def _group_scales(scale_ptrs, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr, G_PAD: tl.constexpr,
-                  MASKED: tl.constexpr):
+def _group_scales(
+    scale_ptrs, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr, G_PAD: tl.constexpr, MASKED: tl.constexpr
+):
     """A tile's group scales as float16 [BLOCK_N, QUADS_PAD]: column c holds group c // 4's."""
     if MASKED:
         sc = tl.load(scale_ptrs, mask=scale_mask, other=0.0).to(tl.float16)
@@ -146,8 +158,17 @@ def _group_scales(scale_ptrs, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.c
 
 
 @triton.jit
-def _scaled_pair_tiles(word_ptrs, scale_ptrs, mask, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr,
-                       G_PAD: tl.constexpr, DECODER: tl.constexpr, MASKED: tl.constexpr):
+def _scaled_pair_tiles(
+    word_ptrs,
+    scale_ptrs,
+    mask,
+    scale_mask,
+    BLOCK_N: tl.constexpr,
+    QUADS_PAD: tl.constexpr,
+    G_PAD: tl.constexpr,
+    DECODER: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """_scaled_tiles from the row's 32-bit words, in _decode_pairs's column order (v7's K). Column c of
     every tile is an element of unit 2 (c // 2) or 2 (c // 2) + 1, both of group c // 4."""
     if MASKED:
@@ -160,8 +181,17 @@ def _scaled_pair_tiles(word_ptrs, scale_ptrs, mask, scale_mask, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _scaled_tiles(unit_ptrs, scale_ptrs, mask, scale_mask, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr,
-                  G_PAD: tl.constexpr, DECODER: tl.constexpr, MASKED: tl.constexpr):
+def _scaled_tiles(
+    unit_ptrs,
+    scale_ptrs,
+    mask,
+    scale_mask,
+    BLOCK_N: tl.constexpr,
+    QUADS_PAD: tl.constexpr,
+    G_PAD: tl.constexpr,
+    DECODER: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """One cache tile -> E_0..E_3, float16 [BLOCK_N, QUADS_PAD] (elements 4c + j), times group scales.
     MASKED False: every row and column is in range (no predicate on the loads)."""
     if MASKED:

@@ -19,6 +19,7 @@ sequence's KV tiles and writes an unnormalized partial (acc, running max m, deno
 graph's is sized for max_model_len). Split programs with no KV tile store (m=-inf, l=0) but not
 their acc, which the reduce reads only where m > -inf. Softmax statistics are fp32, in base 2.
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,15 +54,37 @@ def _find_seq(cu_query_lens_ptr, num_seqs, q_block_idx, BLOCK_Q: tl.constexpr):
 # one mid-serving.
 @triton.jit(do_not_specialize=["sm_scale_log2", "num_seqs", "num_splits", "stride_bt_seq"])
 def _paged_attention_kernel(
-    out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr,
-    cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,
-    sm_scale_log2, num_seqs, num_splits,
-    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-    stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+    out_ptr,
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    cu_query_lens_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    sm_scale_log2,
+    num_seqs,
+    num_splits,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
+    stride_bt_seq,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     # Before the PDL wait: only batch metadata (no kernel of the forward writes it; model/layers/
     # pdl.py): the sequence search, its query range and length, and the block ids of this program's
@@ -108,8 +131,11 @@ def _paged_attention_kernel(
     row_ok = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
     d_ok = offs_d < HEAD_DIM
     tok = (q_start + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     q_pos = context_len + q_idx  # key j is visible to this row iff j <= q_pos
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -146,8 +172,9 @@ def _paged_attention_kernel(
         tl.store(part_m_ptr + ml, m_i, mask=row_ok)
         tl.store(part_l_ptr + ml, l_i, mask=row_ok)
         # A split with no KV tile leaves its acc unwritten: the reduce reads acc only where m > -inf.
-        tl.store(part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc,
-                 mask=row_ok[:, None] & (tile_lo < tile_hi))
+        tl.store(
+            part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None] & (tile_lo < tile_hi)
+        )
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -155,9 +182,19 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _reduce_splits_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, cu_query_lens_ptr,
-    num_seqs, num_splits, stride_o_tok, stride_o_head,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr = False,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    cu_query_lens_ptr,
+    num_seqs,
+    num_splits,
+    stride_o_tok,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -175,15 +212,18 @@ def _reduce_splits_kernel(
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
     denom = tl.sum(w * l, 0)
     has = s_ok & (m > float("-inf"))  # an empty split's acc may be unwritten: never read it
-    acc = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                  mask=has[:, None], other=0.0)
+    acc = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=has[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
-def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype,
-                     block_n: int | None = None) -> tuple[int, int, int, int]:
+def attention_config(
+    max_query_len: int, group: int, head_dim: int, dtype: torch.dtype, block_n: int | None = None
+) -> tuple[int, int, int, int]:
     """Tile shape for the launch: (BLOCK_M, BLOCK_N, num_warps, num_stages).
 
     Decode and verify (a few tokens per sequence) put a whole sequence's query in one q block so its
@@ -204,8 +244,9 @@ def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch
     return block_m, block_n or bn, num_warps, num_stages
 
 
-def choose_num_splits(num_seqs: int, max_query_len: int, max_seq_len: int, num_kv_heads: int,
-                      block_q: int, num_sms: int) -> int:
+def choose_num_splits(
+    num_seqs: int, max_query_len: int, max_seq_len: int, num_kv_heads: int, block_q: int, num_sms: int
+) -> int:
     """How many KV ranges each (q block, kv head) is cut into: enough programs for ~2 waves of SMs.
 
     Host ints only, so a CUDA graph captured with fixed upper bounds always replays the same launch.
@@ -217,10 +258,20 @@ def choose_num_splits(num_seqs: int, max_query_len: int, max_seq_len: int, num_k
     return max(1, min(triton.cdiv(2 * num_sms, programs), by_length, MAX_SPLITS))
 
 
-def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    cu_query_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    max_query_len: int, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
-                    num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
     """Causal attention of the batch's new queries over their sequences' paged KV (already written).
 
     q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -246,34 +297,68 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     block_q = block_m // group
     head_dim_pad = triton.next_power_of_2(head_dim)
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, max_query_len, max_seq_len, num_kv_heads, block_q,
-                                       num_sms(q.device))
+        num_splits = choose_num_splits(num_seqs, max_query_len, max_seq_len, num_kv_heads, block_q, num_sms(q.device))
     split = num_splits > 1
     if split:
         part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32,
-                               device=q.device)
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # unused
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     pdl = use_pdl(q)
     _paged_attention_kernel[grid](
-        out, q, key_cache, value_cache, part_acc, part_m, part_l,
-        cu_query_lens, seq_lens, block_tables,
-        scale * LOG2E, num_seqs, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=bn, SPLIT=split,
+        out,
+        q,
+        key_cache,
+        value_cache,
+        part_acc,
+        part_m,
+        part_l,
+        cu_query_lens,
+        seq_lens,
+        block_tables,
+        scale * LOG2E,
+        num_seqs,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=bn,
+        SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_m, part_l, cu_query_lens, num_seqs, num_splits,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4, USE_PDL=pdl, launch_pdl=pdl,
+            out,
+            part_acc,
+            part_m,
+            part_l,
+            cu_query_lens,
+            num_seqs,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+            USE_PDL=pdl,
+            launch_pdl=pdl,
         )
     return out

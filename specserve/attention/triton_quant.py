@@ -17,6 +17,7 @@ partials reduced by its `_reduce_splits_kernel`) and picks a kernel variant:
 Both formats run their dots in float16 with float32 accumulation. Q (bf16 in the models) is clamped
 to float16's finite range first; bf16 -> fp16 is otherwise exact down to 2^-14.
 """
+
 from __future__ import annotations
 
 import torch
@@ -58,8 +59,15 @@ PROGRAMS_PER_SM = 4  # decode programs resident per SM (4 warps, <= 128 register
 NVFP4_MIN_SPLITS = 8
 
 
-def choose_num_splits_quant(num_seqs: int, max_query_len: int, max_seq_len: int, num_kv_heads: int,
-                            block_q: int, num_sms: int, variant: str = "v3") -> int:
+def choose_num_splits_quant(
+    num_seqs: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_kv_heads: int,
+    block_q: int,
+    num_sms: int,
+    variant: str = "v3",
+) -> int:
     """Split-KV factor for the quantized kernels. Host ints only (CUDA-graph safe): as many programs as
     fit at once (PROGRAMS_PER_SM per SM), rounded down so the grid is one full wave; nvfp4 at least
     NVFP4_MIN_SPLITS; never splits shorter than MIN_KEYS_PER_SPLIT keys."""
@@ -71,17 +79,20 @@ def choose_num_splits_quant(num_seqs: int, max_query_len: int, max_seq_len: int,
     return max(1, min(by_sms, by_length, MAX_SPLITS))
 
 
-def default_variant(name: str, num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
-                    num_sms: int) -> str:
+def default_variant(
+    name: str, num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_sms: int
+) -> str:
     """The kernel variant a call without `variant=` gets (host ints only: CUDA-graph safe)."""
-    if name == "nvfp4" and (max_query_len > 1 or num_seqs * num_kv_heads < num_sms
-                            or max_seq_len < NVFP4_THROUGHPUT_MIN_CONTEXT):
+    if name == "nvfp4" and (
+        max_query_len > 1 or num_seqs * num_kv_heads < num_sms or max_seq_len < NVFP4_THROUGHPUT_MIN_CONTEXT
+    ):
         return NVFP4_LATENCY_VARIANT
     return DEFAULT_VARIANT[name]
 
 
-def quant_attention_config(max_query_len: int, group: int, head_dim: int, name: str,
-                           variant: str = "v3") -> tuple[int, int, int, int, int | None]:
+def quant_attention_config(
+    max_query_len: int, group: int, head_dim: int, name: str, variant: str = "v3"
+) -> tuple[int, int, int, int, int | None]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg): triton_paged's tiles, adjusted per format.
 
     Decode: 4 warps, 3 stages (block ids, then K/V and scales, one tile ahead), 128-key tiles under a
@@ -99,13 +110,25 @@ def quant_attention_config(max_query_len: int, group: int, head_dim: int, name: 
     return block_m, block_n, num_warps, num_stages, maxnreg
 
 
-def paged_attention_quant(q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, cu_query_lens: torch.Tensor,
-                          seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
-                          max_seq_len: int, scale: float, out: torch.Tensor | None = None,
-                          num_splits: int | None = None, block_n: int | None = None,
-                          num_warps: int | None = None, num_stages: int | None = None,
-                          variant: str | None = None, heads_first: bool | None = None,
-                          maxnreg: int | None = None) -> torch.Tensor:
+def paged_attention_quant(
+    q: torch.Tensor,
+    cache: LayerKVCache,
+    fmt: KVFormat,
+    cu_query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    variant: str | None = None,
+    heads_first: bool | None = None,
+    maxnreg: int | None = None,
+) -> torch.Tensor:
     """`triton_paged.paged_attention` over a quantized cache (fp8 or nvfp4, already written).
 
     q: [num_tokens, num_heads, head_dim]; cache: LayerKVCache in `fmt`'s layout (spec.py).
@@ -118,8 +141,9 @@ def paged_attention_quant(q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, c
     num_kv_heads = cache.key.shape[2]
     check_quant_cache(fmt, cache, num_kv_heads, head_dim)
     num_seqs = cu_query_lens.shape[0] - 1
-    variant = variant or default_variant(fmt.name, num_seqs, num_kv_heads, max_query_len, max_seq_len,
-                                         num_sms(q.device))
+    variant = variant or default_variant(
+        fmt.name, num_seqs, num_kv_heads, max_query_len, max_seq_len, num_sms(q.device)
+    )
     if variant not in VARIANTS[fmt.name]:
         raise ValueError(f"{fmt.name} variant must be one of {VARIANTS[fmt.name]}, got {variant!r}")
     if fmt.name == "fp8" and head_dim % 2:
@@ -140,21 +164,30 @@ def paged_attention_quant(q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, c
     block_q = block_m // group
     head_dim_pad = triton.next_power_of_2(head_dim)
     if num_splits is None:
-        num_splits = choose_num_splits_quant(num_seqs, max_query_len, max_seq_len, num_kv_heads, block_q,
-                                             num_sms(q.device), variant)
+        num_splits = choose_num_splits_quant(
+            num_seqs, max_query_len, max_seq_len, num_kv_heads, block_q, num_sms(q.device), variant
+        )
     split = num_splits > 1
     if split:
         part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32,
-                               device=q.device)
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # unused
     q_blocks = num_tokens // block_q + num_seqs
     common = (part_acc, part_m, part_l, cu_query_lens, seq_lens, block_tables)
-    meta = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=cache.key.shape[1],
-                BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=bn, SPLIT=split, num_warps=num_warps,
-                num_stages=num_stages)
+    meta = dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=cache.key.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=bn,
+        SPLIT=split,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     if maxnreg and q.is_cuda:  # a launch option of the compiled kernel (the interpreter has none)
         meta["maxnreg"] = maxnreg
     scale_log2 = scale * LOG2E
@@ -163,13 +196,34 @@ def paged_attention_quant(q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, c
     if fmt.name == "fp8":
         launch_fp8(q, cache, fmt, out, common, q_blocks, num_splits, scale_log2, meta, heads_first)
     else:
-        launch_nvfp4(q, cache, fmt, out, common, q_blocks, num_splits, scale_log2, meta, heads_first,
-                     variant=variant, max_query_len=max_query_len)
+        launch_nvfp4(
+            q,
+            cache,
+            fmt,
+            out,
+            common,
+            q_blocks,
+            num_splits,
+            scale_log2,
+            meta,
+            heads_first,
+            variant=variant,
+            max_query_len=max_query_len,
+        )
     if split:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_m, part_l, cu_query_lens, num_seqs, num_splits,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            out,
+            part_acc,
+            part_m,
+            part_l,
+            cu_query_lens,
+            num_seqs,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
             num_warps=4,
         )
     return out

@@ -4,6 +4,7 @@ Jit helpers follow `triton_paged.py`'s kernel (same q-block / GQA row packing, s
 partials layout, reduced by `triton_paged._reduce_splits_kernel`); the program ids are passed in, so
 a kernel may order its grid as it likes. Plus the host-side cache check.
 """
+
 from __future__ import annotations
 
 import triton
@@ -36,9 +37,20 @@ def _program(GROUP: tl.constexpr, HEADS_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _locate(cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, q_block_idx, kv_head, split,
-            GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-            SPLIT: tl.constexpr):
+def _locate(
+    cu_query_lens_ptr,
+    seq_lens_ptr,
+    num_seqs,
+    num_splits,
+    q_block_idx,
+    kv_head,
+    split,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """This program's rows and KV tile range (the prologue of triton_paged's kernel)."""
     seq = _find_seq(cu_query_lens_ptr, num_seqs, q_block_idx, BLOCK_Q)
     q_start = tl.load(cu_query_lens_ptr + seq)
@@ -76,8 +88,11 @@ def _tile_rows(table, tile, kv_end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.conste
 @triton.jit
 def _load_q16(q_ptr, tok, head, row_ok, cols, col_ok, stride_q_tok, stride_q_head):
     """Q rows at the given head_dim columns as float16 (clamped to its finite range)."""
-    q = tl.load(q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + cols[None, :],
-                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + cols[None, :],
+        mask=row_ok[:, None] & col_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
     return tl.minimum(tl.maximum(q, -_FP16_MAX), _FP16_MAX).to(tl.float16)
 
 
@@ -90,8 +105,12 @@ def _softmax_init(BLOCK_M: tl.constexpr):
 @triton.jit
 def _zeros4(BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
     """Four float32 [BLOCK_M, WIDTH] accumulators."""
-    return (tl.zeros([BLOCK_M, WIDTH], tl.float32), tl.zeros([BLOCK_M, WIDTH], tl.float32),
-            tl.zeros([BLOCK_M, WIDTH], tl.float32), tl.zeros([BLOCK_M, WIDTH], tl.float32))
+    return (
+        tl.zeros([BLOCK_M, WIDTH], tl.float32),
+        tl.zeros([BLOCK_M, WIDTH], tl.float32),
+        tl.zeros([BLOCK_M, WIDTH], tl.float32),
+        tl.zeros([BLOCK_M, WIDTH], tl.float32),
+    )
 
 
 @triton.jit
@@ -160,9 +179,29 @@ def _softmax_probs_scaled(raw, c, offs_n, n_ok, q_pos, m_i, FULL: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(acc, cols, col_ok, factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head,
-                HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, STORE_ML: tl.constexpr):
+def _store_rows(
+    acc,
+    cols,
+    col_ok,
+    factor,
+    l_i,
+    m_i,
+    tok,
+    head,
+    row_ok,
+    num_heads,
+    split,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    num_splits,
+    stride_o_tok,
+    stride_o_head,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLIT: tl.constexpr,
+    STORE_ML: tl.constexpr,
+):
     """Columns `cols` of the rows' result times `factor`: the normalized output, or this split's
     unnormalized partial (acc, and with STORE_ML the running max and denominator)."""
     mask = row_ok[:, None] & col_ok[None, :]
@@ -174,23 +213,133 @@ def _store_rows(acc, cols, col_ok, factor, l_i, m_i, tok, head, row_ok, num_head
         tl.store(part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + cols[None, :], acc * factor, mask=mask)
     else:
         out = acc * (factor / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
-        tl.store(out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + cols[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + cols[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
 
 
 @triton.jit
-def _store_rows4(a0, a1, a2, a3, cols, col_ok, factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr,
-                 part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head,
-                 HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, STORE_ML: tl.constexpr):
+def _store_rows4(
+    a0,
+    a1,
+    a2,
+    a3,
+    cols,
+    col_ok,
+    factor,
+    l_i,
+    m_i,
+    tok,
+    head,
+    row_ok,
+    num_heads,
+    split,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    num_splits,
+    stride_o_tok,
+    stride_o_head,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLIT: tl.constexpr,
+    STORE_ML: tl.constexpr,
+):
     """`_store_rows` of a_j at columns cols + j (j = 0..3); STORE_ML applies to a0's store only."""
-    _store_rows(a0, cols + 0, col_ok, factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, STORE_ML)
-    _store_rows(a1, cols + 1, col_ok, factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
-    _store_rows(a2, cols + 2, col_ok, factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
-    _store_rows(a3, cols + 3, col_ok, factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, False)
+    _store_rows(
+        a0,
+        cols + 0,
+        col_ok,
+        factor,
+        l_i,
+        m_i,
+        tok,
+        head,
+        row_ok,
+        num_heads,
+        split,
+        out_ptr,
+        part_acc_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        num_splits,
+        stride_o_tok,
+        stride_o_head,
+        HEAD_DIM_PAD,
+        SPLIT,
+        STORE_ML,
+    )
+    _store_rows(
+        a1,
+        cols + 1,
+        col_ok,
+        factor,
+        l_i,
+        m_i,
+        tok,
+        head,
+        row_ok,
+        num_heads,
+        split,
+        out_ptr,
+        part_acc_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        num_splits,
+        stride_o_tok,
+        stride_o_head,
+        HEAD_DIM_PAD,
+        SPLIT,
+        False,
+    )
+    _store_rows(
+        a2,
+        cols + 2,
+        col_ok,
+        factor,
+        l_i,
+        m_i,
+        tok,
+        head,
+        row_ok,
+        num_heads,
+        split,
+        out_ptr,
+        part_acc_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        num_splits,
+        stride_o_tok,
+        stride_o_head,
+        HEAD_DIM_PAD,
+        SPLIT,
+        False,
+    )
+    _store_rows(
+        a3,
+        cols + 3,
+        col_ok,
+        factor,
+        l_i,
+        m_i,
+        tok,
+        head,
+        row_ok,
+        num_heads,
+        split,
+        out_ptr,
+        part_acc_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        num_splits,
+        stride_o_tok,
+        stride_o_head,
+        HEAD_DIM_PAD,
+        SPLIT,
+        False,
+    )
 
 
 def check_quant_cache(fmt: KVFormat, cache: LayerKVCache, num_kv_heads: int, head_dim: int) -> None:
@@ -211,5 +360,3 @@ def check_quant_cache(fmt: KVFormat, cache: LayerKVCache, num_kv_heads: int, hea
             raise ValueError("cache head_dim must be contiguous")
     if cache.key.stride() != cache.value.stride() or cache.key_scale.stride() != cache.value_scale.stride():
         raise ValueError("key and value caches (and their scales) must have the same strides")
-
-

@@ -19,6 +19,7 @@ values (e4m3 -> float16, `cvt.rn.f16x2.e4m3x2`) and two per-key-row scalings.
 
 Q is clamped to float16's finite range (bf16 -> fp16 is otherwise exact down to 2^-14).
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,8 +55,9 @@ cvt.rn.f16x2.e4m3x2 $1, hi;
 def _unit_halves(units, PTX: tl.constexpr):
     """uint16 units of two e4m3 values -> (low byte, high byte) as float16, exactly (NaN stays NaN)."""
     if PTX:
-        e0, e1 = tl.inline_asm_elementwise(_UNIT_PTX, "=r,=r,r", [units], dtype=(tl.float16, tl.float16),
-                                           is_pure=True, pack=2)
+        e0, e1 = tl.inline_asm_elementwise(
+            _UNIT_PTX, "=r,=r,r", [units], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
+        )
     else:  # Triton's interpreter runs no inline assembly
         e0 = (units & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
         e1 = (units >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -71,20 +73,59 @@ def _row_scales(scale_base, srow, pick, n_ok):
 
 @triton.jit(do_not_specialize=["sm_scale_log2", "num_seqs", "num_splits", "stride_bt_seq"])
 def _paged_attention_fp8_kernel(
-    out_ptr, q_ptr, key_cache_ptr, value_units_ptr, key_scale_ptr, value_scale_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr, cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,
-    sm_scale_log2, num_seqs, num_splits,
-    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt_seq,
-    C_BLOCK: tl.constexpr, C_SLOT: tl.constexpr, C_HEAD: tl.constexpr,
-    S_BLOCK: tl.constexpr, S_SLOT: tl.constexpr, S_HEAD: tl.constexpr, SCALE_W: tl.constexpr,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, PTX: tl.constexpr,
+    out_ptr,
+    q_ptr,
+    key_cache_ptr,
+    value_units_ptr,
+    key_scale_ptr,
+    value_scale_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    cu_query_lens_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    sm_scale_log2,
+    num_seqs,
+    num_splits,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_bt_seq,
+    C_BLOCK: tl.constexpr,
+    C_SLOT: tl.constexpr,
+    C_HEAD: tl.constexpr,
+    S_BLOCK: tl.constexpr,
+    S_SLOT: tl.constexpr,
+    S_HEAD: tl.constexpr,
+    SCALE_W: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     q_block_idx, kv_head, split, num_heads = _program(GROUP, HEADS_FIRST)
     spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
-        cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, q_block_idx, kv_head, split,
-        GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT)
+        cu_query_lens_ptr,
+        seq_lens_ptr,
+        num_seqs,
+        num_splits,
+        q_block_idx,
+        kv_head,
+        split,
+        GROUP,
+        BLOCK_M,
+        BLOCK_Q,
+        BLOCK_N,
+        SPLIT,
+    )
     if spare:
         return
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -121,8 +162,29 @@ def _paged_attention_fp8_kernel(
         a0 = a0 * alpha[:, None] + tl.dot(pv, v0) * v_max
         a1 = a1 * alpha[:, None] + tl.dot(pv, v1) * v_max
     acc = tl.reshape(tl.join(a0, a1), [BLOCK_M, HEAD_DIM_PAD])  # (m, c, j) -> column 2c + j
-    _store_rows(acc, offs_d, d_ok, 1.0, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr, part_acc_ptr,
-                part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT, True)
+    _store_rows(
+        acc,
+        offs_d,
+        d_ok,
+        1.0,
+        l_i,
+        m_i,
+        tok,
+        head,
+        row_ok,
+        num_heads,
+        split,
+        out_ptr,
+        part_acc_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        num_splits,
+        stride_o_tok,
+        stride_o_head,
+        HEAD_DIM_PAD,
+        SPLIT,
+        True,
+    )
 
 
 def scale_window(num_kv_heads: int, limit: int = 8) -> int:
@@ -133,8 +195,18 @@ def scale_window(num_kv_heads: int, limit: int = 8) -> int:
     return w
 
 
-def launch_fp8(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, grid_qblocks: int, num_splits: int,
-                  scale_log2: float, meta: dict, heads_first: bool) -> None:
+def launch_fp8(
+    q: torch.Tensor,
+    cache,
+    fmt,
+    out: torch.Tensor,
+    common: tuple,
+    grid_qblocks: int,
+    num_splits: int,
+    scale_log2: float,
+    meta: dict,
+    heads_first: bool,
+) -> None:
     """The fp8 kernel over the launch that `triton_quant.paged_attention_quant` prepared."""
     num_seqs = common[3].shape[0] - 1
     block_tables = common[5]
@@ -144,8 +216,29 @@ def launch_fp8(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, gr
     # head_dim is even here (paged_attention_quant checks it), so the int16 view is exact and every byte
     # stride halves (the kernel divides them).
     _paged_attention_fp8_kernel[grid](
-        out, q, kc, cache.value.view(torch.int16), ks, cache.value_scale, *common, scale_log2, num_seqs, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        C_BLOCK=kc.stride(0), C_SLOT=kc.stride(1), C_HEAD=kc.stride(2), S_BLOCK=ks.stride(0), S_SLOT=ks.stride(1),
-        S_HEAD=ks.stride(2), SCALE_W=scale_window(num_kv_heads) if ks.stride(2) == 1 else 1,
-        HEADS_FIRST=heads_first, PTX=q.is_cuda, **meta)
+        out,
+        q,
+        kc,
+        cache.value.view(torch.int16),
+        ks,
+        cache.value_scale,
+        *common,
+        scale_log2,
+        num_seqs,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        C_BLOCK=kc.stride(0),
+        C_SLOT=kc.stride(1),
+        C_HEAD=kc.stride(2),
+        S_BLOCK=ks.stride(0),
+        S_SLOT=ks.stride(1),
+        S_HEAD=ks.stride(2),
+        SCALE_W=scale_window(num_kv_heads) if ks.stride(2) == 1 else 1,
+        HEADS_FIRST=heads_first,
+        PTX=q.is_cuda,
+        **meta,
+    )

@@ -22,6 +22,7 @@ are in triton_nvfp4_decode.py. Both variants take float16 dot operands in the 16
      Q is loaded in the same order).
 The decoders' constant (2^14 or 2^6) * global_scale goes into the score scale (K) and the output (V).
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,8 +53,7 @@ _INT32_MAX = 2**31 - 1
 
 def offsets_fit_int32(*tensors: torch.Tensor) -> bool:
     """Whether every element offset into each tensor (from its first element) fits in int32 (OFFS32)."""
-    return all(sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) <= _INT32_MAX
-               for t in tensors)
+    return all(sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) <= _INT32_MAX for t in tensors)
 
 
 def half_rows_apply(max_query_len: int, group: int, block_m: int) -> bool:
@@ -64,8 +64,9 @@ def half_rows_apply(max_query_len: int, group: int, block_m: int) -> bool:
     return max_query_len * group <= block_m // 2
 
 
-def kernel_flags(variant: str, on_gpu: bool, offs32: bool, max_query_len: int, group: int, block_m: int,
-                 words_aligned: bool = True) -> dict:
+def kernel_flags(
+    variant: str, on_gpu: bool, offs32: bool, max_query_len: int, group: int, block_m: int, words_aligned: bool = True
+) -> dict:
     """The nvfp4 kernel's variant constexprs. on_gpu False (Triton's interpreter, which runs no inline
     assembly and no stage hook): the plain Triton decoder and Triton's layouts. offs32: every cache offset fits
     in int32 (offsets_fit_int32). words_aligned: the key cache starts 4-byte aligned (K_PAIRS reads it
@@ -73,9 +74,15 @@ def kernel_flags(variant: str, on_gpu: bool, offs32: bool, max_query_len: int, g
     if variant not in ("v4", LEAN_VARIANT):
         raise ValueError(f"nvfp4 variant must be v4 or v7, got {variant!r}")
     lean = variant == LEAN_VARIANT
-    return dict(DECODER=1 if on_gpu else 0, DOT_KWIDTH2=on_gpu, FUSED_SCALE=lean, OFFS32=lean and offs32,
-                ROWSUM_MMA=lean, HALF_ROWS=lean and half_rows_apply(max_query_len, group, block_m),
-                K_PAIRS=lean and words_aligned)
+    return dict(
+        DECODER=1 if on_gpu else 0,
+        DOT_KWIDTH2=on_gpu,
+        FUSED_SCALE=lean,
+        OFFS32=lean and offs32,
+        ROWSUM_MMA=lean,
+        HALF_ROWS=lean and half_rows_apply(max_query_len, group, block_m),
+        K_PAIRS=lean and words_aligned,
+    )
 
 
 triton_dot_layout.install()  # before the first compile of an opted-in kernel (the hook is not in Triton's key)
@@ -92,13 +99,48 @@ def _first_half_rows(p, alpha, m_new, first):
 
 
 @triton.jit
-def _nvfp4_tile(tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, k_base, v_base, ks_base,
-                vs_base, c_ok, g_ok, sm_scale_log2, first, kw_base, a_off, a_ok, C_BLOCK: tl.constexpr,
-                C_SLOT: tl.constexpr,
-                S_BLOCK: tl.constexpr, S_SLOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                QUADS_PAD: tl.constexpr, G_PAD: tl.constexpr, DECODER: tl.constexpr, MASKED: tl.constexpr,
-                FUSED_SCALE: tl.constexpr, OFFS32: tl.constexpr, ROWSUM_MMA: tl.constexpr,
-                HALF_ROWS: tl.constexpr, K_PAIRS: tl.constexpr):
+def _nvfp4_tile(
+    tile,
+    table,
+    kv_end,
+    q_pos,
+    q0,
+    q1,
+    q2,
+    q3,
+    m_i,
+    l_i,
+    a0,
+    a1,
+    a2,
+    a3,
+    k_base,
+    v_base,
+    ks_base,
+    vs_base,
+    c_ok,
+    g_ok,
+    sm_scale_log2,
+    first,
+    kw_base,
+    a_off,
+    a_ok,
+    C_BLOCK: tl.constexpr,
+    C_SLOT: tl.constexpr,
+    S_BLOCK: tl.constexpr,
+    S_SLOT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUADS_PAD: tl.constexpr,
+    G_PAD: tl.constexpr,
+    DECODER: tl.constexpr,
+    MASKED: tl.constexpr,
+    FUSED_SCALE: tl.constexpr,
+    OFFS32: tl.constexpr,
+    ROWSUM_MMA: tl.constexpr,
+    HALF_ROWS: tl.constexpr,
+    K_PAIRS: tl.constexpr,
+):
     """One KV tile of the online softmax: returns the updated (m_i, l_i, a0..a3). MASKED False: the
     tile is in range and visible to every row. FUSED_SCALE: the score scale goes into exp2's fma
     (_softmax_probs_scaled). ROWSUM_MMA (with FUSED_SCALE): l_i is [BLOCK_M, 16], the row sums of P
@@ -132,11 +174,13 @@ def _nvfp4_tile(tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2
         # The same rows as 32-bit words: a row starts 4-byte aligned (every stride is even: a row is
         # head_dim / 4 units, a multiple of 4).
         kw = (kw_base + row).to(tl.pointer_type(tl.int32)) + a_off
-        k0, k1, k2, k3 = _scaled_pair_tiles(kw, ks_base + srow, n_ok[:, None] & a_ok[None, :], s_mask,
-                                            BLOCK_N, QUADS_PAD, G_PAD, DECODER, MASKED)
+        k0, k1, k2, k3 = _scaled_pair_tiles(
+            kw, ks_base + srow, n_ok[:, None] & a_ok[None, :], s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER, MASKED
+        )
     else:
-        k0, k1, k2, k3 = _scaled_tiles(k_base + row, ks_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD,
-                                       DECODER, MASKED)
+        k0, k1, k2, k3 = _scaled_tiles(
+            k_base + row, ks_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER, MASKED
+        )
     if FUSED_SCALE:
         raw = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None)
         if HALF_ROWS:
@@ -157,8 +201,9 @@ def _nvfp4_tile(tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2
         # l_i is [BLOCK_M, 16], every column the row sum: P.1 on the tensor cores, where tl.sum would
         # reduce across the warps through shared memory (3 of the tile's 9 barriers).
         l_i = tl.dot(p16, tl.full([BLOCK_N, 16], 1.0, tl.float16), l_i * alpha[:, None])
-    v0, v1, v2, v3 = _scaled_tiles(v_base + row, vs_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER,
-                                   MASKED)
+    v0, v1, v2, v3 = _scaled_tiles(
+        v_base + row, vs_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER, MASKED
+    )
     a0, a1, a2, a3 = _pv4(p16, v0, v1, v2, v3, a0, a1, a2, a3, alpha)
     return m_i, l_i, a0, a1, a2, a3
 
@@ -166,30 +211,77 @@ def _nvfp4_tile(tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2
 def _kernel_name(specialization) -> str:
     """The compiled kernel's name: triton_dot_layout's hook retargets the dot operands of those with
     DOT_KWIDTH2 (a constexpr, so they are their own cache entries)."""
-    return triton_dot_layout.kernel_name("_paged_attention_nvfp4_kernel",
-                                         bool(specialization.constants.get("DOT_KWIDTH2")))
+    return triton_dot_layout.kernel_name(
+        "_paged_attention_nvfp4_kernel", bool(specialization.constants.get("DOT_KWIDTH2"))
+    )
 
 
-@triton.jit(do_not_specialize=["sm_scale_log2", "v_factor", "num_seqs", "num_splits", "stride_bt_seq"],
-            repr=_kernel_name)
+@triton.jit(
+    do_not_specialize=["sm_scale_log2", "v_factor", "num_seqs", "num_splits", "stride_bt_seq"], repr=_kernel_name
+)
 def _paged_attention_nvfp4_kernel(
-    out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr, cu_query_lens_ptr, seq_lens_ptr, block_tables_ptr,
-    sm_scale_log2, v_factor, num_seqs, num_splits,
-    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt_seq,
-    C_BLOCK: tl.constexpr, C_SLOT: tl.constexpr, C_HEAD: tl.constexpr,
-    S_BLOCK: tl.constexpr, S_SLOT: tl.constexpr, S_HEAD: tl.constexpr,
-    QUADS: tl.constexpr, QUADS_PAD: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr,
-    GROUP: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, DECODER: tl.constexpr, DOT_KWIDTH2: tl.constexpr,
-    FUSED_SCALE: tl.constexpr, OFFS32: tl.constexpr, ROWSUM_MMA: tl.constexpr, HALF_ROWS: tl.constexpr,
+    out_ptr,
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    key_scale_ptr,
+    value_scale_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    cu_query_lens_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    sm_scale_log2,
+    v_factor,
+    num_seqs,
+    num_splits,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_bt_seq,
+    C_BLOCK: tl.constexpr,
+    C_SLOT: tl.constexpr,
+    C_HEAD: tl.constexpr,
+    S_BLOCK: tl.constexpr,
+    S_SLOT: tl.constexpr,
+    S_HEAD: tl.constexpr,
+    QUADS: tl.constexpr,
+    QUADS_PAD: tl.constexpr,
+    GROUPS: tl.constexpr,
+    G_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
+    DECODER: tl.constexpr,
+    DOT_KWIDTH2: tl.constexpr,
+    FUSED_SCALE: tl.constexpr,
+    OFFS32: tl.constexpr,
+    ROWSUM_MMA: tl.constexpr,
+    HALF_ROWS: tl.constexpr,
     K_PAIRS: tl.constexpr,
 ):
     q_block_idx, kv_head, split, num_heads = _program(GROUP, HEADS_FIRST)
     spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
-        cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, q_block_idx, kv_head, split,
-        GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT)
+        cu_query_lens_ptr,
+        seq_lens_ptr,
+        num_seqs,
+        num_splits,
+        q_block_idx,
+        kv_head,
+        split,
+        GROUP,
+        BLOCK_M,
+        BLOCK_Q,
+        BLOCK_N,
+        SPLIT,
+    )
     if spare:
         return
     c = tl.arange(0, QUADS_PAD)  # unit c of a row: elements 4c .. 4c + 3
@@ -233,25 +325,134 @@ def _paged_attention_nvfp4_kernel(
         tile_mid = tl.maximum(tile_lo, tl.minimum(tile_hi, (tl.min(q_pos, 0) + 1) // BLOCK_N))
         for tile in range(tile_lo, tile_mid):
             m_i, l_i, a0, a1, a2, a3 = _nvfp4_tile(
-                tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, k_base, v_base, ks_base,
-                vs_base, c_ok, g_ok, sm_scale_log2, first, kw_base, a_off, a_ok, C_BLOCK, C_SLOT, S_BLOCK, S_SLOT,
-                BLOCK_N, BLOCK_SIZE, QUADS_PAD, G_PAD, DECODER, False, FUSED_SCALE, OFFS32, ROWSUM_MMA, HALF_ROWS,
-                K_PAIRS)
+                tile,
+                table,
+                kv_end,
+                q_pos,
+                q0,
+                q1,
+                q2,
+                q3,
+                m_i,
+                l_i,
+                a0,
+                a1,
+                a2,
+                a3,
+                k_base,
+                v_base,
+                ks_base,
+                vs_base,
+                c_ok,
+                g_ok,
+                sm_scale_log2,
+                first,
+                kw_base,
+                a_off,
+                a_ok,
+                C_BLOCK,
+                C_SLOT,
+                S_BLOCK,
+                S_SLOT,
+                BLOCK_N,
+                BLOCK_SIZE,
+                QUADS_PAD,
+                G_PAD,
+                DECODER,
+                False,
+                FUSED_SCALE,
+                OFFS32,
+                ROWSUM_MMA,
+                HALF_ROWS,
+                K_PAIRS,
+            )
     for tile in range(tile_mid, tile_hi):
         m_i, l_i, a0, a1, a2, a3 = _nvfp4_tile(
-            tile, table, kv_end, q_pos, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, k_base, v_base, ks_base,
-            vs_base, c_ok, g_ok, sm_scale_log2, first, kw_base, a_off, a_ok, C_BLOCK, C_SLOT, S_BLOCK, S_SLOT, BLOCK_N,
-            BLOCK_SIZE, QUADS_PAD, G_PAD, DECODER, True, FUSED_SCALE, OFFS32, ROWSUM_MMA, HALF_ROWS, K_PAIRS)
+            tile,
+            table,
+            kv_end,
+            q_pos,
+            q0,
+            q1,
+            q2,
+            q3,
+            m_i,
+            l_i,
+            a0,
+            a1,
+            a2,
+            a3,
+            k_base,
+            v_base,
+            ks_base,
+            vs_base,
+            c_ok,
+            g_ok,
+            sm_scale_log2,
+            first,
+            kw_base,
+            a_off,
+            a_ok,
+            C_BLOCK,
+            C_SLOT,
+            S_BLOCK,
+            S_SLOT,
+            BLOCK_N,
+            BLOCK_SIZE,
+            QUADS_PAD,
+            G_PAD,
+            DECODER,
+            True,
+            FUSED_SCALE,
+            OFFS32,
+            ROWSUM_MMA,
+            HALF_ROWS,
+            K_PAIRS,
+        )
     if ROWSUM_MMA:
         l_i = tl.max(l_i, 1)  # its columns are equal
-    _store_rows4(a0, a1, a2, a3, 4 * c, c_ok, v_factor, l_i, m_i, tok, head, row_ok, num_heads, split, out_ptr,
-                 part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, stride_o_tok, stride_o_head, HEAD_DIM_PAD, SPLIT,
-                 True)
+    _store_rows4(
+        a0,
+        a1,
+        a2,
+        a3,
+        4 * c,
+        c_ok,
+        v_factor,
+        l_i,
+        m_i,
+        tok,
+        head,
+        row_ok,
+        num_heads,
+        split,
+        out_ptr,
+        part_acc_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        num_splits,
+        stride_o_tok,
+        stride_o_head,
+        HEAD_DIM_PAD,
+        SPLIT,
+        True,
+    )
 
 
-def launch_nvfp4(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, grid_qblocks: int,
-                 num_splits: int, scale_log2: float, meta: dict, heads_first: bool, variant: str = "v7",
-                 max_query_len: int | None = None) -> None:
+def launch_nvfp4(
+    q: torch.Tensor,
+    cache,
+    fmt,
+    out: torch.Tensor,
+    common: tuple,
+    grid_qblocks: int,
+    num_splits: int,
+    scale_log2: float,
+    meta: dict,
+    heads_first: bool,
+    variant: str = "v7",
+    max_query_len: int | None = None,
+) -> None:
     """The nvfp4 kernel (variants differ in kernel_flags) over the launch paged_attention_quant
     prepared. max_query_len (None: unknown) lets v7 skip the second half of every q block's rows."""
     num_seqs = common[3].shape[0] - 1
@@ -263,14 +464,45 @@ def launch_nvfp4(q: torch.Tensor, cache, fmt, out: torch.Tensor, common: tuple, 
     head_dim = meta.pop("HEAD_DIM")
     quads, groups = head_dim // 4, head_dim // 16
     # Triton's interpreter runs no inline assembly: it takes the plain Triton decoder
-    flags = kernel_flags(variant, q.is_cuda, variant == LEAN_VARIANT and offsets_fit_int32(kc, ks),
-                         meta["BLOCK_M"] if max_query_len is None else max_query_len, meta["GROUP"], meta["BLOCK_M"],
-                         words_aligned=kc.data_ptr() % 4 == 0)
+    flags = kernel_flags(
+        variant,
+        q.is_cuda,
+        variant == LEAN_VARIANT and offsets_fit_int32(kc, ks),
+        meta["BLOCK_M"] if max_query_len is None else max_query_len,
+        meta["GROUP"],
+        meta["BLOCK_M"],
+        words_aligned=kc.data_ptr() % 4 == 0,
+    )
     const = (E4M3_DECODE if flags["DECODER"] == 1 else NVFP4_DECODE) * fmt.global_scale
     grid = (num_kv_heads, grid_qblocks, num_splits) if heads_first else (grid_qblocks, num_kv_heads, num_splits)
     _paged_attention_nvfp4_kernel[grid](
-        out, q, kc, vc, ks, vs, *common, scale_log2 * const, const, num_seqs, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        C_BLOCK=kc.stride(0), C_SLOT=kc.stride(1), C_HEAD=kc.stride(2), S_BLOCK=ks.stride(0), S_SLOT=ks.stride(1),
-        S_HEAD=ks.stride(2), QUADS=quads, QUADS_PAD=triton.next_power_of_2(quads), GROUPS=groups,
-        G_PAD=triton.next_power_of_2(groups), HEADS_FIRST=heads_first, **flags, **meta)
+        out,
+        q,
+        kc,
+        vc,
+        ks,
+        vs,
+        *common,
+        scale_log2 * const,
+        const,
+        num_seqs,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        C_BLOCK=kc.stride(0),
+        C_SLOT=kc.stride(1),
+        C_HEAD=kc.stride(2),
+        S_BLOCK=ks.stride(0),
+        S_SLOT=ks.stride(1),
+        S_HEAD=ks.stride(2),
+        QUADS=quads,
+        QUADS_PAD=triton.next_power_of_2(quads),
+        GROUPS=groups,
+        G_PAD=triton.next_power_of_2(groups),
+        HEADS_FIRST=heads_first,
+        **flags,
+        **meta,
+    )

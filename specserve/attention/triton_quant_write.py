@@ -5,6 +5,7 @@ reproduces quant.py bit for bit (scales rounded UP, true IEEE divisions via div_
 `/` is an approximate division on NVIDIA), so a cache written here reads back exactly as the torch
 oracle's. Public entry point: `triton_quant.reshape_and_cache_quant` (re-exported there).
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,9 +49,15 @@ def _round_up_e4m3(x):
 def _e2m1_code(v):
     """Nearest e2m1 nibble of float32 v in [-6, 6]; ties to the even index (quant._E2M1_BOUNDS)."""
     mag = tl.abs(v)
-    idx = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-           + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
-           + (mag > 5.0).to(tl.int32))
+    idx = (
+        (mag > 0.25).to(tl.int32)
+        + (mag >= 0.75).to(tl.int32)
+        + (mag > 1.25).to(tl.int32)
+        + (mag >= 1.75).to(tl.int32)
+        + (mag > 2.5).to(tl.int32)
+        + (mag >= 3.5).to(tl.int32)
+        + (mag > 5.0).to(tl.int32)
+    )
     negative = ((v < 0) & (idx > 0)).to(tl.int32)
     return idx | (negative << 3)
 
@@ -60,7 +67,7 @@ def _quantize_fp8_row(src_ptrs, dst_ptrs, scale_ptrs, mask, h_ok):
     """One token's [H, D] values -> e4m3 data + one float16 scale per head."""
     x = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    target = tl.minimum(tl.maximum(_div(amax, tl.full(amax.shape, _FP8_MAX, tl.float32)), 2.0 ** -24), _FP16_MAX)
+    target = tl.minimum(tl.maximum(_div(amax, tl.full(amax.shape, _FP8_MAX, tl.float32)), 2.0**-24), _FP16_MAX)
     scale = _round_up_fp16(target)  # [H]
     data = tl.minimum(tl.maximum(_div(x, scale.to(tl.float32)[:, None]), -_FP8_MAX), _FP8_MAX)
     tl.store(dst_ptrs, data.to(tl.float8e4nv), mask=mask)
@@ -76,7 +83,7 @@ def _quantize_nvfp4_row(src_ptrs, dst_ptrs, scale_ptrs, mask, g_ok, amax_div, gl
     lo = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)
     hi = tl.load(src_ptrs + 1, mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))  # [G]
-    target = tl.minimum(tl.maximum(_div(amax, tl.full(amax.shape, amax_div, tl.float32)), 2.0 ** -9), _FP8_MAX)
+    target = tl.minimum(tl.maximum(_div(amax, tl.full(amax.shape, amax_div, tl.float32)), 2.0**-9), _FP8_MAX)
     scale = _round_up_e4m3(target)
     step = (scale.to(tl.float32) * global_scale)[:, None]
     code_lo = _e2m1_code(tl.minimum(tl.maximum(_div(lo, step), -_E2M1_MAX), _E2M1_MAX))
@@ -87,13 +94,33 @@ def _quantize_nvfp4_row(src_ptrs, dst_ptrs, scale_ptrs, mask, g_ok, amax_div, gl
 
 @triton.jit
 def _write_kv_quant_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr, slot_mapping_ptr,
-    amax_div, global_scale,
-    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-    stride_c_block, stride_c_slot, stride_c_head, stride_s_block, stride_s_slot, stride_s_head,
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    key_scale_ptr,
+    value_scale_ptr,
+    slot_mapping_ptr,
+    amax_div,
+    global_scale,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
+    stride_s_block,
+    stride_s_slot,
+    stride_s_head,
     num_kv_heads,
-    NVFP4: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    NVFP4: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     """fp8: one program per token, all heads. nvfp4: one program per (token, head), 2-D tiles."""
     tok = tl.program_id(0).to(tl.int64)
@@ -113,10 +140,24 @@ def _write_kv_quant_kernel(
         src = 16 * g[:, None] + 2 * t[None, :]  # even elements of each group
         dst = c_row + h * stride_c_head + 8 * g[:, None] + t[None, :]
         sdst = s_row + h * stride_s_head + g
-        _quantize_nvfp4_row(key_ptr + tok * stride_k_tok + h * stride_k_head + src,
-                            key_cache_ptr + dst, key_scale_ptr + sdst, mask, g_ok, amax_div, global_scale)
-        _quantize_nvfp4_row(value_ptr + tok * stride_v_tok + h * stride_v_head + src,
-                            value_cache_ptr + dst, value_scale_ptr + sdst, mask, g_ok, amax_div, global_scale)
+        _quantize_nvfp4_row(
+            key_ptr + tok * stride_k_tok + h * stride_k_head + src,
+            key_cache_ptr + dst,
+            key_scale_ptr + sdst,
+            mask,
+            g_ok,
+            amax_div,
+            global_scale,
+        )
+        _quantize_nvfp4_row(
+            value_ptr + tok * stride_v_tok + h * stride_v_head + src,
+            value_cache_ptr + dst,
+            value_scale_ptr + sdst,
+            mask,
+            g_ok,
+            amax_div,
+            global_scale,
+        )
     else:
         h = tl.arange(0, BLOCK_H)
         h_ok = h < num_kv_heads
@@ -124,14 +165,25 @@ def _write_kv_quant_kernel(
         mask = h_ok[:, None] & (d[None, :] < HEAD_DIM)
         dst = c_row + h[:, None] * stride_c_head + d[None, :]
         sdst = s_row + h * stride_s_head
-        _quantize_fp8_row(key_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :],
-                          key_cache_ptr + dst, key_scale_ptr + sdst, mask, h_ok)
-        _quantize_fp8_row(value_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :],
-                          value_cache_ptr + dst, value_scale_ptr + sdst, mask, h_ok)
+        _quantize_fp8_row(
+            key_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :],
+            key_cache_ptr + dst,
+            key_scale_ptr + sdst,
+            mask,
+            h_ok,
+        )
+        _quantize_fp8_row(
+            value_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :],
+            value_cache_ptr + dst,
+            value_scale_ptr + sdst,
+            mask,
+            h_ok,
+        )
 
 
-def reshape_and_cache_quant(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, fmt: KVFormat,
-                            slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache_quant(
+    key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, slot_mapping: torch.Tensor
+) -> None:
     """Quantize key/value [num_tokens, num_kv_heads, head_dim] and store them (and their scales) at
     their slots; bit-identical to `kv.quant.write_kv`. A negative slot (padding token) is skipped."""
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -147,12 +199,32 @@ def reshape_and_cache_quant(key: torch.Tensor, value: torch.Tensor, cache: Layer
     # nvfp4: one program per (token, head) on 2-D [groups, 8] tiles (3-D [heads, groups, 8] tiles
     # failed the GPU tests at 8 heads).
     _write_kv_quant_kernel[(num_tokens, num_kv_heads if nvfp4 else 1)](
-        key, value, kc, vc, ks, vs, slot_mapping,
-        E2M1_MAX * fmt.global_scale, fmt.global_scale,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+        key,
+        value,
+        kc,
+        vc,
+        ks,
+        vs,
+        slot_mapping,
+        E2M1_MAX * fmt.global_scale,
+        fmt.global_scale,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        ks.stride(0),
+        ks.stride(1),
+        ks.stride(2),
         num_kv_heads,
-        NVFP4=nvfp4, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim),
-        NUM_GROUPS=groups, BLOCK_G=triton.next_power_of_2(groups), BLOCK_SIZE=kc.shape[1],
+        NVFP4=nvfp4,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        NUM_GROUPS=groups,
+        BLOCK_G=triton.next_power_of_2(groups),
+        BLOCK_SIZE=kc.shape[1],
         num_warps=1 if nvfp4 or block_h * head_dim < 2048 else 4,
     )

@@ -6,6 +6,7 @@ A decode step otherwise runs two tiny kernels per layer back to back: rotate q a
 in place, rotates k (in place too, so the result is
 exactly what the two-kernel path leaves behind) and stores k and v at the token's slot.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,12 +20,32 @@ from specserve.kernels.rope import rope_cos_sin
 
 @triton.jit
 def _rope_and_cache_kernel(
-    q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cs,
-    stride_c_block, stride_c_slot, stride_c_head,
-    num_heads, num_kv_heads,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr = False,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_cs,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
+    num_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     # Batch metadata and the constant cos/sin table first, before the PDL wait (no kernel of the
     # forward writes them: kernels/pdl.py), so the position -> cos/sin chain and the slot load
@@ -65,17 +86,28 @@ def _rope_and_cache_kernel(
     tl.store(k1_ptr + HALF, r2, mask=k_mask)
 
     if slot >= 0:  # a negative slot is a padding token (CUDA-graph batches): nothing to store
-        dst = (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_slot \
-            + hk[:, None] * stride_c_head + j[None, :]
+        dst = (
+            (slot // BLOCK_SIZE) * stride_c_block
+            + (slot % BLOCK_SIZE) * stride_c_slot
+            + hk[:, None] * stride_c_head
+            + j[None, :]
+        )
         tl.store(key_cache_ptr + dst, r1.to(key_cache_ptr.dtype.element_ty), mask=k_mask)
         tl.store(key_cache_ptr + dst + HALF, r2.to(key_cache_ptr.dtype.element_ty), mask=k_mask)
         tl.store(value_cache_ptr + dst, v1.to(value_cache_ptr.dtype.element_ty), mask=k_mask)
         tl.store(value_cache_ptr + dst + HALF, v2.to(value_cache_ptr.dtype.element_ty), mask=k_mask)
 
 
-def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                   cos_sin_cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def rope_and_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Neox RoPE on q [T, Hq, D] and k [T, Hk, D] in place, then k, v [T, Hk, D] into their slots
     of the caches [num_blocks, block_size, Hk, D]. positions: [T] int; cos_sin_cache [P, D] float32
     (cos | sin halves); slot_mapping [T] int, negative = padding token (not stored)."""
@@ -93,11 +125,32 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     half = head_dim // 2
     pdl = use_pdl(q)
     _rope_and_cache_kernel[(num_tokens,)](
-        q, k, v, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        num_heads, num_kv_heads,
-        HALF=half, HALF_PAD=triton.next_power_of_2(half),
-        BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_SIZE=key_cache.shape[1], num_warps=4, USE_PDL=pdl, launch_pdl=pdl,
+        q,
+        k,
+        v,
+        positions,
+        cos_sin_cache,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos_sin_cache.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        num_heads,
+        num_kv_heads,
+        HALF=half,
+        HALF_PAD=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(num_heads),
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        BLOCK_SIZE=key_cache.shape[1],
+        num_warps=4,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )

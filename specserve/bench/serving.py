@@ -10,6 +10,7 @@ Per request, streaming with `stream_options.include_usage`:
   output_tokens from the final usage chunk (falls back to the number of text chunks).
 Input tokens are usage.prompt_tokens when the server reports it, else the dataset's count.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,9 +100,13 @@ class RunConfig:
 
 
 def build_payload(cfg: RunConfig, req: SampleRequest) -> dict[str, Any]:
-    payload: dict[str, Any] = {"model": cfg.model, "max_tokens": req.expected_output_len,
-                               "temperature": cfg.temperature, "stream": True,
-                               "stream_options": {"include_usage": True}}
+    payload: dict[str, Any] = {
+        "model": cfg.model,
+        "max_tokens": req.expected_output_len,
+        "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if cfg.is_chat:
         payload["messages"] = [{"role": "user", "content": req.prompt}]
     else:
@@ -169,8 +174,9 @@ async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord,
     rec.success = True
 
 
-async def send_request(client: httpx.AsyncClient, cfg: RunConfig, index: int, req: SampleRequest,
-                       t0: float, timeout_s: float) -> RequestRecord:
+async def send_request(
+    client: httpx.AsyncClient, cfg: RunConfig, index: int, req: SampleRequest, t0: float, timeout_s: float
+) -> RequestRecord:
     """Send one streaming request and measure it; never raises for HTTP or protocol failures."""
     rec = RequestRecord(index=index, prompt_len=req.prompt_len, expected_output_len=req.expected_output_len)
     rec.start_s = time.perf_counter() - t0
@@ -186,16 +192,18 @@ async def send_request(client: httpx.AsyncClient, cfg: RunConfig, index: int, re
     return rec
 
 
-async def run_benchmark(base_url: str, headers: dict[str, str], cfg: RunConfig,
-                        requests: list[SampleRequest]) -> tuple[list[RequestRecord], float]:
+async def run_benchmark(
+    base_url: str, headers: dict[str, str], cfg: RunConfig, requests: list[SampleRequest]
+) -> tuple[list[RequestRecord], float]:
     """Send `requests` with Poisson arrivals at `cfg.request_rate` (all at once when inf), at most
     `cfg.max_concurrency` in flight. Returns the records in request order and the duration (s)."""
     limit = cfg.max_concurrency or max(len(requests), 1)
     sem = asyncio.Semaphore(limit)
     rng = random.Random(cfg.seed)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(cfg.request_timeout_s)) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, limits=limits, timeout=httpx.Timeout(cfg.request_timeout_s)
+    ) as client:
         pbar = tqdm(total=len(requests), disable=cfg.disable_tqdm, desc=f"concurrency {cfg.max_concurrency}")
         t0 = time.perf_counter()
         deadline = t0 + cfg.max_duration_s if cfg.max_duration_s else float("inf")
@@ -227,15 +235,17 @@ def resolve_model(base_url: str, headers: dict[str, str]) -> str:
     return str(models[0]["id"])
 
 
-def load_requests(args: argparse.Namespace, counter: TokenCounter | None, num_prompts: int,
-                  seed: int) -> list[SampleRequest]:
+def load_requests(
+    args: argparse.Namespace, counter: TokenCounter | None, num_prompts: int, seed: int
+) -> list[SampleRequest]:
     """`num_prompts` requests of the dataset drawn with `seed`; prompt lengths by `counter`, else estimated."""
     if num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     out_len = args.output_len or 128
     if args.dataset_name == "random":
-        return random_requests(num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
-                               seed, counter)
+        return random_requests(
+            num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, seed, counter
+        )
     if args.dataset_name == "humaneval":
         return humaneval_requests(num_prompts, out_len, seed, counter, args.dataset_path)
     if not args.dataset_path:
@@ -253,8 +263,10 @@ def estimate(probe_s: float, num_prompts: int, sweep: list[int | None], request_
     low = sum(max(num_prompts * probe_s / (c or num_prompts), num_prompts / request_rate) for c in sweep)
     high = len(sweep) * max(num_prompts * probe_s, num_prompts / request_rate)
     hint = " (--num-prompts or --max-duration shorten it)" if high > 600 else ""
-    return (f"Estimate: the probe request took {probe_s:.2f} s; {len(sweep)} run(s) of {num_prompts} requests "
-            f"take {_duration(low)} to {_duration(high)}{hint}.")
+    return (
+        f"Estimate: the probe request took {probe_s:.2f} s; {len(sweep)} run(s) of {num_prompts} requests "
+        f"take {_duration(low)} to {_duration(high)}{hint}."
+    )
 
 
 def bench_main(args: argparse.Namespace) -> int:
@@ -282,9 +294,17 @@ def bench_main(args: argparse.Namespace) -> int:
         print(f"specserve bench: {e}")
         return 1
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name == "random"
-    base = RunConfig(endpoint=args.endpoint, model=model, request_rate=args.request_rate, temperature=args.temperature,
-                     ignore_eos=ignore_eos, request_timeout_s=args.request_timeout,
-                     max_duration_s=args.max_duration, seed=args.seed, disable_tqdm=args.disable_tqdm)
+    base = RunConfig(
+        endpoint=args.endpoint,
+        model=model,
+        request_rate=args.request_rate,
+        temperature=args.temperature,
+        ignore_eos=ignore_eos,
+        request_timeout_s=args.request_timeout,
+        max_duration_s=args.max_duration,
+        seed=args.seed,
+        disable_tqdm=args.disable_tqdm,
+    )
     probe, _ = asyncio.run(run_benchmark(args.base_url, headers, replace(base, disable_tqdm=True), probe_req))
     if not probe[0].success:
         print(f"specserve bench: the initial test request failed: {probe[0].error}")
@@ -298,13 +318,21 @@ def bench_main(args: argparse.Namespace) -> int:
         seen.update(r.prompt for r in requests)
         print(f"Benchmark: {len(requests)} requests, rate {args.request_rate}, max concurrency {concurrency}")
         if repeated:  # a finite dataset ran out of fresh prompts
-            print(f"Note: {repeated} of these prompts were sent earlier in this run: the prefix cache may be warm "
-                  "for them.")
+            print(
+                f"Note: {repeated} of these prompts were sent earlier in this run: the prefix cache may be warm "
+                "for them."
+            )
         records, duration = asyncio.run(run_benchmark(args.base_url, headers, cfg, requests))
         agg = compute_aggregates(records, duration, slos)
         print(format_table(agg, concurrency))
-        result["runs"].append({"max_concurrency": concurrency, "repeated_prompts": repeated, "aggregates": agg,
-                               "requests": [r.to_json() for r in records]})
+        result["runs"].append(
+            {
+                "max_concurrency": concurrency,
+                "repeated_prompts": repeated,
+                "aggregates": agg,
+                "requests": [r.to_json() for r in records],
+            }
+        )
     if len(sweep) > 1:
         print(format_sweep(result["runs"]))
     write_outputs(args, result, baseline)

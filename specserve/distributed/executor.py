@@ -13,6 +13,7 @@ NCCL kernel stuck on a dead peer is noticed within milliseconds (the process gro
 aborted). The step raises `WorkerDiedError`; every later step raises it again; the engine loop
 dies with it, so the server's /health answers 503.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -95,8 +96,9 @@ class TPExecutor(ShardRunner):
 
     accepts_pending = False  # steps are broadcast as host batches: no placeholder fill
 
-    def __init__(self, loaded, spec, num_blocks: int, device: torch.device, backend, *, group: TPGroup,
-                 procs: WorkerProcs | None) -> None:
+    def __init__(
+        self, loaded, spec, num_blocks: int, device: torch.device, backend, *, group: TPGroup, procs: WorkerProcs | None
+    ) -> None:
         super().__init__(loaded, spec, num_blocks, device, backend)
         self.group = group
         self.procs = procs
@@ -188,13 +190,16 @@ def check_tp_config(config: EngineConfig) -> None:
     tp = config.parallel.tensor_parallel_size
     check_tp_size(read_arch(config), tp)
     if config.offload.enabled:
-        raise ValueError("kv_offload is not supported with tensor_parallel_size > 1 (the tiers would hold "
-                         "rank 0's KV heads only).")
+        raise ValueError(
+            "kv_offload is not supported with tensor_parallel_size > 1 (the tiers would hold rank 0's KV heads only)."
+        )
     spec = config.speculative
     if spec is not None and spec.method in ("eagle", "eagle3"):
-        raise ValueError(f"speculative_config.method {spec.method!r} is not supported with "
-                         "tensor_parallel_size > 1 (the head reuses the sharded embedding and LM head); "
-                         "use 'ngram' or 'draft_model'.")
+        raise ValueError(
+            f"speculative_config.method {spec.method!r} is not supported with "
+            "tensor_parallel_size > 1 (the head reuses the sharded embedding and LM head); "
+            "use 'ngram' or 'draft_model'."
+        )
 
 
 def rank_devices(device: torch.device, tensor_parallel_size: int) -> list[torch.device]:
@@ -203,8 +208,10 @@ def rank_devices(device: torch.device, tensor_parallel_size: int) -> list[torch.
         return [torch.device("cpu")] * tensor_parallel_size
     base = device.index or 0
     if torch.cuda.device_count() < base + tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs GPUs {base}..."
-                         f"{base + tensor_parallel_size - 1}, but only {torch.cuda.device_count()} are visible.")
+        raise ValueError(
+            f"tensor_parallel_size {tensor_parallel_size} needs GPUs {base}..."
+            f"{base + tensor_parallel_size - 1}, but only {torch.cuda.device_count()} are visible."
+        )
     return [torch.device("cuda", base + r) for r in range(tensor_parallel_size)]
 
 
@@ -212,8 +219,10 @@ def _adopt(config: EngineConfig, device: torch.device) -> tuple[TPGroup, torch.d
     """Rank 0 under torchrun (server/launch.py): the group exists, the other ranks wait in it."""
     tp = config.parallel.tensor_parallel_size
     if dist.get_world_size() != tp or dist.get_rank() != 0:
-        raise ValueError(f"tensor_parallel_size {tp} must equal the launcher's world size "
-                         f"{dist.get_world_size()}, and the engine must run on rank 0.")
+        raise ValueError(
+            f"tensor_parallel_size {tp} must equal the launcher's world size "
+            f"{dist.get_world_size()}, and the engine must run on rank 0."
+        )
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     return adopt_default_group(device), device
@@ -231,12 +240,18 @@ def build_tp_executor(config: EngineConfig, device: torch.device, dtype: torch.d
         device0 = devices[0]
         if device0.type == "cuda":
             torch.cuda.set_device(device0)
-        procs = WorkerProcs.start(config, config.parallel.tensor_parallel_size, devices, STEP_TIMEOUT_S,
-                                  START_TIMEOUT_S)
+        procs = WorkerProcs.start(
+            config, config.parallel.tensor_parallel_size, devices, STEP_TIMEOUT_S, START_TIMEOUT_S
+        )
         try:
             procs.wait_for_hello(START_TIMEOUT_S)
-            group = init_tp_group(procs.store, 0, config.parallel.tensor_parallel_size, device0,
-                                  datetime.timedelta(seconds=STEP_TIMEOUT_S))
+            group = init_tp_group(
+                procs.store,
+                0,
+                config.parallel.tensor_parallel_size,
+                device0,
+                datetime.timedelta(seconds=STEP_TIMEOUT_S),
+            )
         except BaseException:
             procs.terminate()
             raise

@@ -6,6 +6,7 @@ pick-a-port race, and starts one fresh interpreter per rank (the same `sys.execu
 multiprocessing's spawn, do not re-import the user's `__main__`, so scripts that build an `LLM`
 at top level work as they are. Liveness is a `poll()`; that is how the engine notices a dead rank.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -31,21 +32,46 @@ class WorkerProcs:
         self.procs = procs
 
     @classmethod
-    def start(cls, config: EngineConfig, world_size: int, devices: list[torch.device], step_timeout_s: float,
-              start_timeout_s: float) -> WorkerProcs:
+    def start(
+        cls,
+        config: EngineConfig,
+        world_size: int,
+        devices: list[torch.device],
+        step_timeout_s: float,
+        start_timeout_s: float,
+    ) -> WorkerProcs:
         """devices[r]: rank r's device. Returns once the processes run (not yet joined)."""
-        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=start_timeout_s))
+        store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=start_timeout_s),
+        )
         threads = max(1, (os.cpu_count() or 1) // world_size)
         procs: dict[int, subprocess.Popen] = {}
         try:
             for rank in range(1, world_size):
-                args = WorkerArgs(config, rank, world_size, "127.0.0.1", store.port, str(devices[rank]),
-                                  step_timeout_s, start_timeout_s, threads, os.getpid())
+                args = WorkerArgs(
+                    config,
+                    rank,
+                    world_size,
+                    "127.0.0.1",
+                    store.port,
+                    str(devices[rank]),
+                    step_timeout_s,
+                    start_timeout_s,
+                    threads,
+                    os.getpid(),
+                )
                 # A session of its own: Ctrl-C in the terminal reaches rank 0 only, which drains
                 # its requests and then stops the workers (they must outlive the drain).
-                proc = subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path)],
-                                        stdin=subprocess.PIPE, start_new_session=True)
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path)],
+                    stdin=subprocess.PIPE,
+                    start_new_session=True,
+                )
                 procs[rank] = proc
                 proc.stdin.write(pickle.dumps(args))
                 proc.stdin.close()
@@ -71,8 +97,9 @@ class WorkerProcs:
         deadline = time.monotonic() + timeout_s
         while not self.store.check(keys):
             if self.dead():
-                raise RuntimeError(f"tensor-parallel worker failed to start: {self.describe_dead()}; "
-                                   "see its error above.")
+                raise RuntimeError(
+                    f"tensor-parallel worker failed to start: {self.describe_dead()}; see its error above."
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel workers did not start within {timeout_s:.0f} s.")
             time.sleep(0.02)

@@ -9,6 +9,7 @@ embedding all-reduces masked lookups, the LM head all-gathers its logit columns.
 
 All slices are copied (`clone`), so the full tensors they came from can be freed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -52,8 +53,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if bias is None else _param(bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, part_sizes: Sequence[int], rank: int,
-                    world_size: int) -> ColumnParallelLinear:
+    def from_linear(
+        cls, linear: nn.Linear, part_sizes: Sequence[int], rank: int, world_size: int
+    ) -> ColumnParallelLinear:
         if sum(part_sizes) != linear.out_features:
             raise ValueError(f"part sizes {list(part_sizes)} do not add up to {linear.out_features} features.")
         rows: list[torch.Tensor] = []
@@ -111,12 +113,13 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, rank: int, world_size: int,
-                       group: TPGroup) -> VocabParallelEmbedding:
+    def from_embedding(
+        cls, embedding: nn.Embedding, rank: int, world_size: int, group: TPGroup
+    ) -> VocabParallelEmbedding:
         vocab, hidden = embedding.weight.shape
         start, end, per_rank = vocab_range(vocab, rank, world_size)
         weight = embedding.weight.new_zeros(per_rank, hidden)
-        weight[:end - start] = embedding.weight[start:end]
+        weight[: end - start] = embedding.weight[start:end]
         return cls(weight, start, end, group)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -146,11 +149,11 @@ class ParallelLMHead(nn.Module):
         vocab, hidden = weight.shape
         start, end, per_rank = vocab_range(vocab, rank, world_size)
         local = weight.new_zeros(per_rank, hidden)
-        local[:end - start] = weight[start:end]
+        local[: end - start] = weight[start:end]
         return cls(nn.Parameter(local, requires_grad=False), vocab, group)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = F.linear(hidden, self.weight)  # [N, rows per rank]
         gathered = self.group.all_gather(local)  # [world, N, rows per rank]
         logits = gathered.permute(1, 0, 2).reshape(hidden.shape[0], -1)
-        return logits[:, :self.vocab_size].float()
+        return logits[:, : self.vocab_size].float()

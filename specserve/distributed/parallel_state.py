@@ -12,6 +12,7 @@ specserve reads no environment variable here: spawned workers get their rank and
 address as arguments; under `torchrun` the default process group is initialized by the caller
 (torch's own `env://` rendezvous) and adopted with `adopt_default_group`.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -70,7 +71,7 @@ class TPGroup:
             n = len(payload)
             head[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
             first = min(n, _CONTROL_HEAD_BYTES - 8)
-            head[8:8 + first] = torch.frombuffer(bytearray(payload[:first]), dtype=torch.uint8)
+            head[8 : 8 + first] = torch.frombuffer(bytearray(payload[:first]), dtype=torch.uint8)
         dist.broadcast(head, src=0, group=self.cpu_group)
         n = int(head[:8].view(torch.int64).item())
         first = min(n, _CONTROL_HEAD_BYTES - 8)
@@ -79,9 +80,9 @@ class TPGroup:
             if self.rank == 0:
                 rest.copy_(torch.frombuffer(bytearray(payload[first:]), dtype=torch.uint8))
             dist.broadcast(rest, src=0, group=self.cpu_group)
-            data = head[8:8 + first].numpy().tobytes() + rest.numpy().tobytes()
+            data = head[8 : 8 + first].numpy().tobytes() + rest.numpy().tobytes()
         else:
-            data = head[8:8 + first].numpy().tobytes()
+            data = head[8 : 8 + first].numpy().tobytes()
         return obj if self.rank == 0 else pickle.loads(data)
 
     def min_int(self, value: int) -> int:
@@ -98,12 +99,15 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_tp_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
-                  step_timeout: datetime.timedelta) -> TPGroup:
+def init_tp_group(
+    store: dist.Store, rank: int, world_size: int, device: torch.device, step_timeout: datetime.timedelta
+) -> TPGroup:
     """Join the group whose rendezvous is `store` (rank 0 hosts it; see executor.py)."""
     if dist.is_initialized():
-        raise RuntimeError("a torch.distributed process group already exists in this process: close the "
-                           "other tensor-parallel engine first (llm.engine.runner.close()).")
+        raise RuntimeError(
+            "a torch.distributed process group already exists in this process: close the "
+            "other tensor-parallel engine first (llm.engine.runner.close())."
+        )
     backend = backend_for(device)
     kw = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=step_timeout, **kw)
@@ -117,8 +121,9 @@ def adopt_default_group(device: torch.device) -> TPGroup:
     """Use a default process group that a launcher (torchrun + init_process_group) already made."""
     backend = dist.get_backend()
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    group = TPGroup(dist.get_rank(), dist.get_world_size(), backend, dist.group.WORLD, cpu_group,
-                    owns_default_group=False)
+    group = TPGroup(
+        dist.get_rank(), dist.get_world_size(), backend, dist.group.WORLD, cpu_group, owns_default_group=False
+    )
     _warm_up(group, device)
     return group
 

@@ -13,6 +13,7 @@ unchanged; its cost is one full copy of the weights per rank while loading.
   LM head (or the tied embedding) -> ParallelLMHead (all-gather), via CausalLM.logits_head
 Norms and the RoPE table stay whole (replicated): every rank holds the full hidden state.
 """
+
 from __future__ import annotations
 
 from specserve.distributed.parallel_layers import (
@@ -30,11 +31,15 @@ def check_tp_size(arch: ModelArch, tensor_parallel_size: int) -> None:
     """ValueError unless the attention heads and the KV heads split evenly over the ranks."""
     tp = tensor_parallel_size
     if arch.num_heads % tp:
-        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {arch.num_heads} attention heads "
-                         f"(try one of {_divisors(arch.num_heads, arch.num_kv_heads)}).")
+        raise ValueError(
+            f"tensor_parallel_size {tp} must divide the model's {arch.num_heads} attention heads "
+            f"(try one of {_divisors(arch.num_heads, arch.num_kv_heads)})."
+        )
     if arch.num_kv_heads % tp:
-        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {arch.num_kv_heads} KV heads "
-                         f"(try one of {_divisors(arch.num_heads, arch.num_kv_heads)}).")
+        raise ValueError(
+            f"tensor_parallel_size {tp} must divide the model's {arch.num_kv_heads} KV heads "
+            f"(try one of {_divisors(arch.num_heads, arch.num_kv_heads)})."
+        )
 
 
 def _divisors(a: int, b: int) -> list[int]:

@@ -10,6 +10,7 @@ of the KV heads, join its all-reduces, discard the logits; until a `Shutdown`.
 A spawned worker is started by executor.py as `python -c _BOOTSTRAP '<sys.path as JSON>'` with its
 `WorkerArgs` pickled on stdin (a fresh interpreter, so scripts need no `__main__` guard).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -38,8 +39,9 @@ from specserve.scheduler.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-_BOOTSTRAP = ("import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
-              "from specserve.distributed.worker import main; main()")
+_BOOTSTRAP = (
+    "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); from specserve.distributed.worker import main; main()"
+)
 
 
 @dataclass
@@ -108,8 +110,13 @@ class ShardRunner(ModelRunner):
         return out
 
 
-def build_rank_runner(config: EngineConfig, group: TPGroup, device: torch.device, progress: bool,
-                      make_runner: Callable[..., ModelRunner] = ShardRunner) -> ModelRunner:
+def build_rank_runner(
+    config: EngineConfig,
+    group: TPGroup,
+    device: torch.device,
+    progress: bool,
+    make_runner: Callable[..., ModelRunner] = ShardRunner,
+) -> ModelRunner:
     """Load, shard, size the KV pool and capture graphs: the same collectives on every rank."""
     dtype = resolve_dtype(config.model.dtype, device)
     # Dummy weights come from this seed: every rank builds the same full model, then slices it.
@@ -157,6 +164,7 @@ def serve_steps(runner: ShardRunner, group: TPGroup) -> None:
 
 def _watch_parent(parent_pid: int) -> None:
     """Exit when rank 0's process is gone (reparented), even if no collective is pending."""
+
     def watch() -> None:
         while True:
             if os.getppid() != parent_pid:
@@ -173,11 +181,15 @@ def run_worker(args: WorkerArgs) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore(args.store_host, args.store_port, args.world_size, is_master=False,
-                          timeout=datetime.timedelta(seconds=args.start_timeout_s))
+    store = dist.TCPStore(
+        args.store_host,
+        args.store_port,
+        args.world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=args.start_timeout_s),
+    )
     store.set(hello_key(args.rank), "up")
-    group = init_tp_group(store, args.rank, args.world_size, device,
-                          datetime.timedelta(seconds=args.step_timeout_s))
+    group = init_tp_group(store, args.rank, args.world_size, device, datetime.timedelta(seconds=args.step_timeout_s))
     runner = build_rank_runner(args.config, group, device, progress=False)
     serve_steps(runner, group)
     # No process-group teardown: main() leaves with os._exit, which frees the sockets and the
@@ -193,8 +205,11 @@ def main() -> None:
         code = run_worker(args)
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
-            print(f"specserve tensor-parallel rank {args.rank} failed:\n{traceback.format_exc()}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"specserve tensor-parallel rank {args.rank} failed:\n{traceback.format_exc()}",
+                file=sys.stderr,
+                flush=True,
+            )
         os._exit(1)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -9,6 +9,7 @@ Threading contract (the reason this file exists):
     stream table needs no lock. The command list is the only shared structure (under `_cond`).
   * When idle the engine thread sleeps on `_cond`; there is no busy loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -114,8 +115,7 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_num_queued_requests: int | None = None,
-                 start: bool = True) -> None:
+    def __init__(self, engine: Engine, max_num_queued_requests: int | None = None, start: bool = True) -> None:
         self._engine = engine
         self.max_num_queued_requests = max_num_queued_requests
         # Read-only facts, safe to read from any thread.
@@ -143,8 +143,7 @@ class AsyncEngine:
         """Load the model (with a progress bar) and start the engine thread."""
         from specserve.engine.engine import Engine  # heavy: torch + model code
 
-        return cls(Engine(config, progress=progress),
-                   max_num_queued_requests=config.scheduler.max_num_queued_requests)
+        return cls(Engine(config, progress=progress), max_num_queued_requests=config.scheduler.max_num_queued_requests)
 
     def start(self) -> None:
         if not self._thread.is_alive() and self._dead is None:
@@ -202,8 +201,9 @@ class AsyncEngine:
             raise
         return stream
 
-    async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs of one request; closing the iterator early aborts it."""
         stream = await self.add_requests([RequestSpec(request_id, prompt, params)])
         try:
@@ -342,8 +342,9 @@ class AsyncEngine:
         limit = self.max_num_queued_requests
         num_new = sum(spec.params.n for spec in cmd.requests)  # the scheduler queues each of n
         if limit is not None and self._engine.num_would_wait(num_new) > limit:
-            cmd.future.set_exception(EngineOverloadedError(
-                f"server overloaded: more than {limit} request(s) would be waiting; retry later"))
+            cmd.future.set_exception(
+                EngineOverloadedError(f"server overloaded: more than {limit} request(s) would be waiting; retry later")
+            )
             return
         added: list[str] = []
         try:

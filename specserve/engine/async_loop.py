@@ -23,6 +23,7 @@ keeps choosing 0 (at high load, say). When it chooses k > 0 the step in flight i
 proposer drafts from it (its hidden states are still there for EAGLE heads), and the next steps run
 synchronously (`Engine.step_sync`) until k is 0 again.
 """
+
 from __future__ import annotations
 
 import time
@@ -85,8 +86,7 @@ class AsyncLoop:
             return self.overlapped()
         if self.inflight is None:
             # The last proposal (at the end of a synchronous step) chose whether this step drafts.
-            if spec.last_k != 0 or eng.structured.num_requests or any(
-                    r.spec_token_ids for r in eng.scheduler.running):
+            if spec.last_k != 0 or eng.structured.num_requests or any(r.spec_token_ids for r in eng.scheduler.running):
                 return eng.step_sync()
             return self.overlapped()
         # In a run of overlapped steps: the controller chooses for the next step, as propose() would.
@@ -123,8 +123,9 @@ class AsyncLoop:
         if prev is not None:
             outputs.extend(self._resolve(prev)[0])
             if spec is not None and eng.structured.num_requests:  # no proposal follows: start the masks
-                eng.structured.prepare([s.request for s, row in zip(prev.sched.scheduled, prev.rows)
-                                        if row is not None])
+                eng.structured.prepare(
+                    [s.request for s, row in zip(prev.sched.scheduled, prev.rows) if row is not None]
+                )
         if launched is not None:
             self.inflight = self._launch_sampling(*launched)
             if spec is not None:
@@ -160,8 +161,14 @@ class AsyncLoop:
         logits = self.engine.structured.apply(logits, reqs, [0] * len(reqs))
         out = self.engine.sample_tokens(reqs, logits)
         tokens = out.token_ids.to(torch.int64)
-        step = InFlightStep(sched, step_out, rows, reqs,
-                            PendingTokens(tokens, {r.request_id: i for i, r in enumerate(reqs)}), to_host_async(tokens))
+        step = InFlightStep(
+            sched,
+            step_out,
+            rows,
+            reqs,
+            PendingTokens(tokens, {r.request_id: i for i, r in enumerate(reqs)}),
+            to_host_async(tokens),
+        )
         if out.logprobs is not None:
             step.host_logprobs = LogprobsTensors(*(to_host_async(t) for t in out.logprobs))
         if tokens.device.type == "cuda":

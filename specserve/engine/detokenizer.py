@@ -4,6 +4,7 @@ Decoding a window of recent tokens twice (with and without the newest ones) and 
 difference keeps leading-space and multi-byte handling right for byte-level and sentencepiece
 tokenizers alike; a window that ends in U+FFFD waits for the next token.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -13,8 +14,14 @@ _CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any | None, prompt_token_ids: list[int], stop: list[str],
-                 include_stop_str_in_output: bool, skip_special_tokens: bool) -> None:
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool,
+    ) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -30,8 +37,7 @@ class IncrementalDetokenizer:
         self.holdback = max((len(s) for s in stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
 
     def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> str | None:
         """Append tokens; returns the stop string that matched (text is then cut), else None.
@@ -47,12 +53,12 @@ class IncrementalDetokenizer:
                     self.text += piece
             return self._check_stop(old_len) if check_stop and len(self.text) > old_len else None
         self.ids.extend(token_ids)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         if new_text.endswith("\ufffd") or len(new_text) <= len(prefix_text):
             return None  # incomplete character (or nothing printable yet): wait
         old_len = len(self.text)
-        self.text += new_text[len(prefix_text):]
+        self.text += new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._check_stop(old_len) if check_stop else None
 
@@ -67,13 +73,13 @@ class IncrementalDetokenizer:
         if best is None:
             return None
         idx, s = best
-        self.text = self.text[:idx + len(s)] if self.include_stop else self.text[:idx]
+        self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
         return s
 
     def visible_text(self, finished: bool) -> str:
         if finished or self.holdback == 0:
             return self.text
-        return self.text[:max(0, len(self.text) - self.holdback)]
+        return self.text[: max(0, len(self.text) - self.holdback)]
 
 
 def _decode_stream(tokenizer: Any | None, skip_special_tokens: bool, context: list[int]):

@@ -4,6 +4,7 @@ step() reads like the request flow in DESIGN.md: schedule -> runner forward -> s
 drafts) -> scheduler update (detokenize, stop checks) -> speculation's after-step hook -> stats.
 With asynchronous scheduling, step() is the alternative loop of engine/async_loop.py.
 """
+
 from __future__ import annotations
 
 import time
@@ -68,16 +69,18 @@ class Engine:
         return self.async_loop is not None
 
     # -- requests ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, arrival_time: float | None = None
+    ) -> None:
         """Validate and admit; raises ValueError naming the problem and admits nothing on error."""
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams.")
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         text, token_ids = resolve_prompt(prompt, self.tokenizer, self.vocab_size)
-        max_tokens = resolve_max_tokens(len(token_ids), params, self.max_model_len, self.kv.num_blocks,
-                                        self.kv.block_size)
+        max_tokens = resolve_max_tokens(
+            len(token_ids), params, self.max_model_len, self.kv.num_blocks, self.kv.block_size
+        )
         self._check_prompt_logprobs(params)
         grammar = self.structured.compile(params)  # ValueError on a bad schema/regex
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -92,9 +95,15 @@ class Engine:
             if i == 0 and params.prompt_logprobs is not None:  # the prompt is shared: score it once
                 req.prompt_logprobs = [None]
             group.children.append(req)
-            group.detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, child_params.stop,
-                                                       child_params.include_stop_str_in_output,
-                                                       child_params.skip_special_tokens))
+            group.detoks.append(
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    token_ids,
+                    child_params.stop,
+                    child_params.include_stop_str_in_output,
+                    child_params.skip_special_tokens,
+                )
+            )
         self.groups[request_id] = group
         for i, req in enumerate(group.children):
             self._child_to_group[req.request_id] = (group, i)
@@ -179,8 +188,9 @@ class Engine:
             new_tokens, accepted = self._sample(sched, step_out.logits)
             outputs.extend(self.update(sched, new_tokens, accepted))
             if self.spec is not None:
-                self.spec.after_step(sched, new_tokens, step_out, time.perf_counter() - start,
-                                     len(self.scheduler.running))
+                self.spec.after_step(
+                    sched, new_tokens, step_out, time.perf_counter() - start, len(self.scheduler.running)
+                )
         self.record_step_stats(sched)
         return outputs
 
@@ -229,9 +239,14 @@ class Engine:
 
     def _sampling_meta(self, reqs: list[Request]) -> SamplingMetadata:
         return SamplingMetadata.build(
-            [r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
-            [r.generator for r in reqs], self.vocab_size, self.device,
-            [list(r.eos_token_ids) + (r.params.stop_token_ids or []) for r in reqs])
+            [r.params for r in reqs],
+            [r.prompt_token_ids for r in reqs],
+            [r.output_token_ids for r in reqs],
+            [r.generator for r in reqs],
+            self.vocab_size,
+            self.device,
+            [list(r.eos_token_ids) + (r.params.stop_token_ids or []) for r in reqs],
+        )
 
     def sample_tokens(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
         """One token per row of logits [len(reqs), vocab], on the device."""
@@ -244,8 +259,14 @@ class Engine:
     def _plain_greedy(reqs: list[Request]) -> bool:
         for r in reqs:
             p = r.params
-            if (not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0
-                    or p.presence_penalty or p.frequency_penalty or r.num_output_tokens < p.min_tokens):
+            if (
+                not p.greedy
+                or p.logprobs is not None
+                or p.repetition_penalty != 1.0
+                or p.presence_penalty
+                or p.frequency_penalty
+                or r.num_output_tokens < p.min_tokens
+            ):
                 return False
         return True
 
@@ -270,8 +291,9 @@ class Engine:
             req = sched.scheduled[item.sched_index].request
             req.prompt_logprobs.extend(entries)
 
-    def update(self, sched: SchedulerOutput, new_tokens: list[list[int] | None],
-                accepted: list[int], advanced: bool = False) -> list[RequestOutput]:
+    def update(
+        self, sched: SchedulerOutput, new_tokens: list[list[int] | None], accepted: list[int], advanced: bool = False
+    ) -> list[RequestOutput]:
         """advanced: asynchronous scheduling already counted the step as computed and holds a
         placeholder for each new token (engine/async_loop.py)."""
         now = time.monotonic()
@@ -302,8 +324,9 @@ class Engine:
             new = req.output_token_ids[-num_new:]
             # A stop token's (or EOS's) text is not part of the output unless asked for (vLLM's rule).
             hide = status == RequestStatus.FINISHED_STOPPED and not req.params.include_stop_str_in_output
-            stop_str, kept = _stop_string(group.detoks[index], new[:-1] if hide else new,
-                                          req.num_output_tokens - num_new, req.params.min_tokens)
+            stop_str, kept = _stop_string(
+                group.detoks[index], new[:-1] if hide else new, req.num_output_tokens - num_new, req.params.min_tokens
+            )
             if stop_str is not None and kept < num_new:  # a stop string ended the text before the step's end
                 req.trim_output_tokens(num_new - kept)
                 num_new, status = kept, None

@@ -1,4 +1,5 @@
 """Turn accepted tokens into finished checks, text, RequestOutputs and per-request stats."""
+
 from __future__ import annotations
 
 import time
@@ -46,17 +47,25 @@ def check_token_stop(req: Request, max_model_len: int) -> RequestStatus | None:
     return None
 
 
-def completion_output(index: int, req: Request, detok: IncrementalDetokenizer, tokenizer: Any,
-                      with_logprobs: bool) -> CompletionOutput:
+def completion_output(
+    index: int, req: Request, detok: IncrementalDetokenizer, tokenizer: Any, with_logprobs: bool
+) -> CompletionOutput:
     finished = req.is_finished
     logprobs = None
     if with_logprobs:
-        logprobs = [{tid: Logprob(lp, rank, _decode_one(tokenizer, tid)) for tid, (lp, rank) in step.items()}
-                    for step in req.logprobs]
+        logprobs = [
+            {tid: Logprob(lp, rank, _decode_one(tokenizer, tid)) for tid, (lp, rank) in step.items()}
+            for step in req.logprobs
+        ]
     return CompletionOutput(
-        index=index, text=detok.visible_text(finished), token_ids=list(req.output_token_ids),
-        cumulative_logprob=req.cumulative_logprob if with_logprobs else None, logprobs=logprobs,
-        finish_reason=req.status.value if finished else None, stop_reason=req.stop_reason)
+        index=index,
+        text=detok.visible_text(finished),
+        token_ids=list(req.output_token_ids),
+        cumulative_logprob=req.cumulative_logprob if with_logprobs else None,
+        logprobs=logprobs,
+        finish_reason=req.status.value if finished else None,
+        stop_reason=req.stop_reason,
+    )
 
 
 def _decode_one(tokenizer: Any, token_id: int) -> str | None:
@@ -64,14 +73,28 @@ def _decode_one(tokenizer: Any, token_id: int) -> str | None:
 
 
 def request_output(group: RequestGroup, tokenizer: Any) -> RequestOutput:
-    outs = [completion_output(i, r, d, tokenizer, group.num_logprobs is not None)
-            for i, (r, d) in enumerate(zip(group.children, group.detoks))]
+    outs = [
+        completion_output(i, r, d, tokenizer, group.num_logprobs is not None)
+        for i, (r, d) in enumerate(zip(group.children, group.detoks))
+    ]
     first = group.children[0]
-    metrics = RequestMetrics(group.arrival_time, first.first_scheduled_time, first.first_token_time,
-                             first.last_token_time, time.monotonic() if group.finished else None)
-    return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished,
-                         metrics, num_cached_tokens=max(0, first.num_cached_tokens),
-                         prompt_logprobs=_prompt_logprobs(group, tokenizer))
+    metrics = RequestMetrics(
+        group.arrival_time,
+        first.first_scheduled_time,
+        first.first_token_time,
+        first.last_token_time,
+        time.monotonic() if group.finished else None,
+    )
+    return RequestOutput(
+        group.request_id,
+        group.prompt,
+        group.prompt_token_ids,
+        outs,
+        group.finished,
+        metrics,
+        num_cached_tokens=max(0, first.num_cached_tokens),
+        prompt_logprobs=_prompt_logprobs(group, tokenizer),
+    )
 
 
 def _prompt_logprobs(group: RequestGroup, tokenizer: Any) -> list[dict[int, Logprob] | None] | None:
@@ -85,8 +108,9 @@ def _prompt_logprobs(group: RequestGroup, tokenizer: Any) -> list[dict[int, Logp
                 texts[tid] = _decode_one(tokenizer, tid)
             return texts[tid]
 
-        group.prompt_logprobs = [None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()}
-                                 for e in raw]
+        group.prompt_logprobs = [
+            None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()} for e in raw
+        ]
     return group.prompt_logprobs
 
 

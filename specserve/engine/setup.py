@@ -1,7 +1,7 @@
 """Build the engine's parts from an EngineConfig: device, model, KV pool, scheduler, sampler."""
+
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -61,14 +61,22 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     loaded, spec, num_blocks = runner.loaded, runner.spec, runner.num_blocks
     arch, cc, sc = loaded.arch, config.cache, config.scheduler
     max_batched = max_num_batched_tokens(config, device, loaded.max_model_len)
-    kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
-                        hash_extra=f"{loaded.identity}|{spec.fmt.name}".encode())
+    kv = KVCacheManager(
+        num_blocks, cc.block_size, cc.enable_prefix_caching, hash_extra=f"{loaded.identity}|{spec.fmt.name}".encode()
+    )
     num_lookahead = config.speculative.num_speculative_tokens if config.speculative else 0
     # Short prompts in graph-sized pieces where prefill graphs were captured (scheduler.py).
     graphs = getattr(runner, "graphs", None)  # (the tensor-parallel executor captures none here)
     piece = max(graphs.prefill_query_lens) if graphs is not None and graphs.prefill_query_lens else None
-    scheduler = Scheduler(kv, sc.max_num_seqs, max_batched, loaded.max_model_len, sc.enable_chunked_prefill,
-                          num_lookahead, prefill_piece=piece)
+    scheduler = Scheduler(
+        kv,
+        sc.max_num_seqs,
+        max_batched,
+        loaded.max_model_len,
+        sc.enable_chunked_prefill,
+        num_lookahead,
+        prefill_piece=piece,
+    )
     stats = StatsCollector()
     if config.offload.enabled:
         if not cc.enable_prefix_caching:
@@ -77,10 +85,19 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
 
         # "koff1": quantized KV is stored minus the per-layer key offset (model/key_offset.py).
         koff = "|koff1" if spec.fmt.quantized else ""
-        namespace = (f"{loaded.identity}|{spec.fmt.name}{koff}|{spec.fmt.global_scale}|bs{cc.block_size}|"
-                     f"L{arch.num_layers}|H{arch.num_kv_heads}|D{arch.head_dim}")
+        namespace = (
+            f"{loaded.identity}|{spec.fmt.name}{koff}|{spec.fmt.global_scale}|bs{cc.block_size}|"
+            f"L{arch.num_layers}|H{arch.num_kv_heads}|D{arch.head_dim}"
+        )
         kv.attach_offloader(KVOffloader(config.offload, runner.kv_caches, namespace, cc.block_size, stats))
-    stats.set("cache_config_info", 1, {"block_size": str(cc.block_size), "cache_dtype": spec.fmt.name,
-                                       "num_gpu_blocks": str(num_blocks),
-                                       "enable_prefix_caching": str(cc.enable_prefix_caching)})
+    stats.set(
+        "cache_config_info",
+        1,
+        {
+            "block_size": str(cc.block_size),
+            "cache_dtype": spec.fmt.name,
+            "num_gpu_blocks": str(num_blocks),
+            "enable_prefix_caching": str(cc.enable_prefix_caching),
+        },
+    )
     return EngineParts(device, loaded, runner, kv, scheduler, Sampler(), stats, _eos_ids(loaded), ops_for(device))

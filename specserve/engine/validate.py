@@ -1,4 +1,5 @@
 """Request validation: resolve the prompt to token ids and the output budget, or raise ValueError."""
+
 from __future__ import annotations
 
 import logging
@@ -10,8 +11,9 @@ from specserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def resolve_prompt(prompt: str | list[int] | dict, tokenizer: Any | None,
-                   vocab_size: int) -> tuple[str | None, list[int]]:
+def resolve_prompt(
+    prompt: str | list[int] | dict, tokenizer: Any | None, vocab_size: int
+) -> tuple[str | None, list[int]]:
     """Returns (prompt text or None, prompt token ids). A dict with both keys (vLLM's TokensPrompt
     with its text, as LLM.chat builds) is served from its token ids and reports its text."""
     if isinstance(prompt, dict):
@@ -43,17 +45,24 @@ def resolve_prompt(prompt: str | list[int] | dict, tokenizer: Any | None,
     return None, list(prompt)
 
 
-def resolve_max_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int,
-                       num_blocks: int, block_size: int) -> int:
+def resolve_max_tokens(
+    num_prompt_tokens: int, params: SamplingParams, max_model_len: int, num_blocks: int, block_size: int
+) -> int:
     """The output budget; the prompt must leave room for at least one generated token."""
     if num_prompt_tokens >= max_model_len:
-        raise ValueError(f"prompt has {num_prompt_tokens} tokens, which is over the context length: "
-                         f"max_model_len is {max_model_len} and at least one token must be generated.")
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens, which is over the context length: "
+            f"max_model_len is {max_model_len} and at least one token must be generated."
+        )
     room = max_model_len - num_prompt_tokens
     if params.max_tokens is not None and params.max_tokens > room:
-        raise ValueError(f"max_tokens is {params.max_tokens} but the prompt has {num_prompt_tokens} tokens "
-                         f"and max_model_len is {max_model_len}: at most {room} tokens can be generated.")
+        raise ValueError(
+            f"max_tokens is {params.max_tokens} but the prompt has {num_prompt_tokens} tokens "
+            f"and max_model_len is {max_model_len}: at most {room} tokens can be generated."
+        )
     if num_prompt_tokens + 1 > num_blocks * block_size:
-        raise ValueError(f"prompt has {num_prompt_tokens} tokens but the KV cache holds only "
-                         f"{num_blocks * block_size}; raise kv_cache_memory_bytes or gpu_memory_utilization.")
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens but the KV cache holds only "
+            f"{num_blocks * block_size}; raise kv_cache_memory_bytes or gpu_memory_utilization."
+        )
     return params.max_tokens if params.max_tokens is not None else room

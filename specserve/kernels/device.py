@@ -1,4 +1,5 @@
 """Device facts the kernels' launch choices read."""
+
 from __future__ import annotations
 
 import functools

@@ -20,6 +20,7 @@ batch metadata or constant tables. tests/unit/test_pdl.py checks the attention k
 
 `SPECSERVE_PDL=0` turns it off; the CPU interpreter and GPUs before sm_90 never use it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,6 +33,7 @@ from specserve import envs
 
 try:  # triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
     _HAVE_GDC = True
 except ImportError:  # pragma: no cover - older triton: PDL stays off
     gdc_launch_dependents = gdc_wait = None

@@ -1,6 +1,7 @@
 """Neox-style RoPE in Triton: `rope_cos_sin` (a token's cos / sin halves, a jit helper the attention
 KV write shares) and `apply_rope`, which rotates q and k in place. The torch twin is model/layers/ops.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,8 +12,9 @@ from specserve.kernels.pdl import pdl_prologue, use_pdl
 
 
 @triton.jit
-def _rope_rotate(base_ptr, stride_head, num_heads, cos, sin,
-                 HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rope_rotate(
+    base_ptr, stride_head, num_heads, cos, sin, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr
+):
     h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, HALF_PAD)
     mask = (h[:, None] < num_heads) & (j[None, :] < HALF)
@@ -37,10 +39,21 @@ def rope_cos_sin(positions_ptr, cos_sin_ptr, tok, stride_cs, HALF: tl.constexpr,
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, positions_ptr, cos_sin_ptr,
-    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_cs,
-    num_heads, num_kv_heads,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_cs,
+    num_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_prologue(USE_PDL)
@@ -50,8 +63,9 @@ def _rope_kernel(
     _rope_rotate(k_ptr + tok * stride_k_tok, stride_k_head, num_kv_heads, cos, sin, HALF, HALF_PAD, BLOCK_HK)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style (rotate halves) RoPE, as HF Llama/Qwen2, applied IN PLACE; returns (q, k).
 
     q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim] (strided views
@@ -70,11 +84,23 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         half = head_dim // 2
         pdl = use_pdl(q)
         _rope_kernel[(num_tokens,)](
-            q, k, positions, cos_sin_cache,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-            num_heads, num_kv_heads,
-            HALF=half, HALF_PAD=triton.next_power_of_2(half),
-            BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-            num_warps=4, USE_PDL=pdl, launch_pdl=pdl,
+            q,
+            k,
+            positions,
+            cos_sin_cache,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos_sin_cache.stride(0),
+            num_heads,
+            num_kv_heads,
+            HALF=half,
+            HALF_PAD=triton.next_power_of_2(half),
+            BLOCK_HQ=triton.next_power_of_2(num_heads),
+            BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+            num_warps=4,
+            USE_PDL=pdl,
+            launch_pdl=pdl,
         )
     return q, k

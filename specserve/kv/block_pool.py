@@ -5,6 +5,7 @@ Invariants (checked by `check_integrity`):
 - `cached[h] == b` iff `blocks[b].block_hash == h` (a hash maps to at most one block);
 - free blocks with a hash are reusable prefix-cache entries, evicted least recently freed first.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,15 +36,16 @@ def hash_block_bytes(parent: BlockHash | None, token_bytes: bytes, extra: bytes 
     return h.digest()
 
 
-def hash_blocks(parent: BlockHash | None, token_ids: Sequence[int], block_size: int,
-                extra: bytes = b"") -> list[BlockHash]:
+def hash_blocks(
+    parent: BlockHash | None, token_ids: Sequence[int], block_size: int, extra: bytes = b""
+) -> list[BlockHash]:
     """Chained hashes of consecutive full blocks of `token_ids` (a multiple of block_size long):
     one int64 conversion for all of them (a long prompt's 512 blocks hash in ~1 ms, not ~3)."""
     raw = np.asarray(token_ids, dtype=np.int64).tobytes()
     step = block_size * 8
     out = []
     for start in range(0, len(raw), step):
-        parent = hash_block_bytes(parent, raw[start:start + step], extra)
+        parent = hash_block_bytes(parent, raw[start : start + step], extra)
         out.append(parent)
     return out
 
@@ -58,8 +60,10 @@ class KVBlock:
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
-            raise ValueError(f"the KV pool needs at least 1 block, got {num_blocks}; raise "
-                             "gpu_memory_utilization or kv_cache_memory_bytes.")
+            raise ValueError(
+                f"the KV pool needs at least 1 block, got {num_blocks}; raise "
+                "gpu_memory_utilization or kv_cache_memory_bytes."
+            )
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]

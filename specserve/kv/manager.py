@@ -4,6 +4,7 @@ A request owns an ordered list of block ids; token i of it lives in block i // b
 offset i % block_size. Full blocks get a chained hash and enter the prefix cache as soon as
 their tokens are computed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,9 @@ class Request(Protocol):
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_extra: bytes = b"") -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_extra: bytes = b""
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
@@ -70,7 +72,7 @@ class KVCacheManager:
         first, last = len(hashes), known // bs
         if last > first:
             parent = hashes[-1] if hashes else None
-            hashes.extend(hash_blocks(parent, tokens[first * bs:last * bs], bs, self.hash_extra))
+            hashes.extend(hash_blocks(parent, tokens[first * bs : last * bs], bs, self.hash_extra))
         return hashes
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
@@ -86,7 +88,7 @@ class KVCacheManager:
                 break
             hits.append(block_id)
         if self.offloader is not None and len(hits) < max_blocks:
-            hits.extend(self._load_from_tiers(hashes[len(hits):max_blocks], hits))
+            hits.extend(self._load_from_tiers(hashes[len(hits) : max_blocks], hits))
         self.prefix_queries += req.num_tokens
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
@@ -97,7 +99,7 @@ class KVCacheManager:
         payloads = self.offloader.lookup(hashes)
         # Pin the GPU hits so allocating room for the loads cannot evict them.
         self.pool.touch(gpu_hits)
-        payloads = payloads[:self.pool.num_free_blocks]
+        payloads = payloads[: self.pool.num_free_blocks]
         with self.offloader.batch_evictions():  # blocks evicted here are copied out in one go
             ids = self.pool.allocate(len(payloads)) if payloads else []
         if ids:
@@ -120,22 +122,29 @@ class KVCacheManager:
         if self.offloader is not None:
             self.offloader.after_forward()
 
-    def num_blocks_needed(self, req: Request, num_new_tokens: int, new_computed: list[int],
-                          num_lookahead_tokens: int = 0) -> int:
+    def num_blocks_needed(
+        self, req: Request, num_new_tokens: int, new_computed: list[int], num_lookahead_tokens: int = 0
+    ) -> int:
         total = req.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens + num_lookahead_tokens
         need = -(-total // self.block_size)
         return max(0, need - len(self.req_blocks.get(req.request_id, ())) - len(new_computed))
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, new_computed: list[int] | None = None,
-                       num_lookahead_tokens: int = 0) -> bool:
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, new_computed: list[int] | None = None, num_lookahead_tokens: int = 0
+    ) -> bool:
         """Reserve KV slots for num_new_tokens (+ lookahead for drafts). False: not enough blocks, nothing changed."""
         new_computed = new_computed or []
         blocks = self.req_blocks.get(req.request_id)
         end = req.num_computed_tokens + num_new_tokens
-        if (not new_computed and blocks is not None and len(blocks) * self.block_size >= end + num_lookahead_tokens
-                and (not self.enable_prefix_caching
-                     or min(end, _num_known(req)) // self.block_size
-                     <= self.num_cached_blocks.get(req.request_id, 0))):
+        if (
+            not new_computed
+            and blocks is not None
+            and len(blocks) * self.block_size >= end + num_lookahead_tokens
+            and (
+                not self.enable_prefix_caching
+                or min(end, _num_known(req)) // self.block_size <= self.num_cached_blocks.get(req.request_id, 0)
+            )
+        ):
             return True  # the common decode step: the slots exist and no block completes
         need = self.num_blocks_needed(req, num_new_tokens, new_computed, num_lookahead_tokens)
         # Touching cached-but-free hits takes them out of the free queue too.

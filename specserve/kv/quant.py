@@ -25,6 +25,7 @@ and below that the error floor is an absolute 2^-9 (= 2^-11 * g). Larger groups 
 
 Inputs must be finite; NaN is not supported (it is not a KV value a sane model produces).
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,14 +35,13 @@ from specserve.kv.spec import KVFormat, LayerKVCache
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 E2M1_MAX = 6.0
 _FP16_MAX = 65504.0
-_FP16_MIN_SUBNORMAL = 2.0 ** -24
-_E4M3_MIN_SUBNORMAL = 2.0 ** -9
+_FP16_MIN_SUBNORMAL = 2.0**-24
+_E4M3_MIN_SUBNORMAL = 2.0**-9
 # e2m1 magnitude of each 3-bit index.
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Rounding boundaries between neighbouring indices, and whether a value exactly on the boundary
 # goes up: ties go to the even index (0, 2, 4, 6), as the hardware's round-to-nearest-even does.
-_E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
-                (3.5, True), (5.0, False))
+_E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
 def nvfp4_global_scale(tensor_amax: float) -> float:
@@ -111,8 +111,7 @@ def _quantize_nvfp4(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch
     return data, scale.squeeze(-1)
 
 
-def _dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, fmt: KVFormat,
-                      out_dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, fmt: KVFormat, out_dtype: torch.dtype) -> torch.Tensor:
     n, h, p = data.shape
     magnitudes = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=data.device)
     lut = torch.cat([magnitudes, -magnitudes])  # [16], indexed by the nibble
@@ -135,8 +134,7 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor
     raise ValueError(f"no quantizer for KV format {fmt.name!r}")
 
 
-def dequantize(data: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat,
-               out_dtype: torch.dtype) -> torch.Tensor:
+def dequantize(data: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat, out_dtype: torch.dtype) -> torch.Tensor:
     """data [N, H, packed_dim], scale [N, H, G] or None -> [N, H, D] in out_dtype."""
     if not fmt.quantized:
         return data.to(out_dtype)
@@ -161,12 +159,12 @@ def _scatter(dst: torch.Tensor, slot_mapping: torch.Tensor, src: torch.Tensor) -
     _slots_view(dst).index_copy_(0, slot_mapping, src.to(dst.dtype))
 
 
-def write_kv(cache: LayerKVCache, fmt: KVFormat, slot_mapping: torch.Tensor, key: torch.Tensor,
-             value: torch.Tensor) -> None:
+def write_kv(
+    cache: LayerKVCache, fmt: KVFormat, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
     """Quantize key / value [N, H, D] and store token i at slot slot_mapping[i] ([N] int64)."""
     slots = slot_mapping.to(device=cache.key.device, dtype=torch.long)
-    for data_cache, scale_cache, x in ((cache.key, cache.key_scale, key),
-                                       (cache.value, cache.value_scale, value)):
+    for data_cache, scale_cache, x in ((cache.key, cache.key_scale, key), (cache.value, cache.value_scale, value)):
         data, scale = quantize(x, fmt)
         _scatter(data_cache, slots, data)
         if scale is not None:
@@ -175,8 +173,9 @@ def write_kv(cache: LayerKVCache, fmt: KVFormat, slot_mapping: torch.Tensor, key
             _scatter(scale_cache, slots, scale)
 
 
-def gather_kv(cache: LayerKVCache, fmt: KVFormat, block_ids: torch.Tensor, num_tokens: int,
-              out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    cache: LayerKVCache, fmt: KVFormat, block_ids: torch.Tensor, num_tokens: int, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The first num_tokens tokens of a sequence whose blocks are block_ids [n], dequantized.
 
     Returns (key, value), each [num_tokens, H, D] in out_dtype.

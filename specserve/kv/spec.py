@@ -9,6 +9,7 @@ is how writers address it. Quantized formats (fp8, nvfp4) store per-token, per-h
 that writing one token never rewrites another token's data (appends stay cheap and exact for
 the tokens already there).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

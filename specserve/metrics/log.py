@@ -4,6 +4,7 @@ Pure bookkeeping over StatsCollector (no threads, no asyncio): the server calls 
 every interval. Throughputs are deltas of the token counters over the elapsed interval, so
 they do not depend on the caller's timer being exact.
 """
+
 from __future__ import annotations
 
 import logging
@@ -12,15 +13,22 @@ from collections.abc import Callable
 
 from specserve.metrics.stats import StatsCollector
 
-_COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
-             "prefix_cache_hits_total", "spec_decode_num_draft_tokens_total",
-             "spec_decode_num_accepted_tokens_total", "spec_decode_num_drafts_total",
-             "num_preemptions_total")
+_COUNTERS = (
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
+    "spec_decode_num_drafts_total",
+    "num_preemptions_total",
+)
 
 
 class StatsLogger:
-    def __init__(self, stats: StatsCollector, logger: logging.Logger | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, stats: StatsCollector, logger: logging.Logger | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.stats = stats
         self.logger = logger or logging.getLogger("specserve.stats")
         self.clock = clock
@@ -39,25 +47,28 @@ class StatsLogger:
         self._last_time, self._last = now, current
         running = self.stats.get("num_requests_running")
         waiting = self.stats.get("num_requests_waiting")
-        idle = not running and not waiting and not delta["prompt_tokens_total"] \
-            and not delta["generation_tokens_total"]
+        idle = not running and not waiting and not delta["prompt_tokens_total"] and not delta["generation_tokens_total"]
         if idle and self._was_idle:
             return None
         self._was_idle = idle
         queries, hits = current["prefix_cache_queries_total"], current["prefix_cache_hits_total"]
-        text = (f"Avg prompt throughput: {delta['prompt_tokens_total'] / elapsed:.1f} tokens/s, "
-                f"Avg generation throughput: {delta['generation_tokens_total'] / elapsed:.1f} tokens/s, "
-                f"Running: {running:.0f} reqs, Waiting: {waiting:.0f} reqs, "
-                f"KV cache usage: {100 * self.stats.get('kv_cache_usage_perc'):.1f}%, "
-                f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")
+        text = (
+            f"Avg prompt throughput: {delta['prompt_tokens_total'] / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {delta['generation_tokens_total'] / elapsed:.1f} tokens/s, "
+            f"Running: {running:.0f} reqs, Waiting: {waiting:.0f} reqs, "
+            f"KV cache usage: {100 * self.stats.get('kv_cache_usage_perc'):.1f}%, "
+            f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
+        )
         if delta["num_preemptions_total"]:
             text += f", Preemptions: {delta['num_preemptions_total']:.0f}"
         drafted = delta["spec_decode_num_draft_tokens_total"]
         if drafted:
             accepted = delta["spec_decode_num_accepted_tokens_total"]
             drafts = max(delta["spec_decode_num_drafts_total"], 1.0)
-            text += (f", Spec decode: acceptance rate {100 * accepted / drafted:.1f}%, "
-                     f"mean acceptance length {1 + accepted / drafts:.2f}")
+            text += (
+                f", Spec decode: acceptance rate {100 * accepted / drafted:.1f}%, "
+                f"mean acceptance length {1 + accepted / drafts:.2f}"
+            )
         return text
 
     def maybe_log(self) -> None:

@@ -6,6 +6,7 @@ own `CollectorRegistry`. Names are vLLM's under `specserve:` (or `vllm:` for das
 vLLM). Families never written still appear (counters and gauges as 0, histograms empty), so
 dashboards and alerts see every series from the first scrape.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -68,8 +69,10 @@ class StatsExporter(Collector):
             return hist
         # counter names end in _total; CounterMetricFamily appends the suffix itself
         fam: CounterMetricFamily | GaugeMetricFamily = (
-            CounterMetricFamily(full, help_, labels=label_names) if kind == "counter"
-            else GaugeMetricFamily(full, help_, labels=label_names))  # gauge and info (=1)
+            CounterMetricFamily(full, help_, labels=label_names)
+            if kind == "counter"
+            else GaugeMetricFamily(full, help_, labels=label_names)
+        )  # gauge and info (=1)
         if not items:
             fam.add_metric([], 0.0)
         for m in items:

@@ -4,16 +4,65 @@ Names are vLLM's without the prefix (the Prometheus exporter adds `specserve:` o
 Counters only grow; gauges are set each step; histograms keep cumulative bucket counts.
 Thread-safety: the engine thread writes, readers (the HTTP thread) take a snapshot under a lock.
 """
+
 from __future__ import annotations
 
 import bisect
 import threading
 from dataclasses import dataclass, field
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-               0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 Labels = tuple[tuple[str, str], ...]
@@ -137,8 +186,17 @@ class StatsCollector:
                         for bound, c in zip(list(fam.buckets) + [float("inf")], counts):
                             running += c
                             cumulative[bound] = running
-                        out.append(Metric(fam.name, fam.kind, fam.help, dict(key), buckets=cumulative,
-                                          count=running, sum=fam.sums.get(key, 0.0)))
+                        out.append(
+                            Metric(
+                                fam.name,
+                                fam.kind,
+                                fam.help,
+                                dict(key),
+                                buckets=cumulative,
+                                count=running,
+                                sum=fam.sums.get(key, 0.0),
+                            )
+                        )
                 else:
                     for key, value in fam.values.items():
                         out.append(Metric(fam.name, fam.kind, fam.help, dict(key), value=value))

@@ -3,6 +3,7 @@
 One config-driven implementation serves Llama (incl. Llama-3 rope scaling), Qwen2 (QKV bias)
 and Mistral; this is where their differences are resolved.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,9 @@ class ModelArch:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         rope_params = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default"
-                                              else None)
+        scaling = cfg.get("rope_scaling") or (
+            rope_params if rope_params.get("rope_type", "default") != "default" else None
+        )
         theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
         return cls(
             model_type=model_type,

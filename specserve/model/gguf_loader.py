@@ -5,6 +5,7 @@ the chat template. `read_gguf` turns the metadata into an HF `config.json` dict 
 `hf_config.py`) and yields tensors under HF parameter names, dequantized one at a time so peak
 memory is one float tensor, not the whole model.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -75,9 +76,7 @@ def unpermute_rope(weight: np.ndarray, num_heads: int, head_dim: int) -> np.ndar
     Within each head, llama.cpp stores rows as interleaved pairs (0, d/2, 1, d/2+1, ...); HF wants
     the first half of the rotary dims then the second. Works on weights [rows, cols] and biases [rows].
     """
-    return (weight.reshape(num_heads, head_dim // 2, 2, -1)
-            .swapaxes(1, 2)
-            .reshape(weight.shape))
+    return weight.reshape(num_heads, head_dim // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
 class GGUFTensorInfo(NamedTuple):
@@ -88,8 +87,7 @@ class GGUFTensorInfo(NamedTuple):
 
 
 # GGUF metadata value types -> struct formats (all little-endian); 8 = string, 9 = array.
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                   10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 _DEFAULT_ALIGNMENT = 32
 
@@ -108,7 +106,7 @@ class _Cursor:
     def string(self) -> str:
         length = self.scalar("<Q")
         self.pos += length
-        return self.buf[self.pos - length:self.pos].decode("utf-8", errors="replace")
+        return self.buf[self.pos - length : self.pos].decode("utf-8", errors="replace")
 
     def value(self, value_type: int) -> Any:
         if value_type == _STRING:
@@ -139,8 +137,7 @@ def parse_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[GGUFT
         cursor.pos = 4
         version = cursor.scalar("<I")
         if version not in (2, 3):
-            raise ValueError(f"{path}: GGUF version {version} is not supported (only 2 and 3, "
-                             "little-endian).")
+            raise ValueError(f"{path}: GGUF version {version} is not supported (only 2 and 3, little-endian).")
         num_tensors, num_kv = cursor.scalar("<Q"), cursor.scalar("<Q")
         metadata: dict[str, Any] = {}
         for _ in range(num_kv):
@@ -155,8 +152,7 @@ def parse_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[GGUFT
         data_start = -(-cursor.pos // alignment) * alignment  # round up to the alignment
     finally:
         buf.close()
-    tensors = [GGUFTensorInfo(name, ggml_type, dims, data_start + offset)
-               for name, dims, ggml_type, offset in raw]
+    tensors = [GGUFTensorInfo(name, ggml_type, dims, data_start + offset) for name, dims, ggml_type, offset in raw]
     return metadata, tensors
 
 
@@ -173,8 +169,10 @@ class GGUFCheckpoint:
         self.architecture: str = self.metadata.get("general.architecture", "")
         by_name = {t.name: t for t in self.tensors}
         self.config: dict[str, Any] = gguf_to_hf_config(
-            self.metadata, {t.name: t.dims for t in self.tensors},
-            rope_freqs=lambda: self._dequantize(by_name["rope_freqs.weight"]))
+            self.metadata,
+            {t.name: t.dims for t in self.tensors},
+            rope_freqs=lambda: self._dequantize(by_name["rope_freqs.weight"]),
+        )
         template = self.metadata.get("tokenizer.chat_template")
         self.chat_template: str | None = str(template) if template else None
 
@@ -193,7 +191,7 @@ class GGUFCheckpoint:
         byte_shape = quant_shape_to_byte_shape(shape, qtype)  # plain floats too: block size 1
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         num_bytes = math.prod(shape) // block_size * type_size
-        raw = self._data[tensor.offset:tensor.offset + num_bytes].reshape(byte_shape)
+        raw = self._data[tensor.offset : tensor.offset + num_bytes].reshape(byte_shape)
         return dequantize(raw, qtype).reshape(shape)
 
     def _dequantize_ahead(self, named: list[tuple[str, GGUFTensorInfo]]) -> Iterator[tuple[str, np.ndarray]]:
@@ -244,8 +242,19 @@ class GGUFCheckpoint:
 # Control tokens that end a turn or a document, by text, as llama.cpp's vocabulary loader marks
 # end-of-generation tokens (llama-vocab.cpp): a GGUF names one eos token (Qwen2.5-Instruct: <|im_end|>),
 # but the model may also emit another (<|endoftext|>), which vLLM reads from generation_config.json.
-END_OF_GENERATION_TEXTS = frozenset({"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",
-                                     "<|end|>", "<end_of_turn>", "<|return|>", "<EOT>"})
+END_OF_GENERATION_TEXTS = frozenset(
+    {
+        "<|endoftext|>",
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|end_of_text|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|return|>",
+        "<EOT>",
+    }
+)
 _CONTROL = 3  # gguf TokenType.CONTROL
 
 
@@ -253,8 +262,9 @@ def end_of_generation_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
     """Ids of the GGUF vocabulary's end-of-generation control tokens and its eot / eom ids."""
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     types = metadata.get("tokenizer.ggml.token_type") or []
-    ids = {i for i, (text, kind) in enumerate(zip(tokens, types))
-           if kind == _CONTROL and text in END_OF_GENERATION_TEXTS}
+    ids = {
+        i for i, (text, kind) in enumerate(zip(tokens, types)) if kind == _CONTROL and text in END_OF_GENERATION_TEXTS
+    }
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         if metadata.get(key) is not None:
             ids.add(int(metadata[key]))
@@ -285,8 +295,7 @@ def _tokenizer_cache_dir(path: Path) -> Path:
     return specserve_cache() / "tokenizers" / key
 
 
-def load_gguf_tokenizer(path: str | os.PathLike[str], *,
-                        use_cache: bool = True) -> PreTrainedTokenizerBase:
+def load_gguf_tokenizer(path: str | os.PathLike[str], *, use_cache: bool = True) -> PreTrainedTokenizerBase:
     """The HF tokenizer stored in a GGUF file, with the file's chat template.
 
     Converting the GGUF vocabulary takes transformers seconds (about 3.5 s for SmolLM2 and 8 s

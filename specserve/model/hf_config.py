@@ -5,6 +5,7 @@ specserve's own model code reads, so a GGUF file and an HF model dir look the sa
 Shapes come from the tensors where the metadata could disagree with them (vocab size), because
 the tensors are what actually gets loaded.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,12 +24,14 @@ SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
 
 # llama.cpp's converter writes Llama-3.x's rope scaling as a `rope_freqs` tensor of per-frequency
 # divisors; these are the parameters every Llama-3.x release used with it.
-_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192}
+_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_dims: Mapping[str, tuple[int, ...]],
-                      rope_freqs: Callable[[], np.ndarray] | None = None) -> dict[str, Any]:
+def gguf_to_hf_config(
+    metadata: Mapping[str, Any],
+    tensor_dims: Mapping[str, tuple[int, ...]],
+    rope_freqs: Callable[[], np.ndarray] | None = None,
+) -> dict[str, Any]:
     """Build the HF config dict from GGUF metadata and tensor dims (GGUF order, fastest first).
 
     `rope_freqs` loads the `rope_freqs.weight` tensor when the file has one (llama3 rope scaling).
@@ -36,8 +39,9 @@ def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_dims: Mapping[str, tup
     """
     arch = metadata.get("general.architecture")
     if arch not in _ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}.")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}."
+        )
     model_type = arch
     # llama.cpp files Mistral models under `llama`; only the model's name tells them apart
     # (transformers makes the same call). Mistral differs in its config class, not in tensors.
@@ -55,8 +59,9 @@ def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_dims: Mapping[str, tup
     rope_dim = meta("rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
         # Partial rotary embeddings would need a config field none of our model classes has.
-        raise ValueError(f"GGUF rope.dimension_count={rope_dim} != head_dim={head_dim}: "
-                         "partial rotary embeddings are not supported.")
+        raise ValueError(
+            f"GGUF rope.dimension_count={rope_dim} != head_dim={head_dim}: partial rotary embeddings are not supported."
+        )
     if "token_embd.weight" not in tensor_dims:
         raise ValueError("GGUF file has no token_embd.weight tensor.")
     # GGUF dims are reversed from torch's: token_embd is [hidden, vocab] here.
@@ -87,20 +92,28 @@ def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_dims: Mapping[str, tup
         token_id = metadata.get(f"tokenizer.ggml.{gguf_key}_token_id")
         if token_id is not None:
             config[f"{hf_key}_token_id"] = int(token_id)
-    rope_scaling = _rope_scaling(metadata, arch, rope_freqs if "rope_freqs.weight" in tensor_dims else None,
-                                 head_dim, config["rope_theta"])
+    rope_scaling = _rope_scaling(
+        metadata, arch, rope_freqs if "rope_freqs.weight" in tensor_dims else None, head_dim, config["rope_theta"]
+    )
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
 
 
-def _rope_scaling(metadata: Mapping[str, Any], arch: str, rope_freqs: Callable[[], np.ndarray] | None,
-                  head_dim: int, rope_theta: float) -> dict[str, Any] | None:
+def _rope_scaling(
+    metadata: Mapping[str, Any],
+    arch: str,
+    rope_freqs: Callable[[], np.ndarray] | None,
+    head_dim: int,
+    rope_theta: float,
+) -> dict[str, Any] | None:
     """HF `rope_scaling` from `{arch}.rope.scaling.*` metadata or a llama3 `rope_freqs` tensor."""
     kind = metadata.get(f"{arch}.rope.scaling.type")
     if kind not in (None, "none"):
-        scaling: dict[str, Any] = {"rope_type": str(kind),
-                                   "factor": float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))}
+        scaling: dict[str, Any] = {
+            "rope_type": str(kind),
+            "factor": float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)),
+        }
         original = metadata.get(f"{arch}.rope.scaling.original_context_length")
         if original is not None:
             scaling["original_max_position_embeddings"] = int(original)
@@ -111,9 +124,11 @@ def _rope_scaling(metadata: Mapping[str, Any], arch: str, rope_freqs: Callable[[
     scaling = {"rope_type": "llama3", "factor": float(divisors.max()), **_LLAMA3_DEFAULTS}
     expected = llama3_rope_divisors(scaling, head_dim, rope_theta)
     if expected.shape != divisors.shape or not np.allclose(expected, divisors, rtol=1e-4, atol=1e-4):
-        raise ValueError("GGUF rope_freqs tensor does not match llama3 rope scaling with factor "
-                         f"{scaling['factor']} and the Llama-3 defaults {_LLAMA3_DEFAULTS}; "
-                         "this rope scaling is not supported.")
+        raise ValueError(
+            "GGUF rope_freqs tensor does not match llama3 rope scaling with factor "
+            f"{scaling['factor']} and the Llama-3 defaults {_LLAMA3_DEFAULTS}; "
+            "this rope scaling is not supported."
+        )
     return scaling
 
 

@@ -14,6 +14,7 @@ same bytes for the same prefix: the prefix cache and the CPU / disk tiers stay v
 KV formats never get an offset (they lose nothing, and their cache stays byte-identical to the
 plain path's).
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,7 +53,7 @@ def install_key_offsets(model: torch.nn.Module, arch: ModelArch, enabled: bool) 
         attn.key_offset = None
         if not enabled or bias is None or not bool(slow.any()):
             continue
-        k_bias = bias[attn.q_size:attn.q_size + attn.kv_size]
+        k_bias = bias[attn.q_size : attn.q_size + attn.kv_size]
         attn.key_offset = key_offset(k_bias, attn.num_kv_heads, attn.head_dim, slow)
         count += 1
     return count

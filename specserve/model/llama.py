@@ -4,6 +4,7 @@ Weights use fused projections (qkv_proj, gate_up_proj) so a decode step launches
 matmuls; `load_weights` maps HF names onto them. Attention reads the batch layout and the KV
 cache from the forward context (attention/base.py), so the model itself stays batch-agnostic.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -49,7 +50,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias, ops)
         self.o_proj = Linear(self.q_size, arch.hidden_size, False, ops)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.ops = ops
         # [num_kv_heads, head_dim], subtracted from keys before they are cached; set only for
         # quantized KV formats (specserve/model/key_offset.py says why attention is unchanged by it).
@@ -99,13 +100,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch, ops)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # The input norm runs fused with the qkv projection (one GEMV launch at decode sizes); a
         # tensor-parallel shard of qkv is a plain matmul too, so this holds for it.
         attn, ops = self.self_attn, self.ops
-        qkv, residual = ops.rms_norm_linear(x, residual, self.input_layernorm.weight, self.input_layernorm.eps,
-                                            attn.qkv_proj.weight, attn.qkv_proj.bias)
+        qkv, residual = ops.rms_norm_linear(
+            x, residual, self.input_layernorm.weight, self.input_layernorm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias
+        )
         x = attn.attend(qkv, positions, cos_sin)
         # The post-attention norm, gate_up and the activation in one launch where the GPU's tuned
         # table says the fused norm pays (triton_gemv.norm_fuse_table); else the norm runs alone.
@@ -132,8 +135,7 @@ class CausalLM(nn.Module):
         # Set by distributed/tp.py: a vocabulary-sharded head that computes and gathers the logits.
         self.logits_head: nn.Module | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None):
         """Returns hidden [T, hidden] (final-normed), or (hidden, [aux [T, hidden], ...])."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
@@ -161,9 +163,13 @@ class CausalLM(nn.Module):
         loaded: set[str] = set()
         a = self.arch
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
-                 "gate_proj": ("gate_up_proj", 0, a.intermediate_size),
-                 "up_proj": ("gate_up_proj", a.intermediate_size, a.intermediate_size)}
+        fused = {
+            "q_proj": ("qkv_proj", 0, q),
+            "k_proj": ("qkv_proj", q, kv),
+            "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, a.intermediate_size),
+            "up_proj": ("gate_up_proj", a.intermediate_size, a.intermediate_size),
+        }
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name:

@@ -3,6 +3,7 @@
 Returns the model on its device plus what the engine needs beside it (tokenizer, chat
 template, architecture, an identity string used to key persisted KV blocks).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -46,15 +47,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
 
 
-def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: ModuleType = torch_ops,
-               progress: bool = True) -> LoadedModel:
+def load_model(
+    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: ModuleType = torch_ops, progress: bool = True
+) -> LoadedModel:
     source = WeightSource.open(cfg)
     hf_config = {**source.hf_config, **(cfg.hf_overrides or {})}
     arch = ModelArch.from_hf_config(hf_config)
     max_len = cfg.max_model_len or arch.max_position_embeddings
     if cfg.max_model_len and cfg.max_model_len > arch.max_position_embeddings:
-        raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings "
-                         f"{arch.max_position_embeddings}.")
+        raise ValueError(
+            f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings "
+            f"{arch.max_position_embeddings}."
+        )
     with torch.device(device), _weights_left_unset():
         model = CausalLM(arch, rope_cos_sin_cache(arch, max_len, device), ops)
     model.to(dtype=dtype)
@@ -63,17 +67,33 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: 
         _init_dummy(model, cfg.seed)
     else:
         names = source.iter_weights()
-        it = tqdm(names, total=source.num_tensors, desc=f"Loading {source.name}", unit="tensor",
-                  disable=not progress, leave=False)
+        it = tqdm(
+            names,
+            total=source.num_tensors,
+            desc=f"Loading {source.name}",
+            unit="tensor",
+            disable=not progress,
+            leave=False,
+        )
         loaded = model.load_weights((n, t.to(device=device, dtype=dtype)) for n, t in it)
         missing = sorted({name for name, _ in model.named_parameters()} - loaded)
         if missing:  # (left unset, they would hold whatever the allocator gave)
-            raise ValueError(f"model {source.name!r} has no weights for {len(missing)} parameter(s): "
-                             f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}.")
+            raise ValueError(
+                f"model {source.name!r} has no weights for {len(missing)} parameter(s): "
+                f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}."
+            )
     model.eval().requires_grad_(False)
     tokenizer = source.tokenizer(cfg.tokenizer)
-    return LoadedModel(model, arch, hf_config, tokenizer, cfg.served_model_name or source.name,
-                       source.identity, max_len, source.end_of_generation_ids())
+    return LoadedModel(
+        model,
+        arch,
+        hf_config,
+        tokenizer,
+        cfg.served_model_name or source.name,
+        source.identity,
+        max_len,
+        source.end_of_generation_ids(),
+    )
 
 
 @contextmanager
@@ -126,8 +146,10 @@ class WeightSource:
     def _check_format(self, load_format: str, kind: str) -> WeightSource:
         """An explicit load_format must be what the model reference holds (vLLM refuses a mismatch too)."""
         if load_format in ("safetensors", "gguf") and load_format != kind:
-            raise ValueError(f"load_format {load_format!r} does not match model {self.name!r}, which is {kind}; "
-                             f"use load_format 'auto' or '{kind}'.")
+            raise ValueError(
+                f"load_format {load_format!r} does not match model {self.name!r}, which is {kind}; "
+                f"use load_format 'auto' or '{kind}'."
+            )
         return self
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -143,8 +165,6 @@ class WeightSource:
     def end_of_generation_ids(self) -> tuple[int, ...]:
         """Token ids that end generation besides config.json's eos_token_id (LoadedModel's field)."""
         return ()
-
-
 
 
 class _ShapeSource(WeightSource):

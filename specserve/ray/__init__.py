@@ -7,11 +7,19 @@ prefix-affinity routing and failover behind one OpenAI-compatible front door.
 
 Ray is imported when one of the names below is first used; `router` and `prom` need no Ray.
 """
+
 import importlib
 from typing import Any
 
-_EXPORTS = {"build_openai_app": "app", "serve_ray": "app", "start": "app", "stop": "app",
-            "FrontDoor": "frontdoor", "RouterOptions": "frontdoor", "SpecserveReplica": "replica"}
+_EXPORTS = {
+    "build_openai_app": "app",
+    "serve_ray": "app",
+    "start": "app",
+    "stop": "app",
+    "FrontDoor": "frontdoor",
+    "RouterOptions": "frontdoor",
+    "SpecserveReplica": "replica",
+}
 __all__ = ["FrontDoor", "RouterOptions", "SpecserveReplica", "build_openai_app", "serve_ray", "start", "stop"]
 
 

@@ -5,6 +5,7 @@ address it by index for prefix affinity; Ray Serve restarts a replica whose proc
 whose health check fails. The same application runs on one machine or a multi-node cluster:
 Ray places replicas wherever their `num_gpus` / `num_cpus` fit.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,9 +25,15 @@ logger = logging.getLogger(__name__)
 APP_NAME = "specserve"
 
 
-def build_openai_app(engine_kwargs: dict[str, Any] | None = None, num_replicas: int = 2,
-                     settings: ServerConfig | None = None, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
-                     router: RouterOptions | None = None) -> Application:
+def build_openai_app(
+    engine_kwargs: dict[str, Any] | None = None,
+    num_replicas: int = 2,
+    settings: ServerConfig | None = None,
+    *,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+    router: RouterOptions | None = None,
+) -> Application:
     """The application to `serve.run`: `num_replicas` engines built from `engine_kwargs`
     (`LLM(...)`'s names) behind one OpenAI-compatible front door.
 
@@ -37,15 +44,25 @@ def build_openai_app(engine_kwargs: dict[str, Any] | None = None, num_replicas: 
     # serve.deployment turned both classes into Deployments (mypy sees the classes).
     replica, front_door = cast(Deployment, SpecserveReplica), cast(Deployment, FrontDoor)
     drain_s = (settings or ServerConfig()).graceful_shutdown_timeout  # in-flight requests may finish
-    replicas = [replica.options(name=f"specserve-replica-{i}", graceful_shutdown_timeout_s=drain_s,
-                                ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus})
-                .bind(dict(engine_kwargs or {}), settings) for i in range(num_replicas)]
+    replicas = [
+        replica.options(
+            name=f"specserve-replica-{i}",
+            graceful_shutdown_timeout_s=drain_s,
+            ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+        ).bind(dict(engine_kwargs or {}), settings)
+        for i in range(num_replicas)
+    ]
     return front_door.options(name="specserve-front-door").bind(replicas, router or RouterOptions())
 
 
-def start(engine_kwargs: dict[str, Any], num_replicas: int, settings: ServerConfig,
-          ray_address: str | None = None, router: RouterOptions | None = None,
-          ray_init: dict[str, Any] | None = None) -> str:
+def start(
+    engine_kwargs: dict[str, Any],
+    num_replicas: int,
+    settings: ServerConfig,
+    ray_address: str | None = None,
+    router: RouterOptions | None = None,
+    ray_init: dict[str, Any] | None = None,
+) -> str:
     """Start (or join, with `ray_address`) Ray, deploy the application, wait until it is ready;
     return the front door's URL. `ray_init` adds arguments of `ray.init` (e.g. `num_cpus`)."""
     if not ray.is_initialized():
@@ -53,8 +70,9 @@ def start(engine_kwargs: dict[str, Any], num_replicas: int, settings: ServerConf
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
     tp = int(engine_kwargs.get("tensor_parallel_size", 1))
     serve.start(http_options={"host": settings.host, "port": settings.port})
-    app = build_openai_app(engine_kwargs, num_replicas, settings, num_cpus=1.0,
-                           num_gpus=float(tp) if has_gpus else 0.0, router=router)
+    app = build_openai_app(
+        engine_kwargs, num_replicas, settings, num_cpus=1.0, num_gpus=float(tp) if has_gpus else 0.0, router=router
+    )
     serve.run(app, name=APP_NAME, route_prefix="/")
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     return f"http://{host}:{settings.port}"
@@ -69,8 +87,7 @@ def stop(joined: bool) -> None:
     ray.shutdown()
 
 
-def serve_ray(engine_kwargs: dict[str, Any], settings: ServerConfig, num_replicas: int,
-              ray_address: str | None) -> int:
+def serve_ray(engine_kwargs: dict[str, Any], settings: ServerConfig, num_replicas: int, ray_address: str | None) -> int:
     """`specserve serve --data-parallel-backend ray`: serve until SIGTERM / SIGINT, then stop."""
     done = threading.Event()
     try:

@@ -11,6 +11,7 @@ silently. A request is never sent again once the client has seen any of its outp
 (No `from __future__ import annotations`, and helpers defined before the class: FastAPI reads
 the routes' annotations, and `serve.ingress` pickles the class as it is defined.)
 """
+
 import asyncio
 import contextlib
 import json
@@ -49,8 +50,7 @@ class RouterOptions:
 
 
 def _unavailable(message: str) -> APIError:
-    return APIError(message, 503, "service_unavailable_error", code="engine_unavailable",
-                    headers={"Retry-After": "1"})
+    return APIError(message, 503, "service_unavailable_error", code="engine_unavailable", headers={"Retry-After": "1"})
 
 
 async def _head(gen: DeploymentResponseGenerator) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -82,8 +82,7 @@ class FrontDoor:
     def __init__(self, replicas: Sequence[DeploymentHandle], options: RouterOptions | None = None) -> None:
         self.handles = list(replicas)
         self.opts = options or RouterOptions()
-        self.router = Router(len(self.handles), self.opts.max_imbalance, self.opts.max_kv_usage,
-                             self.opts.policy)
+        self.router = Router(len(self.handles), self.opts.max_imbalance, self.opts.max_kv_usage, self.opts.policy)
         self.tokenizer: Any = None
         self.block_size = 16
         self._poller: asyncio.Task | None = None
@@ -113,8 +112,12 @@ class FrontDoor:
         while (i := self.router.choose(key, exclude=tried)) is not None:
             tried.append(i)
             self.router.started(i)
-            gen = cast(DeploymentResponseGenerator, self.handles[i].options(stream=True).request.remote(
-                request.method, path, request.url.query.encode(), headers, body))
+            gen = cast(
+                DeploymentResponseGenerator,
+                self.handles[i]
+                .options(stream=True)
+                .request.remote(request.method, path, request.url.query.encode(), headers, body),
+            )
             try:
                 status, head, first = await _head(gen)
             except Exception as e:  # noqa: BLE001 - the replica died or failed before answering
@@ -131,8 +134,9 @@ class FrontDoor:
         return error_response(_unavailable(f"no replica could take the request (tried {len(tried)})"))
 
     # ------------------------------------------------------------------ streaming
-    async def _relay(self, i: int, gen: DeploymentResponseGenerator, first: bytes,
-                     is_sse: bool) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, i: int, gen: DeploymentResponseGenerator, first: bytes, is_sse: bool
+    ) -> AsyncIterator[bytes]:
         failed = False
         try:
             if first:

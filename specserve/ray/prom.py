@@ -4,6 +4,7 @@ The exposition format wants every family's samples together under one `# HELP` /
 header, so samples are grouped by the family whose header precedes them in each page (the
 order prometheus_client writes them); a family keeps the header of the first page that has it.
 """
+
 from __future__ import annotations
 
 import re

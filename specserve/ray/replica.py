@@ -7,6 +7,7 @@ streaming handle calls: ("start", status, headers) first, then ("body", bytes) p
 caller goes away (Ray cancels the call), the app sees `http.disconnect` and aborts the request
 in the engine, freeing its KV blocks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,9 @@ from specserve.server.cli_args import ServerConfig
 Headers = list[tuple[bytes, bytes]]
 
 
-@serve.deployment(max_ongoing_requests=1024, health_check_period_s=2.0, health_check_timeout_s=10.0,
-                  graceful_shutdown_timeout_s=5.0)
+@serve.deployment(
+    max_ongoing_requests=1024, health_check_period_s=2.0, health_check_timeout_s=10.0, graceful_shutdown_timeout_s=5.0
+)
 class SpecserveReplica:
     """A Ray Serve replica holding one engine (its own GPU or tensor-parallel group, or CPU).
 
@@ -41,8 +43,9 @@ class SpecserveReplica:
         self.app = build_app(self.engine, self.settings)  # its lifespan is not run: __del__ closes
         self.metrics = PrometheusMetrics(self.engine.stats, self.settings.metrics_prefix)
 
-    async def request(self, method: str, path: str, query: bytes, headers: Headers,
-                      body: bytes) -> AsyncIterator[tuple[Any, ...]]:
+    async def request(
+        self, method: str, path: str, query: bytes, headers: Headers, body: bytes
+    ) -> AsyncIterator[tuple[Any, ...]]:
         """Run one HTTP request through the app; yield its response start, then body pieces."""
         queue: asyncio.Queue[Any] = asyncio.Queue()  # ASGI messages, then None when the app returns
         disconnected = asyncio.Event()
@@ -86,16 +89,23 @@ class SpecserveReplica:
     def stats(self) -> dict[str, float]:
         """Load signals for the router."""
         get = self.engine.stats.get
-        return {"num_waiting": get("num_requests_waiting"), "num_running": get("num_requests_running"),
-                "kv_usage": get("kv_cache_usage_perc")}
+        return {
+            "num_waiting": get("num_requests_waiting"),
+            "num_running": get("num_requests_running"),
+            "kv_usage": get("kv_cache_usage_perc"),
+        }
 
     def metrics_text(self) -> str:
         return self.metrics.render().decode()
 
     def info(self) -> dict[str, Any]:
         """What the front door needs once: the tokenizer (for routing keys), block size, pid."""
-        return {"tokenizer": self.engine.tokenizer, "block_size": self.engine.config.cache.block_size,
-                "pid": os.getpid(), "model_name": self.engine.model_name}
+        return {
+            "tokenizer": self.engine.tokenizer,
+            "block_size": self.engine.config.cache.block_size,
+            "pid": os.getpid(),
+            "model_name": self.engine.model_name,
+        }
 
     async def check_health(self) -> None:
         """Ray Serve replaces the replica when this raises (the engine loop died)."""
@@ -108,9 +118,20 @@ class SpecserveReplica:
 
 
 def _scope(method: str, path: str, query: bytes, headers: Headers) -> dict[str, Any]:
-    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-            "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
-            "headers": headers, "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80)}
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query,
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 80),
+    }
 
 
 async def _reap(task: asyncio.Task) -> None:

@@ -6,6 +6,7 @@ Pure Python (no Ray), so it is tested on its own. Invariants:
 - a replica marked down receives nothing until `mark_up` (its stats answered again);
 - `outstanding[i]` counts requests this router sent to replica i that have not ended.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,7 +23,7 @@ def routing_key(token_ids: Sequence[int], block_size: int, prefix_blocks: int) -
     num_blocks = min(prefix_blocks, len(token_ids) // block_size)
     if num_blocks < 1:
         return None
-    return hash_blocks(None, list(token_ids[:num_blocks * block_size]), block_size)[-1]
+    return hash_blocks(None, list(token_ids[: num_blocks * block_size]), block_size)[-1]
 
 
 @dataclass
@@ -52,8 +53,14 @@ class Router:
 
     POLICIES = ("affinity", "round_robin")
 
-    def __init__(self, num_replicas: int, max_imbalance: int = 32, max_kv_usage: float = 0.9,
-                 policy: str = "affinity", seed: int | None = None) -> None:
+    def __init__(
+        self,
+        num_replicas: int,
+        max_imbalance: int = 32,
+        max_kv_usage: float = 0.9,
+        policy: str = "affinity",
+        seed: int | None = None,
+    ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
         if policy not in self.POLICIES:

@@ -5,6 +5,7 @@ pinned staging buffers (`Staging`), so a step allocates no pinned memory and iss
 non-blocking copy per tensor. The CUDA-graph runner copies the same host arrays into its static
 buffers instead.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -55,20 +56,30 @@ class HostBatch:
         q = self.query_lens[0]
         return q if all(x == q for x in self.query_lens) else None
 
-    def to_device(self, device: torch.device, staging: Staging | None = None,
-                  only_logits: bool = False) -> BatchInputs:
+    def to_device(self, device: torch.device, staging: Staging | None = None, only_logits: bool = False) -> BatchInputs:
         """only_logits: the CUDA-graph path copies the other inputs into its own buffers."""
         put = staging.put if staging is not None else (lambda name, a: torch.from_numpy(a).to(device))
         if only_logits:
             return BatchInputs(None, None, None, put("logits_indices", self.logits_indices), self.logit_rows)
         meta = AttentionMetadata(
-            cu_query_lens=put("cu", self.cu_query_lens), seq_lens=put("seq_lens", self.seq_lens),
-            block_tables=put("block_tables", self.block_tables), slot_mapping=put("slots", self.slot_mapping),
-            max_query_len=max(self.query_lens, default=0), max_seq_len=int(self.seq_lens.max(initial=0)),
-            num_seqs=self.num_seqs, num_tokens=self.num_tokens, query_lens_cpu=self.query_lens,
-            seq_lens_cpu=self.seq_lens.tolist())
-        return BatchInputs(put("input_ids", self.input_ids), put("positions", self.positions), meta,
-                           put("logits_indices", self.logits_indices), self.logit_rows)
+            cu_query_lens=put("cu", self.cu_query_lens),
+            seq_lens=put("seq_lens", self.seq_lens),
+            block_tables=put("block_tables", self.block_tables),
+            slot_mapping=put("slots", self.slot_mapping),
+            max_query_len=max(self.query_lens, default=0),
+            max_seq_len=int(self.seq_lens.max(initial=0)),
+            num_seqs=self.num_seqs,
+            num_tokens=self.num_tokens,
+            query_lens_cpu=self.query_lens,
+            seq_lens_cpu=self.seq_lens.tolist(),
+        )
+        return BatchInputs(
+            put("input_ids", self.input_ids),
+            put("positions", self.positions),
+            meta,
+            put("logits_indices", self.logits_indices),
+            self.logit_rows,
+        )
 
 
 @dataclass
@@ -103,12 +114,22 @@ def pad_to_query_len(host: HostBatch, q: int, max_model_len: int) -> HostBatch |
     slot_mapping[new_idx] = host.slot_mapping
     seq_lens = (host.seq_lens + pad).astype(np.int32)
     cu = (np.arange(ns + 1) * q).astype(np.int32)
-    return HostBatch(input_ids, positions, slot_mapping, host.block_tables, seq_lens, cu,
-                     new_idx[host.logits_indices], [q] * ns, host.logit_rows)
+    return HostBatch(
+        input_ids,
+        positions,
+        slot_mapping,
+        host.block_tables,
+        seq_lens,
+        cu,
+        new_idx[host.logits_indices],
+        [q] * ns,
+        host.logit_rows,
+    )
 
 
-def pending_fill(host: HostBatch, request_ids: list[str], pending: PendingTokens | None
-                 ) -> tuple[np.ndarray, np.ndarray] | None:
+def pending_fill(
+    host: HostBatch, request_ids: list[str], pending: PendingTokens | None
+) -> tuple[np.ndarray, np.ndarray] | None:
     """(flat token indices holding a placeholder, the pending row each one reads) or None."""
     dst = np.flatnonzero(host.input_ids < 0)
     if not dst.size:
@@ -155,8 +176,9 @@ class Staging:
         if buf is None or buf.host.numel() < n or buf.host.dtype != _torch_dtype(arr):
             size = max(n, 2 * (buf.host.numel() if buf is not None else 0), 64)
             host = torch.empty(size, dtype=_torch_dtype(arr), pin_memory=True)
-            buf = self._bufs[name] = _StagingBuffer(host, host.numpy(), torch.empty(size, dtype=host.dtype,
-                                                                                   device=self.device), {})
+            buf = self._bufs[name] = _StagingBuffer(
+                host, host.numpy(), torch.empty(size, dtype=host.dtype, device=self.device), {}
+            )
         buf.host_np[:n] = arr.reshape(-1)
         views = buf.views.get(n)
         if views is None:
@@ -190,7 +212,8 @@ def block_table_array(block_lists: list[list[int]]) -> np.ndarray:
     tables = np.zeros((len(block_lists), max(1, int(widths.max(initial=1)))), dtype=np.int32)
     # Row i's first widths[i] entries, filled row-major from the concatenated lists in one go.
     tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(block_lists), dtype=np.int32, count=int(widths.sum()))
+        itertools.chain.from_iterable(block_lists), dtype=np.int32, count=int(widths.sum())
+    )
     return tables
 
 
@@ -228,9 +251,9 @@ def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> H
             pos.append(c)
             slots.append(blocks[c // bs] * bs + c % bs)
         else:
-            tokens = known[c:c + n]
+            tokens = known[c : c + n]
             if len(tokens) < n:  # the tail is draft tokens under verification
-                tokens = tokens + req.spec_token_ids[:n - len(tokens)]
+                tokens = tokens + req.spec_token_ids[: n - len(tokens)]
             ids.extend(tokens)
             pos.extend(range(c, c + n))
             if n > _PY_SLOTS_MAX:
@@ -260,11 +283,20 @@ def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> H
         slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
     else:
         slot_mapping = np.array(slots, dtype=np.int64)
-    return HostBatch(np.array(ids, dtype=np.int64), positions, slot_mapping, block_tables,
-                     np.array(seq_lens, dtype=np.int32), np.array(cu, dtype=np.int32),
-                     np.array(logits_idx, dtype=np.int64), query_lens, logit_rows)
+    return HostBatch(
+        np.array(ids, dtype=np.int64),
+        positions,
+        slot_mapping,
+        block_tables,
+        np.array(seq_lens, dtype=np.int32),
+        np.array(cu, dtype=np.int32),
+        np.array(logits_idx, dtype=np.int64),
+        query_lens,
+        logit_rows,
+    )
 
 
-def build_batch(sched: SchedulerOutput, block_ids_of, block_size: int, device: torch.device,
-                staging: Staging | None = None) -> BatchInputs:
+def build_batch(
+    sched: SchedulerOutput, block_ids_of, block_size: int, device: torch.device, staging: Staging | None = None
+) -> BatchInputs:
     return build_host_batch(sched, block_ids_of, block_size).to_device(device, staging)

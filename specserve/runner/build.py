@@ -1,4 +1,5 @@
 """Build a ModelRunner from an EngineConfig: load the model, size the KV pool, capture CUDA graphs."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -40,9 +41,15 @@ def max_num_batched_tokens(config: EngineConfig, device: torch.device, max_model
     return max_batched
 
 
-def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype, progress: bool,
-                 shard: Callable[[LoadedModel], int] | None = None, agree: Callable[[int], int] | None = None,
-                 make_runner: Callable[..., ModelRunner] = ModelRunner) -> ModelRunner:
+def build_runner(
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: bool,
+    shard: Callable[[LoadedModel], int] | None = None,
+    agree: Callable[[int], int] | None = None,
+    make_runner: Callable[..., ModelRunner] = ModelRunner,
+) -> ModelRunner:
     """Load the model, size the KV pool, capture CUDA graphs: the model side of the engine.
 
     Tensor parallelism (distributed/worker.py) runs this on every rank, in the same order, with
@@ -52,8 +59,7 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     loaded = load_model(config.model, device, dtype, ops_for(device), progress)
     num_kv_heads = shard(loaded) if shard is not None else loaded.arch.num_kv_heads
     arch, cc, sc = loaded.arch, config.cache, config.scheduler
-    spec = KVCacheSpec(arch.num_layers, num_kv_heads, arch.head_dim, cc.block_size,
-                       kv_format(cc.kv_cache_dtype, dtype))
+    spec = KVCacheSpec(arch.num_layers, num_kv_heads, arch.head_dim, cc.block_size, kv_format(cc.kv_cache_dtype, dtype))
     install_key_offsets(loaded.model, arch, enabled=spec.fmt.quantized and shard is None)
     max_batched = max_num_batched_tokens(config, device, loaded.max_model_len)
     backend = select_backend(device)
@@ -69,25 +75,47 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     # Ragged steps too (a prompt chunk beside decoding requests); not under tensor parallelism, whose
     # ranks replay only the graphs ShardRunner.execute_host finds by graph_key.
     mixed = MIXED_TOKEN_LENS if shard is None else ()
-    reserve = graph_output_bytes(sc.max_num_seqs, query_lens, PREFILL_QUERY_LENS, arch.vocab_size, arch.hidden_size,
-                                 torch.finfo(dtype).bits // 8, (), mixed, loaded.max_model_len) if graphs else 0
-    budget = kv_budget_bytes(spec, device, cc.gpu_memory_utilization, cc.kv_cache_memory_bytes, profile,
-                             sc.max_num_seqs * loaded.max_model_len, reserve)
+    reserve = (
+        graph_output_bytes(
+            sc.max_num_seqs,
+            query_lens,
+            PREFILL_QUERY_LENS,
+            arch.vocab_size,
+            arch.hidden_size,
+            torch.finfo(dtype).bits // 8,
+            (),
+            mixed,
+            loaded.max_model_len,
+        )
+        if graphs
+        else 0
+    )
+    budget = kv_budget_bytes(
+        spec,
+        device,
+        cc.gpu_memory_utilization,
+        cc.kv_cache_memory_bytes,
+        profile,
+        sc.max_num_seqs * loaded.max_model_len,
+        reserve,
+    )
     num_blocks = spec.num_blocks_for(budget)
     if agree is not None:
         num_blocks = agree(num_blocks)
     # As vLLM: the pool must hold one max_model_len sequence. An error where the user chose
     # max_model_len; a warning where it is the model's default (tests force preemption that way).
-    check_kv_capacity(num_blocks, spec.bytes_per_block, loaded.max_model_len, cc,
-                      strict=config.model.max_model_len is not None)
+    check_kv_capacity(
+        num_blocks, spec.bytes_per_block, loaded.max_model_len, cc, strict=config.model.max_model_len is not None
+    )
     runner = make_runner(loaded, spec, num_blocks, device, backend)
     if graphs:
         runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, query_lens, PREFILL_QUERY_LENS, (), mixed)
     return runner
 
 
-def profile_run(loaded: LoadedModel, spec: KVCacheSpec, device: torch.device, backend, num_tokens: int,
-                 max_num_seqs: int) -> None:
+def profile_run(
+    loaded: LoadedModel, spec: KVCacheSpec, device: torch.device, backend, num_tokens: int, max_num_seqs: int
+) -> None:
     """One forward of the largest step the scheduler can build, to measure peak activation memory."""
     num_tokens = min(num_tokens, loaded.max_model_len - 1)
     num_blocks = -(-(num_tokens + 1) // spec.block_size) + 1

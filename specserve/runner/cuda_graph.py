@@ -20,6 +20,7 @@ no K/V stored, their rows garbage); padding sequences are empty. A mixed graph s
 hidden states: the LM head runs after the replay on the rows the step scores, so one graph serves any
 number of scored rows and keeps only [tokens, hidden] for good. Everything else runs eagerly.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -49,8 +50,12 @@ CATCH_UP_MAX_BATCH = 32
 MIXED_TOKEN_LENS = (128, 256, 512, 1024)
 
 
-def sizes_by_query_len(batch_sizes: list[int], query_lens: tuple[int, ...], prefill_lens: tuple[int, ...] = (),
-                       catch_up_lens: tuple[int, ...] = ()) -> dict[int, tuple[int, ...]]:
+def sizes_by_query_len(
+    batch_sizes: list[int],
+    query_lens: tuple[int, ...],
+    prefill_lens: tuple[int, ...] = (),
+    catch_up_lens: tuple[int, ...] = (),
+) -> dict[int, tuple[int, ...]]:
     """Batch sizes to capture per query length. Lengths between the shortest and the longest serve
     verify steps of shorter drafts, which the speculation controller picks at small batches; above
     MID_QUERY_MAX_BATCH such steps pad to the longest instead (each graph keeps its [bs * q, vocab]
@@ -58,8 +63,10 @@ def sizes_by_query_len(batch_sizes: list[int], query_lens: tuple[int, ...], pref
     query_lens get batch sizes up to PREFILL_MAX_BATCH; `catch_up_lens` not among either, up to
     CATCH_UP_MAX_BATCH."""
     edge = (query_lens[0], query_lens[-1])
-    sizes = {q: tuple(b for b in batch_sizes if q in edge or b <= MID_QUERY_MAX_BATCH) or tuple(batch_sizes[:1])
-             for q in query_lens}
+    sizes = {
+        q: tuple(b for b in batch_sizes if q in edge or b <= MID_QUERY_MAX_BATCH) or tuple(batch_sizes[:1])
+        for q in query_lens
+    }
     for q in prefill_lens:
         if q not in sizes:
             sizes[q] = tuple(b for b in batch_sizes if b <= PREFILL_MAX_BATCH) or tuple(batch_sizes[:1])
@@ -69,8 +76,9 @@ def sizes_by_query_len(batch_sizes: list[int], query_lens: tuple[int, ...], pref
     return sizes
 
 
-def mixed_graph_sizes(batch_sizes: tuple[int, ...] | list[int], token_lens: tuple[int, ...],
-                      max_model_len: int) -> dict[int, tuple[int, ...]]:
+def mixed_graph_sizes(
+    batch_sizes: tuple[int, ...] | list[int], token_lens: tuple[int, ...], max_model_len: int
+) -> dict[int, tuple[int, ...]]:
     """Batch sizes of the mixed graphs per token count: the powers of two among `batch_sizes` and the
     largest of them (padding sequences are empty, so a coarse ladder costs little), each below the
     token count (a ragged step has more tokens than sequences) and able to hold the token count in
@@ -86,8 +94,9 @@ def mixed_graph_sizes(batch_sizes: tuple[int, ...] | list[int], token_lens: tupl
     return sizes
 
 
-def catch_up_lens_of(query_lens: tuple[int, ...], prefill_lens: tuple[int, ...],
-                     catch_up_lens: tuple[int, ...]) -> tuple[int, ...]:
+def catch_up_lens_of(
+    query_lens: tuple[int, ...], prefill_lens: tuple[int, ...], catch_up_lens: tuple[int, ...]
+) -> tuple[int, ...]:
     """The catch-up lengths that get graphs of their own (scoring one row per sequence): those that are
     not already verify or prefill lengths (whose graphs score every row)."""
     return tuple(sorted(set(catch_up_lens) - set(query_lens) - set(prefill_lens)))
@@ -101,9 +110,17 @@ def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return sizes
 
 
-def graph_output_bytes(max_num_seqs: int, query_lens: tuple[int, ...], prefill_lens: tuple[int, ...],
-                       vocab_size: int, hidden_size: int, act_bytes: int, catch_up_lens: tuple[int, ...] = (),
-                       mixed_token_lens: tuple[int, ...] = (), max_model_len: int | None = None) -> int:
+def graph_output_bytes(
+    max_num_seqs: int,
+    query_lens: tuple[int, ...],
+    prefill_lens: tuple[int, ...],
+    vocab_size: int,
+    hidden_size: int,
+    act_bytes: int,
+    catch_up_lens: tuple[int, ...] = (),
+    mixed_token_lens: tuple[int, ...] = (),
+    max_model_len: int | None = None,
+) -> int:
     """Memory the captured graphs keep after capture: every graph's static outputs (float32 logits
     [bs * q, vocab], [bs, vocab] for a catch-up graph, and the final hidden states [bs * q, hidden];
     a mixed graph keeps only its hidden states [tokens, hidden]) live in the shared pool for good, so
@@ -140,10 +157,21 @@ def gc_paused_for_capture() -> Iterator[None]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, kv_caches, fmt, backend, device: torch.device,
-                 max_model_len: int, block_size: int, batch_sizes: tuple[int, ...],
-                 query_lens: tuple[int, ...] = (1,), prefill_query_lens: tuple[int, ...] = (),
-                 catch_up_query_lens: tuple[int, ...] = (), mixed_token_lens: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches,
+        fmt,
+        backend,
+        device: torch.device,
+        max_model_len: int,
+        block_size: int,
+        batch_sizes: tuple[int, ...],
+        query_lens: tuple[int, ...] = (1,),
+        prefill_query_lens: tuple[int, ...] = (),
+        catch_up_query_lens: tuple[int, ...] = (),
+        mixed_token_lens: tuple[int, ...] = (),
+    ) -> None:
         self.model, self.kv_caches, self.fmt, self.backend = model, kv_caches, fmt, backend
         self.device = device
         self.max_model_len = max_model_len
@@ -153,8 +181,9 @@ class CudaGraphRunner:
         catch_up = tuple(q for q in catch_up_query_lens if q <= max_model_len)
         # their graphs score one row per sequence at most
         self.catch_up_query_lens = catch_up_lens_of(self.verify_query_lens, self.prefill_query_lens, catch_up)
-        self.sizes_by_q = sizes_by_query_len(self.batch_sizes, self.verify_query_lens, self.prefill_query_lens,
-                                             self.catch_up_query_lens)
+        self.sizes_by_q = sizes_by_query_len(
+            self.batch_sizes, self.verify_query_lens, self.prefill_query_lens, self.catch_up_query_lens
+        )
         self.query_lens = tuple(sorted(self.sizes_by_q))
         # token count -> batch sizes of the mixed graphs; their keys are (bs, tokens, tokens)
         self.mixed_sizes = mixed_graph_sizes(self.batch_sizes, mixed_token_lens, max_model_len)
@@ -165,14 +194,12 @@ class CudaGraphRunner:
         r = max((self.sizes_by_q[q][-1] for q in self.catch_up_query_lens), default=0)
         # All int inputs travel in one pinned host buffer and one copy per step (views below).
         self._i64_host = torch.zeros(3 * t + r, dtype=torch.int64, pin_memory=True)
-        self._i32_host = torch.zeros(max_bs + 1 + max_bs + max_bs * self.max_blocks, dtype=torch.int32,
-                                     pin_memory=True)
+        self._i32_host = torch.zeros(max_bs + 1 + max_bs + max_bs * self.max_blocks, dtype=torch.int32, pin_memory=True)
         self._i64 = torch.zeros_like(self._i64_host, device=device)
         self._i32 = torch.zeros_like(self._i32_host, device=device)
         # score_rows: the flat token index each catch-up graph's LM head scores, one per sequence
         self.input_ids, self.positions, self.slot_mapping, self.score_rows = self._i64.split([t, t, t, r])
-        self.cu_query_lens, self.seq_lens, flat_tables = self._i32.split([max_bs + 1, max_bs,
-                                                                          max_bs * self.max_blocks])
+        self.cu_query_lens, self.seq_lens, flat_tables = self._i32.split([max_bs + 1, max_bs, max_bs * self.max_blocks])
         self.block_tables = flat_tables.view(max_bs, self.max_blocks)
         # Keys: (bs, q) for uniform query length q; (bs, tokens, tokens) for a mixed graph.
         self.graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
@@ -195,9 +222,16 @@ class CudaGraphRunner:
 
     def _meta(self, key: tuple[int, ...]) -> AttentionMetadata:
         bs, q, n = key[0], key[1], self.num_tokens_of(key)
-        return AttentionMetadata(self.cu_query_lens[:bs + 1], self.seq_lens[:bs], self.block_tables[:bs],
-                                 self.slot_mapping[:n], max_query_len=q, max_seq_len=self.max_model_len,
-                                 num_seqs=bs, num_tokens=n)
+        return AttentionMetadata(
+            self.cu_query_lens[: bs + 1],
+            self.seq_lens[:bs],
+            self.block_tables[:bs],
+            self.slot_mapping[:n],
+            max_query_len=q,
+            max_seq_len=self.max_model_len,
+            num_seqs=bs,
+            num_tokens=n,
+        )
 
     def _forward(self, key: tuple[int, ...]) -> tuple[torch.Tensor | None, torch.Tensor, list[torch.Tensor]]:
         bs, q, n = key[0], key[1], self.num_tokens_of(key)
@@ -253,9 +287,9 @@ class CudaGraphRunner:
         self.score_rows.zero_()
         self.slot_mapping.fill_(-1)
         lens = torch.full((bs,), n // bs, dtype=torch.int32, device=self.device)
-        lens[:n % bs] += 1
+        lens[: n % bs] += 1
         self.cu_query_lens[0] = 0
-        self.cu_query_lens[1:bs + 1] = torch.cumsum(lens, 0, dtype=torch.int32)
+        self.cu_query_lens[1 : bs + 1] = torch.cumsum(lens, 0, dtype=torch.int32)
         self.seq_lens[:bs] = lens
         self.block_tables.zero_()
 
@@ -309,8 +343,9 @@ class CudaGraphRunner:
         hidden, aux = self.hidden_outputs[key]
         return hidden[:n], [a[:n] for a in aux]
 
-    def run(self, batch: HostBatch, key: tuple[int, ...],
-            fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def run(
+        self, batch: HostBatch, key: tuple[int, ...], fill: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Replay the graph for `key` on this batch; returns logits [batch.num_tokens, vocab], or for a
         catch-up graph those of its scored rows, [len(batch.logits_indices), vocab]; for a mixed graph
         the final hidden states [batch.num_tokens, hidden] (the caller scores its rows).
@@ -323,22 +358,22 @@ class CudaGraphRunner:
         i64 = self._i64_host.numpy()
         i64[:n] = batch.input_ids
         i64[n:padded] = 0  # padding tokens: any valid id (not a placeholder left by an earlier step)
-        i64[t:t + n] = batch.positions
-        i64[2 * t:2 * t + padded] = -1  # padding tokens store no K/V
-        i64[2 * t:2 * t + n] = batch.slot_mapping
+        i64[t : t + n] = batch.positions
+        i64[2 * t : 2 * t + padded] = -1  # padding tokens store no K/V
+        i64[2 * t : 2 * t + n] = batch.slot_mapping
         scored = not self.is_mixed(key) and self.scores_rows(q)
         scored_rows = len(batch.logits_indices)
         if scored:
-            i64[3 * t:3 * t + bs] = 0  # padding sequences score row 0 (any row; nobody reads it)
-            i64[3 * t:3 * t + scored_rows] = batch.logits_indices
+            i64[3 * t : 3 * t + bs] = 0  # padding sequences score row 0 (any row; nobody reads it)
+            i64[3 * t : 3 * t + scored_rows] = batch.logits_indices
         max_bs = self.seq_lens.numel()
         i32 = self._i32_host.numpy()
-        i32[:bs + 1] = n  # padding sequences are empty
-        i32[:s + 1] = batch.cu_query_lens
-        i32[max_bs + 1:max_bs + 1 + bs] = 0
-        i32[max_bs + 1:max_bs + 1 + s] = batch.seq_lens
-        tables = i32[2 * max_bs + 1:].reshape(max_bs, self.max_blocks)
-        tables[:s, :batch.block_tables.shape[1]] = batch.block_tables
+        i32[: bs + 1] = n  # padding sequences are empty
+        i32[: s + 1] = batch.cu_query_lens
+        i32[max_bs + 1 : max_bs + 1 + bs] = 0
+        i32[max_bs + 1 : max_bs + 1 + s] = batch.seq_lens
+        tables = i32[2 * max_bs + 1 :].reshape(max_bs, self.max_blocks)
+        tables[:s, : batch.block_tables.shape[1]] = batch.block_tables
         # Stale entries beyond each row's blocks are never read (seq_lens bounds the reads).
         self._i64.copy_(self._i64_host, non_blocking=True)
         filled = 2 * max_bs + 1 + s * self.max_blocks

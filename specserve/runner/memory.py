@@ -1,4 +1,5 @@
 """Size the KV pool: an explicit byte budget, or profile the GPU and take what is left."""
+
 from __future__ import annotations
 
 import logging
@@ -14,9 +15,15 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB when nothing is said, on the CPU
 
 
-def kv_budget_bytes(spec: KVCacheSpec, device: torch.device, gpu_memory_utilization: float,
-                    kv_cache_memory_bytes: int | None, profile: Callable[[], None],
-                    max_useful_tokens: int, reserve_bytes: int = 0) -> int:
+def kv_budget_bytes(
+    spec: KVCacheSpec,
+    device: torch.device,
+    gpu_memory_utilization: float,
+    kv_cache_memory_bytes: int | None,
+    profile: Callable[[], None],
+    max_useful_tokens: int,
+    reserve_bytes: int = 0,
+) -> int:
     """Bytes for the KV pool. On CUDA, `profile` runs the largest batch once to find peak activations;
     `reserve_bytes` is what the engine allocates after the pool (its CUDA graphs' outputs)."""
     if kv_cache_memory_bytes is not None:
@@ -35,15 +42,18 @@ def kv_budget_bytes(spec: KVCacheSpec, device: torch.device, gpu_memory_utilizat
     non_torch = total - free - torch.cuda.memory_reserved(device)
     budget = int(total * gpu_memory_utilization) - peak - max(0, non_torch) - reserve_bytes
     if budget < spec.bytes_per_block:
-        raise ValueError(f"no memory left for the KV cache at gpu_memory_utilization="
-                         f"{gpu_memory_utilization} (weights+activations peak {peak / 2**30:.1f} GiB, CUDA "
-                         f"graphs {reserve_bytes / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); raise it, lower "
-                         f"max_num_batched_tokens or max_num_seqs, or set enforce_eager.")
+        raise ValueError(
+            f"no memory left for the KV cache at gpu_memory_utilization="
+            f"{gpu_memory_utilization} (weights+activations peak {peak / 2**30:.1f} GiB, CUDA "
+            f"graphs {reserve_bytes / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); raise it, lower "
+            f"max_num_batched_tokens or max_num_seqs, or set enforce_eager."
+        )
     return budget
 
 
-def check_kv_capacity(num_blocks: int, bytes_per_block: int, max_model_len: int, cache: CacheConfig,
-                      strict: bool) -> None:
+def check_kv_capacity(
+    num_blocks: int, bytes_per_block: int, max_model_len: int, cache: CacheConfig, strict: bool
+) -> None:
     """Start-up check, as vLLM's: the KV pool must hold one sequence of max_model_len tokens.
 
     `strict` raises ValueError, else the same message is logged as a warning (for a max_model_len
@@ -56,11 +66,15 @@ def check_kv_capacity(num_blocks: int, bytes_per_block: int, max_model_len: int,
     if cache.kv_cache_memory_bytes is not None:
         budget = f"kv_cache_memory_bytes ({cache.kv_cache_memory_bytes}) to at least {needed}"
     else:
-        budget = (f"gpu_memory_utilization ({cache.gpu_memory_utilization}), or set kv_cache_memory_bytes "
-                  f"to at least {needed}")
-    msg = (f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {cache.block_size}) but max_model_len "
-           f"is {max_model_len}: one sequence of max_model_len does not fit. Lower max_model_len to at most "
-           f"{capacity} or raise {budget}.")
+        budget = (
+            f"gpu_memory_utilization ({cache.gpu_memory_utilization}), or set kv_cache_memory_bytes "
+            f"to at least {needed}"
+        )
+    msg = (
+        f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {cache.block_size}) but max_model_len "
+        f"is {max_model_len}: one sequence of max_model_len does not fit. Lower max_model_len to at most "
+        f"{capacity} or raise {budget}."
+    )
     if strict:
         raise ValueError(msg)
     logger.warning(msg)

@@ -1,4 +1,5 @@
 """ModelRunner: owns the model, the KV pool and the attention backend; runs one step's forward."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,8 +54,9 @@ class ModelRunner:
     # step's sampled tokens, a proposal's deferred drafts. The tensor-parallel executor does not.
     accepts_pending = True
 
-    def __init__(self, loaded: LoadedModel, spec: KVCacheSpec, num_blocks: int, device: torch.device,
-                 backend=None) -> None:
+    def __init__(
+        self, loaded: LoadedModel, spec: KVCacheSpec, num_blocks: int, device: torch.device, backend=None
+    ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.spec = spec
@@ -67,9 +69,15 @@ class ModelRunner:
         self.staging = Staging(device) if device.type == "cuda" else None
         self.graphs = None  # CudaGraphRunner once capture_graphs() ran
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...] = (1,),
-                       prefill_query_lens: tuple[int, ...] = (), catch_up_query_lens: tuple[int, ...] = (),
-                       mixed_token_lens: tuple[int, ...] = ()) -> None:
+    def capture_graphs(
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        query_lens: tuple[int, ...] = (1,),
+        prefill_query_lens: tuple[int, ...] = (),
+        catch_up_query_lens: tuple[int, ...] = (),
+        mixed_token_lens: tuple[int, ...] = (),
+    ) -> None:
         """Capture decode (and verify) CUDA graphs for batch sizes up to max_num_seqs, short prefills
         of a few sequences (runner/cuda_graph.py PREFILL_QUERY_LENS), a draft model's catch-ups
         (CATCH_UP_QUERY_LENS) and ragged steps of up to max(mixed_token_lens) tokens (MIXED_TOKEN_LENS);
@@ -77,9 +85,20 @@ class ModelRunner:
         from specserve.runner.cuda_graph import CudaGraphRunner, graph_batch_sizes
 
         sizes = graph_batch_sizes(max_num_seqs)
-        runner = CudaGraphRunner(self.model, self.kv_caches, self.fmt, self.backend, self.device,
-                                 max_model_len, self.block_size, sizes, query_lens, prefill_query_lens,
-                                 catch_up_query_lens, mixed_token_lens)
+        runner = CudaGraphRunner(
+            self.model,
+            self.kv_caches,
+            self.fmt,
+            self.backend,
+            self.device,
+            max_model_len,
+            self.block_size,
+            sizes,
+            query_lens,
+            prefill_query_lens,
+            catch_up_query_lens,
+            mixed_token_lens,
+        )
         runner.capture()
         self.graphs = runner
         # The small eager forwards graphs do not cover compile their kernels now, not mid-serving.
@@ -88,9 +107,14 @@ class ModelRunner:
         warm_start_up(self)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False,
-                prompt_plan: list[PromptLogprobRows] | None = None,
-                pending: PendingTokens | None = None) -> StepOutput:
+    def execute(
+        self,
+        sched: SchedulerOutput,
+        block_ids_of,
+        need_hidden: bool = False,
+        prompt_plan: list[PromptLogprobRows] | None = None,
+        pending: PendingTokens | None = None,
+    ) -> StepOutput:
         """prompt_plan: rows whose prompt logprobs to compute (they need every token's hidden
         state, so such a step runs eagerly, never through a CUDA graph).
         pending: the step in flight's sampled tokens, for this step's placeholders."""
@@ -114,13 +138,22 @@ class ModelRunner:
             staging.begin()
             put = staging.put
         else:
+
             def put(_: str, a) -> torch.Tensor:
                 return torch.from_numpy(a).to(self.device)
-        meta = AttentionMetadata(put("cu", host.cu_query_lens), put("seq_lens", host.seq_lens),
-                                 put("block_tables", host.block_tables), put("slots", host.slot_mapping),
-                                 max_query_len=max(host.query_lens), max_seq_len=int(host.seq_lens.max()),
-                                 num_seqs=host.num_seqs, num_tokens=n, query_lens_cpu=host.query_lens,
-                                 seq_lens_cpu=host.seq_lens.tolist())
+
+        meta = AttentionMetadata(
+            put("cu", host.cu_query_lens),
+            put("seq_lens", host.seq_lens),
+            put("block_tables", host.block_tables),
+            put("slots", host.slot_mapping),
+            max_query_len=max(host.query_lens),
+            max_seq_len=int(host.seq_lens.max()),
+            num_seqs=host.num_seqs,
+            num_tokens=n,
+            query_lens_cpu=host.query_lens,
+            seq_lens_cpu=host.seq_lens.tolist(),
+        )
         positions = put("positions", host.positions)
         self._staged()
         with forward_context(ForwardContext(meta, self.kv_caches, self.fmt, self.backend)):
@@ -133,8 +166,9 @@ class ModelRunner:
         if self.staging is not None:
             self.staging.end()
 
-    def _fill(self, host: HostBatch, sched: SchedulerOutput, pending: PendingTokens | None
-              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _fill(
+        self, host: HostBatch, sched: SchedulerOutput, pending: PendingTokens | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Device (indices, token ids) that replace this step's placeholders."""
         fill = pending_fill(host, [s.request.request_id for s in sched.scheduled], pending)
         if fill is None:
@@ -146,11 +180,20 @@ class ModelRunner:
             dst_t, rows_t = torch.from_numpy(dst), torch.from_numpy(rows)
         return dst_t, pending.tokens.index_select(0, rows_t)
 
-    def _execute(self, sched: SchedulerOutput, host: HostBatch, need_hidden: bool,
-                 prompt_plan: list[PromptLogprobRows] | None, pending: PendingTokens | None) -> StepOutput:
+    def _execute(
+        self,
+        sched: SchedulerOutput,
+        host: HostBatch,
+        need_hidden: bool,
+        prompt_plan: list[PromptLogprobRows] | None,
+        pending: PendingTokens | None,
+    ) -> StepOutput:
         # Graphs return hidden states too, but only those of the aux layers they were captured with.
-        usable = self.graphs is not None and not prompt_plan and (
-            not need_hidden or self.graphs.aux_hidden_layers == tuple(self.model.aux_hidden_layers))
+        usable = (
+            self.graphs is not None
+            and not prompt_plan
+            and (not need_hidden or self.graphs.aux_hidden_layers == tuple(self.model.aux_hidden_layers))
+        )
         found = self.graphs.graph_for(host) if usable else None
         key = None
         if found is not None:
@@ -194,6 +237,7 @@ class ModelRunner:
         if need_hidden:
             out.all_hidden, out.aux_hidden = hidden, aux
         if prompt_plan:
-            out.prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_plan,
-                                                          self.loaded.arch.vocab_size)
+            out.prompt_logprobs = compute_prompt_logprobs(
+                self.model.compute_logits, hidden, prompt_plan, self.loaded.arch.vocab_size
+            )
         return out

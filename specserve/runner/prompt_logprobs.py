@@ -11,6 +11,7 @@ Each request keeps `prompt_logprobs`: [None, entry(1), entry(2), ...] where an e
 position order; positions that were already scored (a request recomputed after preemption) are
 skipped, so the list is exact whatever the chunking.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,15 +46,19 @@ def plan_prompt_logprobs(sched) -> list[PromptLogprobRows]:
             # Positions lo .. hi-1 of this chunk score tokens lo+1 .. hi (entries lo+1 .. hi).
             lo, hi = max(c, len(done) - 1), min(c + n, req.num_prompt_tokens - 1)
             if hi > lo:
-                plan.append(PromptLogprobRows(i, start + lo - c, req.prompt_token_ids[lo + 1:hi + 1],
-                                              req.params.prompt_logprobs))
+                plan.append(
+                    PromptLogprobRows(
+                        i, start + lo - c, req.prompt_token_ids[lo + 1 : hi + 1], req.params.prompt_logprobs
+                    )
+                )
         start += n
     return plan
 
 
 @torch.inference_mode()
-def compute_prompt_logprobs(compute_logits, hidden: torch.Tensor, plan: list[PromptLogprobRows],
-                            vocab_size: int) -> list[list[PromptLogprobEntry]]:
+def compute_prompt_logprobs(
+    compute_logits, hidden: torch.Tensor, plan: list[PromptLogprobRows], vocab_size: int
+) -> list[list[PromptLogprobEntry]]:
     """hidden [num_tokens, hidden] of the whole step -> per plan item, its entries in row order.
 
     compute_logits: hidden rows [rows, hidden] -> logits [rows, vocab] (the model's own head)."""
@@ -63,8 +68,8 @@ def compute_prompt_logprobs(compute_logits, hidden: torch.Tensor, plan: list[Pro
         entries: list[PromptLogprobEntry] = []
         targets = torch.tensor(item.target_ids, dtype=torch.long, device=hidden.device)
         for r in range(0, len(item.target_ids), step):
-            rows = hidden[item.first_row + r:item.first_row + min(r + step, len(item.target_ids))]
-            entries.extend(_entries(compute_logits(rows), targets[r:r + rows.shape[0]], item.num_top))
+            rows = hidden[item.first_row + r : item.first_row + min(r + step, len(item.target_ids))]
+            entries.extend(_entries(compute_logits(rows), targets[r : r + rows.shape[0]], item.num_top))
         results.append(entries)
     return results
 

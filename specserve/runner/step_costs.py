@@ -7,6 +7,7 @@ placeholder inputs through the runner's own `execute` (so a step replays the CUD
 would, padding included, and under tensor parallelism every rank runs it). `CostTable` answers any
 (batch size, query length) from that grid.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -43,8 +44,9 @@ class CostTable:
         rows: dict[int, list[tuple[int, float]]] = {}
         for (b, q), seconds in grid.items():
             if b < 1 or q < 1 or not seconds > 0.0:
-                raise ValueError(f"grid entry ({b}, {q}): {seconds!r} needs batch_size >= 1, query_len >= 1 "
-                                 "and seconds > 0")
+                raise ValueError(
+                    f"grid entry ({b}, {q}): {seconds!r} needs batch_size >= 1, query_len >= 1 and seconds > 0"
+                )
             rows.setdefault(b, []).append((q, float(seconds)))
         self._rows: dict[int, tuple[list[int], list[float]]] = {}
         for b, points in rows.items():
@@ -109,9 +111,14 @@ def step_cost_batch_sizes(runner: ModelRunner, max_num_seqs: int) -> tuple[int, 
 
 
 @torch.inference_mode()
-def measure_step_costs(runner: ModelRunner, batch_sizes: tuple[int, ...] | list[int], max_query_len: int,
-                       kv: KVCacheManager | None = None, context: int = CONTEXT_TOKENS,
-                       repeats: int | None = None) -> CostTable:
+def measure_step_costs(
+    runner: ModelRunner,
+    batch_sizes: tuple[int, ...] | list[int],
+    max_query_len: int,
+    kv: KVCacheManager | None = None,
+    context: int = CONTEXT_TOKENS,
+    repeats: int | None = None,
+) -> CostTable:
     """Time one target step per (batch size, query length 1..max_query_len): one warm-up step, then
     the mean of `repeats` steps (3 on CUDA, 1 on the CPU), synchronized around them.
 
@@ -137,20 +144,18 @@ def measure_step_costs(runner: ModelRunner, batch_sizes: tuple[int, ...] | list[
         if ids is None:
             continue
         try:
-            tables = [ids[i * num_blocks:(i + 1) * num_blocks] for i in range(b)]
+            tables = [ids[i * num_blocks : (i + 1) * num_blocks] for i in range(b)]
             for q in range(1, max_query_len + 1):
                 grid[(b, q)] = _time_step(runner, tables, min(context, room), q, repeats, cuda)
         finally:
             if kv is not None:
                 kv.pool.free(list(reversed(ids)))
     if not grid:
-        raise ValueError("the KV pool holds no measurable step; raise kv_cache_memory_bytes or "
-                         "gpu_memory_utilization")
+        raise ValueError("the KV pool holds no measurable step; raise kv_cache_memory_bytes or gpu_memory_utilization")
     return CostTable(grid)
 
 
-def _time_step(runner: ModelRunner, tables: list[list[int]], context: int, q: int, repeats: int,
-               cuda: bool) -> float:
+def _time_step(runner: ModelRunner, tables: list[list[int]], context: int, q: int, repeats: int, cuda: bool) -> float:
     """Seconds of one step of len(tables) requests, each verifying q - 1 drafts after `context` tokens."""
     params = SamplingParams(max_tokens=1)
     scheduled = []

@@ -5,6 +5,7 @@ on every call, tens of microseconds of Python several times per engine step on t
 path. The raw stream handle is a plain C call, so the Stream object is
 rebuilt only when the current stream changes (a side stream, a CUDA-graph capture).
 """
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ few tokens, a verify batch between the captured lengths, and a first compile the
 Running one forward of each small row count here, together with the LM head at that many rows, moves
 those compiles to start-up (Triton's disk cache makes later start-ups cheap).
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,9 @@ def dummy_forward(runner: ModelRunner, num_tokens: int, num_blocks: int, context
 def dummy_logits(runner: ModelRunner, rows: int) -> torch.Tensor:
     """The LM head over `rows` zero hidden states: [rows, vocab]."""
     model = runner.model
-    return model.compute_logits(torch.zeros(rows, runner.loaded.arch.hidden_size, device=runner.device,
-                                            dtype=model.embed_tokens.weight.dtype))
+    return model.compute_logits(
+        torch.zeros(rows, runner.loaded.arch.hidden_size, device=runner.device, dtype=model.embed_tokens.weight.dtype)
+    )
 
 
 @torch.inference_mode()

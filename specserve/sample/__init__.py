@@ -1,4 +1,5 @@
 """Sampling: the plain sampler and the lossless rejection sampler for speculative decoding."""
+
 from specserve.sample.metadata import MinTokensMask, SamplingMetadata
 from specserve.sample.penalties import PenaltyTensors
 from specserve.sample.rejection import RejectionOutput, RejectionSampler
@@ -11,6 +12,14 @@ from specserve.sample.sampler import (
 )
 
 __all__ = [
-    "LogprobsTensors", "MinTokensMask", "PenaltyTensors", "RejectionOutput", "RejectionSampler",
-    "Sampler", "SamplerOutput", "SamplingMetadata", "compute_logprobs", "compute_target_probs",
+    "LogprobsTensors",
+    "MinTokensMask",
+    "PenaltyTensors",
+    "RejectionOutput",
+    "RejectionSampler",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "compute_logprobs",
+    "compute_target_probs",
 ]

@@ -8,6 +8,7 @@ per grammar) and keeps the most recently used compiled grammars.
 
 xgrammar is imported lazily: an engine that never sees a structured request does not need it.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,6 +33,7 @@ class StructuredSpec:
     """What to constrain the output to. `value` is canonical text: a schema as compact JSON (key
     order kept: it is the order properties are generated in), a regex, an EBNF grammar, or the
     choices as a JSON list."""
+
     kind: str  # one of KINDS
     value: str
     any_whitespace: bool = True  # JSON kinds: allow any whitespace between tokens (vLLM default)
@@ -45,8 +47,9 @@ def load_xgrammar() -> Any:
     return xgrammar
 
 
-def parse_structured_outputs(spec: dict[str, Any] | None, field: str = FIELD,
-                             value_label: str | None = None) -> StructuredSpec | None:
+def parse_structured_outputs(
+    spec: dict[str, Any] | None, field: str = FIELD, value_label: str | None = None
+) -> StructuredSpec | None:
     """Check the dict's shape and return its canonical spec (None = unconstrained).
 
     Exactly one of json / regex / choice / grammar / json_object must be set (None and False count
@@ -59,8 +62,9 @@ def parse_structured_outputs(spec: dict[str, Any] | None, field: str = FIELD,
         raise ValueError(f"{field} must be a dict such as {{'json': schema}}, got {type(spec).__name__}.")
     unknown = sorted(set(spec) - set(KINDS) - set(_OPTIONS) - set(_UNSUPPORTED))
     if unknown:
-        raise ValueError(f"{field} has unknown keys {unknown}; expected one of {list(KINDS)} "
-                         f"plus options {list(_OPTIONS)}.")
+        raise ValueError(
+            f"{field} has unknown keys {unknown}; expected one of {list(KINDS)} plus options {list(_OPTIONS)}."
+        )
     for key in _UNSUPPORTED:
         if spec.get(key) is not None:
             raise ValueError(f"{field}.{key} is not supported.")
@@ -69,8 +73,7 @@ def parse_structured_outputs(spec: dict[str, Any] | None, field: str = FIELD,
         raise ValueError(f"{field} needs exactly one of {list(KINDS)}, got {kinds or 'none'}.")
     kind = kinds[0]
     any_ws = not spec.get("disable_any_whitespace", False)
-    return StructuredSpec(kind, _canonical_value(kind, spec[kind], value_label or f"{field}.{kind}"),
-                          bool(any_ws))
+    return StructuredSpec(kind, _canonical_value(kind, spec[kind], value_label or f"{field}.{kind}"), bool(any_ws))
 
 
 def _canonical_value(kind: str, value: Any, name: str) -> str:
@@ -92,8 +95,12 @@ def _canonical_value(kind: str, value: Any, name: str) -> str:
             raise ValueError(f"{name} must be a non-empty string, got {value!r}.")
         return value
     # choice
-    if (not isinstance(value, Sequence) or isinstance(value, str) or not value
-            or not all(isinstance(c, str) for c in value)):
+    if (
+        not isinstance(value, Sequence)
+        or isinstance(value, str)
+        or not value
+        or not all(isinstance(c, str) for c in value)
+    ):
         raise ValueError(f"{name} must be a non-empty list of strings, got {value!r}.")
     return json.dumps(list(value), ensure_ascii=False)
 
@@ -104,23 +111,30 @@ def build_grammar(spec: StructuredSpec, field: str = FIELD, value_label: str | N
     xgr = load_xgrammar()
     try:
         if spec.kind == "json":
-            return _fix_json_strings(xgr, xgr.Grammar.from_json_schema(
-                spec.value, any_whitespace=spec.any_whitespace))
+            return _fix_json_strings(xgr, xgr.Grammar.from_json_schema(spec.value, any_whitespace=spec.any_whitespace))
         if spec.kind == "json_object":
             # OpenAI's json_object is "some JSON object": an open schema, not any JSON value.
-            return _fix_json_strings(xgr, xgr.Grammar.from_json_schema(
-                '{"type":"object"}', any_whitespace=spec.any_whitespace, strict_mode=False))
+            return _fix_json_strings(
+                xgr,
+                xgr.Grammar.from_json_schema(
+                    '{"type":"object"}', any_whitespace=spec.any_whitespace, strict_mode=False
+                ),
+            )
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.value)
         if spec.kind == "grammar":
             return xgr.Grammar.from_ebnf(spec.value)
         # choice: an EBNF alternation of string literals; JSON string escapes are EBNF's too.
         choices = json.loads(spec.value)
-        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
-                                                             for c in choices))
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
     except (RuntimeError, ValueError, TypeError) as e:
-        what = {"json": "JSON schema", "regex": "regex", "grammar": "EBNF grammar",
-                "choice": "choice list", "json_object": "JSON object grammar"}[spec.kind]
+        what = {
+            "json": "JSON schema",
+            "regex": "regex",
+            "grammar": "EBNF grammar",
+            "choice": "choice list",
+            "json_object": "JSON object grammar",
+        }[spec.kind]
         raise ValueError(f"{value_label or f'{field}.{spec.kind}'}: invalid {what}: {_clean_error(e)}") from e
 
 
@@ -128,8 +142,10 @@ def build_grammar(spec: StructuredSpec, field: str = FIELD, value_label: str | N
 # Length-limited strings (minLength/maxLength) admit raw control characters (tab, \x06, ...) and
 # every string admits UTF-16 surrogates (bytes ED A0..BF xx), which are not valid UTF-8; either
 # makes the output unparseable. Rewriting the grammar text is a no-op once upstream fixes them.
-_JSON_CHAR_CLASSES = ((r'[^\"\\\r\n]', r'[^\"\\\0-\x1f\ud800-\udfff]'),
-                      (r'[^\0-\x1f\"\\\r\n]', r'[^\0-\x1f\"\\\ud800-\udfff]'))
+_JSON_CHAR_CLASSES = (
+    (r"[^\"\\\r\n]", r"[^\"\\\0-\x1f\ud800-\udfff]"),
+    (r"[^\0-\x1f\"\\\r\n]", r"[^\0-\x1f\"\\\ud800-\udfff]"),
+)
 
 
 def _fix_json_strings(xgr: Any, grammar: Any) -> Any:
@@ -153,8 +169,7 @@ class GrammarCache:
     bounded by entries rather than bytes so its behaviour is easy to state. Thread-safe.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 max_entries: int = 128) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_entries: int = 128) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}.")
         self._tokenizer = tokenizer
@@ -172,8 +187,9 @@ class GrammarCache:
             if self._tokenizer is None:
                 raise ValueError(f"{FIELD} needs a tokenizer; this model has none.")
             xgr = load_xgrammar()
-            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self._stop_token_ids or None)
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids or None
+            )
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         return self._compiler
 

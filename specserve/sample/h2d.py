@@ -1,4 +1,5 @@
 """Host -> device copies of the small per-step sampling tensors that never wait for the GPU."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -7,6 +7,7 @@ plain batch costs one small host->device copy and the sampler skips the unused s
 Host-side copies of the per-row facts that expansion needs (greedy flags, min_tokens state) are
 kept too, so `select_rows` / `expand_for_drafts` never read a tensor back from the device.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from specserve.sampling_params import SamplingParams
 
 class MinTokensMask(NamedTuple):
     """(row, token) pairs forced to -inf: stop tokens of rows that have not reached min_tokens."""
+
     row_ids: Tensor  # [num_pairs] int64
     token_ids: Tensor  # [num_pairs] int64
 
@@ -57,10 +59,16 @@ class SamplingMetadata:
         return len(self.is_greedy)
 
     @classmethod
-    def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
-              output_token_ids: list[list[int]], generators: list[torch.Generator | None],
-              vocab_size: int, device: torch.device,
-              stop_token_ids_for_min_tokens: list[list[int]] | None = None) -> SamplingMetadata:
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device,
+        stop_token_ids_for_min_tokens: list[list[int]] | None = None,
+    ) -> SamplingMetadata:
         """One row per entry of `params`.
 
         stop_token_ids_for_min_tokens: per row, the ids a row below its min_tokens must not emit
@@ -70,8 +78,10 @@ class SamplingMetadata:
         """
         num_seqs = len(params)
         lists: dict[str, Sequence[object]] = {
-            "prompt_token_ids": prompt_token_ids, "output_token_ids": output_token_ids,
-            "generators": generators}
+            "prompt_token_ids": prompt_token_ids,
+            "output_token_ids": output_token_ids,
+            "generators": generators,
+        }
         if stop_token_ids_for_min_tokens is not None:
             lists["stop_token_ids_for_min_tokens"] = stop_token_ids_for_min_tokens
         for name, values in lists.items():
@@ -98,8 +108,7 @@ class SamplingMetadata:
             top_k=scalars[:, 3].long() if use.get("top_k") else None,
             top_p=scalars[:, 1] if use.get("top_p") else None,
             min_p=scalars[:, 2] if use.get("min_p") else None,
-            penalties=build_penalty_tensors(params, prompt_token_ids, output_token_ids,
-                                            vocab_size, device),
+            penalties=build_penalty_tensors(params, prompt_token_ids, output_token_ids, vocab_size, device),
             min_tokens_mask=_build_min_tokens_mask(remaining, stop_ids, vocab_size, device),
             max_num_logprobs=max(logprobs) if logprobs else None,
             generators=[None if g else gen for g, gen in zip(is_greedy, generators)],
@@ -137,8 +146,11 @@ class SamplingMetadata:
             self,
             temperature=_ones(len(row_ids), device) if all_greedy else self.temperature.index_select(0, rows()),
             greedy_mask=pick(self.greedy_mask) if mixed else None,
-            top_k=pick(self.top_k), top_p=pick(self.top_p), min_p=pick(self.min_p),
-            all_greedy=all_greedy, all_random=all_random,
+            top_k=pick(self.top_k),
+            top_p=pick(self.top_p),
+            min_p=pick(self.min_p),
+            all_greedy=all_greedy,
+            all_random=all_random,
             penalties=None if self.penalties is None else select_penalty_rows(self.penalties, rows()),
             generators=[self.generators[i] for i in row_ids],
             is_greedy=is_greedy,
@@ -157,8 +169,7 @@ class SamplingMetadata:
         would use at that point of a non-speculative run.
         """
         if len(draft_token_ids) != self.num_seqs:
-            raise ValueError(f"draft_token_ids has {len(draft_token_ids)} rows, "
-                             f"metadata has {self.num_seqs}.")
+            raise ValueError(f"draft_token_ids has {len(draft_token_ids)} rows, metadata has {self.num_seqs}.")
         row_ids = [i for i, drafts in enumerate(draft_token_ids) for _ in range(len(drafts) + 1)]
         offsets = [j for drafts in draft_token_ids for j in range(len(drafts) + 1)]
         remaining = [max(0, self.min_tokens_remaining[i] - j) for i, j in zip(row_ids, offsets)]
@@ -176,10 +187,13 @@ class SamplingMetadata:
         return meta
 
     def _with_min_tokens(self, remaining: list[int]) -> SamplingMetadata:
-        return replace(self, min_tokens_remaining=remaining,
-                       min_tokens_mask=_build_min_tokens_mask(remaining, self.min_tokens_stop_ids,
-                                                              self.vocab_size,
-                                                              self.temperature.device))
+        return replace(
+            self,
+            min_tokens_remaining=remaining,
+            min_tokens_mask=_build_min_tokens_mask(
+                remaining, self.min_tokens_stop_ids, self.vocab_size, self.temperature.device
+            ),
+        )
 
 
 def _ones(n: int, device: torch.device) -> Tensor:
@@ -187,8 +201,9 @@ def _ones(n: int, device: torch.device) -> Tensor:
     return cached_tensor(device, ("ones", n), lambda: torch.ones(n, dtype=torch.float32))
 
 
-def _row_scalars(params: Sequence[SamplingParams], is_greedy: Sequence[bool],
-                 vocab_size: int) -> tuple[Tensor, dict[str, bool]]:
+def _row_scalars(
+    params: Sequence[SamplingParams], is_greedy: Sequence[bool], vocab_size: int
+) -> tuple[Tensor, dict[str, bool]]:
     """[num_seqs, 5] float32 (temperature, top_p, min_p, top_k, greedy) on the host, and which
     filters any random row uses. Greedy rows get neutral values: they take the argmax before
     temperature and filters, and neutral values let a batch whose only filtered rows are greedy
@@ -208,8 +223,9 @@ def _row_scalars(params: Sequence[SamplingParams], is_greedy: Sequence[bool],
     return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), 5), use
 
 
-def _build_min_tokens_mask(remaining: Sequence[int], stop_ids: Sequence[Sequence[int]],
-                           vocab_size: int, device: torch.device) -> MinTokensMask | None:
+def _build_min_tokens_mask(
+    remaining: Sequence[int], stop_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> MinTokensMask | None:
     if not any(remaining):
         return None
     rows: list[int] = []

@@ -6,6 +6,7 @@ Semantics follow the implementations users compare against:
 - presence / frequency (OpenAI): on OUTPUT tokens only,
   `logit -= presence * (count > 0) + frequency * count`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -27,20 +28,25 @@ class PenaltyTensors(NamedTuple):
 
 
 def has_penalty(params: SamplingParams) -> bool:
-    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0)
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
-def _scatter_rows(shape: tuple[int, int], rows: Sequence[int], token_lists: Sequence[Sequence[int]],
-                  dtype: torch.dtype, device: torch.device) -> Tensor:
+def _scatter_rows(
+    shape: tuple[int, int],
+    rows: Sequence[int],
+    token_lists: Sequence[Sequence[int]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:
     """A [rows, vocab] tensor holding, for row r, how often each token occurs in token_lists[r]."""
     out = torch.zeros(shape, dtype=dtype, device=device)
     lengths = [len(token_lists[r]) for r in rows]
     if sum(lengths) == 0:
         return out
     flat = torch.tensor([t for r in rows for t in token_lists[r]], dtype=torch.int64)
-    row_ids = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.int64),
-                                      torch.tensor(lengths, dtype=torch.int64))
+    row_ids = torch.repeat_interleave(
+        torch.tensor(list(rows), dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+    )
     index = h2d(torch.stack([row_ids, flat]), device)  # one host->device copy
     ones = torch.ones(index.shape[1], dtype=dtype, device=device)
     # accumulate=True sums duplicates (bool accumulation is a logical or).
@@ -48,9 +54,13 @@ def _scatter_rows(shape: tuple[int, int], rows: Sequence[int], token_lists: Sequ
     return out
 
 
-def build_penalty_tensors(params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequence[int]],
-                          output_token_ids: Sequence[Sequence[int]], vocab_size: int,
-                          device: torch.device) -> PenaltyTensors | None:
+def build_penalty_tensors(
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> PenaltyTensors | None:
     """None when no row is penalized, so the sampler's fast path does no work at all.
 
     Cost is proportional to the prompt + output tokens of penalized rows only; neutral rows keep
@@ -60,8 +70,12 @@ def build_penalty_tensors(params: Sequence[SamplingParams], prompt_token_ids: Se
     if not active:
         return None
     num_seqs = len(params)
-    factors = h2d(torch.tensor([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
-                                for p in params], dtype=torch.float32).reshape(num_seqs, 3), device)
+    factors = h2d(
+        torch.tensor(
+            [[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params], dtype=torch.float32
+        ).reshape(num_seqs, 3),
+        device,
+    )
     # The prompt matters only to the repetition penalty: skip long prompts of the other rows.
     rep_rows = [i for i in active if params[i].repetition_penalty != 1.0]
     prompt_mask = _scatter_rows((num_seqs, vocab_size), rep_rows, prompt_token_ids, torch.bool, device)
@@ -74,16 +88,16 @@ def select_penalty_rows(penalties: PenaltyTensors, index: Tensor) -> PenaltyTens
     return PenaltyTensors(*(t.index_select(0, index) for t in penalties))
 
 
-def add_output_tokens(penalties: PenaltyTensors, row_ids: Sequence[int],
-                      token_ids: Sequence[int]) -> PenaltyTensors:
+def add_output_tokens(penalties: PenaltyTensors, row_ids: Sequence[int], token_ids: Sequence[int]) -> PenaltyTensors:
     """Counts as if row_ids[i] had also emitted token_ids[i] (drafts assumed accepted)."""
     if not row_ids:
         return penalties
     device = penalties.output_counts.device
     index = h2d(torch.tensor([list(row_ids), list(token_ids)], dtype=torch.int64), device)
     counts = penalties.output_counts.clone()
-    counts.index_put_((index[0], index[1]), torch.ones(index.shape[1], dtype=counts.dtype, device=device),
-                      accumulate=True)
+    counts.index_put_(
+        (index[0], index[1]), torch.ones(index.shape[1], dtype=counts.dtype, device=device), accumulate=True
+    )
     return penalties._replace(output_counts=counts)
 
 

@@ -22,6 +22,7 @@ reads it back, and compares the drafts on the host (numpy). Other batches send e
 need in one packed copy (`h2d_packed`); index arithmetic that depends only on the numbers of
 drafts is cached by them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,6 +47,7 @@ class RejectionOutput(NamedTuple):
 class _Layout(NamedTuple):
     """Where each draft and each sequence's positions live in the flat tensors: host arrays that
     depend only on the numbers of drafts (`layout`, cached by them; read-only)."""
+
     num_drafts: tuple[int, ...]  # [num_seqs] k_i
     total: int  # sum of k_i
     max_k: int
@@ -73,6 +75,7 @@ def layout(num_drafts: tuple[int, ...]) -> _Layout:
 
 class _DeviceLayout(NamedTuple):
     """The random path's indices on the device (one packed copy); None where not needed."""
+
     draft_ids: Tensor  # [total] int64
     target_index: Tensor  # [total] flat index of (draft_target_row, draft id) in target_probs
     draft_index: Tensor | None  # [total] flat index of (draft, draft id) in draft_probs
@@ -83,8 +86,15 @@ class _DeviceLayout(NamedTuple):
     seq_draft_start: Tensor  # [num_seqs]
 
     @classmethod
-    def send(cls, lay: _Layout, draft_ids: np.ndarray, vocab: int, with_draft_probs: bool,
-             meta: SamplingMetadata, device: torch.device) -> _DeviceLayout:
+    def send(
+        cls,
+        lay: _Layout,
+        draft_ids: np.ndarray,
+        vocab: int,
+        with_draft_probs: bool,
+        meta: SamplingMetadata,
+        device: torch.device,
+    ) -> _DeviceLayout:
         per_draft = [draft_ids, lay.draft_target_row * vocab + draft_ids]
         if with_draft_probs:
             per_draft.append(np.arange(lay.total) * vocab + draft_ids)
@@ -95,25 +105,30 @@ class _DeviceLayout(NamedTuple):
         per_seq = [lay.num_drafts, lay.seq_target_start, lay.seq_draft_start]
         sent = iter(h2d_packed(per_draft + per_seq, device))
         ids, target_index = next(sent), next(sent)
-        draft_index, random_draft, pad_index = (next(sent) if use else None for use in (
-            with_draft_probs, meta.greedy_mask is not None, not lay.uniform))
+        draft_index, random_draft, pad_index = (
+            next(sent) if use else None for use in (with_draft_probs, meta.greedy_mask is not None, not lay.uniform)
+        )
         return cls(ids, target_index, draft_index, random_draft, pad_index, *sent)
 
 
-def _check_shapes(lay: _Layout, draft_ids: np.ndarray, draft_probs: Tensor | None, target_logits: Tensor,
-                  meta: SamplingMetadata) -> None:
+def _check_shapes(
+    lay: _Layout, draft_ids: np.ndarray, draft_probs: Tensor | None, target_logits: Tensor, meta: SamplingMetadata
+) -> None:
     num_seqs, total, vocab = len(lay.num_drafts), lay.total, target_logits.shape[-1]
     if meta.num_seqs != num_seqs:
         raise ValueError(f"metadata has {meta.num_seqs} rows, draft_token_ids has {num_seqs}.")
     if target_logits.dim() != 2 or target_logits.shape[0] != total + num_seqs:
-        raise ValueError(f"target_logits must be [total_draft_tokens + num_seqs = {total + num_seqs}, "
-                         f"vocab], got {tuple(target_logits.shape)}.")
+        raise ValueError(
+            f"target_logits must be [total_draft_tokens + num_seqs = {total + num_seqs}, "
+            f"vocab], got {tuple(target_logits.shape)}."
+        )
     if vocab != meta.vocab_size:
-        raise ValueError(f"logits have {vocab} columns, metadata was built for vocab_size="
-                         f"{meta.vocab_size}; slice padded vocab columns off before sampling.")
+        raise ValueError(
+            f"logits have {vocab} columns, metadata was built for vocab_size="
+            f"{meta.vocab_size}; slice padded vocab columns off before sampling."
+        )
     if draft_probs is not None and tuple(draft_probs.shape) != (total, vocab):
-        raise ValueError(f"draft_probs must be [total_draft_tokens = {total}, vocab], "
-                         f"got {tuple(draft_probs.shape)}.")
+        raise ValueError(f"draft_probs must be [total_draft_tokens = {total}, vocab], got {tuple(draft_probs.shape)}.")
     if total and int(draft_ids.view(np.uint64).max()) >= vocab:  # negative ids view as >= 2**63
         # Out-of-range ids would be a device-side assert on GPU, which kills the process.
         raise ValueError(f"draft_token_ids must be in [0, {vocab}).")
@@ -138,8 +153,13 @@ class RejectionSampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
-    def __call__(self, draft_token_ids: Sequence[Sequence[int]], draft_probs: Tensor | None,
-                 target_logits: Tensor, meta: SamplingMetadata) -> RejectionOutput:
+    def __call__(
+        self,
+        draft_token_ids: Sequence[Sequence[int]],
+        draft_probs: Tensor | None,
+        target_logits: Tensor,
+        meta: SamplingMetadata,
+    ) -> RejectionOutput:
         """draft_token_ids: per sequence, k_i >= 0 drafted tokens.
         draft_probs: [total_draft_tokens, vocab], the distributions the drafts were sampled from
             (after the drafter's own temperature/top-k/top-p), or None for one-hot drafts.
@@ -161,9 +181,15 @@ class RejectionSampler:
         outputs = [list(drafts[:n]) + [t] for drafts, n, t in zip(draft_token_ids, counts, tokens)]
         return RejectionOutput(outputs, counts)
 
-    def _random(self, lay: _Layout, draft_ids: np.ndarray, draft_token_ids: Sequence[Sequence[int]],
-                draft_probs: Tensor | None, target_logits: Tensor, meta: SamplingMetadata
-                ) -> tuple[list[int], list[int]]:
+    def _random(
+        self,
+        lay: _Layout,
+        draft_ids: np.ndarray,
+        draft_token_ids: Sequence[Sequence[int]],
+        draft_probs: Tensor | None,
+        target_logits: Tensor,
+        meta: SamplingMetadata,
+    ) -> tuple[list[int], list[int]]:
         """Batches with a random row, on the device: (accepted counts, final tokens), one read-back."""
         device = target_logits.device
         target_probs = compute_target_probs(target_logits, meta.expand_for_drafts(draft_token_ids))
@@ -182,11 +208,12 @@ class RejectionSampler:
         for i in seeded:
             if lay.num_drafts[i]:
                 start = int(lay.seq_draft_start[i])
-                uniform[start:start + lay.num_drafts[i]].uniform_(generator=meta.generators[i])
+                uniform[start : start + lay.num_drafts[i]].uniform_(generator=meta.generators[i])
         return uniform
 
-    def _num_accepted(self, lay: _Layout, dev: _DeviceLayout, draft_probs: Tensor | None,
-                      target_probs: Tensor, meta: SamplingMetadata) -> Tensor:
+    def _num_accepted(
+        self, lay: _Layout, dev: _DeviceLayout, draft_probs: Tensor | None, target_probs: Tensor, meta: SamplingMetadata
+    ) -> Tensor:
         """[num_seqs] int64: length of each sequence's accepted draft prefix."""
         num_seqs, max_k = meta.num_seqs, lay.max_k
         device = target_probs.device
@@ -210,15 +237,23 @@ class RejectionSampler:
         # Accepted prefix = drafts before the first rejection.
         return padded.cumprod(dim=1).sum(dim=1)
 
-    def _final_tokens(self, lay: _Layout, dev: _DeviceLayout, num_accepted: Tensor,
-                      draft_probs: Tensor | None, target_probs: Tensor, meta: SamplingMetadata) -> Tensor:
+    def _final_tokens(
+        self,
+        lay: _Layout,
+        dev: _DeviceLayout,
+        num_accepted: Tensor,
+        draft_probs: Tensor | None,
+        target_probs: Tensor,
+        meta: SamplingMetadata,
+    ) -> Tensor:
         """[num_seqs] int64: the recovered token at the first rejection, else the bonus token."""
         final_probs = target_probs.index_select(0, dev.seq_target_start + num_accepted)  # [num_seqs, vocab]
         residual = final_probs
         if lay.total > 0:
             residual = _residual(lay, dev, num_accepted, draft_probs, final_probs)
-        noise = draw_exponential(meta.num_seqs, final_probs.shape[1], meta.generators,
-                                 self.generator, final_probs.device)
+        noise = draw_exponential(
+            meta.num_seqs, final_probs.shape[1], meta.generators, self.generator, final_probs.device
+        )
         tokens = random_sample(residual, noise)
         if meta.greedy_mask is not None:
             # Greedy rows: one-hot at the target argmax, which differs from a rejected draft.
@@ -226,8 +261,13 @@ class RejectionSampler:
         return tokens
 
 
-def _greedy(lay: _Layout, draft_ids: np.ndarray, draft_token_ids: Sequence[Sequence[int]],
-            target_logits: Tensor, meta: SamplingMetadata) -> tuple[list[int], list[int]]:
+def _greedy(
+    lay: _Layout,
+    draft_ids: np.ndarray,
+    draft_token_ids: Sequence[Sequence[int]],
+    target_logits: Tensor,
+    meta: SamplingMetadata,
+) -> tuple[list[int], list[int]]:
     """All rows greedy: every position's target token is the argmax of its (penalized) logits;
     one argmax on the device, one read-back, the comparison on the host."""
     logits = target_logits
@@ -240,8 +280,9 @@ def _greedy(lay: _Layout, draft_ids: np.ndarray, draft_token_ids: Sequence[Seque
     return counts.tolist(), targets[lay.seq_target_start + counts].tolist()
 
 
-def _residual(lay: _Layout, dev: _DeviceLayout, num_accepted: Tensor, draft_probs: Tensor | None,
-              final_probs: Tensor) -> Tensor:
+def _residual(
+    lay: _Layout, dev: _DeviceLayout, num_accepted: Tensor, draft_probs: Tensor | None, final_probs: Tensor
+) -> Tensor:
     """max(0, target_probs - draft_probs) at the first rejected position, unnormalized (the
     exponential race does not need it); the target itself for rows that accepted everything."""
     rejected = num_accepted < dev.seq_num_drafts  # [num_seqs]

@@ -12,6 +12,7 @@ token i with probability probs[i] / sum(probs) (Gumbel-max in another form) and 
 normalization and no host sync. A seeded row draws its noise from its own torch.Generator, exactly
 `vocab` draws per step, so its tokens do not depend on the rest of the batch.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from specserve.sample.penalties import apply_penalties
 
 class LogprobsTensors(NamedTuple):
     """Log-probabilities from the log-softmax of the RAW logits (vLLM's default `raw_logprobs`)."""
+
     logprob_token_ids: Tensor  # [num_seqs, max_num_logprobs + 1] int64; column 0 = sampled token
     logprobs: Tensor  # [num_seqs, max_num_logprobs + 1] float32; columns 1.. = top-N, descending
     sampled_token_ranks: Tensor  # [num_seqs] int64; 1 = the most likely token
@@ -40,8 +42,10 @@ def _check_logits(logits: Tensor, meta: SamplingMetadata) -> None:
     if logits.dim() != 2 or logits.shape[0] != meta.num_seqs:
         raise ValueError(f"logits must be [num_seqs={meta.num_seqs}, vocab], got {tuple(logits.shape)}.")
     if logits.shape[1] != meta.vocab_size:
-        raise ValueError(f"logits have {logits.shape[1]} columns, metadata was built for vocab_size="
-                         f"{meta.vocab_size}; slice padded vocab columns off before sampling.")
+        raise ValueError(
+            f"logits have {logits.shape[1]} columns, metadata was built for vocab_size="
+            f"{meta.vocab_size}; slice padded vocab columns off before sampling."
+        )
 
 
 def penalized_logits(logits: Tensor, meta: SamplingMetadata) -> Tensor:
@@ -103,8 +107,7 @@ def _one_hot(token_ids: Tensor, vocab_size: int) -> Tensor:
     return out.scatter_(1, token_ids.unsqueeze(1), 1.0)
 
 
-def compute_target_probs(logits: Tensor, meta: SamplingMetadata,
-                         row_index_map: Sequence[int] | None = None) -> Tensor:
+def compute_target_probs(logits: Tensor, meta: SamplingMetadata, row_index_map: Sequence[int] | None = None) -> Tensor:
     """The distribution the Sampler samples from, after every processing stage.
 
     logits: [N, vocab]; returns [N, vocab] float32, rows summing to 1. Greedy rows are one-hot at
@@ -126,8 +129,13 @@ def compute_target_probs(logits: Tensor, meta: SamplingMetadata,
     return probs
 
 
-def draw_exponential(num_rows: int, vocab_size: int, generators: Sequence[torch.Generator | None],
-                     default_generator: torch.Generator | None, device: torch.device) -> Tensor:
+def draw_exponential(
+    num_rows: int,
+    vocab_size: int,
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator | None,
+    device: torch.device,
+) -> Tensor:
     """[num_rows, vocab] Exp(1) noise; row i from generators[i] when it has one."""
     noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
     seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
@@ -154,8 +162,9 @@ def compute_logprobs(logits: Tensor, token_ids: Tensor, num_logprobs: int) -> Lo
     # vLLM's rank: how many tokens are at least as likely as the sampled one.
     ranks = (logprobs >= sampled).sum(dim=-1)
     top_logprobs, top_ids = logprobs.topk(min(num_logprobs, logprobs.shape[1]), dim=-1)
-    return LogprobsTensors(torch.cat([token_ids.unsqueeze(1), top_ids], dim=1),
-                           torch.cat([sampled, top_logprobs], dim=1), ranks)
+    return LogprobsTensors(
+        torch.cat([token_ids.unsqueeze(1), top_ids], dim=1), torch.cat([sampled, top_logprobs], dim=1), ranks
+    )
 
 
 class Sampler:
@@ -174,8 +183,7 @@ class Sampler:
             token_ids = penalized.argmax(dim=-1)
         else:
             probs = _random_probs(penalized, meta)
-            noise = draw_exponential(meta.num_seqs, meta.vocab_size, meta.generators,
-                                     self.generator, logits.device)
+            noise = draw_exponential(meta.num_seqs, meta.vocab_size, meta.generators, self.generator, logits.device)
             token_ids = random_sample(probs, noise)
             if meta.greedy_mask is not None:
                 token_ids = torch.where(meta.greedy_mask, penalized.argmax(dim=-1), token_ids)

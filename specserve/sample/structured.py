@@ -17,6 +17,7 @@ When the work happens (so the masks are ready before the logits are):
 Invariant: a matcher is used by one thread at a time. The main thread touches a request's
 matcher only after waiting for that request's pending job (`_wait`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,13 +37,18 @@ from specserve.scheduler.request import Request
 logger = logging.getLogger(__name__)
 
 # vLLM's pre-`structured_outputs` extra fields (still sent by many clients) -> our kinds.
-_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-           ("guided_grammar", "grammar"))
+_GUIDED = (
+    ("guided_json", "json"),
+    ("guided_regex", "regex"),
+    ("guided_choice", "choice"),
+    ("guided_grammar", "grammar"),
+)
 
 
 # -- request-level API (no tokenizer needed) ----------------------------------------------------
-def validate_structured_outputs(spec: dict[str, Any] | None, field: str = FIELD,
-                                value_label: str | None = None) -> None:
+def validate_structured_outputs(
+    spec: dict[str, Any] | None, field: str = FIELD, value_label: str | None = None
+) -> None:
     """Shape and syntax check of a `structured_outputs` dict (schema, regex, EBNF), without a
     tokenizer: usable from SamplingParams validation. Raises ValueError naming the field."""
     parsed = parse_structured_outputs(spec, field, value_label)
@@ -50,8 +56,9 @@ def validate_structured_outputs(spec: dict[str, Any] | None, field: str = FIELD,
         build_grammar(parsed, field, value_label)
 
 
-def structured_from_openai(response_format: dict[str, Any] | None,
-                           extra: dict[str, Any] | None) -> dict[str, Any] | None:
+def structured_from_openai(
+    response_format: dict[str, Any] | None, extra: dict[str, Any] | None
+) -> dict[str, Any] | None:
     """Map an OpenAI `response_format` and vLLM extra-body fields (`structured_outputs`,
     `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`) to a
     `SamplingParams.structured_outputs` dict; None when the output is unconstrained.
@@ -78,8 +85,10 @@ def structured_from_openai(response_format: dict[str, Any] | None,
     if not found:
         return None
     if len(found) > 1:
-        raise ValueError("only one of response_format, structured_outputs, guided_json, guided_regex, "
-                         f"guided_choice and guided_grammar may be given, got {[f[0] for f in found]}.")
+        raise ValueError(
+            "only one of response_format, structured_outputs, guided_json, guided_regex, "
+            f"guided_choice and guided_grammar may be given, got {[f[0] for f in found]}."
+        )
     field, mapped_so, label = found[0]
     validate_structured_outputs(mapped_so, field, label)
     return mapped_so
@@ -104,8 +113,7 @@ def _from_response_format(rf: Any) -> tuple[str, dict[str, Any], str | None] | N
             raise ValueError("response_format.json_schema.schema is required.")
         # `strict` is accepted and ignored: the grammar is always strict (no unlisted properties).
         return "response_format", {"json": schema}, "response_format.json_schema.schema"
-    raise ValueError("response_format.type must be 'text', 'json_object' or 'json_schema', "
-                     f"got {kind!r}.")
+    raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}.")
 
 
 # -- masks ---------------------------------------------------------------------------------------
@@ -144,8 +152,7 @@ class _GrammarState:
 class StructuredOutputs:
     """Grammar state of the engine's structured requests; see the module docstring."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
-                 cache_size: int = 128) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 128) -> None:
         self.cache = GrammarCache(tokenizer, vocab_size, eos_token_ids, cache_size)
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
@@ -220,7 +227,7 @@ class StructuredOutputs:
         for req, k in zip(reqs, num_spec):
             st = self._states.get(req.request_id)
             if st is not None:
-                rows.append(self._masks_for(st, tuple(req.spec_token_ids[:k])).bitmask[:k + 1])
+                rows.append(self._masks_for(st, tuple(req.spec_token_ids[:k])).bitmask[: k + 1])
                 row_ids.extend(range(start, start + k + 1))
             start += k + 1
         if not rows:
@@ -231,7 +238,7 @@ class StructuredOutputs:
         self._wait(st)
         masks = st.masks
         # The scheduler may have dropped trailing drafts (budget, context end): a prefix still fits.
-        if masks is None or masks.drafts[:len(drafts)] != drafts:
+        if masks is None or masks.drafts[: len(drafts)] != drafts:
             self.num_sync_fills += 1
             masks = st.masks = _fill_masks(st.matcher, drafts, self.num_words)
         return masks
@@ -247,8 +254,9 @@ class StructuredOutputs:
         st.masks = None
         for token in token_ids:
             if st.matcher.is_terminated() or not st.matcher.accept_token(token):
-                logger.warning("request %s: token %d violates its %s; ending the request.",
-                               req.request_id, token, FIELD)
+                logger.warning(
+                    "request %s: token %d violates its %s; ending the request.", req.request_id, token, FIELD
+                )
                 return True
         return st.matcher.is_terminated()
 

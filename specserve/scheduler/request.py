@@ -1,4 +1,5 @@
 """Request: one sequence's state as the scheduler and runner see it."""
+
 from __future__ import annotations
 
 import enum
@@ -23,8 +24,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
 @dataclass
@@ -109,14 +109,14 @@ class Request:
     def drop_pending_tokens(self) -> None:
         """Finished or aborted: sampled tokens still in flight will never count."""
         if self.num_pending_tokens:
-            del self.all_token_ids[-self.num_pending_tokens:]
+            del self.all_token_ids[-self.num_pending_tokens :]
             self.num_pending_tokens = 0
 
     def finishes_by_length_on_pending(self, max_model_len: int) -> bool:
         """The pending tokens end the request by length whatever they are: no step for it needed."""
         return self.num_pending_tokens > 0 and (
-            self.num_output_tokens + self.num_pending_tokens >= self.max_tokens
-            or self.num_tokens >= max_model_len)
+            self.num_output_tokens + self.num_pending_tokens >= self.max_tokens or self.num_tokens >= max_model_len
+        )
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -14,6 +14,7 @@ None): while at most `PIECE_MAX_SEQS` requests are live, a prompt of up to PIECE
 piece at a time, so each step replays a captured graph instead of running an eager forward, whose
 host-side launch cost dwarfs a short prefill's GPU work.
 """
+
 from __future__ import annotations
 
 import time
@@ -56,9 +57,16 @@ PIECE_MAX_SEQS = 2  # runner/cuda_graph.py PREFILL_MAX_BATCH: prefill graphs exi
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True, num_lookahead_tokens: int = 0,
-                 prefill_piece: int | None = None) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        num_lookahead_tokens: int = 0,
+        prefill_piece: int | None = None,
+    ) -> None:
         """num_lookahead_tokens: KV slots kept per request for drafts; prefill_piece: see the module doc."""
         self.kv = kv
         self.prefill_piece = prefill_piece
@@ -142,9 +150,14 @@ class Scheduler:
         """num_new, or one graph piece of it: a prefill (no drafts) of more than one piece and at most
         PIECES, while at most PIECE_MAX_SEQS requests are live and none scores its prompt."""
         piece = self.prefill_piece
-        if (piece is None or not piece < num_new <= PIECES * piece or req.spec_token_ids
-                or len(self.running) + len(self.waiting) > PIECE_MAX_SEQS or req.needs_prompt_logprobs
-                or not self.enable_chunked_prefill):
+        if (
+            piece is None
+            or not piece < num_new <= PIECES * piece
+            or req.spec_token_ids
+            or len(self.running) + len(self.waiting) > PIECE_MAX_SEQS
+            or req.needs_prompt_logprobs
+            or not self.enable_chunked_prefill
+        ):
             return num_new
         return piece
 

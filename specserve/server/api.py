@@ -5,6 +5,7 @@ the OpenAI error body, never FastAPI's 422), and every error leaves the server a
 without a stack trace. Auth and the Content-Length check are a pure ASGI middleware (Starlette's
 BaseHTTPMiddleware would break disconnect detection of streaming responses).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -84,12 +85,14 @@ class GuardMiddleware:
                 return APIError("Incorrect API key provided.", 401, code="invalid_api_key")
         media_type = headers.get("content-type", "").split(";")[0].strip().lower()
         if method == "POST" and media_type != "application/json":
-            return APIError(f"Content-Type must be application/json, got {media_type or 'none'}", 415,
-                            code="unsupported_media_type")
+            return APIError(
+                f"Content-Type must be application/json, got {media_type or 'none'}", 415, code="unsupported_media_type"
+            )
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            return APIError(f"request body exceeds the limit of {self.max_body_bytes} bytes", 413,
-                            code="request_too_large")
+            return APIError(
+                f"request body exceeds the limit of {self.max_body_bytes} bytes", 413, code="request_too_large"
+            )
         return None
 
 
@@ -121,8 +124,15 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
     metrics = PrometheusMetrics(engine.stats, settings.metrics_prefix)
     spec = engine.config.speculative
     if spec is not None:  # what `advise` sizes k against (the controller's choices are other series)
-        engine.stats.set("spec_decode_config_info", 1, {"method": spec.method, "adaptive": str(spec.adaptive),
-                                                        "num_speculative_tokens": str(spec.num_speculative_tokens)})
+        engine.stats.set(
+            "spec_decode_config_info",
+            1,
+            {
+                "method": spec.method,
+                "adaptive": str(spec.adaptive),
+                "num_speculative_tokens": str(spec.num_speculative_tokens),
+            },
+        )
     limit = settings.max_request_body_bytes
 
     @contextlib.asynccontextmanager
@@ -151,8 +161,11 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
         req = parse_model(ChatCompletionRequest, await read_json(request, limit))
         if req.chat_template is not None and not settings.trust_request_chat_template:
             # As vLLM: a client's Jinja runs in a sandbox but may still loop for long; opt in.
-            raise APIError("a chat_template in the request needs the server started with "
-                           "--trust-request-chat-template", param="chat_template", code="unsupported")
+            raise APIError(
+                "a chat_template in the request needs the server started with --trust-request-chat-template",
+                param="chat_template",
+                code="unsupported",
+            )
         return await create_chat_completion(engine, req, request)
 
     card = ModelCard(id=engine.model_name, root=engine.config.model.model, max_model_len=engine.max_model_len)
@@ -227,8 +240,13 @@ def _add_error_handlers(app: FastAPI) -> None:
 def uvicorn_config(app: FastAPI, settings: ServerConfig, **overrides: Any) -> uvicorn.Config:
     # uvicorn's own timeout is only a backstop: it cancels tasks, which logs tracebacks, so
     # SpecserveServer ends in-flight requests itself before it fires.
-    kw: dict[str, Any] = {"host": settings.host, "port": settings.port, "log_level": settings.uvicorn_log_level,
-                          "timeout_graceful_shutdown": settings.graceful_shutdown_timeout + 5.0, "lifespan": "on"}
+    kw: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.uvicorn_log_level,
+        "timeout_graceful_shutdown": settings.graceful_shutdown_timeout + 5.0,
+        "lifespan": "on",
+    }
     kw.update(overrides)
     return uvicorn.Config(app, **kw)
 

@@ -3,6 +3,7 @@
 Each subcommand imports what it needs only when it runs, so `specserve models list` never loads
 torch or the web stack. Exit codes: 0 ok, 1 runtime failure, 2 bad arguments/configuration.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,9 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
 
 
 def _config_or_exit(prog: str, build: Callable[[], T]) -> T:
@@ -65,8 +67,7 @@ def serve_main(argv: Sequence[str]) -> int:
     cli_args.add_data_parallel_args(parser)
     args = parser.parse_args(argv)
     settings = _config_or_exit("specserve serve", lambda: cli_args.server_config(args))
-    config = _config_or_exit("specserve serve",
-                             lambda: EngineConfig.from_kwargs(**cli_args.engine_kwargs(args)))
+    config = _config_or_exit("specserve serve", lambda: EngineConfig.from_kwargs(**cli_args.engine_kwargs(args)))
     _setup_logging()
     if _config_or_exit("specserve serve", lambda: cli_args.wants_data_parallel(args)):
         return _serve_ray(cli_args.engine_kwargs(args), settings, args)
@@ -100,8 +101,10 @@ def _serve_ray(engine_kwargs: dict[str, Any], settings: ServerConfig, args: argp
     except ModuleNotFoundError as e:
         if e.name is None or not e.name.startswith("ray"):
             raise
-        print("specserve serve: error: --data-parallel-backend ray needs Ray Serve: "
-              "pip install 'specserve[ray]'", file=sys.stderr)
+        print(
+            "specserve serve: error: --data-parallel-backend ray needs Ray Serve: pip install 'specserve[ray]'",
+            file=sys.stderr,
+        )
         return 2
     return serve_ray(engine_kwargs, settings, args.data_parallel_size, args.ray_address)
 
@@ -153,8 +156,11 @@ def generate_main(argv: Sequence[str]) -> int:
         for c in out.outputs:
             num_tokens += len(c.token_ids)
             print(c.text if single else f"--- [{c.index}] {out.prompt!r}\n{c.text}")
-    print(f"\n{len(outputs)} prompt(s), {num_tokens} tokens in {elapsed:.2f} s "
-          f"({num_tokens / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    print(
+        f"\n{len(outputs)} prompt(s), {num_tokens} tokens in {elapsed:.2f} s "
+        f"({num_tokens / max(elapsed, 1e-9):.1f} tokens/s)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -218,8 +224,7 @@ _RUNNERS: dict[str, Callable[[Sequence[str]], int]] = {
     "generate": generate_main,
     "chat": chat_main,
     "bench": lambda argv: _delegate_args("specserve.bench.serving", "add_bench_args", "bench_main", "bench", argv),
-    "advise": lambda argv: _delegate_args("specserve.bench.advise", "add_advise_args", "advise_main", "advise",
-                                          argv),
+    "advise": lambda argv: _delegate_args("specserve.bench.advise", "add_advise_args", "advise_main", "advise", argv),
     "models": models_main,
     "train-draft": train_draft_main,
 }

@@ -4,6 +4,7 @@ The flag is the field name with `_` -> `-` (vLLM's names). Flags default to "not
 (argparse.SUPPRESS): only what the user typed reaches `EngineConfig.from_kwargs`, and the
 dataclass defaults stay the single source of defaults. This module imports no server stack.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,14 +23,19 @@ from specserve import config as cfg
 from specserve import envs
 from specserve.sampling_params import SamplingParams
 
-_CHOICES = {"dtype": cfg.DTYPES, "kv_cache_dtype": cfg.KV_CACHE_DTYPES, "load_format": cfg.LOAD_FORMATS,
-            "metrics_prefix": ("specserve", "vllm")}
+_CHOICES = {
+    "dtype": cfg.DTYPES,
+    "kv_cache_dtype": cfg.KV_CACHE_DTYPES,
+    "load_format": cfg.LOAD_FORMATS,
+    "metrics_prefix": ("specserve", "vllm"),
+}
 # Help for config fields that carry none in their metadata.
-_HELP = {"tensor_parallel_size": "GPUs to shard the model over",
-         "kv_offload_cpu_bytes": "CPU tier for evicted KV blocks, bytes (0 = off; accepts 4G)",
-         "kv_offload_disk_path": "directory of the disk tier for evicted KV blocks "
-                                 "(needs --kv-offload-disk-bytes)",
-         "kv_offload_disk_bytes": "disk tier size, bytes (accepts 100G; needs --kv-offload-disk-path)"}
+_HELP = {
+    "tensor_parallel_size": "GPUs to shard the model over",
+    "kv_offload_cpu_bytes": "CPU tier for evicted KV blocks, bytes (0 = off; accepts 4G)",
+    "kv_offload_disk_path": "directory of the disk tier for evicted KV blocks (needs --kv-offload-disk-bytes)",
+    "kv_offload_disk_bytes": "disk tier size, bytes (accepts 100G; needs --kv-offload-disk-path)",
+}
 _ENGINE_SECTIONS = (cfg.ModelConfig, cfg.CacheConfig, cfg.SchedulerConfig, cfg.ParallelConfig)
 # Engine config fields that only the HTTP server reads: `serve` has them, `generate` / `chat` do not.
 SERVER_ONLY_FIELDS = frozenset({"served_model_name", "max_num_queued_requests"})
@@ -43,20 +49,30 @@ class ServerConfig:
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=8000, metadata={"help": "port to bind"})
-    api_key: str | None = field(default=None, repr=False, metadata={
-        "help": "require `Authorization: Bearer KEY` (/health and /metrics stay open); other local users "
-                "see it in `ps`: prefer SPECSERVE_API_KEY or --api-key-file"})
+    api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "require `Authorization: Bearer KEY` (/health and /metrics stay open); other local users "
+            "see it in `ps`: prefer SPECSERVE_API_KEY or --api-key-file"
+        },
+    )
     api_key_file: str | None = field(default=None, metadata={"help": "read the API key from this file's first line"})
-    metrics_prefix: str = field(default="specserve", metadata={
-        "help": "metric name prefix: specserve | vllm (for dashboards built for vLLM)"})
-    max_request_body_bytes: int = field(default=16 << 20, metadata={
-        "help": "larger request bodies get 413 (accepts 512K, 16M, ...)"})
+    metrics_prefix: str = field(
+        default="specserve", metadata={"help": "metric name prefix: specserve | vllm (for dashboards built for vLLM)"}
+    )
+    max_request_body_bytes: int = field(
+        default=16 << 20, metadata={"help": "larger request bodies get 413 (accepts 512K, 16M, ...)"}
+    )
     log_interval: float = field(default=10.0, metadata={"help": "seconds between stats log lines; 0 = off"})
-    graceful_shutdown_timeout: float = field(default=5.0, metadata={
-        "help": "on SIGTERM, seconds in-flight requests may run before they are aborted"})
+    graceful_shutdown_timeout: float = field(
+        default=5.0, metadata={"help": "on SIGTERM, seconds in-flight requests may run before they are aborted"}
+    )
     uvicorn_log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
-    trust_request_chat_template: bool = field(default=False, metadata={
-        "help": "accept a chat_template sent with a chat request (vLLM's flag; off: such requests get 400)"})
+    trust_request_chat_template: bool = field(
+        default=False,
+        metadata={"help": "accept a chat_template sent with a chat request (vLLM's flag; off: such requests get 400)"},
+    )
 
     def __post_init__(self) -> None:
         if self.metrics_prefix not in ("specserve", "vllm"):
@@ -96,8 +112,9 @@ def _base_type(hint: Any) -> Any:
     return typing.get_origin(hint) or hint
 
 
-def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, dest: str,
-               flag: str | None = None) -> None:
+def _add_field(
+    group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, dest: str, flag: str | None = None
+) -> None:
     base = _base_type(hint)
     default = f.default if f.default is not dataclasses.MISSING else None
     help_ = f.metadata.get("help") or _HELP.get(dest, "")
@@ -119,8 +136,9 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, 
     group.add_argument(flag or "--" + dest.replace("_", "-"), **kw)
 
 
-def _add_dataclass(group: argparse._ArgumentGroup, cls: type, skip: frozenset[str] = frozenset(),
-                   prefix: str = "") -> None:
+def _add_dataclass(
+    group: argparse._ArgumentGroup, cls: type, skip: frozenset[str] = frozenset(), prefix: str = ""
+) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name not in skip:
@@ -130,19 +148,35 @@ def _add_dataclass(group: argparse._ArgumentGroup, cls: type, skip: frozenset[st
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
     """Engine flags; MODEL is an optional positional (and --model) defaulting to the catalog default."""
     if positional_model:
-        parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
-                            help=f"catalog name, model dir, .gguf file or HF id (default: {cfg.DEFAULT_MODEL})")
+        parser.add_argument(
+            "model_tag",
+            nargs="?",
+            metavar="MODEL",
+            default=None,
+            help=f"catalog name, model dir, .gguf file or HF id (default: {cfg.DEFAULT_MODEL})",
+        )
     group = parser.add_argument_group("engine")
     for cls in _ENGINE_SECTIONS:
         _add_dataclass(group, cls, skip=SERVER_ONLY_FIELDS)
     _add_dataclass(group, cfg.OffloadConfig, prefix="kv_offload_")
-    group.add_argument("--speculative-config", dest="speculative_config", default=argparse.SUPPRESS,
-                       metavar="JSON", help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
-    group.add_argument("--device", dest="device", default=argparse.SUPPRESS,
-                       help="auto | cpu | cuda | cuda:N (default: auto)")
-    group.add_argument("--num-threads", dest="num_threads", type=int, default=None,
-                       help="torch CPU threads (default: the CPU cores this process may use, minus one "
-                            "for the Python threads, at most what torch picks or OMP_NUM_THREADS sets)")
+    group.add_argument(
+        "--speculative-config",
+        dest="speculative_config",
+        default=argparse.SUPPRESS,
+        metavar="JSON",
+        help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
+    )
+    group.add_argument(
+        "--device", dest="device", default=argparse.SUPPRESS, help="auto | cpu | cuda | cuda:N (default: auto)"
+    )
+    group.add_argument(
+        "--num-threads",
+        dest="num_threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: the CPU cores this process may use, minus one "
+        "for the Python threads, at most what torch picks or OMP_NUM_THREADS sets)",
+    )
 
 
 def available_cpus() -> int:
@@ -183,8 +217,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for name in names | {"speculative_config", "device"}:
         if name in values:
             kw[name] = values[name]
-    offload = {f.name: values[f"kv_offload_{f.name}"] for f in dataclasses.fields(cfg.OffloadConfig)
-               if f"kv_offload_{f.name}" in values}
+    offload = {
+        f.name: values[f"kv_offload_{f.name}"]
+        for f in dataclasses.fields(cfg.OffloadConfig)
+        if f"kv_offload_{f.name}" in values
+    }
     if offload:
         kw["kv_offload"] = offload
     return kw
@@ -205,12 +242,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's data-parallel flags of `serve`; replicas run on Ray Serve (`specserve.ray`)."""
     group = parser.add_argument_group("data parallel")
-    group.add_argument("--data-parallel-size", type=int, default=1,
-                       help="engine replicas behind one front door (default: 1)")
-    group.add_argument("--data-parallel-backend", choices=("ray",), default=None,
-                       help="ray: replicas as a Ray Serve application (pip install 'specserve[ray]')")
-    group.add_argument("--ray-address", default=None,
-                       help="join this Ray cluster (default: start a local Ray instance)")
+    group.add_argument(
+        "--data-parallel-size", type=int, default=1, help="engine replicas behind one front door (default: 1)"
+    )
+    group.add_argument(
+        "--data-parallel-backend",
+        choices=("ray",),
+        default=None,
+        help="ray: replicas as a Ray Serve application (pip install 'specserve[ray]')",
+    )
+    group.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster (default: start a local Ray instance)"
+    )
 
 
 def wants_data_parallel(args: argparse.Namespace) -> bool:
@@ -251,6 +294,15 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          n=args.n, stop=args.stop, ignore_eos=args.ignore_eos, seed=args.sampling_seed)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        n=args.n,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        seed=args.sampling_seed,
+    )

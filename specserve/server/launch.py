@@ -10,12 +10,13 @@ usual: its engine finds the group already made and adopts it instead of starting
 other ranks parse the same engine flags, build their shard with the same collectives, and serve
 steps until rank 0 shuts down. If any rank dies, torchrun stops the others.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,8 +39,10 @@ def _run_worker(argv: Sequence[str], device: torch.device) -> int:
 
     config = _engine_config(argv)
     if config.parallel.tensor_parallel_size != dist.get_world_size():
-        raise SystemExit(f"--tensor-parallel-size {config.parallel.tensor_parallel_size} must equal "
-                         f"torchrun's world size {dist.get_world_size()}.")
+        raise SystemExit(
+            f"--tensor-parallel-size {config.parallel.tensor_parallel_size} must equal "
+            f"torchrun's world size {dist.get_world_size()}."
+        )
     group = adopt_default_group(device)
     runner = build_rank_runner(config, group, device, progress=False)
     serve_steps(runner, group)

@@ -7,6 +7,7 @@ fields are ignored, as OpenAI and vLLM do. JSON null for any optional field mean
 Value ranges are checked by SamplingParams, which names the field in its error; here we check
 only shapes and types.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,8 +30,9 @@ def _accepts_none(annotation: Any) -> bool:
 @functools.cache
 def _null_means_default(cls: type[BaseModel]) -> frozenset[str]:
     """Optional fields of `cls` whose type has no None: a JSON null there means the default."""
-    return frozenset(name for name, f in cls.model_fields.items()
-                     if not f.is_required() and not _accepts_none(f.annotation))
+    return frozenset(
+        name for name, f in cls.model_fields.items() if not f.is_required() and not _accepts_none(f.annotation)
+    )
 
 
 class OpenAIModel(BaseModel):
@@ -111,8 +113,9 @@ class CompletionRequest(SamplingFields):
         try:
             return handler(value)
         except ValidationError:
-            raise PydanticCustomError("invalid_value", "must be a string, a list of strings, a list of token ids "
-                                      "or a list of token-id lists") from None
+            raise PydanticCustomError(
+                "invalid_value", "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+            ) from None
 
 
 class TextPart(OpenAIModel):
@@ -134,11 +137,13 @@ class ChatMessage(OpenAIModel):
         try:
             return handler(value)
         except ValidationError:
-            if isinstance(value, list) and any(isinstance(p, dict) and p.get("type") not in ("text", None)
-                                               for p in value):
+            if isinstance(value, list) and any(
+                isinstance(p, dict) and p.get("type") not in ("text", None) for p in value
+            ):
                 raise PydanticCustomError("unsupported", "only text content parts are supported") from None
-            raise PydanticCustomError("invalid_value", "must be a string or a list of text parts "
-                                      "({'type': 'text', 'text': ...})") from None
+            raise PydanticCustomError(
+                "invalid_value", "must be a string or a list of text parts ({'type': 'text', 'text': ...})"
+            ) from None
 
     def text(self) -> str:
         if self.content is None:
@@ -200,8 +205,11 @@ class UsageInfo(BaseModel):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 class CompletionLogprobs(BaseModel):

@@ -1,4 +1,5 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template."""
+
 from __future__ import annotations
 
 import asyncio
@@ -48,38 +49,57 @@ from specserve.server.serving_common import (
 )
 
 # Arguments of apply_chat_template a client must not override through chat_template_kwargs.
-_RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict",
-                             "return_tensors", "padding", "truncation", "max_length", "chat_template",
-                             "tools", "documents", "tokenizer_kwargs", "continue_final_message"}
+_RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "tokenize",
+    "add_generation_prompt",
+    "return_dict",
+    "return_tensors",
+    "padding",
+    "truncation",
+    "max_length",
+    "chat_template",
+    "tools",
+    "documents",
+    "tokenizer_kwargs",
+    "continue_final_message",
+}
 
 
-def render_chat(engine: AsyncEngine, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
-                chat_template: str | None = None, add_special_tokens: bool = False) -> list[int]:
+def render_chat(
+    engine: AsyncEngine,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    add_special_tokens: bool = False,
+) -> list[int]:
     """Validate messages and apply the chat template (the request's `chat_template` when given, else
     the model's); the result is tokenized without adding special tokens again (the template
     already holds BOS where the model wants one) unless add_special_tokens (vLLM's field)."""
     _check_messages(messages)
     tokenizer = require_tokenizer(engine, "messages")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise APIError("this model has no chat template; use /v1/completions or send chat_template",
-                       param="messages", code="unsupported")
-    conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in messages]
+        raise APIError(
+            "this model has no chat template; use /v1/completions or send chat_template",
+            param="messages",
+            code="unsupported",
+        )
+    conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
     extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
     custom = {"chat_template": chat_template} if chat_template is not None else {}
     param = "chat_template" if custom else "messages"
     try:
         opened = {"continue_final_message": True} if continue_final_message else {}
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **custom, **opened, **extra)
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **custom, **opened, **extra
+        )
     except jinja2.TemplateSyntaxError as e:
-        raise APIError(f"chat_template is not a valid Jinja template: {e}", param=param,
-                       code="invalid_value") from None
+        raise APIError(f"chat_template is not a valid Jinja template: {e}", param=param, code="invalid_value") from None
     except Exception as e:  # noqa: BLE001 - jinja errors (role order, ...) are the client's
         which = "the given chat_template" if custom else "the chat template"
-        raise APIError(f"messages could not be rendered with {which}: {e}", param=param,
-                       code="invalid_value") from None
+        raise APIError(f"messages could not be rendered with {which}: {e}", param=param, code="invalid_value") from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -89,11 +109,17 @@ def _check_messages(messages: list[ChatMessage]) -> None:
     for i, m in enumerate(messages):
         if m.tool_calls or m.function_call is not None:
             field = "tool_calls" if m.tool_calls else "function_call"
-            raise APIError(f"messages.{i}.{field}: tool calls are not supported by this server", param="messages",
-                           code="unsupported")
+            raise APIError(
+                f"messages.{i}.{field}: tool calls are not supported by this server",
+                param="messages",
+                code="unsupported",
+            )
         if m.role != "assistant" and m.content is None:
-            raise APIError(f"messages.{i}.content is required for role {m.role!r}",
-                           param=f"messages.{i}.content", code="invalid_value")
+            raise APIError(
+                f"messages.{i}.content is required for role {m.role!r}",
+                param=f"messages.{i}.content",
+                code="invalid_value",
+            )
 
 
 def _logprobs(engine: AsyncEngine, c: CompletionOutput, start: int, top_n: int, as_ids: bool = False) -> ChatLogprobs:
@@ -108,11 +134,17 @@ def _logprobs(engine: AsyncEngine, c: CompletionOutput, start: int, top_n: int, 
         tops = []
         for t, lp in ranked:
             shown, t_text = logprob_token(engine, t, lp, as_ids)
-            tops.append(TopLogprob(token=shown, logprob=max(lp.logprob, MIN_LOGPROB),
-                                   bytes=token_bytes(engine, t, t_text)))
-        content.append(ChatTokenLogprob(
-            token=tok, logprob=max(sampled.logprob, MIN_LOGPROB) if sampled else MIN_LOGPROB,
-            bytes=token_bytes(engine, tid, text), top_logprobs=tops))
+            tops.append(
+                TopLogprob(token=shown, logprob=max(lp.logprob, MIN_LOGPROB), bytes=token_bytes(engine, t, t_text))
+            )
+        content.append(
+            ChatTokenLogprob(
+                token=tok,
+                logprob=max(sampled.logprob, MIN_LOGPROB) if sampled else MIN_LOGPROB,
+                bytes=token_bytes(engine, tid, text),
+                top_logprobs=tops,
+            )
+        )
     return ChatLogprobs(content=content)
 
 
@@ -122,11 +154,17 @@ def _validate(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value")
     if req.continue_final_message and req.add_generation_prompt:
-        raise APIError("continue_final_message needs add_generation_prompt to be false (as vLLM)",
-                       param="continue_final_message", code="invalid_value")
+        raise APIError(
+            "continue_final_message needs add_generation_prompt to be false (as vLLM)",
+            param="continue_final_message",
+            code="invalid_value",
+        )
     if req.continue_final_message and req.messages and req.messages[-1].role != "assistant":
-        raise APIError("continue_final_message needs the last message to be the assistant's",
-                       param="continue_final_message", code="invalid_value")
+        raise APIError(
+            "continue_final_message needs the last message to be the assistant's",
+            param="continue_final_message",
+            code="invalid_value",
+        )
 
 
 async def create_chat_completion(engine: AsyncEngine, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -135,9 +173,16 @@ async def create_chat_completion(engine: AsyncEngine, req: ChatCompletionRequest
     keep = truncation_size(req.truncate_prompt_tokens, engine.max_model_len)
     if keep is None and req.messages:
         check_prompt_chars(engine, sum(len(m.text()) for m in req.messages), "messages")
-    prompt_ids = await asyncio.to_thread(render_chat, engine, req.messages, req.add_generation_prompt,
-                                req.chat_template_kwargs, req.continue_final_message, req.chat_template,
-                                req.add_special_tokens)
+    prompt_ids = await asyncio.to_thread(
+        render_chat,
+        engine,
+        req.messages,
+        req.add_generation_prompt,
+        req.chat_template_kwargs,
+        req.continue_final_message,
+        req.chat_template,
+        req.add_special_tokens,
+    )
     if keep is not None:
         prompt_ids = prompt_ids[-keep:]  # vLLM's truncate_prompt_tokens: the last k tokens
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -175,28 +220,41 @@ def _echo_text(req: ChatCompletionRequest) -> str:
     return last.text() if req.echo and last is not None and last.role == "assistant" else ""
 
 
-def _full_response(engine: AsyncEngine, req: ChatCompletionRequest, final: RequestOutput,
-                   reply_id: str) -> ChatCompletionResponse:
+def _full_response(
+    engine: AsyncEngine, req: ChatCompletionRequest, final: RequestOutput, reply_id: str
+) -> ChatCompletionResponse:
     echo = _echo_text(req)
     as_ids = req.return_tokens_as_token_ids
-    choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=echo + c.text),
-                          logprobs=_logprobs(engine, c, 0, req.top_logprobs or 0, as_ids) if req.logprobs else None,
-                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-               for c in final.outputs]
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=ChatResponseMessage(content=echo + c.text),
+            logprobs=_logprobs(engine, c, 0, req.top_logprobs or 0, as_ids) if req.logprobs else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        for c in final.outputs
+    ]
     generated = sum(len(c.token_ids) for c in final.outputs)
-    return ChatCompletionResponse(id=reply_id, model=engine.model_name, choices=choices,
-                                  usage=UsageInfo.of(len(final.prompt_token_ids), generated))
+    return ChatCompletionResponse(
+        id=reply_id,
+        model=engine.model_name,
+        choices=choices,
+        usage=UsageInfo.of(len(final.prompt_token_ids), generated),
+    )
 
 
-async def _stream(engine: AsyncEngine, req: ChatCompletionRequest, stream: RequestStream,
-                  reply_id: str, num_prompt_tokens: int) -> AsyncIterator[str]:
+async def _stream(
+    engine: AsyncEngine, req: ChatCompletionRequest, stream: RequestStream, reply_id: str, num_prompt_tokens: int
+) -> AsyncIterator[str]:
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     continuous = include_usage and req.stream_options is not None and req.stream_options.continuous_usage_stats
     created = int(time.time())
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-        return sse(ChatCompletionChunk(id=reply_id, created=created, model=engine.model_name,
-                                       choices=choices, usage=usage))
+        return sse(
+            ChatCompletionChunk(id=reply_id, created=created, model=engine.model_name, choices=choices, usage=usage)
+        )
 
     # The role comes first, as OpenAI sends it, before the first token is ready (with the echoed
     # final assistant message when the request asked for echo).
@@ -214,11 +272,24 @@ async def _stream(engine: AsyncEngine, req: ChatCompletionRequest, stream: Reque
                 continue
             if c.finish_reason is not None:
                 done.add(c.index)
-            logprobs = (_logprobs(engine, c, start, req.top_logprobs or 0, req.return_tokens_as_token_ids)
-                        if req.logprobs else None)
+            logprobs = (
+                _logprobs(engine, c, start, req.top_logprobs or 0, req.return_tokens_as_token_ids)
+                if req.logprobs
+                else None
+            )
             usage = UsageInfo.of(num_prompt_tokens, sum(generated.values())) if continuous else None
-            yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=delta), logprobs=logprobs,
-                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)], usage)
+            yield chunk(
+                [
+                    ChatStreamChoice(
+                        index=c.index,
+                        delta=DeltaMessage(content=delta),
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                ],
+                usage,
+            )
     if include_usage:
         yield chunk([], UsageInfo.of(num_prompt_tokens, sum(generated.values())))
     yield SSE_DONE

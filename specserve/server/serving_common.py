@@ -3,6 +3,7 @@
 Everything a request needs is validated here before anything reaches the engine, so a bad
 request changes no engine state (the engine validates again and would roll back a batch).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,9 +35,15 @@ _SURROGATE_RE = re.compile(r"[\ud800-\udfff]")  # only a JSON escape can put one
 class APIError(Exception):
     """An error answered with the OpenAI body; `message` is shown to the client verbatim."""
 
-    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
         self.headers = headers  # extra HTTP headers of the response (Retry-After on overload)
@@ -57,10 +64,14 @@ def engine_error(e: Exception, engine: AsyncEngine | None = None) -> APIError:
     """Map an exception from AsyncEngine.add_requests to the HTTP error the client sees."""
     if isinstance(e, EngineOverloadedError):
         limit = getattr(engine, "max_num_queued_requests", None)
-        message = (f"server overloaded: more than {limit} request(s) would be waiting; retry later"
-                   if limit is not None else "server overloaded: too many requests waiting; retry later")
-        return APIError(message, 503, "service_unavailable_error", code="overloaded",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
+        message = (
+            f"server overloaded: more than {limit} request(s) would be waiting; retry later"
+            if limit is not None
+            else "server overloaded: too many requests waiting; retry later"
+        )
+        return APIError(
+            message, 503, "service_unavailable_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
     if isinstance(e, EngineDeadError):
         return APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable")
     if isinstance(e, ValueError):
@@ -70,7 +81,13 @@ def engine_error(e: Exception, engine: AsyncEngine | None = None) -> APIError:
 
 _FIELD_RE = re.compile(r"^([a-z_][a-z0-9_]*)")
 _KNOWN_FIELDS = set(SamplingParams.__dataclass_fields__) | {
-    "prompt", "messages", "model", "max_completion_tokens", "top_logprobs", "prompt_token_ids"}
+    "prompt",
+    "messages",
+    "model",
+    "max_completion_tokens",
+    "top_logprobs",
+    "prompt_token_ids",
+}
 
 
 def field_in_message(message: str) -> str | None:
@@ -104,8 +121,10 @@ def _check_json(value: Any) -> None:
     while stack:
         v, depth = stack.pop()
         if isinstance(v, str) and _SURROGATE_RE.search(v):
-            raise APIError("request body holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode",
-                           code="invalid_value")
+            raise APIError(
+                "request body holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode",
+                code="invalid_value",
+            )
         elif isinstance(v, (dict, list)):
             if depth >= MAX_JSON_DEPTH:
                 raise APIError(f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
@@ -127,9 +146,13 @@ def check_prompt_chars(engine: AsyncEngine, num_chars: int, param: str) -> None:
     serving (HF fast tokenizers release the GIL and are safe to share)."""
     limit = engine.max_model_len * max_token_chars(require_tokenizer(engine, param))
     if num_chars > limit:
-        raise APIError(f"This model's maximum context length is {engine.max_model_len} tokens. However, your {param} "
-                       f"has {num_chars} characters, more than {engine.max_model_len} tokens can spell. Please reduce "
-                       "the length of the input.", param=param, code="context_length_exceeded")
+        raise APIError(
+            f"This model's maximum context length is {engine.max_model_len} tokens. However, your {param} "
+            f"has {num_chars} characters, more than {engine.max_model_len} tokens can spell. Please reduce "
+            "the length of the input.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def parse_model(cls: type[M], body: Any) -> M:
@@ -169,8 +192,9 @@ def check_model(engine: AsyncEngine, model: str | None) -> None:
         raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
 
 
-def build_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                 logprobs_param: str = "logprobs") -> SamplingParams:
+def build_params(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None, logprobs_param: str = "logprobs"
+) -> SamplingParams:
     """SamplingParams from the request; unsupported OpenAI features answer 400, not silence.
 
     `logprobs_param` is the request field `logprobs` came from (chat: top_logprobs)."""
@@ -179,48 +203,70 @@ def build_params(req: SamplingFields, max_tokens: int | None, logprobs: int | No
     if not 1 <= req.n <= MAX_N:
         raise APIError(f"n must be between 1 and {MAX_N}, got {req.n}", param="n", code="invalid_value")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise APIError(f"{logprobs_param} must be between 0 and {MAX_LOGPROBS}, got {logprobs}",
-                       param=logprobs_param, code="invalid_value")
+        raise APIError(
+            f"{logprobs_param} must be between 0 and {MAX_LOGPROBS}, got {logprobs}",
+            param=logprobs_param,
+            code="invalid_value",
+        )
     if req.stream_options is not None and not req.stream:
-        raise APIError("stream_options can only be set when stream is true", param="stream_options",
-                       code="invalid_value")
+        raise APIError(
+            "stream_options can only be set when stream is true", param="stream_options", code="invalid_value"
+        )
     try:
         from specserve.sample.structured import structured_from_openai
 
         structured = structured_from_openai(req.response_format, req.structured_extras())
         return SamplingParams(
-            structured_outputs=structured, n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+            structured_outputs=structured,
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
             min_p=req.min_p or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-            max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
-            spaces_between_special_tokens=req.spaces_between_special_tokens)
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+        )
     except (ValueError, TypeError) as e:
         raise APIError(str(e), param=field_in_message(str(e)), code="invalid_value") from None
 
 
-def fit_context(params: SamplingParams, prompt_lens: list[int], max_model_len: int,
-                prompt_param: str) -> SamplingParams:
+def fit_context(
+    params: SamplingParams, prompt_lens: list[int], max_model_len: int, prompt_param: str
+) -> SamplingParams:
     """Check prompt + max_tokens against the context; fill max_tokens when the client gave none."""
     longest = max(prompt_lens)
     if min(prompt_lens) == 0:
         raise APIError(f"{prompt_param} must not be empty", param=prompt_param, code="invalid_value")
     if longest >= max_model_len:
-        raise APIError(f"This model's maximum context length is {max_model_len} tokens. However, your "
-                       f"request has {longest} input tokens. Please reduce the length of the input.",
-                       param=prompt_param, code="context_length_exceeded")
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {longest} input tokens. Please reduce the length of the input.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     max_tokens = params.max_tokens
     if max_tokens is None:  # OpenAI's meaning: as many as the context leaves
         return params.clone(max_tokens=max_model_len - longest)
     if longest + max_tokens > max_model_len:
-        raise APIError(f"This model's maximum context length is {max_model_len} tokens. However, you "
-                       f"requested {longest + max_tokens} tokens ({longest} in the {prompt_param}, "
-                       f"{max_tokens} in the completion). Please reduce the length of the {prompt_param} "
-                       "or completion.", param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {longest + max_tokens} tokens ({longest} in the {prompt_param}, "
+            f"{max_tokens} in the completion). Please reduce the length of the {prompt_param} "
+            "or completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     return params
 
 
@@ -231,19 +277,29 @@ def truncation_size(k: int | None, max_model_len: int) -> int | None:
     if k == -1:  # the model's max length
         return max_model_len
     if k < 1:
-        raise APIError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k}",
-                       param="truncate_prompt_tokens", code="invalid_value")
+        raise APIError(
+            f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k}",
+            param="truncate_prompt_tokens",
+            code="invalid_value",
+        )
     if k > max_model_len:
-        raise APIError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); "
-                       "select a smaller truncation size", param="truncate_prompt_tokens", code="invalid_value")
+        raise APIError(
+            f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); "
+            "select a smaller truncation size",
+            param="truncate_prompt_tokens",
+            code="invalid_value",
+        )
     return k
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise APIError(f"{param} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
-                       param=param, code="invalid_value")
+        raise APIError(
+            f"{param} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+            param=param,
+            code="invalid_value",
+        )
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -266,7 +322,7 @@ class DeltaTracker:
         sent = self.text.get(index, "")
         # Held-back text (a possible stop-string prefix) means `text` may lag the tokens but
         # never rewrites what was sent; if it ever does, send nothing rather than garbage.
-        delta = output.text[len(sent):] if output.text.startswith(sent) else ""
+        delta = output.text[len(sent) :] if output.text.startswith(sent) else ""
         self.text[index] = sent + delta
         start = self.num_tokens.get(index, 0)
         self.num_tokens[index] = len(output.token_ids)

@@ -1,4 +1,5 @@
 """POST /v1/completions: string, batch of strings, token ids, or batch of token id lists."""
+
 from __future__ import annotations
 
 import asyncio
@@ -74,8 +75,9 @@ class _Reply:
     def usage(self, completion_tokens: int) -> UsageInfo:
         return UsageInfo.of(sum(len(p.token_ids) for p in self.prompts), completion_tokens)
 
-    def logprobs(self, index: int, c: CompletionOutput, start: int,
-                 echoed: RequestOutput | None = None) -> CompletionLogprobs | None:
+    def logprobs(
+        self, index: int, c: CompletionOutput, start: int, echoed: RequestOutput | None = None
+    ) -> CompletionLogprobs | None:
         """Logprobs of tokens [start, len(token_ids)); text offsets continue across chunks. echoed: the
         output whose prompt is echoed in this chunk, whose prompt tokens come first (vLLM: the first
         prompt token has no logprob)."""
@@ -95,8 +97,13 @@ class _Reply:
                 tok, text = logprob_token(self.engine, tid, top.get(tid) if top else None, as_ids)
                 out.tokens.append(tok)
                 out.token_logprobs.append(max(top[tid].logprob, MIN_LOGPROB) if top and tid in top else None)
-                out.top_logprobs.append(None if top is None else {  # top-n and the prompt token, as vLLM
-                    shown(t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in top.items()})
+                out.top_logprobs.append(
+                    None
+                    if top is None
+                    else {  # top-n and the prompt token, as vLLM
+                        shown(t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in top.items()
+                    }
+                )
                 out.text_offset.append(offset)
                 offset += len(text)
         for i in range(start, len(c.token_ids)):
@@ -152,21 +159,22 @@ async def create_completion(engine: AsyncEngine, req: CompletionRequest, raw: Re
     if req.suffix:
         raise APIError("suffix is not supported", param="suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
-        raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of",
-                       code="unsupported")
+        raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of", code="unsupported")
     if req.echo:
         require_tokenizer(engine, "echo")
     prompts = await asyncio.to_thread(_prompts, engine, req)
     if len(prompts) * req.n > 128:
-        raise APIError("too many completions in one request (prompts * n > 128)", param="n",
-                       code="invalid_value")
+        raise APIError("too many completions in one request (prompts * n > 128)", param="n", code="invalid_value")
     params = build_params(req, req.max_tokens, req.logprobs)
     # echo with logprobs scores the prompt too (vLLM; lm-eval's loglikelihood requests rely on it).
     wanted = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
     if wanted:
         if not 0 <= max(wanted) <= MAX_LOGPROBS:
-            raise APIError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {max(wanted)}",
-                           param="prompt_logprobs", code="invalid_value")
+            raise APIError(
+                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {max(wanted)}",
+                param="prompt_logprobs",
+                code="invalid_value",
+            )
         params = params.clone(prompt_logprobs=max(wanted))
     params = fit_context(params, [len(p.token_ids) for p in prompts], engine.max_model_len, "prompt")
     reply_id = random_id("cmpl")
@@ -178,8 +186,7 @@ async def create_completion(engine: AsyncEngine, req: CompletionRequest, raw: Re
         raise engine_error(e, engine) from None
     reply = _Reply(engine, req, prompts, ids, reply_id)
     if req.stream:
-        return StreamingResponse(guarded_stream(_stream(reply, stream), stream.close),
-                                 media_type="text/event-stream")
+        return StreamingResponse(guarded_stream(_stream(reply, stream), stream.close), media_type="text/event-stream")
     try:
         finals = await until_disconnected(raw, _collect(stream))
     except ClientDisconnected:
@@ -205,13 +212,21 @@ def _full_response(reply: _Reply, finals: dict[str, RequestOutput]) -> Completio
             index = reply.choice_index(output, c)
             text = (reply.echo_text(reply.prompt_of(output)) if reply.req.echo else "") + c.text
             logprobs = reply.logprobs(index, c, 0, output if reply.req.echo else None)
-            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                            prompt_logprobs=_prompt_logprobs(reply.req, output)))
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    prompt_logprobs=_prompt_logprobs(reply.req, output),
+                )
+            )
             num_generated += len(c.token_ids)
     choices.sort(key=lambda ch: ch.index)
-    return CompletionResponse(id=reply.id, model=reply.engine.model_name, choices=choices,
-                              usage=reply.usage(num_generated))
+    return CompletionResponse(
+        id=reply.id, model=reply.engine.model_name, choices=choices, usage=reply.usage(num_generated)
+    )
 
 
 async def _stream(reply: _Reply, stream: RequestStream):  # -> AsyncIterator[str]
@@ -236,15 +251,30 @@ async def _stream(reply: _Reply, stream: RequestStream):  # -> AsyncIterator[str
             if c.finish_reason is not None:
                 done.add(index)
             logprobs = reply.logprobs(index, c, start, output if req.echo and first else None)
-            choice = CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=c.finish_reason,
-                                      stop_reason=c.stop_reason,
-                                      prompt_logprobs=_prompt_logprobs(req, output) if first else None)
+            choice = CompletionChoice(
+                index=index,
+                text=delta,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_logprobs=_prompt_logprobs(req, output) if first else None,
+            )
             usage = reply.usage(sum(generated.values())) if continuous else None
-            yield sse(CompletionChunk(id=reply.id, created=reply.created, model=reply.engine.model_name,
-                                      choices=[choice], usage=usage))
+            yield sse(
+                CompletionChunk(
+                    id=reply.id, created=reply.created, model=reply.engine.model_name, choices=[choice], usage=usage
+                )
+            )
     if include_usage:
-        yield sse(CompletionChunk(id=reply.id, created=reply.created, model=reply.engine.model_name,
-                                  choices=[], usage=reply.usage(sum(generated.values()))))
+        yield sse(
+            CompletionChunk(
+                id=reply.id,
+                created=reply.created,
+                model=reply.engine.model_name,
+                choices=[],
+                usage=reply.usage(sum(generated.values())),
+            )
+        )
     yield SSE_DONE
 
 
@@ -252,6 +282,12 @@ def _prompt_logprobs(req: CompletionRequest, output: RequestOutput) -> list[dict
     """vLLM's `prompt_logprobs` of a choice, when the request asked for them."""
     if req.prompt_logprobs is None or output.prompt_logprobs is None:
         return None
-    return [None if e is None else {str(t): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank,
-                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
-            for e in output.prompt_logprobs]
+    return [
+        None
+        if e is None
+        else {
+            str(t): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in e.items()
+        }
+        for e in output.prompt_logprobs
+    ]

@@ -11,6 +11,7 @@ returns 0..max_k; `observe(record)` is called once per engine step, in step orde
 measured. Neither may touch the engine: a controller sees only its arguments (and, for the adaptive
 one, the cost table given to it at construction), so it is tested on tables alone.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -118,13 +119,26 @@ class AdaptiveController(Controller):
     Ties go to the smaller k.
     """
 
-    def __init__(self, max_k: int, costs: StepCostTable, *, prior: float = 0.8, prior_weight: float = 2.0,
-                 window_steps: float = 32.0, drift_steps: float = 500.0, switch_horizon: float = 100.0) -> None:
+    def __init__(
+        self,
+        max_k: int,
+        costs: StepCostTable,
+        *,
+        prior: float = 0.8,
+        prior_weight: float = 2.0,
+        window_steps: float = 32.0,
+        drift_steps: float = 500.0,
+        switch_horizon: float = 100.0,
+    ) -> None:
         super().__init__(max_k)
         if not 0.0 < prior <= 1.0:
             raise ValueError(f"prior must be in (0, 1], got {prior!r}")
-        for name, value in (("prior_weight", prior_weight), ("window_steps", window_steps),
-                            ("drift_steps", drift_steps), ("switch_horizon", switch_horizon)):
+        for name, value in (
+            ("prior_weight", prior_weight),
+            ("window_steps", window_steps),
+            ("drift_steps", drift_steps),
+            ("switch_horizon", switch_horizon),
+        ):
             if not value > 0.0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
         self.costs = costs
@@ -211,8 +225,10 @@ class AdaptiveController(Controller):
             warm = self.draft_seconds(record.batch_size, k + 1)
             keep = self._keep
             seconds, tokens = self._catch_up
-            self._catch_up = (seconds * keep + max(record.propose_seconds - warm, 0.0),
-                              tokens * keep + record.catch_up_tokens)
+            self._catch_up = (
+                seconds * keep + max(record.propose_seconds - warm, 0.0),
+                tokens * keep + record.catch_up_tokens,
+            )
         self._skipped = 0
 
     def _observe_acceptance(self, record: StepRecord, k: int) -> None:
@@ -228,7 +244,7 @@ class AdaptiveController(Controller):
             else:
                 self._idle[j] += 1
         w, p = self.prior_weight, self.prior
-        weight = [self._drift ** idle if h < p * n else 1.0 for h, n, idle in zip(self._hits, self._trials, self._idle)]
+        weight = [self._drift**idle if h < p * n else 1.0 for h, n, idle in zip(self._hits, self._trials, self._idle)]
         self._alpha = tuple((h * s + p * w) / (n * s + w) for h, n, s in zip(self._hits, self._trials, weight))
         self._expected = self._expected_by_k()
 

@@ -7,6 +7,7 @@ target features, propose); `on_finished` / `on_preempted` per request. Asynchron
 (engine/async_loop.py) calls the parts of after_step itself: `choose`, `skip_proposal`, `absorb`,
 `observe`, `propose_for`.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,12 +20,12 @@ from specserve.config import SpeculativeConfig
 from specserve.metrics.stats import StatsCollector
 from specserve.runner.batch import PendingTokens
 from specserve.runner.model_runner import StepOutput
+from specserve.runner.step_costs import CostTable, measure_step_costs, step_cost_batch_sizes
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection import RejectionSampler
 from specserve.sample.structured import StructuredOutputs
 from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import SchedulerOutput
-from specserve.runner.step_costs import CostTable, measure_step_costs, step_cost_batch_sizes
 from specserve.speculative.control import Controller, StepRecord, build_controller
 from specserve.speculative.proposers import build_proposer
 from specserve.speculative.proposers.base import ProposeInput, draft_budget
@@ -46,8 +47,9 @@ class _Proposal:
 
 
 class SpecDecoder:
-    def __init__(self, cfg: SpeculativeConfig, parts: EngineParts, stats: StatsCollector,
-                 structured: StructuredOutputs) -> None:
+    def __init__(
+        self, cfg: SpeculativeConfig, parts: EngineParts, stats: StatsCollector, structured: StructuredOutputs
+    ) -> None:
         self.cfg = cfg
         self.proposer = build_proposer(cfg, parts)
         # Drafts stop where a request reaches the context window, or speculative_config.max_model_len.
@@ -91,8 +93,9 @@ class SpecDecoder:
         deferred.resolve()
         self._wait_s += time.perf_counter() - start
 
-    def verify(self, reqs: list[Request], num_drafts: list[int], logits: torch.Tensor,
-               meta: SamplingMetadata) -> tuple[list[list[int]], list[int]]:
+    def verify(
+        self, reqs: list[Request], num_drafts: list[int], logits: torch.Tensor, meta: SamplingMetadata
+    ) -> tuple[list[list[int]], list[int]]:
         """logits: [sum(num_drafts) + len(reqs), vocab]. Returns tokens and accepted counts per request."""
         self.resolve_drafts()
         tokens, num_accepted = verify_drafts(self.rejection, reqs, num_drafts, logits, meta, self.vocab_size)
@@ -102,8 +105,14 @@ class SpecDecoder:
         return tokens, num_accepted
 
     # -- after the step ----------------------------------------------------------------------
-    def after_step(self, sched: SchedulerOutput, new_tokens: list[list[int] | None], step: StepOutput,
-                   step_seconds: float, batch_size: int) -> None:
+    def after_step(
+        self,
+        sched: SchedulerOutput,
+        new_tokens: list[list[int] | None],
+        step: StepOutput,
+        step_seconds: float,
+        batch_size: int,
+    ) -> None:
         """Speculation's one hook after a step's update: the controller observes the step, a proposer
         keeping target features absorbs the mid-prefill rows, and the requests that got tokens (and
         did not finish) get drafts for the next step. new_tokens: per scheduled entry, None where it
@@ -112,8 +121,14 @@ class SpecDecoder:
         self.absorb(sched, [t is not None for t in new_tokens], step)
         self.propose_for(sched, new_tokens, step, batch_size)
 
-    def propose_for(self, sched: SchedulerOutput, new_tokens: list[list[int] | None], step: StepOutput,
-                    batch_size: int, k: int | None = None) -> None:
+    def propose_for(
+        self,
+        sched: SchedulerOutput,
+        new_tokens: list[list[int] | None],
+        step: StepOutput,
+        batch_size: int,
+        k: int | None = None,
+    ) -> None:
         """Propose for the scheduled requests that got tokens and did not finish (see propose)."""
         reqs, index = [], []
         for i, (s, tokens) in enumerate(zip(sched.scheduled, new_tokens)):
@@ -131,12 +146,18 @@ class SpecDecoder:
         self._verified, self._proposal, self._wait_s = ((), ()), None, 0.0
         k = proposal.k if proposal is not None else 0
         pad = (0,) * max(0, k - len(reached))
-        self.controller.observe(StepRecord(
-            batch_size=len(sched.scheduled), k=k, reached=(reached + pad)[:k], accepted=(accepted + pad)[:k],
-            step_seconds=max(0.0, step_seconds - wait),
-            propose_seconds=(proposal.seconds if proposal is not None else 0.0) + wait,
-            catch_up_tokens=proposal.catch_up_tokens if proposal is not None else 0,
-            num_asked=proposal.num_asked if proposal is not None else 0))
+        self.controller.observe(
+            StepRecord(
+                batch_size=len(sched.scheduled),
+                k=k,
+                reached=(reached + pad)[:k],
+                accepted=(accepted + pad)[:k],
+                step_seconds=max(0.0, step_seconds - wait),
+                propose_seconds=(proposal.seconds if proposal is not None else 0.0) + wait,
+                catch_up_tokens=proposal.catch_up_tokens if proposal is not None else 0,
+                num_asked=proposal.num_asked if proposal is not None else 0,
+            )
+        )
 
     def absorb(self, sched: SchedulerOutput, samples: list[bool], step: StepOutput) -> None:
         """The scheduled requests that did not sample (mid-prefill) hand their rows to a proposer that
@@ -144,11 +165,13 @@ class SpecDecoder:
         samples: per scheduled entry, whether it sampled."""
         if not self.proposer.needs_target_hidden:
             return
-        chosen = [(s.request, i) for i, (s, smp) in enumerate(zip(sched.scheduled, samples))
-                  if not smp and not s.request.is_finished]
+        chosen = [
+            (s.request, i)
+            for i, (s, smp) in enumerate(zip(sched.scheduled, samples))
+            if not smp and not s.request.is_finished
+        ]
         if chosen:
-            self.proposer.absorb(ProposeInput([c[0] for c in chosen], [1] * len(chosen), step,
-                                              [c[1] for c in chosen]))
+            self.proposer.absorb(ProposeInput([c[0] for c in chosen], [1] * len(chosen), step, [c[1] for c in chosen]))
 
     def choose(self, batch_size: int) -> int:
         """Drafts per request for the next step of `batch_size` running requests."""
@@ -156,8 +179,14 @@ class SpecDecoder:
             return 0
         return self.controller.choose(batch_size)
 
-    def propose(self, reqs: list[Request], batch_index: list[int], step: StepOutput | None,
-                batch_size: int, k: int | None = None) -> None:
+    def propose(
+        self,
+        reqs: list[Request],
+        batch_index: list[int],
+        step: StepOutput | None,
+        batch_size: int,
+        k: int | None = None,
+    ) -> None:
         """Drafts for `reqs` (batch_index: each one's entry in step.batch). k: already chosen for this
         proposal (None: choose now)."""
         self.resolve_drafts()  # an earlier proposal no step verified (its requests were not scheduled)
@@ -168,15 +197,20 @@ class SpecDecoder:
         self.stats.set("spec_decode_chosen_num_tokens", k)
         # 0: a seeded sampled request while k follows the load (see __init__), or one whose output
         # budget or the context window ends here
-        budgets = [0 if self.k_follows_load and r.generator is not None and not r.params.greedy
-                   else draft_budget(r, k, self.max_model_len) for r in reqs]
+        budgets = [
+            0
+            if self.k_follows_load and r.generator is not None and not r.params.greedy
+            else draft_budget(r, k, self.max_model_len)
+            for r in reqs
+        ]
         chosen = [(r, b, i) for r, b, i in zip(reqs, budgets, batch_index) if b > 0]
         for r in reqs:
             r.spec_token_ids, r.spec_draft_probs = [], None
         catch_up = 0
         if chosen:
-            self.proposer.propose(ProposeInput([c[0] for c in chosen], [c[1] for c in chosen], step,
-                                               [c[2] for c in chosen]))
+            self.proposer.propose(
+                ProposeInput([c[0] for c in chosen], [c[1] for c in chosen], step, [c[2] for c in chosen])
+            )
             self._deferred = self.proposer.take_deferred()
             catch_up = self.proposer.catch_up_tokens()
         if self.structured.num_requests:  # grammars read the drafts now; cut them, start next masks

@@ -6,6 +6,7 @@ positions, and token j of its output (accepted drafts, then the bonus or resampl
 its row j. Their logprobs are the log-softmax of those rows' raw logits (vLLM's default raw_logprobs,
 what the plain sampler returns), top-N included.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,9 @@ class _PositionLabels(dict):
 POSITION_LABELS = _PositionLabels()
 
 
-def stack_draft_probs(reqs: list[Request], num_drafts: list[int], vocab_size: int,
-                      device: torch.device) -> torch.Tensor | None:
+def stack_draft_probs(
+    reqs: list[Request], num_drafts: list[int], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
     """[total_drafts, vocab] draft_probs for the rejection sampler; None when every draft is one-hot."""
     if all(r.spec_draft_probs is None for r, k in zip(reqs, num_drafts) if k > 0):
         return None
@@ -46,8 +48,14 @@ def stack_draft_probs(reqs: list[Request], num_drafts: list[int], vocab_size: in
     return torch.cat(rows)
 
 
-def verify_drafts(rejection: RejectionSampler, reqs: list[Request], num_drafts: list[int], logits: torch.Tensor,
-                  meta: SamplingMetadata, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+def verify_drafts(
+    rejection: RejectionSampler,
+    reqs: list[Request],
+    num_drafts: list[int],
+    logits: torch.Tensor,
+    meta: SamplingMetadata,
+    vocab_size: int,
+) -> tuple[list[list[int]], list[int]]:
     """logits: [sum(num_drafts) + len(reqs), vocab]. Per request: its emitted tokens (accepted drafts,
     then the bonus or resampled token) and how many drafts it accepted."""
     drafts = [r.spec_token_ids[:k] for r, k in zip(reqs, num_drafts)]
@@ -67,8 +75,9 @@ def position_counts(num_drafts: list[int], num_accepted: list[int], k: int) -> t
     return tuple(reached), tuple(accepted)
 
 
-def record_verify_metrics(stats: StatsCollector, num_drafts: list[int], num_accepted: list[int],
-                          accepted_per_pos: tuple[int, ...]) -> None:
+def record_verify_metrics(
+    stats: StatsCollector, num_drafts: list[int], num_accepted: list[int], accepted_per_pos: tuple[int, ...]
+) -> None:
     """The spec_decode_* counters of one verify step, one increment each (not per request).
     accepted_per_pos: position_counts' accepted counts."""
     num_seqs = len(num_drafts) - num_drafts.count(0)
@@ -82,8 +91,9 @@ def record_verify_metrics(stats: StatsCollector, num_drafts: list[int], num_acce
             stats.inc("spec_decode_num_accepted_tokens_per_pos_total", count, POSITION_LABELS[pos])
 
 
-def verify_logprobs(reqs: list[Request], num_drafts: list[int], token_lists: list[list[int]],
-                    logits: torch.Tensor) -> tuple[list[Request], LogprobsTensors] | None:
+def verify_logprobs(
+    reqs: list[Request], num_drafts: list[int], token_lists: list[list[int]], logits: torch.Tensor
+) -> tuple[list[Request], LogprobsTensors] | None:
     """logits: [sum(num_drafts) + len(reqs), vocab], each request's k + 1 rows in turn. Returns (the
     request of each emitted token that asked for logprobs, their logprobs) or None if none asked."""
     rows: list[int] = []

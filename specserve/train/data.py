@@ -7,6 +7,7 @@ JSONL file: {"prompt": ...}, {"messages": [...]} (answered by the target), {"tex
 {"token_ids": [...]} (used as is). HumanEval is for measuring and is refused: a file named after it,
 or a row that is one of its tasks (refuse_humaneval_row).
 """
+
 from __future__ import annotations
 
 import ast
@@ -24,15 +25,34 @@ from typing import Any, NamedTuple
 import numpy as np
 from tqdm.auto import tqdm
 
-_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3",
-              "turtledemo", "ensurepip"}
+_SKIP_DIRS = {
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "lib2to3",
+    "turtledemo",
+    "ensurepip",
+}
 _HUMANEVAL = re.compile(r"human[-_]?eval", re.IGNORECASE)
 # Standard-library files that draft-head training never uses (paths relative to the stdlib root),
 # so other measurements (bench/kv_quality.py) have real Python text no trained head has seen.
 # Mid-sized, self-contained modules rich in both code and docstrings.
 HELD_OUT_STDLIB_MODULES: tuple[str, ...] = (
-    "argparse.py", "difflib.py", "textwrap.py", "fractions.py", "statistics.py", "heapq.py", "bisect.py",
-    "calendar.py", "shlex.py", "configparser.py", "json/decoder.py", "json/encoder.py",
+    "argparse.py",
+    "difflib.py",
+    "textwrap.py",
+    "fractions.py",
+    "statistics.py",
+    "heapq.py",
+    "bisect.py",
+    "calendar.py",
+    "shlex.py",
+    "configparser.py",
+    "json/decoder.py",
+    "json/encoder.py",
 )
 
 _TEMPLATES = (
@@ -69,8 +89,9 @@ class TrainSeq:
 def refuse_humaneval(path: str | Path) -> None:
     """ValueError when the file's path names HumanEval (a renamed copy is caught row by row)."""
     if _HUMANEVAL.search(str(path)):
-        raise ValueError(f"{path}: the path names HumanEval; HumanEval is the benchmark, never train draft "
-                         "heads on it.")
+        raise ValueError(
+            f"{path}: the path names HumanEval; HumanEval is the benchmark, never train draft heads on it."
+        )
 
 
 # Fields a row of HumanEval or a derivative names itself in: openai_humaneval and HumanEval+
@@ -93,8 +114,9 @@ def refuse_humaneval_row(row: dict[str, Any], where: str) -> None:
         if not _HUMANEVAL_FIELDS <= row.keys():
             return
         reason = "it has HumanEval's fields (canonical_solution, entry_point, test)"
-    raise ValueError(f"{where}: this row is a HumanEval task ({reason}); HumanEval is the benchmark, never train "
-                     "draft heads on it.")
+    raise ValueError(
+        f"{where}: this row is a HumanEval task ({reason}); HumanEval is the benchmark, never train draft heads on it."
+    )
 
 
 def stdlib_root() -> Path:
@@ -111,8 +133,11 @@ def _stdlib_files() -> list[Path]:
     """Training sources: the stdlib's .py files minus tests, vendored code and the held-out set."""
     root = stdlib_root()
     held_out = set(HELD_OUT_STDLIB_MODULES)
-    files = [f for f in root.rglob("*.py") if not (_SKIP_DIRS & set(f.relative_to(root).parts))
-             and f.relative_to(root).as_posix() not in held_out]
+    files = [
+        f
+        for f in root.rglob("*.py")
+        if not (_SKIP_DIRS & set(f.relative_to(root).parts)) and f.relative_to(root).as_posix() not in held_out
+    ]
     return sorted(f for f in files if not _HUMANEVAL.search(str(f)))
 
 
@@ -130,7 +155,7 @@ def _defs(path: Path) -> list[dict[str, str]]:
             continue
         doc = ast.get_docstring(node)
         # Whole lines by line numbers: ast.get_source_segment rescans the file for every node.
-        source = "\n".join(lines[node.lineno - 1:node.end_lineno]) if node.end_lineno else None
+        source = "\n".join(lines[node.lineno - 1 : node.end_lineno]) if node.end_lineno else None
         if not doc or not source or not 40 <= len(doc) <= 1200 or not 120 <= len(source) <= 2400:
             continue
         source = textwrap.dedent(source)
@@ -157,7 +182,7 @@ def stdlib_examples(num: int, seed: int = 0) -> list[Example]:
     start = 8
     while len(pool) < 2 * num and any(len(d) > start for d in parsed):  # large runs: 8 more per module
         for defs in parsed:
-            pool.extend(defs[start:start + 8])
+            pool.extend(defs[start : start + 8])
         start += 8
     rng.shuffle(pool)
     examples = []
@@ -195,17 +220,25 @@ def load_jsonl(path: str | Path) -> list[Example]:
 def _example(row: dict[str, Any], where: str) -> Example:
     if "token_ids" in row:
         ids, num_prompt = row["token_ids"], row.get("num_prompt_tokens", 0)
-        if (not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
-                                                         for t in ids)):
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)
+        ):
             raise ValueError(f"{where}: token_ids must be a non-empty list of non-negative integers.")
         if isinstance(num_prompt, bool) or not isinstance(num_prompt, int) or not 0 <= num_prompt <= len(ids):
             raise ValueError(f"{where}: num_prompt_tokens must be an integer in [0, len(token_ids)].")
         return Example(token_ids=list(ids), num_prompt_tokens=num_prompt)
     if "messages" in row:
         messages = row["messages"]
-        if (not isinstance(messages, list) or not messages
-                or any(not isinstance(m, dict) or not isinstance(m.get("role"), str)
-                       or not isinstance(m.get("content"), str) for m in messages)):
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or any(
+                not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)
+                for m in messages
+            )
+        ):
             raise ValueError(f"{where}: messages must be a non-empty list of {{'role': str, 'content': str}}.")
         return Example(messages=list(messages))
     if "prompt" in row:
@@ -224,8 +257,10 @@ def check_vocab(examples: list[Example], vocab_size: int, path: str | Path) -> N
     past it fails deep in training otherwise)."""
     for i, e in enumerate(examples):
         if e.token_ids is not None and max(e.token_ids) >= vocab_size:
-            raise ValueError(f"{path}: example {i + 1} has token id {max(e.token_ids)}, outside the target's "
-                             f"vocabulary [0, {vocab_size}).")
+            raise ValueError(
+                f"{path}: example {i + 1} has token id {max(e.token_ids)}, outside the target's "
+                f"vocabulary [0, {vocab_size})."
+            )
 
 
 def _prompt_ids(llm, messages: list[dict[str, str]]) -> list[int]:
@@ -250,8 +285,16 @@ def _fit_prompt(llm, messages: list[dict[str, str]], limit: int) -> list[int] | 
     return None
 
 
-def build_sequences(llm, examples: list[Example], max_new_tokens: int, max_seq_len: int,
-                    temperature: float, deadline: float, seed: int = 0, progress: bool = True) -> list[TrainSeq]:
+def build_sequences(
+    llm,
+    examples: list[Example],
+    max_new_tokens: int,
+    max_seq_len: int,
+    temperature: float,
+    deadline: float,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[TrainSeq]:
     """Token sequences (prompt + the target's answer, at most max_seq_len) for every example.
 
     Chats are answered by `llm` (a specserve LLM of the target) in one continuous batch; at the
@@ -277,8 +320,9 @@ def build_sequences(llm, examples: list[Example], max_new_tokens: int, max_seq_l
             params = SamplingParams(temperature=temperature, max_tokens=budget, seed=seed + i)
             engine.add_request(f"distill-{i}", {"prompt_token_ids": ids}, params)
             pending[f"distill-{i}"] = ids
-    bar = tqdm(total=len(pending), desc="self-distillation", unit="prompt", leave=False,
-               disable=not progress or not pending)
+    bar = tqdm(
+        total=len(pending), desc="self-distillation", unit="prompt", leave=False, disable=not progress or not pending
+    )
     while pending and time.monotonic() < deadline:
         for out in engine.step():
             if out.finished and out.request_id in pending:
@@ -298,7 +342,9 @@ def build_sequences(llm, examples: list[Example], max_new_tokens: int, max_seq_l
 def save_sequences(path: str | Path, seqs: list[TrainSeq]) -> None:
     tmp = Path(str(path) + ".tmp")
     with open(tmp, "w") as f:
-        f.writelines(json.dumps({"token_ids": s.token_ids, "num_prompt_tokens": s.num_prompt_tokens}) + "\n" for s in seqs)
+        f.writelines(
+            json.dumps({"token_ids": s.token_ids, "num_prompt_tokens": s.num_prompt_tokens}) + "\n" for s in seqs
+        )
     tmp.replace(path)
 
 
@@ -344,9 +390,8 @@ def draft_vocab(seqs: list[TrainSeq], vocab_size: int, size: int, special_ids: I
     taken = np.zeros(vocab_size, dtype=bool)
     taken[specials] = True
     order = np.lexsort((np.arange(vocab_size), -whole, -answer))  # answer count, then whole count, then id
-    rest = order[~taken[order]][:size - len(specials)]
+    rest = order[~taken[order]][: size - len(specials)]
     taken[rest] = True
     total = int(answer.sum())
     coverage = float(answer[taken].sum() / total) if total else 1.0
     return DraftVocab(np.flatnonzero(taken).tolist(), coverage)
-

@@ -13,6 +13,7 @@ vocabulary): the head proposes only N tokens, d2t (ascending target ids, saved w
 special tokens seen in the data plus the most frequent answer tokens (data.draft_vocab).
 loss.py says how its labels and accuracy are made.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output dir (config.json + model.safetensors)")
     p.add_argument("--data", help="JSONL: prompt | messages (answered by the target) | text | token_ids")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps in all (default: until the time budget)")
-    p.add_argument("--time-budget-s", type=float, default=None,
-                   help="wall-clock budget for answering prompts + training (after the target loads)")
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="wall-clock budget for answering prompts + training (after the target loads)",
+    )
     p.add_argument("--num-prompts", type=int, default=512, help="stdlib prompts to self-distill (no --data)")
     p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -64,21 +69,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-fraction", type=float, default=0.4, help="share of the time budget for answering")
     p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per step (8192 GPU, 1024 CPU)")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--hard-label-weight", type=float, default=0.5,
-                   help="share of the token loss on the target's argmax (the rest: its full distribution)")
-    p.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="tokens the head may propose: the special tokens seen + the most frequent answer tokens "
-                        f"(default {DEFAULT_DRAFT_VOCAB} when the target's vocabulary is larger; 0 = the full vocabulary)")
+    p.add_argument(
+        "--hard-label-weight",
+        type=float,
+        default=0.5,
+        help="share of the token loss on the target's argmax (the rest: its full distribution)",
+    )
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="tokens the head may propose: the special tokens seen + the most frequent answer tokens "
+        f"(default {DEFAULT_DRAFT_VOCAB} when the target's vocabulary is larger; 0 = the full vocabulary)",
+    )
     p.add_argument("--ttt-steps", type=int, default=3, help="eagle3/eagle: blocks of training-time test")
     p.add_argument("--num-mask-slots", type=int, default=5, help="p-eagle: mask slots (drafts k <= slots + 1)")
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", help="dummy: random target weights of a shape name (smoke tests)")
-    p.add_argument("--init-from", help="start from this head dir's weights (e.g. p-eagle from a trained eagle3 "
-                                       "head: same real rows; the mask slots start fresh)")
-    p.add_argument("--no-train-state", action="store_true",
-                   help="write the head only (no optimizer state: not resumable)")
+    p.add_argument(
+        "--init-from",
+        help="start from this head dir's weights (e.g. p-eagle from a trained eagle3 "
+        "head: same real rows; the mask slots start fresh)",
+    )
+    p.add_argument(
+        "--no-train-state", action="store_true", help="write the head only (no optimizer state: not resumable)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -113,13 +130,17 @@ def _load_target(args, device: torch.device, generate: bool):
 
     max_len = args.max_model_len or args.max_seq_len  # the RoPE table must reach the longest sequence
     load_format = getattr(args, "load_format", "auto")
-    kw = dict(model=args.target, device=device.type, max_model_len=max_len, progress=not args.quiet,
-              load_format=load_format)
+    kw = dict(
+        model=args.target, device=device.type, max_model_len=max_len, progress=not args.quiet, load_format=load_format
+    )
     if not generate:
         # Only the model and tokenizer are used: the smallest KV pool the engine accepts, one sequence
         # of max_model_len (float32 bytes, the largest KV dtype), so training keeps the memory.
-        kw.update(kv_cache_memory_bytes=_one_sequence_kv_bytes(args.target, load_format, max_len), max_num_seqs=1,
-                  enforce_eager=True)
+        kw.update(
+            kv_cache_memory_bytes=_one_sequence_kv_bytes(args.target, load_format, max_len),
+            max_num_seqs=1,
+            enforce_eager=True,
+        )
     elif device.type == "cuda":
         kw.update(gpu_memory_utilization=0.45, max_num_seqs=256)  # the rest is for training after
     else:
@@ -145,12 +166,21 @@ def prepare_data(args, llm, deadline: float) -> list[train_data.TrainSeq]:
     cached = out / DATA_NAME
     if args.resume and cached.is_file():
         return [train_data.TrainSeq(e.token_ids, e.num_prompt_tokens) for e in train_data.load_jsonl(cached)]
-    examples = (train_data.load_jsonl(args.data) if args.data
-                else train_data.stdlib_examples(args.num_prompts, args.seed))
+    examples = (
+        train_data.load_jsonl(args.data) if args.data else train_data.stdlib_examples(args.num_prompts, args.seed)
+    )
     if args.data:
         train_data.check_vocab(examples, llm.engine.vocab_size, args.data)
-    seqs = train_data.build_sequences(llm, examples, args.max_new_tokens, args.max_seq_len, args.temperature,
-                                      deadline, args.seed, progress=not args.quiet)
+    seqs = train_data.build_sequences(
+        llm,
+        examples,
+        args.max_new_tokens,
+        args.max_seq_len,
+        args.temperature,
+        deadline,
+        args.seed,
+        progress=not args.quiet,
+    )
     if not seqs:
         raise ValueError("no training sequences: the data was empty or the time budget ran out first.")
     out.mkdir(parents=True, exist_ok=True)
@@ -185,16 +215,20 @@ def build_draft_vocab(args, loaded, seqs: list[train_data.TrainSeq]) -> train_da
         return None
     vocab = train_data.draft_vocab(seqs, loaded.arch.vocab_size, size, _special_ids(loaded.tokenizer))
     if not args.quiet:
-        print(f"draft vocabulary: {size} of {loaded.arch.vocab_size} tokens, covering "
-              f"{100 * vocab.answer_coverage:.2f}% of the answer tokens", file=sys.stderr)
+        print(
+            f"draft vocabulary: {size} of {loaded.arch.vocab_size} tokens, covering "
+            f"{100 * vocab.answer_coverage:.2f}% of the answer tokens",
+            file=sys.stderr,
+        )
     return vocab
 
 
 def _new_head(args, loaded, device: torch.device, d2t: list[int] | None = None) -> EagleHead:
     method = "eagle" if args.eagle else "eagle3"
     slots = args.num_mask_slots if args.method == "p-eagle" else 0
-    cfg = head_config_for(loaded.arch, loaded.hf_config, loaded.name, loaded.identity, method, slots,
-                          None if d2t is None else len(d2t))
+    cfg = head_config_for(
+        loaded.arch, loaded.hf_config, loaded.name, loaded.identity, method, slots, None if d2t is None else len(d2t)
+    )
     torch.manual_seed(args.seed)
     head = EagleHead(cfg)
     if d2t is not None:
@@ -236,8 +270,11 @@ def run_training(args, llm=None) -> TrainResult:
     if args.data:
         train_data.refuse_humaneval(args.data)
     if not args.resume and (Path(args.out) / "model.safetensors").is_file():
-        print(f"specserve train-draft: {args.out} holds a head; starting fresh and overwriting it "
-              "(--resume continues it)", file=sys.stderr)
+        print(
+            f"specserve train-draft: {args.out} holds a head; starting fresh and overwriting it "
+            "(--resume continues it)",
+            file=sys.stderr,
+        )
     if llm is None:
         llm = _load_target(args, device, _needs_generation(args))
     loaded = llm.engine.loaded
@@ -263,8 +300,16 @@ def run_training(args, llm=None) -> TrainResult:
     return TrainResult(Path(args.out), progress["step"], len(seqs), progress["metrics"])
 
 
-def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainSeq], progress: dict,
-                device: torch.device, deadline: float) -> None:
+def _train_loop(
+    args,
+    head: EagleHead,
+    opt,
+    target,
+    seqs: list[train_data.TrainSeq],
+    progress: dict,
+    device: torch.device,
+    deadline: float,
+) -> None:
     """Trains until --steps or the deadline; progress["step"] follows every step, progress["metrics"]
     every REPORT_EVERY steps, at checkpoints and at the end (reading them syncs the device; a step
     itself never waits for the GPU)."""
@@ -286,22 +331,34 @@ def _train_loop(args, head: EagleHead, opt, target, seqs: list[train_data.TrainS
         random.Random(args.seed * 1000 + epoch).shuffle(order)
         batch = [seqs[i] for i in base_batches[order[index]]]
         starts = [max(0, s.num_prompt_tokens - 2) for s in batch]
-        frac = (step / args.steps if args.steps else
-                (time.monotonic() - train_start) / max(1.0, deadline - train_start))
+        frac = step / args.steps if args.steps else (time.monotonic() - train_start) / max(1.0, deadline - train_start)
         for g in opt.param_groups:
             g["lr"] = args.lr * _lr_factor(frac, step, warmup)
         tb = target_batch(target, [s.token_ids for s in batch], head.cfg.aux_hidden_layers, device, head.d2t)
         with autocast:
-            loss, accs = head_loss(head, target, tb.ids, [len(s.token_ids) for s in batch], starts, tb.feats,
-                                   tb.probs, tb.last, num_blocks, parallel, args.hard_label_weight, tb.top)
+            loss, accs = head_loss(
+                head,
+                target,
+                tb.ids,
+                [len(s.token_ids) for s in batch],
+                starts,
+                tb.feats,
+                tb.probs,
+                tb.last,
+                num_blocks,
+                parallel,
+                args.hard_label_weight,
+                tb.top,
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         del tb  # the next step's target forward need not share memory with it
         step += 1
-        recent.append((["loss", *(f"acc{i + 1}" for i in range(len(accs)))],
-                       torch.stack([loss.detach().float(), *accs])))
+        recent.append(
+            (["loss", *(f"acc{i + 1}" for i in range(len(accs)))], torch.stack([loss.detach().float(), *accs]))
+        )
         del recent[:-METRIC_WINDOW]
         progress["step"] = step
         bar.update(1)
@@ -325,7 +382,7 @@ def _metrics(recent: list[tuple[list[str], torch.Tensor]]) -> dict[str, float]:
     sums: dict[str, float] = {}
     i = 0
     for names, v in recent:
-        for name, x in zip(names, values[i:i + len(names)]):
+        for name, x in zip(names, values[i : i + len(names)]):
             sums[name] = sums.get(name, 0.0) + x
         i += len(names)
     return {k: round(sums[k] / len(recent), 4) for k in recent[-1][0]}
@@ -336,15 +393,19 @@ TRAINING_NAME = "training.json"
 
 def _provenance(args, step: int, metrics: dict, seqs: list[train_data.TrainSeq]) -> dict:
     """What the head was trained from, for whoever serves it later (not read back by specserve)."""
-    return {"method": args.method, "target": args.target, "steps": step,
-            "data": str(Path(args.data).resolve()) if args.data else "stdlib self-distillation",
-            "num_sequences": len(seqs), "num_tokens": sum(len(s.token_ids) for s in seqs),
-            "num_answer_tokens": sum(len(s.token_ids) - s.num_prompt_tokens for s in seqs),
-            "metrics": metrics}
+    return {
+        "method": args.method,
+        "target": args.target,
+        "steps": step,
+        "data": str(Path(args.data).resolve()) if args.data else "stdlib self-distillation",
+        "num_sequences": len(seqs),
+        "num_tokens": sum(len(s.token_ids) for s in seqs),
+        "num_answer_tokens": sum(len(s.token_ids) - s.num_prompt_tokens for s in seqs),
+        "metrics": metrics,
+    }
 
 
-def _save(args, head: EagleHead, opt, step: int, metrics: dict,
-          seqs: list[train_data.TrainSeq] | None = None) -> None:
+def _save(args, head: EagleHead, opt, step: int, metrics: dict, seqs: list[train_data.TrainSeq] | None = None) -> None:
     save_head(head, args.out)
     if seqs is not None:
         tmp = Path(args.out) / (TRAINING_NAME + ".tmp")
@@ -353,8 +414,17 @@ def _save(args, head: EagleHead, opt, step: int, metrics: dict,
     if getattr(args, "no_train_state", False):
         return
     tmp = Path(args.out) / (STATE_NAME + ".tmp")
-    torch.save({"step": step, "optimizer": opt.state_dict(), "metrics": metrics, "method": args.method,
-                "eagle": args.eagle, "draft_vocab_size": head.cfg.draft_vocab_size}, tmp)
+    torch.save(
+        {
+            "step": step,
+            "optimizer": opt.state_dict(),
+            "metrics": metrics,
+            "method": args.method,
+            "eagle": args.eagle,
+            "draft_vocab_size": head.cfg.draft_vocab_size,
+        },
+        tmp,
+    )
     tmp.replace(Path(args.out) / STATE_NAME)
 
 
@@ -368,10 +438,14 @@ def _maybe_resume(args, head: EagleHead, opt, device: torch.device) -> int:
     if state.get("method") != args.method or state.get("eagle") != args.eagle:
         raise ValueError(f"{args.out} holds a {state.get('method')} run; cannot resume it as {args.method}.")
     if state.get("draft_vocab_size") != head.cfg.draft_vocab_size:
+
         def name(n: int | None) -> str:
             return "the full vocabulary" if n is None else f"a {n}-token draft vocabulary"
-        raise ValueError(f"{args.out} holds a run with {name(state.get('draft_vocab_size'))}, this one has "
-                         f"{name(head.cfg.draft_vocab_size)}: resume with the same --draft-vocab-size (0 = full).")
+
+        raise ValueError(
+            f"{args.out} holds a run with {name(state.get('draft_vocab_size'))}, this one has "
+            f"{name(head.cfg.draft_vocab_size)}: resume with the same --draft-vocab-size (0 = full)."
+        )
     head.load_state_dict({k: v.to(device) for k, v in load_file(str(Path(args.out) / "model.safetensors")).items()})
     opt.load_state_dict(state["optimizer"])
     return int(state["step"])

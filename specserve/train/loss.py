@@ -26,6 +26,7 @@ is outside keeps the soft term alone (whole weight): greedy verification can nev
 there, but sampling verification still accepts in-set tokens. Accuracy: d2t[argmax of the head's
 logits] == the target's argmax over the whole vocabulary.
 """
+
 from __future__ import annotations
 
 import functools
@@ -76,8 +77,9 @@ def _to_device_rows(rows: list[torch.Tensor], R: int, device: torch.device) -> l
     return list(zip(parts[0::2], parts[1::2]))
 
 
-def head_block_outputs(head: EagleHead, target, ids: torch.Tensor, feats: torch.Tensor, num_blocks: int,
-                       parallel: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def head_block_outputs(
+    head: EagleHead, target, ids: torch.Tensor, feats: torch.Tensor, num_blocks: int, parallel: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(out, logits_input) of every block, each [B * (L - 1), hidden]: row t of block s is the head's
     draft s - 1 steps after its last real row t - s + 1 (see the module docstring)."""
     B, L = ids.shape
@@ -104,15 +106,16 @@ def head_block_outputs(head: EagleHead, target, ids: torch.Tensor, feats: torch.
             group = arch.num_heads // arch.num_kv_heads
             if group > 1:
                 ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
-            o = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, scale=arch.head_dim ** -0.5)
+            o = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, scale=arch.head_dim**-0.5)
             return o.transpose(1, 2).reshape(B * R, arch.num_heads, arch.head_dim)
 
         outputs.append(head(embeds, hidden, positions, target.cos_sin_cache, attend))
     return outputs
 
 
-def reduced_vocab_labels(lab: torch.Tensor, target_top: torch.Tensor, d2t: torch.Tensor,
-                         hard_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+def reduced_vocab_labels(
+    lab: torch.Tensor, target_top: torch.Tensor, d2t: torch.Tensor, hard_weight: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Soft-target labels over a reduced draft vocabulary (module docstring). lab [rows, N]: the
     target's probabilities of the tokens d2t (normalized over the whole vocabulary; overwritten);
     target_top [rows]: the target's argmax ids. Returns (labels [rows, N], each row summing to 1:
@@ -127,8 +130,13 @@ def reduced_vocab_labels(lab: torch.Tensor, target_top: torch.Tensor, d2t: torch
     return lab.mul_(1 - hard).scatter_add_(1, col.unsqueeze(1), hard), in_set
 
 
-def _token_loss(logits: torch.Tensor, lab: torch.Tensor, hard_weight: float, d2t: torch.Tensor | None,
-                target_top: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_loss(
+    logits: torch.Tensor,
+    lab: torch.Tensor,
+    hard_weight: float,
+    d2t: torch.Tensor | None,
+    target_top: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(cross-entropy, top-1 agreement with the target) of logits [rows, width] against the
     target's probabilities lab [rows, width] (overwritten)."""
     if d2t is not None:
@@ -146,9 +154,20 @@ def _token_loss(logits: torch.Tensor, lab: torch.Tensor, hard_weight: float, d2t
     return F.cross_entropy(logits, mixed), (logits.detach().argmax(-1) == top.squeeze(1)).float().mean()
 
 
-def head_loss(head: EagleHead, target, ids: torch.Tensor, lengths: list[int], loss_start: list[int],
-              feats: torch.Tensor, probs: torch.Tensor, last_hidden: torch.Tensor, num_blocks: int, parallel: bool,
-              hard_weight: float = 0.5, target_top: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def head_loss(
+    head: EagleHead,
+    target,
+    ids: torch.Tensor,
+    lengths: list[int],
+    loss_start: list[int],
+    feats: torch.Tensor,
+    probs: torch.Tensor,
+    last_hidden: torch.Tensor,
+    num_blocks: int,
+    parallel: bool,
+    hard_weight: float = 0.5,
+    target_top: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Returns (loss, per-block top-1 agreement with the target: 0-d tensors on ids' device, one per
     block that has rows), with no device sync. Shapes as `target_batch`; lengths and loss_start (the
     first row of each sequence in the loss; row t predicts token t + 2) are host lists. A head with a
@@ -157,8 +176,10 @@ def head_loss(head: EagleHead, target, ids: torch.Tensor, lengths: list[int], lo
     R = L - 1
     d2t = head.d2t
     if d2t is not None and (target_top is None or probs.shape[-1] != d2t.numel()):
-        raise ValueError(f"a head with a {d2t.numel()}-token draft vocabulary needs probs [B, L, {d2t.numel()}] "
-                         f"and target_top (got probs {tuple(probs.shape)}, target_top {target_top is not None}).")
+        raise ValueError(
+            f"a head with a {d2t.numel()}-token draft vocabulary needs probs [B, L, {d2t.numel()}] "
+            f"and target_top (got probs {tuple(probs.shape)}, target_top {target_top is not None})."
+        )
     block_rows = _to_device_rows(loss_rows(lengths, loss_start, L, num_blocks), R, ids.device)
     # Rows of the padded [B, L] tensors, unsliced: row t of [B, R] is row t + 1 of its sequence there.
     labels = probs.reshape(B * L, -1)
@@ -172,8 +193,13 @@ def head_loss(head: EagleHead, target, ids: torch.Tensor, lengths: list[int], lo
         if rows.numel() == 0:  # sequences too short for this depth (a host-known size: no sync)
             continue
         logits = F.linear(normed.index_select(0, rows), lm_weight).float()
-        ce, acc = _token_loss(logits, labels.index_select(0, label_rows).float(), hard_weight, d2t,
-                              None if tops is None else tops.index_select(0, label_rows))
+        ce, acc = _token_loss(
+            logits,
+            labels.index_select(0, label_rows).float(),
+            hard_weight,
+            d2t,
+            None if tops is None else tops.index_select(0, label_rows),
+        )
         block_loss = ce
         if head.norm is None:  # EAGLE-1: regress the target's next hidden state as well
             goal = last_hidden.reshape(B * L, -1).index_select(0, label_rows).float()
@@ -181,4 +207,3 @@ def head_loss(head: EagleHead, target, ids: torch.Tensor, lengths: list[int], lo
         loss = loss + (0.8 ** (s - 1)) * block_loss
         accs.append(acc)
     return loss, accs
-

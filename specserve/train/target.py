@@ -9,6 +9,7 @@ softmax's columns d2t are kept (the softmax still runs over the whole vocabulary
 normalization needs, a chunk of rows at a time) together with the target's argmax over the whole
 vocabulary; loss.py turns them into the head's labels.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -90,8 +91,18 @@ def _dense_run(model, layout: _DenseLayout, aux_layers: tuple[int, ...]):
     lengths = layout.lengths_cpu
     L, B = max(lengths), len(lengths)
     none = torch.zeros(1, dtype=torch.int32, device=layout.cu.device)  # no paged cache: tables and slots unused
-    meta = AttentionMetadata(layout.cu, layout.cu[1:] - layout.cu[:-1], none.view(1, 1), none.long(), L, L, B,
-                             len(layout.flat_ids), lengths, lengths)
+    meta = AttentionMetadata(
+        layout.cu,
+        layout.cu[1:] - layout.cu[:-1],
+        none.view(1, 1),
+        none.long(),
+        L,
+        L,
+        B,
+        len(layout.flat_ids),
+        lengths,
+        lengths,
+    )
     saved = model.aux_hidden_layers
     model.aux_hidden_layers = aux_layers
     try:
@@ -143,8 +154,9 @@ def _reduced_labels(model, hidden: torch.Tensor, d2t: torch.Tensor) -> tuple[tor
 
 
 @torch.no_grad()
-def target_batch(model, seqs: list[list[int]], aux_layers: tuple[int, ...], device: torch.device,
-                 d2t: torch.Tensor | None = None) -> TargetBatch:
+def target_batch(
+    model, seqs: list[list[int]], aux_layers: tuple[int, ...], device: torch.device, d2t: torch.Tensor | None = None
+) -> TargetBatch:
     """The frozen target over a padded batch (TargetBatch). d2t [N] (a reduced draft vocabulary):
     keep only the probabilities of those tokens (the softmax still runs over the whole vocabulary,
     which their normalization needs) and the target's argmax."""
@@ -167,4 +179,3 @@ def target_batch(model, seqs: list[list[int]], aux_layers: tuple[int, ...], devi
     ids = pad(layout.flat_ids.unsqueeze(1)).squeeze(-1)
     top = None if top is None else pad(top.unsqueeze(1)).squeeze(-1)
     return TargetBatch(ids, layout.lengths, pad(feats), pad(probs), pad(hidden), top)
-

@@ -10,6 +10,7 @@ triton 3.6 interpreter are patched for that mode only (see `_patch_interpreter`)
 H200 image's; `pip install triton==3.6.0`): triton 3.9's interpreter, which xgrammar may pull in,
 refuses a block mask combined with a scalar condition ("mask has unsupported dtype").
 """
+
 from __future__ import annotations
 
 import importlib.util

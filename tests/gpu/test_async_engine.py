@@ -1,5 +1,6 @@
 """Asynchronous scheduling on the GPU, with CUDA graphs: the same tokens as the synchronous engine
 and as the CPU torch reference path, whatever finishes while a step is in flight."""
+
 from __future__ import annotations
 
 import random
@@ -16,8 +17,15 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def _generate(path, device: str, params, prompts, **kw) -> list:
-    llm = LLM(model=str(path), progress=False, device=device, dtype="float32", max_num_seqs=8,
-              kv_cache_memory_bytes=8 << 20, **kw)
+    llm = LLM(
+        model=str(path),
+        progress=False,
+        device=device,
+        dtype="float32",
+        max_num_seqs=8,
+        kv_cache_memory_bytes=8 << 20,
+        **kw,
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     llm.engine.kv.check_integrity()
     assert llm.engine.num_blocks_in_use() == 0
@@ -31,8 +39,15 @@ def test_greedy_matches_sync_and_cpu(tiny_llama_dir, device: torch.device) -> No
     if device.type != "cuda":
         pytest.skip("asynchronous scheduling overlaps host work with a GPU")
     prompts = _prompts(12, seed=1)
-    params = [SamplingParams(temperature=0.0, max_tokens=random.Random(i).randint(1, 30), ignore_eos=i % 2 == 0,
-                             stop_token_ids=[] if i % 3 else [17, 42]) for i in range(12)]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=random.Random(i).randint(1, 30),
+            ignore_eos=i % 2 == 0,
+            stop_token_ids=[] if i % 3 else [17, 42],
+        )
+        for i in range(12)
+    ]
     overlap = _generate(tiny_llama_dir, "cuda", params, prompts)
     assert overlap == _generate(tiny_llama_dir, "cuda", params, prompts, async_scheduling=False)
     assert overlap == _generate(tiny_llama_dir, "cpu", params, prompts)
@@ -42,10 +57,20 @@ def test_seeded_sampling_and_penalties_match_sync(tiny_llama_dir, device: torch.
     if device.type != "cuda":
         pytest.skip("asynchronous scheduling overlaps host work with a GPU")
     prompts = _prompts(10, seed=2)
-    params = [SamplingParams(temperature=0.8, seed=i, top_p=0.9, repetition_penalty=1.2 if i % 2 else 1.0,
-                             min_tokens=5 if i % 3 == 0 else 0, max_tokens=24) for i in range(10)]
-    assert _generate(tiny_llama_dir, "cuda", params, prompts) == \
-        _generate(tiny_llama_dir, "cuda", params, prompts, async_scheduling=False)
+    params = [
+        SamplingParams(
+            temperature=0.8,
+            seed=i,
+            top_p=0.9,
+            repetition_penalty=1.2 if i % 2 else 1.0,
+            min_tokens=5 if i % 3 == 0 else 0,
+            max_tokens=24,
+        )
+        for i in range(10)
+    ]
+    assert _generate(tiny_llama_dir, "cuda", params, prompts) == _generate(
+        tiny_llama_dir, "cuda", params, prompts, async_scheduling=False
+    )
 
 
 @pytest.mark.parametrize("method", ["draft_other", "draft_self", "eagle3", "p-eagle"])
@@ -58,20 +83,35 @@ def test_speculation_with_device_chained_drafts(tiny_llama_dir, tmp_path, method
     from tests.helpers.tiny_models import make_tiny_model_dir
 
     target = str(tiny_llama_dir)
-    cfg = {"draft_other": {"method": "draft_model",
-                           "model": str(make_tiny_model_dir(tmp_path / "d", arch="llama", seed=11, num_layers=1))},
-           "draft_self": {"method": "draft_model", "model": target},
-           "eagle3": {"method": "eagle3", "model": str(make_random_head_dir(target, tmp_path / "e", "eagle3"))},
-           "p-eagle": {"method": "eagle3", "parallel_drafting": True,
-                       "model": str(make_random_head_dir(target, tmp_path / "p", "eagle3", num_mask_slots=3))},
-           }[method]
+    cfg = {
+        "draft_other": {
+            "method": "draft_model",
+            "model": str(make_tiny_model_dir(tmp_path / "d", arch="llama", seed=11, num_layers=1)),
+        },
+        "draft_self": {"method": "draft_model", "model": target},
+        "eagle3": {"method": "eagle3", "model": str(make_random_head_dir(target, tmp_path / "e", "eagle3"))},
+        "p-eagle": {
+            "method": "eagle3",
+            "parallel_drafting": True,
+            "model": str(make_random_head_dir(target, tmp_path / "p", "eagle3", num_mask_slots=3)),
+        },
+    }[method]
     prompts = _prompts(6, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = _generate(tiny_llama_dir, "cuda", params, prompts, async_scheduling=False)
-    llm = LLM(model=target, progress=False, device="cuda", dtype="float32", max_num_seqs=8,
-              kv_cache_memory_bytes=8 << 20, speculative_config={**cfg, "num_speculative_tokens": 4, "adaptive": False})
-    got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
-           for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    llm = LLM(
+        model=target,
+        progress=False,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        kv_cache_memory_bytes=8 << 20,
+        speculative_config={**cfg, "num_speculative_tokens": 4, "adaptive": False},
+    )
+    got = [
+        (o.outputs[0].token_ids, o.outputs[0].finish_reason)
+        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
     assert got == plain
     st = llm.engine.stats
     assert st.get("spec_decode_num_drafts_total") > 0
@@ -91,10 +131,21 @@ def test_mixed_draft_lengths_replay_padded_graphs(tiny_llama_dir, device: torch.
         prompts.append((span * 6)[: rng.randint(10, 36)])
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     plain = _generate(tiny_llama_dir, "cuda", params, prompts, async_scheduling=False)
-    llm = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
-              kv_cache_memory_bytes=8 << 20,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 3, "adaptive": False})
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        kv_cache_memory_bytes=8 << 20,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+            "adaptive": False,
+        },
+    )
     graphs = llm.engine.runner.graphs
     assert graphs.verify_query_lens == (1, 2, 3, 4, 5)
     inner, kinds = graphs.graph_for, []
@@ -105,8 +156,10 @@ def test_mixed_draft_lengths_replay_padded_graphs(tiny_llama_dir, device: torch.
         return found
 
     graphs.graph_for = counting
-    got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
-           for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    got = [
+        (o.outputs[0].token_ids, o.outputs[0].finish_reason)
+        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
     assert got == plain
     assert kinds.count("padded") > 0, kinds
 
@@ -120,20 +173,33 @@ def test_speculation_with_overlapped_k0_steps(tiny_llama_dir, tmp_path, method, 
         pytest.skip("asynchronous scheduling overlaps host work with a GPU")
     from specserve.speculative.proposers.eagle_head import make_random_head_dir
 
-    table = {"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]], "adaptive": False,
-             "num_speculative_tokens": 3}
-    cfg = {"ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-           "draft_self": {"method": "draft_model", "model": str(tiny_llama_dir)},
-           "eagle3": {"method": "eagle3", "model": str(make_random_head_dir(str(tiny_llama_dir), tmp_path / "h"))},
-           }[method]
+    table = {
+        "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]],
+        "adaptive": False,
+        "num_speculative_tokens": 3,
+    }
+    cfg = {
+        "ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+        "draft_self": {"method": "draft_model", "model": str(tiny_llama_dir)},
+        "eagle3": {"method": "eagle3", "model": str(make_random_head_dir(str(tiny_llama_dir), tmp_path / "h"))},
+    }[method]
     prompts = _prompts(6, seed=13)
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(6)]
     plain = _generate(tiny_llama_dir, "cuda", params, prompts, async_scheduling=False)
-    llm = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
-              kv_cache_memory_bytes=8 << 20, speculative_config={**cfg, **table})
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        kv_cache_memory_bytes=8 << 20,
+        speculative_config={**cfg, **table},
+    )
     assert llm.engine.async_scheduling
-    got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
-           for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    got = [
+        (o.outputs[0].token_ids, o.outputs[0].finish_reason)
+        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
     assert got == plain
     assert llm.engine.stats.get("spec_decode_num_drafts_total") > 0
 
@@ -159,20 +225,26 @@ def test_short_prefills_replay_prefill_graphs(tiny_llama_dir, device: torch.devi
 
     CudaGraphRunner.graph_for = spy
     try:
-        llm = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
-                  kv_cache_memory_bytes=8 << 20)
+        llm = LLM(
+            model=str(tiny_llama_dir),
+            progress=False,
+            device="cuda",
+            dtype="float32",
+            max_num_seqs=8,
+            kv_cache_memory_bytes=8 << 20,
+        )
         got = [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
     finally:
         CudaGraphRunner.graph_for = original
     assert any(q in (16, 64) for _, q in keys), f"no prefill graph replayed: {keys}"
-    cpu = LLM(model=str(tiny_llama_dir), progress=False, device="cpu", dtype="float32",
-              kv_cache_memory_bytes=8 << 20)
+    cpu = LLM(model=str(tiny_llama_dir), progress=False, device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20)
     assert got == [cpu.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
 
 
 @pytest.mark.parametrize("drafting_up_to", [2, 4])
-def test_draft_catch_ups_replay_catch_up_graphs(tiny_llama_dir, device: torch.device, monkeypatch,
-                                                drafting_up_to: int) -> None:
+def test_draft_catch_ups_replay_catch_up_graphs(
+    tiny_llama_dir, device: torch.device, monkeypatch, drafting_up_to: int
+) -> None:
     """A draft model catching up after steps without drafts (here: k = 0 while more than 2 or 4 requests
     run) pads its catch-up of every running request to a captured catch-up graph, which scores each
     sequence's last row only, instead of a ~10 ms eager forward; the tokens stay plain decoding's, and
@@ -181,14 +253,23 @@ def test_draft_catch_ups_replay_catch_up_graphs(tiny_llama_dir, device: torch.de
         pytest.skip("CUDA graphs need a GPU")
     from specserve.runner.cuda_graph import CATCH_UP_QUERY_LENS, CudaGraphRunner
 
-    table = {"num_speculative_tokens_per_batch_size": [[1, drafting_up_to, 3], [drafting_up_to + 1, 64, 0]],
-             "adaptive": False, "num_speculative_tokens": 3}
+    table = {
+        "num_speculative_tokens_per_batch_size": [[1, drafting_up_to, 3], [drafting_up_to + 1, 64, 0]],
+        "adaptive": False,
+        "num_speculative_tokens": 3,
+    }
     prompts = _prompts(6, seed=21)
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(6)]
     plain = _generate(tiny_llama_dir, "cuda", params, prompts, async_scheduling=False)
-    llm = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
-              kv_cache_memory_bytes=8 << 20,
-              speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), **table})
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        kv_cache_memory_bytes=8 << 20,
+        speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), **table},
+    )
     draft_graphs = llm.engine.spec.proposer.runner.graphs
     assert draft_graphs is not None and draft_graphs.catch_up_query_lens == CATCH_UP_QUERY_LENS
     keys: list[tuple[int, ...]] = []
@@ -201,8 +282,10 @@ def test_draft_catch_ups_replay_catch_up_graphs(tiny_llama_dir, device: torch.de
         return found
 
     monkeypatch.setattr(CudaGraphRunner, "graph_for", spy)
-    got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
-           for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    got = [
+        (o.outputs[0].token_ids, o.outputs[0].finish_reason)
+        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
     assert got == plain
     st = llm.engine.stats  # drafting for itself: the catch-ups' scored rows are the right ones
     assert st.get("spec_decode_num_accepted_tokens_total") == st.get("spec_decode_num_draft_tokens_total") > 0
@@ -223,8 +306,14 @@ def test_short_prompts_prefill_in_graph_pieces(tiny_llama_dir, tmp_path, device:
 
     prompt = [random.Random(9).randrange(5, 300) for _ in range(172)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    llm = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
-              kv_cache_memory_bytes=8 << 20)
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        kv_cache_memory_bytes=8 << 20,
+    )
     assert llm.engine.scheduler.prefill_piece == 64
     runs: list[tuple[int, bool]] = []  # (tokens in the step, replayed)
     original = CudaGraphRunner.graph_for
@@ -240,9 +329,15 @@ def test_short_prompts_prefill_in_graph_pieces(tiny_llama_dir, tmp_path, device:
     cpu = LLM(model=str(tiny_llama_dir), progress=False, device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20)
     assert got == cpu.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
     head = make_random_head_dir(str(tiny_llama_dir), tmp_path / "h")
-    eagle = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
-                kv_cache_memory_bytes=8 << 20, speculative_config={"method": "eagle3", "model": str(head),
-                                                                     "num_speculative_tokens": 2})
+    eagle = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        kv_cache_memory_bytes=8 << 20,
+        speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 2},
+    )
     assert eagle.engine.scheduler.prefill_piece == 64
     runs.clear()
     assert eagle.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == got

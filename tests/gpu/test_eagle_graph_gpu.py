@@ -2,6 +2,7 @@
 speculative/proposers/eagle_first.py, and the draft steps, speculative/proposers/eagle_graph.py; eagle, eagle3 and P-EAGLE): the same
 tokens as plain decoding and the same proposals as the eager head and as the static buffers
 without capture, over batches that need padding and requests that finish at different times."""
+
 from __future__ import annotations
 
 import random
@@ -25,8 +26,16 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 def _run(target: str, spec: dict | None, mode: str, prompts, params, monkeypatch):
     """(outputs, proposals, llm); proposals: (prompt, tokens so far) -> (drafts, draft probs)."""
     monkeypatch.setattr(EagleProposer, "step_graphs", mode)
-    llm = LLM(model=target, progress=False, device="cuda", dtype="float32", max_num_seqs=8,
-              kv_cache_memory_bytes=8 << 20, enable_prefix_caching=False, speculative_config=spec)
+    llm = LLM(
+        model=target,
+        progress=False,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        kv_cache_memory_bytes=8 << 20,
+        enable_prefix_caching=False,
+        speculative_config=spec,
+    )
     proposals: dict = {}
     if spec is not None:
         proposer = llm.engine.spec.proposer
@@ -54,28 +63,41 @@ def _agreement(a: dict, b: dict) -> float:
     same = 0
     for key in both:
         (da, qa), (db, qb) = a[key], b[key]
-        same += da == db and (qa is None) == (qb is None) and (
-            qa is None or torch.allclose(qa, qb, rtol=1e-4, atol=1e-5))
+        same += (
+            da == db and (qa is None) == (qb is None) and (qa is None or torch.allclose(qa, qb, rtol=1e-4, atol=1e-5))
+        )
     return same / len(both)
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "p-eagle"])
-def test_graph_steps_equal_eager(tiny_llama_dir, tmp_path, method, sampling, device: torch.device,
-                                 monkeypatch) -> None:
+def test_graph_steps_equal_eager(tiny_llama_dir, tmp_path, method, sampling, device: torch.device, monkeypatch) -> None:
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a GPU")
     target = str(tiny_llama_dir)
     parallel = method == "p-eagle"
     head = "eagle3" if parallel else method
-    spec = {"method": head, "num_speculative_tokens": K, "adaptive": False, "parallel_drafting": parallel,
-            "model": str(make_random_head_dir(target, tmp_path / "h", head, num_mask_slots=K - 1 if parallel else 0))}
+    spec = {
+        "method": head,
+        "num_speculative_tokens": K,
+        "adaptive": False,
+        "parallel_drafting": parallel,
+        "model": str(make_random_head_dir(target, tmp_path / "h", head, num_mask_slots=K - 1 if parallel else 0)),
+    }
     prompts = _prompts(7, seed=4)  # 7 requests -> padded to 8, fewer as they finish
     if sampling == "greedy":
         params = [SamplingParams(temperature=0.0, max_tokens=5 + 4 * i, ignore_eos=True) for i in range(7)]
     else:
-        params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.8 + 0.1 * i, seed=100 + i,
-                                 top_k=30 if i % 2 else 0, max_tokens=5 + 4 * i, ignore_eos=True) for i in range(7)]
+        params = [
+            SamplingParams(
+                temperature=0.0 if i % 3 == 0 else 0.8 + 0.1 * i,
+                seed=100 + i,
+                top_k=30 if i % 2 else 0,
+                max_tokens=5 + 4 * i,
+                ignore_eos=True,
+            )
+            for i in range(7)
+        ]
     graphed, graph_props, llm = _run(target, spec, "auto", prompts, params, monkeypatch)
     proposer, sizes = llm.engine.spec.proposer, sorted(llm.engine.runner.graphs.batch_sizes)
     first = proposer.first  # captured per size, up to MAX_GRAPH_PICKS picks

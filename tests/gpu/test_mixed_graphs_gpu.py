@@ -3,6 +3,7 @@ beside four decoding requests, and a step of several new prompts at once, replay
 forward of the target), with the same greedy tokens as the engine that runs them eagerly
 (SPECSERVE_MIXED_GRAPHS=0), without speculation and with a draft model (whose catch-ups of the new prompt
 take the draft's own mixed graphs)."""
+
 from __future__ import annotations
 
 import random
@@ -19,8 +20,16 @@ def _serve(path, mixed: bool, monkeypatch, spec=None):
     from specserve.runner.cuda_graph import CudaGraphRunner
 
     monkeypatch.setenv("SPECSERVE_MIXED_GRAPHS", "1" if mixed else "0")
-    llm = LLM(model=str(path), progress=False, device="cuda", dtype="float32", max_num_seqs=8,
-              kv_cache_memory_bytes=16 << 20, enable_prefix_caching=False, speculative_config=spec)
+    llm = LLM(
+        model=str(path),
+        progress=False,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        kv_cache_memory_bytes=16 << 20,
+        enable_prefix_caching=False,
+        speculative_config=spec,
+    )
     eng = llm.engine
     eng.stream_outputs = False
     target: list[tuple[int, tuple | None]] = []
@@ -49,8 +58,9 @@ def _serve(path, mixed: bool, monkeypatch, spec=None):
             eng.add_request("new", {"prompt_token_ids": [rng.randrange(5, 300) for _ in range(172)]}, params)
         if step == 12:  # three prompts in one step: a prefill-only ragged step
             for j in range(3):
-                eng.add_request(f"p{j}", {"prompt_token_ids": [rng.randrange(5, 300) for _ in range(30 + 40 * j)]},
-                                params)
+                eng.add_request(
+                    f"p{j}", {"prompt_token_ids": [rng.randrange(5, 300) for _ in range(30 + 40 * j)]}, params
+                )
         for out in eng.step():
             done[out.request_id] = out.outputs[0].token_ids
         if step > 12 and not eng.has_unfinished_requests():
@@ -61,12 +71,16 @@ def _serve(path, mixed: bool, monkeypatch, spec=None):
 
 
 @pytest.mark.parametrize("spec", [None, "draft_model"])
-def test_arrivals_beside_a_decoding_batch_replay_mixed_graphs(tiny_llama_dir, device: torch.device, monkeypatch,
-                                                             spec) -> None:
+def test_arrivals_beside_a_decoding_batch_replay_mixed_graphs(
+    tiny_llama_dir, device: torch.device, monkeypatch, spec
+) -> None:
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a GPU")
-    cfg = None if spec is None else {"method": "draft_model", "model": str(tiny_llama_dir),
-                                     "num_speculative_tokens": 3, "adaptive": False}
+    cfg = (
+        None
+        if spec is None
+        else {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3, "adaptive": False}
+    )
     want, eager, _ = _serve(tiny_llama_dir, False, monkeypatch, cfg)
     got, runs, draft = _serve(tiny_llama_dir, True, monkeypatch, cfg)
     assert got == want and len(got) == 8

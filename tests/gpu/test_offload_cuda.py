@@ -1,6 +1,7 @@
 """KV offload on CUDA: the store copy runs on a side stream and lands later, loads are
 non-blocking copies out of pinned tier slots. The GPU is kept busy (torch.cuda._sleep) so that
 the host runs ahead of every copy: results must not depend on the timing."""
+
 from __future__ import annotations
 
 import random
@@ -98,8 +99,14 @@ def test_engine_tier_hits_are_exact(tiny_llama_dir, tmp_path, device: torch.devi
         pytest.skip("the CUDA offload path")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     offload = {"cpu_bytes": 64 << 20, "disk_path": str(tmp_path / "kv"), "disk_bytes": 64 << 20}
-    llm = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32",
-              kv_cache_memory_bytes=4 << 20, kv_offload=offload)
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        device="cuda",
+        dtype="float32",
+        kv_cache_memory_bytes=4 << 20,
+        kv_offload=offload,
+    )
     docs = [_doc(s) for s in range(3)]
     first = [llm.generate({"prompt_token_ids": d}, params)[0].outputs[0].token_ids for d in docs]
     for _ in range(2):
@@ -109,8 +116,14 @@ def test_engine_tier_hits_are_exact(tiny_llama_dir, tmp_path, device: torch.devi
     stats = llm.engine.stats
     assert stats.get("kv_offload_hits_total", {"tier": "cpu"}) >= 3 * 9 * 16
     llm.engine.shutdown()
-    restarted = LLM(model=str(tiny_llama_dir), progress=False, device="cuda", dtype="float32",
-                    kv_cache_memory_bytes=4 << 20, kv_offload={**offload, "cpu_bytes": 0})
+    restarted = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        device="cuda",
+        dtype="float32",
+        kv_cache_memory_bytes=4 << 20,
+        kv_offload={**offload, "cpu_bytes": 0},
+    )
     assert [restarted.generate({"prompt_token_ids": d}, params)[0].outputs[0].token_ids for d in docs] == first
     assert restarted.engine.stats.get("kv_offload_hits_total", {"tier": "disk"}) >= 3 * 9 * 16
     restarted.engine.shutdown()

@@ -3,6 +3,7 @@ tensors: the sequences own the last blocks of an exactly sized pool, so an over-
 of every cache tensor. In the interpreter every load and store address is checked
 (tests/helpers/triton_bounds.py); on the GPU the outputs are compared with the float64 oracle.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -39,14 +40,27 @@ TAIL_SPECS = [(31, 1), (13, 4), (0, 9)]
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 6, 7])
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
-def test_pool_tail_in_bounds(name: str, variant: str, num_kv_heads: int, group: int, head_dim: int,
-                             device: torch.device, over_reads: list[str]) -> None:
+def test_pool_tail_in_bounds(
+    name: str, variant: str, num_kv_heads: int, group: int, head_dim: int, device: torch.device, over_reads: list[str]
+) -> None:
     """KV in the last blocks of an exactly sized pool, padding table entries outside it: every load and
     store stays inside its tensor (checked in the interpreter) and the output matches, split or not."""
     dtype = torch.bfloat16
     fmt = kv_format(name, dtype)
-    batch = make_batch(TAIL_SPECS, num_kv_heads * group, num_kv_heads, head_dim, 16, fmt, dtype, device,
-                       seed=num_kv_heads * 100 + group * 10 + head_dim, pad_tokens=2, pad_seqs=1, pool_tail=True)
+    batch = make_batch(
+        TAIL_SPECS,
+        num_kv_heads * group,
+        num_kv_heads,
+        head_dim,
+        16,
+        fmt,
+        dtype,
+        device,
+        seed=num_kv_heads * 100 + group * 10 + head_dim,
+        pad_tokens=2,
+        pad_seqs=1,
+        pool_tail=True,
+    )
     ref, written = reference(batch, fmt)
     initial = LayerKVCache(*(t.clone() for t in batch.cache))
     for num_splits in (None, 3):
@@ -55,11 +69,12 @@ def test_pool_tail_in_bounds(name: str, variant: str, num_kv_heads: int, group: 
         out = run_kernels(batch, fmt, num_splits, variant)
         assert not over_reads, f"num_splits={num_splits}: {sorted(set(over_reads))}"
         assert_same_bytes(batch.cache, written)
-        assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+        assert_close(out[: batch.ref_meta.num_tokens], ref, dtype)
 
 
-def test_over_read_check_catches_a_scale_window_past_the_row(monkeypatch: pytest.MonkeyPatch, device: torch.device,
-                                                           over_reads: list[str]) -> None:
+def test_over_read_check_catches_a_scale_window_past_the_row(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device, over_reads: list[str]
+) -> None:
     """The check above fails on the suspected bug of the fp8 kernel's scale window: 8 heads' fp8 scales
     (16 bytes) loaded per token with 2 KV heads, which runs 12 bytes past the end of the scale
     tensors at the pool's last slot and still matches the reference (the extra columns are dropped)."""

@@ -5,6 +5,7 @@ checked by ||out - ref|| / ||ref|| and max |out - ref|. Cache blocks (and slots)
 owns are NaN, so any read outside a sequence's context shows up as NaN; outputs are poisoned
 with NaN before the kernel runs, so every row must be written.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,9 +35,18 @@ class Batch(NamedTuple):
     scale: float
 
 
-def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-               block_size: int, dtype: torch.dtype, device: torch.device, seed: int,
-               pad_tokens: int = 0, pad_seqs: int = 0) -> Batch:
+def make_batch(
+    specs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    pad_tokens: int = 0,
+    pad_seqs: int = 0,
+) -> Batch:
     """specs: (cached context_len, query_len) per sequence; block ids are shuffled over the pool."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in specs]
@@ -45,7 +55,7 @@ def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, 
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, at = [], 0
     for n in counts:
-        tables.append(perm[at:at + n])
+        tables.append(perm[at : at + n])
         at += n
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key = torch.full(shape, float("nan"), dtype=dtype)
@@ -62,8 +72,15 @@ def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, 
     cache = LayerKVCache(key.to(device), value.to(device), None, None)
     meta = paged_metadata(specs, tables, block_size, device, pad_tokens, pad_seqs)
     ref_meta = paged_metadata(specs, tables, block_size, device)
-    return Batch(q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
-                 v.view(num_tokens, num_kv_heads, head_dim), cache, meta, ref_meta, head_dim ** -0.5)
+    return Batch(
+        q.view(num_tokens, num_heads, head_dim),
+        k.view(num_tokens, num_kv_heads, head_dim),
+        v.view(num_tokens, num_kv_heads, head_dim),
+        cache,
+        meta,
+        ref_meta,
+        head_dim**-0.5,
+    )
 
 
 def reference(batch: Batch) -> tuple[torch.Tensor, LayerKVCache]:
@@ -109,8 +126,19 @@ def attend(batch: Batch, num_splits: int | None = None) -> torch.Tensor:
 
     meta, cache = batch.meta, batch.cache
     out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype, device=batch.q.device)
-    return paged_attention(batch.q, cache.key, cache.value, meta.cu_query_lens, meta.seq_lens, meta.block_tables,
-                           meta.max_query_len, meta.max_seq_len, batch.scale, out=out, num_splits=num_splits)
+    return paged_attention(
+        batch.q,
+        cache.key,
+        cache.value,
+        meta.cu_query_lens,
+        meta.seq_lens,
+        meta.block_tables,
+        meta.max_query_len,
+        meta.max_seq_len,
+        batch.scale,
+        out=out,
+        num_splits=num_splits,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -126,16 +154,18 @@ def test_reshape_and_cache(dtype: torch.dtype, block_size: int, device: torch.de
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 4, 64), (12, 2, 128), (9, 3, 64)])
-def test_rope_and_cache_equals_two_kernels(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                                           device: torch.device) -> None:
+def test_rope_and_cache_equals_two_kernels(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+) -> None:
     """The fused RoPE + KV write leaves q, k and the cache bitwise as apply_rope then
     reshape_and_cache do (padding tokens: rotated, not stored)."""
     from specserve.attention.triton_kv_write import reshape_and_cache
     from specserve.attention.triton_rope_cache import rope_and_cache
     from specserve.model.layers.triton_ops import apply_rope
 
-    batch = make_batch([(5, 7), (0, 30), (40, 1)], num_heads, num_kv_heads, head_dim, 16, dtype, device,
-                       seed=head_dim, pad_tokens=3)
+    batch = make_batch(
+        [(5, 7), (0, 30), (40, 1)], num_heads, num_kv_heads, head_dim, 16, dtype, device, seed=head_dim, pad_tokens=3
+    )
     gen = torch.Generator().manual_seed(7)
     positions = torch.randint(0, 4000, (batch.q.shape[0],), generator=gen).to(device)
     inv = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
@@ -145,15 +175,21 @@ def test_rope_and_cache_equals_two_kernels(dtype: torch.dtype, num_heads: int, n
     cache2 = LayerKVCache(batch.cache.key.clone(), batch.cache.value.clone(), None, None)
     apply_rope(q2, k2, positions, cos_sin)
     reshape_and_cache(k2, v2, cache2.key, cache2.value, batch.meta.slot_mapping)
-    rope_and_cache(batch.q, batch.k, batch.v, positions, cos_sin, batch.cache.key, batch.cache.value,
-                   batch.meta.slot_mapping)
+    rope_and_cache(
+        batch.q, batch.k, batch.v, positions, cos_sin, batch.cache.key, batch.cache.value, batch.meta.slot_mapping
+    )
     assert torch.equal(batch.q, q2) and torch.equal(batch.k, k2) and torch.equal(batch.v, v2)
     assert_cache_written(batch.cache, cache2)
 
 
 CASES = [(dt, g, bs, 128) for dt in (torch.bfloat16, torch.float32) for g in (1, 4, 8) for bs in (16, 32)]
-CASES += [(torch.float16, 4, 16, 128), (torch.bfloat16, 1, 16, 64), (torch.bfloat16, 8, 32, 64),
-          (torch.bfloat16, 6, 16, 128), (torch.float32, 4, 16, 64)]
+CASES += [
+    (torch.float16, 4, 16, 128),
+    (torch.bfloat16, 1, 16, 64),
+    (torch.bfloat16, 8, 32, 64),
+    (torch.bfloat16, 6, 16, 128),
+    (torch.float32, 4, 16, 64),
+]
 
 
 CASE_IDS = [f"{str(dt).removeprefix('torch.')}-g{g}-bs{bs}-d{d}" for dt, g, bs, d in CASES]
@@ -163,8 +199,16 @@ CASE_IDS = [f"{str(dt).removeprefix('torch.')}-g{g}-bs{bs}-d{d}" for dt, g, bs, 
 def test_mixed_batch(dtype: torch.dtype, group: int, block_size: int, head_dim: int, device: torch.device) -> None:
     """Prefill, prefix-hit prefill, chunk continuation, decode and k+1 verify in one flat batch."""
     num_kv_heads = 2
-    batch = make_batch(MIXED, group * num_kv_heads, num_kv_heads, head_dim, block_size, dtype, device,
-                       seed=group * 1000 + block_size + head_dim)
+    batch = make_batch(
+        MIXED,
+        group * num_kv_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        device,
+        seed=group * 1000 + block_size + head_dim,
+    )
     ref, ref_cache = reference(batch)
     key0, value0 = batch.cache.key.clone(), batch.cache.value.clone()
     out = run_kernels(batch)
@@ -211,7 +255,7 @@ def test_backend_with_graph_padding(device: torch.device) -> None:
     out = TritonBackend().forward(batch.q, batch.k, batch.v, batch.cache, fmt, batch.meta, batch.scale)
     assert out.shape == batch.q.shape and out.dtype == dtype
     assert_cache_written(batch.cache, ref_cache)
-    assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+    assert_close(out[: batch.ref_meta.num_tokens], ref, dtype)
 
 
 def test_backend_refuses_unknown_quantized_cache(device: torch.device) -> None:
@@ -220,8 +264,9 @@ def test_backend_refuses_unknown_quantized_cache(device: torch.device) -> None:
 
     batch = make_batch([(3, 1)], 4, 4, 64, 16, torch.bfloat16, device, seed=3)
     with pytest.raises(NotImplementedError, match="int4"):
-        TritonBackend().forward(batch.q, batch.k, batch.v, batch.cache, KVFormat("int4", torch.uint8, 2, 32, None),
-                                batch.meta, batch.scale)
+        TritonBackend().forward(
+            batch.q, batch.k, batch.v, batch.cache, KVFormat("int4", torch.uint8, 2, 32, None), batch.meta, batch.scale
+        )
 
 
 def test_cuda_graph_decode(device: torch.device) -> None:
@@ -252,15 +297,20 @@ def test_cuda_graph_decode(device: torch.device) -> None:
         width = new.meta.block_tables.shape[1]
         if new.cache.key.shape[0] > static.cache.key.shape[0] or width > static.meta.block_tables.shape[1]:
             pytest.skip("replay batch does not fit the captured pool")
-        for dst, src in ((static.q, new.q), (static.k, new.k), (static.v, new.v),
-                         (static.meta.cu_query_lens, new.meta.cu_query_lens), (static.meta.seq_lens, new.meta.seq_lens),
-                         (static.meta.slot_mapping, new.meta.slot_mapping)):
+        for dst, src in (
+            (static.q, new.q),
+            (static.k, new.k),
+            (static.v, new.v),
+            (static.meta.cu_query_lens, new.meta.cu_query_lens),
+            (static.meta.seq_lens, new.meta.seq_lens),
+            (static.meta.slot_mapping, new.meta.slot_mapping),
+        ):
             dst.copy_(src)
         static.meta.block_tables.zero_()
         static.meta.block_tables[:, :width].copy_(new.meta.block_tables)
         static.cache.key.fill_(float("nan"))
         static.cache.value.fill_(float("nan"))
-        static.cache.key[:new.cache.key.shape[0]].copy_(new.cache.key)
-        static.cache.value[:new.cache.value.shape[0]].copy_(new.cache.value)
+        static.cache.key[: new.cache.key.shape[0]].copy_(new.cache.key)
+        static.cache.value[: new.cache.value.shape[0]].copy_(new.cache.value)
         graph.replay()
         assert_close(static_out, ref, dtype)

@@ -1,6 +1,7 @@
 """Split-KV paged attention (attention/triton_paged.py) under adversarial conditions: NaN-poisoned
 partials, programs in random order, split counts sized for max_model_len over short contexts. The
 batches and the float64 oracle come from test_triton_attention.py."""
+
 from __future__ import annotations
 
 import random
@@ -64,8 +65,19 @@ def test_graph_sized_splits_over_short_contexts(device: torch.device, adversaria
     write_cache(batch)
     meta, cache = batch.meta, batch.cache
     out = torch.full(batch.q.shape, float("nan"), dtype=dtype, device=batch.q.device)
-    out = paged_attention(batch.q, cache.key, cache.value, meta.cu_query_lens, meta.seq_lens, meta.block_tables,
-                          meta.max_query_len, 32768, batch.scale, out=out, num_splits=64)
+    out = paged_attention(
+        batch.q,
+        cache.key,
+        cache.value,
+        meta.cu_query_lens,
+        meta.seq_lens,
+        meta.block_tables,
+        meta.max_query_len,
+        32768,
+        batch.scale,
+        out=out,
+        num_splits=64,
+    )
     assert_close(out, ref, dtype)
 
 
@@ -75,11 +87,11 @@ def test_backend_split_with_graph_padding(device: torch.device, adversarial: Non
     from specserve.attention.triton_backend import TritonBackend
 
     dtype = torch.bfloat16
-    batch = make_batch([(40, 1), (3, 1), (0, 6), (200, 4)], 16, 4, 128, 16, dtype, device, seed=9,
-                       pad_tokens=5, pad_seqs=3)
+    batch = make_batch(
+        [(40, 1), (3, 1), (0, 6), (200, 4)], 16, 4, 128, 16, dtype, device, seed=9, pad_tokens=5, pad_seqs=3
+    )
     ref, ref_cache = reference(batch)
     backend = TritonBackend(num_splits=16)
-    out = backend.forward(batch.q, batch.k, batch.v, batch.cache, kv_format("bfloat16", dtype), batch.meta,
-                          batch.scale)
+    out = backend.forward(batch.q, batch.k, batch.v, batch.cache, kv_format("bfloat16", dtype), batch.meta, batch.scale)
     assert_cache_written(batch.cache, ref_cache)
-    assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+    assert_close(out[: batch.ref_meta.num_tokens], ref, dtype)

@@ -1,4 +1,5 @@
 """Fused RMSNorm (+ residual) and RoPE kernels against their torch twins (model/layers/ops.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,9 @@ from specserve.model.layers import ops
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, gen: torch.Generator,
-           scale: float = 1.0) -> torch.Tensor:
+def _randn(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, gen: torch.Generator, scale: float = 1.0
+) -> torch.Tensor:
     return (torch.randn(shape, generator=gen) * scale).to(dtype).to(device)
 
 
@@ -56,8 +58,9 @@ def test_rms_norm_fp32_weight_bf16_activations(device: torch.device) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (9, 3, 64), (12, 2, 128)])
-def test_apply_rope_in_place(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                             device: torch.device) -> None:
+def test_apply_rope_in_place(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+) -> None:
     from specserve.model.layers import triton_ops
 
     gen = torch.Generator().manual_seed(num_heads * head_dim)
@@ -73,7 +76,7 @@ def test_apply_rope_in_place(dtype: torch.dtype, num_heads: int, num_kv_heads: i
     want_q, want_k = ops.apply_rope(q.clone(), k.clone(), positions, cache)
     got_q, got_k = triton_ops.apply_rope(q, k, positions, cache)
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
-    torch.testing.assert_close(qkv[:, q_size:q_size + kv_size].view_as(k), want_k, rtol=RTOL[dtype], atol=RTOL[dtype])
+    torch.testing.assert_close(qkv[:, q_size : q_size + kv_size].view_as(k), want_k, rtol=RTOL[dtype], atol=RTOL[dtype])
     torch.testing.assert_close(got_q, want_q, rtol=RTOL[dtype], atol=RTOL[dtype])
     assert torch.equal(v, v_before), "RoPE wrote outside q and k"
 
@@ -99,10 +102,12 @@ def _linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("n,k,with_bias",
-                         [(2048, 1536, True), (1536, 1536, False), (100, 200, True), (37, 1100, False)])
-def test_gemv_linear(dtype: torch.dtype, m: int, n: int, k: int, with_bias: bool, device: torch.device,
-                     interpreting: bool) -> None:
+@pytest.mark.parametrize(
+    "n,k,with_bias", [(2048, 1536, True), (1536, 1536, False), (100, 200, True), (37, 1100, False)]
+)
+def test_gemv_linear(
+    dtype: torch.dtype, m: int, n: int, k: int, with_bias: bool, device: torch.device, interpreting: bool
+) -> None:
     """The GEMV (rows <= GEMV_MAX_M) against an fp64 reference and cuBLAS; ragged N and K are masked."""
     from specserve.model.layers import triton_ops
 
@@ -110,7 +115,7 @@ def test_gemv_linear(dtype: torch.dtype, m: int, n: int, k: int, with_bias: bool
         n, k = n // 4, k // 4
     gen = torch.Generator().manual_seed(m * n + k)
     x = _randn((m, k + 8), dtype, device, gen)[:, :k]  # a row-strided view
-    weight = _randn((n, k), dtype, device, gen, k ** -0.5)
+    weight = _randn((n, k), dtype, device, gen, k**-0.5)
     bias = _randn((n,), dtype, device, gen) if with_bias else None
     got = triton_ops.linear(x, weight, bias)
     want = _linear_ref(x, weight, bias)
@@ -118,8 +123,7 @@ def test_gemv_linear(dtype: torch.dtype, m: int, n: int, k: int, with_bias: bool
     # One rounding of an fp32 sum: within a unit of the output dtype's last place, as cuBLAS is.
     torch.testing.assert_close(got, want, rtol=RTOL[dtype], atol=RTOL[dtype])
     if device.type == "cuda":
-        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=RTOL[dtype],
-                                   atol=RTOL[dtype])
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=RTOL[dtype], atol=RTOL[dtype])
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -131,7 +135,7 @@ def test_gemv_linear_silu_and_mul(m: int, inter: int, k: int, device: torch.devi
 
     gen = torch.Generator().manual_seed(inter + m)
     x = _randn((m, k), torch.bfloat16, device, gen, 2.0)
-    weight = _randn((2 * inter, k), torch.bfloat16, device, gen, k ** -0.5)
+    weight = _randn((2 * inter, k), torch.bfloat16, device, gen, k**-0.5)
     got = triton_ops.linear_silu_and_mul(x, weight)
     want = ops.silu_and_mul(_linear_ref(x, weight, None))
     assert got.shape == (m, inter)
@@ -164,8 +168,9 @@ def test_gemv_falls_back_past_max_m(device: torch.device, monkeypatch: pytest.Mo
 
 
 @pytest.mark.parametrize("m", [5, 8])
-def test_gemv_past_untuned_rows_only_with_a_table_entry(m: int, device: torch.device,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gemv_past_untuned_rows_only_with_a_table_entry(
+    m: int, device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """5..GEMV_MAX_M rows (a verify of k = 4..7): cuBLAS (bitwise F.linear) unless the tuned table has
     an entry for (N, K, 8); with one, the GEMV runs those tiles, within one rounding of fp64."""
     from specserve.model.layers import triton_gemv
@@ -173,15 +178,18 @@ def test_gemv_past_untuned_rows_only_with_a_table_entry(m: int, device: torch.de
     gen = torch.Generator().manual_seed(m)
     n, k = 48, 96
     x = _randn((m, k), torch.bfloat16, device, gen)
-    weight = _randn((n, k), torch.bfloat16, device, gen, k ** -0.5)
+    weight = _randn((n, k), torch.bfloat16, device, gen, k**-0.5)
     bias = _randn((n,), torch.bfloat16, device, gen)
     assert triton_gemv.GEMV_UNTUNED_MAX_M < m <= triton_gemv.GEMV_MAX_M
     monkeypatch.setattr(triton_gemv, "config_table", lambda name: {})
     assert torch.equal(triton_gemv.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
     launched: list[tuple[int, int, int]] = []
     real_launch = triton_gemv._launch
-    monkeypatch.setattr(triton_gemv, "_launch", lambda x_, w_, b_, tiles, **kw: launched.append(tiles)
-                        or real_launch(x_, w_, b_, tiles, **kw))
+    monkeypatch.setattr(
+        triton_gemv,
+        "_launch",
+        lambda x_, w_, b_, tiles, **kw: launched.append(tiles) or real_launch(x_, w_, b_, tiles, **kw),
+    )
     monkeypatch.setattr(triton_gemv, "config_table", lambda name: {triton_gemv.config_key(n, k, m): (4, 128, 4)})
     got = triton_gemv.linear(x, weight, bias)
     assert launched == [(4, 128, 4)]
@@ -190,8 +198,9 @@ def test_gemv_past_untuned_rows_only_with_a_table_entry(m: int, device: torch.de
 
 @pytest.mark.parametrize("m", [1, 2, 4, 9])
 @pytest.mark.parametrize("with_residual,with_bias", [(True, True), (False, False), (True, False)])
-def test_rms_norm_linear(m: int, with_residual: bool, with_bias: bool, device: torch.device,
-                         interpreting: bool) -> None:
+def test_rms_norm_linear(
+    m: int, with_residual: bool, with_bias: bool, device: torch.device, interpreting: bool
+) -> None:
     """The fused norm + projection: the new residual bitwise as the unfused norm's; the product within
     one rounding of an fp64 product of the twin's normalized rows. m = 9 takes the unfused path."""
     from specserve.model.layers import triton_ops
@@ -202,7 +211,7 @@ def test_rms_norm_linear(m: int, with_residual: bool, with_bias: bool, device: t
     x = _randn((m, k), dtype, device, gen, 3.0)
     residual = _randn((m, k), dtype, device, gen, 3.0) if with_residual else None
     norm_w = _randn((k,), dtype, device, gen) + 1.0
-    weight = _randn((n, k), dtype, device, gen, k ** -0.5)
+    weight = _randn((n, k), dtype, device, gen, k**-0.5)
     bias = _randn((n,), dtype, device, gen) if with_bias else None
     got, got_res = triton_ops.rms_norm_linear(x, residual, norm_w, 1e-6, weight, bias)
     if residual is None:
@@ -213,8 +222,9 @@ def test_rms_norm_linear(m: int, with_residual: bool, with_bias: bool, device: t
     torch.testing.assert_close(got, _linear_ref(h, weight, bias), rtol=RTOL[dtype], atol=RTOL[dtype])
 
 
-def _norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
-              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _norm_ref(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin's (normalized rows, new residual): rms_norm(x (+ residual)), and x + residual or x."""
     if residual is None:
         return ops.rms_norm(x, norm_w, eps), x
@@ -223,10 +233,13 @@ def _norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tens
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("k,block_k", [(200, 256), (256, 256), (600, 256)])  # one ragged tile, one exact, a loop
-@pytest.mark.parametrize("norm,with_residual,with_bias", [(False, False, True), (False, False, False),
-                                                           (True, False, False), (True, True, True)])
-def test_gemv_single_tile(m: int, k: int, block_k: int, norm: bool, with_residual: bool, with_bias: bool,
-                          device: torch.device) -> None:
+@pytest.mark.parametrize(
+    "norm,with_residual,with_bias",
+    [(False, False, True), (False, False, False), (True, False, False), (True, True, True)],
+)
+def test_gemv_single_tile(
+    m: int, k: int, block_k: int, norm: bool, with_residual: bool, with_bias: bool, device: torch.device
+) -> None:
     """BLOCK_K >= K takes the single-tile path (the norm from the tile it loaded, no pre-pass); K > BLOCK_K
     the loop. Both against the torch twins: the new residual bitwise, the product within one rounding."""
     from specserve.model.layers import triton_gemv
@@ -236,10 +249,9 @@ def test_gemv_single_tile(m: int, k: int, block_k: int, norm: bool, with_residua
     x = _randn((m, k + 8), dtype, device, gen, 3.0)[:, :k]  # a row-strided view
     residual = _randn((m, k), dtype, device, gen, 3.0) if with_residual else None
     norm_w = _randn((k,), dtype, device, gen) + 1.0
-    weight = _randn((n, k), dtype, device, gen, k ** -0.5)
+    weight = _randn((n, k), dtype, device, gen, k**-0.5)
     bias = _randn((n,), dtype, device, gen) if with_bias else None
-    got, got_res = triton_gemv._launch(x, weight, bias, (4, block_k, 4),
-                                       norm=(norm_w, eps, residual) if norm else None)
+    got, got_res = triton_gemv._launch(x, weight, bias, (4, block_k, 4), norm=(norm_w, eps, residual) if norm else None)
     h, want_res = _norm_ref(x, residual, norm_w, eps) if norm else (x, None)
     assert got.shape == (m, n) and got.dtype == dtype
     torch.testing.assert_close(got, _linear_ref(h, weight, bias), rtol=RTOL[dtype], atol=RTOL[dtype])
@@ -253,8 +265,15 @@ def test_gemv_single_tile(m: int, k: int, block_k: int, norm: bool, with_residua
 @pytest.mark.parametrize("k,block_k", [(200, 256), (512, 512), (600, 256)])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("prefetch", [True, False])  # a single tile's weight loads before / after the PDL wait
-def test_gemv_norm_silu_launch(m: int, k: int, block_k: int, with_residual: bool, prefetch: bool,
-                               device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gemv_norm_silu_launch(
+    m: int,
+    k: int,
+    block_k: int,
+    with_residual: bool,
+    prefetch: bool,
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Norm prologue and silu epilogue in one launch = rms_norm, then gate_up, then silu_and_mul."""
     from specserve.model.layers import triton_gemv
 
@@ -264,13 +283,11 @@ def test_gemv_norm_silu_launch(m: int, k: int, block_k: int, with_residual: bool
     x = _randn((m, k), dtype, device, gen, 3.0)
     residual = _randn((m, k), dtype, device, gen, 3.0) if with_residual else None
     norm_w = _randn((k,), dtype, device, gen) + 1.0
-    weight = _randn((2 * inter, k), dtype, device, gen, k ** -0.5)
-    got, got_res = triton_gemv._launch(x, weight, None, (4, block_k, 4), silu_out=True,
-                                       norm=(norm_w, eps, residual))
+    weight = _randn((2 * inter, k), dtype, device, gen, k**-0.5)
+    got, got_res = triton_gemv._launch(x, weight, None, (4, block_k, 4), silu_out=True, norm=(norm_w, eps, residual))
     h, want_res = _norm_ref(x, residual, norm_w, eps)
     assert got.shape == (m, inter)
-    torch.testing.assert_close(got, ops.silu_and_mul(_linear_ref(h, weight, None)), rtol=RTOL[dtype],
-                               atol=RTOL[dtype])
+    torch.testing.assert_close(got, ops.silu_and_mul(_linear_ref(h, weight, None)), rtol=RTOL[dtype], atol=RTOL[dtype])
     assert (got_res is None) if residual is None else torch.equal(got_res, want_res)
 
 
@@ -291,8 +308,9 @@ def _spy_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("entry", [None, True, False])  # no table entry: the width rule (gate_up: unfused)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_linear_silu_and_mul(m: int, entry: bool | None, with_residual: bool, device: torch.device,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rms_norm_linear_silu_and_mul(
+    m: int, entry: bool | None, with_residual: bool, device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The post-attention norm + gate_up + silu: fused iff the tuned table's "norm_fuse" entry says true,
     else rms_norm then linear_silu_and_mul; both match the twins' rms_norm, linear, silu_and_mul."""
     from specserve.model.layers import triton_gemv, triton_ops
@@ -305,14 +323,14 @@ def test_rms_norm_linear_silu_and_mul(m: int, entry: bool | None, with_residual:
     x = _randn((m, k), dtype, device, gen, 3.0)
     residual = _randn((m, k), dtype, device, gen, 3.0) if with_residual else None
     norm_w = _randn((k,), dtype, device, gen) + 1.0
-    weight = _randn((2 * inter, k), dtype, device, gen, k ** -0.5)
-    got, got_res = triton_gemv.rms_norm_linear_silu_and_mul(x, residual, norm_w, eps, weight, triton_ops.rms_norm,
-                                                            triton_ops.silu_and_mul)
+    weight = _randn((2 * inter, k), dtype, device, gen, k**-0.5)
+    got, got_res = triton_gemv.rms_norm_linear_silu_and_mul(
+        x, residual, norm_w, eps, weight, triton_ops.rms_norm, triton_ops.silu_and_mul
+    )
     assert calls == ([(True, True)] if entry else [(False, True)])  # unfused: the norm kernel, then gate_up
     h, want_res = _norm_ref(x, residual, norm_w, eps)
     assert torch.equal(got_res, want_res)
-    torch.testing.assert_close(got, ops.silu_and_mul(_linear_ref(h, weight, None)), rtol=RTOL[dtype],
-                               atol=RTOL[dtype])
+    torch.testing.assert_close(got, ops.silu_and_mul(_linear_ref(h, weight, None)), rtol=RTOL[dtype], atol=RTOL[dtype])
 
 
 def test_rms_norm_linear_silu_and_mul_falls_back(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -320,24 +338,30 @@ def test_rms_norm_linear_silu_and_mul_falls_back(device: torch.device, monkeypat
     from specserve.model.layers import triton_gemv, triton_ops
 
     m, k, inter = triton_gemv.GEMV_MAX_M + 1, 64, 40
-    monkeypatch.setattr(triton_gemv, "norm_fuse_table",
-                        lambda name: {triton_gemv.config_key(2 * inter, k, m): triton_gemv.NormFuse(True, None)})
+    monkeypatch.setattr(
+        triton_gemv,
+        "norm_fuse_table",
+        lambda name: {triton_gemv.config_key(2 * inter, k, m): triton_gemv.NormFuse(True, None)},
+    )
     calls = _spy_launches(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     x, residual = _randn((m, k), torch.bfloat16, device, gen), _randn((m, k), torch.bfloat16, device, gen)
     norm_w = _randn((k,), torch.bfloat16, device, gen) + 1.0
-    weight = _randn((2 * inter, k), torch.bfloat16, device, gen, k ** -0.5)
-    got, got_res = triton_gemv.rms_norm_linear_silu_and_mul(x, residual, norm_w, 1e-6, weight, triton_ops.rms_norm,
-                                                            triton_ops.silu_and_mul)
+    weight = _randn((2 * inter, k), torch.bfloat16, device, gen, k**-0.5)
+    got, got_res = triton_gemv.rms_norm_linear_silu_and_mul(
+        x, residual, norm_w, 1e-6, weight, triton_ops.rms_norm, triton_ops.silu_and_mul
+    )
     h, want_res = ops.rms_norm(x, norm_w, 1e-6, residual)
     assert calls == [] and torch.equal(got_res, want_res)
-    torch.testing.assert_close(got, ops.silu_and_mul(ops.linear(h, weight)), rtol=RTOL[torch.bfloat16],
-                               atol=RTOL[torch.bfloat16])
+    torch.testing.assert_close(
+        got, ops.silu_and_mul(ops.linear(h, weight)), rtol=RTOL[torch.bfloat16], atol=RTOL[torch.bfloat16]
+    )
 
 
 @pytest.mark.parametrize("entry", [None, True, False])
-def test_rms_norm_linear_follows_the_table(entry: bool | None, device: torch.device,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rms_norm_linear_follows_the_table(
+    entry: bool | None, device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """qkv-like (N <= NORM_FUSE_MAX_WIDTH * K): fused by the width rule without an entry, and as the
     entry says with one (its tiles used: a single tile where the projection's own would loop)."""
     from specserve.model.layers import triton_gemv, triton_ops
@@ -352,7 +376,7 @@ def test_rms_norm_linear_follows_the_table(entry: bool | None, device: torch.dev
     gen = torch.Generator().manual_seed(11)
     x, residual = _randn((m, k), torch.bfloat16, device, gen, 3.0), _randn((m, k), torch.bfloat16, device, gen, 3.0)
     norm_w = _randn((k,), torch.bfloat16, device, gen) + 1.0
-    weight = _randn((n, k), torch.bfloat16, device, gen, k ** -0.5)
+    weight = _randn((n, k), torch.bfloat16, device, gen, k**-0.5)
     got, got_res = triton_gemv.rms_norm_linear(x, residual, norm_w, 1e-6, weight, None, triton_ops.rms_norm)
     own = triton_gemv.tile_config(n, k, m, device)
     assert tiles == {None: [(own, True)], True: [((2, 1024, 4), True)], False: [(own, False)]}[entry]

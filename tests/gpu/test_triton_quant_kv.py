@@ -18,6 +18,7 @@ has no dot layouts to change (they are compiled for the GPU only: tests/unit/tes
 test_nvfp4_decoders_are_exact and test_fp8_unit_decode_is_exact check the PTX decoders on the GPU for all
 65536 inputs (test_nvfp4_pair_decoder_is_exact: v7's K decoder, each unit in both halves of a word).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -50,7 +51,7 @@ def kv_values(num_tokens: int, num_kv_heads: int, head_dim: int, gen: torch.Gene
     x[0] = 0.0  # an all-zero token
     x[1, :, :16] = 0.0  # a zero nvfp4 group
     # fp8: amax 448 -> scale 1; 1.0625 / 1.1875 / 1.5 * 2^-9 sit exactly between two e4m3 values.
-    fp8_ties = torch.tensor([448.0, 1.0625, -1.1875, 1.5 * 2 ** -9, -2.5 * 2 ** -9, 3.25, 0.0, 100.0])
+    fp8_ties = torch.tensor([448.0, 1.0625, -1.1875, 1.5 * 2**-9, -2.5 * 2**-9, 3.25, 0.0, 100.0])
     x[2, 0] = fp8_ties.repeat(head_dim // 8)
     # nvfp4 (global scale 4): group amax 24 -> scale 1; x / 4 lands on every e2m1 rounding boundary.
     nvfp4_ties = torch.tensor([24.0, 1, 3, 5, 7, 10, 14, 20, -1, -3, -5, -7, -10, -14, -20, 0])
@@ -83,55 +84,76 @@ def test_write_matches_oracle(name: str, dtype: torch.dtype, head_dim: int, devi
     assert_same_bytes(got, want)
 
 
-CASES = [(torch.bfloat16, 1, 16, 128), (torch.bfloat16, 4, 16, 128), (torch.bfloat16, 8, 32, 64),
-         (torch.bfloat16, 6, 16, 128), (torch.float32, 4, 32, 128)]
+CASES = [
+    (torch.bfloat16, 1, 16, 128),
+    (torch.bfloat16, 4, 16, 128),
+    (torch.bfloat16, 8, 32, 64),
+    (torch.bfloat16, 6, 16, 128),
+    (torch.float32, 4, 32, 128),
+]
 CASE_IDS = [f"{str(dt).removeprefix('torch.')}-g{g}-bs{bs}-d{d}" for dt, g, bs, d in CASES]
 
 
 @pytest.mark.parametrize("name,variant", KERNELS, ids=KERNEL_IDS)
 @pytest.mark.parametrize("dtype,group,block_size,head_dim", CASES, ids=CASE_IDS)
-def test_mixed_batch(name: str, variant: str, dtype: torch.dtype, group: int, block_size: int, head_dim: int,
-                     device: torch.device, interpreting: bool) -> None:
+def test_mixed_batch(
+    name: str,
+    variant: str,
+    dtype: torch.dtype,
+    group: int,
+    block_size: int,
+    head_dim: int,
+    device: torch.device,
+    interpreting: bool,
+) -> None:
     """Prefill, prefix-hit prefill, chunk continuation, decode and k+1 verify in one flat batch."""
     fmt = kv_format(name, dtype)
     specs = SMALL_MIXED if interpreting else MIXED
-    batch = make_batch(specs, group * 2, 2, head_dim, block_size, fmt, dtype, device,
-                       seed=group * 1000 + block_size + head_dim)
+    batch = make_batch(
+        specs, group * 2, 2, head_dim, block_size, fmt, dtype, device, seed=group * 1000 + block_size + head_dim
+    )
     ref, written = reference(batch, fmt)
     initial = LayerKVCache(*(t.clone() for t in batch.cache))
     out = run_kernels(batch, fmt, variant=variant)
     assert_same_bytes(batch.cache, written)
-    assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+    assert_close(out[: batch.ref_meta.num_tokens], ref, dtype)
     # The split-KV path over the same batch (multi-token q blocks, causal edges inside splits).
     for dst, src in zip(batch.cache, initial):
         dst.copy_(src)
-    assert_close(run_kernels(batch, fmt, num_splits=3, variant=variant)[:batch.ref_meta.num_tokens], ref, dtype)
+    assert_close(run_kernels(batch, fmt, num_splits=3, variant=variant)[: batch.ref_meta.num_tokens], ref, dtype)
 
 
 @pytest.mark.parametrize("name,variant", KERNELS, ids=KERNEL_IDS)
 @pytest.mark.parametrize("query_len", [1, 4])
-def test_long_context_decode_and_verify(name: str, variant: str, query_len: int, device: torch.device,
-                                        interpreting: bool) -> None:
+def test_long_context_decode_and_verify(
+    name: str, variant: str, query_len: int, device: torch.device, interpreting: bool
+) -> None:
     """Decode (query_len 1) and k+1 verify over long contexts: auto split, no split, odd split."""
     contexts = [1, 17, 300] if interpreting else [1, 17, 3000, 8191, 20000]
     dtype = torch.bfloat16
     fmt = kv_format(name, dtype)
-    batch = make_batch([(c, query_len) for c in contexts], 32, 8, 128, 16, fmt, dtype, device,
-                       seed=query_len * 10 + len(name))
+    batch = make_batch(
+        [(c, query_len) for c in contexts], 32, 8, 128, 16, fmt, dtype, device, seed=query_len * 10 + len(name)
+    )
     ref, written = reference(batch, fmt)
     initial = LayerKVCache(*(t.clone() for t in batch.cache))
-    for num_splits in ((None, 1) if interpreting else (None, 1, 7)):
+    for num_splits in (None, 1) if interpreting else (None, 1, 7):
         for dst, src in zip(batch.cache, initial):
             dst.copy_(src)
         out = run_kernels(batch, fmt, num_splits, variant)
         assert_same_bytes(batch.cache, written)
-        assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+        assert_close(out[: batch.ref_meta.num_tokens], ref, dtype)
 
 
 # Non-default launches of the kernels: grid order, tiles,
 # warps, no register cap.
-LAUNCHES = [{"heads_first": False}, {"block_n": 128, "num_warps": 8}, {"num_warps": 2}, {"block_n": 32},
-            {"maxnreg": 0, "num_splits": 1}]
+LAUNCHES = [
+    {"heads_first": False},
+    {"block_n": 128, "num_warps": 8},
+    {"num_warps": 2},
+    {"block_n": 32},
+    {"maxnreg": 0, "num_splits": 1},
+]
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
@@ -145,7 +167,7 @@ def test_launch_options(name: str, variant: str, launch: dict, device: torch.dev
     ref, written = reference(batch, fmt)
     out = run_kernels(batch, fmt, variant=variant, **launch)
     assert_same_bytes(batch.cache, written)
-    assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+    assert_close(out[: batch.ref_meta.num_tokens], ref, dtype)
 
 
 @pytest.mark.parametrize("name,variant", KERNELS, ids=KERNEL_IDS)
@@ -158,7 +180,7 @@ def test_odd_kv_head_count(name: str, variant: str, device: torch.device, interp
     ref, written = reference(batch, fmt)
     out = run_kernels(batch, fmt, variant=variant)
     assert_same_bytes(batch.cache, written)
-    assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+    assert_close(out[: batch.ref_meta.num_tokens], ref, dtype)
 
 
 def test_nvfp4_decoders_are_exact(device: torch.device) -> None:
@@ -171,8 +193,12 @@ def test_nvfp4_decoders_are_exact(device: torch.device) -> None:
     units = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).to(device)
     fmt = kv_format("nvfp4", torch.float32)
     codes = units.cpu().view(torch.uint8).view(-1, 1, 2)  # the unit's two bytes = elements 4c .. 4c + 3
-    want = quant.dequantize(codes, torch.ones(codes.shape[0], 1, 1).to(torch.float8_e4m3fn), fmt,
-                            torch.float32).reshape(-1) / fmt.global_scale
+    want = (
+        quant.dequantize(codes, torch.ones(codes.shape[0], 1, 1).to(torch.float8_e4m3fn), fmt, torch.float32).reshape(
+            -1
+        )
+        / fmt.global_scale
+    )
     decoders = {"ptx": 1, "plain": 0} if device.type == "cuda" else {"plain": 0}
     for variant, decoder in decoders.items():
         out = torch.empty(4 * units.numel(), dtype=torch.float16, device=device)
@@ -193,10 +219,14 @@ def test_nvfp4_pair_decoder_is_exact(device: torch.device) -> None:
     fmt = kv_format("nvfp4", torch.float32)
     for units in (all_units, all_units.roll(1)):  # unit i in the low half, then in the high half
         codes = units.view(torch.uint8).view(-1, 1, 2)
-        want = quant.dequantize(codes, torch.ones(codes.shape[0], 1, 1).to(torch.float8_e4m3fn), fmt,
-                                torch.float32).reshape(-1) / fmt.global_scale
+        want = (
+            quant.dequantize(
+                codes, torch.ones(codes.shape[0], 1, 1).to(torch.float8_e4m3fn), fmt, torch.float32
+            ).reshape(-1)
+            / fmt.global_scale
+        )
         words = units.view(torch.int32).to(device)  # little-endian: unit 2a is word a's low half
-        for decoder in ((0, 1) if device.type == "cuda" else (0,)):
+        for decoder in (0, 1) if device.type == "cuda" else (0,):
             out = torch.full((4 * units.numel(),), float("nan"), dtype=torch.float16, device=device)
             nvfp4_pairs_kernel[(words.numel() // (64 * 16),)](words, out, DECODER=decoder, ROWS=64, WORDS=16)
             factor = E4M3_DECODE if decoder == 1 else NVFP4_DECODE
@@ -208,11 +238,13 @@ def test_nvfp4_pair_decoder_is_exact(device: torch.device) -> None:
 DECODE_ONLY = [(1, 4), (4, 1), (4, 2), (6, 1), (8, 1), (7, 1)]
 
 
-@pytest.mark.parametrize("name,variant", [k for k in KERNELS if k[0] == "nvfp4"],
-                         ids=[f"{n}-{v}" for n, v in KERNELS if n == "nvfp4"])
+@pytest.mark.parametrize(
+    "name,variant", [k for k in KERNELS if k[0] == "nvfp4"], ids=[f"{n}-{v}" for n, v in KERNELS if n == "nvfp4"]
+)
 @pytest.mark.parametrize("group,query_len", DECODE_ONLY, ids=[f"g{g}-q{q}" for g, q in DECODE_ONLY])
-def test_decode_only_batch(name: str, variant: str, group: int, query_len: int, device: torch.device,
-                           interpreting: bool) -> None:
+def test_decode_only_batch(
+    name: str, variant: str, group: int, query_len: int, device: torch.device, interpreting: bool
+) -> None:
     """Plain decode / 2-token verify batches at several GQA groups, split and unsplit, with tiles with
     and without masks. v7 skips the second half of the rows exactly where half_rows_apply says so
     (here: query_len * group <= 8); every output row must still be written (they start as NaN)."""
@@ -221,8 +253,9 @@ def test_decode_only_batch(name: str, variant: str, group: int, query_len: int, 
     dtype = torch.bfloat16
     fmt = kv_format(name, dtype)
     contexts = [1, 130, 300] if interpreting else [1, 130, 3000, 9000]
-    batch = make_batch([(c, query_len) for c in contexts], group * 2, 2, 128, 16, fmt, dtype, device,
-                       seed=group * 10 + query_len)
+    batch = make_batch(
+        [(c, query_len) for c in contexts], group * 2, 2, 128, 16, fmt, dtype, device, seed=group * 10 + query_len
+    )
     block_m = triton_quant.quant_attention_config(query_len, group, 128, name, variant)[0]
     half = triton_quant_nvfp4.half_rows_apply(query_len, group, block_m)
     assert half == (query_len * group <= 8)
@@ -233,7 +266,7 @@ def test_decode_only_batch(name: str, variant: str, group: int, query_len: int, 
             dst.copy_(src)
         out = run_kernels(batch, fmt, num_splits, variant)
         assert_same_bytes(batch.cache, written)
-        assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+        assert_close(out[: batch.ref_meta.num_tokens], ref, dtype)
 
 
 def test_fp8_unit_decode_is_exact(device: torch.device) -> None:
@@ -258,13 +291,12 @@ def test_backend_with_graph_padding(name: str, device: torch.device) -> None:
 
     dtype = torch.bfloat16
     fmt = kv_format(name, dtype)
-    batch = make_batch([(40, 1), (3, 1), (0, 6)], 16, 4, 128, 16, fmt, dtype, device, seed=7,
-                       pad_tokens=5, pad_seqs=3)
+    batch = make_batch([(40, 1), (3, 1), (0, 6)], 16, 4, 128, 16, fmt, dtype, device, seed=7, pad_tokens=5, pad_seqs=3)
     ref, written = reference(batch, fmt)
     out = TritonBackend().forward(batch.q, batch.k, batch.v, batch.cache, fmt, batch.meta, batch.scale)
     assert out.shape == batch.q.shape and out.dtype == dtype
     assert_same_bytes(batch.cache, written)
-    assert_close(out[:batch.ref_meta.num_tokens], ref, dtype)
+    assert_close(out[: batch.ref_meta.num_tokens], ref, dtype)
 
 
 def test_unsupported_layouts_are_refused(device: torch.device) -> None:

@@ -1,6 +1,7 @@
 """The skinny tensor-core GEMM (model/layers/triton_skinny.py) against F.linear in fp32 math:
 2..16 rows, ragged N and K tiles, bias, split-K 1 and > 1 (bitwise repeatable, counters back at
 zero), the fused gate_up + silu_and_mul, and CUDA-graph replay with PDL on the GPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,15 +15,16 @@ from specserve.model.layers import ops
 TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
-def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, gen: torch.Generator,
-           scale: float = 1.0) -> torch.Tensor:
+def _randn(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, gen: torch.Generator, scale: float = 1.0
+) -> torch.Tensor:
     return (torch.randn(shape, generator=gen) * scale).to(dtype).to(device)
 
 
 def _problem(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, seed: int):
     gen = torch.Generator().manual_seed(seed)
     x = _randn((m, k), dtype, device, gen)
-    w = _randn((n, k), dtype, device, gen, k ** -0.5)
+    w = _randn((n, k), dtype, device, gen, k**-0.5)
     b = _randn((n,), dtype, device, gen)
     return x, w, b
 
@@ -47,8 +49,9 @@ def _counters_zero(device: torch.device) -> bool:
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("split_k", [1, 3])
-def test_matches_fp32_linear(dtype: torch.dtype, m: int, with_bias: bool, split_k: int,
-                             device: torch.device, interpreting: bool) -> None:
+def test_matches_fp32_linear(
+    dtype: torch.dtype, m: int, with_bias: bool, split_k: int, device: torch.device, interpreting: bool
+) -> None:
     from specserve.model.layers import triton_skinny as sk
 
     n, k = _sizes(interpreting)
@@ -92,7 +95,7 @@ def test_row_strided_x_and_small_k(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(4)
     wide = _randn((4, 96), torch.bfloat16, device, gen)
     x = wide[:, :40]
-    w = _randn((50, 40), torch.bfloat16, device, gen, 40 ** -0.5)
+    w = _randn((50, 40), torch.bfloat16, device, gen, 40**-0.5)
     got = sk.skinny_linear(x, w, config=sk.SkinnyConfig(16, 64, 1, 4, 2))
     torch.testing.assert_close(got.float(), _want(x, w, None), rtol=TOL[torch.bfloat16], atol=TOL[torch.bfloat16])
 
@@ -106,7 +109,7 @@ def test_silu_and_mul_matches_unfused(m: int, split_k: int, device: torch.device
     inter, k = (48, 300) if interpreting else (700, 1100)
     gen = torch.Generator().manual_seed(m + split_k)
     x = _randn((m, k), dtype, device, gen)
-    w = _randn((2 * inter, k), dtype, device, gen, k ** -0.5)
+    w = _randn((2 * inter, k), dtype, device, gen, k**-0.5)
     cfg = sk.SkinnyConfig(block_n=32, block_k=64, split_k=split_k, num_warps=4, num_stages=2)
     got = sk.skinny_linear_silu_and_mul(x, w, config=cfg)
     # F.linear (fp32 accumulation, one rounding) followed by the unfused activation.
@@ -135,8 +138,11 @@ def test_supports(device: torch.device) -> None:
     with pytest.raises(ValueError, match="skinny_linear"):
         sk.skinny_linear(torch.zeros(17, 32, dtype=torch.bfloat16, device=device), w)
     with pytest.raises(ValueError, match="bias"):
-        sk.skinny_linear(torch.zeros(4, 32, dtype=torch.bfloat16, device=device), w,
-                         torch.zeros(64, dtype=torch.float32, device=device))
+        sk.skinny_linear(
+            torch.zeros(4, 32, dtype=torch.bfloat16, device=device),
+            w,
+            torch.zeros(64, dtype=torch.float32, device=device),
+        )
     with pytest.raises(ValueError, match="block_n"):
         sk.skinny_linear(torch.zeros(4, 32, dtype=torch.bfloat16, device=device), w, config=sk.SkinnyConfig(24, 64))
 
@@ -147,8 +153,18 @@ def test_default_configs_fill_the_gpu() -> None:
 
     from specserve.model.layers import triton_skinny as sk
 
-    shapes = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (6144, 4096), (4096, 4096),
-              (28672, 4096), (4096, 14336), (151936, 1536), (128256, 4096)]
+    shapes = [
+        (2048, 1536),
+        (1536, 1536),
+        (17920, 1536),
+        (1536, 8960),
+        (6144, 4096),
+        (4096, 4096),
+        (28672, 4096),
+        (4096, 14336),
+        (151936, 1536),
+        (128256, 4096),
+    ]
     for n, k in shapes:
         for m in (2, 5, 16):
             cfg = sk.default_config(n, k, m, 132)
@@ -195,13 +211,15 @@ def test_cuda_graph_replay_chain_with_pdl(device: torch.device) -> None:
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
     assert _counters_zero(x.device)
-    torch.testing.assert_close(out.float(), _want(_want(x, w1, b1).to(dtype), w2, None),
-                               rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(
+        out.float(), _want(_want(x, w1, b1).to(dtype), w2, None), rtol=TOL[dtype], atol=TOL[dtype]
+    )
 
 
 @pytest.mark.parametrize("m", [1, 3, 5])
-def test_engine_linear_follows_the_skinny_table(m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                                                monkeypatch: pytest.MonkeyPatch = None) -> None:
+def test_engine_linear_follows_the_skinny_table(
+    m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, monkeypatch: pytest.MonkeyPatch = None
+) -> None:
     """triton_ops.linear / linear_silu_and_mul take the skinny GEMM exactly where the tuned table has
     an entry for (N, K, next_power_of_2(M))."""
     from specserve.model.layers import triton_gemv, triton_ops
@@ -223,8 +241,9 @@ def test_engine_linear_follows_the_skinny_table(m: int, device: torch.device, dt
         act = triton_ops.linear_silu_and_mul(x, w)
         assert calls == ["plain", "silu"]
         torch.testing.assert_close(got.float(), _want(x, w, b), rtol=TOL[dtype], atol=TOL[dtype])
-        torch.testing.assert_close(act.float(), ops.silu_and_mul(F.linear(x, w)).float(), rtol=TOL[dtype],
-                                   atol=TOL[dtype])
+        torch.testing.assert_close(
+            act.float(), ops.silu_and_mul(F.linear(x, w)).float(), rtol=TOL[dtype], atol=TOL[dtype]
+        )
         mp.setattr(triton_gemv, "skinny_table", lambda name: {"plain": {}, "silu": {}})
         triton_ops.linear(x, w, b)
         assert calls == ["plain", "silu"]  # no entry for this shape

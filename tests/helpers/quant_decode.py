@@ -1,6 +1,7 @@
 """Triton kernels that run the quantized-KV decoders over a flat tensor, for exhaustive checks
 (tests/gpu/test_triton_quant_kv.py). A module of its own: Triton resolves a kernel's callees from
 its module's globals, and importing it needs triton (the test imports it lazily)."""
+
 from __future__ import annotations
 
 import triton

@@ -4,6 +4,7 @@ launch, and the interpreter's float8 patch.
 
 A test module takes the float8 patch by importing `fp8_interpreter` (an autouse fixture).
 """
+
 from __future__ import annotations
 
 import math
@@ -40,10 +41,17 @@ def patch_fp8_interpreter():
     from triton.runtime import interpreter as interp
 
     original = interp._convert_float
-    as_torch = {tl.float8e4nv: torch.float8_e4m3fn, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
-                tl.float32: torch.float32}
-    bits = {8: (np.uint8, np.uint8, torch.uint8), 16: (np.uint16, np.int16, torch.int16),
-            32: (np.uint32, np.int32, torch.int32)}
+    as_torch = {
+        tl.float8e4nv: torch.float8_e4m3fn,
+        tl.float16: torch.float16,
+        tl.bfloat16: torch.bfloat16,
+        tl.float32: torch.float32,
+    }
+    bits = {
+        8: (np.uint8, np.uint8, torch.uint8),
+        16: (np.uint16, np.int16, torch.int16),
+        32: (np.uint32, np.int32, torch.int32),
+    }
 
     def convert_float(data, src, dst, rounding):
         if tl.float8e4nv not in (src, dst) or src not in as_torch or dst not in as_torch:
@@ -74,8 +82,7 @@ def fp8_interpreter():
     undo()
 
 
-def poisoned_cache(fmt: KVFormat, num_blocks: int, block_size: int, num_kv_heads: int,
-                   head_dim: int) -> LayerKVCache:
+def poisoned_cache(fmt: KVFormat, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> LayerKVCache:
     """A CPU cache whose every slot reads back as NaN (fp8: NaN bytes; both: NaN scales)."""
     data_shape = (num_blocks, block_size, num_kv_heads, fmt.packed_dim(head_dim))
     scale_shape = data_shape[:3] + (fmt.num_scale_groups(head_dim),)
@@ -112,9 +119,20 @@ class Batch(NamedTuple):
     scale: float
 
 
-def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-               fmt: KVFormat, dtype: torch.dtype, device: torch.device, seed: int, pad_tokens: int = 0,
-               pad_seqs: int = 0, pool_tail: bool = False) -> Batch:
+def make_batch(
+    specs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    fmt: KVFormat,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    pad_tokens: int = 0,
+    pad_seqs: int = 0,
+    pool_tail: bool = False,
+) -> Batch:
     """specs: (cached context_len, query_len) per sequence; block ids are shuffled over the pool.
 
     pool_tail: the sequences own the pool's last blocks instead (sequence 0 the very last ones, so
@@ -128,13 +146,18 @@ def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, 
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, at = [], 0
     for n in counts:
-        tables.append(list(range(num_blocks - at - n, num_blocks - at)) if pool_tail else perm[at:at + n])
+        tables.append(list(range(num_blocks - at - n, num_blocks - at)) if pool_tail else perm[at : at + n])
         at += n
     cache = poisoned_cache(fmt, num_blocks, block_size, num_kv_heads, head_dim)
     for (c, _), t in zip(specs, tables):  # the cached context of every sequence, written by the oracle
         slots = torch.tensor([t[p // block_size] * block_size + p % block_size for p in range(c)], dtype=torch.long)
-        quant.write_kv(cache, fmt, slots, torch.randn(c, num_kv_heads, head_dim, generator=gen),
-                       torch.randn(c, num_kv_heads, head_dim, generator=gen) * 3)
+        quant.write_kv(
+            cache,
+            fmt,
+            slots,
+            torch.randn(c, num_kv_heads, head_dim, generator=gen),
+            torch.randn(c, num_kv_heads, head_dim, generator=gen) * 3,
+        )
     num_tokens = sum(n for _, n in specs) + pad_tokens
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = torch.randn(num_tokens, width, generator=gen).to(dtype).to(device)
@@ -142,10 +165,17 @@ def make_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, 
     meta = paged_metadata(specs, tables, block_size, device, pad_tokens, pad_seqs)
     if pool_tail:
         for b, t in enumerate(tables + [[]] * pad_seqs):
-            meta.block_tables[b, len(t):] = num_blocks + 1000
-    return Batch(q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
-                 v.view(num_tokens, num_kv_heads, head_dim), to_device(cache, device), cache, meta,
-                 paged_metadata(specs, tables, block_size, device), head_dim ** -0.5)
+            meta.block_tables[b, len(t) :] = num_blocks + 1000
+    return Batch(
+        q.view(num_tokens, num_heads, head_dim),
+        k.view(num_tokens, num_kv_heads, head_dim),
+        v.view(num_tokens, num_kv_heads, head_dim),
+        to_device(cache, device),
+        cache,
+        meta,
+        paged_metadata(specs, tables, block_size, device),
+        head_dim**-0.5,
+    )
 
 
 def reference(batch: Batch, fmt: KVFormat) -> tuple[torch.Tensor, LayerKVCache]:
@@ -165,9 +195,18 @@ def reference(batch: Batch, fmt: KVFormat) -> tuple[torch.Tensor, LayerKVCache]:
     h, d = key.shape[2], key.shape[3]
     k_new, v_new = key.view(-1, h, d)[slots], value.view(-1, h, d)[slots]  # re-storing them is a no-op
     meta = batch.ref_meta
-    cpu_meta = AttentionMetadata(meta.cu_query_lens.cpu(), meta.seq_lens.cpu(), meta.block_tables.cpu(), slots,
-                                 meta.max_query_len, meta.max_seq_len, meta.num_seqs, meta.num_tokens,
-                                 meta.query_lens_cpu, meta.seq_lens_cpu)
+    cpu_meta = AttentionMetadata(
+        meta.cu_query_lens.cpu(),
+        meta.seq_lens.cpu(),
+        meta.block_tables.cpu(),
+        slots,
+        meta.max_query_len,
+        meta.max_seq_len,
+        meta.num_seqs,
+        meta.num_tokens,
+        meta.query_lens_cpu,
+        meta.seq_lens_cpu,
+    )
     out = TorchRefBackend().forward(batch.q[:n].cpu().double(), k_new, v_new, clean, F64, cpu_meta, batch.scale)
     return out, written
 
@@ -182,8 +221,9 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
     assert rel < rel_tol and max_abs < abs_tol, f"rel {rel:.2e} (tol {rel_tol}), max abs {max_abs:.2e} (tol {abs_tol})"
 
 
-def run_kernels(batch: Batch, fmt: KVFormat, num_splits: int | None = None, variant: str | None = None,
-                **launch) -> torch.Tensor:
+def run_kernels(
+    batch: Batch, fmt: KVFormat, num_splits: int | None = None, variant: str | None = None, **launch
+) -> torch.Tensor:
     from specserve.attention.triton_quant import (
         paged_attention_quant,
         reshape_and_cache_quant,
@@ -192,6 +232,18 @@ def run_kernels(batch: Batch, fmt: KVFormat, num_splits: int | None = None, vari
     meta = batch.meta
     reshape_and_cache_quant(batch.k, batch.v, batch.cache, fmt, meta.slot_mapping)
     out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype, device=batch.q.device)
-    return paged_attention_quant(batch.q, batch.cache, fmt, meta.cu_query_lens, meta.seq_lens, meta.block_tables,
-                                 meta.max_query_len, meta.max_seq_len, batch.scale, out=out, num_splits=num_splits,
-                                 variant=variant, **launch)
+    return paged_attention_quant(
+        batch.q,
+        batch.cache,
+        fmt,
+        meta.cu_query_lens,
+        meta.seq_lens,
+        meta.block_tables,
+        meta.max_query_len,
+        meta.max_seq_len,
+        batch.scale,
+        out=out,
+        num_splits=num_splits,
+        variant=variant,
+        **launch,
+    )

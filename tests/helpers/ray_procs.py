@@ -1,4 +1,5 @@
 """Find the processes of one Ray instance, told apart by the RAY_TMPDIR it was started with."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Helpers for tests that run a real server on loopback: a free port, and waiting for /health."""
+
 from __future__ import annotations
 
 import socket

@@ -4,6 +4,7 @@ An over-read does not always show in a kernel's output (a vector load whose extr
 dropped), and on the GPU it faults only when it leaves the allocation; so tests check the addresses
 themselves: every masked load and store must stay inside the tensor argument it starts in.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,11 @@ def watch_addresses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     found: list[str] = []
     ranges: list[tuple[int, int]] = []  # [start, end) bytes of each tensor argument's storage
-    init_args, load, store = (interp.GridExecutor._init_args_hst, interp.InterpreterBuilder.create_masked_load,
-                              interp.InterpreterBuilder.create_masked_store)
+    init_args, load, store = (
+        interp.GridExecutor._init_args_hst,
+        interp.InterpreterBuilder.create_masked_load,
+        interp.InterpreterBuilder.create_masked_store,
+    )
 
     def init_args_hst(self, args_dev, kwargs):
         args, kw = init_args(self, args_dev, kwargs)

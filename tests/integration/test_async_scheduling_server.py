@@ -1,6 +1,7 @@
 """The OpenAI server with asynchronous scheduling forced on (the CUDA default; here on the CPU):
 real uvicorn on loopback, the official `openai` client. Streams equal the synchronous server's
 output, concurrent streams equal sequential ones, and clients that leave free their KV blocks."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +19,13 @@ from specserve.server.cli_args import ServerConfig
 
 
 def _start(path, async_scheduling: bool) -> tuple[BackgroundServer, AsyncEngine]:
-    config = EngineConfig.from_kwargs(model=str(path), kv_cache_memory_bytes=4 << 20, max_model_len=256,
-                                      max_num_seqs=16, async_scheduling=async_scheduling)
+    config = EngineConfig.from_kwargs(
+        model=str(path),
+        kv_cache_memory_bytes=4 << 20,
+        max_model_len=256,
+        max_num_seqs=16,
+        async_scheduling=async_scheduling,
+    )
     engine = AsyncEngine.from_config(config, progress=False)
     return BackgroundServer(engine, ServerConfig(port=0, log_interval=0, uvicorn_log_level="warning")).start(), engine
 
@@ -47,8 +53,14 @@ def test_streams_equal_the_synchronous_server(servers):
         model = client.models.list().data[0].id
         out = []
         for i, p in enumerate(PROMPTS):
-            kw = {"model": model, "prompt": p, "max_tokens": 20, "temperature": 0.0,
-                  "extra_body": {"ignore_eos": i % 2 == 0}, "stop": [" the"] if i == 2 else None}
+            kw = {
+                "model": model,
+                "prompt": p,
+                "max_tokens": 20,
+                "temperature": 0.0,
+                "extra_body": {"ignore_eos": i % 2 == 0},
+                "stop": [" the"] if i == 2 else None,
+            }
             full = client.completions.create(**kw)
             streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
             assert streamed == full.choices[0].text
@@ -61,19 +73,34 @@ def test_concurrent_streams_and_disconnects(servers):
     srv = servers[1]
     client = _client(srv)
     model = client.models.list().data[0].id
-    want = {p: client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0.0,
-                                         extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS}
+    want = {
+        p: client.completions.create(
+            model=model, prompt=p, max_tokens=16, temperature=0.0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+        for p in PROMPTS
+    }
 
     async def run() -> dict[str, str]:
         async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+
             async def full(p: str) -> tuple[str, str]:
-                r = await http.post("/v1/completions", json={"model": model, "prompt": p, "max_tokens": 16,
-                                                             "temperature": 0.0, "ignore_eos": True})
+                r = await http.post(
+                    "/v1/completions",
+                    json={"model": model, "prompt": p, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True},
+                )
                 return p, r.json()["choices"][0]["text"]
 
             async def leave_early(i: int) -> None:
-                body = {"model": model, "prompt": f"long story {i}", "max_tokens": 200, "stream": True,
-                        "temperature": 0.0, "ignore_eos": True}
+                body = {
+                    "model": model,
+                    "prompt": f"long story {i}",
+                    "max_tokens": 200,
+                    "stream": True,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                }
                 async with http.stream("POST", "/v1/completions", json=body) as resp:
                     seen = 0
                     async for line in resp.aiter_lines():
@@ -97,7 +124,8 @@ def _metric(srv: BackgroundServer, name: str, finished_reason: str | None = None
     total = 0.0
     for family in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text):
         for sample in family.samples:
-            if sample.name == name and (finished_reason is None
-                                        or sample.labels.get("finished_reason") == finished_reason):
+            if sample.name == name and (
+                finished_reason is None or sample.labels.get("finished_reason") == finished_reason
+            ):
                 total += sample.value
     return total

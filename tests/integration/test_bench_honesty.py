@@ -1,6 +1,7 @@
 """`specserve bench` saves its results without matplotlib, sends fresh prompts per concurrency point
 (and says when a finite dataset must repeat them), estimates its duration, and shows defaults in --help;
 against the stub server of test_bench_serving."""
+
 from __future__ import annotations
 
 import subprocess
@@ -33,13 +34,24 @@ def server() -> Iterator[str]:
     thread.join(timeout=10)
 
 
-def test_results_are_saved_without_matplotlib(server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_results_are_saved_without_matplotlib(
+    server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
-    args = bench_args(server, tmp_path, "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "4",
-                      "--result-filename", "nomp.json")
+    args = bench_args(
+        server,
+        tmp_path,
+        "--num-prompts",
+        "3",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "4",
+        "--result-filename",
+        "nomp.json",
+    )
     assert bench_main(args) == 0
     out = capsys.readouterr().out
     assert load(tmp_path / "nomp.json")["runs"][0]["aggregates"]["completed"] == 3
@@ -49,12 +61,24 @@ def test_results_are_saved_without_matplotlib(server: str, tmp_path: Path, monke
 
 def test_each_sweep_point_sends_fresh_prompts(server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     STATE["prompts"].clear()
-    args = bench_args(server, tmp_path, "--num-prompts", "5", "--random-input-len", "12", "--random-output-len", "4",
-                      "--max-concurrency", "1,2,2", "--result-filename", "sweep.json")
+    args = bench_args(
+        server,
+        tmp_path,
+        "--num-prompts",
+        "5",
+        "--random-input-len",
+        "12",
+        "--random-output-len",
+        "4",
+        "--max-concurrency",
+        "1,2,2",
+        "--result-filename",
+        "sweep.json",
+    )
     assert bench_main(args) == 0
     sent = list(STATE["prompts"])
     assert len(sent) == 1 + 3 * 5
-    probe, points = sent[0], [set(sent[1 + 5 * i:6 + 5 * i]) for i in range(3)]
+    probe, points = sent[0], [set(sent[1 + 5 * i : 6 + 5 * i]) for i in range(3)]
     assert all(len(p) == 5 and probe not in p for p in points)
     assert not points[0] & points[1] and not points[1] & points[2] and not points[0] & points[2]
     assert [r["repeated_prompts"] for r in load(tmp_path / "sweep.json")["runs"]] == [0, 0, 0]
@@ -62,12 +86,27 @@ def test_each_sweep_point_sends_fresh_prompts(server: str, tmp_path: Path, capsy
     assert "Estimate: the probe request took" in out and "Note:" not in out
 
 
-def test_a_repeating_dataset_says_the_cache_may_be_warm(server: str, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_repeating_dataset_says_the_cache_may_be_warm(
+    server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = tmp_path / "two.jsonl"
     data.write_text('{"prompt": "one two three"}\n{"prompt": "four five six"}\n')
-    args = bench_args(server, tmp_path, "--dataset-name", "jsonl", "--dataset-path", str(data), "--num-prompts", "2",
-                      "--output-len", "3", "--max-concurrency", "1,2", "--result-filename", "rep.json")
+    args = bench_args(
+        server,
+        tmp_path,
+        "--dataset-name",
+        "jsonl",
+        "--dataset-path",
+        str(data),
+        "--num-prompts",
+        "2",
+        "--output-len",
+        "3",
+        "--max-concurrency",
+        "1,2",
+        "--result-filename",
+        "rep.json",
+    )
     assert bench_main(args) == 0
     runs = load(tmp_path / "rep.json")["runs"]
     assert runs[0]["repeated_prompts"] == 1 and runs[1]["repeated_prompts"] == 2  # the probe sent one of the two
@@ -80,7 +119,8 @@ def test_estimate_brackets_the_run_and_help_shows_defaults() -> None:
     line = estimate(2.0, 1000, [None], float("inf"))
     assert "2 s to 33 min" in line and "--num-prompts" in line  # perfect batching .. one after another
     assert "20 s to 20 s" in estimate(0.01, 100, [4], 5.0)  # the arrival rate bounds both ends
-    text = subprocess.run([sys.executable, "-m", "specserve.server.cli", "bench", "--help"], capture_output=True,
-                          text=True, check=True).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "specserve.server.cli", "bench", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for flag_default in ("(default: 1000)", "(default: 1024)", "(default: 128)", "(default: random)"):
         assert flag_default in " ".join(text.split()), flag_default

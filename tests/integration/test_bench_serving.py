@@ -4,6 +4,7 @@ Most tests use a small FastAPI stub that streams `max_tokens` tokens (two per ch
 chunk, as speculative decoding would) with a small delay, so their numbers are exact. The last
 test runs both tools against a real specserve server (tiny random Llama, n-gram speculation).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,20 +61,35 @@ def make_app() -> FastAPI:
             "# TYPE specserve:num_requests_running gauge\nspecserve:num_requests_running 1\n"
             "# TYPE specserve:num_requests_waiting gauge\nspecserve:num_requests_waiting 0\n"
             f"# TYPE specserve:generation_tokens_total counter\nspecserve:generation_tokens_total {STATE['tokens']}\n"
-            f"# TYPE specserve:request_success_total counter\nspecserve:request_success_total {STATE['requests']}\n")
+            f"# TYPE specserve:request_success_total counter\nspecserve:request_success_total {STATE['requests']}\n"
+        )
 
     async def stream(body: dict[str, Any], chat: bool) -> Any:
         if body.get("model") != MODEL:
-            return JSONResponse({"error": {"message": f"model {body.get('model')} not found", "type": "NotFound",
-                                           "param": "model", "code": 404}}, status_code=404)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"model {body.get('model')} not found",
+                        "type": "NotFound",
+                        "param": "model",
+                        "code": 404,
+                    }
+                },
+                status_code=404,
+            )
         n = int(body["max_tokens"])
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         STATE["prompts"].append(prompt)
         usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n, "total_tokens": len(prompt.split()) + n}
 
         def event(choice: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> str:
-            obj = {"id": "x", "object": "chat.completion.chunk" if chat else "text_completion", "model": MODEL,
-                   "choices": [choice] if choice else [], **(extra or {})}
+            obj = {
+                "id": "x",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "model": MODEL,
+                "choices": [choice] if choice else [],
+                **(extra or {}),
+            }
             return f"data: {json.dumps(obj)}\n\n"
 
         async def gen() -> Any:
@@ -83,8 +99,11 @@ def make_app() -> FastAPI:
                 await asyncio.sleep(DELAY_S)
                 text = " tok" * size
                 yield event({"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text})
-            yield event({"index": 0, "delta": {}, "finish_reason": "length"} if chat
-                        else {"index": 0, "text": "", "finish_reason": "length"})
+            yield event(
+                {"index": 0, "delta": {}, "finish_reason": "length"}
+                if chat
+                else {"index": 0, "text": "", "finish_reason": "length"}
+            )
             if body.get("stream_options", {}).get("include_usage"):
                 yield event(None, {"usage": usage})
             STATE["requests"] += 1
@@ -133,9 +152,12 @@ def assert_aggregates_match_records(run: dict[str, Any]) -> None:
     """Aggregates equal numpy statistics of the raw per-request records stored beside them."""
     ok = [r for r in run["requests"] if r["success"]]
     agg = run["aggregates"]
-    samples = {"ttft": [r["ttft_s"] * 1e3 for r in ok], "e2el": [r["e2el_s"] * 1e3 for r in ok],
-               "tpot": [r["tpot_s"] * 1e3 for r in ok if r["tpot_s"] is not None],
-               "itl": [x * 1e3 for r in ok for x in r["itl_s"]]}
+    samples = {
+        "ttft": [r["ttft_s"] * 1e3 for r in ok],
+        "e2el": [r["e2el_s"] * 1e3 for r in ok],
+        "tpot": [r["tpot_s"] * 1e3 for r in ok if r["tpot_s"] is not None],
+        "itl": [x * 1e3 for r in ok for x in r["itl_s"]],
+    }
     for key, values in samples.items():
         assert values, key
         assert agg[f"mean_{key}_ms"] == pytest.approx(np.mean(values))
@@ -151,8 +173,22 @@ def is_png(path: Path) -> bool:
 
 
 def test_bench_random_completions(server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = bench_args(server, tmp_path, "--num-prompts", "12", "--random-input-len", "40", "--random-output-len",
-                      "16", "--max-concurrency", "4", "--result-filename", "run.json", "--goodput", "ttft:60000")
+    args = bench_args(
+        server,
+        tmp_path,
+        "--num-prompts",
+        "12",
+        "--random-input-len",
+        "40",
+        "--random-output-len",
+        "16",
+        "--max-concurrency",
+        "4",
+        "--result-filename",
+        "run.json",
+        "--goodput",
+        "ttft:60000",
+    )
     assert bench_main(args) == 0
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "Median TTFT (ms):" in printed and "P99 ITL (ms):" in printed
@@ -174,13 +210,43 @@ def test_bench_random_completions(server: str, tmp_path: Path, capsys: pytest.Ca
 
 
 def test_bench_chat_sweep_and_compare(server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    base = bench_args(server, tmp_path, "--num-prompts", "6", "--random-input-len", "20", "--random-output-len",
-                      "8", "--max-concurrency", "2", "--result-filename", "base.json")
+    base = bench_args(
+        server,
+        tmp_path,
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "20",
+        "--random-output-len",
+        "8",
+        "--max-concurrency",
+        "2",
+        "--result-filename",
+        "base.json",
+    )
     assert bench_main(base) == 0
-    args = bench_args(server, tmp_path, "--endpoint", "/v1/chat/completions", "--num-prompts", "8",
-                      "--random-input-len", "20", "--random-output-len", "8", "--request-rate", "500",
-                      "--max-concurrency", "1,4", "--result-filename", "sweep.json",
-                      "--compare", str(tmp_path / "base.json"), "--goodput", "e2el:0.001")
+    args = bench_args(
+        server,
+        tmp_path,
+        "--endpoint",
+        "/v1/chat/completions",
+        "--num-prompts",
+        "8",
+        "--random-input-len",
+        "20",
+        "--random-output-len",
+        "8",
+        "--request-rate",
+        "500",
+        "--max-concurrency",
+        "1,4",
+        "--result-filename",
+        "sweep.json",
+        "--compare",
+        str(tmp_path / "base.json"),
+        "--goodput",
+        "e2el:0.001",
+    )
     assert bench_main(args) == 0
     assert "Concurrency sweep" in capsys.readouterr().out
     result = load(tmp_path / "sweep.json")
@@ -197,8 +263,18 @@ def test_bench_chat_sweep_and_compare(server: str, tmp_path: Path, capsys: pytes
 
 
 def test_bench_humaneval_and_jsonl(server: str, tmp_path: Path) -> None:
-    args = bench_args(server, tmp_path, "--dataset-name", "humaneval", "--num-prompts", "5", "--output-len", "6",
-                      "--result-filename", "he.json")
+    args = bench_args(
+        server,
+        tmp_path,
+        "--dataset-name",
+        "humaneval",
+        "--num-prompts",
+        "5",
+        "--output-len",
+        "6",
+        "--result-filename",
+        "he.json",
+    )
     assert bench_main(args) == 0
     (run,) = load(tmp_path / "he.json")["runs"]
     assert load(tmp_path / "he.json")["config"]["ignore_eos"] is False
@@ -206,8 +282,20 @@ def test_bench_humaneval_and_jsonl(server: str, tmp_path: Path) -> None:
     assert all(r["prompt_tokens"] == r["prompt_len"] > 5 for r in run["requests"])
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "one two three", "output_len": 3}\n\n{"text": "four five"}\n')
-    args = bench_args(server, tmp_path, "--dataset-name", "jsonl", "--dataset-path", str(data), "--num-prompts", "4",
-                      "--output-len", "5", "--result-filename", "jl.json")
+    args = bench_args(
+        server,
+        tmp_path,
+        "--dataset-name",
+        "jsonl",
+        "--dataset-path",
+        str(data),
+        "--num-prompts",
+        "4",
+        "--output-len",
+        "5",
+        "--result-filename",
+        "jl.json",
+    )
     assert bench_main(args) == 0
     (run,) = load(tmp_path / "jl.json")["runs"]
     assert sorted(r["output_tokens"] for r in run["requests"]) == [3, 3, 5, 5]
@@ -225,8 +313,22 @@ def test_bench_setup_errors(server: str, tmp_path: Path, capsys: pytest.CaptureF
 def test_bench_max_duration_bounds_the_run(server: str, tmp_path: Path) -> None:
     # ~3 s of Poisson arrivals cut at 1 s: the first requests complete (a 4-token answer takes well
     # under a second even on a loaded 2-core machine; 0.2 s did not always), the rest are never sent.
-    args = bench_args(server, tmp_path, "--num-prompts", "30", "--random-input-len", "8", "--random-output-len", "4",
-                      "--request-rate", "10", "--max-duration", "1.0", "--result-filename", "short.json")
+    args = bench_args(
+        server,
+        tmp_path,
+        "--num-prompts",
+        "30",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "4",
+        "--request-rate",
+        "10",
+        "--max-duration",
+        "1.0",
+        "--result-filename",
+        "short.json",
+    )
     assert bench_main(args) == 1  # some requests were never sent
     (run,) = load(tmp_path / "short.json")["runs"]
     assert run["aggregates"]["completed"] >= 1 and run["aggregates"]["failed"] >= 1
@@ -267,18 +369,32 @@ def specserve_server(tiny_llama_dir: Path) -> Iterator[str]:
     from specserve.server.cli_args import ServerConfig
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    config = EngineConfig.from_kwargs(model=str(tiny_llama_dir), kv_cache_memory_bytes=4 << 20, max_model_len=256,
-                                      speculative_config=spec)
+    config = EngineConfig.from_kwargs(
+        model=str(tiny_llama_dir), kv_cache_memory_bytes=4 << 20, max_model_len=256, speculative_config=spec
+    )
     engine = AsyncEngine.from_config(config, progress=False)
     srv = BackgroundServer(engine, ServerConfig(port=0, log_interval=0, uvicorn_log_level="warning")).start()
     yield srv.url
     srv.stop()
 
 
-def test_bench_and_advise_against_a_real_specserve_server(specserve_server: str, tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    args = bench_args(specserve_server, tmp_path, "--num-prompts", "8", "--random-input-len", "24",
-                      "--random-output-len", "12", "--max-concurrency", "1,4", "--result-filename", "real.json")
+def test_bench_and_advise_against_a_real_specserve_server(
+    specserve_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = bench_args(
+        specserve_server,
+        tmp_path,
+        "--num-prompts",
+        "8",
+        "--random-input-len",
+        "24",
+        "--random-output-len",
+        "12",
+        "--max-concurrency",
+        "1,4",
+        "--result-filename",
+        "real.json",
+    )
     assert bench_main(args) == 0
     result = load(tmp_path / "real.json")
     assert result["config"]["prompt_token_count"] == "server /tokenize" and result["config"]["ignore_eos"] is True

@@ -10,6 +10,7 @@ times (their last proposals draft fewer than k tokens: dead rows in the static b
 after a prompt (more rows than the buffers hold) run the eager head in the same runs. Heads with a
 reduced draft vocabulary (logits over d2t, argmax mapped through it inside the static forwards)
 too."""
+
 from __future__ import annotations
 
 import random
@@ -32,8 +33,14 @@ BLOCK_BYTES = 2 * 16 * 2 * 2 * 16 * 4  # tiny llama: layers * block * (k, v) * k
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     motif = [rng.randrange(10, 300) for _ in range(5)]
-    shapes = [motif * 3, [rng.randrange(10, 300) for _ in range(2)], [42], motif + [7] + motif,
-              [rng.randrange(10, 300) for _ in range(37)], [rng.randrange(10, 300) for _ in range(11)]]
+    shapes = [
+        motif * 3,
+        [rng.randrange(10, 300) for _ in range(2)],
+        [42],
+        motif + [7] + motif,
+        [rng.randrange(10, 300) for _ in range(37)],
+        [rng.randrange(10, 300) for _ in range(11)],
+    ]
     return shapes[:n]
 
 
@@ -54,8 +61,9 @@ def heads(tiny_llama_dir, tmp_path_factory, d2t):
     out["p-eagle"] = str(make_random_head_dir(str(tiny_llama_dir), base / "p-eagle", "eagle3", num_mask_slots=K - 1))
     out["eagle-reduced"] = str(make_random_head_dir(str(tiny_llama_dir), base / "eagle-r", "eagle", d2t=d2t))
     out["eagle3-reduced"] = str(make_random_head_dir(str(tiny_llama_dir), base / "eagle3-r", "eagle3", d2t=d2t))
-    out["p-eagle-reduced"] = str(make_random_head_dir(str(tiny_llama_dir), base / "p-eagle-r", "eagle3",
-                                                      num_mask_slots=K - 1, d2t=d2t))
+    out["p-eagle-reduced"] = str(
+        make_random_head_dir(str(tiny_llama_dir), base / "p-eagle-r", "eagle3", num_mask_slots=K - 1, d2t=d2t)
+    )
     return out
 
 
@@ -64,11 +72,24 @@ def _run(target: str, method: str | None, head: str | None, mode: str, prompts, 
     method "p-eagle": an eagle3 head drafting in parallel; "*-reduced": a head with a reduced vocabulary."""
     monkeypatch.setattr(EagleProposer, "step_graphs", mode)
     parallel = method is not None and method.startswith("p-eagle")
-    spec = None if method is None else {"method": "eagle3" if parallel else method.removesuffix("-reduced"),
-                                        "model": head, "num_speculative_tokens": K, "adaptive": False,
-                                        "parallel_drafting": parallel}
-    llm = LLM(model=target, progress=False, speculative_config=spec, enable_prefix_caching=False,
-              **{"kv_cache_memory_bytes": 4 << 20, **kw})
+    spec = (
+        None
+        if method is None
+        else {
+            "method": "eagle3" if parallel else method.removesuffix("-reduced"),
+            "model": head,
+            "num_speculative_tokens": K,
+            "adaptive": False,
+            "parallel_drafting": parallel,
+        }
+    )
+    llm = LLM(
+        model=target,
+        progress=False,
+        speculative_config=spec,
+        enable_prefix_caching=False,
+        **{"kv_cache_memory_bytes": 4 << 20, **kw},
+    )
     proposals: list = []
     proposer = llm.engine.spec.proposer if spec else None
     if proposer is not None:
@@ -131,8 +152,9 @@ def test_static_forwards_with_preemption(method, heads, tiny_llama_dir, monkeypa
     # 8 blocks: each request fits alone, six together do not; preempted heads start over.
     target, prompts, params = str(tiny_llama_dir), _prompts(6, seed=6), _greedy(6)
     plain, _, _ = _run(target, None, None, "auto", prompts, params, monkeypatch)
-    static, _, llm = _run(target, method, heads[method], "static", prompts, params, monkeypatch,
-                          kv_cache_memory_bytes=8 * BLOCK_BYTES)
+    static, _, llm = _run(
+        target, method, heads[method], "static", prompts, params, monkeypatch, kv_cache_memory_bytes=8 * BLOCK_BYTES
+    )
     assert static == plain
     assert llm.engine.stats.get("num_preemptions_total") > 0
     assert llm.engine.spec.proposer.first.runs
@@ -141,11 +163,13 @@ def test_static_forwards_with_preemption(method, heads, tiny_llama_dir, monkeypa
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "p-eagle"])
 def test_static_forwards_seeded_sampling_equals_eager(method, heads, tiny_llama_dir, monkeypatch):
     target, prompts = str(tiny_llama_dir), _prompts(5, seed=7)
-    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=14, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),  # greedy rows among random
-              SamplingParams(temperature=1.2, top_k=20, seed=99, max_tokens=9, ignore_eos=True),
-              SamplingParams(temperature=0.7, seed=5, repetition_penalty=1.3, max_tokens=17, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=8, min_p=0.05, max_tokens=12, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),  # greedy rows among random
+        SamplingParams(temperature=1.2, top_k=20, seed=99, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=5, repetition_penalty=1.3, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=8, min_p=0.05, max_tokens=12, ignore_eos=True),
+    ]
     eager, eager_props, _ = _run(target, method, heads[method], "eager", prompts, params, monkeypatch)
     static, static_props, llm = _run(target, method, heads[method], "static", prompts, params, monkeypatch)
     again, _, _ = _run(target, method, heads[method], "static", prompts, params, monkeypatch)
@@ -166,14 +190,26 @@ def test_static_step_metadata(heads, tiny_llama_dir, monkeypatch):
 
     def recording(self, host, step, n, bs):
         rows = send(self, host, step, n, bs)
-        seen.append((n, bs, rows, self.cu_query_lens[:bs + 1].tolist(), self.seq_lens[:bs].tolist(),
-                     self.slot_mapping[:bs].tolist(), self.positions[:bs].tolist(),
-                     self.block_tables[:n].clone(), [c + step for c in host.ctx], [p + step for p in host.last_pos]))
+        seen.append(
+            (
+                n,
+                bs,
+                rows,
+                self.cu_query_lens[: bs + 1].tolist(),
+                self.seq_lens[:bs].tolist(),
+                self.slot_mapping[:bs].tolist(),
+                self.positions[:bs].tolist(),
+                self.block_tables[:n].clone(),
+                [c + step for c in host.ctx],
+                [p + step for p in host.last_pos],
+            )
+        )
         return rows
 
     monkeypatch.setattr(HeadStepGraphs, "_send", recording)
-    _, _, llm = _run(str(tiny_llama_dir), "eagle3", heads["eagle3"], "static", _prompts(3, seed=3), _greedy(3),
-                     monkeypatch)
+    _, _, llm = _run(
+        str(tiny_llama_dir), "eagle3", heads["eagle3"], "static", _prompts(3, seed=3), _greedy(3), monkeypatch
+    )
     pad, bsz = -1, llm.engine.spec.proposer.kv.block_size
     assert any(bs > n for n, bs, *_ in seen) and any(len(rows) < n for n, _, rows, *_ in seen)
     for n, bs, rows, cu, seq_lens, slots, pos, tables, seq_len, position in seen:
@@ -200,10 +236,23 @@ def test_first_forward_metadata(method, heads, tiny_llama_dir, monkeypatch):
 
     def recording(self, bs, *args):
         send(self, bs, *args)
-        fields = [t.tolist() for t in (self.rows, self.tokens, self.positions, self.slot_mapping, self.mask,
-                                       self.pick, self.sel, self.cu_query_lens, self.seq_lens)]
-        seen.append((self, bs, [list(a) for a in args[:-1]], [list(t) for t in args[-1]], fields,
-                     self.block_tables.clone()))
+        fields = [
+            t.tolist()
+            for t in (
+                self.rows,
+                self.tokens,
+                self.positions,
+                self.slot_mapping,
+                self.mask,
+                self.pick,
+                self.sel,
+                self.cu_query_lens,
+                self.seq_lens,
+            )
+        ]
+        seen.append(
+            (self, bs, [list(a) for a in args[:-1]], [list(t) for t in args[-1]], fields, self.block_tables.clone())
+        )
 
     monkeypatch.setattr(FirstForwardGraphs, "send", recording)
     _run(str(tiny_llama_dir), method, heads[method], "static", _prompts(5, seed=5), _greedy(5), monkeypatch)
@@ -216,23 +265,29 @@ def test_first_forward_metadata(method, heads, tiny_llama_dir, monkeypatch):
         n, p, bsz = len(ks), first.picks_per_req, first.block_size
         q = [m + (k - 1 if parallel else 0) for m, k in zip(num_real, ks)]
         total = sum(q)
-        assert cu[:bs + 1] == list(np.cumsum([0] + q)) + [total] * (bs - n)
+        assert cu[: bs + 1] == list(np.cumsum([0] + q)) + [total] * (bs - n)
         assert seq_lens[:bs] == [c + x for c, x in zip(ctx, q)] + [0] * (bs - n)
-        assert slots[total:bs * first.rows_per_req] == [-1] * (bs * first.rows_per_req - total)
+        assert slots[total : bs * first.rows_per_req] == [-1] * (bs * first.rows_per_req - total)
         r, picked = 0, []
         for i in range(n):
             start, m, e = cu[i], num_real[i], q[i] - num_real[i]
-            assert rows[start:start + m] == feature_rows[r:r + m] and tokens[start:start + m] == next_tokens[r:r + m]
-            assert pos[start:start + m + e] == positions[r:r + m] + list(range(last_pos[i] + 1, last_pos[i] + 1 + e))
-            assert mask[start:start + m + e] == [0] * m + [1] * e
-            assert slots[start:start + m + e] == [tables[i][x // bsz] * bsz + x % bsz
-                                                  for x in range(ctx[i], ctx[i] + m + e)]
-            assert block_tables[i, :len(tables[i])].tolist() == tables[i]
+            assert (
+                rows[start : start + m] == feature_rows[r : r + m]
+                and tokens[start : start + m] == next_tokens[r : r + m]
+            )
+            assert pos[start : start + m + e] == positions[r : r + m] + list(
+                range(last_pos[i] + 1, last_pos[i] + 1 + e)
+            )
+            assert mask[start : start + m + e] == [0] * m + [1] * e
+            assert slots[start : start + m + e] == [
+                tables[i][x // bsz] * bsz + x % bsz for x in range(ctx[i], ctx[i] + m + e)
+            ]
+            assert block_tables[i, : len(tables[i])].tolist() == tables[i]
             count = ks[i] if parallel else 1
-            assert pick[i * p:i * p + count] == list(range(start + m - 1, start + m - 1 + count))
+            assert pick[i * p : i * p + count] == list(range(start + m - 1, start + m - 1 + count))
             picked += range(i * p, i * p + count)
             r += m
-        assert sel[:len(picked)] == picked
+        assert sel[: len(picked)] == picked
 
 
 def test_pinned_upload_round_trip():
@@ -240,8 +295,12 @@ def test_pinned_upload_round_trip():
     rng = np.random.default_rng(0)
     sent = []
     for i in range(5):  # more sends than slots: earlier tensors stay intact (fresh device memory)
-        arrays = [rng.integers(-5, 1 << 40, size=i + 1), rng.integers(0, 1 << 20, size=(2, i + 2)).astype(np.int32),
-                  np.zeros(0, dtype=np.int64), np.arange(3, dtype=np.int32)]
+        arrays = [
+            rng.integers(-5, 1 << 40, size=i + 1),
+            rng.integers(0, 1 << 20, size=(2, i + 2)).astype(np.int32),
+            np.zeros(0, dtype=np.int64),
+            np.arange(3, dtype=np.int32),
+        ]
         sent.append((arrays, up.send(arrays)))
     for arrays, dev in sent:
         for a, d in zip(arrays, dev):
@@ -261,12 +320,17 @@ def test_static_forwards_with_a_reduced_vocab(method, sampling, heads, d2t, tiny
     through d2t inside the forward, fed to the next step) proposes what the eager head proposes,
     only d2t tokens, and greedy output equals plain decoding."""
     target, prompts = str(tiny_llama_dir), _prompts(5, seed=9)
-    params = _greedy(5) if sampling == "greedy" else [
-        SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=14, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-        SamplingParams(temperature=1.2, top_k=20, seed=99, max_tokens=9, ignore_eos=True),
-        SamplingParams(temperature=0.7, seed=5, repetition_penalty=1.3, max_tokens=17, ignore_eos=True),
-        SamplingParams(temperature=1.0, seed=8, min_p=0.05, max_tokens=12, ignore_eos=True)]
+    params = (
+        _greedy(5)
+        if sampling == "greedy"
+        else [
+            SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=14, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+            SamplingParams(temperature=1.2, top_k=20, seed=99, max_tokens=9, ignore_eos=True),
+            SamplingParams(temperature=0.7, seed=5, repetition_penalty=1.3, max_tokens=17, ignore_eos=True),
+            SamplingParams(temperature=1.0, seed=8, min_p=0.05, max_tokens=12, ignore_eos=True),
+        ]
+    )
     eager, eager_props, _ = _run(target, method, heads[method], "eager", prompts, params, monkeypatch)
     static, static_props, llm = _run(target, method, heads[method], "static", prompts, params, monkeypatch)
     assert static == eager

@@ -2,6 +2,7 @@
 prefill step that does not sample hands its target features to the head, so the head's context is the
 whole prompt when the last piece drafts. Greedy output equals plain decoding, and the head's first
 proposal after the prompt equals the one after a whole-prompt prefill."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,24 +12,43 @@ from specserve.speculative.proposers.eagle import EagleProposer
 from specserve.speculative.proposers.eagle_head import make_random_head_dir
 
 K = 3
-PROMPTS = [[5 + (7 * i) % 300 for i in range(50)],  # 50 tokens: pieces of 16, 16, 16, 2
-           [11, 42, 7, 99, 23] * 8 + [3, 4]]  # 42 tokens
+PROMPTS = [
+    [5 + (7 * i) % 300 for i in range(50)],  # 50 tokens: pieces of 16, 16, 16, 2
+    [11, 42, 7, 99, 23] * 8 + [3, 4],
+]  # 42 tokens
 
 
 @pytest.fixture(scope="module")
 def heads(tiny_llama_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("piece-heads")
-    return {"eagle3": str(make_random_head_dir(str(tiny_llama_dir), base / "eagle3", "eagle3")),
-            "p-eagle": str(make_random_head_dir(str(tiny_llama_dir), base / "p", "eagle3", num_mask_slots=K - 1))}
+    return {
+        "eagle3": str(make_random_head_dir(str(tiny_llama_dir), base / "eagle3", "eagle3")),
+        "p-eagle": str(make_random_head_dir(str(tiny_llama_dir), base / "p", "eagle3", num_mask_slots=K - 1)),
+    }
 
 
 def _run(target: str, head: str | None, parallel: bool, piece: int | None, monkeypatch, **kw):
     """(outputs, first proposal per prompt, head rows when it first drafted, prefill chunk sizes)."""
-    spec = None if head is None else {"method": "eagle3", "model": head, "num_speculative_tokens": K,
-                                      "adaptive": False, "parallel_drafting": parallel}
+    spec = (
+        None
+        if head is None
+        else {
+            "method": "eagle3",
+            "model": head,
+            "num_speculative_tokens": K,
+            "adaptive": False,
+            "parallel_drafting": parallel,
+        }
+    )
     monkeypatch.setattr(EagleProposer, "step_graphs", "eager")
-    llm = LLM(model=target, progress=False, kv_cache_memory_bytes=4 << 20, speculative_config=spec,
-              enable_prefix_caching=False, **kw)
+    llm = LLM(
+        model=target,
+        progress=False,
+        kv_cache_memory_bytes=4 << 20,
+        speculative_config=spec,
+        enable_prefix_caching=False,
+        **kw,
+    )
     eng = llm.engine
     eng.scheduler.prefill_piece = piece
     chunks: list[int] = []
@@ -36,8 +56,9 @@ def _run(target: str, head: str | None, parallel: bool, piece: int | None, monke
 
     def spy():
         out = real()
-        chunks.extend(s.num_new_tokens for s in out.scheduled
-                      if s.request.num_computed_tokens < s.request.num_prompt_tokens)
+        chunks.extend(
+            s.num_new_tokens for s in out.scheduled if s.request.num_computed_tokens < s.request.num_prompt_tokens
+        )
         return out
 
     monkeypatch.setattr(eng.scheduler, "schedule", spy)
@@ -47,8 +68,13 @@ def _run(target: str, head: str | None, parallel: bool, piece: int | None, monke
         # still in prefill, so the pieces run as asynchronous steps (engine/async_loop.py) and absorb there.
         eng.spec.last_k = 0
         choose = eng.spec.choose
-        monkeypatch.setattr(eng.spec, "choose", lambda b: 0 if any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) else choose(b))
+        monkeypatch.setattr(
+            eng.spec,
+            "choose",
+            lambda b: (
+                0 if any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) else choose(b)
+            ),
+        )
         overlapped = eng.async_loop.overlapped
         monkeypatch.setattr(eng.async_loop, "overlapped", lambda: async_steps.append(1) or overlapped())
     first: list = []
@@ -90,8 +116,9 @@ def test_head_sees_every_piece(method, split, heads, tiny_llama_dir, monkeypatch
     parallel = method == "p-eagle"
     whole, whole_first, whole_ctx, whole_chunks = _run(target, heads[method], parallel, None, monkeypatch)
     kw = {"chunks": {"max_num_batched_tokens": 16}, "pieces-async": {"async_scheduling": True}}.get(split, {})
-    cut, cut_first, cut_ctx, cut_chunks = _run(target, heads[method], parallel, None if split == "chunks" else 16,
-                                               monkeypatch, **kw)
+    cut, cut_first, cut_ctx, cut_chunks = _run(
+        target, heads[method], parallel, None if split == "chunks" else 16, monkeypatch, **kw
+    )
     assert max(whole_chunks) == 50 and max(cut_chunks) == 16, (whole_chunks, cut_chunks)
     assert whole == plain and cut == plain
     # The head drafted first with the whole prompt in its context (every row but the last position's
@@ -106,8 +133,7 @@ def test_absorb_takes_only_rows_not_yet_seen(heads, tiny_llama_dir, monkeypatch)
     absorb = EagleProposer.absorb
 
     def twice(self, inp):
-        before = [self.seqs[r.request_id].num_computed_tokens if r.request_id in self.seqs else 0
-                  for r in inp.requests]
+        before = [self.seqs[r.request_id].num_computed_tokens if r.request_id in self.seqs else 0 for r in inp.requests]
         absorb(self, inp)
         mid = [self.seqs[r.request_id].num_computed_tokens for r in inp.requests]
         absorb(self, inp)

@@ -1,4 +1,5 @@
 """Engine-level sampling: seeds, n, stop strings/tokens, min_tokens, logprobs, detokenization."""
+
 from __future__ import annotations
 
 import math
@@ -15,10 +16,14 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llm):
     a = _gen(tiny_llm, "The quick brown", temperature=1.0, seed=123, max_tokens=16, ignore_eos=True)
     b = _gen(tiny_llm, "The quick brown", temperature=1.0, seed=123, max_tokens=16, ignore_eos=True)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    mixed = tiny_llm.generate(["Paris is", "The quick brown", "def add"],
-                              [SamplingParams(temperature=0.7, max_tokens=16),
-                               SamplingParams(temperature=1.0, seed=123, max_tokens=16, ignore_eos=True),
-                               SamplingParams(temperature=0.0, max_tokens=16)])
+    mixed = tiny_llm.generate(
+        ["Paris is", "The quick brown", "def add"],
+        [
+            SamplingParams(temperature=0.7, max_tokens=16),
+            SamplingParams(temperature=1.0, seed=123, max_tokens=16, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=16),
+        ],
+    )
     assert mixed[1].outputs[0].token_ids == a.outputs[0].token_ids
     c = _gen(tiny_llm, "The quick brown", temperature=1.0, seed=124, max_tokens=16, ignore_eos=True)
     assert c.outputs[0].token_ids != a.outputs[0].token_ids
@@ -41,9 +46,10 @@ def test_stop_token_ids_and_max_tokens(tiny_llm):
     g = _gen(tiny_llm, "numbers 0 1", temperature=0.0, max_tokens=10, ignore_eos=True).outputs[0]
     stop_tok = g.token_ids[4]
     first = g.token_ids.index(stop_tok)
-    out = _gen(tiny_llm, "numbers 0 1", temperature=0.0, max_tokens=10, ignore_eos=True,
-               stop_token_ids=[stop_tok]).outputs[0]
-    assert out.token_ids == g.token_ids[:first + 1]
+    out = _gen(
+        tiny_llm, "numbers 0 1", temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop_tok]
+    ).outputs[0]
+    assert out.token_ids == g.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
 
 
@@ -53,10 +59,17 @@ def test_stop_string_cuts_text(tiny_llm):
     stop = g.text[3:6]
     out = _gen(tiny_llm, "The quick", temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]).outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == g.text[:g.text.index(stop)]
-    inc = _gen(tiny_llm, "The quick", temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop],
-               include_stop_str_in_output=True).outputs[0]
-    assert inc.text == g.text[:g.text.index(stop) + len(stop)]
+    assert out.text == g.text[: g.text.index(stop)]
+    inc = _gen(
+        tiny_llm,
+        "The quick",
+        temperature=0.0,
+        max_tokens=24,
+        ignore_eos=True,
+        stop=[stop],
+        include_stop_str_in_output=True,
+    ).outputs[0]
+    assert inc.text == g.text[: g.text.index(stop) + len(stop)]
 
 
 def test_min_tokens_blocks_eos(tiny_llm):
@@ -72,8 +85,9 @@ def test_logprobs_match_log_softmax(tiny_llm):
         assert tok in step and step[tok].rank == 1  # greedy picks the most likely token
         assert len(step) == 3
         assert all(lp.logprob <= 0 for lp in step.values())
-    assert math.isclose(out.cumulative_logprob, sum(s[t].logprob for t, s in zip(out.token_ids, out.logprobs)),
-                        rel_tol=1e-5)
+    assert math.isclose(
+        out.cumulative_logprob, sum(s[t].logprob for t, s in zip(out.token_ids, out.logprobs)), rel_tol=1e-5
+    )
 
 
 def test_incremental_detokenizer_never_emits_broken_utf8(tiny_llm):
@@ -87,7 +101,7 @@ def test_incremental_detokenizer_never_emits_broken_utf8(tiny_llm):
         seen.append(d.text)
         assert "\ufffd" not in d.text
     assert d.text == text
-    assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:]))  # only ever appended
+    assert all(a == b[: len(a)] for a, b in zip(seen, seen[1:]))  # only ever appended
 
 
 def test_streaming_holdback_of_stop_prefix(tiny_llm):

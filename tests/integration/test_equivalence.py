@@ -1,4 +1,5 @@
 """Greedy output is identical across prefix caching, chunk sizes, block sizes, batch sizes, preemption."""
+
 from __future__ import annotations
 
 import random
@@ -37,15 +38,19 @@ def reference(tiny_llama_dir):
     return prompts, ref
 
 
-@pytest.mark.parametrize("kw", [
-    dict(enable_prefix_caching=True),
-    dict(block_size=4),
-    dict(block_size=32),
-    dict(max_num_batched_tokens=7),  # chunked prefill, prefills mixed with decodes
-    dict(max_num_batched_tokens=33, block_size=8),
-    dict(max_num_seqs=1),
-    dict(max_num_seqs=3, max_num_batched_tokens=16),
-], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(enable_prefix_caching=True),
+        dict(block_size=4),
+        dict(block_size=32),
+        dict(max_num_batched_tokens=7),  # chunked prefill, prefills mixed with decodes
+        dict(max_num_batched_tokens=33, block_size=8),
+        dict(max_num_seqs=1),
+        dict(max_num_seqs=3, max_num_batched_tokens=16),
+    ],
+    ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
+)
 def test_same_greedy_output(tiny_llama_dir, reference, kw):
     prompts, ref = reference
     got, _ = _run(tiny_llama_dir, prompts, **kw)
@@ -76,8 +81,12 @@ def test_batch_size_does_not_change_output(tiny_llama_dir, reference, batch):
 def test_preemption_by_tiny_kv_budget(tiny_llama_dir, reference, prefix_caching):
     prompts, ref = reference
     # Room for ~10 blocks of 16 tokens: a few sequences at a time, so running ones get preempted.
-    got, llm = _run(tiny_llama_dir, prompts, kv_cache_memory_bytes=10 * _block_bytes(llm_dir=tiny_llama_dir),
-                    enable_prefix_caching=prefix_caching)
+    got, llm = _run(
+        tiny_llama_dir,
+        prompts,
+        kv_cache_memory_bytes=10 * _block_bytes(llm_dir=tiny_llama_dir),
+        enable_prefix_caching=prefix_caching,
+    )
     assert got == ref
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.stats.get("num_preemptions_total") == llm.engine.scheduler.num_preemptions

@@ -3,6 +3,7 @@
 Needs the model in the cache: `specserve models install smollm2-135m-instruct` (CI runs it
 first). A missing model is a failure, not a skip: a skipped fidelity test looks like a pass.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,9 +19,13 @@ from specserve.model.gguf_loader import GGUFCheckpoint, load_gguf_tokenizer, rea
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far"]
-TOKENIZER_TEXTS = ["Hello world!", "  leading spaces and\ttabs\n\nnewlines", "naïve café 東京 🙂",
-                   "x = [i ** 2 for i in range(10)]  # 12345",
-                   "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"]
+TOKENIZER_TEXTS = [
+    "Hello world!",
+    "  leading spaces and\ttabs\n\nnewlines",
+    "naïve café 東京 🙂",
+    "x = [i ** 2 for i in range(10)]  # 12345",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -55,7 +60,8 @@ def ours(checkpoint: GGUFCheckpoint) -> transformers.LlamaForCausalLM:
 @pytest.fixture(scope="module")
 def reference(gguf_path: Path) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +79,11 @@ def test_config_matches_models_md(checkpoint: GGUFCheckpoint) -> None:
     assert checkpoint.chat_template and "<|im_start|>" in checkpoint.chat_template
 
 
-def test_logits_match_transformers(ours: transformers.LlamaForCausalLM,
-                                   reference: transformers.PreTrainedModel,
-                                   reference_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+def test_logits_match_transformers(
+    ours: transformers.LlamaForCausalLM,
+    reference: transformers.PreTrainedModel,
+    reference_tokenizer: transformers.PreTrainedTokenizerBase,
+) -> None:
     for prompt in PROMPTS:
         input_ids = reference_tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
@@ -115,23 +123,23 @@ def our_tokenizers(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return OurTokenizers(converted, cached, cache_root, source, kwargs)
 
 
-def test_greedy_chat_answers_paris(ours: transformers.LlamaForCausalLM,
-                                   our_tokenizers: OurTokenizers) -> None:
+def test_greedy_chat_answers_paris(ours: transformers.LlamaForCausalLM, our_tokenizers: OurTokenizers) -> None:
     tokenizer = our_tokenizers.cached
-    input_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt",
-                                              return_dict=True)["input_ids"]
+    input_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     with torch.no_grad():
         output = ours.generate(input_ids, max_new_tokens=12, do_sample=False)
-    answer = tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 
-def test_tokenizer_matches_transformers(our_tokenizers: OurTokenizers, checkpoint: GGUFCheckpoint,
-                                        reference_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+def test_tokenizer_matches_transformers(
+    our_tokenizers: OurTokenizers, checkpoint: GGUFCheckpoint, reference_tokenizer: transformers.PreTrainedTokenizerBase
+) -> None:
     assert Path(str(our_tokenizers.cached_source)).parent == our_tokenizers.cache_root / "tokenizers"
     assert "gguf_file" not in our_tokenizers.cached_kwargs
-    expected_chat = reference_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,
-                                                            tokenize=False)
+    expected_chat = reference_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     for tokenizer in (our_tokenizers.converted, our_tokenizers.cached):
         assert tokenizer.chat_template == checkpoint.chat_template
         for text in TOKENIZER_TEXTS:
@@ -139,4 +147,6 @@ def test_tokenizer_matches_transformers(our_tokenizers: OurTokenizers, checkpoin
         chat = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
         assert chat == expected_chat
         assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (
-            reference_tokenizer.bos_token_id, reference_tokenizer.eos_token_id)
+            reference_tokenizer.bos_token_id,
+            reference_tokenizer.eos_token_id,
+        )

@@ -1,4 +1,5 @@
 """Greedy tokens equal transformers' on the same weights, for batches of mixed-length prompts."""
+
 from __future__ import annotations
 
 import random

@@ -8,6 +8,7 @@ prompt). bfloat16 and fp8 KV must agree for at least 16 of 24 tokens on every pr
 Needs the model in the cache: `specserve models install smollm2-135m-instruct` (CI runs it first).
 A missing model is a failure, not a skip.
 """
+
 from __future__ import annotations
 
 import pytest

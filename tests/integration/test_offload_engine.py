@@ -1,4 +1,5 @@
 """Offload tiers through the engine: exact output on GPU-pool, CPU-tier and disk-tier hits; restart; corruption."""
+
 from __future__ import annotations
 
 import random
@@ -23,8 +24,7 @@ def _metric(llm: LLM, name: str, **labels) -> float:
 def _make(path, num_blocks: int, **offload) -> LLM:
     probe = LLM(model=str(path), progress=False, kv_cache_memory_bytes=1 << 20)
     per_block = probe.engine.runner.spec.bytes_per_block
-    return LLM(model=str(path), progress=False, kv_cache_memory_bytes=num_blocks * per_block,
-               kv_offload=offload)
+    return LLM(model=str(path), progress=False, kv_cache_memory_bytes=num_blocks * per_block, kv_offload=offload)
 
 
 def _gen(llm: LLM, doc: list[int]) -> list[int]:
@@ -75,5 +75,4 @@ def test_disk_tier_survives_restart_and_corruption_is_a_miss(tiny_llama_dir, tmp
 
 def test_offload_needs_prefix_caching(tiny_llama_dir):
     with pytest.raises(ValueError, match="enable_prefix_caching"):
-        LLM(model=str(tiny_llama_dir), progress=False, enable_prefix_caching=False,
-            kv_offload={"cpu_bytes": 1 << 20})
+        LLM(model=str(tiny_llama_dir), progress=False, enable_prefix_caching=False, kv_offload={"cpu_bytes": 1 << 20})

@@ -1,22 +1,27 @@
 """Short prompts fed in graph-sized pieces (scheduler/scheduler.py prefill_piece, set where prefill
 graphs were captured): the same greedy tokens as one whole prefill, without speculation, with n-gram
 and with a draft model, with prefix hits and with asynchronous scheduling; the pieces really ran."""
+
 from __future__ import annotations
 
 import pytest
 
 from specserve import LLM, SamplingParams
 
-SPECS = {"none": None,
-         "ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-         "draft_model": {"method": "draft_model"}}
+SPECS = {
+    "none": None,
+    "ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "draft_model": {"method": "draft_model"},
+}
 
 
 def _prompts() -> list[list[int]]:
     motif = [11, 42, 7, 99, 23]
-    return [[5 + (7 * i) % 300 for i in range(50)],  # 50 tokens: 4 pieces of 16
-            motif * 8 + [3, 4],  # 42 tokens, repetitive (n-gram drafts)
-            [5 + (7 * i) % 300 for i in range(50)] + [8, 9, 10]]  # a prefix hit on the first, then 3 new
+    return [
+        [5 + (7 * i) % 300 for i in range(50)],  # 50 tokens: 4 pieces of 16
+        motif * 8 + [3, 4],  # 42 tokens, repetitive (n-gram drafts)
+        [5 + (7 * i) % 300 for i in range(50)] + [8, 9, 10],
+    ]  # a prefix hit on the first, then 3 new
 
 
 @pytest.mark.parametrize("method", list(SPECS))
@@ -38,8 +43,9 @@ def test_pieces_give_the_same_tokens(tiny_llama_dir, monkeypatch, method) -> Non
 
         def spy(real=real, chunks=chunks):
             out = real()
-            chunks.extend(s.num_new_tokens for s in out.scheduled
-                          if s.request.num_computed_tokens < s.request.num_prompt_tokens)
+            chunks.extend(
+                s.num_new_tokens for s in out.scheduled if s.request.num_computed_tokens < s.request.num_prompt_tokens
+            )
             return out
 
         monkeypatch.setattr(eng.scheduler, "schedule", spy)
@@ -58,8 +64,13 @@ def test_two_requests_share_pieces_and_async_steps(tiny_llama_dir) -> None:
     prompts = [{"prompt_token_ids": p} for p in _prompts()[:2]]
     runs = {}
     for piece in (None, 16):
-        llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
-                  enable_prefix_caching=False, async_scheduling=True)
+        llm = LLM(
+            model=str(tiny_llama_dir),
+            progress=False,
+            kv_cache_memory_bytes=4 << 20,
+            enable_prefix_caching=False,
+            async_scheduling=True,
+        )
         assert llm.engine.async_scheduling
         llm.engine.scheduler.prefill_piece = piece
         runs[piece] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

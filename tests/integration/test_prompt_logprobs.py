@@ -3,6 +3,7 @@
 Chunked prefill is on (chunks smaller than the prompts), so each prompt is scored over several
 steps; prefix-cache reuse and preemption must not change the entries.
 """
+
 from __future__ import annotations
 
 import random
@@ -61,11 +62,15 @@ def _check(path, ids: list[int], got, num_top: int) -> None:
 def test_prompt_logprobs_match_transformers_with_chunked_prefill(tiny_llama_dir):
     llm = _llm(tiny_llama_dir)
     prompts = [_prompt(1, 53), _prompt(2, 7), [42]]
-    params = [SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=5),
-              SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0),
-              SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts] + [{"prompt_token_ids": _prompt(3, 20)}],
-                        params + [SamplingParams(temperature=0.0, max_tokens=4)])
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=5),
+        SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0),
+        SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2),
+    ]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts] + [{"prompt_token_ids": _prompt(3, 20)}],
+        params + [SamplingParams(temperature=0.0, max_tokens=4)],
+    )
     _check(tiny_llama_dir, prompts[0], outs[0].prompt_logprobs, 5)
     _check(tiny_llama_dir, prompts[1], outs[1].prompt_logprobs, 0)
     assert outs[2].prompt_logprobs == [None]  # a one-token prompt has nothing to score
@@ -81,8 +86,9 @@ def test_prompt_logprobs_do_not_change_generation(tiny_llama_dir):
     llm = _llm(tiny_llama_dir)
     ids = _prompt(4, 40)
     plain = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    scored = llm.generate({"prompt_token_ids": ids},
-                          SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1))
+    scored = llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+    )
     assert scored[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
 
 
@@ -95,8 +101,9 @@ def test_prefix_cache_is_not_reused_for_scored_prompts(tiny_llama_dir):
     assert out.num_cached_tokens == 0
     _check(tiny_llama_dir, ids, out.prompt_logprobs, 3)
     # n > 1: the prompt is scored once; the other children may still share its blocks.
-    outs = llm.generate({"prompt_token_ids": ids}, SamplingParams(n=2, temperature=0.0, max_tokens=2,
-                                                                  prompt_logprobs=1))
+    outs = llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(n=2, temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    )
     _check(tiny_llama_dir, ids, outs[0].prompt_logprobs, 1)
 
 
@@ -117,7 +124,8 @@ def test_kv_dtype_changes_prompt_logprobs(tiny_llama_dir):
 
     def scores(kv_dtype: str) -> list[float]:
         out = _llm(tiny_llama_dir, kv_cache_dtype=kv_dtype, max_num_batched_tokens=None).generate(
-            {"prompt_token_ids": ids}, params)[0]
+            {"prompt_token_ids": ids}, params
+        )[0]
         return [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:])]
 
     ref = scores("float32")
@@ -133,5 +141,5 @@ def test_bad_prompt_logprobs_value(bad):
 
 def test_prompt_logprobs_over_vocab_is_refused(tiny_llm):
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        tiny_llm.generate("hello", SamplingParams(prompt_logprobs=10 ** 6))
+        tiny_llm.generate("hello", SamplingParams(prompt_logprobs=10**6))
     assert not tiny_llm.engine.has_unfinished_requests()

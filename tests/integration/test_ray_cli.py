@@ -1,5 +1,6 @@
 """`specserve serve --data-parallel-size 2 --data-parallel-backend ray`: a real process that starts
 its own Ray, serves through the front door, and leaves no Ray process behind after SIGTERM."""
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,21 @@ pytestmark = pytest.mark.slow
 def test_serve_with_two_ray_replicas_then_sigterm(tiny_llama_dir, tmp_path):
     port, ray_tmp = free_port(), tempfile.mkdtemp(prefix="rt", dir="/tmp")
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "specserve.server.cli", "serve", str(tiny_llama_dir), "--port", str(port),
-           "--kv-cache-memory-bytes", "4M", "--data-parallel-size", "2", "--data-parallel-backend", "ray"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specserve.server.cli",
+        "serve",
+        str(tiny_llama_dir),
+        "--port",
+        str(port),
+        "--kv-cache-memory-bytes",
+        "4M",
+        "--data-parallel-size",
+        "2",
+        "--data-parallel-backend",
+        "ray",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp}
     with open(tmp_path / "out.txt", "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -37,8 +51,11 @@ def test_serve_with_two_ray_replicas_then_sigterm(tiny_llama_dir, tmp_path):
         bodies = [{"prompt": f"the quick brown fox {i}", "max_tokens": 4, "temperature": 0.0} for i in range(8)]
         replies = [httpx.post(url + "/v1/completions", json=b, timeout=60) for b in bodies]
         assert [r.status_code for r in replies] == [200] * 8
-        chat = httpx.post(url + "/v1/chat/completions", timeout=60,
-                          json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3})
+        chat = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=60,
+            json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3},
+        )
         assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
         bad = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # the replica's own check
@@ -59,9 +76,14 @@ def test_serve_with_two_ray_replicas_then_sigterm(tiny_llama_dir, tmp_path):
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-@pytest.mark.parametrize(("flags", "message"), [(["--data-parallel-size", "2"], "--data-parallel-backend ray"),
-                                                (["--ray-address", "auto"], "--data-parallel-backend ray"),
-                                                (["--data-parallel-size", "0"], "data_parallel_size must be >= 1")])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--data-parallel-size", "2"], "--data-parallel-backend ray"),
+        (["--ray-address", "auto"], "--data-parallel-backend ray"),
+        (["--data-parallel-size", "0"], "data_parallel_size must be >= 1"),
+    ],
+)
 def test_data_parallel_flags_without_a_backend_are_refused(flags, message, capsys):
     from specserve.server.cli import main
 

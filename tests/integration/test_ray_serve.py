@@ -3,6 +3,7 @@
 One Ray instance for the module (its own RAY_TMPDIR, so its processes are recognisable); the
 last test shuts it down and checks that none of them is left.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -26,8 +27,10 @@ from tests.helpers.server_proc import free_port
 
 pytestmark = pytest.mark.slow
 ENGINE = {"model": DEFAULT_MODEL, "kv_cache_memory_bytes": 256 << 20, "max_model_len": 1024}
-PROMPTS = [f"Question {i}: what is {i} plus {i * 3}? Answer:" if i % 2 else f"Write a short poem about the number {i}."
-           for i in range(32)]
+PROMPTS = [
+    f"Question {i}: what is {i} plus {i * 3}? Answer:" if i % 2 else f"Write a short poem about the number {i}."
+    for i in range(32)
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +41,12 @@ def cluster():
     tmpdir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths have a length limit
     old = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = tmpdir
-    url = start(ENGINE, 2, ServerConfig(port=free_port(), log_interval=0),
-                ray_init={"num_cpus": 4, "object_store_memory": 128 << 20, "log_to_driver": False})
+    url = start(
+        ENGINE,
+        2,
+        ServerConfig(port=free_port(), log_interval=0),
+        ray_init={"num_cpus": 4, "object_store_memory": 128 << 20, "log_to_driver": False},
+    )
     state = {"url": url, "tmpdir": tmpdir, "stop": stop, "stopped": False}
     yield state
     if not state["stopped"]:
@@ -51,12 +58,19 @@ def cluster():
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _complete(url: str, prompt: str, max_tokens: int = 8, stream: bool = False,
-              streaming_on_1: threading.Event | None = None) -> tuple[int, str, str, dict]:
+def _complete(
+    url: str, prompt: str, max_tokens: int = 8, stream: bool = False, streaming_on_1: threading.Event | None = None
+) -> tuple[int, str, str, dict]:
     """(status, replica, text or error code, usage) of one completion; a stream is reassembled.
     `streaming_on_1` is set once a stream from replica 1 has delivered its first event."""
-    body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream,
-            "ignore_eos": True}
+    body = {
+        "model": DEFAULT_MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": stream,
+        "ignore_eos": True,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
@@ -94,7 +108,9 @@ def test_greedy_equals_single_engine(cluster):
 
     results = _many(cluster["url"], PROMPTS)
     llm = LLM(**ENGINE)
-    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))]
+    expected = [
+        o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    ]
     del llm
     assert [r[0] for r in results] == [200] * len(PROMPTS)
     assert [r[2] for r in results] == expected
@@ -108,8 +124,10 @@ def test_greedy_equals_single_engine(cluster):
 
 def test_shared_prefix_lands_on_one_replica(cluster):
     url = cluster["url"]
-    system = ("You are a careful assistant for a library. Answer questions about opening hours, loans, "
-              "late fees, reading rooms, printing, interlibrary requests and study spaces. ") * 3
+    system = (
+        "You are a careful assistant for a library. Answer questions about opening hours, loans, "
+        "late fees, reading rooms, printing, interlibrary requests and study spaces. "
+    ) * 3
     prompts = [system + f"Visitor {i}: may I borrow {i + 2} books at once?" for i in range(6)]
     before = _metrics(url)
     first = _complete(url, prompts[0])  # fills the prefix cache of the replica it lands on
@@ -131,8 +149,14 @@ def test_shared_prefix_lands_on_one_replica(cluster):
 
 def test_client_disconnect_aborts_on_the_replica(cluster):
     url = cluster["url"]
-    body = {"model": DEFAULT_MODEL, "prompt": "Count slowly from one to one thousand:", "max_tokens": 900,
-            "temperature": 0.0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": DEFAULT_MODEL,
+        "prompt": "Count slowly from one to one thousand:",
+        "max_tokens": 900,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     before = _metrics(url).value("generation_tokens_total")
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         next(r.iter_lines())  # streaming has started; leave after the first event

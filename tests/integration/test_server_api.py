@@ -2,6 +2,7 @@
 
 One server for the module: a tiny random Llama, an API key, a small body limit.
 """
+
 from __future__ import annotations
 
 import httpx
@@ -22,11 +23,13 @@ NO_EOS = {"ignore_eos": True}  # random weights: fixed lengths make usage checks
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    config = EngineConfig.from_kwargs(model=str(tiny_llama_dir), kv_cache_memory_bytes=4 << 20,
-                                      max_model_len=MAX_MODEL_LEN)
+    config = EngineConfig.from_kwargs(
+        model=str(tiny_llama_dir), kv_cache_memory_bytes=4 << 20, max_model_len=MAX_MODEL_LEN
+    )
     engine = AsyncEngine.from_config(config, progress=False)
-    settings = ServerConfig(port=0, api_key=API_KEY, log_interval=0, max_request_body_bytes=BODY_LIMIT,
-                            uvicorn_log_level="warning")
+    settings = ServerConfig(
+        port=0, api_key=API_KEY, log_interval=0, max_request_body_bytes=BODY_LIMIT, uvicorn_log_level="warning"
+    )
     srv = BackgroundServer(engine, settings).start()
     yield srv
     srv.stop()
@@ -63,9 +66,13 @@ def test_completion_stream_equals_non_stream(client, http, model):
 
 
 def test_chat_stream_equals_non_stream(client, model):
-    kw = dict(model=model, messages=[{"role": "system", "content": "Be brief."},
-                                     {"role": "user", "content": "Where is Paris?"}],
-              max_completion_tokens=10, extra_body=NO_EOS, **GREEDY)
+    kw = dict(
+        model=model,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"}],
+        max_completion_tokens=10,
+        extra_body=NO_EOS,
+        **GREEDY,
+    )
     full = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -76,12 +83,16 @@ def test_chat_stream_equals_non_stream(client, model):
 
 
 def test_n_and_batch_prompts(client, model):
-    out = client.completions.create(model=model, prompt=["alpha beta", "gamma delta"], n=2, max_tokens=4,
-                                    seed=7, temperature=1.0, extra_body=NO_EOS)
+    out = client.completions.create(
+        model=model, prompt=["alpha beta", "gamma delta"], n=2, max_tokens=4, seed=7, temperature=1.0, extra_body=NO_EOS
+    )
     assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
     assert out.usage.completion_tokens == 16
-    chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                                 n=3, max_tokens=5, stream=True, extra_body=NO_EOS))
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=5, stream=True, extra_body=NO_EOS
+        )
+    )
     finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason}
     assert finished == {0: "length", 1: "length", 2: "length"}
 
@@ -95,13 +106,17 @@ def test_token_prompt_equals_text_prompt(client, http, model):
 
 
 def test_stop_string_and_echo(client, model):
-    base = client.completions.create(model=model, prompt="numbers 0 1 2", max_tokens=16,
-                                     extra_body=NO_EOS, **GREEDY).choices[0].text
+    base = (
+        client.completions.create(model=model, prompt="numbers 0 1 2", max_tokens=16, extra_body=NO_EOS, **GREEDY)
+        .choices[0]
+        .text
+    )
     stop = base[4:7]
     assert stop
-    cut = client.completions.create(model=model, prompt="numbers 0 1 2", max_tokens=16, stop=[stop],
-                                    extra_body=NO_EOS, **GREEDY).choices[0]
-    assert cut.finish_reason == "stop" and cut.text == base[:base.index(stop)]
+    cut = client.completions.create(
+        model=model, prompt="numbers 0 1 2", max_tokens=16, stop=[stop], extra_body=NO_EOS, **GREEDY
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == base[: base.index(stop)]
     echoed = client.completions.create(model=model, prompt="numbers 0 1 2", max_tokens=3, echo=True, **GREEDY)
     assert echoed.choices[0].text.startswith("numbers 0 1 2")
 
@@ -111,8 +126,9 @@ def test_logprobs(client, model):
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and all(len(t) >= 2 for t in lp.top_logprobs)
     assert len(lp.text_offset) == 3 and lp.text_offset == sorted(lp.text_offset)
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=3, logprobs=True, top_logprobs=2, **GREEDY)
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True, top_logprobs=2, **GREEDY
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
     # greedy: the sampled token is the most likely one
@@ -142,19 +158,34 @@ BAD_REQUESTS = [
     ("n zero", "/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("empty prompt list", "/v1/completions", {"prompt": []}, 400, "prompt"),
-    ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 10 ** 9]}, 400, "prompt"),
+    ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
     ("unknown model", "/v1/completions", {"prompt": "a", "model": "nope"}, 404, "model"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("user without content", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
     ("prompt over context", "/v1/completions", {"prompt": _long_prompt(200), "max_tokens": 1}, 400, "prompt"),
-    ("prompt + max_tokens over context", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
-    ("stream_options without stream", "/v1/completions",
-     {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (
+        "prompt + max_tokens over context",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_MODEL_LEN},
+        400,
+        "max_tokens",
+    ),
+    (
+        "stream_options without stream",
+        "/v1/completions",
+        {"prompt": "a", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
     ("too many logprobs", "/v1/completions", {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
-    ("top_logprobs without logprobs", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    (
+        "top_logprobs without logprobs",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
     ("body over the limit", "/v1/completions", {"prompt": "x" * (BODY_LIMIT + 10)}, 413, None),
     ("unknown route", "/v1/nothing", {"prompt": "a"}, 404, None),
 ]

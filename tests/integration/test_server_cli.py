@@ -1,4 +1,5 @@
 """The `specserve` command line (flag generation, dispatch) and the metrics exporters; no model."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,14 +22,54 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 
 def test_serve_flags_become_engine_and_server_config():
-    args = _serve_parser().parse_args([
-        "some/model", "--dtype", "float32", "--kv-cache-dtype", "fp8", "--max-model-len", "2048",
-        "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--block-size", "32",
-        "--no-enable-prefix-caching", "--kv-cache-memory-bytes", "64M", "--gpu-memory-utilization", "0.5",
-        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}', "--tensor-parallel-size", "1",
-        "--load-format", "dummy", "--seed", "3", "--device", "cpu", "--kv-offload-cpu-bytes", "1G",
-        "--served-model-name", "m", "--max-num-queued-requests", "7", "--port", "9001", "--api-key", "k",
-        "--metrics-prefix", "vllm", "--max-request-body-bytes", "1M", "--log-interval", "0"])
+    args = _serve_parser().parse_args(
+        [
+            "some/model",
+            "--dtype",
+            "float32",
+            "--kv-cache-dtype",
+            "fp8",
+            "--max-model-len",
+            "2048",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "256",
+            "--block-size",
+            "32",
+            "--no-enable-prefix-caching",
+            "--kv-cache-memory-bytes",
+            "64M",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 4}',
+            "--tensor-parallel-size",
+            "1",
+            "--load-format",
+            "dummy",
+            "--seed",
+            "3",
+            "--device",
+            "cpu",
+            "--kv-offload-cpu-bytes",
+            "1G",
+            "--served-model-name",
+            "m",
+            "--max-num-queued-requests",
+            "7",
+            "--port",
+            "9001",
+            "--api-key",
+            "k",
+            "--metrics-prefix",
+            "vllm",
+            "--max-request-body-bytes",
+            "1M",
+            "--log-interval",
+            "0",
+        ]
+    )
     config = EngineConfig.from_kwargs(**cli_args.engine_kwargs(args))
     assert config.model.model == "some/model" and config.model.dtype == "float32"
     assert config.cache.kv_cache_dtype == "fp8" and config.cache.block_size == 32
@@ -37,8 +78,12 @@ def test_serve_flags_become_engine_and_server_config():
     assert config.speculative.method == "ngram" and config.speculative.num_speculative_tokens == 4
     assert config.offload.cpu_bytes == 1 << 30 and config.device == "cpu" and config.model.seed == 3
     server = cli_args.server_config(args)
-    assert (server.port, server.api_key, server.metrics_prefix, server.max_request_body_bytes) == (9001, "k", "vllm",
-                                                                                                   1 << 20)
+    assert (server.port, server.api_key, server.metrics_prefix, server.max_request_body_bytes) == (
+        9001,
+        "k",
+        "vllm",
+        1 << 20,
+    )
 
 
 def test_unset_flags_keep_config_defaults():
@@ -83,9 +128,11 @@ def test_prometheus_exposition_with_both_prefixes():
     stats.set("cache_config_info", 1, {"block_size": "16", "num_gpu_blocks": "100"})
     stats.inc("spec_decode_num_accepted_tokens_per_pos_total", 3, {"position": "0"})
     for prefix in ("specserve", "vllm"):
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                   for fam in text_string_to_metric_families(PrometheusMetrics(stats, prefix).render().decode())
-                   for s in fam.samples}
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(PrometheusMetrics(stats, prefix).render().decode())
+            for s in fam.samples
+        }
         assert samples[(f"{prefix}:prompt_tokens_total", ())] == 12
         assert samples[(f"{prefix}:num_requests_running", ())] == 0
         assert samples[(f"{prefix}:time_to_first_token_seconds_count", ())] == 1

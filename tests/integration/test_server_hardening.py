@@ -3,6 +3,7 @@ loopback (a tiny random Llama) with the official `openai` client where it fits.
 
 The server's key comes from SPECSERVE_API_KEY, read by `serve`'s own flag handling.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,10 +40,12 @@ def _serve_args(argv: list[str]) -> argparse.Namespace:
 def server(tiny_llama_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECSERVE_API_KEY", ENV_KEY)
-        settings = cli_args.server_config(_serve_args(["--port", "0", "--log-interval", "0",
-                                                       "--uvicorn-log-level", "warning"]))
-    config = EngineConfig.from_kwargs(model=str(tiny_llama_dir), kv_cache_memory_bytes=8 << 20,
-                                      max_model_len=MAX_MODEL_LEN)
+        settings = cli_args.server_config(
+            _serve_args(["--port", "0", "--log-interval", "0", "--uvicorn-log-level", "warning"])
+        )
+    config = EngineConfig.from_kwargs(
+        model=str(tiny_llama_dir), kv_cache_memory_bytes=8 << 20, max_model_len=MAX_MODEL_LEN
+    )
     srv = BackgroundServer(AsyncEngine.from_config(config, progress=False), settings).start()
     yield srv
     srv.stop()
@@ -83,13 +86,16 @@ def test_post_needs_json_content_type(http):
     assert ok.status_code == 200
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 2}'),
-    ("/tokenize", b'{"prompt": "a\\ud800b"}'),
-    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000),
-    ("/v1/completions", b'{"prompt": "a", "response_format": ' + b'{"a": ' * 200 + b"1" + b"}" * 201),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 2}'),
+        ("/tokenize", b'{"prompt": "a\\ud800b"}'),
+        ("/v1/completions", b"[" * 100_000 + b"]" * 100_000),
+        ("/v1/completions", b'{"prompt": "a", "response_format": ' + b'{"a": ' * 200 + b"1" + b"}" * 201),
+    ],
+)
 def test_bad_unicode_and_deep_json_are_400(http, path, body):
     resp = http.post(path, content=body, headers={"content-type": "application/json"})
     assert resp.status_code == 400, resp.text
@@ -156,8 +162,14 @@ def test_model_by_id(client, server):
 def test_logprob_bytes_of_partial_characters(client):
     """Tokens that hold part of a UTF-8 character (most of the tiny byte-level vocabulary) give their bytes."""
     model = client.models.list().data[0].id
-    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "é😀"}], max_tokens=6,
-                                         temperature=0.0, logprobs=True, top_logprobs=20)
+    out = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "é😀"}],
+        max_tokens=6,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=20,
+    )
     replacement = list("\ufffd".encode())
     partial = [t for c in out.choices[0].logprobs.content for t in [c, *c.top_logprobs] if "\ufffd" in t.token]
     assert partial, "expected some tokens that decode to U+FFFD"
@@ -172,8 +184,13 @@ def test_port_in_use_is_reported_before_the_model_loads(tmp_path):
         busy.bind(("127.0.0.1", port))
         busy.listen()
         start = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "specserve.server.cli", "serve", str(tmp_path / "no-model"),
-                               "--port", str(port)], capture_output=True, text=True, timeout=120, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "specserve.server.cli", "serve", str(tmp_path / "no-model"), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     assert proc.returncode == 2, proc.stderr
     assert f"127.0.0.1:{port}" in proc.stderr and "no-model" not in proc.stderr, proc.stderr
     assert time.monotonic() - start < 60

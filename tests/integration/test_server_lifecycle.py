@@ -1,5 +1,6 @@
 """Server lifecycle: SIGTERM with requests in flight (a real `specserve serve` process) and the
 engine loop dying under a live stream."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,21 @@ def test_sigterm_with_requests_in_flight_exits_cleanly(tiny_llama_dir, tmp_path)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     stderr_path = tmp_path / "stderr.txt"
-    cmd = [sys.executable, "-m", "specserve.server.cli", "serve", str(tiny_llama_dir), "--port", str(port),
-           "--kv-cache-memory-bytes", "4M", "--graceful-shutdown-timeout", "2", "--log-interval", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specserve.server.cli",
+        "serve",
+        str(tiny_llama_dir),
+        "--port",
+        str(port),
+        "--kv-cache-memory-bytes",
+        "4M",
+        "--graceful-shutdown-timeout",
+        "2",
+        "--log-interval",
+        "1",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
@@ -89,7 +103,7 @@ def test_engine_death_fails_streams_and_health(doomed_server):
 
         engine._engine.step = boom  # the engine thread calls it on its next step
         rest = [line for line in lines if line.startswith("data: ")]
-    errors = [json.loads(line[6:]) for line in rest if line.startswith("data: {\"error\"")]
+    errors = [json.loads(line[6:]) for line in rest if line.startswith('data: {"error"')]
     assert errors and errors[0]["error"]["code"] == "engine_unavailable"
     assert rest[-1] == "data: [DONE]"
     health = httpx.get(srv.url + "/health")
@@ -99,12 +113,13 @@ def test_engine_death_fails_streams_and_health(doomed_server):
 
 
 def test_async_engine_admits_all_or_none_and_streams(tiny_llama_dir):
-    engine = AsyncEngine.from_config(EngineConfig.from_kwargs(model=str(tiny_llama_dir), kv_cache_memory_bytes=4 << 20),
-                                     progress=False)
+    engine = AsyncEngine.from_config(
+        EngineConfig.from_kwargs(model=str(tiny_llama_dir), kv_cache_memory_bytes=4 << 20), progress=False
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=3)
 
     async def scenario() -> None:
-        batch = [RequestSpec("ok", "hello", greedy), RequestSpec("bad", {"prompt_token_ids": [10 ** 9]}, greedy)]
+        batch = [RequestSpec("ok", "hello", greedy), RequestSpec("bad", {"prompt_token_ids": [10**9]}, greedy)]
         with pytest.raises(ValueError, match="prompt_token_ids"):
             await engine.add_requests(batch)
         outputs = [out async for out in engine.generate("hello", greedy, "single")]

@@ -1,4 +1,5 @@
 """Concurrency, client disconnects, metrics and overload against one real uvicorn server."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,13 @@ MAX_QUEUED = 60  # requests beyond the 64 running slots: one request of 125 prom
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    config = EngineConfig.from_kwargs(model=str(tiny_llama_dir), kv_cache_memory_bytes=4 << 20,
-                                      max_model_len=256, max_num_seqs=64, max_num_queued_requests=MAX_QUEUED)
+    config = EngineConfig.from_kwargs(
+        model=str(tiny_llama_dir),
+        kv_cache_memory_bytes=4 << 20,
+        max_model_len=256,
+        max_num_seqs=64,
+        max_num_queued_requests=MAX_QUEUED,
+    )
     engine = AsyncEngine.from_config(config, progress=False)
     settings = ServerConfig(port=0, log_interval=0, uvicorn_log_level="warning")
     srv = BackgroundServer(engine, settings).start()
@@ -46,9 +52,11 @@ def metric(server, name: str, labels: dict[str, str] | None = None) -> float:
 def wait_idle(server, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (metric(server, "specserve:num_requests_running") == 0
-                and metric(server, "specserve:num_requests_waiting") == 0
-                and metric(server, "specserve:kv_cache_usage_perc") == 0):
+        if (
+            metric(server, "specserve:num_requests_running") == 0
+            and metric(server, "specserve:num_requests_waiting") == 0
+            and metric(server, "specserve:kv_cache_usage_perc") == 0
+        ):
             return
         time.sleep(0.05)
     raise AssertionError("server did not return to idle (running/waiting/KV usage)")
@@ -99,9 +107,16 @@ def test_disconnect_mid_stream_frees_everything(server, model):
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+
             async def leave_early(i: int) -> None:
-                body = {"model": model, "prompt": f"long story {i}", "max_tokens": 200, "stream": True,
-                        "temperature": 0.0, "ignore_eos": True}
+                body = {
+                    "model": model,
+                    "prompt": f"long story {i}",
+                    "max_tokens": 200,
+                    "stream": True,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                }
                 async with client.stream("POST", "/v1/completions", json=body) as resp:
                     assert resp.status_code == 200
                     seen = 0

@@ -2,6 +2,7 @@
 a per-request chat_template, return_tokens_as_token_ids, add_special_tokens, chat echo; and the ones
 it refuses with a 400 naming them (tool_calls in messages, non-text content parts, malformed batch
 prompts). Served on loopback from a tiny model whose tokenizer adds a BOS token, as Llama's does."""
+
 from __future__ import annotations
 
 import json
@@ -33,18 +34,22 @@ def bos_model_dir(tiny_llama_dir, tmp_path_factory):
     shutil.copytree(tiny_llama_dir, path)
     tok = AutoTokenizer.from_pretrained(path)
     bos = tok.bos_token
-    tok._tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
-                                                       special_tokens=[(bos, tok.bos_token_id)])
+    tok._tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.bos_token_id)]
+    )
     tok.save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="module")
 def served(bos_model_dir):
-    engine = AsyncEngine.from_config(EngineConfig.from_kwargs(model=str(bos_model_dir), kv_cache_memory_bytes=4 << 20,
-                                                              max_model_len=MAX_MODEL_LEN), progress=False)
-    srv = BackgroundServer(engine, ServerConfig(port=0, log_interval=0, uvicorn_log_level="warning",
-                                                trust_request_chat_template=True)).start()
+    engine = AsyncEngine.from_config(
+        EngineConfig.from_kwargs(model=str(bos_model_dir), kv_cache_memory_bytes=4 << 20, max_model_len=MAX_MODEL_LEN),
+        progress=False,
+    )
+    srv = BackgroundServer(
+        engine, ServerConfig(port=0, log_interval=0, uvicorn_log_level="warning", trust_request_chat_template=True)
+    ).start()
     yield srv.url, engine.tokenizer
     srv.stop()
 
@@ -114,8 +119,11 @@ def test_truncate_prompt_tokens_chat(served) -> None:
     want = _post(url, "/v1/completions", {"prompt": rendered[-4:], **GREEDY})
     assert got["usage"]["prompt_tokens"] == 4
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["text"]
-    chunks = _stream(url, "/v1/chat/completions", {"messages": CHAT[:1], "truncate_prompt_tokens": 4,
-                                                    "stream_options": {"include_usage": True}, **GREEDY})
+    chunks = _stream(
+        url,
+        "/v1/chat/completions",
+        {"messages": CHAT[:1], "truncate_prompt_tokens": 4, "stream_options": {"include_usage": True}, **GREEDY},
+    )
     assert chunks[-1]["usage"]["prompt_tokens"] == 4
 
 
@@ -123,8 +131,11 @@ def test_truncate_prompt_tokens_chat(served) -> None:
 def test_request_chat_template(served) -> None:
     url, _ = served
     template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-    got = _post(url, "/v1/chat/completions", {"messages": CHAT, "chat_template": template,
-                                               "add_generation_prompt": False, **GREEDY})
+    got = _post(
+        url,
+        "/v1/chat/completions",
+        {"messages": CHAT, "chat_template": template, "add_generation_prompt": False, **GREEDY},
+    )
     default = _post(url, "/v1/chat/completions", {"messages": CHAT, "add_generation_prompt": False, **GREEDY})
     plain = _tokenize(url, prompt="count\nnumbers 0 1\n", add_special_tokens=False)
     assert got["usage"]["prompt_tokens"] == len(plain) != default["usage"]["prompt_tokens"]
@@ -135,8 +146,9 @@ def test_request_chat_template(served) -> None:
 @pytest.mark.parametrize("template", ["{% for m in messages %}{{ m['content'] }", "{{ raise_exception('no') }}"])
 def test_bad_chat_template(served, template) -> None:
     url, _ = served
-    err = _post(url, "/v1/chat/completions", {"messages": CHAT, "chat_template": template, **GREEDY},
-                status=400)["error"]
+    err = _post(url, "/v1/chat/completions", {"messages": CHAT, "chat_template": template, **GREEDY}, status=400)[
+        "error"
+    ]
     assert err["param"] == "chat_template" and "chat_template" in err["message"], err
 
 
@@ -154,15 +166,19 @@ def test_return_tokens_as_token_ids_completion(served) -> None:
     choice = _post(url, "/v1/completions", {**body, "return_tokens_as_token_ids": True})["choices"][0]
     lp = choice["logprobs"]
     got_ids = _ids(lp["tokens"])
-    assert got_ids[:len(ids)] == ids
+    assert got_ids[: len(ids)] == ids
     assert tok.decode(got_ids) == choice["text"]
     assert all(_ids(list(top)) for top in lp["top_logprobs"] if top)
     plain = _post(url, "/v1/completions", body)["choices"][0]["logprobs"]
     assert lp["token_logprobs"] == plain["token_logprobs"]
     assert lp["text_offset"] == plain["text_offset"]  # offsets still index the text
     chunks = _stream(url, "/v1/completions", {**body, "return_tokens_as_token_ids": True})
-    streamed = [t for ch in chunks if ch["choices"] and ch["choices"][0]["logprobs"]
-                for t in ch["choices"][0]["logprobs"]["tokens"]]
+    streamed = [
+        t
+        for ch in chunks
+        if ch["choices"] and ch["choices"][0]["logprobs"]
+        for t in ch["choices"][0]["logprobs"]["tokens"]
+    ]
     assert _ids(streamed) == got_ids
 
 
@@ -184,8 +200,9 @@ def test_return_tokens_as_token_ids_chat(served, stream) -> None:
         body.pop("return_tokens_as_token_ids")
         plain = _post(url, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
         assert [(e["bytes"], e["logprob"]) for e in content] == [(e["bytes"], e["logprob"]) for e in plain]
-        assert [[t["bytes"] for t in e["top_logprobs"]] for e in content] == \
-            [[t["bytes"] for t in e["top_logprobs"]] for e in plain]
+        assert [[t["bytes"] for t in e["top_logprobs"]] for e in content] == [
+            [t["bytes"] for t in e["top_logprobs"]] for e in plain
+        ]
 
 
 # -------------------------------------------------------------------- add_special_tokens
@@ -223,16 +240,21 @@ def test_chat_echo(served) -> None:
     assert "".join(d.get("content") or "" for d in deltas) == echoed
     # the last message is the user's: nothing to echo
     last_user = _post(url, "/v1/chat/completions", {"messages": CHAT[:1], "echo": True, **GREEDY})
-    assert last_user["choices"][0]["message"]["content"] == _post(
-        url, "/v1/chat/completions", {"messages": CHAT[:1], **GREEDY})["choices"][0]["message"]["content"]
+    assert (
+        last_user["choices"][0]["message"]["content"]
+        == _post(url, "/v1/chat/completions", {"messages": CHAT[:1], **GREEDY})["choices"][0]["message"]["content"]
+    )
 
 
 # -------------------------------------------------------------------- refused with a clear 400
 def test_tool_calls_in_messages_refused(served) -> None:
     url, _ = served
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]
     for path in ("/v1/chat/completions", "/tokenize"):
         err = _post(url, path, {"messages": messages, "max_tokens": 2}, status=400)["error"]
         assert err["param"] == "messages" and err["code"] == "unsupported" and "tool_calls" in err["message"], err
@@ -251,8 +273,11 @@ def test_non_text_content_part_refused(served) -> None:
     err = _post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 2}, status=400)["error"]
     assert err["message"] == "messages.0.content: only text content parts are supported", err
     assert err["code"] == "unsupported" and err["param"] == "messages"
-    ok = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": messages[0]["content"][:1]}],
-                                              "max_tokens": 2})
+    ok = _post(
+        url,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": messages[0]["content"][:1]}], "max_tokens": 2},
+    )
     assert ok["choices"][0]["message"]["content"] is not None
 
 
@@ -260,18 +285,25 @@ def test_mixed_batch_prompt_message(served) -> None:
     url, _ = served
     err = _post(url, "/v1/completions", {"prompt": ["hello", [1, 2, 3]], "max_tokens": 2}, status=400)["error"]
     assert err["param"] == "prompt"
-    assert err["message"] == ("prompt: must be a string, a list of strings, a list of token ids or a list of "
-                              "token-id lists"), err
+    assert err["message"] == (
+        "prompt: must be a string, a list of strings, a list of token ids or a list of token-id lists"
+    ), err
 
 
 def test_request_chat_template_needs_the_trust_flag(tiny_llama_dir) -> None:
     """vLLM's --trust-request-chat-template: without it a request's template is refused, not run."""
-    engine = AsyncEngine.from_config(EngineConfig.from_kwargs(model=str(tiny_llama_dir), kv_cache_memory_bytes=4 << 20,
-                                                              max_model_len=MAX_MODEL_LEN), progress=False)
+    engine = AsyncEngine.from_config(
+        EngineConfig.from_kwargs(model=str(tiny_llama_dir), kv_cache_memory_bytes=4 << 20, max_model_len=MAX_MODEL_LEN),
+        progress=False,
+    )
     srv = BackgroundServer(engine, ServerConfig(port=0, log_interval=0, uvicorn_log_level="warning")).start()
     try:
-        err = _post(srv.url, "/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ messages[0].content }}",
-                                                       **GREEDY}, status=400)["error"]
+        err = _post(
+            srv.url,
+            "/v1/chat/completions",
+            {"messages": CHAT, "chat_template": "{{ messages[0].content }}", **GREEDY},
+            status=400,
+        )["error"]
         assert err["param"] == "chat_template" and "--trust-request-chat-template" in err["message"]
         _post(srv.url, "/v1/chat/completions", {"messages": CHAT, **GREEDY})  # the model's own template still runs
     finally:

@@ -1,6 +1,7 @@
 """Requests that ask for logprobs are speculated too: each emitted token's logprob (and top-N) comes
 from its verify row's raw logits, as plain decoding reports it. Greedy: the same tokens, logprobs and
 cumulative logprob as without speculation; drafts were really verified."""
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,13 @@ K = 3
 
 def _spec(model: str, method: str) -> dict:
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-                "adaptive": False}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": K,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+            "adaptive": False,
+        }
     return {"method": "draft_model", "model": model, "num_speculative_tokens": K, "adaptive": False}
 
 
@@ -23,8 +29,10 @@ def _spec(model: str, method: str) -> dict:
 def test_greedy_logprobs_with_speculation(tiny_llama_dir, method) -> None:
     model = str(tiny_llama_dir)
     prompts = [{"prompt_token_ids": [11, 42, 7, 99, 23] * 4}, {"prompt_token_ids": [5, 6, 7, 8]}]
-    params = [SamplingParams(temperature=0.0, max_tokens=14, logprobs=3, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=9, logprobs=1, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=14, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=9, logprobs=1, ignore_eos=True),
+    ]
     kw = {"progress": False, "kv_cache_memory_bytes": 4 << 20}
     plain = LLM(model=model, **kw).generate(prompts, params)
     llm = LLM(model=model, **kw, speculative_config=_spec(model, method))

@@ -2,6 +2,7 @@
 batch size table): the same seed samples the same tokens alone, in a batch, and as without speculation.
 The rejection sampler draws k uniforms per step from a request's generator, so such requests do not
 draft; greedy requests in the same batch still do."""
+
 from __future__ import annotations
 
 import itertools
@@ -12,12 +13,20 @@ from specserve import LLM, SamplingParams
 from specserve.speculative.control import Controller
 
 K = 3
-SPECS = {"varying": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
-                      "prompt_lookup_max": 3},
-         "table": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-                   "num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 8, 1]]}}
+SPECS = {
+    "varying": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "table": {
+        "method": "ngram",
+        "num_speculative_tokens": K,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        "num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 8, 1]],
+    },
+}
 PROMPT = {"prompt_token_ids": [11, 42, 7, 99, 23] * 6}
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
+
+
 class _Cycling(Controller):
     """k from a fixed cycle, whatever the batch: a k that follows something other than the request."""
 
@@ -51,8 +60,12 @@ def test_seeded_samples_do_not_follow_the_load(tiny_llama_dir, monkeypatch, name
 
 
 def test_fixed_k_keeps_drafting_seeded_requests(tiny_llama_dir) -> None:
-    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
-              speculative_config={**SPECS["varying"], "adaptive": False})
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        kv_cache_memory_bytes=4 << 20,
+        speculative_config={**SPECS["varying"], "adaptive": False},
+    )
     assert not llm.engine.spec.k_follows_load
     first = llm.generate(PROMPT, SEEDED)[0].outputs[0].token_ids
     drafts = {m.name: m.value for m in llm.get_metrics() if not m.labels}["specserve:spec_decode_num_drafts_total"]
@@ -62,8 +75,15 @@ def test_fixed_k_keeps_drafting_seeded_requests(tiny_llama_dir) -> None:
 def test_every_position_is_exported_before_any_acceptance(tiny_llama_dir) -> None:
     """spec_decode_num_accepted_tokens_per_pos_total{position} has positions 0..k-1 at 0 from the start
     (dashboards see the series before the first acceptance; found by an independent check)."""
-    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
-              speculative_config={**SPECS["varying"], "num_speculative_tokens": 5})
-    per_pos = {m.labels["position"]: m.value for m in llm.get_metrics()
-               if m.name.endswith("spec_decode_num_accepted_tokens_per_pos_total")}
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        kv_cache_memory_bytes=4 << 20,
+        speculative_config={**SPECS["varying"], "num_speculative_tokens": 5},
+    )
+    per_pos = {
+        m.labels["position"]: m.value
+        for m in llm.get_metrics()
+        if m.name.endswith("spec_decode_num_accepted_tokens_per_pos_total")
+    }
     assert per_pos == {str(p): 0.0 for p in range(5)}

@@ -6,6 +6,7 @@ accepted drafts end the stream where the plain server ends it, and /metrics show
 
 The draft-model server drafts with the target's own weights, so every draft is accepted and a
 step appends k + 1 tokens: multi-token deltas and stops inside a step are certain, not luck."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -28,20 +29,31 @@ K = 4
 MAX_TOKENS = 24
 # Repetitive prompts: the n-gram proposer finds their tail earlier in the context, so it drafts
 # from the first decode step on (a prompt without repeats would leave the ngram server idle).
-PROMPTS = ["alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta alpha beta",
-           "0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1 2",
-           "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the"]
+PROMPTS = [
+    "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta alpha beta",
+    "0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1 2",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
+]
 CHAT = [{"role": "user", "content": "Paris is the capital of France. Paris is the capital of France. Paris"}]
-SPEC_FAMILIES = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
-                 "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total")
+SPEC_FAMILIES = (
+    "spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
+    "spec_decode_num_accepted_tokens_per_pos_total",
+)
 
 
 def _spec(method: str, model: str) -> dict[str, Any] | None:
     # adaptive off: on the CPU the controller may price drafting out and choose k = 0, which
     # would make these servers plain ones and the test vacuous.
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-                "adaptive": False}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": K,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+            "adaptive": False,
+        }
     if method == "draft_model":
         return {"method": "draft_model", "model": model, "num_speculative_tokens": K, "adaptive": False}
     return None
@@ -54,9 +66,12 @@ def servers(tiny_llama_dir: Path) -> Iterator[dict[str, BackgroundServer]]:
     prefixes = {"plain": "specserve", "ngram": "specserve", "draft_model": "vllm"}
     try:
         for name, prefix in prefixes.items():
-            config = EngineConfig.from_kwargs(model=str(tiny_llama_dir), kv_cache_memory_bytes=4 << 20,
-                                              max_model_len=256,
-                                              speculative_config=_spec(name, str(tiny_llama_dir)))
+            config = EngineConfig.from_kwargs(
+                model=str(tiny_llama_dir),
+                kv_cache_memory_bytes=4 << 20,
+                max_model_len=256,
+                speculative_config=_spec(name, str(tiny_llama_dir)),
+            )
             engine = AsyncEngine.from_config(config, progress=False)
             settings = ServerConfig(port=0, log_interval=0, uvicorn_log_level="warning", metrics_prefix=prefix)
             started[name] = BackgroundServer(engine, settings).start()
@@ -74,32 +89,60 @@ def _stream_completion(srv: BackgroundServer, prompt: str, **extra: Any) -> dict
     """One streamed greedy completion: text, token ids (logprobs as "token_id:N"), per-chunk
     token counts, finish and stop reason, usage."""
     client = _client(srv)
-    chunks = list(client.completions.create(
-        model=client.models.list().data[0].id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
-        stream=True, stream_options={"include_usage": True}, logprobs=0,
-        extra_body={"return_tokens_as_token_ids": True, **extra.pop("extra_body", {})}, **extra))
+    chunks = list(
+        client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=0,
+            extra_body={"return_tokens_as_token_ids": True, **extra.pop("extra_body", {})},
+            **extra,
+        )
+    )
     choices = [c.choices[0] for c in chunks if c.choices]
     tokens = [[int(t.removeprefix("token_id:")) for t in ch.logprobs.tokens] if ch.logprobs else [] for ch in choices]
     finished = [ch for ch in choices if ch.finish_reason is not None]
     assert len(finished) == 1 and finished[0] is choices[-1], "exactly one finish, on the last choice chunk"
-    return {"text": "".join(ch.text for ch in choices), "token_ids": [t for ts in tokens for t in ts],
-            "chunk_sizes": [len(ts) for ts in tokens], "finish": finished[0].finish_reason,
-            "stop_reason": getattr(finished[0], "stop_reason", None),
-            "completion_tokens": chunks[-1].usage.completion_tokens}
+    return {
+        "text": "".join(ch.text for ch in choices),
+        "token_ids": [t for ts in tokens for t in ts],
+        "chunk_sizes": [len(ts) for ts in tokens],
+        "finish": finished[0].finish_reason,
+        "stop_reason": getattr(finished[0], "stop_reason", None),
+        "completion_tokens": chunks[-1].usage.completion_tokens,
+    }
 
 
 def _stream_chat(srv: BackgroundServer) -> dict[str, Any]:
     client = _client(srv)
-    chunks = list(client.chat.completions.create(
-        model=client.models.list().data[0].id, messages=CHAT, max_completion_tokens=MAX_TOKENS,
-        temperature=0.0, stream=True, stream_options={"include_usage": True}, logprobs=True,
-        extra_body={"return_tokens_as_token_ids": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=CHAT,
+            max_completion_tokens=MAX_TOKENS,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=True,
+            extra_body={"return_tokens_as_token_ids": True},
+        )
+    )
     choices = [c.choices[0] for c in chunks if c.choices]
-    tokens = [int(t.token.removeprefix("token_id:")) for ch in choices if ch.logprobs and ch.logprobs.content
-              for t in ch.logprobs.content]
-    return {"text": "".join(ch.delta.content or "" for ch in choices), "token_ids": tokens,
-            "finish": [ch.finish_reason for ch in choices if ch.finish_reason][-1],
-            "completion_tokens": chunks[-1].usage.completion_tokens}
+    tokens = [
+        int(t.token.removeprefix("token_id:"))
+        for ch in choices
+        if ch.logprobs and ch.logprobs.content
+        for t in ch.logprobs.content
+    ]
+    return {
+        "text": "".join(ch.delta.content or "" for ch in choices),
+        "token_ids": tokens,
+        "finish": [ch.finish_reason for ch in choices if ch.finish_reason][-1],
+        "completion_tokens": chunks[-1].usage.completion_tokens,
+    }
 
 
 def _samples(text: str, prefix: str) -> dict[str, dict[str, float]]:
@@ -175,7 +218,7 @@ def _stop_strings(text: str) -> list[str]:
     characters and broken UTF-8; a stop string made of those tests the detokenizer instead)."""
     out: list[str] = []
     for a in range(0, len(text) - 4, 3):
-        piece = text[a:a + 2 + a % 3]
+        piece = text[a : a + 2 + a % 3]
         if piece.strip() and piece.isprintable() and "\ufffd" not in piece and piece not in out:
             out.append(piece)
     return out[:6]

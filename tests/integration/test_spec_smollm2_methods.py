@@ -12,6 +12,7 @@ losslessness; the ngram drafter on repetitive prompts covers the accepting side.
 Needs the model in the cache: `specserve models install smollm2-135m-instruct` (CI runs it first).
 A missing model is a failure, not a skip: a skipped lossless test looks like a pass.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -33,25 +34,39 @@ MAX_MODEL_LEN = 8 * BLOCK
 PREEMPT_BLOCKS = MAX_MODEL_LEN // BLOCK
 ROOMY_BYTES = 64 << 20  # ~90 SmolLM2 blocks in float32: no preemption, no prefix-cache eviction
 METHODS = ["ngram", "eagle", "eagle3", "p-eagle"]
-COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
-            "spec_decode_num_accepted_tokens_total", "num_preemptions_total",
-            "prefix_cache_queries_total", "prefix_cache_hits_total")
+COUNTERS = (
+    "spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
+    "num_preemptions_total",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+)
 
 # Four prompts from ~5 to ~66 tokens; the colour list repeats so n-gram drafts get accepted.
-RAW_PROMPTS = ["The capital of France is",
-               "red, green, blue, red, green, blue, red, green, blue, red, green, blue, red, green,"]
+RAW_PROMPTS = [
+    "The capital of France is",
+    "red, green, blue, red, green, blue, red, green, blue, red, green, blue, red, green,",
+]
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a careful assistant. Answer in one short paragraph, and list the "
-                                   "steps you take before giving the final answer to the user. Keep the words plain "
-                                   "and short."},
-     {"role": "user", "content": "Explain how a bicycle gear works, in simple words for a child."}],
+    [
+        {
+            "role": "system",
+            "content": "You are a careful assistant. Answer in one short paragraph, and list the "
+            "steps you take before giving the final answer to the user. Keep the words plain "
+            "and short.",
+        },
+        {"role": "user", "content": "Explain how a bicycle gear works, in simple words for a child."},
+    ],
 ]
 # The prefix-caching test: a shared system text of more than three 16-token blocks, so a later
 # request can reuse three full blocks of an earlier one; the questions differ after it.
-SYSTEM = ("You are SmolLM, a helpful assistant for a public library. You answer questions about opening "
-          "hours, borrowing rules, late fees and events. Keep every answer short, friendly and factual, "
-          "and say so plainly when you do not know something.")
+SYSTEM = (
+    "You are SmolLM, a helpful assistant for a public library. You answer questions about opening "
+    "hours, borrowing rules, late fees and events. Keep every answer short, friendly and factual, "
+    "and say so plainly when you do not know something."
+)
 QUESTIONS = ["When does the library open on Saturday?", "How many books can I borrow at once?"]
 
 
@@ -60,8 +75,13 @@ def plain() -> LLM:
     """The reference: no speculation, no prefix caching, a pool that never preempts."""
     if model_path(MODEL) is None:
         pytest.fail(f"{MODEL} is not installed; run: {install_command(MODEL)}")
-    return LLM(model=MODEL, progress=False, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=ROOMY_BYTES,
-               enable_prefix_caching=False)
+    return LLM(
+        model=MODEL,
+        progress=False,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory_bytes=ROOMY_BYTES,
+        enable_prefix_caching=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +151,17 @@ def _check_freed(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_equals_plain_with_preemption(method: str, plain: LLM, prompts: list[list[int]],
-                                             reference: list[list[int]], heads: dict[str, str]) -> None:
+def test_greedy_equals_plain_with_preemption(
+    method: str, plain: LLM, prompts: list[list[int]], reference: list[list[int]], heads: dict[str, str]
+) -> None:
     bytes_per_block = plain.engine.runner.spec.bytes_per_block  # the target's KV layout on this device
-    llm = LLM(model=MODEL, progress=False, max_model_len=MAX_MODEL_LEN,
-              kv_cache_memory_bytes=PREEMPT_BLOCKS * bytes_per_block,
-              speculative_config=_spec_config(method, heads))
+    llm = LLM(
+        model=MODEL,
+        progress=False,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory_bytes=PREEMPT_BLOCKS * bytes_per_block,
+        speculative_config=_spec_config(method, heads),
+    )
     assert llm.engine.kv.num_blocks == PREEMPT_BLOCKS
     got = _generate(llm, prompts)
     c = _counters(llm)
@@ -154,8 +179,10 @@ def test_greedy_equals_plain_with_preemption(method: str, plain: LLM, prompts: l
 def prefix_prompts(plain: LLM) -> list[list[int]]:
     """Two requests sharing the chat template's system turn, then the first again (a hit on all of
     its full blocks: the EAGLE head then sees features for the uncached tail only)."""
-    first, second = (plain.apply_chat_template([{"role": "system", "content": SYSTEM},
-                                                {"role": "user", "content": q}]) for q in QUESTIONS)
+    first, second = (
+        plain.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+        for q in QUESTIONS
+    )
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared >= 3 * BLOCK, shared  # three full blocks in common
     assert max(len(first), len(second)) + MAX_TOKENS + K + 1 <= MAX_MODEL_LEN
@@ -168,11 +195,17 @@ def prefix_reference(plain: LLM, prefix_prompts: list[list[int]]) -> list[list[i
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
-def test_greedy_equals_plain_with_prefix_cache_hits(method: str, prefix_prompts: list[list[int]],
-                                                    prefix_reference: list[list[int]],
-                                                    heads: dict[str, str]) -> None:
-    llm = LLM(model=MODEL, progress=False, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=ROOMY_BYTES,
-              enable_prefix_caching=True, speculative_config=_spec_config(method, heads))
+def test_greedy_equals_plain_with_prefix_cache_hits(
+    method: str, prefix_prompts: list[list[int]], prefix_reference: list[list[int]], heads: dict[str, str]
+) -> None:
+    llm = LLM(
+        model=MODEL,
+        progress=False,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory_bytes=ROOMY_BYTES,
+        enable_prefix_caching=True,
+        speculative_config=_spec_config(method, heads),
+    )
     expected = [prefix_reference[0], prefix_reference[1], prefix_reference[0]]
     before = _counters(llm)
     assert before["prefix_cache_hits_total"] == 0, before  # a fresh engine: nothing cached yet

@@ -1,5 +1,6 @@
 """vLLM's stop rules for the output text: a stop token's (and EOS's) text is not in the output unless
 include_stop_str_in_output; stop strings count only once more than min_tokens tokens exist."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,7 +27,7 @@ def test_stop_token_text_is_not_output(llm) -> None:
     with_tok = _gen(llm, max_tokens=first + 1)
     assert with_tok.text != before.text  # the stop token has text of its own
     out = _gen(llm, max_tokens=24, stop_token_ids=[stop_tok])
-    assert out.token_ids == ref.token_ids[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_tok
+    assert out.token_ids == ref.token_ids[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_tok
     assert out.text == before.text
     kept = _gen(llm, max_tokens=24, stop_token_ids=[stop_tok], include_stop_str_in_output=True)
     assert kept.token_ids == out.token_ids and kept.text == with_tok.text
@@ -40,4 +41,4 @@ def test_stop_strings_wait_for_min_tokens(llm) -> None:
     n = len(plain.token_ids)
     assert plain.finish_reason == "stop" and n < 16
     held = _gen(llm, max_tokens=24, stop=[stop], min_tokens=n + 4)
-    assert len(held.token_ids) >= n + 4 and held.token_ids == ref.token_ids[:len(held.token_ids)]
+    assert len(held.token_ids) >= n + 4 and held.token_ids == ref.token_ids[: len(held.token_ids)]

@@ -4,6 +4,7 @@ A random model rambles wherever the grammar lets it, so every schema bounds its 
 and numbers; most tests also set disable_any_whitespace (with any whitespace a random model may
 pad between tokens for hundreds of tokens, which one test covers at a larger max_tokens).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,34 +19,70 @@ from specserve import LLM, SamplingParams
 from tests.helpers.tiny_models import make_tiny_model_dir
 
 # adaptive=False: always draft, so every test really verifies drafts against the grammar.
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-         "adaptive": False}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "adaptive": False,
+}
 PROMPTS = ["Paris is", "def add(a, b):", "The quick brown", "numbers 0 1 2", "alpha beta"]
 SCHEMAS = [
-    {"type": "object", "properties": {  # nested objects
-        "user": {"type": "object", "properties": {
-            "name": {"type": "string", "maxLength": 6},
-            "id": {"type": "integer", "minimum": 1, "maximum": 999}}, "required": ["name", "id"]},
-        "ok": {"type": "boolean"}}, "required": ["user", "ok"]},
-    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},  # arrays
-     "minItems": 2, "maxItems": 4},
-    {"type": "object", "properties": {  # enums
-        "color": {"enum": ["red", "green", "blue"]}, "size": {"type": "string", "enum": ["S", "M", "L"]}},
-     "required": ["color", "size"]},
-    {"type": "object", "properties": {  # bounded numbers
-        "x": {"type": "number", "minimum": -2.5, "maximum": 3}, "n": {"type": "integer", "minimum": -5, "maximum": 5}},
-     "required": ["x", "n"]},
-    {"type": "object", "properties": {  # optional fields
-        "a": {"type": "string", "maxLength": 4}, "b": {"type": "integer", "minimum": 0, "maximum": 9},
-        "c": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}}, "required": ["a"]},
+    {
+        "type": "object",
+        "properties": {  # nested objects
+            "user": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 6},
+                    "id": {"type": "integer", "minimum": 1, "maximum": 999},
+                },
+                "required": ["name", "id"],
+            },
+            "ok": {"type": "boolean"},
+        },
+        "required": ["user", "ok"],
+    },
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 9},  # arrays
+        "minItems": 2,
+        "maxItems": 4,
+    },
+    {
+        "type": "object",
+        "properties": {  # enums
+            "color": {"enum": ["red", "green", "blue"]},
+            "size": {"type": "string", "enum": ["S", "M", "L"]},
+        },
+        "required": ["color", "size"],
+    },
+    {
+        "type": "object",
+        "properties": {  # bounded numbers
+            "x": {"type": "number", "minimum": -2.5, "maximum": 3},
+            "n": {"type": "integer", "minimum": -5, "maximum": 5},
+        },
+        "required": ["x", "n"],
+    },
+    {
+        "type": "object",
+        "properties": {  # optional fields
+            "a": {"type": "string", "maxLength": 4},
+            "b": {"type": "integer", "minimum": 0, "maximum": 9},
+            "c": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+        },
+        "required": ["a"],
+    },
 ]
 REGEX = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
 CHOICES = ["yes", "no", "maybe so", 'say "hi"']
 
 
 def _make(tiny_llama_dir, speculative_config):
-    return LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
-               speculative_config=speculative_config)
+    return LLM(
+        model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20, speculative_config=speculative_config
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +91,13 @@ def llms(tiny_llama_dir):
 
 
 def _json_params(schema, temperature, seed, any_whitespace=False, max_tokens=300, **kw):
-    return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
-                          structured_outputs={"json": schema, "disable_any_whitespace": not any_whitespace}, **kw)
+    return SamplingParams(
+        temperature=temperature,
+        seed=seed,
+        max_tokens=max_tokens,
+        structured_outputs={"json": schema, "disable_any_whitespace": not any_whitespace},
+        **kw,
+    )
 
 
 def _check_json(outs, params):
@@ -79,17 +121,19 @@ def test_json_schemas_with_sampling(llms, mode):
 @pytest.mark.parametrize("mode", ["plain", "ngram"])
 def test_json_schema_with_any_whitespace(llms, mode):
     params = [_json_params(s, 1.0, 7, any_whitespace=True, max_tokens=480) for s in SCHEMAS[1:4]]
-    _check_json(llms[mode].generate(PROMPTS[:len(params)], params), params)
+    _check_json(llms[mode].generate(PROMPTS[: len(params)], params), params)
 
 
 def test_greedy_structured_output_is_identical_with_and_without_speculation(llms):
     params = [_json_params(s, 0.0, None) for s in SCHEMAS]
-    params += [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"regex": REGEX}),
-               SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"choice": CHOICES})]
+    params += [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"regex": REGEX}),
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"choice": CHOICES}),
+    ]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
     plain, spec = (llms[m].generate(prompts, params) for m in ("plain", "ngram"))
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in spec]
-    _check_json(plain[:len(SCHEMAS)], params)
+    _check_json(plain[: len(SCHEMAS)], params)
     metrics = {m.name: m.value for m in llms["ngram"].get_metrics()}
     assert metrics["specserve:spec_decode_num_accepted_tokens_total"] > 0
     assert llms["ngram"].engine.structured.num_drafts_cut > 0  # n-gram drafts that broke the grammar
@@ -97,14 +141,27 @@ def test_greedy_structured_output_is_identical_with_and_without_speculation(llms
 
 @pytest.mark.parametrize("mode", ["plain", "ngram"])
 def test_regex_choice_grammar_and_json_object(llms, mode):
-    params = [SamplingParams(temperature=t, seed=s, max_tokens=60, structured_outputs={"regex": REGEX})
-              for t, s in ((0.0, None), (0.8, 3), (1.0, 4))]
-    params += [SamplingParams(temperature=t, seed=s, max_tokens=20, structured_outputs={"choice": CHOICES})
-               for t, s in ((0.0, None), (1.0, 5), (1.0, 6))]
-    params.append(SamplingParams(temperature=1.0, seed=8, max_tokens=40,
-                                 structured_outputs={"grammar": 'root ::= "(" [0-9] [0-9]? ")" | "none"'}))
-    params.append(SamplingParams(temperature=0.0, max_tokens=200,
-                                 structured_outputs={"json_object": True, "disable_any_whitespace": True}))
+    params = [
+        SamplingParams(temperature=t, seed=s, max_tokens=60, structured_outputs={"regex": REGEX})
+        for t, s in ((0.0, None), (0.8, 3), (1.0, 4))
+    ]
+    params += [
+        SamplingParams(temperature=t, seed=s, max_tokens=20, structured_outputs={"choice": CHOICES})
+        for t, s in ((0.0, None), (1.0, 5), (1.0, 6))
+    ]
+    params.append(
+        SamplingParams(
+            temperature=1.0,
+            seed=8,
+            max_tokens=40,
+            structured_outputs={"grammar": 'root ::= "(" [0-9] [0-9]? ")" | "none"'},
+        )
+    )
+    params.append(
+        SamplingParams(
+            temperature=0.0, max_tokens=200, structured_outputs={"json_object": True, "disable_any_whitespace": True}
+        )
+    )
     outs = llms[mode].generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params)
     texts = [o.outputs[0].text for o in outs]
     assert all(o.outputs[0].finish_reason == "stop" for o in outs[:-1]), texts
@@ -128,23 +185,29 @@ def test_unstructured_requests_in_a_mixed_batch_are_untouched(llms):
 
 
 def test_grammar_end_ends_the_request_even_with_ignore_eos(llms):
-    params = [SamplingParams(temperature=1.0, seed=9, n=2, max_tokens=100, ignore_eos=True,
-                             structured_outputs={"choice": ["yes", "no"]}),
-              _json_params(SCHEMAS[3], 0.0, None, ignore_eos=True)]
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=9, n=2, max_tokens=100, ignore_eos=True, structured_outputs={"choice": ["yes", "no"]}
+        ),
+        _json_params(SCHEMAS[3], 0.0, None, ignore_eos=True),
+    ]
     outs = llms["ngram"].generate(PROMPTS[:2], params)
     assert [c.text in ("yes", "no") for c in outs[0].outputs] == [True, True]
     assert all(c.finish_reason == "stop" for o in outs for c in o.outputs)
     jsonschema.validate(json.loads(outs[1].outputs[0].text), SCHEMAS[3])
 
 
-@pytest.mark.parametrize("spec, field", [
-    ({"json": {"type": "foo"}}, "structured_outputs.json"),
-    ({"json": "{not json"}, "structured_outputs.json"),
-    ({"regex": "(abc"}, "structured_outputs.regex"),
-    ({"choice": []}, "structured_outputs.choice"),
-    ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
-    ({"json": SCHEMAS[0], "regex": "a"}, "structured_outputs"),
-])
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ({"json": {"type": "foo"}}, "structured_outputs.json"),
+        ({"json": "{not json"}, "structured_outputs.json"),
+        ({"regex": "(abc"}, "structured_outputs.regex"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
+        ({"json": SCHEMAS[0], "regex": "a"}, "structured_outputs"),
+    ],
+)
 def test_invalid_specs_raise_before_any_work(llms, spec, field):
     llm = llms["plain"]
     good = SamplingParams(max_tokens=4)
@@ -158,8 +221,9 @@ def test_draft_model_speculation_keeps_sampled_drafts_exact(llms, tiny_llama_dir
     """A draft model samples its drafts from draft_probs: an invalid one is kept (and always
     rejected) rather than dropped, and the outputs still follow the grammar; greedy stays exact."""
     draft = make_tiny_model_dir(tmp_path / "draft", arch="llama", seed=11, num_layers=1)  # same tokenizer
-    llm = _make(tiny_llama_dir, {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
-                                 "adaptive": False})
+    llm = _make(
+        tiny_llama_dir, {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
+    )
     params = [_json_params(SCHEMAS[i], 1.0, 20 + i) for i in (0, 2, 4)]
     params += [_json_params(SCHEMAS[i], 0.0, None) for i in (1, 3)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]

@@ -5,6 +5,7 @@ engine fail fast (no hang), the server answer 503 on /health, then exit by itsel
 Each TP engine starts one interpreter per extra rank, so the tests share few engines and keep
 outputs short (CI has 2 cores).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,7 @@ SMOLLM2 = "smollm2-135m-instruct"
 @pytest.fixture(scope="module")
 def tiny_tp3_dir(tmp_path_factory) -> Path:
     """6 heads / 3 KV heads: shards over 3 ranks (and refuses 2)."""
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-tp3"), seed=3, hidden_size=96, num_heads=6,
-                               num_kv_heads=3)
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-tp3"), seed=3, hidden_size=96, num_heads=6, num_kv_heads=3)
 
 
 def _tokens(llm: LLM, prompts: list, params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -59,8 +59,13 @@ def test_tp2_matches_tp1_plain_and_with_draft_model(tiny_llama_dir):
     with _tp_llm(str(tiny_llama_dir), 2, **kw) as llm:
         assert _tokens(llm, PROMPTS) == ref
         assert llm.engine.runner.spec.num_kv_heads == 1  # 2 KV heads over 2 ranks
-    draft = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3,
-             "draft_tensor_parallel_size": 1, "adaptive": False}
+    draft = {
+        "method": "draft_model",
+        "model": str(tiny_llama_dir),
+        "num_speculative_tokens": 3,
+        "draft_tensor_parallel_size": 1,
+        "adaptive": False,
+    }
     with _tp_llm(str(tiny_llama_dir), 2, speculative_config=draft, **kw) as llm:
         assert _tokens(llm, PROMPTS) == ref
         assert llm.engine.stats.get("spec_decode_num_accepted_tokens_total") > 0
@@ -80,8 +85,10 @@ def test_smollm2_tp3_matches_tp1_plain_and_ngram():
     if model_path(SMOLLM2) is None:
         pytest.fail(f"{SMOLLM2} is not installed; run: {install_command(SMOLLM2)}")
     kw = dict(max_model_len=128, kv_cache_memory_bytes=8 << 20, max_num_seqs=8)  # 8 MiB: ~176 tokens at tp 1
-    messages = [[{"role": "user", "content": "What is the capital of France?"}],
-                [{"role": "user", "content": "Count from 1 to 10."}]]
+    messages = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Count from 1 to 10."}],
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=12)
     ref = [o.outputs[0].token_ids for o in LLM(model=SMOLLM2, progress=False, **kw).chat(messages, params)]
     for spec in (None, NGRAM):
@@ -99,8 +106,11 @@ def test_sizes_that_do_not_divide_the_heads_are_refused(tiny_tp3_dir, tp, match)
 
 def test_unsupported_combinations_are_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="draft_tensor_parallel_size must be 1"):
-        LLM(model=str(tiny_llama_dir), progress=False, speculative_config={
-            "method": "draft_model", "model": str(tiny_llama_dir), "draft_tensor_parallel_size": 2})
+        LLM(
+            model=str(tiny_llama_dir),
+            progress=False,
+            speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "draft_tensor_parallel_size": 2},
+        )
     with pytest.raises(ValueError, match="kv_offload is not supported with tensor_parallel_size"):
         LLM(model=str(tiny_llama_dir), progress=False, tensor_parallel_size=2, kv_offload={"cpu_bytes": 1 << 20})
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
@@ -139,13 +149,28 @@ def _children(pid: int) -> set[int]:
 def test_server_rank_killed_mid_stream_gives_503_and_clean_exit(tiny_llama_dir, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "specserve.server.cli", "serve", str(tiny_llama_dir), "--port", str(port),
-           "--kv-cache-memory-bytes", "4M", "--tensor-parallel-size", "2", "--log-interval", "0",
-           "--graceful-shutdown-timeout", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specserve.server.cli",
+        "serve",
+        str(tiny_llama_dir),
+        "--port",
+        str(port),
+        "--kv-cache-memory-bytes",
+        "4M",
+        "--tensor-parallel-size",
+        "2",
+        "--log-interval",
+        "0",
+        "--graceful-shutdown-timeout",
+        "1",
+    ]
     stderr_path = tmp_path / "stderr.txt"
     with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                                stdout=subprocess.DEVNULL, stderr=stderr)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=stderr
+        )
     try:
         wait_healthy(url, proc, timeout=120.0)
         (worker,) = _children(proc.pid)

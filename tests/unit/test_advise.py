@@ -1,4 +1,5 @@
 """`specserve advise` on synthetic /metrics pages, one regime per test."""
+
 from __future__ import annotations
 
 import math
@@ -11,33 +12,64 @@ from specserve.bench.metrics_parse import Histogram, parse_metrics
 ITL_BOUNDS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 
 
-def page(prefix: str = "specserve", running: float = 0, waiting: float = 0, kv: float = 0.0, preempt: float = 0,
-         gen: float = 0, requests: float = 0, prefix_q: float = 0, prefix_h: float = 0, drafts: float = 0,
-         draft_tokens: float = 0, accepted_pos: tuple[float, ...] = (), itl_counts: tuple[int, ...] = (),
-         cache: dict[str, str] | None = None, kv_name: str = "kv_cache_usage_perc", itl_sum: float | None = None,
-         spec_info: dict[str, str] | None = None, chosen_k: float | None = None) -> str:
+def page(
+    prefix: str = "specserve",
+    running: float = 0,
+    waiting: float = 0,
+    kv: float = 0.0,
+    preempt: float = 0,
+    gen: float = 0,
+    requests: float = 0,
+    prefix_q: float = 0,
+    prefix_h: float = 0,
+    drafts: float = 0,
+    draft_tokens: float = 0,
+    accepted_pos: tuple[float, ...] = (),
+    itl_counts: tuple[int, ...] = (),
+    cache: dict[str, str] | None = None,
+    kv_name: str = "kv_cache_usage_perc",
+    itl_sum: float | None = None,
+    spec_info: dict[str, str] | None = None,
+    chosen_k: float | None = None,
+) -> str:
     """A /metrics page in Prometheus text format with the given values (counters are totals)."""
     p = prefix + ":"
-    lines = [f"# TYPE {p}num_requests_running gauge", f"{p}num_requests_running{{model_name=\"m\"}} {running}",
-             f"# TYPE {p}num_requests_waiting gauge", f"{p}num_requests_waiting{{model_name=\"m\"}} {waiting}",
-             f"# TYPE {p}{kv_name} gauge", f"{p}{kv_name}{{model_name=\"m\"}} {kv}"]
-    counters = {"num_preemptions": preempt, "generation_tokens": gen, "request_success": requests,
-                "prefix_cache_queries": prefix_q, "prefix_cache_hits": prefix_h,
-                "spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": draft_tokens,
-                "spec_decode_num_accepted_tokens": sum(accepted_pos)}
+    lines = [
+        f"# TYPE {p}num_requests_running gauge",
+        f'{p}num_requests_running{{model_name="m"}} {running}',
+        f"# TYPE {p}num_requests_waiting gauge",
+        f'{p}num_requests_waiting{{model_name="m"}} {waiting}',
+        f"# TYPE {p}{kv_name} gauge",
+        f'{p}{kv_name}{{model_name="m"}} {kv}',
+    ]
+    counters = {
+        "num_preemptions": preempt,
+        "generation_tokens": gen,
+        "request_success": requests,
+        "prefix_cache_queries": prefix_q,
+        "prefix_cache_hits": prefix_h,
+        "spec_decode_num_drafts": drafts,
+        "spec_decode_num_draft_tokens": draft_tokens,
+        "spec_decode_num_accepted_tokens": sum(accepted_pos),
+    }
     for name, value in counters.items():
-        lines += [f"# TYPE {p}{name}_total counter", f"{p}{name}_total{{model_name=\"m\"}} {value}",
-                  f"{p}{name}_created{{model_name=\"m\"}} 1.7e9"]
+        lines += [
+            f"# TYPE {p}{name}_total counter",
+            f'{p}{name}_total{{model_name="m"}} {value}',
+            f'{p}{name}_created{{model_name="m"}} 1.7e9',
+        ]
     if accepted_pos:
         lines.append(f"# TYPE {p}spec_decode_num_accepted_tokens_per_pos_total counter")
-        lines += [f"{p}spec_decode_num_accepted_tokens_per_pos_total{{position=\"{i}\"}} {v}"
-                  for i, v in enumerate(accepted_pos)]
+        lines += [
+            f'{p}spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {v}'
+            for i, v in enumerate(accepted_pos)
+        ]
     if itl_counts:  # per-bucket (not cumulative) counts, one per bound plus +Inf
         lines.append(f"# TYPE {p}inter_token_latency_seconds histogram")
         cum = 0
         for bound, c in zip([*map(str, ITL_BOUNDS), "+Inf"], itl_counts):
             cum += c
-            lines.append(f"{p}inter_token_latency_seconds_bucket{{le=\"{bound}\"}} {cum}")
+            lines.append(f'{p}inter_token_latency_seconds_bucket{{le="{bound}"}} {cum}')
         total = cum * 0.01 if itl_sum is None else itl_sum
         lines += [f"{p}inter_token_latency_seconds_count {cum}", f"{p}inter_token_latency_seconds_sum {total}"]
     for name, info in (("cache_config_info", cache), ("spec_decode_config_info", spec_info)):
@@ -72,7 +104,9 @@ def test_idle_server() -> None:
 
 
 def test_low_concurrency_without_speculation_suggests_it() -> None:
-    found = advise(window({"gen": 1000}, {"running": 2, "gen": 3000, "requests": 10, "itl_counts": (0, 90, 10, 0, 0, 0, 0)}))
+    found = advise(
+        window({"gen": 1000}, {"running": 2, "gen": 3000, "requests": 10, "itl_counts": (0, 90, 10, 0, 0, 0, 0)})
+    )
     spec = find(found, "speculation may pay (its cost is unmeasured here)")  # one batch size: no step-cost slope
     assert spec.evidence["running_avg"] == 2 and spec.evidence["waiting_max"] == 0
     assert spec.evidence["generation_tokens_per_s"] == 200.0 and spec.evidence["step_ms_per_extra_request"] is None
@@ -86,8 +120,12 @@ def steps(*phases: tuple[float, float]) -> list:
     snaps, count, total = [parse_metrics(page(running=phases[0][0]), 0.0)], 0, 0.0
     for i, (running, itl_s) in enumerate(phases, 1):
         count, total = count + 100, total + 100 * itl_s
-        snaps.append(parse_metrics(page(running=running, gen=count, requests=10 * i, itl_counts=(0, 0, 0, 0, count, 0, 0),
-                                        itl_sum=total), 5.0 * i))
+        snaps.append(
+            parse_metrics(
+                page(running=running, gen=count, requests=10 * i, itl_counts=(0, 0, 0, 0, count, 0, 0), itl_sum=total),
+                5.0 * i,
+            )
+        )
     return snaps
 
 
@@ -108,8 +146,16 @@ def test_configured_k_and_the_controllers_choices_come_from_metrics() -> None:
     """Configured with k=4; the adaptive controller drafted 3 on average: advise says k=4."""
     info = {"method": "ngram", "num_speculative_tokens": "4", "adaptive": "True"}
     before = {"spec_info": info, "chosen_k": 2}
-    after = {"running": 1, "gen": 900, "requests": 20, "drafts": 200, "draft_tokens": 600, "spec_info": info,
-             "accepted_pos": (160, 120, 50, 10), "chosen_k": 4}
+    after = {
+        "running": 1,
+        "gen": 900,
+        "requests": 20,
+        "drafts": 200,
+        "draft_tokens": 600,
+        "spec_info": info,
+        "accepted_pos": (160, 120, 50, 10),
+        "chosen_k": 4,
+    }
     k = find(advise(window(before, after)), "well sized")
     assert k.title.endswith("(k=4)") and k.evidence["num_speculative_tokens"] == 4
     assert k.evidence["mean_drafted_per_draft"] == 3.0 and k.evidence["chosen_k_mean"] == 3.0
@@ -125,8 +171,9 @@ def test_prefix_hit_rate_is_no_reason_for_ngram() -> None:
 
 
 def test_thin_evidence_is_said() -> None:
-    found = advise([parse_metrics(page(running=1, gen=40, requests=2, drafts=10, draft_tokens=30,
-                                       accepted_pos=(8, 5, 1)), 0.0)])
+    found = advise(
+        [parse_metrics(page(running=1, gen=40, requests=2, drafts=10, draft_tokens=30, accepted_pos=(8, 5, 1)), 0.0)]
+    )
     thin = find(found, "Thin evidence")
     assert "one snapshot" in thin.action and "requests finished" in thin.action
     assert find(found, "Too few drafts").severity == "info"
@@ -157,10 +204,14 @@ def test_speculation_draft_more_and_rejected() -> None:
 @pytest.mark.parametrize("prefix,kv_name", [("specserve", "kv_cache_usage_perc"), ("vllm", "gpu_cache_usage_perc")])
 def test_medium_concurrency_kv_pool_full(prefix: str, kv_name: str) -> None:
     cache = {"block_size": "16", "gpu_memory_utilization": "0.85", "num_gpu_blocks": "4096"}
-    snaps = [parse_metrics(page(prefix, running=30, waiting=5, kv=0.95, preempt=3, gen=1e4, cache=cache,
-                                kv_name=kv_name), 0.0),
-             parse_metrics(page(prefix, running=28, waiting=7, kv=0.97, preempt=15, gen=2e4, cache=cache,
-                                kv_name=kv_name), 20.0)]
+    snaps = [
+        parse_metrics(
+            page(prefix, running=30, waiting=5, kv=0.95, preempt=3, gen=1e4, cache=cache, kv_name=kv_name), 0.0
+        ),
+        parse_metrics(
+            page(prefix, running=28, waiting=7, kv=0.97, preempt=15, gen=2e4, cache=cache, kv_name=kv_name), 20.0
+        ),
+    ]
     assert regime(window_stats(snaps)) == "medium"
     found = advise(snaps)
     kv = find(found, "KV cache pool is the bottleneck")
@@ -179,8 +230,16 @@ def test_medium_concurrency_waiting_with_free_blocks_is_scheduler_bound() -> Non
 
 
 def test_high_concurrency_capacity_advice() -> None:
-    after = {"running": 120, "waiting": 10, "kv": 0.98, "gen": 1e5, "drafts": 50, "draft_tokens": 150,
-             "accepted_pos": (30, 20, 10), "cache": {"cache_dtype": "auto", "enable_prefix_caching": "True"}}
+    after = {
+        "running": 120,
+        "waiting": 10,
+        "kv": 0.98,
+        "gen": 1e5,
+        "drafts": 50,
+        "draft_tokens": 150,
+        "accepted_pos": (30, 20, 10),
+        "cache": {"cache_dtype": "auto", "enable_prefix_caching": "True"},
+    }
     found = advise(window({}, after))
     got = titles(found)
     assert regime(window_stats(window({}, after))) == "high"
@@ -193,8 +252,9 @@ def test_high_concurrency_capacity_advice() -> None:
 
 
 def test_low_prefix_hit_rate_suggests_prefix_aware_routing() -> None:
-    found = advise(window({"prefix_q": 1e4, "prefix_h": 100},
-                          {"running": 12, "gen": 1e4, "prefix_q": 1.1e5, "prefix_h": 2100}))
+    found = advise(
+        window({"prefix_q": 1e4, "prefix_h": 100}, {"running": 12, "gen": 1e4, "prefix_q": 1.1e5, "prefix_h": 2100})
+    )
     pre = find(found, "Prefix cache hit rate is low")
     assert pre.evidence["prefix_hit_rate"] == 0.02 and pre.evidence["prefix_queried_tokens"] == 100000
     assert "prefix-cache-aware routing" in pre.action
@@ -203,7 +263,9 @@ def test_low_prefix_hit_rate_suggests_prefix_aware_routing() -> None:
 
 
 def test_latency_percentiles_from_histogram_deltas() -> None:
-    snaps = window({"itl_counts": (100, 0, 0, 0, 0, 0, 0)}, {"running": 4, "gen": 10, "itl_counts": (100, 50, 50, 0, 0, 0, 0)})
+    snaps = window(
+        {"itl_counts": (100, 0, 0, 0, 0, 0, 0)}, {"running": 4, "gen": 10, "itl_counts": (100, 50, 50, 0, 0, 0, 0)}
+    )
     lat = find(advise(snaps), "Latency percentiles")
     # In the window: 50 in (5, 10] ms and 50 in (10, 20] ms -> p50 = 10 ms, p99 = 10 + 10 * 49/50 ms.
     assert lat.evidence["itl_p50_ms"] == 10.0 and lat.evidence["itl_p99_ms"] == 19.8

@@ -1,4 +1,5 @@
 """Block pool and KV manager invariants under long random operation sequences."""
+
 from __future__ import annotations
 
 import random
@@ -23,7 +24,7 @@ def test_hash_blocks_equals_the_chain_of_single_hashes():
     tokens = [rng.randrange(0, 200000) for _ in range(4 * 5)]
     chain, parent = [], b"p0"
     for i in range(5):
-        parent = hash_block_tokens(parent, tokens[i * 4:(i + 1) * 4], b"x")
+        parent = hash_block_tokens(parent, tokens[i * 4 : (i + 1) * 4], b"x")
         chain.append(parent)
     assert hash_blocks(b"p0", tokens, 4, b"x") == chain
     assert hash_blocks(None, tokens[:4], 4) == [hash_block_tokens(None, tokens[:4])]

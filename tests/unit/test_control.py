@@ -1,5 +1,6 @@
 """speculative/control.py: the controllers' choices on cost and acceptance tables, through choose,
 observe, the constructor and the adaptive controller's read-outs only."""
+
 from __future__ import annotations
 
 import copy
@@ -24,8 +25,15 @@ def table(fn, max_q: int = 9) -> CostTable:
     return CostTable({(b, q): fn(b, q) for b in SIZES for q in range(1, max_q + 1)})
 
 
-def drafting(batch: int, k: int, alphas: list[float], propose_seconds: float = 0.0, catch_up_tokens: int = 0,
-             asked: int | None = None, drafted: int | None = None) -> StepRecord:
+def drafting(
+    batch: int,
+    k: int,
+    alphas: list[float],
+    propose_seconds: float = 0.0,
+    catch_up_tokens: int = 0,
+    asked: int | None = None,
+    drafted: int | None = None,
+) -> StepRecord:
     """The expected counts of a step where `asked` requests (default: batch) drafted k tokens, of which
     `drafted` (default: all) got a first draft, accepted position by position at rates `alphas`."""
     asked = batch if asked is None else asked
@@ -73,7 +81,9 @@ def test_build_controller_picks_by_config() -> None:
     assert isinstance(build_controller(cfg, None), FixedController)
     off = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False)
     assert isinstance(build_controller(off, costs), FixedController)
-    rows = SpeculativeConfig(method="ngram", num_speculative_tokens=3, num_speculative_tokens_per_batch_size=((1, 8, 2),))
+    rows = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, num_speculative_tokens_per_batch_size=((1, 8, 2),)
+    )
     assert isinstance(build_controller(rows, costs), TableController)
 
 
@@ -218,12 +228,18 @@ def test_draft_cost_follows_the_batch_bucket() -> None:
 
 @pytest.mark.parametrize("shape", ["flat", "growing", "steep"])
 def test_the_choice_maximises_the_stated_objective(shape: str) -> None:
-    fn = {"flat": lambda b, q: 0.008 + 0.0001 * q,
-          "growing": lambda b, q: 0.008 + 0.0004 * b * q,
-          "steep": lambda b, q: 0.008 + 0.003 * b * q ** 1.5}[shape]
+    fn = {
+        "flat": lambda b, q: 0.008 + 0.0001 * q,
+        "growing": lambda b, q: 0.008 + 0.0004 * b * q,
+        "steep": lambda b, q: 0.008 + 0.003 * b * q**1.5,
+    }[shape]
     costs = table(fn)
-    worlds = [[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2], [0.5] * 8, [0.99, 0.1, 0.99, 0.99, 0.9, 0.9, 0.9, 0.9],
-              [0.3, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]]
+    worlds = [
+        [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2],
+        [0.5] * 8,
+        [0.99, 0.1, 0.99, 0.99, 0.9, 0.9, 0.9, 0.9],
+        [0.3, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9],
+    ]
     seen = set()
     for alphas in worlds:
         c = AdaptiveController(8, costs)

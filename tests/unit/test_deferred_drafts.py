@@ -1,6 +1,7 @@
 """Drafts left on the device for the verify step (speculative/proposers/draft_tokens.py DeferredDrafts): the verify
 batch's placeholder drafts are filled from them, the ids reach the host before the rejection sampler,
 and the output is the same as when propose reads its drafts back itself."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -30,9 +31,17 @@ def _host(query_lens: list[int], ids: list[int]) -> HostBatch:
     n = len(ids)
     cu = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
     seq_lens = np.asarray([10 + q for q in query_lens], dtype=np.int32)
-    return HostBatch(np.asarray(ids, dtype=np.int64), np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64),
-                     np.zeros((len(query_lens), 4), dtype=np.int32), seq_lens, cu,
-                     np.arange(n, dtype=np.int64), query_lens, [(i, 1) for i in range(len(query_lens))])
+    return HostBatch(
+        np.asarray(ids, dtype=np.int64),
+        np.arange(n, dtype=np.int64),
+        np.arange(n, dtype=np.int64),
+        np.zeros((len(query_lens), 4), dtype=np.int32),
+        seq_lens,
+        cu,
+        np.arange(n, dtype=np.int64),
+        query_lens,
+        [(i, 1) for i in range(len(query_lens))],
+    )
 
 
 def test_pending_fill_reads_consecutive_rows_per_request() -> None:
@@ -68,8 +77,9 @@ def test_deferred_drafts_are_request_major_and_resolve_once() -> None:
 
 def test_assign_resolved_keeps_what_the_scheduler_left() -> None:
     p = PLACEHOLDER
-    cut, whole, preempted = (SimpleNamespace(spec_token_ids=ids, spec_draft_probs=None)
-                             for ids in ([p, p], [p, p, p], []))
+    cut, whole, preempted = (
+        SimpleNamespace(spec_token_ids=ids, spec_draft_probs=None) for ids in ([p, p], [p, p, p], [])
+    )
     probs = [[torch.full((5,), float(i)) for i in range(3)]] * 3
     assign_resolved([cut, whole, preempted], [[1, 2, 3], [4, 5, 6], [7, 8, 9]], probs, [False, True, False])
     assert cut.spec_token_ids == [1, 2] and cut.spec_draft_probs.shape == (2, 5)
@@ -90,12 +100,22 @@ def test_deferred_and_immediate_drafts_give_the_same_tokens(tiny_llama_dir, tmp_
     if method == "eagle3":
         spec["model"] = str(make_random_head_dir(str(tiny_llama_dir), tmp_path / "h"))
     elif method == "p-eagle":
-        spec = {"method": "eagle3", "parallel_drafting": True,
-                "model": str(make_random_head_dir(str(tiny_llama_dir), tmp_path / "p", num_mask_slots=2))}
+        spec = {
+            "method": "eagle3",
+            "parallel_drafting": True,
+            "model": str(make_random_head_dir(str(tiny_llama_dir), tmp_path / "p", num_mask_slots=2)),
+        }
         monkeypatch.setattr(EagleProposer, "step_graphs", "static")
     prompts = [[5 + (3 * i + r) % 60 for i in range(6 + 5 * r)] for r in range(4)]
-    params = [SamplingParams(temperature=0.0 if r % 2 == 0 or method == "p-eagle" else 0.8, seed=r,
-                             max_tokens=12 + 3 * r, ignore_eos=True) for r in range(4)]
+    params = [
+        SamplingParams(
+            temperature=0.0 if r % 2 == 0 or method == "p-eagle" else 0.8,
+            seed=r,
+            max_tokens=12 + 3 * r,
+            ignore_eos=True,
+        )
+        for r in range(4)
+    ]
     filled = []
     real_fill = pending_fill
 
@@ -107,20 +127,31 @@ def test_deferred_and_immediate_drafts_give_the_same_tokens(tiny_llama_dir, tmp_
     monkeypatch.setattr("specserve.runner.model_runner.pending_fill", spy)
     runs = {}
     for defer in ("1", "0"):
-        llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
-                  speculative_config={**spec, "num_speculative_tokens": 3, "adaptive": False})
+        llm = LLM(
+            model=str(tiny_llama_dir),
+            progress=False,
+            kv_cache_memory_bytes=4 << 20,
+            speculative_config={**spec, "num_speculative_tokens": 3, "adaptive": False},
+        )
         llm.engine.spec.proposer.defer_drafts = defer == "1"  # either way, whatever the proposer's default
         filled.clear()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         st = llm.engine.stats
-        runs[defer] = ([o.outputs[0].token_ids for o in outs], st.get("spec_decode_num_accepted_tokens_total"),
-                       st.get("spec_decode_num_draft_tokens_total"))
+        runs[defer] = (
+            [o.outputs[0].token_ids for o in outs],
+            st.get("spec_decode_num_accepted_tokens_total"),
+            st.get("spec_decode_num_draft_tokens_total"),
+        )
         assert (sum(filled) > 0) is (defer == "1")
         llm.engine.kv.check_integrity()
     assert runs["1"] == runs["0"] and runs["1"][2] > 0
     # Each proposer's default: P-EAGLE reads back (measured slower deferred), the others defer.
-    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
-              speculative_config={**spec, "num_speculative_tokens": 3, "adaptive": False})
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        kv_cache_memory_bytes=4 << 20,
+        speculative_config={**spec, "num_speculative_tokens": 3, "adaptive": False},
+    )
     assert llm.engine.spec.proposer.defer_drafts is (method != "p-eagle")
 
 
@@ -142,9 +173,18 @@ def test_abort_and_preemption_with_drafts_in_flight(tiny_llama_dir) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
     want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=96 << 10, max_num_seqs=4,
-              speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 4,
-                                  "adaptive": False})
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        kv_cache_memory_bytes=96 << 10,
+        max_num_seqs=4,
+        speculative_config={
+            "method": "draft_model",
+            "model": str(tiny_llama_dir),
+            "num_speculative_tokens": 4,
+            "adaptive": False,
+        },
+    )
     eng = llm.engine
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)

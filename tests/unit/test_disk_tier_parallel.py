@@ -1,6 +1,7 @@
 """Disk tier fast paths: parallel loads of many blocks (byte-identical, bad files are counted misses
 that do not stop the others), the one-read header check, stores that copy (the caller's buffer is
 free at once) on several writer threads, and the optional ISA-L crc32."""
+
 from __future__ import annotations
 
 import itertools
@@ -70,8 +71,19 @@ def _damage(path: Path, kind: str) -> None:
     path.write_bytes(bytes(blob))
 
 
-@pytest.mark.parametrize("kind", ["flipped_body_byte", "flipped_header_byte", "truncated", "truncated_header",
-                                  "longer", "empty", "foreign_layout", "foreign_namespace"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "flipped_body_byte",
+        "flipped_header_byte",
+        "truncated",
+        "truncated_header",
+        "longer",
+        "empty",
+        "foreign_layout",
+        "foreign_namespace",
+    ],
+)
 def test_bad_file_among_many_is_a_counted_miss(tmp_path: Path, kind: str) -> None:
     rows = _rows(40, seed=1)
     _write(tmp_path, rows)
@@ -109,7 +121,7 @@ def test_layout_reader_fast_path_and_fallback(tmp_path: Path) -> None:
     payload = PackedPayload(_rows(1, seed=3)[0], LAYOUT)
     blob = bytearray(encode_entry(_key(5), payload, NS))
     prefix = reader.expected_prefix(_key(5))
-    assert blob[:20] == prefix[:20] and blob[24:len(prefix)] == prefix[24:]
+    assert blob[:20] == prefix[:20] and blob[24 : len(prefix)] == prefix[24:]
     assert len(blob) == len(prefix) + LAYOUT.nbytes and namespace_digest(NS) in prefix
     path = tmp_path / "f"
     for padded in (False, True):
@@ -127,8 +139,7 @@ def test_layout_reader_fast_path_and_fallback(tmp_path: Path) -> None:
         assert bytes(out) == bytes(payload.buffer.numpy())
 
 
-def test_put_copies_so_the_callers_staging_is_free_at_once(tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_put_copies_so_the_callers_staging_is_free_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
     real_write = DiskTier._write
 
@@ -161,8 +172,9 @@ def test_queued_bytes_are_bounded_and_slots_reused(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, 1 << 30, NS, max_pending_bytes=4 * LAYOUT.nbytes, writers=2)
     rows = _rows(50, seed=5)
     for start in range(0, 50, 5):  # more than fits at once: some may drop, none is wrong
-        tier.put_many([_key(i) for i in range(start, start + 5)],
-                      [PackedPayload(r, LAYOUT) for r in rows[start:start + 5]])
+        tier.put_many(
+            [_key(i) for i in range(start, start + 5)], [PackedPayload(r, LAYOUT) for r in rows[start : start + 5]]
+        )
     tier.flush()
     s = tier.stats
     written = len(list(tmp_path.glob("*.kvb")))
@@ -202,8 +214,9 @@ def test_offloader_disk_only_lookup_stops_at_a_bad_file(tmp_path: Path) -> None:
     caches = spec.allocate(48, torch.device("cpu"))
     g = torch.Generator().manual_seed(8)
     for cache in caches:
-        write_kv(cache, fmt, torch.arange(24 * 4), torch.randn(96, 2, 16, generator=g),
-                 torch.randn(96, 2, 16, generator=g))
+        write_kv(
+            cache, fmt, torch.arange(24 * 4), torch.randn(96, 2, 16, generator=g), torch.randn(96, 2, 16, generator=g)
+        )
     cfg = OffloadConfig(disk_path=str(tmp_path), disk_bytes=1 << 30)
     off = KVOffloader(cfg, caches, "ns", block_size=4)
     hashes = [b"h" + bytes([b]) for b in range(24)]

@@ -1,6 +1,7 @@
 """Host work per draft forward (issue 5): build_host_batch's per-request loop, the draft model's
 chained single-token steps (speculative/proposers/draft_model.py _ChainSteps) and Staging.put give the inputs the
 generic path gives (CPU)."""
+
 from __future__ import annotations
 
 import random
@@ -99,7 +100,7 @@ def test_build_host_batch_matches_token_by_token(seed: int) -> None:
     lists = [blocks[s.request.request_id] for s in sched.scheduled]
     assert host.block_tables.tolist() == block_table_array(lists).tolist()
     for row, b in zip(host.block_tables.tolist(), lists):
-        assert row[:len(b)] == b and not any(row[len(b):])
+        assert row[: len(b)] == b and not any(row[len(b) :])
     assert host.input_ids.dtype == np.int64 and host.block_tables.dtype == np.int32
     assert host.seq_lens.dtype == np.int32 and host.cu_query_lens.dtype == np.int32
 
@@ -122,8 +123,15 @@ def test_chain_step_batch_is_the_generic_one() -> None:
             s.all_token_ids.append(PLACEHOLDER)
         sched = SchedulerOutput([ScheduledRequest(s, 1, 0) for s in seqs], len(seqs))
         want = build_host_batch(sched, blocks.get, BS)
-        for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "cu_query_lens",
-                     "logits_indices"):
+        for name in (
+            "input_ids",
+            "positions",
+            "slot_mapping",
+            "block_tables",
+            "seq_lens",
+            "cu_query_lens",
+            "logits_indices",
+        ):
             assert getattr(host, name).tolist() == getattr(want, name).tolist(), name
             assert getattr(host, name).dtype == getattr(want, name).dtype, name
         assert host.query_lens == want.query_lens and host.logit_rows == want.logit_rows
@@ -154,12 +162,18 @@ def assert_self_draft_is_plain(model_dir, prompts: list[list[int]], budgets: lis
     """A model drafting for itself (greedy, fixed k unless spec_cfg says otherwise): the output is plain
     decoding's and every draft is accepted (its KV positions and slots are right)."""
     plain = LLM(model=str(model_dir), progress=False, kv_cache_memory_bytes=4 << 20)
-    spec = LLM(model=str(model_dir), progress=False, kv_cache_memory_bytes=4 << 20,
-               speculative_config={"method": "draft_model", "model": str(model_dir), "adaptive": False, **spec_cfg})
+    spec = LLM(
+        model=str(model_dir),
+        progress=False,
+        kv_cache_memory_bytes=4 << 20,
+        speculative_config={"method": "draft_model", "model": str(model_dir), "adaptive": False, **spec_cfg},
+    )
     outs = []
     for llm in (plain, spec):
-        got = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in budgets])
+        got = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in budgets],
+        )
         outs.append([o.outputs[0].token_ids for o in got])
     assert outs[0] == outs[1]
     st = spec.engine.stats
@@ -174,16 +188,20 @@ def test_self_draft_with_different_budgets_accepts_every_draft(tiny_llama_dir) -
     assert_self_draft_is_plain(tiny_llama_dir, prompts, [6, 9, 11, 14], num_speculative_tokens=4)
 
 
-
 def test_catch_up_cap_pieces_long_catch_ups(tiny_llama_dir) -> None:
     """With catch-up graphs of up to 64 tokens for up to 32 sequences, a catch-up with one sequence over
     64 tokens and none over 256 is fed in pieces of 64 (each a graph replay); otherwise one forward."""
-    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
-              speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3})
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        kv_cache_memory_bytes=4 << 20,
+        speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3},
+    )
     proposer = llm.engine.spec.proposer
     assert proposer.catch_up_cap([172]) is None  # no graphs (the CPU)
-    proposer.runner.graphs = SimpleNamespace(catch_up_query_lens=(4, 16, 64), sizes_by_q={64: (1, 2, 4, 8, 16, 32)},
-                                             mixed_sizes={})
+    proposer.runner.graphs = SimpleNamespace(
+        catch_up_query_lens=(4, 16, 64), sizes_by_q={64: (1, 2, 4, 8, 16, 32)}, mixed_sizes={}
+    )
     assert proposer.catch_up_cap([172]) == 64 and proposer.catch_up_cap([172, 1]) == 64
     assert proposer.catch_up_cap([40, 40]) is None  # each fits a graph as it is
     assert proposer.catch_up_cap([300]) is None  # eager: one forward beats 5 replays
@@ -212,8 +230,13 @@ def test_catch_ups_in_pieces_keep_every_draft_right(tiny_llama_dir, monkeypatch)
 
     monkeypatch.setattr(DraftModelProposer, "_catch_up", spy)
     prompts = [[5 + (7 * i + r) % 50 for i in range(9 + 4 * r)] for r in range(4)]
-    assert_self_draft_is_plain(tiny_llama_dir, prompts, [6, 9, 13, 17], num_speculative_tokens=3,
-                               num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 64, 0]])
+    assert_self_draft_is_plain(
+        tiny_llama_dir,
+        prompts,
+        [6, 9, 13, 17],
+        num_speculative_tokens=3,
+        num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 64, 0]],
+    )
     assert max(longest) > 10  # some catch-up took three pieces or more
 
 
@@ -245,15 +268,26 @@ def test_a_catch_up_goes_in_forwards_beyond_the_scheduler_budget(tiny_llama_dir,
     monkeypatch.setattr(DraftModelProposer, "_catch_up", spy)
     prompts = [[5 + (3 * i + r) % 50 for i in range(40 + 5 * r)] for r in range(3)]
     plain = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32)
-    spec = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32,
-               speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "adaptive": False,
-                                   "num_speculative_tokens": 3,
-                                   "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]]})
+    spec = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        kv_cache_memory_bytes=4 << 20,
+        max_num_batched_tokens=32,
+        speculative_config={
+            "method": "draft_model",
+            "model": str(tiny_llama_dir),
+            "adaptive": False,
+            "num_speculative_tokens": 3,
+            "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]],
+        },
+    )
     assert spec.engine.spec.proposer.max_batched == draft_model.CATCH_UP_BATCHED_TOKENS
     outs = []
     for llm in (plain, spec):
-        got = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 24, 6)])
+        got = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 24, 6)],
+        )
         outs.append([o.outputs[0].token_ids for o in got])
     assert outs[0] == outs[1]
     assert max(sizes) > 32  # a context of 45-70 tokens in one forward, beyond the budget of 32

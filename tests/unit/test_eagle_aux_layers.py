@@ -13,6 +13,7 @@ The conventions checked (eagle_head.py, model/llama.py; vLLM and SGLang use the 
   feature the original EAGLE regresses; the head then has no final norm of its own).
 The trainer's features (train_target.target_batch) must follow the same conventions as serving.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,8 +53,11 @@ def heads(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     cfg = dataclasses.replace(read_head_config(default), aux_hidden_layers=EXPLICIT_AUX)
     torch.manual_seed(1)
     explicit = save_head(EagleHead(cfg), base / "eagle3-explicit")
-    return {"eagle3": str(default), "eagle3-explicit": str(explicit),
-            "eagle": str(make_random_head_dir(str(target_dir), base / "eagle", "eagle"))}
+    return {
+        "eagle3": str(default),
+        "eagle3-explicit": str(explicit),
+        "eagle": str(make_random_head_dir(str(target_dir), base / "eagle", "eagle")),
+    }
 
 
 class Features(NamedTuple):
@@ -86,11 +90,13 @@ class Reference:
                     # Hooks, not output_hidden_states: what a layer actually reads, whatever a
                     # transformers version puts in its hidden_states tuple (the last entry is post-norm).
                     inputs[i] = first_arg(args, kwargs)
+
                 return hook
 
             inner = self.model.model
-            handles = [layer.register_forward_pre_hook(grab_input(i), with_kwargs=True)
-                       for i, layer in enumerate(inner.layers)]
+            handles = [
+                layer.register_forward_pre_hook(grab_input(i), with_kwargs=True) for i, layer in enumerate(inner.layers)
+            ]
 
             def grab_norm_input(_mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
                 final["pre"] = first_arg(args, kwargs)
@@ -130,8 +136,9 @@ def few_threads() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def serve_and_record(target: str, head: str, method: str, mode: str, monkeypatch: pytest.MonkeyPatch,
-                     **llm_kw: Any) -> tuple[list[tuple[list[str], list[int], torch.Tensor]], dict[str, list[int]]]:
+def serve_and_record(
+    target: str, head: str, method: str, mode: str, monkeypatch: pytest.MonkeyPatch, **llm_kw: Any
+) -> tuple[list[tuple[list[str], list[int], torch.Tensor]], dict[str, list[int]]]:
     """Generate with the head; returns, per fuse_target call, (request id of each real row, its position,
     the fuse input [rows (maybe padded), width]) and each request's final token ids."""
     monkeypatch.setattr(EagleProposer, "step_graphs", mode)
@@ -144,8 +151,9 @@ def serve_and_record(target: str, head: str, method: str, mode: str, monkeypatch
         plan = plan_of(self, inp)
         if plan.reqs:  # a plan with rows is followed by exactly one first forward, hence one fuse call
             assert not plans, "a plan's rows never reached the head"
-            plans.append(([r.request_id for r, m in zip(plan.reqs, plan.num_real) for _ in range(m)],
-                          list(plan.positions)))
+            plans.append(
+                ([r.request_id for r, m in zip(plan.reqs, plan.num_real) for _ in range(m)], list(plan.positions))
+            )
         return plan
 
     def recording_fuse(self: EagleHead, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -157,17 +165,28 @@ def serve_and_record(target: str, head: str, method: str, mode: str, monkeypatch
     monkeypatch.setattr(EagleProposer, "_plan", recording_plan)
     monkeypatch.setattr(EagleHead, "fuse_target", recording_fuse)
     spec = {"method": method, "model": head, "num_speculative_tokens": K, "adaptive": False}
-    llm = LLM(model=target, progress=False, speculative_config=spec, enable_prefix_caching=False,
-              **{"kv_cache_memory_bytes": 4 << 20, **llm_kw})
-    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=7, max_tokens=14, ignore_eos=True)]
+    llm = LLM(
+        model=target,
+        progress=False,
+        speculative_config=spec,
+        enable_prefix_caching=False,
+        **{"kv_cache_memory_bytes": 4 << 20, **llm_kw},
+    )
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=14, ignore_eos=True),
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert not plans
     return calls, {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
 
 
-def check_features(calls: list[tuple[list[str], list[int], torch.Tensor]], tokens: dict[str, list[int]],
-                   reference: Reference, aux: tuple[int, ...]) -> None:
+def check_features(
+    calls: list[tuple[list[str], list[int], torch.Tensor]],
+    tokens: dict[str, list[int]],
+    reference: Reference,
+    aux: tuple[int, ...],
+) -> None:
     """Every real row the head received equals the reference feature of its request and position; each
     request's positions come once each, 0, 1, 2, ... (no target feature skipped or fed twice)."""
     assert calls
@@ -180,8 +199,9 @@ def check_features(calls: list[tuple[list[str], list[int], torch.Tensor]], token
             rows = [r for r, i in enumerate(ids) if i == rid]
             pos = [positions[r] for r in rows]
             want = reference.expected(tokens[rid], pos, aux)
-            torch.testing.assert_close(got[rows], want, atol=ATOL, rtol=RTOL,
-                                       msg=lambda m: f"{rid} positions {pos}: {m}")
+            torch.testing.assert_close(
+                got[rows], want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{rid} positions {pos}: {m}"
+            )
             seen[rid] += pos
     for rid, pos in seen.items():
         # Only the last verify step's tokens (at most K + 1, and one more of slack) come after the last
@@ -201,8 +221,9 @@ def assert_layers_distinguishable(reference: Reference, aux: tuple[int, ...]) ->
 
 @pytest.mark.parametrize("mode", ["eager", "static"])
 @pytest.mark.parametrize("head", ["eagle3", "eagle3-explicit"])
-def test_eagle3_head_receives_the_aux_layers_inputs(head: str, mode: str, heads: dict[str, str], target_dir: Path,
-                                                    reference: Reference, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eagle3_head_receives_the_aux_layers_inputs(
+    head: str, mode: str, heads: dict[str, str], target_dir: Path, reference: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
     aux = DEFAULT_AUX if head == "eagle3" else EXPLICIT_AUX
     assert read_head_config(heads[head]).aux_hidden_layers == aux
     assert_layers_distinguishable(reference, aux)
@@ -210,19 +231,21 @@ def test_eagle3_head_receives_the_aux_layers_inputs(head: str, mode: str, heads:
     check_features(calls, tokens, reference, aux)
 
 
-def test_eagle3_features_with_chunked_prefill(heads: dict[str, str], target_dir: Path, reference: Reference,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eagle3_features_with_chunked_prefill(
+    heads: dict[str, str], target_dir: Path, reference: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Prompt chunks that do not sample reach the head through absorb with the same features."""
-    calls, tokens = serve_and_record(str(target_dir), heads["eagle3"], "eagle3", "eager", monkeypatch,
-                                     max_num_batched_tokens=8)
+    calls, tokens = serve_and_record(
+        str(target_dir), heads["eagle3"], "eagle3", "eager", monkeypatch, max_num_batched_tokens=8
+    )
     assert max(len(ids) for ids, _, _ in calls) <= 8  # both prompts (23, 21 tokens) arrived in chunks
     check_features(calls, tokens, reference, DEFAULT_AUX)
 
 
 @pytest.mark.parametrize("mode", ["eager", "static"])
-def test_eagle1_head_receives_the_final_normed_hidden_state(mode: str, heads: dict[str, str], target_dir: Path,
-                                                            reference: Reference,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eagle1_head_receives_the_final_normed_hidden_state(
+    mode: str, heads: dict[str, str], target_dir: Path, reference: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert read_head_config(heads["eagle"]).aux_hidden_layers == ()
     f = reference.features(PROMPTS[0])
     # The residual stream before the final norm differs from after it: a head fed the wrong one is caught.
@@ -232,8 +255,9 @@ def test_eagle1_head_receives_the_final_normed_hidden_state(mode: str, heads: di
 
 
 @pytest.mark.parametrize("head", ["eagle", "eagle3", "eagle3-explicit"])
-def test_training_features_follow_the_serving_convention(head: str, heads: dict[str, str], target_dir: Path,
-                                                         reference: Reference) -> None:
+def test_training_features_follow_the_serving_convention(
+    head: str, heads: dict[str, str], target_dir: Path, reference: Reference
+) -> None:
     """The trainer's features (what a head learns from) are what serving feeds it, per layer and position."""
     aux = read_head_config(heads[head]).aux_hidden_layers
     llm = LLM(model=str(target_dir), progress=False, kv_cache_memory_bytes=4 << 20)
@@ -241,4 +265,4 @@ def test_training_features_follow_the_serving_convention(head: str, heads: dict[
     tb = target_batch(llm.engine.runner.model, seqs, aux, torch.device("cpu"))
     for b, seq in enumerate(seqs):
         want = reference.expected(seq, list(range(len(seq))), aux)
-        torch.testing.assert_close(tb.feats[b, :len(seq)], want, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(tb.feats[b, : len(seq)], want, atol=ATOL, rtol=RTOL)

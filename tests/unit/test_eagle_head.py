@@ -1,4 +1,5 @@
 """EAGLE head: config, paged vs dense attention, training rows == serving rows, and the trainer."""
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,17 @@ from specserve.speculative.proposers.eagle_head import (
 from specserve.speculative.proposers.eagle_setup import head_attention_metadata
 from specserve.train.loop import _block_mask, head_block_outputs, train_main
 
-HF = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
-      "num_key_value_heads": 2, "num_hidden_layers": 6, "vocab_size": 50, "rms_norm_eps": 1e-6,
-      "max_position_embeddings": 128}
+HF = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 6,
+    "vocab_size": 50,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 128,
+}
 
 
 def _head(method: str = "eagle3", slots: int = 0, seed: int = 0) -> tuple[EagleHead, types.SimpleNamespace]:
@@ -36,8 +45,9 @@ def _head(method: str = "eagle3", slots: int = 0, seed: int = 0) -> tuple[EagleH
         for name, p in head.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 0.2)
-    target = types.SimpleNamespace(embed_tokens=torch.nn.Embedding(50, 32),
-                                   cos_sin_cache=rope_cos_sin_cache(arch, 128, torch.device("cpu")))
+    target = types.SimpleNamespace(
+        embed_tokens=torch.nn.Embedding(50, 32), cos_sin_cache=rope_cos_sin_cache(arch, 128, torch.device("cpu"))
+    )
     return head.eval(), target
 
 
@@ -64,7 +74,7 @@ class _Paged:
         arch = head.cfg.layer_arch()
         spec = KVCacheSpec(1, arch.num_kv_heads, arch.head_dim, block_size, kv_format("auto", torch.float32))
         self.cache, self.fmt, self.bs = spec.allocate(blocks, torch.device("cpu"))[0], spec.fmt, block_size
-        self.head, self.target, self.scale = head, target, arch.head_dim ** -0.5
+        self.head, self.target, self.scale = head, target, arch.head_dim**-0.5
         self.table = list(reversed(range(blocks)))  # scattered blocks on purpose
         self.rows = 0
 
@@ -85,9 +95,14 @@ def test_paged_rows_in_chunks_equal_dense_causal_rows():
     embeds = torch.randn(T, 32)
     ids = torch.zeros(1, T + 1, dtype=torch.long)
     feats = torch.randn(1, T + 1, 64)
-    dense = head_block_outputs(head, types.SimpleNamespace(embed_tokens=lambda x: embeds.view(1, T, 32),
-                                                           cos_sin_cache=target.cos_sin_cache),
-                               ids, feats, 1, False)[0][0]
+    dense = head_block_outputs(
+        head,
+        types.SimpleNamespace(embed_tokens=lambda x: embeds.view(1, T, 32), cos_sin_cache=target.cos_sin_cache),
+        ids,
+        feats,
+        1,
+        False,
+    )[0][0]
     paged = _Paged(head, target)
     fused = head.fuse_target(feats[0, :T])
     first = paged(embeds[:5], fused[:5], list(range(5)))[0]
@@ -115,8 +130,8 @@ def test_training_blocks_equal_serving_drafts(parallel):
     fused = head.fuse_target(feats[0])
     for p in (0, 4, L - 1 - S):  # last real row
         paged = _Paged(head, target)
-        out, normed = paged(emb[1:p + 2], fused[:p + 1], list(range(p + 1)))
-        torch.testing.assert_close(normed, blocks[0][1][:p + 1], rtol=1e-5, atol=1e-5)
+        out, normed = paged(emb[1 : p + 2], fused[: p + 1], list(range(p + 1)))
+        torch.testing.assert_close(normed, blocks[0][1][: p + 1], rtol=1e-5, atol=1e-5)
         if parallel:
             me, mh = head.mask_inputs(S - 1)
             paged.rows = p + 1  # the mask rows sit right after the real rows
@@ -127,24 +142,47 @@ def test_training_blocks_equal_serving_drafts(parallel):
             prev = out[-1:]
             for s in range(2, S + 1):  # drafting with the true next tokens (what training feeds)
                 t = p + s - 1
-                prev, normed = paged(emb[t + 1:t + 2], prev, [t])
+                prev, normed = paged(emb[t + 1 : t + 2], prev, [t])
                 torch.testing.assert_close(normed[0], blocks[s - 1][1][t], rtol=1e-5, atol=1e-5)
 
 
 def _acceptance(target: str, head: str, prompts: list[list[int]]) -> float:
-    llm = LLM(model=target, progress=False, kv_cache_memory_bytes=4 << 20,
-              speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False})
-    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=24,
-                                                                            ignore_eos=True))
+    llm = LLM(
+        model=target,
+        progress=False,
+        kv_cache_memory_bytes=4 << 20,
+        speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False},
+    )
+    llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    )
     st = llm.engine.stats
     return st.get("spec_decode_num_accepted_tokens_total") / st.get("spec_decode_num_draft_tokens_total")
 
 
 def test_train_resume_and_beat_a_random_head(tiny_llama_dir, tmp_path):
     out = tmp_path / "head"
-    common = ["--target", str(tiny_llama_dir), "--method", "eagle3", "--out", str(out), "--max-seq-len", "256",
-              "--max-new-tokens", "40", "--num-prompts", "12", "--batch-tokens", "768", "--lr", "2e-3",
-              "--save-every", "10", "--quiet"]
+    common = [
+        "--target",
+        str(tiny_llama_dir),
+        "--method",
+        "eagle3",
+        "--out",
+        str(out),
+        "--max-seq-len",
+        "256",
+        "--max-new-tokens",
+        "40",
+        "--num-prompts",
+        "12",
+        "--batch-tokens",
+        "768",
+        "--lr",
+        "2e-3",
+        "--save-every",
+        "10",
+        "--quiet",
+    ]
     assert train_main(common + ["--steps", "20"]) == 0
     state = torch.load(out / "train_state.pt", weights_only=False)
     assert state["step"] == 20
@@ -156,26 +194,45 @@ def test_train_resume_and_beat_a_random_head(tiny_llama_dir, tmp_path):
     assert (out / "model.safetensors").read_bytes() != first
     rows = [json.loads(line) for line in data.splitlines()]
     assert all(r["num_prompt_tokens"] > 0 for r in rows)
-    prompts = [r["token_ids"][:r["num_prompt_tokens"]] for r in rows[:8]]  # the training prompts
+    prompts = [r["token_ids"][: r["num_prompt_tokens"]] for r in rows[:8]]  # the training prompts
     random_head = make_random_head_dir(str(tiny_llama_dir), tmp_path / "random", "eagle3")
-    trained, untrained = _acceptance(str(tiny_llama_dir), str(out), prompts), \
-        _acceptance(str(tiny_llama_dir), str(random_head), prompts)
+    trained, untrained = (
+        _acceptance(str(tiny_llama_dir), str(out), prompts),
+        _acceptance(str(tiny_llama_dir), str(random_head), prompts),
+    )
     assert trained > untrained + 0.05, (trained, untrained)
 
 
-def test_train_refuses_humaneval(tiny_llama_dir, tmp_path_factory: pytest.TempPathFactory,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_refuses_humaneval(
+    tiny_llama_dir, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
     """HumanEval is refused by the file's name and by a row's content (a copy renamed data.jsonl), before
     anything is written; and only for that: the same prompt in a clean file trains with these flags."""
     tmp_path = tmp_path_factory.mktemp("data")  # tmp_path would be named after this test: "humaneval"
-    argv = ["--target", str(tiny_llama_dir), "--method", "eagle3", "--steps", "1", "--max-seq-len", "128",
-            "--max-new-tokens", "8", "--quiet"]
+    argv = [
+        "--target",
+        str(tiny_llama_dir),
+        "--method",
+        "eagle3",
+        "--steps",
+        "1",
+        "--max-seq-len",
+        "128",
+        "--max-new-tokens",
+        "8",
+        "--quiet",
+    ]
     prompt = 'def incr_list(l: list):\n    """Return list with elements incremented by 1."""\n'
-    fields = {"canonical_solution": "    return [e + 1 for e in l]\n", "entry_point": "incr_list",
-              "test": "def check(candidate):\n    assert candidate([]) == []\n"}
-    cases = [("HumanEval.jsonl", {"prompt": prompt}, "the path names HumanEval"),
-             ("data.jsonl", {"task_id": "HumanEval/42", "prompt": prompt}, "its task_id is 'HumanEval/42'"),
-             ("data.jsonl", {"prompt": prompt, **fields}, "it has HumanEval's fields")]
+    fields = {
+        "canonical_solution": "    return [e + 1 for e in l]\n",
+        "entry_point": "incr_list",
+        "test": "def check(candidate):\n    assert candidate([]) == []\n",
+    }
+    cases = [
+        ("HumanEval.jsonl", {"prompt": prompt}, "the path names HumanEval"),
+        ("data.jsonl", {"task_id": "HumanEval/42", "prompt": prompt}, "its task_id is 'HumanEval/42'"),
+        ("data.jsonl", {"prompt": prompt, **fields}, "it has HumanEval's fields"),
+    ]
     for i, (name, row, reason) in enumerate(cases):
         data = tmp_path / str(i) / name
         data.parent.mkdir()
@@ -230,15 +287,19 @@ def test_reduced_vocab_d2t_round_trip(tmp_path):
     assert _load(tmp_path / "f").d2t is None
 
 
-@pytest.mark.parametrize("bad,match", [
-    (torch.tensor([0, 3, 4, 9, 17, 18, 25, 31, 40, 50]), "outside"),
-    (torch.tensor([-1, 3, 4, 9, 17, 18, 25, 31, 40, 49]), "outside"),
-    (torch.tensor([0, 3, 4, 9, 17, 17, 25, 31, 40, 49]), "duplicate"),
-    (torch.tensor([0, 3, 4, 9, 18, 17, 25, 31, 40, 49]), "ascending"),
-    (torch.tensor([0, 3, 4, 9, 17]), "draft_vocab_size"),
-    (torch.tensor(D2T, dtype=torch.float32), "integer"),
-    (None, "no d2t"),
-], ids=["too-large", "negative", "duplicate", "unsorted", "wrong-size", "float", "missing"])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (torch.tensor([0, 3, 4, 9, 17, 18, 25, 31, 40, 50]), "outside"),
+        (torch.tensor([-1, 3, 4, 9, 17, 18, 25, 31, 40, 49]), "outside"),
+        (torch.tensor([0, 3, 4, 9, 17, 17, 25, 31, 40, 49]), "duplicate"),
+        (torch.tensor([0, 3, 4, 9, 18, 17, 25, 31, 40, 49]), "ascending"),
+        (torch.tensor([0, 3, 4, 9, 17]), "draft_vocab_size"),
+        (torch.tensor(D2T, dtype=torch.float32), "integer"),
+        (None, "no d2t"),
+    ],
+    ids=["too-large", "negative", "duplicate", "unsorted", "wrong-size", "float", "missing"],
+)
 def test_invalid_d2t_refused(tmp_path, bad, match):
     from safetensors.torch import load_file, save_file
 
@@ -302,8 +363,10 @@ VOCAB, ROWS = 8, 20_000
 
 
 def _requests(params: list[SamplingParams]) -> list[types.SimpleNamespace]:
-    return [types.SimpleNamespace(request_id=f"r{i}", params=p, prompt_token_ids=[1, 2], output_token_ids=[])
-            for i, p in enumerate(params)]
+    return [
+        types.SimpleNamespace(request_id=f"r{i}", params=p, prompt_token_ids=[1, 2], output_token_ids=[])
+        for i, p in enumerate(params)
+    ]
 
 
 @pytest.mark.parametrize("filters", [{}, {"temperature": 0.8, "top_k": 3, "top_p": 0.9}], ids=["none", "filtered"])
@@ -346,8 +409,9 @@ def test_reduced_vocab_drafts_keep_verification_lossless(filters):
     assert torch.isin(drafts, d2t).all() and not q[:, outside].any()
     torch.testing.assert_close(q.sum(-1), torch.ones(2 * ROWS))
     # The draft's distribution is the request's processing over the draft vocabulary.
-    meta = SamplingMetadata.build(params[:VOCAB], [[1, 2]] * VOCAB, [[]] * VOCAB, [None] * VOCAB, len(subset),
-                                  torch.device("cpu"))
+    meta = SamplingMetadata.build(
+        params[:VOCAB], [[1, 2]] * VOCAB, [[]] * VOCAB, [None] * VOCAB, len(subset), torch.device("cpu")
+    )
     torch.testing.assert_close(q[0, d2t], compute_target_probs(drafter[:1], meta.select_rows([0])).squeeze(0))
     flat = torch.stack([torch.zeros(ROWS, dtype=torch.long), drafts[:, 0], drafts[:, 1]], 1).reshape(-1)
     meta = SamplingMetadata.build(params, [[1, 2]] * ROWS, [[]] * ROWS, [None] * ROWS, VOCAB, torch.device("cpu"))
@@ -358,8 +422,12 @@ def test_reduced_vocab_drafts_keep_verification_lossless(filters):
     single = [i for i, o in enumerate(out.output_token_ids) if len(o) == 1]
     first_only = np.array([out.output_token_ids[i][0] for i in single])
     assert len(single) > 0 and np.isin(first_only, subset, invert=True).any()  # the residual emits outside tokens
-    tp = compute_target_probs(target, SamplingMetadata.build(params[:VOCAB], [[1, 2]] * VOCAB, [[]] * VOCAB,
-                                                             [None] * VOCAB, VOCAB, torch.device("cpu"))).double()
+    tp = compute_target_probs(
+        target,
+        SamplingMetadata.build(
+            params[:VOCAB], [[1, 2]] * VOCAB, [[]] * VOCAB, [None] * VOCAB, VOCAB, torch.device("cpu")
+        ),
+    ).double()
     second = torch.multinomial(tp[torch.as_tensor(first_only)].float(), 1, generator=gen)[:, 0].numpy()
     pairs = np.concatenate([firsts, np.stack([first_only, second], 1)])
     joint = (tp[0][:, None] * tp).numpy().ravel()
@@ -380,16 +448,34 @@ def test_train_with_a_reduced_draft_vocab(tiny_llama_dir, tiny_llm, tmp_path):
 
     out = tmp_path / "head"
     vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
-    common = ["--target", str(tiny_llama_dir), "--method", "p-eagle", "--num-mask-slots", "2", "--out", str(out),
-              "--max-seq-len", "128", "--max-new-tokens", "16", "--num-prompts", "4", "--batch-tokens", "512",
-              "--save-every", "1", "--quiet"]
+    common = [
+        "--target",
+        str(tiny_llama_dir),
+        "--method",
+        "p-eagle",
+        "--num-mask-slots",
+        "2",
+        "--out",
+        str(out),
+        "--max-seq-len",
+        "128",
+        "--max-new-tokens",
+        "16",
+        "--num-prompts",
+        "4",
+        "--batch-tokens",
+        "512",
+        "--save-every",
+        "1",
+        "--quiet",
+    ]
     assert train_main(common + ["--steps", "2", "--draft-vocab-size", str(vocab // 2)]) == 0
     cfg = read_head_config(out)
     assert cfg.draft_vocab_size == vocab // 2 and cfg.num_mask_slots == 2
     d2t = load_file(str(out / "model.safetensors"))["d2t"].tolist()
     assert len(d2t) == vocab // 2 and d2t == sorted(set(d2t))
     rows = [json.loads(line) for line in (out / "distill.jsonl").read_text().splitlines()]
-    answers = {t for r in rows for t in r["token_ids"][max(2, r["num_prompt_tokens"]):]}
+    answers = {t for r in rows for t in r["token_ids"][max(2, r["num_prompt_tokens"]) :]}
     assert answers <= set(d2t)  # fewer distinct answer tokens than the draft vocabulary: all kept
     tok = tiny_llm.get_tokenizer()
     seen = {t for r in rows for t in r["token_ids"]}
@@ -397,11 +483,20 @@ def test_train_with_a_reduced_draft_vocab(tiny_llama_dir, tiny_llm, tmp_path):
     assert specials <= seen and specials <= set(d2t)
     assert train_main(common + ["--steps", "3", "--resume", "--draft-vocab-size", "0"]) == 2
     assert train_main(common + ["--steps", "3", "--resume", "--draft-vocab-size", str(vocab // 2)]) == 0
-    prompts = [r["token_ids"][:r["num_prompt_tokens"]] for r in rows]
+    prompts = [r["token_ids"][: r["num_prompt_tokens"]] for r in rows]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
-              speculative_config={"method": "eagle3", "model": str(out), "num_speculative_tokens": 3,
-                                  "parallel_drafting": True, "adaptive": False})
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        kv_cache_memory_bytes=4 << 20,
+        speculative_config={
+            "method": "eagle3",
+            "model": str(out),
+            "num_speculative_tokens": 3,
+            "parallel_drafting": True,
+            "adaptive": False,
+        },
+    )
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     plain = [o.outputs[0].token_ids for o in tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == plain

@@ -1,6 +1,7 @@
 """The EAGLE head's start-up forwards (speculative/proposers/eagle_warmup.py; an engine runs them on CUDA, where they
 compile kernels): every size that fits the head's KV pool and the position table runs once, eagerly,
 without taking a block a request could hold, and the tokens afterwards are unchanged."""
+
 from __future__ import annotations
 
 from specserve import LLM, SamplingParams
@@ -12,8 +13,12 @@ from specserve.speculative.proposers.eagle_head import make_random_head_dir
 def test_eager_head_forwards_cover_every_size_that_fits(tiny_llama_dir, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(warmup, "SPLIT_CONTEXT", 128)  # the tiny model holds 512 positions
     head = make_random_head_dir(str(tiny_llama_dir), tmp_path / "h")
-    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20,
-              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        kv_cache_memory_bytes=4 << 20,
+        speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3},
+    )
     prompt, params = {"prompt_token_ids": list(range(5, 45))}, SamplingParams(temperature=0.0, max_tokens=8)
     before = llm.generate(prompt, params)[0].outputs[0].token_ids
     proposer = llm.engine.spec.proposer

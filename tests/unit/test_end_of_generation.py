@@ -1,6 +1,7 @@
 """Tokens that end generation beyond config.json's eos_token_id: a GGUF's end-of-generation control
 tokens (llama.cpp's rule; Qwen2.5-Instruct GGUFs name <|im_end|> only, and the model also ends with
 <|endoftext|>) and an HF dir's generation_config.json eos ids (vLLM's rule)."""
+
 from __future__ import annotations
 
 import json
@@ -30,11 +31,11 @@ def test_generation_config_eos_ids_end_generation(tiny_llama_dir, tmp_path) -> N
     for f in tiny_llama_dir.iterdir():
         (model_dir / f.name).symlink_to(f)
     config = json.loads((tiny_llama_dir / "config.json").read_text())
-    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [config.get("eos_token_id", 0),
-                                                                                     stop_at]}))
+    (model_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [config.get("eos_token_id", 0), stop_at]})
+    )
     llm = LLM(model=str(model_dir), progress=False, kv_cache_memory_bytes=4 << 20)
     assert stop_at in llm.engine.eos_token_ids
     got = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0]
     first = out.token_ids.index(stop_at)
-    assert got.token_ids == out.token_ids[:first + 1] and got.finish_reason == "stop"
-
+    assert got.token_ids == out.token_ids[: first + 1] and got.finish_reason == "stop"

@@ -4,6 +4,7 @@ captured CUDA-graph length (runner/batch.py pad_to_query_len, runner/cuda_graph.
 The padded batch must give the real rows exactly the logits of the ragged one: checked on the CPU
 by running both layouts through the same eager forward, on the same KV cache.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -43,11 +44,11 @@ def test_padded_layout(tiny_llama_dir):
     assert (p.seq_lens == host.seq_lens + np.array([3, 0, 2])).all()
     for i, (c, q) in enumerate(zip(host.cu_query_lens[:-1], host.query_lens)):
         real = slice(4 * i, 4 * i + q)
-        assert (p.input_ids[real] == host.input_ids[c:c + q]).all()
-        assert (p.positions[real] == host.positions[c:c + q]).all()
-        assert (p.slot_mapping[real] == host.slot_mapping[c:c + q]).all()
-        assert (p.slot_mapping[4 * i + q:4 * i + 4] == -1).all()  # padding stores no K/V
-        assert (np.diff(p.positions[4 * i:4 * i + 4]) == 1).all()
+        assert (p.input_ids[real] == host.input_ids[c : c + q]).all()
+        assert (p.positions[real] == host.positions[c : c + q]).all()
+        assert (p.slot_mapping[real] == host.slot_mapping[c : c + q]).all()
+        assert (p.slot_mapping[4 * i + q : 4 * i + 4] == -1).all()  # padding stores no K/V
+        assert (np.diff(p.positions[4 * i : 4 * i + 4]) == 1).all()
     # The same tokens are scored, in the same row order.
     assert (p.input_ids[p.logits_indices] == host.input_ids[host.logits_indices]).all()
     assert p.logit_rows == host.logit_rows
@@ -67,9 +68,14 @@ def test_padded_step_gives_the_same_logits(tiny_llama_dir):
 
 def _graphs(query_lens, sizes_by_q, max_model_len=64, max_blocks=8, catch_up_query_lens=(), mixed_sizes=None):
     """A CudaGraphRunner's choosing part, without its buffers and graphs (no CUDA on the CPU)."""
-    ns = SimpleNamespace(query_lens=query_lens, sizes_by_q=sizes_by_q, max_model_len=max_model_len,
-                         max_blocks=max_blocks, catch_up_query_lens=catch_up_query_lens,
-                         mixed_sizes=mixed_sizes or {})
+    ns = SimpleNamespace(
+        query_lens=query_lens,
+        sizes_by_q=sizes_by_q,
+        max_model_len=max_model_len,
+        max_blocks=max_blocks,
+        catch_up_query_lens=catch_up_query_lens,
+        mixed_sizes=mixed_sizes or {},
+    )
     for name in ("graph_key", "scores_rows", "_fits", "mixed_key"):
         setattr(ns, name, getattr(CudaGraphRunner, name).__get__(ns))
     ns.num_tokens_of = CudaGraphRunner.num_tokens_of
@@ -87,8 +93,9 @@ def test_graph_for_picks_exact_then_shortest_padding(tiny_llama_dir):
     assert key == (4, 5) and batch.query_lens == [5, 5, 5]
     g.query_lens = (1, 2)  # nothing holds a 3-token sequence: eager
     assert CudaGraphRunner.graph_for(g, host) is None
-    _, uniform = _ragged_step(LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20),
-                              [[1, 2], [3, 4]])
+    _, uniform = _ragged_step(
+        LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20), [[1, 2], [3, 4]]
+    )
     g = _graphs((1, 3), {1: (1, 2), 3: (1, 2)}, max_model_len=llm.engine.max_model_len)
     batch, key = CudaGraphRunner.graph_for(g, uniform)
     assert batch is uniform and key == (2, 3)
@@ -100,8 +107,12 @@ def test_catch_up_graphs_only_for_one_scored_row_per_sequence(tiny_llama_dir):
     pads to it."""
     llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
     _, verify = _ragged_step(llm, [[], [5, 6], [8]])  # query lengths 1, 3, 2, every row scored
-    g = _graphs((1, 2, 4, 16), {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2, 4), 16: (1, 2, 4)},
-                max_model_len=llm.engine.max_model_len, catch_up_query_lens=(4,))
+    g = _graphs(
+        (1, 2, 4, 16),
+        {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2, 4), 16: (1, 2, 4)},
+        max_model_len=llm.engine.max_model_len,
+        catch_up_query_lens=(4,),
+    )
     batch, key = CudaGraphRunner.graph_for(g, verify)
     assert key == (4, 16) and batch.query_lens == [16, 16, 16]  # not the catch-up length 4
     g.query_lens, g.catch_up_query_lens = (1, 2, 4), (4, 16)
@@ -170,8 +181,12 @@ def test_short_prefill_pads_to_a_prefill_graph(tiny_llama_dir):
     sched = eng.scheduler.schedule()
     host = build_host_batch(sched, eng.kv.block_ids, eng.kv.block_size)
     assert sorted(host.query_lens) == [1, 13]  # the document was a prefix hit
-    g = _graphs((1, 2, 16, 64), {1: (1, 2, 4), 2: (1, 2, 4), 16: (1, 2), 64: (1, 2)},
-                max_model_len=eng.max_model_len, max_blocks=64)
+    g = _graphs(
+        (1, 2, 16, 64),
+        {1: (1, 2, 4), 2: (1, 2, 4), 16: (1, 2), 64: (1, 2)},
+        max_model_len=eng.max_model_len,
+        max_blocks=64,
+    )
     batch, key = CudaGraphRunner.graph_for(g, host)
     assert key == (2, 16) and batch.query_lens == [16, 16]
     assert (batch.input_ids[batch.logits_indices] == host.input_ids[host.logits_indices]).all()

@@ -1,6 +1,7 @@
 """specserve imports and generates on a CPU machine without triton (DESIGN: the GPU kernels are
 imported only when selected). triton reaches most machines only through xgrammar's Linux x86_64
 wheels, so elsewhere `from specserve import LLM` must not need it."""
+
 from __future__ import annotations
 
 import subprocess

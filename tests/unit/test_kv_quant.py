@@ -6,6 +6,7 @@ Bounds checked (x one element, amax over its scale group, s the dequantized scal
   nvfp4: |x_hat - x| <= max(|x|, s) / 4, s = e4m3 block scale * global scale,
          s <= 1.125 amax / 6 when the block scale is a normal e4m3 (else s <= amax/6 + 2^-9 g).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,11 +31,11 @@ def _check_fp8(x: torch.Tensor) -> None:
     ref = x.double()
     amax = ref.abs().amax(-1, keepdim=True)
     s = scale.double()  # [N, H, 1]
-    assert torch.all(s <= amax / 448 * (1 + 2 ** -10) + 2 ** -24)
+    assert torch.all(s <= amax / 448 * (1 + 2**-10) + 2**-24)
     err = (x_hat - ref).abs()
-    bound = 2 ** -4 * ref.abs() + 2 ** -10 * s
+    bound = 2**-4 * ref.abs() + 2**-10 * s
     assert torch.all(err <= bound * (1 + FP32_SLACK) + 1e-30)
-    assert torch.all(err <= 2 ** -4 * amax * (1 + FP32_SLACK) + 2 ** -30)
+    assert torch.all(err <= 2**-4 * amax * (1 + FP32_SLACK) + 2**-30)
     assert torch.isfinite(x_hat).all()
 
 
@@ -48,9 +49,9 @@ def _check_nvfp4(x: torch.Tensor, global_scale: float = 4.0) -> None:
     s = (scale.double() * global_scale).unsqueeze(-1)  # [N, H, G, 1]
     amax = ref.abs().amax(-1, keepdim=True)
     assert torch.all(ref.abs() <= 6 * s * (1 + FP32_SLACK)), "a block scale was rounded down"
-    normal = scale.double().unsqueeze(-1) >= 2 ** -6
+    normal = scale.double().unsqueeze(-1) >= 2**-6
     assert torch.all(~normal | (s <= 1.125 * amax / 6 * (1 + FP32_SLACK)))
-    assert torch.all(s <= amax / 6 * 1.125 + 2 ** -9 * global_scale)
+    assert torch.all(s <= amax / 6 * 1.125 + 2**-9 * global_scale)
     err = (x_hat.reshape(ref.shape) - ref).abs()
     assert torch.all(err <= torch.maximum(ref.abs(), s) / 4 * (1 + FP32_SLACK))
     assert torch.isfinite(x_hat).all()
@@ -99,7 +100,7 @@ def test_special_values(name: str) -> None:
     x_hat, _ = _round_trip(x, name)
     assert torch.all(x_hat[:, :, :16] == 0) and torch.all(x_hat[2] == 0)
     assert torch.all(x_hat[6] <= 0)
-    rel = 2 ** -4 if name == "fp8" else 2 ** -2
+    rel = 2**-4 if name == "fp8" else 2**-2
     assert (x_hat[3, 0, 16:] - 1e4).abs().max() <= 1e4 * rel
 
 
@@ -191,8 +192,9 @@ def test_write_overwrites_only_its_slots() -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_capacity_gain_per_byte(head_dim: int) -> None:
     def blocks(name: str) -> int:
-        spec = KVCacheSpec(num_layers=24, num_kv_heads=8, head_dim=head_dim, block_size=16,
-                           fmt=kv_format(name, torch.bfloat16))
+        spec = KVCacheSpec(
+            num_layers=24, num_kv_heads=8, head_dim=head_dim, block_size=16, fmt=kv_format(name, torch.bfloat16)
+        )
         return spec.num_blocks_for(8 << 30)
 
     assert blocks("fp8") >= 1.9 * blocks("bfloat16")

@@ -2,6 +2,7 @@
 functions included): the top-level packages form layers and import only downwards, no package
 imports another's private (`_name`) names, `distributed` does not import `server`, and the engine
 core imports no web framework."""
+
 from __future__ import annotations
 
 import ast
@@ -32,8 +33,21 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 FRONT_ENDS = set(LAYERS[-1])
-ENGINE_CORE = {"config", "sampling_params", "metrics", "kernels", "kv", "attention", "model", "scheduler",
-               "sample", "runner", "distributed", "speculative", "engine"}
+ENGINE_CORE = {
+    "config",
+    "sampling_params",
+    "metrics",
+    "kernels",
+    "kv",
+    "attention",
+    "model",
+    "scheduler",
+    "sample",
+    "runner",
+    "distributed",
+    "speculative",
+    "engine",
+}
 WEB = {"fastapi", "uvicorn", "pydantic", "starlette"}
 
 
@@ -43,8 +57,11 @@ def _package_of(path: Path) -> str:
 
 
 def _top_level_names() -> set[str]:
-    return {p.name if p.is_dir() else p.stem for p in ROOT.iterdir()
-            if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py")}
+    return {
+        p.name if p.is_dir() else p.stem
+        for p in ROOT.iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py")
+    }
 
 
 def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
@@ -57,7 +74,7 @@ def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
             if node.level:  # relative: resolve against the file's package
-                base = rel[:len(rel) - node.level]
+                base = rel[: len(rel) - node.level]
                 module = ".".join(base) + (f".{module}" if module else "")
             out.append((node.lineno, module, [alias.name for alias in node.names]))
     return out
@@ -105,7 +122,7 @@ def _cycle(edges: dict[tuple[str, str], list[str]]) -> list[str] | None:
         stack.append(n)
         for m in sorted(graph[n]):
             if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in state and (found := visit(m)):
                 return found
         stack.pop()
@@ -125,13 +142,19 @@ def test_every_package_has_a_layer() -> None:
 
 def test_no_import_cycle_between_packages() -> None:
     cycle = _cycle(EDGES)
-    assert cycle is None, " -> ".join(cycle or []) + "\n" + "\n".join(
-        f"{a} -> {b}: {EDGES[(a, b)][0]}" for a, b in zip(cycle or [], (cycle or [])[1:]))
+    assert cycle is None, (
+        " -> ".join(cycle or [])
+        + "\n"
+        + "\n".join(f"{a} -> {b}: {EDGES[(a, b)][0]}" for a, b in zip(cycle or [], (cycle or [])[1:]))
+    )
 
 
 def test_imports_go_down_the_layers() -> None:
-    upward = [f"{a} -> {b} ({', '.join(locs[:3])})" for (a, b), locs in sorted(EDGES.items())
-              if a in RANK and b in RANK and RANK[b] >= RANK[a] and not (a in FRONT_ENDS and b in FRONT_ENDS)]
+    upward = [
+        f"{a} -> {b} ({', '.join(locs[:3])})"
+        for (a, b), locs in sorted(EDGES.items())
+        if a in RANK and b in RANK and RANK[b] >= RANK[a] and not (a in FRONT_ENDS and b in FRONT_ENDS)
+    ]
     assert not upward, "imports against the layer order:\n" + "\n".join(upward)
 
 

@@ -6,6 +6,7 @@ On the CPU: which graph a step takes, and that the padded layout gives the real 
 of the ragged eager step (the same forward, the same KV cache). tests/gpu/test_mixed_graphs_gpu.py
 replays the graphs themselves.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -43,7 +44,10 @@ def _pad_like_a_mixed_graph(host: HostBatch, num_seqs: int, num_tokens: int) -> 
         block_tables=np.concatenate([host.block_tables, np.zeros((extra, host.block_tables.shape[1]), np.int32)]),
         seq_lens=np.concatenate([host.seq_lens, np.zeros(extra, np.int32)]),
         cu_query_lens=np.concatenate([host.cu_query_lens, np.full(extra, host.cu_query_lens[s], np.int32)]),
-        logits_indices=host.logits_indices, query_lens=host.query_lens + [0] * extra, logit_rows=host.logit_rows)
+        logits_indices=host.logits_indices,
+        query_lens=host.query_lens + [0] * extra,
+        logit_rows=host.logit_rows,
+    )
 
 
 def test_mixed_graph_sizes_take_powers_of_two_below_the_token_count():
@@ -79,8 +83,12 @@ def test_uniform_padding_wins_when_it_runs_fewer_rows(tiny_llama_dir):
     the smallest mixed graph that holds them; otherwise the mixed graph takes them as they are."""
     llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20)
     _, host = _ragged_step(llm, [[], [5, 6], [8]])  # query lengths 1, 3, 2: 6 tokens
-    g = _graphs((1, 3, 13), {1: (1, 2, 4), 3: (1, 2, 4), 13: (1, 2, 4)}, max_model_len=llm.engine.max_model_len,
-                mixed_sizes={8: (1, 2, 4), 16: (1, 2, 4)})
+    g = _graphs(
+        (1, 3, 13),
+        {1: (1, 2, 4), 3: (1, 2, 4), 13: (1, 2, 4)},
+        max_model_len=llm.engine.max_model_len,
+        mixed_sizes={8: (1, 2, 4), 16: (1, 2, 4)},
+    )
     batch, key = CudaGraphRunner.graph_for(g, host)
     assert key == (4, 8, 8) and batch is host  # 8 rows against the length-3 graph's 4 x 3 = 12
     g.mixed_sizes = {12: (1, 2, 4)}

@@ -1,4 +1,5 @@
 """torch's CPU thread count for serve / generate / chat: --num-threads, else one core left for Python."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,13 +10,16 @@ import torch
 from specserve.server import cli_args
 
 
-@pytest.mark.parametrize("requested,available,torch_default,want", [
-    (None, 2, 2, 1),  # two cores: the engine and HTTP threads keep one
-    (None, 1, 1, 1),
-    (None, 16, 8, 8),  # never more than torch's own default (physical cores, or OMP_NUM_THREADS)
-    (None, 4, 16, 3),  # a container's share, not the host's cores
-    (3, 2, 2, 3),  # --num-threads wins
-])
+@pytest.mark.parametrize(
+    "requested,available,torch_default,want",
+    [
+        (None, 2, 2, 1),  # two cores: the engine and HTTP threads keep one
+        (None, 1, 1, 1),
+        (None, 16, 8, 8),  # never more than torch's own default (physical cores, or OMP_NUM_THREADS)
+        (None, 4, 16, 3),  # a container's share, not the host's cores
+        (3, 2, 2, 3),  # --num-threads wins
+    ],
+)
 def test_choose_num_threads(requested, available, torch_default, want):
     assert cli_args.choose_num_threads(requested, available, torch_default) == want
 

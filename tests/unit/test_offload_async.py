@@ -1,6 +1,7 @@
 """Offload internals: the slot slab, CPU tier slots and leases, packed payloads, and the
 asynchronous store path of KVOffloader (visible only once copied; snapshots taken before the
 block is reused), on the CPU."""
+
 from __future__ import annotations
 
 import threading
@@ -24,8 +25,11 @@ def _payload(i: int, numel: int = 64) -> dict[str, torch.Tensor]:
 
 
 def _same(a, b) -> bool:
-    return a is not None and set(a) == set(b) and all(
-        torch.equal(a[k].view(torch.uint8), b[k].contiguous().view(torch.uint8)) for k in b)
+    return (
+        a is not None
+        and set(a) == set(b)
+        and all(torch.equal(a[k].view(torch.uint8), b[k].contiguous().view(torch.uint8)) for k in b)
+    )
 
 
 def test_slab_grows_in_chunks_up_to_its_budget() -> None:
@@ -112,6 +116,7 @@ def test_packed_payload_views_and_runs() -> None:
 
 
 # -- the store path through KVOffloader --------------------------------------------------------
+
 
 def _caches(kv_dtype: str = "fp8", num_blocks: int = 8):
     fmt = kv_format(kv_dtype, torch.bfloat16)
@@ -211,8 +216,9 @@ def test_block_evicted_before_its_forward_is_not_stored() -> None:
 def test_store_skips_known_blocks_and_close_flushes(tmp_path) -> None:
     caches, fmt = _caches()
     _fill(caches, fmt, 1, seed=1)
-    off = KVOffloader(OffloadConfig(cpu_bytes=1 << 20, disk_path=str(tmp_path), disk_bytes=1 << 20),
-                      caches, "ns", block_size=4)
+    off = KVOffloader(
+        OffloadConfig(cpu_bytes=1 << 20, disk_path=str(tmp_path), disk_bytes=1 << 20), caches, "ns", block_size=4
+    )
     off.block_completed(b"k", 1)
     off.after_forward()
     off.block_completed(b"k", 1)  # completed again (another request): already stored
@@ -222,8 +228,13 @@ def test_store_skips_known_blocks_and_close_flushes(tmp_path) -> None:
     assert len(list(tmp_path.glob("*.kvb"))) == 1
 
 
-@pytest.mark.parametrize("dst", [[20, 21, 22, 5, 6, 7, 8, 9, 10, 11, 12, 13],  # runs: slice copies
-                                 [23, 1, 19, 3, 17, 5, 15, 7, 13, 9, 11, 2]])  # scattered: index_copy_
+@pytest.mark.parametrize(
+    "dst",
+    [
+        [20, 21, 22, 5, 6, 7, 8, 9, 10, 11, 12, 13],  # runs: slice copies
+        [23, 1, 19, 3, 17, 5, 15, 7, 13, 9, 11, 2],
+    ],
+)  # scattered: index_copy_
 def test_insert_blocks_into_any_ids(dst: list[int]) -> None:
     from specserve.kv.offload.base import extract_blocks, insert_blocks
 

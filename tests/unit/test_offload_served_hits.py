@@ -1,5 +1,6 @@
 """kv_offload_hits_total{tier} counts tokens loaded into a request's KV from that tier, not the
 blocks a tier read: a lookup that finds 3 blocks of which only 2 are loaded counts 2 blocks."""
+
 from __future__ import annotations
 
 import torch
@@ -16,12 +17,18 @@ BLOCK = 4
 def test_hits_count_loaded_blocks_per_tier(tmp_path) -> None:
     fmt = kv_format("bfloat16", torch.bfloat16)
     caches = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16, block_size=BLOCK, fmt=fmt).allocate(
-        16, torch.device("cpu"))
+        16, torch.device("cpu")
+    )
     for b in range(4):
         g = torch.Generator().manual_seed(b)
         for cache in caches:
-            write_kv(cache, fmt, torch.arange(b * BLOCK, b * BLOCK + BLOCK), torch.randn(BLOCK, 2, 16, generator=g),
-                     torch.randn(BLOCK, 2, 16, generator=g))
+            write_kv(
+                cache,
+                fmt,
+                torch.arange(b * BLOCK, b * BLOCK + BLOCK),
+                torch.randn(BLOCK, 2, 16, generator=g),
+                torch.randn(BLOCK, 2, 16, generator=g),
+            )
     stats = StatsCollector()
     off = KVOffloader(OffloadConfig(cpu_bytes=1 << 20), caches, "ns", block_size=BLOCK, stats=stats)
     for i in range(3):

@@ -1,5 +1,6 @@
 """Offload tiers: CPU LRU, disk files (budget, restart, corruption, concurrency, async writes),
 the tiered store, and block extract / insert through a real paged cache."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -38,17 +39,23 @@ def _key(i: int) -> bytes:
 def _payload(i: int, numel: int = 256) -> BlockPayload:
     """Deterministic per key, so any process can check what another one wrote."""
     g = torch.Generator().manual_seed(i)
-    return {"0.key": torch.randn(numel, generator=g).bfloat16(),
-            "0.value": torch.randn(numel, generator=g).to(torch.float8_e4m3fn),
-            "0.key_scale": torch.rand(numel // 16, generator=g).half()}
+    return {
+        "0.key": torch.randn(numel, generator=g).bfloat16(),
+        "0.value": torch.randn(numel, generator=g).to(torch.float8_e4m3fn),
+        "0.key_scale": torch.rand(numel // 16, generator=g).half(),
+    }
 
 
 def _same(a: BlockPayload | None, b: BlockPayload) -> bool:
     """Bit-exact equality (float8 has no torch.equal kernel on every build)."""
     if a is None or set(a) != set(b):
         return False
-    return all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-               and torch.equal(a[k].view(torch.uint8), b[k].contiguous().view(torch.uint8)) for k in b)
+    return all(
+        a[k].dtype == b[k].dtype
+        and a[k].shape == b[k].shape
+        and torch.equal(a[k].view(torch.uint8), b[k].contiguous().view(torch.uint8))
+        for k in b
+    )
 
 
 FILE_BYTES = len(encode_entry(_key(0), _payload(0), NS))
@@ -81,8 +88,10 @@ def test_cpu_lru_and_budget() -> None:
     assert s.bytes_in == 4 * size and s.bytes_out == size
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.uint8,
-                                   torch.float8_e4m3fn, torch.float8_e5m2, torch.int64])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.bfloat16, torch.float32, torch.float16, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64],
+)
 def test_disk_exact_round_trip(tmp_path: Path, dtype: torch.dtype) -> None:
     base = torch.randn(3, 5, 7) * 100
     tensor = base.to(torch.uint8) if dtype == torch.uint8 else base.to(dtype)
@@ -139,8 +148,9 @@ def _corrupt(path: Path, kind: str, other: Path) -> None:
     path.write_bytes(bytes(blob))
 
 
-@pytest.mark.parametrize("kind", ["flipped_body_byte", "truncated", "wrong_version", "garbage",
-                                  "empty", "other_key", "foreign_namespace"])
+@pytest.mark.parametrize(
+    "kind", ["flipped_body_byte", "truncated", "wrong_version", "garbage", "empty", "other_key", "foreign_namespace"]
+)
 def test_bad_files_are_counted_misses(tmp_path: Path, kind: str) -> None:
     writer = _disk(tmp_path, 8)
     writer.put(_key(1), _payload(1))
@@ -161,8 +171,7 @@ def test_bad_files_are_counted_misses(tmp_path: Path, kind: str) -> None:
     reader.close()
 
 
-def test_pending_writes_are_served_and_put_never_blocks(tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pending_writes_are_served_and_put_never_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
     real_write = DiskTier._write
 
@@ -213,8 +222,7 @@ def test_two_processes_share_a_directory(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("spawn")
     # Keys 20..39 are written by both processes at about the same time.
     barrier = ctx.Barrier(2)
-    procs = [ctx.Process(target=_writer_process, args=(str(tmp_path), first, 40, barrier))
-             for first in (0, 20)]
+    procs = [ctx.Process(target=_writer_process, args=(str(tmp_path), first, 40, barrier)) for first in (0, 20)]
     for p in procs:
         p.start()
     for p in procs:

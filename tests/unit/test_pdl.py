@@ -1,5 +1,6 @@
 """SPECSERVE_PDL parsing, where programmatic dependent launch may be used, and what the attention
 kernels may load before their PDL wait (kernels/pdl.py)."""
+
 from __future__ import annotations
 
 import ast
@@ -44,18 +45,27 @@ def test_gemv_prefetch_rule() -> None:
 # Read from the kernels' source (no GPU, no interpreter). Before `pdl_prologue(` only batch metadata
 # and constant tables may be touched (kernels/pdl.py); q/k/v, the KV cache, the split-KV
 # partials, counters and the output only after it, and no store or return may come first.
-PRE_WAIT_ALLOWED = frozenset({"positions_ptr", "slot_mapping_ptr", "seq_lens_ptr", "cu_query_lens_ptr",
-                              "block_tables_ptr", "cos_sin_ptr"})
+PRE_WAIT_ALLOWED = frozenset(
+    {"positions_ptr", "slot_mapping_ptr", "seq_lens_ptr", "cu_query_lens_ptr", "block_tables_ptr", "cos_sin_ptr"}
+)
 # kernel (module, name) -> (pointers it must read before the wait, pointers it must touch after it)
 PRE_WAIT_KERNELS = {
-    ("specserve.attention.triton_rope_cache", "_rope_and_cache_kernel"):
-        ({"positions_ptr", "cos_sin_ptr", "slot_mapping_ptr"}, {"q_ptr", "k_ptr", "v_ptr", "key_cache_ptr"}),
-    ("specserve.attention.triton_paged", "_paged_attention_kernel"):
-        ({"cu_query_lens_ptr", "seq_lens_ptr", "block_tables_ptr"}, {"q_ptr", "key_cache_ptr", "part_m_ptr"}),
-    ("specserve.attention.triton_paged", "_reduce_splits_kernel"):
-        ({"cu_query_lens_ptr"}, {"part_m_ptr", "part_acc_ptr", "out_ptr"}),
-    ("specserve.attention.triton_kv_write", "_reshape_and_cache_kernel"):
-        ({"slot_mapping_ptr"}, {"key_ptr", "value_ptr", "key_cache_ptr"}),
+    ("specserve.attention.triton_rope_cache", "_rope_and_cache_kernel"): (
+        {"positions_ptr", "cos_sin_ptr", "slot_mapping_ptr"},
+        {"q_ptr", "k_ptr", "v_ptr", "key_cache_ptr"},
+    ),
+    ("specserve.attention.triton_paged", "_paged_attention_kernel"): (
+        {"cu_query_lens_ptr", "seq_lens_ptr", "block_tables_ptr"},
+        {"q_ptr", "key_cache_ptr", "part_m_ptr"},
+    ),
+    ("specserve.attention.triton_paged", "_reduce_splits_kernel"): (
+        {"cu_query_lens_ptr"},
+        {"part_m_ptr", "part_acc_ptr", "out_ptr"},
+    ),
+    ("specserve.attention.triton_kv_write", "_reshape_and_cache_kernel"): (
+        {"slot_mapping_ptr"},
+        {"key_ptr", "value_ptr", "key_cache_ptr"},
+    ),
 }
 
 
@@ -133,9 +143,10 @@ def _pre_wait_problems(fn) -> tuple[list[str], set[str], set[str]]:
     if len(waits) != 1 or len(top) != 1:
         problem = f"expected one unconditional top-level pdl_prologue call: {len(waits)} calls, {len(top)} at top level"
         return [problem], set(), set()
-    before, after = fn.body[:top[0]], fn.body[top[0] + 1:]
-    problems = [f"return before the wait (line {n.lineno})" for s in before for n in ast.walk(s)
-                if isinstance(n, ast.Return)]
+    before, after = fn.body[: top[0]], fn.body[top[0] + 1 :]
+    problems = [
+        f"return before the wait (line {n.lineno})" for s in before for n in ast.walk(s) if isinstance(n, ast.Return)
+    ]
     pre = set()
     for what, ptrs in _memory_accesses(before, _pointer_deps(before, params)):
         if what == "store":
@@ -165,8 +176,9 @@ def test_pre_wait_check_catches_a_late_wait(module: str, name: str) -> None:
     wait = fn.body.pop(i)
     params = {a.arg for a in fn.args.args}
     deps = _pointer_deps(fn.body, params)
-    first_data = next(j for j, s in enumerate(fn.body) if j >= i and any(
-        p - PRE_WAIT_ALLOWED for _, p in _memory_accesses([s], deps)))
+    first_data = next(
+        j for j, s in enumerate(fn.body) if j >= i and any(p - PRE_WAIT_ALLOWED for _, p in _memory_accesses([s], deps))
+    )
     for at in (first_data + 1, len(fn.body)):
         fn.body.insert(at, wait)
         assert _pre_wait_problems(fn)[0], f"{name} with the wait after statement {at}: not reported"

@@ -6,6 +6,7 @@
 - kernel_flags / half_rows_apply: nvfp4 v7 skips the second half of a q block's rows only where no
   query row can sit there.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,15 +20,18 @@ from specserve.attention.triton_quant_nvfp4 import half_rows_apply, kernel_flags
 SMS = 132
 
 
-@pytest.mark.parametrize("num_seqs,max_seq_len,want", [
-    (32, 32768, "v7"),  # the issue's shape: 256 programs before splitting
-    (32, 131072, "v7"),
-    (17, 16384, "v7"),  # 136 >= 132 programs, at the context threshold
-    (16, 32768, "v4"),  # 128 programs: fewer than the SMs
-    (1, 131072, "v4"),  # latency-bound
-    (32, 4096, "v4"),  # short contexts: level on the H200
-    (32, 16383, "v4"),
-])
+@pytest.mark.parametrize(
+    "num_seqs,max_seq_len,want",
+    [
+        (32, 32768, "v7"),  # the issue's shape: 256 programs before splitting
+        (32, 131072, "v7"),
+        (17, 16384, "v7"),  # 136 >= 132 programs, at the context threshold
+        (16, 32768, "v4"),  # 128 programs: fewer than the SMs
+        (1, 131072, "v4"),  # latency-bound
+        (32, 4096, "v4"),  # short contexts: level on the H200
+        (32, 16383, "v4"),
+    ],
+)
 def test_nvfp4_default_variant_follows_the_launch(num_seqs: int, max_seq_len: int, want: str) -> None:
     assert triton_quant.default_variant("nvfp4", num_seqs, 8, 1, max_seq_len, SMS) == want
     assert want in triton_quant.VARIANTS["nvfp4"]
@@ -59,18 +63,20 @@ def test_offsets_fit_int32_at_the_boundary() -> None:
     assert not offsets_fit_int32(strided)
 
 
-@pytest.mark.parametrize("max_query_len,group,want", [
-    (1, 4, True),  # the issue's decode: 4 rows of 16
-    (1, 8, True),
-    (2, 4, True),  # a 2-token verify step at GQA 4
-    (1, 1, True),
-    (1, 9, False),
-    (3, 4, False),
-    (5, 2, False),
-    (16, 4, False),  # prefill chunks
-])
-def test_v7_half_rows_only_where_no_query_row_is_in_the_second_half(max_query_len: int, group: int,
-                                                                     want: bool) -> None:
+@pytest.mark.parametrize(
+    "max_query_len,group,want",
+    [
+        (1, 4, True),  # the issue's decode: 4 rows of 16
+        (1, 8, True),
+        (2, 4, True),  # a 2-token verify step at GQA 4
+        (1, 1, True),
+        (1, 9, False),
+        (3, 4, False),
+        (5, 2, False),
+        (16, 4, False),  # prefill chunks
+    ],
+)
+def test_v7_half_rows_only_where_no_query_row_is_in_the_second_half(max_query_len: int, group: int, want: bool) -> None:
     block_m = triton_quant.quant_attention_config(max_query_len, group, 128, "nvfp4", "v7")[0]
     assert half_rows_apply(max_query_len, group, block_m) == want
     # every query row of a sequence is below max_query_len * group in its q block (triton_quant_common._locate)

@@ -1,4 +1,5 @@
 """The front door's routing (pure Python, no Ray) and its /metrics merge."""
+
 from __future__ import annotations
 
 import pytest
@@ -53,22 +54,28 @@ def test_round_robin_and_exclusions():
 
 
 def test_merged_metrics_label_each_replica_and_parse():
-    page = ("# HELP specserve:num_requests_waiting Waiting.\n# TYPE specserve:num_requests_waiting gauge\n"
-            "specserve:num_requests_waiting 2.0\n"
-            "# HELP specserve:request_success_total Done.\n# TYPE specserve:request_success_total counter\n"
-            'specserve:request_success_total{finished_reason="stop"} 5.0\n')
+    page = (
+        "# HELP specserve:num_requests_waiting Waiting.\n# TYPE specserve:num_requests_waiting gauge\n"
+        "specserve:num_requests_waiting 2.0\n"
+        "# HELP specserve:request_success_total Done.\n# TYPE specserve:request_success_total counter\n"
+        'specserve:request_success_total{finished_reason="stop"} 5.0\n'
+    )
     merged = merge_metrics([("0", page), ("1", page.replace("2.0", "3.0"))])
     assert merged.count("# TYPE specserve:num_requests_waiting gauge") == 1
     snap = parse_metrics(merged, 0.0)
     assert snap.by_label("num_requests_waiting", "replica") == {"0": 2.0, "1": 3.0}
-    assert snap.samples["request_success_total"] == [({"finished_reason": "stop", "replica": "0"}, 5.0),
-                                                     ({"finished_reason": "stop", "replica": "1"}, 5.0)]
+    assert snap.samples["request_success_total"] == [
+        ({"finished_reason": "stop", "replica": "0"}, 5.0),
+        ({"finished_reason": "stop", "replica": "1"}, 5.0),
+    ]
 
 
 def test_advise_reads_gauges_per_replica_on_a_merged_page():
     from specserve.bench.advise import window_stats
 
-    page = ("# HELP specserve:kv_cache_usage_perc KV.\n# TYPE specserve:kv_cache_usage_perc gauge\n"
-            "specserve:kv_cache_usage_perc {}\n")
+    page = (
+        "# HELP specserve:kv_cache_usage_perc KV.\n# TYPE specserve:kv_cache_usage_perc gauge\n"
+        "specserve:kv_cache_usage_perc {}\n"
+    )
     merged = merge_metrics([("0", page.format(0.6)), ("1", page.format(0.7))])
     assert window_stats([parse_metrics(merged, 0.0)]).kv_usage_max == pytest.approx(0.7)  # not 1.3

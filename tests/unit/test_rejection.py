@@ -1,4 +1,5 @@
 """Rejection sampler: lossless against the target distribution, exact for greedy rows (CPU)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -29,12 +30,17 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def build(params: list[SamplingParams], outputs: list[list[int]] | None = None,
-          generators: list | None = None, vocab: int = VOCAB,
-          stop_ids: list[list[int]] | None = None) -> SamplingMetadata:
+def build(
+    params: list[SamplingParams],
+    outputs: list[list[int]] | None = None,
+    generators: list | None = None,
+    vocab: int = VOCAB,
+    stop_ids: list[list[int]] | None = None,
+) -> SamplingMetadata:
     n = len(params)
-    return SamplingMetadata.build(params, [PROMPT] * n, outputs or [[] for _ in range(n)],
-                                  generators or [None] * n, vocab, CPU, stop_ids)
+    return SamplingMetadata.build(
+        params, [PROMPT] * n, outputs or [[] for _ in range(n)], generators or [None] * n, vocab, CPU, stop_ids
+    )
 
 
 def pooled_chisquare(counts: np.ndarray, expected_probs: np.ndarray) -> float:
@@ -55,18 +61,25 @@ class MarkovPair:
         self.target = torch.randn(VOCAB, VOCAB, generator=gen) * 1.5  # [context, next]
         self.draft = self.target + torch.randn(VOCAB, VOCAB, generator=gen)
 
-    def propose(self, contexts: torch.Tensor, num_drafts: list[int], one_hot: bool,
-                gen: torch.Generator, draft_params: SamplingParams | None = None
-                ) -> tuple[list[list[int]], torch.Tensor | None]:
+    def propose(
+        self,
+        contexts: torch.Tensor,
+        num_drafts: list[int],
+        one_hot: bool,
+        gen: torch.Generator,
+        draft_params: SamplingParams | None = None,
+    ) -> tuple[list[list[int]], torch.Tensor | None]:
         """Drafts chained from each context; random ones sampled from softmax(draft), or with
         draft_params from compute_target_probs(draft) (as DraftSampler filters a request's drafts)."""
         max_k = max(num_drafts, default=0)
         tokens, probs, ctx = [], [], contexts
         for _ in range(max_k):
-            draft_probs = (self.draft[ctx].softmax(-1) if draft_params is None  # [rows, vocab]
-                           else compute_target_probs(self.draft[ctx], build([draft_params] * len(ctx))))
-            ctx = (draft_probs.argmax(-1) if one_hot
-                   else torch.multinomial(draft_probs, 1, generator=gen)[:, 0])
+            draft_probs = (
+                self.draft[ctx].softmax(-1)
+                if draft_params is None  # [rows, vocab]
+                else compute_target_probs(self.draft[ctx], build([draft_params] * len(ctx)))
+            )
+            ctx = draft_probs.argmax(-1) if one_hot else torch.multinomial(draft_probs, 1, generator=gen)[:, 0]
             tokens.append(ctx)
             probs.append(draft_probs)
         if max_k == 0:
@@ -80,9 +93,15 @@ class MarkovPair:
         return self.target[torch.tensor(flat)]  # [total_drafts + rows, vocab]
 
 
-def generate_prefix(pair: MarkovPair, params: list[SamplingParams], num_drafts: list[int],
-                    one_hot: bool, seed: int, length: int = 2,
-                    draft_params: SamplingParams | None = None) -> np.ndarray:
+def generate_prefix(
+    pair: MarkovPair,
+    params: list[SamplingParams],
+    num_drafts: list[int],
+    one_hot: bool,
+    seed: int,
+    length: int = 2,
+    draft_params: SamplingParams | None = None,
+) -> np.ndarray:
     """Speculatively decode until every row has >= length tokens: [rows, length] first tokens."""
     gen = torch.Generator().manual_seed(seed)
     sampler = RejectionSampler(torch.Generator().manual_seed(seed + 1))
@@ -92,8 +111,9 @@ def generate_prefix(pair: MarkovPair, params: list[SamplingParams], num_drafts: 
         if not rows:
             return np.array([out[:length] for out in generated])
         contexts = [generated[i][-1] if generated[i] else START for i in rows]
-        drafts, draft_probs = pair.propose(torch.tensor(contexts), [num_drafts[i] for i in rows],
-                                           one_hot, gen, draft_params)
+        drafts, draft_probs = pair.propose(
+            torch.tensor(contexts), [num_drafts[i] for i in rows], one_hot, gen, draft_params
+        )
         meta = build([params[i] for i in rows], outputs=[generated[i] for i in rows])
         out = sampler(drafts, draft_probs, pair.target_logits(contexts, drafts), meta)
         for i, tokens, n, row_drafts in zip(rows, out.output_token_ids, out.num_accepted, drafts):
@@ -148,10 +168,17 @@ FILTER_ROWS = 12_000  # sequences per case: enough power for these effects, ~0.5
 # Each keeps 3-6 of the 8 tokens per context; at T = 1.3 applying min-p before the temperature
 # would keep other sets (7 tokens over the 8 contexts).
 MIN_P = {"min_p=0.1": {"min_p": 0.1}, "min_p=0.2,T=1.3": {"min_p": 0.2, "temperature": 1.3}}
-PENALTIES = {"repetition": {"repetition_penalty": 1.8},
-             "presence+frequency": {"presence_penalty": 1.0, "frequency_penalty": 0.6},
-             "all+min_p,T=0.8": {"repetition_penalty": 1.5, "presence_penalty": 0.5,
-                                 "frequency_penalty": 0.4, "min_p": 0.1, "temperature": 0.8}}
+PENALTIES = {
+    "repetition": {"repetition_penalty": 1.8},
+    "presence+frequency": {"presence_penalty": 1.0, "frequency_penalty": 0.6},
+    "all+min_p,T=0.8": {
+        "repetition_penalty": 1.5,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.4,
+        "min_p": 0.1,
+        "temperature": 0.8,
+    },
+}
 # one_hot: argmax drafts (draft_probs None); raw: sampled from softmax(draft), unfiltered (min-p on
 # the target side only, still lossless); filtered: sampled from the draft logits after the request's
 # temperature and min-p (DraftSampler's way), so draft_probs have zeros too.
@@ -206,8 +233,7 @@ def run_filter_case(params: SamplingParams, drafts: str, k: int | str, seed: int
     draft_params = None
     if drafts == "filtered":  # DraftSampler applies the request's params; penalties are not used here
         draft_params = SamplingParams(temperature=params.temperature, min_p=params.min_p)
-    seqs = generate_prefix(pair, [params] * FILTER_ROWS, num_drafts, drafts == "one_hot", seed, LENGTH,
-                           draft_params)
+    seqs = generate_prefix(pair, [params] * FILTER_ROWS, num_drafts, drafts == "one_hot", seed, LENGTH, draft_params)
     assert_follows(seqs, reference_joint(pair, params, LENGTH))
 
 
@@ -218,8 +244,10 @@ def filter_cases(settings: list[str], drafts: list[str], mixed: list[tuple[str, 
     return [pytest.param(s, d, k, 3000 + i, id=f"{s}-{d}-{k}") for i, (s, d, k) in enumerate(cases)]
 
 
-@pytest.mark.parametrize("setting, drafts, k, seed", filter_cases(list(MIN_P), DRAFTS, [
-    ("min_p=0.1", "filtered"), ("min_p=0.2,T=1.3", "raw")]))
+@pytest.mark.parametrize(
+    "setting, drafts, k, seed",
+    filter_cases(list(MIN_P), DRAFTS, [("min_p=0.1", "filtered"), ("min_p=0.2,T=1.3", "raw")]),
+)
 def test_min_p_output_follows_the_filtered_target(setting: str, drafts: str, k: int | str, seed: int) -> None:
     """Every draft position and the bonus emit the min-p-filtered target distribution, and a token
     min-p removed is never emitted: not by acceptance, recovery (the residual) or the bonus."""
@@ -228,10 +256,10 @@ def test_min_p_output_follows_the_filtered_target(setting: str, drafts: str, k: 
     run_filter_case(params, drafts, k, seed)
 
 
-@pytest.mark.parametrize("setting, drafts, k, seed", filter_cases(list(PENALTIES), ["one_hot", "raw"], [
-    ("all+min_p,T=0.8", "raw")]))
-def test_penalized_output_follows_the_penalized_target(setting: str, drafts: str, k: int | str,
-                                                       seed: int) -> None:
+@pytest.mark.parametrize(
+    "setting, drafts, k, seed", filter_cases(list(PENALTIES), ["one_hot", "raw"], [("all+min_p,T=0.8", "raw")])
+)
+def test_penalized_output_follows_the_penalized_target(setting: str, drafts: str, k: int | str, seed: int) -> None:
     """With penalties each emitted token follows the target penalized by everything emitted before
     it: earlier steps' tokens and, within a step, the accepted drafts before its position."""
     params = SamplingParams(**PENALTIES[setting])
@@ -254,7 +282,7 @@ def test_greedy_rows_are_accepted_prefix_plus_target_argmax(with_draft_probs: bo
     argmax = target_logits.argmax(-1).tolist()
     drafts = []
     for r, m in enumerate(matches):
-        row = argmax[r * 4:r * 4 + 3]
+        row = argmax[r * 4 : r * 4 + 3]
         for j in range(m, 3):
             row[j] = (row[j] + 1 + j) % vocab  # anything but the argmax
         drafts.append(row)
@@ -280,12 +308,10 @@ def test_seeded_rows_reproduce_whatever_the_batch() -> None:
     def run(others: int) -> tuple[tuple[int, ...], int]:
         drafts = [[1] * (i % 3) for i in range(others)] + [row_drafts]
         logits = torch.cat([torch.randn(sum(len(d) + 1 for d in drafts[:-1]), vocab), row_logits])
-        probs = torch.cat([torch.rand(sum(len(d) for d in drafts[:-1]), vocab).softmax(-1),
-                           row_draft_probs])
+        probs = torch.cat([torch.rand(sum(len(d) for d in drafts[:-1]), vocab).softmax(-1), row_draft_probs])
         params = [SamplingParams()] * others + [SamplingParams(seed=77, top_k=9)]
         generators = [None] * others + [torch.Generator().manual_seed(77)]
-        out = RejectionSampler()(drafts, probs, logits, build(params, generators=generators,
-                                                             vocab=vocab))
+        out = RejectionSampler()(drafts, probs, logits, build(params, generators=generators, vocab=vocab))
         return tuple(out.output_token_ids[-1]), out.num_accepted[-1]
 
     assert len({run(n) for n in (0, 1, 5, 9)}) == 1
@@ -306,15 +332,16 @@ def test_draft_equal_to_target_is_always_accepted() -> None:
 def test_penalties_and_min_tokens_count_the_drafts_before_each_position() -> None:
     torch.manual_seed(6)
     vocab, eos = 16, 15
-    params = SamplingParams(repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2,
-                            min_tokens=3, temperature=0.7)
+    params = SamplingParams(
+        repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2, min_tokens=3, temperature=0.7
+    )
     output, drafts = [4], [5, 4, 9]
     logits = torch.randn(4, vocab)
     meta = build([params], outputs=[output], vocab=vocab, stop_ids=[[eos]])
     got = compute_target_probs(logits, meta.expand_for_drafts([drafts]))
     for j in range(4):
         step_meta = build([params], outputs=[output + drafts[:j]], vocab=vocab, stop_ids=[[eos]])
-        torch.testing.assert_close(got[j:j + 1], compute_target_probs(logits[j:j + 1], step_meta))
+        torch.testing.assert_close(got[j : j + 1], compute_target_probs(logits[j : j + 1], step_meta))
     assert (got[:2, eos] == 0).all() and (got[2:, eos] > 0).all()  # output reaches 3 at j = 2
 
 

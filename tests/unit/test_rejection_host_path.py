@@ -1,6 +1,7 @@
 """The rejection sampler's host path (issue 5): the all-greedy fast path, the packed index upload
 and the cached layouts give exactly what a plain per-row implementation gives (same random
 numbers, same tokens), and a greedy batch costs one argmax and one read-back (CPU)."""
+
 from __future__ import annotations
 
 import random
@@ -31,8 +32,13 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def reference(drafts: list[list[int]], draft_probs: torch.Tensor | None, logits: torch.Tensor,
-              meta: SamplingMetadata, generator: torch.Generator) -> tuple[list[list[int]], list[int]]:
+def reference(
+    drafts: list[list[int]],
+    draft_probs: torch.Tensor | None,
+    logits: torch.Tensor,
+    meta: SamplingMetadata,
+    generator: torch.Generator,
+) -> tuple[list[list[int]], list[int]]:
     """The rejection sampler row by row, drawing the same random numbers in the same order."""
     num_seqs, total = len(drafts), sum(map(len, drafts))
     probs = compute_target_probs(logits, meta.expand_for_drafts(drafts))
@@ -45,7 +51,7 @@ def reference(drafts: list[list[int]], draft_probs: torch.Tensor | None, logits:
             uniform.uniform_(generator=generator)
         for i, g in enumerate(meta.generators):
             if g is not None and drafts[i]:
-                uniform[draft_start[i]:draft_start[i + 1]].uniform_(generator=g)
+                uniform[draft_start[i] : draft_start[i + 1]].uniform_(generator=g)
     counts = []
     for i, d in enumerate(drafts):
         n = 0
@@ -114,8 +120,7 @@ def scenario(seed: int):
 
     def meta() -> SamplingMetadata:
         gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-        return SamplingMetadata.build(params, [[1, 2]] * num_seqs, outputs, gens, VOCAB, CPU,
-                                      [[VOCAB - 1]] * num_seqs)
+        return SamplingMetadata.build(params, [[1, 2]] * num_seqs, outputs, gens, VOCAB, CPU, [[VOCAB - 1]] * num_seqs)
 
     return drafts, draft_probs, logits, meta
 
@@ -152,8 +157,12 @@ def test_all_greedy_metadata_copies_nothing() -> None:
 
 
 def test_selected_rows_keep_their_greedy_flags_and_scalars() -> None:
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=3),
-              SamplingParams(temperature=0.9, top_p=0.5), SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=3),
+        SamplingParams(temperature=0.9, top_p=0.5),
+        SamplingParams(temperature=0.0),
+    ]
     meta = SamplingMetadata.build(params, [[1]] * 4, [[]] * 4, [None] * 4, VOCAB, CPU)
     assert meta.greedy_mask.tolist() == [True, False, False, True]
     rows = [3, 1, 1, 0, 2]
@@ -186,8 +195,12 @@ def test_layout_matches_a_loop_and_is_cached() -> None:
 
 
 def test_packed_upload_equals_separate_tensors() -> None:
-    arrays = [np.array([5, -1, 7], dtype=np.int64), np.arange(6, dtype=np.int32).reshape(2, 3),
-              np.array([], dtype=np.int64), np.array([True, False])]
+    arrays = [
+        np.array([5, -1, 7], dtype=np.int64),
+        np.arange(6, dtype=np.int32).reshape(2, 3),
+        np.array([], dtype=np.int64),
+        np.array([True, False]),
+    ]
     got = h2d_packed(arrays, CPU)
     for t, a in zip(got, arrays):
         assert t.dtype == torch.int64 and t.tolist() == a.reshape(-1).astype(np.int64).tolist()
@@ -226,8 +239,11 @@ def test_verify_metrics_equal_per_request_counting(seed: int) -> None:
                 want.inc("spec_decode_num_accepted_tokens_total", a)
                 for pos in range(a):
                     want.inc("spec_decode_num_accepted_tokens_per_pos_total", 1, {"position": str(pos)})
-    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
-                 "spec_decode_num_accepted_tokens_total"):
+    for name in (
+        "spec_decode_num_drafts_total",
+        "spec_decode_num_draft_tokens_total",
+        "spec_decode_num_accepted_tokens_total",
+    ):
         assert got.stats.get(name) == want.get(name)
     per_pos = "spec_decode_num_accepted_tokens_per_pos_total"
     assert got.stats._families[per_pos].values == want._families[per_pos].values

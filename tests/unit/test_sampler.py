@@ -1,4 +1,5 @@
 """Sampler: greedy, seeds, filters, penalties, min_tokens, logprobs (CPU, seconds)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,17 +15,27 @@ CPU = torch.device("cpu")
 VOCAB = 32
 
 
-def build(params: list[SamplingParams], vocab: int = VOCAB, prompts: list[list[int]] | None = None,
-          outputs: list[list[int]] | None = None, generators: list | None = None,
-          stop_ids: list[list[int]] | None = None) -> SamplingMetadata:
+def build(
+    params: list[SamplingParams],
+    vocab: int = VOCAB,
+    prompts: list[list[int]] | None = None,
+    outputs: list[list[int]] | None = None,
+    generators: list | None = None,
+    stop_ids: list[list[int]] | None = None,
+) -> SamplingMetadata:
     n = len(params)
-    return SamplingMetadata.build(params, prompts or [[] for _ in range(n)],
-                                  outputs or [[] for _ in range(n)], generators or [None] * n,
-                                  vocab, CPU, stop_ids)
+    return SamplingMetadata.build(
+        params,
+        prompts or [[] for _ in range(n)],
+        outputs or [[] for _ in range(n)],
+        generators or [None] * n,
+        vocab,
+        CPU,
+        stop_ids,
+    )
 
 
-def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
-                    min_p: float) -> np.ndarray:
+def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
     """Straightforward float64 reference: temperature, min_p, top_k, top_p, each stage on the
     distribution left by the previous one."""
     probs = np.exp(logits / temperature - np.max(logits / temperature))
@@ -87,8 +98,12 @@ def test_seeded_rows_reproduce_whatever_the_batch() -> None:
 
 
 FILTERS = [
-    {"top_k": 4}, {"top_p": 0.6}, {"min_p": 0.2}, {"top_k": 6, "top_p": 0.7, "min_p": 0.05},
-    {"temperature": 0.5, "top_p": 0.8}, {"temperature": 1.7},
+    {"top_k": 4},
+    {"top_p": 0.6},
+    {"min_p": 0.2},
+    {"top_k": 6, "top_p": 0.7, "min_p": 0.05},
+    {"temperature": 0.5, "top_p": 0.8},
+    {"temperature": 1.7},
 ]
 
 
@@ -97,8 +112,7 @@ def test_filters_match_reference_and_never_leave_their_set(filters: dict) -> Non
     torch.manual_seed(2)
     logits_row = torch.randn(VOCAB, dtype=torch.float64) * 2
     params = SamplingParams(**{"temperature": 1.0, **filters})
-    expected = reference_probs(logits_row.numpy(), params.temperature, params.top_k,
-                               params.top_p, params.min_p)
+    expected = reference_probs(logits_row.numpy(), params.temperature, params.top_k, params.top_p, params.min_p)
     num_rows = 40_000
     meta = build([params] * num_rows)
     logits = logits_row.float().expand(num_rows, VOCAB)
@@ -113,8 +127,12 @@ def test_filters_match_reference_and_never_leave_their_set(filters: dict) -> Non
 def test_mixed_batch_rows_are_independent_of_each_other() -> None:
     """Each row gets its own temperature/filters in one vectorized call."""
     torch.manual_seed(4)
-    params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1), SamplingParams(top_p=1e-6),
-              SamplingParams(temperature=2.0, min_p=1.0)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=1),
+        SamplingParams(top_p=1e-6),
+        SamplingParams(temperature=2.0, min_p=1.0),
+    ]
     logits = torch.randn(4, VOCAB)
     for _ in range(20):
         out = Sampler()(logits, build(params)).token_ids
@@ -133,8 +151,8 @@ def test_repetition_penalty_matches_transformers(penalty: float) -> None:
     processor = RepetitionPenaltyLogitsProcessor(penalty)
     for row in range(3):
         ids = torch.tensor([prompts[row] + outputs[row]])
-        want = processor(ids, logits[row:row + 1].clone())
-        torch.testing.assert_close(got[row:row + 1], want)
+        want = processor(ids, logits[row : row + 1].clone())
+        torch.testing.assert_close(got[row : row + 1], want)
 
 
 def test_presence_and_frequency_penalties_follow_openai() -> None:
@@ -142,8 +160,9 @@ def test_presence_and_frequency_penalties_follow_openai() -> None:
     prompt, output = [5, 6], [6, 8, 8, 8]
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2)
     logits = torch.randn(1, VOCAB)
-    got = penalized_logits(logits, build([params, SamplingParams()], prompts=[prompt, prompt],
-                                         outputs=[output, output]).select_rows([0]))
+    got = penalized_logits(
+        logits, build([params, SamplingParams()], prompts=[prompt, prompt], outputs=[output, output]).select_rows([0])
+    )
     want = logits[0].clone()
     for token in set(prompt + output):  # repetition first, on prompt + output
         want[token] = want[token] * 1.2 if want[token] < 0 else want[token] / 1.2
@@ -159,8 +178,11 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     logits = torch.zeros(3, VOCAB)
     logits[:, eos] = 50.0
     logits[:, stop] = 40.0
-    params = [SamplingParams(temperature=0.0, min_tokens=2), SamplingParams(min_tokens=5),
-              SamplingParams(temperature=0.0, min_tokens=2)]
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=2),
+        SamplingParams(min_tokens=5),
+        SamplingParams(temperature=0.0, min_tokens=2),
+    ]
     outputs = [[1], [1, 2], [1, 2]]  # rows 0 and 1 are short of min_tokens; row 2 has reached it
     meta = build(params, outputs=outputs, stop_ids=[[eos, stop]] * 3)
     for _ in range(50):
@@ -173,8 +195,12 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
 def test_logprobs_come_from_the_raw_logits() -> None:
     torch.manual_seed(7)
     logits = torch.randn(4, VOCAB) * 2
-    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.5, logprobs=5),
-              SamplingParams(top_k=2, repetition_penalty=1.5), SamplingParams(logprobs=0)]
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.5, logprobs=5),
+        SamplingParams(top_k=2, repetition_penalty=1.5),
+        SamplingParams(logprobs=0),
+    ]
     before = logits.clone()
     out = Sampler()(logits, build(params, outputs=[[1, 2]] * 4))
     assert torch.equal(logits, before), "the sampler must not modify its input"

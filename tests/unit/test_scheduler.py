@@ -1,4 +1,5 @@
 """Scheduler budgets: token budget, max_num_seqs, chunked prefill, FCFS, lookahead."""
+
 from __future__ import annotations
 
 from specserve.kv.manager import KVCacheManager
@@ -113,8 +114,11 @@ def _steps(s: Scheduler) -> list[list[tuple[str, int]]]:
     steps = []
     while True:
         out = s.schedule()
-        todo = [(x.request.request_id, x.num_new_tokens) for x in out.scheduled
-                if x.request.num_computed_tokens < x.request.num_tokens]
+        todo = [
+            (x.request.request_id, x.num_new_tokens)
+            for x in out.scheduled
+            if x.request.num_computed_tokens < x.request.num_tokens
+        ]
         if not todo:
             return steps
         steps.append(todo)

@@ -1,4 +1,5 @@
 """Bad speculative_config: a clear ValueError before any request runs (most before anything loads)."""
+
 from __future__ import annotations
 
 import json
@@ -12,22 +13,26 @@ from specserve.speculative.proposers.eagle_head import make_random_head_dir
 from tests.helpers.tiny_models import make_tiny_model_dir
 
 
-@pytest.mark.parametrize("cfg, match", [
-    ({"method": "medusa", "model": "x"}, "method must be one of"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": -2}, "num_speculative_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": 1.5}, "num_speculative_tokens"),
-    ({"method": "draft_model"}, "model is required"),
-    ({"method": "eagle3", "num_speculative_tokens": 3}, "model is required"),
-    ({"model": "x"}, "method is required"),
-    ({"method": "ngram", "bogus": 1}, "unknown keys"),
-    ("{not json", "not valid JSON"),
-    ({"method": "ngram", "disable_by_batch_size": 1}, "disable_by_batch_size must be an integer >= 2"),
-    ({"method": "ngram", "disable_by_batch_size": "4"}, "disable_by_batch_size"),
-    ({"method": "ngram", "disable_by_batch_size": True}, "disable_by_batch_size"),
-    ({"method": "ngram", "max_model_len": 0}, "max_model_len must be an integer >= 2"),
-    ({"method": "ngram", "max_model_len": 2048.0}, "max_model_len"),
-], ids=lambda v: str(v)[:40])
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({"method": "medusa", "model": "x"}, "method must be one of"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": -2}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 1.5}, "num_speculative_tokens"),
+        ({"method": "draft_model"}, "model is required"),
+        ({"method": "eagle3", "num_speculative_tokens": 3}, "model is required"),
+        ({"model": "x"}, "method is required"),
+        ({"method": "ngram", "bogus": 1}, "unknown keys"),
+        ("{not json", "not valid JSON"),
+        ({"method": "ngram", "disable_by_batch_size": 1}, "disable_by_batch_size must be an integer >= 2"),
+        ({"method": "ngram", "disable_by_batch_size": "4"}, "disable_by_batch_size"),
+        ({"method": "ngram", "disable_by_batch_size": True}, "disable_by_batch_size"),
+        ({"method": "ngram", "max_model_len": 0}, "max_model_len must be an integer >= 2"),
+        ({"method": "ngram", "max_model_len": 2048.0}, "max_model_len"),
+    ],
+    ids=lambda v: str(v)[:40],
+)
 def test_bad_config_fails_before_loading(cfg, match):
     # The model path does not exist: the config error must come first.
     with pytest.raises(ValueError, match=match):
@@ -37,8 +42,12 @@ def test_bad_config_fails_before_loading(cfg, match):
 
 
 def _llm(target, **spec):
-    return LLM(model=str(target), progress=False, kv_cache_memory_bytes=1 << 20,
-               speculative_config={"num_speculative_tokens": 3, **spec})
+    return LLM(
+        model=str(target),
+        progress=False,
+        kv_cache_memory_bytes=1 << 20,
+        speculative_config={"num_speculative_tokens": 3, **spec},
+    )
 
 
 def test_draft_with_other_vocab_size_is_refused(tiny_llama_dir, tmp_path):
@@ -69,8 +78,10 @@ def test_unknown_draft_model_is_refused(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def heads(tiny_llama_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("heads")
-    return {"eagle3": make_random_head_dir(str(tiny_llama_dir), base / "eagle3", "eagle3"),
-            "eagle": make_random_head_dir(str(tiny_llama_dir), base / "eagle", "eagle")}
+    return {
+        "eagle3": make_random_head_dir(str(tiny_llama_dir), base / "eagle3", "eagle3"),
+        "eagle": make_random_head_dir(str(tiny_llama_dir), base / "eagle", "eagle"),
+    }
 
 
 def test_bad_head_dirs_are_refused(tiny_llama_dir, tiny_qwen2_dir, heads, tmp_path):
@@ -110,8 +121,10 @@ def test_head_for_another_target_or_method_is_refused(tiny_llama_dir, tiny_qwen2
 
 
 def test_valid_configs_build(tiny_llama_dir, heads):
-    for spec in ({"method": "eagle3", "model": str(heads["eagle3"])},
-                 {"method": "eagle", "model": str(heads["eagle"])},
-                 {"method": "draft_model", "model": str(tiny_llama_dir)}):
+    for spec in (
+        {"method": "eagle3", "model": str(heads["eagle3"])},
+        {"method": "eagle", "model": str(heads["eagle"])},
+        {"method": "draft_model", "model": str(tiny_llama_dir)},
+    ):
         llm = _llm(tiny_llama_dir, **spec)
         assert llm.engine.spec.proposer.needs_target_hidden == spec["method"].startswith("eagle")

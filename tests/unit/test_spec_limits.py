@@ -1,6 +1,7 @@
 """vLLM's speculative_config limits: disable_by_batch_size (no drafts while more than N requests run; at
 or below N the configured controller chooses) and max_model_len (no drafts for a request past that
 length); greedy output unchanged either way."""
+
 from __future__ import annotations
 
 from specserve import LLM, SamplingParams
@@ -17,8 +18,12 @@ def test_fixed_or_table_from_the_config() -> None:
     ctl = build_controller(cfg, costs=None)
     assert isinstance(ctl, FixedController) and not ctl.follows_load
     assert [ctl.choose(b) for b in (1, 2, 3, 64)] == [4, 4, 4, 4]  # the limit is the decoder's
-    table = SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=3,
-                              num_speculative_tokens_per_batch_size=((1, 1, 4), (2, 8, 2)))
+    table = SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=4,
+        disable_by_batch_size=3,
+        num_speculative_tokens_per_batch_size=((1, 1, 4), (2, 8, 2)),
+    )
     ctl = build_controller(table, costs=None)
     assert isinstance(ctl, TableController) and ctl.follows_load
     assert [ctl.choose(b) for b in (1, 2, 3, 9)] == [4, 2, 2, 0]
@@ -34,8 +39,13 @@ def test_no_drafts_above_the_limit(tiny_llama_dir) -> None:
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     drafts = {}
     for limit in (None, 2):
-        spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "prompt_lookup_min": 1,
-                "prompt_lookup_max": 3}
+        spec = {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "adaptive": False,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        }
         if limit is not None:
             spec["disable_by_batch_size"] = limit
         llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20, speculative_config=spec)

@@ -2,6 +2,7 @@
 acceptance length, 1 + accepted / drafts (each verify step emits its accepted drafts plus one
 target token), over the interval since the last line (not since start), and says nothing about
 speculation while nothing was drafted."""
+
 from __future__ import annotations
 
 import logging
@@ -53,8 +54,9 @@ def test_mean_acceptance_length_is_one_plus_accepted_per_draft() -> None:
     _step(stats, drafts=10, draft_tokens=30, accepted=25, generated=35)
     clock.now = 5.0
     line = logger.line()
-    assert line is not None and line.startswith("Avg prompt throughput: 0.0 tokens/s, "
-                                                "Avg generation throughput: 7.0 tokens/s")
+    assert line is not None and line.startswith(
+        "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 7.0 tokens/s"
+    )
     assert line.endswith(", Spec decode: acceptance rate 83.3%, mean acceptance length 3.50")
     assert _spec_part(line) == (83.3, 3.5)
 
@@ -133,8 +135,17 @@ def test_line_from_a_real_speculating_engine(tiny_llama_dir) -> None:
     from specserve import LLM, SamplingParams
 
     k = 3
-    llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20, speculative_config={
-        "method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": k, "adaptive": False})
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        progress=False,
+        kv_cache_memory_bytes=4 << 20,
+        speculative_config={
+            "method": "draft_model",
+            "model": str(tiny_llama_dir),
+            "num_speculative_tokens": k,
+            "adaptive": False,
+        },
+    )
     clock = _Clock()
     logger = StatsLogger(llm.engine.stats, clock=clock)
     llm.generate(["alpha beta gamma"], SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True))

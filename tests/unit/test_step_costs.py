@@ -1,5 +1,6 @@
 """runner/step_costs.py: the cost table's interpolation, and the start-up measurement on the tiny
 model (structure only: CPU timings are not monotone) leaving the KV pool as it found it."""
+
 from __future__ import annotations
 
 import pytest

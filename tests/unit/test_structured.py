@@ -1,5 +1,6 @@
 """Structured output without a model: spec parsing, OpenAI mapping, the grammar LRU, bitmask
 application, draft cutting, k+1 masks, and random walks that must yield schema-valid JSON."""
+
 from __future__ import annotations
 
 import json
@@ -23,13 +24,17 @@ from specserve.sampling_params import SamplingParams
 from specserve.scheduler.request import Request
 from tests.helpers.tiny_models import make_tokenizer
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 6},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
-    "score": {"type": "number", "minimum": -1.5, "maximum": 2},
-    "nick": {"type": "string", "minLength": 1, "maxLength": 4}},
-    "required": ["name", "age", "tags"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+        "score": {"type": "number", "minimum": -1.5, "maximum": 2},
+        "nick": {"type": "string", "minLength": 1, "maxLength": 4},
+    },
+    "required": ["name", "age", "tags"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -65,30 +70,34 @@ def test_parse_kinds_and_canonical_form():
     # Key order is generation order: two orders are two grammars.
     swapped = {"type": "object", "properties": dict(reversed(list(SCHEMA["properties"].items())))}
     assert parse_structured_outputs({"json": swapped}) != parse_structured_outputs(
-        {"json": {"type": "object", "properties": SCHEMA["properties"]}})
+        {"json": {"type": "object", "properties": SCHEMA["properties"]}}
+    )
     assert parse_structured_outputs({"choice": ["a", "b"]}) == StructuredSpec("choice", '["a", "b"]')
     assert parse_structured_outputs({"json_object": True}).kind == "json_object"
 
 
-@pytest.mark.parametrize("bad, words", [
-    ({}, "exactly one"),
-    ({"json": SCHEMA, "regex": "a+"}, "exactly one"),
-    ({"jsonn": SCHEMA}, "unknown keys"),
-    ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
-    ({"json": [1, 2]}, "structured_outputs.json must be a JSON schema object"),
-    ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),
-    ({"choice": []}, "structured_outputs.choice must be a non-empty list"),
-    ({"choice": "yes"}, "structured_outputs.choice must be a non-empty list"),
-    ({"choice": ["a", 1]}, "structured_outputs.choice must be a non-empty list"),
-    ({"json_object": "yes"}, "structured_outputs.json_object must be True"),
-    ({"structural_tag": "{}"}, "structured_outputs.structural_tag is not supported"),
-    ({"json": {"type": "foo"}}, "structured_outputs.json: invalid JSON schema: Unsupported type"),
-    ({"json": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}, "structured_outputs.json"),
-    ({"regex": "(abc"}, "structured_outputs.regex: invalid regex"),
-    ({"regex": "(?=x)a"}, "structured_outputs.regex: invalid regex"),
-    ({"grammar": "root ::= foo"}, "structured_outputs.grammar: invalid EBNF grammar"),
-    ("json", "structured_outputs must be a dict"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ({}, "exactly one"),
+        ({"json": SCHEMA, "regex": "a+"}, "exactly one"),
+        ({"jsonn": SCHEMA}, "unknown keys"),
+        ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
+        ({"json": [1, 2]}, "structured_outputs.json must be a JSON schema object"),
+        ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),
+        ({"choice": []}, "structured_outputs.choice must be a non-empty list"),
+        ({"choice": "yes"}, "structured_outputs.choice must be a non-empty list"),
+        ({"choice": ["a", 1]}, "structured_outputs.choice must be a non-empty list"),
+        ({"json_object": "yes"}, "structured_outputs.json_object must be True"),
+        ({"structural_tag": "{}"}, "structured_outputs.structural_tag is not supported"),
+        ({"json": {"type": "foo"}}, "structured_outputs.json: invalid JSON schema: Unsupported type"),
+        ({"json": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}, "structured_outputs.json"),
+        ({"regex": "(abc"}, "structured_outputs.regex: invalid regex"),
+        ({"regex": "(?=x)a"}, "structured_outputs.regex: invalid regex"),
+        ({"grammar": "root ::= foo"}, "structured_outputs.grammar: invalid EBNF grammar"),
+        ("json", "structured_outputs must be a dict"),
+    ],
+)
 def test_invalid_specs_name_the_field(bad, words):
     with pytest.raises(ValueError, match="structured_outputs") as e:
         validate_structured_outputs(bad)
@@ -111,24 +120,30 @@ def test_structured_from_openai_maps_every_source():
     assert structured_from_openai({"type": "text"}, {"top_k": 5, "guided_decoding_backend": "xgrammar"}) is None
 
 
-@pytest.mark.parametrize("rf, extra, words", [
-    ({"type": "json_schema"}, None, "response_format.json_schema must be an object"),
-    ({"type": "json_schema", "json_schema": {"name": "x"}}, None, "response_format.json_schema.schema is required"),
-    ({"type": "json_schema", "json_schema": {"name": 3, "schema": {}}}, None, "response_format.json_schema.name"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}, None,
-     "response_format.json_schema.schema: invalid JSON schema"),
-    ({"type": "yaml"}, None, "response_format.type must be"),
-    ({"type": "structural_tag"}, None, "response_format.type must be"),
-    ("json", None, "response_format must be an object"),
-    ({"type": "json_object"}, {"guided_regex": "a"}, "only one of"),
-    (None, {"guided_json": SCHEMA, "guided_choice": ["a"]}, "only one of"),
-    (None, {"structured_outputs": "json"}, "structured_outputs must be an object"),
-    (None, {"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex: invalid regex"),
-    (None, {"guided_regex": "(a"}, "guided_regex: invalid regex"),
-    (None, {"guided_json": "{bad"}, "guided_json is not valid JSON"),
-    (None, {"guided_choice": []}, "guided_choice must be a non-empty list"),
-    (None, {"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern is not supported"),
-])
+@pytest.mark.parametrize(
+    "rf, extra, words",
+    [
+        ({"type": "json_schema"}, None, "response_format.json_schema must be an object"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, None, "response_format.json_schema.schema is required"),
+        ({"type": "json_schema", "json_schema": {"name": 3, "schema": {}}}, None, "response_format.json_schema.name"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},
+            None,
+            "response_format.json_schema.schema: invalid JSON schema",
+        ),
+        ({"type": "yaml"}, None, "response_format.type must be"),
+        ({"type": "structural_tag"}, None, "response_format.type must be"),
+        ("json", None, "response_format must be an object"),
+        ({"type": "json_object"}, {"guided_regex": "a"}, "only one of"),
+        (None, {"guided_json": SCHEMA, "guided_choice": ["a"]}, "only one of"),
+        (None, {"structured_outputs": "json"}, "structured_outputs must be an object"),
+        (None, {"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex: invalid regex"),
+        (None, {"guided_regex": "(a"}, "guided_regex: invalid regex"),
+        (None, {"guided_json": "{bad"}, "guided_json is not valid JSON"),
+        (None, {"guided_choice": []}, "guided_choice must be a non-empty list"),
+        (None, {"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern is not supported"),
+    ],
+)
 def test_structured_from_openai_rejects_bad_input(rf, extra, words):
     with pytest.raises(ValueError) as e:
         structured_from_openai(rf, extra)
@@ -162,7 +177,7 @@ def test_apply_token_bitmask_matches_a_loop():
     gen = torch.Generator().manual_seed(0)
     vocab, rows = 77, [0, 2, 3]
     logits = torch.randn(5, vocab, generator=gen)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), 3), dtype=torch.int32, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), 3), dtype=torch.int32, generator=gen)
     out = apply_token_bitmask(logits, bitmask, rows)
     expected = logits.clone()
     for i, row in enumerate(rows):
@@ -177,8 +192,7 @@ def test_apply_token_bitmask_matches_a_loop():
 def test_json_strings_exclude_control_characters_and_surrogates(so, tok, token_bytes, field):
     """xgrammar <= 0.2.9 lets raw control characters into strings with maxLength, and UTF-16
     surrogates (not UTF-8) into every string: both make invalid JSON."""
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                               "free": {"type": "string"}}}
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "free": {"type": "string"}}}
     req = _req("r", SamplingParams(structured_outputs={"json": schema}), tok.eos_token_id)
     so.add(req, so.compile(req.params))
     assert not so.advance(req, tok.encode('{"' + field + '": "a'))
@@ -294,10 +308,12 @@ def test_rejected_token_ends_the_request(so, tok):
 def test_walks_cover_every_kind(so, tok, token_bytes):
     """Random walks over the allowed tokens end in a match for regex, choice, EBNF and json_object."""
     rng = random.Random(0)
-    cases = [({"regex": r"[a-c]{2,4}-[0-9]{1,2}"}, lambda s: re.fullmatch(r"[a-c]{2,4}-[0-9]{1,2}", s)),
-             ({"choice": ["yes", "no", 'say "hi"']}, lambda s: s in ("yes", "no", 'say "hi"')),
-             ({"grammar": 'root ::= "(" [0-9]+ ")" | "none"'}, lambda s: re.fullmatch(r"\([0-9]+\)|none", s)),
-             ({"json_object": True, "disable_any_whitespace": True}, lambda s: isinstance(json.loads(s), dict))]
+    cases = [
+        ({"regex": r"[a-c]{2,4}-[0-9]{1,2}"}, lambda s: re.fullmatch(r"[a-c]{2,4}-[0-9]{1,2}", s)),
+        ({"choice": ["yes", "no", 'say "hi"']}, lambda s: s in ("yes", "no", 'say "hi"')),
+        ({"grammar": 'root ::= "(" [0-9]+ ")" | "none"'}, lambda s: re.fullmatch(r"\([0-9]+\)|none", s)),
+        ({"json_object": True, "disable_any_whitespace": True}, lambda s: isinstance(json.loads(s), dict)),
+    ]
     for i, (spec, check) in enumerate(cases):
         req = _req(f"k{i}", SamplingParams(structured_outputs=spec), tok.eos_token_id)
         so.add(req, so.compile(req.params))

@@ -1,6 +1,7 @@
 """The trainer's step without device syncs equals the straightforward one: the batched dense
 attention of the frozen target == per-sequence causal attention, and head_loss with host-computed
 rows == the old device-side row selection (same loss, accuracies and gradients)."""
+
 from __future__ import annotations
 
 import types
@@ -12,8 +13,9 @@ import torch.nn.functional as F
 from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
 from specserve.model.arch import ModelArch, rope_cos_sin_cache
 from specserve.model.llama import CausalLM
-from specserve.train import loop as train, target as train_target
 from specserve.speculative.proposers.eagle_head import EagleHead, head_config_for
+from specserve.train import loop as train
+from specserve.train import target as train_target
 from specserve.train.loop import (
     _block_mask,
     dense_forward,
@@ -22,9 +24,17 @@ from specserve.train.loop import (
     loss_rows,
 )
 
-HF = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
-      "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 50, "rms_norm_eps": 1e-6,
-      "max_position_embeddings": 128}
+HF = {
+    "model_type": "qwen2",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "vocab_size": 50,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 128,
+}
 LENGTHS = [7, 3, 12, 1, 12, 5]
 
 
@@ -37,11 +47,12 @@ class _PerSequenceCausal:
         group = q.shape[1] // k.shape[1]
         start = 0
         for n in meta.query_lens_cpu:
-            qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
+            qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
             if group > 1:
                 ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-            out[start:start + n] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
-                                                                  scale=scale).transpose(0, 1)
+            out[start : start + n] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(
+                0, 1
+            )
             start += n
         return out
 
@@ -64,8 +75,9 @@ def _reference_dense_forward(model, seqs, aux_layers):
     return hidden, aux
 
 
-def _reference_head_loss(head, target, ids, lengths, loss_start, feats, probs, last_hidden, num_blocks, parallel,
-                         hard_weight=0.5):
+def _reference_head_loss(
+    head, target, ids, lengths, loss_start, feats, probs, last_hidden, num_blocks, parallel, hard_weight=0.5
+):
     B, L = ids.shape
     R = L - 1
     pos = torch.arange(R, device=ids.device)
@@ -140,10 +152,11 @@ def test_target_batch_pads_the_flat_outputs():
     for b, s in enumerate(seqs):
         n = len(s)
         assert ids[b, :n].tolist() == s and not ids[b, n:].any()
-        torch.testing.assert_close(last[b, :n], ref_hidden[start:start + n], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(feats[b, :n], ref_aux[0][start:start + n], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(probs[b, :n], model.compute_logits(ref_hidden[start:start + n]).softmax(-1),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(last[b, :n], ref_hidden[start : start + n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(feats[b, :n], ref_aux[0][start : start + n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            probs[b, :n], model.compute_logits(ref_hidden[start : start + n]).softmax(-1), rtol=1e-5, atol=1e-6
+        )
         assert not probs[b, n:].any()
         start += n
 
@@ -153,22 +166,29 @@ def _head(method: str, slots: int, seed: int = 0, d2t: list[int] | None = None):
     """A random head (norms at 1) and a stand-in target; d2t: a reduced draft vocabulary."""
     arch = ModelArch.from_hf_config(HF)
     torch.manual_seed(seed)
-    head = EagleHead(head_config_for(arch, HF, "t", "id", method, slots,
-                                     draft_vocab_size=None if d2t is None else len(d2t)))
+    head = EagleHead(
+        head_config_for(arch, HF, "t", "id", method, slots, draft_vocab_size=None if d2t is None else len(d2t))
+    )
     if d2t is not None:
         head.set_draft_vocab(torch.tensor(d2t))
     with torch.no_grad():
         for name, p in head.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 0.2)
-    target = types.SimpleNamespace(embed_tokens=torch.nn.Embedding(50, 32), lm_head=None,
-                                   cos_sin_cache=rope_cos_sin_cache(arch, 128, torch.device("cpu")))
+    target = types.SimpleNamespace(
+        embed_tokens=torch.nn.Embedding(50, 32),
+        lm_head=None,
+        cos_sin_cache=rope_cos_sin_cache(arch, 128, torch.device("cpu")),
+    )
     target.embed_tokens.requires_grad_(False)
     return head, target
 
 
-@pytest.mark.parametrize("method,parallel,blocks", [("eagle3", False, 3), ("eagle", False, 3),
-                                                    ("eagle3", True, 4)], ids=["eagle3", "eagle", "p-eagle"])
+@pytest.mark.parametrize(
+    "method,parallel,blocks",
+    [("eagle3", False, 3), ("eagle", False, 3), ("eagle3", True, 4)],
+    ids=["eagle3", "eagle", "p-eagle"],
+)
 # A sequence too short for blocks > 1 and one with a single loss row; then a batch whose blocks > 2 are empty.
 @pytest.mark.parametrize("lengths,starts", [([9, 4, 2, 6], [3, 0, 0, 5]), ([3, 2], [0, 0])], ids=["mixed", "short"])
 def test_head_loss_with_host_rows_equals_device_rows(method, parallel, blocks, lengths, starts):
@@ -229,26 +249,32 @@ def test_target_batch_reduced_vocab_keeps_the_d2t_columns(monkeypatch, chunk_row
     # Normalized over the whole vocabulary (a row of the slice sums to its in-set mass, not 1).
     torch.testing.assert_close(red.probs, full.probs[..., d2t], rtol=1e-5, atol=1e-7)
     for b, s in enumerate(seqs):
-        assert red.top[b, :len(s)].tolist() == full.probs[b, :len(s)].argmax(-1).tolist()
-        assert not red.top[b, len(s):].any() and not red.probs[b, len(s):].any()
+        assert red.top[b, : len(s)].tolist() == full.probs[b, : len(s)].argmax(-1).tolist()
+        assert not red.top[b, len(s) :].any() and not red.probs[b, len(s) :].any()
 
 
 def test_reduced_vocab_labels_by_hand():
-    target = torch.tensor([[0.5, 0.2, 0.2, 0.1],   # argmax 0: outside d2t -> soft term alone
-                           [0.1, 0.6, 0.2, 0.1]])  # argmax 1: in d2t -> mixed with the hard label
+    target = torch.tensor(
+        [
+            [0.5, 0.2, 0.2, 0.1],  # argmax 0: outside d2t -> soft term alone
+            [0.1, 0.6, 0.2, 0.1],
+        ]
+    )  # argmax 1: in d2t -> mixed with the hard label
     d2t = torch.tensor([1, 2, 3])
     labels, in_set = train.reduced_vocab_labels(target[:, d2t].clone(), target.argmax(-1), d2t, 0.5)
     assert in_set.tolist() == [False, True]
-    torch.testing.assert_close(labels, torch.tensor([[0.4, 0.4, 0.2],
-                                                     [0.5 * 0.6 / 0.9 + 0.5, 0.5 * 0.2 / 0.9, 0.5 * 0.1 / 0.9]]))
+    torch.testing.assert_close(
+        labels, torch.tensor([[0.4, 0.4, 0.2], [0.5 * 0.6 / 0.9 + 0.5, 0.5 * 0.2 / 0.9, 0.5 * 0.1 / 0.9]])
+    )
     # Labels that tie in bfloat16 where the target's float32 logits did not: the hard label goes to
     # the target's own argmax (token 2), not to the first of the tied columns.
     tied, _ = train.reduced_vocab_labels(torch.tensor([[0.4, 0.4, 0.1]]), torch.tensor([2]), d2t, 0.5)
     torch.testing.assert_close(tied, torch.tensor([[0.5 * 0.4 / 0.9, 0.5 * 0.4 / 0.9 + 0.5, 0.5 * 0.1 / 0.9]]))
 
 
-def _reference_reduced_loss(head, target, ids, lengths, loss_start, feats, full_probs, num_blocks, parallel,
-                            hard_weight):
+def _reference_reduced_loss(
+    head, target, ids, lengths, loss_start, feats, full_probs, num_blocks, parallel, hard_weight
+):
     """A reduced-vocabulary head's loss row by row from the target's FULL distribution: logits =
     the full head's columns d2t; label = the in-set probabilities renormalized, mixed with the hard
     label where the full argmax is in d2t; accuracy = d2t[argmax] == the full argmax."""
@@ -265,8 +291,7 @@ def _reference_reduced_loss(head, target, ids, lengths, loss_start, feats, full_
                 label = p[d2t] / p[d2t].sum()
                 top = int(p.argmax())
                 if top in d2t:
-                    label = (1 - hard_weight) * label + hard_weight * F.one_hot(torch.tensor(d2t.index(top)),
-                                                                                len(d2t))
+                    label = (1 - hard_weight) * label + hard_weight * F.one_hot(torch.tensor(d2t.index(top)), len(d2t))
                 kinds.add(top in d2t)
                 terms.append(-(label * logits.log_softmax(-1)).sum())
                 hits.append(d2t[int(logits.argmax())] == top)
@@ -276,8 +301,9 @@ def _reference_reduced_loss(head, target, ids, lengths, loss_start, feats, full_
     return loss, accs, kinds
 
 
-@pytest.mark.parametrize("method,parallel,blocks", [("eagle3", False, 3), ("eagle3", True, 3)],
-                         ids=["eagle3", "p-eagle"])
+@pytest.mark.parametrize(
+    "method,parallel,blocks", [("eagle3", False, 3), ("eagle3", True, 3)], ids=["eagle3", "p-eagle"]
+)
 def test_head_loss_reduced_vocab_equals_a_row_by_row_reference(method, parallel, blocks):
     head, target = _head(method, blocks - 1 if parallel else 0, seed=2, d2t=D2T)
     lengths, starts = [9, 4, 2, 6], [3, 0, 0, 1]
@@ -287,10 +313,23 @@ def test_head_loss_reduced_vocab_equals_a_row_by_row_reference(method, parallel,
     feats = torch.randn(B, L, 32 * len(head.cfg.aux_hidden_layers), generator=g)
     full = (torch.randn(B, L, 50, generator=g) * 3).softmax(-1)
     d2t = torch.tensor(D2T)
-    loss, accs = head_loss(head, target, ids, lengths, starts, feats, full[..., d2t], torch.zeros(B, L, 32),
-                           blocks, parallel, 0.3, full.argmax(-1))
-    ref, ref_accs, kinds = _reference_reduced_loss(head, target, ids, lengths, starts, feats, full, blocks,
-                                                   parallel, 0.3)
+    loss, accs = head_loss(
+        head,
+        target,
+        ids,
+        lengths,
+        starts,
+        feats,
+        full[..., d2t],
+        torch.zeros(B, L, 32),
+        blocks,
+        parallel,
+        0.3,
+        full.argmax(-1),
+    )
+    ref, ref_accs, kinds = _reference_reduced_loss(
+        head, target, ids, lengths, starts, feats, full, blocks, parallel, 0.3
+    )
     assert kinds == {True, False}  # rows whose target argmax is in the set and rows where it is not
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     assert [a.item() for a in accs] == pytest.approx(ref_accs)
@@ -303,8 +342,10 @@ def test_head_loss_reduced_vocab_equals_a_row_by_row_reference(method, parallel,
 def test_draft_vocab_from_answer_token_frequencies():
     from specserve.train.data import TrainSeq, draft_vocab
 
-    seqs = [TrainSeq([7, 7, 7, 7, 3, 3, 3, 9, 2], num_prompt_tokens=4),  # prompt 7 7 7 7, answer 3 3 3 9 2
-            TrainSeq([5, 6, 3, 9, 9, 1], num_prompt_tokens=0)]  # no prompt: the loss predicts from token 2 on
+    seqs = [
+        TrainSeq([7, 7, 7, 7, 3, 3, 3, 9, 2], num_prompt_tokens=4),  # prompt 7 7 7 7, answer 3 3 3 9 2
+        TrainSeq([5, 6, 3, 9, 9, 1], num_prompt_tokens=0),
+    ]  # no prompt: the loss predicts from token 2 on
     # Answer counts: 3 x4, 9 x3, 2 x1, 1 x1; 7 only in a prompt, 5 and 6 before position 2.
     got = draft_vocab(seqs, 12, 3)
     assert got.token_ids == [1, 3, 9]  # ties (2 and 1, one each) by whole count, then by id

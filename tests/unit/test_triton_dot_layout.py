@@ -5,6 +5,7 @@ compile): its v4 specialization (DOT_KWIDTH2) must come out with kWidth 2 on eve
 the plain one has Triton's kWidth 4, or, on a Triton whose pass list the hook did not copy, exactly as it. The
 GPU tests (tests/gpu/test_triton_quant_kv.py) run v4 against the torch reference.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,10 +17,20 @@ from triton.compiler import ASTSource  # noqa: E402
 from specserve.attention import triton_dot_layout  # noqa: E402
 from specserve.attention import triton_quant_nvfp4 as nvfp4  # noqa: E402
 
-_POINTERS = {"out_ptr": "*bf16", "q_ptr": "*bf16", "key_cache_ptr": "*i16", "value_cache_ptr": "*i16",
-             "key_scale_ptr": "*fp8e4nv", "value_scale_ptr": "*fp8e4nv", "part_acc_ptr": "*fp32",
-             "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "cu_query_lens_ptr": "*i32", "seq_lens_ptr": "*i32",
-             "block_tables_ptr": "*i32"}
+_POINTERS = {
+    "out_ptr": "*bf16",
+    "q_ptr": "*bf16",
+    "key_cache_ptr": "*i16",
+    "value_cache_ptr": "*i16",
+    "key_scale_ptr": "*fp8e4nv",
+    "value_scale_ptr": "*fp8e4nv",
+    "part_acc_ptr": "*fp32",
+    "part_m_ptr": "*fp32",
+    "part_l_ptr": "*fp32",
+    "cu_query_lens_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "block_tables_ptr": "*i32",
+}
 
 
 @pytest.fixture
@@ -33,19 +44,42 @@ def _compile_decode_kernel(kwidth2: bool, **flags):
     """The 8B decode specialization (32 / 8 heads, head_dim 128, 16-token blocks, 128-key tiles) for sm_90
     (flags: other variant constexprs)."""
     fn = nvfp4._paged_attention_nvfp4_kernel
-    consts = dict(C_BLOCK=16 * 8 * 32, C_SLOT=8 * 32, C_HEAD=32, S_BLOCK=16 * 8 * 8, S_SLOT=64, S_HEAD=8,
-                  QUADS=32, QUADS_PAD=32, GROUPS=8, G_PAD=8, GROUP=4, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
-                  BLOCK_M=16, BLOCK_Q=4, BLOCK_N=128, SPLIT=True, HEADS_FIRST=True, DECODER=1,
-                  DOT_KWIDTH2=kwidth2, FUSED_SCALE=False, OFFS32=False, ROWSUM_MMA=False, HALF_ROWS=False,
-                  K_PAIRS=False)
+    consts = dict(
+        C_BLOCK=16 * 8 * 32,
+        C_SLOT=8 * 32,
+        C_HEAD=32,
+        S_BLOCK=16 * 8 * 8,
+        S_SLOT=64,
+        S_HEAD=8,
+        QUADS=32,
+        QUADS_PAD=32,
+        GROUPS=8,
+        G_PAD=8,
+        GROUP=4,
+        HEAD_DIM_PAD=128,
+        BLOCK_SIZE=16,
+        BLOCK_M=16,
+        BLOCK_Q=4,
+        BLOCK_N=128,
+        SPLIT=True,
+        HEADS_FIRST=True,
+        DECODER=1,
+        DOT_KWIDTH2=kwidth2,
+        FUSED_SCALE=False,
+        OFFS32=False,
+        ROWSUM_MMA=False,
+        HALF_ROWS=False,
+        K_PAIRS=False,
+    )
     consts.update(flags)
     assert set(consts) <= set(fn.arg_names)
-    signature = {n: "constexpr" if n in consts else _POINTERS.get(n, "fp32" if n in ("sm_scale_log2", "v_factor")
-                                                                  else "i32") for n in fn.arg_names}
+    signature = {
+        n: "constexpr" if n in consts else _POINTERS.get(n, "fp32" if n in ("sm_scale_log2", "v_factor") else "i32")
+        for n in fn.arg_names
+    }
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in _POINTERS}
     src = ASTSource(fn, signature, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, num_stages=3, maxnreg=128))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3, maxnreg=128))
 
 
 def _kwidths(ttgir: str) -> set[str]:
@@ -55,14 +89,18 @@ def _kwidths(ttgir: str) -> set[str]:
 
 
 def test_retarget_kwidth_edits_16bit_operands_only() -> None:
-    f16 = ("%a = ttg.convert_layout %x : tensor<16x32xf16, #blocked> -> "
-           "tensor<16x32xf16, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 4}>>\n"
-           "%b = ttg.convert_layout %y : tensor<32x64xbf16, #blocked> -> "
-           "tensor<32x64xbf16, #ttg.dot_op<{opIdx = 1, parent = #mma1, kWidth = 4}>>\n")
+    f16 = (
+        "%a = ttg.convert_layout %x : tensor<16x32xf16, #blocked> -> "
+        "tensor<16x32xf16, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 4}>>\n"
+        "%b = ttg.convert_layout %y : tensor<32x64xbf16, #blocked> -> "
+        "tensor<32x64xbf16, #ttg.dot_op<{opIdx = 1, parent = #mma1, kWidth = 4}>>\n"
+    )
     out = triton_dot_layout.retarget_kwidth(f16)
     assert "kWidth = 4" not in out and out.count("kWidth = 2") == 2
-    mixed = f16 + ("%c = ttg.convert_layout %z : tensor<16x64xi8, #blocked> -> "
-                   "tensor<16x64xi8, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 4}>>\n")
+    mixed = f16 + (
+        "%c = ttg.convert_layout %z : tensor<16x64xi8, #blocked> -> "
+        "tensor<16x64xi8, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 4}>>\n"
+    )
     assert triton_dot_layout.retarget_kwidth(mixed) is mixed  # an 8-bit dot: the module stays as it is
     assert triton_dot_layout.retarget_kwidth("module {}") == "module {}"
 
@@ -104,8 +142,7 @@ def test_other_kernels_compile_as_triton_makes_them(fresh_triton_cache) -> None:
         b = tl.load(b_ptr + i[:, None] * N + i[None, :])
         tl.store(c_ptr + i[:, None] * N + i[None, :], tl.dot(a, b))
 
-    src = ASTSource(dot_kernel, {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp32", "N": "constexpr"},
-                    {"N": 32})
+    src = ASTSource(dot_kernel, {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp32", "N": "constexpr"}, {"N": 32})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert compiled.metadata.name == "dot_kernel" and compiled.asm["cubin"]
 

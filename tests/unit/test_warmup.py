@@ -1,5 +1,6 @@
 """runner/warmup.py: the start-up forwards of 1..N tokens run through the runner's own dispatch and
 leave nothing behind that a request could see."""
+
 from __future__ import annotations
 
 import pytest
@@ -74,8 +75,9 @@ def test_prompt_sized_forwards_run_fresh_and_after_a_split_context(tiny_llama_di
     assert (0, max(PROMPT_ROWS)) in expected  # the tiny model's pool holds the fresh ones at least
     seen = []
     real = runner._execute
-    runner._execute = lambda sched, *a, **kw: seen.append((sched.num_batched_tokens, runner.graphs)) or real(
-        sched, *a, **kw)
+    runner._execute = lambda sched, *a, **kw: (
+        seen.append((sched.num_batched_tokens, runner.graphs)) or real(sched, *a, **kw)
+    )
     assert warm_prompt_forwards(runner) == expected
     assert seen == [(t, None) for _, t in expected]  # eagerly, one forward per (context, rows)
     del runner._execute

@@ -13,6 +13,7 @@ allocator at once, not when the disk has caught up. Payloads returned by `get` m
 tier's memory: treat them as read-only; the memory stays valid while the payload (or a tensor of
 it) is alive.
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,9 +27,20 @@ from specserve.kv.spec import LayerKVCache
 
 BlockKey = bytes
 
-__all__ = ["BlockKey", "BlockPayload", "OffloadTier", "PackedPayload", "StatsCounter", "TierStats",
-           "check_payload", "extract_block", "extract_blocks", "insert_block", "insert_blocks",
-           "payload_nbytes"]
+__all__ = [
+    "BlockKey",
+    "BlockPayload",
+    "OffloadTier",
+    "PackedPayload",
+    "StatsCounter",
+    "TierStats",
+    "check_payload",
+    "extract_block",
+    "extract_blocks",
+    "insert_block",
+    "insert_blocks",
+    "payload_nbytes",
+]
 
 
 @dataclass

@@ -1,4 +1,5 @@
 """CPU memory tier: an LRU of packed block payloads in fixed-size slots of a (pinned) slab."""
+
 from __future__ import annotations
 
 import threading
@@ -53,8 +54,14 @@ class CpuTier:
     copies into a slot. Thread-safe: one lock around the index; copies run outside it.
     """
 
-    def __init__(self, capacity_bytes: int, pin_memory: bool | None = None, name: str = "cpu",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, slot_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        pin_memory: bool | None = None,
+        name: str = "cpu",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        slot_bytes: int | None = None,
+    ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.name = name
@@ -134,8 +141,7 @@ class CpuTier:
             views = [self._slots.view(slot) for slot, _ in found]
         missed = len(found) < len(keys)
         self._stats.add(queries=len(found) + missed, hits=len(found), bytes_out=sum(lay.nbytes for _, lay in found))
-        return [PackedPayload(view, layout, _Lease(self._released, slot))
-                for view, (slot, layout) in zip(views, found)]
+        return [PackedPayload(view, layout, _Lease(self._released, slot)) for view, (slot, layout) in zip(views, found)]
 
     def put(self, key: BlockKey, payload: BlockPayload) -> None:
         size = payload_nbytes(payload)

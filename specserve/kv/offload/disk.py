@@ -18,6 +18,7 @@ on a thread pool, each file read with one preadv straight into its row of one (p
 is present) buffer and checked against the header it must have (disk_format.LayoutReader): the
 rows then go to the GPU in one copy.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,9 +63,16 @@ class DiskTier:
     Until written, a block is served from the queue.
     """
 
-    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, namespace: str,
-                 max_pending_bytes: int = 256 << 20, name: str = "disk", readers: int = DEFAULT_THREADS,
-                 writers: int = DEFAULT_WRITERS) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        namespace: str,
+        max_pending_bytes: int = 256 << 20,
+        name: str = "disk",
+        readers: int = DEFAULT_THREADS,
+        writers: int = DEFAULT_WRITERS,
+    ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.name = name
@@ -79,8 +87,9 @@ class DiskTier:
         self._readers = ParallelReads(readers, name)
         self._layout_readers: dict[BlockLayout, LayoutReader] = {}
         # Resolved per call, so a test may replace DiskTier._write.
-        self._writer = DiskWriter(lambda key, payload, body: self._write(key, payload, body), max_pending_bytes,
-                                  writers, name, self._stats)
+        self._writer = DiskWriter(
+            lambda key, payload, body: self._write(key, payload, body), max_pending_bytes, writers, name, self._stats
+        )
 
     # -- OffloadTier -------------------------------------------------------------------------
 
@@ -152,13 +161,16 @@ class DiskTier:
 
         def read_one(j: int) -> None:
             i = todo[j]
-            read[j] = self._read_into(paths[j], names[j], keys[i], reader, flat[i * nbytes:(i + 1) * nbytes])
+            read[j] = self._read_into(paths[j], names[j], keys[i], reader, flat[i * nbytes : (i + 1) * nbytes])
 
         self._readers.run(len(todo), read_one)
         hit_paths = [paths[j] for j in range(len(todo)) if read[j]]
         if hit_paths:  # recency in key order (the threads finish in any order)
-            self._index.remember((names[j], body_offset(len(keys[todo[j]]), len(layout.json)) + nbytes)
-                                 for j in range(len(todo)) if read[j])
+            self._index.remember(
+                (names[j], body_offset(len(keys[todo[j]]), len(layout.json)) + nbytes)
+                for j in range(len(todo))
+                if read[j]
+            )
             # mtimes (recency after a restart) are set off the caller's path
             self._readers.submit(set_mtimes, hit_paths, self._index.stamps(len(hit_paths)))
         for j, ok in enumerate(read):

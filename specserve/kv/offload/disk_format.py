@@ -17,6 +17,7 @@ region into a small buffer, the body straight into the caller's buffer (a pinned
 the block is bound for the GPU); no intermediate bytes objects. Without a layout, `read_entry`
 reads the header region, then the body.
 """
+
 from __future__ import annotations
 
 import functools
@@ -66,8 +67,9 @@ def encode_prefix(key: bytes, payload: PackedPayload, namespace: str, body: memo
     payload's bytes when the caller has them already."""
     layout = payload.layout.json
     crc = crc32(_as_bytes(payload.buffer) if body is None else body, crc32(layout))
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(key), len(layout), payload.nbytes, crc,
-                          namespace_digest(namespace))
+    header = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, len(key), len(layout), payload.nbytes, crc, namespace_digest(namespace)
+    )
     prefix = header + key + layout
     return prefix + bytes(body_offset(len(key), len(layout)) - len(prefix))
 
@@ -102,8 +104,7 @@ class Header:
         self.body_offset, self.body_len, self.crc = body_offset, body_len, crc
 
 
-def parse_header(head: bytes, key: bytes, namespace: str, file_size: int,
-                 read_more=None) -> Header:
+def parse_header(head: bytes, key: bytes, namespace: str, file_size: int, read_more=None) -> Header:
     """Check the header region `head` (the file's first bytes; `read_more(n)` returns the first n
     when `head` is too short). BadEntry says why the file cannot be trusted."""
     if len(head) < _HEADER.size:
@@ -125,9 +126,9 @@ def parse_header(head: bytes, key: bytes, namespace: str, file_size: int,
         if read_more is None:
             raise BadEntry("truncated header")
         head = read_more(end)
-    if head[_HEADER.size:_HEADER.size + key_len] != key:
+    if head[_HEADER.size : _HEADER.size + key_len] != key:
         raise BadEntry("stored key differs")
-    layout_raw = bytes(head[_HEADER.size + key_len:end])
+    layout_raw = bytes(head[_HEADER.size + key_len : end])
     try:
         layout = BlockLayout.from_json(layout_raw)
     except ValueError as exc:
@@ -146,8 +147,11 @@ def check_body(header: Header, body: torch.Tensor | memoryview) -> None:
 def decode_entry(key: bytes, blob: bytes, namespace: str) -> PackedPayload:
     """The payload of a whole file held in memory; BadEntry says why it cannot be trusted."""
     header = parse_header(blob, key, namespace, len(blob))
-    body = torch.frombuffer(bytearray(blob[header.body_offset:]), dtype=torch.uint8) if header.body_len else \
-        torch.empty(0, dtype=torch.uint8)
+    body = (
+        torch.frombuffer(bytearray(blob[header.body_offset :]), dtype=torch.uint8)
+        if header.body_len
+        else torch.empty(0, dtype=torch.uint8)
+    )
     check_body(header, body)
     return PackedPayload(body, header.layout)
 
@@ -207,11 +211,14 @@ class LayoutReader:
         prefix = bytearray(len(expected))
         probe = bytearray(1)  # one byte past the end: catches a file longer than the header says
         got = os.preadv(fd, [prefix, out, probe], 0)
-        if (got == len(expected) + len(out) and prefix[:_CRC_AT] == expected[:_CRC_AT]
-                and prefix[_CRC_END:] == expected[_CRC_END:]):
+        if (
+            got == len(expected) + len(out)
+            and prefix[:_CRC_AT] == expected[:_CRC_AT]
+            and prefix[_CRC_END:] == expected[_CRC_END:]
+        ):
             crc = int.from_bytes(prefix[_CRC_AT:_CRC_END], "little")
         else:  # something differs: the full parse says what (or accepts other padding)
-            header = parse_header(bytes(prefix[:min(got, len(prefix))]), key, self.namespace, got)
+            header = parse_header(bytes(prefix[: min(got, len(prefix))]), key, self.namespace, got)
             if header.layout_raw != self.layout.json:
                 raise BadEntry("block layout differs from this cache's")
             crc = header.crc

@@ -4,6 +4,7 @@ Recency survives restarts through file mtimes: a hit or a write stamps its file,
 orders files by mtime. Stamps are strictly increasing within a process, so the on-disk order
 equals the in-memory order even on coarse clocks.
 """
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ take the next file from a shared counter rather than a fixed span: a thread dela
 scheduler or a slow file does not hold up the whole load. The calling thread reads too, so a
 load of a few blocks does not wait for a pool thread to wake up.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -30,8 +31,9 @@ class ParallelReads:
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self.threads,
-                                                thread_name_prefix=f"specserve-{self._name}-read")
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self.threads, thread_name_prefix=f"specserve-{self._name}-read"
+                )
             return self._pool
 
     def run(self, n: int, read_one: Callable[[int], None]) -> None:

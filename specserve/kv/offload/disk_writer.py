@@ -10,6 +10,7 @@ the Python they run per block (the GIL they take from the engine thread) stays s
 Until its file is in place a block is served from here (`copy_pending`); the copy is taken under
 the lock, so a slot is never reused while a reader copies out of it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,7 @@ class DiskWriter:
     `write(key, payload, body)` stores one block (`body`: its bytes when known; raises on
     failure: counted in `errors`)."""
 
-    def __init__(self, write: WriteBlock, max_pending_bytes: int, threads: int, name: str,
-                 stats: StatsCounter) -> None:
+    def __init__(self, write: WriteBlock, max_pending_bytes: int, threads: int, name: str, stats: StatsCounter) -> None:
         self._write = write
         self._max_pending = int(max_pending_bytes)
         self._stats = stats
@@ -53,8 +53,10 @@ class DiskWriter:
         self._reserved: set[BlockKey] = set()  # room taken, copy in progress
         self._pending_bytes = 0
         self._queue: queue.Queue[list[BlockKey] | None] = queue.Queue()
-        self._threads = [threading.Thread(target=self._loop, name=f"specserve-{name}-writer-{i}", daemon=True)
-                         for i in range(max(1, threads))]
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"specserve-{name}-writer-{i}", daemon=True)
+            for i in range(max(1, threads))
+        ]
         for t in self._threads:
             t.start()
 
@@ -101,18 +103,24 @@ class DiskWriter:
                 self._pending[key] = pending
         keys = [key for key, _ in entries]
         for start in range(0, len(keys), _BATCH):
-            self._queue.put(keys[start:start + _BATCH])
+            self._queue.put(keys[start : start + _BATCH])
 
-    def _copy(self, taken: list[tuple[BlockKey, PackedPayload, torch.Tensor | None, int | None]]
-              ) -> list[tuple[BlockKey, _Pending]]:
+    def _copy(
+        self, taken: list[tuple[BlockKey, PackedPayload, torch.Tensor | None, int | None]]
+    ) -> list[tuple[BlockKey, _Pending]]:
         slotted = [(src.buffer, dst) for _, src, dst, _ in taken if dst is not None]
         # Rows of one staging buffer into slots taken in order: a few large copies, GIL released.
         for src, dst in paired_runs([s for s, _ in slotted], [d for _, d in slotted]):
             copy_bytes(dst, src)
-        return [(key, _Pending(PackedPayload(dst, src.layout), slot, self._slots.view_bytes(slot))
-                 if dst is not None and slot is not None else
-                 _Pending(pack(src, out=torch.empty(src.nbytes, dtype=torch.uint8)), None, None))
-                for key, src, dst, slot in taken]
+        return [
+            (
+                key,
+                _Pending(PackedPayload(dst, src.layout), slot, self._slots.view_bytes(slot))
+                if dst is not None and slot is not None
+                else _Pending(pack(src, out=torch.empty(src.nbytes, dtype=torch.uint8)), None, None),
+            )
+            for key, src, dst, slot in taken
+        ]
 
     def _take_slot(self, size: int) -> int | None:
         """Under the lock: a slot for a block of `size` bytes, or None (it gets a buffer of its own)."""

@@ -13,6 +13,7 @@
   tier, so the scheduler's later lookup usually hits memory.
 Keys are the chained block hashes, which already include the model identity and KV format.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,14 @@ from specserve.metrics.stats import StatsCollector
 
 
 class KVOffloader:
-    def __init__(self, cfg: OffloadConfig, caches: list[LayerKVCache], namespace: str, block_size: int,
-                 stats: StatsCollector | None = None) -> None:
+    def __init__(
+        self,
+        cfg: OffloadConfig,
+        caches: list[LayerKVCache],
+        namespace: str,
+        block_size: int,
+        stats: StatsCollector | None = None,
+    ) -> None:
         self.mover = BlockMover(caches)
         # The CPU tier's memory (pinned on CUDA) is taken at startup, in slots of one block.
         self.cpu = CpuTier(cfg.cpu_bytes, slot_bytes=self.mover.layout.nbytes) if cfg.cpu_bytes > 0 else None
@@ -106,14 +113,13 @@ class KVOffloader:
         start = 0
         for rows in self.mover.gather_to_host([b for _, b in fresh]):
             n = rows.rows.shape[0]
-            self.queue.submit_rows([h for h, _ in fresh[start:start + n]], rows, self.store.put_many)
+            self.queue.submit_rows([h for h, _ in fresh[start : start + n]], rows, self.store.put_many)
             start += n
 
     def _stored(self, key: BlockHash) -> bool:
         # No stat per block on the step path: a block another process wrote is found by the
         # disk writer, which skips files already there.
-        return ((self.cpu is not None and self.cpu.contains(key))
-                or (self.disk is not None and self.disk.knows(key)))
+        return (self.cpu is not None and self.cpu.contains(key)) or (self.disk is not None and self.disk.knows(key))
 
     # -- load --------------------------------------------------------------------------------
     def lookup(self, hashes: list[BlockHash]) -> list[PackedPayload]:
@@ -130,7 +136,7 @@ class KVOffloader:
         found: list[PackedPayload] = []
         self._origin = {}
         while len(found) < len(hashes):
-            rest = hashes[len(found):]
+            rest = hashes[len(found) :]
             for h in rest:
                 self.queue.wait_for(h)  # a block on its way into the tiers: wait until it is there
             if self.cpu is not None:
@@ -138,7 +144,7 @@ class KVOffloader:
                 self._found(found, hits, self.cpu.name)
                 if len(hits) == len(rest):
                     break
-                rest = rest[len(hits):]
+                rest = rest[len(hits) :]
             run = self._disk_run(rest, count_miss=True)
             if not run or self.disk is None:  # an empty run without a disk tier
                 break
@@ -146,7 +152,7 @@ class KVOffloader:
             hits = _prefix(got)
             self._found(found, hits, self.disk.name)
             if self.cpu is not None and hits:  # promote off the engine thread
-                self.queue.submit(run[:len(hits)], hits, self.cpu.put_many)
+                self.queue.submit(run[: len(hits)], hits, self.cpu.put_many)
             if len(hits) < len(run):
                 break
         return found
@@ -197,7 +203,7 @@ class KVOffloader:
                 start += 1
             run = self._disk_run(hashes[start:])
             hits = _prefix(self.disk.get_many(run, self.mover.layout))
-            self.cpu.put_many(run[:len(hits)], hits)
+            self.cpu.put_many(run[: len(hits)], hits)
 
     # -- housekeeping ------------------------------------------------------------------------
     def record_stats(self) -> None:

@@ -5,6 +5,7 @@ host<->device copy are each one contiguous range instead of one small tensor per
 named tensors ("{layer}.key", ...) stay available as views into the buffer, so a payload reads
 like a dict (`payload["0.key"]`, `set(payload)`, `payload.items()`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,7 +28,8 @@ def _align(n: int) -> int:
 
 
 _DTYPES: dict[str, torch.dtype] = {
-    name: dt for name in dir(torch) if isinstance(dt := getattr(torch, name), torch.dtype)}
+    name: dt for name in dir(torch) if isinstance(dt := getattr(torch, name), torch.dtype)
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -76,7 +78,7 @@ class BlockLayout:
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named tensors viewing `buffer` ([nbytes] uint8): no copy."""
-        return {e.name: buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.entries}
+        return {e.name: buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.entries}
 
     def to_json(self) -> bytes:
         return self.json
@@ -84,8 +86,9 @@ class BlockLayout:
     @functools.cached_property
     def json(self) -> bytes:
         """The stored form (disk_format.py); computed once per layout, not once per block."""
-        return json.dumps([[e.name, dtype_name(e.dtype), list(e.shape), e.offset] for e in self.entries],
-                          separators=(",", ":")).encode()
+        return json.dumps(
+            [[e.name, dtype_name(e.dtype), list(e.shape), e.offset] for e in self.entries], separators=(",", ":")
+        ).encode()
 
     @staticmethod
     def from_json(raw: bytes) -> BlockLayout:
@@ -119,8 +122,9 @@ class PackedPayload(Mapping):
 
     def __init__(self, buffer: torch.Tensor, layout: BlockLayout, lease: object | None = None) -> None:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != layout.nbytes:
-            raise ValueError(f"payload buffer must be [{layout.nbytes}] uint8, got {buffer.dtype} "
-                             f"{tuple(buffer.shape)}")
+            raise ValueError(
+                f"payload buffer must be [{layout.nbytes}] uint8, got {buffer.dtype} {tuple(buffer.shape)}"
+            )
         self.buffer = buffer
         self.layout = layout
         self.lease = lease
@@ -177,7 +181,7 @@ def pack(payload: BlockPayload, out: torch.Tensor | None = None) -> PackedPayloa
         src = payload[e.name].detach()
         if src.device.type != "cpu":
             src = src.cpu()
-        out[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(src)
+        out[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(src)
     return PackedPayload(out, layout)
 
 
@@ -210,8 +214,10 @@ def paired_runs(srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> list[tupl
 
 
 def _follows(prev: torch.Tensor, cur: torch.Tensor) -> bool:
-    return (cur.data_ptr() == prev.data_ptr() + prev.numel()
-            and cur.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr())
+    return (
+        cur.data_ptr() == prev.data_ptr() + prev.numel()
+        and cur.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+    )
 
 
 def _span(buffers: list[torch.Tensor]) -> torch.Tensor:

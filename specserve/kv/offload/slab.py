@@ -5,6 +5,7 @@ small tensor per block per layer made storing a document take a second. Here mem
 once per chunk of `chunk_bytes`, grown on demand up to `max_slots`, and then reused forever: a
 slot freed by eviction is handed to the next block without touching the allocator.
 """
+
 from __future__ import annotations
 
 import threading
@@ -22,8 +23,9 @@ class SlotSlab:
     under its lock and calls `grow` outside it (allocating a chunk is slow).
     """
 
-    def __init__(self, slot_bytes: int, max_slots: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 pin_memory: bool = False) -> None:
+    def __init__(
+        self, slot_bytes: int, max_slots: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, pin_memory: bool = False
+    ) -> None:
         if slot_bytes <= 0 or max_slots < 0:
             raise ValueError(f"slot_bytes must be > 0 and max_slots >= 0, got {slot_bytes}, {max_slots}")
         self.slot_bytes = slot_bytes
@@ -77,11 +79,11 @@ class SlotSlab:
         """The slot's memory: [slot_bytes] uint8."""
         chunk, index = divmod(slot, self.slots_per_chunk)
         start = index * self.slot_bytes
-        return self._chunks[chunk][start:start + self.slot_bytes]
+        return self._chunks[chunk][start : start + self.slot_bytes]
 
     def view_bytes(self, slot: int) -> memoryview:
         """The slot's memory as a memoryview: a slice, no tensor->numpy conversion per call (the
         disk writer hands it to writev and crc32)."""
         chunk, index = divmod(slot, self.slots_per_chunk)
         start = index * self.slot_bytes
-        return self._chunk_bytes[chunk][start:start + self.slot_bytes]
+        return self._chunk_bytes[chunk][start : start + self.slot_bytes]

@@ -6,6 +6,7 @@ puts the payloads into the tiers (a memcpy into a CPU tier slot, a queued disk w
 is visible in a tier only once its bytes are complete. Until then `pending(key)` is true, and a
 reader that needs the block calls `wait_for(key)`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,9 @@ PutMany = Callable[[list[BlockKey], list[PackedPayload]], None]  # e.g. TieredSt
 class _Job:
     __slots__ = ("done", "keys", "payloads", "put", "rows")
 
-    def __init__(self, keys: list[BlockKey], rows: HostRows | None, payloads: list[PackedPayload] | None,
-                 put: PutMany) -> None:
+    def __init__(
+        self, keys: list[BlockKey], rows: HostRows | None, payloads: list[PackedPayload] | None, put: PutMany
+    ) -> None:
         self.keys, self.rows, self.payloads, self.put = keys, rows, payloads, put
         self.done = threading.Event()
 

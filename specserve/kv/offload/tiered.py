@@ -1,4 +1,5 @@
 """Tiers stacked fastest first (CPU, then disk): read-through with promotion, write-through."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -15,6 +15,7 @@ must stay untouched until the returned event completes.
 
 On the CPU both directions are plain synchronous copies.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -32,9 +33,14 @@ MAX_STAGING_BYTES = 64 << 20
 
 def cache_layout(caches: list[LayerKVCache]) -> BlockLayout:
     """Packed layout of one block of these caches: "{layer}.key" [block_size, H, packed_dim], ..."""
-    return BlockLayout.of([(f"{layer}.{name}", t.dtype, tuple(t.shape[1:]))
-                           for layer, cache in enumerate(caches)
-                           for name, t in zip(_FIELDS, cache) if t is not None])
+    return BlockLayout.of(
+        [
+            (f"{layer}.{name}", t.dtype, tuple(t.shape[1:]))
+            for layer, cache in enumerate(caches)
+            for name, t in zip(_FIELDS, cache)
+            if t is not None
+        ]
+    )
 
 
 class HostRows:
@@ -76,14 +82,14 @@ class BlockMover:
 
     def _gather_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         for part, e in zip(self.parts, self.layout.entries):
-            torch.index_select(part, 0, ids, out=out[:, e.offset:e.offset + e.nbytes])
+            torch.index_select(part, 0, ids, out=out[:, e.offset : e.offset + e.nbytes])
 
     # -- store ----------------------------------------------------------------------------------
     def gather_to_host(self, block_ids: Sequence[int]) -> list[HostRows]:
         """Snapshot the blocks now (in stream order); one HostRows per group of blocks."""
         out = []
         for start in range(0, len(block_ids), self.group):
-            ids = self._ids(block_ids[start:start + self.group])
+            ids = self._ids(block_ids[start : start + self.group])
             if not self.is_cuda:
                 rows = torch.empty((len(ids), self.layout.nbytes), dtype=torch.uint8)
                 self._gather_into(ids, rows)
@@ -124,13 +130,13 @@ class BlockMover:
         runs = _id_runs(block_ids)
         if self.is_cuda or len(runs) > 8:  # one kernel per tensor
             for part, e in zip(self.parts, self.layout.entries):
-                part.index_copy_(0, ids, staging[:, e.offset:e.offset + e.nbytes])
+                part.index_copy_(0, ids, staging[:, e.offset : e.offset + e.nbytes])
             return
         # On the CPU index_copy_ is ~15x slower than a slice copy; fresh blocks are mostly
         # consecutive ids, so a few slice copies per tensor do it.
         for part, e in zip(self.parts, self.layout.entries):
             for i, j, first in runs:
-                part[first:first + j - i].copy_(staging[i:j, e.offset:e.offset + e.nbytes])
+                part[first : first + j - i].copy_(staging[i:j, e.offset : e.offset + e.nbytes])
 
     def load_from_host(self, block_ids: Sequence[int], payloads: Sequence[PackedPayload]) -> torch.cuda.Event | None:
         """Copy payloads[i] into block block_ids[i]. Returns the event after which the payload
@@ -138,8 +144,8 @@ class BlockMover:
         if len(block_ids) != len(payloads):
             raise ValueError(f"{len(block_ids)} block ids for {len(payloads)} payloads")
         for start in range(0, len(block_ids), self.group):
-            group = payloads[start:start + self.group]
-            ids = self._ids(block_ids[start:start + self.group])
+            group = payloads[start : start + self.group]
+            ids = self._ids(block_ids[start : start + self.group])
             runs = contiguous_runs([p.buffer for p in group])
             if not self.is_cuda and len(runs) == 1:  # the host buffer itself is the staging
                 staging = runs[0][2].view(len(group), -1)
@@ -148,8 +154,8 @@ class BlockMover:
                 flat = staging.view(-1)
                 nbytes = self.layout.nbytes
                 for i, j, run in runs:
-                    flat[i * nbytes:j * nbytes].copy_(run, non_blocking=self.is_cuda)
-            self._scatter(block_ids[start:start + self.group], ids, staging)
+                    flat[i * nbytes : j * nbytes].copy_(run, non_blocking=self.is_cuda)
+            self._scatter(block_ids[start : start + self.group], ids, staging)
         if not self.is_cuda or not block_ids:
             return None
         done = torch.cuda.Event()
@@ -170,8 +176,7 @@ def _id_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
 
 def _mismatch(got: BlockLayout, want: BlockLayout) -> str:
     if got.names != want.names:
-        return (f"payload tensors {list(got.names)[:4]}... do not match the cache's "
-                f"{list(want.names)[:4]}...")
+        return f"payload tensors {list(got.names)[:4]}... do not match the cache's {list(want.names)[:4]}..."
     for g, w in zip(got.entries, want.entries):
         if (g.dtype, g.shape) != (w.dtype, w.shape):
             return f"{g.name}: payload {g.dtype} {g.shape} vs cache block {w.dtype} {w.shape}"

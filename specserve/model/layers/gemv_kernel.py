@@ -1,6 +1,7 @@
 """The GEMV's Triton kernel (`_gemv_kernel`) and its single-tile body (`_single_tile`). What it
 computes, its fusions, rounding and tiles: triton_gemv.py, which launches it and picks its tiles.
 """
+
 from __future__ import annotations
 
 import triton
@@ -11,8 +12,7 @@ from specserve.model.layers.triton_skinny import _store_out
 
 
 @triton.jit
-def _load_weights(w_rows, up_rows, norm_w_ptr, offs_k, w_mask, k_ok,
-                  SILU_OUT: tl.constexpr, RMS_NORM: tl.constexpr):
+def _load_weights(w_rows, up_rows, norm_w_ptr, offs_k, w_mask, k_ok, SILU_OUT: tl.constexpr, RMS_NORM: tl.constexpr):
     """A single-tile program's weights: its W rows (and up's), and the norm's weight (else a dummy)."""
     w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
     w_up = w
@@ -26,9 +26,28 @@ def _load_weights(w_rows, up_rows, norm_w_ptr, offs_k, w_mask, k_ok,
 
 @triton.jit
 def _single_tile(
-    x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_rows, up_rows, n_ok, pid, M, K, stride_xm, stride_rm, stride_rom,
-    eps, SILU_OUT: tl.constexpr, RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    norm_w_ptr,
+    w_rows,
+    up_rows,
+    n_ok,
+    pid,
+    M,
+    K,
+    stride_xm,
+    stride_rm,
+    stride_rom,
+    eps,
+    SILU_OUT: tl.constexpr,
+    RMS_NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """(acc, acc_up) [BLOCK_M, BLOCK_N] fp32 when one tile covers the whole reduction (BLOCK_K >= K)."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -74,11 +93,32 @@ def _single_tile(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
-    HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr, RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, SINGLE_TILE: tl.constexpr = False,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    res_ptr,
+    res_out_ptr,
+    norm_w_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_rm,
+    stride_rom,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    SILU_OUT: tl.constexpr,
+    RMS_NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
+    SINGLE_TILE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,8 +129,29 @@ def _gemv_kernel(
     up_rows = w_rows + N * stride_wn
     if SINGLE_TILE:
         acc, acc_up = _single_tile(
-            x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_rows, up_rows, n_ok, pid, M, K, stride_xm, stride_rm,
-            stride_rom, eps, SILU_OUT, RMS_NORM, HAS_RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PREFETCH)
+            x_ptr,
+            res_ptr,
+            res_out_ptr,
+            norm_w_ptr,
+            w_rows,
+            up_rows,
+            n_ok,
+            pid,
+            M,
+            K,
+            stride_xm,
+            stride_rm,
+            stride_rom,
+            eps,
+            SILU_OUT,
+            RMS_NORM,
+            HAS_RESIDUAL,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            USE_PDL,
+            PREFETCH,
+        )
     else:
         # PREFETCH: each weight tile is requested one step ahead (a loop-carried load), and the first
         # one before waiting for the previous kernel (PDL): no kernel writes weights, so those loads

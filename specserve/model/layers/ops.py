@@ -2,14 +2,16 @@
 
 These are the CPU path and the oracle for `triton_ops.py`; signatures are shared.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [num_tokens, hidden]. With a residual: returns (norm(x + residual), x + residual)."""
     if residual is not None:
         x = x + residual
@@ -19,8 +21,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, residual)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style (rotate halves) RoPE, as HF Llama/Qwen2.
 
     q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim];
@@ -53,8 +56,14 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(F.linear(x, weight))
 
 
-def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A norm and the projection after it: (rms_norm(x (+ residual)) @ weight^T (+ bias), the new
     residual: x + residual, or x itself when there is none (a model's first layer))."""
     if residual is None:
@@ -63,8 +72,9 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     return F.linear(h, weight, bias), residual
 
 
-def rms_norm_linear_silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                                 eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_linear_silu_and_mul(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The post-attention norm, gate_up and the MLP's activation: (silu_and_mul(rms_norm(x (+ residual))
     @ weight^T) [T, inter], the new residual: x + residual, or x itself when there is none);
     weight [2 * inter, in] (gate | up)."""

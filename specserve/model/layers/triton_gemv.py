@@ -18,6 +18,7 @@ gate_up's epilogue: a program owns the same features of gate and up), and both f
 post-attention norm. Only bfloat16 / float16 with M <= GEMV_MAX_M on CUDA take this path; the rest
 goes to `torch.nn.functional.linear`, the reference (twin: `ops.linear`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,6 +58,7 @@ class NormFuse(NamedTuple):
     """A tuned table's word on one norm + projection: whether the fused launch measured faster than
     the norm kernel and the projection apart, and the tiles it was measured with (None: the
     projection's own entry, halved for a silu epilogue)."""
+
     fuse: bool
     tiles: tuple[int, int, int] | None
 
@@ -80,8 +82,10 @@ def norm_fuse_table(device_name: str) -> dict[str, NormFuse]:
     them (with a silu epilogue BLOCK_N counts the gate's rows, as in `linear_silu_and_mul`)."""
     table = _table_file(device_name)
     tiles = table.get("norm_fuse_tiles", {})
-    return {key: NormFuse(bool(fuse), tuple(tiles[key]) if key in tiles else None)
-            for key, fuse in table.get("norm_fuse", {}).items()}
+    return {
+        key: NormFuse(bool(fuse), tuple(tiles[key]) if key in tiles else None)
+        for key, fuse in table.get("norm_fuse", {}).items()
+    }
 
 
 @functools.lru_cache(maxsize=8)
@@ -92,8 +96,10 @@ def skinny_table(device_name: str) -> dict[str, dict[str, SkinnyConfig]]:
     the [gate | up] weight's rows and block_n counts each half's features). Written by
     bench/skinny_bench.py --write; {} each without one."""
     table = _table_file(device_name)
-    return {kind: {key: SkinnyConfig(*value) for key, value in table.get(name, {}).items()}
-            for kind, name in (("plain", "skinny"), ("silu", "skinny_silu"))}
+    return {
+        kind: {key: SkinnyConfig(*value) for key, value in table.get(name, {}).items()}
+        for kind, name in (("plain", "skinny"), ("silu", "skinny_silu"))
+    }
 
 
 @functools.lru_cache(maxsize=8)
@@ -148,9 +154,17 @@ def gemv_max_m() -> int:
 def _gemv_ok(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
     """Whether the GEMV may take x [M, k] @ weight^T at all: at most gemv_max_m() rows, bf16/fp16 on
     CUDA (or the interpreter), both with a contiguous last dim."""
-    return (x.is_cuda or envs.triton_interpret()) and x.dim() == 2 and 0 < x.shape[0] <= gemv_max_m() \
-        and weight.dim() == 2 and weight.shape[1] == k and x.dtype == weight.dtype \
-        and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and weight.stride(-1) == 1
+    return (
+        (x.is_cuda or envs.triton_interpret())
+        and x.dim() == 2
+        and 0 < x.shape[0] <= gemv_max_m()
+        and weight.dim() == 2
+        and weight.shape[1] == k
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
 
 
 def _tiles(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[int, int, int] | None:
@@ -169,9 +183,14 @@ def _silu_tiles(tiles: tuple[int, int, int]) -> tuple[int, int, int]:
     return max(1, block_n // 2), block_k, num_warps
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int],
-            silu_out: bool = False, norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tiles: tuple[int, int, int],
+    silu_out: bool = False,
+    norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (out [M, N], the new residual [M, K] when `norm` = (weight, eps, residual) has one).
     tiles: (BLOCK_N, BLOCK_K, num_warps), from `_tiles` (or bench/gemv_tune.py's sweep); BLOCK_K >= K
     takes the single-tile path (the norm from the same tile, no pre-pass over x).
@@ -186,13 +205,34 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
     block_n, block_k, num_warps = tiles
     pdl = use_pdl(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight if bias is None else bias, out,
-        x if residual is None else residual, x if res_out is None else res_out, weight if norm_w is None else norm_w,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        0 if residual is None else residual.stride(0), 0 if res_out is None else res_out.stride(0), eps,
-        HAS_BIAS=bias is not None, SILU_OUT=silu_out, RMS_NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        USE_PDL=pdl, launch_pdl=pdl, PREFETCH=_prefetch(weight.shape[0], k, m, x.device), SINGLE_TILE=block_k >= k,
+        x,
+        weight,
+        weight if bias is None else bias,
+        out,
+        x if residual is None else residual,
+        x if res_out is None else res_out,
+        weight if norm_w is None else norm_w,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        0 if residual is None else residual.stride(0),
+        0 if res_out is None else res_out.stride(0),
+        eps,
+        HAS_BIAS=bias is not None,
+        SILU_OUT=silu_out,
+        RMS_NORM=norm is not None,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
+        PREFETCH=_prefetch(weight.shape[0], k, m, x.device),
+        SINGLE_TILE=block_k >= k,
     )
     return out, res_out
 
@@ -242,15 +282,19 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, silu_and_mul) -> 
     return _launch(x, weight, None, _silu_tiles(tiles), silu_out=True)[0]
 
 
-def _norm_tiles(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                weight: torch.Tensor, silu_out: bool) -> tuple[int, int, int] | None:
+def _norm_tiles(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor, silu_out: bool
+) -> tuple[int, int, int] | None:
     """The fused norm + projection's tiles for x [M, K] @ weight^T, or None where the norm runs as its
     own kernel. The tuned table's "norm_fuse" entry decides where it has one. Without one: only
     projections with N <= NORM_FUSE_MAX_WIDTH * K, since every program of the multi-tile path re-reads
     x for its norm (cheap for qkv, more bytes than the weight for the many narrow programs of gate_up)."""
-    ok = _gemv_ok(x, weight, x.shape[-1]) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous() \
-        and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
-                                  and residual.stride(-1) == 1))
+    ok = (
+        _gemv_ok(x, weight, x.shape[-1])
+        and norm_weight.dtype == x.dtype
+        and norm_weight.is_contiguous()
+        and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape and residual.stride(-1) == 1))
+    )
     if not ok or (silu_out and weight.shape[0] % 2):
         return None
     n, k = weight.shape
@@ -263,17 +307,24 @@ def _norm_tiles(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     return None if tiles is None else (_silu_tiles(tiles) if silu_out else tiles)
 
 
-def _unfused_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                  rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
+def _unfused_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, rms_norm
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x (+ residual)), the new residual: x + residual, or x itself without one)."""
     if residual is None:
         return rms_norm(x, norm_weight, eps), x
     return rms_norm(x, norm_weight, eps, residual)
 
 
-def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None, rms_norm,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rms_norm,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder layer's norm and the projection after it in one launch for a few rows:
     h = rms_norm(x (+ residual)) [M, K]; returns (h @ weight^T (+ bias) [M, N], the new residual:
     x + residual, or x itself without one). `rms_norm` is the unfused norm for other shapes, and
@@ -286,9 +337,15 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     return out, (x if res_out is None else res_out)
 
 
-def rms_norm_linear_silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                                 eps: float, weight: torch.Tensor, rms_norm, silu_and_mul,
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_linear_silu_and_mul(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    rms_norm,
+    silu_and_mul,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The post-attention norm, gate_up and the MLP's activation in one launch for a few rows:
     h = rms_norm(x (+ residual)) [M, K]; returns (silu_and_mul(h @ weight^T) [M, inter], the new
     residual [M, K]), weight [2 * inter, K] (gate | up). Where the fusion is not possible or the

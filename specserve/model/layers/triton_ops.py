@@ -7,6 +7,7 @@ apply_rope: neox-style rotary embedding in place (kernels/rope.py).
 linear / linear_silu_and_mul / rms_norm_linear: a Triton GEMV for a few rows (decode), with the
 activation after gate_up or the norm before qkv fused in; cuBLAS otherwise (triton_gemv.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,9 +21,20 @@ from specserve.model.layers import triton_gemv
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -41,8 +53,9 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [num_tokens, hidden]. With a residual: returns (norm(x + residual), x + residual)."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [num_tokens, hidden] with a contiguous last dim, got {tuple(x.shape)}")
@@ -60,17 +73,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         res_in = x if residual is None else residual
         res_out = x if new_residual is None else new_residual
         _rms_norm_kernel[(num_tokens,)](
-            x, res_in, weight, out, res_out,
-            x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16), USE_PDL=pdl, launch_pdl=pdl,
+            x,
+            res_in,
+            weight,
+            out,
+            res_out,
+            x.stride(0),
+            res_in.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
+            USE_PDL=pdl,
+            launch_pdl=pdl,
         )
     return out if new_residual is None else (out, new_residual)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -93,7 +117,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block = 1024
         pdl = use_pdl(x)
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, USE_PDL=pdl, launch_pdl=pdl)
+            x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, USE_PDL=pdl, launch_pdl=pdl
+        )
     return out
 
 
@@ -107,14 +132,21 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return triton_gemv.linear_silu_and_mul(x, weight, silu_and_mul)
 
 
-def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x (+ residual)) @ weight^T (+ bias), new residual); one GEMV launch for a few rows."""
     return triton_gemv.rms_norm_linear(x, residual, norm_weight, eps, weight, bias, rms_norm)
 
 
-def rms_norm_linear_silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                                 eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_linear_silu_and_mul(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu_and_mul(rms_norm(x (+ residual)) @ weight^T), new residual); one GEMV launch for a few rows
     where the GPU's tuned table says the fused norm pays, else the norm kernel and linear_silu_and_mul."""
     return triton_gemv.rms_norm_linear_silu_and_mul(x, residual, norm_weight, eps, weight, rms_norm, silu_and_mul)

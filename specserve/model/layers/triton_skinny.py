@@ -24,6 +24,7 @@ workspace and the counters only after it.
 Only bf16 / fp16 on CUDA (or Triton's CPU interpreter) take this path (`supports`); the reference is
 `ops.linear` / `ops.linear_silu_and_mul`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,6 +64,7 @@ class SkinnyConfig(NamedTuple):
     """Tile parameters of one launch. block_n: output features per program (>= 16, a power of
     two); block_k: K per loop step (>= 16, a power of two); split_k: programs per N tile (the
     launch uses ceil(k_tiles / ceil(k_tiles / split_k)) so that no split is empty)."""
+
     block_n: int
     block_k: int
     split_k: int = 1
@@ -81,8 +83,9 @@ def _load_k(ptrs, k_offs, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _store_out(acc, acc_up, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om,
-               HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr):
+def _store_out(
+    acc, acc_up, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr
+):
     """Epilogue: bias, (silu(gate) * up,) one rounding to the output dtype, masked store."""
     n_ok = offs_n < N
     if HAS_BIAS:
@@ -100,10 +103,27 @@ def _store_out(acc, acc_up, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om,
 
 @triton.jit
 def _skinny_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
-    M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    ws_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    SILU_OUT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -197,12 +217,14 @@ def _scratch(device: torch.device, workspace_floats: int, num_counters: int) -> 
         raise RuntimeError(
             f"skinny_linear: the split-K workspace ({workspace_floats} floats) or counters ({num_counters}) "
             f"of {device} would have to grow during CUDA graph capture; run each shape once before "
-            "capturing (a warm-up pass), so the buffers are allocated outside the graph")
+            "capturing (a warm-up pass), so the buffers are allocated outside the graph"
+        )
     old_ws = 0 if have is None else have.workspace.numel()
     old_cnt = 0 if have is None else have.counters.numel()
     grown = _Scratch(
         torch.zeros(max(workspace_floats, 2 * old_ws, _MIN_WORKSPACE_FLOATS), dtype=torch.float32, device=device),
-        torch.zeros(max(num_counters, 2 * old_cnt, _MIN_COUNTERS), dtype=torch.int32, device=device))
+        torch.zeros(max(num_counters, 2 * old_cnt, _MIN_COUNTERS), dtype=torch.int32, device=device),
+    )
     if have is not None:
         _RETIRED.append(have)
     _SCRATCH[device] = grown
@@ -264,10 +286,20 @@ def default_config(n: int, k: int, m: int, num_sms: int) -> SkinnyConfig:
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether skinny_linear takes x [M, K] @ weight [N, K]^T: CUDA (or the Triton interpreter),
     bf16 / fp16 alike, SKINNY_MIN_M <= M <= SKINNY_MAX_M, unit last strides."""
-    return ((x.is_cuda or envs.triton_interpret()) and x.dim() == 2 and weight.dim() == 2
-            and SKINNY_MIN_M <= x.shape[0] <= SKINNY_MAX_M and weight.shape[1] == x.shape[1] and x.shape[1] > 0
-            and weight.shape[0] > 0 and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
-            and x.device == weight.device and x.stride(-1) == 1 and weight.stride(-1) == 1)
+    return (
+        (x.is_cuda or envs.triton_interpret())
+        and x.dim() == 2
+        and weight.dim() == 2
+        and SKINNY_MIN_M <= x.shape[0] <= SKINNY_MAX_M
+        and weight.shape[1] == x.shape[1]
+        and x.shape[1] > 0
+        and weight.shape[0] > 0
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.device == weight.device
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
 
 
 def _check_config(cfg: SkinnyConfig) -> None:
@@ -284,14 +316,18 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(
             f"skinny_linear does not take x {tuple(x.shape)} {x.dtype} on {x.device} with weight "
             f"{tuple(weight.shape)} {weight.dtype} (see supports(): {SKINNY_MIN_M} <= M <= {SKINNY_MAX_M}, "
-            "bf16/fp16 alike, unit last strides, CUDA)")
+            "bf16/fp16 alike, unit last strides, CUDA)"
+        )
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or bias.stride(0) != 1):
-        raise ValueError(f"skinny_linear: bias must be [{weight.shape[0]}] {x.dtype} contiguous, "
-                         f"got {tuple(bias.shape)} {bias.dtype}")
+        raise ValueError(
+            f"skinny_linear: bias must be [{weight.shape[0]}] {x.dtype} contiguous, "
+            f"got {tuple(bias.shape)} {bias.dtype}"
+        )
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig,
-            silu_out: bool) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig, silu_out: bool
+) -> torch.Tensor:
     _check_config(cfg)
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_out else weight.shape[0]
@@ -305,17 +341,37 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         workspace = counters = out  # not read
     pdl = use_pdl(x)
     _skinny_kernel[(n_tiles, splits)](
-        x, weight, weight if bias is None else bias, out, workspace, counters,
-        m, n, k, k_split, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SILU_OUT=silu_out, SPLIT=splits > 1, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, USE_PDL=pdl, launch_pdl=pdl,
+        x,
+        weight,
+        weight if bias is None else bias,
+        out,
+        workspace,
+        counters,
+        m,
+        n,
+        k,
+        k_split,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        SILU_OUT=silu_out,
+        SPLIT=splits > 1,
+        EVEN_K=k % cfg.block_k == 0,
+        BLOCK_M=_BLOCK_M,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
     return out
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig | None = None) -> torch.Tensor:
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None
+) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, 1 <= M <= 16 (`supports`;
     ValueError otherwise; 1 <= M since SKINNY_MIN_M = 1). config: explicit tiles, else `default_config`."""
     _check_inputs(x, weight, bias)
@@ -324,8 +380,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _launch(x, weight, bias, config, silu_out=False)
 
 
-def skinny_linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
-                               config: SkinnyConfig | None = None) -> torch.Tensor:
+def skinny_linear_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None
+) -> torch.Tensor:
     """silu_and_mul(x @ weight^T): weight [2 * inter, K] (gate | up), x [M, K] -> [M, inter].
     config.block_n counts features of each half (a program reads 2 * block_n rows of W)."""
     if weight.dim() != 2 or weight.shape[0] % 2:

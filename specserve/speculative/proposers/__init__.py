@@ -1,4 +1,5 @@
 """Proposers: n-gram lookup, a draft model, EAGLE / EAGLE-3 / P-EAGLE heads (one `Proposer` ABC)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

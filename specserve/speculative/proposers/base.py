@@ -5,6 +5,7 @@ target computed in that step; the proposer sets each request's `spec_token_ids` 
 `spec_draft_probs` when its drafts were sampled from a distribution rather than chosen
 deterministically). The next step verifies them in one target forward.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

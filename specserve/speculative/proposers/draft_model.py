@@ -13,6 +13,7 @@ Greedy requests draft the argmax (one-hot drafts); random requests sample from t
 distribution processed with the request's sampling params and keep it in `spec_draft_probs`, so
 the rejection sampler stays lossless.
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,8 +58,9 @@ class _DraftSeq:
         return len(self.all_token_ids)
 
 
-def draft_kv_blocks(target_num_blocks: int, bytes_per_block: int, device: torch.device, what: str,
-                    reserve_bytes: int = 0) -> int:
+def draft_kv_blocks(
+    target_num_blocks: int, bytes_per_block: int, device: torch.device, what: str, reserve_bytes: int = 0
+) -> int:
     """Blocks for a drafter's KV pool: as many tokens as the target's pool (so the drafter does not
     run out first), capped on CUDA by what is left after the target took its share and
     `reserve_bytes` more (what the drafter allocates after its pool, e.g. its CUDA graphs)."""
@@ -86,8 +88,17 @@ _GRAPH_PIECES = 4  # a catch-up of up to this many longest-graph lengths replays
 
 def _graph_bytes(max_num_seqs: int, vocab_size: int, hidden_size: int, max_model_len: int) -> int:
     """What the draft's catch-up graphs keep allocated (their float32 logits and hidden outputs)."""
-    return graph_output_bytes(max_num_seqs, _VERIFY_QUERY_LENS, (), vocab_size, hidden_size, 4, CATCH_UP_QUERY_LENS,
-                              MIXED_TOKEN_LENS, max_model_len)
+    return graph_output_bytes(
+        max_num_seqs,
+        _VERIFY_QUERY_LENS,
+        (),
+        vocab_size,
+        hidden_size,
+        4,
+        CATCH_UP_QUERY_LENS,
+        MIXED_TOKEN_LENS,
+        max_model_len,
+    )
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -117,8 +128,14 @@ class DraftSampler:
         if all(self._greedy):
             return
         gens = [None if r.params.greedy else self._generator(r) for r in reqs]
-        self._meta = SamplingMetadata.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs],
-                                            [r.output_token_ids for r in reqs], gens, self.vocab_size, self.device)
+        self._meta = SamplingMetadata.build(
+            [r.params for r in reqs],
+            [r.prompt_token_ids for r in reqs],
+            [r.output_token_ids for r in reqs],
+            gens,
+            self.vocab_size,
+            self.device,
+        )
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.params.seed is None:
@@ -133,7 +150,7 @@ class DraftSampler:
         """logits [len(rows), vocab] -> (tokens [len(rows)] int64 on the device, draft_probs
         [len(rows), vocab] or None if these rows are all greedy). No host sync (speculative/proposers/draft_tokens.py)."""
         if logits.shape[1] != self.vocab_size:
-            logits = logits[:, :self.vocab_size]
+            logits = logits[:, : self.vocab_size]
         if self._meta is None or all(self._greedy[r] for r in rows):
             return logits.argmax(dim=-1), None  # greedy drafts are one-hot: no distribution
         meta = self._meta.select_rows(rows)
@@ -156,21 +173,23 @@ class DraftSampler:
         return all(self._greedy)
 
 
-def assign_drafts(reqs: list[Request], drafts: list[list[int]], probs: list[list[torch.Tensor]],
-                  sampler: DraftSampler) -> None:
+def assign_drafts(
+    reqs: list[Request], drafts: list[list[int]], probs: list[list[torch.Tensor]], sampler: DraftSampler
+) -> None:
     """Set spec_token_ids / spec_draft_probs ([k, vocab], None for greedy = one-hot drafts)."""
     for row, (req, tokens, rows) in enumerate(zip(reqs, drafts, probs)):
         req.spec_token_ids = tokens
         req.spec_draft_probs = None if sampler.is_greedy(row) or not rows else torch.stack(rows)
 
 
-def check_same_vocabulary(target: LoadedModel, draft_name: str, draft_vocab_size: int,
-                          draft_tokenizer) -> None:
+def check_same_vocabulary(target: LoadedModel, draft_name: str, draft_vocab_size: int, draft_tokenizer) -> None:
     """A draft must speak the target's token ids: same vocab size, same strings for sampled ids."""
     where = f"speculative_config.model {draft_name!r}"
     if draft_vocab_size != target.arch.vocab_size:
-        raise ValueError(f"{where} has vocab_size {draft_vocab_size}, the target {target.name!r} has "
-                         f"{target.arch.vocab_size}: a draft model must use the target's tokenizer.")
+        raise ValueError(
+            f"{where} has vocab_size {draft_vocab_size}, the target {target.name!r} has "
+            f"{target.arch.vocab_size}: a draft model must use the target's tokenizer."
+        )
     t_tok, d_tok = target.tokenizer, draft_tokenizer
     if t_tok is None or d_tok is None:
         return
@@ -180,8 +199,10 @@ def check_same_vocabulary(target: LoadedModel, draft_name: str, draft_vocab_size
     t_str, d_str = t_tok.convert_ids_to_tokens(ids), d_tok.convert_ids_to_tokens(ids)
     bad = [i for i, a, b in zip(ids, t_str, d_str) if a != b]
     if bad:
-        raise ValueError(f"{where}'s tokenizer differs from the target's (e.g. id {bad[0]}: "
-                         f"{d_str[ids.index(bad[0])]!r} vs {t_str[ids.index(bad[0])]!r}).")
+        raise ValueError(
+            f"{where}'s tokenizer differs from the target's (e.g. id {bad[0]}: "
+            f"{d_str[ids.index(bad[0])]!r} vs {t_str[ids.index(bad[0])]!r})."
+        )
 
 
 def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
@@ -197,11 +218,19 @@ def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
     load_format = "dummy" if target.identity.startswith("dummy:") else "auto"
     source = WeightSource.open(ModelConfig(model=cfg.model, load_format=load_format))
     check_same_vocabulary(target, cfg.model, int(source.hf_config["vocab_size"]), None)
-    max_len = min(target.max_model_len, int(source.hf_config.get("max_position_embeddings", 4096)),
-                  cfg.max_model_len or target.max_model_len)
+    max_len = min(
+        target.max_model_len,
+        int(source.hf_config.get("max_position_embeddings", 4096)),
+        cfg.max_model_len or target.max_model_len,
+    )
     dtype_name = str(dtype).removeprefix("torch.")
-    loaded = load_model(ModelConfig(model=cfg.model, dtype=dtype_name, max_model_len=max_len, load_format=load_format),
-                        parts.device, dtype, parts.ops, progress=False)
+    loaded = load_model(
+        ModelConfig(model=cfg.model, dtype=dtype_name, max_model_len=max_len, load_format=load_format),
+        parts.device,
+        dtype,
+        parts.ops,
+        progress=False,
+    )
     check_same_vocabulary(target, cfg.model, loaded.arch.vocab_size, loaded.tokenizer)
     return loaded
 
@@ -215,8 +244,11 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         arch, tspec = self.loaded.arch, parts.runner.spec
         spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, tspec.block_size, tspec.fmt)
         graphs = parts.runner.graphs is not None
-        reserve = (_graph_bytes(parts.scheduler.max_num_seqs, arch.vocab_size, arch.hidden_size,
-                                self.loaded.max_model_len) if graphs else 0)
+        reserve = (
+            _graph_bytes(parts.scheduler.max_num_seqs, arch.vocab_size, arch.hidden_size, self.loaded.max_model_len)
+            if graphs
+            else 0
+        )
         num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "draft model", reserve)
         self.runner = ModelRunner(self.loaded, spec, num_blocks, self.device, parts.runner.backend)
         self.kv = KVCacheManager(num_blocks, tspec.block_size, enable_prefix_caching=False)
@@ -226,8 +258,14 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         self.seqs: dict[str, _DraftSeq] = {}
         # A step mixing one- and two-token catch-ups pads per sequence (runner/cuda_graph.py graph_for).
         if graphs:
-            self.runner.capture_graphs(parts.scheduler.max_num_seqs, self.max_len, _VERIFY_QUERY_LENS, (),
-                                       CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS)
+            self.runner.capture_graphs(
+                parts.scheduler.max_num_seqs,
+                self.max_len,
+                _VERIFY_QUERY_LENS,
+                (),
+                CATCH_UP_QUERY_LENS,
+                MIXED_TOKEN_LENS,
+            )
         self.chain = _ChainSteps(self.runner, self.kv)
         self._catch_up_tokens = 0
 
@@ -261,7 +299,7 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
 
         def finish(drafts: list[list[int]], draft_probs: list[list[torch.Tensor]]) -> None:
             for seq, d, k in zip(seqs, drafts, ks):  # the fed drafts (all but the last), which _sync compares
-                seq.all_token_ids.extend(d[:k - 1])
+                seq.all_token_ids.extend(d[: k - 1])
             assign_resolved(reqs, drafts, draft_probs, greedy)
 
         self.deliver(dt, reqs, finish)
@@ -275,14 +313,14 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         if seq is None:
             seq = self.seqs[req.request_id] = _DraftSeq(req.request_id)
         tokens = req.all_token_ids
-        fed = seq.all_token_ids[seq.num_real:seq.num_computed_tokens]
-        valid = seq.num_real + common_prefix_len(fed, tokens[seq.num_real:])
+        fed = seq.all_token_ids[seq.num_real : seq.num_computed_tokens]
+        valid = seq.num_real + common_prefix_len(fed, tokens[seq.num_real :])
         # At least the last token is fed again: its logits are where the first draft comes from.
         seq.num_computed_tokens = min(seq.num_computed_tokens, valid, len(tokens) - 1)
         # The first num_real ids are the request's own (its tokens only grow): swap the fed drafts for
         # the new real tokens instead of copying the whole context every step.
-        del seq.all_token_ids[seq.num_real:]
-        seq.all_token_ids.extend(tokens[seq.num_real:])
+        del seq.all_token_ids[seq.num_real :]
+        seq.all_token_ids.extend(tokens[seq.num_real :])
         seq.num_real = len(tokens)
         return seq
 
@@ -337,8 +375,13 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
 def _uniform_layout(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], list[tuple[int, int]]]:
     """Host arrays of n sequences of one token each, every token scored (shared: never written):
     (placeholder input ids, cu_query_lens, logits_indices, query_lens, logit_rows)."""
-    return (np.full(n, PLACEHOLDER, dtype=np.int64), np.arange(n + 1, dtype=np.int32), np.arange(n, dtype=np.int64),
-            [1] * n, [(i, 1) for i in range(n)])
+    return (
+        np.full(n, PLACEHOLDER, dtype=np.int64),
+        np.arange(n + 1, dtype=np.int32),
+        np.arange(n, dtype=np.int64),
+        [1] * n,
+        [(i, 1) for i in range(n)],
+    )
 
 
 class _ChainSteps:
@@ -376,8 +419,9 @@ class _ChainSteps:
         n = len(positions)
         ids, cu, logits_indices, query_lens, logit_rows = _uniform_layout(n)
         slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
-        return HostBatch(ids, positions, slots, tables, (positions + 1).astype(np.int32), cu, logits_indices,
-                         query_lens, logit_rows)
+        return HostBatch(
+            ids, positions, slots, tables, (positions + 1).astype(np.int32), cu, logits_indices, query_lens, logit_rows
+        )
 
     def forward(self, host: HostBatch, tokens: torch.Tensor) -> torch.Tensor:
         """host's batch with input ids `tokens` ([n] int64 on the device) -> logits [n, vocab]

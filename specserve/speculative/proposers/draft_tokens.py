@@ -6,6 +6,7 @@ idles between the small draft forwards. Instead each step's sampled tokens stay 
 the next forward takes its inputs from it (an embedding lookup, or the runner's placeholder fill),
 and all drafts cross to the host in one copy at the end.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -72,8 +73,14 @@ class DeferredDrafts:
     `pending` on the device (runner/batch.py pending_fill), and `resolve()` brings the ids to the
     host (for the rejection sampler) while the verify forward runs."""
 
-    def __init__(self, flat: torch.Tensor, counts: list[int], probs: list[list[torch.Tensor]],
-                 request_ids: list[str], finish: Finish) -> None:
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        counts: list[int],
+        probs: list[list[torch.Tensor]],
+        request_ids: list[str],
+        finish: Finish,
+    ) -> None:
         """flat [sum(counts)] int64 on the device: request i's drafts in rows starts[i] .. + counts[i]
         (request-major); probs: per request, its drafts' distributions (device rows; empty if greedy)."""
         starts = np.cumsum([0] + counts).tolist()
@@ -93,7 +100,7 @@ class DeferredDrafts:
         if self._event is not None:
             self._event.synchronize()
         values, s = self._host.tolist(), self._starts
-        self._finish([values[s[i]:s[i + 1]] for i in range(len(s) - 1)], self._probs)
+        self._finish([values[s[i] : s[i + 1]] for i in range(len(s) - 1)], self._probs)
 
 
 class DraftDelivery:
@@ -112,8 +119,14 @@ class DraftDelivery:
         """Drafts of chained steps (DraftTokens)."""
         self.deliver_flat(*dt.request_major(len(reqs)), reqs, finish)
 
-    def deliver_flat(self, flat: torch.Tensor, counts: list[int], probs: list[list[torch.Tensor]],
-                     reqs: list[Request], finish: Finish) -> None:
+    def deliver_flat(
+        self,
+        flat: torch.Tensor,
+        counts: list[int],
+        probs: list[list[torch.Tensor]],
+        reqs: list[Request],
+        finish: Finish,
+    ) -> None:
         """Drafts request-major in flat [sum(counts)] on the device (DraftTokens.request_major, or
         P-EAGLE's picks of one forward); probs: per request, its drafts' distributions (device rows)."""
         for req, k in zip(reqs, counts):
@@ -135,8 +148,9 @@ class DraftDelivery:
             d.resolve()
 
 
-def assign_resolved(reqs: list[Request], drafts: list[list[int]], probs: list[list[torch.Tensor]],
-                    greedy: list[bool]) -> None:
+def assign_resolved(
+    reqs: list[Request], drafts: list[list[int]], probs: list[list[torch.Tensor]], greedy: list[bool]
+) -> None:
     """Replace each request's placeholder drafts (DraftDelivery.deliver) by the drafted ids, and set
     spec_draft_probs ([k, vocab]; None = one-hot drafts). A request keeps as many drafts as it still
     holds placeholders: the scheduler may have cut them, and one preempted since holds none."""

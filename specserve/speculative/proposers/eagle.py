@@ -24,6 +24,7 @@ A head with a reduced draft vocabulary (eagle_head.py) computes logits over its 
 DraftVocabSampler turns them into target token ids and, for sampled drafts, into the full-vocabulary
 draft distribution the rejection sampler takes (zero outside d2t).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -124,15 +125,20 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         if hcfg.method != cfg.method:
             raise ValueError(f"{where} is an {hcfg.method!r} head; speculative_config.method is {cfg.method!r}.")
         if cfg.parallel_drafting and hcfg.num_mask_slots == 0:
-            raise ValueError(f"{where} was not trained for parallel drafting (no mask slots); "
-                             "train it with `specserve train-draft --method p-eagle` or drop parallel_drafting.")
+            raise ValueError(
+                f"{where} was not trained for parallel drafting (no mask slots); "
+                "train it with `specserve train-draft --method p-eagle` or drop parallel_drafting."
+            )
         if cfg.parallel_drafting and cfg.num_speculative_tokens > hcfg.num_mask_slots + 1:
-            raise ValueError(f"{where} was trained to draft at most {hcfg.num_mask_slots + 1} tokens in parallel "
-                             f"({hcfg.num_mask_slots} mask slots); num_speculative_tokens is "
-                             f"{cfg.num_speculative_tokens}.")
+            raise ValueError(
+                f"{where} was trained to draft at most {hcfg.num_mask_slots + 1} tokens in parallel "
+                f"({hcfg.num_mask_slots} mask slots); num_speculative_tokens is "
+                f"{cfg.num_speculative_tokens}."
+            )
         if self.step_graphs not in ("auto", "static", "eager"):
-            raise ValueError(f"EagleProposer.step_graphs must be 'auto', 'static' or 'eager', "
-                             f"got {self.step_graphs!r}.")
+            raise ValueError(
+                f"EagleProposer.step_graphs must be 'auto', 'static' or 'eager', got {self.step_graphs!r}."
+            )
         self.name = "p-eagle" if cfg.parallel_drafting else cfg.method
         self.parallel = cfg.parallel_drafting
         # P-EAGLE reads its drafts back in propose: deferred, its step measured slower.
@@ -145,16 +151,22 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         graphs = parts.runner.graphs is not None
         static = self.step_graphs == "static" or (self.step_graphs == "auto" and graphs)
         capture = static and graphs and self.step_graphs == "auto" and self.device.type == "cuda"
-        reserve = graph_logits_bytes(step_batch_sizes(parts), cfg.num_speculative_tokens, self.parallel,
-                                      hcfg.logits_width) if capture else 0
+        reserve = (
+            graph_logits_bytes(step_batch_sizes(parts), cfg.num_speculative_tokens, self.parallel, hcfg.logits_width)
+            if capture
+            else 0
+        )
         num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "EAGLE head", reserve)
         self.kv_caches = spec.allocate(num_blocks, self.device)
         self.fmt = spec.fmt
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.backend = parts.runner.backend
-        self.scale = larch.head_dim ** -0.5
-        self.sampler = (DraftSampler(arch.vocab_size, self.device) if self.head.d2t is None
-                        else DraftVocabSampler(arch.vocab_size, self.device, self.head.d2t))
+        self.scale = larch.head_dim**-0.5
+        self.sampler = (
+            DraftSampler(arch.vocab_size, self.device)
+            if self.head.d2t is None
+            else DraftVocabSampler(arch.vocab_size, self.device, self.head.d2t)
+        )
         self.seqs: dict[str, _HeadSeq] = {}
         self.upload = PinnedUpload(self.device)  # every host->device input of a head forward, one copy
         self.steps: HeadStepGraphs | None = None
@@ -163,8 +175,19 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             k = cfg.num_speculative_tokens
             # A head sequence holds at most max_model_len real rows plus k - 1 draft (or mask) rows.
             max_blocks = -(-(parts.loaded.max_model_len + k) // block_size)
-            common = (self.head, self.target, self.kv_caches[0], self.fmt, self.backend, self.scale,
-                      step_batch_sizes(parts), max_blocks, block_size, arch.vocab_size, self.upload)
+            common = (
+                self.head,
+                self.target,
+                self.kv_caches[0],
+                self.fmt,
+                self.backend,
+                self.scale,
+                step_batch_sizes(parts),
+                max_blocks,
+                block_size,
+                arch.vocab_size,
+                self.upload,
+            )
             if not self.parallel and k > 1:
                 self.steps = HeadStepGraphs(*common, capture)
             feed = None if self.steps is None else (self.steps.hidden, self.steps.tokens)
@@ -192,8 +215,9 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         else:
             positions, q_lens, pick = plan.positions, plan.num_real, np.cumsum(plan.num_real) - 1
         extra = [np.asarray(pick, dtype=np.int64)] + ([src] if self.parallel else [])
-        embeds, hidden, pos, meta, (pick_dev, *src_dev) = self._first_inputs(plan, inp.step, ctx, q_lens, tables,
-                                                                             positions, extra)
+        embeds, hidden, pos, meta, (pick_dev, *src_dev) = self._first_inputs(
+            plan, inp.step, ctx, q_lens, tables, positions, extra
+        )
         if self.parallel:
             result = self._draft_parallel(plan, embeds, hidden, src_dev[0], pos, meta, pick_dev)
         else:
@@ -210,14 +234,23 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             return
         tables = [self.kv.block_ids(s.request_id) for s in plan.seqs]
         ctx = [s.num_computed_tokens for s in plan.seqs]
-        embeds, hidden, pos, meta, _ = self._first_inputs(plan, inp.step, ctx, plan.num_real, tables,
-                                                          plan.positions, [])
+        embeds, hidden, pos, meta, _ = self._first_inputs(
+            plan, inp.step, ctx, plan.num_real, tables, plan.positions, []
+        )
         self._head(embeds, hidden, pos, meta)  # writes the rows' K/V
         for seq, m in zip(plan.seqs, plan.num_real):
             seq.num_computed_tokens += m
 
-    def _first_inputs(self, plan: _Plan, step, ctx: list[int], q_lens: list[int], tables: list[list[int]],
-                      positions: list[int], extra: list[np.ndarray]):
+    def _first_inputs(
+        self,
+        plan: _Plan,
+        step,
+        ctx: list[int],
+        q_lens: list[int],
+        tables: list[list[int]],
+        positions: list[int],
+        extra: list[np.ndarray],
+    ):
         """The eager first forward's inputs: every host array (the real rows' gathers, `positions`,
         `extra`, the attention metadata) in one copy, then the real rows' token embeddings and fused
         target features. Returns (embeds [num_real, hidden], hidden [num_real, hidden], positions
@@ -226,14 +259,13 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         host = [np.asarray(v, dtype=np.int64) for v in (plan.feature_rows, plan.next_tokens, positions)]
         dev = self.upload.send(host + extra + arrays)
         rows, next_tokens, pos = dev[:3]
-        meta = attention_metadata(arrays, dev[-len(arrays):], q_lens)
+        meta = attention_metadata(arrays, dev[-len(arrays) :], q_lens)
         parts = step.aux_hidden if self.aux_hidden_layers else [step.all_hidden]  # each [num_tokens, hidden]
         feats = torch.cat([p.index_select(0, rows) for p in parts], dim=-1)  # [num_real, n * hidden]
         hidden = self.head.fuse_target(feats)
-        return self.target.embed_tokens(next_tokens), hidden, pos, meta, dev[3:3 + len(extra)]
+        return self.target.embed_tokens(next_tokens), hidden, pos, meta, dev[3 : 3 + len(extra)]
 
-    def _hand_over(self, reqs: list[Request], result: DraftTokens | FlatDrafts | tuple[list[list[int]], list]
-                   ) -> None:
+    def _hand_over(self, reqs: list[Request], result: DraftTokens | FlatDrafts | tuple[list[list[int]], list]) -> None:
         """Drafts still on the device (DraftDelivery decides when the host reads them) or already lists
         (random parallel drafts, which read their sampled picks back)."""
         greedy = [self.sampler.is_greedy(i) for i in range(len(reqs))]
@@ -269,13 +301,21 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             plan.num_real.append(hi - lo)
             plan.last_pos.append(hi - 1)
             plan.feature_rows.extend(range(starts[b] + lo - first, starts[b] + hi - first))
-            plan.next_tokens.extend(req.all_token_ids[lo + 1:hi + 1])
+            plan.next_tokens.extend(req.all_token_ids[lo + 1 : hi + 1])
             plan.positions.extend(range(lo, hi))
             seq.next_pos = hi
         return plan
 
-    def _draft_autoregressive(self, plan: _Plan, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
-                              meta: AttentionMetadata, last: torch.Tensor, tables: list[list[int]]):
+    def _draft_autoregressive(
+        self,
+        plan: _Plan,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        pos: torch.Tensor,
+        meta: AttentionMetadata,
+        last: torch.Tensor,
+        tables: list[list[int]],
+    ):
         """Step 0 over the real rows (last [n]: each request's last real row), then k - 1 steps of
         one row per request, feeding the head's own output back."""
         n = len(plan.reqs)
@@ -284,13 +324,11 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             seq.num_computed_tokens += m
         # Drafts stay on the device until the end: no host sync between the head's forwards.
         dt = DraftTokens()
-        dt.add(list(range(n)), *self.sampler.sample(self._logits(normed.index_select(0, last)),
-                                                    list(range(n))))
+        dt.add(list(range(n)), *self.sampler.sample(self._logits(normed.index_select(0, last)), list(range(n))))
         if max(plan.ks) > 1:
             ctx = [s.num_computed_tokens for s in plan.seqs]
             prev = out.index_select(0, last)
-            if self.steps is None or not self.steps.draft(dt, self.sampler, plan.ks, ctx, plan.last_pos, tables,
-                                                          prev):
+            if self.steps is None or not self.steps.draft(dt, self.sampler, plan.ks, ctx, plan.last_pos, tables, prev):
                 self._eager_steps(dt, plan.ks, ctx, plan.last_pos, tables, prev)
         return dt
 
@@ -298,8 +336,9 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         """The first forward through FirstForwardGraphs (size bs), then for autoregressive drafting
         the draft steps through HeadStepGraphs: no eager head forward, one read-back."""
         first, n = self.first, len(plan.reqs)
-        first.send(bs, plan.ks, plan.num_real, ctx, plan.last_pos, plan.feature_rows, plan.next_tokens,
-                   plan.positions, tables)
+        first.send(
+            bs, plan.ks, plan.num_real, ctx, plan.last_pos, plan.feature_rows, plan.next_tokens, plan.positions, tables
+        )
         _, logits, argmax = first.run(bs, step.aux_hidden if self.aux_hidden_layers else [step.all_hidden])
         for seq, m in zip(plan.seqs, plan.num_real):
             seq.num_computed_tokens += m
@@ -310,7 +349,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
                 picks = [i * p + j for i, k in enumerate(plan.ks) for j in range(k)]
                 return FlatDrafts(argmax.index_select(0, h2d(torch.tensor(picks), argmax.device)), list(plan.ks))
             rows = [i for i in range(n) for _ in range(plan.ks[i])]
-            tokens, probs = self.sampler.sample(logits.index_select(0, first.sel[:len(rows)]), rows)
+            tokens, probs = self.sampler.sample(logits.index_select(0, first.sel[: len(rows)]), rows)
             return _by_request(rows, tokens.tolist(), probs, n)
         dt = DraftTokens()
         rows = list(range(n))
@@ -324,23 +363,35 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
                 raise RuntimeError("HeadStepGraphs refused a batch that FirstForwardGraphs took")
         return dt
 
-    def _eager_steps(self, dt: DraftTokens, ks: list[int], ctx: list[int], last_pos: list[int],
-                     tables: list[list[int]], prev_out: torch.Tensor) -> None:
+    def _eager_steps(
+        self,
+        dt: DraftTokens,
+        ks: list[int],
+        ctx: list[int],
+        last_pos: list[int],
+        tables: list[list[int]],
+        prev_out: torch.Tensor,
+    ) -> None:
         """Draft steps 1..max(ks) - 1 without static buffers, over the requests still drafting.
         prev_out [n, hidden]: each request's last head output row."""
         for step in range(1, max(ks)):
             # Draft row `step` of a request: its previous draft's embedding + the head's own output
             # of the row before, after the real rows (compact index ctx + step - 1).
             active = [i for i, k in enumerate(ks) if k > step]
-            arrays = attention_arrays([ctx[i] + step - 1 for i in active], [1] * len(active),
-                                      [tables[i] for i in active], self.kv.block_size)
-            host = [np.asarray(active), np.asarray(dt.rows_in_last(active)),
-                    np.asarray([last_pos[i] + step for i in active])]
+            arrays = attention_arrays(
+                [ctx[i] + step - 1 for i in active], [1] * len(active), [tables[i] for i in active], self.kv.block_size
+            )
+            host = [
+                np.asarray(active),
+                np.asarray(dt.rows_in_last(active)),
+                np.asarray([last_pos[i] + step for i in active]),
+            ]
             dev = self.upload.send([a.astype(np.int64) for a in host] + arrays)
             idx, prev_rows, pos = dev[:3]
             emb = self.target.embed_tokens(dt.last_tokens.index_select(0, prev_rows))
-            out, normed = self._head(emb, prev_out.index_select(0, idx), pos,
-                                     attention_metadata(arrays, dev[3:], [1] * len(active)))
+            out, normed = self._head(
+                emb, prev_out.index_select(0, idx), pos, attention_metadata(arrays, dev[3:], [1] * len(active))
+            )
             prev_out = prev_out.index_copy(0, idx, out)
             dt.add(active, *self.sampler.sample(self._logits(normed), active))
 
@@ -353,7 +404,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         num_real = len(plan.positions)
         for i, (m, k) in enumerate(zip(plan.num_real, plan.ks)):
             extra = k - 1
-            positions.extend(plan.positions[start:start + m])
+            positions.extend(plan.positions[start : start + m])
             positions.extend(range(plan.last_pos[i] + 1, plan.last_pos[i] + 1 + extra))
             src.extend(range(start, start + m))
             src.extend([num_real] * extra)
@@ -363,8 +414,16 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             row += m + extra
         return positions, q_lens, pick, np.asarray(src, dtype=np.int64)
 
-    def _draft_parallel(self, plan: _Plan, embeds: torch.Tensor, hidden: torch.Tensor, src: torch.Tensor,
-                        pos: torch.Tensor, meta: AttentionMetadata, pick: torch.Tensor):
+    def _draft_parallel(
+        self,
+        plan: _Plan,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        src: torch.Tensor,
+        pos: torch.Tensor,
+        meta: AttentionMetadata,
+        pick: torch.Tensor,
+    ):
         """One forward: each request's real rows, then k - 1 mask rows at the next positions."""
         n = len(plan.reqs)
         me, mh = self.head.mask_inputs(1)
@@ -381,8 +440,9 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         """[rows, hidden] -> [rows, logits width] float32 (the draft vocabulary's columns when reduced)."""
         return self.head.compute_logits(normed, self.target)
 
-    def _head(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-              meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def _head(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Head rows [meta.num_tokens, hidden] through the head's paged KV -> (out, normed)."""
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

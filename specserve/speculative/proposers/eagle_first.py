@@ -27,6 +27,7 @@ need more rows (a prefill) or more requests than the largest size runs eagerly (
 Without capture the same buffers run the same forward eagerly: the CPU tests check the padding,
 the layout and the metadata this way against the eager head.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -50,10 +51,24 @@ _I64_ROWS, _I64_PICKS = 5, 2  # int64 fields per row (rows, tokens, positions, s
 class FirstForwardGraphs:
     """Static buffers, and on CUDA graphs, for the head's first forward of a propose."""
 
-    def __init__(self, head: EagleHead, target: torch.nn.Module, kv_cache: LayerKVCache, fmt: KVFormat,
-                 backend: AttentionBackend, scale: float, batch_sizes: Sequence[int], max_blocks: int,
-                 block_size: int, vocab_size: int, upload: PinnedUpload, k: int, parallel: bool,
-                 feed: tuple[torch.Tensor, torch.Tensor] | None, capture: bool) -> None:
+    def __init__(
+        self,
+        head: EagleHead,
+        target: torch.nn.Module,
+        kv_cache: LayerKVCache,
+        fmt: KVFormat,
+        backend: AttentionBackend,
+        scale: float,
+        batch_sizes: Sequence[int],
+        max_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        upload: PinnedUpload,
+        k: int,
+        parallel: bool,
+        feed: tuple[torch.Tensor, torch.Tensor] | None,
+        capture: bool,
+    ) -> None:
         """k: the most drafts a request asks for. parallel: P-EAGLE (k picks per request: the last
         real row and k - 1 mask rows) or autoregressive (one pick: the last real row). feed:
         HeadStepGraphs' (hidden, tokens) inputs, written with the picks' outputs and argmax."""
@@ -74,18 +89,22 @@ class FirstForwardGraphs:
         self._fields = align8(i64 + self._i32)
         self._buf = torch.zeros(self._fields + max_bs * max_blocks * 4, dtype=torch.uint8, device=device)
         ints = self._buf[:i64].view(torch.int64)
-        self.rows, self.tokens, self.positions, self.slot_mapping, self.mask = \
-            ints[:_I64_ROWS * self._rows].view(_I64_ROWS, self._rows)
-        self.pick, self.sel = ints[_I64_ROWS * self._rows:].view(_I64_PICKS, self._picks)
-        self.cu_query_lens, self.seq_lens = self._buf[i64:i64 + self._i32].view(torch.int32).split(
-            [max_bs + 1, max_bs])
-        self.block_tables = self._buf[self._fields:].view(torch.int32).view(max_bs, max_blocks)
+        self.rows, self.tokens, self.positions, self.slot_mapping, self.mask = ints[: _I64_ROWS * self._rows].view(
+            _I64_ROWS, self._rows
+        )
+        self.pick, self.sel = ints[_I64_ROWS * self._rows :].view(_I64_PICKS, self._picks)
+        self.cu_query_lens, self.seq_lens = (
+            self._buf[i64 : i64 + self._i32].view(torch.int32).split([max_bs + 1, max_bs])
+        )
+        self.block_tables = self._buf[self._fields :].view(torch.int32).view(max_bs, max_blocks)
         dtype = target.embed_tokens.weight.dtype
         num_layers = max(1, len(head.cfg.aux_hidden_layers))
         self.feats = torch.zeros(num_layers, self._rows, head.cfg.hidden_size, dtype=dtype, device=device)
         # Per size: the views the host touches between replays, made once (each view is a torch op).
-        self._gather = {bs: (self.rows[:bs * self.rows_per_req], self.feats[:, :bs * self.rows_per_req].unbind(0))
-                        for bs in self.batch_sizes}
+        self._gather = {
+            bs: (self.rows[: bs * self.rows_per_req], self.feats[:, : bs * self.rows_per_req].unbind(0))
+            for bs in self.batch_sizes
+        }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # (out, logits, argmax)
         self.runs: Counter[int] = Counter()  # forwards run per padded batch size
@@ -97,17 +116,28 @@ class FirstForwardGraphs:
         """The padded batch size of a propose, or None when it does not fit the buffers."""
         i = bisect.bisect_left(self.batch_sizes, len(ks))
         extra = max(ks) - 1 if self.parallel else 0
-        if i == len(self.batch_sizes) or max(num_real) + extra > self.rows_per_req or (
-                self.parallel and max(ks) > self.picks_per_req) or max(len(t) for t in tables) > self.max_blocks:
+        if (
+            i == len(self.batch_sizes)
+            or max(num_real) + extra > self.rows_per_req
+            or (self.parallel and max(ks) > self.picks_per_req)
+            or max(len(t) for t in tables) > self.max_blocks
+        ):
             return None
         return self.batch_sizes[i]
 
     # -- forward -----------------------------------------------------------------------------
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows, picks = bs * self.rows_per_req, bs * self.picks_per_req
-        meta = AttentionMetadata(self.cu_query_lens[:bs + 1], self.seq_lens[:bs], self.block_tables[:bs],
-                                 self.slot_mapping[:rows], max_query_len=self.rows_per_req,
-                                 max_seq_len=self.max_blocks * self.block_size, num_seqs=bs, num_tokens=rows)
+        meta = AttentionMetadata(
+            self.cu_query_lens[: bs + 1],
+            self.seq_lens[:bs],
+            self.block_tables[:bs],
+            self.slot_mapping[:rows],
+            max_query_len=self.rows_per_req,
+            max_seq_len=self.max_blocks * self.block_size,
+            num_seqs=bs,
+            num_tokens=rows,
+        )
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return self.backend.forward(q, k, v, self.kv_cache, self.fmt, meta, self.scale)
@@ -136,7 +166,7 @@ class FirstForwardGraphs:
     def _fill_dummy(self, bs: int) -> None:
         self._buf.zero_()
         self.slot_mapping.fill_(PAD_SLOT)
-        self.cu_query_lens[:bs + 1] = torch.arange(bs + 1, device=self.device, dtype=torch.int32)
+        self.cu_query_lens[: bs + 1] = torch.arange(bs + 1, device=self.device, dtype=torch.int32)
         self.seq_lens[:bs] = 1
 
     def run(self, bs: int, features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -148,16 +178,26 @@ class FirstForwardGraphs:
         return replay(self, bs)
 
     # -- inputs ------------------------------------------------------------------------------
-    def send(self, bs: int, ks: list[int], num_real: list[int], ctx: list[int], last_pos: list[int],
-             feature_rows: list[int], next_tokens: list[int], positions: list[int],
-             tables: list[list[int]]) -> None:
+    def send(
+        self,
+        bs: int,
+        ks: list[int],
+        num_real: list[int],
+        ctx: list[int],
+        last_pos: list[int],
+        feature_rows: list[int],
+        next_tokens: list[int],
+        positions: list[int],
+        tables: list[list[int]],
+    ) -> None:
         """Fill a pinned slot with a propose's inputs (per request: its draft count, real rows, head
         rows cached before them, last real position; per real row: its feature row, next token and
         position; head blocks) and copy it into the static buffers."""
         n, bsz, p, rows_per_req = len(ks), self.block_size, self.picks_per_req, self.rows_per_req
         nbytes = self._fields + n * self.max_blocks * 4
         rows, tokens, pos, slots, mask, pick, sel, cu, seq_lens, tab = self.upload.stage_views(
-            self._buf.numel(), self._host_views)
+            self._buf.numel(), self._host_views
+        )
         tab[:n] = 0
         # Plain Python per request: a propose has few requests and rows, where numpy's per-call
         # cost would dominate.
@@ -171,10 +211,10 @@ class FirstForwardGraphs:
         total = r = 0
         for i, (m, k, c, last, t) in enumerate(zip(num_real, ks, ctx, last_pos, tables)):
             e = k - 1 if self.parallel else 0
-            tab[i, :len(t)] = t
+            tab[i, : len(t)] = t
             slot_l += [t[x // bsz] * bsz + x % bsz for x in range(c, c + m + e)]
             real_rows += range(total, total + m)
-            pos_l += positions[r:r + m]
+            pos_l += positions[r : r + m]
             if e:
                 mask_rows += range(total + m, total + m + e)
                 pos_l += range(last + 1, last + 1 + e)
@@ -193,9 +233,9 @@ class FirstForwardGraphs:
         rows[real_rows], tokens[real_rows] = feature_rows, next_tokens
         mask[mask_rows] = 1
         pos[:total], slots[:total] = pos_l, slot_l
-        pick[:n * p], pick[n * p:bs * p] = pick_l, 0
-        sel[:len(sel_l)] = sel_l
-        cu[:n + 1], cu[n + 1:bs + 1] = cu_l, total  # padding sequences are empty
+        pick[: n * p], pick[n * p : bs * p] = pick_l, 0
+        sel[: len(sel_l)] = sel_l
+        cu[: n + 1], cu[n + 1 : bs + 1] = cu_l, total  # padding sequences are empty
         seq_lens[:n], seq_lens[n:bs] = len_l, 0
         self.upload.send_staged(self._buf, nbytes)
 
@@ -203,9 +243,9 @@ class FirstForwardGraphs:
         """A pinned slot as the static buffers' layout: rows, tokens, positions, slots, mask, pick,
         sel, cu_query_lens, seq_lens, block tables."""
         max_bs = self.batch_sizes[-1]
-        i64 = buf[:self._i64].view(np.int64)
-        row_fields = i64[:_I64_ROWS * self._rows].reshape(_I64_ROWS, self._rows)
-        pick_fields = i64[_I64_ROWS * self._rows:].reshape(_I64_PICKS, self._picks)
-        cu, seq_lens = np.split(buf[self._i64:self._i64 + self._i32].view(np.int32), [max_bs + 1])
-        tables = buf[self._fields:self._buf.numel()].view(np.int32).reshape(max_bs, self.max_blocks)
+        i64 = buf[: self._i64].view(np.int64)
+        row_fields = i64[: _I64_ROWS * self._rows].reshape(_I64_ROWS, self._rows)
+        pick_fields = i64[_I64_ROWS * self._rows :].reshape(_I64_PICKS, self._picks)
+        cu, seq_lens = np.split(buf[self._i64 : self._i64 + self._i32].view(np.int32), [max_bs + 1])
+        tables = buf[self._fields : self._buf.numel()].view(np.int32).reshape(max_bs, self.max_blocks)
         return (*row_fields, *pick_fields, cu, seq_lens, tables)

@@ -25,6 +25,7 @@ other rows never move and no index_select / index_copy runs between steps.
 Without capture the same buffers run the same forward eagerly: on the CPU this is how the tests
 check the padding, the buffer layout and the metadata that the graphs read on the GPU.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -114,22 +115,23 @@ class PinnedUpload:
             total = align16(total + a.nbytes)
         buf = self.stage(total)
         for a, off in zip(arrays, offsets):
-            buf[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            buf[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         dev = torch.empty(total, dtype=torch.uint8, device=self.device)
         self.send_staged(dev, total)
-        out = [dev[off:off + a.nbytes].view(_TORCH[a.dtype]) for a, off in zip(arrays, offsets)]
+        out = [dev[off : off + a.nbytes].view(_TORCH[a.dtype]) for a, off in zip(arrays, offsets)]
         return [t if a.ndim == 1 else t.view(a.shape) for t, a in zip(out, arrays)]
 
 
-def attention_arrays(ctx_lens: list[int], q_lens: list[int], tables: list[list[int]],
-                     block_size: int) -> list[np.ndarray]:
+def attention_arrays(
+    ctx_lens: list[int], q_lens: list[int], tables: list[list[int]], block_size: int
+) -> list[np.ndarray]:
     """Sequence i: q_lens[i] new rows after ctx_lens[i] cached ones, in blocks tables[i] ->
     [cu_query_lens [n + 1] int32, seq_lens [n] int32, block_tables [n, max blocks] int32,
     slot_mapping [sum(q_lens)] int64] on the host."""
     n = len(tables)
     block_tables = np.zeros((n, max(1, max(len(t) for t in tables))), dtype=np.int32)
     for i, t in enumerate(tables):
-        block_tables[i, :len(t)] = t
+        block_tables[i, : len(t)] = t
     seq_lens = np.asarray(ctx_lens, dtype=np.int32) + np.asarray(q_lens, dtype=np.int32)
     seq_index = np.repeat(np.arange(n), q_lens)
     idx = np.concatenate([np.arange(c, c + q) for c, q in zip(ctx_lens, q_lens)])
@@ -142,8 +144,9 @@ def attention_arrays(ctx_lens: list[int], q_lens: list[int], tables: list[list[i
 def attention_metadata(arrays: list[np.ndarray], dev: Sequence[torch.Tensor], q_lens: list[int]) -> AttentionMetadata:
     """AttentionMetadata of attention_arrays' host arrays and their device copies."""
     cu, seq_lens = arrays[0], arrays[1]
-    return AttentionMetadata(*dev, max(q_lens), int(seq_lens.max()), len(seq_lens), int(cu[-1]), list(q_lens),
-                             seq_lens.tolist())
+    return AttentionMetadata(
+        *dev, max(q_lens), int(seq_lens.max()), len(seq_lens), int(cu[-1]), list(q_lens), seq_lens.tolist()
+    )
 
 
 @torch.inference_mode()
@@ -184,9 +187,21 @@ def replay(owner, bs: int):
 class HeadStepGraphs:
     """Static buffers, and on CUDA graphs, for the head's one-row-per-request draft steps."""
 
-    def __init__(self, head: EagleHead, target: torch.nn.Module, kv_cache: LayerKVCache, fmt: KVFormat,
-                 backend: AttentionBackend, scale: float, batch_sizes: Sequence[int], max_blocks: int, block_size: int, vocab_size: int,
-                 upload: PinnedUpload, capture: bool) -> None:
+    def __init__(
+        self,
+        head: EagleHead,
+        target: torch.nn.Module,
+        kv_cache: LayerKVCache,
+        fmt: KVFormat,
+        backend: AttentionBackend,
+        scale: float,
+        batch_sizes: Sequence[int],
+        max_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        upload: PinnedUpload,
+        capture: bool,
+    ) -> None:
         self.head, self.target, self.kv_cache, self.fmt, self.backend = head, target, kv_cache, fmt, backend
         self.scale, self.vocab_size, self.upload = scale, vocab_size, upload
         self.batch_sizes = sorted(batch_sizes)
@@ -201,10 +216,11 @@ class HeadStepGraphs:
         self._i64, self._i32 = 3 * max_bs * 8, (2 * max_bs + 1) * 4
         self._fields = align8(self._i64 + self._i32)
         self._buf = torch.zeros(self._fields + max_bs * max_blocks * 4, dtype=torch.uint8, device=device)
-        self.positions, self.slot_mapping, self.active = self._buf[:self._i64].view(torch.int64).split(max_bs)
-        self.cu_query_lens, self.seq_lens = self._buf[self._i64:self._i64 + self._i32].view(torch.int32).split(
-            [max_bs + 1, max_bs])
-        self.block_tables = self._buf[self._fields:].view(torch.int32).view(max_bs, max_blocks)
+        self.positions, self.slot_mapping, self.active = self._buf[: self._i64].view(torch.int64).split(max_bs)
+        self.cu_query_lens, self.seq_lens = (
+            self._buf[self._i64 : self._i64 + self._i32].view(torch.int32).split([max_bs + 1, max_bs])
+        )
+        self.block_tables = self._buf[self._fields :].view(torch.int32).view(max_bs, max_blocks)
         self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)  # previous drafts
         dtype = target.embed_tokens.weight.dtype
         self.hidden = torch.zeros(max_bs, head.cfg.hidden_size, dtype=dtype, device=device)  # previous outputs
@@ -221,9 +237,16 @@ class HeadStepGraphs:
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft row per sequence of the static buffers -> (logits [bs, head.cfg.logits_width]
         float32, argmax [bs] target ids)."""
-        meta = AttentionMetadata(self.cu_query_lens[:bs + 1], self.seq_lens[:bs], self.block_tables[:bs],
-                                 self.slot_mapping[:bs], max_query_len=1,
-                                 max_seq_len=self.max_blocks * self.block_size, num_seqs=bs, num_tokens=bs)
+        meta = AttentionMetadata(
+            self.cu_query_lens[: bs + 1],
+            self.seq_lens[:bs],
+            self.block_tables[:bs],
+            self.slot_mapping[:bs],
+            max_query_len=1,
+            max_seq_len=self.max_blocks * self.block_size,
+            num_seqs=bs,
+            num_tokens=bs,
+        )
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return self.backend.forward(q, k, v, self.kv_cache, self.fmt, meta, self.scale)
@@ -246,7 +269,7 @@ class HeadStepGraphs:
         self.hidden.zero_()
         self.positions.zero_()
         self.slot_mapping.fill_(PAD_SLOT)
-        self.cu_query_lens[:bs + 1] = torch.arange(bs + 1, device=self.device, dtype=torch.int32)
+        self.cu_query_lens[: bs + 1] = torch.arange(bs + 1, device=self.device, dtype=torch.int32)
         self.seq_lens[:bs] = 1
         self.block_tables.zero_()
 
@@ -257,8 +280,16 @@ class HeadStepGraphs:
     def fits(self, n: int, tables: list[list[int]]) -> bool:
         return n <= self.batch_sizes[-1] and max(len(t) for t in tables) <= self.max_blocks
 
-    def draft(self, dt: DraftTokens, sampler: DraftSampler, ks: list[int], ctx: list[int], last_pos: list[int],
-              tables: list[list[int]], prev: torch.Tensor | None) -> bool:
+    def draft(
+        self,
+        dt: DraftTokens,
+        sampler: DraftSampler,
+        ks: list[int],
+        ctx: list[int],
+        last_pos: list[int],
+        tables: list[list[int]],
+        prev: torch.Tensor | None,
+    ) -> bool:
         """Draft steps 1..max(ks) - 1 into dt, which holds step 0's tokens [n] for all n requests.
 
         ks, ctx, last_pos, tables: per request its draft count, head rows cached (real rows, step 0's
@@ -283,7 +314,7 @@ class HeadStepGraphs:
             self.dead_rows += n - len(rows)
             # Only the still-drafting rows' outputs are drafts (random rows: only they draw noise,
             # as on the eager path); their device indices came in this step's copy.
-            pick = None if len(rows) == n else self.active[:len(rows)]
+            pick = None if len(rows) == n else self.active[: len(rows)]
             if greedy:
                 dt.add(rows, argmax[:n].clone() if pick is None else argmax.index_select(0, pick), None)
                 continue
@@ -311,25 +342,25 @@ class HeadStepGraphs:
         pos[at] = [host.last_pos[i] + step for i in rows]
         slots[:bs] = PAD_SLOT
         slots[at] = [host.tables[i][x // bsz] * bsz + x % bsz for i, x in zip(rows, idx)]
-        active[:len(rows)] = rows
-        cu[:n + 1] = self._arange[:n + 1]
-        cu[n + 1:bs + 1] = n  # padding sequences are empty
+        active[: len(rows)] = rows
+        cu[: n + 1] = self._arange[: n + 1]
+        cu[n + 1 : bs + 1] = n  # padding sequences are empty
         seq_lens[:bs] = 0
         seq_lens[:n] = 1  # dead rows: one query over their first cached row, harmless to read
         seq_lens[at] = [x + 1 for x in idx]
         if first:
             tables[:n] = 0
             for i, t in enumerate(host.tables):
-                tables[i, :len(t)] = t
+                tables[i, : len(t)] = t
         self.upload.send_staged(self._buf, nbytes)
         return rows
 
     def _host_views(self, buf: np.ndarray) -> tuple[np.ndarray, ...]:
         """A pinned slot as the static buffers' layout: pos, slots, active, cu, seq_lens, tables."""
         max_bs = self.tokens.numel()
-        pos, slots, active = buf[:self._i64].view(np.int64).reshape(3, max_bs)
-        cu, seq_lens = np.split(buf[self._i64:self._i64 + self._i32].view(np.int32), [max_bs + 1])
-        tables = buf[self._fields:self._buf.numel()].view(np.int32).reshape(max_bs, self.max_blocks)
+        pos, slots, active = buf[: self._i64].view(np.int64).reshape(3, max_bs)
+        cu, seq_lens = np.split(buf[self._i64 : self._i64 + self._i32].view(np.int32), [max_bs + 1])
+        tables = buf[self._fields : self._buf.numel()].view(np.int32).reshape(max_bs, self.max_blocks)
         return pos, slots, active, cu, seq_lens, tables
 
 

@@ -22,6 +22,7 @@ The layer never owns its attention: `attend(q, k, v)` is injected, the paged KV 
 time (eagle.py) and dense masked attention at training time (train/loss.py), so both run the same
 weights through the same code.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,14 +74,23 @@ class EagleHeadConfig:
             raise ValueError(f"{where} is not a specserve EAGLE head config (format must be {HEAD_FORMAT!r}).")
         try:
             draft_vocab = data.get("draft_vocab_size")  # absent in heads from before reduced vocabularies
-            cfg = cls(str(data["method"]), int(data["hidden_size"]), int(data["vocab_size"]),
-                      tuple(int(i) for i in data["aux_hidden_layers"]), int(data["num_mask_slots"]),
-                      dict(data["layer"]), dict(data["target"]), None if draft_vocab is None else int(draft_vocab))
+            cfg = cls(
+                str(data["method"]),
+                int(data["hidden_size"]),
+                int(data["vocab_size"]),
+                tuple(int(i) for i in data["aux_hidden_layers"]),
+                int(data["num_mask_slots"]),
+                dict(data["layer"]),
+                dict(data["target"]),
+                None if draft_vocab is None else int(draft_vocab),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where} is missing or has a bad field: {e!r}.") from None
         if cfg.draft_vocab_size is not None and not 1 <= cfg.draft_vocab_size <= cfg.vocab_size:
-            raise ValueError(f"{where}: draft_vocab_size must be in [1, vocab_size={cfg.vocab_size}] or null, "
-                             f"got {cfg.draft_vocab_size}.")
+            raise ValueError(
+                f"{where}: draft_vocab_size must be in [1, vocab_size={cfg.vocab_size}] or null, "
+                f"got {cfg.draft_vocab_size}."
+            )
         if cfg.method not in HEAD_METHODS:
             raise ValueError(f"{where}: method must be one of {HEAD_METHODS}, got {cfg.method!r}.")
         if cfg.method == "eagle3" and not cfg.aux_hidden_layers:
@@ -98,25 +108,50 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(picks))
 
 
-def head_config_for(target_arch: ModelArch, target_hf_config: dict[str, Any], target_name: str,
-                    target_identity: str, method: str, num_mask_slots: int = 0,
-                    draft_vocab_size: int | None = None) -> EagleHeadConfig:
+def head_config_for(
+    target_arch: ModelArch,
+    target_hf_config: dict[str, Any],
+    target_name: str,
+    target_identity: str,
+    method: str,
+    num_mask_slots: int = 0,
+    draft_vocab_size: int | None = None,
+) -> EagleHeadConfig:
     """A head shaped like one decoder layer of the target (draft_vocab_size: see EagleHeadConfig)."""
     if method not in HEAD_METHODS:
         raise ValueError(f"head method must be one of {HEAD_METHODS}, got {method!r}.")
     if draft_vocab_size is not None and not 1 <= draft_vocab_size <= target_arch.vocab_size:
         raise ValueError(f"draft_vocab_size must be in [1, {target_arch.vocab_size}], got {draft_vocab_size}.")
-    keys = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "attention_bias",
-            "max_position_embeddings", "vocab_size")
+    keys = (
+        "model_type",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "attention_bias",
+        "max_position_embeddings",
+        "vocab_size",
+    )
     layer = {k: target_hf_config[k] for k in keys if target_hf_config.get(k) is not None}
-    layer.update(head_dim=target_arch.head_dim, attention_bias=target_arch.qkv_bias,
-                 num_key_value_heads=target_arch.num_kv_heads)
+    layer.update(
+        head_dim=target_arch.head_dim, attention_bias=target_arch.qkv_bias, num_key_value_heads=target_arch.num_kv_heads
+    )
     aux = default_aux_layers(target_arch.num_layers) if method == "eagle3" else ()
-    target = {"name": target_name, "identity": target_identity, "num_layers": target_arch.num_layers,
-              "hidden_size": target_arch.hidden_size, "vocab_size": target_arch.vocab_size}
-    return EagleHeadConfig(method, target_arch.hidden_size, target_arch.vocab_size, aux, num_mask_slots,
-                           layer, target, draft_vocab_size)
+    target = {
+        "name": target_name,
+        "identity": target_identity,
+        "num_layers": target_arch.num_layers,
+        "hidden_size": target_arch.hidden_size,
+        "vocab_size": target_arch.vocab_size,
+    }
+    return EagleHeadConfig(
+        method, target_arch.hidden_size, target_arch.vocab_size, aux, num_mask_slots, layer, target, draft_vocab_size
+    )
 
 
 def check_d2t(d2t: torch.Tensor, vocab_size: int, draft_vocab_size: int, where: str) -> None:
@@ -125,12 +160,14 @@ def check_d2t(d2t: torch.Tensor, vocab_size: int, draft_vocab_size: int, where: 
     if d2t.dtype.is_floating_point or d2t.dtype.is_complex or d2t.dtype == torch.bool:
         raise ValueError(f"{where}: d2t must hold integer token ids (int64), got {d2t.dtype}.")
     if tuple(d2t.shape) != (draft_vocab_size,):
-        raise ValueError(f"{where}: d2t has shape {tuple(d2t.shape)}, the config's draft_vocab_size is "
-                         f"{draft_vocab_size}.")
+        raise ValueError(
+            f"{where}: d2t has shape {tuple(d2t.shape)}, the config's draft_vocab_size is {draft_vocab_size}."
+        )
     ids = d2t.detach().to("cpu", torch.int64)
     if draft_vocab_size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"{where}: d2t holds token ids outside [0, {vocab_size}) (min {int(ids.min())}, "
-                         f"max {int(ids.max())}).")
+        raise ValueError(
+            f"{where}: d2t holds token ids outside [0, {vocab_size}) (min {int(ids.min())}, max {int(ids.max())})."
+        )
     steps = ids[1:] - ids[:-1]
     if (steps == 0).any():
         raise ValueError(f"{where}: d2t holds duplicate token ids (e.g. {int(ids[1:][steps == 0][0])}).")
@@ -175,14 +212,17 @@ class HeadLayer(nn.Module):
         self.gate_up_proj = nn.Linear(h, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, h, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                attend: Attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         """x [rows, hidden] -> [rows, hidden] (pre-norm residual stream after the layer)."""
         ops, norm = self.ops, self.input_layernorm
         qkv, _ = ops.rms_norm_linear(x, None, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
-        q, k = ops.apply_rope(q.reshape(-1, self.num_heads, self.head_dim),
-                              k.reshape(-1, self.num_kv_heads, self.head_dim), positions, cos_sin)
+        q, k = ops.apply_rope(
+            q.reshape(-1, self.num_heads, self.head_dim),
+            k.reshape(-1, self.num_kv_heads, self.head_dim),
+            positions,
+            cos_sin,
+        )
         attn = attend(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim))
         x = x + ops.linear(attn.reshape(-1, self.q_size), self.o_proj.weight)
         h = ops.linear_silu_and_mul(self.post_attention_layernorm(x), self.gate_up_proj.weight)  # silu(gate) * up
@@ -250,7 +290,7 @@ class EagleHead(nn.Module):
     def greedy_token_ids(self, logits: torch.Tensor) -> torch.Tensor:
         """compute_logits' output [rows, width] -> [rows] int64 target ids of each row's argmax."""
         if self.d2t is None:
-            return logits[:, :self.cfg.vocab_size].argmax(dim=-1)
+            return logits[:, : self.cfg.vocab_size].argmax(dim=-1)
         return self.d2t.index_select(0, logits.argmax(dim=-1))
 
     def fuse_target(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -267,12 +307,14 @@ class EagleHead(nn.Module):
         """(embeds, hidden) of P-EAGLE mask rows, each [rows, hidden]."""
         return self.mask_embed.expand(rows, -1), self.mask_hidden.expand(rows, -1)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                cos_sin: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attend: Attend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds, hidden [rows, hidden]; returns (out, logits_input), each [rows, hidden]: `out` is
         fed back as the next row's hidden, `logits_input` goes to the target's LM head."""
-        x = self.layer.ops.linear(torch.cat([self.embed_norm(embeds), self.hidden_norm(hidden)], dim=-1),
-                                  self.fc.weight)
+        x = self.layer.ops.linear(
+            torch.cat([self.embed_norm(embeds), self.hidden_norm(hidden)], dim=-1), self.fc.weight
+        )
         out = self.layer(x, positions, cos_sin, attend)
         return out, (out if self.norm is None else self.norm(out))
 
@@ -292,8 +334,10 @@ def save_head(head: EagleHead, out_dir: str | Path) -> Path:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().contiguous()
-             for k, v in head.state_dict().items()}
+    state = {
+        k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().contiguous()
+        for k, v in head.state_dict().items()
+    }
     tmp = out / (WEIGHTS_NAME + ".tmp")
     save_file(state, str(tmp), metadata={"format": HEAD_FORMAT})
     tmp.replace(out / WEIGHTS_NAME)
@@ -326,15 +370,21 @@ def check_head_matches(cfg: EagleHeadConfig, arch: ModelArch, target_identity: s
     if cfg.hidden_size != arch.hidden_size or cfg.vocab_size != arch.vocab_size:
         raise ValueError(f"{where}: head hidden/vocab sizes do not match the target.")
     if any(not 0 <= i < arch.num_layers for i in cfg.aux_hidden_layers):
-        raise ValueError(f"{where}: aux_hidden_layers {cfg.aux_hidden_layers} out of range for "
-                         f"{arch.num_layers} layers.")
+        raise ValueError(
+            f"{where}: aux_hidden_layers {cfg.aux_hidden_layers} out of range for {arch.num_layers} layers."
+        )
     if cfg.target.get("identity") != target_identity:
-        logger.warning("%s was trained on target %r, serving %r: same shapes, maybe other weights.",
-                       where, cfg.target.get("identity"), target_identity)
+        logger.warning(
+            "%s was trained on target %r, serving %r: same shapes, maybe other weights.",
+            where,
+            cfg.target.get("identity"),
+            target_identity,
+        )
 
 
-def load_head(path: str | Path, arch: ModelArch, target_identity: str, device: torch.device,
-              dtype: torch.dtype) -> EagleHead:
+def load_head(
+    path: str | Path, arch: ModelArch, target_identity: str, device: torch.device, dtype: torch.dtype
+) -> EagleHead:
     """Load and validate a head directory for this target; ValueError before anything runs."""
     from safetensors.torch import load_file
 
@@ -349,15 +399,19 @@ def load_head(path: str | Path, arch: ModelArch, target_identity: str, device: t
     own = head.state_dict()
     if cfg.draft_vocab_size is not None:
         if "d2t" not in state:
-            raise ValueError(f"{where}: the config sets draft_vocab_size={cfg.draft_vocab_size} but "
-                             f"{WEIGHTS_NAME} holds no d2t tensor.")
+            raise ValueError(
+                f"{where}: the config sets draft_vocab_size={cfg.draft_vocab_size} but "
+                f"{WEIGHTS_NAME} holds no d2t tensor."
+            )
         check_d2t(state["d2t"], cfg.vocab_size, cfg.draft_vocab_size, where)
         state["d2t"] = state["d2t"].to(torch.int64)
     elif "d2t" in state:
         raise ValueError(f"{where}: {WEIGHTS_NAME} holds a d2t tensor but the config has no draft_vocab_size.")
     if set(state) != set(own):
-        raise ValueError(f"{where}: weights do not match the config (missing "
-                         f"{sorted(set(own) - set(state))[:4]}, unexpected {sorted(set(state) - set(own))[:4]}).")
+        raise ValueError(
+            f"{where}: weights do not match the config (missing "
+            f"{sorted(set(own) - set(state))[:4]}, unexpected {sorted(set(state) - set(own))[:4]})."
+        )
     bad = [k for k in own if tuple(state[k].shape) != tuple(own[k].shape)]
     if bad:
         raise ValueError(f"{where}: tensors of the wrong shape: {bad[:4]}.")
@@ -365,9 +419,15 @@ def load_head(path: str | Path, arch: ModelArch, target_identity: str, device: t
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def make_random_head_dir(target_model: str, out_dir: str | Path, method: str = "eagle3",
-                         num_mask_slots: int = 0, seed: int = 0, load_format: str = "auto",
-                         d2t: list[int] | None = None) -> Path:
+def make_random_head_dir(
+    target_model: str,
+    out_dir: str | Path,
+    method: str = "eagle3",
+    num_mask_slots: int = 0,
+    seed: int = 0,
+    load_format: str = "auto",
+    d2t: list[int] | None = None,
+) -> Path:
     """An untrained head for `target_model` (any LLM(model=...) reference; a shape name with
     load_format="dummy"): tests use it to check that speculation stays lossless whatever the head
     proposes, benchmarks to time a head's forward. d2t: a reduced draft vocabulary (ascending ids)."""
@@ -378,8 +438,9 @@ def make_random_head_dir(target_model: str, out_dir: str | Path, method: str = "
 
     source = WeightSource.open(ModelConfig(model=target_model, load_format=load_format))
     arch = ModelArch.from_hf_config(source.hf_config)
-    cfg = head_config_for(arch, source.hf_config, source.name, source.identity, method, num_mask_slots,
-                          None if d2t is None else len(d2t))
+    cfg = head_config_for(
+        arch, source.hf_config, source.name, source.identity, method, num_mask_slots, None if d2t is None else len(d2t)
+    )
     torch.manual_seed(seed)
     head = EagleHead(cfg)
     if d2t is not None:

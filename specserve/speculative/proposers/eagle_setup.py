@@ -1,5 +1,6 @@
 """Setting up an EAGLE proposer: the target's CUDA graphs recaptured with the head's aux outputs, the
 head's step batch sizes, what its graphs keep allocated, and attention metadata for a head forward."""
+
 from __future__ import annotations
 
 import gc
@@ -18,8 +19,14 @@ def recapture_with_aux(runner, aux_layers: tuple[int, ...]) -> None:
     old = runner.graphs
     if old is None or old.aux_hidden_layers == tuple(aux_layers):
         return
-    args = (old.batch_sizes[-1], old.max_model_len, old.verify_query_lens, old.prefill_query_lens,
-            old.catch_up_query_lens, old.mixed_token_lens)
+    args = (
+        old.batch_sizes[-1],
+        old.max_model_len,
+        old.verify_query_lens,
+        old.prefill_query_lens,
+        old.catch_up_query_lens,
+        old.mixed_token_lens,
+    )
     runner.graphs = None
     del old  # free its memory pool before the new capture
     gc.collect()
@@ -27,8 +34,14 @@ def recapture_with_aux(runner, aux_layers: tuple[int, ...]) -> None:
     runner.capture_graphs(*args)
 
 
-def head_attention_metadata(ctx_lens: list[int], q_lens: list[int], tables: list[list[int]], block_size: int,
-                            device: torch.device, upload: PinnedUpload | None = None) -> AttentionMetadata:
+def head_attention_metadata(
+    ctx_lens: list[int],
+    q_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    upload: PinnedUpload | None = None,
+) -> AttentionMetadata:
     """Sequence i: q_lens[i] new rows after ctx_lens[i] cached ones, in blocks tables[i]."""
     arrays = attention_arrays(ctx_lens, q_lens, tables, block_size)
     return attention_metadata(arrays, (upload or PinnedUpload(device, slots=1)).send(arrays), q_lens)

@@ -9,6 +9,7 @@ process several times over. These forwards move that compile to start-up.
 Variants that sizes alone do not reach are made one instead: the attention kernels do not specialize
 the block table's width (triton_paged.py), and head uploads are 16-byte aligned (eagle_graph.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,7 +51,7 @@ def warm_eager_head(proposer) -> list[tuple[int, int]]:
         embeds = target.embed_tokens(torch.zeros(rows, dtype=torch.int64, device=dev))  # [rows, hidden]
         positions = torch.arange(context, context + rows, device=dev)
         _, normed = proposer._head(embeds, feats, positions, meta)
-        proposer._logits(normed[-min(rows, gemv_max_m()):])  # the picks: one row per request, k for P-EAGLE
+        proposer._logits(normed[-min(rows, gemv_max_m()) :])  # the picks: one row per request, k for P-EAGLE
         done.append((context, rows))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

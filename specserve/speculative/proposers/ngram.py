@@ -2,6 +2,7 @@
 
 Free to run (no model), strong on code edits, RAG and anything that repeats its context.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,12 +31,12 @@ def find_draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     arr = np.asarray(tokens, dtype=np.int64)
     total = len(arr)
     for n in range(min(max_n, total - 1), min_n - 1, -1):
-        suffix = arr[total - n:]
+        suffix = arr[total - n :]
         # windows[i] = arr[i:i+n] for i < total - n (never the suffix itself)
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:total - 1], n)
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: total - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         hits = hits[hits + n < total]
         if hits.size:
             start = int(hits[-1]) + n
-            return arr[start:start + k].tolist()
+            return arr[start : start + k].tolist()
     return []
