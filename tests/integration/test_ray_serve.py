@@ -139,7 +139,7 @@ def test_shared_prefix_lands_on_one_replica(cluster):
     other = "1" if owner == "0" else "0"
 
     def hits(snap, replica):
-        return snap.value("prefix_cache_hits_total", {"replica": replica})
+        return snap.by_label("prefix_cache_hits_total", "replica").get(replica, 0.0)
 
     assert hits(after, owner) - hits(before, owner) >= 5 * 64  # each later prompt reused the prefix blocks
     assert hits(after, other) == hits(before, other)
