@@ -13,19 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.kv.offload.base import (
-    BlockPayload,
-    OffloadTier,
-    extract_block,
-    extract_blocks,
-    insert_block,
-    insert_blocks,
-    payload_nbytes,
-)
+from specserve.kv.offload.base import OffloadTier
 from specserve.kv.offload.cpu import CpuTier
 from specserve.kv.offload.disk import DiskTier, encode_entry, file_name
-from specserve.kv.offload.payload import pack
+from specserve.kv.offload.payload import BlockPayload, pack, payload_nbytes
 from specserve.kv.offload.tiered import TieredStore
+from specserve.kv.offload.transfer import BlockMover
 from specserve.kv.quant import gather_kv, write_kv
 from specserve.kv.spec import KVCacheSpec, kv_format
 
@@ -265,6 +258,15 @@ def test_tiered_store_promotes_and_writes_through(tmp_path: Path) -> None:
     store.close()
 
 
+def _extract(caches: list, block_ids: list[int]) -> list:
+    return [p for rows in BlockMover(caches).gather_to_host(block_ids) for p in rows.payloads()]
+
+
+def _insert(caches: list, block_ids: list[int], payloads: list) -> None:
+    mover = BlockMover(caches)
+    mover.load_from_host(block_ids, mover.check(payloads))
+
+
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8", "nvfp4"])
 def test_block_extract_insert_through_disk(tmp_path: Path, kv_dtype: str) -> None:
     fmt = kv_format(kv_dtype, torch.bfloat16)
@@ -275,21 +277,21 @@ def test_block_extract_insert_through_disk(tmp_path: Path, kv_dtype: str) -> Non
     for cache in src:
         write_kv(cache, fmt, slots, key, value)
     tier = DiskTier(tmp_path, 1 << 20, f"m/{kv_dtype}")
-    for block_id, payload in zip((3, 1), extract_blocks(src, [3, 1])):
-        assert _same(payload, extract_block(src, block_id))
+    for block_id, payload in zip((3, 1), _extract(src, [3, 1])):
+        assert _same(payload, _extract(src, [block_id])[0])
         tier.put(_key(block_id), payload)
     tier.close()
     reader = DiskTier(tmp_path, 1 << 20, f"m/{kv_dtype}")
     dst = spec.allocate(6, torch.device("cpu"))
-    insert_block(dst, 0, reader.get(_key(3)))
-    insert_blocks(dst, [5], [reader.get(_key(1))])
+    _insert(dst, [0], [reader.get(_key(3))])
+    _insert(dst, [5], [reader.get(_key(1))])
     for s_cache, d_cache in zip(src, dst):
         want = gather_kv(s_cache, fmt, torch.tensor([3, 1]), 8, torch.float32)
         got = gather_kv(d_cache, fmt, torch.tensor([0, 5]), 8, torch.float32)
         assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     other = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=8, fmt=fmt)
     with pytest.raises(ValueError, match="payload"):
-        insert_block(other.allocate(2, torch.device("cpu")), 0, reader.get(_key(3)))
+        _insert(other.allocate(2, torch.device("cpu")), [0], [reader.get(_key(3))])
     reader.close()
 
 

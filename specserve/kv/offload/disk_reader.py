@@ -1,11 +1,6 @@
-"""Runs many small reads at once: the disk tier's prefix-hit loads, one block file per call.
-
-Each read is open + one preadv + close + crc32, all of which release the GIL, so threads overlap
-the kernel's copies out of the page cache (or the device's latency) and the checksums. Threads
-take the next file from a shared counter rather than a fixed span: a thread delayed by the
-scheduler or a slow file does not hold up the whole load. The calling thread reads too, so a
-load of a few blocks does not wait for a pool thread to wake up.
-"""
+"""Many small reads at once (the disk tier's prefix-hit loads): syscalls and crc32 release the GIL,
+so threads overlap. Threads take the next file from a shared counter (a slow file holds up no
+fixed span), and the calling thread reads too."""
 
 from __future__ import annotations
 
@@ -37,8 +32,7 @@ class ParallelReads:
             return self._pool
 
     def run(self, n: int, read_one: Callable[[int], None]) -> None:
-        """read_one(i) for every i in range(n), on up to `threads` threads; returns when all
-        have returned. read_one should not raise (its first exception is re-raised here)."""
+        """read_one(i) for every i in range(n) on up to `threads` threads (its first exception is re-raised)."""
         counter = itertools.count()  # next() on it is atomic under the GIL
 
         def work() -> None:
@@ -54,7 +48,6 @@ class ParallelReads:
                 fut.result()
 
     def submit(self, fn: Callable[..., object], *args: object) -> Future:
-        """Run fn(*args) on the pool, off the caller's path (e.g. setting mtimes after a hit)."""
         return self._executor().submit(fn, *args)
 
     def close(self) -> None:

@@ -1,11 +1,6 @@
-"""Blocks on their way into the tiers, handed over by a worker thread off the engine's step.
-
-The engine thread only launches copies (transfer.py) and submits the result here; the worker
-waits for each job's copy to complete (a CUDA event: the GIL is released while it waits), then
-puts the payloads into the tiers (a memcpy into a CPU tier slot, a queued disk write). A payload
-is visible in a tier only once its bytes are complete. Until then `pending(key)` is true, and a
-reader that needs the block calls `wait_for(key)`.
-"""
+"""Blocks on their way into the tiers: a worker thread waits for each job's device->host copy,
+then puts the payloads into the tiers, off the engine's step. A payload is visible in a tier only
+once its bytes are complete; until then `pending(key)` is true and readers call `wait_for(key)`."""
 
 from __future__ import annotations
 
@@ -13,6 +8,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from specserve.kv.offload.base import BlockKey
 from specserve.kv.offload.payload import PackedPayload
@@ -23,14 +19,13 @@ logger = logging.getLogger(__name__)
 PutMany = Callable[[list[BlockKey], list[PackedPayload]], None]  # e.g. TieredStore.put_many
 
 
+@dataclass(eq=False)
 class _Job:
-    __slots__ = ("done", "keys", "payloads", "put", "rows")
-
-    def __init__(
-        self, keys: list[BlockKey], rows: HostRows | None, payloads: list[PackedPayload] | None, put: PutMany
-    ) -> None:
-        self.keys, self.rows, self.payloads, self.put = keys, rows, payloads, put
-        self.done = threading.Event()
+    keys: list[BlockKey]
+    rows: HostRows | None
+    payloads: list[PackedPayload] | None
+    put: PutMany
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 class StoreQueue:
@@ -49,7 +44,6 @@ class StoreQueue:
         self._submit(_Job(keys, rows, None, put))
 
     def submit(self, keys: list[BlockKey], payloads: list[PackedPayload], put: PutMany) -> None:
-        """Put payloads (already complete) in the background."""
         self._submit(_Job(keys, None, payloads, put))
 
     def _submit(self, job: _Job) -> None:
@@ -70,7 +64,6 @@ class StoreQueue:
             job.done.wait()
 
     def flush(self) -> None:
-        """Return once every job submitted so far has been handled."""
         self._queue.join()
 
     def close(self) -> None:

@@ -8,14 +8,8 @@ from specserve.kv.offload.base import BlockKey, BlockPayload, OffloadTier, TierS
 
 
 class TieredStore:
-    """`get` asks each tier in order and copies a hit into every faster tier, so a block read
-    from disk is served from CPU memory next time; `put` stores into every tier, so a block
-    evicted from CPU memory is still on disk.
-
-    Write-through keeps the tiers independent (each evicts on its own budget, no demotion
-    traffic); the cost is a disk write per stored block, which the disk tier does in the
-    background and drops under pressure.
-    """
+    """`get` promotes a hit into every faster tier; `put` stores into every tier (write-through:
+    each tier evicts on its own budget, no demotion traffic)."""
 
     name = "tiered"
 
@@ -42,14 +36,8 @@ class TieredStore:
             tier.put(key, payload)
 
     def put_many(self, keys: list[BlockKey], payloads: Sequence[BlockPayload]) -> None:
-        """`put` of each pair, through a tier's own `put_many` where it has one (batched copies)."""
         for tier in self.tiers:
-            put_many = getattr(tier, "put_many", None)
-            if put_many is not None:
-                put_many(keys, payloads)
-            else:
-                for key, payload in zip(keys, payloads):
-                    tier.put(key, payload)
+            tier.put_many(keys, payloads)  # type: ignore[attr-defined]
 
     @property
     def used_bytes(self) -> int:
