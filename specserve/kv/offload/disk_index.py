@@ -1,12 +1,9 @@
 """The disk tier's view of its directory: block files by recency, their sizes, the byte budget.
-
-Recency survives restarts through file mtimes: a hit or a write stamps its file, the startup scan
-orders files by mtime. Stamps are strictly increasing within a process, so the on-disk order
-equals the in-memory order even on coarse clocks.
-"""
+Recency survives restarts through file mtimes, stamped strictly increasing within a process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -41,7 +38,7 @@ class DiskIndex:
 
     def refresh(self, name: str) -> bool:
         """Mark a known file most recently used (in memory only); False if unknown."""
-        if name not in self._files:  # the common case on a store: no lock taken
+        if name not in self._files:  # the common case: no lock taken
             return False
         with self._lock:
             if name not in self._files:
@@ -117,14 +114,10 @@ class DiskIndex:
 
 def set_mtimes(paths: list[str], stamps: list[int]) -> None:
     for path, ns in zip(paths, stamps):
-        try:
+        with contextlib.suppress(OSError):
             os.utime(path, ns=(ns, ns))
-        except OSError:
-            pass
 
 
 def remove_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.remove(path)
-    except OSError:
-        pass

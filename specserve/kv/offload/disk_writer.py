@@ -1,14 +1,8 @@
 """The disk tier's write queue: blocks waiting to become files, and the threads that write them.
 
-`submit` copies each block into memory of its own (slots of a slab, reused for the life of the
-tier) and returns: the caller's buffer is free at once. That matters on CUDA, where the caller's
-buffer is pinned staging from torch's caching host allocator, and holding it until the blocks are
-on disk would make the next device->host copy allocate fresh pinned memory on the engine thread. The copy releases the
-GIL; so do the writers' syscalls and checksum, and they handle a few blocks per queue item, so
-the Python they run per block (the GIL they take from the engine thread) stays small.
-
-Until its file is in place a block is served from here (`copy_pending`); the copy is taken under
-the lock, so a slot is never reused while a reader copies out of it.
+`submit` copies each block into slots of its own and returns, so the caller's (pinned staging)
+buffer is free at once. Until its file is in place a block is served from here, copied under the
+lock, so a slot is never reused while a reader copies out of it.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from specserve.kv.offload.slab import SlotSlab
 
 logger = logging.getLogger(__name__)
 
-_BATCH = 8  # blocks per queue item: fewer queue operations (Python, under the GIL) per block
+_BATCH = 8  # blocks per queue item: fewer queue operations per block
 
 WriteBlock = Callable[[BlockKey, PackedPayload, memoryview | None], None]
 
@@ -39,9 +33,8 @@ class _Pending(NamedTuple):
 
 
 class DiskWriter:
-    """At most `max_pending_bytes` of blocks wait; more are dropped (counted), never waited for.
-    `write(key, payload, body)` stores one block (`body`: its bytes when known; raises on
-    failure: counted in `errors`)."""
+    """At most `max_pending_bytes` of blocks wait; more are dropped (counted). `write(key, payload,
+    body)` stores one block (`body`: its bytes when known); a failure is counted in `errors`."""
 
     def __init__(self, write: WriteBlock, max_pending_bytes: int, threads: int, name: str, stats: StatsCounter) -> None:
         self._write = write
@@ -62,7 +55,6 @@ class DiskWriter:
 
     @property
     def _slots(self) -> SlotSlab:
-        """The slab, which exists whenever a slot is held (the first block sizes it)."""
         assert self._slab is not None
         return self._slab
 
@@ -70,8 +62,7 @@ class DiskWriter:
         return key in self._pending or key in self._reserved
 
     def submit(self, items: list[tuple[BlockKey, PackedPayload]]) -> None:
-        """Queue blocks for writing (those already queued are skipped; those over the budget
-        dropped). Returns once the bytes are copied."""
+        """Queue blocks not queued yet (over the budget: dropped); returns once the bytes are copied."""
         taken: list[tuple[BlockKey, PackedPayload, torch.Tensor | None, int | None]] = []
         dropped = 0
         with self._lock:
@@ -109,7 +100,6 @@ class DiskWriter:
         self, taken: list[tuple[BlockKey, PackedPayload, torch.Tensor | None, int | None]]
     ) -> list[tuple[BlockKey, _Pending]]:
         slotted = [(src.buffer, dst) for _, src, dst, _ in taken if dst is not None]
-        # Rows of one staging buffer into slots taken in order: a few large copies, GIL released.
         for src, dst in paired_runs([s for s, _ in slotted], [d for _, d in slotted]):
             copy_bytes(dst, src)
         return [
@@ -123,7 +113,7 @@ class DiskWriter:
         ]
 
     def _take_slot(self, size: int) -> int | None:
-        """Under the lock: a slot for a block of `size` bytes, or None (it gets a buffer of its own)."""
+        """Under the lock: a slot for `size` bytes, or None (the block gets a buffer of its own)."""
         if self._slab is None:
             self._slab = SlotSlab(size, max(1, self._max_pending // size), pin_memory=False)
         if size != self._slab.slot_bytes:
@@ -134,7 +124,6 @@ class DiskWriter:
         return slot
 
     def copy_pending(self, key: BlockKey) -> PackedPayload | None:
-        """A copy of the queued block `key`, or None if none is queued."""
         with self._lock:
             pending = self._pending.get(key)
             if pending is None:
@@ -142,8 +131,7 @@ class DiskWriter:
             return pack(pending.payload, out=torch.empty(pending.payload.nbytes, dtype=torch.uint8))
 
     def copy_pending_into(self, keys: list[BlockKey], rows: torch.Tensor, layout: BlockLayout) -> list[bool]:
-        """Copy each queued block of `layout` among `keys` into its row of `rows` [len(keys),
-        layout.nbytes]; which were copied."""
+        """Copy queued blocks of `layout` into their rows of `rows` [len(keys), layout.nbytes]; which were."""
         done = [False] * len(keys)
         if not self._pending:
             return done
@@ -156,7 +144,6 @@ class DiskWriter:
         return done
 
     def flush(self) -> None:
-        """Return once every block submitted so far is written (or failed, counted)."""
         self._queue.join()
 
     def close(self) -> None:
@@ -184,7 +171,7 @@ class DiskWriter:
             logger.warning("KV disk tier: write of %s failed: %s", key.hex()[:32], exc)
             self._stats.add(errors=1)
         finally:
-            # Only now: until the file is in place, readers must find the block here.
+            # Only now: until the file is in place, readers find the block here.
             with self._lock:
                 del self._pending[key]
                 self._pending_bytes -= pending.payload.nbytes
