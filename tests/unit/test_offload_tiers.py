@@ -1,5 +1,5 @@
 """Offload tiers: CPU LRU, disk files (budget, restart, corruption, concurrency, async writes),
-the tiered store, and block extract / insert through a real paged cache."""
+and block extract / insert through a real paged cache."""
 
 from __future__ import annotations
 
@@ -13,11 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.kv.offload.base import OffloadTier
 from specserve.kv.offload.cpu import CpuTier
 from specserve.kv.offload.disk import DiskTier, encode_entry, file_name
 from specserve.kv.offload.payload import BlockPayload, pack, payload_nbytes
-from specserve.kv.offload.tiered import TieredStore
 from specserve.kv.offload.transfer import BlockMover
 from specserve.kv.quant import gather_kv, write_kv
 from specserve.kv.spec import KVCacheSpec, kv_format
@@ -56,13 +54,6 @@ FILE_BYTES = len(encode_entry(_key(0), _payload(0), NS))
 
 def _disk(path: Path, num_files: float, namespace: str = NS, **kw: int) -> DiskTier:
     return DiskTier(path, int(FILE_BYTES * num_files), namespace, **kw)
-
-
-def test_tiers_satisfy_protocol(tmp_path: Path) -> None:
-    disk = _disk(tmp_path, 1)
-    for tier in (CpuTier(0), disk, TieredStore([CpuTier(0)])):
-        assert isinstance(tier, OffloadTier)
-    disk.close()
 
 
 def test_cpu_lru_and_budget() -> None:
@@ -237,25 +228,6 @@ def test_other_instance_sees_new_files(tmp_path: Path) -> None:
     assert b.used_bytes == FILE_BYTES
     a.close()
     b.close()
-
-
-def test_tiered_store_promotes_and_writes_through(tmp_path: Path) -> None:
-    cpu = CpuTier(2 * payload_nbytes(_payload(0)))
-    disk = _disk(tmp_path, 10)
-    store = TieredStore([cpu, disk])
-    for i in range(3):
-        store.put(_key(i), _payload(i))
-    store.flush()
-    assert not cpu.contains(_key(0)) and disk.contains(_key(0))  # CPU evicted it, disk kept it
-    assert _same(store.get(_key(0)), _payload(0))  # disk hit, promoted
-    assert cpu.contains(_key(0)) and not cpu.contains(_key(1))
-    assert _same(store.get(_key(0)), _payload(0))  # now a CPU hit
-    assert store.get(_key(9)) is None and not store.contains(_key(9))
-    stats = store.stats
-    assert (stats["cpu"].queries, stats["cpu"].hits) == (3, 1)
-    assert (stats["disk"].queries, stats["disk"].hits) == (2, 1)
-    assert store.used_bytes == cpu.used_bytes + disk.used_bytes
-    store.close()
 
 
 def _extract(caches: list, block_ids: list[int]) -> list:

@@ -1,18 +1,17 @@
-"""Offload tiers: byte-bounded key -> payload stores where evicted device KV blocks go.
+"""Offload tiers (cpu.py, disk.py): byte-bounded key -> payload stores where evicted KV blocks go.
 
 Keys are content addresses (namespace + chained block hash): one key always names the same bytes,
 so a tier may drop or rewrite an entry at any time and a miss is always safe (the block is
-recomputed). `put` copies the payload, so the caller may reuse its buffers once it returns.
-Payloads returned by `get` may view the tier's memory: read-only, valid while they are alive.
+recomputed). No tier method raises on bad stored data or I/O trouble: those are misses counted in
+`stats.errors`. `put` copies the payload and never blocks on slow storage; payloads returned by
+`get` may view the tier's memory: read-only, valid while they are alive. `flush` returns once
+every earlier put is stored or counted as failed.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, fields
-from typing import Protocol, runtime_checkable
-
-from specserve.kv.offload.payload import BlockPayload, PackedPayload
 
 BlockKey = bytes
 
@@ -45,31 +44,3 @@ class StatsCounter:
     def snapshot(self) -> TierStats:
         with self._lock:
             return TierStats(**{f.name: getattr(self._stats, f.name) for f in fields(TierStats)})
-
-
-@runtime_checkable
-class OffloadTier(Protocol):
-    """A byte-bounded store of KV blocks. No method raises on bad stored data or I/O trouble: those
-    become misses (and `stats.errors`). `contains` is cheap and may be stale; `put` never blocks on
-    slow storage; `flush` returns once every earlier put is stored or counted as failed."""
-
-    name: str
-
-    def contains(self, key: BlockKey) -> bool: ...
-
-    def get(self, key: BlockKey) -> PackedPayload | None: ...
-
-    def put(self, key: BlockKey, payload: BlockPayload) -> None: ...
-
-    @property
-    def used_bytes(self) -> int: ...
-
-    @property
-    def capacity_bytes(self) -> int: ...
-
-    @property
-    def stats(self) -> TierStats: ...
-
-    def flush(self) -> None: ...
-
-    def close(self) -> None: ...

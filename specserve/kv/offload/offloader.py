@@ -27,7 +27,6 @@ from specserve.kv.offload.cpu import CpuTier
 from specserve.kv.offload.disk import DiskTier
 from specserve.kv.offload.payload import BlockPayload, PackedPayload
 from specserve.kv.offload.store_queue import StoreQueue
-from specserve.kv.offload.tiered import TieredStore
 from specserve.kv.offload.transfer import BlockMover
 from specserve.kv.spec import LayerKVCache
 from specserve.metrics.stats import StatsCollector
@@ -45,7 +44,7 @@ class KVOffloader:
         self.mover = BlockMover(caches)
         self.cpu = CpuTier(cfg.cpu_bytes, slot_bytes=self.mover.layout.nbytes) if cfg.cpu_bytes > 0 else None
         self.disk = DiskTier(cfg.disk_path, cfg.disk_bytes, namespace) if cfg.disk_path and cfg.disk_bytes > 0 else None
-        self.store = TieredStore([t for t in (self.cpu, self.disk) if t is not None])
+        self.tiers: list[CpuTier | DiskTier] = [t for t in (self.cpu, self.disk) if t is not None]
         self.caches = caches
         self.block_size = block_size
         self.stats = stats
@@ -105,8 +104,12 @@ class KVOffloader:
         start = 0
         for rows in self.mover.gather_to_host([b for _, b in fresh]):
             n = rows.rows.shape[0]
-            self.queue.submit_rows([h for h, _ in fresh[start : start + n]], rows, self.store.put_many)
+            self.queue.submit_rows([h for h, _ in fresh[start : start + n]], rows, self._put_many)
             start += n
+
+    def _put_many(self, keys: list[BlockHash], payloads: list[PackedPayload]) -> None:
+        for tier in self.tiers:  # write-through: each tier evicts on its own budget
+            tier.put_many(keys, payloads)
 
     def _stored(self, key: BlockHash) -> bool:
         # No stat on the step path: the disk writer skips files another process wrote.
@@ -195,7 +198,7 @@ class KVOffloader:
     def record_stats(self) -> None:
         if self.stats is None:
             return
-        for name, now in self.store.stats.items():
+        for name, now in ((tier.name, tier.stats) for tier in self.tiers):
             last = self._last.get(name, TierStats())
             lbl = {"tier": name}
             self.stats.inc("kv_offload_queries_total", (now.queries - last.queries) * self.block_size, lbl)
@@ -215,8 +218,9 @@ class KVOffloader:
         self._loads.clear()
         self._prefetcher.shutdown(wait=True)
         self.queue.close()
-        self.store.flush()
-        self.store.close()
+        for tier in self.tiers:
+            tier.flush()
+            tier.close()
         self.record_stats()
 
 

@@ -16,7 +16,7 @@ from specserve.kv.offload.transfer import HostRows
 
 logger = logging.getLogger(__name__)
 
-PutMany = Callable[[list[BlockKey], list[PackedPayload]], None]  # e.g. TieredStore.put_many
+PutMany = Callable[[list[BlockKey], list[PackedPayload]], None]
 
 
 @dataclass(eq=False)
