@@ -111,22 +111,11 @@ class DiskTier:
             self._stats.add(hits=1, bytes_out=payload.nbytes)
         return payload
 
-    def get_many(self, keys: list[BlockKey], layout: BlockLayout | None = None) -> list[PackedPayload | None]:
-        """`get` of every key, read in parallel. With `layout` (other layouts are counted misses) the
-        bodies land in rows of one buffer [len(keys), layout.nbytes], pinned under CUDA."""
+    def get_many(self, keys: list[BlockKey], layout: BlockLayout) -> list[PackedPayload | None]:
+        """`get` of every key, read in parallel (other layouts are counted misses); the bodies land
+        in rows of one buffer [len(keys), layout.nbytes], pinned under CUDA."""
         if not keys:
             return []
-        if layout is None:
-            out: list[PackedPayload | None] = [None] * len(keys)
-
-            def read_any(i: int) -> None:
-                out[i] = self.get(keys[i])
-
-            self._readers.run(len(keys), read_any)
-            return out
-        return self._get_rows(keys, layout)
-
-    def _get_rows(self, keys: list[BlockKey], layout: BlockLayout) -> list[PackedPayload | None]:
         n, nbytes = len(keys), layout.nbytes
         rows = torch.empty((n, nbytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         flat = rows.view(-1).numpy().data.cast("B")  # one conversion, sliced per row
@@ -140,29 +129,22 @@ class DiskTier:
         read = [False] * len(todo)
 
         def read_one(j: int) -> None:
-            i = todo[j]
-            read[j] = self._read_into(paths[j], names[j], keys[i], reader, flat[i * nbytes : (i + 1) * nbytes])
+            key, out = keys[todo[j]], flat[todo[j] * nbytes : (todo[j] + 1) * nbytes]
+            read[j] = (
+                self._open_and_read(paths[j], names[j], lambda fd: reader.read_into(fd, key, out) or 1) is not None
+            )
 
         self._readers.run(len(todo), read_one)
-        hit_paths = [paths[j] for j in range(len(todo)) if read[j]]
-        if hit_paths:  # recency in key order (the threads finish in any order)
-            self._index.remember(
-                (names[j], body_offset(len(keys[todo[j]]), len(layout.json)) + nbytes)
-                for j in range(len(todo))
-                if read[j]
-            )
-            # mtimes (recency after a restart) are set off the caller's path
-            self._readers.submit(set_mtimes, hit_paths, self._index.stamps(len(hit_paths)))
-        for j, ok in enumerate(read):
-            found[todo[j]] = ok
+        hits_j = [j for j in range(len(todo)) if read[j]]
+        if hits_j:  # recency in key order (the threads finish in any order); mtimes off the caller's path
+            self._index.remember((names[j], body_offset(len(keys[todo[j]]), len(layout.json)) + nbytes) for j in hits_j)
+            self._readers.submit(set_mtimes, [paths[j] for j in hits_j], self._index.stamps(len(hits_j)))
+        for j in hits_j:
+            found[todo[j]] = True
         out = [PackedPayload(row, layout) if ok else None for row, ok in zip(rows.unbind(0), found)]
         hits = sum(found)
         self._stats.add(queries=n, hits=hits, bytes_out=hits * nbytes)
         return out
-
-    def _read_into(self, path: str, name: str, key: BlockKey, reader: LayoutReader, out: memoryview) -> bool:
-        """Read one file of `reader`'s layout into `out`; False on a miss or a bad file."""
-        return self._open_and_read(path, name, lambda fd: reader.read_into(fd, key, out) or True) is not None
 
     def _read(self, key: BlockKey) -> PackedPayload | None:
         """One file of any layout, marked most recently used (None on a miss or a bad file)."""
@@ -282,10 +264,7 @@ class DiskTier:
 
 
 def _remove_if_same(path: str, st: os.stat_result) -> None:
-    """Remove a bad file unless another writer has meanwhile replaced it with a new one."""
-    try:
-        now = os.stat(path)
-        if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
-            os.remove(path)
-    except OSError:
-        pass
+    """Remove a bad file unless another writer has meanwhile replaced it (OSError: caller's)."""
+    now = os.stat(path)
+    if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+        os.remove(path)
