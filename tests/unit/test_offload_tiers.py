@@ -289,5 +289,5 @@ def test_get_many_reads_into_one_buffer_and_rejects_bad_files(tmp_path: Path) ->
     s = reader.stats
     assert (s.queries, s.hits, s.errors) == (8, 3, 4)
     assert not any((tmp_path / file_name(_key(i))).exists() for i in (2, 3, 4, 9))
-    assert _same(reader.get_many([_key(5)])[0], _payload(5))  # without a layout: any layout
+    assert _same(reader.get(_key(5)), _payload(5))  # without a layout: any layout
     reader.close()
