@@ -15,7 +15,7 @@ import torch
 
 from specserve.kv.offload.cpu import CpuTier
 from specserve.kv.offload.disk import DiskTier, encode_entry, file_name
-from specserve.kv.offload.payload import BlockPayload, pack, payload_nbytes
+from specserve.kv.offload.payload import BlockPayload, pack
 from specserve.kv.offload.transfer import BlockMover
 from specserve.kv.quant import gather_kv, write_kv
 from specserve.kv.spec import KVCacheSpec, kv_format
@@ -57,7 +57,7 @@ def _disk(path: Path, num_files: float, namespace: str = NS, **kw: int) -> DiskT
 
 
 def test_cpu_lru_and_budget() -> None:
-    size = payload_nbytes(_payload(0))
+    size = pack(_payload(0)).nbytes
     tier = CpuTier(3 * size + size // 2)
     for i in range(3):
         tier.put(_key(i), _payload(i))
@@ -164,7 +164,7 @@ def test_pending_writes_are_served_and_put_never_blocks(tmp_path: Path, monkeypa
         real_write(self, key, payload, *args)
 
     monkeypatch.setattr(DiskTier, "_write", slow_write)
-    tier = _disk(tmp_path, 100, max_pending_bytes=3 * payload_nbytes(_payload(0)))
+    tier = _disk(tmp_path, 100, max_pending_bytes=3 * pack(_payload(0)).nbytes)
     start = time.perf_counter()
     for i in range(5):  # the writer is stuck: 3 fit in the queue, 2 are dropped at once
         tier.put(_key(i), _payload(i))

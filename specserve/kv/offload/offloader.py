@@ -57,8 +57,7 @@ class KVOffloader:
         # Tier of each payload the last lookup returned (by id), and blocks loaded per tier:
         # kv_offload_hits_total counts what served a request, not what a tier read.
         self._origin: dict[int, str] = {}
-        self._served: dict[str, int] = {}
-        self._served_last: dict[str, int] = {}
+        self._served: dict[str, int] = {}  # since the last record_stats
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
         self._lock = threading.Lock()  # orders engine lookups after a running prefetch
 
@@ -121,10 +120,6 @@ class KVOffloader:
         with self._lock:
             return self._lookup(hashes)
 
-    def _found(self, found: list[PackedPayload], hits: list[PackedPayload], tier: str) -> None:
-        found.extend(hits)
-        self._origin.update((id(p), tier) for p in hits)
-
     def _lookup(self, hashes: list[BlockHash]) -> list[PackedPayload]:
         found: list[PackedPayload] = []
         self._origin = {}
@@ -134,16 +129,16 @@ class KVOffloader:
                 self.queue.wait_for(h)  # a block on its way into the tiers: wait until it is there
             if self.cpu is not None:
                 hits = self.cpu.get_many(rest)
-                self._found(found, hits, self.cpu.name)
+                found.extend(hits)
                 if len(hits) == len(rest):
                     break
                 rest = rest[len(hits) :]
             run = self._disk_run(rest, count_miss=True)
             if not run or self.disk is None:  # an empty run without a disk tier
                 break
-            got = self.disk.get_many(run, self.mover.layout)
-            hits = _prefix(got)
-            self._found(found, hits, self.disk.name)
+            hits = _prefix(self.disk.get_many(run, self.mover.layout))
+            found.extend(hits)
+            self._origin.update((id(p), self.disk.name) for p in hits)
             if self.cpu is not None and hits:  # promote off the engine thread
                 self.queue.submit(run[: len(hits)], hits, self.cpu.put_many)
             if len(hits) < len(run):
@@ -169,7 +164,7 @@ class KVOffloader:
 
     def load_into(self, block_ids: list[int], payloads: Sequence[BlockPayload]) -> None:
         packed = self.mover.check(payloads)
-        for p in payloads:
+        for p in payloads:  # a payload the disk did not serve came from the CPU tier
             tier = self._origin.get(id(p), "cpu")
             self._served[tier] = self._served.get(tier, 0) + 1
         done = self.mover.load_from_host(block_ids, packed)
@@ -198,13 +193,11 @@ class KVOffloader:
     def record_stats(self) -> None:
         if self.stats is None:
             return
-        for name, now in ((tier.name, tier.stats) for tier in self.tiers):
-            last = self._last.get(name, TierStats())
+        for tier in self.tiers:
+            name, now, last = tier.name, tier.stats, self._last.get(tier.name, TierStats())
             lbl = {"tier": name}
             self.stats.inc("kv_offload_queries_total", (now.queries - last.queries) * self.block_size, lbl)
-            served = self._served.get(name, 0) - self._served_last.get(name, 0)
-            self.stats.inc("kv_offload_hits_total", served * self.block_size, lbl)
-            self._served_last[name] = self._served.get(name, 0)
+            self.stats.inc("kv_offload_hits_total", self._served.pop(name, 0) * self.block_size, lbl)
             self.stats.inc("kv_offload_bytes_total", now.bytes_in - last.bytes_in, {**lbl, "direction": "store"})
             self.stats.inc("kv_offload_bytes_total", now.bytes_out - last.bytes_out, {**lbl, "direction": "load"})
             self.stats.inc("kv_offload_errors_total", now.errors - last.errors, lbl)

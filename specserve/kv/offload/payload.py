@@ -54,10 +54,6 @@ class BlockLayout:
     def names(self) -> tuple[str, ...]:
         return tuple(e.name for e in self.entries)
 
-    @functools.cached_property
-    def index(self) -> dict[str, LayoutEntry]:
-        return {e.name: e for e in self.entries}
-
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named tensors viewing `buffer` ([nbytes] uint8): no copy."""
         return {e.name: buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.entries}
@@ -69,23 +65,19 @@ class BlockLayout:
         return json.dumps(items, separators=(",", ":")).encode()
 
     @staticmethod
+    @functools.lru_cache(maxsize=64)  # every file of one model has the same layout: parse it once
     def from_json(raw: bytes) -> BlockLayout:
         """Parse (and validate) a stored layout; ValueError if it is not one this code writes."""
-        return _parse_layout(bytes(raw))
-
-
-@functools.lru_cache(maxsize=64)  # every file of one model has the same layout: parse it once
-def _parse_layout(raw: bytes) -> BlockLayout:
-    try:
-        items = json.loads(raw)
-        specs = [(str(name), _DTYPES[dtype], tuple(int(d) for d in shape)) for name, dtype, shape, _ in items]
-        offsets = [int(item[3]) for item in items]
-    except (ValueError, TypeError, KeyError, IndexError) as exc:
-        raise ValueError(f"unreadable block layout: {exc}") from exc
-    layout = BlockLayout.of(specs)
-    if [e.offset for e in layout.entries] != offsets or any(d < 0 for _, _, s in specs for d in s):
-        raise ValueError("block layout offsets differ from the packing rule")
-    return layout
+        try:
+            items = json.loads(raw)
+            specs = [(str(name), _DTYPES[dtype], tuple(int(d) for d in shape)) for name, dtype, shape, _ in items]
+            offsets = [int(item[3]) for item in items]
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise ValueError(f"unreadable block layout: {exc}") from exc
+        layout = BlockLayout.of(specs)
+        if [e.offset for e in layout.entries] != offsets or any(d < 0 for _, _, s in specs for d in s):
+            raise ValueError("block layout offsets differ from the packing rule")
+        return layout
 
 
 class PackedPayload(Mapping):
@@ -128,12 +120,6 @@ class PackedPayload(Mapping):
     def __len__(self) -> int:
         return len(self.layout.entries)
 
-    def __contains__(self, name: object) -> bool:
-        return name in self.layout.index
-
-    def __repr__(self) -> str:
-        return f"PackedPayload({self.nbytes} bytes, {len(self)} tensors)"
-
 
 # The public name: a payload is any mapping of tensor names to tensors; tiers return PackedPayloads.
 BlockPayload = Mapping[str, torch.Tensor] | PackedPayload
@@ -142,21 +128,16 @@ BlockPayload = Mapping[str, torch.Tensor] | PackedPayload
 def pack(payload: BlockPayload, out: torch.Tensor | None = None) -> PackedPayload:
     """The payload as one packed buffer: itself if already packed (and no `out`), else a copy
     into `out` (or a fresh buffer)."""
-    if isinstance(payload, PackedPayload) and out is None:
-        return payload
-    layout = payload.layout if isinstance(payload, PackedPayload) else BlockLayout.of_tensors(payload)
-    if out is None:
-        out = torch.empty(layout.nbytes, dtype=torch.uint8)
     if isinstance(payload, PackedPayload):
-        copy_bytes(out, payload.buffer)
-        return PackedPayload(out, layout)
+        if out is not None:
+            copy_bytes(out, payload.buffer)
+        return payload if out is None else PackedPayload(out, payload.layout)
+    layout = BlockLayout.of_tensors(payload)
+    out = torch.empty(layout.nbytes, dtype=torch.uint8) if out is None else out
     if layout.nbytes != out.numel():
         raise ValueError(f"payload of {layout.nbytes} bytes does not fit a buffer of {out.numel()}")
     for e in layout.entries:
-        src = payload[e.name].detach()
-        if src.device.type != "cpu":
-            src = src.cpu()
-        out[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(src)
+        out[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(payload[e.name].detach())
     return PackedPayload(out, layout)
 
 
@@ -164,13 +145,6 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst[:] = src for 1-D uint8 CPU tensors on this thread alone: torch's copy would take every
     intra-op thread from the engine thread."""
     np.copyto(dst.numpy(), src.numpy())
-
-
-def payload_nbytes(payload: BlockPayload) -> int:
-    """Bytes one payload takes packed (what tier budgets count)."""
-    if isinstance(payload, PackedPayload):
-        return payload.nbytes
-    return BlockLayout.of_tensors(payload).nbytes
 
 
 def runs(n: int, follows: Callable[[int], bool]) -> list[tuple[int, int]]:
