@@ -60,10 +60,6 @@ def _quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scale
 
 
-def _dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return (data.float() * scale.float()).to(out_dtype)
-
-
 def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """Nearest e2m1 nibble (sign << 3 | index) of each float32 value in [-6, 6]."""
     mag = v.abs()
@@ -106,11 +102,7 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor
         raise ValueError(f"quantize expects [num_tokens, num_heads, head_dim], got {tuple(x.shape)}")
     if not fmt.quantized:
         return x.to(fmt.storage_dtype), None
-    if fmt.name == "fp8":
-        return _quantize_fp8(x)
-    if fmt.name == "nvfp4":
-        return _quantize_nvfp4(x, fmt)
-    raise ValueError(f"no quantizer for KV format {fmt.name!r}")
+    return _quantize_fp8(x) if fmt.name == "fp8" else _quantize_nvfp4(x, fmt)
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat, out_dtype: torch.dtype) -> torch.Tensor:
@@ -120,10 +112,8 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat, ou
     if scale is None:
         raise ValueError(f"KV format {fmt.name!r} needs scales to dequantize")
     if fmt.name == "fp8":
-        return _dequantize_fp8(data, scale, out_dtype)
-    if fmt.name == "nvfp4":
-        return _dequantize_nvfp4(data, scale, fmt, out_dtype)
-    raise ValueError(f"no dequantizer for KV format {fmt.name!r}")
+        return (data.float() * scale.float()).to(out_dtype)
+    return _dequantize_nvfp4(data, scale, fmt, out_dtype)
 
 
 def _slots_view(t: torch.Tensor) -> torch.Tensor:

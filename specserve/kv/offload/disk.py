@@ -67,11 +67,11 @@ class DiskTier:
         self._closed = False
         self._index = DiskIndex(self.path, self._capacity, self._stats)
         self._index.rescan()
-        self._readers = ParallelReads(readers, name)
+        self._readers = ParallelReads(readers)
         self._layout_readers: dict[BlockLayout, LayoutReader] = {}
         # Resolved per call, so a test may replace DiskTier._write.
         self._writer = DiskWriter(
-            lambda key, payload, body: self._write(key, payload, body), max_pending_bytes, writers, name, self._stats
+            lambda key, payload, body: self._write(key, payload, body), max_pending_bytes, writers, self._stats
         )
 
     @property

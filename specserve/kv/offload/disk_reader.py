@@ -17,18 +17,15 @@ DEFAULT_THREADS = max(1, min(16, os.cpu_count() or 1))
 class ParallelReads:
     """A lazily started pool of `threads` - 1 threads, plus the caller's."""
 
-    def __init__(self, threads: int = DEFAULT_THREADS, name: str = "disk") -> None:
+    def __init__(self, threads: int = DEFAULT_THREADS) -> None:
         self.threads = max(1, threads)
-        self._name = name
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self.threads, thread_name_prefix=f"specserve-{self._name}-read"
-                )
+                self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="specserve-disk-read")
             return self._pool
 
     def run(self, n: int, read_one: Callable[[int], None]) -> None:

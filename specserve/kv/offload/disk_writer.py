@@ -36,7 +36,7 @@ class DiskWriter:
     """At most `max_pending_bytes` of blocks wait; more are dropped (counted). `write(key, payload,
     body)` stores one block (`body`: its bytes when known); a failure is counted in `errors`."""
 
-    def __init__(self, write: WriteBlock, max_pending_bytes: int, threads: int, name: str, stats: StatsCounter) -> None:
+    def __init__(self, write: WriteBlock, max_pending_bytes: int, threads: int, stats: StatsCounter) -> None:
         self._write = write
         self._max_pending = int(max_pending_bytes)
         self._stats = stats
@@ -47,7 +47,7 @@ class DiskWriter:
         self._pending_bytes = 0
         self._queue: queue.Queue[list[BlockKey] | None] = queue.Queue()
         self._threads = [
-            threading.Thread(target=self._loop, name=f"specserve-{name}-writer-{i}", daemon=True)
+            threading.Thread(target=self._loop, name=f"specserve-disk-writer-{i}", daemon=True)
             for i in range(max(1, threads))
         ]
         for t in self._threads:

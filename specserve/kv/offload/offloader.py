@@ -103,7 +103,7 @@ class KVOffloader:
         start = 0
         for rows in self.mover.gather_to_host([b for _, b in fresh]):
             n = rows.rows.shape[0]
-            self.queue.submit_rows([h for h, _ in fresh[start : start + n]], rows, self._put_many)
+            self.queue.submit([h for h, _ in fresh[start : start + n]], rows, self._put_many)
             start += n
 
     def _put_many(self, keys: list[BlockHash], payloads: list[PackedPayload]) -> None:

@@ -31,22 +31,18 @@ class _Job:
 class StoreQueue:
     """Jobs are handled in submission order by one worker thread."""
 
-    def __init__(self, name: str = "kv-store") -> None:
+    def __init__(self) -> None:
         self._inflight: dict[BlockKey, _Job] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
-        self._worker = threading.Thread(target=self._loop, name=f"specserve-{name}", daemon=True)
+        self._worker = threading.Thread(target=self._loop, name="specserve-kv-store", daemon=True)
         self._worker.start()
 
-    def submit_rows(self, keys: list[BlockKey], rows: HostRows, put: PutMany) -> None:
-        """Put rows.rows[i] under keys[i] once the copy that fills `rows` has completed."""
-        self._submit(_Job(keys, rows, None, put))
-
-    def submit(self, keys: list[BlockKey], payloads: list[PackedPayload], put: PutMany) -> None:
-        self._submit(_Job(keys, None, payloads, put))
-
-    def _submit(self, job: _Job) -> None:
+    def submit(self, keys: list[BlockKey], data: HostRows | list[PackedPayload], put: PutMany) -> None:
+        """put(keys, payloads) in the background; HostRows once the copy that fills them completes."""
+        rows = data if isinstance(data, HostRows) else None
+        job = _Job(keys, rows, None if rows is not None else data, put)  # type: ignore[arg-type]
         if self._closed:
             raise RuntimeError("the KV store queue is closed")
         with self._lock:
