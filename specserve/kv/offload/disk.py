@@ -130,9 +130,7 @@ class DiskTier:
 
         def read_one(j: int) -> None:
             key, out = keys[todo[j]], flat[todo[j] * nbytes : (todo[j] + 1) * nbytes]
-            read[j] = (
-                self._open_and_read(paths[j], names[j], lambda fd: reader.read_into(fd, key, out) or 1) is not None
-            )
+            read[j] = self._open_and_read(paths[j], names[j], lambda fd: reader.read_into(fd, key, out)) is not None
 
         self._readers.run(len(todo), read_one)
         hits_j = [j for j in range(len(todo)) if read[j]]

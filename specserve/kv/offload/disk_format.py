@@ -170,9 +170,9 @@ class LayoutReader:
             parts = self._parts[len(key)] = (header, layout + bytes(pad))
         return parts[0] + key + parts[1]
 
-    def read_into(self, fd: int, key: bytes, out: memoryview) -> None:
+    def read_into(self, fd: int, key: bytes, out: memoryview) -> int:
         """Read and check the open file `fd` of `key`, its body into `out` ([layout.nbytes] bytes).
-        BadEntry if it cannot be trusted (`out` then holds garbage); OSError on I/O trouble."""
+        Returns len(out); BadEntry if it cannot be trusted (`out` then holds garbage), OSError on I/O trouble."""
         expected = self.expected_prefix(key)
         prefix = bytearray(len(expected))
         probe = bytearray(1)  # one byte past the end: catches a file longer than the header says
@@ -190,3 +190,4 @@ class LayoutReader:
             crc = header.crc
         if crc32(out, self._layout_crc) != crc:
             raise BadEntry("checksum mismatch")
+        return len(out)
