@@ -125,7 +125,6 @@ class CpuTier:
         """`put` of each pair: blocks adjacent in the source and in their slots are copied together,
         under one lock (the store worker shares the GIL with the engine thread)."""
         packed = [(k, pack(p)) for k, p in zip(keys, payloads)]
-        packed = [(k, p) for k, p in packed if self._fits(p.nbytes)]
         slots = [self._reserve(k, p.nbytes) for k, p in packed]
         todo = [(k, p, s) for (k, p), s in zip(packed, slots) if s is not None]
         if not todo:
@@ -144,15 +143,12 @@ class CpuTier:
                     stored += payload.nbytes
         self._stats.add(bytes_in=stored)
 
-    def _fits(self, size: int) -> bool:
-        if size > self._capacity:
-            self._stats.add(dropped=1)
-            return False
-        return True
-
     def _reserve(self, key: BlockKey, size: int) -> int | None:
         """A slot for a new entry (grown, or the LRU unleased entry evicted); None if the key is
-        stored already or nothing can be freed."""
+        stored already, too large or nothing can be freed."""
+        if size > self._capacity:
+            self._stats.add(dropped=1)
+            return None
         while True:
             with self._lock:
                 self._drain_released()
@@ -185,11 +181,9 @@ class CpuTier:
     def _drain_released(self) -> None:
         while self._released:
             slot = self._released.popleft()
-            left = self._pins.get(slot, 1) - 1
+            left = self._pins.pop(slot, 1) - 1
             if left:
                 self._pins[slot] = left
-            else:
-                self._pins.pop(slot, None)
 
     def flush(self) -> None:
         pass
