@@ -164,7 +164,7 @@ class CpuTier:
                 slot = slab.allocate()
                 if slot is not None:
                     return slot
-                if not slab.can_grow:
+                if slab.num_slots >= slab.max_slots:
                     return self._evict_one()
             slab.grow()  # pins a new chunk: slow, so not under the lock; then retry
 

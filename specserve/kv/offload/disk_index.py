@@ -26,12 +26,8 @@ class DiskIndex:
         self._stats = stats
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()
-        self._used = 0
+        self.used_bytes = 0
         self._last_stamp_ns = 0
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
 
     def __contains__(self, name: str) -> bool:
         return name in self._files  # one dict lookup: atomic under the GIL
@@ -64,7 +60,7 @@ class DiskIndex:
         found.sort()
         with self._lock:
             self._files = OrderedDict((name, size) for _, name, size in found)
-            self._used = sum(size for _, _, size in found)
+            self.used_bytes = sum(size for _, _, size in found)
             if found:  # later stamps must sort after every file already there
                 self._last_stamp_ns = max(self._last_stamp_ns, found[-1][0])
         self.evict()
@@ -75,7 +71,7 @@ class DiskIndex:
         with self._lock:
             for name, size in entries:
                 old = self._files.pop(name, None)
-                self._used += size - (old or 0)
+                self.used_bytes += size - (old or 0)
                 self._files[name] = size
                 if old is None:
                     added = name
@@ -86,18 +82,18 @@ class DiskIndex:
         with self._lock:
             size = self._files.pop(name, None)
             if size is not None:
-                self._used -= size
+                self.used_bytes -= size
 
     def evict(self, keep: str | None = None) -> None:
         """Remove least recently used files until the budget holds (never `keep`, the newest)."""
         victims = []
         with self._lock:
-            while self._used > self.capacity and self._files:
+            while self.used_bytes > self.capacity and self._files:
                 name, size = next(iter(self._files.items()))
                 if name == keep:  # `keep` is the newest entry, so nothing else is left
                     break
                 del self._files[name]
-                self._used -= size
+                self.used_bytes -= size
                 victims.append(name)
         for name in victims:
             remove_quietly(os.path.join(self.path, name))

@@ -34,10 +34,6 @@ class SlotSlab:
     def num_slots(self) -> int:
         return self._num_slots
 
-    @property
-    def can_grow(self) -> bool:
-        return self._num_slots < self.max_slots
-
     def allocate(self) -> int | None:
         return self._free.popleft() if self._free else None
 

@@ -11,6 +11,7 @@ untouched until the returned event completes. On the CPU both directions are syn
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -34,14 +35,14 @@ def cache_layout(caches: list[LayerKVCache]) -> BlockLayout:
     )
 
 
+@dataclass
 class HostRows:
     """Blocks copied out of the device: `rows` [n, block_bytes] uint8 on the host, valid once
     `ready` (a CUDA event, or None when the copy was synchronous) has completed."""
 
-    def __init__(self, rows: torch.Tensor, layout: BlockLayout, ready: torch.cuda.Event | None) -> None:
-        self.rows = rows
-        self.layout = layout
-        self.ready = ready
+    rows: torch.Tensor
+    layout: BlockLayout
+    ready: torch.cuda.Event | None
 
     def wait(self) -> None:
         if self.ready is not None:
