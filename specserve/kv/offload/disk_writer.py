@@ -63,11 +63,11 @@ class DiskWriter:
 
     def submit(self, items: list[tuple[BlockKey, PackedPayload]]) -> None:
         """Queue blocks not queued yet (over the budget: dropped); returns once the bytes are copied."""
-        taken: list[tuple[BlockKey, PackedPayload, torch.Tensor | None, int | None]] = []
+        taken: list[tuple[BlockKey, PackedPayload, int | None]] = []
         dropped = 0
         with self._lock:
             for key, src in items:
-                if key in self._pending or key in self._reserved:
+                if key in self:
                     continue
                 if self._pending_bytes + src.nbytes > self._max_pending:
                     dropped += 1
@@ -75,14 +75,14 @@ class DiskWriter:
                 slot = self._take_slot(src.nbytes)
                 self._reserved.add(key)
                 self._pending_bytes += src.nbytes
-                taken.append((key, src, None if slot is None else self._slots.view(slot), slot))
+                taken.append((key, src, slot))
         if dropped:
             self._stats.add(dropped=dropped)
         try:
             entries = self._copy(taken)
         except BaseException:  # give the room back: nothing of these blocks is queued
             with self._lock:
-                for key, src, _, slot in taken:
+                for key, src, slot in taken:
                     self._reserved.discard(key)
                     self._pending_bytes -= src.nbytes
                     if slot is not None:
@@ -96,21 +96,20 @@ class DiskWriter:
         for start in range(0, len(keys), _BATCH):
             self._queue.put(keys[start : start + _BATCH])
 
-    def _copy(
-        self, taken: list[tuple[BlockKey, PackedPayload, torch.Tensor | None, int | None]]
-    ) -> list[tuple[BlockKey, _Pending]]:
-        slotted = [(src.buffer, dst) for _, src, dst, _ in taken if dst is not None]
-        for src, dst in paired_runs([s for s, _ in slotted], [d for _, d in slotted]):
-            copy_bytes(dst, src)
-        return [
-            (
-                key,
-                _Pending(PackedPayload(dst, src.layout), slot, self._slots.view_bytes(slot))
-                if dst is not None and slot is not None
-                else _Pending(pack(src, out=torch.empty(src.nbytes, dtype=torch.uint8)), None, None),
-            )
-            for key, src, dst, slot in taken
-        ]
+    def _copy(self, taken: list[tuple[BlockKey, PackedPayload, int | None]]) -> list[tuple[BlockKey, _Pending]]:
+        slotted = [(src.buffer, self._slots.view(slot)) for _, src, slot in taken if slot is not None]
+        for run_src, run_dst in paired_runs([s for s, _ in slotted], [d for _, d in slotted]):
+            copy_bytes(run_dst, run_src)
+        out: list[tuple[BlockKey, _Pending]] = []
+        for key, src, slot in taken:
+            if slot is None:  # a buffer of its own
+                pending = _Pending(pack(src, out=torch.empty(src.nbytes, dtype=torch.uint8)), None, None)
+            else:
+                pending = _Pending(
+                    PackedPayload(self._slots.view(slot), src.layout), slot, self._slots.view_bytes(slot)
+                )
+            out.append((key, pending))
+        return out
 
     def _take_slot(self, size: int) -> int | None:
         """Under the lock: a slot for `size` bytes, or None (the block gets a buffer of its own)."""
@@ -126,9 +125,7 @@ class DiskWriter:
     def copy_pending(self, key: BlockKey) -> PackedPayload | None:
         with self._lock:
             pending = self._pending.get(key)
-            if pending is None:
-                return None
-            return pack(pending.payload, out=torch.empty(pending.payload.nbytes, dtype=torch.uint8))
+            return None if pending is None else PackedPayload(pending.payload.buffer.clone(), pending.payload.layout)
 
     def copy_pending_into(self, keys: list[BlockKey], rows: torch.Tensor, layout: BlockLayout) -> list[bool]:
         """Copy queued blocks of `layout` into their rows of `rows` [len(keys), layout.nbytes]; which were."""
