@@ -3,7 +3,7 @@ byte budget. A file failing a check is a miss, counted in `stats.errors`, and re
 
 Sharing a directory: files are written to a unique temp file and published with an atomic
 `os.replace`; two writers of one key write the same bytes. Each process enforces the budget over
-the files it knows (`rescan()` refreshes that view). No fsync: a torn file fails its crc.
+the files it knows (found at startup, written or read since). No fsync: a torn file fails its crc.
 """
 
 from __future__ import annotations
@@ -213,10 +213,6 @@ class DiskTier:
         self._closed = True
         self._writer.close()
         self._readers.close()
-
-    def rescan(self) -> None:
-        """Rebuild the LRU index from the directory (mtime order) and evict down to the budget."""
-        self._index.rescan()
 
     def _write(self, key: BlockKey, payload: PackedPayload, body: memoryview | None = None) -> None:
         """Store one block as its file (on a writer thread): temp file, stamp, atomic rename."""
