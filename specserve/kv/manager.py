@@ -122,13 +122,6 @@ class KVCacheManager:
         if self.offloader is not None:
             self.offloader.after_forward()
 
-    def num_blocks_needed(
-        self, req: Request, num_new_tokens: int, new_computed: list[int], num_lookahead_tokens: int = 0
-    ) -> int:
-        total = req.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens + num_lookahead_tokens
-        need = -(-total // self.block_size)
-        return max(0, need - len(self.req_blocks.get(req.request_id, ())) - len(new_computed))
-
     def allocate_slots(
         self, req: Request, num_new_tokens: int, new_computed: list[int] | None = None, num_lookahead_tokens: int = 0
     ) -> bool:
@@ -146,7 +139,8 @@ class KVCacheManager:
             )
         ):
             return True  # the common decode step: the slots exist and no block completes
-        need = self.num_blocks_needed(req, num_new_tokens, new_computed, num_lookahead_tokens)
+        total = req.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens + num_lookahead_tokens
+        need = max(0, -(-total // self.block_size) - len(blocks or ()) - len(new_computed))
         # Touching cached-but-free hits takes them out of the free queue too.
         revived = sum(1 for b in new_computed if self.pool.blocks[b].ref_cnt == 0)
         if need + revived > self.pool.num_free_blocks:
@@ -157,16 +151,13 @@ class KVCacheManager:
             blocks.extend(new_computed)
             self.num_cached_blocks[req.request_id] = len(blocks)
         if need:
-            with self._evictions():
+            # Evicted blocks go to the offload tiers in one copy.
+            with self.offloader.batch_evictions() if self.offloader is not None else contextlib.nullcontext():
                 new_ids = self.pool.allocate(need)
             assert new_ids is not None
             blocks.extend(new_ids)
         self._cache_full_blocks(req, req.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens)
         return True
-
-    def _evictions(self) -> contextlib.AbstractContextManager[None]:
-        """Around pool.allocate: evicted blocks go to the offload tiers in one copy."""
-        return self.offloader.batch_evictions() if self.offloader is not None else contextlib.nullcontext()
 
     def _cache_full_blocks(self, req: Request, num_tokens_after_step: int) -> None:
         if not self.enable_prefix_caching:

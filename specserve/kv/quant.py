@@ -1,29 +1,15 @@
 """Quantized KV: fp8 and nvfp4 pack / unpack, and the paged-cache writer / reader built on them.
 
-fp8 (per (token, head)):
-    scale = amax / 448 rounded UP to float16; data = e4m3fn(x / scale); x ~= data * scale.
-    Rounding the scale up keeps |x / scale| <= 448, so nothing saturates. Per element error
-    <= 2^-4 |x| (3 mantissa bits, round to nearest) + 2^-10 * scale (e4m3 subnormal spacing / 2).
-
-nvfp4 (per 16 values of one (token, head)), two levels as in NVIDIA's NVFP4:
-    g = fmt.global_scale (float32, static: see below); block scale s = e4m3(amax / (6 g)) rounded UP;
-    codes = e2m1(x / (s g)), round to nearest, ties to even code; x ~= code * s * g.
-    e2m1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}: the gap around |x|/(s g) is at most a quarter of
-    max(|x|/(s g), 1) wide on each side, so per element error <= max(|x|, s g) / 4. Rounding s up
-    keeps |x| / (s g) <= 6 (no code saturates); s g <= amax/6 * 1.125 while s is a normal e4m3.
-    Codes are packed two per byte, element 2i in the low nibble, 2i+1 in the high nibble; the
-    nibble is sign << 3 | magnitude index (a zero is stored as +0).
-
-Why the global scale is static: the cache is append-only and each token's scales are written
-once; a per-tensor scale measured from the data would have to grow as tokens arrive and would
-silently change the meaning of every block scale already stored. NVFP4 deployments (TRT-LLM,
-vLLM) likewise take it from calibration. The default g = 4 puts the e4m3 normal range
-[2^-6, 448] at group amax [0.375, 10752]; smaller groups use e4m3 subnormals down to amax 0.047,
-and below that the error floor is an absolute 2^-9 (= 2^-11 * g). Larger groups saturate at
-+-10752 (finite, never Inf/NaN). A calibrated tensor amax A maps to g = A / (6 * 448)
-(`nvfp4_global_scale`); build a format with `dataclasses.replace(fmt, global_scale=g)`.
-
-Inputs must be finite; NaN is not supported (it is not a KV value a sane model produces).
+fp8 (per (token, head)): scale = amax / 448 rounded UP to float16 (nothing saturates);
+    data = e4m3fn(x / scale). Error <= 2^-4 |x| + 2^-10 * scale.
+nvfp4 (per 16 values of one (token, head)), as NVIDIA's NVFP4: g = fmt.global_scale (static);
+    block scale s = e4m3(amax / (6 g)) rounded UP; codes = e2m1(x / (s g)), nearest, ties to even
+    code. Error <= max(|x|, s g) / 4. Two codes per byte, element 2i in the low nibble; a nibble
+    is sign << 3 | magnitude index (zero is +0).
+The global scale is static because each token's scales are written once: a data-derived one
+would change the meaning of scales already stored. g = 4 covers group amax up to 10752 (larger
+saturates, finite); a calibrated amax A maps to g = A / (6 * 448) (`nvfp4_global_scale`).
+Inputs must be finite.
 """
 
 from __future__ import annotations
@@ -37,10 +23,8 @@ E2M1_MAX = 6.0
 _FP16_MAX = 65504.0
 _FP16_MIN_SUBNORMAL = 2.0**-24
 _E4M3_MIN_SUBNORMAL = 2.0**-9
-# e2m1 magnitude of each 3-bit index.
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Rounding boundaries between neighbouring indices, and whether a value exactly on the boundary
-# goes up: ties go to the even index (0, 2, 4, 6), as the hardware's round-to-nearest-even does.
+# Boundaries between neighbouring indices, and whether a tie goes up (to the even index).
 _E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
@@ -50,12 +34,8 @@ def nvfp4_global_scale(tensor_amax: float) -> float:
 
 
 def _round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cast positive float32 `x` to `dtype` (float16 or float8_e4m3fn), rounding up, not nearest.
-
-    `x` must already lie within dtype's finite positive range. For positive IEEE-like values the
-    next representable number up is the bit pattern plus one, which cannot overflow here because
-    a round-down can only happen below the largest finite value.
-    """
+    """Cast positive float32 `x` (within dtype's finite range) to float16 / float8_e4m3fn, rounding
+    up: the next value up is the bit pattern plus one."""
     q = x.to(dtype)
     int_dtype = torch.uint8 if dtype.itemsize == 1 else torch.int16
     bits = q.view(int_dtype)
@@ -80,14 +60,9 @@ def _quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scale
 
 
-def _dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return (data.float() * scale.float()).to(out_dtype)
-
-
 def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """Nearest e2m1 nibble (sign << 3 | index) of each float32 value in [-6, 6]."""
     mag = v.abs()
-    # Counting the boundaries passed is 4x faster on CPU than bucketize + a tie fix-up.
     index = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
     for bound, tie_up in _E2M1_BOUNDS:
         index += (mag >= bound) if tie_up else (mag > bound)
@@ -127,11 +102,7 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor
         raise ValueError(f"quantize expects [num_tokens, num_heads, head_dim], got {tuple(x.shape)}")
     if not fmt.quantized:
         return x.to(fmt.storage_dtype), None
-    if fmt.name == "fp8":
-        return _quantize_fp8(x)
-    if fmt.name == "nvfp4":
-        return _quantize_nvfp4(x, fmt)
-    raise ValueError(f"no quantizer for KV format {fmt.name!r}")
+    return _quantize_fp8(x) if fmt.name == "fp8" else _quantize_nvfp4(x, fmt)
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat, out_dtype: torch.dtype) -> torch.Tensor:
@@ -141,10 +112,8 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat, ou
     if scale is None:
         raise ValueError(f"KV format {fmt.name!r} needs scales to dequantize")
     if fmt.name == "fp8":
-        return _dequantize_fp8(data, scale, out_dtype)
-    if fmt.name == "nvfp4":
-        return _dequantize_nvfp4(data, scale, fmt, out_dtype)
-    raise ValueError(f"no dequantizer for KV format {fmt.name!r}")
+        return (data.float() * scale.float()).to(out_dtype)
+    return _dequantize_nvfp4(data, scale, fmt, out_dtype)
 
 
 def _slots_view(t: torch.Tensor) -> torch.Tensor:

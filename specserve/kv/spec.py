@@ -1,14 +1,6 @@
-"""KV cache storage layout: dtype, bytes per block, scale layout.
-
-Every layer owns one `LayerKVCache`:
-  key, value:             [num_blocks, block_size, num_kv_heads, packed_dim]   storage dtype
-  key_scale, value_scale: [num_blocks, block_size, num_kv_heads, num_scale_groups] scale dtype,
-                          or None for unquantized storage.
-A slot is `block_id * block_size + offset`; viewing key as [num_slots, num_kv_heads, packed_dim]
-is how writers address it. Quantized formats (fp8, nvfp4) store per-token, per-head scales so
-that writing one token never rewrites another token's data (appends stay cheap and exact for
-the tokens already there).
-"""
+"""KV cache storage layout: dtype, bytes per block, scale layout. A slot is
+`block_id * block_size + offset`. Quantized formats store per-token, per-head scales, so writing
+one token never rewrites another's data."""
 
 from __future__ import annotations
 
@@ -34,9 +26,7 @@ class KVFormat:
     values_per_element: int  # 2 for nvfp4 (two e2m1 codes per byte)
     scale_group: int | None  # head_dim values sharing one scale; None = unquantized
     scale_dtype: torch.dtype | None
-    # Second-level, per-tensor dequant multiplier (NVFP4's float32 global scale); 1.0 elsewhere.
-    # Static, never derived from the data: a data-dependent value would change the meaning of
-    # every block scale already written (see specserve/kv/quant.py).
+    # NVFP4's static float32 global dequant multiplier (see quant.py); 1.0 elsewhere.
     global_scale: float = 1.0
 
     @property
@@ -64,11 +54,9 @@ def kv_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:
     if kv_cache_dtype in plain:
         return KVFormat(kv_cache_dtype, plain[kv_cache_dtype], 1, None, None)
     if kv_cache_dtype == "fp8":
-        # e4m3 values, one float16 scale per (token, head): 2 bytes over head_dim bytes.
         return KVFormat("fp8", torch.float8_e4m3fn, 1, 1 << 30, torch.float16)
     if kv_cache_dtype == "nvfp4":
-        # e2m1 codes two per byte, one e4m3 scale per 16 values (the NVFP4 layout), and a static
-        # float32 global scale of 4 so that block scales reach group amax 6*448*4 = 10752.
+        # e2m1 codes two per byte, one e4m3 scale per 16 values, global scale 4 (see quant.py).
         return KVFormat("nvfp4", torch.uint8, 2, 16, torch.float8_e4m3fn, global_scale=4.0)
     raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported.")
 

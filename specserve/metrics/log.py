@@ -1,9 +1,5 @@
-"""The periodic one-line stats log, like vLLM's "Avg prompt throughput: ..." line.
-
-Pure bookkeeping over StatsCollector (no threads, no asyncio): the server calls `maybe_log()`
-every interval. Throughputs are deltas of the token counters over the elapsed interval, so
-they do not depend on the caller's timer being exact.
-"""
+"""The periodic one-line stats log, like vLLM's "Avg prompt throughput: ..." line. The server calls
+`maybe_log()` every interval; throughputs are counter deltas over the measured elapsed time."""
 
 from __future__ import annotations
 

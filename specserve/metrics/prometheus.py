@@ -1,10 +1,8 @@
-"""Prometheus text exposition of StatsCollector: the only module that imports prometheus_client.
+"""Prometheus text exposition of StatsCollector (the only module that imports prometheus_client).
 
-A custom Collector reads `StatsCollector.snapshot()` at scrape time, so nothing is copied into
-prometheus_client's own metric objects and there is no global registry: every server gets its
-own `CollectorRegistry`. Names are vLLM's under `specserve:` (or `vllm:` for dashboards built for
-vLLM). Families never written still appear (counters and gauges as 0, histograms empty), so
-dashboards and alerts see every series from the first scrape.
+A Collector reads `StatsCollector.snapshot()` at scrape time into a registry per server. Names are
+vLLM's under `specserve:` (or `vllm:`). Families never written still appear (0 or empty), so
+dashboards see every series from the first scrape.
 """
 
 from __future__ import annotations
@@ -67,12 +65,9 @@ class StatsExporter(Collector):
                 buckets = [(_bound(b), c) for b, c in sorted((m.buckets or {}).items())]
                 hist.add_metric(values(m), buckets, m.sum)
             return hist
-        # counter names end in _total; CounterMetricFamily appends the suffix itself
-        fam: CounterMetricFamily | GaugeMetricFamily = (
-            CounterMetricFamily(full, help_, labels=label_names)
-            if kind == "counter"
-            else GaugeMetricFamily(full, help_, labels=label_names)
-        )  # gauge and info (=1)
+        # gauge and info (=1); CounterMetricFamily appends _total itself
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        fam = cls(full, help_, labels=label_names)
         if not items:
             fam.add_metric([], 0.0)
         for m in items:

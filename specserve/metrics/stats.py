@@ -1,9 +1,6 @@
-"""Engine statistics as plain Python objects: the single source for LLM.get_metrics() and /metrics.
-
-Names are vLLM's without the prefix (the Prometheus exporter adds `specserve:` or `vllm:`).
-Counters only grow; gauges are set each step; histograms keep cumulative bucket counts.
-Thread-safety: the engine thread writes, readers (the HTTP thread) take a snapshot under a lock.
-"""
+"""Engine statistics, the single source for LLM.get_metrics() and /metrics. Names are vLLM's without
+the prefix. Counters only grow; gauges are set each step. The engine thread writes; readers take a
+snapshot under the lock."""
 
 from __future__ import annotations
 
@@ -11,58 +8,12 @@ import bisect
 import threading
 from dataclasses import dataclass, field
 
-LATENCY_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-ITL_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
+# fmt: off
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# fmt: on
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 Labels = tuple[tuple[str, str], ...]
@@ -132,13 +83,10 @@ class StatsCollector:
 
     @staticmethod
     def _key(labels: dict[str, str] | None) -> Labels:
-        if not labels:
-            return ()
-        return tuple(sorted((k, str(v)) for k, v in labels.items()))
+        return tuple(sorted((k, str(v)) for k, v in (labels or {}).items()))
 
     def inc(self, name: str, amount: float = 1.0, labels: dict[str, str] | None = None) -> None:
-        fam = self._families[name]
-        key = self._key(labels)
+        fam, key = self._families[name], self._key(labels)
         with self._lock:
             fam.values[key] = fam.values.get(key, 0.0) + amount
 
@@ -148,19 +96,13 @@ class StatsCollector:
             fam.values[self._key(labels)] = float(value)
 
     def observe(self, name: str, value: float, labels: dict[str, str] | None = None) -> None:
-        fam = self._families[name]
-        key = self._key(labels)
-        with self._lock:
-            counts = fam.hist.setdefault(key, [0] * (len(fam.buckets) + 1))
-            counts[bisect.bisect_left(fam.buckets, value)] += 1
-            fam.sums[key] = fam.sums.get(key, 0.0) + value
+        self.observe_many(name, [value], labels)
 
     def observe_many(self, name: str, values: list[float], labels: dict[str, str] | None = None) -> None:
-        """Several observations under one lock (per-step batches of inter-token latencies)."""
+        """Several observations under one lock."""
         if not values:
             return
-        fam = self._families[name]
-        key = self._key(labels)
+        fam, key = self._families[name], self._key(labels)
         with self._lock:
             counts = fam.hist.setdefault(key, [0] * (len(fam.buckets) + 1))
             for value in values:
@@ -169,8 +111,7 @@ class StatsCollector:
 
     def get(self, name: str, labels: dict[str, str] | None = None) -> float:
         """Counter/gauge value (0 when never set); histogram observation count."""
-        fam = self._families[name]
-        key = self._key(labels)
+        fam, key = self._families[name], self._key(labels)
         with self._lock:
             if fam.kind == "histogram":
                 return float(sum(fam.hist.get(key, ())))
@@ -180,26 +121,17 @@ class StatsCollector:
         out: list[Metric] = []
         with self._lock:
             for fam in self._families.values():
+                head = (fam.name, fam.kind, fam.help)
                 if fam.kind == "histogram":
                     for key, counts in fam.hist.items():
                         cumulative, running = {}, 0
                         for bound, c in zip(list(fam.buckets) + [float("inf")], counts):
                             running += c
                             cumulative[bound] = running
-                        out.append(
-                            Metric(
-                                fam.name,
-                                fam.kind,
-                                fam.help,
-                                dict(key),
-                                buckets=cumulative,
-                                count=running,
-                                sum=fam.sums.get(key, 0.0),
-                            )
-                        )
+                        sum_ = fam.sums.get(key, 0.0)
+                        out.append(Metric(*head, dict(key), buckets=cumulative, count=running, sum=sum_))
                 else:
-                    for key, value in fam.values.items():
-                        out.append(Metric(fam.name, fam.kind, fam.help, dict(key), value=value))
+                    out.extend(Metric(*head, dict(key), value=value) for key, value in fam.values.items())
         return out
 
     def families(self) -> list[tuple[str, str, str]]:

@@ -40,8 +40,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    # Draft tokens proposed for this step's verification (not yet part of all_token_ids).
-    spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify, not in all_token_ids
     # [len(spec_token_ids), vocab] distribution each draft was sampled from; None = one-hot drafts.
     spec_draft_probs: torch.Tensor | None = None
     block_hashes: list[bytes] = field(default_factory=list)
@@ -55,9 +54,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    # Asynchronous scheduling (engine/async_loop.py): sampled tokens still on the device. Each is a
-    # PLACEHOLDER at the tail of all_token_ids (the next step computes its position all the same;
-    # the runner fills its input id on the device); not in output_token_ids until resolved.
+    # Asynchronous scheduling: sampled tokens still on the device, each a PLACEHOLDER at the tail of
+    # all_token_ids (not in output_token_ids until resolved).
     num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -108,9 +106,8 @@ class Request:
 
     def drop_pending_tokens(self) -> None:
         """Finished or aborted: sampled tokens still in flight will never count."""
-        if self.num_pending_tokens:
-            del self.all_token_ids[-self.num_pending_tokens :]
-            self.num_pending_tokens = 0
+        del self.all_token_ids[len(self.all_token_ids) - self.num_pending_tokens :]
+        self.num_pending_tokens = 0
 
     def finishes_by_length_on_pending(self, max_model_len: int) -> bool:
         """The pending tokens end the request by length whatever they are: no step for it needed."""

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 
+import numpy as np
 import pytest
 
-from specserve.kv.block_pool import BlockPool, hash_block_tokens, hash_blocks
+from specserve.kv.block_pool import BlockPool, hash_blocks
 from specserve.kv.manager import KVCacheManager
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.request import Request
 
 
+def hash_block_tokens(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """The stored hash of one block, spelled out: blake2b-128(parent or b"root", int64 tokens, extra)."""
+    data = (parent or b"root") + np.asarray(token_ids, dtype=np.int64).tobytes() + extra
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
 def test_hash_is_chained_and_stable():
+    assert hash_blocks(None, [1, 2, 3], 3) == [hash_block_tokens(None, [1, 2, 3])]
     a = hash_block_tokens(None, [1, 2, 3])
     assert a == hash_block_tokens(None, [1, 2, 3])
     assert hash_block_tokens(a, [4]) != hash_block_tokens(None, [4])

@@ -110,7 +110,7 @@ def test_truncated_file_is_a_miss_without_a_layout_too(tmp_path: Path) -> None:
     _damage(tmp_path / file_name(_key(1)), "truncated")
     tier = DiskTier(tmp_path, 1 << 30, NS)
     assert tier.get(_key(1)) is None and tier.stats.errors == 1
-    assert [g is not None for g in tier.get_many([_key(0), _key(1), _key(2)])] == [True, False, True]
+    assert tier.get(_key(0)) is not None and tier.get(_key(2)) is not None
     tier.close()
 
 

@@ -102,7 +102,7 @@ def test_cpu_tier_preallocated_slots_and_get_many() -> None:
 def test_packed_payload_views_and_runs() -> None:
     layout = BlockLayout.of([("a", torch.float16, (3,)), ("b", torch.float32, (2, 2))])
     assert [e.offset for e in layout.entries] == [0, 16] and layout.nbytes == 32  # aligned to 16
-    assert BlockLayout.from_json(layout.to_json()) == layout
+    assert BlockLayout.from_json(layout.json) == layout
     rows = torch.zeros(4, layout.nbytes, dtype=torch.uint8)
     payloads = [PackedPayload(r, layout) for r in rows.unbind(0)]
     payloads[1]["b"].fill_(2.0)
@@ -236,12 +236,12 @@ def test_store_skips_known_blocks_and_close_flushes(tmp_path) -> None:
     ],
 )  # scattered: index_copy_
 def test_insert_blocks_into_any_ids(dst: list[int]) -> None:
-    from specserve.kv.offload.base import extract_blocks, insert_blocks
-
     caches, fmt = _caches("nvfp4", num_blocks=24)
     for b in range(12):
         _fill(caches, fmt, b, seed=b)
     want = [_block(caches, fmt, b) for b in range(12)]
-    insert_blocks(caches, dst, extract_blocks(caches, list(range(12))))
+    mover = transfer.BlockMover(caches)
+    payloads = [p for rows in mover.gather_to_host(list(range(12))) for p in rows.payloads()]
+    mover.load_from_host(dst, mover.check(payloads))
     for b, d in enumerate(dst):
         assert all(torch.equal(x, y) for x, y in zip(_block(caches, fmt, d), want[b]))

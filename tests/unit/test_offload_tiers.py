@@ -1,5 +1,5 @@
 """Offload tiers: CPU LRU, disk files (budget, restart, corruption, concurrency, async writes),
-the tiered store, and block extract / insert through a real paged cache."""
+and block extract / insert through a real paged cache."""
 
 from __future__ import annotations
 
@@ -13,19 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.kv.offload.base import (
-    BlockPayload,
-    OffloadTier,
-    extract_block,
-    extract_blocks,
-    insert_block,
-    insert_blocks,
-    payload_nbytes,
-)
 from specserve.kv.offload.cpu import CpuTier
 from specserve.kv.offload.disk import DiskTier, encode_entry, file_name
-from specserve.kv.offload.payload import pack
-from specserve.kv.offload.tiered import TieredStore
+from specserve.kv.offload.payload import BlockPayload, pack
+from specserve.kv.offload.transfer import BlockMover
 from specserve.kv.quant import gather_kv, write_kv
 from specserve.kv.spec import KVCacheSpec, kv_format
 
@@ -65,15 +56,8 @@ def _disk(path: Path, num_files: float, namespace: str = NS, **kw: int) -> DiskT
     return DiskTier(path, int(FILE_BYTES * num_files), namespace, **kw)
 
 
-def test_tiers_satisfy_protocol(tmp_path: Path) -> None:
-    disk = _disk(tmp_path, 1)
-    for tier in (CpuTier(0), disk, TieredStore([CpuTier(0)])):
-        assert isinstance(tier, OffloadTier)
-    disk.close()
-
-
 def test_cpu_lru_and_budget() -> None:
-    size = payload_nbytes(_payload(0))
+    size = pack(_payload(0)).nbytes
     tier = CpuTier(3 * size + size // 2)
     for i in range(3):
         tier.put(_key(i), _payload(i))
@@ -180,7 +164,7 @@ def test_pending_writes_are_served_and_put_never_blocks(tmp_path: Path, monkeypa
         real_write(self, key, payload, *args)
 
     monkeypatch.setattr(DiskTier, "_write", slow_write)
-    tier = _disk(tmp_path, 100, max_pending_bytes=3 * payload_nbytes(_payload(0)))
+    tier = _disk(tmp_path, 100, max_pending_bytes=3 * pack(_payload(0)).nbytes)
     start = time.perf_counter()
     for i in range(5):  # the writer is stuck: 3 fit in the queue, 2 are dropped at once
         tier.put(_key(i), _payload(i))
@@ -246,23 +230,13 @@ def test_other_instance_sees_new_files(tmp_path: Path) -> None:
     b.close()
 
 
-def test_tiered_store_promotes_and_writes_through(tmp_path: Path) -> None:
-    cpu = CpuTier(2 * payload_nbytes(_payload(0)))
-    disk = _disk(tmp_path, 10)
-    store = TieredStore([cpu, disk])
-    for i in range(3):
-        store.put(_key(i), _payload(i))
-    store.flush()
-    assert not cpu.contains(_key(0)) and disk.contains(_key(0))  # CPU evicted it, disk kept it
-    assert _same(store.get(_key(0)), _payload(0))  # disk hit, promoted
-    assert cpu.contains(_key(0)) and not cpu.contains(_key(1))
-    assert _same(store.get(_key(0)), _payload(0))  # now a CPU hit
-    assert store.get(_key(9)) is None and not store.contains(_key(9))
-    stats = store.stats
-    assert (stats["cpu"].queries, stats["cpu"].hits) == (3, 1)
-    assert (stats["disk"].queries, stats["disk"].hits) == (2, 1)
-    assert store.used_bytes == cpu.used_bytes + disk.used_bytes
-    store.close()
+def _extract(caches: list, block_ids: list[int]) -> list:
+    return [p for rows in BlockMover(caches).gather_to_host(block_ids) for p in rows.payloads()]
+
+
+def _insert(caches: list, block_ids: list[int], payloads: list) -> None:
+    mover = BlockMover(caches)
+    mover.load_from_host(block_ids, mover.check(payloads))
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8", "nvfp4"])
@@ -275,21 +249,21 @@ def test_block_extract_insert_through_disk(tmp_path: Path, kv_dtype: str) -> Non
     for cache in src:
         write_kv(cache, fmt, slots, key, value)
     tier = DiskTier(tmp_path, 1 << 20, f"m/{kv_dtype}")
-    for block_id, payload in zip((3, 1), extract_blocks(src, [3, 1])):
-        assert _same(payload, extract_block(src, block_id))
+    for block_id, payload in zip((3, 1), _extract(src, [3, 1])):
+        assert _same(payload, _extract(src, [block_id])[0])
         tier.put(_key(block_id), payload)
     tier.close()
     reader = DiskTier(tmp_path, 1 << 20, f"m/{kv_dtype}")
     dst = spec.allocate(6, torch.device("cpu"))
-    insert_block(dst, 0, reader.get(_key(3)))
-    insert_blocks(dst, [5], [reader.get(_key(1))])
+    _insert(dst, [0], [reader.get(_key(3))])
+    _insert(dst, [5], [reader.get(_key(1))])
     for s_cache, d_cache in zip(src, dst):
         want = gather_kv(s_cache, fmt, torch.tensor([3, 1]), 8, torch.float32)
         got = gather_kv(d_cache, fmt, torch.tensor([0, 5]), 8, torch.float32)
         assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     other = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=8, fmt=fmt)
     with pytest.raises(ValueError, match="payload"):
-        insert_block(other.allocate(2, torch.device("cpu")), 0, reader.get(_key(3)))
+        _insert(other.allocate(2, torch.device("cpu")), [0], [reader.get(_key(3))])
     reader.close()
 
 
@@ -315,5 +289,5 @@ def test_get_many_reads_into_one_buffer_and_rejects_bad_files(tmp_path: Path) ->
     s = reader.stats
     assert (s.queries, s.hits, s.errors) == (8, 3, 4)
     assert not any((tmp_path / file_name(_key(i))).exists() for i in (2, 3, 4, 9))
-    assert _same(reader.get_many([_key(5)])[0], _payload(5))  # without a layout: any layout
+    assert _same(reader.get(_key(5)), _payload(5))  # without a layout: any layout
     reader.close()

@@ -16,18 +16,14 @@ from specserve.kv.offload.payload import (
     copy_bytes,
     pack,
     paired_runs,
-    payload_nbytes,
 )
 from specserve.kv.offload.slab import DEFAULT_CHUNK_BYTES, SlotSlab
 
 
 class _Lease:
-    """Keeps one slot from being reused while a payload returned by `get` is alive.
-
-    Released by refcount: when the last payload / view referencing it dies, the slot id goes on
-    a deque (appending is atomic, so no lock is taken here, from whatever thread drops it); the
-    tier drains that deque under its lock.
-    """
+    """Keeps one slot from being reused while a payload returned by `get` is alive. On release the
+    slot id goes on a deque (atomic append, no lock from whatever thread drops it); the tier drains
+    it under its lock."""
 
     __slots__ = ("_released", "_slot")
 
@@ -40,19 +36,12 @@ class _Lease:
 
 
 class CpuTier:
-    """LRU under `capacity_bytes` of packed payload bytes (Python object overhead not counted).
+    """LRU under `capacity_bytes` of packed payload bytes, in slots of one size: `slot_bytes` (the
+    whole budget allocated up front), else the first payload's size (grown in chunks); a payload of
+    another size is dropped. Slots are pinned when CUDA is available (default).
 
-    Payloads live in slots of one size: `slot_bytes` (then the whole budget is allocated up
-    front), else the size of the first payload stored, memory then growing in chunks (one
-    engine's blocks all have the same layout); a payload of another size is not stored
-    (`dropped`).
-    With `pin_memory` (default: when CUDA is available) slots are page-locked, so host->device
-    copies out of them run asynchronously at full bandwidth.
-
-    `get` returns views into the slot, no copy; the slot is not reused (an LRU victim is chosen
-    among the other entries) while the returned payload or any of its tensors is alive. `put`
-    copies into a slot. Thread-safe: one lock around the index; copies run outside it.
-    """
+    `get` returns views into the slot; the slot is not reused while the payload or any of its
+    tensors is alive. Thread-safe: one lock around the index; copies run outside it."""
 
     def __init__(
         self,
@@ -70,8 +59,7 @@ class CpuTier:
         self._chunk_bytes = chunk_bytes
         self._slab: SlotSlab | None = None
         if slot_bytes is not None and 0 < slot_bytes <= self._capacity:
-            # The engine knows its block size: take the whole budget now. Pinning is slow and
-            # stalls the driver, so it belongs to startup, not to the requests that fill the tier.
+            # Pinning is slow and stalls the driver: take the whole budget at startup.
             self._slab = SlotSlab(slot_bytes, self._capacity // slot_bytes, chunk_bytes, self._pin)
             while self._slab.grow():
                 pass
@@ -83,7 +71,6 @@ class CpuTier:
 
     @property
     def _slots(self) -> SlotSlab:
-        """The slab, which exists whenever a slot is held (the first block that fits creates it)."""
         assert self._slab is not None
         return self._slab
 
@@ -111,23 +98,11 @@ class CpuTier:
         return key in self._entries  # one dict lookup: atomic under the GIL
 
     def get(self, key: BlockKey) -> PackedPayload | None:
-        with self._lock:
-            self._drain_released()
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-                slot, layout = entry
-                self._pins[slot] = self._pins.get(slot, 0) + 1
-                view = self._slots.view(slot)
-        if entry is None:
-            self._stats.add(queries=1)
-            return None
-        self._stats.add(queries=1, hits=1, bytes_out=layout.nbytes)
-        return PackedPayload(view, layout, _Lease(self._released, slot))
+        hits = self.get_many([key])
+        return hits[0] if hits else None
 
     def get_many(self, keys: list[BlockKey]) -> list[PackedPayload]:
-        """`get` of the leading keys that are all here (stops at the first miss, which counts as
-        a query): one lock for a whole prefix hit."""
+        """`get` of the leading keys that are all here (the first miss counts as a query)."""
         found: list[tuple[int, BlockLayout]] = []
         with self._lock:
             self._drain_released()
@@ -144,33 +119,12 @@ class CpuTier:
         return [PackedPayload(view, layout, _Lease(self._released, slot)) for view, (slot, layout) in zip(views, found)]
 
     def put(self, key: BlockKey, payload: BlockPayload) -> None:
-        size = payload_nbytes(payload)
-        if not self._fits(size):
-            return
-        slot = self._reserve(key, size)
-        if slot is None:
-            return
-        try:
-            packed = pack(payload, out=self._slots.view(slot))  # the copy, outside the lock
-        except Exception:
-            with self._lock:
-                self._slots.free(slot)
-            raise
-        with self._lock:
-            if key in self._entries:  # another thread stored it meanwhile
-                self._slots.free(slot)
-                self._entries.move_to_end(key)
-                return
-            self._entries[key] = (slot, packed.layout)
-        self._stats.add(bytes_in=size)
+        self.put_many([key], [payload])
 
     def put_many(self, keys: list[BlockKey], payloads: Sequence[BlockPayload]) -> None:
-        """`put` of each pair; blocks that sit side by side in the source (rows of one staging
-        buffer) and land in adjacent slots are copied together: a step's blocks cost a few large
-        copies and one lock, not a copy and a lock each (the store worker shares the GIL with
-        the engine thread)."""
+        """`put` of each pair: blocks adjacent in the source and in their slots are copied together,
+        under one lock (the store worker shares the GIL with the engine thread)."""
         packed = [(k, pack(p)) for k, p in zip(keys, payloads)]
-        packed = [(k, p) for k, p in packed if self._fits(p.nbytes)]
         slots = [self._reserve(k, p.nbytes) for k, p in packed]
         todo = [(k, p, s) for (k, p), s in zip(packed, slots) if s is not None]
         if not todo:
@@ -189,20 +143,16 @@ class CpuTier:
                     stored += payload.nbytes
         self._stats.add(bytes_in=stored)
 
-    def _fits(self, size: int) -> bool:
+    def _reserve(self, key: BlockKey, size: int) -> int | None:
+        """A slot for a new entry (grown, or the LRU unleased entry evicted); None if the key is
+        stored already, too large or nothing can be freed."""
         if size > self._capacity:
             self._stats.add(dropped=1)
-            return False
-        return True
-
-    def _reserve(self, key: BlockKey, size: int) -> int | None:
-        """A slot for a new entry (growing the slab or evicting the LRU unleased entry), or None
-        if the key is already stored or nothing can be freed."""
+            return None
         while True:
             with self._lock:
                 self._drain_released()
                 if key in self._entries:
-                    # Same key, same content (content-addressed): refreshing recency is enough.
                     self._entries.move_to_end(key)
                     return None
                 if self._slab is None:
@@ -214,7 +164,7 @@ class CpuTier:
                 slot = slab.allocate()
                 if slot is not None:
                     return slot
-                if not slab.can_grow:
+                if slab.num_slots >= slab.max_slots:
                     return self._evict_one()
             slab.grow()  # pins a new chunk: slow, so not under the lock; then retry
 
@@ -231,14 +181,12 @@ class CpuTier:
     def _drain_released(self) -> None:
         while self._released:
             slot = self._released.popleft()
-            left = self._pins.get(slot, 1) - 1
+            left = self._pins.pop(slot, 1) - 1
             if left:
                 self._pins[slot] = left
-            else:
-                self._pins.pop(slot, None)
 
     def flush(self) -> None:
-        """Nothing is pending in memory."""
+        pass
 
     def close(self) -> None:
         with self._lock:

@@ -1,22 +1,9 @@
-"""Local disk tier: one file per block, written in the background, LRU under a byte budget.
+"""Local disk tier: one file per block (disk_format.py), written in the background, LRU under a
+byte budget. A file failing a check is a miss, counted in `stats.errors`, and removed.
 
-The file format (header, checksum, namespace, format version) is in disk_format.py. An entry
-that fails any check there is a miss, counted in `stats.errors`, and its file is removed.
-
-Sharing a directory: writes go to a unique temp file in the same directory and are published
-with `os.replace`, which is atomic, so readers in any process see a whole file or none; two
-writers of one key write the same bytes (keys are content addresses), so the last rename wins
-harmlessly. Each process enforces the byte budget over the files it knows (those found at
-startup plus those it wrote or read since), so N processes may together exceed it by what the
-others wrote since this one started; `rescan()` refreshes the view (disk_index.py).
-
-Durability: no fsync; after a power loss a torn file fails its crc and is a miss.
-
-Writes (disk_writer.py): `put` copies the block into the tier's own memory and queues it; a few
-writer threads write files. Reads of many blocks (`get_many`, a prefix hit; disk_reader.py) run
-on a thread pool, each file read with one preadv straight into its row of one (pinned, when CUDA
-is present) buffer and checked against the header it must have (disk_format.LayoutReader): the
-rows then go to the GPU in one copy.
+Sharing a directory: files are written to a unique temp file and published with an atomic
+`os.replace`; two writers of one key write the same bytes. Each process enforces the budget over
+the files it knows (found at startup, written or read since). No fsync: a torn file fails its crc.
 """
 
 from __future__ import annotations
@@ -26,7 +13,8 @@ import hashlib
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -39,29 +27,24 @@ from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayloa
 
 logger = logging.getLogger(__name__)
 
-_MAX_KEY_NAME = 100  # longer keys are named by their blake2b digest (file names stay short)
-# Writers: each block is a few syscalls and a crc32 (GIL released), a little Python (not); a few
-# threads keep up with a prefill's blocks without taking many cores from the engine.
+_MAX_KEY_NAME = 100  # longer keys are named by their blake2b digest
 DEFAULT_WRITERS = max(1, min(4, (os.cpu_count() or 1) // 4))
-_TMP_SEQ = itertools.count()  # temp names unique within the process (the pid makes them unique across)
+_TMP_SEQ = itertools.count()  # temp names: pid + sequence
 
 __all__ = ["SUFFIX", "DiskTier", "encode_entry", "file_name"]
+T = TypeVar("T")
 
 
 def file_name(key: BlockKey) -> str:
-    """The file of `key` (hex of the key; of its digest when the key is long)."""
+    """The file of `key`."""
     if len(key) > _MAX_KEY_NAME:
         return hashlib.blake2b(key, digest_size=32).hexdigest() + SUFFIX
     return key.hex() + SUFFIX
 
 
 class DiskTier:
-    """Block files under `path`, at most `capacity_bytes` of them (file sizes), LRU.
-
-    `put` copies the block and queues it (writer threads write it); when more than
-    `max_pending_bytes` of blocks wait, `put` drops the block rather than block the caller.
-    Until written, a block is served from the queue.
-    """
+    """Block files under `path`, at most `capacity_bytes` of them, LRU. `put` copies the block and
+    queues it; over `max_pending_bytes` queued it drops the block. Queued blocks are served too."""
 
     def __init__(
         self,
@@ -84,14 +67,12 @@ class DiskTier:
         self._closed = False
         self._index = DiskIndex(self.path, self._capacity, self._stats)
         self._index.rescan()
-        self._readers = ParallelReads(readers, name)
+        self._readers = ParallelReads(readers)
         self._layout_readers: dict[BlockLayout, LayoutReader] = {}
         # Resolved per call, so a test may replace DiskTier._write.
         self._writer = DiskWriter(
-            lambda key, payload, body: self._write(key, payload, body), max_pending_bytes, writers, name, self._stats
+            lambda key, payload, body: self._write(key, payload, body), max_pending_bytes, writers, self._stats
         )
-
-    # -- OffloadTier -------------------------------------------------------------------------
 
     @property
     def used_bytes(self) -> int:
@@ -116,11 +97,10 @@ class DiskTier:
         return True
 
     def knows(self, key: BlockKey) -> bool:
-        """`contains` without asking the file system (no stat): what this process has seen."""
+        """`contains` without a stat: what this process has seen."""
         return key in self._writer or file_name(key) in self._index
 
     def count_miss(self) -> None:
-        """A lookup probed a block this tier does not hold (a query without a hit)."""
         self._stats.add(queries=1)
 
     def get(self, key: BlockKey) -> PackedPayload | None:
@@ -131,111 +111,71 @@ class DiskTier:
             self._stats.add(hits=1, bytes_out=payload.nbytes)
         return payload
 
-    def get_many(self, keys: list[BlockKey], layout: BlockLayout | None = None) -> list[PackedPayload | None]:
-        """`get` of every key, files read in parallel. With `layout` (what the caller can use;
-        a file of another layout is then a counted miss), each body lands in its row of one
-        buffer [len(keys), layout.nbytes], pinned when CUDA is present, so consecutive hits are
-        adjacent in memory (one host->device copy), and each file is one read."""
+    def get_many(self, keys: list[BlockKey], layout: BlockLayout) -> list[PackedPayload | None]:
+        """`get` of every key, read in parallel (other layouts are counted misses); the bodies land
+        in rows of one buffer [len(keys), layout.nbytes], pinned under CUDA."""
         if not keys:
             return []
-        if layout is None:
-            out: list[PackedPayload | None] = [None] * len(keys)
-
-            def read_any(i: int) -> None:
-                out[i] = self.get(keys[i])
-
-            self._readers.run(len(keys), read_any)
-            return out
-        return self._get_rows(keys, layout)
-
-    def _get_rows(self, keys: list[BlockKey], layout: BlockLayout) -> list[PackedPayload | None]:
         n, nbytes = len(keys), layout.nbytes
         rows = torch.empty((n, nbytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         flat = rows.view(-1).numpy().data.cast("B")  # one conversion, sliced per row
-        found = self._writer.copy_pending_into(keys, rows, layout)  # queued since the caller looked
+        found = self._writer.copy_pending_into(keys, rows, layout)
         todo = [i for i in range(n) if not found[i]]
         names = [file_name(keys[i]) for i in todo]
-        paths = [f"{self.path}/{name}" for name in names]  # os.path.join costs more, once per block
-        reader = self._layout_reader(layout)
+        paths = [f"{self.path}/{name}" for name in names]
+        reader = self._layout_readers.get(layout) or self._layout_readers.setdefault(
+            layout, LayoutReader(self.namespace, layout)
+        )
         read = [False] * len(todo)
 
         def read_one(j: int) -> None:
-            i = todo[j]
-            read[j] = self._read_into(paths[j], names[j], keys[i], reader, flat[i * nbytes : (i + 1) * nbytes])
+            key, out = keys[todo[j]], flat[todo[j] * nbytes : (todo[j] + 1) * nbytes]
+            read[j] = self._open_and_read(paths[j], names[j], lambda fd: reader.read_into(fd, key, out)) is not None
 
         self._readers.run(len(todo), read_one)
-        hit_paths = [paths[j] for j in range(len(todo)) if read[j]]
-        if hit_paths:  # recency in key order (the threads finish in any order)
-            self._index.remember(
-                (names[j], body_offset(len(keys[todo[j]]), len(layout.json)) + nbytes)
-                for j in range(len(todo))
-                if read[j]
-            )
-            # mtimes (recency after a restart) are set off the caller's path
-            self._readers.submit(set_mtimes, hit_paths, self._index.stamps(len(hit_paths)))
-        for j, ok in enumerate(read):
-            found[todo[j]] = ok
+        hits_j = [j for j in range(len(todo)) if read[j]]
+        if hits_j:  # recency in key order (the threads finish in any order); mtimes off the caller's path
+            self._index.remember((names[j], body_offset(len(keys[todo[j]]), len(layout.json)) + nbytes) for j in hits_j)
+            self._readers.submit(set_mtimes, [paths[j] for j in hits_j], self._index.stamps(len(hits_j)))
+        for j in hits_j:
+            found[todo[j]] = True
         out = [PackedPayload(row, layout) if ok else None for row, ok in zip(rows.unbind(0), found)]
         hits = sum(found)
         self._stats.add(queries=n, hits=hits, bytes_out=hits * nbytes)
         return out
 
-    def _layout_reader(self, layout: BlockLayout) -> LayoutReader:
-        reader = self._layout_readers.get(layout)
-        if reader is None:
-            reader = self._layout_readers[layout] = LayoutReader(self.namespace, layout)
-        return reader
-
-    def _read_into(self, path: str, name: str, key: BlockKey, reader: LayoutReader, out: memoryview) -> bool:
-        """Read one file of `reader`'s layout into `out`; False on a miss or a bad file (counted
-        and removed). Runs on the reader threads: little Python on the way of a good file."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:  # not there (or gone): a plain miss
-            self._index.forget(name)
-            return False
-        try:
-            reader.read_into(fd, key, out)
-            return True
-        except BadEntry as exc:
-            self._drop_bad(path, name, fd, exc)
-        except OSError as exc:  # an I/O error: a miss, the file may be fine next time
-            logger.warning("KV disk tier: reading %s failed: %s", path, exc)
-            self._stats.add(errors=1)
-        finally:
-            os.close(fd)
-        return False
-
     def _read(self, key: BlockKey) -> PackedPayload | None:
         """One file of any layout, marked most recently used (None on a miss or a bad file)."""
         name = file_name(key)
         path = os.path.join(self.path, name)
+        payload = self._open_and_read(path, name, lambda fd: read_entry(fd, key, self.namespace))
+        if payload is not None:
+            set_mtimes([path], self._index.stamps(1))
+            self._index.remember([(name, body_offset(len(key), len(payload.layout.json)) + payload.nbytes)])
+        return payload
+
+    def _open_and_read(self, path: str, name: str, read: Callable[[int], T]) -> T | None:
+        """read(fd) of the open file; None on a miss, a bad file (counted and removed) or an I/O
+        error (counted: the file may be fine next time)."""
         try:
             fd = os.open(path, os.O_RDONLY)
-        except OSError:
+        except OSError:  # not there (or gone): a plain miss
             self._index.forget(name)
             return None
         try:
-            payload = read_entry(fd, key, self.namespace)
+            return read(fd)
         except BadEntry as exc:
-            self._drop_bad(path, name, fd, exc)
-            return None
+            logger.warning("KV disk tier: dropping %s: %s", path, exc)
+            self._stats.add(errors=1)
+            self._index.forget(name)
+            with contextlib.suppress(OSError):
+                _remove_if_same(path, os.fstat(fd))
         except OSError as exc:
             logger.warning("KV disk tier: reading %s failed: %s", path, exc)
             self._stats.add(errors=1)
-            return None
         finally:
             os.close(fd)
-        set_mtimes([path], self._index.stamps(1))
-        self._index.remember([(name, body_offset(len(key), len(payload.layout.json)) + payload.nbytes)])
-        return payload
-
-    def _drop_bad(self, path: str, name: str, fd: int, exc: BadEntry) -> None:
-        logger.warning("KV disk tier: dropping %s: %s", path, exc)
-        self._stats.add(errors=1)
-        self._index.forget(name)
-        with contextlib.suppress(OSError):
-            _remove_if_same(path, os.fstat(fd))
+        return None
 
     def put(self, key: BlockKey, payload: BlockPayload) -> None:
         self.put_many([key], [payload])
@@ -274,18 +214,10 @@ class DiskTier:
         self._writer.close()
         self._readers.close()
 
-    def rescan(self) -> None:
-        """Rebuild the LRU index from the directory (mtime order), drop dead temp files, and
-        evict down to the budget."""
-        self._index.rescan()
-
-    # -- writer threads ----------------------------------------------------------------------
-
     def _write(self, key: BlockKey, payload: PackedPayload, body: memoryview | None = None) -> None:
-        """Store one block as its file (on a writer thread): temp file, stamp, atomic rename.
-        `body`: the payload's bytes as a memoryview, when the caller has it."""
+        """Store one block as its file (on a writer thread): temp file, stamp, atomic rename."""
         name = file_name(key)
-        path = f"{self.path}/{name}"  # os.path.join costs more, once per block
+        path = f"{self.path}/{name}"
         try:
             existing = os.stat(path).st_size
         except OSError:
@@ -302,8 +234,7 @@ class DiskTier:
         try:
             try:
                 write_entry(fd, key, payload, self.namespace, body)
-                # Recency for a restart, stamped through the open file (no second path lookup);
-                # the rename below keeps the mtime.
+                # Recency for a restart; the rename keeps the mtime.
                 stamp = self._index.stamps(1)[0]
                 os.utime(fd, ns=(stamp, stamp))
             finally:
@@ -316,21 +247,18 @@ class DiskTier:
         self._index.remember([(name, size)])
 
     def _create_temp(self) -> tuple[str, int]:
-        """A new temp file in the directory (cheaper than tempfile.mkstemp: no random names)."""
+        """A new temp file in the directory."""
         for _ in range(100):
             tmp = f"{self.path}/{TMP_PREFIX}{os.getpid()}-{next(_TMP_SEQ)}"
             try:
                 return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            except FileExistsError:  # left by a dead process that had our pid: take the next name
+            except FileExistsError:  # left by a dead process that had our pid
                 continue
         raise FileExistsError(f"no free temp file name in {self.path}")
 
 
 def _remove_if_same(path: str, st: os.stat_result) -> None:
-    """Remove a bad file unless another writer has meanwhile replaced it with a new one."""
-    try:
-        now = os.stat(path)
-        if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
-            os.remove(path)
-    except OSError:
-        pass
+    """Remove a bad file unless another writer has meanwhile replaced it (OSError: caller's)."""
+    now = os.stat(path)
+    if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+        os.remove(path)

@@ -1,12 +1,9 @@
 """The disk tier's view of its directory: block files by recency, their sizes, the byte budget.
-
-Recency survives restarts through file mtimes: a hit or a write stamps its file, the startup scan
-orders files by mtime. Stamps are strictly increasing within a process, so the on-disk order
-equals the in-memory order even on coarse clocks.
-"""
+Recency survives restarts through file mtimes, stamped strictly increasing within a process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -29,19 +26,15 @@ class DiskIndex:
         self._stats = stats
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()
-        self._used = 0
+        self.used_bytes = 0
         self._last_stamp_ns = 0
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
 
     def __contains__(self, name: str) -> bool:
         return name in self._files  # one dict lookup: atomic under the GIL
 
     def refresh(self, name: str) -> bool:
         """Mark a known file most recently used (in memory only); False if unknown."""
-        if name not in self._files:  # the common case on a store: no lock taken
+        if name not in self._files:  # the common case: no lock taken
             return False
         with self._lock:
             if name not in self._files:
@@ -67,7 +60,7 @@ class DiskIndex:
         found.sort()
         with self._lock:
             self._files = OrderedDict((name, size) for _, name, size in found)
-            self._used = sum(size for _, _, size in found)
+            self.used_bytes = sum(size for _, _, size in found)
             if found:  # later stamps must sort after every file already there
                 self._last_stamp_ns = max(self._last_stamp_ns, found[-1][0])
         self.evict()
@@ -78,7 +71,7 @@ class DiskIndex:
         with self._lock:
             for name, size in entries:
                 old = self._files.pop(name, None)
-                self._used += size - (old or 0)
+                self.used_bytes += size - (old or 0)
                 self._files[name] = size
                 if old is None:
                     added = name
@@ -89,18 +82,18 @@ class DiskIndex:
         with self._lock:
             size = self._files.pop(name, None)
             if size is not None:
-                self._used -= size
+                self.used_bytes -= size
 
     def evict(self, keep: str | None = None) -> None:
         """Remove least recently used files until the budget holds (never `keep`, the newest)."""
         victims = []
         with self._lock:
-            while self._used > self.capacity and self._files:
+            while self.used_bytes > self.capacity and self._files:
                 name, size = next(iter(self._files.items()))
                 if name == keep:  # `keep` is the newest entry, so nothing else is left
                     break
                 del self._files[name]
-                self._used -= size
+                self.used_bytes -= size
                 victims.append(name)
         for name in victims:
             remove_quietly(os.path.join(self.path, name))
@@ -117,14 +110,10 @@ class DiskIndex:
 
 def set_mtimes(paths: list[str], stamps: list[int]) -> None:
     for path, ns in zip(paths, stamps):
-        try:
+        with contextlib.suppress(OSError):
             os.utime(path, ns=(ns, ns))
-        except OSError:
-            pass
 
 
 def remove_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.remove(path)
-    except OSError:
-        pass

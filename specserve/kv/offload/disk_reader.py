@@ -1,11 +1,6 @@
-"""Runs many small reads at once: the disk tier's prefix-hit loads, one block file per call.
-
-Each read is open + one preadv + close + crc32, all of which release the GIL, so threads overlap
-the kernel's copies out of the page cache (or the device's latency) and the checksums. Threads
-take the next file from a shared counter rather than a fixed span: a thread delayed by the
-scheduler or a slow file does not hold up the whole load. The calling thread reads too, so a
-load of a few blocks does not wait for a pool thread to wake up.
-"""
+"""Many small reads at once (the disk tier's prefix-hit loads): syscalls and crc32 release the GIL,
+so threads overlap. Threads take the next file from a shared counter (a slow file holds up no
+fixed span), and the calling thread reads too."""
 
 from __future__ import annotations
 
@@ -22,23 +17,19 @@ DEFAULT_THREADS = max(1, min(16, os.cpu_count() or 1))
 class ParallelReads:
     """A lazily started pool of `threads` - 1 threads, plus the caller's."""
 
-    def __init__(self, threads: int = DEFAULT_THREADS, name: str = "disk") -> None:
+    def __init__(self, threads: int = DEFAULT_THREADS) -> None:
         self.threads = max(1, threads)
-        self._name = name
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self.threads, thread_name_prefix=f"specserve-{self._name}-read"
-                )
+                self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="specserve-disk-read")
             return self._pool
 
     def run(self, n: int, read_one: Callable[[int], None]) -> None:
-        """read_one(i) for every i in range(n), on up to `threads` threads; returns when all
-        have returned. read_one should not raise (its first exception is re-raised here)."""
+        """read_one(i) for every i in range(n) on up to `threads` threads (its first exception is re-raised)."""
         counter = itertools.count()  # next() on it is atomic under the GIL
 
         def work() -> None:
@@ -54,7 +45,6 @@ class ParallelReads:
                 fut.result()
 
     def submit(self, fn: Callable[..., object], *args: object) -> Future:
-        """Run fn(*args) on the pool, off the caller's path (e.g. setting mtimes after a hit)."""
         return self._executor().submit(fn, *args)
 
     def close(self) -> None:

@@ -1,14 +1,8 @@
 """The disk tier's write queue: blocks waiting to become files, and the threads that write them.
 
-`submit` copies each block into memory of its own (slots of a slab, reused for the life of the
-tier) and returns: the caller's buffer is free at once. That matters on CUDA, where the caller's
-buffer is pinned staging from torch's caching host allocator, and holding it until the blocks are
-on disk would make the next device->host copy allocate fresh pinned memory on the engine thread. The copy releases the
-GIL; so do the writers' syscalls and checksum, and they handle a few blocks per queue item, so
-the Python they run per block (the GIL they take from the engine thread) stays small.
-
-Until its file is in place a block is served from here (`copy_pending`); the copy is taken under
-the lock, so a slot is never reused while a reader copies out of it.
+`submit` copies each block into slots of its own and returns, so the caller's (pinned staging)
+buffer is free at once. Until its file is in place a block is served from here, copied under the
+lock, so a slot is never reused while a reader copies out of it.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from specserve.kv.offload.slab import SlotSlab
 
 logger = logging.getLogger(__name__)
 
-_BATCH = 8  # blocks per queue item: fewer queue operations (Python, under the GIL) per block
+_BATCH = 8  # blocks per queue item: fewer queue operations per block
 
 WriteBlock = Callable[[BlockKey, PackedPayload, memoryview | None], None]
 
@@ -39,11 +33,10 @@ class _Pending(NamedTuple):
 
 
 class DiskWriter:
-    """At most `max_pending_bytes` of blocks wait; more are dropped (counted), never waited for.
-    `write(key, payload, body)` stores one block (`body`: its bytes when known; raises on
-    failure: counted in `errors`)."""
+    """At most `max_pending_bytes` of blocks wait; more are dropped (counted). `write(key, payload,
+    body)` stores one block (`body`: its bytes when known); a failure is counted in `errors`."""
 
-    def __init__(self, write: WriteBlock, max_pending_bytes: int, threads: int, name: str, stats: StatsCounter) -> None:
+    def __init__(self, write: WriteBlock, max_pending_bytes: int, threads: int, stats: StatsCounter) -> None:
         self._write = write
         self._max_pending = int(max_pending_bytes)
         self._stats = stats
@@ -54,7 +47,7 @@ class DiskWriter:
         self._pending_bytes = 0
         self._queue: queue.Queue[list[BlockKey] | None] = queue.Queue()
         self._threads = [
-            threading.Thread(target=self._loop, name=f"specserve-{name}-writer-{i}", daemon=True)
+            threading.Thread(target=self._loop, name=f"specserve-disk-writer-{i}", daemon=True)
             for i in range(max(1, threads))
         ]
         for t in self._threads:
@@ -62,7 +55,6 @@ class DiskWriter:
 
     @property
     def _slots(self) -> SlotSlab:
-        """The slab, which exists whenever a slot is held (the first block sizes it)."""
         assert self._slab is not None
         return self._slab
 
@@ -70,13 +62,12 @@ class DiskWriter:
         return key in self._pending or key in self._reserved
 
     def submit(self, items: list[tuple[BlockKey, PackedPayload]]) -> None:
-        """Queue blocks for writing (those already queued are skipped; those over the budget
-        dropped). Returns once the bytes are copied."""
-        taken: list[tuple[BlockKey, PackedPayload, torch.Tensor | None, int | None]] = []
+        """Queue blocks not queued yet (over the budget: dropped); returns once the bytes are copied."""
+        taken: list[tuple[BlockKey, PackedPayload, int | None]] = []
         dropped = 0
         with self._lock:
             for key, src in items:
-                if key in self._pending or key in self._reserved:
+                if key in self:
                     continue
                 if self._pending_bytes + src.nbytes > self._max_pending:
                     dropped += 1
@@ -84,14 +75,14 @@ class DiskWriter:
                 slot = self._take_slot(src.nbytes)
                 self._reserved.add(key)
                 self._pending_bytes += src.nbytes
-                taken.append((key, src, None if slot is None else self._slots.view(slot), slot))
+                taken.append((key, src, slot))
         if dropped:
             self._stats.add(dropped=dropped)
         try:
             entries = self._copy(taken)
         except BaseException:  # give the room back: nothing of these blocks is queued
             with self._lock:
-                for key, src, _, slot in taken:
+                for key, src, slot in taken:
                     self._reserved.discard(key)
                     self._pending_bytes -= src.nbytes
                     if slot is not None:
@@ -105,25 +96,23 @@ class DiskWriter:
         for start in range(0, len(keys), _BATCH):
             self._queue.put(keys[start : start + _BATCH])
 
-    def _copy(
-        self, taken: list[tuple[BlockKey, PackedPayload, torch.Tensor | None, int | None]]
-    ) -> list[tuple[BlockKey, _Pending]]:
-        slotted = [(src.buffer, dst) for _, src, dst, _ in taken if dst is not None]
-        # Rows of one staging buffer into slots taken in order: a few large copies, GIL released.
-        for src, dst in paired_runs([s for s, _ in slotted], [d for _, d in slotted]):
-            copy_bytes(dst, src)
-        return [
-            (
-                key,
-                _Pending(PackedPayload(dst, src.layout), slot, self._slots.view_bytes(slot))
-                if dst is not None and slot is not None
-                else _Pending(pack(src, out=torch.empty(src.nbytes, dtype=torch.uint8)), None, None),
-            )
-            for key, src, dst, slot in taken
-        ]
+    def _copy(self, taken: list[tuple[BlockKey, PackedPayload, int | None]]) -> list[tuple[BlockKey, _Pending]]:
+        slotted = [(src.buffer, self._slots.view(slot)) for _, src, slot in taken if slot is not None]
+        for run_src, run_dst in paired_runs([s for s, _ in slotted], [d for _, d in slotted]):
+            copy_bytes(run_dst, run_src)
+        out: list[tuple[BlockKey, _Pending]] = []
+        for key, src, slot in taken:
+            if slot is None:  # a buffer of its own
+                pending = _Pending(pack(src, out=torch.empty(src.nbytes, dtype=torch.uint8)), None, None)
+            else:
+                pending = _Pending(
+                    PackedPayload(self._slots.view(slot), src.layout), slot, self._slots.view_bytes(slot)
+                )
+            out.append((key, pending))
+        return out
 
     def _take_slot(self, size: int) -> int | None:
-        """Under the lock: a slot for a block of `size` bytes, or None (it gets a buffer of its own)."""
+        """Under the lock: a slot for `size` bytes, or None (the block gets a buffer of its own)."""
         if self._slab is None:
             self._slab = SlotSlab(size, max(1, self._max_pending // size), pin_memory=False)
         if size != self._slab.slot_bytes:
@@ -134,16 +123,12 @@ class DiskWriter:
         return slot
 
     def copy_pending(self, key: BlockKey) -> PackedPayload | None:
-        """A copy of the queued block `key`, or None if none is queued."""
         with self._lock:
             pending = self._pending.get(key)
-            if pending is None:
-                return None
-            return pack(pending.payload, out=torch.empty(pending.payload.nbytes, dtype=torch.uint8))
+            return None if pending is None else PackedPayload(pending.payload.buffer.clone(), pending.payload.layout)
 
     def copy_pending_into(self, keys: list[BlockKey], rows: torch.Tensor, layout: BlockLayout) -> list[bool]:
-        """Copy each queued block of `layout` among `keys` into its row of `rows` [len(keys),
-        layout.nbytes]; which were copied."""
+        """Copy queued blocks of `layout` into their rows of `rows` [len(keys), layout.nbytes]; which were."""
         done = [False] * len(keys)
         if not self._pending:
             return done
@@ -156,7 +141,6 @@ class DiskWriter:
         return done
 
     def flush(self) -> None:
-        """Return once every block submitted so far is written (or failed, counted)."""
         self._queue.join()
 
     def close(self) -> None:
@@ -184,7 +168,7 @@ class DiskWriter:
             logger.warning("KV disk tier: write of %s failed: %s", key.hex()[:32], exc)
             self._stats.add(errors=1)
         finally:
-            # Only now: until the file is in place, readers must find the block here.
+            # Only now: until the file is in place, readers find the block here.
             with self._lock:
                 del self._pending[key]
                 self._pending_bytes -= pending.payload.nbytes

@@ -1,22 +1,18 @@
 """KVOffloader: connects the GPU block pool to the CPU / disk tiers.
 
-- Store: a full block is queued when it enters the prefix cache and gathered right after the
-  forward that wrote it (all of a step's blocks at once, on the compute stream); a cached block
-  about to be reused is gathered before the GPU overwrites it, if no tier has it. The copy to the
-  host runs on a side stream and a worker thread hands the payloads to the tiers once it has
-  landed (store_queue.py): the step never waits for it.
-- Load: past the last GPU prefix hit, consecutive blocks found in a tier are copied into fresh
-  GPU blocks (a few large copies on the compute stream, ordered before the forward that reads
-  them) and become ordinary prefix-cache hits. Disk blocks are read in parallel into one pinned
-  buffer and promoted to the CPU tier in the background.
-- Prefetch: when a request arrives, a background thread reads its blocks from disk into the CPU
-  tier, so the scheduler's later lookup usually hits memory.
-Keys are the chained block hashes, which already include the model identity and KV format.
+- Store: a full block is gathered right after the forward that wrote it (a step's blocks at once);
+  a cached block about to be reused is gathered before it is overwritten, if no tier has it. The
+  step never waits for the copy to the host (store_queue.py).
+- Load: past the last GPU prefix hit, consecutive tier-resident blocks are copied into fresh GPU
+  blocks, ordered before the forward, and become prefix-cache hits; disk hits are promoted to CPU.
+- Prefetch: a new request's blocks are read from disk into the CPU tier in the background.
+Keys are the chained block hashes (they include the model identity and KV format).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -31,7 +27,6 @@ from specserve.kv.offload.cpu import CpuTier
 from specserve.kv.offload.disk import DiskTier
 from specserve.kv.offload.payload import BlockPayload, PackedPayload
 from specserve.kv.offload.store_queue import StoreQueue
-from specserve.kv.offload.tiered import TieredStore
 from specserve.kv.offload.transfer import BlockMover
 from specserve.kv.spec import LayerKVCache
 from specserve.metrics.stats import StatsCollector
@@ -47,10 +42,9 @@ class KVOffloader:
         stats: StatsCollector | None = None,
     ) -> None:
         self.mover = BlockMover(caches)
-        # The CPU tier's memory (pinned on CUDA) is taken at startup, in slots of one block.
         self.cpu = CpuTier(cfg.cpu_bytes, slot_bytes=self.mover.layout.nbytes) if cfg.cpu_bytes > 0 else None
         self.disk = DiskTier(cfg.disk_path, cfg.disk_bytes, namespace) if cfg.disk_path and cfg.disk_bytes > 0 else None
-        self.store = TieredStore([t for t in (self.cpu, self.disk) if t is not None])
+        self.tiers: list[CpuTier | DiskTier] = [t for t in (self.cpu, self.disk) if t is not None]
         self.caches = caches
         self.block_size = block_size
         self.stats = stats
@@ -60,18 +54,15 @@ class KVOffloader:
         self._evicted: list[tuple[BlockHash, int]] | None = None  # collected inside batch_evictions()
         self._loads: deque[tuple[torch.cuda.Event, list[PackedPayload]]] = deque()  # H2D copies in flight
         self._last: dict[str, TierStats] = {}
-        # Tier of each payload the last lookup returned (by object id), and blocks loaded into the
-        # GPU per tier: kv_offload_hits_total counts what served a request, not what a tier read.
+        # Tier of each payload the last lookup returned (by id), and blocks loaded per tier:
+        # kv_offload_hits_total counts what served a request, not what a tier read.
         self._origin: dict[int, str] = {}
-        self._served: dict[str, int] = {}
-        self._served_last: dict[str, int] = {}
+        self._served: dict[str, int] = {}  # since the last record_stats
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
         self._lock = threading.Lock()  # orders engine lookups after a running prefetch
 
-    # -- store -------------------------------------------------------------------------------
     def block_completed(self, block_hash: BlockHash, block_id: int, computed: bool = False) -> None:
-        """A full block entered the prefix cache: its content is written by the next forward
-        (`computed=False`) or already was (asynchronous scheduling resolved its last token)."""
+        """A full block entered the prefix cache; `computed`: its forward has already run."""
         self._pending[block_hash] = (block_id, computed)
 
     def after_forward(self) -> None:
@@ -93,8 +84,8 @@ class KVOffloader:
 
     @contextlib.contextmanager
     def batch_evictions(self) -> Iterator[None]:
-        """Blocks evicted inside are gathered together on leaving (one copy for all of them, not
-        one per block). Leave it before anything writes to the blocks handed out inside."""
+        """Blocks evicted inside are gathered in one copy on leaving; leave it before anything
+        writes to the blocks handed out inside."""
         outer, self._evicted = self._evicted, []
         try:
             yield
@@ -106,31 +97,28 @@ class KVOffloader:
                 self._store(evicted)
 
     def _store(self, blocks: list[tuple[BlockHash, int]]) -> None:
-        """Gather the blocks now (a snapshot in stream order) and hand them to the store queue."""
         fresh = [(h, b) for h, b in blocks if not self.queue.pending(h) and not self._stored(h)]
         if not fresh:
             return
         start = 0
         for rows in self.mover.gather_to_host([b for _, b in fresh]):
             n = rows.rows.shape[0]
-            self.queue.submit_rows([h for h, _ in fresh[start : start + n]], rows, self.store.put_many)
+            self.queue.submit([h for h, _ in fresh[start : start + n]], rows, self._put_many)
             start += n
 
+    def _put_many(self, keys: list[BlockHash], payloads: list[PackedPayload]) -> None:
+        for tier in self.tiers:  # write-through: each tier evicts on its own budget
+            tier.put_many(keys, payloads)
+
     def _stored(self, key: BlockHash) -> bool:
-        # No stat per block on the step path: a block another process wrote is found by the
-        # disk writer, which skips files already there.
+        # No stat on the step path: the disk writer skips files another process wrote.
         return (self.cpu is not None and self.cpu.contains(key)) or (self.disk is not None and self.disk.knows(key))
 
-    # -- load --------------------------------------------------------------------------------
     def lookup(self, hashes: list[BlockHash]) -> list[PackedPayload]:
         """Payloads for the longest run of `hashes` (in order) that some tier holds."""
         self._reap_loads()
         with self._lock:
             return self._lookup(hashes)
-
-    def _found(self, found: list[PackedPayload], hits: list[PackedPayload], tier: str) -> None:
-        found.extend(hits)
-        self._origin.update((id(p), tier) for p in hits)
 
     def _lookup(self, hashes: list[BlockHash]) -> list[PackedPayload]:
         found: list[PackedPayload] = []
@@ -141,16 +129,16 @@ class KVOffloader:
                 self.queue.wait_for(h)  # a block on its way into the tiers: wait until it is there
             if self.cpu is not None:
                 hits = self.cpu.get_many(rest)
-                self._found(found, hits, self.cpu.name)
+                found.extend(hits)
                 if len(hits) == len(rest):
                     break
                 rest = rest[len(hits) :]
             run = self._disk_run(rest, count_miss=True)
             if not run or self.disk is None:  # an empty run without a disk tier
                 break
-            got = self.disk.get_many(run, self.mover.layout)
-            hits = _prefix(got)
-            self._found(found, hits, self.disk.name)
+            hits = _prefix(self.disk.get_many(run, self.mover.layout))
+            found.extend(hits)
+            self._origin.update((id(p), self.disk.name) for p in hits)
             if self.cpu is not None and hits:  # promote off the engine thread
                 self.queue.submit(run[: len(hits)], hits, self.cpu.put_many)
             if len(hits) < len(run):
@@ -158,10 +146,8 @@ class KVOffloader:
         return found
 
     def _disk_run(self, hashes: list[BlockHash], count_miss: bool = False) -> list[BlockHash]:
-        """The leading hashes that are on disk and not in the CPU tier. count_miss (a lookup): a run
-        that ends at a block the disk does not hold counts that probe as a disk query, as the CPU
-        tier's get_many counts its first miss; otherwise a lookup the disk could not serve left no
-        trace and the disk's hit rate read ~100%."""
+        """The leading hashes on disk and not in the CPU tier; count_miss: a probe the disk misses
+        counts as a disk query (as the CPU tier's first miss does)."""
         run: list[BlockHash] = []
         if self.disk is None:
             return run
@@ -177,9 +163,8 @@ class KVOffloader:
         return run
 
     def load_into(self, block_ids: list[int], payloads: Sequence[BlockPayload]) -> None:
-        """Copy payloads into the (freshly allocated) blocks, ordered before the next forward."""
         packed = self.mover.check(payloads)
-        for p in payloads:
+        for p in payloads:  # a payload the disk did not serve came from the CPU tier
             tier = self._origin.get(id(p), "cpu")
             self._served[tier] = self._served.get(tier, 0) + 1
         done = self.mover.load_from_host(block_ids, packed)
@@ -205,17 +190,14 @@ class KVOffloader:
             hits = _prefix(self.disk.get_many(run, self.mover.layout))
             self.cpu.put_many(run[: len(hits)], hits)
 
-    # -- housekeeping ------------------------------------------------------------------------
     def record_stats(self) -> None:
         if self.stats is None:
             return
-        for name, now in self.store.stats.items():
-            last = self._last.get(name, TierStats())
+        for tier in self.tiers:
+            name, now, last = tier.name, tier.stats, self._last.get(tier.name, TierStats())
             lbl = {"tier": name}
             self.stats.inc("kv_offload_queries_total", (now.queries - last.queries) * self.block_size, lbl)
-            served = self._served.get(name, 0) - self._served_last.get(name, 0)
-            self.stats.inc("kv_offload_hits_total", served * self.block_size, lbl)
-            self._served_last[name] = self._served.get(name, 0)
+            self.stats.inc("kv_offload_hits_total", self._served.pop(name, 0) * self.block_size, lbl)
             self.stats.inc("kv_offload_bytes_total", now.bytes_in - last.bytes_in, {**lbl, "direction": "store"})
             self.stats.inc("kv_offload_bytes_total", now.bytes_out - last.bytes_out, {**lbl, "direction": "load"})
             self.stats.inc("kv_offload_errors_total", now.errors - last.errors, lbl)
@@ -229,16 +211,12 @@ class KVOffloader:
         self._loads.clear()
         self._prefetcher.shutdown(wait=True)
         self.queue.close()
-        self.store.flush()
-        self.store.close()
+        for tier in self.tiers:
+            tier.flush()
+            tier.close()
         self.record_stats()
 
 
 def _prefix(payloads: list[PackedPayload | None]) -> list[PackedPayload]:
     """The payloads before the first miss."""
-    out = []
-    for p in payloads:
-        if p is None:
-            break
-        out.append(p)
-    return out
+    return list(itertools.takewhile(lambda p: p is not None, payloads))  # type: ignore[arg-type]

@@ -1,44 +1,27 @@
-"""Packed block payloads: every tensor of one KV block (all layers) in one contiguous byte buffer.
-
-One buffer per block is what makes offloading cheap: a tier slot, a disk file body and a
-host<->device copy are each one contiguous range instead of one small tensor per layer. The
-named tensors ("{layer}.key", ...) stay available as views into the buffer, so a payload reads
-like a dict (`payload["0.key"]`, `set(payload)`, `payload.items()`).
-"""
+"""Packed block payloads: every tensor of one KV block (all layers) in one contiguous byte buffer
+(one tier slot, file body or host<->device copy per block), read like a dict of named views
+(`payload["0.key"]`)."""
 
 from __future__ import annotations
 
 import functools
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-# Every tensor starts at a multiple of this many bytes, so a uint8 buffer can be viewed as any
-# dtype (torch needs the byte offset to be a multiple of the element size) and copies stay aligned.
+# Every tensor starts at a multiple of ALIGN bytes, so the uint8 buffer can be viewed as any dtype.
 ALIGN = 16
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 _DTYPES: dict[str, torch.dtype] = {
     name: dt for name in dir(torch) if isinstance(dt := getattr(torch, name), torch.dtype)
 }
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 class LayoutEntry(NamedTuple):
-    """One tensor of a packed block."""
-
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -59,9 +42,8 @@ class BlockLayout:
         entries, offset = [], 0
         for name, dtype, shape in specs:
             size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            entry = LayoutEntry(name, dtype, tuple(shape), offset, size)
-            entries.append(entry)
-            offset += _align(entry.nbytes)
+            entries.append(LayoutEntry(name, dtype, tuple(shape), offset, size))
+            offset += -(-size // ALIGN) * ALIGN
         return BlockLayout(tuple(entries), offset)
 
     @staticmethod
@@ -72,51 +54,36 @@ class BlockLayout:
     def names(self) -> tuple[str, ...]:
         return tuple(e.name for e in self.entries)
 
-    @functools.cached_property
-    def index(self) -> dict[str, LayoutEntry]:
-        return {e.name: e for e in self.entries}
-
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named tensors viewing `buffer` ([nbytes] uint8): no copy."""
         return {e.name: buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.entries}
 
-    def to_json(self) -> bytes:
-        return self.json
-
     @functools.cached_property
     def json(self) -> bytes:
-        """The stored form (disk_format.py); computed once per layout, not once per block."""
-        return json.dumps(
-            [[e.name, dtype_name(e.dtype), list(e.shape), e.offset] for e in self.entries], separators=(",", ":")
-        ).encode()
+        """The stored form (disk_format.py), computed once per layout."""
+        items = [[e.name, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset] for e in self.entries]
+        return json.dumps(items, separators=(",", ":")).encode()
 
     @staticmethod
+    @functools.lru_cache(maxsize=64)  # every file of one model has the same layout: parse it once
     def from_json(raw: bytes) -> BlockLayout:
         """Parse (and validate) a stored layout; ValueError if it is not one this code writes."""
-        return _parse_layout(bytes(raw))
-
-
-@functools.lru_cache(maxsize=64)  # every file of one model has the same layout: parse it once
-def _parse_layout(raw: bytes) -> BlockLayout:
-    try:
-        items = json.loads(raw)
-        specs = [(str(name), _DTYPES[dtype], tuple(int(d) for d in shape)) for name, dtype, shape, _ in items]
-        offsets = [int(item[3]) for item in items]
-    except (ValueError, TypeError, KeyError, IndexError) as exc:
-        raise ValueError(f"unreadable block layout: {exc}") from exc
-    layout = BlockLayout.of(specs)
-    if [e.offset for e in layout.entries] != offsets or any(d < 0 for _, _, s in specs for d in s):
-        raise ValueError("block layout offsets differ from the packing rule")
-    return layout
+        try:
+            items = json.loads(raw)
+            specs = [(str(name), _DTYPES[dtype], tuple(int(d) for d in shape)) for name, dtype, shape, _ in items]
+            offsets = [int(item[3]) for item in items]
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise ValueError(f"unreadable block layout: {exc}") from exc
+        layout = BlockLayout.of(specs)
+        if [e.offset for e in layout.entries] != offsets or any(d < 0 for _, _, s in specs for d in s):
+            raise ValueError("block layout offsets differ from the packing rule")
+        return layout
 
 
 class PackedPayload(Mapping):
     """One block: `buffer` ([layout.nbytes] uint8, CPU, contiguous) seen as named tensors.
-
-    `lease`, when set, is an object whose lifetime keeps the buffer's memory from being reused
-    (a CPU tier slot): it is referenced by the payload, its buffer and every view handed out, so
-    the memory stays valid while any of them is alive.
-    """
+    `lease` (a CPU tier slot's) is referenced by the payload, its buffer and every view handed
+    out, so the memory stays valid while any of them is alive."""
 
     __slots__ = ("_views", "buffer", "layout", "lease")
 
@@ -153,12 +120,6 @@ class PackedPayload(Mapping):
     def __len__(self) -> int:
         return len(self.layout.entries)
 
-    def __contains__(self, name: object) -> bool:
-        return name in self.layout.index
-
-    def __repr__(self) -> str:
-        return f"PackedPayload({self.nbytes} bytes, {len(self)} tensors)"
-
 
 # The public name: a payload is any mapping of tensor names to tensors; tiers return PackedPayloads.
 BlockPayload = Mapping[str, torch.Tensor] | PackedPayload
@@ -167,50 +128,39 @@ BlockPayload = Mapping[str, torch.Tensor] | PackedPayload
 def pack(payload: BlockPayload, out: torch.Tensor | None = None) -> PackedPayload:
     """The payload as one packed buffer: itself if already packed (and no `out`), else a copy
     into `out` (or a fresh buffer)."""
-    if isinstance(payload, PackedPayload) and out is None:
-        return payload
-    layout = payload.layout if isinstance(payload, PackedPayload) else BlockLayout.of_tensors(payload)
-    if out is None:
-        out = torch.empty(layout.nbytes, dtype=torch.uint8)
     if isinstance(payload, PackedPayload):
-        copy_bytes(out, payload.buffer)
-        return PackedPayload(out, layout)
+        if out is not None:
+            copy_bytes(out, payload.buffer)
+        return payload if out is None else PackedPayload(out, payload.layout)
+    layout = BlockLayout.of_tensors(payload)
+    out = torch.empty(layout.nbytes, dtype=torch.uint8) if out is None else out
     if layout.nbytes != out.numel():
         raise ValueError(f"payload of {layout.nbytes} bytes does not fit a buffer of {out.numel()}")
     for e in layout.entries:
-        src = payload[e.name].detach()
-        if src.device.type != "cpu":
-            src = src.cpu()
-        out[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(src)
+        out[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(payload[e.name].detach())
     return PackedPayload(out, layout)
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[:] = src for 1-D uint8 CPU tensors, on this thread alone. torch's CPU copy fans a
-    large copy out to every intra-op thread; the store worker copying a step's blocks into the
-    CPU tier must not take the cores the engine thread needs to launch the next forward (the
-    GIL is released during the copy either way)."""
+    """dst[:] = src for 1-D uint8 CPU tensors on this thread alone: torch's copy would take every
+    intra-op thread from the engine thread."""
     np.copyto(dst.numpy(), src.numpy())
 
 
-def payload_nbytes(payload: BlockPayload) -> int:
-    """Bytes one payload takes packed (what tier budgets count)."""
-    if isinstance(payload, PackedPayload):
-        return payload.nbytes
-    return BlockLayout.of_tensors(payload).nbytes
+def runs(n: int, follows: Callable[[int], bool]) -> list[tuple[int, int]]:
+    """[start, end) ranges of range(n) where each item i inside a range has follows(i)."""
+    out, start = [], 0
+    for i in range(1, n + 1):
+        if i == n or not follows(i):
+            out.append((start, i))
+            start = i
+    return out
 
 
 def paired_runs(srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(source run, destination run) views such that copying each pair copies srcs[i] into
-    dsts[i] for every i: neighbours adjacent on both sides share one copy."""
-    out = []
-    start = 0
-    for i in range(1, len(srcs) + 1):
-        if i < len(srcs) and _follows(srcs[i - 1], srcs[i]) and _follows(dsts[i - 1], dsts[i]):
-            continue
-        out.append((_span(srcs[start:i]), _span(dsts[start:i])))
-        start = i
-    return out
+    """(source run, destination run) views: neighbours adjacent on both sides share one copy."""
+    pairs = runs(len(srcs), lambda i: _follows(srcs[i - 1], srcs[i]) and _follows(dsts[i - 1], dsts[i]))
+    return [(_span(srcs[i:j]), _span(dsts[i:j])) for i, j in pairs]
 
 
 def _follows(prev: torch.Tensor, cur: torch.Tensor) -> bool:
@@ -228,13 +178,5 @@ def _span(buffers: list[torch.Tensor]) -> torch.Tensor:
 
 
 def contiguous_runs(buffers: list[torch.Tensor]) -> list[tuple[int, int, torch.Tensor]]:
-    """Group buffers that follow each other in memory: (first index, end index, one view over the
-    run). A run is one copy instead of many (slots filled in order are adjacent)."""
-    runs: list[tuple[int, int, torch.Tensor]] = []
-    start = 0
-    for i in range(1, len(buffers) + 1):
-        if i < len(buffers) and _follows(buffers[i - 1], buffers[i]):
-            continue
-        runs.append((start, i, _span(buffers[start:i])))
-        start = i
-    return runs
+    """(first index, end index, one view) of each run of buffers adjacent in memory."""
+    return [(i, j, _span(buffers[i:j])) for i, j in runs(len(buffers), lambda i: _follows(buffers[i - 1], buffers[i]))]

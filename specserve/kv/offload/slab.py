@@ -1,10 +1,5 @@
-"""Fixed-size slots carved out of a few large host buffers (page-locked when CUDA is present).
-
-Pinning memory costs a cudaHostAlloc (page locking, slow: tens of ms per 64 MiB), so pinning one
-small tensor per block per layer made storing a document take a second. Here memory is pinned
-once per chunk of `chunk_bytes`, grown on demand up to `max_slots`, and then reused forever: a
-slot freed by eviction is handed to the next block without touching the allocator.
-"""
+"""Fixed-size slots carved out of a few large host buffers, pinned once per chunk (pinning is slow)
+and reused forever: a slot freed by eviction goes to the next block without touching the allocator."""
 
 from __future__ import annotations
 
@@ -17,11 +12,8 @@ DEFAULT_CHUNK_BYTES = 64 << 20  # a power of two: torch's pinned allocator round
 
 
 class SlotSlab:
-    """`max_slots` slots of `slot_bytes` each, allocated `chunk_bytes` at a time.
-
-    Not thread-safe by itself except `grow`: the owner (CpuTier) serializes `allocate` / `free`
-    under its lock and calls `grow` outside it (allocating a chunk is slow).
-    """
+    """`max_slots` slots of `slot_bytes` each, allocated `chunk_bytes` at a time. Only `grow` is
+    thread-safe: the owner serializes `allocate` / `free` under its lock and grows outside it."""
 
     def __init__(
         self, slot_bytes: int, max_slots: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, pin_memory: bool = False
@@ -40,27 +32,16 @@ class SlotSlab:
 
     @property
     def num_slots(self) -> int:
-        """Slots allocated so far (free or not)."""
         return self._num_slots
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def can_grow(self) -> bool:
-        return self._num_slots < self.max_slots
-
     def allocate(self) -> int | None:
-        """A free slot id, or None (call `grow`, or evict and `free` a slot, then retry)."""
         return self._free.popleft() if self._free else None
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
 
     def grow(self) -> bool:
-        """Add one chunk of slots (False at max_slots). Safe to call without the owner's lock:
-        the chunk is pinned first, then published with two atomic list operations."""
+        """Add one chunk of slots (False at max_slots); the chunk is published only once pinned."""
         with self._grow_lock:
             count = min(self.slots_per_chunk, self.max_slots - self._num_slots)
             if count <= 0:
@@ -70,20 +51,16 @@ class SlotSlab:
             self._chunk_bytes.append(chunk.numpy().data.cast("B"))  # before the chunk is published
             self._chunks.append(chunk)
             self._num_slots += count
-            # Slots of a chunk come out in address order, so blocks stored together are adjacent
-            # and move to the device in one copy.
+            # In address order: blocks stored together are adjacent and move in one copy.
             self._free.extend(range(first, first + count))
             return True
 
     def view(self, slot: int) -> torch.Tensor:
         """The slot's memory: [slot_bytes] uint8."""
         chunk, index = divmod(slot, self.slots_per_chunk)
-        start = index * self.slot_bytes
-        return self._chunks[chunk][start : start + self.slot_bytes]
+        return self._chunks[chunk][index * self.slot_bytes : (index + 1) * self.slot_bytes]
 
     def view_bytes(self, slot: int) -> memoryview:
-        """The slot's memory as a memoryview: a slice, no tensor->numpy conversion per call (the
-        disk writer hands it to writev and crc32)."""
+        """The slot's memory as a memoryview (no tensor->numpy conversion per call)."""
         chunk, index = divmod(slot, self.slots_per_chunk)
-        start = index * self.slot_bytes
-        return self._chunk_bytes[chunk][start : start + self.slot_bytes]
+        return self._chunk_bytes[chunk][index * self.slot_bytes : (index + 1) * self.slot_bytes]

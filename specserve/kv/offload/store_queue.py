@@ -1,11 +1,6 @@
-"""Blocks on their way into the tiers, handed over by a worker thread off the engine's step.
-
-The engine thread only launches copies (transfer.py) and submits the result here; the worker
-waits for each job's copy to complete (a CUDA event: the GIL is released while it waits), then
-puts the payloads into the tiers (a memcpy into a CPU tier slot, a queued disk write). A payload
-is visible in a tier only once its bytes are complete. Until then `pending(key)` is true, and a
-reader that needs the block calls `wait_for(key)`.
-"""
+"""Blocks on their way into the tiers: a worker thread waits for each job's device->host copy,
+then puts the payloads into the tiers, off the engine's step. A payload is visible in a tier only
+once its bytes are complete; until then `pending(key)` is true and readers call `wait_for(key)`."""
 
 from __future__ import annotations
 
@@ -13,6 +8,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from specserve.kv.offload.base import BlockKey
 from specserve.kv.offload.payload import PackedPayload
@@ -20,39 +16,33 @@ from specserve.kv.offload.transfer import HostRows
 
 logger = logging.getLogger(__name__)
 
-PutMany = Callable[[list[BlockKey], list[PackedPayload]], None]  # e.g. TieredStore.put_many
+PutMany = Callable[[list[BlockKey], list[PackedPayload]], None]
 
 
+@dataclass(eq=False)
 class _Job:
-    __slots__ = ("done", "keys", "payloads", "put", "rows")
-
-    def __init__(
-        self, keys: list[BlockKey], rows: HostRows | None, payloads: list[PackedPayload] | None, put: PutMany
-    ) -> None:
-        self.keys, self.rows, self.payloads, self.put = keys, rows, payloads, put
-        self.done = threading.Event()
+    keys: list[BlockKey]
+    rows: HostRows | None
+    payloads: list[PackedPayload] | None
+    put: PutMany
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 class StoreQueue:
     """Jobs are handled in submission order by one worker thread."""
 
-    def __init__(self, name: str = "kv-store") -> None:
+    def __init__(self) -> None:
         self._inflight: dict[BlockKey, _Job] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
-        self._worker = threading.Thread(target=self._loop, name=f"specserve-{name}", daemon=True)
+        self._worker = threading.Thread(target=self._loop, name="specserve-kv-store", daemon=True)
         self._worker.start()
 
-    def submit_rows(self, keys: list[BlockKey], rows: HostRows, put: PutMany) -> None:
-        """Put rows.rows[i] under keys[i] once the copy that fills `rows` has completed."""
-        self._submit(_Job(keys, rows, None, put))
-
-    def submit(self, keys: list[BlockKey], payloads: list[PackedPayload], put: PutMany) -> None:
-        """Put payloads (already complete) in the background."""
-        self._submit(_Job(keys, None, payloads, put))
-
-    def _submit(self, job: _Job) -> None:
+    def submit(self, keys: list[BlockKey], data: HostRows | list[PackedPayload], put: PutMany) -> None:
+        """put(keys, payloads) in the background; HostRows once the copy that fills them completes."""
+        rows = data if isinstance(data, HostRows) else None
+        job = _Job(keys, rows, None if rows is not None else data, put)  # type: ignore[arg-type]
         if self._closed:
             raise RuntimeError("the KV store queue is closed")
         with self._lock:
@@ -70,7 +60,6 @@ class StoreQueue:
             job.done.wait()
 
     def flush(self) -> None:
-        """Return once every job submitted so far has been handled."""
         self._queue.join()
 
     def close(self) -> None:
