@@ -1,12 +1,5 @@
 """specserve replicas on Ray Serve (`pip install 'specserve[ray]'`): data parallelism with
-prefix-affinity routing and failover behind one OpenAI-compatible front door.
-
-    from ray import serve
-    from specserve.ray import build_openai_app
-    serve.run(build_openai_app({"model": "smollm2-135m-instruct"}, num_replicas=2))
-
-Ray is imported when one of the names below is first used; `router` and `prom` need no Ray.
-"""
+prefix-affinity routing and failover behind one front door. Ray is imported on first use."""
 
 import importlib
 from typing import Any

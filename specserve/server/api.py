@@ -216,7 +216,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
 def _tokenize(engine: AsyncEngine, req: TokenizeRequest) -> dict[str, Any]:
     check_model(engine, req.model)
     if (req.prompt is None) == (req.messages is None):
-        raise APIError("give exactly one of prompt or messages", param="prompt", code="invalid_value")
+        raise APIError("give exactly one of prompt or messages", param="prompt")
     if req.messages is not None:
         ids = render_chat(engine, req.messages, req.add_generation_prompt)
     else:

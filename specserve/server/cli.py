@@ -1,8 +1,5 @@
-"""The `specserve` command: serve, generate, chat, bench, advise, models, train-draft.
-
-Each subcommand imports what it needs only when it runs, so `specserve models list` never loads
-torch or the web stack. Exit codes: 0 ok, 1 runtime failure, 2 bad arguments/configuration.
-"""
+"""The `specserve` command. Subcommands import what they need when they run.
+Exit codes: 0 ok, 1 runtime failure, 2 bad arguments/configuration."""
 
 from __future__ import annotations
 
@@ -56,7 +53,6 @@ def _config_or_exit(prog: str, build: Callable[[], T]) -> T:
         raise SystemExit(2) from None
 
 
-# ----------------------------------------------------------------------------------- serve
 def serve_main(argv: Sequence[str]) -> int:
     from specserve.config import EngineConfig
     from specserve.server import cli_args
@@ -79,13 +75,10 @@ def serve_main(argv: Sequence[str]) -> int:
     _config_or_exit("specserve serve", lambda: cli_args.apply_num_threads(args))
     engine = _config_or_exit("specserve serve", lambda: AsyncEngine.from_config(config))
     server = make_server(engine, settings)
-    # What start-up built (modules, tokenizer tables, config) lives as long as the server: keep the
-    # cycle collector from walking it in a full collection mid-serving (~74 ms for SmolLM2's ~234k
-    # objects on the CPU; the frozen ones are still freed by reference counting).
+    # Start-up objects live as long as the server: keep full collections from walking them.
     gc.collect()
     gc.freeze()
-    # uvicorn re-raises the signal it caught once its graceful shutdown is done, so that the
-    # previous handler runs; a no-op handler turns that into a clean exit with status 0.
+    # uvicorn re-raises the caught signal after its graceful shutdown: a no-op handler exits with 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
@@ -117,7 +110,6 @@ def _load_llm(prog: str, args: argparse.Namespace):  # -> LLM
     return _config_or_exit(prog, lambda: LLM(**{"model": DEFAULT_MODEL, **cli_args.engine_kwargs(args)}))
 
 
-# -------------------------------------------------------------------------------- generate
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt:
         return list(args.prompt)
@@ -164,7 +156,6 @@ def generate_main(argv: Sequence[str]) -> int:
     return 0
 
 
-# ------------------------------------------------------------------------------------ chat
 def chat_main(argv: Sequence[str]) -> int:
     from specserve.server import cli_args
 
@@ -199,7 +190,6 @@ def chat_main(argv: Sequence[str]) -> int:
     return 0
 
 
-# ------------------------------------------------------------- subcommands of other modules
 def _delegate_args(module: str, add: str, run: str, name: str, argv: Sequence[str]) -> int:
     mod = importlib.import_module(module)
     parser = argparse.ArgumentParser(prog=f"specserve {name}", description=SUBCOMMANDS[name])
@@ -207,16 +197,8 @@ def _delegate_args(module: str, add: str, run: str, name: str, argv: Sequence[st
     return int(getattr(mod, run)(parser.parse_args(argv)) or 0)
 
 
-def models_main(argv: Sequence[str]) -> int:
-    from specserve.model.catalog import models_main as run
-
-    return int(run(list(argv)) or 0)
-
-
-def train_draft_main(argv: Sequence[str]) -> int:
-    from specserve.train.loop import train_main
-
-    return int(train_main(list(argv)) or 0)
+def _delegate(module: str, run: str, argv: Sequence[str]) -> int:
+    return int(getattr(importlib.import_module(module), run)(list(argv)) or 0)
 
 
 _RUNNERS: dict[str, Callable[[Sequence[str]], int]] = {
@@ -225,8 +207,8 @@ _RUNNERS: dict[str, Callable[[Sequence[str]], int]] = {
     "chat": chat_main,
     "bench": lambda argv: _delegate_args("specserve.bench.serving", "add_bench_args", "bench_main", "bench", argv),
     "advise": lambda argv: _delegate_args("specserve.bench.advise", "add_advise_args", "advise_main", "advise", argv),
-    "models": models_main,
-    "train-draft": train_draft_main,
+    "models": lambda argv: _delegate("specserve.model.catalog", "models_main", argv),
+    "train-draft": lambda argv: _delegate("specserve.train.loop", "train_main", argv),
 }
 
 

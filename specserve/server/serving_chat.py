@@ -96,16 +96,16 @@ def render_chat(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **custom, **opened, **extra
         )
     except jinja2.TemplateSyntaxError as e:
-        raise APIError(f"chat_template is not a valid Jinja template: {e}", param=param, code="invalid_value") from None
+        raise APIError(f"chat_template is not a valid Jinja template: {e}", param=param) from None
     except Exception as e:  # noqa: BLE001 - jinja errors (role order, ...) are the client's
         which = "the given chat_template" if custom else "the chat template"
-        raise APIError(f"messages could not be rendered with {which}: {e}", param=param, code="invalid_value") from None
+        raise APIError(f"messages could not be rendered with {which}: {e}", param=param) from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _check_messages(messages: list[ChatMessage]) -> None:
     if not messages:
-        raise APIError("messages must be a non-empty list", param="messages", code="invalid_value")
+        raise APIError("messages must be a non-empty list", param="messages")
     for i, m in enumerate(messages):
         if m.tool_calls or m.function_call is not None:
             field = "tool_calls" if m.tool_calls else "function_call"
@@ -115,11 +115,7 @@ def _check_messages(messages: list[ChatMessage]) -> None:
                 code="unsupported",
             )
         if m.role != "assistant" and m.content is None:
-            raise APIError(
-                f"messages.{i}.content is required for role {m.role!r}",
-                param=f"messages.{i}.content",
-                code="invalid_value",
-            )
+            raise APIError(f"messages.{i}.content is required for role {m.role!r}", param=f"messages.{i}.content")
 
 
 def _logprobs(engine: AsyncEngine, c: CompletionOutput, start: int, top_n: int, as_ids: bool = False) -> ChatLogprobs:
@@ -152,18 +148,14 @@ def _validate(req: ChatCompletionRequest) -> None:
     if req.tools:
         raise APIError("tools are not supported by this server", param="tools", code="unsupported")
     if req.top_logprobs is not None and not req.logprobs:
-        raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value")
+        raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
     if req.continue_final_message and req.add_generation_prompt:
         raise APIError(
-            "continue_final_message needs add_generation_prompt to be false (as vLLM)",
-            param="continue_final_message",
-            code="invalid_value",
+            "continue_final_message needs add_generation_prompt to be false (as vLLM)", param="continue_final_message"
         )
     if req.continue_final_message and req.messages and req.messages[-1].role != "assistant":
         raise APIError(
-            "continue_final_message needs the last message to be the assistant's",
-            param="continue_final_message",
-            code="invalid_value",
+            "continue_final_message needs the last message to be the assistant's", param="continue_final_message"
         )
 
 

@@ -128,7 +128,7 @@ def _prompts(engine: AsyncEngine, req: CompletionRequest) -> list[_Prompt]:
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
-        raise APIError("prompt must not be empty", param="prompt", code="invalid_value")
+        raise APIError("prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
         prompt = [prompt]  # one tokenized prompt
     out = []
@@ -164,16 +164,14 @@ async def create_completion(engine: AsyncEngine, req: CompletionRequest, raw: Re
         require_tokenizer(engine, "echo")
     prompts = await asyncio.to_thread(_prompts, engine, req)
     if len(prompts) * req.n > 128:
-        raise APIError("too many completions in one request (prompts * n > 128)", param="n", code="invalid_value")
+        raise APIError("too many completions in one request (prompts * n > 128)", param="n")
     params = build_params(req, req.max_tokens, req.logprobs)
     # echo with logprobs scores the prompt too (vLLM; lm-eval's loglikelihood requests rely on it).
     wanted = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
     if wanted:
         if not 0 <= max(wanted) <= MAX_LOGPROBS:
             raise APIError(
-                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {max(wanted)}",
-                param="prompt_logprobs",
-                code="invalid_value",
+                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {max(wanted)}", param="prompt_logprobs"
             )
         params = params.clone(prompt_logprobs=max(wanted))
     params = fit_context(params, [len(p.token_ids) for p in prompts], engine.max_model_len, "prompt")
