@@ -1,10 +1,7 @@
-"""FastAPI app factory: OpenAI-compatible routes over an AsyncEngine, plus health and metrics.
+"""FastAPI app: OpenAI-compatible routes over an AsyncEngine, plus health and metrics.
 
-Routes read and validate the body themselves (size limit -> 413, bad JSON or fields -> 400 with
-the OpenAI error body, never FastAPI's 422), and every error leaves the server as that body
-without a stack trace. Auth and the Content-Length check are a pure ASGI middleware (Starlette's
-BaseHTTPMiddleware would break disconnect detection of streaming responses).
-"""
+Routes validate bodies themselves (413, 400 with the OpenAI error body, never FastAPI's 422).
+Auth and header checks are a pure ASGI middleware (BaseHTTPMiddleware breaks disconnect detection)."""
 
 from __future__ import annotations
 
@@ -61,9 +58,8 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 class GuardMiddleware:
-    """API key (Bearer), Content-Type of POSTs and the fast Content-Length check, before any route runs.
-    A POST must say `application/json`: bodies a browser may send cross-site without a preflight
-    (text/plain, forms, an untyped Blob) never reach a route."""
+    """API key (Bearer), Content-Type of POSTs (application/json: no cross-site simple requests) and
+    Content-Length, before any route runs."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
@@ -97,7 +93,7 @@ class GuardMiddleware:
 
 
 def _guarded(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """APIError -> its OpenAI body; anything else -> a plain 500 (the trace stays in our log)."""
+    """APIError -> its OpenAI body; anything else -> a plain 500 (the trace goes to the log)."""
 
     @functools.wraps(fn)
     async def route(request: Request) -> Response:
@@ -123,16 +119,9 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
     """The server app. Its lifespan shuts the engine down (after uvicorn drained connections)."""
     metrics = PrometheusMetrics(engine.stats, settings.metrics_prefix)
     spec = engine.config.speculative
-    if spec is not None:  # what `advise` sizes k against (the controller's choices are other series)
-        engine.stats.set(
-            "spec_decode_config_info",
-            1,
-            {
-                "method": spec.method,
-                "adaptive": str(spec.adaptive),
-                "num_speculative_tokens": str(spec.num_speculative_tokens),
-            },
-        )
+    if spec is not None:  # what `advise` sizes k against
+        info = {"method": spec.method, "adaptive": spec.adaptive, "num_speculative_tokens": spec.num_speculative_tokens}
+        engine.stats.set("spec_decode_config_info", 1, {k: str(v) for k, v in info.items()})
     limit = settings.max_request_body_bytes
 
     @contextlib.asynccontextmanager
@@ -160,7 +149,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         req = parse_model(ChatCompletionRequest, await read_json(request, limit))
         if req.chat_template is not None and not settings.trust_request_chat_template:
-            # As vLLM: a client's Jinja runs in a sandbox but may still loop for long; opt in.
+            # A client's Jinja runs sandboxed but may loop for long: opt in (as vLLM).
             raise APIError(
                 "a chat_template in the request needs the server started with --trust-request-chat-template",
                 param="chat_template",
@@ -237,31 +226,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(validation_error(list(exc.errors())))
 
 
-def uvicorn_config(app: FastAPI, settings: ServerConfig, **overrides: Any) -> uvicorn.Config:
-    # uvicorn's own timeout is only a backstop: it cancels tasks, which logs tracebacks, so
-    # SpecserveServer ends in-flight requests itself before it fires.
-    kw: dict[str, Any] = {
-        "host": settings.host,
-        "port": settings.port,
-        "log_level": settings.uvicorn_log_level,
-        "timeout_graceful_shutdown": settings.graceful_shutdown_timeout + 5.0,
-        "lifespan": "on",
-    }
-    kw.update(overrides)
-    return uvicorn.Config(app, **kw)
-
-
 class SpecserveServer(uvicorn.Server):
-    """uvicorn.Server that drains the engine when shutdown starts (SIGTERM, SIGINT, should_exit).
+    """uvicorn.Server that drains the engine when shutdown starts: in-flight requests run for
+    `graceful_shutdown_timeout` s, then end with finish_reason "abort"."""
 
-    uvicorn stops accepting connections, then waits for open ones; meanwhile the drain lets
-    in-flight requests run for `graceful_shutdown_timeout` s and then aborts them, so every
-    response ends properly (finish_reason "abort") and the app's lifespan shutdown follows.
-    """
-
-    # After the engine loop (or a tensor-parallel rank) dies, /health answers 503 for this long so
-    # load balancers see it, then the server exits on its own (exit status 1).
-    DEAD_ENGINE_GRACE_S = 3.0
+    DEAD_ENGINE_GRACE_S = 3.0  # /health answers 503 this long after the engine died, then exit 1
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, settings: ServerConfig) -> None:
         super().__init__(config)
@@ -285,8 +254,7 @@ class SpecserveServer(uvicorn.Server):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to (host, port), for uvicorn to listen on: `serve` binds before it loads the
-    model, so a port in use is reported at once. OSError names the address."""
+    """A socket bound to (host, port) before the model loads, so a port in use fails at once."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -299,15 +267,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def make_server(engine: AsyncEngine, settings: ServerConfig, **overrides: Any) -> SpecserveServer:
-    """The app and a uvicorn server for it (not started)."""
-    return SpecserveServer(uvicorn_config(build_app(engine, settings), settings, **overrides), engine, settings)
+    """The app and a uvicorn server for it (not started). uvicorn's own shutdown timeout is a backstop."""
+    kw: dict[str, Any] = {"host": settings.host, "port": settings.port, "log_level": settings.uvicorn_log_level}
+    kw.update(timeout_graceful_shutdown=settings.graceful_shutdown_timeout + 5.0, lifespan="on")
+    return SpecserveServer(uvicorn.Config(build_app(engine, settings), **{**kw, **overrides}), engine, settings)
 
 
 class BackgroundServer:
-    """Serve an engine on a daemon thread (tests, benchmarks, notebooks), as `serve` would.
-
-    Port 0 binds a free port up front, so there is no pick-then-bind race.
-    """
+    """Serve an engine on a daemon thread (tests, notebooks), as `serve` would; port 0: a free one."""
 
     def __init__(self, engine: AsyncEngine, settings: ServerConfig | None = None, **overrides: Any) -> None:
         settings = settings or ServerConfig(port=0)

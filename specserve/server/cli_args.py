@@ -1,9 +1,5 @@
-"""Command-line flags generated from the config dataclasses, so a new config field is a new flag.
-
-The flag is the field name with `_` -> `-` (vLLM's names). Flags default to "not given"
-(argparse.SUPPRESS): only what the user typed reaches `EngineConfig.from_kwargs`, and the
-dataclass defaults stay the single source of defaults. This module imports no server stack.
-"""
+"""Command-line flags generated from the config dataclasses (field `a_b` -> `--a-b`, vLLM's names).
+Flags default to argparse.SUPPRESS, so only what the user typed reaches `EngineConfig.from_kwargs`."""
 
 from __future__ import annotations
 
@@ -29,7 +25,6 @@ _CHOICES = {
     "load_format": cfg.LOAD_FORMATS,
     "metrics_prefix": ("specserve", "vllm"),
 }
-# Help for config fields that carry none in their metadata.
 _HELP = {
     "tensor_parallel_size": "GPUs to shard the model over",
     "kv_offload_cpu_bytes": "CPU tier for evicted KV blocks, bytes (0 = off; accepts 4G)",
@@ -37,7 +32,7 @@ _HELP = {
     "kv_offload_disk_bytes": "disk tier size, bytes (accepts 100G; needs --kv-offload-disk-path)",
 }
 _ENGINE_SECTIONS = (cfg.ModelConfig, cfg.CacheConfig, cfg.SchedulerConfig, cfg.ParallelConfig)
-# Engine config fields that only the HTTP server reads: `serve` has them, `generate` / `chat` do not.
+# Engine fields only the HTTP server reads: flags of `serve`, not of `generate` / `chat`.
 SERVER_ONLY_FIELDS = frozenset({"served_model_name", "max_num_queued_requests"})
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -45,7 +40,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 <
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """HTTP server settings (not engine settings); flags are generated like the engine's."""
+    """HTTP server settings; flags are generated like the engine's."""
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=8000, metadata={"help": "port to bind"})
@@ -118,7 +113,7 @@ def _add_field(
     base = _base_type(hint)
     default = f.default if f.default is not dataclasses.MISSING else None
     help_ = f.metadata.get("help") or _HELP.get(dest, "")
-    if "default" not in help_.lower():  # some helps state their default in words (e.g. "2048 GPU, 512 CPU")
+    if "default" not in help_.lower():  # some helps state their default in words
         help_ = f"{help_} (default: {default})".strip()
     kw: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_}
     if base is bool:
@@ -190,9 +185,8 @@ def available_cpus() -> int:
 
 
 def choose_num_threads(requested: int | None, available: int, torch_default: int) -> int:
-    """torch's intra-op threads. torch's default counts the machine's cores, not the process's
-    share; with as many threads as cores, the engine and HTTP threads (and any other process)
-    preempt torch's spinning workers and a step waits for the slowest: keep one core for them."""
+    """torch's intra-op threads: the process's cores minus one (for the engine and HTTP threads,
+    which would otherwise preempt torch's spinning workers), at most torch's default."""
     if requested is not None and requested < 1:
         raise ValueError(f"num_threads must be >= 1, got {requested}.")
     return requested or max(1, min(torch_default, available - 1))
@@ -228,8 +222,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Server flags, and the engine fields only the server reads (they still go to the EngineConfig
-    through `engine_kwargs`)."""
+    """Server flags, and the engine fields only the server reads (still passed by `engine_kwargs`)."""
     group = parser.add_argument_group("server")
     _add_dataclass(group, ServerConfig)
     for cls in _ENGINE_SECTIONS:
@@ -242,18 +235,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's data-parallel flags of `serve`; replicas run on Ray Serve (`specserve.ray`)."""
     group = parser.add_argument_group("data parallel")
-    group.add_argument(
-        "--data-parallel-size", type=int, default=1, help="engine replicas behind one front door (default: 1)"
-    )
+    group.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas (default: 1)")
     group.add_argument(
         "--data-parallel-backend",
         choices=("ray",),
         default=None,
         help="ray: replicas as a Ray Serve application (pip install 'specserve[ray]')",
     )
-    group.add_argument(
-        "--ray-address", default=None, help="join this Ray cluster (default: start a local Ray instance)"
-    )
+    group.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start one)")
 
 
 def wants_data_parallel(args: argparse.Namespace) -> bool:
@@ -278,31 +267,27 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**values)
 
 
+_SAMPLING_FLAGS = {
+    "max_tokens": 128,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "n": 1,
+}
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """Sampling flags of `generate` / `chat` (engine --seed seeds weights; --sampling-seed sampling)."""
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--n", type=int, default=1)
+    for name, default in _SAMPLING_FLAGS.items():
+        g.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--sampling-seed", type=int, default=None)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        n=args.n,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        seed=args.sampling_seed,
-    )
+    kw = {name: getattr(args, name) for name in _SAMPLING_FLAGS}
+    return SamplingParams(**kw, stop=args.stop, ignore_eos=args.ignore_eos, seed=args.sampling_seed)

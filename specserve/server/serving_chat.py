@@ -9,7 +9,7 @@ from typing import Any
 
 import jinja2
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
 from specserve.engine.async_engine import AsyncEngine, RequestSpec, RequestStream
 from specserve.outputs import CompletionOutput, RequestOutput
@@ -32,20 +32,19 @@ from specserve.server.serving_common import (
     MIN_LOGPROB,
     SSE_DONE,
     APIError,
-    ClientDisconnected,
     DeltaTracker,
     build_params,
     check_model,
     check_prompt_chars,
-    engine_error,
     fit_context,
-    guarded_stream,
     logprob_token,
     require_tokenizer,
+    respond,
     sse,
+    submit,
     token_bytes,
     truncation_size,
-    until_disconnected,
+    usage_flags,
 )
 
 # Arguments of apply_chat_template a client must not override through chat_template_kwargs.
@@ -181,29 +180,14 @@ async def create_chat_completion(engine: AsyncEngine, req: ChatCompletionRequest
     params = build_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs")
     params = fit_context(params, [len(prompt_ids)], engine.max_model_len, "messages")
     reply_id = random_id("chatcmpl")
-    try:
-        stream = await engine.add_requests([RequestSpec(reply_id, {"prompt_token_ids": prompt_ids}, params)])
-    except Exception as e:  # noqa: BLE001 - engine_error re-raises what it does not map
-        raise engine_error(e, engine) from None
-    if req.stream:
-        chunks = _stream(engine, req, stream, reply_id, len(prompt_ids))
-        return StreamingResponse(guarded_stream(chunks, stream.close), media_type="text/event-stream")
-    try:
-        final = await until_disconnected(raw, _last(stream))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return JSONResponse(_full_response(engine, req, final, reply_id).model_dump())
-
-
-async def _last(stream: RequestStream) -> RequestOutput:
-    final = None
-    try:
-        async for output in stream:
-            final = output
-    finally:
-        stream.close()
-    assert final is not None  # a stream ends only with its finished output
-    return final
+    stream = await submit(engine, [RequestSpec(reply_id, {"prompt_token_ids": prompt_ids}, params)])
+    return await respond(
+        raw,
+        stream,
+        req.stream,
+        lambda: _stream(engine, req, stream, reply_id, len(prompt_ids)),
+        lambda finals: _full_response(engine, req, finals[reply_id], reply_id),
+    )
 
 
 def _echo_text(req: ChatCompletionRequest) -> str:
@@ -239,8 +223,7 @@ def _full_response(
 async def _stream(
     engine: AsyncEngine, req: ChatCompletionRequest, stream: RequestStream, reply_id: str, num_prompt_tokens: int
 ) -> AsyncIterator[str]:
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
-    continuous = include_usage and req.stream_options is not None and req.stream_options.continuous_usage_stats
+    include_usage, continuous = usage_flags(req)
     created = int(time.time())
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
@@ -248,8 +231,7 @@ async def _stream(
             ChatCompletionChunk(id=reply_id, created=created, model=engine.model_name, choices=choices, usage=usage)
         )
 
-    # The role comes first, as OpenAI sends it, before the first token is ready (with the echoed
-    # final assistant message when the request asked for echo).
+    # The role comes first, as OpenAI sends it (with the echoed final assistant message).
     echo = _echo_text(req)
     for i in range(req.n):
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echo))])

@@ -14,9 +14,16 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from specserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
-from specserve.outputs import CompletionOutput, Logprob
+from specserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestSpec,
+    RequestStream,
+)
+from specserve.outputs import CompletionOutput, Logprob, RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.server.protocol import ErrorInfo, ErrorResponse, SamplingFields
 
@@ -341,6 +348,48 @@ def logprob_token(engine: AsyncEngine, token_id: int, lp: Logprob | None, as_ids
     """(the token as shown in logprobs, its text); `as_ids`: shown as "token_id:{id}"."""
     text = token_text(engine, token_id, lp)
     return (f"token_id:{token_id}" if as_ids else text), text
+
+
+def usage_flags(req: SamplingFields) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of a streaming request."""
+    opts = req.stream_options
+    return (opts is not None and opts.include_usage), (
+        opts is not None and opts.include_usage and opts.continuous_usage_stats
+    )
+
+
+async def submit(engine: AsyncEngine, specs: list[RequestSpec]) -> RequestStream:
+    try:
+        return await engine.add_requests(specs)
+    except Exception as e:  # noqa: BLE001 - engine_error re-raises what it does not map
+        raise engine_error(e, engine) from None
+
+
+async def _collect(stream: RequestStream) -> dict[str, RequestOutput]:
+    finals: dict[str, RequestOutput] = {}
+    try:
+        async for output in stream:
+            finals[output.request_id] = output
+    finally:
+        stream.close()
+    return finals
+
+
+async def respond(
+    raw: Request,
+    stream: RequestStream,
+    streaming: bool,
+    chunks: Callable[[], AsyncIterator[str]],
+    full: Callable[[dict[str, RequestOutput]], BaseModel],
+) -> Response:
+    """An SSE response of `chunks()`, or `full` of the final outputs by request id (499 on disconnect)."""
+    if streaming:
+        return StreamingResponse(guarded_stream(chunks(), stream.close), media_type="text/event-stream")
+    try:
+        finals = await until_disconnected(raw, _collect(stream))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(full(finals).model_dump())
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

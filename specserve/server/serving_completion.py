@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
 from specserve.engine.async_engine import AsyncEngine, RequestSpec, RequestStream
 from specserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -26,20 +26,19 @@ from specserve.server.serving_common import (
     MIN_LOGPROB,
     SSE_DONE,
     APIError,
-    ClientDisconnected,
     DeltaTracker,
     build_params,
     check_model,
     check_prompt_chars,
     check_token_ids,
-    engine_error,
     fit_context,
-    guarded_stream,
     logprob_token,
     require_tokenizer,
+    respond,
     sse,
+    submit,
     truncation_size,
-    until_disconnected,
+    usage_flags,
 )
 
 
@@ -71,6 +70,10 @@ class _Reply:
         if prompt.text is None:
             prompt.text = require_tokenizer(self.engine, "echo").decode(prompt.token_ids)
         return prompt.text
+
+    def chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
+        model = self.engine.model_name
+        return sse(CompletionChunk(id=self.id, created=self.created, model=model, choices=choices, usage=usage))
 
     def usage(self, completion_tokens: int) -> UsageInfo:
         return UsageInfo.of(sum(len(p.token_ids) for p in self.prompts), completion_tokens)
@@ -178,28 +181,9 @@ async def create_completion(engine: AsyncEngine, req: CompletionRequest, raw: Re
     reply_id = random_id("cmpl")
     ids = [f"{reply_id}-{i}" for i in range(len(prompts))]
     specs = [RequestSpec(rid, {"prompt_token_ids": p.token_ids}, params) for rid, p in zip(ids, prompts)]
-    try:
-        stream = await engine.add_requests(specs)
-    except Exception as e:  # noqa: BLE001 - engine_error re-raises what it does not map
-        raise engine_error(e, engine) from None
+    stream = await submit(engine, specs)
     reply = _Reply(engine, req, prompts, ids, reply_id)
-    if req.stream:
-        return StreamingResponse(guarded_stream(_stream(reply, stream), stream.close), media_type="text/event-stream")
-    try:
-        finals = await until_disconnected(raw, _collect(stream))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return JSONResponse(_full_response(reply, finals).model_dump())
-
-
-async def _collect(stream: RequestStream) -> dict[str, RequestOutput]:
-    finals: dict[str, RequestOutput] = {}
-    try:
-        async for output in stream:
-            finals[output.request_id] = output
-    finally:
-        stream.close()
-    return finals
+    return await respond(raw, stream, req.stream, lambda: _stream(reply, stream), lambda f: _full_response(reply, f))
 
 
 def _full_response(reply: _Reply, finals: dict[str, RequestOutput]) -> CompletionResponse:
@@ -229,8 +213,7 @@ def _full_response(reply: _Reply, finals: dict[str, RequestOutput]) -> Completio
 
 async def _stream(reply: _Reply, stream: RequestStream):  # -> AsyncIterator[str]
     req = reply.req
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
-    continuous = include_usage and req.stream_options is not None and req.stream_options.continuous_usage_stats
+    include_usage, continuous = usage_flags(req)
     tracker, done, generated = DeltaTracker(), set(), {}
     echoed: set[int] = set()
     async for output in stream:
@@ -257,22 +240,9 @@ async def _stream(reply: _Reply, stream: RequestStream):  # -> AsyncIterator[str
                 stop_reason=c.stop_reason,
                 prompt_logprobs=_prompt_logprobs(req, output) if first else None,
             )
-            usage = reply.usage(sum(generated.values())) if continuous else None
-            yield sse(
-                CompletionChunk(
-                    id=reply.id, created=reply.created, model=reply.engine.model_name, choices=[choice], usage=usage
-                )
-            )
+            yield reply.chunk([choice], reply.usage(sum(generated.values())) if continuous else None)
     if include_usage:
-        yield sse(
-            CompletionChunk(
-                id=reply.id,
-                created=reply.created,
-                model=reply.engine.model_name,
-                choices=[],
-                usage=reply.usage(sum(generated.values())),
-            )
-        )
+        yield reply.chunk([], reply.usage(sum(generated.values())))
     yield SSE_DONE
 
 
