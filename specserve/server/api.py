@@ -28,32 +28,17 @@ from specserve import __version__
 from specserve.engine.async_engine import AsyncEngine
 from specserve.metrics.log import StatsLogger
 from specserve.metrics.prometheus import PrometheusMetrics
+from specserve.server import protocol as proto
+from specserve.server import serving_common as common
 from specserve.server.cli_args import ServerConfig
-from specserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-)
 from specserve.server.serving_chat import create_chat_completion, render_chat
-from specserve.server.serving_common import (
-    APIError,
-    check_model,
-    check_token_ids,
-    parse_model,
-    read_json,
-    require_tokenizer,
-    validation_error,
-)
 from specserve.server.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key (probes, scrapers)
 
 
-def error_response(e: APIError) -> JSONResponse:
+def error_response(e: common.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
@@ -73,20 +58,20 @@ class GuardMiddleware:
                 return
         await self.app(scope, receive, send)
 
-    def _check(self, method: str, path: str, headers: dict[str, str]) -> APIError | None:
+    def _check(self, method: str, path: str, headers: dict[str, str]) -> common.APIError | None:
         if self.api_key and path not in OPEN_PATHS:
             given = headers.get("authorization", "")
             token = given[7:] if given.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-                return APIError("Incorrect API key provided.", 401, code="invalid_api_key")
+                return common.APIError("Incorrect API key provided.", 401, code="invalid_api_key")
         media_type = headers.get("content-type", "").split(";")[0].strip().lower()
         if method == "POST" and media_type != "application/json":
-            return APIError(
+            return common.APIError(
                 f"Content-Type must be application/json, got {media_type or 'none'}", 415, code="unsupported_media_type"
             )
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            return APIError(
+            return common.APIError(
                 f"request body exceeds the limit of {self.max_body_bytes} bytes", 413, code="request_too_large"
             )
         return None
@@ -99,11 +84,11 @@ def _guarded(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request]
     async def route(request: Request) -> Response:
         try:
             return await fn(request)
-        except APIError as e:
+        except common.APIError as e:
             return error_response(e)
         except Exception:
             logger.exception("unhandled error in %s %s", request.method, request.url.path)
-            return error_response(APIError("internal server error", 500, "server_error", code="internal_error"))
+            return error_response(common.APIError("internal server error", 500, "server_error", code="internal_error"))
 
     return route
 
@@ -141,54 +126,54 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     @_guarded
     async def completions(request: Request) -> Response:
-        req = parse_model(CompletionRequest, await read_json(request, limit))
+        req = common.parse_model(proto.CompletionRequest, await common.read_json(request, limit))
         return await create_completion(engine, req, request)
 
     @app.post("/v1/chat/completions")
     @_guarded
     async def chat_completions(request: Request) -> Response:
-        req = parse_model(ChatCompletionRequest, await read_json(request, limit))
+        req = common.parse_model(proto.ChatCompletionRequest, await common.read_json(request, limit))
         if req.chat_template is not None and not settings.trust_request_chat_template:
             # A client's Jinja runs sandboxed but may loop for long: opt in (as vLLM).
-            raise APIError(
+            raise common.APIError(
                 "a chat_template in the request needs the server started with --trust-request-chat-template",
                 param="chat_template",
                 code="unsupported",
             )
         return await create_chat_completion(engine, req, request)
 
-    card = ModelCard(id=engine.model_name, root=engine.config.model.model, max_model_len=engine.max_model_len)
+    card = proto.ModelCard(id=engine.model_name, root=engine.config.model.model, max_model_len=engine.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(proto.ModelList(data=[card]).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     @_guarded
     async def model(request: Request) -> Response:
-        check_model(engine, request.path_params["model_id"])
+        common.check_model(engine, request.path_params["model_id"])
         return JSONResponse(card.model_dump())
 
     @app.post("/tokenize")
     @_guarded
     async def tokenize(request: Request) -> Response:
-        req = parse_model(TokenizeRequest, await read_json(request, limit))
+        req = common.parse_model(proto.TokenizeRequest, await common.read_json(request, limit))
         return JSONResponse(await asyncio.to_thread(_tokenize, engine, req))
 
     @app.post("/detokenize")
     @_guarded
     async def detokenize(request: Request) -> Response:
-        req = parse_model(DetokenizeRequest, await read_json(request, limit))
-        check_model(engine, req.model)
-        check_token_ids(req.tokens, engine.vocab_size, "tokens")
-        return JSONResponse({"prompt": require_tokenizer(engine, "tokens").decode(req.tokens)})
+        req = common.parse_model(proto.DetokenizeRequest, await common.read_json(request, limit))
+        common.check_model(engine, req.model)
+        common.check_token_ids(req.tokens, engine.vocab_size, "tokens")
+        return JSONResponse({"prompt": common.require_tokenizer(engine, "tokens").decode(req.tokens)})
 
     @app.get("/health")
     async def health() -> Response:
         try:
             await engine.check_health()
         except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
-            return error_response(APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable"))
+            return error_response(common.APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable"))
         return Response(status_code=200)
 
     @app.get("/version")
@@ -202,14 +187,14 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
     return app
 
 
-def _tokenize(engine: AsyncEngine, req: TokenizeRequest) -> dict[str, Any]:
-    check_model(engine, req.model)
+def _tokenize(engine: AsyncEngine, req: proto.TokenizeRequest) -> dict[str, Any]:
+    common.check_model(engine, req.model)
     if (req.prompt is None) == (req.messages is None):
-        raise APIError("give exactly one of prompt or messages", param="prompt")
+        raise common.APIError("give exactly one of prompt or messages", param="prompt")
     if req.messages is not None:
         ids = render_chat(engine, req.messages, req.add_generation_prompt)
     else:
-        tokenizer = require_tokenizer(engine, "prompt")
+        tokenizer = common.require_tokenizer(engine, "prompt")
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs and engine.tokenizer else None
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
@@ -219,11 +204,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(APIError(str(exc.detail), exc.status_code, type_))
+        return error_response(common.APIError(str(exc.detail), exc.status_code, type_))
 
     @app.exception_handler(RequestValidationError)
     async def request_validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(validation_error(list(exc.errors())))
+        return error_response(common.validation_error(list(exc.errors())))
 
 
 class SpecserveServer(uvicorn.Server):
