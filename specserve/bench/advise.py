@@ -1,16 +1,6 @@
-"""`specserve advise`: sample a server's /metrics over a window and say where the bottleneck is.
-
-The rules follow the concurrency guide:
-  low (running < ~8, nothing waiting)  speculate where a step's cost grows little with its tokens
-                                       (judged from the measured ITL at the batch sizes seen); when
-                                       speculating, size k from the configured k, the controller's
-                                       choices and per-position acceptance.
-  medium (8..50, or anything waiting)  the KV pool: gpu_memory_utilization, preemptions, queueing.
-  high (50+)                           KV capacity: fp8 / nvfp4 KV, offload tiers, more replicas.
-plus prefix-cache reuse and latency percentiles from the server's histograms, and a note when the
-window holds too little to judge. `advise()` is pure: it takes parsed snapshots and returns
-advice, each with the numbers it rests on.
-"""
+"""`specserve advise`: sample a server's /metrics over a window and say where the bottleneck is:
+speculation at low concurrency, the KV pool at medium, KV capacity at high, plus prefix reuse and
+latency. `advise()` is pure: parsed snapshots in, advice with the numbers it rests on out."""
 
 from __future__ import annotations
 
@@ -53,9 +43,7 @@ class Advice:
 
 @dataclass
 class WindowStats:
-    """Counter deltas and gauge summaries between the first and last snapshot of a window.
-
-    With one snapshot the deltas are totals since the server started and `seconds` is None."""
+    """Counter deltas and gauge summaries of a window; one snapshot: totals, `seconds` None."""
 
     seconds: float | None
     running_avg: float = 0.0
@@ -78,7 +66,7 @@ class WindowStats:
         return self.counters.get(name, 0.0) / self.seconds if self.seconds else None
 
 
-# Current names first, then older vLLM spellings of the same series.
+# Current names first, then older vLLM spellings.
 GAUGES = {
     "running": ("num_requests_running",),
     "waiting": ("num_requests_waiting",),
@@ -192,9 +180,8 @@ def _prefix_hit_rate(s: WindowStats) -> float | None:
 
 
 def step_cost(s: WindowStats) -> tuple[float, float] | None:
-    """(ms of a one-request step, ms each further request adds) from a least-squares line through
-    the mean ITL of each sampled interval against the requests running in it; None unless the
-    window saw batch sizes at least one request apart."""
+    """(ms of a one-request step, ms per further request): least squares of interval ITL against
+    running requests; None unless the window saw batch sizes at least one request apart."""
     pts = [(x, y, w) for x, y, w in s.step_points if x >= 0.5]
     if len(pts) < 2 or max(x for x, _, _ in pts) - min(x for x, _, _ in pts) < 1.0:
         return None
@@ -330,7 +317,6 @@ def _speculation(s: WindowStats, where: str) -> list[Advice]:
 
 
 def _thin(s: WindowStats) -> list[Advice]:
-    """What the window lacks for firm advice."""
     itl = s.histograms.get("itl")
     reasons = [
         r
@@ -526,10 +512,8 @@ def add_advise_args(parser: argparse.ArgumentParser) -> None:
 
 
 def default_interval(window_s: float, interval_s: float | None) -> float:
-    """--interval, or window / 10 within [0.5, 5] s: a 5 s window sampled every 5 s saw only its two ends."""
-    if interval_s is not None:
-        return interval_s
-    return min(5.0, max(0.5, window_s / 10))
+    """--interval, or window / 10 within [0.5, 5] s."""
+    return interval_s if interval_s is not None else min(5.0, max(0.5, window_s / 10))
 
 
 def sample(base_url: str, window_s: float, interval_s: float, headers: dict[str, str]) -> list[MetricsSnapshot]:
@@ -558,20 +542,10 @@ def advise_main(args: argparse.Namespace) -> int:
     except (httpx.HTTPError, ValueError) as e:
         print(f"specserve advise: cannot read {args.base_url}/metrics: {e}")
         return 1
-    found = advise(snaps)
-    stats = window_stats(snaps)
+    found, stats = advise(snaps), window_stats(snaps)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "regime": regime(stats),
-                    "window_s": stats.seconds,
-                    "samples": len(snaps),
-                    "advice": [asdict(a) for a in found],
-                },
-                indent=1,
-            )
-        )
+        out = {"regime": regime(stats), "window_s": stats.seconds, "samples": len(snaps)}
+        print(json.dumps({**out, "advice": [asdict(a) for a in found]}, indent=1))
         return 0
     span = f"{stats.seconds:.1f} s, {len(snaps)} samples" if stats.seconds else "totals since start"
     print(

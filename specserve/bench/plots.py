@@ -1,9 +1,5 @@
-"""Presentation of benchmark results: vLLM-style text tables and matplotlib (Agg) PNG figures.
-
-A result (what `specserve bench` writes as JSON) is {"config": {...}, "runs": [run, ...]} with
-run = {"max_concurrency": int | None, "aggregates": {...}, "requests": [raw record, ...]}.
-matplotlib is imported inside the plotting functions so the tables work without it.
-"""
+"""Benchmark results as vLLM-style text tables and matplotlib PNGs (matplotlib imported on use).
+A result is {"config": {...}, "runs": [{"max_concurrency", "aggregates", "requests"}, ...]}."""
 
 from __future__ import annotations
 
@@ -71,7 +67,7 @@ def format_sweep(runs: list[Run]) -> str:
 
 
 def _x_of(run: Run) -> float:
-    """A run's concurrency on a plot axis; unbounded plots at the number of requests it sent."""
+    """A run's concurrency on a plot axis; unbounded: the number of requests it sent."""
     if run["max_concurrency"] is not None:
         return float(run["max_concurrency"])
     return float(run["aggregates"]["completed"] + run["aggregates"]["failed"])
@@ -193,8 +189,7 @@ def plot_compare(
         else:
             _concurrency_axis(ax, sorted({x for _, r in results for x in sweep_series(r)["max_concurrency"]}))
         ax.set_ylabel(ylabel)
-    # One legend for the figure, under the panels: run names (result files) are long, and per-panel
-    # legends covered the curves and the axis labels.
+    # One legend under the panels: run names are long.
     handles, names = axes[-1].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=min(4, len(names)), fontsize=8, frameon=False)
     unbounded = any(r["max_concurrency"] is None for _, runs in results for r in runs)

@@ -1,9 +1,4 @@
-"""What `specserve bench` computes and writes: its flags, the aggregates of a run, the result files.
-
-Aggregates use vLLM's result keys (`vllm bench serve`): throughputs per second of the run's
-duration, latencies in ms with mean / median / p90 / p99 from np.percentile over the raw
-per-request records, which are stored beside them in the result JSON.
-"""
+"""`specserve bench`'s flags, a run's aggregates (vLLM's result keys) and the result files."""
 
 from __future__ import annotations
 
@@ -54,7 +49,7 @@ def parse_concurrency(text: str | None) -> list[int | None]:
 
 
 def latency_samples_ms(records: list[RequestRecord]) -> dict[str, list[float]]:
-    """The samples behind each latency aggregate, in ms: per successful request (ITL: per chunk)."""
+    """Per successful request (ITL: per chunk) samples of each latency aggregate, in ms."""
     ok = [r for r in records if r.success]
     return {
         "ttft": [r.ttft_s * 1e3 for r in ok],
@@ -148,7 +143,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_baseline(path: str | None) -> dict[str, Any] | None:
-    """The saved result that `--compare` plots against (checked before the run, not after)."""
+    """The saved result that `--compare` plots against."""
     if path is None:
         return None
     baseline = json.loads(Path(path).read_text())
@@ -158,22 +153,10 @@ def load_baseline(path: str | None) -> dict[str, Any] | None:
 
 
 def config_json(args: argparse.Namespace, model: str, ignore_eos: bool, token_count: str) -> dict[str, Any]:
-    keys = (
-        "base_url",
-        "endpoint",
-        "dataset_name",
-        "dataset_path",
-        "random_input_len",
-        "random_output_len",
-        "random_range_ratio",
-        "output_len",
-        "num_prompts",
-        "request_rate",
-        "seed",
-        "temperature",
-        "goodput",
-    )
-    cfg = {k: getattr(args, k) for k in keys}
+    keys = "base_url endpoint dataset_name dataset_path random_input_len random_output_len random_range_ratio"
+    cfg = {
+        k: getattr(args, k) for k in (keys + " output_len num_prompts request_rate seed temperature goodput").split()
+    }
     cfg["request_rate"] = str(args.request_rate) if args.request_rate == float("inf") else args.request_rate
     return {
         **cfg,
@@ -198,7 +181,7 @@ def write_outputs(args: argparse.Namespace, result: dict[str, Any], baseline: di
     path.write_text(json.dumps(result, indent=1))
     print(f"Results: {path}", flush=True)
     title, runs = f"{cfg['model']} {cfg['endpoint']} ({cfg['dataset_name']})", result["runs"]
-    try:  # the results are saved: without matplotlib only the figures are missing
+    try:  # without matplotlib only the figures are missing
         plot = (
             plot_sweep(runs, path.with_suffix(".png"), title)
             if len(runs) > 1
