@@ -75,7 +75,6 @@ GAUGES = {
 COUNTERS = {
     "preemptions": ("num_preemptions_total",),
     "requests": ("request_success_total",),
-    "prompt_tokens": ("prompt_tokens_total",),
     "generation_tokens": ("generation_tokens_total",),
     "prefix_queries": ("prefix_cache_queries_total", "gpu_prefix_cache_queries_total"),
     "prefix_hits": ("prefix_cache_hits_total", "gpu_prefix_cache_hits_total"),
@@ -83,7 +82,6 @@ COUNTERS = {
     "draft_tokens": ("spec_decode_num_draft_tokens_total",),
     "accepted": ("spec_decode_num_accepted_tokens_total",),
     "offload_queries": ("kv_offload_queries_total",),
-    "offload_hits": ("kv_offload_hits_total",),
 }
 HISTOGRAMS = {
     "ttft": "time_to_first_token_seconds",
@@ -127,9 +125,7 @@ def window_stats(snapshots: list[MetricsSnapshot]) -> WindowStats:
         stats.chosen_k_samples = [s.value(CHOSEN) for s in snapshots]
         stats.chosen_k = stats.chosen_k_samples[-1]
     stats.spec_info = last.labels_of("spec_decode_config_info")
-    stats.spec_configured = (
-        bool(stats.spec_info) or last.value("spec_decode_num_drafts_total") > 0 or last.value(CHOSEN) > 0
-    )
+    stats.spec_configured = bool(stats.spec_info) or last.value(COUNTERS["drafts"][0]) > 0 or last.value(CHOSEN) > 0
     running = _first_name(last, GAUGES["running"]) or GAUGES["running"][0]
     for a, b in itertools.pairwise(snapshots):  # ITL per interval, against the load at its end
         d = _delta(b.histogram(HISTOGRAMS["itl"]), a.histogram(HISTOGRAMS["itl"]))
@@ -164,14 +160,8 @@ def _ms(hist: Histogram | None, q: float) -> float | None:
 
 
 def _load_evidence(s: WindowStats) -> Evidence:
-    return {
-        "running_avg": _r(s.running_avg, 2),
-        "running_max": s.running_max,
-        "waiting_avg": _r(s.waiting_avg, 2),
-        "waiting_max": s.waiting_max,
-        "kv_usage_avg": _r(s.kv_usage_avg),
-        "kv_usage_max": _r(s.kv_usage_max),
-    }
+    names = [f"{k}_{a}" for k in ("running", "waiting", "kv_usage") for a in ("avg", "max")]
+    return {n: _r(getattr(s, n), 3 if n.startswith("kv") else 2) for n in names}
 
 
 def _prefix_hit_rate(s: WindowStats) -> float | None:
