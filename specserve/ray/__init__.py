@@ -4,15 +4,8 @@ prefix-affinity routing and failover behind one front door. Ray is imported on f
 import importlib
 from typing import Any
 
-_EXPORTS = {
-    "build_openai_app": "app",
-    "serve_ray": "app",
-    "start": "app",
-    "stop": "app",
-    "FrontDoor": "frontdoor",
-    "RouterOptions": "frontdoor",
-    "SpecserveReplica": "replica",
-}
+_EXPORTS = {"build_openai_app": "app", "serve_ray": "app", "start": "app", "stop": "app", "FrontDoor": "frontdoor"}
+_EXPORTS |= {"RouterOptions": "frontdoor", "SpecserveReplica": "replica"}
 __all__ = ["FrontDoor", "RouterOptions", "SpecserveReplica", "build_openai_app", "serve_ray", "start", "stop"]
 
 

@@ -35,14 +35,12 @@ def build_openai_app(
         raise ValueError(f"num_replicas (data_parallel_size) must be >= 1, got {num_replicas}.")
     replica, front_door = cast(Deployment, SpecserveReplica), cast(Deployment, FrontDoor)
     drain_s = (settings or ServerConfig()).graceful_shutdown_timeout  # in-flight requests may finish
-    replicas = [
-        replica.options(
-            name=f"specserve-replica-{i}",
-            graceful_shutdown_timeout_s=drain_s,
-            ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
-        ).bind(dict(engine_kwargs or {}), settings)
+    actor = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+    opts = [
+        replica.options(name=f"specserve-replica-{i}", graceful_shutdown_timeout_s=drain_s, ray_actor_options=actor)
         for i in range(num_replicas)
     ]
+    replicas = [o.bind(dict(engine_kwargs or {}), settings) for o in opts]
     return front_door.options(name="specserve-front-door").bind(replicas, router or RouterOptions())
 
 
@@ -57,23 +55,20 @@ def start(
     """Start (or join) Ray, deploy the application and wait for it; return the front door's URL."""
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False, **(ray_init or {}))
-    has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-    tp = int(engine_kwargs.get("tensor_parallel_size", 1))
+    gpus = float(engine_kwargs.get("tensor_parallel_size", 1)) if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     serve.start(http_options={"host": settings.host, "port": settings.port})
-    app = build_openai_app(
-        engine_kwargs, num_replicas, settings, num_cpus=1.0, num_gpus=float(tp) if has_gpus else 0.0, router=router
+    serve.run(
+        build_openai_app(engine_kwargs, num_replicas, settings, num_gpus=gpus, router=router),
+        name=APP_NAME,
+        route_prefix="/",
     )
-    serve.run(app, name=APP_NAME, route_prefix="/")
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     return f"http://{host}:{settings.port}"
 
 
 def stop(joined: bool) -> None:
     """Remove the application; shut Serve and Ray down when this process started them."""
-    if joined:
-        serve.delete(APP_NAME)
-    else:
-        serve.shutdown()
+    serve.delete(APP_NAME) if joined else serve.shutdown()
     ray.shutdown()
 
 

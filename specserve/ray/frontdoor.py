@@ -45,8 +45,7 @@ def _unavailable(message: str) -> APIError:
 
 
 async def _head(gen: DeploymentResponseGenerator) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    status: int | None = None
-    headers: list[tuple[bytes, bytes]] = []
+    status, headers = None, []
     with contextlib.suppress(StopAsyncIteration):
         while True:
             item = await gen.__anext__()
@@ -79,9 +78,7 @@ class FrontDoor:
     @app.get("/health")
     async def health(self) -> Response:
         self._start_polling()
-        if self.router.live():
-            return Response(status_code=200)
-        return error_response(_unavailable("no replica is up"))
+        return Response(status_code=200) if self.router.live() else error_response(_unavailable("no replica is up"))
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -100,11 +97,10 @@ class FrontDoor:
         while (i := self.router.choose(key, exclude=tried)) is not None:
             tried.append(i)
             self.router.started(i)
+            call = self.handles[i].options(stream=True).request
             gen = cast(
                 DeploymentResponseGenerator,
-                self.handles[i]
-                .options(stream=True)
-                .request.remote(request.method, path, request.url.query.encode(), headers, body),
+                call.remote(request.method, path, request.url.query.encode(), headers, body),
             )
             try:
                 status, head, first = await _head(gen)
@@ -116,9 +112,9 @@ class FrontDoor:
                 self._release(i, gen)
                 continue
             out = {k.decode("latin-1"): v.decode("latin-1") for k, v in head if k.lower() not in _DROPPED_HEADERS}
-            out["x-specserve-replica"] = str(i)
             is_sse = out.get("content-type", "").startswith("text/event-stream")
-            return StreamingResponse(self._relay(i, gen, first, is_sse), status_code=status, headers=out)
+            relay = self._relay(i, gen, first, is_sse)
+            return StreamingResponse(relay, status_code=status, headers={**out, "x-specserve-replica": str(i)})
         return error_response(_unavailable(f"no replica could take the request (tried {len(tried)})"))
 
     async def _relay(
@@ -166,8 +162,7 @@ class FrontDoor:
         return routing_key(ids, self.block_size, self.opts.prefix_blocks)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        # Only the first blocks matter; a token is rarely longer than 16 characters.
-        limit = 16 * self.block_size * self.opts.prefix_blocks
+        limit = 16 * self.block_size * self.opts.prefix_blocks  # only the first blocks matter
         return list(self.tokenizer.encode(text[:limit], add_special_tokens=add_special_tokens))
 
     def _start_polling(self) -> None:
@@ -176,22 +171,14 @@ class FrontDoor:
 
     async def _poll_forever(self) -> None:
         while True:
-            if self.tokenizer is None:
-                await self._fetch_info()
+            for i in self.router.live() if self.tokenizer is None else []:  # once: what routing keys need
+                if (info := await self._call(self.handles[i].info)) is not None:
+                    self.tokenizer, self.block_size = info["tokenizer"], info["block_size"]
+                    break
             results = await asyncio.gather(*(self._call(h.stats) for h in self.handles))
             for i, stats in enumerate(results):
-                if stats is None:
-                    self.router.mark_down(i)
-                else:
-                    self.router.mark_up(i, **stats)
+                self.router.mark_down(i) if stats is None else self.router.mark_up(i, **stats)
             await asyncio.sleep(self.opts.poll_interval_s)
-
-    async def _fetch_info(self) -> None:
-        for i in self.router.live():
-            info = await self._call(self.handles[i].info)
-            if info is not None:
-                self.tokenizer, self.block_size = info["tokenizer"], info["block_size"]
-                return
 
     async def _call(self, method: Any) -> Any:
         """The result, or None if the call fails or outlasts the poll timeout."""

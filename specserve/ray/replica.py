@@ -74,21 +74,18 @@ class SpecserveReplica:
             asyncio.get_running_loop().create_task(_reap(task))
 
     def stats(self) -> dict[str, float]:
-        get = self.engine.stats.get
-        return {
-            "num_waiting": get("num_requests_waiting"),
-            "num_running": get("num_requests_running"),
-            "kv_usage": get("kv_cache_usage_perc"),
-        }
+        names = ("num_waiting", "num_requests_waiting"), ("num_running", "num_requests_running")
+        return {k: self.engine.stats.get(n) for k, n in (*names, ("kv_usage", "kv_cache_usage_perc"))}
 
     def metrics_text(self) -> str:
         return self.metrics.render().decode()
 
     def info(self) -> dict[str, Any]:
+        block_size, pid = self.engine.config.cache.block_size, os.getpid()
         return {
             "tokenizer": self.engine.tokenizer,
-            "block_size": self.engine.config.cache.block_size,
-            "pid": os.getpid(),
+            "block_size": block_size,
+            "pid": pid,
             "model_name": self.engine.model_name,
         }
 
@@ -96,9 +93,8 @@ class SpecserveReplica:
         await self.engine.check_health()
 
     def __del__(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.close(timeout=2.0)
+        if getattr(self, "engine", None) is not None:
+            self.engine.close(timeout=2.0)
 
 
 def _scope(method: str, path: str, query: bytes, headers: Headers) -> dict[str, Any]:
