@@ -1,9 +1,5 @@
-"""Parse a Prometheus `/metrics` page into a snapshot that `advise` can diff.
-
-Names are stored without their `specserve:` or `vllm:` prefix, so a dashboard built for either
-server reads the same. Series of one name with different labels are kept apart; the accessors
-sum over them (e.g. several engines or models) or group them by one label.
-"""
+"""A Prometheus `/metrics` page as a snapshot `advise` can diff; names lose their `specserve:` or
+`vllm:` prefix, and accessors sum a name's series or group them by one label."""
 
 from __future__ import annotations
 

@@ -65,10 +65,7 @@ def _meets_slos(r: RequestRecord, slos: dict[str, float]) -> bool:
 
 
 def _peak_concurrency(records: list[RequestRecord]) -> int:
-    events = sorted(
-        [(r.start_s, 1) for r in records if r.e2el_s > 0]
-        + [(r.start_s + r.e2el_s, -1) for r in records if r.e2el_s > 0]
-    )
+    events = sorted(e for r in records if r.e2el_s > 0 for e in ((r.start_s, 1), (r.start_s + r.e2el_s, -1)))
     peak = cur = 0
     for _, step in events:
         cur += step
@@ -172,27 +169,21 @@ def write_outputs(args: argparse.Namespace, result: dict[str, Any], baseline: di
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = result["config"]
-    name = args.result_filename or "specserve-bench-{}-{}-{}.json".format(
-        "chat" if cfg["endpoint"].rstrip("/").endswith("chat/completions") else "completions",
-        cfg["model"].replace("/", "_"),
-        cfg["date"],
+    kind = "chat" if cfg["endpoint"].rstrip("/").endswith("chat/completions") else "completions"
+    path = out_dir / (
+        args.result_filename or f"specserve-bench-{kind}-{cfg['model'].replace('/', '_')}-{cfg['date']}.json"
     )
-    path = out_dir / name
     path.write_text(json.dumps(result, indent=1))
     print(f"Results: {path}", flush=True)
     title, runs = f"{cfg['model']} {cfg['endpoint']} ({cfg['dataset_name']})", result["runs"]
     try:  # without matplotlib only the figures are missing
-        plot = (
-            plot_sweep(runs, path.with_suffix(".png"), title)
-            if len(runs) > 1
-            else plot_run(runs[0], path.with_suffix(".png"), title)
-        )
-        print(f"Plot: {plot}")
+        png = path.with_suffix(".png")
+        print(f"Plot: {plot_sweep(runs, png, title) if len(runs) > 1 else plot_run(runs[0], png, title)}")
         if baseline is not None:
-            cmp_path = plot_compare(
-                result, baseline, path.with_name(path.stem + "_compare.png"), (path.stem, Path(args.compare).stem)
+            labels = (path.stem, Path(args.compare).stem)
+            print(
+                f"Comparison plot: {plot_compare(result, baseline, path.with_name(path.stem + '_compare.png'), labels)}"
             )
-            print(f"Comparison plot: {cmp_path}")
     except ImportError as e:
         print(f"Plots skipped ({e}): pip install matplotlib (or 'specserve[bench]') to draw them.")
     return path

@@ -80,40 +80,30 @@ def build_payload(cfg: RunConfig, req: datasets.SampleRequest) -> dict[str, Any]
         "model": cfg.model,
         "max_tokens": req.expected_output_len,
         "temperature": cfg.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
     if cfg.is_chat:
         payload["messages"] = [{"role": "user", "content": req.prompt}]
     else:
         payload["prompt"] = req.prompt
-    if cfg.ignore_eos:  # a vLLM extension; only sent when asked for
-        payload["ignore_eos"] = True
-    return payload
+    extra = {"ignore_eos": True} if cfg.ignore_eos else {}  # a vLLM extension: only sent when asked for
+    return {**payload, "stream": True, "stream_options": {"include_usage": True}, **extra}
 
 
 def _chunk_text(chunk: dict[str, Any]) -> str:
-    choices = chunk.get("choices") or []
-    if not choices:
-        return ""
-    choice = choices[0]
-    if "delta" in choice:  # chat
-        delta = choice["delta"] or {}
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-    return choice.get("text") or ""
+    choice = (chunk.get("choices") or [{}])[0]
+    delta = choice.get("delta") or {}  # chat
+    return choice.get("text") or (delta.get("content") or "") + (delta.get("reasoning_content") or "")
 
 
 def _read_usage(rec: RequestRecord, usage: dict[str, Any]) -> None:
     if usage.get("completion_tokens") is not None:
-        rec.output_tokens = int(usage["completion_tokens"])
-        rec.output_tokens_from_usage = True
+        rec.output_tokens, rec.output_tokens_from_usage = int(usage["completion_tokens"]), True
     if usage.get("prompt_tokens") is not None:
         rec.prompt_tokens = int(usage["prompt_tokens"])
 
 
 async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord, req: datasets.SampleRequest) -> None:
-    start = time.perf_counter()
-    last = start
+    start = last = time.perf_counter()
     parts: list[str] = []
     async with client.stream("POST", cfg.endpoint, json=build_payload(cfg, req)) as resp:
         if resp.status_code != 200:
@@ -133,10 +123,7 @@ async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord,
                 return
             text = _chunk_text(chunk)
             if text:
-                if not parts:
-                    rec.ttft_s = now - start
-                else:
-                    rec.itl_s.append(now - last)
+                rec.itl_s.append(now - last) if parts else setattr(rec, "ttft_s", now - start)
                 last = now
                 parts.append(text)
             if chunk.get("usage"):
@@ -154,8 +141,7 @@ async def send_request(
     client: httpx.AsyncClient, cfg: RunConfig, index: int, req: datasets.SampleRequest, t0: float, timeout_s: float
 ) -> RequestRecord:
     """Send one streaming request and measure it; never raises for HTTP or protocol failures."""
-    rec = RequestRecord(index=index, prompt_len=req.prompt_len, expected_output_len=req.expected_output_len)
-    rec.start_s = time.perf_counter() - t0
+    rec = RequestRecord(index, req.prompt_len, req.expected_output_len, start_s=time.perf_counter() - t0)
     if timeout_s <= 0:
         rec.error = "not sent: --max-duration reached"
         return rec
@@ -174,12 +160,10 @@ async def run_benchmark(
     """Send `requests` with Poisson arrivals at `cfg.request_rate` (all at once when inf), at most
     `cfg.max_concurrency` in flight. Returns the records in request order and the duration (s)."""
     limit = cfg.max_concurrency or max(len(requests), 1)
-    sem = asyncio.Semaphore(limit)
-    rng = random.Random(cfg.seed)
+    sem, rng = asyncio.Semaphore(limit), random.Random(cfg.seed)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(
-        base_url=base_url, headers=headers, limits=limits, timeout=httpx.Timeout(cfg.request_timeout_s)
-    ) as client:
+    timeout = httpx.Timeout(cfg.request_timeout_s)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=timeout) as client:
         pbar = tqdm(total=len(requests), disable=cfg.disable_tqdm, desc=f"concurrency {cfg.max_concurrency}")
         t0 = time.perf_counter()
         deadline = t0 + cfg.max_duration_s if cfg.max_duration_s else float("inf")
@@ -205,8 +189,7 @@ async def run_benchmark(
 def resolve_model(base_url: str, headers: dict[str, str]) -> str:
     resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
     resp.raise_for_status()
-    models = resp.json().get("data") or []
-    if not models:
+    if not (models := resp.json().get("data")):
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
     return str(models[0]["id"])
 
@@ -266,17 +249,8 @@ def bench_main(args: argparse.Namespace) -> int:
         print(f"specserve bench: {e}")
         return 1
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name == "random"
-    base = RunConfig(
-        endpoint=args.endpoint,
-        model=model,
-        request_rate=args.request_rate,
-        temperature=args.temperature,
-        ignore_eos=ignore_eos,
-        request_timeout_s=args.request_timeout,
-        max_duration_s=args.max_duration,
-        seed=args.seed,
-        disable_tqdm=args.disable_tqdm,
-    )
+    base = RunConfig(args.endpoint, model, args.request_rate, None, args.temperature, ignore_eos, args.request_timeout)
+    base = replace(base, max_duration_s=args.max_duration, seed=args.seed, disable_tqdm=args.disable_tqdm)
     probe, _ = asyncio.run(run_benchmark(args.base_url, headers, replace(base, disable_tqdm=True), probe_req))
     if not probe[0].success:
         print(f"specserve bench: the initial test request failed: {probe[0].error}")
@@ -290,21 +264,12 @@ def bench_main(args: argparse.Namespace) -> int:
         seen.update(r.prompt for r in requests)
         print(f"Benchmark: {len(requests)} requests, rate {args.request_rate}, max concurrency {concurrency}")
         if repeated:  # a finite dataset ran out of fresh prompts
-            print(
-                f"Note: {repeated} of these prompts were sent earlier in this run: the prefix cache may be warm "
-                "for them."
-            )
+            print(f"Note: {repeated} of these prompts were sent earlier in this run: the prefix cache may be warm.")
         records, duration = asyncio.run(run_benchmark(args.base_url, headers, cfg, requests))
         agg = report.compute_aggregates(records, duration, slos)
         print(plots.format_table(agg, concurrency))
-        result["runs"].append(
-            {
-                "max_concurrency": concurrency,
-                "repeated_prompts": repeated,
-                "aggregates": agg,
-                "requests": [r.to_json() for r in records],
-            }
-        )
+        run = {"max_concurrency": concurrency, "repeated_prompts": repeated, "aggregates": agg}
+        result["runs"].append({**run, "requests": [r.to_json() for r in records]})
     if len(sweep) > 1:
         print(plots.format_sweep(result["runs"]))
     report.write_outputs(args, result, baseline)
