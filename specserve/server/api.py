@@ -32,13 +32,14 @@ from specserve.server import protocol as proto
 from specserve.server import serving_common as common
 from specserve.server.cli_args import ServerConfig
 from specserve.server.serving_chat import create_chat_completion, render_chat
+from specserve.server.serving_common import APIError
 from specserve.server.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key (probes, scrapers)
 
 
-def error_response(e: common.APIError) -> JSONResponse:
+def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
@@ -58,20 +59,20 @@ class GuardMiddleware:
                 return
         await self.app(scope, receive, send)
 
-    def _check(self, method: str, path: str, headers: dict[str, str]) -> common.APIError | None:
+    def _check(self, method: str, path: str, headers: dict[str, str]) -> APIError | None:
         if self.api_key and path not in OPEN_PATHS:
             given = headers.get("authorization", "")
             token = given[7:] if given.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-                return common.APIError("Incorrect API key provided.", 401, code="invalid_api_key")
+                return APIError("Incorrect API key provided.", 401, code="invalid_api_key")
         media_type = headers.get("content-type", "").split(";")[0].strip().lower()
         if method == "POST" and media_type != "application/json":
-            return common.APIError(
+            return APIError(
                 f"Content-Type must be application/json, got {media_type or 'none'}", 415, code="unsupported_media_type"
             )
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            return common.APIError(
+            return APIError(
                 f"request body exceeds the limit of {self.max_body_bytes} bytes", 413, code="request_too_large"
             )
         return None
@@ -84,11 +85,11 @@ def _guarded(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request]
     async def route(request: Request) -> Response:
         try:
             return await fn(request)
-        except common.APIError as e:
+        except APIError as e:
             return error_response(e)
         except Exception:
             logger.exception("unhandled error in %s %s", request.method, request.url.path)
-            return error_response(common.APIError("internal server error", 500, "server_error", code="internal_error"))
+            return error_response(APIError("internal server error", 500, "server_error", code="internal_error"))
 
     return route
 
@@ -135,7 +136,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
         req = common.parse_model(proto.ChatCompletionRequest, await common.read_json(request, limit))
         if req.chat_template is not None and not settings.trust_request_chat_template:
             # A client's Jinja runs sandboxed but may loop for long: opt in (as vLLM).
-            raise common.APIError(
+            raise APIError(
                 "a chat_template in the request needs the server started with --trust-request-chat-template",
                 param="chat_template",
                 code="unsupported",
@@ -173,7 +174,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
         try:
             await engine.check_health()
         except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
-            return error_response(common.APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable"))
+            return error_response(APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable"))
         return Response(status_code=200)
 
     @app.get("/version")
@@ -190,7 +191,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
 def _tokenize(engine: AsyncEngine, req: proto.TokenizeRequest) -> dict[str, Any]:
     common.check_model(engine, req.model)
     if (req.prompt is None) == (req.messages is None):
-        raise common.APIError("give exactly one of prompt or messages", param="prompt")
+        raise APIError("give exactly one of prompt or messages", param="prompt")
     if req.messages is not None:
         ids = render_chat(engine, req.messages, req.add_generation_prompt)
     else:
@@ -204,7 +205,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(common.APIError(str(exc.detail), exc.status_code, type_))
+        return error_response(APIError(str(exc.detail), exc.status_code, type_))
 
     @app.exception_handler(RequestValidationError)
     async def request_validation_error(request: Request, exc: RequestValidationError) -> Response:

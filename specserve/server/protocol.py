@@ -280,15 +280,6 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
-    object: str = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
 class ModelCard(BaseModel):
     id: str
     object: str = "model"

@@ -15,41 +15,30 @@ from specserve.engine.async_engine import AsyncEngine, RequestSpec, RequestStrea
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.server import protocol as proto
 from specserve.server import serving_common as common
+from specserve.server.serving_common import MIN_LOGPROB, APIError
 
 # Arguments of apply_chat_template a client must not override through chat_template_kwargs.
-_RESERVED_TEMPLATE_KWARGS = {
-    "conversation",
-    "tokenize",
-    "add_generation_prompt",
-    "return_dict",
-    "return_tensors",
-    "padding",
-    "truncation",
-    "max_length",
-    "chat_template",
-    "tools",
-    "documents",
-    "tokenizer_kwargs",
-    "continue_final_message",
-}
+_RESERVED_TEMPLATE_KWARGS = set(
+    "conversation tokenize add_generation_prompt return_dict return_tensors padding truncation max_length "
+    "chat_template tools documents tokenizer_kwargs continue_final_message".split()
+)
 
 
 def render_chat(
-    engine: AsyncEngine,
-    messages: list[proto.ChatMessage],
-    add_generation_prompt: bool = True,
-    template_kwargs: dict[str, Any] | None = None,
-    continue_final_message: bool = False,
-    chat_template: str | None = None,
-    add_special_tokens: bool = False,
+    engine: AsyncEngine, messages: list[proto.ChatMessage], add_generation_prompt: bool, req: Any = None
 ) -> list[int]:
-    """Validate messages and apply the chat template (the request's `chat_template` when given, else
-    the model's); the result is tokenized without adding special tokens again (the template
-    already holds BOS where the model wants one) unless add_special_tokens (vLLM's field)."""
+    """Validate messages and apply the chat template (`req`'s chat_template, else the model's); the
+    text is tokenized without special tokens (the template holds BOS) unless `req.add_special_tokens`.
+    `req`: a ChatCompletionRequest, whose template kwargs and continue_final_message apply."""
+    template_kwargs, continue_final_message = (
+        getattr(req, "chat_template_kwargs", None),
+        bool(req and req.continue_final_message),
+    )
+    chat_template, add_special_tokens = getattr(req, "chat_template", None), bool(req and req.add_special_tokens)
     _check_messages(messages)
     tokenizer = common.require_tokenizer(engine, "messages")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise common.APIError(
+        raise APIError(
             "this model has no chat template; use /v1/completions or send chat_template",
             param="messages",
             code="unsupported",
@@ -64,28 +53,26 @@ def render_chat(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **custom, **opened, **extra
         )
     except jinja2.TemplateSyntaxError as e:
-        raise common.APIError(f"chat_template is not a valid Jinja template: {e}", param=param) from None
+        raise APIError(f"chat_template is not a valid Jinja template: {e}", param=param) from None
     except Exception as e:  # noqa: BLE001 - jinja errors (role order, ...) are the client's
         which = "the given chat_template" if custom else "the chat template"
-        raise common.APIError(f"messages could not be rendered with {which}: {e}", param=param) from None
+        raise APIError(f"messages could not be rendered with {which}: {e}", param=param) from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _check_messages(messages: list[proto.ChatMessage]) -> None:
     if not messages:
-        raise common.APIError("messages must be a non-empty list", param="messages")
+        raise APIError("messages must be a non-empty list", param="messages")
     for i, m in enumerate(messages):
         if m.tool_calls or m.function_call is not None:
             field = "tool_calls" if m.tool_calls else "function_call"
-            raise common.APIError(
+            raise APIError(
                 f"messages.{i}.{field}: tool calls are not supported by this server",
                 param="messages",
                 code="unsupported",
             )
         if m.role != "assistant" and m.content is None:
-            raise common.APIError(
-                f"messages.{i}.content is required for role {m.role!r}", param=f"messages.{i}.content"
-            )
+            raise APIError(f"messages.{i}.content is required for role {m.role!r}", param=f"messages.{i}.content")
 
 
 def _logprobs(
@@ -105,14 +92,14 @@ def _logprobs(
             tops.append(
                 proto.TopLogprob(
                     token=shown,
-                    logprob=max(lp.logprob, common.MIN_LOGPROB),
+                    logprob=max(lp.logprob, MIN_LOGPROB),
                     bytes=common.token_bytes(engine, t, t_text),
                 )
             )
         content.append(
             proto.ChatTokenLogprob(
                 token=tok,
-                logprob=max(sampled.logprob, common.MIN_LOGPROB) if sampled else common.MIN_LOGPROB,
+                logprob=max(sampled.logprob, MIN_LOGPROB) if sampled else MIN_LOGPROB,
                 bytes=common.token_bytes(engine, tid, text),
                 top_logprobs=tops,
             )
@@ -122,15 +109,15 @@ def _logprobs(
 
 def _validate(req: proto.ChatCompletionRequest) -> None:
     if req.tools:
-        raise common.APIError("tools are not supported by this server", param="tools", code="unsupported")
+        raise APIError("tools are not supported by this server", param="tools", code="unsupported")
     if req.top_logprobs is not None and not req.logprobs:
-        raise common.APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
     if req.continue_final_message and req.add_generation_prompt:
-        raise common.APIError(
+        raise APIError(
             "continue_final_message needs add_generation_prompt to be false (as vLLM)", param="continue_final_message"
         )
     if req.continue_final_message and req.messages and req.messages[-1].role != "assistant":
-        raise common.APIError(
+        raise APIError(
             "continue_final_message needs the last message to be the assistant's", param="continue_final_message"
         )
 
@@ -141,16 +128,7 @@ async def create_chat_completion(engine: AsyncEngine, req: proto.ChatCompletionR
     keep = common.truncation_size(req.truncate_prompt_tokens, engine.max_model_len)
     if keep is None and req.messages:
         common.check_prompt_chars(engine, sum(len(m.text()) for m in req.messages), "messages")
-    prompt_ids = await asyncio.to_thread(
-        render_chat,
-        engine,
-        req.messages,
-        req.add_generation_prompt,
-        req.chat_template_kwargs,
-        req.continue_final_message,
-        req.chat_template,
-        req.add_special_tokens,
-    )
+    prompt_ids = await asyncio.to_thread(render_chat, engine, req.messages, req.add_generation_prompt, req)
     if keep is not None:
         prompt_ids = prompt_ids[-keep:]  # vLLM's truncate_prompt_tokens: the last k tokens
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

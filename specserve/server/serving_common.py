@@ -69,13 +69,14 @@ def engine_error(e: Exception, engine: AsyncEngine | None = None) -> APIError:
     """Map an exception from AsyncEngine.add_requests to the HTTP error the client sees."""
     if isinstance(e, EngineOverloadedError):
         limit = getattr(engine, "max_num_queued_requests", None)
-        message = (
-            f"server overloaded: more than {limit} request(s) would be waiting; retry later"
-            if limit is not None
-            else "server overloaded: too many requests waiting; retry later"
-        )
+        what = "too many requests waiting" if limit is None else f"more than {limit} request(s) would be waiting"
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
         return APIError(
-            message, 503, "service_unavailable_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
+            f"server overloaded: {what}; retry later",
+            503,
+            "service_unavailable_error",
+            code="overloaded",
+            headers=retry,
         )
     if isinstance(e, EngineDeadError):
         return APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable")
@@ -85,14 +86,8 @@ def engine_error(e: Exception, engine: AsyncEngine | None = None) -> APIError:
 
 
 _FIELD_RE = re.compile(r"^([a-z_][a-z0-9_]*)")
-_KNOWN_FIELDS = set(SamplingParams.__dataclass_fields__) | {
-    "prompt",
-    "messages",
-    "model",
-    "max_completion_tokens",
-    "top_logprobs",
-    "prompt_token_ids",
-}
+_KNOWN_FIELDS = {*SamplingParams.__dataclass_fields__, "prompt", "messages", "model", "max_completion_tokens"}
+_KNOWN_FIELDS |= {"top_logprobs", "prompt_token_ids"}
 
 
 def field_in_message(message: str) -> str | None:
@@ -189,6 +184,13 @@ def check_model(engine: AsyncEngine, model: str | None) -> None:
         raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
 
 
+_COPIED_FIELDS = (
+    "n presence_penalty frequency_penalty seed stop stop_token_ids ignore_eos min_tokens include_stop_str_in_output "
+    "skip_special_tokens spaces_between_special_tokens"
+).split()
+_NULL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def build_params(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None, logprobs_param: str = "logprobs"
 ) -> SamplingParams:
@@ -200,34 +202,14 @@ def build_params(
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(f"{logprobs_param} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param=logprobs_param)
     if req.stream_options is not None and not req.stream:
-        raise APIError(
-            "stream_options can only be set when stream is true", param="stream_options", code="invalid_value"
-        )
+        raise APIError("stream_options can only be set when stream is true", param="stream_options")
     try:
         from specserve.sample.structured import structured_from_openai
 
         structured = structured_from_openai(req.response_format, req.structured_extras())
-        return SamplingParams(
-            structured_outputs=structured,
-            n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            min_p=req.min_p or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            seed=req.seed,
-            stop=req.stop,
-            stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos,
-            max_tokens=max_tokens,
-            min_tokens=req.min_tokens,
-            logprobs=logprobs,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens,
-            spaces_between_special_tokens=req.spaces_between_special_tokens,
-        )
+        kw = {n: getattr(req, n) for n in _COPIED_FIELDS}
+        kw |= {n: default if getattr(req, n) is None else getattr(req, n) for n, default in _NULL_DEFAULTS.items()}
+        return SamplingParams(structured_outputs=structured, max_tokens=max_tokens, logprobs=logprobs, **kw)
     except (ValueError, TypeError) as e:
         raise APIError(str(e), param=field_in_message(str(e))) from None
 
@@ -263,10 +245,8 @@ def fit_context(
 
 def truncation_size(k: int | None, max_model_len: int) -> int | None:
     """vLLM's truncate_prompt_tokens: how many (last) prompt tokens to keep, or None."""
-    if k is None:
-        return None
-    if k == -1:
-        return max_model_len
+    if k is None or k == -1:
+        return None if k is None else max_model_len
     if k < 1:
         raise APIError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k}", param="truncate_prompt_tokens")
     if k > max_model_len:

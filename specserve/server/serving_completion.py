@@ -14,6 +14,7 @@ from specserve.engine.async_engine import AsyncEngine, RequestSpec, RequestStrea
 from specserve.outputs import CompletionOutput, Logprob, RequestOutput
 from specserve.server import protocol as proto
 from specserve.server import serving_common as common
+from specserve.server.serving_common import MIN_LOGPROB, APIError
 
 
 @dataclass
@@ -48,7 +49,7 @@ class _Reply:
     def chunk(self, choices: list[proto.CompletionChoice], usage: proto.UsageInfo | None) -> str:
         model = self.engine.model_name
         return common.sse(
-            proto.CompletionChunk(id=self.id, created=self.created, model=model, choices=choices, usage=usage)
+            proto.CompletionResponse(id=self.id, created=self.created, model=model, choices=choices, usage=usage)
         )
 
     def usage(self, completion_tokens: int) -> proto.UsageInfo:
@@ -75,12 +76,12 @@ class _Reply:
                 top = scored[i] if i < len(scored) else None
                 tok, text = common.logprob_token(self.engine, tid, top.get(tid) if top else None, as_ids)
                 out.tokens.append(tok)
-                out.token_logprobs.append(max(top[tid].logprob, common.MIN_LOGPROB) if top and tid in top else None)
+                out.token_logprobs.append(max(top[tid].logprob, MIN_LOGPROB) if top and tid in top else None)
                 out.top_logprobs.append(
                     None
                     if top is None
                     else {  # top-n and the prompt token, as vLLM
-                        shown(t, lp): max(lp.logprob, common.MIN_LOGPROB) for t, lp in top.items()
+                        shown(t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in top.items()
                     }
                 )
                 out.text_offset.append(offset)
@@ -91,8 +92,8 @@ class _Reply:
             sampled = top.get(tid)
             tok, text = common.logprob_token(self.engine, tid, sampled, as_ids)
             out.tokens.append(tok)
-            out.token_logprobs.append(max(sampled.logprob, common.MIN_LOGPROB) if sampled else None)
-            out.top_logprobs.append({shown(t, lp): max(lp.logprob, common.MIN_LOGPROB) for t, lp in top.items()})
+            out.token_logprobs.append(max(sampled.logprob, MIN_LOGPROB) if sampled else None)
+            out.top_logprobs.append({shown(t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in top.items()})
             out.text_offset.append(offset)
             offset += len(text)
         self.text_offsets[index] = offset
@@ -107,7 +108,7 @@ def _prompts(engine: AsyncEngine, req: proto.CompletionRequest) -> list[_Prompt]
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
-        raise common.APIError("prompt must not be empty", param="prompt")
+        raise APIError("prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
         prompt = [prompt]  # one tokenized prompt
     out = []
@@ -136,22 +137,20 @@ def _prompts(engine: AsyncEngine, req: proto.CompletionRequest) -> list[_Prompt]
 async def create_completion(engine: AsyncEngine, req: proto.CompletionRequest, raw: Request) -> Response:
     common.check_model(engine, req.model)
     if req.suffix:
-        raise common.APIError("suffix is not supported", param="suffix", code="unsupported")
+        raise APIError("suffix is not supported", param="suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
-        raise common.APIError(
-            "best_of must equal n (best-of sampling is not supported)", param="best_of", code="unsupported"
-        )
+        raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of", code="unsupported")
     if req.echo:
         common.require_tokenizer(engine, "echo")
     prompts = await asyncio.to_thread(_prompts, engine, req)
     if len(prompts) * req.n > 128:
-        raise common.APIError("too many completions in one request (prompts * n > 128)", param="n")
+        raise APIError("too many completions in one request (prompts * n > 128)", param="n")
     params = common.build_params(req, req.max_tokens, req.logprobs)
     # echo with logprobs scores the prompt too (vLLM; lm-eval's loglikelihood requests rely on it).
     wanted = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
     if wanted:
         if not 0 <= max(wanted) <= common.MAX_LOGPROBS:
-            raise common.APIError(
+            raise APIError(
                 f"prompt_logprobs must be between 0 and {common.MAX_LOGPROBS}, got {max(wanted)}",
                 param="prompt_logprobs",
             )
@@ -237,7 +236,7 @@ def _prompt_logprobs(
         None
         if e is None
         else {
-            str(t): {"logprob": max(lp.logprob, common.MIN_LOGPROB), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            str(t): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank, "decoded_token": lp.decoded_token}
             for t, lp in e.items()
         }
         for e in output.prompt_logprobs
