@@ -67,14 +67,12 @@ class GuardMiddleware:
                 return APIError("Incorrect API key provided.", 401, code="invalid_api_key")
         media_type = headers.get("content-type", "").split(";")[0].strip().lower()
         if method == "POST" and media_type != "application/json":
-            return APIError(
-                f"Content-Type must be application/json, got {media_type or 'none'}", 415, code="unsupported_media_type"
-            )
+            msg = f"Content-Type must be application/json, got {media_type or 'none'}"
+            return APIError(msg, 415, code="unsupported_media_type")
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            return APIError(
-                f"request body exceeds the limit of {self.max_body_bytes} bytes", 413, code="request_too_large"
-            )
+            msg = f"request body exceeds the limit of {self.max_body_bytes} bytes"
+            return APIError(msg, 413, code="request_too_large")
         return None
 
 

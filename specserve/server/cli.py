@@ -102,12 +102,24 @@ def _serve_ray(engine_kwargs: dict[str, Any], settings: ServerConfig, args: argp
     return serve_ray(engine_kwargs, settings, args.data_parallel_size, args.ray_address)
 
 
-def _load_llm(prog: str, args: argparse.Namespace):  # -> LLM
+def _offline(name: str, argv: Sequence[str], add_flags: Callable[[argparse.ArgumentParser], None]) -> tuple:
+    """(args, SamplingParams, a function loading the LLM) of `generate` / `chat`."""
     from specserve import LLM
     from specserve.server import cli_args
 
-    _config_or_exit(prog, lambda: cli_args.apply_num_threads(args))
-    return _config_or_exit(prog, lambda: LLM(**{"model": DEFAULT_MODEL, **cli_args.engine_kwargs(args)}))
+    prog = f"specserve {name}"
+    parser = argparse.ArgumentParser(prog=prog, description=SUBCOMMANDS[name])
+    cli_args.add_engine_args(parser)
+    cli_args.add_sampling_args(parser)
+    add_flags(parser)
+    args = parser.parse_args(argv)
+    params = _config_or_exit(prog, lambda: cli_args.sampling_params(args))
+
+    def load() -> LLM:
+        _config_or_exit(prog, lambda: cli_args.apply_num_threads(args))
+        return _config_or_exit(prog, lambda: LLM(**{"model": DEFAULT_MODEL, **cli_args.engine_kwargs(args)}))
+
+    return args, params, load
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -121,20 +133,16 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def generate_main(argv: Sequence[str]) -> int:
-    from specserve.server import cli_args
+    def flags(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("-p", "--prompt", action="append", help="a prompt (repeatable); default: stdin")
+        parser.add_argument("--lines", action="store_true", help="stdin holds one prompt per line")
 
-    parser = argparse.ArgumentParser(prog="specserve generate", description=SUBCOMMANDS["generate"])
-    cli_args.add_engine_args(parser)
-    cli_args.add_sampling_args(parser)
-    parser.add_argument("-p", "--prompt", action="append", help="a prompt (repeatable); default: stdin")
-    parser.add_argument("--lines", action="store_true", help="stdin holds one prompt per line")
-    args = parser.parse_args(argv)
-    params = _config_or_exit("specserve generate", lambda: cli_args.sampling_params(args))
+    args, params, load = _offline("generate", argv, flags)
     prompts = _read_prompts(args)
     if not prompts:
         print("specserve generate: error: no prompt given", file=sys.stderr)
         return 2
-    llm = _load_llm("specserve generate", args)
+    llm = load()
     start = time.perf_counter()
     try:
         outputs = llm.generate(prompts, params)
@@ -148,24 +156,16 @@ def generate_main(argv: Sequence[str]) -> int:
         for c in out.outputs:
             num_tokens += len(c.token_ids)
             print(c.text if single else f"--- [{c.index}] {out.prompt!r}\n{c.text}")
-    print(
-        f"\n{len(outputs)} prompt(s), {num_tokens} tokens in {elapsed:.2f} s "
-        f"({num_tokens / max(elapsed, 1e-9):.1f} tokens/s)",
-        file=sys.stderr,
-    )
+    rate = num_tokens / max(elapsed, 1e-9)
+    print(f"\n{len(outputs)} prompt(s), {num_tokens} tokens in {elapsed:.2f} s ({rate:.1f} tokens/s)", file=sys.stderr)
     return 0
 
 
 def chat_main(argv: Sequence[str]) -> int:
-    from specserve.server import cli_args
-
-    parser = argparse.ArgumentParser(prog="specserve chat", description=SUBCOMMANDS["chat"])
-    cli_args.add_engine_args(parser)
-    cli_args.add_sampling_args(parser)
-    parser.add_argument("--system", default=None, help="system prompt")
-    args = parser.parse_args(argv)
-    params = _config_or_exit("specserve chat", lambda: cli_args.sampling_params(args))
-    llm = _load_llm("specserve chat", args)
+    args, params, load = _offline(
+        "chat", argv, lambda p: p.add_argument("--system", default=None, help="system prompt")
+    )
+    llm = load()
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("specserve chat: empty line or Ctrl-D to quit; /reset clears the history.", file=sys.stderr)
     while True:

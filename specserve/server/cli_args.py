@@ -30,6 +30,17 @@ _HELP = {
     "kv_offload_cpu_bytes": "CPU tier for evicted KV blocks, bytes (0 = off; accepts 4G)",
     "kv_offload_disk_path": "directory of the disk tier for evicted KV blocks (needs --kv-offload-disk-bytes)",
     "kv_offload_disk_bytes": "disk tier size, bytes (accepts 100G; needs --kv-offload-disk-path)",
+    "host": "address to bind",
+    "port": "port to bind",
+    "api_key": "require `Authorization: Bearer KEY` (/health and /metrics stay open); other local users see it in "
+    "`ps`: prefer SPECSERVE_API_KEY or --api-key-file",
+    "api_key_file": "read the API key from this file's first line",
+    "metrics_prefix": "metric name prefix: specserve | vllm (for dashboards built for vLLM)",
+    "max_request_body_bytes": "larger request bodies get 413 (accepts 512K, 16M, ...)",
+    "log_interval": "seconds between stats log lines; 0 = off",
+    "graceful_shutdown_timeout": "on SIGTERM, seconds in-flight requests may run before they are aborted",
+    "uvicorn_log_level": "uvicorn log level",
+    "trust_request_chat_template": "accept a chat_template sent with a chat request (vLLM's flag; off: 400)",
 }
 _ENGINE_SECTIONS = (cfg.ModelConfig, cfg.CacheConfig, cfg.SchedulerConfig, cfg.ParallelConfig)
 # Engine fields only the HTTP server reads: flags of `serve`, not of `generate` / `chat`.
@@ -42,32 +53,16 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 <
 class ServerConfig:
     """HTTP server settings; flags are generated like the engine's."""
 
-    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
-    port: int = field(default=8000, metadata={"help": "port to bind"})
-    api_key: str | None = field(
-        default=None,
-        repr=False,
-        metadata={
-            "help": "require `Authorization: Bearer KEY` (/health and /metrics stay open); other local users "
-            "see it in `ps`: prefer SPECSERVE_API_KEY or --api-key-file"
-        },
-    )
-    api_key_file: str | None = field(default=None, metadata={"help": "read the API key from this file's first line"})
-    metrics_prefix: str = field(
-        default="specserve", metadata={"help": "metric name prefix: specserve | vllm (for dashboards built for vLLM)"}
-    )
-    max_request_body_bytes: int = field(
-        default=16 << 20, metadata={"help": "larger request bodies get 413 (accepts 512K, 16M, ...)"}
-    )
-    log_interval: float = field(default=10.0, metadata={"help": "seconds between stats log lines; 0 = off"})
-    graceful_shutdown_timeout: float = field(
-        default=5.0, metadata={"help": "on SIGTERM, seconds in-flight requests may run before they are aborted"}
-    )
-    uvicorn_log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
-    trust_request_chat_template: bool = field(
-        default=False,
-        metadata={"help": "accept a chat_template sent with a chat request (vLLM's flag; off: such requests get 400)"},
-    )
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = field(default=None, repr=False)
+    api_key_file: str | None = None
+    metrics_prefix: str = "specserve"
+    max_request_body_bytes: int = 16 << 20
+    log_interval: float = 10.0
+    graceful_shutdown_timeout: float = 5.0
+    uvicorn_log_level: str = "info"
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if self.metrics_prefix not in ("specserve", "vllm"):

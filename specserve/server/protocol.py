@@ -135,11 +135,7 @@ class ChatMessage(OpenAIModel):
             ) from None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
 
 
 class ChatCompletionRequest(SamplingFields):
