@@ -262,27 +262,21 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**values)
 
 
-_SAMPLING_FLAGS = {
-    "max_tokens": 128,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-    "n": 1,
-}
-
-
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """Sampling flags of `generate` / `chat` (engine --seed seeds weights; --sampling-seed sampling)."""
     g = parser.add_argument_group("sampling")
-    for name, default in _SAMPLING_FLAGS.items():
-        g.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--n", type=int, default=1)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--sampling-seed", type=int, default=None)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    kw = {name: getattr(args, name) for name in _SAMPLING_FLAGS}
-    return SamplingParams(**kw, stop=args.stop, ignore_eos=args.ignore_eos, seed=args.sampling_seed)
+    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "n", "stop", "ignore_eos")
+    return SamplingParams(**{n: getattr(args, n) for n in names}, seed=args.sampling_seed)
