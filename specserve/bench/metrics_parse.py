@@ -1,9 +1,5 @@
-"""Parse a Prometheus `/metrics` page into a snapshot that `advise` can diff.
-
-Names are stored without their `specserve:` or `vllm:` prefix, so a dashboard built for either
-server reads the same. Series of one name with different labels are kept apart; the accessors
-sum over them (e.g. several engines or models) or group them by one label.
-"""
+"""A Prometheus `/metrics` page as a snapshot `advise` can diff; names lose their `specserve:` or
+`vllm:` prefix, and accessors sum a name's series or group them by one label."""
 
 from __future__ import annotations
 
@@ -66,9 +62,9 @@ class MetricsSnapshot:
     def has(self, name: str) -> bool:
         return name in self.samples
 
-    def value(self, name: str) -> float:
-        """Sum of the series of `name` (0 when absent)."""
-        return float(sum(v for _, v in self.samples.get(name, [])))
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """Sum of the series of `name` whose labels include `labels` (0 when none)."""
+        return float(sum(v for lab, v in self.samples.get(name, []) if labels is None or labels.items() <= lab.items()))
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
         """Values of `name` summed per value of one label, e.g. per draft `position`."""

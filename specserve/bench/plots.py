@@ -1,9 +1,5 @@
-"""Presentation of benchmark results: vLLM-style text tables and matplotlib (Agg) PNG figures.
-
-A result (what `specserve bench` writes as JSON) is {"config": {...}, "runs": [run, ...]} with
-run = {"max_concurrency": int | None, "aggregates": {...}, "requests": [raw record, ...]}.
-matplotlib is imported inside the plotting functions so the tables work without it.
-"""
+"""Benchmark results as vLLM-style text tables and matplotlib PNGs (matplotlib imported on use).
+A result is {"config": {...}, "runs": [{"max_concurrency", "aggregates", "requests"}, ...]}."""
 
 from __future__ import annotations
 
@@ -71,7 +67,7 @@ def format_sweep(runs: list[Run]) -> str:
 
 
 def _x_of(run: Run) -> float:
-    """A run's concurrency on a plot axis; unbounded plots at the number of requests it sent."""
+    """A run's concurrency on a plot axis; unbounded: the number of requests it sent."""
     if run["max_concurrency"] is not None:
         return float(run["max_concurrency"])
     return float(run["aggregates"]["completed"] + run["aggregates"]["failed"])
@@ -125,9 +121,7 @@ def plot_sweep(runs: list[Run], path: Path, title: str) -> Path:
         _concurrency_axis(ax, xs)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_run(run: Run, path: Path, title: str) -> Path:
@@ -152,55 +146,33 @@ def plot_run(run: Run, path: Path, title: str) -> Path:
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"{title} (max concurrency {run['max_concurrency']})")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_compare(
     current: dict[str, Any], baseline: dict[str, Any], path: Path, labels: tuple[str, str] = ("this run", "baseline")
 ) -> Path:
-    """This result against a saved one: lines over concurrency, or grouped bars for single runs."""
+    """This result against a saved one: each panel's metric over concurrency, one colour per result."""
     plt = _pyplot()
-    results = [(labels[0], current["runs"]), (labels[1], baseline["runs"])]
-    panels = [("output_throughput", "output tokens/s")] + [(m, f"{short} (ms)") for m, _, short in METRICS]
+    series = [(label, sweep_series(result["runs"])) for label, result in zip(labels, (current, baseline))]
+    panels = [("output tokens/s", [("", "output_throughput")])]
+    panels += [(f"{short} (ms)", [("p50", f"median_{m}_ms"), ("p99", f"p99_{m}_ms")]) for m, _, short in METRICS]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4.5))
-    single = all(len(runs) == 1 for _, runs in results)
-    for ax, (key, ylabel) in zip(axes, panels):
-        stats = [("", key)] if key == "output_throughput" else [("p50", f"median_{key}_ms"), ("p99", f"p99_{key}_ms")]
-        for j, (label, runs) in enumerate(results):
-            s = sweep_series(runs)
-            for i, (stat, skey) in enumerate(stats):
-                if single:
-                    ax.bar(
-                        i + 0.4 * j,
-                        s[skey][0],
-                        width=0.4,
-                        label=label if i == 0 else None,
-                        color=f"C{j}",
-                        alpha=1.0 - 0.4 * i,
-                    )
-                else:
-                    ax.plot(
-                        s["max_concurrency"],
-                        s[skey],
-                        "o-" if i == 0 else "o:",
-                        color=f"C{j}",
-                        label=f"{label} {stat}".strip(),
-                    )
-        if single:
-            ax.set_xticks([i + 0.2 for i in range(len(stats))], [st or "total" for st, _ in stats])
-        else:
-            _concurrency_axis(ax, sorted({x for _, r in results for x in sweep_series(r)["max_concurrency"]}))
+    for ax, (ylabel, stats) in zip(axes, panels):
+        for j, (label, s) in enumerate(series):
+            for i, (stat, key) in enumerate(stats):
+                style = "o-" if i == 0 else "o:"
+                ax.plot(s["max_concurrency"], s[key], style, color=f"C{j}", label=f"{label} {stat}".strip())
+        _concurrency_axis(ax, sorted({x for _, s in series for x in s["max_concurrency"]}))
         ax.set_ylabel(ylabel)
-    # One legend for the figure, under the panels: run names (result files) are long, and per-panel
-    # legends covered the curves and the axis labels.
-    handles, names = axes[-1].get_legend_handles_labels()
+    handles, names = axes[-1].get_legend_handles_labels()  # one legend under the panels: names are long
     fig.legend(handles, names, loc="lower center", ncol=min(4, len(names)), fontsize=8, frameon=False)
-    unbounded = any(r["max_concurrency"] is None for _, runs in results for r in runs)
-    note = " (runs without a concurrency limit drawn at their number of requests)" if unbounded and not single else ""
-    fig.suptitle(f"{labels[0]} vs {labels[1]}{note}")
+    fig.suptitle(f"{labels[0]} vs {labels[1]} (unbounded runs at their number of requests)")
     fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

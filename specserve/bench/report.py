@@ -1,9 +1,4 @@
-"""What `specserve bench` computes and writes: its flags, the aggregates of a run, the result files.
-
-Aggregates use vLLM's result keys (`vllm bench serve`): throughputs per second of the run's
-duration, latencies in ms with mean / median / p90 / p99 from np.percentile over the raw
-per-request records, which are stored beside them in the result JSON.
-"""
+"""`specserve bench`'s flags, a run's aggregates (vLLM's result keys) and the result files."""
 
 from __future__ import annotations
 
@@ -54,7 +49,7 @@ def parse_concurrency(text: str | None) -> list[int | None]:
 
 
 def latency_samples_ms(records: list[RequestRecord]) -> dict[str, list[float]]:
-    """The samples behind each latency aggregate, in ms: per successful request (ITL: per chunk)."""
+    """Per successful request (ITL: per chunk) samples of each latency aggregate, in ms."""
     ok = [r for r in records if r.success]
     return {
         "ttft": [r.ttft_s * 1e3 for r in ok],
@@ -70,10 +65,7 @@ def _meets_slos(r: RequestRecord, slos: dict[str, float]) -> bool:
 
 
 def _peak_concurrency(records: list[RequestRecord]) -> int:
-    events = sorted(
-        [(r.start_s, 1) for r in records if r.e2el_s > 0]
-        + [(r.start_s + r.e2el_s, -1) for r in records if r.e2el_s > 0]
-    )
+    events = sorted(e for r in records if r.e2el_s > 0 for e in ((r.start_s, 1), (r.start_s + r.e2el_s, -1)))
     peak = cur = 0
     for _, step in events:
         cur += step
@@ -148,7 +140,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_baseline(path: str | None) -> dict[str, Any] | None:
-    """The saved result that `--compare` plots against (checked before the run, not after)."""
+    """The saved result that `--compare` plots against."""
     if path is None:
         return None
     baseline = json.loads(Path(path).read_text())
@@ -158,22 +150,10 @@ def load_baseline(path: str | None) -> dict[str, Any] | None:
 
 
 def config_json(args: argparse.Namespace, model: str, ignore_eos: bool, token_count: str) -> dict[str, Any]:
-    keys = (
-        "base_url",
-        "endpoint",
-        "dataset_name",
-        "dataset_path",
-        "random_input_len",
-        "random_output_len",
-        "random_range_ratio",
-        "output_len",
-        "num_prompts",
-        "request_rate",
-        "seed",
-        "temperature",
-        "goodput",
-    )
-    cfg = {k: getattr(args, k) for k in keys}
+    keys = "base_url endpoint dataset_name dataset_path random_input_len random_output_len random_range_ratio"
+    cfg = {
+        k: getattr(args, k) for k in (keys + " output_len num_prompts request_rate seed temperature goodput").split()
+    }
     cfg["request_rate"] = str(args.request_rate) if args.request_rate == float("inf") else args.request_rate
     return {
         **cfg,
@@ -189,27 +169,21 @@ def write_outputs(args: argparse.Namespace, result: dict[str, Any], baseline: di
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = result["config"]
-    name = args.result_filename or "specserve-bench-{}-{}-{}.json".format(
-        "chat" if cfg["endpoint"].rstrip("/").endswith("chat/completions") else "completions",
-        cfg["model"].replace("/", "_"),
-        cfg["date"],
+    kind = "chat" if cfg["endpoint"].rstrip("/").endswith("chat/completions") else "completions"
+    path = out_dir / (
+        args.result_filename or f"specserve-bench-{kind}-{cfg['model'].replace('/', '_')}-{cfg['date']}.json"
     )
-    path = out_dir / name
     path.write_text(json.dumps(result, indent=1))
     print(f"Results: {path}", flush=True)
     title, runs = f"{cfg['model']} {cfg['endpoint']} ({cfg['dataset_name']})", result["runs"]
-    try:  # the results are saved: without matplotlib only the figures are missing
-        plot = (
-            plot_sweep(runs, path.with_suffix(".png"), title)
-            if len(runs) > 1
-            else plot_run(runs[0], path.with_suffix(".png"), title)
-        )
-        print(f"Plot: {plot}")
+    try:  # without matplotlib only the figures are missing
+        png = path.with_suffix(".png")
+        print(f"Plot: {plot_sweep(runs, png, title) if len(runs) > 1 else plot_run(runs[0], png, title)}")
         if baseline is not None:
-            cmp_path = plot_compare(
-                result, baseline, path.with_name(path.stem + "_compare.png"), (path.stem, Path(args.compare).stem)
+            labels = (path.stem, Path(args.compare).stem)
+            print(
+                f"Comparison plot: {plot_compare(result, baseline, path.with_name(path.stem + '_compare.png'), labels)}"
             )
-            print(f"Comparison plot: {cmp_path}")
     except ImportError as e:
         print(f"Plots skipped ({e}): pip install matplotlib (or 'specserve[bench]') to draw them.")
     return path

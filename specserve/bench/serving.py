@@ -1,15 +1,7 @@
-"""`specserve bench`: a serving benchmark against any OpenAI-compatible server (`vllm bench serve` shape).
+"""`specserve bench`: a serving benchmark against any OpenAI-compatible server (`vllm bench serve`).
 
-Per request, streaming with `stream_options.include_usage`:
-  TTFT  send -> first chunk that carries text.
-  ITL   gaps between successive text-carrying chunks. A chunk may carry several tokens (speculative
-        decoding, detokenizer holding back partial characters), so ITL is per chunk, as vLLM counts
-        it; TPOT is the per-token figure.
-  E2EL  send -> end of the stream.
-  TPOT  (E2EL - TTFT) / (output_tokens - 1), for requests with more than one output token.
-  output_tokens from the final usage chunk (falls back to the number of text chunks).
-Input tokens are usage.prompt_tokens when the server reports it, else the dataset's count.
-"""
+Per streamed request: TTFT to the first text chunk; ITL between text chunks (per chunk, as vLLM);
+E2EL to the stream's end; TPOT = (E2EL - TTFT) / (output_tokens - 1). Token counts from usage."""
 
 from __future__ import annotations
 
@@ -25,26 +17,10 @@ import httpx
 from tqdm.asyncio import tqdm
 
 from specserve import envs
-from specserve.bench.datasets import (
-    SampleRequest,
-    TokenCounter,
-    humaneval_requests,
-    jsonl_requests,
-    make_token_counter,
-    random_requests,
-)
-from specserve.bench.plots import format_sweep, format_table
-from specserve.bench.report import (
-    add_bench_args,
-    compute_aggregates,
-    config_json,
-    load_baseline,
-    parse_concurrency,
-    parse_goodput,
-    write_outputs,
-)
+from specserve.bench import datasets, plots, report
 
-__all__ = ["RequestRecord", "RunConfig", "add_bench_args", "bench_main", "run_benchmark", "send_request"]
+add_bench_args = report.add_bench_args
+__all__ = ["RequestRecord", "RunConfig", "add_bench_args", "bench_main", "run_benchmark"]
 
 
 @dataclass
@@ -99,45 +75,35 @@ class RunConfig:
         return self.endpoint.rstrip("/").endswith("chat/completions")
 
 
-def build_payload(cfg: RunConfig, req: SampleRequest) -> dict[str, Any]:
+def build_payload(cfg: RunConfig, req: datasets.SampleRequest) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "model": cfg.model,
         "max_tokens": req.expected_output_len,
         "temperature": cfg.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
     if cfg.is_chat:
         payload["messages"] = [{"role": "user", "content": req.prompt}]
     else:
         payload["prompt"] = req.prompt
-    if cfg.ignore_eos:  # a vLLM extension; only sent when asked for
-        payload["ignore_eos"] = True
-    return payload
+    extra = {"ignore_eos": True} if cfg.ignore_eos else {}  # a vLLM extension: only sent when asked for
+    return {**payload, "stream": True, "stream_options": {"include_usage": True}, **extra}
 
 
 def _chunk_text(chunk: dict[str, Any]) -> str:
-    choices = chunk.get("choices") or []
-    if not choices:
-        return ""
-    choice = choices[0]
-    if "delta" in choice:  # chat
-        delta = choice["delta"] or {}
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-    return choice.get("text") or ""
+    choice = (chunk.get("choices") or [{}])[0]
+    delta = choice.get("delta") or {}  # chat
+    return choice.get("text") or (delta.get("content") or "") + (delta.get("reasoning_content") or "")
 
 
 def _read_usage(rec: RequestRecord, usage: dict[str, Any]) -> None:
     if usage.get("completion_tokens") is not None:
-        rec.output_tokens = int(usage["completion_tokens"])
-        rec.output_tokens_from_usage = True
+        rec.output_tokens, rec.output_tokens_from_usage = int(usage["completion_tokens"]), True
     if usage.get("prompt_tokens") is not None:
         rec.prompt_tokens = int(usage["prompt_tokens"])
 
 
-async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord, req: SampleRequest) -> None:
-    start = time.perf_counter()
-    last = start
+async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord, req: datasets.SampleRequest) -> None:
+    start = last = time.perf_counter()
     parts: list[str] = []
     async with client.stream("POST", cfg.endpoint, json=build_payload(cfg, req)) as resp:
         if resp.status_code != 200:
@@ -157,10 +123,7 @@ async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord,
                 return
             text = _chunk_text(chunk)
             if text:
-                if not parts:
-                    rec.ttft_s = now - start
-                else:
-                    rec.itl_s.append(now - last)
+                rec.itl_s.append(now - last) if parts else setattr(rec, "ttft_s", now - start)
                 last = now
                 parts.append(text)
             if chunk.get("usage"):
@@ -175,11 +138,10 @@ async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord,
 
 
 async def send_request(
-    client: httpx.AsyncClient, cfg: RunConfig, index: int, req: SampleRequest, t0: float, timeout_s: float
+    client: httpx.AsyncClient, cfg: RunConfig, index: int, req: datasets.SampleRequest, t0: float, timeout_s: float
 ) -> RequestRecord:
     """Send one streaming request and measure it; never raises for HTTP or protocol failures."""
-    rec = RequestRecord(index=index, prompt_len=req.prompt_len, expected_output_len=req.expected_output_len)
-    rec.start_s = time.perf_counter() - t0
+    rec = RequestRecord(index, req.prompt_len, req.expected_output_len, start_s=time.perf_counter() - t0)
     if timeout_s <= 0:
         rec.error = "not sent: --max-duration reached"
         return rec
@@ -193,22 +155,20 @@ async def send_request(
 
 
 async def run_benchmark(
-    base_url: str, headers: dict[str, str], cfg: RunConfig, requests: list[SampleRequest]
+    base_url: str, headers: dict[str, str], cfg: RunConfig, requests: list[datasets.SampleRequest]
 ) -> tuple[list[RequestRecord], float]:
     """Send `requests` with Poisson arrivals at `cfg.request_rate` (all at once when inf), at most
     `cfg.max_concurrency` in flight. Returns the records in request order and the duration (s)."""
     limit = cfg.max_concurrency or max(len(requests), 1)
-    sem = asyncio.Semaphore(limit)
-    rng = random.Random(cfg.seed)
+    sem, rng = asyncio.Semaphore(limit), random.Random(cfg.seed)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(
-        base_url=base_url, headers=headers, limits=limits, timeout=httpx.Timeout(cfg.request_timeout_s)
-    ) as client:
+    timeout = httpx.Timeout(cfg.request_timeout_s)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=timeout) as client:
         pbar = tqdm(total=len(requests), disable=cfg.disable_tqdm, desc=f"concurrency {cfg.max_concurrency}")
         t0 = time.perf_counter()
         deadline = t0 + cfg.max_duration_s if cfg.max_duration_s else float("inf")
 
-        async def one(i: int, req: SampleRequest) -> RequestRecord:
+        async def one(i: int, req: datasets.SampleRequest) -> RequestRecord:
             async with sem:
                 budget = min(cfg.request_timeout_s, deadline - time.perf_counter())
                 rec = await send_request(client, cfg, i, req, t0, budget)
@@ -229,28 +189,27 @@ async def run_benchmark(
 def resolve_model(base_url: str, headers: dict[str, str]) -> str:
     resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
     resp.raise_for_status()
-    models = resp.json().get("data") or []
-    if not models:
+    if not (models := resp.json().get("data")):
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
     return str(models[0]["id"])
 
 
 def load_requests(
-    args: argparse.Namespace, counter: TokenCounter | None, num_prompts: int, seed: int
-) -> list[SampleRequest]:
+    args: argparse.Namespace, counter: datasets.TokenCounter | None, num_prompts: int, seed: int
+) -> list[datasets.SampleRequest]:
     """`num_prompts` requests of the dataset drawn with `seed`; prompt lengths by `counter`, else estimated."""
     if num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     out_len = args.output_len or 128
     if args.dataset_name == "random":
-        return random_requests(
+        return datasets.random_requests(
             num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, seed, counter
         )
     if args.dataset_name == "humaneval":
-        return humaneval_requests(num_prompts, out_len, seed, counter, args.dataset_path)
+        return datasets.humaneval_requests(num_prompts, out_len, seed, counter, args.dataset_path)
     if not args.dataset_path:
         raise ValueError("--dataset-name jsonl needs --dataset-path")
-    return jsonl_requests(args.dataset_path, num_prompts, out_len, seed, counter)
+    return datasets.jsonl_requests(args.dataset_path, num_prompts, out_len, seed, counter)
 
 
 def _duration(s: float) -> str:
@@ -258,8 +217,7 @@ def _duration(s: float) -> str:
 
 
 def estimate(probe_s: float, num_prompts: int, sweep: list[int | None], request_rate: float) -> str:
-    """The run's duration from the probe request's: between perfect batching (concurrency times
-    faster, no faster than the arrival rate) and none (one request after another)."""
+    """The run's duration from the probe's: between perfect batching and none."""
     low = sum(max(num_prompts * probe_s / (c or num_prompts), num_prompts / request_rate) for c in sweep)
     high = len(sweep) * max(num_prompts * probe_s, num_prompts / request_rate)
     hint = " (--num-prompts or --max-duration shorten it)" if high > 600 else ""
@@ -270,18 +228,15 @@ def estimate(probe_s: float, num_prompts: int, sweep: list[int | None], request_
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    """Run `specserve bench`; 0 when every request succeeded, 1 otherwise or on a setup error.
-
-    Each concurrency point sends fresh prompts (the dataset drawn with seed + 1 + point), so no
-    point finds the prompts of an earlier one in the prefix cache; prompts a finite dataset must
-    repeat are counted per run (`repeated_prompts`) and reported."""
+    """Run `specserve bench`; 0 when every request succeeded. Each concurrency point draws fresh
+    prompts (seed + 1 + point); prompts a finite dataset repeats are counted (`repeated_prompts`)."""
     api_key = args.api_key or envs.api_key()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        slos = parse_goodput(args.goodput)
-        sweep = parse_concurrency(args.max_concurrency)
+        slos = report.parse_goodput(args.goodput)
+        sweep = report.parse_concurrency(args.max_concurrency)
         model = args.model or resolve_model(args.base_url, headers)
-        counter = make_token_counter(args.base_url, model, headers)
+        counter = datasets.make_token_counter(args.base_url, model, headers)
         token_count = "server /tokenize" if counter else "estimate (1 token per word)"
         try:
             probe_req = load_requests(args, counter, 1, args.seed)
@@ -289,28 +244,19 @@ def bench_main(args: argparse.Namespace) -> int:
         finally:
             if counter is not None:
                 counter.close()
-        baseline = load_baseline(args.compare)
+        baseline = report.load_baseline(args.compare)
     except (ValueError, OSError, httpx.HTTPError) as e:
         print(f"specserve bench: {e}")
         return 1
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name == "random"
-    base = RunConfig(
-        endpoint=args.endpoint,
-        model=model,
-        request_rate=args.request_rate,
-        temperature=args.temperature,
-        ignore_eos=ignore_eos,
-        request_timeout_s=args.request_timeout,
-        max_duration_s=args.max_duration,
-        seed=args.seed,
-        disable_tqdm=args.disable_tqdm,
-    )
+    base = RunConfig(args.endpoint, model, args.request_rate, None, args.temperature, ignore_eos, args.request_timeout)
+    base = replace(base, max_duration_s=args.max_duration, seed=args.seed, disable_tqdm=args.disable_tqdm)
     probe, _ = asyncio.run(run_benchmark(args.base_url, headers, replace(base, disable_tqdm=True), probe_req))
     if not probe[0].success:
         print(f"specserve bench: the initial test request failed: {probe[0].error}")
         return 1
     print(estimate(probe[0].e2el_s, args.num_prompts, sweep, args.request_rate), flush=True)
-    result: dict[str, Any] = {"config": config_json(args, model, ignore_eos, token_count), "runs": []}
+    result: dict[str, Any] = {"config": report.config_json(args, model, ignore_eos, token_count), "runs": []}
     seen = {probe_req[0].prompt}
     for concurrency, requests in zip(sweep, points):
         cfg = replace(base, max_concurrency=concurrency)
@@ -318,22 +264,13 @@ def bench_main(args: argparse.Namespace) -> int:
         seen.update(r.prompt for r in requests)
         print(f"Benchmark: {len(requests)} requests, rate {args.request_rate}, max concurrency {concurrency}")
         if repeated:  # a finite dataset ran out of fresh prompts
-            print(
-                f"Note: {repeated} of these prompts were sent earlier in this run: the prefix cache may be warm "
-                "for them."
-            )
+            print(f"Note: {repeated} of these prompts were sent earlier in this run: the prefix cache may be warm.")
         records, duration = asyncio.run(run_benchmark(args.base_url, headers, cfg, requests))
-        agg = compute_aggregates(records, duration, slos)
-        print(format_table(agg, concurrency))
-        result["runs"].append(
-            {
-                "max_concurrency": concurrency,
-                "repeated_prompts": repeated,
-                "aggregates": agg,
-                "requests": [r.to_json() for r in records],
-            }
-        )
+        agg = report.compute_aggregates(records, duration, slos)
+        print(plots.format_table(agg, concurrency))
+        run = {"max_concurrency": concurrency, "repeated_prompts": repeated, "aggregates": agg}
+        result["runs"].append({**run, "requests": [r.to_json() for r in records]})
     if len(sweep) > 1:
-        print(format_sweep(result["runs"]))
-    write_outputs(args, result, baseline)
+        print(plots.format_sweep(result["runs"]))
+    report.write_outputs(args, result, baseline)
     return 0 if all(r["aggregates"]["failed"] == 0 for r in result["runs"]) else 1

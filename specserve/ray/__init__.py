@@ -1,25 +1,11 @@
 """specserve replicas on Ray Serve (`pip install 'specserve[ray]'`): data parallelism with
-prefix-affinity routing and failover behind one OpenAI-compatible front door.
-
-    from ray import serve
-    from specserve.ray import build_openai_app
-    serve.run(build_openai_app({"model": "smollm2-135m-instruct"}, num_replicas=2))
-
-Ray is imported when one of the names below is first used; `router` and `prom` need no Ray.
-"""
+prefix-affinity routing and failover behind one front door. Ray is imported on first use."""
 
 import importlib
 from typing import Any
 
-_EXPORTS = {
-    "build_openai_app": "app",
-    "serve_ray": "app",
-    "start": "app",
-    "stop": "app",
-    "FrontDoor": "frontdoor",
-    "RouterOptions": "frontdoor",
-    "SpecserveReplica": "replica",
-}
+_EXPORTS = {"build_openai_app": "app", "serve_ray": "app", "start": "app", "stop": "app", "FrontDoor": "frontdoor"}
+_EXPORTS |= {"RouterOptions": "frontdoor", "SpecserveReplica": "replica"}
 __all__ = ["FrontDoor", "RouterOptions", "SpecserveReplica", "build_openai_app", "serve_ray", "start", "stop"]
 
 

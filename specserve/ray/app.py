@@ -1,10 +1,6 @@
-"""Build the Ray Serve application (N engine replicas + front door) and run it from `specserve serve`.
+"""The Ray Serve application (N engine replicas + front door), run by `specserve serve`.
 
-Each replica is its own one-replica deployment (`specserve-replica-i`), so the front door can
-address it by index for prefix affinity; Ray Serve restarts a replica whose process dies or
-whose health check fails. The same application runs on one machine or a multi-node cluster:
-Ray places replicas wherever their `num_gpus` / `num_cpus` fit.
-"""
+Each replica is its own deployment (`specserve-replica-i`) so the front door addresses it by index."""
 
 from __future__ import annotations
 
@@ -34,24 +30,17 @@ def build_openai_app(
     num_gpus: float = 0.0,
     router: RouterOptions | None = None,
 ) -> Application:
-    """The application to `serve.run`: `num_replicas` engines built from `engine_kwargs`
-    (`LLM(...)`'s names) behind one OpenAI-compatible front door.
-
-    `num_gpus` per replica is the tensor-parallel size on GPUs (0 for CPU replicas).
-    """
+    """`num_replicas` engines from `engine_kwargs` (`LLM(...)`'s names) behind one front door."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas (data_parallel_size) must be >= 1, got {num_replicas}.")
-    # serve.deployment turned both classes into Deployments (mypy sees the classes).
     replica, front_door = cast(Deployment, SpecserveReplica), cast(Deployment, FrontDoor)
     drain_s = (settings or ServerConfig()).graceful_shutdown_timeout  # in-flight requests may finish
-    replicas = [
-        replica.options(
-            name=f"specserve-replica-{i}",
-            graceful_shutdown_timeout_s=drain_s,
-            ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
-        ).bind(dict(engine_kwargs or {}), settings)
+    actor = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+    opts = [
+        replica.options(name=f"specserve-replica-{i}", graceful_shutdown_timeout_s=drain_s, ray_actor_options=actor)
         for i in range(num_replicas)
     ]
+    replicas = [o.bind(dict(engine_kwargs or {}), settings) for o in opts]
     return front_door.options(name="specserve-front-door").bind(replicas, router or RouterOptions())
 
 
@@ -63,27 +52,23 @@ def start(
     router: RouterOptions | None = None,
     ray_init: dict[str, Any] | None = None,
 ) -> str:
-    """Start (or join, with `ray_address`) Ray, deploy the application, wait until it is ready;
-    return the front door's URL. `ray_init` adds arguments of `ray.init` (e.g. `num_cpus`)."""
+    """Start (or join) Ray, deploy the application and wait for it; return the front door's URL."""
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False, **(ray_init or {}))
-    has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-    tp = int(engine_kwargs.get("tensor_parallel_size", 1))
+    gpus = float(engine_kwargs.get("tensor_parallel_size", 1)) if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     serve.start(http_options={"host": settings.host, "port": settings.port})
-    app = build_openai_app(
-        engine_kwargs, num_replicas, settings, num_cpus=1.0, num_gpus=float(tp) if has_gpus else 0.0, router=router
+    serve.run(
+        build_openai_app(engine_kwargs, num_replicas, settings, num_gpus=gpus, router=router),
+        name=APP_NAME,
+        route_prefix="/",
     )
-    serve.run(app, name=APP_NAME, route_prefix="/")
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     return f"http://{host}:{settings.port}"
 
 
 def stop(joined: bool) -> None:
     """Remove the application; shut Serve and Ray down when this process started them."""
-    if joined:
-        serve.delete(APP_NAME)
-    else:
-        serve.shutdown()
+    serve.delete(APP_NAME) if joined else serve.shutdown()
     ray.shutdown()
 
 

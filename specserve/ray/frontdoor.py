@@ -1,16 +1,9 @@
-"""The front door: one Ray Serve ingress that routes OpenAI requests to specserve replicas.
+"""The front door: one Ray Serve ingress routing OpenAI requests to replicas (`router.py`).
 
-Routing: completions and chat completions sharing their first `prefix_blocks` KV blocks go to
-the same replica (consistent hash of the prefix cache's chained block hash), unless that replica
-is overloaded; everything else goes to the less loaded of two random replicas (`router.py`).
-
-Failover contract: nothing reaches the client before a replica has produced its first body
-bytes, so a request whose replica dies (or answers 503) before that is retried on another one;
-a stream cut after that ends with an SSE error event (code `engine_unavailable`, retryable), never
-silently. A request is never sent again once the client has seen any of its output.
-(No `from __future__ import annotations`, and helpers defined before the class: FastAPI reads
-the routes' annotations, and `serve.ingress` pickles the class as it is defined.)
-"""
+Failover: a request whose replica dies (or answers 503) before its first body bytes is retried
+elsewhere; a stream cut later ends with an SSE `engine_unavailable` error event. Nothing is sent
+twice once the client saw output. (No `from __future__ import annotations`: FastAPI reads the
+routes' annotations.)"""
 
 import asyncio
 import contextlib
@@ -39,8 +32,6 @@ app = FastAPI(title="specserve (Ray Serve front door)", docs_url=None, redoc_url
 
 @dataclass(frozen=True)
 class RouterOptions:
-    """How the front door routes: see `router.Router` and `router.routing_key`."""
-
     policy: str = "affinity"
     prefix_blocks: int = 4
     max_imbalance: int = 32
@@ -54,9 +45,7 @@ def _unavailable(message: str) -> APIError:
 
 
 async def _head(gen: DeploymentResponseGenerator) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """The replica's status and headers and its first body bytes (all of a non-streamed body)."""
-    status: int | None = None
-    headers: list[tuple[bytes, bytes]] = []
+    status, headers = None, []
     with contextlib.suppress(StopAsyncIteration):
         while True:
             item = await gen.__anext__()
@@ -70,7 +59,6 @@ async def _head(gen: DeploymentResponseGenerator) -> tuple[int, list[tuple[bytes
 
 
 def _text(content: Any) -> str:
-    """A message's text: a string, or the text parts of a content list."""
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return content if isinstance(content, str) else ""
@@ -87,13 +75,10 @@ class FrontDoor:
         self.block_size = 16
         self._poller: asyncio.Task | None = None
 
-    # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health(self) -> Response:
         self._start_polling()
-        if self.router.live():
-            return Response(status_code=200)
-        return error_response(_unavailable("no replica is up"))
+        return Response(status_code=200) if self.router.live() else error_response(_unavailable("no replica is up"))
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -112,11 +97,10 @@ class FrontDoor:
         while (i := self.router.choose(key, exclude=tried)) is not None:
             tried.append(i)
             self.router.started(i)
+            call = self.handles[i].options(stream=True).request
             gen = cast(
                 DeploymentResponseGenerator,
-                self.handles[i]
-                .options(stream=True)
-                .request.remote(request.method, path, request.url.query.encode(), headers, body),
+                call.remote(request.method, path, request.url.query.encode(), headers, body),
             )
             try:
                 status, head, first = await _head(gen)
@@ -128,12 +112,11 @@ class FrontDoor:
                 self._release(i, gen)
                 continue
             out = {k.decode("latin-1"): v.decode("latin-1") for k, v in head if k.lower() not in _DROPPED_HEADERS}
-            out["x-specserve-replica"] = str(i)
             is_sse = out.get("content-type", "").startswith("text/event-stream")
-            return StreamingResponse(self._relay(i, gen, first, is_sse), status_code=status, headers=out)
+            relay = self._relay(i, gen, first, is_sse)
+            return StreamingResponse(relay, status_code=status, headers={**out, "x-specserve-replica": str(i)})
         return error_response(_unavailable(f"no replica could take the request (tried {len(tried)})"))
 
-    # ------------------------------------------------------------------ streaming
     async def _relay(
         self, i: int, gen: DeploymentResponseGenerator, first: bytes, is_sse: bool
     ) -> AsyncIterator[bytes]:
@@ -160,9 +143,7 @@ class FrontDoor:
         if down:
             self.router.mark_down(i)
 
-    # ------------------------------------------------------------------ routing key
     def _key(self, path: str, body: bytes) -> bytes | None:
-        """The routing key of a completion or chat body; None (no affinity) when it has none."""
         if self.tokenizer is None:
             return None
         try:
@@ -181,36 +162,26 @@ class FrontDoor:
         return routing_key(ids, self.block_size, self.opts.prefix_blocks)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        # Only the first blocks matter; a token is rarely longer than 16 characters.
-        limit = 16 * self.block_size * self.opts.prefix_blocks
+        limit = 16 * self.block_size * self.opts.prefix_blocks  # only the first blocks matter
         return list(self.tokenizer.encode(text[:limit], add_special_tokens=add_special_tokens))
 
-    # ------------------------------------------------------------------ replica stats
     def _start_polling(self) -> None:
         if self._poller is None or self._poller.done():
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
 
     async def _poll_forever(self) -> None:
         while True:
-            if self.tokenizer is None:
-                await self._fetch_info()
+            for i in self.router.live() if self.tokenizer is None else []:  # once: what routing keys need
+                if (info := await self._call(self.handles[i].info)) is not None:
+                    self.tokenizer, self.block_size = info["tokenizer"], info["block_size"]
+                    break
             results = await asyncio.gather(*(self._call(h.stats) for h in self.handles))
             for i, stats in enumerate(results):
-                if stats is None:
-                    self.router.mark_down(i)
-                else:
-                    self.router.mark_up(i, **stats)
+                self.router.mark_down(i) if stats is None else self.router.mark_up(i, **stats)
             await asyncio.sleep(self.opts.poll_interval_s)
 
-    async def _fetch_info(self) -> None:
-        for i in self.router.live():
-            info = await self._call(self.handles[i].info)
-            if info is not None:
-                self.tokenizer, self.block_size = info["tokenizer"], info["block_size"]
-                return
-
     async def _call(self, method: Any) -> Any:
-        """A replica method's result, or None if it fails or takes longer than the poll timeout."""
+        """The result, or None if the call fails or outlasts the poll timeout."""
         response = method.remote()
         try:
             return await asyncio.wait_for(response, self.opts.poll_timeout_s)

@@ -1,9 +1,5 @@
-"""Merge the replicas' Prometheus pages into one, each series labelled `replica="i"`.
-
-The exposition format wants every family's samples together under one `# HELP` / `# TYPE`
-header, so samples are grouped by the family whose header precedes them in each page (the
-order prometheus_client writes them); a family keeps the header of the first page that has it.
-"""
+"""Merge the replicas' Prometheus pages into one, each series labelled `replica="i"`; samples are
+grouped under their family's `# HELP` / `# TYPE` header (the first page's), as the format wants."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Replica choice for the front door: prefix affinity by consistent hashing, load override, P2C.
+"""Replica choice for the front door: prefix affinity by rendezvous hashing, load override, P2C.
 
-Pure Python (no Ray), so it is tested on its own. Invariants:
+Pure Python (no Ray). Invariants:
 - the same routing key maps to the same live replica as long as the set of live replicas is
   unchanged, and a replica going down moves only the keys it owned (rendezvous hashing);
 - a replica marked down receives nothing until `mark_up` (its stats answered again);
@@ -18,8 +18,7 @@ from specserve.kv.block_pool import hash_blocks
 
 
 def routing_key(token_ids: Sequence[int], block_size: int, prefix_blocks: int) -> bytes | None:
-    """Chained block hash (the prefix cache's) of the first `prefix_blocks` full blocks; None when
-    the prompt holds no full block (nothing a replica could reuse)."""
+    """Chained block hash of the first `prefix_blocks` full blocks; None without a full block."""
     num_blocks = min(prefix_blocks, len(token_ids) // block_size)
     if num_blocks < 1:
         return None
@@ -28,8 +27,6 @@ def routing_key(token_ids: Sequence[int], block_size: int, prefix_blocks: int) -
 
 @dataclass
 class ReplicaLoad:
-    """What the router knows of one replica: its last stats and what it sent there itself."""
-
     up: bool = True
     num_waiting: float = 0.0
     num_running: float = 0.0
@@ -38,18 +35,13 @@ class ReplicaLoad:
 
     @property
     def load(self) -> float:
-        # The router's own count reacts at once; the replica's queue covers other front doors.
         return self.outstanding + self.num_waiting
 
 
 class Router:
-    """Pick a replica: the key's owner unless it is overloaded, else the less loaded of two.
-
-    The owner is overridden when its KV usage reaches `max_kv_usage`, or when it has
-    `max_imbalance` more requests in flight or waiting than the least loaded live replica (a
-    small threshold splits bursts of one prefix over replicas and loses the cache it routes for).
-    `policy="round_robin"` ignores keys and load (the baseline affinity is measured against).
-    """
+    """Pick the key's owner unless its KV usage reaches `max_kv_usage` or it has `max_imbalance`
+    more requests than the least loaded live replica; else the less loaded of two random ones.
+    `policy="round_robin"` ignores keys and load."""
 
     POLICIES = ("affinity", "round_robin")
 
@@ -60,7 +52,7 @@ class Router:
         max_kv_usage: float = 0.9,
         policy: str = "affinity",
         seed: int | None = None,
-    ) -> None:
+    ) -> None:  # noqa: E501
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
         if policy not in self.POLICIES:
@@ -74,7 +66,6 @@ class Router:
         return [i for i, r in enumerate(self.replicas) if r.up and i not in exclude]
 
     def owner(self, key: bytes, candidates: Sequence[int]) -> int:
-        """Rendezvous hashing: the candidate with the highest hash of (key, replica index)."""
         return max(candidates, key=lambda i: hashlib.blake2b(key + i.to_bytes(4, "little"), digest_size=8).digest())
 
     def choose(self, key: bytes | None, exclude: Sequence[int] = ()) -> int | None:

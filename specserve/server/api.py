@@ -1,10 +1,7 @@
-"""FastAPI app factory: OpenAI-compatible routes over an AsyncEngine, plus health and metrics.
+"""FastAPI app: OpenAI-compatible routes over an AsyncEngine, plus health and metrics.
 
-Routes read and validate the body themselves (size limit -> 413, bad JSON or fields -> 400 with
-the OpenAI error body, never FastAPI's 422), and every error leaves the server as that body
-without a stack trace. Auth and the Content-Length check are a pure ASGI middleware (Starlette's
-BaseHTTPMiddleware would break disconnect detection of streaming responses).
-"""
+Routes validate bodies themselves (413, 400 with the OpenAI error body, never FastAPI's 422).
+Auth and header checks are a pure ASGI middleware (BaseHTTPMiddleware breaks disconnect detection)."""
 
 from __future__ import annotations
 
@@ -31,25 +28,11 @@ from specserve import __version__
 from specserve.engine.async_engine import AsyncEngine
 from specserve.metrics.log import StatsLogger
 from specserve.metrics.prometheus import PrometheusMetrics
+from specserve.server import protocol as proto
+from specserve.server import serving_common as common
 from specserve.server.cli_args import ServerConfig
-from specserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-)
 from specserve.server.serving_chat import create_chat_completion, render_chat
-from specserve.server.serving_common import (
-    APIError,
-    check_model,
-    check_token_ids,
-    parse_model,
-    read_json,
-    require_tokenizer,
-    validation_error,
-)
+from specserve.server.serving_common import APIError
 from specserve.server.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
@@ -61,9 +44,8 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 class GuardMiddleware:
-    """API key (Bearer), Content-Type of POSTs and the fast Content-Length check, before any route runs.
-    A POST must say `application/json`: bodies a browser may send cross-site without a preflight
-    (text/plain, forms, an untyped Blob) never reach a route."""
+    """API key (Bearer), Content-Type of POSTs (application/json: no cross-site simple requests) and
+    Content-Length, before any route runs."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
@@ -85,19 +67,17 @@ class GuardMiddleware:
                 return APIError("Incorrect API key provided.", 401, code="invalid_api_key")
         media_type = headers.get("content-type", "").split(";")[0].strip().lower()
         if method == "POST" and media_type != "application/json":
-            return APIError(
-                f"Content-Type must be application/json, got {media_type or 'none'}", 415, code="unsupported_media_type"
-            )
+            msg = f"Content-Type must be application/json, got {media_type or 'none'}"
+            return APIError(msg, 415, code="unsupported_media_type")
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            return APIError(
-                f"request body exceeds the limit of {self.max_body_bytes} bytes", 413, code="request_too_large"
-            )
+            msg = f"request body exceeds the limit of {self.max_body_bytes} bytes"
+            return APIError(msg, 413, code="request_too_large")
         return None
 
 
 def _guarded(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """APIError -> its OpenAI body; anything else -> a plain 500 (the trace stays in our log)."""
+    """APIError -> its OpenAI body; anything else -> a plain 500 (the trace goes to the log)."""
 
     @functools.wraps(fn)
     async def route(request: Request) -> Response:
@@ -123,16 +103,9 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
     """The server app. Its lifespan shuts the engine down (after uvicorn drained connections)."""
     metrics = PrometheusMetrics(engine.stats, settings.metrics_prefix)
     spec = engine.config.speculative
-    if spec is not None:  # what `advise` sizes k against (the controller's choices are other series)
-        engine.stats.set(
-            "spec_decode_config_info",
-            1,
-            {
-                "method": spec.method,
-                "adaptive": str(spec.adaptive),
-                "num_speculative_tokens": str(spec.num_speculative_tokens),
-            },
-        )
+    if spec is not None:  # what `advise` sizes k against
+        info = {"method": spec.method, "adaptive": spec.adaptive, "num_speculative_tokens": spec.num_speculative_tokens}
+        engine.stats.set("spec_decode_config_info", 1, {k: str(v) for k, v in info.items()})
     limit = settings.max_request_body_bytes
 
     @contextlib.asynccontextmanager
@@ -152,15 +125,15 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     @_guarded
     async def completions(request: Request) -> Response:
-        req = parse_model(CompletionRequest, await read_json(request, limit))
+        req = common.parse_model(proto.CompletionRequest, await common.read_json(request, limit))
         return await create_completion(engine, req, request)
 
     @app.post("/v1/chat/completions")
     @_guarded
     async def chat_completions(request: Request) -> Response:
-        req = parse_model(ChatCompletionRequest, await read_json(request, limit))
+        req = common.parse_model(proto.ChatCompletionRequest, await common.read_json(request, limit))
         if req.chat_template is not None and not settings.trust_request_chat_template:
-            # As vLLM: a client's Jinja runs in a sandbox but may still loop for long; opt in.
+            # A client's Jinja runs sandboxed but may loop for long: opt in (as vLLM).
             raise APIError(
                 "a chat_template in the request needs the server started with --trust-request-chat-template",
                 param="chat_template",
@@ -168,31 +141,31 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
             )
         return await create_chat_completion(engine, req, request)
 
-    card = ModelCard(id=engine.model_name, root=engine.config.model.model, max_model_len=engine.max_model_len)
+    card = proto.ModelCard(id=engine.model_name, root=engine.config.model.model, max_model_len=engine.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(proto.ModelList(data=[card]).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     @_guarded
     async def model(request: Request) -> Response:
-        check_model(engine, request.path_params["model_id"])
+        common.check_model(engine, request.path_params["model_id"])
         return JSONResponse(card.model_dump())
 
     @app.post("/tokenize")
     @_guarded
     async def tokenize(request: Request) -> Response:
-        req = parse_model(TokenizeRequest, await read_json(request, limit))
+        req = common.parse_model(proto.TokenizeRequest, await common.read_json(request, limit))
         return JSONResponse(await asyncio.to_thread(_tokenize, engine, req))
 
     @app.post("/detokenize")
     @_guarded
     async def detokenize(request: Request) -> Response:
-        req = parse_model(DetokenizeRequest, await read_json(request, limit))
-        check_model(engine, req.model)
-        check_token_ids(req.tokens, engine.vocab_size, "tokens")
-        return JSONResponse({"prompt": require_tokenizer(engine, "tokens").decode(req.tokens)})
+        req = common.parse_model(proto.DetokenizeRequest, await common.read_json(request, limit))
+        common.check_model(engine, req.model)
+        common.check_token_ids(req.tokens, engine.vocab_size, "tokens")
+        return JSONResponse({"prompt": common.require_tokenizer(engine, "tokens").decode(req.tokens)})
 
     @app.get("/health")
     async def health() -> Response:
@@ -213,14 +186,14 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
     return app
 
 
-def _tokenize(engine: AsyncEngine, req: TokenizeRequest) -> dict[str, Any]:
-    check_model(engine, req.model)
+def _tokenize(engine: AsyncEngine, req: proto.TokenizeRequest) -> dict[str, Any]:
+    common.check_model(engine, req.model)
     if (req.prompt is None) == (req.messages is None):
-        raise APIError("give exactly one of prompt or messages", param="prompt", code="invalid_value")
+        raise APIError("give exactly one of prompt or messages", param="prompt")
     if req.messages is not None:
         ids = render_chat(engine, req.messages, req.add_generation_prompt)
     else:
-        tokenizer = require_tokenizer(engine, "prompt")
+        tokenizer = common.require_tokenizer(engine, "prompt")
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs and engine.tokenizer else None
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
@@ -234,34 +207,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def request_validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(validation_error(list(exc.errors())))
-
-
-def uvicorn_config(app: FastAPI, settings: ServerConfig, **overrides: Any) -> uvicorn.Config:
-    # uvicorn's own timeout is only a backstop: it cancels tasks, which logs tracebacks, so
-    # SpecserveServer ends in-flight requests itself before it fires.
-    kw: dict[str, Any] = {
-        "host": settings.host,
-        "port": settings.port,
-        "log_level": settings.uvicorn_log_level,
-        "timeout_graceful_shutdown": settings.graceful_shutdown_timeout + 5.0,
-        "lifespan": "on",
-    }
-    kw.update(overrides)
-    return uvicorn.Config(app, **kw)
+        return error_response(common.validation_error(list(exc.errors())))
 
 
 class SpecserveServer(uvicorn.Server):
-    """uvicorn.Server that drains the engine when shutdown starts (SIGTERM, SIGINT, should_exit).
+    """uvicorn.Server that drains the engine when shutdown starts: in-flight requests run for
+    `graceful_shutdown_timeout` s, then end with finish_reason "abort"."""
 
-    uvicorn stops accepting connections, then waits for open ones; meanwhile the drain lets
-    in-flight requests run for `graceful_shutdown_timeout` s and then aborts them, so every
-    response ends properly (finish_reason "abort") and the app's lifespan shutdown follows.
-    """
-
-    # After the engine loop (or a tensor-parallel rank) dies, /health answers 503 for this long so
-    # load balancers see it, then the server exits on its own (exit status 1).
-    DEAD_ENGINE_GRACE_S = 3.0
+    DEAD_ENGINE_GRACE_S = 3.0  # /health answers 503 this long after the engine died, then exit 1
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, settings: ServerConfig) -> None:
         super().__init__(config)
@@ -285,8 +238,7 @@ class SpecserveServer(uvicorn.Server):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to (host, port), for uvicorn to listen on: `serve` binds before it loads the
-    model, so a port in use is reported at once. OSError names the address."""
+    """A socket bound to (host, port) before the model loads, so a port in use fails at once."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -299,15 +251,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def make_server(engine: AsyncEngine, settings: ServerConfig, **overrides: Any) -> SpecserveServer:
-    """The app and a uvicorn server for it (not started)."""
-    return SpecserveServer(uvicorn_config(build_app(engine, settings), settings, **overrides), engine, settings)
+    """The app and a uvicorn server for it (not started). uvicorn's own shutdown timeout is a backstop."""
+    kw: dict[str, Any] = {"host": settings.host, "port": settings.port, "log_level": settings.uvicorn_log_level}
+    kw.update(timeout_graceful_shutdown=settings.graceful_shutdown_timeout + 5.0, lifespan="on")
+    return SpecserveServer(uvicorn.Config(build_app(engine, settings), **{**kw, **overrides}), engine, settings)
 
 
 class BackgroundServer:
-    """Serve an engine on a daemon thread (tests, benchmarks, notebooks), as `serve` would.
-
-    Port 0 binds a free port up front, so there is no pick-then-bind race.
-    """
+    """Serve an engine on a daemon thread (tests, notebooks), as `serve` would; port 0: a free one."""
 
     def __init__(self, engine: AsyncEngine, settings: ServerConfig | None = None, **overrides: Any) -> None:
         settings = settings or ServerConfig(port=0)

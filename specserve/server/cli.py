@@ -1,8 +1,5 @@
-"""The `specserve` command: serve, generate, chat, bench, advise, models, train-draft.
-
-Each subcommand imports what it needs only when it runs, so `specserve models list` never loads
-torch or the web stack. Exit codes: 0 ok, 1 runtime failure, 2 bad arguments/configuration.
-"""
+"""The `specserve` command. Subcommands import what they need when they run.
+Exit codes: 0 ok, 1 runtime failure, 2 bad arguments/configuration."""
 
 from __future__ import annotations
 
@@ -56,7 +53,6 @@ def _config_or_exit(prog: str, build: Callable[[], T]) -> T:
         raise SystemExit(2) from None
 
 
-# ----------------------------------------------------------------------------------- serve
 def serve_main(argv: Sequence[str]) -> int:
     from specserve.config import EngineConfig
     from specserve.server import cli_args
@@ -79,13 +75,10 @@ def serve_main(argv: Sequence[str]) -> int:
     _config_or_exit("specserve serve", lambda: cli_args.apply_num_threads(args))
     engine = _config_or_exit("specserve serve", lambda: AsyncEngine.from_config(config))
     server = make_server(engine, settings)
-    # What start-up built (modules, tokenizer tables, config) lives as long as the server: keep the
-    # cycle collector from walking it in a full collection mid-serving (~74 ms for SmolLM2's ~234k
-    # objects on the CPU; the frozen ones are still freed by reference counting).
+    # Start-up objects live as long as the server: keep full collections from walking them.
     gc.collect()
     gc.freeze()
-    # uvicorn re-raises the signal it caught once its graceful shutdown is done, so that the
-    # previous handler runs; a no-op handler turns that into a clean exit with status 0.
+    # uvicorn re-raises the caught signal after its graceful shutdown: a no-op handler exits with 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
@@ -109,15 +102,26 @@ def _serve_ray(engine_kwargs: dict[str, Any], settings: ServerConfig, args: argp
     return serve_ray(engine_kwargs, settings, args.data_parallel_size, args.ray_address)
 
 
-def _load_llm(prog: str, args: argparse.Namespace):  # -> LLM
+def _offline(name: str, argv: Sequence[str], add_flags: Callable[[argparse.ArgumentParser], None]) -> tuple:
+    """(args, SamplingParams, a function loading the LLM) of `generate` / `chat`."""
     from specserve import LLM
     from specserve.server import cli_args
 
-    _config_or_exit(prog, lambda: cli_args.apply_num_threads(args))
-    return _config_or_exit(prog, lambda: LLM(**{"model": DEFAULT_MODEL, **cli_args.engine_kwargs(args)}))
+    prog = f"specserve {name}"
+    parser = argparse.ArgumentParser(prog=prog, description=SUBCOMMANDS[name])
+    cli_args.add_engine_args(parser)
+    cli_args.add_sampling_args(parser)
+    add_flags(parser)
+    args = parser.parse_args(argv)
+    params = _config_or_exit(prog, lambda: cli_args.sampling_params(args))
+
+    def load() -> LLM:
+        _config_or_exit(prog, lambda: cli_args.apply_num_threads(args))
+        return _config_or_exit(prog, lambda: LLM(**{"model": DEFAULT_MODEL, **cli_args.engine_kwargs(args)}))
+
+    return args, params, load
 
 
-# -------------------------------------------------------------------------------- generate
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt:
         return list(args.prompt)
@@ -129,20 +133,16 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def generate_main(argv: Sequence[str]) -> int:
-    from specserve.server import cli_args
+    def flags(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("-p", "--prompt", action="append", help="a prompt (repeatable); default: stdin")
+        parser.add_argument("--lines", action="store_true", help="stdin holds one prompt per line")
 
-    parser = argparse.ArgumentParser(prog="specserve generate", description=SUBCOMMANDS["generate"])
-    cli_args.add_engine_args(parser)
-    cli_args.add_sampling_args(parser)
-    parser.add_argument("-p", "--prompt", action="append", help="a prompt (repeatable); default: stdin")
-    parser.add_argument("--lines", action="store_true", help="stdin holds one prompt per line")
-    args = parser.parse_args(argv)
-    params = _config_or_exit("specserve generate", lambda: cli_args.sampling_params(args))
+    args, params, load = _offline("generate", argv, flags)
     prompts = _read_prompts(args)
     if not prompts:
         print("specserve generate: error: no prompt given", file=sys.stderr)
         return 2
-    llm = _load_llm("specserve generate", args)
+    llm = load()
     start = time.perf_counter()
     try:
         outputs = llm.generate(prompts, params)
@@ -156,25 +156,16 @@ def generate_main(argv: Sequence[str]) -> int:
         for c in out.outputs:
             num_tokens += len(c.token_ids)
             print(c.text if single else f"--- [{c.index}] {out.prompt!r}\n{c.text}")
-    print(
-        f"\n{len(outputs)} prompt(s), {num_tokens} tokens in {elapsed:.2f} s "
-        f"({num_tokens / max(elapsed, 1e-9):.1f} tokens/s)",
-        file=sys.stderr,
-    )
+    rate = num_tokens / max(elapsed, 1e-9)
+    print(f"\n{len(outputs)} prompt(s), {num_tokens} tokens in {elapsed:.2f} s ({rate:.1f} tokens/s)", file=sys.stderr)
     return 0
 
 
-# ------------------------------------------------------------------------------------ chat
 def chat_main(argv: Sequence[str]) -> int:
-    from specserve.server import cli_args
-
-    parser = argparse.ArgumentParser(prog="specserve chat", description=SUBCOMMANDS["chat"])
-    cli_args.add_engine_args(parser)
-    cli_args.add_sampling_args(parser)
-    parser.add_argument("--system", default=None, help="system prompt")
-    args = parser.parse_args(argv)
-    params = _config_or_exit("specserve chat", lambda: cli_args.sampling_params(args))
-    llm = _load_llm("specserve chat", args)
+    args, params, load = _offline(
+        "chat", argv, lambda p: p.add_argument("--system", default=None, help="system prompt")
+    )
+    llm = load()
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("specserve chat: empty line or Ctrl-D to quit; /reset clears the history.", file=sys.stderr)
     while True:
@@ -199,7 +190,6 @@ def chat_main(argv: Sequence[str]) -> int:
     return 0
 
 
-# ------------------------------------------------------------- subcommands of other modules
 def _delegate_args(module: str, add: str, run: str, name: str, argv: Sequence[str]) -> int:
     mod = importlib.import_module(module)
     parser = argparse.ArgumentParser(prog=f"specserve {name}", description=SUBCOMMANDS[name])
@@ -207,16 +197,8 @@ def _delegate_args(module: str, add: str, run: str, name: str, argv: Sequence[st
     return int(getattr(mod, run)(parser.parse_args(argv)) or 0)
 
 
-def models_main(argv: Sequence[str]) -> int:
-    from specserve.model.catalog import models_main as run
-
-    return int(run(list(argv)) or 0)
-
-
-def train_draft_main(argv: Sequence[str]) -> int:
-    from specserve.train.loop import train_main
-
-    return int(train_main(list(argv)) or 0)
+def _delegate(module: str, run: str, argv: Sequence[str]) -> int:
+    return int(getattr(importlib.import_module(module), run)(list(argv)) or 0)
 
 
 _RUNNERS: dict[str, Callable[[Sequence[str]], int]] = {
@@ -225,8 +207,8 @@ _RUNNERS: dict[str, Callable[[Sequence[str]], int]] = {
     "chat": chat_main,
     "bench": lambda argv: _delegate_args("specserve.bench.serving", "add_bench_args", "bench_main", "bench", argv),
     "advise": lambda argv: _delegate_args("specserve.bench.advise", "add_advise_args", "advise_main", "advise", argv),
-    "models": models_main,
-    "train-draft": train_draft_main,
+    "models": lambda argv: _delegate("specserve.model.catalog", "models_main", argv),
+    "train-draft": lambda argv: _delegate("specserve.train.loop", "train_main", argv),
 }
 
 

@@ -1,9 +1,5 @@
-"""Command-line flags generated from the config dataclasses, so a new config field is a new flag.
-
-The flag is the field name with `_` -> `-` (vLLM's names). Flags default to "not given"
-(argparse.SUPPRESS): only what the user typed reaches `EngineConfig.from_kwargs`, and the
-dataclass defaults stay the single source of defaults. This module imports no server stack.
-"""
+"""Command-line flags generated from the config dataclasses (field `a_b` -> `--a-b`, vLLM's names).
+Flags default to argparse.SUPPRESS, so only what the user typed reaches `EngineConfig.from_kwargs`."""
 
 from __future__ import annotations
 
@@ -29,15 +25,25 @@ _CHOICES = {
     "load_format": cfg.LOAD_FORMATS,
     "metrics_prefix": ("specserve", "vllm"),
 }
-# Help for config fields that carry none in their metadata.
 _HELP = {
     "tensor_parallel_size": "GPUs to shard the model over",
     "kv_offload_cpu_bytes": "CPU tier for evicted KV blocks, bytes (0 = off; accepts 4G)",
     "kv_offload_disk_path": "directory of the disk tier for evicted KV blocks (needs --kv-offload-disk-bytes)",
     "kv_offload_disk_bytes": "disk tier size, bytes (accepts 100G; needs --kv-offload-disk-path)",
+    "host": "address to bind",
+    "port": "port to bind",
+    "api_key": "require `Authorization: Bearer KEY` (/health and /metrics stay open); other local users see it in "
+    "`ps`: prefer SPECSERVE_API_KEY or --api-key-file",
+    "api_key_file": "read the API key from this file's first line",
+    "metrics_prefix": "metric name prefix: specserve | vllm (for dashboards built for vLLM)",
+    "max_request_body_bytes": "larger request bodies get 413 (accepts 512K, 16M, ...)",
+    "log_interval": "seconds between stats log lines; 0 = off",
+    "graceful_shutdown_timeout": "on SIGTERM, seconds in-flight requests may run before they are aborted",
+    "uvicorn_log_level": "uvicorn log level",
+    "trust_request_chat_template": "accept a chat_template sent with a chat request (vLLM's flag; off: 400)",
 }
 _ENGINE_SECTIONS = (cfg.ModelConfig, cfg.CacheConfig, cfg.SchedulerConfig, cfg.ParallelConfig)
-# Engine config fields that only the HTTP server reads: `serve` has them, `generate` / `chat` do not.
+# Engine fields only the HTTP server reads: flags of `serve`, not of `generate` / `chat`.
 SERVER_ONLY_FIELDS = frozenset({"served_model_name", "max_num_queued_requests"})
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -45,34 +51,18 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 <
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """HTTP server settings (not engine settings); flags are generated like the engine's."""
+    """HTTP server settings; flags are generated like the engine's."""
 
-    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
-    port: int = field(default=8000, metadata={"help": "port to bind"})
-    api_key: str | None = field(
-        default=None,
-        repr=False,
-        metadata={
-            "help": "require `Authorization: Bearer KEY` (/health and /metrics stay open); other local users "
-            "see it in `ps`: prefer SPECSERVE_API_KEY or --api-key-file"
-        },
-    )
-    api_key_file: str | None = field(default=None, metadata={"help": "read the API key from this file's first line"})
-    metrics_prefix: str = field(
-        default="specserve", metadata={"help": "metric name prefix: specserve | vllm (for dashboards built for vLLM)"}
-    )
-    max_request_body_bytes: int = field(
-        default=16 << 20, metadata={"help": "larger request bodies get 413 (accepts 512K, 16M, ...)"}
-    )
-    log_interval: float = field(default=10.0, metadata={"help": "seconds between stats log lines; 0 = off"})
-    graceful_shutdown_timeout: float = field(
-        default=5.0, metadata={"help": "on SIGTERM, seconds in-flight requests may run before they are aborted"}
-    )
-    uvicorn_log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
-    trust_request_chat_template: bool = field(
-        default=False,
-        metadata={"help": "accept a chat_template sent with a chat request (vLLM's flag; off: such requests get 400)"},
-    )
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = field(default=None, repr=False)
+    api_key_file: str | None = None
+    metrics_prefix: str = "specserve"
+    max_request_body_bytes: int = 16 << 20
+    log_interval: float = 10.0
+    graceful_shutdown_timeout: float = 5.0
+    uvicorn_log_level: str = "info"
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if self.metrics_prefix not in ("specserve", "vllm"):
@@ -118,7 +108,7 @@ def _add_field(
     base = _base_type(hint)
     default = f.default if f.default is not dataclasses.MISSING else None
     help_ = f.metadata.get("help") or _HELP.get(dest, "")
-    if "default" not in help_.lower():  # some helps state their default in words (e.g. "2048 GPU, 512 CPU")
+    if "default" not in help_.lower():  # some helps state their default in words
         help_ = f"{help_} (default: {default})".strip()
     kw: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_}
     if base is bool:
@@ -190,9 +180,8 @@ def available_cpus() -> int:
 
 
 def choose_num_threads(requested: int | None, available: int, torch_default: int) -> int:
-    """torch's intra-op threads. torch's default counts the machine's cores, not the process's
-    share; with as many threads as cores, the engine and HTTP threads (and any other process)
-    preempt torch's spinning workers and a step waits for the slowest: keep one core for them."""
+    """torch's intra-op threads: the process's cores minus one (for the engine and HTTP threads,
+    which would otherwise preempt torch's spinning workers), at most torch's default."""
     if requested is not None and requested < 1:
         raise ValueError(f"num_threads must be >= 1, got {requested}.")
     return requested or max(1, min(torch_default, available - 1))
@@ -228,8 +217,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Server flags, and the engine fields only the server reads (they still go to the EngineConfig
-    through `engine_kwargs`)."""
+    """Server flags, and the engine fields only the server reads (still passed by `engine_kwargs`)."""
     group = parser.add_argument_group("server")
     _add_dataclass(group, ServerConfig)
     for cls in _ENGINE_SECTIONS:
@@ -242,18 +230,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's data-parallel flags of `serve`; replicas run on Ray Serve (`specserve.ray`)."""
     group = parser.add_argument_group("data parallel")
-    group.add_argument(
-        "--data-parallel-size", type=int, default=1, help="engine replicas behind one front door (default: 1)"
-    )
+    group.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas (default: 1)")
     group.add_argument(
         "--data-parallel-backend",
         choices=("ray",),
         default=None,
         help="ray: replicas as a Ray Serve application (pip install 'specserve[ray]')",
     )
-    group.add_argument(
-        "--ray-address", default=None, help="join this Ray cluster (default: start a local Ray instance)"
-    )
+    group.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start one)")
 
 
 def wants_data_parallel(args: argparse.Namespace) -> bool:
@@ -294,15 +278,5 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        n=args.n,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        seed=args.sampling_seed,
-    )
+    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "n", "stop", "ignore_eos")
+    return SamplingParams(**{n: getattr(args, n) for n in names}, seed=args.sampling_seed)

@@ -1,15 +1,7 @@
-"""`specserve serve` under torchrun: one process per rank, on one machine or several.
+"""`specserve serve` under torchrun (`torchrun ... -m specserve.server.launch serve MODEL --tensor-parallel-size N`).
 
-    torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \\
-        --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 \\
-        -m specserve.server.launch serve MODEL --tensor-parallel-size 16 --host 0.0.0.0
-
-Every process joins torch's default process group through torchrun's rendezvous (`env://`: torch
-reads torchrun's variables; specserve reads none). Global rank 0 runs the `serve` command as
-usual: its engine finds the group already made and adopts it instead of starting workers. The
-other ranks parse the same engine flags, build their shard with the same collectives, and serve
-steps until rank 0 shuts down. If any rank dies, torchrun stops the others.
-"""
+Rank 0 runs `serve`, whose engine adopts the default process group; the other ranks build their
+shard from the same flags and serve steps until rank 0 shuts down."""
 
 from __future__ import annotations
 
@@ -23,7 +15,6 @@ import torch.distributed as dist
 
 
 def _engine_config(argv: Sequence[str]):
-    """The EngineConfig that `specserve serve <argv>` builds on rank 0."""
     from specserve.config import EngineConfig
     from specserve.server import cli_args
 
@@ -60,7 +51,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = dist.get_rank()
     device = torch.device("cpu")
     if use_cuda:
-        # torchrun numbers ranks node by node, so this is the local rank.
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     if rank == 0:

@@ -1,12 +1,5 @@
-"""Pydantic models of the OpenAI-compatible API (requests validated here, responses built here).
-
-Requests accept vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, ...) that the OpenAI client sends through `extra_body`. Unknown
-fields are ignored, as OpenAI and vLLM do. JSON null for any optional field means "not given"
-(OpenAI and vLLM declare them nullable): fields whose type has no None fall back to their default.
-Value ranges are checked by SamplingParams, which names the field in its error; here we check
-only shapes and types.
-"""
+"""Pydantic models of the OpenAI API with vLLM's extra fields. Unknown fields are ignored; JSON null
+for an optional field means "not given". Shapes and types only: SamplingParams checks ranges."""
 
 from __future__ import annotations
 
@@ -41,7 +34,6 @@ class OpenAIModel(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _drop_null_optionals(cls, data: Any) -> Any:
-        """`"n": null` is the same as leaving `n` out; required fields stay required (null is an error)."""
         if isinstance(data, dict):
             names = _null_means_default(cls)
             if any(data.get(name, 0) is None for name in names):
@@ -80,11 +72,8 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Keep only the last k prompt tokens (left truncation); -1: the model's max length.
-    truncate_prompt_tokens: int | None = Field(default=None, strict=True)  # strict: true is not 1
-    # Logprob token strings spelled "token_id:{id}" (vLLM's spelling), not the decoded text.
+    truncate_prompt_tokens: int | None = Field(default=None, strict=True)  # last k tokens; -1: max_model_len
     return_tokens_as_token_ids: bool = False
-    # Structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* extras.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
@@ -127,7 +116,7 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    # Seen only to be refused (tools are not supported): rendering them would drop the calls.
+    # Seen only to be refused (tools are not supported).
     tool_calls: list[Any] | None = None
     function_call: Any = None
 
@@ -146,11 +135,7 @@ class ChatMessage(OpenAIModel):
             ) from None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -161,9 +146,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     add_generation_prompt: bool = True
-    # vLLM's: the last (assistant) message stays open and the model continues it; needs
-    # add_generation_prompt false.
-    continue_final_message: bool = False
+    continue_final_message: bool = False  # vLLM's: the model continues the last (assistant) message
     chat_template: str | None = None  # a Jinja template used instead of the model's
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # vLLM's: BOS etc. on top of what the template renders
@@ -171,8 +154,6 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(OpenAIModel):
-    """vLLM's /tokenize: either a prompt or chat messages."""
-
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -186,7 +167,6 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
-# ---------------------------------------------------------------- responses
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -225,8 +205,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # vLLM's shape: one entry per prompt token (None for the first), {token id: {logprob, rank,
-    # decoded_token}}; only when the request asked for prompt_logprobs.
+    # vLLM's: per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
@@ -294,15 +273,6 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: str = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
 

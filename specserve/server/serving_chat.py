@@ -9,77 +9,34 @@ from typing import Any
 
 import jinja2
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
 from specserve.engine.async_engine import AsyncEngine, RequestSpec, RequestStream
 from specserve.outputs import CompletionOutput, RequestOutput
-from specserve.server.protocol import (
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    ChatMessage,
-    ChatResponseMessage,
-    ChatStreamChoice,
-    ChatTokenLogprob,
-    DeltaMessage,
-    TopLogprob,
-    UsageInfo,
-    random_id,
-)
-from specserve.server.serving_common import (
-    MIN_LOGPROB,
-    SSE_DONE,
-    APIError,
-    ClientDisconnected,
-    DeltaTracker,
-    build_params,
-    check_model,
-    check_prompt_chars,
-    engine_error,
-    fit_context,
-    guarded_stream,
-    logprob_token,
-    require_tokenizer,
-    sse,
-    token_bytes,
-    truncation_size,
-    until_disconnected,
-)
+from specserve.server import protocol as proto
+from specserve.server import serving_common as common
+from specserve.server.serving_common import MIN_LOGPROB, APIError
 
 # Arguments of apply_chat_template a client must not override through chat_template_kwargs.
-_RESERVED_TEMPLATE_KWARGS = {
-    "conversation",
-    "tokenize",
-    "add_generation_prompt",
-    "return_dict",
-    "return_tensors",
-    "padding",
-    "truncation",
-    "max_length",
-    "chat_template",
-    "tools",
-    "documents",
-    "tokenizer_kwargs",
-    "continue_final_message",
-}
+_RESERVED_TEMPLATE_KWARGS = set(
+    "conversation tokenize add_generation_prompt return_dict return_tensors padding truncation max_length "
+    "chat_template tools documents tokenizer_kwargs continue_final_message".split()
+)
 
 
 def render_chat(
-    engine: AsyncEngine,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool = True,
-    template_kwargs: dict[str, Any] | None = None,
-    continue_final_message: bool = False,
-    chat_template: str | None = None,
-    add_special_tokens: bool = False,
+    engine: AsyncEngine, messages: list[proto.ChatMessage], add_generation_prompt: bool, req: Any = None
 ) -> list[int]:
-    """Validate messages and apply the chat template (the request's `chat_template` when given, else
-    the model's); the result is tokenized without adding special tokens again (the template
-    already holds BOS where the model wants one) unless add_special_tokens (vLLM's field)."""
+    """Validate messages and apply the chat template (`req`'s chat_template, else the model's); the
+    text is tokenized without special tokens (the template holds BOS) unless `req.add_special_tokens`.
+    `req`: a ChatCompletionRequest, whose template kwargs and continue_final_message apply."""
+    template_kwargs, continue_final_message = (
+        getattr(req, "chat_template_kwargs", None),
+        bool(req and req.continue_final_message),
+    )
+    chat_template, add_special_tokens = getattr(req, "chat_template", None), bool(req and req.add_special_tokens)
     _check_messages(messages)
-    tokenizer = require_tokenizer(engine, "messages")
+    tokenizer = common.require_tokenizer(engine, "messages")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError(
             "this model has no chat template; use /v1/completions or send chat_template",
@@ -96,16 +53,16 @@ def render_chat(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **custom, **opened, **extra
         )
     except jinja2.TemplateSyntaxError as e:
-        raise APIError(f"chat_template is not a valid Jinja template: {e}", param=param, code="invalid_value") from None
+        raise APIError(f"chat_template is not a valid Jinja template: {e}", param=param) from None
     except Exception as e:  # noqa: BLE001 - jinja errors (role order, ...) are the client's
         which = "the given chat_template" if custom else "the chat template"
-        raise APIError(f"messages could not be rendered with {which}: {e}", param=param, code="invalid_value") from None
+        raise APIError(f"messages could not be rendered with {which}: {e}", param=param) from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def _check_messages(messages: list[ChatMessage]) -> None:
+def _check_messages(messages: list[proto.ChatMessage]) -> None:
     if not messages:
-        raise APIError("messages must be a non-empty list", param="messages", code="invalid_value")
+        raise APIError("messages must be a non-empty list", param="messages")
     for i, m in enumerate(messages):
         if m.tool_calls or m.function_call is not None:
             field = "tool_calls" if m.tool_calls else "function_call"
@@ -115,120 +72,94 @@ def _check_messages(messages: list[ChatMessage]) -> None:
                 code="unsupported",
             )
         if m.role != "assistant" and m.content is None:
-            raise APIError(
-                f"messages.{i}.content is required for role {m.role!r}",
-                param=f"messages.{i}.content",
-                code="invalid_value",
-            )
+            raise APIError(f"messages.{i}.content is required for role {m.role!r}", param=f"messages.{i}.content")
 
 
-def _logprobs(engine: AsyncEngine, c: CompletionOutput, start: int, top_n: int, as_ids: bool = False) -> ChatLogprobs:
+def _logprobs(
+    engine: AsyncEngine, c: CompletionOutput, start: int, top_n: int, as_ids: bool = False
+) -> proto.ChatLogprobs:
     """as_ids: vLLM's return_tokens_as_token_ids, tokens spelled "token_id:{id}" (bytes stay the text's)."""
     content = []
     for i in range(start, len(c.token_ids)):
         tid = c.token_ids[i]
         top = c.logprobs[i] if c.logprobs is not None and i < len(c.logprobs) else {}
         sampled = top.get(tid)
-        tok, text = logprob_token(engine, tid, sampled, as_ids)
+        tok, text = common.logprob_token(engine, tid, sampled, as_ids)
         ranked = sorted(top.items(), key=lambda kv: -kv[1].logprob)[:top_n]
         tops = []
         for t, lp in ranked:
-            shown, t_text = logprob_token(engine, t, lp, as_ids)
+            shown, t_text = common.logprob_token(engine, t, lp, as_ids)
             tops.append(
-                TopLogprob(token=shown, logprob=max(lp.logprob, MIN_LOGPROB), bytes=token_bytes(engine, t, t_text))
+                proto.TopLogprob(
+                    token=shown,
+                    logprob=max(lp.logprob, MIN_LOGPROB),
+                    bytes=common.token_bytes(engine, t, t_text),
+                )
             )
         content.append(
-            ChatTokenLogprob(
+            proto.ChatTokenLogprob(
                 token=tok,
                 logprob=max(sampled.logprob, MIN_LOGPROB) if sampled else MIN_LOGPROB,
-                bytes=token_bytes(engine, tid, text),
+                bytes=common.token_bytes(engine, tid, text),
                 top_logprobs=tops,
             )
         )
-    return ChatLogprobs(content=content)
+    return proto.ChatLogprobs(content=content)
 
 
-def _validate(req: ChatCompletionRequest) -> None:
+def _validate(req: proto.ChatCompletionRequest) -> None:
     if req.tools:
         raise APIError("tools are not supported by this server", param="tools", code="unsupported")
     if req.top_logprobs is not None and not req.logprobs:
-        raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value")
+        raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
     if req.continue_final_message and req.add_generation_prompt:
         raise APIError(
-            "continue_final_message needs add_generation_prompt to be false (as vLLM)",
-            param="continue_final_message",
-            code="invalid_value",
+            "continue_final_message needs add_generation_prompt to be false (as vLLM)", param="continue_final_message"
         )
     if req.continue_final_message and req.messages and req.messages[-1].role != "assistant":
         raise APIError(
-            "continue_final_message needs the last message to be the assistant's",
-            param="continue_final_message",
-            code="invalid_value",
+            "continue_final_message needs the last message to be the assistant's", param="continue_final_message"
         )
 
 
-async def create_chat_completion(engine: AsyncEngine, req: ChatCompletionRequest, raw: Request) -> Response:
-    check_model(engine, req.model)
+async def create_chat_completion(engine: AsyncEngine, req: proto.ChatCompletionRequest, raw: Request) -> Response:
+    common.check_model(engine, req.model)
     _validate(req)
-    keep = truncation_size(req.truncate_prompt_tokens, engine.max_model_len)
+    keep = common.truncation_size(req.truncate_prompt_tokens, engine.max_model_len)
     if keep is None and req.messages:
-        check_prompt_chars(engine, sum(len(m.text()) for m in req.messages), "messages")
-    prompt_ids = await asyncio.to_thread(
-        render_chat,
-        engine,
-        req.messages,
-        req.add_generation_prompt,
-        req.chat_template_kwargs,
-        req.continue_final_message,
-        req.chat_template,
-        req.add_special_tokens,
-    )
+        common.check_prompt_chars(engine, sum(len(m.text()) for m in req.messages), "messages")
+    prompt_ids = await asyncio.to_thread(render_chat, engine, req.messages, req.add_generation_prompt, req)
     if keep is not None:
         prompt_ids = prompt_ids[-keep:]  # vLLM's truncate_prompt_tokens: the last k tokens
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = build_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs")
-    params = fit_context(params, [len(prompt_ids)], engine.max_model_len, "messages")
-    reply_id = random_id("chatcmpl")
-    try:
-        stream = await engine.add_requests([RequestSpec(reply_id, {"prompt_token_ids": prompt_ids}, params)])
-    except Exception as e:  # noqa: BLE001 - engine_error re-raises what it does not map
-        raise engine_error(e, engine) from None
-    if req.stream:
-        chunks = _stream(engine, req, stream, reply_id, len(prompt_ids))
-        return StreamingResponse(guarded_stream(chunks, stream.close), media_type="text/event-stream")
-    try:
-        final = await until_disconnected(raw, _last(stream))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return JSONResponse(_full_response(engine, req, final, reply_id).model_dump())
+    params = common.build_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs")
+    params = common.fit_context(params, [len(prompt_ids)], engine.max_model_len, "messages")
+    reply_id = proto.random_id("chatcmpl")
+    stream = await common.submit(engine, [RequestSpec(reply_id, {"prompt_token_ids": prompt_ids}, params)])
+    return await common.respond(
+        raw,
+        stream,
+        req.stream,
+        lambda: _stream(engine, req, stream, reply_id, len(prompt_ids)),
+        lambda finals: _full_response(engine, req, finals[reply_id], reply_id),
+    )
 
 
-async def _last(stream: RequestStream) -> RequestOutput:
-    final = None
-    try:
-        async for output in stream:
-            final = output
-    finally:
-        stream.close()
-    assert final is not None  # a stream ends only with its finished output
-    return final
-
-
-def _echo_text(req: ChatCompletionRequest) -> str:
+def _echo_text(req: proto.ChatCompletionRequest) -> str:
     """vLLM's chat `echo`: a final message in the response's role (assistant) prefixes the reply."""
     last = req.messages[-1] if req.messages else None
     return last.text() if req.echo and last is not None and last.role == "assistant" else ""
 
 
 def _full_response(
-    engine: AsyncEngine, req: ChatCompletionRequest, final: RequestOutput, reply_id: str
-) -> ChatCompletionResponse:
+    engine: AsyncEngine, req: proto.ChatCompletionRequest, final: RequestOutput, reply_id: str
+) -> proto.ChatCompletionResponse:
     echo = _echo_text(req)
     as_ids = req.return_tokens_as_token_ids
     choices = [
-        ChatChoice(
+        proto.ChatChoice(
             index=c.index,
-            message=ChatResponseMessage(content=echo + c.text),
+            message=proto.ChatResponseMessage(content=echo + c.text),
             logprobs=_logprobs(engine, c, 0, req.top_logprobs or 0, as_ids) if req.logprobs else None,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
@@ -236,32 +167,32 @@ def _full_response(
         for c in final.outputs
     ]
     generated = sum(len(c.token_ids) for c in final.outputs)
-    return ChatCompletionResponse(
+    return proto.ChatCompletionResponse(
         id=reply_id,
         model=engine.model_name,
         choices=choices,
-        usage=UsageInfo.of(len(final.prompt_token_ids), generated),
+        usage=proto.UsageInfo.of(len(final.prompt_token_ids), generated),
     )
 
 
 async def _stream(
-    engine: AsyncEngine, req: ChatCompletionRequest, stream: RequestStream, reply_id: str, num_prompt_tokens: int
+    engine: AsyncEngine, req: proto.ChatCompletionRequest, stream: RequestStream, reply_id: str, num_prompt_tokens: int
 ) -> AsyncIterator[str]:
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
-    continuous = include_usage and req.stream_options is not None and req.stream_options.continuous_usage_stats
+    include_usage, continuous = common.usage_flags(req)
     created = int(time.time())
 
-    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-        return sse(
-            ChatCompletionChunk(id=reply_id, created=created, model=engine.model_name, choices=choices, usage=usage)
+    def chunk(choices: list[proto.ChatStreamChoice], usage: proto.UsageInfo | None = None) -> str:
+        return common.sse(
+            proto.ChatCompletionChunk(
+                id=reply_id, created=created, model=engine.model_name, choices=choices, usage=usage
+            )
         )
 
-    # The role comes first, as OpenAI sends it, before the first token is ready (with the echoed
-    # final assistant message when the request asked for echo).
+    # The role comes first, as OpenAI sends it (with the echoed final assistant message).
     echo = _echo_text(req)
     for i in range(req.n):
-        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echo))])
-    tracker, done, generated = DeltaTracker(), set(), {}
+        yield chunk([proto.ChatStreamChoice(index=i, delta=proto.DeltaMessage(role="assistant", content=echo))])
+    tracker, done, generated = common.DeltaTracker(), set(), {}
     async for output in stream:
         for c in output.outputs:
             if c.index in done:
@@ -277,12 +208,12 @@ async def _stream(
                 if req.logprobs
                 else None
             )
-            usage = UsageInfo.of(num_prompt_tokens, sum(generated.values())) if continuous else None
+            usage = proto.UsageInfo.of(num_prompt_tokens, sum(generated.values())) if continuous else None
             yield chunk(
                 [
-                    ChatStreamChoice(
+                    proto.ChatStreamChoice(
                         index=c.index,
-                        delta=DeltaMessage(content=delta),
+                        delta=proto.DeltaMessage(content=delta),
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
@@ -291,5 +222,5 @@ async def _stream(
                 usage,
             )
     if include_usage:
-        yield chunk([], UsageInfo.of(num_prompt_tokens, sum(generated.values())))
-    yield SSE_DONE
+        yield chunk([], proto.UsageInfo.of(num_prompt_tokens, sum(generated.values())))
+    yield common.SSE_DONE

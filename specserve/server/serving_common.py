@@ -1,8 +1,5 @@
 """Shared pieces of the OpenAI handlers: errors, validation, sampling params, SSE, deltas.
-
-Everything a request needs is validated here before anything reaches the engine, so a bad
-request changes no engine state (the engine validates again and would roll back a batch).
-"""
+Requests are validated here before they reach the engine, so a bad one changes no engine state."""
 
 from __future__ import annotations
 
@@ -12,13 +9,21 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from specserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
-from specserve.outputs import CompletionOutput, Logprob
+from specserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestSpec,
+    RequestStream,
+)
+from specserve.outputs import CompletionOutput, Logprob, RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.server.protocol import ErrorInfo, ErrorResponse, SamplingFields
 
@@ -41,12 +46,12 @@ class APIError(Exception):
         status: int = 400,
         type_: str = "invalid_request_error",
         param: str | None = None,
-        code: str | None = None,
+        code: str | None = "invalid_value",
         headers: dict[str, str] | None = None,
-    ) -> None:
+    ) -> None:  # noqa: E501
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
-        self.headers = headers  # extra HTTP headers of the response (Retry-After on overload)
+        self.headers = headers  # extra response headers (Retry-After)
 
     def body(self) -> dict[str, Any]:
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
@@ -57,37 +62,32 @@ class ClientDisconnected(Exception):
     """The client went away before the reply was ready; its requests were aborted."""
 
 
-RETRY_AFTER_S = 1  # what an overloaded server asks clients to wait (Retry-After header)
+RETRY_AFTER_S = 1
 
 
 def engine_error(e: Exception, engine: AsyncEngine | None = None) -> APIError:
     """Map an exception from AsyncEngine.add_requests to the HTTP error the client sees."""
     if isinstance(e, EngineOverloadedError):
         limit = getattr(engine, "max_num_queued_requests", None)
-        message = (
-            f"server overloaded: more than {limit} request(s) would be waiting; retry later"
-            if limit is not None
-            else "server overloaded: too many requests waiting; retry later"
-        )
+        what = "too many requests waiting" if limit is None else f"more than {limit} request(s) would be waiting"
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
         return APIError(
-            message, 503, "service_unavailable_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
+            f"server overloaded: {what}; retry later",
+            503,
+            "service_unavailable_error",
+            code="overloaded",
+            headers=retry,
         )
     if isinstance(e, EngineDeadError):
         return APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable")
     if isinstance(e, ValueError):
-        return APIError(str(e), 400, param=field_in_message(str(e)), code="invalid_value")
+        return APIError(str(e), 400, param=field_in_message(str(e)))
     raise e
 
 
 _FIELD_RE = re.compile(r"^([a-z_][a-z0-9_]*)")
-_KNOWN_FIELDS = set(SamplingParams.__dataclass_fields__) | {
-    "prompt",
-    "messages",
-    "model",
-    "max_completion_tokens",
-    "top_logprobs",
-    "prompt_token_ids",
-}
+_KNOWN_FIELDS = {*SamplingParams.__dataclass_fields__, "prompt", "messages", "model", "max_completion_tokens"}
+_KNOWN_FIELDS |= {"top_logprobs", "prompt_token_ids"}
 
 
 def field_in_message(message: str) -> str | None:
@@ -97,8 +97,7 @@ def field_in_message(message: str) -> str | None:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """Read the body with a size limit (413) and parse it (400); never trusts Content-Length alone.
-    What it returns holds only valid Unicode strings and nests at most MAX_JSON_DEPTH levels."""
+    """The body parsed (400), read up to `limit` bytes (413): valid Unicode, at most MAX_JSON_DEPTH deep."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -116,15 +115,12 @@ async def read_json(request: Request, limit: int) -> Any:
 
 
 def _check_json(value: Any) -> None:
-    """Depth and lone surrogates ("\\ud800" decodes to a str that no tokenizer can encode), iteratively."""
+    """Depth and lone surrogates ("\\ud800" decodes to a str no tokenizer can encode)."""
     stack = [(value, 0)]
     while stack:
         v, depth = stack.pop()
         if isinstance(v, str) and _SURROGATE_RE.search(v):
-            raise APIError(
-                "request body holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode",
-                code="invalid_value",
-            )
+            raise APIError("request body holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode")
         elif isinstance(v, (dict, list)):
             if depth >= MAX_JSON_DEPTH:
                 raise APIError(f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
@@ -134,16 +130,14 @@ def _check_json(value: Any) -> None:
 
 @functools.lru_cache(maxsize=8)
 def max_token_chars(tokenizer: Any) -> int:
-    """The longest token string of the vocabulary: a token covers at most this many characters of
-    text (byte-level BPE spells each byte as one character, SentencePiece a space as one)."""
+    """The longest token string: a token covers at most this many characters of text."""
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     return max((len(t) for t in tokens if t), default=1)
 
 
 def check_prompt_chars(engine: AsyncEngine, num_chars: int, param: str) -> None:
-    """Reject a text that cannot fit the context whatever its tokenization, before tokenizing it
-    (megabytes take seconds). Handlers then tokenize with asyncio.to_thread, so the event loop keeps
-    serving (HF fast tokenizers release the GIL and are safe to share)."""
+    """Reject a text too long for the context whatever its tokenization, before tokenizing it
+    (handlers then tokenize in asyncio.to_thread)."""
     limit = engine.max_model_len * max_token_chars(require_tokenizer(engine, param))
     if num_chars > limit:
         raise APIError(
@@ -165,16 +159,14 @@ def parse_model(cls: type[M], body: Any) -> M:
         raise validation_error(e.errors()) from None
 
 
-# Parts of a pydantic error location that name a union member or a validator, not a field:
-# "str", "list[TextPart]", "function-after[...]", "TextPart", ...
+# Location parts naming a union member or validator, not a field: "str", "list[TextPart]", "TextPart".
 _TYPE_TAG_RE = re.compile(r"^(str|int|float|bool|none|bytes)$|[\[\]-]|^[A-Z]")
 
 
 def validation_error(errors: list[Any]) -> APIError:
-    """400 for pydantic (or FastAPI) validation errors: `param` is the top-level field of the first
-    error, and the message names its path, e.g. "stream: Input should be a valid boolean"."""
+    """400 for pydantic errors: `param` is the first error's top-level field, the message names its path."""
     if not errors:
-        return APIError("request body is invalid", code="invalid_value")
+        return APIError("request body is invalid")
     err = errors[0]
     parts = list(err.get("loc", ()))
     if parts and parts[0] == "body":  # FastAPI's RequestValidationError locations
@@ -192,62 +184,43 @@ def check_model(engine: AsyncEngine, model: str | None) -> None:
         raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
 
 
+_COPIED_FIELDS = (
+    "n presence_penalty frequency_penalty seed stop stop_token_ids ignore_eos min_tokens include_stop_str_in_output "
+    "skip_special_tokens spaces_between_special_tokens"
+).split()
+_NULL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def build_params(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None, logprobs_param: str = "logprobs"
 ) -> SamplingParams:
-    """SamplingParams from the request; unsupported OpenAI features answer 400, not silence.
-
-    `logprobs_param` is the request field `logprobs` came from (chat: top_logprobs)."""
+    """SamplingParams from the request; unsupported features answer 400. `logprobs_param`: its field name."""
     if req.logit_bias:
         raise APIError("logit_bias is not supported", param="logit_bias", code="unsupported")
     if not 1 <= req.n <= MAX_N:
-        raise APIError(f"n must be between 1 and {MAX_N}, got {req.n}", param="n", code="invalid_value")
+        raise APIError(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise APIError(
-            f"{logprobs_param} must be between 0 and {MAX_LOGPROBS}, got {logprobs}",
-            param=logprobs_param,
-            code="invalid_value",
-        )
+        raise APIError(f"{logprobs_param} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param=logprobs_param)
     if req.stream_options is not None and not req.stream:
-        raise APIError(
-            "stream_options can only be set when stream is true", param="stream_options", code="invalid_value"
-        )
+        raise APIError("stream_options can only be set when stream is true", param="stream_options")
     try:
         from specserve.sample.structured import structured_from_openai
 
         structured = structured_from_openai(req.response_format, req.structured_extras())
-        return SamplingParams(
-            structured_outputs=structured,
-            n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            min_p=req.min_p or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            seed=req.seed,
-            stop=req.stop,
-            stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos,
-            max_tokens=max_tokens,
-            min_tokens=req.min_tokens,
-            logprobs=logprobs,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens,
-            spaces_between_special_tokens=req.spaces_between_special_tokens,
-        )
+        kw = {n: getattr(req, n) for n in _COPIED_FIELDS}
+        kw |= {n: default if getattr(req, n) is None else getattr(req, n) for n, default in _NULL_DEFAULTS.items()}
+        return SamplingParams(structured_outputs=structured, max_tokens=max_tokens, logprobs=logprobs, **kw)
     except (ValueError, TypeError) as e:
-        raise APIError(str(e), param=field_in_message(str(e)), code="invalid_value") from None
+        raise APIError(str(e), param=field_in_message(str(e))) from None
 
 
 def fit_context(
     params: SamplingParams, prompt_lens: list[int], max_model_len: int, prompt_param: str
 ) -> SamplingParams:
-    """Check prompt + max_tokens against the context; fill max_tokens when the client gave none."""
+    """Check prompt + max_tokens against the context; max_tokens None: what the context leaves."""
     longest = max(prompt_lens)
     if min(prompt_lens) == 0:
-        raise APIError(f"{prompt_param} must not be empty", param=prompt_param, code="invalid_value")
+        raise APIError(f"{prompt_param} must not be empty", param=prompt_param)
     if longest >= max_model_len:
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
@@ -256,7 +229,7 @@ def fit_context(
             code="context_length_exceeded",
         )
     max_tokens = params.max_tokens
-    if max_tokens is None:  # OpenAI's meaning: as many as the context leaves
+    if max_tokens is None:
         return params.clone(max_tokens=max_model_len - longest)
     if longest + max_tokens > max_model_len:
         raise APIError(
@@ -271,23 +244,16 @@ def fit_context(
 
 
 def truncation_size(k: int | None, max_model_len: int) -> int | None:
-    """vLLM's truncate_prompt_tokens: how many prompt tokens to keep (the last ones), or None."""
-    if k is None:
-        return None
-    if k == -1:  # the model's max length
-        return max_model_len
+    """vLLM's truncate_prompt_tokens: how many (last) prompt tokens to keep, or None."""
+    if k is None or k == -1:
+        return None if k is None else max_model_len
     if k < 1:
-        raise APIError(
-            f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k}",
-            param="truncate_prompt_tokens",
-            code="invalid_value",
-        )
+        raise APIError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k}", param="truncate_prompt_tokens")
     if k > max_model_len:
         raise APIError(
             f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); "
             "select a smaller truncation size",
             param="truncate_prompt_tokens",
-            code="invalid_value",
         )
     return k
 
@@ -295,11 +261,7 @@ def truncation_size(k: int | None, max_model_len: int) -> int | None:
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise APIError(
-            f"{param} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
-            param=param,
-            code="invalid_value",
-        )
+        raise APIError(f"{param} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param=param)
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -310,18 +272,17 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+@dataclass
 class DeltaTracker:
     """What has been sent per choice, so cumulative engine outputs become stream deltas."""
 
-    def __init__(self) -> None:
-        self.text: dict[int, str] = {}
-        self.num_tokens: dict[int, int] = {}
+    text: dict[int, str] = field(default_factory=dict)
+    num_tokens: dict[int, int] = field(default_factory=dict)
 
     def advance(self, index: int, output: CompletionOutput) -> tuple[str, int]:
         """Return (new text, first new token position) and mark them sent."""
         sent = self.text.get(index, "")
-        # Held-back text (a possible stop-string prefix) means `text` may lag the tokens but
-        # never rewrites what was sent; if it ever does, send nothing rather than garbage.
+        # Held-back text may lag the tokens but never rewrites what was sent.
         delta = output.text[len(sent) :] if output.text.startswith(sent) else ""
         self.text[index] = sent + delta
         start = self.num_tokens.get(index, 0)
@@ -353,9 +314,7 @@ def _byte_of_char() -> dict[str, int]:
 
 
 def token_bytes(engine: AsyncEngine, token_id: int, text: str) -> list[int]:
-    """The token's UTF-8 bytes for logprobs. A token that holds part of a character decodes to
-    U+FFFD, so its own bytes come from the vocabulary: byte-level BPE spells one byte per
-    character, SentencePiece's byte fallback spells `<0xNN>`."""
+    """The token's UTF-8 bytes; a partial character (U+FFFD) takes its bytes from the vocabulary."""
     if "\ufffd" not in text or engine.tokenizer is None:
         return list(text.encode("utf-8"))
     piece = engine.tokenizer.convert_ids_to_tokens(token_id) or ""
@@ -366,10 +325,51 @@ def token_bytes(engine: AsyncEngine, token_id: int, text: str) -> list[int]:
 
 
 def logprob_token(engine: AsyncEngine, token_id: int, lp: Logprob | None, as_ids: bool) -> tuple[str, str]:
-    """(the token as shown in logprobs, its text): shown as "token_id:{id}" with vLLM's
-    return_tokens_as_token_ids, else its text."""
+    """(the token as shown in logprobs, its text); `as_ids`: shown as "token_id:{id}"."""
     text = token_text(engine, token_id, lp)
     return (f"token_id:{token_id}" if as_ids else text), text
+
+
+def usage_flags(req: SamplingFields) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of a streaming request."""
+    opts = req.stream_options
+    return (opts is not None and opts.include_usage), (
+        opts is not None and opts.include_usage and opts.continuous_usage_stats
+    )
+
+
+async def submit(engine: AsyncEngine, specs: list[RequestSpec]) -> RequestStream:
+    try:
+        return await engine.add_requests(specs)
+    except Exception as e:  # noqa: BLE001 - engine_error re-raises what it does not map
+        raise engine_error(e, engine) from None
+
+
+async def _collect(stream: RequestStream) -> dict[str, RequestOutput]:
+    finals: dict[str, RequestOutput] = {}
+    try:
+        async for output in stream:
+            finals[output.request_id] = output
+    finally:
+        stream.close()
+    return finals
+
+
+async def respond(
+    raw: Request,
+    stream: RequestStream,
+    streaming: bool,
+    chunks: Callable[[], AsyncIterator[str]],
+    full: Callable[[dict[str, RequestOutput]], BaseModel],
+) -> Response:
+    """An SSE response of `chunks()`, or `full` of the final outputs by request id (499 on disconnect)."""
+    if streaming:
+        return StreamingResponse(guarded_stream(chunks(), stream.close), media_type="text/event-stream")
+    try:
+        finals = await until_disconnected(raw, _collect(stream))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(full(finals).model_dump())
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

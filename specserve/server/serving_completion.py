@@ -8,39 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
 from specserve.engine.async_engine import AsyncEngine, RequestSpec, RequestStream
 from specserve.outputs import CompletionOutput, Logprob, RequestOutput
-from specserve.server.protocol import (
-    CompletionChoice,
-    CompletionChunk,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    UsageInfo,
-    random_id,
-)
-from specserve.server.serving_common import (
-    MAX_LOGPROBS,
-    MIN_LOGPROB,
-    SSE_DONE,
-    APIError,
-    ClientDisconnected,
-    DeltaTracker,
-    build_params,
-    check_model,
-    check_prompt_chars,
-    check_token_ids,
-    engine_error,
-    fit_context,
-    guarded_stream,
-    logprob_token,
-    require_tokenizer,
-    sse,
-    truncation_size,
-    until_disconnected,
-)
+from specserve.server import protocol as proto
+from specserve.server import serving_common as common
+from specserve.server.serving_common import MIN_LOGPROB, APIError
 
 
 @dataclass
@@ -54,7 +28,7 @@ class _Reply:
     """Per-HTTP-request state shared by the streaming and the non-streaming paths."""
 
     engine: AsyncEngine
-    req: CompletionRequest
+    req: proto.CompletionRequest
     prompts: list[_Prompt]
     request_ids: list[str]
     id: str
@@ -69,32 +43,38 @@ class _Reply:
 
     def echo_text(self, prompt: _Prompt) -> str:
         if prompt.text is None:
-            prompt.text = require_tokenizer(self.engine, "echo").decode(prompt.token_ids)
+            prompt.text = common.require_tokenizer(self.engine, "echo").decode(prompt.token_ids)
         return prompt.text
 
-    def usage(self, completion_tokens: int) -> UsageInfo:
-        return UsageInfo.of(sum(len(p.token_ids) for p in self.prompts), completion_tokens)
+    def chunk(self, choices: list[proto.CompletionChoice], usage: proto.UsageInfo | None) -> str:
+        model = self.engine.model_name
+        return common.sse(
+            proto.CompletionResponse(id=self.id, created=self.created, model=model, choices=choices, usage=usage)
+        )
+
+    def usage(self, completion_tokens: int) -> proto.UsageInfo:
+        return proto.UsageInfo.of(sum(len(p.token_ids) for p in self.prompts), completion_tokens)
 
     def logprobs(
         self, index: int, c: CompletionOutput, start: int, echoed: RequestOutput | None = None
-    ) -> CompletionLogprobs | None:
+    ) -> proto.CompletionLogprobs | None:
         """Logprobs of tokens [start, len(token_ids)); text offsets continue across chunks. echoed: the
         output whose prompt is echoed in this chunk, whose prompt tokens come first (vLLM: the first
         prompt token has no logprob)."""
         if self.req.logprobs is None:
             return None
-        out = CompletionLogprobs()
+        out = proto.CompletionLogprobs()
         offset = self.text_offsets.get(index, 0)
         as_ids = self.req.return_tokens_as_token_ids  # token strings "token_id:{id}"; offsets stay in the text
 
         def shown(tid: int, lp: Logprob | None) -> str:
-            return logprob_token(self.engine, tid, lp, as_ids)[0]
+            return common.logprob_token(self.engine, tid, lp, as_ids)[0]
 
         if echoed is not None:
             scored = echoed.prompt_logprobs or []
             for i, tid in enumerate(echoed.prompt_token_ids):
                 top = scored[i] if i < len(scored) else None
-                tok, text = logprob_token(self.engine, tid, top.get(tid) if top else None, as_ids)
+                tok, text = common.logprob_token(self.engine, tid, top.get(tid) if top else None, as_ids)
                 out.tokens.append(tok)
                 out.token_logprobs.append(max(top[tid].logprob, MIN_LOGPROB) if top and tid in top else None)
                 out.top_logprobs.append(
@@ -110,7 +90,7 @@ class _Reply:
             tid = c.token_ids[i]
             top = c.logprobs[i] if c.logprobs is not None and i < len(c.logprobs) else {}
             sampled = top.get(tid)
-            tok, text = logprob_token(self.engine, tid, sampled, as_ids)
+            tok, text = common.logprob_token(self.engine, tid, sampled, as_ids)
             out.tokens.append(tok)
             out.token_logprobs.append(max(sampled.logprob, MIN_LOGPROB) if sampled else None)
             out.top_logprobs.append({shown(t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in top.items()})
@@ -120,23 +100,23 @@ class _Reply:
         return out
 
 
-def _prompts(engine: AsyncEngine, req: CompletionRequest) -> list[_Prompt]:
+def _prompts(engine: AsyncEngine, req: proto.CompletionRequest) -> list[_Prompt]:
     """The request's prompts as token ids: text tokenized (with the tokenizer's special tokens when
     add_special_tokens), then left-truncated to the last truncate_prompt_tokens tokens (vLLM)."""
     prompt = req.prompt
-    keep = truncation_size(req.truncate_prompt_tokens, engine.max_model_len)
+    keep = common.truncation_size(req.truncate_prompt_tokens, engine.max_model_len)
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
-        raise APIError("prompt must not be empty", param="prompt", code="invalid_value")
+        raise APIError("prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
         prompt = [prompt]  # one tokenized prompt
     out = []
     for p in prompt:
         if isinstance(p, str):
-            tokenizer = require_tokenizer(engine, "prompt")
+            tokenizer = common.require_tokenizer(engine, "prompt")
             if keep is None:  # truncation keeps the last tokens of a longer text
-                check_prompt_chars(engine, len(p), "prompt")
+                common.check_prompt_chars(engine, len(p), "prompt")
             if not p:
                 ids = []
             elif req.add_special_tokens:
@@ -145,7 +125,7 @@ def _prompts(engine: AsyncEngine, req: CompletionRequest) -> list[_Prompt]:
                 ids = list(tokenizer.encode(p, add_special_tokens=False))
             prompt_item = _Prompt(p, ids)
         else:
-            check_token_ids(p, engine.vocab_size, "prompt")
+            common.check_token_ids(p, engine.vocab_size, "prompt")
             prompt_item = _Prompt(None, list(p))
         if keep is not None and len(prompt_item.token_ids) > keep:
             # echo shows what the model saw: the kept tokens, decoded
@@ -154,57 +134,39 @@ def _prompts(engine: AsyncEngine, req: CompletionRequest) -> list[_Prompt]:
     return out
 
 
-async def create_completion(engine: AsyncEngine, req: CompletionRequest, raw: Request) -> Response:
-    check_model(engine, req.model)
+async def create_completion(engine: AsyncEngine, req: proto.CompletionRequest, raw: Request) -> Response:
+    common.check_model(engine, req.model)
     if req.suffix:
         raise APIError("suffix is not supported", param="suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of", code="unsupported")
     if req.echo:
-        require_tokenizer(engine, "echo")
+        common.require_tokenizer(engine, "echo")
     prompts = await asyncio.to_thread(_prompts, engine, req)
     if len(prompts) * req.n > 128:
-        raise APIError("too many completions in one request (prompts * n > 128)", param="n", code="invalid_value")
-    params = build_params(req, req.max_tokens, req.logprobs)
+        raise APIError("too many completions in one request (prompts * n > 128)", param="n")
+    params = common.build_params(req, req.max_tokens, req.logprobs)
     # echo with logprobs scores the prompt too (vLLM; lm-eval's loglikelihood requests rely on it).
     wanted = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
     if wanted:
-        if not 0 <= max(wanted) <= MAX_LOGPROBS:
+        if not 0 <= max(wanted) <= common.MAX_LOGPROBS:
             raise APIError(
-                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {max(wanted)}",
+                f"prompt_logprobs must be between 0 and {common.MAX_LOGPROBS}, got {max(wanted)}",
                 param="prompt_logprobs",
-                code="invalid_value",
             )
         params = params.clone(prompt_logprobs=max(wanted))
-    params = fit_context(params, [len(p.token_ids) for p in prompts], engine.max_model_len, "prompt")
-    reply_id = random_id("cmpl")
+    params = common.fit_context(params, [len(p.token_ids) for p in prompts], engine.max_model_len, "prompt")
+    reply_id = proto.random_id("cmpl")
     ids = [f"{reply_id}-{i}" for i in range(len(prompts))]
     specs = [RequestSpec(rid, {"prompt_token_ids": p.token_ids}, params) for rid, p in zip(ids, prompts)]
-    try:
-        stream = await engine.add_requests(specs)
-    except Exception as e:  # noqa: BLE001 - engine_error re-raises what it does not map
-        raise engine_error(e, engine) from None
+    stream = await common.submit(engine, specs)
     reply = _Reply(engine, req, prompts, ids, reply_id)
-    if req.stream:
-        return StreamingResponse(guarded_stream(_stream(reply, stream), stream.close), media_type="text/event-stream")
-    try:
-        finals = await until_disconnected(raw, _collect(stream))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return JSONResponse(_full_response(reply, finals).model_dump())
+    return await common.respond(
+        raw, stream, req.stream, lambda: _stream(reply, stream), lambda f: _full_response(reply, f)
+    )
 
 
-async def _collect(stream: RequestStream) -> dict[str, RequestOutput]:
-    finals: dict[str, RequestOutput] = {}
-    try:
-        async for output in stream:
-            finals[output.request_id] = output
-    finally:
-        stream.close()
-    return finals
-
-
-def _full_response(reply: _Reply, finals: dict[str, RequestOutput]) -> CompletionResponse:
+def _full_response(reply: _Reply, finals: dict[str, RequestOutput]) -> proto.CompletionResponse:
     choices, num_generated = [], 0
     for rid in reply.request_ids:
         output = finals[rid]
@@ -213,7 +175,7 @@ def _full_response(reply: _Reply, finals: dict[str, RequestOutput]) -> Completio
             text = (reply.echo_text(reply.prompt_of(output)) if reply.req.echo else "") + c.text
             logprobs = reply.logprobs(index, c, 0, output if reply.req.echo else None)
             choices.append(
-                CompletionChoice(
+                proto.CompletionChoice(
                     index=index,
                     text=text,
                     logprobs=logprobs,
@@ -224,16 +186,15 @@ def _full_response(reply: _Reply, finals: dict[str, RequestOutput]) -> Completio
             )
             num_generated += len(c.token_ids)
     choices.sort(key=lambda ch: ch.index)
-    return CompletionResponse(
+    return proto.CompletionResponse(
         id=reply.id, model=reply.engine.model_name, choices=choices, usage=reply.usage(num_generated)
     )
 
 
 async def _stream(reply: _Reply, stream: RequestStream):  # -> AsyncIterator[str]
     req = reply.req
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
-    continuous = include_usage and req.stream_options is not None and req.stream_options.continuous_usage_stats
-    tracker, done, generated = DeltaTracker(), set(), {}
+    include_usage, continuous = common.usage_flags(req)
+    tracker, done, generated = common.DeltaTracker(), set(), {}
     echoed: set[int] = set()
     async for output in stream:
         for c in output.outputs:
@@ -251,7 +212,7 @@ async def _stream(reply: _Reply, stream: RequestStream):  # -> AsyncIterator[str
             if c.finish_reason is not None:
                 done.add(index)
             logprobs = reply.logprobs(index, c, start, output if req.echo and first else None)
-            choice = CompletionChoice(
+            choice = proto.CompletionChoice(
                 index=index,
                 text=delta,
                 logprobs=logprobs,
@@ -259,26 +220,15 @@ async def _stream(reply: _Reply, stream: RequestStream):  # -> AsyncIterator[str
                 stop_reason=c.stop_reason,
                 prompt_logprobs=_prompt_logprobs(req, output) if first else None,
             )
-            usage = reply.usage(sum(generated.values())) if continuous else None
-            yield sse(
-                CompletionChunk(
-                    id=reply.id, created=reply.created, model=reply.engine.model_name, choices=[choice], usage=usage
-                )
-            )
+            yield reply.chunk([choice], reply.usage(sum(generated.values())) if continuous else None)
     if include_usage:
-        yield sse(
-            CompletionChunk(
-                id=reply.id,
-                created=reply.created,
-                model=reply.engine.model_name,
-                choices=[],
-                usage=reply.usage(sum(generated.values())),
-            )
-        )
-    yield SSE_DONE
+        yield reply.chunk([], reply.usage(sum(generated.values())))
+    yield common.SSE_DONE
 
 
-def _prompt_logprobs(req: CompletionRequest, output: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+def _prompt_logprobs(
+    req: proto.CompletionRequest, output: RequestOutput
+) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's `prompt_logprobs` of a choice, when the request asked for them."""
     if req.prompt_logprobs is None or output.prompt_logprobs is None:
         return None
