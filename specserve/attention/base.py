@@ -33,10 +33,6 @@ class AttentionMetadata:
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
 
 class AttentionBackend(Protocol):
     """Writes this step's K/V into the paged cache and attends over the cache.

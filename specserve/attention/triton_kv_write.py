@@ -1,6 +1,5 @@
-"""The KV write into the paged cache as a Triton kernel (reshape_and_cache), and the cache-layout
-check that the attention kernels share (triton_paged.py). The torch twin is `attention/torch_ref.py
-write_kv`."""
+"""The KV write into the paged cache as a Triton kernel (torch twin: torch_ref.write_kv), and the
+cache-layout check the attention kernels share."""
 
 from __future__ import annotations
 
@@ -56,11 +55,8 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of the paged cache.
-
-    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] (same strides).
-    slot_mapping: [num_tokens] int; a negative slot marks a padding token and is skipped.
-    """
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of the caches
+    [num_blocks, block_size, num_kv_heads, head_dim]; a negative slot (padding token) is skipped."""
     num_tokens, num_kv_heads, head_dim = key.shape
     _check_cache(key_cache, value_cache, num_kv_heads, head_dim)
     if key.stride(-1) != 1 or value.stride(-1) != 1:

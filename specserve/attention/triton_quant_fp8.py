@@ -1,23 +1,13 @@
-"""fp8 (e4m3) paged attention (variant "v3"): structured like triton_paged's bf16 kernel.
+"""fp8 (e4m3) paged attention (variant "v3"), structured like triton_paged's kernel.
 
-Per KV tile: block ids -> K tile -> Q.K^T -> online softmax -> V tile -> P.V, plus one cvt per two
-values (e4m3 -> float16, `cvt.rn.f16x2.e4m3x2`) and two per-key-row scalings.
-
-* Every load in the loop is a >= 4-byte vector that the software pipeliner issues as cp.async one
-  tile ahead. A token's scale is 2 bytes, too small for cp.async, so the kernel loads the scales of
-  SCALE_W adjacent heads of each token (a token's heads are contiguous in the scale layout) and
-  picks its own head's column in registers; the grid runs a q block's KV heads side by side
-  (HEADS_FIRST) so they share those sectors in L2.
-* The cache strides are compile-time constants, so the compiler can prove 16-byte row alignment.
-* V is read as [BLOCK_N, head_dim / 2] 16-bit units (unit c = elements 2c, 2c + 1): P.V's
-  tensor-core operand pairs two consecutive keys per register, which ldmatrix transposes from a
-  16-bit tile. One byte permute and two cvts per two units give two float16 tiles (columns 2c and
-  2c + 1), and P.V runs as two dots whose results interleave back into the output columns.
-* Scales multiply the scores per key column after Q.K^T and P per key row before P.V: P is scaled
-  by v_scale / (the tile's largest v_scale) so it stays in [0, 1] in float16, and the largest scale
-  multiplies the fp32 product.
-
-Q is clamped to float16's finite range (bf16 -> fp16 is otherwise exact down to 2^-14).
+* Loads in the loop are >= 4-byte vectors (cp.async, one tile ahead). A token's 2-byte scale is too
+  small, so the kernel loads the scales of SCALE_W adjacent heads and keeps its own head's column;
+  the grid runs a q block's KV heads side by side (HEADS_FIRST) so they share those L2 sectors.
+* Cache strides are constexprs, so the compiler can prove 16-byte row alignment.
+* V is read as 16-bit units (unit c = elements 2c, 2c + 1), the layout ldmatrix transposes for P.V;
+  a byte permute and two cvts give two float16 tiles (columns 2c, 2c + 1) and two dots.
+* K scales multiply the scores per key column; V scales multiply P per key row as v_scale / (the
+  tile's largest), keeping P in [0, 1] in float16, and the largest scales the fp32 product.
 """
 
 from __future__ import annotations
@@ -36,9 +26,9 @@ from specserve.attention.triton_quant_common import (
     _store_rows,
     _tile_rows,
 )
+from specserve.kv.spec import LayerKVCache
 
-# $2 = two units (bytes u0.lo, u0.hi, u1.lo, u1.hi); $0 = (u0.lo, u1.lo) and $1 = (u0.hi, u1.hi) as
-# float16 pairs. The byte permute 0x3120 turns (b0, b1, b2, b3) into (b0, b2, b1, b3).
+# $2 = two units (bytes u0.lo, u0.hi, u1.lo, u1.hi); $0 = (u0.lo, u1.lo), $1 = (u0.hi, u1.hi) as float16.
 _UNIT_PTX = tl.constexpr("""
 {
 .reg .b32 t;
@@ -156,7 +146,6 @@ def _paged_attention_fp8_kernel(
         units = tl.load(v_base + row16[:, None], mask=n_ok[:, None] & c_ok[None, :], other=0)
         v0, v1 = _unit_halves(units.to(tl.uint16, bitcast=True), PTX)
         v_scale = _row_scales(vs_base, srow, pick, n_ok)
-        # Row scales relative to the tile's largest go into P (so it stays <= 1 in float16).
         v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
         pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
         a0 = a0 * alpha[:, None] + tl.dot(pv, v0) * v_max
@@ -197,24 +186,17 @@ def scale_window(num_kv_heads: int, limit: int = 8) -> int:
 
 def launch_fp8(
     q: torch.Tensor,
-    cache,
-    fmt,
+    cache: LayerKVCache,
     out: torch.Tensor,
     common: tuple,
-    grid_qblocks: int,
-    num_splits: int,
     scale_log2: float,
+    grid: tuple[int, int, int],
     meta: dict,
     heads_first: bool,
 ) -> None:
     """The fp8 kernel over the launch that `triton_quant.paged_attention_quant` prepared."""
-    num_seqs = common[3].shape[0] - 1
-    block_tables = common[5]
     kc, ks = cache.key, cache.key_scale
-    num_kv_heads = kc.shape[2]
-    grid = (num_kv_heads, grid_qblocks, num_splits) if heads_first else (grid_qblocks, num_kv_heads, num_splits)
-    # head_dim is even here (paged_attention_quant checks it), so the int16 view is exact and every byte
-    # stride halves (the kernel divides them).
+    # head_dim is even (checked), so the int16 view of V is exact; the kernel halves its byte strides.
     _paged_attention_fp8_kernel[grid](
         out,
         q,
@@ -224,20 +206,18 @@ def launch_fp8(
         cache.value_scale,
         *common,
         scale_log2,
-        num_seqs,
-        num_splits,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
+        common[3].shape[0] - 1,
+        grid[2],
+        *q.stride()[:2],
+        *out.stride()[:2],
+        common[5].stride(0),
         C_BLOCK=kc.stride(0),
         C_SLOT=kc.stride(1),
         C_HEAD=kc.stride(2),
         S_BLOCK=ks.stride(0),
         S_SLOT=ks.stride(1),
         S_HEAD=ks.stride(2),
-        SCALE_W=scale_window(num_kv_heads) if ks.stride(2) == 1 else 1,
+        SCALE_W=scale_window(kc.shape[2]) if ks.stride(2) == 1 else 1,
         HEADS_FIRST=heads_first,
         PTX=q.is_cuda,
         **meta,

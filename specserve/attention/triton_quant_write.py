@@ -1,10 +1,5 @@
-"""Triton KV write for quantized caches (fp8, nvfp4): quantize new K/V and store them at their slots.
-
-The layouts and rounding rules are `specserve/kv/spec.py` and `specserve/kv/quant.py`; the kernel
-reproduces quant.py bit for bit (scales rounded UP, true IEEE divisions via div_rn, since Triton's
-`/` is an approximate division on NVIDIA), so a cache written here reads back exactly as the torch
-oracle's. Public entry point: `triton_quant.reshape_and_cache_quant` (re-exported there).
-"""
+"""Triton KV write for quantized caches (fp8, nvfp4): quantize new K/V and store them at their slots,
+bit for bit as kv/quant.py (scales rounded UP, IEEE divisions via div_rn: Triton's `/` is approximate)."""
 
 from __future__ import annotations
 
@@ -24,7 +19,7 @@ from specserve.kv.spec import KVFormat, LayerKVCache
 
 @triton.jit
 def _div(x, y):
-    """IEEE x / y (torch's division; Triton's `/` is approximate on NVIDIA), y a tensor."""
+    """IEEE x / y, y a tensor."""
     x, y = tl.broadcast(x, y)
     return tl.math.div_rn(x, y)
 
@@ -76,10 +71,8 @@ def _quantize_fp8_row(src_ptrs, dst_ptrs, scale_ptrs, mask, h_ok):
 
 @triton.jit
 def _quantize_nvfp4_row(src_ptrs, dst_ptrs, scale_ptrs, mask, g_ok, amax_div, global_scale):
-    """One (token, head)'s values as [G, 8] even/odd pairs -> packed e2m1 codes + e4m3 group scales.
-
-    src_ptrs point at the even elements 16 g + 2 t; the odd ones are the next element.
-    """
+    """One (token, head)'s values as [G, 8] even/odd pairs (src_ptrs: the even elements 16 g + 2 t) ->
+    packed e2m1 codes + e4m3 group scales."""
     lo = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)
     hi = tl.load(src_ptrs + 1, mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))  # [G]
@@ -196,8 +189,7 @@ def reshape_and_cache_quant(
     groups = fmt.num_scale_groups(head_dim)
     kc, vc, ks, vs = cache.key, cache.value, cache.key_scale, cache.value_scale
     block_h = triton.next_power_of_2(num_kv_heads)
-    # nvfp4: one program per (token, head) on 2-D [groups, 8] tiles (3-D [heads, groups, 8] tiles
-    # failed the GPU tests at 8 heads).
+    # nvfp4: one program per (token, head) on 2-D [groups, 8] tiles.
     _write_kv_quant_kernel[(num_tokens, num_kv_heads if nvfp4 else 1)](
         key,
         value,
