@@ -66,19 +66,8 @@ def reshape_and_cache(
     block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
     pdl = use_pdl(key)
     _reshape_and_cache_kernel[(num_tokens,)](
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        num_kv_heads,
+        *(key, value, key_cache, value_cache, slot_mapping),
+        *(*key.stride()[:2], *value.stride()[:2], *key_cache.stride()[:3], num_kv_heads),
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,

@@ -142,30 +142,8 @@ def _group_scales(
 
 
 @triton.jit
-def _scaled_pair_tiles(
-    word_ptrs,
-    scale_ptrs,
-    mask,
-    scale_mask,
-    BLOCK_N: tl.constexpr,
-    QUADS_PAD: tl.constexpr,
-    G_PAD: tl.constexpr,
-    DECODER: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """_scaled_tiles from the row's 32-bit words, in _decode_pairs's column order (v7's K)."""
-    if MASKED:
-        words = tl.load(word_ptrs, mask=mask, other=0)
-    else:
-        words = tl.load(word_ptrs)
-    sc = _group_scales(scale_ptrs, scale_mask, BLOCK_N, QUADS_PAD, G_PAD, MASKED)
-    e0, e1, e2, e3 = _decode_pairs(words, BLOCK_N, QUADS_PAD, DECODER)
-    return e0 * sc, e1 * sc, e2 * sc, e3 * sc
-
-
-@triton.jit
 def _scaled_tiles(
-    unit_ptrs,
+    ptrs,
     scale_ptrs,
     mask,
     scale_mask,
@@ -174,13 +152,17 @@ def _scaled_tiles(
     G_PAD: tl.constexpr,
     DECODER: tl.constexpr,
     MASKED: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
     """One cache tile -> E_0..E_3, float16 [BLOCK_N, QUADS_PAD] (elements 4c + j), times group scales.
-    MASKED False: every row and column is in range."""
+    PAIRS: read as 32-bit words, in _decode_pairs's column order. MASKED False: all in range."""
     if MASKED:
-        units = tl.load(unit_ptrs, mask=mask, other=0).to(tl.uint16, bitcast=True)
+        units = tl.load(ptrs, mask=mask, other=0)
     else:
-        units = tl.load(unit_ptrs).to(tl.uint16, bitcast=True)
+        units = tl.load(ptrs)
     sc = _group_scales(scale_ptrs, scale_mask, BLOCK_N, QUADS_PAD, G_PAD, MASKED)  # unit c: group c // 4
-    e0, e1, e2, e3 = _decode(units, DECODER)
+    if PAIRS:
+        e0, e1, e2, e3 = _decode_pairs(units, BLOCK_N, QUADS_PAD, DECODER)
+    else:
+        e0, e1, e2, e3 = _decode(units.to(tl.uint16, bitcast=True), DECODER)
     return e0 * sc, e1 * sc, e2 * sc, e3 * sc

@@ -255,12 +255,7 @@ def reduce_splits(
     num_tokens, num_heads, head_dim = out.shape
     num_splits = partials[1].shape[2]
     _reduce_splits_kernel[(num_tokens, num_heads)](
-        out,
-        *partials,
-        cu_query_lens,
-        cu_query_lens.shape[0] - 1,
-        num_splits,
-        *out.stride()[:2],
+        *(out, *partials, cu_query_lens, cu_query_lens.shape[0] - 1, num_splits, *out.stride()[:2]),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         SPLITS_PAD=triton.next_power_of_2(num_splits),
@@ -304,20 +299,8 @@ def paged_attention(
     partials = split_partials(q, num_splits, out)
     pdl = use_pdl(q)
     _paged_attention_kernel[(num_tokens // block_q + num_seqs, num_kv_heads, num_splits)](
-        out,
-        q,
-        key_cache,
-        value_cache,
-        *partials,
-        cu_query_lens,
-        seq_lens,
-        block_tables,
-        scale * LOG2E,
-        num_seqs,
-        num_splits,
-        *q.stride()[:2],
-        *out.stride()[:2],
-        *key_cache.stride()[:3],
+        *(out, q, key_cache, value_cache, *partials, cu_query_lens, seq_lens, block_tables),
+        *(scale * LOG2E, num_seqs, num_splits, *q.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3]),
         block_tables.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,

@@ -3,6 +3,7 @@ kernel (q-block / GQA row packing, split-KV ranges and partials); plus the host-
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -17,8 +18,20 @@ _E2M1_MAX = tl.constexpr(E2M1_MAX)
 
 
 @triton.jit
-def _program(GROUP: tl.constexpr, HEADS_FIRST: tl.constexpr):
-    """(q block, KV head, split, num_heads); HEADS_FIRST: grid (kv heads, q blocks, splits)."""
+def _locate(
+    cu_query_lens_ptr,
+    seq_lens_ptr,
+    num_seqs,
+    num_splits,
+    GROUP: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """This program's KV head, split, rows and KV tile range (as triton_paged's kernel). HEADS_FIRST:
+    the grid is (kv heads, q blocks, splits), else (q blocks, kv heads, splits)."""
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
         q_block_idx = tl.program_id(1)
@@ -27,25 +40,7 @@ def _program(GROUP: tl.constexpr, HEADS_FIRST: tl.constexpr):
         q_block_idx = tl.program_id(0)
         kv_head = tl.program_id(1)
         num_heads = tl.num_programs(1) * GROUP
-    return q_block_idx, kv_head, tl.program_id(2), num_heads
-
-
-@triton.jit
-def _locate(
-    cu_query_lens_ptr,
-    seq_lens_ptr,
-    num_seqs,
-    num_splits,
-    q_block_idx,
-    kv_head,
-    split,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    """This program's rows and KV tile range (as triton_paged's kernel)."""
+    split = tl.program_id(2)
     seq = _find_seq(cu_query_lens_ptr, num_seqs, q_block_idx, BLOCK_Q)
     q_start = tl.load(cu_query_lens_ptr + seq)
     q_len = tl.load(cu_query_lens_ptr + seq + 1) - q_start
@@ -67,7 +62,7 @@ def _locate(
     else:
         tile_lo = num_tiles * 0
         tile_hi = num_tiles
-    return spare, seq, tok, head, row_ok, context_len + q_idx, kv_end, tile_lo, tile_hi
+    return kv_head, split, num_heads, spare, seq, tok, head, row_ok, context_len + q_idx, kv_end, tile_lo, tile_hi
 
 
 @triton.jit
@@ -97,17 +92,6 @@ def _softmax_init(BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _zeros4(BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """Four float32 [BLOCK_M, WIDTH] accumulators."""
-    return (
-        tl.zeros([BLOCK_M, WIDTH], tl.float32),
-        tl.zeros([BLOCK_M, WIDTH], tl.float32),
-        tl.zeros([BLOCK_M, WIDTH], tl.float32),
-        tl.zeros([BLOCK_M, WIDTH], tl.float32),
-    )
-
-
-@triton.jit
 def _qk4(q0, q1, q2, q3, k0, k1, k2, k3, s):
     """s + sum_j Q_j.K_j^T (s None: no accumulator)."""
     s = tl.dot(q0, tl.trans(k0), s)
@@ -124,12 +108,6 @@ def _pv4(p16, v0, v1, v2, v3, a0, a1, a2, a3, alpha):
     a2 = tl.dot(p16, v2, a2 * alpha[:, None])
     a3 = tl.dot(p16, v3, a3 * alpha[:, None])
     return a0, a1, a2, a3
-
-
-@triton.jit
-def _fp8_scores(q, k, k_scale, sm_scale_log2):
-    """Base-2 scores of an fp8 tile: Q.K^T (K widened to float16) scaled per key column."""
-    return tl.dot(q, tl.trans(k.to(tl.float16))) * (k_scale * sm_scale_log2)[None, :]
 
 
 @triton.jit
@@ -170,92 +148,9 @@ def _softmax_probs_scaled(raw, c, offs_n, n_ok, q_pos, m_i, FULL: tl.constexpr):
     return p, tl.exp2(m_i - m_safe), m_new
 
 
-@triton.jit
-def _store_rows(
-    acc,
-    cols,
-    col_ok,
-    factor,
-    l_i,
-    m_i,
-    tok,
-    head,
-    row_ok,
-    num_heads,
-    split,
-    out_ptr,
-    part_acc_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    num_splits,
-    stride_o_tok,
-    stride_o_head,
-    HEAD_DIM_PAD: tl.constexpr,
-    SPLIT: tl.constexpr,
-    STORE_ML: tl.constexpr,
-):
-    """Columns `cols` of the rows' result times `factor`: the normalized output, or this split's
-    partial (acc, with STORE_ML also the running max and denominator)."""
-    mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT:
-        ml = (tok * num_heads + head) * num_splits + split  # partials: [T, Hq, S(, D_PAD)]
-        if STORE_ML:
-            tl.store(part_m_ptr + ml, m_i, mask=row_ok)
-            tl.store(part_l_ptr + ml, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + cols[None, :], acc * factor, mask=mask)
-    else:
-        out = acc * (factor / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
-        tl.store(
-            out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + cols[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=mask,
-        )
-
-
-@triton.jit
-def _store_rows4(
-    a0,
-    a1,
-    a2,
-    a3,
-    cols,
-    col_ok,
-    factor,
-    l_i,
-    m_i,
-    tok,
-    head,
-    row_ok,
-    num_heads,
-    split,
-    out_ptr,
-    part_acc_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    num_splits,
-    stride_o_tok,
-    stride_o_head,
-    HEAD_DIM_PAD: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    """`_store_rows` (STORE_ML) of a_j at columns cols + j, j = 0..3."""
-    mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT:
-        ml = (tok * num_heads + head) * num_splits + split  # partials: [T, Hq, S(, D_PAD)]
-        tl.store(part_m_ptr + ml, m_i, mask=row_ok)
-        tl.store(part_l_ptr + ml, l_i, mask=row_ok)
-        ptrs = part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + cols[None, :]
-        tl.store(ptrs, a0 * factor, mask=mask)
-        tl.store(ptrs + 1, a1 * factor, mask=mask)
-        tl.store(ptrs + 2, a2 * factor, mask=mask)
-        tl.store(ptrs + 3, a3 * factor, mask=mask)
-    else:
-        f = (factor / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
-        ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + cols[None, :]
-        tl.store(ptrs, (a0 * f).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(ptrs + 1, (a1 * f).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(ptrs + 2, (a2 * f).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(ptrs + 3, (a3 * f).to(out_ptr.dtype.element_ty), mask=mask)
+def cache_strides(prefix: str, t: torch.Tensor) -> dict[str, int]:
+    """A cache tensor's block / slot / head strides as the kernels' constexprs ({prefix}_BLOCK, ...)."""
+    return {f"{prefix}_{name}": t.stride(i) for i, name in enumerate(("BLOCK", "SLOT", "HEAD"))}
 
 
 def check_quant_cache(fmt: KVFormat, cache: LayerKVCache, num_kv_heads: int, head_dim: int) -> None:

@@ -17,14 +17,12 @@ import triton
 import triton.language as tl
 
 from specserve.attention.triton_quant_common import (
-    _fp8_scores,
     _load_q16,
     _locate,
-    _program,
     _softmax_init,
     _softmax_step,
-    _store_rows,
     _tile_rows,
+    cache_strides,
 )
 from specserve.kv.spec import LayerKVCache
 
@@ -101,20 +99,8 @@ def _paged_attention_fp8_kernel(
     HEADS_FIRST: tl.constexpr,
     PTX: tl.constexpr,
 ):
-    q_block_idx, kv_head, split, num_heads = _program(GROUP, HEADS_FIRST)
-    spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
-        cu_query_lens_ptr,
-        seq_lens_ptr,
-        num_seqs,
-        num_splits,
-        q_block_idx,
-        kv_head,
-        split,
-        GROUP,
-        BLOCK_M,
-        BLOCK_Q,
-        BLOCK_N,
-        SPLIT,
+    kv_head, split, num_heads, spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
+        cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, GROUP, HEADS_FIRST, BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT
     )
     if spare:
         return
@@ -141,7 +127,7 @@ def _paged_attention_fp8_kernel(
         srow = block_ids * S_BLOCK + slot * S_SLOT
         k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         k_scale = _row_scales(ks_base, srow, pick, n_ok)
-        s = _fp8_scores(q, k, k_scale, sm_scale_log2)
+        s = tl.dot(q, tl.trans(k.to(tl.float16))) * (k_scale * sm_scale_log2)[None, :]
         p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
         units = tl.load(v_base + row16[:, None], mask=n_ok[:, None] & c_ok[None, :], other=0)
         v0, v1 = _unit_halves(units.to(tl.uint16, bitcast=True), PTX)
@@ -151,29 +137,16 @@ def _paged_attention_fp8_kernel(
         a0 = a0 * alpha[:, None] + tl.dot(pv, v0) * v_max
         a1 = a1 * alpha[:, None] + tl.dot(pv, v1) * v_max
     acc = tl.reshape(tl.join(a0, a1), [BLOCK_M, HEAD_DIM_PAD])  # (m, c, j) -> column 2c + j
-    _store_rows(
-        acc,
-        offs_d,
-        d_ok,
-        1.0,
-        l_i,
-        m_i,
-        tok,
-        head,
-        row_ok,
-        num_heads,
-        split,
-        out_ptr,
-        part_acc_ptr,
-        part_m_ptr,
-        part_l_ptr,
-        num_splits,
-        stride_o_tok,
-        stride_o_head,
-        HEAD_DIM_PAD,
-        SPLIT,
-        True,
-    )
+    mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        ml = (tok * num_heads + head) * num_splits + split  # partials: [T, Hq, S(, D_PAD)]
+        tl.store(part_m_ptr + ml, m_i, mask=row_ok)
+        tl.store(part_l_ptr + ml, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=mask)
+    else:
+        out = acc * (1.0 / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+        out_ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def scale_window(num_kv_heads: int, limit: int = 8) -> int:
@@ -198,25 +171,10 @@ def launch_fp8(
     kc, ks = cache.key, cache.key_scale
     # head_dim is even (checked), so the int16 view of V is exact; the kernel halves its byte strides.
     _paged_attention_fp8_kernel[grid](
-        out,
-        q,
-        kc,
-        cache.value.view(torch.int16),
-        ks,
-        cache.value_scale,
-        *common,
-        scale_log2,
-        common[3].shape[0] - 1,
-        grid[2],
-        *q.stride()[:2],
-        *out.stride()[:2],
-        common[5].stride(0),
-        C_BLOCK=kc.stride(0),
-        C_SLOT=kc.stride(1),
-        C_HEAD=kc.stride(2),
-        S_BLOCK=ks.stride(0),
-        S_SLOT=ks.stride(1),
-        S_HEAD=ks.stride(2),
+        *(out, q, kc, cache.value.view(torch.int16), ks, cache.value_scale, *common, scale_log2),
+        *(common[3].shape[0] - 1, grid[2], *q.stride()[:2], *out.stride()[:2], common[5].stride(0)),
+        **cache_strides("C", kc),
+        **cache_strides("S", ks),
         SCALE_W=scale_window(kc.shape[2]) if ks.stride(2) == 1 else 1,
         HEADS_FIRST=heads_first,
         PTX=q.is_cuda,

@@ -21,21 +21,19 @@ import triton
 import triton.language as tl
 
 from specserve.attention import triton_dot_layout
-from specserve.attention.triton_nvfp4_decode import E4M3_DECODE, _scaled_pair_tiles, _scaled_tiles
+from specserve.attention.triton_nvfp4_decode import E4M3_DECODE, _scaled_tiles
 from specserve.attention.triton_quant_common import (
     NVFP4_DECODE,
     _load_q16,
     _locate,
-    _program,
     _pv4,
     _qk4,
     _softmax_init,
     _softmax_probs_scaled,
     _softmax_step,
     _softmax_step_full,
-    _store_rows4,
     _tile_rows,
-    _zeros4,
+    cache_strides,
 )
 from specserve.kv.spec import KVFormat, LayerKVCache
 
@@ -140,20 +138,8 @@ def _paged_attention_nvfp4_kernel(
     HALF_ROWS: tl.constexpr,
     K_PAIRS: tl.constexpr,
 ):
-    q_block_idx, kv_head, split, num_heads = _program(GROUP, HEADS_FIRST)
-    spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
-        cu_query_lens_ptr,
-        seq_lens_ptr,
-        num_seqs,
-        num_splits,
-        q_block_idx,
-        kv_head,
-        split,
-        GROUP,
-        BLOCK_M,
-        BLOCK_Q,
-        BLOCK_N,
-        SPLIT,
+    kv_head, split, num_heads, spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
+        cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, GROUP, HEADS_FIRST, BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT
     )
     if spare:
         return
@@ -179,7 +165,10 @@ def _paged_attention_nvfp4_kernel(
     m_i, l_i = _softmax_init(BLOCK_M)
     if ROWSUM_MMA:
         l_i = tl.zeros([BLOCK_M, 16], tl.float32)
-    a0, a1, a2, a3 = _zeros4(BLOCK_M, QUADS_PAD)
+    a0 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
+    a1 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
+    a2 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
+    a3 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = key_cache_ptr + kv_head * C_HEAD + c[None, :]
     a = tl.arange(0, QUADS_PAD // 2)  # K_PAIRS: word a of a row (units 2a, 2a + 1)
@@ -216,24 +205,15 @@ def _paged_attention_nvfp4_kernel(
                 srow = (block_ids * S_BLOCK + slot * S_SLOT)[:, None]
                 mask = n_ok[:, None] & c_ok[None, :]
                 s_mask = n_ok[:, None] & g_ok[None, :]
-                if K_PAIRS:
-                    # The same rows as 32-bit words (strides are even, so rows are 4-byte aligned).
-                    kw = (kw_base + row).to(tl.pointer_type(tl.int32)) + a_off
-                    k0, k1, k2, k3 = _scaled_pair_tiles(
-                        kw,
-                        ks_base + srow,
-                        n_ok[:, None] & a_ok[None, :],
-                        s_mask,
-                        BLOCK_N,
-                        QUADS_PAD,
-                        G_PAD,
-                        DECODER,
-                        MASKED,
-                    )
+                if K_PAIRS:  # the same rows as 32-bit words (strides are even: rows are 4-byte aligned)
+                    k_ptrs = (kw_base + row).to(tl.pointer_type(tl.int32)) + a_off
+                    k_mask = n_ok[:, None] & a_ok[None, :]
                 else:
-                    k0, k1, k2, k3 = _scaled_tiles(
-                        k_base + row, ks_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER, MASKED
-                    )
+                    k_ptrs = k_base + row
+                    k_mask = mask
+                k0, k1, k2, k3 = _scaled_tiles(
+                    k_ptrs, ks_base + srow, k_mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER, MASKED, K_PAIRS
+                )
                 if FUSED_SCALE:
                     raw = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None)
                     if HALF_ROWS:
@@ -254,36 +234,29 @@ def _paged_attention_nvfp4_kernel(
                     # l_i [BLOCK_M, 16], every column the row sum: P.1 avoids tl.sum's cross-warp barriers.
                     l_i = tl.dot(p16, tl.full([BLOCK_N, 16], 1.0, tl.float16), l_i * alpha[:, None])
                 v0, v1, v2, v3 = _scaled_tiles(
-                    v_base + row, vs_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER, MASKED
+                    v_base + row, vs_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER, MASKED, False
                 )
                 a0, a1, a2, a3 = _pv4(p16, v0, v1, v2, v3, a0, a1, a2, a3, alpha)
     if ROWSUM_MMA:
         l_i = tl.max(l_i, 1)  # its columns are equal
-    _store_rows4(
-        a0,
-        a1,
-        a2,
-        a3,
-        4 * c,
-        c_ok,
-        v_factor,
-        l_i,
-        m_i,
-        tok,
-        head,
-        row_ok,
-        num_heads,
-        split,
-        out_ptr,
-        part_acc_ptr,
-        part_m_ptr,
-        part_l_ptr,
-        num_splits,
-        stride_o_tok,
-        stride_o_head,
-        HEAD_DIM_PAD,
-        SPLIT,
-    )
+    cols = 4 * c
+    mask = row_ok[:, None] & c_ok[None, :]
+    if SPLIT:
+        ml = (tok * num_heads + head) * num_splits + split  # partials: [T, Hq, S(, D_PAD)]
+        tl.store(part_m_ptr + ml, m_i, mask=row_ok)
+        tl.store(part_l_ptr + ml, l_i, mask=row_ok)
+        ptrs = part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + cols[None, :]
+        tl.store(ptrs, a0 * v_factor, mask=mask)
+        tl.store(ptrs + 1, a1 * v_factor, mask=mask)
+        tl.store(ptrs + 2, a2 * v_factor, mask=mask)
+        tl.store(ptrs + 3, a3 * v_factor, mask=mask)
+    else:
+        f = (v_factor / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+        ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + cols[None, :]
+        tl.store(ptrs, (a0 * f).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptrs + 1, (a1 * f).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptrs + 2, (a2 * f).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptrs + 3, (a3 * f).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def launch_nvfp4(
@@ -317,26 +290,10 @@ def launch_nvfp4(
     )
     const = (E4M3_DECODE if flags["DECODER"] == 1 else NVFP4_DECODE) * fmt.global_scale
     _paged_attention_nvfp4_kernel[grid](
-        out,
-        q,
-        kc,
-        vc,
-        ks,
-        vs,
-        *common,
-        scale_log2 * const,
-        const,
-        common[3].shape[0] - 1,
-        grid[2],
-        *q.stride()[:2],
-        *out.stride()[:2],
-        common[5].stride(0),
-        C_BLOCK=kc.stride(0),
-        C_SLOT=kc.stride(1),
-        C_HEAD=kc.stride(2),
-        S_BLOCK=ks.stride(0),
-        S_SLOT=ks.stride(1),
-        S_HEAD=ks.stride(2),
+        *(out, q, kc, vc, ks, vs, *common, scale_log2 * const, const, common[3].shape[0] - 1, grid[2]),
+        *(*q.stride()[:2], *out.stride()[:2], common[5].stride(0)),
+        **cache_strides("C", kc),
+        **cache_strides("S", ks),
         QUADS=quads,
         QUADS_PAD=triton.next_power_of_2(quads),
         GROUPS=groups,

@@ -133,24 +133,10 @@ def _write_kv_quant_kernel(
         src = 16 * g[:, None] + 2 * t[None, :]  # even elements of each group
         dst = c_row + h * stride_c_head + 8 * g[:, None] + t[None, :]
         sdst = s_row + h * stride_s_head + g
-        _quantize_nvfp4_row(
-            key_ptr + tok * stride_k_tok + h * stride_k_head + src,
-            key_cache_ptr + dst,
-            key_scale_ptr + sdst,
-            mask,
-            g_ok,
-            amax_div,
-            global_scale,
-        )
-        _quantize_nvfp4_row(
-            value_ptr + tok * stride_v_tok + h * stride_v_head + src,
-            value_cache_ptr + dst,
-            value_scale_ptr + sdst,
-            mask,
-            g_ok,
-            amax_div,
-            global_scale,
-        )
+        k_src = key_ptr + tok * stride_k_tok + h * stride_k_head + src
+        v_src = value_ptr + tok * stride_v_tok + h * stride_v_head + src
+        _quantize_nvfp4_row(k_src, key_cache_ptr + dst, key_scale_ptr + sdst, mask, g_ok, amax_div, global_scale)
+        _quantize_nvfp4_row(v_src, value_cache_ptr + dst, value_scale_ptr + sdst, mask, g_ok, amax_div, global_scale)
     else:
         h = tl.arange(0, BLOCK_H)
         h_ok = h < num_kv_heads
@@ -158,20 +144,10 @@ def _write_kv_quant_kernel(
         mask = h_ok[:, None] & (d[None, :] < HEAD_DIM)
         dst = c_row + h[:, None] * stride_c_head + d[None, :]
         sdst = s_row + h * stride_s_head
-        _quantize_fp8_row(
-            key_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :],
-            key_cache_ptr + dst,
-            key_scale_ptr + sdst,
-            mask,
-            h_ok,
-        )
-        _quantize_fp8_row(
-            value_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :],
-            value_cache_ptr + dst,
-            value_scale_ptr + sdst,
-            mask,
-            h_ok,
-        )
+        k_src = key_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :]
+        v_src = value_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :]
+        _quantize_fp8_row(k_src, key_cache_ptr + dst, key_scale_ptr + sdst, mask, h_ok)
+        _quantize_fp8_row(v_src, value_cache_ptr + dst, value_scale_ptr + sdst, mask, h_ok)
 
 
 def reshape_and_cache_quant(
@@ -191,26 +167,8 @@ def reshape_and_cache_quant(
     block_h = triton.next_power_of_2(num_kv_heads)
     # nvfp4: one program per (token, head) on 2-D [groups, 8] tiles.
     _write_kv_quant_kernel[(num_tokens, num_kv_heads if nvfp4 else 1)](
-        key,
-        value,
-        kc,
-        vc,
-        ks,
-        vs,
-        slot_mapping,
-        E2M1_MAX * fmt.global_scale,
-        fmt.global_scale,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        kc.stride(0),
-        kc.stride(1),
-        kc.stride(2),
-        ks.stride(0),
-        ks.stride(1),
-        ks.stride(2),
-        num_kv_heads,
+        *(key, value, kc, vc, ks, vs, slot_mapping, E2M1_MAX * fmt.global_scale, fmt.global_scale),
+        *(*key.stride()[:2], *value.stride()[:2], *kc.stride()[:3], *ks.stride()[:3], num_kv_heads),
         NVFP4=nvfp4,
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
