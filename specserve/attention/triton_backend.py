@@ -1,11 +1,8 @@
-"""Triton attention backend: the GPU twin of `torch_ref.TorchRefBackend`.
+"""Triton attention backend: the GPU twin of `torch_ref.TorchRefBackend` (imported lazily, on CUDA).
 
-Imported lazily, only when selected on CUDA. One forward = the KV write (fused with RoPE through
-`forward_rope`) and the paged attention kernel (plus a reduce launch for split-KV); quantized caches
-(fp8, nvfp4) take triton_quant.py's kernels. Nothing reads tensor values on the host, so a decode
-forward can be captured in a CUDA graph: size it with fixed upper bounds (`max_seq_len`,
-`max_query_len`) and pad the batch with zero-length sequences (repeat the last `cu_query_lens`
-entry, `seq_lens` 0) and padding tokens whose slot is negative (not stored, output rows garbage).
+Nothing reads tensor values on the host, so a decode forward can be captured in a CUDA graph: size it
+with fixed upper bounds (`max_seq_len`, `max_query_len`) and pad the batch with zero-length sequences
+(repeat the last `cu_query_lens` entry, `seq_lens` 0) and padding tokens whose slot is negative.
 """
 
 from __future__ import annotations
@@ -25,11 +22,8 @@ def _batch(meta: AttentionMetadata) -> tuple:
 
 
 class TritonBackend:
-    """Paged attention for flat varlen batches (prefill, prefix hits, decode, k+1 verify), with GQA.
-
-    `num_splits` fixes the split-KV factor (None: chosen from the batch's host-side sizes; 1: never
-    split). With a fixed value the result for a token does not depend on the rest of the batch's shape.
-    """
+    """Paged attention for flat varlen batches with GQA. `num_splits` fixes the split-KV factor (None:
+    from the batch's host-side sizes), so a token's result does not depend on the rest of the batch."""
 
     name = "triton"
 
@@ -69,8 +63,7 @@ class TritonBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """`forward` with q and k not yet rotated: RoPE and the KV write run as one kernel
-        (unquantized caches; quantized ones rotate first, then take `forward`)."""
+        """`forward` with q and k not yet rotated (unquantized caches: RoPE and the KV write in one kernel)."""
         if fmt.quantized:
             q, k = apply_rope(q, k, positions, cos_sin_cache)
             return self.forward(q, k, v, cache, fmt, meta, scale)

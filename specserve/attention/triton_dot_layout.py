@@ -113,16 +113,6 @@ def _make_ttgir_kw2(mod: Any, metadata: dict, opt: Any, capability: int) -> Any:
     return mod
 
 
-def _pass_list_matches(backend: Any) -> bool:
-    """Whether `backend` (object or class) has the make_ttgir this module copies."""
-    cls = backend if isinstance(backend, type) else type(backend)
-    try:
-        source = inspect.getsource(cls.make_ttgir)
-    except (OSError, TypeError, AttributeError):
-        return False
-    return hashlib.sha256(source.encode()).hexdigest() == _MAKE_TTGIR_SHA256
-
-
 def _retarget_stage(stages: dict, capability: int, options: Any) -> None:
     """Replace stages["ttgir"] for opted-in kernels (sm_8x / sm_9x, Triton language only)."""
     if capability // 10 not in (8, 9) or "ttir" not in stages or "ttgir" not in stages:
@@ -149,9 +139,11 @@ def _copied_triton() -> bool:
     try:
         import triton
         from triton.backends.nvidia.compiler import CUDABackend
-    except ImportError:
+
+        source = inspect.getsource(CUDABackend.make_ttgir)
+    except (ImportError, OSError, TypeError, AttributeError):
         return False
-    return triton.__version__.startswith("3.6.") and _pass_list_matches(CUDABackend)
+    return triton.__version__.startswith("3.6.") and hashlib.sha256(source.encode()).hexdigest() == _MAKE_TTGIR_SHA256
 
 
 def install() -> bool:
