@@ -1,9 +1,7 @@
 """Attention backend interface and the per-forward metadata it reads.
 
-One flat batch holds, for each of `num_seqs` sequences, `query_len` new tokens (a prefill chunk,
-one decode token, or k+1 tokens to verify) appended after `seq_len - query_len` tokens whose KV
-is already in the paged cache. Query token j of sequence b sits at position
-`seq_len[b] - query_len[b] + j` and attends causally to every key at a position <= its own.
+A flat batch holds, per sequence, `query_len` new tokens after `seq_len - query_len` cached ones;
+query token j of sequence b sits at position `seq_len[b] - query_len[b] + j` and attends causally.
 """
 
 from __future__ import annotations
@@ -32,10 +30,6 @@ class AttentionMetadata:
     # Host copies for the torch reference path (avoid device syncs); lists of ints.
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
 
 
 class AttentionBackend(Protocol):

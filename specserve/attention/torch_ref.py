@@ -1,8 +1,4 @@
-"""Pure-torch paged attention: the CPU path and the oracle every GPU kernel is tested against.
-
-Writes the step's K/V into the paged cache through `slot_mapping`, then, per sequence, gathers
-its whole context from the block table and runs causal attention of the new queries over it.
-"""
+"""Pure-torch paged attention: the CPU path and the oracle every GPU kernel is tested against."""
 
 from __future__ import annotations
 
@@ -31,26 +27,10 @@ def write_kv(
     cache.value.view(-1, num_kv_heads, dim).index_copy_(0, slot_mapping, value.to(cache.value.dtype))
 
 
-def gather_kv(
-    cache: LayerKVCache, fmt: KVFormat, block_ids: torch.Tensor, num_tokens: int, out_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first num_tokens tokens of one sequence: ([num_tokens, H, D], [num_tokens, H, D])."""
-    if fmt.quantized:
-        from specserve.kv import quant
-
-        return quant.gather_kv(cache, fmt, block_ids, num_tokens, out_dtype)
-    block_size = cache.key.shape[1]
-    num_blocks = (num_tokens + block_size - 1) // block_size
-    ids = block_ids[:num_blocks]
-    key = cache.key[ids].flatten(0, 1)[:num_tokens]
-    value = cache.value[ids].flatten(0, 1)[:num_tokens]
-    return key.to(out_dtype), value.to(out_dtype)
-
-
 def gather_padded(
     cache: LayerKVCache, fmt: KVFormat, block_tables: torch.Tensor, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sequence's blocks at once: ([B, max_blocks * block_size, H, D], same for value)."""
+    """Every sequence's blocks: ([B, max_blocks * block_size, H, D], same for value)."""
     num_seqs, max_blocks = block_tables.shape
     ids = block_tables.reshape(-1).long()
 
@@ -67,8 +47,7 @@ def gather_padded(
 
 
 class TorchRefBackend:
-    """Reference backend: exact and simple. Decode-only batches are attended in one batched call;
-    anything with multi-token queries goes one sequence at a time."""
+    """Reference backend: decode-only batches in one batched call, others one sequence at a time."""
 
     name = "torch_ref"
 
@@ -95,7 +74,8 @@ class TorchRefBackend:
             if q_len == 0:
                 continue
             qb = q[start : start + q_len]  # [q_len, Hq, D]
-            kb, vb = gather_kv(cache, fmt, meta.block_tables[b], s_len, q.dtype)  # [s_len, Hkv, D]
+            table = meta.block_tables[b : b + 1, : -(-s_len // cache.key.shape[1])]
+            kb, vb = (t[0, :s_len] for t in gather_padded(cache, fmt, table, q.dtype))  # [s_len, Hkv, D]
             out[start : start + q_len] = _causal_attention(qb, kb, vb, s_len - q_len, group, scale)
             start += q_len
         return out
@@ -126,7 +106,7 @@ def _causal_attention(
     q_pos = torch.arange(context_len, context_len + q_len, device=q.device)
     k_pos = torch.arange(s_len, device=q.device)
     mask = k_pos[None, :] <= q_pos[:, None]  # [Q, S]
-    # SDPA wants [H, L, D]; float32 accumulation comes from the math kernel on CPU.
+    # SDPA wants [H, L, D]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=group > 1
     )

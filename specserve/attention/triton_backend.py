@@ -1,13 +1,8 @@
-"""Triton attention backend: the GPU twin of `torch_ref.TorchRefBackend`.
+"""Triton attention backend: the GPU twin of `torch_ref.TorchRefBackend` (imported lazily, on CUDA).
 
-Imported lazily, only when selected on CUDA (it imports triton). One forward = two launches: the
-KV write (with RoPE, through `forward_rope`) and the paged attention kernel (plus a reduce launch
-for split-KV when the batch is too small to fill the GPU). Quantized caches (fp8, nvfp4) take the
-kernels of `triton_quant.py`: the write kernel quantizes, the attention kernel dequantizes tiles as
-it reads them. Nothing reads tensor values on the host, so a decode forward can be captured in a
-CUDA graph: size it with fixed upper bounds (`max_seq_len`, `max_query_len`) and pad the batch with
-zero-length sequences (repeat the last `cu_query_lens` entry, `seq_lens` 0) and padding tokens whose
-slot is negative (their K/V is not stored, their output rows are garbage).
+Nothing reads tensor values on the host, so a decode forward can be captured in a CUDA graph: size it
+with fixed upper bounds (`max_seq_len`, `max_query_len`) and pad the batch with zero-length sequences
+(repeat the last `cu_query_lens` entry, `seq_lens` 0) and padding tokens whose slot is negative.
 """
 
 from __future__ import annotations
@@ -22,12 +17,13 @@ from specserve.kernels.rope import apply_rope
 from specserve.kv.spec import KVFormat, LayerKVCache
 
 
-class TritonBackend:
-    """Paged attention for flat varlen batches (prefill, prefix hits, decode, k+1 verify), with GQA.
+def _batch(meta: AttentionMetadata) -> tuple:
+    return meta.cu_query_lens, meta.seq_lens, meta.block_tables, meta.max_query_len, meta.max_seq_len
 
-    `num_splits` fixes the split-KV factor (None: chosen from the batch's host-side sizes; 1: never
-    split). With a fixed value the result for a token does not depend on the rest of the batch's shape.
-    """
+
+class TritonBackend:
+    """Paged attention for flat varlen batches with GQA. `num_splits` fixes the split-KV factor (None:
+    from the batch's host-side sizes), so a token's result does not depend on the rest of the batch."""
 
     name = "triton"
 
@@ -51,20 +47,9 @@ class TritonBackend:
             from specserve.attention.triton_quant import paged_attention_quant, reshape_and_cache_quant
 
             reshape_and_cache_quant(k, v, cache, fmt, meta.slot_mapping)
-            return paged_attention_quant(
-                q,
-                cache,
-                fmt,
-                meta.cu_query_lens,
-                meta.seq_lens,
-                meta.block_tables,
-                meta.max_query_len,
-                meta.max_seq_len,
-                scale,
-                num_splits=self.num_splits,
-            )
+            return paged_attention_quant(q, cache, fmt, *_batch(meta), scale, num_splits=self.num_splits)
         reshape_and_cache(k, v, cache.key, cache.value, meta.slot_mapping)
-        return self._attend(q, cache, meta, scale)
+        return paged_attention(q, cache.key, cache.value, *_batch(meta), scale, num_splits=self.num_splits)
 
     def forward_rope(
         self,
@@ -78,24 +63,9 @@ class TritonBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """`forward` with q and k not yet rotated: RoPE and the KV write run as one kernel
-        (unquantized caches; quantized ones rotate first, then take `forward`)."""
+        """`forward` with q and k not yet rotated (unquantized caches: RoPE and the KV write in one kernel)."""
         if fmt.quantized:
             q, k = apply_rope(q, k, positions, cos_sin_cache)
             return self.forward(q, k, v, cache, fmt, meta, scale)
         rope_and_cache(q, k, v, positions, cos_sin_cache, cache.key, cache.value, meta.slot_mapping)
-        return self._attend(q, cache, meta, scale)
-
-    def _attend(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention(
-            q,
-            cache.key,
-            cache.value,
-            meta.cu_query_lens,
-            meta.seq_lens,
-            meta.block_tables,
-            meta.max_query_len,
-            meta.max_seq_len,
-            scale,
-            num_splits=self.num_splits,
-        )
+        return paged_attention(q, cache.key, cache.value, *_batch(meta), scale, num_splits=self.num_splits)

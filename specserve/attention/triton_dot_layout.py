@@ -1,23 +1,14 @@
-"""Float16 dot operands in the register layout of 16-bit types for kernels that also load 8-bit data.
+"""Float16 dot operands in the 16-bit register layout for kernels that also load 8-bit data.
 
-Why: Triton 3.6's AccelerateMatmul pass gives an mma.sync (sm_8x / sm_9x) dot operand the layout
-of the narrowest type it finds loaded on the operand's way in (kWidth = 32 bits / that width). In
-the nvfp4 attention kernel the e4m3 group scales are such a load, so every float16 operand gets the
-8-bit layout (kWidth 4), and Q and P pay register moves to get into it: in the sm_90 SASS of one
-128-key tile, 1,130 instructions of which 130 are moves. With the 16-bit layout (kWidth 2) the same
-tile takes 996 instructions and the moves are gone (the decoded tiles still come straight from the
-unit loads; nothing more goes through shared memory).
+Triton 3.6's AccelerateMatmul gives an mma.sync dot operand the layout of the narrowest type loaded on
+its way in; in the nvfp4 kernel the e4m3 scales make every float16 operand take the 8-bit layout
+(kWidth 4), and Q and P pay register moves for it (130 of 1,130 instructions per 128-key tile on sm_90).
 
-How: `install()` chains a `triton.knobs.runtime.add_stages_inspection_hook` that replaces the CUDA
-backend's "ttgir" stage. For a kernel whose IR name ends with `KWIDTH2_SUFFIX` (a kernel opts in per
-specialization through `triton.jit(repr=...)`, so its cache entries differ from the plain ones) the
-stage runs Triton's own pass list in two halves: up to AccelerateMatmul, then the 16-bit operands'
-kWidth 4 becomes 2 in the module's text, which is parsed back, then the remaining passes. Every
-other kernel takes the original stage. The pass list is a copy of `CUDABackend.make_ttgir` in
-Triton 3.6 for sm_8x / sm_9x; the hook is installed only on Triton 3.6 with that method's source the
-one copied (`_MAKE_TTGIR_SHA256`), otherwise (another Triton) opted-in kernels compile as Triton makes
-them. A failure inside the two halves also falls back to the original stage, on an untouched copy of
-the module: a layout is a performance choice, never a correctness one.
+`install()` chains a stages-inspection hook replacing the CUDA "ttgir" stage for kernels whose IR name
+ends with `KWIDTH2_SUFFIX` (opted in through `triton.jit(repr=...)`): Triton's own pass list, split after
+AccelerateMatmul to set 16-bit operands' kWidth to 2. The list is a copy of `CUDABackend.make_ttgir` of
+Triton 3.6 (checked by `_MAKE_TTGIR_SHA256`); on any other Triton nothing is installed. A failure falls
+back to the original stage: a layout is a performance choice, never a correctness one.
 """
 
 from __future__ import annotations
@@ -34,7 +25,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 KWIDTH2_SUFFIX = "_kw2"
-# sha256 of inspect.getsource(CUDABackend.make_ttgir) in Triton 3.6.0: what _make_ttgir_kw2 copies
+# sha256 of inspect.getsource(CUDABackend.make_ttgir) in Triton 3.6.0
 _MAKE_TTGIR_SHA256 = "806a6c72a470b1ffe3caebde353775863ca4a1f68ab8209b7b093507be3985b6"
 # a 16-bit float operand with the 8-bit layout: "...xf16, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 4}>"
 _KWIDTH4_16BIT = re.compile(r"(x(?:f16|bf16), #ttg\.dot_op<\{opIdx = [01], parent = #\w+), kWidth = 4\}>")
@@ -42,8 +33,8 @@ _installed = False
 
 
 def retarget_kwidth(ttgir: str) -> str:
-    """The module text with every 16-bit dot operand at kWidth 2; unchanged (the same object) when any
-    kWidth-4 operand is not 16-bit (an 8-bit dot keeps the layout AccelerateMatmul gave it)."""
+    """The module text with every 16-bit dot operand at kWidth 2; the same object when any kWidth-4
+    operand is not 16-bit."""
     new, count = _KWIDTH4_16BIT.subn(r"\1, kWidth = 2}>", ttgir)
     return new if count and "kWidth = 4}" not in new else ttgir
 
@@ -63,8 +54,7 @@ def _parse(text: str, context: Any) -> Any:
 
 
 def _make_ttgir_kw2(mod: Any, metadata: dict, opt: Any, capability: int) -> Any:
-    """CUDABackend.make_ttgir of Triton 3.6 (capability 8x / 9x) with retarget_kwidth after
-    AccelerateMatmul."""
+    """CUDABackend.make_ttgir of Triton 3.6 (sm_8x / sm_9x) with retarget_kwidth after AccelerateMatmul."""
     from triton._C.libtriton import ir, nvidia, passes
 
     if opt.maxnreg is not None:
@@ -123,19 +113,8 @@ def _make_ttgir_kw2(mod: Any, metadata: dict, opt: Any, capability: int) -> Any:
     return mod
 
 
-def _pass_list_matches(backend: Any) -> bool:
-    """Whether `backend` (a CUDA backend object or its class) has the make_ttgir this module copies."""
-    cls = backend if isinstance(backend, type) else type(backend)
-    try:
-        source = inspect.getsource(cls.make_ttgir)
-    except (OSError, TypeError, AttributeError):
-        return False
-    return hashlib.sha256(source.encode()).hexdigest() == _MAKE_TTGIR_SHA256
-
-
 def _retarget_stage(stages: dict, capability: int, options: Any) -> None:
-    """Replace stages["ttgir"] for opted-in kernels (CUDA sm_8x / sm_9x, Triton language only; install()
-    checked that this Triton's pass list is the one copied)."""
+    """Replace stages["ttgir"] for opted-in kernels (sm_8x / sm_9x, Triton language only)."""
     if capability // 10 not in (8, 9) or "ttir" not in stages or "ttgir" not in stages:
         return  # another target, or a Gluon source (no "ttir" stage)
     original = stages["ttgir"]
@@ -156,21 +135,19 @@ def _retarget_stage(stages: dict, capability: int, options: Any) -> None:
 
 
 def _copied_triton() -> bool:
-    """Whether this is the Triton whose hook protocol and pass list this module was written for (3.6:
-    Triton 3.9 also calls the stages hook without arguments, for a cache key, and a hook of 3.6's shape
-    there breaks every compile in the process)."""
+    """Whether this is Triton 3.6 with the copied pass list (3.9's hook protocol differs)."""
     try:
         import triton
         from triton.backends.nvidia.compiler import CUDABackend
-    except ImportError:
+
+        source = inspect.getsource(CUDABackend.make_ttgir)
+    except (ImportError, OSError, TypeError, AttributeError):
         return False
-    return triton.__version__.startswith("3.6.") and _pass_list_matches(CUDABackend)
+    return triton.__version__.startswith("3.6.") and hashlib.sha256(source.encode()).hexdigest() == _MAKE_TTGIR_SHA256
 
 
 def install() -> bool:
-    """Install the stage hook once per process (chained after any hook already there). False, and
-    nothing installed, on any other Triton than the one copied (opted-in kernels then compile as
-    Triton makes them)."""
+    """Install the stage hook once per process, chained after any hook there; False on another Triton."""
     global _installed
     if _installed:
         return True
@@ -188,8 +165,3 @@ def install() -> bool:
     knobs.runtime.add_stages_inspection_hook = hook
     _installed = True
     return True
-
-
-def kernel_name(base: str, kwidth2: bool) -> str:
-    """The IR name of a kernel specialization: with KWIDTH2_SUFFIX when it opts in."""
-    return base + KWIDTH2_SUFFIX if kwidth2 else base

@@ -1,6 +1,5 @@
-"""The KV write into the paged cache as a Triton kernel (reshape_and_cache), and the cache-layout
-check that the attention kernels share (triton_paged.py). The torch twin is `attention/torch_ref.py
-write_kv`."""
+"""The KV write into the paged cache as a Triton kernel (torch twin: torch_ref.write_kv), and the
+cache-layout check the attention kernels share."""
 
 from __future__ import annotations
 
@@ -56,11 +55,8 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of the paged cache.
-
-    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] (same strides).
-    slot_mapping: [num_tokens] int; a negative slot marks a padding token and is skipped.
-    """
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of the caches
+    [num_blocks, block_size, num_kv_heads, head_dim]; a negative slot (padding token) is skipped."""
     num_tokens, num_kv_heads, head_dim = key.shape
     _check_cache(key_cache, value_cache, num_kv_heads, head_dim)
     if key.stride(-1) != 1 or value.stride(-1) != 1:
@@ -70,19 +66,8 @@ def reshape_and_cache(
     block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
     pdl = use_pdl(key)
     _reshape_and_cache_kernel[(num_tokens,)](
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        num_kv_heads,
+        *(key, value, key_cache, value_cache, slot_mapping),
+        *(*key.stride()[:2], *value.stride()[:2], *key_cache.stride()[:3], num_kv_heads),
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,

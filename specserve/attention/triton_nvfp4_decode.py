@@ -1,17 +1,8 @@
-"""The nvfp4 cache's e2m1 decoders and scaled tiles, for the attention kernel of triton_quant_nvfp4.py.
-
-A cache row (one token, one KV head) is head_dim / 2 bytes, byte i holding elements 2i (low nibble) and
-2i + 1 (high nibble), read as 16-bit units ("quads": unit c holds elements 4c + j in its nibble j) or,
-for v7's K (K_PAIRS), as 32-bit words (units 2a, 2a + 1). Two decoders (the kernel's DECODER constexpr),
-both exact:
-  0 (plain Triton, for the interpreter): nibble (s, e1, e0, m) goes to float16 bits (15, 11, 10, 9), which *is* the
-     float16 number e2m1 * 2^-14 (subnormal 0.5 included); a few integer ops per value.
-  1 (inline PTX, sm_89+): two units (8 codes) per 32-bit register; every nibble becomes the e4m3
-     byte (s, 0, 0, e1, e0, m, 0, 0) = e2m1 * 2^-6 with four SIMD-within-a-register shifts and masks
-     per 4 bytes, and the hardware `cvt.rn.f16x2.e4m3x2` makes two float16 per instruction. Triton's
-     interpreter runs no inline assembly: there the kernel takes decoder 0.
-Scales multiply the decoded values in float16 (exact: products of a 2-bit and a 4-bit significand,
->= 2^-24); the kernel folds the constant (2^14 or 2^6) * global_scale into the score scale and output.
+"""The nvfp4 cache's e2m1 decoders and scaled tiles, for triton_quant_nvfp4.py. Both decoders are exact:
+  0 (plain Triton, the interpreter): nibble (s, e1, e0, m) -> float16 bits (15, 11, 10, 9), i.e. e2m1 * 2^-14.
+  1 (inline PTX): each nibble becomes the e4m3 byte (s, 0, 0, e1, e0, m, 0, 0) = e2m1 * 2^-6 by SIMD
+     shifts and masks, and `cvt.rn.f16x2.e4m3x2` makes two float16 per instruction.
+Scales multiply the decoded values in float16 (exact: >= 2^-24, 2-bit x 4-bit significands).
 """
 
 from __future__ import annotations
@@ -20,11 +11,8 @@ import triton
 import triton.language as tl
 
 E4M3_DECODE = 64.0  # 2^6: decoder 1 yields e2m1 * 2^-6
-# $4 = two 16-bit units: bytes (u0.lo, u0.hi, u1.lo, u1.hi). Output j = nibble j of u0 (low half) and
-# of u1 (high half) as float16. The byte permute 0x3120 first turns (b0, b1, b2, b3) into
-# (b0, b2, b1, b3), pairing u0's and u1's bytes; l / h: the e4m3 bytes of each byte's low / high
-# nibble. Every shift-and-mask keeps bits within their byte, so permuting once before them does what
-# permuting l and h after them did (one byte permute per 8 codes instead of two).
+# $4 = two 16-bit units (u0.lo, u0.hi, u1.lo, u1.hi); output j = nibble j of u0 (low half) and u1 (high
+# half) as float16. The permute 0x3120 pairs u0's and u1's bytes; l / h: e4m3 bytes of the low / high nibbles.
 _DECODE_PTX = tl.constexpr("""
 {
 .reg .b32 x, t, u, l, h;
@@ -48,10 +36,8 @@ cvt.rn.f16x2.e4m3x2 $3, h13;
 }
 """)
 
-# v7's K decoder (K_PAIRS): $4 = one 32-bit word of the cache row, units (u_p, u_p+1) for p even, with no
-# byte permute. The same shifts and masks as _DECODE_PTX; each cvt then takes the two codes of one byte
-# pair of the word: $0 = (E_0, E_2) of u_p, $1 = (E_1, E_3) of u_p, $2 = (E_0, E_2) of u_p+1, $3 = (E_1,
-# E_3) of u_p+1 (low half first): elements 8a + {0, 2}, 8a + {1, 3}, 8a + {4, 6}, 8a + {5, 7} of word a.
+# v7's K decoder (K_PAIRS): $4 = word a of the row (units 2a, 2a + 1), no permute; outputs: elements
+# 8a + {0, 2}, 8a + {1, 3}, 8a + {4, 6}, 8a + {5, 7}.
 _DECODE_PAIRS_PTX = tl.constexpr("""
 {
 .reg .b32 t, u, l, h;
@@ -84,8 +70,7 @@ def _nibble16(u, J: tl.constexpr):
 
 @triton.jit
 def _decode(units, DECODER: tl.constexpr):
-    """uint16 [..] -> the four nibbles of every unit as float16: code * 2^-6 with DECODER 1 (inline
-    PTX), else code * 2^-14 (0: plain Triton)."""
+    """uint16 -> the four nibbles of every unit as float16: code * 2^-6 (DECODER 1), else * 2^-14."""
     if DECODER == 1:
         e0, e1, e2, e3 = tl.inline_asm_elementwise(
             _DECODE_PTX,
@@ -119,9 +104,8 @@ def _pair_tile(lo, hi, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr):
 
 @triton.jit
 def _decode_pairs(words, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr, DECODER: tl.constexpr):
-    """int32 words [BLOCK_N, QUADS_PAD / 2] (word a: units 2a, 2a + 1) -> four float16 tiles
-    [BLOCK_N, QUADS_PAD]; column c = 2a + b of tile k holds element 8a + 4 (k // 2) + 2b + k % 2 of the
-    row (v7's K order: what _DECODE_PAIRS_PTX gives without a byte permute; Q's columns follow it)."""
+    """int32 words [BLOCK_N, QUADS_PAD / 2] -> four float16 tiles [BLOCK_N, QUADS_PAD]; column c = 2a + b
+    of tile k holds element 8a + 4 (k // 2) + 2b + k % 2 (v7's K order; Q's columns follow it)."""
     if DECODER == 1:
         o0, o1, o2, o3 = tl.inline_asm_elementwise(
             _DECODE_PAIRS_PTX,
@@ -158,31 +142,8 @@ def _group_scales(
 
 
 @triton.jit
-def _scaled_pair_tiles(
-    word_ptrs,
-    scale_ptrs,
-    mask,
-    scale_mask,
-    BLOCK_N: tl.constexpr,
-    QUADS_PAD: tl.constexpr,
-    G_PAD: tl.constexpr,
-    DECODER: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """_scaled_tiles from the row's 32-bit words, in _decode_pairs's column order (v7's K). Column c of
-    every tile is an element of unit 2 (c // 2) or 2 (c // 2) + 1, both of group c // 4."""
-    if MASKED:
-        words = tl.load(word_ptrs, mask=mask, other=0)
-    else:
-        words = tl.load(word_ptrs)
-    sc = _group_scales(scale_ptrs, scale_mask, BLOCK_N, QUADS_PAD, G_PAD, MASKED)
-    e0, e1, e2, e3 = _decode_pairs(words, BLOCK_N, QUADS_PAD, DECODER)
-    return e0 * sc, e1 * sc, e2 * sc, e3 * sc
-
-
-@triton.jit
 def _scaled_tiles(
-    unit_ptrs,
+    ptrs,
     scale_ptrs,
     mask,
     scale_mask,
@@ -191,13 +152,17 @@ def _scaled_tiles(
     G_PAD: tl.constexpr,
     DECODER: tl.constexpr,
     MASKED: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
     """One cache tile -> E_0..E_3, float16 [BLOCK_N, QUADS_PAD] (elements 4c + j), times group scales.
-    MASKED False: every row and column is in range (no predicate on the loads)."""
+    PAIRS: read as 32-bit words, in _decode_pairs's column order. MASKED False: all in range."""
     if MASKED:
-        units = tl.load(unit_ptrs, mask=mask, other=0).to(tl.uint16, bitcast=True)
+        units = tl.load(ptrs, mask=mask, other=0)
     else:
-        units = tl.load(unit_ptrs).to(tl.uint16, bitcast=True)
+        units = tl.load(ptrs)
     sc = _group_scales(scale_ptrs, scale_mask, BLOCK_N, QUADS_PAD, G_PAD, MASKED)  # unit c: group c // 4
-    e0, e1, e2, e3 = _decode(units, DECODER)
+    if PAIRS:
+        e0, e1, e2, e3 = _decode_pairs(units, BLOCK_N, QUADS_PAD, DECODER)
+    else:
+        e0, e1, e2, e3 = _decode(units.to(tl.uint16, bitcast=True), DECODER)
     return e0 * sc, e1 * sc, e2 * sc, e3 * sc

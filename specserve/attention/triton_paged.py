@@ -1,23 +1,14 @@
-"""Triton paged attention over the paged KV cache (the KV write: triton_kv_write.py).
+"""Triton paged attention over the paged KV cache (torch twin and oracle: torch_ref.py).
 
-The torch twin and test oracle is `attention/torch_ref.py`. Imported only when the Triton
-backend is selected on CUDA (or under TRITON_INTERPRET=1 for debugging on the CPU).
+One kernel runs the flat varlen batch. A program owns one q block (BLOCK_Q query tokens x the GROUP
+query heads of one KV head: BLOCK_M rows) of one sequence, so every K/V tile is loaded once per GQA
+group. Sequence b owns the q blocks from `cu_query_lens[b] // BLOCK_Q + b`; a program finds its
+sequence by binary search, so the grid depends on host shapes only (CUDA-graph capturable).
 
-Paged attention runs one kernel over the flat varlen batch (prefill chunks, prefix-hit prefill,
-decode, k+1 verification all at once). A program owns one "q block" of one sequence and one KV
-head: BLOCK_Q query tokens times the GROUP query heads that share that KV head, i.e. BLOCK_M =
-BLOCK_Q * GROUP rows, so every K/V tile is loaded once per group (GQA) and fed to the tensor cores
-as one [BLOCK_M, D] x [D, BLOCK_N] product. Sequence b owns the q blocks starting at
-`cu_query_lens[b] // BLOCK_Q + b`; a program finds its sequence by binary search, so the grid
-(`num_tokens // BLOCK_Q + num_seqs` q blocks) depends on host shapes only and no host sync or
-per-sequence launch is needed: the launch is CUDA-graph capturable.
-
-Split-KV (flash-decoding): when the batch alone gives too few programs to fill the SMs (decode at
-batch 1 over a long context), each program also takes one of `num_splits` contiguous ranges of its
-sequence's KV tiles and writes an unnormalized partial (acc, running max m, denominator l) in fp32;
-`_reduce_splits_kernel`, a second launch, combines them. num_splits is a host upper bound (a CUDA
-graph's is sized for max_model_len). Split programs with no KV tile store (m=-inf, l=0) but not
-their acc, which the reduce reads only where m > -inf. Softmax statistics are fp32, in base 2.
+Split-KV: when the batch gives too few programs for the SMs, each program also takes one of
+`num_splits` ranges of KV tiles and writes an fp32 partial (acc, max m, denominator l);
+`_reduce_splits_kernel` combines them. A split with no tile stores (m=-inf, l=0) but not its acc,
+which the reduce reads only where m > -inf. Softmax statistics are fp32, in base 2.
 """
 
 from __future__ import annotations
@@ -49,9 +40,7 @@ def _find_seq(cu_query_lens_ptr, num_seqs, q_block_idx, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-# The block table's row stride (the widest table of the batch) is not specialized: Triton would compile
-# a variant per stride class, and eager forwards with tables as wide as the prompt would meet a new
-# one mid-serving.
+# stride_bt_seq is not specialized: tables as wide as the prompt would compile a variant mid-serving.
 @triton.jit(do_not_specialize=["sm_scale_log2", "num_seqs", "num_splits", "stride_bt_seq"])
 def _paged_attention_kernel(
     out_ptr,
@@ -86,10 +75,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    # Before the PDL wait: only batch metadata (no kernel of the forward writes it; model/layers/
-    # pdl.py): the sequence search, its query range and length, and the block ids of this program's
-    # first KV tile, so that chain of dependent loads overlaps the previous kernel's tail. q, the
-    # KV cache (the previous kernel just wrote the new tokens' K/V) and the partials only after it.
+    # Before the PDL wait: batch metadata only (sequence search, query range, first tile's block ids).
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -103,7 +89,6 @@ def _paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
 
-    # Keys any row of this q block can see: [0, kv_end).
     kv_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     if SPLIT:
@@ -114,11 +99,9 @@ def _paged_attention_kernel(
         tile_lo = 0
         tile_hi = num_tiles
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    # The first tile's block ids (none for a spare block or a split with no tile: offs_n >= kv_end).
     first_n = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
     first_ids = tl.load(table + first_n // BLOCK_SIZE, mask=(first_n < kv_end) & live, other=0).to(tl.int64)
 
-    # Every program waits, spare ones included, before it returns (see kernels/pdl.py).
     pdl_prologue(USE_PDL)
     if not live:
         return
@@ -146,7 +129,6 @@ def _paged_attention_kernel(
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
-        # The first tile's ids were loaded before the wait; later tiles' here.
         block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok & (tile != tile_lo), other=0).to(tl.int64)
         block_ids = tl.where(tile == tile_lo, first_ids, block_ids)
         kv_off = block_ids * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot
@@ -171,7 +153,6 @@ def _paged_attention_kernel(
         ml = (tok * num_heads + head) * num_splits + split  # partials are [T, Hq, S(, D_PAD)] contiguous
         tl.store(part_m_ptr + ml, m_i, mask=row_ok)
         tl.store(part_l_ptr + ml, l_i, mask=row_ok)
-        # A split with no KV tile leaves its acc unwritten: the reduce reads acc only where m > -inf.
         tl.store(
             part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None] & (tile_lo < tile_hi)
         )
@@ -221,16 +202,10 @@ def _reduce_splits_kernel(
     )
 
 
-def attention_config(
-    max_query_len: int, group: int, head_dim: int, dtype: torch.dtype, block_n: int | None = None
-) -> tuple[int, int, int, int]:
-    """Tile shape for the launch: (BLOCK_M, BLOCK_N, num_warps, num_stages).
-
-    Decode and verify (a few tokens per sequence) put a whole sequence's query in one q block so its
-    KV is streamed once; prefill uses 64-row q blocks. fp32 (tests) gets smaller K/V tiles for shared memory.
-    """
+def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): decode/verify put a sequence's whole query in one q
+    block; prefill uses 64-row q blocks; fp32 gets smaller K/V tiles for shared memory."""
     min_m = max(16, triton.next_power_of_2(group))
-    head_dim_pad = triton.next_power_of_2(head_dim)
     if max_query_len <= SMALL_QUERY_MAX and max_query_len * group <= 128:
         block_m = max(min_m, triton.next_power_of_2(max_query_len * group))
         num_stages = 3
@@ -238,24 +213,56 @@ def attention_config(
         block_m = max(min_m, 64)
         num_stages = 2
     bn = 64
-    if dtype == torch.float32 or head_dim_pad > 128:
+    if dtype == torch.float32 or triton.next_power_of_2(head_dim) > 128:
         bn, num_stages = 32, min(num_stages, 2)
-    num_warps = 8 if block_m >= 128 else 4
-    return block_m, block_n or bn, num_warps, num_stages
+    return block_m, bn, 8 if block_m >= 128 else 4, num_stages
 
 
 def choose_num_splits(
     num_seqs: int, max_query_len: int, max_seq_len: int, num_kv_heads: int, block_q: int, num_sms: int
 ) -> int:
-    """How many KV ranges each (q block, kv head) is cut into: enough programs for ~2 waves of SMs.
-
-    Host ints only, so a CUDA graph captured with fixed upper bounds always replays the same launch.
-    """
+    """KV ranges per (q block, kv head): ~2 waves of SMs. Host ints only (CUDA-graph safe)."""
     programs = num_seqs * triton.cdiv(max(max_query_len, 1), block_q) * num_kv_heads
     if programs >= num_sms:
         return 1
     by_length = max_seq_len // MIN_KEYS_PER_SPLIT
     return max(1, min(triton.cdiv(2 * num_sms, programs), by_length, MAX_SPLITS))
+
+
+def check_q(q: torch.Tensor, num_kv_heads: int) -> int:
+    """The GQA group size of q [num_tokens, num_heads, head_dim] over num_kv_heads."""
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
+    if q.stride(-1) != 1:
+        raise ValueError("q needs a contiguous last (head_dim) dimension")
+    return q.shape[1] // num_kv_heads
+
+
+def split_partials(q: torch.Tensor, num_splits: int, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fp32 split-KV partials (acc [T, Hq, S, D_PAD], m, l [T, Hq, S]); (out,) * 3 when not split."""
+    if num_splits == 1:
+        return out, out, out
+    num_tokens, num_heads, head_dim = q.shape
+    part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    acc_shape = (num_tokens, num_heads, num_splits, triton.next_power_of_2(head_dim))
+    return torch.empty(acc_shape, dtype=torch.float32, device=q.device), part_m, torch.empty_like(part_m)
+
+
+def reduce_splits(
+    out: torch.Tensor, partials: tuple[torch.Tensor, ...], cu_query_lens: torch.Tensor, pdl: bool = False
+) -> None:
+    """Combine the split-KV partials into out [num_tokens, num_heads, head_dim]."""
+    num_tokens, num_heads, head_dim = out.shape
+    num_splits = partials[1].shape[2]
+    _reduce_splits_kernel[(num_tokens, num_heads)](
+        *(out, *partials, cu_query_lens, cu_query_lens.shape[0] - 1, num_splits, *out.stride()[:2]),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        num_warps=4,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
+    )
 
 
 def paged_attention(
@@ -270,95 +277,45 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
-    block_n: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the batch's new queries over their sequences' paged KV (already written).
+    """Causal attention of the new queries over their sequences' paged KV (already written).
 
     q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
-    cu_query_lens: [num_seqs + 1] int32; seq_lens: [num_seqs] int32 (cached + new tokens);
-    block_tables: [num_seqs, max_blocks] int32. max_query_len / max_seq_len are host upper bounds
-    (they size the grid and pick split-KV; nothing is read back from the device). Rows of padding
-    tokens past cu_query_lens[-1] are left unwritten. Returns out [num_tokens, num_heads, head_dim].
+    cu_query_lens [num_seqs + 1], seq_lens [num_seqs] (cached + new), block_tables [num_seqs, max_blocks]
+    int32. max_query_len / max_seq_len are host upper bounds. Padding rows are left unwritten.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     _check_cache(key_cache, value_cache, num_kv_heads, head_dim)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if q.stride(-1) != 1:
-        raise ValueError("q needs a contiguous last (head_dim) dimension")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    group = check_q(q, num_kv_heads)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     num_seqs = cu_query_lens.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return out
-    group = num_heads // num_kv_heads
-    block_m, bn, num_warps, num_stages = attention_config(max_query_len, group, head_dim, q.dtype, block_n)
+    block_m, block_n, num_warps, num_stages = attention_config(max_query_len, group, head_dim, q.dtype)
     block_q = block_m // group
-    head_dim_pad = triton.next_power_of_2(head_dim)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, max_query_len, max_seq_len, num_kv_heads, block_q, num_sms(q.device))
-    split = num_splits > 1
-    if split:
-        part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device)
-    else:
-        part_m = part_l = part_acc = out  # unused
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    partials = split_partials(q, num_splits, out)
     pdl = use_pdl(q)
-    _paged_attention_kernel[grid](
-        out,
-        q,
-        key_cache,
-        value_cache,
-        part_acc,
-        part_m,
-        part_l,
-        cu_query_lens,
-        seq_lens,
-        block_tables,
-        scale * LOG2E,
-        num_seqs,
-        num_splits,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
+    _paged_attention_kernel[(num_tokens // block_q + num_seqs, num_kv_heads, num_splits)](
+        *(out, q, key_cache, value_cache, *partials, cu_query_lens, seq_lens, block_tables),
+        *(scale * LOG2E, num_seqs, num_splits, *q.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3]),
         block_tables.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
-        BLOCK_N=bn,
-        SPLIT=split,
+        BLOCK_N=block_n,
+        SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
         USE_PDL=pdl,
         launch_pdl=pdl,
     )
-    if split:
-        _reduce_splits_kernel[(num_tokens, num_heads)](
-            out,
-            part_acc,
-            part_m,
-            part_l,
-            cu_query_lens,
-            num_seqs,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4,
-            USE_PDL=pdl,
-            launch_pdl=pdl,
-        )
+    if num_splits > 1:
+        reduce_splits(out, partials, cu_query_lens, pdl)
     return out

@@ -1,12 +1,9 @@
-"""Pieces shared by the quantized-KV attention kernels (`triton_quant_fp8`, `triton_quant_nvfp4`).
-
-Jit helpers follow `triton_paged.py`'s kernel (same q-block / GQA row packing, split-KV ranges and
-partials layout, reduced by `triton_paged._reduce_splits_kernel`); the program ids are passed in, so
-a kernel may order its grid as it likes. Plus the host-side cache check.
-"""
+"""Jit helpers shared by the quantized-KV attention kernels (fp8, nvfp4), following triton_paged's
+kernel (q-block / GQA row packing, split-KV ranges and partials); plus the host-side cache check."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -15,25 +12,9 @@ from specserve.kv.quant import E2M1_MAX, FP8_MAX
 from specserve.kv.spec import KVFormat, LayerKVCache
 
 NVFP4_DECODE = 16384.0  # 2^14: the bit-trick decode yields e2m1 * 2^-14
-# Constants the kernels read (Triton only lets jit code see constexpr globals).
 _FP16_MAX = tl.constexpr(65504.0)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _E2M1_MAX = tl.constexpr(E2M1_MAX)
-
-
-@triton.jit
-def _program(GROUP: tl.constexpr, HEADS_FIRST: tl.constexpr):
-    """(q block, KV head, split, num_heads) of this program. HEADS_FIRST: grid (kv heads, q blocks,
-    splits), a q block's heads side by side; else (q blocks, kv heads, splits), as triton_paged."""
-    if HEADS_FIRST:
-        kv_head = tl.program_id(0)
-        q_block_idx = tl.program_id(1)
-        num_heads = tl.num_programs(0) * GROUP
-    else:
-        q_block_idx = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        num_heads = tl.num_programs(1) * GROUP
-    return q_block_idx, kv_head, tl.program_id(2), num_heads
 
 
 @triton.jit
@@ -42,16 +23,24 @@ def _locate(
     seq_lens_ptr,
     num_seqs,
     num_splits,
-    q_block_idx,
-    kv_head,
-    split,
     GROUP: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    """This program's rows and KV tile range (the prologue of triton_paged's kernel)."""
+    """This program's KV head, split, rows and KV tile range (as triton_paged's kernel). HEADS_FIRST:
+    the grid is (kv heads, q blocks, splits), else (q blocks, kv heads, splits)."""
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        q_block_idx = tl.program_id(1)
+        num_heads = tl.num_programs(0) * GROUP
+    else:
+        q_block_idx = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_heads = tl.num_programs(1) * GROUP
+    split = tl.program_id(2)
     seq = _find_seq(cu_query_lens_ptr, num_seqs, q_block_idx, BLOCK_Q)
     q_start = tl.load(cu_query_lens_ptr + seq)
     q_len = tl.load(cu_query_lens_ptr + seq + 1) - q_start
@@ -73,12 +62,12 @@ def _locate(
     else:
         tile_lo = num_tiles * 0
         tile_hi = num_tiles
-    return spare, seq, tok, head, row_ok, context_len + q_idx, kv_end, tile_lo, tile_hi
+    return kv_head, split, num_heads, spare, seq, tok, head, row_ok, context_len + q_idx, kv_end, tile_lo, tile_hi
 
 
 @triton.jit
 def _tile_rows(table, tile, kv_end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """KV tile `tile`: its key positions, which are in range, their cache block ids and slots."""
+    """KV tile `tile`: key positions, in-range mask, cache block ids and slots."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_end
     block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -98,24 +87,13 @@ def _load_q16(q_ptr, tok, head, row_ok, cols, col_ok, stride_q_tok, stride_q_hea
 
 @triton.jit
 def _softmax_init(BLOCK_M: tl.constexpr):
-    """Running max and denominator of the online softmax, before the first tile."""
+    """Running max and denominator of the online softmax."""
     return tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
 
 
 @triton.jit
-def _zeros4(BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """Four float32 [BLOCK_M, WIDTH] accumulators."""
-    return (
-        tl.zeros([BLOCK_M, WIDTH], tl.float32),
-        tl.zeros([BLOCK_M, WIDTH], tl.float32),
-        tl.zeros([BLOCK_M, WIDTH], tl.float32),
-        tl.zeros([BLOCK_M, WIDTH], tl.float32),
-    )
-
-
-@triton.jit
 def _qk4(q0, q1, q2, q3, k0, k1, k2, k3, s):
-    """s + sum_j Q_j.K_j^T (s None: no accumulator, as a plain tl.dot)."""
+    """s + sum_j Q_j.K_j^T (s None: no accumulator)."""
     s = tl.dot(q0, tl.trans(k0), s)
     s = tl.dot(q1, tl.trans(k1), s)
     s = tl.dot(q2, tl.trans(k2), s)
@@ -133,18 +111,12 @@ def _pv4(p16, v0, v1, v2, v3, a0, a1, a2, a3, alpha):
 
 
 @triton.jit
-def _fp8_scores(q, k, k_scale, sm_scale_log2):
-    """Base-2 scores of an fp8 tile: Q.K^T (K widened to float16) scaled per key column."""
-    return tl.dot(q, tl.trans(k.to(tl.float16))) * (k_scale * sm_scale_log2)[None, :]
-
-
-@triton.jit
 def _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i):
     """Online softmax over one tile of base-2 scores: returns (p, alpha, m_new, l_new)."""
     visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row may see no key of this tile (split ranges, causal edge): keep exp2 away from -inf - -inf.
+    # A row may see no key of this tile: keep exp2 away from -inf - -inf.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
@@ -162,10 +134,8 @@ def _softmax_step_full(s, m_i, l_i):
 
 @triton.jit
 def _softmax_probs_scaled(raw, c, offs_n, n_ok, q_pos, m_i, FULL: tl.constexpr):
-    """(p, alpha, m_new) of the online softmax over scores raw * c, c > 0, without forming them: the
-    row max is taken on raw and scaled once per row, and exp2's argument is one fma per score (saves
-    the multiply of every score, 16 per thread and 128-key tile at 16 rows). FULL: every row sees the
-    whole tile (_softmax_step_full), else as _softmax_step."""
+    """(p, alpha, m_new) of the online softmax over scores raw * c (c > 0) without forming them: the
+    row max on raw, scaled once per row; exp2's argument one fma per score. FULL: every row sees the tile."""
     if not FULL:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         raw = tl.where(visible, raw, float("-inf"))
@@ -178,168 +148,9 @@ def _softmax_probs_scaled(raw, c, offs_n, n_ok, q_pos, m_i, FULL: tl.constexpr):
     return p, tl.exp2(m_i - m_safe), m_new
 
 
-@triton.jit
-def _store_rows(
-    acc,
-    cols,
-    col_ok,
-    factor,
-    l_i,
-    m_i,
-    tok,
-    head,
-    row_ok,
-    num_heads,
-    split,
-    out_ptr,
-    part_acc_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    num_splits,
-    stride_o_tok,
-    stride_o_head,
-    HEAD_DIM_PAD: tl.constexpr,
-    SPLIT: tl.constexpr,
-    STORE_ML: tl.constexpr,
-):
-    """Columns `cols` of the rows' result times `factor`: the normalized output, or this split's
-    unnormalized partial (acc, and with STORE_ML the running max and denominator)."""
-    mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT:
-        ml = (tok * num_heads + head) * num_splits + split  # partials: [T, Hq, S(, D_PAD)]
-        if STORE_ML:
-            tl.store(part_m_ptr + ml, m_i, mask=row_ok)
-            tl.store(part_l_ptr + ml, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + cols[None, :], acc * factor, mask=mask)
-    else:
-        out = acc * (factor / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
-        tl.store(
-            out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + cols[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=mask,
-        )
-
-
-@triton.jit
-def _store_rows4(
-    a0,
-    a1,
-    a2,
-    a3,
-    cols,
-    col_ok,
-    factor,
-    l_i,
-    m_i,
-    tok,
-    head,
-    row_ok,
-    num_heads,
-    split,
-    out_ptr,
-    part_acc_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    num_splits,
-    stride_o_tok,
-    stride_o_head,
-    HEAD_DIM_PAD: tl.constexpr,
-    SPLIT: tl.constexpr,
-    STORE_ML: tl.constexpr,
-):
-    """`_store_rows` of a_j at columns cols + j (j = 0..3); STORE_ML applies to a0's store only."""
-    _store_rows(
-        a0,
-        cols + 0,
-        col_ok,
-        factor,
-        l_i,
-        m_i,
-        tok,
-        head,
-        row_ok,
-        num_heads,
-        split,
-        out_ptr,
-        part_acc_ptr,
-        part_m_ptr,
-        part_l_ptr,
-        num_splits,
-        stride_o_tok,
-        stride_o_head,
-        HEAD_DIM_PAD,
-        SPLIT,
-        STORE_ML,
-    )
-    _store_rows(
-        a1,
-        cols + 1,
-        col_ok,
-        factor,
-        l_i,
-        m_i,
-        tok,
-        head,
-        row_ok,
-        num_heads,
-        split,
-        out_ptr,
-        part_acc_ptr,
-        part_m_ptr,
-        part_l_ptr,
-        num_splits,
-        stride_o_tok,
-        stride_o_head,
-        HEAD_DIM_PAD,
-        SPLIT,
-        False,
-    )
-    _store_rows(
-        a2,
-        cols + 2,
-        col_ok,
-        factor,
-        l_i,
-        m_i,
-        tok,
-        head,
-        row_ok,
-        num_heads,
-        split,
-        out_ptr,
-        part_acc_ptr,
-        part_m_ptr,
-        part_l_ptr,
-        num_splits,
-        stride_o_tok,
-        stride_o_head,
-        HEAD_DIM_PAD,
-        SPLIT,
-        False,
-    )
-    _store_rows(
-        a3,
-        cols + 3,
-        col_ok,
-        factor,
-        l_i,
-        m_i,
-        tok,
-        head,
-        row_ok,
-        num_heads,
-        split,
-        out_ptr,
-        part_acc_ptr,
-        part_m_ptr,
-        part_l_ptr,
-        num_splits,
-        stride_o_tok,
-        stride_o_head,
-        HEAD_DIM_PAD,
-        SPLIT,
-        False,
-    )
+def cache_strides(prefix: str, t: torch.Tensor) -> dict[str, int]:
+    """A cache tensor's block / slot / head strides as the kernels' constexprs ({prefix}_BLOCK, ...)."""
+    return {f"{prefix}_{name}": t.stride(i) for i, name in enumerate(("BLOCK", "SLOT", "HEAD"))}
 
 
 def check_quant_cache(fmt: KVFormat, cache: LayerKVCache, num_kv_heads: int, head_dim: int) -> None:

@@ -1,23 +1,13 @@
-"""fp8 (e4m3) paged attention (variant "v3"): structured like triton_paged's bf16 kernel.
+"""fp8 (e4m3) paged attention (variant "v3"), structured like triton_paged's kernel.
 
-Per KV tile: block ids -> K tile -> Q.K^T -> online softmax -> V tile -> P.V, plus one cvt per two
-values (e4m3 -> float16, `cvt.rn.f16x2.e4m3x2`) and two per-key-row scalings.
-
-* Every load in the loop is a >= 4-byte vector that the software pipeliner issues as cp.async one
-  tile ahead. A token's scale is 2 bytes, too small for cp.async, so the kernel loads the scales of
-  SCALE_W adjacent heads of each token (a token's heads are contiguous in the scale layout) and
-  picks its own head's column in registers; the grid runs a q block's KV heads side by side
-  (HEADS_FIRST) so they share those sectors in L2.
-* The cache strides are compile-time constants, so the compiler can prove 16-byte row alignment.
-* V is read as [BLOCK_N, head_dim / 2] 16-bit units (unit c = elements 2c, 2c + 1): P.V's
-  tensor-core operand pairs two consecutive keys per register, which ldmatrix transposes from a
-  16-bit tile. One byte permute and two cvts per two units give two float16 tiles (columns 2c and
-  2c + 1), and P.V runs as two dots whose results interleave back into the output columns.
-* Scales multiply the scores per key column after Q.K^T and P per key row before P.V: P is scaled
-  by v_scale / (the tile's largest v_scale) so it stays in [0, 1] in float16, and the largest scale
-  multiplies the fp32 product.
-
-Q is clamped to float16's finite range (bf16 -> fp16 is otherwise exact down to 2^-14).
+* Loads in the loop are >= 4-byte vectors (cp.async, one tile ahead). A token's 2-byte scale is too
+  small, so the kernel loads the scales of SCALE_W adjacent heads and keeps its own head's column;
+  the grid runs a q block's KV heads side by side (HEADS_FIRST) so they share those L2 sectors.
+* Cache strides are constexprs, so the compiler can prove 16-byte row alignment.
+* V is read as 16-bit units (unit c = elements 2c, 2c + 1), the layout ldmatrix transposes for P.V;
+  a byte permute and two cvts give two float16 tiles (columns 2c, 2c + 1) and two dots.
+* K scales multiply the scores per key column; V scales multiply P per key row as v_scale / (the
+  tile's largest), keeping P in [0, 1] in float16, and the largest scales the fp32 product.
 """
 
 from __future__ import annotations
@@ -27,18 +17,16 @@ import triton
 import triton.language as tl
 
 from specserve.attention.triton_quant_common import (
-    _fp8_scores,
     _load_q16,
     _locate,
-    _program,
     _softmax_init,
     _softmax_step,
-    _store_rows,
     _tile_rows,
+    cache_strides,
 )
+from specserve.kv.spec import LayerKVCache
 
-# $2 = two units (bytes u0.lo, u0.hi, u1.lo, u1.hi); $0 = (u0.lo, u1.lo) and $1 = (u0.hi, u1.hi) as
-# float16 pairs. The byte permute 0x3120 turns (b0, b1, b2, b3) into (b0, b2, b1, b3).
+# $2 = two units (bytes u0.lo, u0.hi, u1.lo, u1.hi); $0 = (u0.lo, u1.lo), $1 = (u0.hi, u1.hi) as float16.
 _UNIT_PTX = tl.constexpr("""
 {
 .reg .b32 t;
@@ -111,20 +99,8 @@ def _paged_attention_fp8_kernel(
     HEADS_FIRST: tl.constexpr,
     PTX: tl.constexpr,
 ):
-    q_block_idx, kv_head, split, num_heads = _program(GROUP, HEADS_FIRST)
-    spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
-        cu_query_lens_ptr,
-        seq_lens_ptr,
-        num_seqs,
-        num_splits,
-        q_block_idx,
-        kv_head,
-        split,
-        GROUP,
-        BLOCK_M,
-        BLOCK_Q,
-        BLOCK_N,
-        SPLIT,
+    kv_head, split, num_heads, spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
+        cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, GROUP, HEADS_FIRST, BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT
     )
     if spare:
         return
@@ -151,40 +127,26 @@ def _paged_attention_fp8_kernel(
         srow = block_ids * S_BLOCK + slot * S_SLOT
         k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         k_scale = _row_scales(ks_base, srow, pick, n_ok)
-        s = _fp8_scores(q, k, k_scale, sm_scale_log2)
+        s = tl.dot(q, tl.trans(k.to(tl.float16))) * (k_scale * sm_scale_log2)[None, :]
         p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
         units = tl.load(v_base + row16[:, None], mask=n_ok[:, None] & c_ok[None, :], other=0)
         v0, v1 = _unit_halves(units.to(tl.uint16, bitcast=True), PTX)
         v_scale = _row_scales(vs_base, srow, pick, n_ok)
-        # Row scales relative to the tile's largest go into P (so it stays <= 1 in float16).
         v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
         pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
         a0 = a0 * alpha[:, None] + tl.dot(pv, v0) * v_max
         a1 = a1 * alpha[:, None] + tl.dot(pv, v1) * v_max
     acc = tl.reshape(tl.join(a0, a1), [BLOCK_M, HEAD_DIM_PAD])  # (m, c, j) -> column 2c + j
-    _store_rows(
-        acc,
-        offs_d,
-        d_ok,
-        1.0,
-        l_i,
-        m_i,
-        tok,
-        head,
-        row_ok,
-        num_heads,
-        split,
-        out_ptr,
-        part_acc_ptr,
-        part_m_ptr,
-        part_l_ptr,
-        num_splits,
-        stride_o_tok,
-        stride_o_head,
-        HEAD_DIM_PAD,
-        SPLIT,
-        True,
-    )
+    mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        ml = (tok * num_heads + head) * num_splits + split  # partials: [T, Hq, S(, D_PAD)]
+        tl.store(part_m_ptr + ml, m_i, mask=row_ok)
+        tl.store(part_l_ptr + ml, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=mask)
+    else:
+        out = acc * (1.0 / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+        out_ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def scale_window(num_kv_heads: int, limit: int = 8) -> int:
@@ -197,47 +159,23 @@ def scale_window(num_kv_heads: int, limit: int = 8) -> int:
 
 def launch_fp8(
     q: torch.Tensor,
-    cache,
-    fmt,
+    cache: LayerKVCache,
     out: torch.Tensor,
     common: tuple,
-    grid_qblocks: int,
-    num_splits: int,
     scale_log2: float,
+    grid: tuple[int, int, int],
     meta: dict,
     heads_first: bool,
 ) -> None:
     """The fp8 kernel over the launch that `triton_quant.paged_attention_quant` prepared."""
-    num_seqs = common[3].shape[0] - 1
-    block_tables = common[5]
     kc, ks = cache.key, cache.key_scale
-    num_kv_heads = kc.shape[2]
-    grid = (num_kv_heads, grid_qblocks, num_splits) if heads_first else (grid_qblocks, num_kv_heads, num_splits)
-    # head_dim is even here (paged_attention_quant checks it), so the int16 view is exact and every byte
-    # stride halves (the kernel divides them).
+    # head_dim is even (checked), so the int16 view of V is exact; the kernel halves its byte strides.
     _paged_attention_fp8_kernel[grid](
-        out,
-        q,
-        kc,
-        cache.value.view(torch.int16),
-        ks,
-        cache.value_scale,
-        *common,
-        scale_log2,
-        num_seqs,
-        num_splits,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        C_BLOCK=kc.stride(0),
-        C_SLOT=kc.stride(1),
-        C_HEAD=kc.stride(2),
-        S_BLOCK=ks.stride(0),
-        S_SLOT=ks.stride(1),
-        S_HEAD=ks.stride(2),
-        SCALE_W=scale_window(num_kv_heads) if ks.stride(2) == 1 else 1,
+        *(out, q, kc, cache.value.view(torch.int16), ks, cache.value_scale, *common, scale_log2),
+        *(common[3].shape[0] - 1, grid[2], *q.stride()[:2], *out.stride()[:2], common[5].stride(0)),
+        **cache_strides("C", kc),
+        **cache_strides("S", ks),
+        SCALE_W=scale_window(kc.shape[2]) if ks.stride(2) == 1 else 1,
         HEADS_FIRST=heads_first,
         PTX=q.is_cuda,
         **meta,

@@ -1,26 +1,17 @@
-"""nvfp4 paged attention (variants "v4" and "v7"): structured like triton_paged's bf16 kernel.
+"""nvfp4 paged attention (variants "v4" and "v7"), structured like triton_paged's kernel.
 
-A cache row (one token, one KV head) is head_dim / 2 bytes, byte i holding elements 2i (low nibble)
-and 2i + 1 (high nibble), plus head_dim / 16 e4m3 scales. The kernel reads the row as head_dim / 4
-16-bit units ("quads": unit c holds elements 4c + j in its nibble j). Per KV tile it loads the units
-as one [BLOCK_N, head_dim / 4] tile and the scales as one [BLOCK_N, groups] tile (cp.async, one tile
-ahead), decodes nibble j of every unit into a float16 tile E_j (elements 4c + j), multiplies it by
-the unit's group scale, and contracts over head_dim in four dots of depth head_dim / 4:
-Q.K^T = sum_j Q_j.E_j^T with Q_j = Q's columns 4c + j, and P.V as four accumulators (output columns
-4c + j). A dot's reduction runs over any ordering of head_dim, so this is exact. 16-bit units, not
-bytes: P.V's tensor-core operand pairs two consecutive keys per register, which ldmatrix delivers
-from a 16-bit tile and not from a byte tile.
+A cache row (token, KV head) is head_dim / 2 bytes (byte i: element 2i low nibble, 2i + 1 high) plus
+head_dim / 16 e4m3 scales. The kernel reads it as 16-bit units (unit c: elements 4c + j in nibble j),
+decodes nibble j of every unit into a float16 tile E_j scaled by its group scale, and contracts over
+head_dim in four dots: Q.K^T = sum_j Q_j.E_j^T (Q_j = Q's columns 4c + j), P.V into four accumulators.
+16-bit units because ldmatrix delivers P.V's key-paired operand from 16-bit tiles, not bytes.
 
-The decoders (DECODER: 1 inline PTX on the GPU, 0 plain Triton under the interpreter, both exact)
-are in triton_nvfp4_decode.py. Both variants take float16 dot operands in the 16-bit register layout
-(DOT_KWIDTH2, triton_dot_layout.py). v7 adds (`kernel_flags`):
-  FUSED_SCALE / OFFS32: the score scale in exp2's fma; int32 cache offsets where every one fits.
-  ROWSUM_MMA: the softmax denominator from a dot of P with ones (l_i is [BLOCK_M, 16]).
-  HALF_ROWS: where no query row can sit in the second half of a q block (`half_rows_apply`), the
-     softmax of rows BLOCK_M / 2.. is replaced by constants, which the compiler drops.
-  K_PAIRS: K read as 32-bit words and decoded without a byte permute (_decode_pairs's column order;
-     Q is loaded in the same order).
-The decoders' constant (2^14 or 2^6) * global_scale goes into the score scale (K) and the output (V).
+Decoders: triton_nvfp4_decode.py. Both variants use the 16-bit dot layout (DOT_KWIDTH2,
+triton_dot_layout.py); v7 adds (`kernel_flags`) FUSED_SCALE (score scale in exp2's fma), OFFS32 (int32
+cache offsets where they fit), ROWSUM_MMA (softmax denominator from a dot with ones), HALF_ROWS (no
+softmax for a q block's second half where no query row sits there) and K_PAIRS (K read as 32-bit
+words, no byte permute; Q loaded in the same column order). The decoders' constant
+(2^14 or 2^6) * global_scale goes into the score scale (K) and the output (V).
 """
 
 from __future__ import annotations
@@ -30,47 +21,42 @@ import triton
 import triton.language as tl
 
 from specserve.attention import triton_dot_layout
-from specserve.attention.triton_nvfp4_decode import E4M3_DECODE, _scaled_pair_tiles, _scaled_tiles
+from specserve.attention.triton_nvfp4_decode import E4M3_DECODE, _scaled_tiles
 from specserve.attention.triton_quant_common import (
     NVFP4_DECODE,
     _load_q16,
     _locate,
-    _program,
     _pv4,
     _qk4,
     _softmax_init,
     _softmax_probs_scaled,
     _softmax_step,
     _softmax_step_full,
-    _store_rows4,
     _tile_rows,
-    _zeros4,
+    cache_strides,
 )
+from specserve.kv.spec import KVFormat, LayerKVCache
 
 LEAN_VARIANT = "v7"  # the variant with FUSED_SCALE, OFFS32, ROWSUM_MMA, HALF_ROWS and K_PAIRS
 _INT32_MAX = 2**31 - 1
 
 
 def offsets_fit_int32(*tensors: torch.Tensor) -> bool:
-    """Whether every element offset into each tensor (from its first element) fits in int32 (OFFS32)."""
+    """Whether every element offset into each tensor fits in int32 (OFFS32)."""
     return all(sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) <= _INT32_MAX for t in tensors)
 
 
 def half_rows_apply(max_query_len: int, group: int, block_m: int) -> bool:
-    """Whether no row of the second half of a q block (rows >= BLOCK_M / 2) can hold a query row: a
-    sequence's query rows are q_idx * GROUP + h for q_idx < q_len <= max_query_len, all in its first q
-    block and below max_query_len * group. Plain decode (one row per sequence and head) with up to 8
-    heads per KV head, and 2-token verify steps at GQA 4, qualify."""
+    """Whether no query row can sit in a q block's second half (a sequence's rows are all below
+    max_query_len * group in its first q block)."""
     return max_query_len * group <= block_m // 2
 
 
 def kernel_flags(
     variant: str, on_gpu: bool, offs32: bool, max_query_len: int, group: int, block_m: int, words_aligned: bool = True
 ) -> dict:
-    """The nvfp4 kernel's variant constexprs. on_gpu False (Triton's interpreter, which runs no inline
-    assembly and no stage hook): the plain Triton decoder and Triton's layouts. offs32: every cache offset fits
-    in int32 (offsets_fit_int32). words_aligned: the key cache starts 4-byte aligned (K_PAIRS reads it
-    as 32-bit words; its strides are even by the format)."""
+    """The nvfp4 kernel's variant constexprs. on_gpu False (the interpreter: no inline assembly, no stage
+    hook): the plain Triton decoder. words_aligned: the key cache starts 4-byte aligned (for K_PAIRS)."""
     if variant not in ("v4", LEAN_VARIANT):
         raise ValueError(f"nvfp4 variant must be v4 or v7, got {variant!r}")
     lean = variant == LEAN_VARIANT
@@ -85,135 +71,20 @@ def kernel_flags(
     )
 
 
-triton_dot_layout.install()  # before the first compile of an opted-in kernel (the hook is not in Triton's key)
+triton_dot_layout.install()  # before the first compile of an opted-in kernel
 
 
 @triton.jit
 def _first_half_rows(p, alpha, m_new, first):
-    """The online softmax step's (p, alpha, m_new) with the rows outside `first` made constants (p 0,
-    alpha 1, m 0). A row's index in the tensor-core accumulator layout is known per register at compile
-    time (rows r and r + 8 of an m16n8 tile sit in registers of their own), so LLVM folds the selects
-    and drops every instruction that only fed the second half's scores: the exp2s, their fmas, the row
-    max and its shuffles, the P conversions, and the rescale multiplies (x * 1.0)."""
+    """(p, alpha, m_new) with the rows outside `first` made constants (p 0, alpha 1, m 0): a row's index
+    in the mma accumulator layout is known per register, so LLVM drops the second half's softmax."""
     return tl.where(first[:, None], p, 0.0), tl.where(first, alpha, 1.0), tl.where(first, m_new, 0.0)
 
 
-@triton.jit
-def _nvfp4_tile(
-    tile,
-    table,
-    kv_end,
-    q_pos,
-    q0,
-    q1,
-    q2,
-    q3,
-    m_i,
-    l_i,
-    a0,
-    a1,
-    a2,
-    a3,
-    k_base,
-    v_base,
-    ks_base,
-    vs_base,
-    c_ok,
-    g_ok,
-    sm_scale_log2,
-    first,
-    kw_base,
-    a_off,
-    a_ok,
-    C_BLOCK: tl.constexpr,
-    C_SLOT: tl.constexpr,
-    S_BLOCK: tl.constexpr,
-    S_SLOT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    QUADS_PAD: tl.constexpr,
-    G_PAD: tl.constexpr,
-    DECODER: tl.constexpr,
-    MASKED: tl.constexpr,
-    FUSED_SCALE: tl.constexpr,
-    OFFS32: tl.constexpr,
-    ROWSUM_MMA: tl.constexpr,
-    HALF_ROWS: tl.constexpr,
-    K_PAIRS: tl.constexpr,
-):
-    """One KV tile of the online softmax: returns the updated (m_i, l_i, a0..a3). MASKED False: the
-    tile is in range and visible to every row. FUSED_SCALE: the score scale goes into exp2's fma
-    (_softmax_probs_scaled). ROWSUM_MMA (with FUSED_SCALE): l_i is [BLOCK_M, 16], the row sums of P
-    from a dot with ones. OFFS32: the cache offsets of an unmasked tile in int32 (the host checked that
-    every offset fits): 24 fewer instructions per 128-key tile than int64 (sm_90 SASS). HALF_ROWS (with
-    FUSED_SCALE): only the rows in `first` (the first half of the q block) can be query rows; the
-    softmax of the others is not computed (_first_half_rows). K_PAIRS: K is read as 32-bit words
-    (kw_base: the head's first unit; a_off / a_ok: word a of a row, whether it is in range) and decoded
-    without the byte permute (_scaled_pair_tiles); the kernel gave Q the same column order."""
-    if MASKED:
-        offs_n, n_ok, block_ids, slot = _tile_rows(table, tile, kv_end, BLOCK_N, BLOCK_SIZE)
-    else:
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < kv_end  # unused by the unmasked loads and softmax
-        if OFFS32 and BLOCK_N % BLOCK_SIZE == 0:
-            # The tile starts a cache block: block index and slot come from the tile's key offsets
-            # alone (no signed division of every position).
-            keys = tl.arange(0, BLOCK_N)
-            block_ids = tl.load(table + tile * (BLOCK_N // BLOCK_SIZE) + keys // BLOCK_SIZE)
-            slot = keys % BLOCK_SIZE
-        else:
-            block_ids = tl.load(table + offs_n // BLOCK_SIZE)
-            if not OFFS32:
-                block_ids = block_ids.to(tl.int64)
-            slot = offs_n % BLOCK_SIZE
-    row = (block_ids * C_BLOCK + slot * C_SLOT)[:, None]
-    srow = (block_ids * S_BLOCK + slot * S_SLOT)[:, None]
-    mask = n_ok[:, None] & c_ok[None, :]
-    s_mask = n_ok[:, None] & g_ok[None, :]
-    if K_PAIRS:
-        # The same rows as 32-bit words: a row starts 4-byte aligned (every stride is even: a row is
-        # head_dim / 4 units, a multiple of 4).
-        kw = (kw_base + row).to(tl.pointer_type(tl.int32)) + a_off
-        k0, k1, k2, k3 = _scaled_pair_tiles(
-            kw, ks_base + srow, n_ok[:, None] & a_ok[None, :], s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER, MASKED
-        )
-    else:
-        k0, k1, k2, k3 = _scaled_tiles(
-            k_base + row, ks_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER, MASKED
-        )
-    if FUSED_SCALE:
-        raw = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None)
-        if HALF_ROWS:
-            raw = tl.where(first[:, None], raw, 0.0)  # constants into the row max: its chain folds
-        p, alpha, m_i = _softmax_probs_scaled(raw, sm_scale_log2, offs_n, n_ok, q_pos, m_i, not MASKED)
-        if HALF_ROWS:
-            p, alpha, m_i = _first_half_rows(p, alpha, m_i, first)
-        if not ROWSUM_MMA:
-            l_i = l_i * alpha + tl.sum(p, 1)
-    else:
-        s = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None) * sm_scale_log2
-        if MASKED:
-            p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
-        else:
-            p, alpha, m_i, l_i = _softmax_step_full(s, m_i, l_i)
-    p16 = p.to(tl.float16)
-    if ROWSUM_MMA:
-        # l_i is [BLOCK_M, 16], every column the row sum: P.1 on the tensor cores, where tl.sum would
-        # reduce across the warps through shared memory (3 of the tile's 9 barriers).
-        l_i = tl.dot(p16, tl.full([BLOCK_N, 16], 1.0, tl.float16), l_i * alpha[:, None])
-    v0, v1, v2, v3 = _scaled_tiles(
-        v_base + row, vs_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER, MASKED
-    )
-    a0, a1, a2, a3 = _pv4(p16, v0, v1, v2, v3, a0, a1, a2, a3, alpha)
-    return m_i, l_i, a0, a1, a2, a3
-
-
 def _kernel_name(specialization) -> str:
-    """The compiled kernel's name: triton_dot_layout's hook retargets the dot operands of those with
-    DOT_KWIDTH2 (a constexpr, so they are their own cache entries)."""
-    return triton_dot_layout.kernel_name(
-        "_paged_attention_nvfp4_kernel", bool(specialization.constants.get("DOT_KWIDTH2"))
-    )
+    """The compiled kernel's name: triton_dot_layout's hook retargets those with DOT_KWIDTH2."""
+    kw2 = specialization.constants.get("DOT_KWIDTH2")
+    return "_paged_attention_nvfp4_kernel" + (triton_dot_layout.KWIDTH2_SUFFIX if kw2 else "")
 
 
 @triton.jit(
@@ -267,20 +138,8 @@ def _paged_attention_nvfp4_kernel(
     HALF_ROWS: tl.constexpr,
     K_PAIRS: tl.constexpr,
 ):
-    q_block_idx, kv_head, split, num_heads = _program(GROUP, HEADS_FIRST)
-    spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
-        cu_query_lens_ptr,
-        seq_lens_ptr,
-        num_seqs,
-        num_splits,
-        q_block_idx,
-        kv_head,
-        split,
-        GROUP,
-        BLOCK_M,
-        BLOCK_Q,
-        BLOCK_N,
-        SPLIT,
+    kv_head, split, num_heads, spare, seq, tok, head, row_ok, q_pos, kv_end, tile_lo, tile_hi = _locate(
+        cu_query_lens_ptr, seq_lens_ptr, num_seqs, num_splits, GROUP, HEADS_FIRST, BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT
     )
     if spare:
         return
@@ -288,7 +147,6 @@ def _paged_attention_nvfp4_kernel(
     c_ok = c < QUADS
     g = tl.arange(0, G_PAD)
     g_ok = g < GROUPS
-    # Q's columns 4c + j as Q_j: one contiguous load, split in registers.
     d = tl.arange(0, HEAD_DIM_PAD)
     q = _load_q16(q_ptr, tok, head, row_ok, d, d < 4 * QUADS, stride_q_tok, stride_q_head)
     if K_PAIRS:
@@ -307,7 +165,10 @@ def _paged_attention_nvfp4_kernel(
     m_i, l_i = _softmax_init(BLOCK_M)
     if ROWSUM_MMA:
         l_i = tl.zeros([BLOCK_M, 16], tl.float32)
-    a0, a1, a2, a3 = _zeros4(BLOCK_M, QUADS_PAD)
+    a0 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
+    a1 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
+    a2 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
+    a3 = tl.zeros([BLOCK_M, QUADS_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = key_cache_ptr + kv_head * C_HEAD + c[None, :]
     a = tl.arange(0, QUADS_PAD // 2)  # K_PAIRS: word a of a row (units 2a, 2a + 1)
@@ -317,187 +178,122 @@ def _paged_attention_nvfp4_kernel(
     v_base = value_cache_ptr + kv_head * C_HEAD + c[None, :]
     ks_base = key_scale_ptr + kv_head * S_HEAD + g[None, :]
     vs_base = value_scale_ptr + kv_head * S_HEAD + g[None, :]
-    # Tiles that every row sees in full (keys <= the first row's position) take the loop without
-    # masks: no visibility select per score and no predicate per load (sm_90 SASS: ~6% of the
-    # instructions of a 128-key tile). Only with unpadded rows (QUADS, GROUPS powers of two).
+    # Tiles every row sees in full (keys <= the first row's position) take a loop without masks (pass
+    # MASKED 0); only with unpadded rows (QUADS, GROUPS powers of two).
     tile_mid = tile_lo
     if QUADS == QUADS_PAD and GROUPS == G_PAD:
         tile_mid = tl.maximum(tile_lo, tl.minimum(tile_hi, (tl.min(q_pos, 0) + 1) // BLOCK_N))
-        for tile in range(tile_lo, tile_mid):
-            m_i, l_i, a0, a1, a2, a3 = _nvfp4_tile(
-                tile,
-                table,
-                kv_end,
-                q_pos,
-                q0,
-                q1,
-                q2,
-                q3,
-                m_i,
-                l_i,
-                a0,
-                a1,
-                a2,
-                a3,
-                k_base,
-                v_base,
-                ks_base,
-                vs_base,
-                c_ok,
-                g_ok,
-                sm_scale_log2,
-                first,
-                kw_base,
-                a_off,
-                a_ok,
-                C_BLOCK,
-                C_SLOT,
-                S_BLOCK,
-                S_SLOT,
-                BLOCK_N,
-                BLOCK_SIZE,
-                QUADS_PAD,
-                G_PAD,
-                DECODER,
-                False,
-                FUSED_SCALE,
-                OFFS32,
-                ROWSUM_MMA,
-                HALF_ROWS,
-                K_PAIRS,
-            )
-    for tile in range(tile_mid, tile_hi):
-        m_i, l_i, a0, a1, a2, a3 = _nvfp4_tile(
-            tile,
-            table,
-            kv_end,
-            q_pos,
-            q0,
-            q1,
-            q2,
-            q3,
-            m_i,
-            l_i,
-            a0,
-            a1,
-            a2,
-            a3,
-            k_base,
-            v_base,
-            ks_base,
-            vs_base,
-            c_ok,
-            g_ok,
-            sm_scale_log2,
-            first,
-            kw_base,
-            a_off,
-            a_ok,
-            C_BLOCK,
-            C_SLOT,
-            S_BLOCK,
-            S_SLOT,
-            BLOCK_N,
-            BLOCK_SIZE,
-            QUADS_PAD,
-            G_PAD,
-            DECODER,
-            True,
-            FUSED_SCALE,
-            OFFS32,
-            ROWSUM_MMA,
-            HALF_ROWS,
-            K_PAIRS,
-        )
+    for MASKED in tl.static_range(2):
+        if MASKED or (QUADS == QUADS_PAD and GROUPS == G_PAD):
+            for tile in range(tile_mid if MASKED else tile_lo, tile_hi if MASKED else tile_mid):
+                if MASKED:
+                    offs_n, n_ok, block_ids, slot = _tile_rows(table, tile, kv_end, BLOCK_N, BLOCK_SIZE)
+                else:
+                    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                    n_ok = offs_n < kv_end  # unused by the unmasked loads and softmax
+                    if OFFS32 and BLOCK_N % BLOCK_SIZE == 0:
+                        # The tile starts a cache block: no signed division of every position.
+                        keys = tl.arange(0, BLOCK_N)
+                        block_ids = tl.load(table + tile * (BLOCK_N // BLOCK_SIZE) + keys // BLOCK_SIZE)
+                        slot = keys % BLOCK_SIZE
+                    else:
+                        block_ids = tl.load(table + offs_n // BLOCK_SIZE)
+                        if not OFFS32:
+                            block_ids = block_ids.to(tl.int64)
+                        slot = offs_n % BLOCK_SIZE
+                row = (block_ids * C_BLOCK + slot * C_SLOT)[:, None]
+                srow = (block_ids * S_BLOCK + slot * S_SLOT)[:, None]
+                mask = n_ok[:, None] & c_ok[None, :]
+                s_mask = n_ok[:, None] & g_ok[None, :]
+                if K_PAIRS:  # the same rows as 32-bit words (strides are even: rows are 4-byte aligned)
+                    k_ptrs = (kw_base + row).to(tl.pointer_type(tl.int32)) + a_off
+                    k_mask = n_ok[:, None] & a_ok[None, :]
+                else:
+                    k_ptrs = k_base + row
+                    k_mask = mask
+                k0, k1, k2, k3 = _scaled_tiles(
+                    k_ptrs, ks_base + srow, k_mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER, MASKED, K_PAIRS
+                )
+                if FUSED_SCALE:
+                    raw = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None)
+                    if HALF_ROWS:
+                        raw = tl.where(first[:, None], raw, 0.0)  # constants into the row max: its chain folds
+                    p, alpha, m_i = _softmax_probs_scaled(raw, sm_scale_log2, offs_n, n_ok, q_pos, m_i, not MASKED)
+                    if HALF_ROWS:
+                        p, alpha, m_i = _first_half_rows(p, alpha, m_i, first)
+                    if not ROWSUM_MMA:
+                        l_i = l_i * alpha + tl.sum(p, 1)
+                else:
+                    s = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None) * sm_scale_log2
+                    if MASKED:
+                        p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
+                    else:
+                        p, alpha, m_i, l_i = _softmax_step_full(s, m_i, l_i)
+                p16 = p.to(tl.float16)
+                if ROWSUM_MMA:
+                    # l_i [BLOCK_M, 16], every column the row sum: P.1 avoids tl.sum's cross-warp barriers.
+                    l_i = tl.dot(p16, tl.full([BLOCK_N, 16], 1.0, tl.float16), l_i * alpha[:, None])
+                v0, v1, v2, v3 = _scaled_tiles(
+                    v_base + row, vs_base + srow, mask, s_mask, BLOCK_N, QUADS_PAD, G_PAD, DECODER, MASKED, False
+                )
+                a0, a1, a2, a3 = _pv4(p16, v0, v1, v2, v3, a0, a1, a2, a3, alpha)
     if ROWSUM_MMA:
         l_i = tl.max(l_i, 1)  # its columns are equal
-    _store_rows4(
-        a0,
-        a1,
-        a2,
-        a3,
-        4 * c,
-        c_ok,
-        v_factor,
-        l_i,
-        m_i,
-        tok,
-        head,
-        row_ok,
-        num_heads,
-        split,
-        out_ptr,
-        part_acc_ptr,
-        part_m_ptr,
-        part_l_ptr,
-        num_splits,
-        stride_o_tok,
-        stride_o_head,
-        HEAD_DIM_PAD,
-        SPLIT,
-        True,
-    )
+    cols = 4 * c
+    mask = row_ok[:, None] & c_ok[None, :]
+    if SPLIT:
+        ml = (tok * num_heads + head) * num_splits + split  # partials: [T, Hq, S(, D_PAD)]
+        tl.store(part_m_ptr + ml, m_i, mask=row_ok)
+        tl.store(part_l_ptr + ml, l_i, mask=row_ok)
+        ptrs = part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + cols[None, :]
+        tl.store(ptrs, a0 * v_factor, mask=mask)
+        tl.store(ptrs + 1, a1 * v_factor, mask=mask)
+        tl.store(ptrs + 2, a2 * v_factor, mask=mask)
+        tl.store(ptrs + 3, a3 * v_factor, mask=mask)
+    else:
+        f = (v_factor / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+        ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + cols[None, :]
+        tl.store(ptrs, (a0 * f).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptrs + 1, (a1 * f).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptrs + 2, (a2 * f).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptrs + 3, (a3 * f).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def launch_nvfp4(
     q: torch.Tensor,
-    cache,
-    fmt,
+    cache: LayerKVCache,
+    fmt: KVFormat,
     out: torch.Tensor,
     common: tuple,
-    grid_qblocks: int,
-    num_splits: int,
     scale_log2: float,
+    grid: tuple[int, int, int],
     meta: dict,
     heads_first: bool,
-    variant: str = "v7",
-    max_query_len: int | None = None,
+    variant: str,
+    max_query_len: int,
 ) -> None:
-    """The nvfp4 kernel (variants differ in kernel_flags) over the launch paged_attention_quant
-    prepared. max_query_len (None: unknown) lets v7 skip the second half of every q block's rows."""
-    num_seqs = common[3].shape[0] - 1
-    block_tables = common[5]
+    """The nvfp4 kernel over the launch that `triton_quant.paged_attention_quant` prepared."""
     # 16-bit units: a row is head_dim / 2 bytes, an even count (head_dim % 16 == 0), so the view is exact.
     kc, vc = cache.key.view(torch.int16), cache.value.view(torch.int16)
     ks, vs = cache.key_scale, cache.value_scale
-    num_kv_heads = kc.shape[2]
     head_dim = meta.pop("HEAD_DIM")
     quads, groups = head_dim // 4, head_dim // 16
-    # Triton's interpreter runs no inline assembly: it takes the plain Triton decoder
+    lean = variant == LEAN_VARIANT
     flags = kernel_flags(
         variant,
         q.is_cuda,
-        variant == LEAN_VARIANT and offsets_fit_int32(kc, ks),
-        meta["BLOCK_M"] if max_query_len is None else max_query_len,
+        lean and offsets_fit_int32(kc, ks),
+        max_query_len,
         meta["GROUP"],
         meta["BLOCK_M"],
         words_aligned=kc.data_ptr() % 4 == 0,
     )
     const = (E4M3_DECODE if flags["DECODER"] == 1 else NVFP4_DECODE) * fmt.global_scale
-    grid = (num_kv_heads, grid_qblocks, num_splits) if heads_first else (grid_qblocks, num_kv_heads, num_splits)
     _paged_attention_nvfp4_kernel[grid](
-        out,
-        q,
-        kc,
-        vc,
-        ks,
-        vs,
-        *common,
-        scale_log2 * const,
-        const,
-        num_seqs,
-        num_splits,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        C_BLOCK=kc.stride(0),
-        C_SLOT=kc.stride(1),
-        C_HEAD=kc.stride(2),
-        S_BLOCK=ks.stride(0),
-        S_SLOT=ks.stride(1),
-        S_HEAD=ks.stride(2),
+        *(out, q, kc, vc, ks, vs, *common, scale_log2 * const, const, common[3].shape[0] - 1, grid[2]),
+        *(*q.stride()[:2], *out.stride()[:2], common[5].stride(0)),
+        **cache_strides("C", kc),
+        **cache_strides("S", ks),
         QUADS=quads,
         QUADS_PAD=triton.next_power_of_2(quads),
         GROUPS=groups,

@@ -1,10 +1,5 @@
-"""Triton KV write for quantized caches (fp8, nvfp4): quantize new K/V and store them at their slots.
-
-The layouts and rounding rules are `specserve/kv/spec.py` and `specserve/kv/quant.py`; the kernel
-reproduces quant.py bit for bit (scales rounded UP, true IEEE divisions via div_rn, since Triton's
-`/` is an approximate division on NVIDIA), so a cache written here reads back exactly as the torch
-oracle's. Public entry point: `triton_quant.reshape_and_cache_quant` (re-exported there).
-"""
+"""Triton KV write for quantized caches (fp8, nvfp4): quantize new K/V and store them at their slots,
+bit for bit as kv/quant.py (scales rounded UP, IEEE divisions via div_rn: Triton's `/` is approximate)."""
 
 from __future__ import annotations
 
@@ -24,7 +19,7 @@ from specserve.kv.spec import KVFormat, LayerKVCache
 
 @triton.jit
 def _div(x, y):
-    """IEEE x / y (torch's division; Triton's `/` is approximate on NVIDIA), y a tensor."""
+    """IEEE x / y, y a tensor."""
     x, y = tl.broadcast(x, y)
     return tl.math.div_rn(x, y)
 
@@ -76,10 +71,8 @@ def _quantize_fp8_row(src_ptrs, dst_ptrs, scale_ptrs, mask, h_ok):
 
 @triton.jit
 def _quantize_nvfp4_row(src_ptrs, dst_ptrs, scale_ptrs, mask, g_ok, amax_div, global_scale):
-    """One (token, head)'s values as [G, 8] even/odd pairs -> packed e2m1 codes + e4m3 group scales.
-
-    src_ptrs point at the even elements 16 g + 2 t; the odd ones are the next element.
-    """
+    """One (token, head)'s values as [G, 8] even/odd pairs (src_ptrs: the even elements 16 g + 2 t) ->
+    packed e2m1 codes + e4m3 group scales."""
     lo = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)
     hi = tl.load(src_ptrs + 1, mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))  # [G]
@@ -140,24 +133,10 @@ def _write_kv_quant_kernel(
         src = 16 * g[:, None] + 2 * t[None, :]  # even elements of each group
         dst = c_row + h * stride_c_head + 8 * g[:, None] + t[None, :]
         sdst = s_row + h * stride_s_head + g
-        _quantize_nvfp4_row(
-            key_ptr + tok * stride_k_tok + h * stride_k_head + src,
-            key_cache_ptr + dst,
-            key_scale_ptr + sdst,
-            mask,
-            g_ok,
-            amax_div,
-            global_scale,
-        )
-        _quantize_nvfp4_row(
-            value_ptr + tok * stride_v_tok + h * stride_v_head + src,
-            value_cache_ptr + dst,
-            value_scale_ptr + sdst,
-            mask,
-            g_ok,
-            amax_div,
-            global_scale,
-        )
+        k_src = key_ptr + tok * stride_k_tok + h * stride_k_head + src
+        v_src = value_ptr + tok * stride_v_tok + h * stride_v_head + src
+        _quantize_nvfp4_row(k_src, key_cache_ptr + dst, key_scale_ptr + sdst, mask, g_ok, amax_div, global_scale)
+        _quantize_nvfp4_row(v_src, value_cache_ptr + dst, value_scale_ptr + sdst, mask, g_ok, amax_div, global_scale)
     else:
         h = tl.arange(0, BLOCK_H)
         h_ok = h < num_kv_heads
@@ -165,20 +144,10 @@ def _write_kv_quant_kernel(
         mask = h_ok[:, None] & (d[None, :] < HEAD_DIM)
         dst = c_row + h[:, None] * stride_c_head + d[None, :]
         sdst = s_row + h * stride_s_head
-        _quantize_fp8_row(
-            key_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :],
-            key_cache_ptr + dst,
-            key_scale_ptr + sdst,
-            mask,
-            h_ok,
-        )
-        _quantize_fp8_row(
-            value_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :],
-            value_cache_ptr + dst,
-            value_scale_ptr + sdst,
-            mask,
-            h_ok,
-        )
+        k_src = key_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :]
+        v_src = value_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :]
+        _quantize_fp8_row(k_src, key_cache_ptr + dst, key_scale_ptr + sdst, mask, h_ok)
+        _quantize_fp8_row(v_src, value_cache_ptr + dst, value_scale_ptr + sdst, mask, h_ok)
 
 
 def reshape_and_cache_quant(
@@ -196,29 +165,10 @@ def reshape_and_cache_quant(
     groups = fmt.num_scale_groups(head_dim)
     kc, vc, ks, vs = cache.key, cache.value, cache.key_scale, cache.value_scale
     block_h = triton.next_power_of_2(num_kv_heads)
-    # nvfp4: one program per (token, head) on 2-D [groups, 8] tiles (3-D [heads, groups, 8] tiles
-    # failed the GPU tests at 8 heads).
+    # nvfp4: one program per (token, head) on 2-D [groups, 8] tiles.
     _write_kv_quant_kernel[(num_tokens, num_kv_heads if nvfp4 else 1)](
-        key,
-        value,
-        kc,
-        vc,
-        ks,
-        vs,
-        slot_mapping,
-        E2M1_MAX * fmt.global_scale,
-        fmt.global_scale,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        kc.stride(0),
-        kc.stride(1),
-        kc.stride(2),
-        ks.stride(0),
-        ks.stride(1),
-        ks.stride(2),
-        num_kv_heads,
+        *(key, value, kc, vc, ks, vs, slot_mapping, E2M1_MAX * fmt.global_scale, fmt.global_scale),
+        *(*key.stride()[:2], *value.stride()[:2], *kc.stride()[:3], *ks.stride()[:3], num_kv_heads),
         NVFP4=nvfp4,
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,

@@ -1,11 +1,5 @@
-"""RoPE and the KV-cache write in one Triton launch (unquantized caches).
-
-A decode step otherwise runs two tiny kernels per layer back to back: rotate q and k in place
-(kernels/rope.apply_rope), then copy k and v into their cache slots
-(triton_kv_write.reshape_and_cache), each mostly launch and tail. Here one program per token rotates q
-in place, rotates k (in place too, so the result is
-exactly what the two-kernel path leaves behind) and stores k and v at the token's slot.
-"""
+"""RoPE and the KV-cache write in one Triton launch (unquantized caches): one program per token rotates
+q and k in place (exactly what kernels/rope.apply_rope leaves) and stores k and v at the token's slot."""
 
 from __future__ import annotations
 
@@ -47,9 +41,7 @@ def _rope_and_cache_kernel(
     BLOCK_SIZE: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    # Batch metadata and the constant cos/sin table first, before the PDL wait (no kernel of the
-    # forward writes them: kernels/pdl.py), so the position -> cos/sin chain and the slot load
-    # overlap the previous kernel's tail; q, k, v and the cache only after it.
+    # Batch metadata and the cos/sin table before the PDL wait; q, k, v and the cache after it.
     tok = tl.program_id(0).to(tl.int64)
     cos, sin = rope_cos_sin(positions_ptr, cos_sin_ptr, tok, stride_cs, HALF, HALF_PAD)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -57,9 +49,7 @@ def _rope_and_cache_kernel(
     j = tl.arange(0, HALF_PAD)
     j_ok = j < HALF
     cos, sin = cos[None, :], sin[None, :]
-    # q, k and v are views of one qkv buffer, so the compiler may not hoist a later load above an
-    # earlier store: every load comes first, so the kernel waits for one round trip after the PDL
-    # wait, not three.
+    # q, k, v are views of one buffer (no load may pass a store): every load first, one round trip.
     hq = tl.arange(0, BLOCK_HQ)
     q_mask = (hq[:, None] < num_heads) & j_ok[None, :]
     q1_ptr = q_ptr + tok * stride_q_tok + hq[:, None] * stride_q_head + j[None, :]
@@ -74,8 +64,7 @@ def _rope_and_cache_kernel(
     v1 = tl.load(v1_ptr, mask=k_mask, other=0.0)
     v2 = tl.load(v1_ptr + HALF, mask=k_mask, other=0.0)
 
-    # Rotations in fp32, rounded to the activation dtype as apply_rope leaves them (k then to the
-    # cache's dtype).
+    # Rotations in fp32, rounded to the activation dtype as apply_rope does.
     q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
     tl.store(q1_ptr, (q1f * cos - q2f * sin).to(q1.dtype), mask=q_mask)
     tl.store(q1_ptr + HALF, (q2f * cos + q1f * sin).to(q1.dtype), mask=q_mask)
@@ -108,9 +97,8 @@ def rope_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Neox RoPE on q [T, Hq, D] and k [T, Hk, D] in place, then k, v [T, Hk, D] into their slots
-    of the caches [num_blocks, block_size, Hk, D]. positions: [T] int; cos_sin_cache [P, D] float32
-    (cos | sin halves); slot_mapping [T] int, negative = padding token (not stored)."""
+    """Neox RoPE on q [T, Hq, D] and k [T, Hk, D] in place, then k, v into their slots of the caches
+    [num_blocks, block_size, Hk, D]. cos_sin_cache [P, D] float32; a negative slot is not stored."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     _check_cache(key_cache, value_cache, num_kv_heads, head_dim)
@@ -125,26 +113,9 @@ def rope_and_cache(
     half = head_dim // 2
     pdl = use_pdl(q)
     _rope_and_cache_kernel[(num_tokens,)](
-        q,
-        k,
-        v,
-        positions,
-        cos_sin_cache,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        cos_sin_cache.stride(0),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        num_heads,
-        num_kv_heads,
+        *(q, k, v, positions, cos_sin_cache, key_cache, value_cache, slot_mapping),
+        *(*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], cos_sin_cache.stride(0), *key_cache.stride()[:3]),
+        *(num_heads, num_kv_heads),
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_heads),

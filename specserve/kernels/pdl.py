@@ -1,23 +1,11 @@
-"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step (Hopper and later).
+"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step (Hopper and later):
+the next kernel launches while the previous one still runs, and waits (`griddepcontrol.wait`) before
+touching its outputs.
 
-A decode step is hundreds of small kernels back to back; between two of them the GPU drains one
-grid, then launches and ramps up the next. With PDL the next kernel launches while the previous one
-still runs; its programs start, then wait (`griddepcontrol.wait`) until the previous grid has
-finished and its writes are visible.
-
-The contract of every kernel launched with `launch_pdl=True`: every program calls
-`pdl_prologue(True)` exactly once, before any load of something an earlier kernel of the forward
-wrote (or may write), before any store, and before any early return (a program that returned
-without waiting could let its grid complete before its predecessor did).
-
-Before the wait, only loads of data no kernel of the forward writes: weights, constant tables (the
-RoPE cos/sin cache) and the batch metadata (positions, slot_mapping, seq_lens, cu_query_lens,
-block_tables), which the runner writes before the forward's first kernel, the embedding lookup,
-a torch kernel launched without PDL. Never activations, the KV cache, split-KV partials or
-counters. Since several PDL kernels in a row can be resident and past their pre-wait loads while an
-earlier kernel still runs, the rule holds for the whole forward: NO kernel of a forward ever writes
-batch metadata or constant tables. tests/unit/test_pdl.py checks the attention kernels' load order.
-
+Contract of every kernel launched with `launch_pdl=True`: every program calls `pdl_prologue(True)`
+exactly once, before any store, any early return, and any load of data a kernel of the forward writes.
+Before the wait it may load only weights, constant tables (RoPE cos/sin) and batch metadata, so NO
+kernel of a forward ever writes those. tests/unit/test_pdl.py checks the attention kernels' load order.
 `SPECSERVE_PDL=0` turns it off; the CPU interpreter and GPUs before sm_90 never use it.
 """
 
@@ -42,8 +30,7 @@ except ImportError:  # pragma: no cover - older triton: PDL stays off
 
 @triton.jit
 def pdl_prologue(USE_PDL: tl.constexpr):
-    """Let the next kernel launch now, then wait until the previous one has finished and its writes
-    are visible (the contract: the module docstring)."""
+    """Let the next kernel launch, then wait for the previous one's writes (contract: module docstring)."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -55,6 +42,5 @@ def _capable(device: torch.device) -> bool:
 
 
 def use_pdl(t: torch.Tensor) -> bool:
-    """Whether a kernel over `t` (its device) launches with PDL: a CUDA device of sm_90 or later,
-    not the interpreter, SPECSERVE_PDL not 0. Read per launch, so a test can flip the variable."""
+    """Whether a kernel over `t` launches with PDL (sm_90+, not interpreted, SPECSERVE_PDL not 0; read per launch)."""
     return t.is_cuda and not envs.triton_interpret() and _capable(t.device) and envs.pdl()

@@ -66,12 +66,8 @@ def _rope_kernel(
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style (rotate halves) RoPE, as HF Llama/Qwen2, applied IN PLACE; returns (q, k).
-
-    q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim] (strided views
-    allowed, last dim contiguous); positions: [num_tokens] int; cos_sin_cache: [max_positions,
-    head_dim] float32 (cos | sin halves).
-    """
+    """Neox-style RoPE (as HF Llama/Qwen2) IN PLACE on q [T, Hq, D] and k [T, Hk, D] (last dim
+    contiguous); positions [T] int; cos_sin_cache [max_positions, D] float32 (cos | sin). Returns (q, k)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if k.shape[0] != num_tokens or k.shape[2] != head_dim or positions.shape[0] != num_tokens:
@@ -84,17 +80,8 @@ def apply_rope(
         half = head_dim // 2
         pdl = use_pdl(q)
         _rope_kernel[(num_tokens,)](
-            q,
-            k,
-            positions,
-            cos_sin_cache,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            cos_sin_cache.stride(0),
-            num_heads,
-            num_kv_heads,
+            *(q, k, positions, cos_sin_cache, *q.stride()[:2], *k.stride()[:2], cos_sin_cache.stride(0)),
+            *(num_heads, num_kv_heads),
             HALF=half,
             HALF_PAD=triton.next_power_of_2(half),
             BLOCK_HQ=triton.next_power_of_2(num_heads),
