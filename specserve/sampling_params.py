@@ -32,7 +32,6 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # Structured output (issue 8) is carried here so the API does not change later.
     structured_outputs: dict[str, Any] | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)
 
@@ -99,10 +98,9 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if self.structured_outputs is not None:
-            from specserve.sample.structured import validate_structured_outputs
-
-            validate_structured_outputs(self.structured_outputs)
+        # The grammar itself is compiled (and rejected with a ValueError) by the engine on admission.
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, dict):
+            raise bad("structured_outputs", "must be a dict")
 
     @property
     def greedy(self) -> bool:

@@ -22,10 +22,11 @@ from specserve.engine.output_processor import (
     record_finished,
     request_output,
 )
-from specserve.engine.setup import EngineParts, build_engine_parts
+from specserve.engine.setup import build_engine_parts
 from specserve.engine.validate import resolve_max_tokens, resolve_prompt
 from specserve.outputs import RequestOutput
 from specserve.runner.batch import PendingTokens
+from specserve.runner.build import EngineParts
 from specserve.runner.model_runner import StepOutput
 from specserve.runner.prompt_logprobs import plan_prompt_logprobs
 from specserve.sample.metadata import SamplingMetadata

@@ -3,18 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from specserve.config import EngineConfig
+from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec, kv_format
+from specserve.metrics.stats import StatsCollector
 from specserve.model.key_offset import install_key_offsets
 from specserve.model.loader import LoadedModel, load_model
 from specserve.runner.cuda_graph import MIXED_TOKEN_LENS, PREFILL_QUERY_LENS, graph_output_bytes
 from specserve.runner.memory import check_kv_capacity, kv_budget_bytes
 from specserve.runner.model_runner import ModelRunner, select_backend
 from specserve.runner.warmup import dummy_forward, dummy_logits
+from specserve.sample.sampler import Sampler
+from specserve.scheduler.scheduler import Scheduler
+
+
+@dataclass
+class EngineParts:
+    device: torch.device
+    loaded: LoadedModel
+    runner: ModelRunner
+    kv: KVCacheManager
+    scheduler: Scheduler
+    sampler: Sampler
+    stats: StatsCollector
+    eos_token_ids: tuple[int, ...]
+    ops: ModuleType  # the model's layer ops (Triton on CUDA, torch otherwise): a draft model loads with them
 
 
 def ops_for(device: torch.device) -> ModuleType:
