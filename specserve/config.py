@@ -91,9 +91,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
 
     def check_max_model_len(self, max_model_len: int) -> None:
-        """vLLM's rule: without chunked prefill a prompt is prefilled in one step, so a token budget
-        below max_model_len would silently cap the context. Run once max_model_len is known (here
-        when the user gave it; the model's own default is known only once it is loaded)."""
+        """vLLM's rule: without chunked prefill a prompt is prefilled in one step, so a token budget below
+        max_model_len would silently cap the context."""
         n = self.max_num_batched_tokens
         if not self.enable_chunked_prefill and n is not None and n < max_model_len:
             raise ValueError(

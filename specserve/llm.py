@@ -74,8 +74,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """vLLM's LLM.chat: each conversation through the chat template; outputs report the rendered
-        prompt. continue_final_message leaves the last (assistant) message open for the model to go on."""
+        """vLLM's LLM.chat: each conversation through the chat template; outputs report the rendered prompt."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for c in conversations:

@@ -125,8 +125,7 @@ class TPExecutor(ShardRunner):
         return out
 
     def close(self) -> None:
-        """Stop the workers (a Shutdown message, or kill after a failure) and drop the groups.
-        Also runs when the executor is garbage-collected or the interpreter exits."""
+        """Stop the workers (a Shutdown message, or kill after a failure) and drop the groups."""
         self._finalizer()
 
     # -- failure detection ----------------------------------------------------------------------

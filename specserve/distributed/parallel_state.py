@@ -141,14 +141,8 @@ def _warm_up(group: TPGroup, device: torch.device) -> None:
 
 
 def release_tp_group(group: TPGroup, timeout_s: float = 10.0) -> bool:
-    """Drop the groups without waiting on any other rank, within `timeout_s`; True when done.
-
-    NCCL: abort, never destroy: `destroy_process_group` ends in ncclCommDestroy, which can hang for
-    good once CUDA graphs captured collectives (pytorch#115388), and which waits on a dead peer's
-    unfinished kernels; ncclCommAbort is local and also ends kernels stuck on a dead peer. Gloo:
-    destroy (local). Runs on a daemon thread, so even a stuck teardown cannot block the caller.
-    A group adopted from a launcher (torchrun) is the launcher's to release.
-    """
+    """Drop the groups without waiting on any other rank, within `timeout_s`; True when done. NCCL: abort,
+    never destroy (ncclCommDestroy can hang once graphs captured collectives, pytorch#115388)."""
     if not group.owns_default_group or not dist.is_initialized():
         return True
 

@@ -74,20 +74,14 @@ def hello_key(rank: int) -> str:
 
 
 class ShardRunner(ModelRunner):
-    """A ModelRunner that runs a step from its flat batch: the worker gets no SchedulerOutput.
-
-    `execute_host` repeats ModelRunner.execute after its build_host_batch line (minus the EAGLE
-    graph outputs: EAGLE is refused with tensor parallelism). Once ModelRunner has its own
-    execute_host, this class reduces to nothing.
-    """
+    """A ModelRunner that runs a step from its flat batch: the worker gets no SchedulerOutput."""
 
     def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False) -> StepOutput:
         return self.execute_host(build_host_batch(sched, block_ids_of, self.block_size), need_hidden)
 
     @torch.inference_mode()
     def execute_host(self, host: HostBatch, need_hidden: bool = False) -> StepOutput:
-        """Same path as ModelRunner.execute. The graph key is a function of `host` and of the
-        captured sizes, which every rank shares, so all ranks replay the same graph."""
+        """Same path as ModelRunner.execute."""
         key = self.graphs.graph_key(host) if self.graphs is not None and not need_hidden else None
         if key is not None:
             logits = self.graphs.run(host, key)  # [host.num_tokens, vocab]
@@ -147,12 +141,8 @@ def release_cuda_graphs(runner: ModelRunner) -> None:
 
 
 def serve_steps(runner: ShardRunner, group: TPGroup) -> None:
-    """Ranks > 0: run every step rank 0 broadcasts, until Shutdown.
-
-    No synchronization per step: the staging buffers are rewritten only after the next message,
-    and rank 0 sends that only once this step's logits all-gather, which follows this rank's
-    input copies on its stream, has completed.
-    """
+    """Ranks > 0: run every step rank 0 broadcasts, until Shutdown. No sync per step: rank 0 sends the next
+    message only after this step's logits all-gather, which follows this rank's input copies."""
     while True:
         msg = group.broadcast_object(None)
         if isinstance(msg, Shutdown):

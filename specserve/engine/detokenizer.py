@@ -40,8 +40,7 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
 
     def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> str | None:
-        """Append tokens; returns the stop string that matched (text is then cut), else None.
-        check_stop False: no stop string may end the text yet (min_tokens not reached)."""
+        """Append tokens; returns the stop string that matched (text is then cut), else None."""
         if self.tokenizer is None:
             return None
         if self._stream is not None:

@@ -196,8 +196,7 @@ class Engine:
         return outputs
 
     def execute(self, sched: SchedulerOutput, pending: PendingTokens | None) -> StepOutput:
-        """The forward of a scheduled step (preempted requests leave the proposer first). pending: input
-        ids still on the device (drafts, or asynchronous scheduling's sampled tokens)."""
+        """The forward of a scheduled step (preempted requests leave the proposer first)."""
         for req in sched.preempted:
             if self.spec is not None:
                 self.spec.on_preempted(req)
@@ -393,10 +392,8 @@ class Engine:
 
 
 def _stop_string(detok, tokens: list[int], num_before: int, min_tokens: int) -> tuple[str | None, int]:
-    """Feed a step's new tokens to the detokenizer one at a time, as plain decoding would: (the stop
-    string that matched or None, how many tokens up to and including the one that completed it). With
-    speculation a step accepts several tokens; those after a stop string are not part of the output.
-    num_before: output tokens before these; stop strings count only past min_tokens (vLLM's rule)."""
+    """Feed a step's new tokens to the detokenizer one at a time, as plain decoding would: (the stop string that
+    matched or None, how many tokens up to and including the one that completed it)."""
     for i, tok in enumerate(tokens):
         stop = detok.add_tokens([tok], check_stop=num_before + i + 1 > min_tokens)
         if stop is not None:
@@ -405,7 +402,6 @@ def _stop_string(detok, tokens: list[int], num_before: int, min_tokens: int) -> 
 
 
 def _use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    """On by default on CUDA; not with tensor parallelism. With speculation only the steps that
-    verify no drafts overlap (engine/async_loop.py)."""
+    """On by default on CUDA; not with tensor parallelism."""
     asked = config.scheduler.async_scheduling  # with tensor parallelism refused by EngineConfig
     return (device.type == "cuda" and config.parallel.tensor_parallel_size == 1) if asked is None else asked

@@ -14,8 +14,7 @@ logger = logging.getLogger(__name__)
 def resolve_prompt(
     prompt: str | list[int] | dict, tokenizer: Any | None, vocab_size: int
 ) -> tuple[str | None, list[int]]:
-    """Returns (prompt text or None, prompt token ids). A dict with both keys (vLLM's TokensPrompt
-    with its text, as LLM.chat builds) is served from its token ids and reports its text."""
+    """Returns (prompt text or None, prompt token ids)."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             text = prompt.get("prompt")

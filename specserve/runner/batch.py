@@ -94,11 +94,8 @@ class PendingTokens:
 
 
 def pad_to_query_len(host: HostBatch, q: int, max_model_len: int) -> HostBatch | None:
-    """The batch with every sequence's query padded to q tokens, so a CUDA graph captured for
-    uniform query length q can run it (verify steps whose requests drafted different numbers of
-    tokens). Padding tokens follow each sequence's real ones: id 0, the next positions, slot -1 (no
-    K/V stored), scored by nobody; causal attention keeps them out of the real tokens' outputs.
-    None if a sequence has more than q tokens or padding would pass max_model_len."""
+    """The batch with every sequence's query padded to q tokens, so a CUDA graph captured for uniform query length q
+    can run it (verify steps whose requests drafted different numbers of tokens)."""
     ql = np.asarray(host.query_lens, dtype=np.int64)
     pad = q - ql
     if (pad < 0).any() or (host.seq_lens.astype(np.int64) + pad > max_model_len).any():
@@ -144,13 +141,7 @@ def pending_fill(
 
 
 class Staging:
-    """Persistent pinned host + device buffers, one pair per input name, grown on demand.
-
-    A step's puts sit between begin() and end(): begin() waits until the previous step's copies
-    have left the pinned buffers (with asynchronous scheduling the host builds step N+1 while step
-    N may still be queued), end() marks this step's copies; call it before queuing the forward,
-    or the next begin() waits for the forward too.
-    """
+    """Persistent pinned host + device buffers, one pair per input name, grown on demand."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -168,9 +159,7 @@ class Staging:
             self._recorded = True
 
     def put(self, name: str, arr: np.ndarray) -> torch.Tensor:
-        """arr on the device, a view of name's device buffer (valid until name's next put). One
-        torch op for a 1-D arr (the copy; two for 2-D): the host buffer is written through a
-        numpy view and the first-n views of both buffers are kept per n."""
+        """arr on the device, a view of name's device buffer (valid until name's next put)."""
         n = arr.size
         buf = self._bufs.get(name)
         if buf is None or buf.host.numel() < n or buf.host.dtype != _torch_dtype(arr):
@@ -221,12 +210,7 @@ _PY_SLOTS_MAX = 16  # queries up to this long get their slots in the per-request
 
 
 def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> HostBatch:
-    """block_ids_of(request_id) -> list[int].
-
-    Per request only list appends (a decode step's one token and its slot without slicing); numpy
-    runs a few times per batch (each call ~1 us, and the host builds this for every step and every
-    draft-model catch-up, with the GPU waiting or not). Slots of long queries (prefill chunks)
-    come from one vectorized gather instead of the loop."""
+    """block_ids_of(request_id) -> list[int]."""
     scheduled = sched.scheduled
     num_seqs = len(scheduled)
     bs = block_size

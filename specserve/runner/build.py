@@ -68,12 +68,7 @@ def build_runner(
     agree: Callable[[int], int] | None = None,
     make_runner: Callable[..., ModelRunner] = ModelRunner,
 ) -> ModelRunner:
-    """Load the model, size the KV pool, capture CUDA graphs: the model side of the engine.
-
-    Tensor parallelism (distributed/worker.py) runs this on every rank, in the same order, with
-    `shard` (slices the loaded model; returns the rank's KV heads), `agree` (the block count every
-    rank can hold) and its own runner class.
-    """
+    """Load the model, size the KV pool, capture CUDA graphs: the model side of the engine."""
     loaded = load_model(config.model, device, dtype, ops_for(device), progress)
     num_kv_heads = shard(loaded) if shard is not None else loaded.arch.num_kv_heads
     arch, cc, sc = loaded.arch, config.cache, config.scheduler

@@ -56,12 +56,8 @@ def sizes_by_query_len(
     prefill_lens: tuple[int, ...] = (),
     catch_up_lens: tuple[int, ...] = (),
 ) -> dict[int, tuple[int, ...]]:
-    """Batch sizes to capture per query length. Lengths between the shortest and the longest serve
-    verify steps of shorter drafts, which the speculation controller picks at small batches; above
-    MID_QUERY_MAX_BATCH such steps pad to the longest instead (each graph keeps its [bs * q, vocab]
-    float32 logits: every length at every size would hold GBs). `prefill_lens` not already among
-    query_lens get batch sizes up to PREFILL_MAX_BATCH; `catch_up_lens` not among either, up to
-    CATCH_UP_MAX_BATCH."""
+    """Batch sizes to capture per query length: middle verify lengths only up to MID_QUERY_MAX_BATCH (each
+    graph keeps [bs * q, vocab] float32 logits), prefill and catch-up lengths up to their own caps."""
     edge = (query_lens[0], query_lens[-1])
     sizes = {
         q: tuple(b for b in batch_sizes if q in edge or b <= MID_QUERY_MAX_BATCH) or tuple(batch_sizes[:1])
@@ -141,11 +137,8 @@ def graph_output_bytes(
 
 @contextlib.contextmanager
 def gc_paused_for_capture() -> Iterator[None]:
-    """Collect garbage once, then keep Python's cycle collector off while graphs are captured.
-    torch.cuda.graph no longer collects on entry, so an automatic collection could run mid-capture
-    and free a dead engine's pinned buffers or CUDA events (a process that builds engines one after
-    another: benchmarks, tests). In the global capture mode that call invalidates the capture, and the
-    next launch fails with "operation failed due to a previous error during capture"."""
+    """Collect garbage once, then keep Python's cycle collector off while graphs are captured: a collection
+    mid-capture could free a dead engine's CUDA events and invalidate the capture."""
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()

@@ -115,9 +115,8 @@ class ModelRunner:
         prompt_plan: list[PromptLogprobRows] | None = None,
         pending: PendingTokens | None = None,
     ) -> StepOutput:
-        """prompt_plan: rows whose prompt logprobs to compute (they need every token's hidden
-        state, so such a step runs eagerly, never through a CUDA graph).
-        pending: the step in flight's sampled tokens, for this step's placeholders."""
+        """prompt_plan: rows whose prompt logprobs to compute (they need every token's hidden state, so such a step
+        runs eagerly, never through a CUDA graph)."""
         host = build_host_batch(sched, block_ids_of, self.block_size)
         if self.staging is not None:
             self.staging.begin()

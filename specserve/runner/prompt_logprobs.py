@@ -59,9 +59,7 @@ def plan_prompt_logprobs(sched) -> list[PromptLogprobRows]:
 def compute_prompt_logprobs(
     compute_logits, hidden: torch.Tensor, plan: list[PromptLogprobRows], vocab_size: int
 ) -> list[list[PromptLogprobEntry]]:
-    """hidden [num_tokens, hidden] of the whole step -> per plan item, its entries in row order.
-
-    compute_logits: hidden rows [rows, hidden] -> logits [rows, vocab] (the model's own head)."""
+    """hidden [num_tokens, hidden] of the whole step -> per plan item, its entries in row order."""
     step = max(1, _MAX_LOGIT_VALUES // max(1, vocab_size))
     results = []
     for item in plan:

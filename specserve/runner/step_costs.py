@@ -28,15 +28,8 @@ CONTEXT_TOKENS = 256  # tokens each measured request has in the KV before its st
 
 
 class CostTable:
-    """Seconds of a target step of `batch_size` requests of `query_len` tokens each, from a measured
-    grid {(batch_size, query_len): seconds}.
-
-    Per measured batch size, linear in the query length between measured lengths (linear extrapolation
-    past the longest, the shortest's cost below it); across batch sizes, linear between measured sizes,
-    linear extrapolation past the largest (never decreasing), the smallest's cost below it. A step of
-    more tokens never costs less than one of fewer at the same batch size: a measured cost that says
-    so is noise, and each length's cost is raised to the largest at the lengths below it (otherwise
-    a noisy cheap verify length would look like free drafts)."""
+    """Seconds of a target step of `batch_size` requests of `query_len` tokens each, from a measured grid
+    {(batch_size, query_len): seconds}."""
 
     def __init__(self, grid: Mapping[tuple[int, int], float]) -> None:
         if not grid:
@@ -119,14 +112,8 @@ def measure_step_costs(
     context: int = CONTEXT_TOKENS,
     repeats: int | None = None,
 ) -> CostTable:
-    """Time one target step per (batch size, query length 1..max_query_len): one warm-up step, then
-    the mean of `repeats` steps (3 on CUDA, 1 on the CPU), synchronized around them.
-
-    Each request has `context` tokens in the KV before its step (fewer where the pool or
-    max_model_len holds less; a batch size the pool cannot hold at all is skipped). The KV slots are
-    blocks taken from `kv`'s pool and freed afterwards (its free count is unchanged, nothing enters the
-    prefix cache), or without `kv` the runner's first blocks, which only start-up may use (nothing is
-    in them yet). Call it before any request runs: the blocks' contents are overwritten."""
+    """Time one target step per (batch size, query length 1..max_query_len): one warm-up step, then the mean of
+    `repeats` steps (3 on CUDA, 1 on the CPU), synchronized around them."""
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len!r}")
     cuda = runner.device.type == "cuda"

@@ -45,12 +45,7 @@ def dummy_logits(runner: ModelRunner, rows: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def warm_small_forwards(runner: ModelRunner, max_rows: int, context: int = 0) -> list[int]:
-    """dummy_forward of t tokens after `context` for t = 1..max_rows, eagerly, and the LM head over t
-    rows. Eagerly even where a captured graph would fit this single sequence: the same query lengths
-    come mid-serving in shapes no graph covers (a draft model catching up on a few tokens of several
-    requests). It writes only KV slots of the first few blocks of the runner's pool and runs before any request
-    exists, so nothing that matters is overwritten. Returns the row counts run (none if the context
-    leaves no room)."""
+    """dummy_forward of t tokens after `context` for t = 1..max_rows, eagerly, and the LM head over t rows."""
     room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size) - context
     max_rows = min(max_rows, room)
     # A few blocks are enough; a manager over the whole pool would build its free list of every
@@ -74,11 +69,8 @@ PROMPT_ROWS = (64, 200)
 
 @torch.inference_mode()
 def warm_prompt_forwards(runner: ModelRunner, rows: tuple[int, ...] = PROMPT_ROWS) -> list[tuple[int, int]]:
-    """dummy_forward of each prompt-sized row count, fresh and after SPLIT_CONTEXT, eagerly: the
-    attention launches of a prompt or of a long catch-up, with and without split-KV. A target compiles
-    them at its first prompt anyway; a draft model only at its first catch-up of more than SMALL_QUERY_MAX
-    tokens outside its graphs, mid-serving. Returns the (context, rows) run; sizes the pool or
-    max_model_len cannot hold are skipped."""
+    """dummy_forward of each prompt-sized row count, fresh and after SPLIT_CONTEXT, eagerly: the attention launches of
+    a prompt or of a long catch-up, with and without split-KV."""
     room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size)
     done = []
     graphs, runner.graphs = runner.graphs, None

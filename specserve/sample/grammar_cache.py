@@ -30,9 +30,7 @@ _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?
 
 @dataclass(frozen=True)
 class StructuredSpec:
-    """What to constrain the output to. `value` is canonical text: a schema as compact JSON (key
-    order kept: it is the order properties are generated in), a regex, an EBNF grammar, or the
-    choices as a JSON list."""
+    """What to constrain the output to."""
 
     kind: str  # one of KINDS
     value: str
@@ -50,12 +48,7 @@ def load_xgrammar() -> Any:
 def parse_structured_outputs(
     spec: dict[str, Any] | None, field: str = FIELD, value_label: str | None = None
 ) -> StructuredSpec | None:
-    """Check the dict's shape and return its canonical spec (None = unconstrained).
-
-    Exactly one of json / regex / choice / grammar / json_object must be set (None and False count
-    as unset, as in vLLM's dataclass dumps). Raises ValueError naming `field`; errors about the
-    value name `value_label` (default `field.kind`, e.g. structured_outputs.json).
-    """
+    """Check the dict's shape and return its canonical spec (None = unconstrained)."""
     if spec is None:
         return None
     if not isinstance(spec, dict):
@@ -106,8 +99,7 @@ def _canonical_value(kind: str, value: Any, name: str) -> str:
 
 
 def build_grammar(spec: StructuredSpec, field: str = FIELD, value_label: str | None = None) -> Any:
-    """The xgrammar.Grammar for a spec (no tokenizer needed). ValueError on a bad schema/regex/EBNF,
-    naming `value_label` (default `field.kind`)."""
+    """The xgrammar.Grammar for a spec (no tokenizer needed)."""
     xgr = load_xgrammar()
     try:
         if spec.kind == "json":
@@ -162,12 +154,7 @@ def _clean_error(e: Exception) -> str:
 
 
 class GrammarCache:
-    """Compiles specs against one tokenizer and keeps the `max_entries` most recently used.
-
-    The xgrammar compiler and tokenizer info are built on first use (building the tokenizer info
-    walks the whole vocabulary). xgrammar's own compiler cache is off: this LRU is the one cache,
-    bounded by entries rather than bytes so its behaviour is easy to state. Thread-safe.
-    """
+    """Compiles specs against one tokenizer and keeps the `max_entries` most recently used."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_entries: int = 128) -> None:
         if max_entries < 1:

@@ -61,11 +61,7 @@ def build_penalty_tensors(
     vocab_size: int,
     device: torch.device,
 ) -> PenaltyTensors | None:
-    """None when no row is penalized, so the sampler's fast path does no work at all.
-
-    Cost is proportional to the prompt + output tokens of penalized rows only; neutral rows keep
-    all-zero counts (their factors are neutral anyway).
-    """
+    """None when no row is penalized, so the sampler's fast path does no work at all."""
     active = [i for i, p in enumerate(params) if has_penalty(p)]
     if not active:
         return None

@@ -147,8 +147,7 @@ def _accepted_prefix(lay: _Layout, accepted: np.ndarray) -> np.ndarray:
 
 
 class RejectionSampler:
-    """Verifies drafts against the target. Unseeded random rows draw from `generator` (None =
-    torch's default generator of the logits' device)."""
+    """Verifies drafts against the target."""
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
@@ -160,15 +159,9 @@ class RejectionSampler:
         target_logits: Tensor,
         meta: SamplingMetadata,
     ) -> RejectionOutput:
-        """draft_token_ids: per sequence, k_i >= 0 drafted tokens.
-        draft_probs: [total_draft_tokens, vocab], the distributions the drafts were sampled from
-            (after the drafter's own temperature/top-k/top-p), or None for one-hot drafts.
-        target_logits: [total_draft_tokens + num_seqs, vocab]: each sequence's k_i + 1 positions,
-            concatenated in sequence order.
-        meta: one row per sequence; expanded per position with `expand_for_drafts`, so min_tokens
-            and penalties count the drafts before each position as emitted.
-        One host sync (reading the results back).
-        """
+        """draft_token_ids: per sequence, k_i >= 0 drafts. draft_probs: [total_drafts, vocab], what the drafts
+        were sampled from, or None for one-hot drafts. target_logits: [total_drafts + num_seqs, vocab], each
+        sequence's k_i + 1 positions in order. meta: one row per sequence (expanded with expand_for_drafts)."""
         lay = layout(tuple(len(d) for d in draft_token_ids))
         draft_ids = np.fromiter(itertools.chain.from_iterable(draft_token_ids), np.int64, lay.total)
         _check_shapes(lay, draft_ids, draft_probs, target_logits, meta)

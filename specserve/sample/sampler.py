@@ -49,10 +49,7 @@ def _check_logits(logits: Tensor, meta: SamplingMetadata) -> None:
 
 
 def penalized_logits(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-    """min_tokens mask then penalties: [num_seqs, vocab] float32.
-
-    Never modifies `logits`; returns it (as float32, maybe the same tensor) when nothing applies.
-    """
+    """min_tokens mask then penalties: [num_seqs, vocab] float32."""
     logits = logits.float()
     if meta.min_tokens_mask is not None:
         logits = logits.clone()
@@ -70,13 +67,8 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
-    """Keep the top_k largest logits (ties with the k-th kept), then the smallest set of those
-    whose probability reaches top_p (renormalized after top-k, as HF and vLLM do).
-
-    One ascending sort serves both. A token is kept by top-p iff the probability mass strictly
-    above it is < top_p, i.e. its inclusive ascending cumsum is > 1 - top_p; the largest token is
-    always kept. Returns a new [num_seqs, vocab] tensor.
-    """
+    """Keep the top_k largest logits (ties with the k-th kept), then the smallest set of those whose probability
+    reaches top_p (renormalized after top-k, as HF and vLLM do)."""
     if top_k is None and top_p is None:
         return logits
     logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
@@ -108,14 +100,7 @@ def _one_hot(token_ids: Tensor, vocab_size: int) -> Tensor:
 
 
 def compute_target_probs(logits: Tensor, meta: SamplingMetadata, row_index_map: Sequence[int] | None = None) -> Tensor:
-    """The distribution the Sampler samples from, after every processing stage.
-
-    logits: [N, vocab]; returns [N, vocab] float32, rows summing to 1. Greedy rows are one-hot at
-    the argmax of their penalized logits (the token the sampler would pick).
-    row_index_map: logits row r uses metadata row row_index_map[r] (e.g. draft positions of a
-    sequence); penalties are then those of that row as is. For speculative verification use
-    `meta.expand_for_drafts(...)` instead, which also counts the drafted tokens.
-    """
+    """The distribution the Sampler samples from, after every processing stage."""
     if row_index_map is not None:
         meta = meta.select_rows(row_index_map)
     _check_logits(logits, meta)
@@ -149,9 +134,8 @@ def draw_exponential(
 
 
 def random_sample(probs: Tensor, noise: Tensor) -> Tensor:
-    """Exponential race: probs [num_rows, vocab] (unnormalized is fine), noise from
-    draw_exponential -> [num_rows] int64. A zero-probability token is never chosen unless the
-    whole row is zero."""
+    """Exponential race: probs [num_rows, vocab] (unnormalized is fine), noise from draw_exponential -> [num_rows]
+    int64."""
     return (probs / noise).argmax(dim=-1)
 
 
@@ -168,9 +152,7 @@ def compute_logprobs(logits: Tensor, token_ids: Tensor, num_logprobs: int) -> Lo
 
 
 class Sampler:
-    """Samples one token per row. Unseeded random rows draw from `generator` (None = torch's
-    default generator of the logits' device); it must live on the logits' device, as must the
-    per-request generators in the metadata."""
+    """Samples one token per row."""
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator

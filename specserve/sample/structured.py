@@ -118,12 +118,7 @@ def _from_response_format(rf: Any) -> tuple[str, dict[str, Any], str | None] | N
 
 # -- masks ---------------------------------------------------------------------------------------
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor, row_ids: Sequence[int]) -> Tensor:
-    """A copy of logits [num_rows, vocab] whose rows row_ids have disallowed tokens at -inf.
-
-    bitmask: [len(row_ids), ceil(vocab / 32)] int32 (xgrammar's layout: bit t % 32 of word
-    t // 32 set = token t allowed), on any device. Pure torch, so it is the same code on CPU and
-    GPU and needs no xgrammar kernel (xgrammar's GPU path would pull in Triton).
-    """
+    """A copy of logits [num_rows, vocab] whose rows row_ids have disallowed tokens at -inf."""
     device, vocab = logits.device, logits.shape[1]
     words = bitmask.to(device, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=device)
@@ -163,8 +158,7 @@ class StructuredOutputs:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def compile(self, params: SamplingParams) -> Any | None:
-        """The compiled grammar for params.structured_outputs (None = unconstrained). Cached;
-        raises ValueError naming structured_outputs. Touches no request state."""
+        """The compiled grammar for params.structured_outputs (None = unconstrained)."""
         spec = parse_structured_outputs(params.structured_outputs)
         return None if spec is None else self.cache.get(spec)
 
@@ -216,9 +210,8 @@ class StructuredOutputs:
             st.masks = _fill_masks(st.matcher, drafts, self.num_words)
 
     def apply(self, logits: Tensor, reqs: Sequence[Request], num_spec: Sequence[int]) -> Tensor:
-        """Mask grammar-invalid tokens: logits [sum(num_spec) + len(reqs), vocab], request i owning
-        num_spec[i] + 1 consecutive rows (its draft positions, then the bonus position).
-        Returns `logits` itself when no request in the batch is structured, else a masked copy."""
+        """Mask grammar-invalid tokens: logits [sum(num_spec) + len(reqs), vocab], request i owning num_spec[i] + 1
+        consecutive rows (its draft positions, then the bonus position)."""
         if not self._states:
             return logits
         row_ids: list[int] = []
@@ -244,9 +237,7 @@ class StructuredOutputs:
         return masks
 
     def advance(self, req: Request, token_ids: Sequence[int]) -> bool:
-        """Feed the tokens the request just emitted to its matcher. True = the request must end:
-        the grammar has terminated (it accepted a stop token), or it rejected a token (which masks
-        prevent; it takes e.g. min_tokens forbidding the only token the grammar allows)."""
+        """Feed the tokens the request just emitted to its matcher."""
         st = self._states.get(req.request_id)
         if st is None or not token_ids:
             return False
@@ -268,15 +259,7 @@ class StructuredOutputs:
 
 
 def _cut_drafts(matcher: Any, req: Request) -> tuple[int, ...]:
-    """Drop the drafts the grammar can never emit; returns the drafts kept.
-
-    One-hot drafts (n-gram, argmax drafters) stop before the first rejected token: a deterministic
-    proposer proposing less is still lossless. Drafts sampled from draft_probs keep the first
-    rejected token: dropping it would change the proposal distribution depending on the draw and
-    break losslessness, while keeping it is exact (its target prob is 0, so it is always rejected
-    and the recovered token comes from max(0, target_probs - draft_probs)). Drafts after a token
-    that terminates the grammar are dropped: the request ends there.
-    """
+    """Drop the drafts the grammar can never emit; returns the drafts kept."""
     drafts = req.spec_token_ids
     num_valid, ended = 0, False
     for token in drafts:
@@ -299,9 +282,7 @@ def _cut_drafts(matcher: Any, req: Request) -> tuple[int, ...]:
 
 
 def _fill_masks(matcher: Any, drafts: tuple[int, ...], num_words: int) -> _Masks:
-    """Masks for positions 0..len(drafts): walk the matcher through the drafts, then roll back.
-    Rows past a rejected or terminating draft stay all-allowed: they are never sampled from (the
-    rejected draft is always rejected; a stop token ends the request)."""
+    """Masks for positions 0..len(drafts): walk the matcher through the drafts, then roll back."""
     bitmask = torch.full((len(drafts) + 1, num_words), -1, dtype=torch.int32)
     matcher.fill_next_token_bitmask(bitmask, 0)
     num_accepted = 0
