@@ -1,9 +1,5 @@
-"""Frozen configuration dataclasses, validated in __post_init__.
-
-Values discovered at run time (the model's architecture, the number of KV blocks) live in their
-own objects (`model.arch.ModelArch`, `kv.spec.KVCacheSpec`), never here. CLI flags are generated
-from the fields (see `server/cli_args.py`): the field name with `_` -> `-` is the vLLM flag name.
-"""
+"""Frozen configuration dataclasses, validated in __post_init__. CLI flags are generated from the fields
+(`_` -> `-`, vLLM's names; server/cli_args.py); run-time values (architecture, KV blocks) live elsewhere."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""SamplingParams: how one request is sampled, with vLLM's names and meanings.
-
-Validated on construction: a bad value raises ValueError naming the field, so the engine
-never admits a request it cannot serve.
-"""
+"""SamplingParams: vLLM's names and meanings; a bad value raises ValueError naming the field."""
 
 from __future__ import annotations
 

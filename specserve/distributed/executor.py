@@ -1,18 +1,8 @@
-"""Rank 0's side of tensor parallelism: `TPExecutor`, a drop-in for `ModelRunner`.
+"""Rank 0's side of tensor parallelism: `TPExecutor`, a drop-in for `ModelRunner` that broadcasts each
+step's `HostBatch` on the control group, runs rank 0's own forward and returns its logits.
 
-The engine builds it instead of a ModelRunner when tensor_parallel_size > 1
-(`engine/setup.py`). `execute(sched, block_ids_of, need_hidden)` flattens the step into its
-`HostBatch`, broadcasts it on the control group, runs rank 0's own forward (the ranks meet in
-its all-reduces) and returns rank 0's logits, the only ones sampled. The scheduler, the KV block
-manager, the sampler, speculation and the server all live on rank 0 only.
-
-A dead rank never hangs the engine: before each step the children are polled; a rank that
-dies during a step fails rank 0's pending gloo send or collective at once (closed socket), and
-on CUDA rank 0 waits for the step's end by polling an event while it polls the children, so an
-NCCL kernel stuck on a dead peer is noticed within milliseconds (the process group is then
-aborted). The step raises `WorkerDiedError`; every later step raises it again; the engine loop
-dies with it, so the server's /health answers 503.
-"""
+A dead rank never hangs the engine: children are polled before each step, and on CUDA rank 0 polls the
+step's event and the children together; the step then raises `WorkerDiedError`, as does every later one."""
 
 from __future__ import annotations
 

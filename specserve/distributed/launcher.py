@@ -1,11 +1,5 @@
-"""Start the ranks > 0 of a tensor-parallel engine as child processes, and watch them.
-
-Rank 0 (the engine's own process) hosts the rendezvous store on a free port, so there is no
-pick-a-port race, and starts one fresh interpreter per rank (the same `sys.executable` and
-`sys.path`; the rank's arguments pickled on stdin). Fresh interpreters, unlike
-multiprocessing's spawn, do not re-import the user's `__main__`, so scripts that build an `LLM`
-at top level work as they are. Liveness is a `poll()`; that is how the engine notices a dead rank.
-"""
+"""Start the ranks > 0 of a tensor-parallel engine as fresh interpreters (no re-import of the user's
+`__main__`), with the rendezvous store on rank 0, and watch them (`poll()`)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Tensor-parallel layers, built by slicing the full layers of an already-loaded model.
-
-Megatron layout: a column-parallel linear keeps a slice of the output features (each rank
-computes its heads' q, k, v, or its slice of gate and up) and needs no communication; the
-row-parallel linear after it keeps the matching slice of the input features, and one
-all-reduce sums the ranks' partial outputs. So each attention block and each MLP block costs one
-all-reduce. The vocabulary is split in contiguous row ranges (padded to equal sizes): the
-embedding all-reduces masked lookups, the LM head all-gathers its logit columns.
-
-All slices are copied (`clone`), so the full tensors they came from can be freed.
-"""
+"""Tensor-parallel layers (Megatron layout), built by slicing (cloning) the full layers of a loaded model:
+column-parallel linears need no communication, row-parallel ones one all-reduce; the vocabulary is split
+in padded contiguous ranges (the embedding all-reduces, the LM head all-gathers)."""
 
 from __future__ import annotations
 

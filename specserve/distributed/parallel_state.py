@@ -1,17 +1,6 @@
-"""Process groups for tensor parallelism: who talks to whom, over what, with which timeouts.
-
-Two groups over the same ranks:
-  - `device_group`: the model's collectives (all-reduce after row-parallel layers, the vocabulary
-    all-gather). NCCL on GPUs, gloo on the CPU. Its timeout bounds one step.
-  - `cpu_group`: always gloo; carries the control messages (the step's flat batch, shutdown) and
-    the start-up agreements (number of KV blocks). Workers wait on it while the engine is idle,
-    so its timeout is long; a dead peer still shows up at once, because gloo fails a pending
-    send/recv as soon as the peer's socket closes ("Connection closed by peer").
-
-specserve reads no environment variable here: spawned workers get their rank and the store
-address as arguments; under `torchrun` the default process group is initialized by the caller
-(torch's own `env://` rendezvous) and adopted with `adopt_default_group`.
-"""
+"""Process groups for tensor parallelism over the same ranks: `device_group` (the model's collectives; NCCL
+on GPUs, gloo on the CPU; its timeout bounds one step) and `cpu_group` (gloo: control messages and
+start-up agreements; long timeout, a dead peer still fails a pending send at once)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
-"""Shard an already-built CausalLM for tensor parallelism, from the outside.
-
-Every rank loads the full weights (the same checkpoint, or the same seeded dummy weights, so
-every rank holds the same function), then `shard_model` swaps each layer for its parallel twin
-holding this rank's slice and frees the rest. Loading whole and slicing keeps the loaders
-unchanged; its cost is one full copy of the weights per rank while loading.
-
-  qkv_proj [q | k | v]   -> ColumnParallelLinear: this rank's q heads, then its KV heads' k and v
-  o_proj                 -> RowParallelLinear (all-reduce)
-  gate_up_proj [g | u]   -> ColumnParallelLinear: this rank's slice of gate, then of up
-  down_proj              -> RowParallelLinear (all-reduce)
-  embed_tokens           -> VocabParallelEmbedding (all-reduce)
-  LM head (or the tied embedding) -> ParallelLMHead (all-gather), via CausalLM.logits_head
-Norms and the RoPE table stay whole (replicated): every rank holds the full hidden state.
-"""
+"""Shard an already-built CausalLM for tensor parallelism: every rank loads the full weights, then
+`shard_model` swaps qkv / gate_up for column-parallel and o / down for row-parallel linears, the embedding
+and LM head for vocabulary-parallel ones. Norms and RoPE stay replicated."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""The rank side of tensor parallelism: what every rank builds, and the loop ranks > 0 run.
-
-Every rank runs `build_rank_runner` with the same config, in the same order: load the full
-model, shard it, profile memory, agree on the number of KV blocks, capture CUDA graphs. Their
-collectives therefore pair up without any extra messages. Then rank 0 goes on to serve (it owns the
-scheduler and the sampler; see executor.py) and ranks > 0 enter `serve_steps`: receive a step's
-flat batch (`HostBatch`) on the control group, run the forward on their shard of the weights and
-of the KV heads, join its all-reduces, discard the logits; until a `Shutdown`.
-
-A spawned worker is started by executor.py as `python -c _BOOTSTRAP '<sys.path as JSON>'` with its
-`WorkerArgs` pickled on stdin (a fresh interpreter, so scripts need no `__main__` guard).
-"""
+"""The rank side of tensor parallelism: every rank runs `build_rank_runner` (load, shard, profile, agree on
+KV blocks, capture graphs) in the same order, so collectives pair up; ranks > 0 then run `serve_steps`."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """AsyncEngine: the synchronous Engine driven by one background thread, for the asyncio server.
 
-Threading contract (the reason this file exists):
-  * Every call into `Engine` happens on the engine thread. The asyncio side never touches the
-    engine directly; it enqueues commands (add / abort) and the engine thread applies them
-    between steps. Torch releases the GIL in the forward pass, so the event loop stays responsive.
-  * Outputs travel back with one `loop.call_soon_threadsafe` per step (not one per request).
-  * Streams are registered, delivered to and removed only on the event loop thread, so the
-    stream table needs no lock. The command list is the only shared structure (under `_cond`).
-  * When idle the engine thread sleeps on `_cond`; there is no busy loop.
-"""
+Threading contract: every call into `Engine` happens on the engine thread (the asyncio side enqueues
+add / abort commands, applied between steps; the command list under `_cond` is the only shared state);
+outputs go back with one `loop.call_soon_threadsafe` per step; streams live on the event loop thread only."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Incremental detokenization with stop strings; never emits a broken UTF-8 character.
-
-Decoding a window of recent tokens twice (with and without the newest ones) and emitting the
-difference keeps leading-space and multi-byte handling right for byte-level and sentencepiece
-tokenizers alike; a window that ends in U+FFFD waits for the next token.
-"""
+"""Incremental detokenization with stop strings: decode a window of recent tokens with and without the
+newest ones and emit the difference; a window ending in U+FFFD waits (no broken UTF-8 character)."""
 
 from __future__ import annotations
 

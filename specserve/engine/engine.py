@@ -1,9 +1,5 @@
-"""Engine: add requests, step the scheduler and the model, return outputs.
-
-step() reads like the request flow in DESIGN.md: schedule -> runner forward -> sample (or verify
-drafts) -> scheduler update (detokenize, stop checks) -> speculation's after-step hook -> stats.
-With asynchronous scheduling, step() is the alternative loop of engine/async_loop.py.
-"""
+"""Engine: add requests; step() = schedule -> runner forward -> sample (or verify drafts) -> scheduler
+update (detokenize, stop checks) -> speculation's after-step hook -> stats (DESIGN.md's request flow)."""
 
 from __future__ import annotations
 

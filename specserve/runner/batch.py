@@ -1,10 +1,5 @@
-"""Flatten one scheduler step into model inputs: input_ids, positions, slot_mapping, block tables.
-
-Built on the host with numpy (`HostBatch`), then moved to the device in one go through persistent
-pinned staging buffers (`Staging`), so a step allocates no pinned memory and issues one
-non-blocking copy per tensor. The CUDA-graph runner copies the same host arrays into its static
-buffers instead.
-"""
+"""Flatten one scheduler step into model inputs (input_ids, positions, slot_mapping, block tables):
+built on the host with numpy (`HostBatch`), then copied through persistent pinned buffers (`Staging`)."""
 
 from __future__ import annotations
 

@@ -1,25 +1,10 @@
-"""CUDA graphs for decode (1 token per sequence) and verify (k+1 tokens per sequence) steps.
+"""CUDA graphs, captured once into one shared pool over static input buffers.
 
-Captured once per (batch size, query length) into one shared memory pool, over static input
-buffers. A step with a uniform query length and a batch no larger than the largest captured size
-is padded up to the next captured size: padding tokens have slot -1 (their K/V is not stored) and
-padding sequences have length 0 (the attention kernel skips them); their output rows are ignored.
-A step whose sequences have different query lengths (drafts of different lengths), all within a
-captured length, is padded to it per sequence (`graph_for`). Short prefills of one or two sequences
-(a question after a prefix-cache hit, a chat turn, a short prompt) pad the same way to a captured
-prefill length. A draft model's catch-ups (the tokens it skipped while the controller drafted nothing,
-for every running request) pad to catch-up graphs, which score one row per sequence at most (the rows
-in a static index buffer) and so stay small at batch sizes up to CATCH_UP_MAX_BATCH.
-
-Mixed graphs take what no uniform length holds: any ragged step of up to MIXED_TOKEN_LENS[-1] tokens
-(a new prompt's chunk beside decoding or verifying requests, several prompts at once). They are
-captured per (batch size, token count) with the query length bound at the token count, so any split
-of the tokens over the sequences replays the same launches (the attention kernel finds each q block's
-sequence from cu_query_lens). Padding tokens go after the real ones and belong to no sequence (slot -1,
-no K/V stored, their rows garbage); padding sequences are empty. A mixed graph stops at the final
-hidden states: the LM head runs after the replay on the rows the step scores, so one graph serves any
-number of scored rows and keeps only [tokens, hidden] for good. Everything else runs eagerly.
-"""
+Uniform graphs (bs, q): decode and verify (q = 1..k+1), short prefills, draft catch-ups (these score one
+row per sequence). A step pads up to the next captured batch size and, with ragged query lengths, per
+sequence up to a captured q (`graph_for`). Mixed graphs (bs, t, t): any ragged step of up to t tokens; they
+stop at the hidden states and the LM head runs after the replay. Padding tokens have slot -1 (no K/V
+stored), padding sequences length 0; their output rows are ignored. Everything else runs eagerly."""
 
 from __future__ import annotations
 

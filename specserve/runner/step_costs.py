@@ -1,12 +1,5 @@
-"""The target's step cost by shape, measured once at start-up: what the adaptive speculation
-controller (speculative/control.py) prices verify steps with.
-
-`measure_step_costs` times one target step (forward, LM head over every verified row, greedy pick)
-of b requests of q tokens each, for every measured batch size b and q = 1..max_query_len, with
-placeholder inputs through the runner's own `execute` (so a step replays the CUDA graph a real one
-would, padding included, and under tensor parallelism every rank runs it). `CostTable` answers any
-(batch size, query length) from that grid.
-"""
+"""The target's step cost by (batch size, query length), measured once at start-up through the runner's
+own `execute` (CUDA graphs and padding included): the adaptive speculation controller's prices."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Compile, at start-up, the kernels an eager forward of a few rows uses.
-
-The GEMV (model/layers/triton_gemv.py) serves every linear of up to `gemv_max_m()` rows, with a
-BLOCK_M, tiles and prefetch choice per row count: a row count no forward has used yet compiles new
-Triton variants, one per linear. CUDA graphs cover the decode and verify shapes, but other small
-forwards run eagerly mid-serving: a draft model catching up on 3-8 tokens, a prompt remainder of a
-few tokens, a verify batch between the captured lengths, and a first compile there stalls a request.
-Running one forward of each small row count here, together with the LM head at that many rows, moves
-those compiles to start-up (Triton's disk cache makes later start-ups cheap).
-"""
+"""Compile at start-up the Triton variants that small eager forwards use (the GEMV picks a variant per
+row count), so a draft catch-up or a short prompt remainder never stalls on a first compile mid-serving."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Structured-output specs: validate the `structured_outputs` dict, build and compile grammars.
-
-A `StructuredSpec` is the canonical, hashable form of `SamplingParams.structured_outputs` (the
-key of the compiled-grammar LRU). `build_grammar` turns it into an xgrammar `Grammar` without a
-tokenizer, so a bad schema, regex or EBNF is reported before any request state exists; the
-`GrammarCache` compiles it against the model's vocabulary (the costly part: one token-mask cache
-per grammar) and keeps the most recently used compiled grammars.
-
-xgrammar is imported lazily: an engine that never sees a structured request does not need it.
-"""
+"""Structured-output specs: `StructuredSpec` (canonical, hashable form of `structured_outputs`),
+`build_grammar` (syntax check without a tokenizer), `GrammarCache` (compiled grammars, LRU).
+xgrammar is imported lazily."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""SamplingMetadata: how each row of a step's logits is sampled, as device tensors.
-
-One row per sequence to sample. Built once per step from the requests' SamplingParams; every
-optional feature (top-k, top-p, min-p, penalties, min_tokens) is None when no row uses it, so a
-plain batch costs one small host->device copy and the sampler skips the unused stages.
-
-Host-side copies of the per-row facts that expansion needs (greedy flags, min_tokens state) are
-kept too, so `select_rows` / `expand_for_drafts` never read a tensor back from the device.
-"""
+"""SamplingMetadata: how each row of a step's logits is sampled, as device tensors. Every optional
+feature is None when no row uses it; host copies of per-row facts let `select_rows` /
+`expand_for_drafts` run without reading anything back from the device."""
 
 from __future__ import annotations
 

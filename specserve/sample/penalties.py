@@ -1,11 +1,5 @@
-"""Repetition, presence and frequency penalties.
-
-Semantics follow the implementations users compare against:
-- repetition (HF `RepetitionPenaltyLogitsProcessor`, vLLM): for every token seen in the prompt OR
-  the output, a negative logit is multiplied by the penalty and a non-negative one divided by it;
-- presence / frequency (OpenAI): on OUTPUT tokens only,
-  `logit -= presence * (count > 0) + frequency * count`.
-"""
+"""Repetition penalty (HF / vLLM: prompt and output tokens; negative logits * p, others / p) and
+presence / frequency penalties (OpenAI: output tokens; logit -= presence * (count > 0) + frequency * count)."""
 
 from __future__ import annotations
 

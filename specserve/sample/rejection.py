@@ -1,27 +1,10 @@
 """Lossless speculative verification (Leviathan et al. 2023 / Chen et al. 2023).
 
-Per sequence i with drafts x_0..x_{k_i-1} and target distributions target_probs_0..target_probs_k
-(`compute_target_probs` on the target's logits, so exactly what the plain sampler would use):
-- random rows accept x_j with probability min(1, target_probs_j[x_j] / draft_probs_j[x_j]);
-  at the first rejection emit a recovered token from normalize(max(0, target_probs_j -
-  draft_probs_j)) and stop; if all k_i are accepted emit a bonus token from target_probs_k.
-  The emitted sequence is then distributed exactly as sampling the target token by token.
-  draft_probs None means one-hot drafts (n-gram, argmax drafters): draft_probs_j[x_j] = 1 and the
-  residual is target_probs_j with x_j removed. This is lossless for ANY draft choice made
-  without looking at the target's random numbers.
-- greedy rows accept while x_j == argmax target_probs_j, then emit that argmax (recovered or bonus),
-  so they equal non-speculative greedy decoding exactly.
-
-Random numbers: per random row and step, k_i uniforms (float64, the accept test) then `vocab`
-Exp(1) draws (the recovered/bonus token), from the row's generator when seeded: a fixed amount,
-whatever is accepted, so seeded rows reproduce independently of the batch.
-
-Host cost (every torch op and copy is ~5-20 us of host time on the GPU path, where the host is on
-the critical path of a speculative step): an all-greedy batch runs one argmax on the device and
-reads it back, and compares the drafts on the host (numpy). Other batches send every index they
-need in one packed copy (`h2d_packed`); index arithmetic that depends only on the numbers of
-drafts is cached by them.
-"""
+Random rows accept draft x_j with probability min(1, p_j[x_j] / q_j[x_j]) (p = `compute_target_probs`,
+q = draft_probs, one-hot when None); at the first rejection they emit a token from
+normalize(max(0, p_j - q_j)), else a bonus token from p_k. Greedy rows accept while x_j == argmax p_j.
+Seeded rows draw a fixed amount per step (k_i uniforms, then `vocab` Exp(1)), whatever is accepted,
+so they reproduce independently of the batch."""
 
 from __future__ import annotations
 

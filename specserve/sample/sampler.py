@@ -1,17 +1,7 @@
-"""The sampler: one token per row from a step's logits.
-
-Order (each stage skipped when no row uses it):
-  min_tokens mask -> penalties -> [greedy rows: argmax here] -> temperature -> min_p -> top_k
-  -> top_p -> softmax -> sample.
-The stages after the argmax are one function, `compute_target_probs`, which the rejection sampler
-also uses: speculative verification is lossless only if it targets exactly the distribution the
-plain sampler samples from.
-
-Random rows sample with the exponential race, argmax(probs / E) with E ~ Exp(1) i.i.d., which picks
-token i with probability probs[i] / sum(probs) (Gumbel-max in another form) and needs no
-normalization and no host sync. A seeded row draws its noise from its own torch.Generator, exactly
-`vocab` draws per step, so its tokens do not depend on the rest of the batch.
-"""
+"""The sampler: min_tokens mask -> penalties -> [greedy: argmax] -> temperature -> min_p -> top_k -> top_p
+-> softmax -> exponential race (argmax(probs / E), E ~ Exp(1)), each stage skipped when no row uses it.
+`compute_target_probs` is shared with the rejection sampler, which is lossless only on this exact
+distribution. A seeded row draws exactly `vocab` noise values per step from its own generator."""
 
 from __future__ import annotations
 

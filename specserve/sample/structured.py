@@ -1,22 +1,9 @@
-"""Structured output: grammar-constrained sampling (JSON schema, JSON object, regex, choice, EBNF).
+"""Structured output: every sampled or verified logits row of a structured request is masked with its
+xgrammar matcher's token bitmask, so both samplers draw only grammar-valid tokens (lossless).
 
-Each structured request has an xgrammar GrammarMatcher that has accepted its output so far. Every
-sampled or verified logits row is masked with the token bitmask of the grammar state at that
-position, so the plain sampler and the rejection sampler both draw only grammar-valid tokens
-(the masked distribution IS the target distribution, so verification stays lossless).
-
-When the work happens (so the masks are ready before the logits are):
-  add_request  compile (LRU-cached; ValueError before any state) -> matcher -> prepare(): a worker
-               thread fills position 0's mask while the prefill forward runs.
-  _sample      apply(): wait for the worker (normally long done), mask the rows, sample / verify.
-  _update      advance(): feed the emitted tokens to the matcher; terminated -> the request ends.
-  prepare()    without speculation right after _update; with it at the end of SpecDecoder.propose:
-               drafts are cut where the grammar rejects them (on the caller's thread, cheap), then
-               the worker fills the k+1 masks (walk the drafts, roll back) during the next forward.
-
-Invariant: a matcher is used by one thread at a time. The main thread touches a request's
-matcher only after waiting for that request's pending job (`_wait`).
-"""
+A worker thread fills the masks during the forward: after add_request / _update (prepare), or after
+the drafts are cut to the grammar (SpecDecoder.propose); apply() waits, masks, and advance() feeds
+the emitted tokens. Invariant: a matcher is used by one thread at a time (the main thread `_wait`s)."""
 
 from __future__ import annotations
 
