@@ -34,8 +34,7 @@ def gemv_max_m() -> int | None:
 
 
 def pdl() -> bool:
-    """SPECSERVE_PDL: 1 (default) lets the decode step's Triton kernels launch with programmatic
-    dependent launch where the GPU has it; 0 turns it off. Anything else is refused."""
+    """SPECSERVE_PDL: 1 (default) = programmatic dependent launch for the decode path's kernels; 0 = off."""
     value = _get("SPECSERVE_PDL")
     if value is not None and value not in ("0", "1"):
         raise ValueError(f"SPECSERVE_PDL must be 0 or 1, got {value!r}.")
@@ -48,6 +47,5 @@ def triton_interpret() -> bool:
 
 
 def api_key() -> str | None:
-    """SPECSERVE_API_KEY: the API key of `specserve serve` (and the key `bench` / `advise` send)
-    when none is given on the command line; an environment variable stays out of `ps`."""
+    """SPECSERVE_API_KEY: the key of `serve` (and of `bench` / `advise`) when no flag gives one."""
     return _get("SPECSERVE_API_KEY")
