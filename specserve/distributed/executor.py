@@ -18,10 +18,10 @@ from specserve.config import EngineConfig
 from specserve.distributed.launcher import WorkerProcs
 from specserve.distributed.parallel_state import TPGroup, adopt_default_group, init_tp_group, release_tp_group
 from specserve.distributed.tp import check_tp_size
-from specserve.distributed.worker import ShardRunner, Shutdown, StepMessage, build_rank_runner, release_cuda_graphs
+from specserve.distributed.worker import Shutdown, StepMessage, build_rank_runner, release_cuda_graphs
 from specserve.model.arch import ModelArch
 from specserve.runner.batch import build_host_batch
-from specserve.runner.model_runner import StepOutput
+from specserve.runner.model_runner import ModelRunner, StepOutput
 from specserve.scheduler.scheduler import SchedulerOutput
 
 # One step (a forward and its collectives) must finish within this; a first step that compiles
@@ -46,7 +46,7 @@ class _Shared:
         self.closed = False
         # The executor, weakly (a strong reference would keep it alive until exit): its CUDA graphs
         # must go before the groups.
-        self.runner: weakref.ref[ShardRunner] | None = None
+        self.runner: weakref.ref[ModelRunner] | None = None
 
     def release(self) -> None:
         """Kill what is left of the workers and drop graphs and groups; never blocks for long."""
@@ -81,7 +81,7 @@ class _Shared:
                 self.lock.release()
 
 
-class TPExecutor(ShardRunner):
+class TPExecutor(ModelRunner):
     """Rank 0's runner: same interface as ModelRunner; also drives ranks 1..N-1."""
 
     accepts_pending = False  # steps are broadcast as host batches: no placeholder fill

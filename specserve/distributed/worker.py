@@ -17,15 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from specserve.attention.base import ForwardContext, forward_context
 from specserve.config import EngineConfig
 from specserve.distributed.parallel_state import TPGroup, init_tp_group
 from specserve.distributed.tp import shard_model
 from specserve.model.loader import LoadedModel, resolve_dtype
-from specserve.runner.batch import BatchInputs, HostBatch, build_host_batch
+from specserve.runner.batch import HostBatch
 from specserve.runner.build import build_runner
-from specserve.runner.model_runner import ModelRunner, StepOutput
-from specserve.scheduler.scheduler import SchedulerOutput
+from specserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -63,43 +61,12 @@ def hello_key(rank: int) -> str:
     return f"specserve/tp/hello/{rank}"
 
 
-class ShardRunner(ModelRunner):
-    """A ModelRunner that runs a step from its flat batch: the worker gets no SchedulerOutput."""
-
-    def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False) -> StepOutput:
-        return self.execute_host(build_host_batch(sched, block_ids_of, self.block_size), need_hidden)
-
-    @torch.inference_mode()
-    def execute_host(self, host: HostBatch, need_hidden: bool = False) -> StepOutput:
-        """Same path as ModelRunner.execute."""
-        key = self.graphs.graph_key(host) if self.graphs is not None and not need_hidden else None
-        if key is not None:
-            logits = self.graphs.run(host, key)  # [host.num_tokens, vocab]
-            batch = BatchInputs(None, None, None, None, host.logit_rows)
-            if len(host.logits_indices) != host.num_tokens:
-                batch = host.to_device(self.device, self.staging, only_logits=True)
-                logits = logits.index_select(0, batch.logits_indices)
-            return StepOutput(logits, None, batch, host=host)
-        batch = host.to_device(self.device, self.staging)
-        with forward_context(ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)):
-            hidden = self.model(batch.input_ids, batch.positions)
-        aux = None
-        if isinstance(hidden, tuple):
-            hidden, aux = hidden
-        rows = hidden.index_select(0, batch.logits_indices)  # [num_logit_rows, hidden]
-        out = StepOutput(self.model.compute_logits(rows), rows, batch)
-        if need_hidden:
-            out.all_hidden, out.aux_hidden = hidden, aux
-        out.host = host
-        return out
-
-
 def build_rank_runner(
     config: EngineConfig,
     group: TPGroup,
     device: torch.device,
     progress: bool,
-    make_runner: Callable[..., ModelRunner] = ShardRunner,
+    make_runner: Callable[..., ModelRunner] = ModelRunner,
 ) -> ModelRunner:
     """Load, shard, size the KV pool and capture graphs: the same collectives on every rank."""
     dtype = resolve_dtype(config.model.dtype, device)
@@ -130,7 +97,7 @@ def release_cuda_graphs(runner: ModelRunner) -> None:
     graphs.outputs.clear()
 
 
-def serve_steps(runner: ShardRunner, group: TPGroup) -> None:
+def serve_steps(runner: ModelRunner, group: TPGroup) -> None:
     """Ranks > 0: run every step rank 0 broadcasts, until Shutdown. No sync per step: rank 0 sends the next
     message only after this step's logits all-gather, which follows this rank's input copies."""
     while True:

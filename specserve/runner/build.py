@@ -85,8 +85,7 @@ def build_runner(
     # Every verify length: the controller drafts 0..k tokens per step (runner/cuda_graph.py keeps
     # the middle lengths to small batches); short prefills of one or two sequences too.
     query_lens = tuple(range(1, k + 2))
-    # Ragged steps too (a prompt chunk beside decoding requests); not under tensor parallelism, whose
-    # ranks replay only the graphs ShardRunner.execute_host finds by graph_key.
+    # Ragged steps too (a prompt chunk beside decoding requests), without tensor parallelism.
     mixed = MIXED_TOKEN_LENS if shard is None else ()
     reserve = (
         graph_output_bytes(

@@ -118,9 +118,7 @@ class ModelRunner:
         """prompt_plan: rows whose prompt logprobs to compute (they need every token's hidden state, so such a step
         runs eagerly, never through a CUDA graph)."""
         host = build_host_batch(sched, block_ids_of, self.block_size)
-        if self.staging is not None:
-            self.staging.begin()
-        return self._execute(sched, host, need_hidden, prompt_plan, pending)
+        return self.execute_host(host, need_hidden, prompt_plan, pending, sched)
 
     @torch.inference_mode()
     def forward_scored(self, host: HostBatch, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -166,9 +164,11 @@ class ModelRunner:
             self.staging.end()
 
     def _fill(
-        self, host: HostBatch, sched: SchedulerOutput, pending: PendingTokens | None
+        self, host: HostBatch, sched: SchedulerOutput | None, pending: PendingTokens | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Device (indices, token ids) that replace this step's placeholders."""
+        if pending is None or sched is None:
+            return None
         fill = pending_fill(host, [s.request.request_id for s in sched.scheduled], pending)
         if fill is None:
             return None
@@ -179,14 +179,19 @@ class ModelRunner:
             dst_t, rows_t = torch.from_numpy(dst), torch.from_numpy(rows)
         return dst_t, pending.tokens.index_select(0, rows_t)
 
-    def _execute(
+    @torch.inference_mode()
+    def execute_host(
         self,
-        sched: SchedulerOutput,
         host: HostBatch,
-        need_hidden: bool,
-        prompt_plan: list[PromptLogprobRows] | None,
-        pending: PendingTokens | None,
+        need_hidden: bool = False,
+        prompt_plan: list[PromptLogprobRows] | None = None,
+        pending: PendingTokens | None = None,
+        sched: SchedulerOutput | None = None,
     ) -> StepOutput:
+        """A step from its flat batch (tensor-parallel ranks get no SchedulerOutput; every rank finds the
+        same graph, a function of `host` and the captured sizes). pending needs sched."""
+        if self.staging is not None:
+            self.staging.begin()
         # Graphs return hidden states too, but only those of the aux layers they were captured with.
         usable = (
             self.graphs is not None
