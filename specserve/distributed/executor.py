@@ -152,9 +152,7 @@ class TPExecutor(ModelRunner):
         shared = self._shared
         dead = ""
         if self.procs is not None:
-            # A killed rank's sockets close a moment before its exit can be observed: give it that
-            # moment, so the error names the rank rather than the broken connection.
-            self.procs.wait_any_dead(1.0)
+            self.procs.wait_any_dead(1.0)  # sockets close a moment before the exit shows: name the rank
             dead = self.procs.describe_dead()
         if isinstance(error, WorkerDiedError):
             shared.broken = str(error)
@@ -185,8 +183,7 @@ def check_tp_config(config: EngineConfig) -> None:
     spec = config.speculative
     if spec is not None and spec.method in ("eagle", "eagle3"):
         raise ValueError(
-            f"speculative_config.method {spec.method!r} is not supported with "
-            "tensor_parallel_size > 1 (the head reuses the sharded embedding and LM head); "
+            f"speculative_config.method {spec.method!r} is not supported with tensor_parallel_size > 1; "
             "use 'ngram' or 'draft_model'."
         )
 
@@ -229,18 +226,11 @@ def build_tp_executor(config: EngineConfig, device: torch.device, dtype: torch.d
         device0 = devices[0]
         if device0.type == "cuda":
             torch.cuda.set_device(device0)
-        procs = WorkerProcs.start(
-            config, config.parallel.tensor_parallel_size, devices, STEP_TIMEOUT_S, START_TIMEOUT_S
-        )
+        tp = config.parallel.tensor_parallel_size
+        procs = WorkerProcs.start(config, tp, devices, STEP_TIMEOUT_S, START_TIMEOUT_S)
         try:
             procs.wait_for_hello(START_TIMEOUT_S)
-            group = init_tp_group(
-                procs.store,
-                0,
-                config.parallel.tensor_parallel_size,
-                device0,
-                datetime.timedelta(seconds=STEP_TIMEOUT_S),
-            )
+            group = init_tp_group(procs.store, 0, tp, device0, datetime.timedelta(seconds=STEP_TIMEOUT_S))
         except BaseException:
             procs.terminate()
             raise

@@ -35,32 +35,15 @@ class WorkerProcs:
         start_timeout_s: float,
     ) -> WorkerProcs:
         """devices[r]: rank r's device. Returns once the processes run (not yet joined)."""
-        store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            world_size,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=start_timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=start_timeout_s)
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
         threads = max(1, (os.cpu_count() or 1) // world_size)
+        rest = (step_timeout_s, start_timeout_s, threads, os.getpid())
         procs: dict[int, subprocess.Popen] = {}
         try:
             for rank in range(1, world_size):
-                args = WorkerArgs(
-                    config,
-                    rank,
-                    world_size,
-                    "127.0.0.1",
-                    store.port,
-                    str(devices[rank]),
-                    step_timeout_s,
-                    start_timeout_s,
-                    threads,
-                    os.getpid(),
-                )
-                # A session of its own: Ctrl-C in the terminal reaches rank 0 only, which drains
-                # its requests and then stops the workers (they must outlive the drain).
+                args = WorkerArgs(config, rank, world_size, "127.0.0.1", store.port, str(devices[rank]), *rest)
+                # A session of its own: Ctrl-C reaches rank 0 only, which drains, then stops the workers.
                 proc = subprocess.Popen(
                     [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path)],
                     stdin=subprocess.PIPE,

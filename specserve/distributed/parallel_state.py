@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 # Long enough for any idle period of a server; dead peers are detected by closed sockets, not this.
 IDLE_TIMEOUT = datetime.timedelta(days=30)
-# The first bytes of every control message travel in one fixed-size broadcast; a larger message
-# (big batches: block tables) sends its remainder in a second one.
+# Control messages travel in one fixed-size broadcast; a larger one sends its remainder in a second.
 _CONTROL_HEAD_BYTES = 1 << 14
 
 
@@ -29,11 +28,6 @@ class TPGroup:
     device_group: dist.ProcessGroup
     cpu_group: dist.ProcessGroup
     owns_default_group: bool = True  # False when adopted from a launcher (torchrun)
-
-    @property
-    def is_driver(self) -> bool:
-        """Rank 0 runs the scheduler, the sampler and the server; the others only run forwards."""
-        return self.rank == 0
 
     # -- model collectives (device group) ------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,10 +78,6 @@ class TPGroup:
         dist.barrier(group=self.cpu_group)
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def init_tp_group(
     store: dist.Store, rank: int, world_size: int, device: torch.device, step_timeout: datetime.timedelta
 ) -> TPGroup:
@@ -97,7 +87,7 @@ def init_tp_group(
             "a torch.distributed process group already exists in this process: close the "
             "other tensor-parallel engine first (llm.engine.runner.close())."
         )
-    backend = backend_for(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
     kw = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=step_timeout, **kw)
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
@@ -118,8 +108,7 @@ def adopt_default_group(device: torch.device) -> TPGroup:
 
 
 def _warm_up(group: TPGroup, device: torch.device) -> None:
-    """NCCL builds its communicator on the first collective; that must not happen inside a CUDA
-    graph capture, so run one now (and check that both groups work)."""
+    """One collective now: NCCL builds its communicator on the first, which must not be in a graph capture."""
     group.barrier()
     x = torch.ones(1, device=device)
     group.all_reduce(x)

@@ -17,21 +17,11 @@ from specserve.model.llama import CausalLM
 
 def check_tp_size(arch: ModelArch, tensor_parallel_size: int) -> None:
     """ValueError unless the attention heads and the KV heads split evenly over the ranks."""
-    tp = tensor_parallel_size
-    if arch.num_heads % tp:
-        raise ValueError(
-            f"tensor_parallel_size {tp} must divide the model's {arch.num_heads} attention heads "
-            f"(try one of {_divisors(arch.num_heads, arch.num_kv_heads)})."
-        )
-    if arch.num_kv_heads % tp:
-        raise ValueError(
-            f"tensor_parallel_size {tp} must divide the model's {arch.num_kv_heads} KV heads "
-            f"(try one of {_divisors(arch.num_heads, arch.num_kv_heads)})."
-        )
-
-
-def _divisors(a: int, b: int) -> list[int]:
-    return [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]
+    tp, a, b = tensor_parallel_size, arch.num_heads, arch.num_kv_heads
+    for n, what in ((a, "attention heads"), (b, "KV heads")):
+        if n % tp:
+            fits = [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]
+            raise ValueError(f"tensor_parallel_size {tp} must divide the model's {n} {what} (try one of {fits}).")
 
 
 def shard_model(model: CausalLM, rank: int, world_size: int, group: TPGroup) -> CausalLM:

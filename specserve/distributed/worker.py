@@ -85,8 +85,7 @@ def build_rank_runner(
 
 
 def release_cuda_graphs(runner: ModelRunner) -> None:
-    """Free the runner's CUDA graphs: graphs holding captured NCCL collectives must be gone before
-    the communicator is (pytorch#115388). The runner runs eagerly afterwards."""
+    """Free the runner's CUDA graphs, before the communicator (pytorch#115388); it runs eagerly afterwards."""
     graphs, runner.graphs = runner.graphs, None
     if graphs is None:
         return
@@ -128,13 +127,8 @@ def run_worker(args: WorkerArgs) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore(
-        args.store_host,
-        args.store_port,
-        args.world_size,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=args.start_timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=args.start_timeout_s)
+    store = dist.TCPStore(args.store_host, args.store_port, args.world_size, is_master=False, timeout=timeout)
     store.set(hello_key(args.rank), "up")
     group = init_tp_group(store, args.rank, args.world_size, device, datetime.timedelta(seconds=args.step_timeout_s))
     runner = build_rank_runner(args.config, group, device, progress=False)
@@ -152,11 +146,7 @@ def main() -> None:
         code = run_worker(args)
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
-            print(
-                f"specserve tensor-parallel rank {args.rank} failed:\n{traceback.format_exc()}",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"specserve tensor-parallel rank {args.rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
         os._exit(1)
     sys.stdout.flush()
     sys.stderr.flush()
