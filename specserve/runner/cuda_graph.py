@@ -60,10 +60,8 @@ def sizes_by_query_len(
 def mixed_graph_sizes(
     batch_sizes: tuple[int, ...] | list[int], token_lens: tuple[int, ...], max_model_len: int
 ) -> dict[int, tuple[int, ...]]:
-    """Batch sizes of the mixed graphs per token count: the powers of two among `batch_sizes` and the
-    largest of them (padding sequences are empty, so a coarse ladder costs little), each below the
-    token count (a ragged step has more tokens than sequences) and able to hold the token count in
-    sequences of at most max_model_len (the capture's dummy batch spreads the tokens evenly)."""
+    """Batch sizes of the mixed graphs per token count: powers of two among `batch_sizes` and the largest,
+    each below the token count and able to hold it in sequences of at most max_model_len."""
     if not batch_sizes:
         return {}
     ladder = sorted({b for b in batch_sizes if b & (b - 1) == 0} | {max(batch_sizes)})
@@ -102,11 +100,8 @@ def graph_output_bytes(
     mixed_token_lens: tuple[int, ...] = (),
     max_model_len: int | None = None,
 ) -> int:
-    """Memory the captured graphs keep after capture: every graph's static outputs (float32 logits
-    [bs * q, vocab], [bs, vocab] for a catch-up graph, and the final hidden states [bs * q, hidden];
-    a mixed graph keeps only its hidden states [tokens, hidden]) live in the shared pool for good, so
-    they add up over all captured keys; +10% for the pool's own slack. The KV pool is sized with this
-    held back, so gpu_memory_utilization bounds the engine as a whole."""
+    """Memory the captured graphs keep for good (static logits [bs * q, vocab] float32, hidden states), +10%:
+    the KV pool is sized with it held back."""
     query_lens = tuple(sorted(set(query_lens)))
     catch_up = catch_up_lens_of(query_lens, prefill_lens, catch_up_lens)
     sizes = sizes_by_query_len(sorted(graph_batch_sizes(max_num_seqs)), query_lens, prefill_lens, catch_up)
@@ -281,11 +276,8 @@ class CudaGraphRunner:
         return (sizes[bisect.bisect_left(sizes, batch.num_seqs)], q)
 
     def graph_for(self, batch: HostBatch) -> tuple[HostBatch, tuple[int, ...]] | None:
-        """(the batch to run, its graph): the batch itself if a graph fits it as it is; else the
-        batch padded to the shortest captured query length that holds every sequence (runner/
-        batch.py pad_to_query_len; steps mixing draft lengths) or the batch as it is in the smallest
-        mixed graph that holds it, whichever runs fewer token rows (the uniform one on a tie: its LM
-        head is in the graph); else None (run eagerly)."""
+        """(the batch to run, its graph): the batch as it is, padded to a captured query length, or in the
+        smallest mixed graph, whichever runs fewer token rows; None = run eagerly."""
         key = self.graph_key(batch)
         if key is not None:
             return batch, key
@@ -324,10 +316,8 @@ class CudaGraphRunner:
     def run(
         self, batch: HostBatch, key: tuple[int, ...], fill: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """Replay the graph for `key` on this batch; returns logits [batch.num_tokens, vocab], or for a
-        catch-up graph those of its scored rows, [len(batch.logits_indices), vocab]; for a mixed graph
-        the final hidden states [batch.num_tokens, hidden] (the caller scores its rows).
-        fill: (flat token indices, their input ids), both on the device: placeholders' tokens."""
+        """Replay the graph for `key`: logits [num_tokens, vocab] (catch-up graphs: of the scored rows), or for a
+        mixed graph hidden [num_tokens, hidden]. fill: (flat indices, input ids) on the device, placeholders' tokens."""
         bs, q, padded = key[0], key[1], self.num_tokens_of(key)
         if self._copied_recorded:  # the previous step's copies have left the pinned buffers
             self._copied.synchronize()

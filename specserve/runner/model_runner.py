@@ -78,10 +78,8 @@ class ModelRunner:
         catch_up_query_lens: tuple[int, ...] = (),
         mixed_token_lens: tuple[int, ...] = (),
     ) -> None:
-        """Capture decode (and verify) CUDA graphs for batch sizes up to max_num_seqs, short prefills
-        of a few sequences (runner/cuda_graph.py PREFILL_QUERY_LENS), a draft model's catch-ups
-        (CATCH_UP_QUERY_LENS) and ragged steps of up to max(mixed_token_lens) tokens (MIXED_TOKEN_LENS);
-        then run one forward of each small row count (runner/warmup.py)."""
+        """Capture decode / verify, short-prefill, catch-up and mixed CUDA graphs (runner/cuda_graph.py) for
+        batch sizes up to max_num_seqs, then warm the small eager forwards (runner/warmup.py)."""
         from specserve.runner.cuda_graph import CudaGraphRunner, graph_batch_sizes
 
         sizes = graph_batch_sizes(max_num_seqs)
@@ -122,10 +120,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_scored(self, host: HostBatch, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """A batch whose every token is scored, with its input ids already on the device (a draft
-        model's chained steps feed the previous draft): logits [host.num_tokens, vocab], a CUDA
-        graph's output when one fits (valid until the next forward). Lighter than `execute`: no
-        scheduler output, placeholders or logits selection. rows: arange(num_tokens) on the device."""
+        """Every token scored, input ids already on the device (a draft model's chained steps): logits
+        [host.num_tokens, vocab], a graph's output when one fits (valid until the next forward)."""
         n = host.num_tokens
         key = self.graphs.graph_key(host) if self.graphs is not None else None
         if key is not None and not self.graphs.scores_rows(key[1]):

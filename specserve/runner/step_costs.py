@@ -83,10 +83,8 @@ def _line(x0: int, y0: float, x1: int, y1: float, x: int) -> float:
 
 
 def step_cost_batch_sizes(runner: ModelRunner, max_num_seqs: int) -> tuple[int, ...]:
-    """The batch sizes to measure: with CUDA graphs, the captured decode sizes up to max_num_seqs (a
-    step pads to the next one, so those are the shapes that run); eagerly on CUDA, the sizes graphs
-    would have; on the CPU a few (CPU_BATCH_SIZES up to max_num_seqs), between and beyond which the
-    table interpolates."""
+    """The batch sizes to measure: the captured (or would-be captured) graph sizes on CUDA, CPU_BATCH_SIZES on
+    the CPU; up to max_num_seqs."""
     if runner.graphs is not None:
         sizes: tuple[int, ...] = tuple(runner.graphs.batch_sizes)
     elif runner.device.type == "cuda":

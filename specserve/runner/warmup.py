@@ -14,12 +14,8 @@ from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
 def dummy_forward(runner: ModelRunner, num_tokens: int, num_blocks: int, context: int = 0) -> None:
-    """One forward of num_tokens placeholder tokens of a single sequence, after `context` tokens taken
-    as already in the KV (whatever the pool holds there: only the launches matter), over a throwaway
-    block table of num_blocks blocks (ids 0.. of the runner's pool), through ModelRunner.execute
-    itself: under tensor parallelism rank 0's runner (distributed/executor.py TPExecutor) overrides
-    execute to broadcast the step to workers, and every rank runs these start-up forwards itself, in
-    the same order. Also engine/setup.py's memory profile."""
+    """One forward of num_tokens placeholder tokens after `context` (whatever the KV holds there) over blocks
+    0..num_blocks-1, through ModelRunner.execute: under tensor parallelism every rank runs it in the same order."""
     kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=False)
     req = Request(f"dummy-{context}-{num_tokens}", [0] * (context + num_tokens), SamplingParams(max_tokens=1), 1)
     kv.allocate_slots(req, context + num_tokens)
@@ -88,11 +84,8 @@ def start_up_rows() -> tuple[list[int], list[int]]:
 
 
 def warm_start_up(runner: ModelRunner) -> None:
-    """The start-up forwards: every GEMV row count (1..gemv_max_m()) and every query length of
-    attention's decode-sized launches (1..SMALL_QUERY_MAX: their query block grows with the length),
-    on a fresh sequence and after a context long enough for split-KV launches (eager forwards of these
-    lengths come mid-serving: draft catch-ups, a prompt's last chunk, a verify batch between the
-    captured lengths); and one forward of each prompt-sized row count (warm_prompt_forwards)."""
+    """Every GEMV row count and every decode-sized attention query length, fresh and after SPLIT_CONTEXT, and
+    each prompt-sized row count (warm_prompt_forwards)."""
     fresh, after = start_up_rows()
     warm_small_forwards(runner, len(fresh))
     warm_small_forwards(runner, len(after), context=SPLIT_CONTEXT)

@@ -36,8 +36,7 @@ _GUIDED = (
 def validate_structured_outputs(
     spec: dict[str, Any] | None, field: str = FIELD, value_label: str | None = None
 ) -> None:
-    """Shape and syntax check of a `structured_outputs` dict (schema, regex, EBNF), without a
-    tokenizer: usable from SamplingParams validation. Raises ValueError naming the field."""
+    """Shape and syntax check of a `structured_outputs` dict, without a tokenizer; ValueError names the field."""
     parsed = parse_structured_outputs(spec, field, value_label)
     if parsed is not None:
         build_grammar(parsed, field, value_label)
@@ -46,13 +45,8 @@ def validate_structured_outputs(
 def structured_from_openai(
     response_format: dict[str, Any] | None, extra: dict[str, Any] | None
 ) -> dict[str, Any] | None:
-    """Map an OpenAI `response_format` and vLLM extra-body fields (`structured_outputs`,
-    `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`) to a
-    `SamplingParams.structured_outputs` dict; None when the output is unconstrained.
-
-    At most one source may constrain the output. Raises ValueError naming the offending field
-    (the server answers HTTP 400), with schemas and regexes already syntax-checked.
-    """
+    """Map an OpenAI `response_format` and vLLM extra-body fields (`structured_outputs`, `guided_*`) to a
+    `structured_outputs` dict (None = unconstrained). At most one source; ValueError names the field."""
     extra = extra or {}
     found: list[tuple[str, dict[str, Any], str | None]] = []  # (field, structured_outputs, label)
     if response_format is not None:
