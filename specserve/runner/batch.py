@@ -53,10 +53,15 @@ class HostBatch:
 
     def to_device(self, device: torch.device, staging: Staging | None = None, only_logits: bool = False) -> BatchInputs:
         """only_logits: the CUDA-graph path copies the other inputs into its own buffers."""
-        put = staging.put if staging is not None else (lambda name, a: torch.from_numpy(a).to(device))
+        put = putter(device, staging)
         if only_logits:
             return BatchInputs(None, None, None, put("logits_indices", self.logits_indices), self.logit_rows)
-        meta = AttentionMetadata(
+        ids, positions, meta = put("input_ids", self.input_ids), put("positions", self.positions), self.meta(put)
+        return BatchInputs(ids, positions, meta, put("logits_indices", self.logits_indices), self.logit_rows)
+
+    def meta(self, put) -> AttentionMetadata:
+        """The attention metadata on the device; put(name, array) -> tensor (see `putter`)."""
+        return AttentionMetadata(
             cu_query_lens=put("cu", self.cu_query_lens),
             seq_lens=put("seq_lens", self.seq_lens),
             block_tables=put("block_tables", self.block_tables),
@@ -68,13 +73,11 @@ class HostBatch:
             query_lens_cpu=self.query_lens,
             seq_lens_cpu=self.seq_lens.tolist(),
         )
-        return BatchInputs(
-            put("input_ids", self.input_ids),
-            put("positions", self.positions),
-            meta,
-            put("logits_indices", self.logits_indices),
-            self.logit_rows,
-        )
+
+
+def putter(device: torch.device, staging: Staging | None):
+    """put(name, array) -> the array on the device: through the staging buffers, or a plain copy."""
+    return staging.put if staging is not None else (lambda name, a: torch.from_numpy(a).to(device))
 
 
 @dataclass
@@ -273,9 +276,3 @@ def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> H
         query_lens,
         logit_rows,
     )
-
-
-def build_batch(
-    sched: SchedulerOutput, block_ids_of, block_size: int, device: torch.device, staging: Staging | None = None
-) -> BatchInputs:
-    return build_host_batch(sched, block_ids_of, block_size).to_device(device, staging)

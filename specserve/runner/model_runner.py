@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
+from specserve.attention.base import ForwardContext, forward_context
 from specserve.kv.spec import KVCacheSpec, KVFormat, LayerKVCache
 from specserve.model.loader import LoadedModel
 from specserve.runner.batch import (
@@ -16,6 +16,7 @@ from specserve.runner.batch import (
     Staging,
     build_host_batch,
     pending_fill,
+    putter,
 )
 from specserve.runner.prompt_logprobs import (
     PromptLogprobEntry,
@@ -116,37 +117,19 @@ class ModelRunner:
         """prompt_plan: rows whose prompt logprobs to compute (they need every token's hidden state, so such a step
         runs eagerly, never through a CUDA graph)."""
         host = build_host_batch(sched, block_ids_of, self.block_size)
-        return self.execute_host(host, need_hidden, prompt_plan, pending, sched)
+        return self._execute(sched, host, need_hidden, prompt_plan, pending)
 
     @torch.inference_mode()
     def forward_scored(self, host: HostBatch, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Every token scored, input ids already on the device (a draft model's chained steps): logits
         [host.num_tokens, vocab], a graph's output when one fits (valid until the next forward)."""
-        n = host.num_tokens
         key = self.graphs.graph_key(host) if self.graphs is not None else None
         if key is not None and not self.graphs.scores_rows(key[1]):
             return self.graphs.run(host, key, (rows, input_ids))
-        staging = self.staging
-        if staging is not None:
-            staging.begin()
-            put = staging.put
-        else:
-
-            def put(_: str, a) -> torch.Tensor:
-                return torch.from_numpy(a).to(self.device)
-
-        meta = AttentionMetadata(
-            put("cu", host.cu_query_lens),
-            put("seq_lens", host.seq_lens),
-            put("block_tables", host.block_tables),
-            put("slots", host.slot_mapping),
-            max_query_len=max(host.query_lens),
-            max_seq_len=int(host.seq_lens.max()),
-            num_seqs=host.num_seqs,
-            num_tokens=n,
-            query_lens_cpu=host.query_lens,
-            seq_lens_cpu=host.seq_lens.tolist(),
-        )
+        if self.staging is not None:
+            self.staging.begin()
+        put = putter(self.device, self.staging)
+        meta = host.meta(put)
         positions = put("positions", host.positions)
         self._staged()
         with forward_context(ForwardContext(meta, self.kv_caches, self.fmt, self.backend)):
@@ -176,16 +159,19 @@ class ModelRunner:
         return dst_t, pending.tokens.index_select(0, rows_t)
 
     @torch.inference_mode()
-    def execute_host(
+    def execute_host(self, host: HostBatch, need_hidden: bool = False) -> StepOutput:
+        """A step from its flat batch (tensor-parallel ranks get no SchedulerOutput; every rank finds the same
+        graph, a function of `host` and the captured sizes)."""
+        return self._execute(None, host, need_hidden, None, None)
+
+    def _execute(
         self,
+        sched: SchedulerOutput | None,
         host: HostBatch,
-        need_hidden: bool = False,
-        prompt_plan: list[PromptLogprobRows] | None = None,
-        pending: PendingTokens | None = None,
-        sched: SchedulerOutput | None = None,
+        need_hidden: bool,
+        prompt_plan: list[PromptLogprobRows] | None,
+        pending: PendingTokens | None,
     ) -> StepOutput:
-        """A step from its flat batch (tensor-parallel ranks get no SchedulerOutput; every rank finds the
-        same graph, a function of `host` and the captured sizes). pending needs sched."""
         if self.staging is not None:
             self.staging.begin()
         # Graphs return hidden states too, but only those of the aux layers they were captured with.
