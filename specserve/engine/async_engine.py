@@ -92,11 +92,8 @@ class RequestStream:
             self._owner._unregister([rid])
         return output
 
-    async def aclose(self) -> None:
-        """Abort whatever has not finished (client went away); safe to call more than once."""
-        self.close()
-
     def close(self) -> None:
+        """Abort whatever has not finished (client went away); safe to call more than once."""
         if self._pending:
             ids = list(self._pending)
             self._pending.clear()

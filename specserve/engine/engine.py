@@ -39,11 +39,8 @@ class Engine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
         parts: EngineParts = build_engine_parts(config, progress)
-        self.device = parts.device
-        self.loaded = parts.loaded
-        self.tokenizer = parts.loaded.tokenizer
-        self.model_name = parts.loaded.name
-        self.max_model_len = parts.loaded.max_model_len
+        self.device, self.loaded, self.tokenizer = parts.device, parts.loaded, parts.loaded.tokenizer
+        self.model_name, self.max_model_len = parts.loaded.name, parts.loaded.max_model_len
         self.vocab_size = parts.loaded.arch.vocab_size
         self.runner, self.kv, self.scheduler = parts.runner, parts.kv, parts.scheduler
         self.sampler, self.stats = parts.sampler, parts.stats
@@ -83,24 +80,17 @@ class Engine:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, text, token_ids, [], [], arrival, params.logprobs)
         for i in range(params.n):
-            child_params = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
+            cp = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             gen = None
-            if child_params.seed is not None and not child_params.greedy:
-                gen = torch.Generator(device=self.device).manual_seed(child_params.seed)
-            req = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival, gen)
+            if cp.seed is not None and not cp.greedy:
+                gen = torch.Generator(device=self.device).manual_seed(cp.seed)
+            req = Request(child_id, token_ids, cp, max_tokens, self.eos_token_ids, arrival, gen)
             if i == 0 and params.prompt_logprobs is not None:  # the prompt is shared: score it once
                 req.prompt_logprobs = [None]
             group.children.append(req)
-            group.detoks.append(
-                IncrementalDetokenizer(
-                    self.tokenizer,
-                    token_ids,
-                    child_params.stop,
-                    child_params.include_stop_str_in_output,
-                    child_params.skip_special_tokens,
-                )
-            )
+            detok_args = (cp.stop, cp.include_stop_str_in_output, cp.skip_special_tokens)
+            group.detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, *detok_args))
         self.groups[request_id] = group
         for i, req in enumerate(group.children):
             self._child_to_group[req.request_id] = (group, i)
@@ -169,9 +159,7 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.async_loop is not None:
-            return self.async_loop.step()
-        return self.step_sync()
+        return self.async_loop.step() if self.async_loop is not None else self.step_sync()
 
     def step_sync(self) -> list[RequestOutput]:
         """One synchronous step: schedule -> execute -> sample/verify -> update -> speculation."""
@@ -193,9 +181,8 @@ class Engine:
 
     def execute(self, sched: SchedulerOutput, pending: PendingTokens | None) -> StepOutput:
         """The forward of a scheduled step (preempted requests leave the proposer first)."""
-        for req in sched.preempted:
-            if self.spec is not None:
-                self.spec.on_preempted(req)
+        for req in sched.preempted if self.spec is not None else ():
+            self.spec.on_preempted(req)
         need_hidden = self.spec is not None and self.spec.proposer.needs_target_hidden
         plan = plan_prompt_logprobs(sched)
         kw: dict = {}  # (the tensor-parallel executor takes neither)
@@ -253,18 +240,13 @@ class Engine:
 
     @staticmethod
     def _plain_greedy(reqs: list[Request]) -> bool:
-        for r in reqs:
-            p = r.params
-            if (
-                not p.greedy
-                or p.logprobs is not None
-                or p.repetition_penalty != 1.0
-                or p.presence_penalty
-                or p.frequency_penalty
-                or r.num_output_tokens < p.min_tokens
-            ):
-                return False
-        return True
+        return all(
+            (p := r.params).greedy
+            and p.logprobs is None
+            and r.num_output_tokens >= p.min_tokens
+            and (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
+            for r in reqs
+        )
 
     @staticmethod
     def store_logprobs(reqs: Sequence[Request | None], lp: LogprobsTensors) -> None:
