@@ -82,8 +82,8 @@ def _canonical_value(kind: str, value: Any, name: str) -> str:
         return value
     # choice
     if (
-        not isinstance(value, Sequence)
-        or isinstance(value, str)
+        isinstance(value, str)
+        or not isinstance(value, Sequence)
         or not value
         or not all(isinstance(c, str) for c in value)
     ):
@@ -95,16 +95,11 @@ def build_grammar(spec: StructuredSpec, field: str = FIELD, value_label: str | N
     """The xgrammar.Grammar for a spec (no tokenizer needed)."""
     xgr = load_xgrammar()
     try:
-        if spec.kind == "json":
-            return _fix_json_strings(xgr, xgr.Grammar.from_json_schema(spec.value, any_whitespace=spec.any_whitespace))
-        if spec.kind == "json_object":
+        if spec.kind in ("json", "json_object"):
             # OpenAI's json_object is "some JSON object": an open schema, not any JSON value.
-            return _fix_json_strings(
-                xgr,
-                xgr.Grammar.from_json_schema(
-                    '{"type":"object"}', any_whitespace=spec.any_whitespace, strict_mode=False
-                ),
-            )
+            schema, strict = (spec.value, True) if spec.kind == "json" else ('{"type":"object"}', False)
+            g = xgr.Grammar.from_json_schema(schema, any_whitespace=spec.any_whitespace, strict_mode=strict)
+            return _fix_json_strings(xgr, g)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.value)
         if spec.kind == "grammar":
@@ -113,13 +108,8 @@ def build_grammar(spec: StructuredSpec, field: str = FIELD, value_label: str | N
         choices = json.loads(spec.value)
         return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
     except (RuntimeError, ValueError, TypeError) as e:
-        what = {
-            "json": "JSON schema",
-            "regex": "regex",
-            "grammar": "EBNF grammar",
-            "choice": "choice list",
-            "json_object": "JSON object grammar",
-        }[spec.kind]
+        what = {"json": "JSON schema", "json_object": "JSON object grammar", "choice": "choice list"}.get(spec.kind)
+        what = what or ("EBNF grammar" if spec.kind == "grammar" else spec.kind)
         raise ValueError(f"{value_label or f'{field}.{spec.kind}'}: invalid {what}: {_clean_error(e)}") from e
 
 
