@@ -1,9 +1,5 @@
-"""Frozen configuration dataclasses, validated in __post_init__.
-
-Values discovered at run time (the model's architecture, the number of KV blocks) live in their
-own objects (`model.arch.ModelArch`, `kv.spec.KVCacheSpec`), never here. CLI flags are generated
-from the fields (see `server/cli_args.py`): the field name with `_` -> `-` is the vLLM flag name.
-"""
+"""Frozen configuration dataclasses, validated in __post_init__. CLI flags are generated from the fields
+(`_` -> `-`, vLLM's names; server/cli_args.py); run-time values (architecture, KV blocks) live elsewhere."""
 
 from __future__ import annotations
 
@@ -91,16 +87,13 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
 
     def check_max_model_len(self, max_model_len: int) -> None:
-        """vLLM's rule: without chunked prefill a prompt is prefilled in one step, so a token budget
-        below max_model_len would silently cap the context. Run once max_model_len is known (here
-        when the user gave it; the model's own default is known only once it is loaded)."""
+        """vLLM's rule: without chunked prefill a prompt is prefilled in one step, so a token budget below
+        max_model_len would silently cap the context."""
         n = self.max_num_batched_tokens
         if not self.enable_chunked_prefill and n is not None and n < max_model_len:
             raise ValueError(
-                f"max_num_batched_tokens ({n}) is smaller than max_model_len ({max_model_len}) "
-                "with enable_chunked_prefill off: a prompt is prefilled in one step, so the "
-                "context would be capped at max_num_batched_tokens. Raise max_num_batched_tokens "
-                "to at least max_model_len, lower max_model_len, or enable chunked prefill."
+                f"max_num_batched_tokens ({n}) is smaller than max_model_len ({max_model_len}) with "
+                "enable_chunked_prefill off: raise it, lower max_model_len, or enable chunked prefill."
             )
 
 
@@ -122,11 +115,7 @@ class OffloadConfig:
             )
         if self.disk_path is None:
             return
-        # A path without a size is refused rather than given a default budget: the disk tier fills
-        # the directory up to its size, on a disk shared with model weights and logs, so only the
-        # user can choose it. LMCache's local disk backend likewise takes its size from the user
-        # (max_local_disk_size), as vLLM's CPU offloading does (--kv-offloading-size).
-        if self.disk_bytes == 0:
+        if self.disk_bytes == 0:  # no default size: the tier fills a disk shared with weights and logs
             raise ValueError(
                 "kv_offload_disk_path (--kv-offload-disk-path) is set but kv_offload_disk_bytes "
                 "(--kv-offload-disk-bytes) is not: give the disk tier a size (e.g. "
@@ -140,8 +129,7 @@ class OffloadConfig:
 
 
 def _check_disk_dir(path: str) -> None:
-    """The disk tier's directory must be one, or be creatable: checked before anything loads, so
-    the error names the flag instead of surfacing as a bare OSError from the disk tier."""
+    """The disk tier's directory must be one, or be creatable: an error naming the flag, before anything loads."""
     name = "kv_offload_disk_path (--kv-offload-disk-path)"
     if not path.strip():
         raise ValueError(f"{name} must not be empty.")
@@ -158,8 +146,7 @@ def _check_disk_dir(path: str) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ValueError(f"{name} {path!r} cannot be created: {parent!r} is not a directory.")
-    # Permission bits do not tell (root passes them; /proc refuses anyway): create and remove a
-    # directory where the tier's would go. It leaves nothing behind; the tier creates its own.
+    # Permission bits do not tell (root passes them; /proc refuses anyway): probe with a directory.
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".specserve-probe-", dir=parent))
     except OSError as e:
@@ -198,49 +185,28 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.{name} must be true or false, got {value!r}.")
         n = self.draft_tensor_parallel_size
         if n is not None and (not _is_int(n) or n != 1):
-            # Drafts run unsharded on rank 0; sharding them would put a collective in
-            # every draft token for a model small enough to fit one GPU.
             raise ValueError(
                 f"speculative_config.draft_tensor_parallel_size must be 1 (drafts run unsharded on rank 0), got {n!r}."
             )
-        n = self.disable_by_batch_size
-        if n is not None and (not _is_int(n) or n < 2):
-            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 2, got {n!r}.")
-        n = self.max_model_len
-        if n is not None and (not _is_int(n) or n < 2):
-            raise ValueError(f"speculative_config.max_model_len must be an integer >= 2, got {n!r}.")
-        self._check_prompt_lookup()
-        self._check_table()
-
-    def _check_prompt_lookup(self) -> None:
-        # vLLM's rule: n-gram sizes are >= 1 and min <= max (an unset one takes the other's value).
-        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+        for name, least in (
+            ("disable_by_batch_size", 2),
+            ("max_model_len", 2),
+            ("prompt_lookup_min", 1),
+            ("prompt_lookup_max", 1),
+        ):
             n = getattr(self, name)
-            if n is not None and (not _is_int(n) or n < 1):
-                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {n!r}.")
+            if n is not None and (not _is_int(n) or n < least):
+                raise ValueError(f"speculative_config.{name} must be an integer >= {least}, got {n!r}.")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi}).")
-
-    def _check_table(self) -> None:
         table = self.num_speculative_tokens_per_batch_size
-        if table is None:
-            return
-        name = "speculative_config.num_speculative_tokens_per_batch_size"
-        if not isinstance(table, (list, tuple)):
-            raise ValueError(f"{name} must be a list of [min_batch, max_batch, k] rows, got {table!r}.")
-        for row in table:
-            if (
-                not isinstance(row, (list, tuple))
-                or len(row) != 3
-                or not all(_is_int(v) for v in row)
-                or row[0] < 0
-                or row[0] > row[1]
-                or row[2] < 0
-            ):
+        for row in () if table is None else table if isinstance(table, (list, tuple)) else [table]:
+            ok = isinstance(row, (list, tuple)) and len(row) == 3 and all(_is_int(v) for v in row)
+            if not ok or not 0 <= row[0] <= row[1] or row[2] < 0:
                 raise ValueError(
-                    f"{name} rows must be [min_batch, max_batch, k] integers with "
-                    f"0 <= min_batch <= max_batch and k >= 0, got {row!r}."
+                    "speculative_config.num_speculative_tokens_per_batch_size rows must be [min_batch, max_batch, k] "
+                    f"integers with 0 <= min_batch <= max_batch and k >= 0, got {row!r}."
                 )
 
     @classmethod
@@ -254,8 +220,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError("speculative_config must be a dict or a JSON object.")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(value) - names
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"speculative_config has unknown keys: {sorted(unknown)}.")
         if "method" not in value:
@@ -298,17 +263,12 @@ class EngineConfig:
         """Build from flat vLLM-style keyword arguments (LLM(...) and the CLI)."""
         kw = dict(kw)
         parts: dict[str, Any] = {}
-        for name, sub in (
-            ("model", ModelConfig),
-            ("cache", CacheConfig),
-            ("scheduler", SchedulerConfig),
-            ("parallel", ParallelConfig),
-        ):
+        subs = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+        for name, sub in subs.items():
             names = {f.name for f in dataclasses.fields(sub)}
             parts[name] = sub(**{k: kw.pop(k) for k in list(kw) if k in names})
         offload = kw.pop("kv_offload", None) or {}
-        # The CLI's flat names work as keywords too (LLM(kv_offload_cpu_bytes=...)), as every other
-        # engine setting is a flat keyword.
+        # the CLI's flat names work as keywords too (LLM(kv_offload_cpu_bytes=...))
         flat = {k[len("kv_offload_") :]: kw.pop(k) for k in list(kw) if k.startswith("kv_offload_")}
         if isinstance(offload, OffloadConfig):
             if flat:

@@ -1,21 +1,5 @@
-"""The one place where specserve reads environment variables.
-
-Every variable is read through a function, at call time (never at import), so tests can
-monkeypatch the environment and see the change. Other modules must not touch `os.environ` directly.
-
-| variable             | default                        | meaning                                    |
-| -------------------- | ------------------------------ | ------------------------------------------ |
-| SPECSERVE_CACHE      | $XDG_CACHE_HOME/specserve      | models, converted tokenizers, temp files   |
-|                      | (XDG_CACHE_HOME: ~/.cache)     |                                            |
-| SPECSERVE_GEMV_MAX_M | 4 (model/layers/triton_gemv.py) | rows up to which linears use the Triton   |
-|                      |                                | GEMV on CUDA; 0 = always cuBLAS            |
-| SPECSERVE_PDL        | 1 (kernels/pdl.py)             | 0: no programmatic dependent launch for    |
-|                      |                                | the decode path's Triton kernels (Hopper+) |
-| TRITON_INTERPRET     | unset                          | 1: Triton kernels run in its CPU           |
-|                      |                                | interpreter (kernel debugging, tests)      |
-| SPECSERVE_API_KEY    | unset (server/cli_args.py)     | the key `serve` requires when neither      |
-|                      |                                | --api-key nor --api-key-file is given      |
-"""
+"""The one place where specserve reads environment variables, each through a function at call time.
+SPECSERVE_CACHE, SPECSERVE_GEMV_MAX_M, SPECSERVE_PDL, TRITON_INTERPRET, SPECSERVE_API_KEY."""
 
 from __future__ import annotations
 
@@ -50,8 +34,7 @@ def gemv_max_m() -> int | None:
 
 
 def pdl() -> bool:
-    """SPECSERVE_PDL: 1 (default) lets the decode step's Triton kernels launch with programmatic
-    dependent launch where the GPU has it; 0 turns it off. Anything else is refused."""
+    """SPECSERVE_PDL: 1 (default) = programmatic dependent launch for the decode path's kernels; 0 = off."""
     value = _get("SPECSERVE_PDL")
     if value is not None and value not in ("0", "1"):
         raise ValueError(f"SPECSERVE_PDL must be 0 or 1, got {value!r}.")
@@ -64,6 +47,5 @@ def triton_interpret() -> bool:
 
 
 def api_key() -> str | None:
-    """SPECSERVE_API_KEY: the API key of `specserve serve` (and the key `bench` / `advise` send)
-    when none is given on the command line; an environment variable stays out of `ps`."""
+    """SPECSERVE_API_KEY: the key of `serve` (and of `bench` / `advise`) when no flag gives one."""
     return _get("SPECSERVE_API_KEY")

@@ -74,14 +74,13 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """vLLM's LLM.chat: each conversation through the chat template; outputs report the rendered
-        prompt. continue_final_message leaves the last (assistant) message open for the model to go on."""
+        """vLLM's LLM.chat: each conversation through the chat template; outputs report the rendered prompt.
+        continue_final_message leaves the last (assistant) message open for the model to go on."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        opts = (add_generation_prompt, chat_template, continue_final_message, chat_template_kwargs)
         prompts = []
         for c in conversations:
-            text = self._render_chat(
-                c, add_generation_prompt, chat_template, continue_final_message, chat_template_kwargs
-            )
+            text = self._render_chat(c, *opts)
             prompts.append({"prompt": text, "prompt_token_ids": self._encode_rendered(text)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -93,37 +92,24 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        return self._encode_rendered(
-            self._render_chat(
-                messages, add_generation_prompt, chat_template, continue_final_message, chat_template_kwargs
-            )
-        )
+        opts = (add_generation_prompt, chat_template, continue_final_message, chat_template_kwargs)
+        return self._encode_rendered(self._render_chat(messages, *opts))
 
     def _render_chat(
-        self,
-        messages: list[dict[str, str]],
-        add_generation_prompt: bool,
-        chat_template: str | None,
-        continue_final_message: bool,
-        chat_template_kwargs: dict[str, Any] | None,
+        self, messages: list[dict[str, str]], add_prompt: bool, template: str | None, cont: bool, kw: dict | None
     ) -> str:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so it has no chat template.")
         if not messages:
             raise ValueError("messages must not be empty.")
-        if continue_final_message and (add_generation_prompt or messages[-1].get("role") != "assistant"):
+        if cont and (add_prompt or messages[-1].get("role") != "assistant"):
             raise ValueError(
                 "continue_final_message needs add_generation_prompt=False and a last message from the assistant."
             )
-        opened = {"continue_final_message": True} if continue_final_message else {}
+        opened = {"continue_final_message": True} if cont else {}
         return tok.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
-            **opened,
-            **(chat_template_kwargs or {}),
+            messages, tokenize=False, add_generation_prompt=add_prompt, chat_template=template, **opened, **(kw or {})
         )
 
     def _encode_rendered(self, text: str) -> list[int]:

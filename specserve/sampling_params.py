@@ -1,14 +1,14 @@
-"""SamplingParams: how one request is sampled, with vLLM's names and meanings.
-
-Validated on construction: a bad value raises ValueError naming the field, so the engine
-never admits a request it cannot serve.
-"""
+"""SamplingParams: vLLM's names and meanings; a bad value raises ValueError naming the field."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -32,7 +32,6 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # Structured output (issue 8) is carried here so the API does not change later.
     structured_outputs: dict[str, Any] | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)
 
@@ -58,51 +57,40 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise bad(name, "must be a finite number")
-        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed"):
-            if isinstance(getattr(self, name), bool):
-                raise bad(name, "must be an integer, not a boolean")
-        if self.seed is not None and isinstance(self.seed, int) and not -(1 << 63) <= self.seed < (1 << 64):
-            raise bad("seed", "must fit in 64 bits")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
-        if self.temperature < 0.0:
-            raise bad("temperature", "must be non-negative")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "must be 0 or -1 (disabled), or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0.0:
-            raise bad("repetition_penalty", "must be greater than zero")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be at least 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be a non-negative integer")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "must be a non-negative integer")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int)
-            or isinstance(self.prompt_logprobs, bool)
-            or self.prompt_logprobs < 0
+        # (name, least, optional): integer counts
+        for name, least, optional in (
+            ("n", 1, False),
+            ("top_k", 0, False),
+            ("min_tokens", 0, False),
+            ("max_tokens", 1, True),
+            ("logprobs", 0, True),
+            ("prompt_logprobs", 0, True),
+            ("seed", -(1 << 63), True),
         ):
-            raise bad("prompt_logprobs", "must be a non-negative integer")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
-        if self.structured_outputs is not None:
-            from specserve.sample.structured import validate_structured_outputs
-
-            validate_structured_outputs(self.structured_outputs)
+            value = getattr(self, name)
+            if not (optional and value is None) and (not _is_int(value) or value < least):
+                raise bad(name, f"must be an integer >= {least}")
+        if self.seed is not None and self.seed >= 1 << 64:
+            raise bad("seed", "must fit in 64 bits")
+        for name, ok, why in (
+            ("temperature", self.temperature >= 0.0, "must be non-negative"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "must be greater than zero"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be <= max_tokens"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "must be token ids >= 0"),
+            # the grammar itself is compiled (a bad one rejected) by the engine on admission
+            (
+                "structured_outputs",
+                self.structured_outputs is None or isinstance(self.structured_outputs, dict),
+                "must be a dict",
+            ),
+        ):
+            if not ok:
+                raise bad(name, why)
 
     @property
     def greedy(self) -> bool:

@@ -1,18 +1,8 @@
-"""Rank 0's side of tensor parallelism: `TPExecutor`, a drop-in for `ModelRunner`.
+"""Rank 0's side of tensor parallelism: `TPExecutor`, a drop-in for `ModelRunner` that broadcasts each
+step's `HostBatch` on the control group, runs rank 0's own forward and returns its logits.
 
-The engine builds it instead of a ModelRunner when tensor_parallel_size > 1
-(`engine/setup.py`). `execute(sched, block_ids_of, need_hidden)` flattens the step into its
-`HostBatch`, broadcasts it on the control group, runs rank 0's own forward (the ranks meet in
-its all-reduces) and returns rank 0's logits, the only ones sampled. The scheduler, the KV block
-manager, the sampler, speculation and the server all live on rank 0 only.
-
-A dead rank never hangs the engine: before each step the children are polled; a rank that
-dies during a step fails rank 0's pending gloo send or collective at once (closed socket), and
-on CUDA rank 0 waits for the step's end by polling an event while it polls the children, so an
-NCCL kernel stuck on a dead peer is noticed within milliseconds (the process group is then
-aborted). The step raises `WorkerDiedError`; every later step raises it again; the engine loop
-dies with it, so the server's /health answers 503.
-"""
+A dead rank never hangs the engine: children are polled before each step, and on CUDA rank 0 polls the
+step's event and the children together; the step then raises `WorkerDiedError`, as does every later one."""
 
 from __future__ import annotations
 
@@ -28,10 +18,10 @@ from specserve.config import EngineConfig
 from specserve.distributed.launcher import WorkerProcs
 from specserve.distributed.parallel_state import TPGroup, adopt_default_group, init_tp_group, release_tp_group
 from specserve.distributed.tp import check_tp_size
-from specserve.distributed.worker import ShardRunner, Shutdown, StepMessage, build_rank_runner, release_cuda_graphs
+from specserve.distributed.worker import Shutdown, StepMessage, build_rank_runner, release_cuda_graphs
 from specserve.model.arch import ModelArch
 from specserve.runner.batch import build_host_batch
-from specserve.runner.model_runner import StepOutput
+from specserve.runner.model_runner import ModelRunner, StepOutput
 from specserve.scheduler.scheduler import SchedulerOutput
 
 # One step (a forward and its collectives) must finish within this; a first step that compiles
@@ -56,7 +46,7 @@ class _Shared:
         self.closed = False
         # The executor, weakly (a strong reference would keep it alive until exit): its CUDA graphs
         # must go before the groups.
-        self.runner: weakref.ref[ShardRunner] | None = None
+        self.runner: weakref.ref[ModelRunner] | None = None
 
     def release(self) -> None:
         """Kill what is left of the workers and drop graphs and groups; never blocks for long."""
@@ -91,7 +81,7 @@ class _Shared:
                 self.lock.release()
 
 
-class TPExecutor(ShardRunner):
+class TPExecutor(ModelRunner):
     """Rank 0's runner: same interface as ModelRunner; also drives ranks 1..N-1."""
 
     accepts_pending = False  # steps are broadcast as host batches: no placeholder fill
@@ -125,8 +115,7 @@ class TPExecutor(ShardRunner):
         return out
 
     def close(self) -> None:
-        """Stop the workers (a Shutdown message, or kill after a failure) and drop the groups.
-        Also runs when the executor is garbage-collected or the interpreter exits."""
+        """Stop the workers (a Shutdown message, or kill after a failure) and drop the groups."""
         self._finalizer()
 
     # -- failure detection ----------------------------------------------------------------------
@@ -163,9 +152,7 @@ class TPExecutor(ShardRunner):
         shared = self._shared
         dead = ""
         if self.procs is not None:
-            # A killed rank's sockets close a moment before its exit can be observed: give it that
-            # moment, so the error names the rank rather than the broken connection.
-            self.procs.wait_any_dead(1.0)
+            self.procs.wait_any_dead(1.0)  # sockets close a moment before the exit shows: name the rank
             dead = self.procs.describe_dead()
         if isinstance(error, WorkerDiedError):
             shared.broken = str(error)
@@ -196,8 +183,7 @@ def check_tp_config(config: EngineConfig) -> None:
     spec = config.speculative
     if spec is not None and spec.method in ("eagle", "eagle3"):
         raise ValueError(
-            f"speculative_config.method {spec.method!r} is not supported with "
-            "tensor_parallel_size > 1 (the head reuses the sharded embedding and LM head); "
+            f"speculative_config.method {spec.method!r} is not supported with tensor_parallel_size > 1; "
             "use 'ngram' or 'draft_model'."
         )
 
@@ -240,18 +226,11 @@ def build_tp_executor(config: EngineConfig, device: torch.device, dtype: torch.d
         device0 = devices[0]
         if device0.type == "cuda":
             torch.cuda.set_device(device0)
-        procs = WorkerProcs.start(
-            config, config.parallel.tensor_parallel_size, devices, STEP_TIMEOUT_S, START_TIMEOUT_S
-        )
+        tp = config.parallel.tensor_parallel_size
+        procs = WorkerProcs.start(config, tp, devices, STEP_TIMEOUT_S, START_TIMEOUT_S)
         try:
             procs.wait_for_hello(START_TIMEOUT_S)
-            group = init_tp_group(
-                procs.store,
-                0,
-                config.parallel.tensor_parallel_size,
-                device0,
-                datetime.timedelta(seconds=STEP_TIMEOUT_S),
-            )
+            group = init_tp_group(procs.store, 0, tp, device0, datetime.timedelta(seconds=STEP_TIMEOUT_S))
         except BaseException:
             procs.terminate()
             raise

@@ -1,11 +1,5 @@
-"""Start the ranks > 0 of a tensor-parallel engine as child processes, and watch them.
-
-Rank 0 (the engine's own process) hosts the rendezvous store on a free port, so there is no
-pick-a-port race, and starts one fresh interpreter per rank (the same `sys.executable` and
-`sys.path`; the rank's arguments pickled on stdin). Fresh interpreters, unlike
-multiprocessing's spawn, do not re-import the user's `__main__`, so scripts that build an `LLM`
-at top level work as they are. Liveness is a `poll()`; that is how the engine notices a dead rank.
-"""
+"""Start the ranks > 0 of a tensor-parallel engine as fresh interpreters (no re-import of the user's
+`__main__`), with the rendezvous store on rank 0, and watch them (`poll()`)."""
 
 from __future__ import annotations
 
@@ -41,32 +35,15 @@ class WorkerProcs:
         start_timeout_s: float,
     ) -> WorkerProcs:
         """devices[r]: rank r's device. Returns once the processes run (not yet joined)."""
-        store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            world_size,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=start_timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=start_timeout_s)
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
         threads = max(1, (os.cpu_count() or 1) // world_size)
+        rest = (step_timeout_s, start_timeout_s, threads, os.getpid())
         procs: dict[int, subprocess.Popen] = {}
         try:
             for rank in range(1, world_size):
-                args = WorkerArgs(
-                    config,
-                    rank,
-                    world_size,
-                    "127.0.0.1",
-                    store.port,
-                    str(devices[rank]),
-                    step_timeout_s,
-                    start_timeout_s,
-                    threads,
-                    os.getpid(),
-                )
-                # A session of its own: Ctrl-C in the terminal reaches rank 0 only, which drains
-                # its requests and then stops the workers (they must outlive the drain).
+                args = WorkerArgs(config, rank, world_size, "127.0.0.1", store.port, str(devices[rank]), *rest)
+                # A session of its own: Ctrl-C reaches rank 0 only, which drains, then stops the workers.
                 proc = subprocess.Popen(
                     [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path)],
                     stdin=subprocess.PIPE,

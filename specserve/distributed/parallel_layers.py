@@ -1,14 +1,6 @@
-"""Tensor-parallel layers, built by slicing the full layers of an already-loaded model.
-
-Megatron layout: a column-parallel linear keeps a slice of the output features (each rank
-computes its heads' q, k, v, or its slice of gate and up) and needs no communication; the
-row-parallel linear after it keeps the matching slice of the input features, and one
-all-reduce sums the ranks' partial outputs. So each attention block and each MLP block costs one
-all-reduce. The vocabulary is split in contiguous row ranges (padded to equal sizes): the
-embedding all-reduces masked lookups, the LM head all-gathers its logit columns.
-
-All slices are copied (`clone`), so the full tensors they came from can be freed.
-"""
+"""Tensor-parallel layers (Megatron layout), built by slicing (cloning) the full layers of a loaded model:
+column-parallel linears need no communication, row-parallel ones one all-reduce; the vocabulary is split
+in padded contiguous ranges (the embedding all-reduces, the LM head all-gathers)."""
 
 from __future__ import annotations
 
@@ -22,11 +14,7 @@ from specserve.distributed.parallel_state import TPGroup
 
 
 def shard_range(size: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Rank's contiguous [start, end) of `size` items split as evenly as possible.
-
-    With size divisible by world_size every rank gets size // world_size (whole heads when size
-    is num_heads * head_dim and num_heads divides); otherwise the first ranks get one more.
-    """
+    """Rank's contiguous [start, end) of `size` items split as evenly as possible."""
     return size * rank // world_size, size * (rank + 1) // world_size
 
 
@@ -40,12 +28,7 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W_r^T (+ b_r): this rank's output features. x [T, in] -> [T, sum(local part sizes)].
-
-    `part_sizes` names the fused parts of the full output ([q | k | v], [gate | up]); each part is
-    sliced on its own, so the local output is [q_r | k_r | v_r] and code that splits the fused
-    output by the per-rank sizes works unchanged.
-    """
+    """y = x W_r^T (+ b_r): this rank's output features."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -73,9 +56,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_r W_r^T) + b: x_r [T, local in] is this rank's slice of the input
-    features (the output of a column-parallel layer); y [T, out] is the full output on every rank.
-    """
+    """y = all_reduce(x_r W_r^T) + b: x_r [T, local in] is this rank's slice of the input features (the output of a
+    column-parallel layer); y [T, out] is the full output on every rank."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: TPGroup) -> None:
         super().__init__()
@@ -131,12 +113,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """Logits of this rank's vocabulary rows, all-gathered: hidden [N, hidden] -> [N, vocab] float32.
-
-    Every rank gets the full logits (one symmetric collective, which CUDA graphs capture like any
-    other); only rank 0 samples from them. The gather moves the model dtype and converts after,
-    so each logit is rounded exactly as the unsharded head rounds it.
-    """
+    """Logits of this rank's vocabulary rows, all-gathered: hidden [N, hidden] -> [N, vocab] float32."""
 
     def __init__(self, weight: nn.Parameter, vocab_size: int, group: TPGroup) -> None:
         super().__init__()

@@ -1,17 +1,6 @@
-"""Process groups for tensor parallelism: who talks to whom, over what, with which timeouts.
-
-Two groups over the same ranks:
-  - `device_group`: the model's collectives (all-reduce after row-parallel layers, the vocabulary
-    all-gather). NCCL on GPUs, gloo on the CPU. Its timeout bounds one step.
-  - `cpu_group`: always gloo; carries the control messages (the step's flat batch, shutdown) and
-    the start-up agreements (number of KV blocks). Workers wait on it while the engine is idle,
-    so its timeout is long; a dead peer still shows up at once, because gloo fails a pending
-    send/recv as soon as the peer's socket closes ("Connection closed by peer").
-
-specserve reads no environment variable here: spawned workers get their rank and the store
-address as arguments; under `torchrun` the default process group is initialized by the caller
-(torch's own `env://` rendezvous) and adopted with `adopt_default_group`.
-"""
+"""Process groups for tensor parallelism over the same ranks: `device_group` (the model's collectives; NCCL
+on GPUs, gloo on the CPU; its timeout bounds one step) and `cpu_group` (gloo: control messages and
+start-up agreements; long timeout, a dead peer still fails a pending send at once)."""
 
 from __future__ import annotations
 
@@ -25,8 +14,7 @@ import torch.distributed as dist
 
 # Long enough for any idle period of a server; dead peers are detected by closed sockets, not this.
 IDLE_TIMEOUT = datetime.timedelta(days=30)
-# The first bytes of every control message travel in one fixed-size broadcast; a larger message
-# (big batches: block tables) sends its remainder in a second one.
+# Control messages travel in one fixed-size broadcast; a larger one sends its remainder in a second.
 _CONTROL_HEAD_BYTES = 1 << 14
 
 
@@ -40,11 +28,6 @@ class TPGroup:
     device_group: dist.ProcessGroup
     cpu_group: dist.ProcessGroup
     owns_default_group: bool = True  # False when adopted from a launcher (torchrun)
-
-    @property
-    def is_driver(self) -> bool:
-        """Rank 0 runs the scheduler, the sampler and the server; the others only run forwards."""
-        return self.rank == 0
 
     # -- model collectives (device group) ------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,10 +78,6 @@ class TPGroup:
         dist.barrier(group=self.cpu_group)
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def init_tp_group(
     store: dist.Store, rank: int, world_size: int, device: torch.device, step_timeout: datetime.timedelta
 ) -> TPGroup:
@@ -108,7 +87,7 @@ def init_tp_group(
             "a torch.distributed process group already exists in this process: close the "
             "other tensor-parallel engine first (llm.engine.runner.close())."
         )
-    backend = backend_for(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
     kw = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=step_timeout, **kw)
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
@@ -129,8 +108,7 @@ def adopt_default_group(device: torch.device) -> TPGroup:
 
 
 def _warm_up(group: TPGroup, device: torch.device) -> None:
-    """NCCL builds its communicator on the first collective; that must not happen inside a CUDA
-    graph capture, so run one now (and check that both groups work)."""
+    """One collective now: NCCL builds its communicator on the first, which must not be in a graph capture."""
     group.barrier()
     x = torch.ones(1, device=device)
     group.all_reduce(x)
@@ -141,14 +119,8 @@ def _warm_up(group: TPGroup, device: torch.device) -> None:
 
 
 def release_tp_group(group: TPGroup, timeout_s: float = 10.0) -> bool:
-    """Drop the groups without waiting on any other rank, within `timeout_s`; True when done.
-
-    NCCL: abort, never destroy: `destroy_process_group` ends in ncclCommDestroy, which can hang for
-    good once CUDA graphs captured collectives (pytorch#115388), and which waits on a dead peer's
-    unfinished kernels; ncclCommAbort is local and also ends kernels stuck on a dead peer. Gloo:
-    destroy (local). Runs on a daemon thread, so even a stuck teardown cannot block the caller.
-    A group adopted from a launcher (torchrun) is the launcher's to release.
-    """
+    """Drop the groups without waiting on any other rank, within `timeout_s`; True when done. NCCL: abort,
+    never destroy (ncclCommDestroy can hang once graphs captured collectives, pytorch#115388)."""
     if not group.owns_default_group or not dist.is_initialized():
         return True
 

@@ -1,18 +1,6 @@
-"""Shard an already-built CausalLM for tensor parallelism, from the outside.
-
-Every rank loads the full weights (the same checkpoint, or the same seeded dummy weights, so
-every rank holds the same function), then `shard_model` swaps each layer for its parallel twin
-holding this rank's slice and frees the rest. Loading whole and slicing keeps the loaders
-unchanged; its cost is one full copy of the weights per rank while loading.
-
-  qkv_proj [q | k | v]   -> ColumnParallelLinear: this rank's q heads, then its KV heads' k and v
-  o_proj                 -> RowParallelLinear (all-reduce)
-  gate_up_proj [g | u]   -> ColumnParallelLinear: this rank's slice of gate, then of up
-  down_proj              -> RowParallelLinear (all-reduce)
-  embed_tokens           -> VocabParallelEmbedding (all-reduce)
-  LM head (or the tied embedding) -> ParallelLMHead (all-gather), via CausalLM.logits_head
-Norms and the RoPE table stay whole (replicated): every rank holds the full hidden state.
-"""
+"""Shard an already-built CausalLM for tensor parallelism: every rank loads the full weights, then
+`shard_model` swaps qkv / gate_up for column-parallel and o / down for row-parallel linears, the embedding
+and LM head for vocabulary-parallel ones. Norms and RoPE stay replicated."""
 
 from __future__ import annotations
 
@@ -29,21 +17,11 @@ from specserve.model.llama import CausalLM
 
 def check_tp_size(arch: ModelArch, tensor_parallel_size: int) -> None:
     """ValueError unless the attention heads and the KV heads split evenly over the ranks."""
-    tp = tensor_parallel_size
-    if arch.num_heads % tp:
-        raise ValueError(
-            f"tensor_parallel_size {tp} must divide the model's {arch.num_heads} attention heads "
-            f"(try one of {_divisors(arch.num_heads, arch.num_kv_heads)})."
-        )
-    if arch.num_kv_heads % tp:
-        raise ValueError(
-            f"tensor_parallel_size {tp} must divide the model's {arch.num_kv_heads} KV heads "
-            f"(try one of {_divisors(arch.num_heads, arch.num_kv_heads)})."
-        )
-
-
-def _divisors(a: int, b: int) -> list[int]:
-    return [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]
+    tp, a, b = tensor_parallel_size, arch.num_heads, arch.num_kv_heads
+    for n, what in ((a, "attention heads"), (b, "KV heads")):
+        if n % tp:
+            fits = [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]
+            raise ValueError(f"tensor_parallel_size {tp} must divide the model's {n} {what} (try one of {fits}).")
 
 
 def shard_model(model: CausalLM, rank: int, world_size: int, group: TPGroup) -> CausalLM:

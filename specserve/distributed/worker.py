@@ -1,15 +1,5 @@
-"""The rank side of tensor parallelism: what every rank builds, and the loop ranks > 0 run.
-
-Every rank runs `build_rank_runner` with the same config, in the same order: load the full
-model, shard it, profile memory, agree on the number of KV blocks, capture CUDA graphs. Their
-collectives therefore pair up without any extra messages. Then rank 0 goes on to serve (it owns the
-scheduler and the sampler; see executor.py) and ranks > 0 enter `serve_steps`: receive a step's
-flat batch (`HostBatch`) on the control group, run the forward on their shard of the weights and
-of the KV heads, join its all-reduces, discard the logits; until a `Shutdown`.
-
-A spawned worker is started by executor.py as `python -c _BOOTSTRAP '<sys.path as JSON>'` with its
-`WorkerArgs` pickled on stdin (a fresh interpreter, so scripts need no `__main__` guard).
-"""
+"""The rank side of tensor parallelism: every rank runs `build_rank_runner` (load, shard, profile, agree on
+KV blocks, capture graphs) in the same order, so collectives pair up; ranks > 0 then run `serve_steps`."""
 
 from __future__ import annotations
 
@@ -27,15 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from specserve.attention.base import ForwardContext, forward_context
 from specserve.config import EngineConfig
 from specserve.distributed.parallel_state import TPGroup, init_tp_group
 from specserve.distributed.tp import shard_model
 from specserve.model.loader import LoadedModel, resolve_dtype
-from specserve.runner.batch import BatchInputs, HostBatch, build_host_batch
+from specserve.runner.batch import HostBatch
 from specserve.runner.build import build_runner
-from specserve.runner.model_runner import ModelRunner, StepOutput
-from specserve.scheduler.scheduler import SchedulerOutput
+from specserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -73,49 +61,12 @@ def hello_key(rank: int) -> str:
     return f"specserve/tp/hello/{rank}"
 
 
-class ShardRunner(ModelRunner):
-    """A ModelRunner that runs a step from its flat batch: the worker gets no SchedulerOutput.
-
-    `execute_host` repeats ModelRunner.execute after its build_host_batch line (minus the EAGLE
-    graph outputs: EAGLE is refused with tensor parallelism). Once ModelRunner has its own
-    execute_host, this class reduces to nothing.
-    """
-
-    def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False) -> StepOutput:
-        return self.execute_host(build_host_batch(sched, block_ids_of, self.block_size), need_hidden)
-
-    @torch.inference_mode()
-    def execute_host(self, host: HostBatch, need_hidden: bool = False) -> StepOutput:
-        """Same path as ModelRunner.execute. The graph key is a function of `host` and of the
-        captured sizes, which every rank shares, so all ranks replay the same graph."""
-        key = self.graphs.graph_key(host) if self.graphs is not None and not need_hidden else None
-        if key is not None:
-            logits = self.graphs.run(host, key)  # [host.num_tokens, vocab]
-            batch = BatchInputs(None, None, None, None, host.logit_rows)
-            if len(host.logits_indices) != host.num_tokens:
-                batch = host.to_device(self.device, self.staging, only_logits=True)
-                logits = logits.index_select(0, batch.logits_indices)
-            return StepOutput(logits, None, batch, host=host)
-        batch = host.to_device(self.device, self.staging)
-        with forward_context(ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)):
-            hidden = self.model(batch.input_ids, batch.positions)
-        aux = None
-        if isinstance(hidden, tuple):
-            hidden, aux = hidden
-        rows = hidden.index_select(0, batch.logits_indices)  # [num_logit_rows, hidden]
-        out = StepOutput(self.model.compute_logits(rows), rows, batch)
-        if need_hidden:
-            out.all_hidden, out.aux_hidden = hidden, aux
-        out.host = host
-        return out
-
-
 def build_rank_runner(
     config: EngineConfig,
     group: TPGroup,
     device: torch.device,
     progress: bool,
-    make_runner: Callable[..., ModelRunner] = ShardRunner,
+    make_runner: Callable[..., ModelRunner] = ModelRunner,
 ) -> ModelRunner:
     """Load, shard, size the KV pool and capture graphs: the same collectives on every rank."""
     dtype = resolve_dtype(config.model.dtype, device)
@@ -134,8 +85,7 @@ def build_rank_runner(
 
 
 def release_cuda_graphs(runner: ModelRunner) -> None:
-    """Free the runner's CUDA graphs: graphs holding captured NCCL collectives must be gone before
-    the communicator is (pytorch#115388). The runner runs eagerly afterwards."""
+    """Free the runner's CUDA graphs, before the communicator (pytorch#115388); it runs eagerly afterwards."""
     graphs, runner.graphs = runner.graphs, None
     if graphs is None:
         return
@@ -146,13 +96,9 @@ def release_cuda_graphs(runner: ModelRunner) -> None:
     graphs.outputs.clear()
 
 
-def serve_steps(runner: ShardRunner, group: TPGroup) -> None:
-    """Ranks > 0: run every step rank 0 broadcasts, until Shutdown.
-
-    No synchronization per step: the staging buffers are rewritten only after the next message,
-    and rank 0 sends that only once this step's logits all-gather, which follows this rank's
-    input copies on its stream, has completed.
-    """
+def serve_steps(runner: ModelRunner, group: TPGroup) -> None:
+    """Ranks > 0: run every step rank 0 broadcasts, until Shutdown. No sync per step: rank 0 sends the next
+    message only after this step's logits all-gather, which follows this rank's input copies."""
     while True:
         msg = group.broadcast_object(None)
         if isinstance(msg, Shutdown):
@@ -181,13 +127,8 @@ def run_worker(args: WorkerArgs) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore(
-        args.store_host,
-        args.store_port,
-        args.world_size,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=args.start_timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=args.start_timeout_s)
+    store = dist.TCPStore(args.store_host, args.store_port, args.world_size, is_master=False, timeout=timeout)
     store.set(hello_key(args.rank), "up")
     group = init_tp_group(store, args.rank, args.world_size, device, datetime.timedelta(seconds=args.step_timeout_s))
     runner = build_rank_runner(args.config, group, device, progress=False)
@@ -205,11 +146,7 @@ def main() -> None:
         code = run_worker(args)
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
-            print(
-                f"specserve tensor-parallel rank {args.rank} failed:\n{traceback.format_exc()}",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"specserve tensor-parallel rank {args.rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
         os._exit(1)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,14 +1,8 @@
 """AsyncEngine: the synchronous Engine driven by one background thread, for the asyncio server.
 
-Threading contract (the reason this file exists):
-  * Every call into `Engine` happens on the engine thread. The asyncio side never touches the
-    engine directly; it enqueues commands (add / abort) and the engine thread applies them
-    between steps. Torch releases the GIL in the forward pass, so the event loop stays responsive.
-  * Outputs travel back with one `loop.call_soon_threadsafe` per step (not one per request).
-  * Streams are registered, delivered to and removed only on the event loop thread, so the
-    stream table needs no lock. The command list is the only shared structure (under `_cond`).
-  * When idle the engine thread sleeps on `_cond`; there is no busy loop.
-"""
+Threading contract: every call into `Engine` happens on the engine thread (the asyncio side enqueues
+add / abort commands, applied between steps; the command list under `_cond` is the only shared state);
+outputs go back with one `loop.call_soon_threadsafe` per step; streams live on the event loop thread only."""
 
 from __future__ import annotations
 
@@ -56,11 +50,7 @@ class _AbortCommand(NamedTuple):
 
 
 class RequestStream:
-    """Outputs of one or more admitted requests (a batch or a single prompt), on the loop thread.
-
-    Updates are coalesced per request id: outputs are cumulative, so a slow consumer only ever
-    needs the newest one, and memory stays bounded by the number of requests.
-    """
+    """Outputs of one or more admitted requests (a batch or a single prompt), on the loop thread."""
 
     def __init__(self, owner: AsyncEngine, request_ids: Sequence[str]) -> None:
         self._owner = owner
@@ -102,11 +92,8 @@ class RequestStream:
             self._owner._unregister([rid])
         return output
 
-    async def aclose(self) -> None:
-        """Abort whatever has not finished (client went away); safe to call more than once."""
-        self.close()
-
     def close(self) -> None:
+        """Abort whatever has not finished (client went away); safe to call more than once."""
         if self._pending:
             ids = list(self._pending)
             self._pending.clear()
@@ -151,8 +138,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ asyncio side
     def encode(self, text: str) -> list[int]:
-        """Tokenize as the engine does for a text prompt. The one engine call allowed off the
-        engine thread: it only reads the tokenizer (HF fast tokenizers are safe to share)."""
+        """Tokenize as the engine does for a text prompt."""
         return self._engine.encode(text)
 
     def decode(self, token_ids: list[int]) -> str:
@@ -170,11 +156,7 @@ class AsyncEngine:
             raise EngineDeadError("engine loop is not running")
 
     async def add_requests(self, requests: Sequence[RequestSpec]) -> RequestStream:
-        """Admit all of `requests` or none of them; return their (merged) output stream.
-
-        Raises ValueError (bad input, message names the field), EngineOverloadedError, or
-        EngineDeadError before anything streams.
-        """
+        """Admit all of `requests` or none of them; return their (merged) output stream."""
         if not self._accepting:
             raise EngineDeadError("server is shutting down")
         await self.check_health()
@@ -219,11 +201,7 @@ class AsyncEngine:
             self._submit(_AbortCommand(ids))
 
     async def drain(self, timeout: float) -> None:
-        """Stop accepting; give in-flight requests `timeout` s to finish, then abort the rest.
-
-        Aborted streams stay registered, so they end normally with finish_reason "abort" (the
-        HTTP responses complete instead of being cancelled by the web server).
-        """
+        """Stop accepting; give in-flight requests `timeout` s to finish, then abort the rest."""
         self._accepting = False
         deadline = time.monotonic() + timeout
         while self._streams and self._dead is None and time.monotonic() < deadline:
@@ -335,10 +313,7 @@ class AsyncEngine:
                 self._admit(cmd)
 
     def _admit(self, cmd: _AddCommand) -> None:
-        """Add every request of `cmd` or, on the first error, roll back the ones already added.
-
-        The rollback runs before any step, so a rolled-back request never produced a token.
-        """
+        """Add every request of `cmd` or, on the first error, roll back the ones already added."""
         limit = self.max_num_queued_requests
         num_new = sum(spec.params.n for spec in cmd.requests)  # the scheduler queues each of n
         if limit is not None and self._engine.num_would_wait(num_new) > limit:

@@ -1,28 +1,10 @@
-"""Asynchronous scheduling: the host prepares step N+1 while the GPU still runs step N.
+"""Asynchronous scheduling, the alternative to `Engine.step_sync`: the host prepares step N+1 while the GPU
+runs step N. One `AsyncLoop.step()`: schedule N+1 (a request sampling in N holds a PLACEHOLDER token);
+launch N+1's forward (placeholders read N's sampled tokens on the device); resolve N (stop checks,
+detokenize, finish); sample N+1 after that, so penalties, min_tokens and grammar masks stay exact.
 
-The alternative to `Engine.step_sync`, used when `async_scheduling` is on. One `AsyncLoop.step()`:
-
-  1. schedule step N+1. A request that samples in step N holds a PLACEHOLDER as its last token, so
-     the scheduler treats it like any known token (scheduler/request.py);
-  2. launch N+1's forward; the runner reads each placeholder's input id from step N's sampled
-     tokens, on the device (runner/batch.py PendingTokens);
-  3. advance: N+1's tokens count as computed, each row N+1 samples gets a placeholder;
-  4. resolve step N: its tokens were copied to pinned memory right after sampling, so waiting for
-     them does not wait for N+1. Then the usual update: stop checks, detokenize, finish. A request
-     that finished drops N+1's placeholder, and its row of N+1 is never sampled;
-  5. sample N+1 on the device, after step 4: penalties, min_tokens and grammar masks see the whole
-     resolved history, so every sampling feature stays exact. Start the copy of its tokens.
-
-The output is the synchronous loop's (greedy, seeded); a request that stops on a token the host had
-not seen yet (EOS, a stop string) costs one extra forward row, and its step's outputs come out one
-step() call later. Not with tensor parallelism.
-
-With speculative decoding, proposers need the host to know the tokens, so only steps that verify no
-drafts overlap: after a proposal of k = 0, and then as long as the controller, asked once per step,
-keeps choosing 0 (at high load, say). When it chooses k > 0 the step in flight is resolved, the
-proposer drafts from it (its hidden states are still there for EAGLE heads), and the next steps run
-synchronously (`Engine.step_sync`) until k is 0 again.
-"""
+Outputs equal the synchronous loop's. With speculation only steps that verify no drafts overlap: when the
+controller chooses k > 0 the step in flight is resolved and steps run synchronously until k is 0 again."""
 
 from __future__ import annotations
 

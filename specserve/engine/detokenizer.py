@@ -1,9 +1,5 @@
-"""Incremental detokenization with stop strings; never emits a broken UTF-8 character.
-
-Decoding a window of recent tokens twice (with and without the newest ones) and emitting the
-difference keeps leading-space and multi-byte handling right for byte-level and sentencepiece
-tokenizers alike; a window that ends in U+FFFD waits for the next token.
-"""
+"""Incremental detokenization with stop strings: decode a window of recent tokens with and without the
+newest ones and emit the difference; a window ending in U+FFFD waits (no broken UTF-8 character)."""
 
 from __future__ import annotations
 
@@ -40,8 +36,7 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
 
     def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> str | None:
-        """Append tokens; returns the stop string that matched (text is then cut), else None.
-        check_stop False: no stop string may end the text yet (min_tokens not reached)."""
+        """Append tokens; returns the stop string that matched (text is then cut), else None."""
         if self.tokenizer is None:
             return None
         if self._stream is not None:

@@ -1,9 +1,5 @@
-"""Engine: add requests, step the scheduler and the model, return outputs.
-
-step() reads like the request flow in DESIGN.md: schedule -> runner forward -> sample (or verify
-drafts) -> scheduler update (detokenize, stop checks) -> speculation's after-step hook -> stats.
-With asynchronous scheduling, step() is the alternative loop of engine/async_loop.py.
-"""
+"""Engine: add requests; step() = schedule -> runner forward -> sample (or verify drafts) -> scheduler
+update (detokenize, stop checks) -> speculation's after-step hook -> stats (DESIGN.md's request flow)."""
 
 from __future__ import annotations
 
@@ -22,10 +18,11 @@ from specserve.engine.output_processor import (
     record_finished,
     request_output,
 )
-from specserve.engine.setup import EngineParts, build_engine_parts
+from specserve.engine.setup import build_engine_parts
 from specserve.engine.validate import resolve_max_tokens, resolve_prompt
 from specserve.outputs import RequestOutput
 from specserve.runner.batch import PendingTokens
+from specserve.runner.build import EngineParts
 from specserve.runner.model_runner import StepOutput
 from specserve.runner.prompt_logprobs import plan_prompt_logprobs
 from specserve.sample.metadata import SamplingMetadata
@@ -42,11 +39,8 @@ class Engine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
         parts: EngineParts = build_engine_parts(config, progress)
-        self.device = parts.device
-        self.loaded = parts.loaded
-        self.tokenizer = parts.loaded.tokenizer
-        self.model_name = parts.loaded.name
-        self.max_model_len = parts.loaded.max_model_len
+        self.device, self.loaded, self.tokenizer = parts.device, parts.loaded, parts.loaded.tokenizer
+        self.model_name, self.max_model_len = parts.loaded.name, parts.loaded.max_model_len
         self.vocab_size = parts.loaded.arch.vocab_size
         self.runner, self.kv, self.scheduler = parts.runner, parts.kv, parts.scheduler
         self.sampler, self.stats = parts.sampler, parts.stats
@@ -86,24 +80,17 @@ class Engine:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, text, token_ids, [], [], arrival, params.logprobs)
         for i in range(params.n):
-            child_params = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
+            cp = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             gen = None
-            if child_params.seed is not None and not child_params.greedy:
-                gen = torch.Generator(device=self.device).manual_seed(child_params.seed)
-            req = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival, gen)
+            if cp.seed is not None and not cp.greedy:
+                gen = torch.Generator(device=self.device).manual_seed(cp.seed)
+            req = Request(child_id, token_ids, cp, max_tokens, self.eos_token_ids, arrival, gen)
             if i == 0 and params.prompt_logprobs is not None:  # the prompt is shared: score it once
                 req.prompt_logprobs = [None]
             group.children.append(req)
-            group.detoks.append(
-                IncrementalDetokenizer(
-                    self.tokenizer,
-                    token_ids,
-                    child_params.stop,
-                    child_params.include_stop_str_in_output,
-                    child_params.skip_special_tokens,
-                )
-            )
+            detok_args = (cp.stop, cp.include_stop_str_in_output, cp.skip_special_tokens)
+            group.detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, *detok_args))
         self.groups[request_id] = group
         for i, req in enumerate(group.children):
             self._child_to_group[req.request_id] = (group, i)
@@ -172,9 +159,7 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.async_loop is not None:
-            return self.async_loop.step()
-        return self.step_sync()
+        return self.async_loop.step() if self.async_loop is not None else self.step_sync()
 
     def step_sync(self) -> list[RequestOutput]:
         """One synchronous step: schedule -> execute -> sample/verify -> update -> speculation."""
@@ -195,11 +180,9 @@ class Engine:
         return outputs
 
     def execute(self, sched: SchedulerOutput, pending: PendingTokens | None) -> StepOutput:
-        """The forward of a scheduled step (preempted requests leave the proposer first). pending: input
-        ids still on the device (drafts, or asynchronous scheduling's sampled tokens)."""
-        for req in sched.preempted:
-            if self.spec is not None:
-                self.spec.on_preempted(req)
+        """The forward of a scheduled step (preempted requests leave the proposer first)."""
+        for req in sched.preempted if self.spec is not None else ():
+            self.spec.on_preempted(req)
         need_hidden = self.spec is not None and self.spec.proposer.needs_target_hidden
         plan = plan_prompt_logprobs(sched)
         kw: dict = {}  # (the tensor-parallel executor takes neither)
@@ -257,18 +240,13 @@ class Engine:
 
     @staticmethod
     def _plain_greedy(reqs: list[Request]) -> bool:
-        for r in reqs:
-            p = r.params
-            if (
-                not p.greedy
-                or p.logprobs is not None
-                or p.repetition_penalty != 1.0
-                or p.presence_penalty
-                or p.frequency_penalty
-                or r.num_output_tokens < p.min_tokens
-            ):
-                return False
-        return True
+        return all(
+            (p := r.params).greedy
+            and p.logprobs is None
+            and r.num_output_tokens >= p.min_tokens
+            and (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
+            for r in reqs
+        )
 
     @staticmethod
     def store_logprobs(reqs: Sequence[Request | None], lp: LogprobsTensors) -> None:
@@ -392,10 +370,8 @@ class Engine:
 
 
 def _stop_string(detok, tokens: list[int], num_before: int, min_tokens: int) -> tuple[str | None, int]:
-    """Feed a step's new tokens to the detokenizer one at a time, as plain decoding would: (the stop
-    string that matched or None, how many tokens up to and including the one that completed it). With
-    speculation a step accepts several tokens; those after a stop string are not part of the output.
-    num_before: output tokens before these; stop strings count only past min_tokens (vLLM's rule)."""
+    """Feed a step's new tokens to the detokenizer one at a time, as plain decoding would: (the stop string that
+    matched or None, how many tokens up to and including the one that completed it)."""
     for i, tok in enumerate(tokens):
         stop = detok.add_tokens([tok], check_stop=num_before + i + 1 > min_tokens)
         if stop is not None:
@@ -404,7 +380,6 @@ def _stop_string(detok, tokens: list[int], num_before: int, min_tokens: int) -> 
 
 
 def _use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    """On by default on CUDA; not with tensor parallelism. With speculation only the steps that
-    verify no drafts overlap (engine/async_loop.py)."""
+    """On by default on CUDA; not with tensor parallelism."""
     asked = config.scheduler.async_scheduling  # with tensor parallelism refused by EngineConfig
     return (device.type == "cuda" and config.parallel.tensor_parallel_size == 1) if asked is None else asked

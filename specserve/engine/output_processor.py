@@ -57,15 +57,9 @@ def completion_output(
             {tid: Logprob(lp, rank, _decode_one(tokenizer, tid)) for tid, (lp, rank) in step.items()}
             for step in req.logprobs
         ]
-    return CompletionOutput(
-        index=index,
-        text=detok.visible_text(finished),
-        token_ids=list(req.output_token_ids),
-        cumulative_logprob=req.cumulative_logprob if with_logprobs else None,
-        logprobs=logprobs,
-        finish_reason=req.status.value if finished else None,
-        stop_reason=req.stop_reason,
-    )
+    text, ids, cum = detok.visible_text(finished), list(req.output_token_ids), req.cumulative_logprob
+    reason = req.status.value if finished else None
+    return CompletionOutput(index, text, ids, cum if with_logprobs else None, logprobs, reason, req.stop_reason)
 
 
 def _decode_one(tokenizer: Any, token_id: int) -> str | None:
@@ -78,23 +72,10 @@ def request_output(group: RequestGroup, tokenizer: Any) -> RequestOutput:
         for i, (r, d) in enumerate(zip(group.children, group.detoks))
     ]
     first = group.children[0]
-    metrics = RequestMetrics(
-        group.arrival_time,
-        first.first_scheduled_time,
-        first.first_token_time,
-        first.last_token_time,
-        time.monotonic() if group.finished else None,
-    )
-    return RequestOutput(
-        group.request_id,
-        group.prompt,
-        group.prompt_token_ids,
-        outs,
-        group.finished,
-        metrics,
-        num_cached_tokens=max(0, first.num_cached_tokens),
-        prompt_logprobs=_prompt_logprobs(group, tokenizer),
-    )
+    times = (first.first_scheduled_time, first.first_token_time, first.last_token_time)
+    metrics = RequestMetrics(group.arrival_time, *times, time.monotonic() if group.finished else None)
+    head = (group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished, metrics)
+    return RequestOutput(*head, max(0, first.num_cached_tokens), _prompt_logprobs(group, tokenizer))
 
 
 def _prompt_logprobs(group: RequestGroup, tokenizer: Any) -> list[dict[int, Logprob] | None] | None:

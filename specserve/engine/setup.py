@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import ModuleType
-
 import torch
 
 from specserve.config import EngineConfig
 from specserve.kv.manager import KVCacheManager
 from specserve.metrics.stats import StatsCollector
 from specserve.model.loader import LoadedModel, resolve_dtype
-from specserve.runner.build import build_runner, max_num_batched_tokens, ops_for
-from specserve.runner.model_runner import ModelRunner
+from specserve.runner.build import EngineParts, build_runner, max_num_batched_tokens, ops_for
 from specserve.sample.sampler import Sampler
 from specserve.scheduler.scheduler import Scheduler
-
-
-@dataclass
-class EngineParts:
-    device: torch.device
-    loaded: LoadedModel
-    runner: ModelRunner
-    kv: KVCacheManager
-    scheduler: Scheduler
-    sampler: Sampler
-    stats: StatsCollector
-    eos_token_ids: tuple[int, ...]
-    ops: ModuleType  # the model's layer ops (Triton on CUDA, torch otherwise): a draft model loads with them
 
 
 def resolve_device(name: str) -> torch.device:

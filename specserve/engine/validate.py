@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from specserve.runner.memory import check_kv_capacity  # noqa: F401  (re-exported)
 from specserve.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 def resolve_prompt(
     prompt: str | list[int] | dict, tokenizer: Any | None, vocab_size: int
 ) -> tuple[str | None, list[int]]:
-    """Returns (prompt text or None, prompt token ids). A dict with both keys (vLLM's TokensPrompt
-    with its text, as LLM.chat builds) is served from its token ids and reports its text."""
+    """Returns (prompt text or None, prompt token ids)."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             text = prompt.get("prompt")
@@ -35,8 +30,7 @@ def resolve_prompt(
         raise ValueError(f"prompt must be a string, a token id list or a dict, got {type(prompt).__name__}.")
     if not prompt:
         raise ValueError("prompt must not be empty (prompt_token_ids is an empty list).")
-    # Fast path (C loops): a long prompt of plain ints in range. Anything else takes the loop
-    # below, which names the first offending value.
+    # Fast path (C loops); anything else takes the loop below, which names the first offending value.
     if set(map(type, prompt)) == {int} and 0 <= min(prompt) and max(prompt) < vocab_size:
         return None, list(prompt)
     for t in prompt:

@@ -1,10 +1,5 @@
-"""Flatten one scheduler step into model inputs: input_ids, positions, slot_mapping, block tables.
-
-Built on the host with numpy (`HostBatch`), then moved to the device in one go through persistent
-pinned staging buffers (`Staging`), so a step allocates no pinned memory and issues one
-non-blocking copy per tensor. The CUDA-graph runner copies the same host arrays into its static
-buffers instead.
-"""
+"""Flatten one scheduler step into model inputs (input_ids, positions, slot_mapping, block tables):
+built on the host with numpy (`HostBatch`), then copied through persistent pinned buffers (`Staging`)."""
 
 from __future__ import annotations
 
@@ -58,10 +53,15 @@ class HostBatch:
 
     def to_device(self, device: torch.device, staging: Staging | None = None, only_logits: bool = False) -> BatchInputs:
         """only_logits: the CUDA-graph path copies the other inputs into its own buffers."""
-        put = staging.put if staging is not None else (lambda name, a: torch.from_numpy(a).to(device))
+        put = putter(device, staging)
         if only_logits:
             return BatchInputs(None, None, None, put("logits_indices", self.logits_indices), self.logit_rows)
-        meta = AttentionMetadata(
+        ids, positions, meta = put("input_ids", self.input_ids), put("positions", self.positions), self.meta(put)
+        return BatchInputs(ids, positions, meta, put("logits_indices", self.logits_indices), self.logit_rows)
+
+    def meta(self, put) -> AttentionMetadata:
+        """The attention metadata on the device; put(name, array) -> tensor (see `putter`)."""
+        return AttentionMetadata(
             cu_query_lens=put("cu", self.cu_query_lens),
             seq_lens=put("seq_lens", self.seq_lens),
             block_tables=put("block_tables", self.block_tables),
@@ -73,13 +73,11 @@ class HostBatch:
             query_lens_cpu=self.query_lens,
             seq_lens_cpu=self.seq_lens.tolist(),
         )
-        return BatchInputs(
-            put("input_ids", self.input_ids),
-            put("positions", self.positions),
-            meta,
-            put("logits_indices", self.logits_indices),
-            self.logit_rows,
-        )
+
+
+def putter(device: torch.device, staging: Staging | None):
+    """put(name, array) -> the array on the device: through the staging buffers, or a plain copy."""
+    return staging.put if staging is not None else (lambda name, a: torch.from_numpy(a).to(device))
 
 
 @dataclass
@@ -94,11 +92,8 @@ class PendingTokens:
 
 
 def pad_to_query_len(host: HostBatch, q: int, max_model_len: int) -> HostBatch | None:
-    """The batch with every sequence's query padded to q tokens, so a CUDA graph captured for
-    uniform query length q can run it (verify steps whose requests drafted different numbers of
-    tokens). Padding tokens follow each sequence's real ones: id 0, the next positions, slot -1 (no
-    K/V stored), scored by nobody; causal attention keeps them out of the real tokens' outputs.
-    None if a sequence has more than q tokens or padding would pass max_model_len."""
+    """The batch with every sequence's query padded to q tokens, so a CUDA graph captured for uniform query length q
+    can run it (verify steps whose requests drafted different numbers of tokens)."""
     ql = np.asarray(host.query_lens, dtype=np.int64)
     pad = q - ql
     if (pad < 0).any() or (host.seq_lens.astype(np.int64) + pad > max_model_len).any():
@@ -144,13 +139,7 @@ def pending_fill(
 
 
 class Staging:
-    """Persistent pinned host + device buffers, one pair per input name, grown on demand.
-
-    A step's puts sit between begin() and end(): begin() waits until the previous step's copies
-    have left the pinned buffers (with asynchronous scheduling the host builds step N+1 while step
-    N may still be queued), end() marks this step's copies; call it before queuing the forward,
-    or the next begin() waits for the forward too.
-    """
+    """Persistent pinned host + device buffers, one pair per input name, grown on demand."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -168,9 +157,7 @@ class Staging:
             self._recorded = True
 
     def put(self, name: str, arr: np.ndarray) -> torch.Tensor:
-        """arr on the device, a view of name's device buffer (valid until name's next put). One
-        torch op for a 1-D arr (the copy; two for 2-D): the host buffer is written through a
-        numpy view and the first-n views of both buffers are kept per n."""
+        """arr on the device, a view of name's device buffer (valid until name's next put)."""
         n = arr.size
         buf = self._bufs.get(name)
         if buf is None or buf.host.numel() < n or buf.host.dtype != _torch_dtype(arr):
@@ -221,12 +208,7 @@ _PY_SLOTS_MAX = 16  # queries up to this long get their slots in the per-request
 
 
 def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> HostBatch:
-    """block_ids_of(request_id) -> list[int].
-
-    Per request only list appends (a decode step's one token and its slot without slicing); numpy
-    runs a few times per batch (each call ~1 us, and the host builds this for every step and every
-    draft-model catch-up, with the GPU waiting or not). Slots of long queries (prefill chunks)
-    come from one vectorized gather instead of the loop."""
+    """block_ids_of(request_id) -> list[int]."""
     scheduled = sched.scheduled
     num_seqs = len(scheduled)
     bs = block_size
@@ -294,9 +276,3 @@ def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> H
         query_lens,
         logit_rows,
     )
-
-
-def build_batch(
-    sched: SchedulerOutput, block_ids_of, block_size: int, device: torch.device, staging: Staging | None = None
-) -> BatchInputs:
-    return build_host_batch(sched, block_ids_of, block_size).to_device(device, staging)

@@ -3,18 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from specserve.config import EngineConfig
+from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec, kv_format
+from specserve.metrics.stats import StatsCollector
 from specserve.model.key_offset import install_key_offsets
 from specserve.model.loader import LoadedModel, load_model
 from specserve.runner.cuda_graph import MIXED_TOKEN_LENS, PREFILL_QUERY_LENS, graph_output_bytes
 from specserve.runner.memory import check_kv_capacity, kv_budget_bytes
 from specserve.runner.model_runner import ModelRunner, select_backend
 from specserve.runner.warmup import dummy_forward, dummy_logits
+from specserve.sample.sampler import Sampler
+from specserve.scheduler.scheduler import Scheduler
+
+
+@dataclass
+class EngineParts:
+    device: torch.device
+    loaded: LoadedModel
+    runner: ModelRunner
+    kv: KVCacheManager
+    scheduler: Scheduler
+    sampler: Sampler
+    stats: StatsCollector
+    eos_token_ids: tuple[int, ...]
+    ops: ModuleType  # the model's layer ops (Triton on CUDA, torch otherwise): a draft model loads with them
 
 
 def ops_for(device: torch.device) -> ModuleType:
@@ -50,12 +68,7 @@ def build_runner(
     agree: Callable[[int], int] | None = None,
     make_runner: Callable[..., ModelRunner] = ModelRunner,
 ) -> ModelRunner:
-    """Load the model, size the KV pool, capture CUDA graphs: the model side of the engine.
-
-    Tensor parallelism (distributed/worker.py) runs this on every rank, in the same order, with
-    `shard` (slices the loaded model; returns the rank's KV heads), `agree` (the block count every
-    rank can hold) and its own runner class.
-    """
+    """Load the model, size the KV pool, capture CUDA graphs: the model side of the engine."""
     loaded = load_model(config.model, device, dtype, ops_for(device), progress)
     num_kv_heads = shard(loaded) if shard is not None else loaded.arch.num_kv_heads
     arch, cc, sc = loaded.arch, config.cache, config.scheduler
@@ -72,8 +85,7 @@ def build_runner(
     # Every verify length: the controller drafts 0..k tokens per step (runner/cuda_graph.py keeps
     # the middle lengths to small batches); short prefills of one or two sequences too.
     query_lens = tuple(range(1, k + 2))
-    # Ragged steps too (a prompt chunk beside decoding requests); not under tensor parallelism, whose
-    # ranks replay only the graphs ShardRunner.execute_host finds by graph_key.
+    # Ragged steps too (a prompt chunk beside decoding requests), without tensor parallelism.
     mixed = MIXED_TOKEN_LENS if shard is None else ()
     reserve = (
         graph_output_bytes(

@@ -1,25 +1,10 @@
-"""CUDA graphs for decode (1 token per sequence) and verify (k+1 tokens per sequence) steps.
+"""CUDA graphs, captured once into one shared pool over static input buffers.
 
-Captured once per (batch size, query length) into one shared memory pool, over static input
-buffers. A step with a uniform query length and a batch no larger than the largest captured size
-is padded up to the next captured size: padding tokens have slot -1 (their K/V is not stored) and
-padding sequences have length 0 (the attention kernel skips them); their output rows are ignored.
-A step whose sequences have different query lengths (drafts of different lengths), all within a
-captured length, is padded to it per sequence (`graph_for`). Short prefills of one or two sequences
-(a question after a prefix-cache hit, a chat turn, a short prompt) pad the same way to a captured
-prefill length. A draft model's catch-ups (the tokens it skipped while the controller drafted nothing,
-for every running request) pad to catch-up graphs, which score one row per sequence at most (the rows
-in a static index buffer) and so stay small at batch sizes up to CATCH_UP_MAX_BATCH.
-
-Mixed graphs take what no uniform length holds: any ragged step of up to MIXED_TOKEN_LENS[-1] tokens
-(a new prompt's chunk beside decoding or verifying requests, several prompts at once). They are
-captured per (batch size, token count) with the query length bound at the token count, so any split
-of the tokens over the sequences replays the same launches (the attention kernel finds each q block's
-sequence from cu_query_lens). Padding tokens go after the real ones and belong to no sequence (slot -1,
-no K/V stored, their rows garbage); padding sequences are empty. A mixed graph stops at the final
-hidden states: the LM head runs after the replay on the rows the step scores, so one graph serves any
-number of scored rows and keeps only [tokens, hidden] for good. Everything else runs eagerly.
-"""
+Uniform graphs (bs, q): decode and verify (q = 1..k+1), short prefills, draft catch-ups (these score one
+row per sequence). A step pads up to the next captured batch size and, with ragged query lengths, per
+sequence up to a captured q (`graph_for`). Mixed graphs (bs, t, t): any ragged step of up to t tokens; they
+stop at the hidden states and the LM head runs after the replay. Padding tokens have slot -1 (no K/V
+stored), padding sequences length 0; their output rows are ignored. Everything else runs eagerly."""
 
 from __future__ import annotations
 
@@ -56,12 +41,8 @@ def sizes_by_query_len(
     prefill_lens: tuple[int, ...] = (),
     catch_up_lens: tuple[int, ...] = (),
 ) -> dict[int, tuple[int, ...]]:
-    """Batch sizes to capture per query length. Lengths between the shortest and the longest serve
-    verify steps of shorter drafts, which the speculation controller picks at small batches; above
-    MID_QUERY_MAX_BATCH such steps pad to the longest instead (each graph keeps its [bs * q, vocab]
-    float32 logits: every length at every size would hold GBs). `prefill_lens` not already among
-    query_lens get batch sizes up to PREFILL_MAX_BATCH; `catch_up_lens` not among either, up to
-    CATCH_UP_MAX_BATCH."""
+    """Batch sizes to capture per query length: middle verify lengths only up to MID_QUERY_MAX_BATCH (each
+    graph keeps [bs * q, vocab] float32 logits), prefill and catch-up lengths up to their own caps."""
     edge = (query_lens[0], query_lens[-1])
     sizes = {
         q: tuple(b for b in batch_sizes if q in edge or b <= MID_QUERY_MAX_BATCH) or tuple(batch_sizes[:1])
@@ -79,10 +60,8 @@ def sizes_by_query_len(
 def mixed_graph_sizes(
     batch_sizes: tuple[int, ...] | list[int], token_lens: tuple[int, ...], max_model_len: int
 ) -> dict[int, tuple[int, ...]]:
-    """Batch sizes of the mixed graphs per token count: the powers of two among `batch_sizes` and the
-    largest of them (padding sequences are empty, so a coarse ladder costs little), each below the
-    token count (a ragged step has more tokens than sequences) and able to hold the token count in
-    sequences of at most max_model_len (the capture's dummy batch spreads the tokens evenly)."""
+    """Batch sizes of the mixed graphs per token count: powers of two among `batch_sizes` and the largest,
+    each below the token count and able to hold it in sequences of at most max_model_len."""
     if not batch_sizes:
         return {}
     ladder = sorted({b for b in batch_sizes if b & (b - 1) == 0} | {max(batch_sizes)})
@@ -121,11 +100,8 @@ def graph_output_bytes(
     mixed_token_lens: tuple[int, ...] = (),
     max_model_len: int | None = None,
 ) -> int:
-    """Memory the captured graphs keep after capture: every graph's static outputs (float32 logits
-    [bs * q, vocab], [bs, vocab] for a catch-up graph, and the final hidden states [bs * q, hidden];
-    a mixed graph keeps only its hidden states [tokens, hidden]) live in the shared pool for good, so
-    they add up over all captured keys; +10% for the pool's own slack. The KV pool is sized with this
-    held back, so gpu_memory_utilization bounds the engine as a whole."""
+    """Memory the captured graphs keep for good (static logits [bs * q, vocab] float32, hidden states), +10%:
+    the KV pool is sized with it held back."""
     query_lens = tuple(sorted(set(query_lens)))
     catch_up = catch_up_lens_of(query_lens, prefill_lens, catch_up_lens)
     sizes = sizes_by_query_len(sorted(graph_batch_sizes(max_num_seqs)), query_lens, prefill_lens, catch_up)
@@ -141,11 +117,8 @@ def graph_output_bytes(
 
 @contextlib.contextmanager
 def gc_paused_for_capture() -> Iterator[None]:
-    """Collect garbage once, then keep Python's cycle collector off while graphs are captured.
-    torch.cuda.graph no longer collects on entry, so an automatic collection could run mid-capture
-    and free a dead engine's pinned buffers or CUDA events (a process that builds engines one after
-    another: benchmarks, tests). In the global capture mode that call invalidates the capture, and the
-    next launch fails with "operation failed due to a previous error during capture"."""
+    """Collect garbage once, then keep Python's cycle collector off while graphs are captured: a collection
+    mid-capture could free a dead engine's CUDA events and invalidate the capture."""
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
@@ -303,11 +276,8 @@ class CudaGraphRunner:
         return (sizes[bisect.bisect_left(sizes, batch.num_seqs)], q)
 
     def graph_for(self, batch: HostBatch) -> tuple[HostBatch, tuple[int, ...]] | None:
-        """(the batch to run, its graph): the batch itself if a graph fits it as it is; else the
-        batch padded to the shortest captured query length that holds every sequence (runner/
-        batch.py pad_to_query_len; steps mixing draft lengths) or the batch as it is in the smallest
-        mixed graph that holds it, whichever runs fewer token rows (the uniform one on a tie: its LM
-        head is in the graph); else None (run eagerly)."""
+        """(the batch to run, its graph): the batch as it is, padded to a captured query length, or in the
+        smallest mixed graph, whichever runs fewer token rows; None = run eagerly."""
         key = self.graph_key(batch)
         if key is not None:
             return batch, key
@@ -346,10 +316,8 @@ class CudaGraphRunner:
     def run(
         self, batch: HostBatch, key: tuple[int, ...], fill: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """Replay the graph for `key` on this batch; returns logits [batch.num_tokens, vocab], or for a
-        catch-up graph those of its scored rows, [len(batch.logits_indices), vocab]; for a mixed graph
-        the final hidden states [batch.num_tokens, hidden] (the caller scores its rows).
-        fill: (flat token indices, their input ids), both on the device: placeholders' tokens."""
+        """Replay the graph for `key`: logits [num_tokens, vocab] (catch-up graphs: of the scored rows), or for a
+        mixed graph hidden [num_tokens, hidden]. fill: (flat indices, input ids) on the device, placeholders' tokens."""
         bs, q, padded = key[0], key[1], self.num_tokens_of(key)
         if self._copied_recorded:  # the previous step's copies have left the pinned buffers
             self._copied.synchronize()

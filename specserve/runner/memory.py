@@ -24,8 +24,8 @@ def kv_budget_bytes(
     max_useful_tokens: int,
     reserve_bytes: int = 0,
 ) -> int:
-    """Bytes for the KV pool. On CUDA, `profile` runs the largest batch once to find peak activations;
-    `reserve_bytes` is what the engine allocates after the pool (its CUDA graphs' outputs)."""
+    """Bytes for the KV pool. `profile` runs the largest batch once (CUDA); `reserve_bytes` is allocated
+    after the pool (CUDA graph outputs)."""
     if kv_cache_memory_bytes is not None:
         return kv_cache_memory_bytes
     if device.type != "cuda":
@@ -54,11 +54,7 @@ def kv_budget_bytes(
 def check_kv_capacity(
     num_blocks: int, bytes_per_block: int, max_model_len: int, cache: CacheConfig, strict: bool
 ) -> None:
-    """Start-up check, as vLLM's: the KV pool must hold one sequence of max_model_len tokens.
-
-    `strict` raises ValueError, else the same message is logged as a warning (for a max_model_len
-    that is the model's default rather than the user's choice, which tests with tiny pools rely on).
-    """
+    """Start-up check, as vLLM's: the KV pool must hold one sequence of max_model_len tokens."""
     capacity = num_blocks * cache.block_size
     if capacity >= max_model_len:
         return

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
+from specserve.attention.base import ForwardContext, forward_context
 from specserve.kv.spec import KVCacheSpec, KVFormat, LayerKVCache
 from specserve.model.loader import LoadedModel
 from specserve.runner.batch import (
@@ -16,6 +16,7 @@ from specserve.runner.batch import (
     Staging,
     build_host_batch,
     pending_fill,
+    putter,
 )
 from specserve.runner.prompt_logprobs import (
     PromptLogprobEntry,
@@ -78,10 +79,8 @@ class ModelRunner:
         catch_up_query_lens: tuple[int, ...] = (),
         mixed_token_lens: tuple[int, ...] = (),
     ) -> None:
-        """Capture decode (and verify) CUDA graphs for batch sizes up to max_num_seqs, short prefills
-        of a few sequences (runner/cuda_graph.py PREFILL_QUERY_LENS), a draft model's catch-ups
-        (CATCH_UP_QUERY_LENS) and ragged steps of up to max(mixed_token_lens) tokens (MIXED_TOKEN_LENS);
-        then run one forward of each small row count (runner/warmup.py)."""
+        """Capture decode / verify, short-prefill, catch-up and mixed CUDA graphs (runner/cuda_graph.py) for
+        batch sizes up to max_num_seqs, then warm the small eager forwards (runner/warmup.py)."""
         from specserve.runner.cuda_graph import CudaGraphRunner, graph_batch_sizes
 
         sizes = graph_batch_sizes(max_num_seqs)
@@ -115,45 +114,22 @@ class ModelRunner:
         prompt_plan: list[PromptLogprobRows] | None = None,
         pending: PendingTokens | None = None,
     ) -> StepOutput:
-        """prompt_plan: rows whose prompt logprobs to compute (they need every token's hidden
-        state, so such a step runs eagerly, never through a CUDA graph).
-        pending: the step in flight's sampled tokens, for this step's placeholders."""
+        """prompt_plan: rows whose prompt logprobs to compute (they need every token's hidden state, so such a step
+        runs eagerly, never through a CUDA graph)."""
         host = build_host_batch(sched, block_ids_of, self.block_size)
-        if self.staging is not None:
-            self.staging.begin()
         return self._execute(sched, host, need_hidden, prompt_plan, pending)
 
     @torch.inference_mode()
     def forward_scored(self, host: HostBatch, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """A batch whose every token is scored, with its input ids already on the device (a draft
-        model's chained steps feed the previous draft): logits [host.num_tokens, vocab], a CUDA
-        graph's output when one fits (valid until the next forward). Lighter than `execute`: no
-        scheduler output, placeholders or logits selection. rows: arange(num_tokens) on the device."""
-        n = host.num_tokens
+        """Every token scored, input ids already on the device (a draft model's chained steps): logits
+        [host.num_tokens, vocab], a graph's output when one fits (valid until the next forward)."""
         key = self.graphs.graph_key(host) if self.graphs is not None else None
         if key is not None and not self.graphs.scores_rows(key[1]):
             return self.graphs.run(host, key, (rows, input_ids))
-        staging = self.staging
-        if staging is not None:
-            staging.begin()
-            put = staging.put
-        else:
-
-            def put(_: str, a) -> torch.Tensor:
-                return torch.from_numpy(a).to(self.device)
-
-        meta = AttentionMetadata(
-            put("cu", host.cu_query_lens),
-            put("seq_lens", host.seq_lens),
-            put("block_tables", host.block_tables),
-            put("slots", host.slot_mapping),
-            max_query_len=max(host.query_lens),
-            max_seq_len=int(host.seq_lens.max()),
-            num_seqs=host.num_seqs,
-            num_tokens=n,
-            query_lens_cpu=host.query_lens,
-            seq_lens_cpu=host.seq_lens.tolist(),
-        )
+        if self.staging is not None:
+            self.staging.begin()
+        put = putter(self.device, self.staging)
+        meta = host.meta(put)
         positions = put("positions", host.positions)
         self._staged()
         with forward_context(ForwardContext(meta, self.kv_caches, self.fmt, self.backend)):
@@ -167,9 +143,11 @@ class ModelRunner:
             self.staging.end()
 
     def _fill(
-        self, host: HostBatch, sched: SchedulerOutput, pending: PendingTokens | None
+        self, host: HostBatch, sched: SchedulerOutput | None, pending: PendingTokens | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Device (indices, token ids) that replace this step's placeholders."""
+        if pending is None or sched is None:
+            return None
         fill = pending_fill(host, [s.request.request_id for s in sched.scheduled], pending)
         if fill is None:
             return None
@@ -180,14 +158,22 @@ class ModelRunner:
             dst_t, rows_t = torch.from_numpy(dst), torch.from_numpy(rows)
         return dst_t, pending.tokens.index_select(0, rows_t)
 
+    @torch.inference_mode()
+    def execute_host(self, host: HostBatch, need_hidden: bool = False) -> StepOutput:
+        """A step from its flat batch (tensor-parallel ranks get no SchedulerOutput; every rank finds the same
+        graph, a function of `host` and the captured sizes)."""
+        return self._execute(None, host, need_hidden, None, None)
+
     def _execute(
         self,
-        sched: SchedulerOutput,
+        sched: SchedulerOutput | None,
         host: HostBatch,
         need_hidden: bool,
         prompt_plan: list[PromptLogprobRows] | None,
         pending: PendingTokens | None,
     ) -> StepOutput:
+        if self.staging is not None:
+            self.staging.begin()
         # Graphs return hidden states too, but only those of the aux layers they were captured with.
         usable = (
             self.graphs is not None

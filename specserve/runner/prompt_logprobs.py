@@ -1,16 +1,8 @@
-"""Prompt logprobs (vLLM's `prompt_logprobs=N`): log-probabilities of every prompt token.
+"""Prompt logprobs (vLLM's `prompt_logprobs=N`): the hidden state at prompt position p scores token p + 1.
 
-The hidden state at prompt position p scores the token at p + 1, so a chunk of prefill rows
-c .. c+n-1 yields the entries for prompt positions c+1 .. c+n (capped at the last prompt token;
-position 0 has no entry: None). They come from the same logits the model samples from
-(`compute_logits`, float32), as a float32 log_softmax over the full vocabulary, computed a few
-hundred rows at a time so that a long chunk never holds [chunk, vocab] logits at once.
-
-Each request keeps `prompt_logprobs`: [None, entry(1), entry(2), ...] where an entry is
-{token_id: (logprob, rank)} for the actual prompt token and the top N. Entries are appended in
-position order; positions that were already scored (a request recomputed after preemption) are
-skipped, so the list is exact whatever the chunking.
-"""
+`req.prompt_logprobs` is [None, entry(1), entry(2), ...], entry = {token_id: (logprob, rank)} for the
+prompt token and the top N, from float32 log_softmax over the full vocabulary, a few hundred rows at a
+time. Positions already scored (recompute after preemption) are skipped: exact whatever the chunking."""
 
 from __future__ import annotations
 
@@ -59,9 +51,7 @@ def plan_prompt_logprobs(sched) -> list[PromptLogprobRows]:
 def compute_prompt_logprobs(
     compute_logits, hidden: torch.Tensor, plan: list[PromptLogprobRows], vocab_size: int
 ) -> list[list[PromptLogprobEntry]]:
-    """hidden [num_tokens, hidden] of the whole step -> per plan item, its entries in row order.
-
-    compute_logits: hidden rows [rows, hidden] -> logits [rows, vocab] (the model's own head)."""
+    """hidden [num_tokens, hidden] of the whole step -> per plan item, its entries in row order."""
     step = max(1, _MAX_LOGIT_VALUES // max(1, vocab_size))
     results = []
     for item in plan:

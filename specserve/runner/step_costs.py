@@ -1,12 +1,5 @@
-"""The target's step cost by shape, measured once at start-up: what the adaptive speculation
-controller (speculative/control.py) prices verify steps with.
-
-`measure_step_costs` times one target step (forward, LM head over every verified row, greedy pick)
-of b requests of q tokens each, for every measured batch size b and q = 1..max_query_len, with
-placeholder inputs through the runner's own `execute` (so a step replays the CUDA graph a real one
-would, padding included, and under tensor parallelism every rank runs it). `CostTable` answers any
-(batch size, query length) from that grid.
-"""
+"""The target's step cost by (batch size, query length), measured once at start-up through the runner's
+own `execute` (CUDA graphs and padding included): the adaptive speculation controller's prices."""
 
 from __future__ import annotations
 
@@ -28,15 +21,8 @@ CONTEXT_TOKENS = 256  # tokens each measured request has in the KV before its st
 
 
 class CostTable:
-    """Seconds of a target step of `batch_size` requests of `query_len` tokens each, from a measured
-    grid {(batch_size, query_len): seconds}.
-
-    Per measured batch size, linear in the query length between measured lengths (linear extrapolation
-    past the longest, the shortest's cost below it); across batch sizes, linear between measured sizes,
-    linear extrapolation past the largest (never decreasing), the smallest's cost below it. A step of
-    more tokens never costs less than one of fewer at the same batch size: a measured cost that says
-    so is noise, and each length's cost is raised to the largest at the lengths below it (otherwise
-    a noisy cheap verify length would look like free drafts)."""
+    """Seconds of a target step of `batch_size` requests of `query_len` tokens each, from a measured grid
+    {(batch_size, query_len): seconds}."""
 
     def __init__(self, grid: Mapping[tuple[int, int], float]) -> None:
         if not grid:
@@ -97,10 +83,8 @@ def _line(x0: int, y0: float, x1: int, y1: float, x: int) -> float:
 
 
 def step_cost_batch_sizes(runner: ModelRunner, max_num_seqs: int) -> tuple[int, ...]:
-    """The batch sizes to measure: with CUDA graphs, the captured decode sizes up to max_num_seqs (a
-    step pads to the next one, so those are the shapes that run); eagerly on CUDA, the sizes graphs
-    would have; on the CPU a few (CPU_BATCH_SIZES up to max_num_seqs), between and beyond which the
-    table interpolates."""
+    """The batch sizes to measure: the captured (or would-be captured) graph sizes on CUDA, CPU_BATCH_SIZES on
+    the CPU; up to max_num_seqs."""
     if runner.graphs is not None:
         sizes: tuple[int, ...] = tuple(runner.graphs.batch_sizes)
     elif runner.device.type == "cuda":
@@ -119,14 +103,8 @@ def measure_step_costs(
     context: int = CONTEXT_TOKENS,
     repeats: int | None = None,
 ) -> CostTable:
-    """Time one target step per (batch size, query length 1..max_query_len): one warm-up step, then
-    the mean of `repeats` steps (3 on CUDA, 1 on the CPU), synchronized around them.
-
-    Each request has `context` tokens in the KV before its step (fewer where the pool or
-    max_model_len holds less; a batch size the pool cannot hold at all is skipped). The KV slots are
-    blocks taken from `kv`'s pool and freed afterwards (its free count is unchanged, nothing enters the
-    prefix cache), or without `kv` the runner's first blocks, which only start-up may use (nothing is
-    in them yet). Call it before any request runs: the blocks' contents are overwritten."""
+    """Time one target step per (batch size, query length 1..max_query_len): one warm-up step, then the mean of
+    `repeats` steps (3 on CUDA, 1 on the CPU), synchronized around them."""
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len!r}")
     cuda = runner.device.type == "cuda"

@@ -1,10 +1,5 @@
-"""The current CUDA stream as a torch Stream object, cheaply.
-
-`torch.cuda.Event.record()` without a stream builds a fresh `torch.cuda.current_stream()` object
-on every call, tens of microseconds of Python several times per engine step on the host's critical
-path. The raw stream handle is a plain C call, so the Stream object is
-rebuilt only when the current stream changes (a side stream, a CUDA-graph capture).
-"""
+"""The current CUDA stream as a torch Stream object, rebuilt only when the raw handle changes
+(`torch.cuda.current_stream()` costs tens of microseconds per call on the host's critical path)."""
 
 from __future__ import annotations
 

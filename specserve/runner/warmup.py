@@ -1,13 +1,5 @@
-"""Compile, at start-up, the kernels an eager forward of a few rows uses.
-
-The GEMV (model/layers/triton_gemv.py) serves every linear of up to `gemv_max_m()` rows, with a
-BLOCK_M, tiles and prefetch choice per row count: a row count no forward has used yet compiles new
-Triton variants, one per linear. CUDA graphs cover the decode and verify shapes, but other small
-forwards run eagerly mid-serving: a draft model catching up on 3-8 tokens, a prompt remainder of a
-few tokens, a verify batch between the captured lengths, and a first compile there stalls a request.
-Running one forward of each small row count here, together with the LM head at that many rows, moves
-those compiles to start-up (Triton's disk cache makes later start-ups cheap).
-"""
+"""Compile at start-up the Triton variants that small eager forwards use (the GEMV picks a variant per
+row count), so a draft catch-up or a short prompt remainder never stalls on a first compile mid-serving."""
 
 from __future__ import annotations
 
@@ -22,12 +14,8 @@ from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
 def dummy_forward(runner: ModelRunner, num_tokens: int, num_blocks: int, context: int = 0) -> None:
-    """One forward of num_tokens placeholder tokens of a single sequence, after `context` tokens taken
-    as already in the KV (whatever the pool holds there: only the launches matter), over a throwaway
-    block table of num_blocks blocks (ids 0.. of the runner's pool), through ModelRunner.execute
-    itself: under tensor parallelism rank 0's runner (distributed/executor.py TPExecutor) overrides
-    execute to broadcast the step to workers, and every rank runs these start-up forwards itself, in
-    the same order. Also engine/setup.py's memory profile."""
+    """One forward of num_tokens placeholder tokens after `context` (whatever the KV holds there) over blocks
+    0..num_blocks-1, through ModelRunner.execute: under tensor parallelism every rank runs it in the same order."""
     kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=False)
     req = Request(f"dummy-{context}-{num_tokens}", [0] * (context + num_tokens), SamplingParams(max_tokens=1), 1)
     kv.allocate_slots(req, context + num_tokens)
@@ -45,12 +33,7 @@ def dummy_logits(runner: ModelRunner, rows: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def warm_small_forwards(runner: ModelRunner, max_rows: int, context: int = 0) -> list[int]:
-    """dummy_forward of t tokens after `context` for t = 1..max_rows, eagerly, and the LM head over t
-    rows. Eagerly even where a captured graph would fit this single sequence: the same query lengths
-    come mid-serving in shapes no graph covers (a draft model catching up on a few tokens of several
-    requests). It writes only KV slots of the first few blocks of the runner's pool and runs before any request
-    exists, so nothing that matters is overwritten. Returns the row counts run (none if the context
-    leaves no room)."""
+    """dummy_forward of t tokens after `context` for t = 1..max_rows, eagerly, and the LM head over t rows."""
     room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size) - context
     max_rows = min(max_rows, room)
     # A few blocks are enough; a manager over the whole pool would build its free list of every
@@ -74,11 +57,8 @@ PROMPT_ROWS = (64, 200)
 
 @torch.inference_mode()
 def warm_prompt_forwards(runner: ModelRunner, rows: tuple[int, ...] = PROMPT_ROWS) -> list[tuple[int, int]]:
-    """dummy_forward of each prompt-sized row count, fresh and after SPLIT_CONTEXT, eagerly: the
-    attention launches of a prompt or of a long catch-up, with and without split-KV. A target compiles
-    them at its first prompt anyway; a draft model only at its first catch-up of more than SMALL_QUERY_MAX
-    tokens outside its graphs, mid-serving. Returns the (context, rows) run; sizes the pool or
-    max_model_len cannot hold are skipped."""
+    """dummy_forward of each prompt-sized row count, fresh and after SPLIT_CONTEXT, eagerly: the attention launches of
+    a prompt or of a long catch-up, with and without split-KV."""
     room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size)
     done = []
     graphs, runner.graphs = runner.graphs, None
@@ -104,11 +84,8 @@ def start_up_rows() -> tuple[list[int], list[int]]:
 
 
 def warm_start_up(runner: ModelRunner) -> None:
-    """The start-up forwards: every GEMV row count (1..gemv_max_m()) and every query length of
-    attention's decode-sized launches (1..SMALL_QUERY_MAX: their query block grows with the length),
-    on a fresh sequence and after a context long enough for split-KV launches (eager forwards of these
-    lengths come mid-serving: draft catch-ups, a prompt's last chunk, a verify batch between the
-    captured lengths); and one forward of each prompt-sized row count (warm_prompt_forwards)."""
+    """Every GEMV row count and every decode-sized attention query length, fresh and after SPLIT_CONTEXT, and
+    each prompt-sized row count (warm_prompt_forwards)."""
     fresh, after = start_up_rows()
     warm_small_forwards(runner, len(fresh))
     warm_small_forwards(runner, len(after), context=SPLIT_CONTEXT)

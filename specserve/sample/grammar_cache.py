@@ -1,13 +1,6 @@
-"""Structured-output specs: validate the `structured_outputs` dict, build and compile grammars.
-
-A `StructuredSpec` is the canonical, hashable form of `SamplingParams.structured_outputs` (the
-key of the compiled-grammar LRU). `build_grammar` turns it into an xgrammar `Grammar` without a
-tokenizer, so a bad schema, regex or EBNF is reported before any request state exists; the
-`GrammarCache` compiles it against the model's vocabulary (the costly part: one token-mask cache
-per grammar) and keeps the most recently used compiled grammars.
-
-xgrammar is imported lazily: an engine that never sees a structured request does not need it.
-"""
+"""Structured-output specs: `StructuredSpec` (canonical, hashable form of `structured_outputs`),
+`build_grammar` (syntax check without a tokenizer), `GrammarCache` (compiled grammars, LRU).
+xgrammar is imported lazily."""
 
 from __future__ import annotations
 
@@ -30,9 +23,7 @@ _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?
 
 @dataclass(frozen=True)
 class StructuredSpec:
-    """What to constrain the output to. `value` is canonical text: a schema as compact JSON (key
-    order kept: it is the order properties are generated in), a regex, an EBNF grammar, or the
-    choices as a JSON list."""
+    """What to constrain the output to."""
 
     kind: str  # one of KINDS
     value: str
@@ -50,12 +41,7 @@ def load_xgrammar() -> Any:
 def parse_structured_outputs(
     spec: dict[str, Any] | None, field: str = FIELD, value_label: str | None = None
 ) -> StructuredSpec | None:
-    """Check the dict's shape and return its canonical spec (None = unconstrained).
-
-    Exactly one of json / regex / choice / grammar / json_object must be set (None and False count
-    as unset, as in vLLM's dataclass dumps). Raises ValueError naming `field`; errors about the
-    value name `value_label` (default `field.kind`, e.g. structured_outputs.json).
-    """
+    """Check the dict's shape and return its canonical spec (None = unconstrained)."""
     if spec is None:
         return None
     if not isinstance(spec, dict):
@@ -96,8 +82,8 @@ def _canonical_value(kind: str, value: Any, name: str) -> str:
         return value
     # choice
     if (
-        not isinstance(value, Sequence)
-        or isinstance(value, str)
+        isinstance(value, str)
+        or not isinstance(value, Sequence)
         or not value
         or not all(isinstance(c, str) for c in value)
     ):
@@ -106,20 +92,14 @@ def _canonical_value(kind: str, value: Any, name: str) -> str:
 
 
 def build_grammar(spec: StructuredSpec, field: str = FIELD, value_label: str | None = None) -> Any:
-    """The xgrammar.Grammar for a spec (no tokenizer needed). ValueError on a bad schema/regex/EBNF,
-    naming `value_label` (default `field.kind`)."""
+    """The xgrammar.Grammar for a spec (no tokenizer needed)."""
     xgr = load_xgrammar()
     try:
-        if spec.kind == "json":
-            return _fix_json_strings(xgr, xgr.Grammar.from_json_schema(spec.value, any_whitespace=spec.any_whitespace))
-        if spec.kind == "json_object":
+        if spec.kind in ("json", "json_object"):
             # OpenAI's json_object is "some JSON object": an open schema, not any JSON value.
-            return _fix_json_strings(
-                xgr,
-                xgr.Grammar.from_json_schema(
-                    '{"type":"object"}', any_whitespace=spec.any_whitespace, strict_mode=False
-                ),
-            )
+            schema, strict = (spec.value, True) if spec.kind == "json" else ('{"type":"object"}', False)
+            g = xgr.Grammar.from_json_schema(schema, any_whitespace=spec.any_whitespace, strict_mode=strict)
+            return _fix_json_strings(xgr, g)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.value)
         if spec.kind == "grammar":
@@ -128,13 +108,8 @@ def build_grammar(spec: StructuredSpec, field: str = FIELD, value_label: str | N
         choices = json.loads(spec.value)
         return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
     except (RuntimeError, ValueError, TypeError) as e:
-        what = {
-            "json": "JSON schema",
-            "regex": "regex",
-            "grammar": "EBNF grammar",
-            "choice": "choice list",
-            "json_object": "JSON object grammar",
-        }[spec.kind]
+        what = {"json": "JSON schema", "json_object": "JSON object grammar", "choice": "choice list"}.get(spec.kind)
+        what = what or ("EBNF grammar" if spec.kind == "grammar" else spec.kind)
         raise ValueError(f"{value_label or f'{field}.{spec.kind}'}: invalid {what}: {_clean_error(e)}") from e
 
 
@@ -162,12 +137,7 @@ def _clean_error(e: Exception) -> str:
 
 
 class GrammarCache:
-    """Compiles specs against one tokenizer and keeps the `max_entries` most recently used.
-
-    The xgrammar compiler and tokenizer info are built on first use (building the tokenizer info
-    walks the whole vocabulary). xgrammar's own compiler cache is off: this LRU is the one cache,
-    bounded by entries rather than bytes so its behaviour is easy to state. Thread-safe.
-    """
+    """Compiles specs against one tokenizer and keeps the `max_entries` most recently used."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_entries: int = 128) -> None:
         if max_entries < 1:

@@ -1,12 +1,6 @@
-"""SamplingMetadata: how each row of a step's logits is sampled, as device tensors.
-
-One row per sequence to sample. Built once per step from the requests' SamplingParams; every
-optional feature (top-k, top-p, min-p, penalties, min_tokens) is None when no row uses it, so a
-plain batch costs one small host->device copy and the sampler skips the unused stages.
-
-Host-side copies of the per-row facts that expansion needs (greedy flags, min_tokens state) are
-kept too, so `select_rows` / `expand_for_drafts` never read a tensor back from the device.
-"""
+"""SamplingMetadata: how each row of a step's logits is sampled, as device tensors. Every optional
+feature is None when no row uses it; host copies of per-row facts let `select_rows` /
+`expand_for_drafts` run without reading anything back from the device."""
 
 from __future__ import annotations
 
@@ -69,13 +63,8 @@ class SamplingMetadata:
         device: torch.device,
         stop_token_ids_for_min_tokens: list[list[int]] | None = None,
     ) -> SamplingMetadata:
-        """One row per entry of `params`.
-
-        stop_token_ids_for_min_tokens: per row, the ids a row below its min_tokens must not emit
-        (EOS + stop_token_ids; the engine knows EOS). None = mask nothing.
-        Penalty tensors are built only when some row is penalized; their cost is O(prompt +
-        output tokens) of those rows.
-        """
+        """One row per entry of `params`. stop_token_ids_for_min_tokens: per row, the ids a row below its
+        min_tokens must not emit (EOS + stop_token_ids); None = mask nothing."""
         num_seqs = len(params)
         lists: dict[str, Sequence[object]] = {
             "prompt_token_ids": prompt_token_ids,
@@ -119,9 +108,7 @@ class SamplingMetadata:
         )
 
     def select_rows(self, row_ids: Sequence[int]) -> SamplingMetadata:
-        """Row r of the result is row row_ids[r] of self (e.g. one row per verified position).
-        The row index is a cached device tensor (steady-state steps repeat the same rows); an
-        all-greedy selection without penalties needs none."""
+        """Row r of the result is row row_ids[r] of self (e.g. one row per verified position)."""
         return self._select(row_ids, [self.min_tokens_remaining[i] for i in row_ids])
 
     def _select(self, row_ids: Sequence[int], remaining: list[int]) -> SamplingMetadata:
@@ -159,15 +146,9 @@ class SamplingMetadata:
         return meta._with_min_tokens(remaining)
 
     def expand_for_drafts(self, draft_token_ids: Sequence[Sequence[int]]) -> SamplingMetadata:
-        """One row per verified position: for sequence i, rows for its k_i + 1 positions, in order.
-
-        Position j of sequence i is sampled as if draft_token_ids[i][:j] had been emitted: its
-        distribution only matters when those drafts are all accepted, and then they are part of
-        the output. So min_tokens counts them (a stop token stays masked until the output, drafts
-        included, reaches min_tokens) and presence/frequency/repetition penalties count them as
-        output tokens. This makes every position's distribution exactly what the plain sampler
-        would use at that point of a non-speculative run.
-        """
+        """One row per verified position: for sequence i, rows for its k_i + 1 positions, in order. Position j
+        is sampled as if draft_token_ids[i][:j] had been emitted (min_tokens and penalties count them), so
+        every position's distribution is the one the plain sampler would use there."""
         if len(draft_token_ids) != self.num_seqs:
             raise ValueError(f"draft_token_ids has {len(draft_token_ids)} rows, metadata has {self.num_seqs}.")
         row_ids = [i for i, drafts in enumerate(draft_token_ids) for _ in range(len(drafts) + 1)]
@@ -204,11 +185,8 @@ def _ones(n: int, device: torch.device) -> Tensor:
 def _row_scalars(
     params: Sequence[SamplingParams], is_greedy: Sequence[bool], vocab_size: int
 ) -> tuple[Tensor, dict[str, bool]]:
-    """[num_seqs, 5] float32 (temperature, top_p, min_p, top_k, greedy) on the host, and which
-    filters any random row uses. Greedy rows get neutral values: they take the argmax before
-    temperature and filters, and neutral values let a batch whose only filtered rows are greedy
-    skip a stage. top_k is exact in float32 (vocab sizes are far below 2**24); greedy is 1.0 for
-    greedy rows (the greedy mask travels in the same copy)."""
+    """[num_seqs, 5] float32 (temperature, top_p, min_p, top_k, greedy) on the host, and which filters any random row
+    uses."""
     rows = []
     use = {"top_k": False, "top_p": False, "min_p": False}
     for p, greedy in zip(params, is_greedy):

@@ -1,11 +1,5 @@
-"""Repetition, presence and frequency penalties.
-
-Semantics follow the implementations users compare against:
-- repetition (HF `RepetitionPenaltyLogitsProcessor`, vLLM): for every token seen in the prompt OR
-  the output, a negative logit is multiplied by the penalty and a non-negative one divided by it;
-- presence / frequency (OpenAI): on OUTPUT tokens only,
-  `logit -= presence * (count > 0) + frequency * count`.
-"""
+"""Repetition penalty (HF / vLLM: prompt and output tokens; negative logits * p, others / p) and
+presence / frequency penalties (OpenAI: output tokens; logit -= presence * (count > 0) + frequency * count)."""
 
 from __future__ import annotations
 
@@ -61,11 +55,7 @@ def build_penalty_tensors(
     vocab_size: int,
     device: torch.device,
 ) -> PenaltyTensors | None:
-    """None when no row is penalized, so the sampler's fast path does no work at all.
-
-    Cost is proportional to the prompt + output tokens of penalized rows only; neutral rows keep
-    all-zero counts (their factors are neutral anyway).
-    """
+    """None when no row is penalized, so the sampler's fast path does no work at all."""
     active = [i for i, p in enumerate(params) if has_penalty(p)]
     if not active:
         return None

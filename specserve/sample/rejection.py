@@ -1,27 +1,10 @@
 """Lossless speculative verification (Leviathan et al. 2023 / Chen et al. 2023).
 
-Per sequence i with drafts x_0..x_{k_i-1} and target distributions target_probs_0..target_probs_k
-(`compute_target_probs` on the target's logits, so exactly what the plain sampler would use):
-- random rows accept x_j with probability min(1, target_probs_j[x_j] / draft_probs_j[x_j]);
-  at the first rejection emit a recovered token from normalize(max(0, target_probs_j -
-  draft_probs_j)) and stop; if all k_i are accepted emit a bonus token from target_probs_k.
-  The emitted sequence is then distributed exactly as sampling the target token by token.
-  draft_probs None means one-hot drafts (n-gram, argmax drafters): draft_probs_j[x_j] = 1 and the
-  residual is target_probs_j with x_j removed. This is lossless for ANY draft choice made
-  without looking at the target's random numbers.
-- greedy rows accept while x_j == argmax target_probs_j, then emit that argmax (recovered or bonus),
-  so they equal non-speculative greedy decoding exactly.
-
-Random numbers: per random row and step, k_i uniforms (float64, the accept test) then `vocab`
-Exp(1) draws (the recovered/bonus token), from the row's generator when seeded: a fixed amount,
-whatever is accepted, so seeded rows reproduce independently of the batch.
-
-Host cost (every torch op and copy is ~5-20 us of host time on the GPU path, where the host is on
-the critical path of a speculative step): an all-greedy batch runs one argmax on the device and
-reads it back, and compares the drafts on the host (numpy). Other batches send every index they
-need in one packed copy (`h2d_packed`); index arithmetic that depends only on the numbers of
-drafts is cached by them.
-"""
+Random rows accept draft x_j with probability min(1, p_j[x_j] / q_j[x_j]) (p = `compute_target_probs`,
+q = draft_probs, one-hot when None); at the first rejection they emit a token from
+normalize(max(0, p_j - q_j)), else a bonus token from p_k. Greedy rows accept while x_j == argmax p_j.
+Seeded rows draw a fixed amount per step (k_i uniforms, then `vocab` Exp(1)), whatever is accepted,
+so they reproduce independently of the batch."""
 
 from __future__ import annotations
 
@@ -147,8 +130,7 @@ def _accepted_prefix(lay: _Layout, accepted: np.ndarray) -> np.ndarray:
 
 
 class RejectionSampler:
-    """Verifies drafts against the target. Unseeded random rows draw from `generator` (None =
-    torch's default generator of the logits' device)."""
+    """Verifies drafts against the target."""
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
@@ -160,15 +142,9 @@ class RejectionSampler:
         target_logits: Tensor,
         meta: SamplingMetadata,
     ) -> RejectionOutput:
-        """draft_token_ids: per sequence, k_i >= 0 drafted tokens.
-        draft_probs: [total_draft_tokens, vocab], the distributions the drafts were sampled from
-            (after the drafter's own temperature/top-k/top-p), or None for one-hot drafts.
-        target_logits: [total_draft_tokens + num_seqs, vocab]: each sequence's k_i + 1 positions,
-            concatenated in sequence order.
-        meta: one row per sequence; expanded per position with `expand_for_drafts`, so min_tokens
-            and penalties count the drafts before each position as emitted.
-        One host sync (reading the results back).
-        """
+        """draft_token_ids: per sequence, k_i >= 0 drafts. draft_probs: [total_drafts, vocab], what the drafts
+        were sampled from, or None for one-hot drafts. target_logits: [total_drafts + num_seqs, vocab], each
+        sequence's k_i + 1 positions in order. meta: one row per sequence (expanded with expand_for_drafts)."""
         lay = layout(tuple(len(d) for d in draft_token_ids))
         draft_ids = np.fromiter(itertools.chain.from_iterable(draft_token_ids), np.int64, lay.total)
         _check_shapes(lay, draft_ids, draft_probs, target_logits, meta)

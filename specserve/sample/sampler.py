@@ -1,17 +1,7 @@
-"""The sampler: one token per row from a step's logits.
-
-Order (each stage skipped when no row uses it):
-  min_tokens mask -> penalties -> [greedy rows: argmax here] -> temperature -> min_p -> top_k
-  -> top_p -> softmax -> sample.
-The stages after the argmax are one function, `compute_target_probs`, which the rejection sampler
-also uses: speculative verification is lossless only if it targets exactly the distribution the
-plain sampler samples from.
-
-Random rows sample with the exponential race, argmax(probs / E) with E ~ Exp(1) i.i.d., which picks
-token i with probability probs[i] / sum(probs) (Gumbel-max in another form) and needs no
-normalization and no host sync. A seeded row draws its noise from its own torch.Generator, exactly
-`vocab` draws per step, so its tokens do not depend on the rest of the batch.
-"""
+"""The sampler: min_tokens mask -> penalties -> [greedy: argmax] -> temperature -> min_p -> top_k -> top_p
+-> softmax -> exponential race (argmax(probs / E), E ~ Exp(1)), each stage skipped when no row uses it.
+`compute_target_probs` is shared with the rejection sampler, which is lossless only on this exact
+distribution. A seeded row draws exactly `vocab` noise values per step from its own generator."""
 
 from __future__ import annotations
 
@@ -49,10 +39,7 @@ def _check_logits(logits: Tensor, meta: SamplingMetadata) -> None:
 
 
 def penalized_logits(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-    """min_tokens mask then penalties: [num_seqs, vocab] float32.
-
-    Never modifies `logits`; returns it (as float32, maybe the same tensor) when nothing applies.
-    """
+    """min_tokens mask then penalties: [num_seqs, vocab] float32."""
     logits = logits.float()
     if meta.min_tokens_mask is not None:
         logits = logits.clone()
@@ -70,13 +57,8 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
-    """Keep the top_k largest logits (ties with the k-th kept), then the smallest set of those
-    whose probability reaches top_p (renormalized after top-k, as HF and vLLM do).
-
-    One ascending sort serves both. A token is kept by top-p iff the probability mass strictly
-    above it is < top_p, i.e. its inclusive ascending cumsum is > 1 - top_p; the largest token is
-    always kept. Returns a new [num_seqs, vocab] tensor.
-    """
+    """Keep the top_k largest logits (ties with the k-th kept), then the smallest set of those whose probability
+    reaches top_p (renormalized after top-k, as HF and vLLM do)."""
     if top_k is None and top_p is None:
         return logits
     logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
@@ -108,14 +90,7 @@ def _one_hot(token_ids: Tensor, vocab_size: int) -> Tensor:
 
 
 def compute_target_probs(logits: Tensor, meta: SamplingMetadata, row_index_map: Sequence[int] | None = None) -> Tensor:
-    """The distribution the Sampler samples from, after every processing stage.
-
-    logits: [N, vocab]; returns [N, vocab] float32, rows summing to 1. Greedy rows are one-hot at
-    the argmax of their penalized logits (the token the sampler would pick).
-    row_index_map: logits row r uses metadata row row_index_map[r] (e.g. draft positions of a
-    sequence); penalties are then those of that row as is. For speculative verification use
-    `meta.expand_for_drafts(...)` instead, which also counts the drafted tokens.
-    """
+    """The distribution the Sampler samples from, after every processing stage."""
     if row_index_map is not None:
         meta = meta.select_rows(row_index_map)
     _check_logits(logits, meta)
@@ -149,9 +124,8 @@ def draw_exponential(
 
 
 def random_sample(probs: Tensor, noise: Tensor) -> Tensor:
-    """Exponential race: probs [num_rows, vocab] (unnormalized is fine), noise from
-    draw_exponential -> [num_rows] int64. A zero-probability token is never chosen unless the
-    whole row is zero."""
+    """Exponential race: probs [num_rows, vocab] (unnormalized is fine), noise from draw_exponential -> [num_rows]
+    int64."""
     return (probs / noise).argmax(dim=-1)
 
 
@@ -168,9 +142,7 @@ def compute_logprobs(logits: Tensor, token_ids: Tensor, num_logprobs: int) -> Lo
 
 
 class Sampler:
-    """Samples one token per row. Unseeded random rows draw from `generator` (None = torch's
-    default generator of the logits' device); it must live on the logits' device, as must the
-    per-request generators in the metadata."""
+    """Samples one token per row."""
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator

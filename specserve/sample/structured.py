@@ -1,22 +1,9 @@
-"""Structured output: grammar-constrained sampling (JSON schema, JSON object, regex, choice, EBNF).
+"""Structured output: every sampled or verified logits row of a structured request is masked with its
+xgrammar matcher's token bitmask, so both samplers draw only grammar-valid tokens (lossless).
 
-Each structured request has an xgrammar GrammarMatcher that has accepted its output so far. Every
-sampled or verified logits row is masked with the token bitmask of the grammar state at that
-position, so the plain sampler and the rejection sampler both draw only grammar-valid tokens
-(the masked distribution IS the target distribution, so verification stays lossless).
-
-When the work happens (so the masks are ready before the logits are):
-  add_request  compile (LRU-cached; ValueError before any state) -> matcher -> prepare(): a worker
-               thread fills position 0's mask while the prefill forward runs.
-  _sample      apply(): wait for the worker (normally long done), mask the rows, sample / verify.
-  _update      advance(): feed the emitted tokens to the matcher; terminated -> the request ends.
-  prepare()    without speculation right after _update; with it at the end of SpecDecoder.propose:
-               drafts are cut where the grammar rejects them (on the caller's thread, cheap), then
-               the worker fills the k+1 masks (walk the drafts, roll back) during the next forward.
-
-Invariant: a matcher is used by one thread at a time. The main thread touches a request's
-matcher only after waiting for that request's pending job (`_wait`).
-"""
+A worker thread fills the masks during the forward: after add_request / _update (prepare), or after
+the drafts are cut to the grammar (SpecDecoder.propose); apply() waits, masks, and advance() feeds
+the emitted tokens. Invariant: a matcher is used by one thread at a time (the main thread `_wait`s)."""
 
 from __future__ import annotations
 
@@ -49,8 +36,7 @@ _GUIDED = (
 def validate_structured_outputs(
     spec: dict[str, Any] | None, field: str = FIELD, value_label: str | None = None
 ) -> None:
-    """Shape and syntax check of a `structured_outputs` dict (schema, regex, EBNF), without a
-    tokenizer: usable from SamplingParams validation. Raises ValueError naming the field."""
+    """Shape and syntax check of a `structured_outputs` dict, without a tokenizer; ValueError names the field."""
     parsed = parse_structured_outputs(spec, field, value_label)
     if parsed is not None:
         build_grammar(parsed, field, value_label)
@@ -59,13 +45,8 @@ def validate_structured_outputs(
 def structured_from_openai(
     response_format: dict[str, Any] | None, extra: dict[str, Any] | None
 ) -> dict[str, Any] | None:
-    """Map an OpenAI `response_format` and vLLM extra-body fields (`structured_outputs`,
-    `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`) to a
-    `SamplingParams.structured_outputs` dict; None when the output is unconstrained.
-
-    At most one source may constrain the output. Raises ValueError naming the offending field
-    (the server answers HTTP 400), with schemas and regexes already syntax-checked.
-    """
+    """Map an OpenAI `response_format` and vLLM extra-body fields (`structured_outputs`, `guided_*`) to a
+    `structured_outputs` dict (None = unconstrained). At most one source; ValueError names the field."""
     extra = extra or {}
     found: list[tuple[str, dict[str, Any], str | None]] = []  # (field, structured_outputs, label)
     if response_format is not None:
@@ -118,12 +99,7 @@ def _from_response_format(rf: Any) -> tuple[str, dict[str, Any], str | None] | N
 
 # -- masks ---------------------------------------------------------------------------------------
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor, row_ids: Sequence[int]) -> Tensor:
-    """A copy of logits [num_rows, vocab] whose rows row_ids have disallowed tokens at -inf.
-
-    bitmask: [len(row_ids), ceil(vocab / 32)] int32 (xgrammar's layout: bit t % 32 of word
-    t // 32 set = token t allowed), on any device. Pure torch, so it is the same code on CPU and
-    GPU and needs no xgrammar kernel (xgrammar's GPU path would pull in Triton).
-    """
+    """A copy of logits [num_rows, vocab] whose rows row_ids have disallowed tokens at -inf."""
     device, vocab = logits.device, logits.shape[1]
     words = bitmask.to(device, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=device)
@@ -163,8 +139,7 @@ class StructuredOutputs:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def compile(self, params: SamplingParams) -> Any | None:
-        """The compiled grammar for params.structured_outputs (None = unconstrained). Cached;
-        raises ValueError naming structured_outputs. Touches no request state."""
+        """The compiled grammar for params.structured_outputs (None = unconstrained)."""
         spec = parse_structured_outputs(params.structured_outputs)
         return None if spec is None else self.cache.get(spec)
 
@@ -216,9 +191,8 @@ class StructuredOutputs:
             st.masks = _fill_masks(st.matcher, drafts, self.num_words)
 
     def apply(self, logits: Tensor, reqs: Sequence[Request], num_spec: Sequence[int]) -> Tensor:
-        """Mask grammar-invalid tokens: logits [sum(num_spec) + len(reqs), vocab], request i owning
-        num_spec[i] + 1 consecutive rows (its draft positions, then the bonus position).
-        Returns `logits` itself when no request in the batch is structured, else a masked copy."""
+        """Mask grammar-invalid tokens: logits [sum(num_spec) + len(reqs), vocab], request i owning num_spec[i] + 1
+        consecutive rows (its draft positions, then the bonus position)."""
         if not self._states:
             return logits
         row_ids: list[int] = []
@@ -244,9 +218,7 @@ class StructuredOutputs:
         return masks
 
     def advance(self, req: Request, token_ids: Sequence[int]) -> bool:
-        """Feed the tokens the request just emitted to its matcher. True = the request must end:
-        the grammar has terminated (it accepted a stop token), or it rejected a token (which masks
-        prevent; it takes e.g. min_tokens forbidding the only token the grammar allows)."""
+        """Feed the tokens the request just emitted to its matcher."""
         st = self._states.get(req.request_id)
         if st is None or not token_ids:
             return False
@@ -268,15 +240,7 @@ class StructuredOutputs:
 
 
 def _cut_drafts(matcher: Any, req: Request) -> tuple[int, ...]:
-    """Drop the drafts the grammar can never emit; returns the drafts kept.
-
-    One-hot drafts (n-gram, argmax drafters) stop before the first rejected token: a deterministic
-    proposer proposing less is still lossless. Drafts sampled from draft_probs keep the first
-    rejected token: dropping it would change the proposal distribution depending on the draw and
-    break losslessness, while keeping it is exact (its target prob is 0, so it is always rejected
-    and the recovered token comes from max(0, target_probs - draft_probs)). Drafts after a token
-    that terminates the grammar are dropped: the request ends there.
-    """
+    """Drop the drafts the grammar can never emit; returns the drafts kept."""
     drafts = req.spec_token_ids
     num_valid, ended = 0, False
     for token in drafts:
@@ -299,9 +263,7 @@ def _cut_drafts(matcher: Any, req: Request) -> tuple[int, ...]:
 
 
 def _fill_masks(matcher: Any, drafts: tuple[int, ...], num_words: int) -> _Masks:
-    """Masks for positions 0..len(drafts): walk the matcher through the drafts, then roll back.
-    Rows past a rejected or terminating draft stay all-allowed: they are never sampled from (the
-    rejected draft is always rejected; a stop token ends the request)."""
+    """Masks for positions 0..len(drafts): walk the matcher through the drafts, then roll back."""
     bitmask = torch.full((len(drafts) + 1, num_words), -1, dtype=torch.int32)
     matcher.fill_next_token_bitmask(bitmask, 0)
     num_accepted = 0

@@ -89,8 +89,8 @@ def serve_main(argv: Sequence[str]) -> int:
 
 
 def _serve_ray(engine_kwargs: dict[str, Any], settings: ServerConfig, args: argparse.Namespace) -> int:
-    try:
-        from specserve.ray import serve_ray
+    try:  # by name, as bench and advise: the ray front end builds on server, not the other way
+        serve_ray = importlib.import_module("specserve.ray.app").serve_ray
     except ModuleNotFoundError as e:
         if e.name is None or not e.name.startswith("ray"):
             raise

@@ -33,7 +33,7 @@ from specserve.speculative.proposers.draft_tokens import DeferredDrafts
 from specserve.speculative.verify import POSITION_LABELS, position_counts, record_verify_metrics, verify_drafts
 
 if TYPE_CHECKING:
-    from specserve.engine.setup import EngineParts
+    from specserve.runner.build import EngineParts
 
 
 @dataclass

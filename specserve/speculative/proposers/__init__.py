@@ -8,7 +8,7 @@ from specserve.config import SpeculativeConfig
 from specserve.speculative.proposers.base import Proposer
 
 if TYPE_CHECKING:
-    from specserve.engine.setup import EngineParts
+    from specserve.runner.build import EngineParts
 
 
 def build_proposer(cfg: SpeculativeConfig, parts: EngineParts) -> Proposer:
