@@ -1,12 +1,4 @@
-"""Speculative decoding around the engine: propose after a step, verify in the next one.
-
-Owns the proposer, the controller (how many tokens to draft) and the rejection sampler, and records
-the spec_decode_* metrics. The engine calls, per step: `pending_drafts()` (for the forward),
-`verify()` (instead of sampling where drafts were scheduled) and `after_step()` (observe, absorb
-target features, propose); `on_finished` / `on_preempted` per request. Asynchronous scheduling
-(engine/async_loop.py) calls the parts of after_step itself: `choose`, `skip_proposal`, `absorb`,
-`observe`, `propose_for`.
-"""
+"""Speculative decoding around the engine: propose after a step, verify in the next one."""
 
 from __future__ import annotations
 
@@ -113,10 +105,10 @@ class SpecDecoder:
         step_seconds: float,
         batch_size: int,
     ) -> None:
-        """Speculation's one hook after a step's update: the controller observes the step, a proposer
-        keeping target features absorbs the mid-prefill rows, and the requests that got tokens (and
-        did not finish) get drafts for the next step. new_tokens: per scheduled entry, None where it
-        sampled nothing; batch_size: the requests running now."""
+        """Speculation's one hook after a step's update: the controller observes the step, a proposer keeping target
+        features absorbs the mid-prefill rows, and the requests that got tokens (and did not finish) get drafts for
+        the next step. new_tokens: per scheduled entry, None where it sampled nothing; batch_size: the requests
+        running now."""
         self.observe(sched, step_seconds)
         self.absorb(sched, [t is not None for t in new_tokens], step)
         self.propose_for(sched, new_tokens, step, batch_size)

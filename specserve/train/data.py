@@ -1,12 +1,4 @@
-"""Training data for draft heads: prompts made from the Python standard library, answered by the target.
-
-Self-distillation, as EAGLE does: the head learns the target's own behaviour, so the data is the
-target's answers (greedy or low temperature) to instruction-style prompts. The prompts come from
-the stdlib's functions, classes and docstrings (present on every machine, no download), or from a
-JSONL file: {"prompt": ...}, {"messages": [...]} (answered by the target), {"text": ...} or
-{"token_ids": [...]} (used as is). HumanEval is for measuring and is refused: a file named after it,
-or a row that is one of its tasks (refuse_humaneval_row).
-"""
+"""Training data for draft heads: prompts made from the Python standard library, answered by the target."""
 
 from __future__ import annotations
 
@@ -295,12 +287,7 @@ def build_sequences(
     seed: int = 0,
     progress: bool = True,
 ) -> list[TrainSeq]:
-    """Token sequences (prompt + the target's answer, at most max_seq_len) for every example.
-
-    Chats are answered by `llm` (a specserve LLM of the target) in one continuous batch; at the
-    deadline the unfinished answers are cut where they are (a prefix of the target's own answer is
-    still good data) and the rest of the prompts are dropped.
-    """
+    """Token sequences (prompt + the target's answer, at most max_seq_len) for every example."""
     from specserve.sampling_params import SamplingParams
 
     tok = llm.get_tokenizer()
@@ -371,12 +358,10 @@ class DraftVocab(NamedTuple):
 
 
 def draft_vocab(seqs: list[TrainSeq], vocab_size: int, size: int, special_ids: Iterable[int] = ()) -> DraftVocab:
-    """The `size` tokens a reduced-vocabulary head may propose (EAGLE-3's d2t): the special tokens
-    (`special_ids`: EOS, chat-template markers) that occur anywhere in the sequences, always (rare
-    but every answer ends with one), then the most frequent answer tokens: the tokens the loss
-    trains on, from position max(2, num_prompt_tokens) on (row t predicts token t + 2 and rows
-    before the prompt's end are not in the loss). Ties, and tokens no answer holds (a tiny data
-    set), go by their count in the whole sequences, then by id: deterministic for the data."""
+    """The `size` tokens a reduced-vocabulary head may propose (EAGLE-3's d2t): the special tokens (`special_ids`:
+    EOS, chat-template markers) that occur anywhere in the sequences, always (rare but every answer ends with one),
+    then the most frequent answer tokens: the tokens the loss trains on, from position max(2, num_prompt_tokens) on
+    (row t predicts token t + 2 and rows before the prompt's end are not in the loss)."""
     answer = np.zeros(vocab_size, dtype=np.int64)
     whole = np.zeros(vocab_size, dtype=np.int64)
     for s in seqs:

@@ -1,18 +1,4 @@
-"""`specserve train-draft`: train an EAGLE-3, P-EAGLE or EAGLE head for a target by self-distillation.
-
-Data (data.py): the target answers prompts made from the Python standard library; the head
-learns on (prompt + answer) sequences. Each training step runs the frozen target once over a
-padded batch for its features and next-token distributions (target.py), then the head over
-S blocks of rows that mimic serving, against the target's distributions (loss.py). This file
-holds the command: its flags, the data and the head's setup, the loop (a cosine learning rate after
-a warmup) and the checkpoints: head + optimizer + step, written every --save-every steps and at the
-end; --resume continues from them. At the end, training.json records the data, steps and metrics.
-
-Reduced draft vocabulary (--draft-vocab-size N, by default 32768 for targets with a larger
-vocabulary): the head proposes only N tokens, d2t (ascending target ids, saved with the head):
-special tokens seen in the data plus the most frequent answer tokens (data.draft_vocab).
-loss.py says how its labels and accuracy are made.
-"""
+"""`specserve train-draft`: train an EAGLE-3, P-EAGLE or EAGLE head for a target by self-distillation."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""The frozen target's side of `specserve train-draft` (loop.py): its features and next-token
-distributions for a training batch.
-
-Each training step runs the target once over a padded batch of whole sequences: a plain causal
-forward of the engine's own model (no KV cache; _DenseCausal is its attention backend) gives the
-head's features (EAGLE-3: the aux layers' inputs; EAGLE-1: the last hidden state), the final
-hidden state and the target's softmax (TargetBatch). With a reduced draft vocabulary d2t, only the
-softmax's columns d2t are kept (the softmax still runs over the whole vocabulary, which their
-normalization needs, a chunk of rows at a time) together with the target's argmax over the whole
-vocabulary; loss.py turns them into the head's labels.
-"""
+"""The frozen target's side of `specserve train-draft` (loop.py): its features and next-token distributions for a
+training batch."""
 
 from __future__ import annotations
 
@@ -55,10 +46,7 @@ def _dense_layout(seqs: list[list[int]], device: torch.device) -> _DenseLayout:
 
 
 class _DenseCausal:
-    """Attention backend for training batches: plain causal attention over whole sequences, no KV
-    cache. The flat tokens go into a right-padded [B, heads, L, D] layout for one attention call per
-    layer: every sequence starts at position 0 and attention is causal, so no valid row ever sees a
-    padded key (padded rows compute garbage that is dropped)."""
+    """Attention backend for training batches: plain causal attention over whole sequences, no KV cache."""
 
     name = "dense_causal"
 

@@ -1,18 +1,4 @@
-"""Draft-model speculation: a smaller model with the target's tokenizer proposes k tokens.
-
-The draft has its own paged KV cache (its own KVCacheManager + ModelRunner). Per request it tracks
-how many of the request's tokens its cache holds (`_DraftSeq.num_computed_tokens`). Each propose:
-  1. sync: drafts the target rejected are dropped from that count (their KV is overwritten later);
-  2. catch up: one forward over every request's unseen tokens (usually the last draft + the
-     target's bonus/recovered token; the whole prompt the first time), chunked to the step budget;
-  3. k - 1 more forwards of one token per request, each sampling the next draft. These chained
-     steps skip the runner's generic batch building (`_ChainSteps`): positions, slots and sequence
-     lengths advance by one per step from arrays made once per propose, the previous draft goes
-     into the forward on the device, and a CUDA graph replays them when one fits.
-Greedy requests draft the argmax (one-hot drafts); random requests sample from the draft's own
-distribution processed with the request's sampling params and keep it in `spec_draft_probs`, so
-the rejection sampler stays lossless.
-"""
+"""Draft-model speculation: a smaller model with the target's tokenizer proposes k tokens."""
 
 from __future__ import annotations
 
@@ -110,10 +96,7 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class DraftSampler:
-    """Draft logits -> draft tokens. Greedy requests: argmax of the raw logits (one-hot drafts, probs
-    None). Random requests: a sample from compute_target_probs (the request's temperature, top-k/p,
-    min-p, penalties) with a generator of the proposer's own (seeded from the request's seed), so
-    the request's own random stream, which verification uses, is never consumed by drafting."""
+    """Draft logits -> draft tokens."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size, self.device = vocab_size, device
@@ -325,11 +308,8 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         return seq
 
     def catch_up_cap(self, unseen: list[int]) -> int | None:
-        """The most tokens one sequence feeds per catch-up forward, for sequences with `unseen` tokens
-        each (None: no cap). A catch-up of sequences that fit the catch-up graphs, one longer than the
-        longest of them but at most _GRAPH_PIECES such lengths (a new request's prompt, say), goes in
-        pieces of that length, each a graph replay instead of one host-bound eager forward.
-        A catch-up that a mixed graph holds whole (runner/cuda_graph.py MIXED_TOKEN_LENS) is not cut."""
+        """The most tokens one sequence feeds per catch-up forward, for sequences with `unseen` tokens each (None: no
+        cap)."""
         graphs = self.runner.graphs
         lens = (graphs.catch_up_query_lens or graphs.prefill_query_lens) if graphs is not None else ()
         if not lens or not unseen or len(unseen) > graphs.sizes_by_q[max(lens)][-1]:
@@ -385,14 +365,10 @@ def _uniform_layout(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[in
 
 
 class _ChainSteps:
-    """The draft's single-token forwards of a propose after the catch-up (step s = 1..k-1 feeds the
-    draft of step s - 1), without the runner's generic per-request batch building: the block
-    tables are made once per propose, a step's positions are the catch-up's end + s - 1, and its
-    slots and sequence lengths follow from them in a few numpy operations. The fed token is the
-    previous step's draft, on the device: a CUDA graph takes it as its input fill, an eager
-    forward as its input ids (no placeholder fill, no index copy).
-
-    Same inputs as ModelRunner.execute would build (tests/unit/test_draft_chain.py checks it)."""
+    """The draft's single-token forwards of a propose after the catch-up (step s = 1..k-1 feeds the draft of step s -
+    1), without the runner's generic per-request batch building: the block tables are made once per propose, a step's
+    positions are the catch-up's end + s - 1, and its slots and sequence lengths follow from them in a few numpy
+    operations."""
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager) -> None:
         self.runner, self.kv = runner, kv

@@ -1,11 +1,4 @@
-"""Draft tokens kept on the device while a proposer drafts, read back to the host once.
-
-A proposer that drafts k tokens autoregressively feeds each draft into its next forward. Reading
-every draft back (`.tolist()`) would make the host wait for each forward: at batch 1 the GPU then
-idles between the small draft forwards. Instead each step's sampled tokens stay a device tensor,
-the next forward takes its inputs from it (an embedding lookup, or the runner's placeholder fill),
-and all drafts cross to the host in one copy at the end.
-"""
+"""Draft tokens kept on the device while a proposer drafts, read back to the host once."""
 
 from __future__ import annotations
 
@@ -64,14 +57,7 @@ Finish = Callable[[list[list[int]], list[list[torch.Tensor]]], None]
 
 
 class DeferredDrafts:
-    """A proposal's drafts left on the device for the step that verifies them.
-
-    Reading the drafts back at the end of a propose made the host wait for the proposer's last
-    forward before it could schedule and build the verify step, so the GPU idled through that host
-    work. Instead each request holds PLACEHOLDER drafts (how many is known), the engine schedules
-    and launches the verify step at once, the runner fills the placeholders' input ids from
-    `pending` on the device (runner/batch.py pending_fill), and `resolve()` brings the ids to the
-    host (for the rejection sampler) while the verify forward runs."""
+    """A proposal's drafts left on the device for the step that verifies them."""
 
     def __init__(
         self,

@@ -1,29 +1,4 @@
-"""EAGLE / EAGLE-3 proposer, autoregressive or P-EAGLE parallel drafting.
-
-After each target step the head first appends one "real" row per position whose target feature
-that step computed and verification kept (input: the next token's embedding + the target
-feature), then drafts: autoregressively (k - 1 more forwards of one row per request, feeding the
-head's own output back) or, with `parallel_drafting`, in the same forward through k - 1 P-EAGLE
-mask rows placed after the last real position. When the target runs CUDA graphs, so does the head:
-the first forward of a propose (eagle_first.py; proposes right after a prompt, with more rows,
-run it eagerly) and each autoregressive draft step (eagle_graph.py) are one replay each over
-static buffers, whose inputs travel in one pinned copy; the host reads the drafts back once.
-
-KV: the head's one layer keeps a small paged cache of its own (KVCacheManager + the target's
-attention backend), not a dense per-request tensor: requests of different lengths then batch into
-one varlen forward with no padding, the GPU path reuses the Triton paged kernels, and blocks come
-and go with requests like the target's. A request's head sequence is compact: only real rows the
-head has seen, at their true RoPE positions. Positions whose features it never saw (a prefix-cache
-hit) are simply absent from its context: drafts get a little worse, verification keeps the output
-exact. A prefill chunk that does not sample (a graph-sized piece of a short prompt, a chunk of a long
-one) is absorbed: its rows enter the head's KV in that step (`absorb`), without drafts. Draft rows sit after the
-real rows and are overwritten by the next propose, because their KV came from the head's own
-hidden states, never from the target's.
-
-A head with a reduced draft vocabulary (eagle_head.py) computes logits over its d2t tokens only;
-DraftVocabSampler turns them into target token ids and, for sampled drafts, into the full-vocabulary
-draft distribution the rejection sampler takes (zero outside d2t).
-"""
+"""EAGLE / EAGLE-3 proposer, autoregressive or P-EAGLE parallel drafting."""
 
 from __future__ import annotations
 
@@ -77,16 +52,8 @@ class _Plan:
 
 
 class DraftVocabSampler(DraftSampler):
-    """DraftSampler for a head with a reduced draft vocabulary: logits [rows, draft_vocab], column j
-    = target token d2t[j]. Greedy rows draft d2t[argmax]. Random rows: the logits are placed into
-    full-vocabulary logits at d2t, -inf elsewhere, and sampled by DraftSampler, so the request's
-    penalties, temperature, min-p, top-k and top-p apply per target token id exactly as for a full
-    head (over the draft vocabulary: -inf stays -inf through each stage, each keeps the largest
-    logit, and drafting applies no min_tokens mask, so a row never loses every token), and the
-    draft_probs returned are the full-vocabulary q with zeros outside d2t: the form the rejection
-    sampler takes, which keeps verification lossless (a token outside d2t is never drafted, and
-    the residual max(0, target - q) emits it with its full target probability). The [rows, vocab]
-    expansion runs only for random rows; greedy drafts never leave the draft vocabulary's width."""
+    """DraftSampler for a head with a reduced draft vocabulary: logits [rows, draft_vocab], column j = target token
+    d2t[j]."""
 
     def __init__(self, vocab_size: int, device: torch.device, d2t: torch.Tensor) -> None:
         super().__init__(vocab_size, device)
@@ -251,10 +218,8 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         positions: list[int],
         extra: list[np.ndarray],
     ):
-        """The eager first forward's inputs: every host array (the real rows' gathers, `positions`,
-        `extra`, the attention metadata) in one copy, then the real rows' token embeddings and fused
-        target features. Returns (embeds [num_real, hidden], hidden [num_real, hidden], positions
-        [rows], metadata, the device copies of `extra`)."""
+        """The eager first forward's inputs: every host array (the real rows' gathers, `positions`, `extra`, the
+        attention metadata) in one copy, then the real rows' token embeddings and fused target features."""
         arrays = attention_arrays(ctx, q_lens, tables, self.kv.block_size)
         host = [np.asarray(v, dtype=np.int64) for v in (plan.feature_rows, plan.next_tokens, positions)]
         dev = self.upload.send(host + extra + arrays)

@@ -1,32 +1,4 @@
-"""The head's first forward of a propose over static buffers, as one CUDA graph per batch size.
-
-A propose's first head forward reads the rows whose target features the step computed (the real
-rows; with P-EAGLE then k - 1 mask rows per request). Run eagerly it is ~80 small torch ops plus
-its inputs' copies, views and metadata: at batch 1 the GPU idles while the host launches them
-(the head's GPU time is ~0.1-0.2 ms, its host time several ms). Here, per padded batch size bs:
-
-* static inputs, sent in one pinned non-blocking copy per propose: per row its feature row in the
-  step's flat batch, next token, position, KV slot and mask flag; per pick (each request's last
-  real row, and with P-EAGLE its mask rows) the row to read; the picks in request order; per
-  sequence cu_query_lens, seq_lens and block tables (last: only the requests' rows are copied);
-* the target features: the step's aux-layer rows (EAGLE-1: final hidden states) are gathered by
-  one index_select per layer, outside the graph (they live in the target's eager or graphed
-  outputs), into a static [layers, rows, hidden] buffer;
-* outputs: the picks' head outputs [bs * picks, hidden], logits [bs * picks, vocab] and argmax
-  (a reduced draft vocabulary: logits [bs * picks, draft_vocab], argmax mapped through d2t to
-  target ids; the gathered LM-head rows and d2t are static tensors, so capture is unchanged).
-  Autoregressive drafting also writes the outputs and argmax into HeadStepGraphs' inputs, so its
-  first draft step replays with nothing launched in between (eagle_graph.py).
-
-Request i takes rows_per_req rows' worth of room: its real rows, its mask rows, packed after the
-previous request's; the rows past the last request's belong to no sequence (slot -1: no K/V is
-stored; the attention kernels leave their output rows unwritten) and are never picked. Request i's
-picks sit at rows i * picks_per_req .. + k_i; padding picks read row 0. A propose whose requests
-need more rows (a prefill) or more requests than the largest size runs eagerly (eagle.py).
-
-Without capture the same buffers run the same forward eagerly: the CPU tests check the padding,
-the layout and the metadata this way against the eager head.
-"""
+"""The head's first forward of a propose over static buffers, as one CUDA graph per batch size."""
 
 from __future__ import annotations
 

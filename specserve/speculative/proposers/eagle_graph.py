@@ -1,30 +1,4 @@
-"""The EAGLE head's autoregressive draft steps as CUDA graphs, and one-copy host->device inputs.
-
-After the real rows, each further draft step is one head row per request: embed the previous
-draft, run the head's layer on it and the previous step's output row, the LM head, pick a token.
-Eagerly that is ~50 small kernels whose launches (and several small host->device copies) cost the
-host milliseconds per step while the GPU is busy for a fraction of that. HeadStepGraphs makes each
-step one graph replay (the first forward before it: eagle_first.py, which also writes this
-class's `tokens` and `hidden` inputs of the first step):
-
-* static inputs: the previous drafts' ids `tokens` [max_bs] and the previous head output rows
-  `hidden` [max_bs, hidden], both rewritten by the replay itself (steps chain on the device), and
-  positions, slot_mapping, cu_query_lens, seq_lens, block_tables of the head's paged KV cache,
-  which the host sends in one pinned non-blocking copy per step (block tables on the first only);
-* static outputs: the LM-head logits [bs, vocab] (random rows sample from them, DraftSampler) and
-  their argmax [bs] (greedy rows' drafts, the same argmax DraftSampler takes); with a reduced
-  draft vocabulary the logits are [bs, draft_vocab] (the head's gathered LM-head rows, a static
-  weight like any other) and the argmax is mapped to target ids through the static d2t;
-* one graph per batch size (the target's sizes), largest first, sharing one memory pool.
-
-Row i of the padded batch is request i of the propose for all its steps. Rows past the requests
-are padding sequences (no query, seq_len 0, slot -1); a request that already has its k
-drafts keeps its row as a dead one (one query over its first cached row, K/V not stored), so the
-other rows never move and no index_select / index_copy runs between steps.
-
-Without capture the same buffers run the same forward eagerly: on the CPU this is how the tests
-check the padding, the buffer layout and the metadata that the graphs read on the GPU.
-"""
+"""The EAGLE head's autoregressive draft steps as CUDA graphs, and one-copy host->device inputs."""
 
 from __future__ import annotations
 
@@ -57,11 +31,7 @@ def align16(n: int) -> int:
 
 
 class PinnedUpload:
-    """Small host int arrays -> the device in ONE non-blocking copy per call.
-
-    The bytes go through a ring of pinned host slots: a slot is rewritten only after the copy that
-    last read it has run (its event), so the host waits only when it gets `slots` copies ahead of
-    the GPU. (A copy from pageable memory would wait for all GPU work queued before it.)"""
+    """Small host int arrays -> the device in ONE non-blocking copy per call."""
 
     def __init__(self, device: torch.device, slots: int = 8) -> None:
         self.device = device
@@ -290,13 +260,7 @@ class HeadStepGraphs:
         tables: list[list[int]],
         prev: torch.Tensor | None,
     ) -> bool:
-        """Draft steps 1..max(ks) - 1 into dt, which holds step 0's tokens [n] for all n requests.
-
-        ks, ctx, last_pos, tables: per request its draft count, head rows cached (real rows, step 0's
-        included), last real position, head blocks. prev [n, hidden]: step 0's head output of each
-        request's last real row; None when FirstForwardGraphs already wrote it (and step 0's argmax)
-        into `hidden` and `tokens` (eagle_first.py). False (nothing done) when the batch does not fit
-        the buffers: the caller drafts eagerly then."""
+        """Draft steps 1..max(ks) - 1 into dt, which holds step 0's tokens [n] for all n requests."""
         n = len(ks)
         if not self.fits(n, tables):
             return False

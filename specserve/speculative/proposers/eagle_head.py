@@ -1,27 +1,4 @@
-"""The EAGLE / EAGLE-3 / P-EAGLE draft head: one decoder layer on top of the target's features.
-
-Row t of the head reads concat(embed(token t+1), hidden_t) and predicts token t+2, where hidden_t
-is the target's feature at position t for real rows (EAGLE-1: its final hidden state; EAGLE-3:
-`fuse` of the inputs of a low, a middle and a high layer) and the head's own output for
-autoregressive draft rows. P-EAGLE mask rows read a learned (mask_embed, mask_hidden) pair instead,
-so all k drafts come out of one forward. The target's embedding and LM head are reused, frozen;
-a checkpoint holds only the head's own weights.
-
-Reduced draft vocabulary (EAGLE-3's draft_vocab_size, optional): the head proposes only the
-`draft_vocab_size` target token ids in `d2t` (saved with its weights). Its LM head is those rows of
-the target's, gathered once when attached to the target (`attach_lm_head`): a draft step's logits
-are [rows, draft_vocab] instead of [rows, vocab] (the target's 151,936-row head is the largest
-part of a Qwen2.5 head step). Verification stays lossless: the draft distribution is zero outside
-the set, and the rejection sampler's residual max(0, target - draft) covers those tokens. d2t is
-sorted ascending: then the argmax over the draft logits, mapped through d2t, is exactly the argmax
-of the full-vocabulary logits that are -inf outside the set (ties included: both pick the lowest
-target id), which is what the sampling path computes (eagle.py DraftVocabSampler), so greedy and
-sampled drafts, eager and CUDA-graph paths agree token for token.
-
-The layer never owns its attention: `attend(q, k, v)` is injected, the paged KV backend at serving
-time (eagle.py) and dense masked attention at training time (train/loss.py), so both run the same
-weights through the same code.
-"""
+"""The EAGLE / EAGLE-3 / P-EAGLE draft head: one decoder layer on top of the target's features."""
 
 from __future__ import annotations
 
@@ -269,10 +246,9 @@ class EagleHead(nn.Module):
 
     @torch.no_grad()
     def attach_lm_head(self, weight: torch.Tensor) -> None:
-        """Gather the target's LM-head rows d2t (weight [vocab, hidden]) into one persistent
-        [draft_vocab, hidden] tensor of the weight's dtype and device, once: draft steps (and the CUDA
-        graphs that capture them) then read draft_vocab rows instead of the whole head. Call it after
-        the head has its device (a later .to() does not move it). Nothing to do for a full vocabulary."""
+        """Gather the target's LM-head rows d2t (weight [vocab, hidden]) into one persistent [draft_vocab, hidden]
+        tensor of the weight's dtype and device, once: draft steps (and the CUDA graphs that capture them) then read
+        draft_vocab rows instead of the whole head."""
         if self.d2t is None:
             return
         self.d2t = self.d2t.to(weight.device)
