@@ -66,9 +66,9 @@ class SpecDecoder:
 
     @property
     def k_follows_load(self) -> bool:
-        """Seeded random requests draft only when k does not follow the load: the rejection sampler draws
-        k uniforms per step from a request's generator, so with k chosen per step the same seed would
-        sample differently under other load. Without drafts such a request draws as plain sampling does."""
+        """Seeded random requests draft only when k does not follow the load: the rejection sampler draws k uniforms
+        per step from a request's generator, so with k chosen per step the same seed would sample differently under
+        other load."""
         return self.controller.follows_load or self.disable_above is not None
 
     # -- the verify step ---------------------------------------------------------------------
@@ -152,9 +152,9 @@ class SpecDecoder:
         )
 
     def absorb(self, sched: SchedulerOutput, samples: list[bool], step: StepOutput) -> None:
-        """The scheduled requests that did not sample (mid-prefill) hand their rows to a proposer that
-        reads target features, so a prompt fed in pieces or chunks is whole in its context.
-        samples: per scheduled entry, whether it sampled."""
+        """The scheduled requests that did not sample (mid-prefill) hand their rows to a proposer that reads target
+        features, so a prompt fed in pieces or chunks is whole in its context. samples: per scheduled entry, whether
+        it sampled."""
         if not self.proposer.needs_target_hidden:
             return
         chosen = [

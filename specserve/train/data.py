@@ -94,9 +94,7 @@ _HUMANEVAL_FIELDS = frozenset({"canonical_solution", "entry_point", "test"})
 
 
 def refuse_humaneval_row(row: dict[str, Any], where: str) -> None:
-    """ValueError when a --data row is a HumanEval task, whatever the file is called. Only its id
-    fields and keys are looked at (cheap, and reliable: matching the prompt text would need the data
-    set itself, which this code must not hold)."""
+    """ValueError when a --data row is a HumanEval task, whatever the file is called."""
     for key in _HUMANEVAL_ID_FIELDS:
         value = row.get(key)
         if isinstance(value, str) and _HUMANEVAL.search(value):

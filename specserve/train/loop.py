@@ -225,9 +225,9 @@ def _new_head(args, loaded, device: torch.device, d2t: list[int] | None = None) 
 
 
 def _init_from_head(head: EagleHead, path: str) -> None:
-    """Copy every tensor of another head of the same shape (a P-EAGLE head from a trained EAGLE-3
-    head: their real rows are the same function); tensors only this head has keep their init, and so
-    does the draft vocabulary (d2t: this run's data and --draft-vocab-size choose it)."""
+    """Copy every tensor of another head of the same shape (a P-EAGLE head from a trained EAGLE-3 head: their real
+    rows are the same function); tensors only this head has keep their init, and so does the draft vocabulary (d2t:
+    this run's data and --draft-vocab-size choose it)."""
     from safetensors.torch import load_file
 
     from specserve.speculative.proposers.eagle_head import WEIGHTS_NAME
@@ -296,9 +296,9 @@ def _train_loop(
     device: torch.device,
     deadline: float,
 ) -> None:
-    """Trains until --steps or the deadline; progress["step"] follows every step, progress["metrics"]
-    every REPORT_EVERY steps, at checkpoints and at the end (reading them syncs the device; a step
-    itself never waits for the GPU)."""
+    """Trains until --steps or the deadline; progress["step"] follows every step, progress["metrics"] every
+    REPORT_EVERY steps, at checkpoints and at the end (reading them syncs the device; a step itself never waits for
+    the GPU)."""
     step = progress["step"]
     parallel = args.method == "p-eagle"
     num_blocks = 1 + (args.num_mask_slots if parallel else args.ttt_steps - 1)
@@ -367,7 +367,7 @@ def _metrics(recent: list[tuple[list[str], torch.Tensor]]) -> dict[str, float]:
     values = torch.cat([v for _, v in recent]).tolist()
     sums: dict[str, float] = {}
     i = 0
-    for names, v in recent:
+    for names, _ in recent:
         for name, x in zip(names, values[i : i + len(names)]):
             sums[name] = sums.get(name, 0.0) + x
         i += len(names)

@@ -97,9 +97,8 @@ def head_block_outputs(
 def reduced_vocab_labels(
     lab: torch.Tensor, target_top: torch.Tensor, d2t: torch.Tensor, hard_weight: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Soft-target labels over a reduced draft vocabulary. lab [rows, N]: the target's
-    probabilities of the tokens d2t (normalized over the whole vocabulary; overwritten); target_top [rows]: the
-    target's argmax ids."""
+    """Soft-target labels over a reduced draft vocabulary. lab [rows, N]: the target's probabilities of the tokens
+    d2t (normalized over the whole vocabulary; overwritten); target_top [rows]: the target's argmax ids."""
     lab = lab.div_(lab.sum(-1, keepdim=True).clamp_(min=torch.finfo(lab.dtype).tiny))
     # The argmax's column in the draft vocabulary (d2t is ascending), exact even where bfloat16
     # labels tie: the in-set argmax of `lab` could pick another token there.

@@ -125,9 +125,9 @@ _LABEL_CHUNK_BYTES = 1 << 29
 
 
 def _reduced_labels(model, hidden: torch.Tensor, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [T, hidden] -> (target probabilities of the tokens d2t [T, N], normalized over the
-    whole vocabulary; target argmax [T] int64), a chunk of rows at a time: only [chunk, vocab] float32
-    logits exist at once instead of [T, vocab] logits + probs (~5 GB each for 8192 x 151936)."""
+    """hidden [T, hidden] -> (target probabilities of the tokens d2t [T, N], normalized over the whole vocabulary;
+    target argmax [T] int64), a chunk of rows at a time: only [chunk, vocab] float32 logits exist at once instead of
+    [T, vocab] logits + probs (~5 GB each for 8192 x 151936)."""
     chunk = max(1, _LABEL_CHUNK_BYTES // (4 * model.arch.vocab_size))
     probs, top = [], []
     # Equal chunks: a remainder of 1-4 rows would run the LM head through the GEMV kernel, which
@@ -145,9 +145,9 @@ def _reduced_labels(model, hidden: torch.Tensor, d2t: torch.Tensor) -> tuple[tor
 def target_batch(
     model, seqs: list[list[int]], aux_layers: tuple[int, ...], device: torch.device, d2t: torch.Tensor | None = None
 ) -> TargetBatch:
-    """The frozen target over a padded batch (TargetBatch). d2t [N] (a reduced draft vocabulary):
-    keep only the probabilities of those tokens (the softmax still runs over the whole vocabulary,
-    which their normalization needs) and the target's argmax."""
+    """The frozen target over a padded batch (TargetBatch). d2t [N] (a reduced draft vocabulary): keep only the
+    probabilities of those tokens (the softmax still runs over the whole vocabulary, which their normalization needs)
+    and the target's argmax."""
     layout = _dense_layout(seqs, device)
     L, B = max(layout.lengths_cpu), len(seqs)
     hidden, aux = _dense_run(model, layout, aux_layers)

@@ -47,9 +47,9 @@ class _DraftSeq:
 def draft_kv_blocks(
     target_num_blocks: int, bytes_per_block: int, device: torch.device, what: str, reserve_bytes: int = 0
 ) -> int:
-    """Blocks for a drafter's KV pool: as many tokens as the target's pool (so the drafter does not
-    run out first), capped on CUDA by what is left after the target took its share and
-    `reserve_bytes` more (what the drafter allocates after its pool, e.g. its CUDA graphs)."""
+    """Blocks for a drafter's KV pool: as many tokens as the target's pool (so the drafter does not run out first),
+    capped on CUDA by what is left after the target took its share and `reserve_bytes` more (what the drafter
+    allocates after its pool, e.g. its CUDA graphs)."""
     blocks = target_num_blocks + 4
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -131,7 +131,7 @@ class DraftSampler:
 
     def sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits [len(rows), vocab] -> (tokens [len(rows)] int64 on the device, draft_probs
-        [len(rows), vocab] or None if these rows are all greedy). No host sync (speculative/proposers/draft_tokens.py)."""
+        [len(rows), vocab] or None if these rows are all greedy). No host sync."""
         if logits.shape[1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]
         if self._meta is None or all(self._greedy[r] for r in rows):
@@ -321,9 +321,9 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         return piece if piece < max(unseen) <= _GRAPH_PIECES * piece else None
 
     def _catch_up(self, seqs: list[_DraftSeq]) -> torch.Tensor:
-        """Feed every seq's unseen tokens, in forwards of at most max_batched tokens (and catch_up_cap()
-        per sequence); returns the logits of each seq's last token, [len(seqs), vocab], valid until the
-        draft's next forward (they may be a CUDA graph's output)."""
+        """Feed every seq's unseen tokens, in forwards of at most max_batched tokens (and catch_up_cap() per
+        sequence); returns the logits of each seq's last token, [len(seqs), vocab], valid until the draft's next
+        forward (they may be a CUDA graph's output)."""
         rows: list[torch.Tensor | None] = [None] * len(seqs)
         pending = list(range(len(seqs)))
         cap = self.catch_up_cap([s.num_tokens - s.num_computed_tokens for s in seqs]) or self.max_batched

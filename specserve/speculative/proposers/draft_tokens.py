@@ -32,9 +32,8 @@ class DraftTokens:
         return [pos[i] for i in active]
 
     def request_major(self, n: int) -> tuple[torch.Tensor, list[int], list[list[torch.Tensor]]]:
-        """The n requests' drafts request-major: (flat [sum(counts)] int64 on the device, request i's
-        drafts in consecutive rows; counts per request; per request its drafts' distributions (device
-        rows; empty if greedy)). The steps are step-major, requests dropping out as they reach their k."""
+        """The n requests' drafts request-major: (flat [sum(counts)] int64 on the device, request i's drafts in
+        consecutive rows; counts per request; per request its drafts' distributions (device rows; empty if greedy))."""
         per_req: list[list[int]] = [[] for _ in range(n)]  # request i's rows of the step-major flat
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
         at = 0
@@ -90,9 +89,9 @@ class DeferredDrafts:
 
 
 class DraftDelivery:
-    """How a proposer that drafts on the device hands its drafts over: read back now, or left on the
-    device as DeferredDrafts that the decoder takes (`take_deferred`) where the runner allows it
-    (`allow_deferred`) and the proposer defers by default."""
+    """How a proposer that drafts on the device hands its drafts over: read back now, or left on the device as
+    DeferredDrafts that the decoder takes (`take_deferred`) where the runner allows it (`allow_deferred`) and the
+    proposer defers by default."""
 
     defer_drafts: bool = False
     defers_by_default: bool = True
@@ -137,9 +136,8 @@ class DraftDelivery:
 def assign_resolved(
     reqs: list[Request], drafts: list[list[int]], probs: list[list[torch.Tensor]], greedy: list[bool]
 ) -> None:
-    """Replace each request's placeholder drafts (DraftDelivery.deliver) by the drafted ids, and set
-    spec_draft_probs ([k, vocab]; None = one-hot drafts). A request keeps as many drafts as it still
-    holds placeholders: the scheduler may have cut them, and one preempted since holds none."""
+    """Replace each request's placeholder drafts (DraftDelivery.deliver) by the drafted ids, and set spec_draft_probs
+    ([k, vocab]; None = one-hot drafts)."""
     for req, tokens, rows, g in zip(reqs, drafts, probs, greedy):
         held = len(req.spec_token_ids)
         if not held or req.spec_token_ids[0] != PLACEHOLDER:

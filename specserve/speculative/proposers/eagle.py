@@ -193,9 +193,9 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
 
     @torch.inference_mode()
     def absorb(self, inp: ProposeInput) -> None:
-        """A prefill chunk that did not sample (a graph-sized piece, or a chunk of a long prompt): its
-        rows enter the head's KV now, with no drafts, so the head's context holds the whole prompt when
-        the chunk that ends it drafts. Without it those positions are absent from the head's context."""
+        """A prefill chunk that did not sample (a graph-sized piece, or a chunk of a long prompt): its rows enter the
+        head's KV now, with no drafts, so the head's context holds the whole prompt when the chunk that ends it
+        drafts."""
         plan = self._plan(inp)  # inp.num_draft_tokens are 1: no draft rows reserved
         if not plan.reqs:
             return
@@ -361,9 +361,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             dt.add(active, *self.sampler.sample(self._logits(normed), active))
 
     def _parallel_layout(self, plan: _Plan) -> tuple[list[int], list[int], list[int], np.ndarray]:
-        """Rows of the P-EAGLE forward: each request's real rows, then k - 1 mask rows at the next
-        positions. Returns positions, q_lens, pick (last real row + mask rows of each request) and
-        src: each row's input in cat([real rows, one mask row]) (index num_real = the mask row)."""
+        """Rows of the P-EAGLE forward: each request's real rows, then k - 1 mask rows at the next positions."""
         positions, q_lens, pick, src = [], [], [], []
         start = row = 0
         num_real = len(plan.positions)

@@ -41,9 +41,9 @@ class FirstForwardGraphs:
         feed: tuple[torch.Tensor, torch.Tensor] | None,
         capture: bool,
     ) -> None:
-        """k: the most drafts a request asks for. parallel: P-EAGLE (k picks per request: the last
-        real row and k - 1 mask rows) or autoregressive (one pick: the last real row). feed:
-        HeadStepGraphs' (hidden, tokens) inputs, written with the picks' outputs and argmax."""
+        """k: the most drafts a request asks for. parallel: P-EAGLE (k picks per request: the last real row and k - 1
+        mask rows) or autoregressive (one pick: the last real row). feed: HeadStepGraphs' (hidden, tokens) inputs,
+        written with the picks' outputs and argmax."""
         self.head, self.target, self.kv_cache, self.fmt, self.backend = head, target, kv_cache, fmt, backend
         self.scale, self.vocab_size, self.upload, self.parallel, self.feed = scale, vocab_size, upload, parallel, feed
         # After verifying k drafts a request has at most k + 1 new real rows, then k - 1 mask rows.
@@ -162,9 +162,9 @@ class FirstForwardGraphs:
         positions: list[int],
         tables: list[list[int]],
     ) -> None:
-        """Fill a pinned slot with a propose's inputs (per request: its draft count, real rows, head
-        rows cached before them, last real position; per real row: its feature row, next token and
-        position; head blocks) and copy it into the static buffers."""
+        """Fill a pinned slot with a propose's inputs (per request: its draft count, real rows, head rows cached
+        before them, last real position; per real row: its feature row, next token and position; head blocks) and
+        copy it into the static buffers."""
         n, bsz, p, rows_per_req = len(ks), self.block_size, self.picks_per_req, self.rows_per_req
         nbytes = self._fields + n * self.max_blocks * 4
         rows, tokens, pos, slots, mask, pick, sel, cu, seq_lens, tab = self.upload.stage_views(

@@ -95,9 +95,8 @@ class PinnedUpload:
 def attention_arrays(
     ctx_lens: list[int], q_lens: list[int], tables: list[list[int]], block_size: int
 ) -> list[np.ndarray]:
-    """Sequence i: q_lens[i] new rows after ctx_lens[i] cached ones, in blocks tables[i] ->
-    [cu_query_lens [n + 1] int32, seq_lens [n] int32, block_tables [n, max blocks] int32,
-    slot_mapping [sum(q_lens)] int64] on the host."""
+    """Sequence i: q_lens[i] new rows after ctx_lens[i] cached ones, in blocks tables[i] -> [cu_query_lens [n + 1]
+    int32, seq_lens [n] int32, block_tables [n, max blocks] int32, slot_mapping [sum(q_lens)] int64] on the host."""
     n = len(tables)
     block_tables = np.zeros((n, max(1, max(len(t) for t in tables))), dtype=np.int32)
     for i, t in enumerate(tables):
@@ -121,9 +120,9 @@ def attention_metadata(arrays: list[np.ndarray], dev: Sequence[torch.Tensor], q_
 
 @torch.inference_mode()
 def capture_per_batch_size(owner) -> None:
-    """Capture `owner._forward(bs)` for each of `owner.batch_sizes` into one shared memory pool,
-    largest first so the smaller graphs reuse its memory; fills owner.graphs[bs] / outputs[bs].
-    owner: HeadStepGraphs or FirstForwardGraphs (batch_sizes, device, _fill_dummy, _forward, _pool)."""
+    """Capture `owner._forward(bs)` for each of `owner.batch_sizes` into one shared memory pool, largest first so the
+    smaller graphs reuse its memory; fills owner.graphs[bs] / outputs[bs]. owner: HeadStepGraphs or
+    FirstForwardGraphs (batch_sizes, device, _fill_dummy, _forward, _pool)."""
     with gc_paused_for_capture():
         _capture_each(owner)
 

@@ -295,9 +295,9 @@ class EagleHead(nn.Module):
         return out, (out if self.norm is None else self.norm(out))
 
     def set_ops(self, ops: ModuleType) -> None:
-        """Run the norms, RoPE and projections through `ops` (same signatures as model/layers/ops.py):
-        serving on a GPU passes the target's fused Triton twins (fewer, faster kernels in the head's
-        forwards and CUDA graphs); training keeps the torch ops."""
+        """Run the norms, RoPE and projections through `ops` (same signatures as model/layers/ops.py): serving on a
+        GPU passes the target's fused Triton twins (fewer, faster kernels in the head's forwards and CUDA graphs);
+        training keeps the torch ops."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, HeadLayer)):
                 m.ops = ops
@@ -404,9 +404,9 @@ def make_random_head_dir(
     load_format: str = "auto",
     d2t: list[int] | None = None,
 ) -> Path:
-    """An untrained head for `target_model` (any LLM(model=...) reference; a shape name with
-    load_format="dummy"): tests use it to check that speculation stays lossless whatever the head
-    proposes, benchmarks to time a head's forward. d2t: a reduced draft vocabulary (ascending ids)."""
+    """An untrained head for `target_model` (any LLM(model=...) reference; a shape name with load_format="dummy"):
+    tests use it to check that speculation stays lossless whatever the head proposes, benchmarks to time a head's
+    forward. d2t: a reduced draft vocabulary (ascending ids)."""
     from specserve.config import ModelConfig
     from specserve.model.loader import (
         WeightSource,  # reads config + identity without loading weights

@@ -59,9 +59,9 @@ def step_batch_sizes(parts) -> tuple[int, ...]:
 
 
 def graph_logits_bytes(batch_sizes: tuple[int, ...], k: int, parallel: bool, vocab_size: int) -> int:
-    """What the head's CUDA graphs keep allocated after the KV pool: their float32 logits outputs,
-    [bs * picks, vocab] per first-forward graph and [bs, vocab] per draft-step graph (vocab: the
-    head's logits width, its draft vocabulary when reduced)."""
+    """What the head's CUDA graphs keep allocated after the KV pool: their float32 logits outputs, [bs * picks,
+    vocab] per first-forward graph and [bs, vocab] per draft-step graph (vocab: the head's logits width, its draft
+    vocabulary when reduced)."""
     picks = k if parallel else 1
     rows = sum(b * picks for b in batch_sizes if b * picks <= MAX_GRAPH_PICKS)
     if not parallel and k > 1:
