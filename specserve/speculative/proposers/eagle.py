@@ -23,6 +23,7 @@ from specserve.speculative.proposers.eagle_graph import (
     PinnedUpload,
     attention_arrays,
     attention_metadata,
+    paged_attend,
 )
 from specserve.speculative.proposers.eagle_head import EagleHead, load_head, target_lm_weight
 from specserve.speculative.proposers.eagle_setup import graph_logits_bytes, recapture_with_aux, step_batch_sizes
@@ -142,23 +143,11 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             k = cfg.num_speculative_tokens
             # A head sequence holds at most max_model_len real rows plus k - 1 draft (or mask) rows.
             max_blocks = -(-(parts.loaded.max_model_len + k) // block_size)
-            common = (
-                self.head,
-                self.target,
-                self.kv_caches[0],
-                self.fmt,
-                self.backend,
-                self.scale,
-                step_batch_sizes(parts),
-                max_blocks,
-                block_size,
-                arch.vocab_size,
-                self.upload,
-            )
+            sizes = step_batch_sizes(parts)
             if not self.parallel and k > 1:
-                self.steps = HeadStepGraphs(*common, capture)
+                self.steps = HeadStepGraphs(self, sizes, max_blocks, capture)
             feed = None if self.steps is None else (self.steps.hidden, self.steps.tokens)
-            self.first = FirstForwardGraphs(*common, k, self.parallel, feed, capture)
+            self.first = FirstForwardGraphs(self, sizes, max_blocks, k, self.parallel, feed, capture)
         if self.device.type == "cuda":  # the eager first forwards' kernels compile now, not mid-serving
             from specserve.speculative.proposers.eagle_warmup import warm_eager_head
 
@@ -407,10 +396,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Head rows [meta.num_tokens, hidden] through the head's paged KV -> (out, normed)."""
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return self.backend.forward(q, k, v, self.kv_caches[0], self.fmt, meta, self.scale)
-
+        attend = paged_attend(self.backend, self.kv_caches[0], self.fmt, meta, self.scale)
         return self.head(embeds, hidden, positions, self.target.cos_sin_cache, attend)
 
 

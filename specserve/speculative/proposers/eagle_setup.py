@@ -1,5 +1,4 @@
-"""Setting up an EAGLE proposer: the target's CUDA graphs recaptured with the head's aux outputs, the
-head's step batch sizes, what its graphs keep allocated, and attention metadata for a head forward."""
+"""Setting up an EAGLE proposer: the target's graphs recaptured with aux outputs, step sizes, graph memory."""
 
 from __future__ import annotations
 
@@ -7,9 +6,7 @@ import gc
 
 import torch
 
-from specserve.attention.base import AttentionMetadata
 from specserve.speculative.proposers.eagle_first import MAX_GRAPH_PICKS
-from specserve.speculative.proposers.eagle_graph import PinnedUpload, attention_arrays, attention_metadata
 
 
 def recapture_with_aux(runner, aux_layers: tuple[int, ...]) -> None:
@@ -32,19 +29,6 @@ def recapture_with_aux(runner, aux_layers: tuple[int, ...]) -> None:
     gc.collect()
     torch.cuda.empty_cache()
     runner.capture_graphs(*args)
-
-
-def head_attention_metadata(
-    ctx_lens: list[int],
-    q_lens: list[int],
-    tables: list[list[int]],
-    block_size: int,
-    device: torch.device,
-    upload: PinnedUpload | None = None,
-) -> AttentionMetadata:
-    """Sequence i: q_lens[i] new rows after ctx_lens[i] cached ones, in blocks tables[i]."""
-    arrays = attention_arrays(ctx_lens, q_lens, tables, block_size)
-    return attention_metadata(arrays, (upload or PinnedUpload(device, slots=1)).send(arrays), q_lens)
 
 
 def step_batch_sizes(parts) -> tuple[int, ...]:
