@@ -187,8 +187,7 @@ class SpecDecoder:
             k = self.choose(batch_size)
         self.last_k = k
         self.stats.set("spec_decode_chosen_num_tokens", k)
-        # 0: a seeded sampled request while k follows the load (see __init__), or one whose output
-        # budget or the context window ends here
+        # 0: a seeded sampled request while k follows the load, or no room left
         budgets = [
             0
             if self.k_follows_load and r.generator is not None and not r.params.greedy

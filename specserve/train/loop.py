@@ -17,16 +17,8 @@ from tqdm.auto import tqdm
 
 from specserve.speculative.proposers.eagle_head import EagleHead, head_config_for, save_head
 from specserve.train import data as train_data
-
-# Re-exported: the tests use them as train.<name>.
-from specserve.train.loss import (  # noqa: F401
-    _block_mask,
-    head_block_outputs,
-    head_loss,
-    loss_rows,
-    reduced_vocab_labels,
-)
-from specserve.train.target import TargetBatch, dense_forward, target_batch  # noqa: F401
+from specserve.train.loss import head_loss
+from specserve.train.target import target_batch
 
 STATE_NAME, DATA_NAME = "train_state.pt", "distill.jsonl"
 DEFAULT_DRAFT_VOCAB = 32768
@@ -40,12 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output dir (config.json + model.safetensors)")
     p.add_argument("--data", help="JSONL: prompt | messages (answered by the target) | text | token_ids")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps in all (default: until the time budget)")
-    p.add_argument(
-        "--time-budget-s",
-        type=float,
-        default=None,
-        help="wall-clock budget for answering prompts + training (after the target loads)",
-    )
+    p.add_argument("--time-budget-s", type=float, default=None, help="seconds for answering + training")
     p.add_argument("--num-prompts", type=int, default=512, help="stdlib prompts to self-distill (no --data)")
     p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -55,33 +42,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-fraction", type=float, default=0.4, help="share of the time budget for answering")
     p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per step (8192 GPU, 1024 CPU)")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument(
-        "--hard-label-weight",
-        type=float,
-        default=0.5,
-        help="share of the token loss on the target's argmax (the rest: its full distribution)",
-    )
-    p.add_argument(
-        "--draft-vocab-size",
-        type=int,
-        default=None,
-        help="tokens the head may propose: the special tokens seen + the most frequent answer tokens "
-        f"(default {DEFAULT_DRAFT_VOCAB} when the target's vocabulary is larger; 0 = the full vocabulary)",
-    )
+    p.add_argument("--hard-label-weight", type=float, default=0.5, help="loss share on the target's argmax")
+    vocab_help = f"tokens the head may propose (default {DEFAULT_DRAFT_VOCAB}; 0 = the full vocabulary)"
+    p.add_argument("--draft-vocab-size", type=int, default=None, help=vocab_help)
     p.add_argument("--ttt-steps", type=int, default=3, help="eagle3/eagle: blocks of training-time test")
     p.add_argument("--num-mask-slots", type=int, default=5, help="p-eagle: mask slots (drafts k <= slots + 1)")
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", help="dummy: random target weights of a shape name (smoke tests)")
-    p.add_argument(
-        "--init-from",
-        help="start from this head dir's weights (e.g. p-eagle from a trained eagle3 "
-        "head: same real rows; the mask slots start fresh)",
-    )
-    p.add_argument(
-        "--no-train-state", action="store_true", help="write the head only (no optimizer state: not resumable)"
-    )
+    p.add_argument("--init-from", help="start from this head dir's weights (e.g. p-eagle from an eagle3 head)")
+    p.add_argument("--no-train-state", action="store_true", help="write the head only (not resumable)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -92,13 +63,6 @@ class TrainResult:
     steps: int
     num_sequences: int
     metrics: dict[str, float]
-
-
-# -- the run --------------------------------------------------------------------------------------
-def _device(name: str) -> torch.device:
-    from specserve.engine.setup import resolve_device
-
-    return resolve_device(name)
 
 
 def _needs_generation(args) -> bool:
@@ -120,8 +84,7 @@ def _load_target(args, device: torch.device, generate: bool):
         model=args.target, device=device.type, max_model_len=max_len, progress=not args.quiet, load_format=load_format
     )
     if not generate:
-        # Only the model and tokenizer are used: the smallest KV pool the engine accepts, one sequence
-        # of max_model_len (float32 bytes, the largest KV dtype), so training keeps the memory.
+        # Only the model and tokenizer are used: a KV pool of one float32 sequence.
         kw.update(
             kv_cache_memory_bytes=_one_sequence_kv_bytes(args.target, load_format, max_len),
             max_num_seqs=1,
@@ -138,9 +101,7 @@ def _one_sequence_kv_bytes(target: str, load_format: str, max_len: int, block: i
     """KV bytes of one float32 sequence of max_len tokens (rounded up to blocks, one block spare)."""
     from specserve.config import ModelConfig
     from specserve.model.arch import ModelArch
-    from specserve.model.loader import (
-        WeightSource,  # reads config without weights, as make_random_head_dir
-    )
+    from specserve.model.loader import WeightSource
 
     arch = ModelArch.from_hf_config(WeightSource.open(ModelConfig(model=target, load_format=load_format)).hf_config)
     per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 4
@@ -158,14 +119,7 @@ def prepare_data(args, llm, deadline: float) -> list[train_data.TrainSeq]:
     if args.data:
         train_data.check_vocab(examples, llm.engine.vocab_size, args.data)
     seqs = train_data.build_sequences(
-        llm,
-        examples,
-        args.max_new_tokens,
-        args.max_seq_len,
-        args.temperature,
-        deadline,
-        args.seed,
-        progress=not args.quiet,
+        llm, examples, args.max_new_tokens, args.max_seq_len, args.temperature, deadline, args.seed, not args.quiet
     )
     if not seqs:
         raise ValueError("no training sequences: the data was empty or the time budget ran out first.")
@@ -252,7 +206,9 @@ def run_training(args, llm=None) -> TrainResult:
     budget = args.time_budget_s if args.time_budget_s is not None else float("inf")
     if args.steps is None and args.time_budget_s is None:
         raise ValueError("give --steps, --time-budget-s or both.")
-    device = _device(args.device)
+    from specserve.engine.setup import resolve_device
+
+    device = resolve_device(args.device)
     if args.data:
         train_data.refuse_humaneval(args.data)
     if not args.resume and (Path(args.out) / "model.safetensors").is_file():
@@ -310,8 +266,7 @@ def _train_loop(
     bar = tqdm(total=args.steps, initial=step, desc=f"train {args.method}", disable=args.quiet)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     while (args.steps is None or step < args.steps) and time.monotonic() < deadline:
-        # Epoch e visits the same batches in its own seeded order, so a resumed run sees what the
-        # uninterrupted one would have.
+        # Seeded order per epoch: a resumed run sees what the uninterrupted one would.
         epoch, index = divmod(step, len(base_batches))
         order = list(range(len(base_batches)))
         random.Random(args.seed * 1000 + epoch).shuffle(order)
@@ -424,13 +379,10 @@ def _maybe_resume(args, head: EagleHead, opt, device: torch.device) -> int:
     if state.get("method") != args.method or state.get("eagle") != args.eagle:
         raise ValueError(f"{args.out} holds a {state.get('method')} run; cannot resume it as {args.method}.")
     if state.get("draft_vocab_size") != head.cfg.draft_vocab_size:
-
-        def name(n: int | None) -> str:
-            return "the full vocabulary" if n is None else f"a {n}-token draft vocabulary"
-
+        have, want = state.get("draft_vocab_size") or "full", head.cfg.draft_vocab_size or "full"
         raise ValueError(
-            f"{args.out} holds a run with {name(state.get('draft_vocab_size'))}, this one has "
-            f"{name(head.cfg.draft_vocab_size)}: resume with the same --draft-vocab-size (0 = full)."
+            f"{args.out} holds a run with draft vocabulary {have}, this one has {want}: "
+            "resume with the same --draft-vocab-size (0 = full)."
         )
     head.load_state_dict({k: v.to(device) for k, v in load_file(str(Path(args.out) / "model.safetensors")).items()})
     opt.load_state_dict(state["optimizer"])

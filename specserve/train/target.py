@@ -130,8 +130,7 @@ def _reduced_labels(model, hidden: torch.Tensor, d2t: torch.Tensor) -> tuple[tor
     [T, vocab] logits + probs (~5 GB each for 8192 x 151936)."""
     chunk = max(1, _LABEL_CHUNK_BYTES // (4 * model.arch.vocab_size))
     probs, top = [], []
-    # Equal chunks: a remainder of 1-4 rows would run the LM head through the GEMV kernel, which
-    # compiles a variant for each new row count, mid-training.
+    # Equal chunks: a tiny remainder would compile a GEMV variant mid-training.
     for h in hidden.tensor_split(max(1, -(-hidden.shape[0] // chunk))):
         logits = model.compute_logits(h)  # [chunk, vocab] float32
         top.append(logits.argmax(dim=-1))

@@ -22,7 +22,8 @@ from specserve.speculative.proposers.eagle_head import (
     read_head_config,
     save_head,
 )
-from specserve.train.loop import _block_mask, head_block_outputs, train_main
+from specserve.train.loop import train_main
+from specserve.train.loss import _block_mask, head_block_outputs
 
 HF = {
     "model_type": "llama",

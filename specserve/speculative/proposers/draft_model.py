@@ -23,8 +23,7 @@ from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.speculative.proposers.base import OwnKVLifecycle, ProposeInput, Proposer
 from specserve.speculative.proposers.draft_tokens import DraftDelivery, DraftTokens, assign_resolved
 
-# Memory kept free on the GPU beside the draft's KV pool: its activations (catch-up forwards,
-# logits rows) and allocator slack.
+# GPU memory kept free beside the draft's KV pool (activations, allocator slack).
 _GPU_RESERVE_BYTES = 2 << 30
 _VOCAB_SAMPLE = 256
 
@@ -60,14 +59,9 @@ def draft_kv_blocks(
     return blocks
 
 
-# After verification the catch-up feeds one token per request (the target's own, after a rejection)
-# or two (the last draft, accepted, and the bonus token): graphs for both at every batch size. Longer
-# catch-ups (after steps without drafts, or a new prompt) replay catch-up and mixed graphs
-# (runner/cuda_graph.py CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS): eager draft forwards are host-bound.
+# After verification the catch-up feeds one or two tokens per request: graphs for both.
 _VERIFY_QUERY_LENS = (1, 2)
-# A catch-up's forwards take up to this many tokens (or the scheduler's budget, if larger): starting
-# to draft at high load feeds the draft every running request's context, and fewer, larger forwards
-# pay the per-forward launch cost fewer times. Their activations fit in _GPU_RESERVE_BYTES.
+# Tokens per catch-up forward (at least): fewer, larger forwards when drafting starts under load.
 CATCH_UP_BATCHED_TOKENS = 8192
 _GRAPH_PIECES = 4  # a catch-up of up to this many longest-graph lengths replays the graph per piece (below)
 
@@ -190,14 +184,11 @@ def check_same_vocabulary(target: LoadedModel, draft_name: str, draft_vocab_size
 
 def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
     """Vocab size is checked from the config before any weight is read; token strings after."""
-    from specserve.model.loader import (
-        WeightSource,  # config and identity without the weights
-    )
+    from specserve.model.loader import WeightSource
 
     target: LoadedModel = parts.loaded
     dtype = target.model.embed_tokens.weight.dtype
-    # A target with random weights of a named shape (load_format="dummy", speed and smoke tests)
-    # gets a draft of random weights too: shape names have no files to load.
+    # A dummy-weights target gets a dummy draft: shape names have no files to load.
     load_format = "dummy" if target.identity.startswith("dummy:") else "auto"
     source = WeightSource.open(ModelConfig(model=cfg.model, load_format=load_format))
     check_same_vocabulary(target, cfg.model, int(source.hf_config["vocab_size"]), None)
@@ -269,8 +260,7 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         self.sampler.begin(reqs)
         self._catch_up_tokens = sum(s.num_tokens - s.num_computed_tokens for s in seqs)
         logits = self._catch_up(seqs)  # [len(reqs), vocab]
-        # Drafts stay on the device: each forward reads the previous draft there, and the host
-        # reads all drafts once (draft_tokens.py).
+        # Drafts stay on the device; the host reads them once.
         dt = DraftTokens()
         rows = list(range(len(reqs)))
         dt.add(rows, *self.sampler.sample(logits, rows))
@@ -300,8 +290,7 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         valid = seq.num_real + common_prefix_len(fed, tokens[seq.num_real :])
         # At least the last token is fed again: its logits are where the first draft comes from.
         seq.num_computed_tokens = min(seq.num_computed_tokens, valid, len(tokens) - 1)
-        # The first num_real ids are the request's own (its tokens only grow): swap the fed drafts for
-        # the new real tokens instead of copying the whole context every step.
+        # Swap the fed drafts for the new real tokens (real tokens only grow).
         del seq.all_token_ids[seq.num_real :]
         seq.all_token_ids.extend(tokens[seq.num_real :])
         seq.num_real = len(tokens)

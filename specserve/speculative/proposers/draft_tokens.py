@@ -50,8 +50,7 @@ class DraftTokens:
         return flat, [len(rows) for rows in per_req], probs
 
 
-# finish(drafts, probs): per request of the proposal, its draft ids (host ints) and their
-# distributions (device rows; empty if greedy); called once the ids are on the host.
+# finish(drafts, probs): per request, its draft ids (host) and distributions (device rows; empty if greedy).
 Finish = Callable[[list[list[int]], list[list[torch.Tensor]]], None]
 
 

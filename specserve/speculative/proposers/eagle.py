@@ -69,13 +69,8 @@ class DraftVocabSampler(DraftSampler):
 
 class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
     needs_target_hidden = True
-    # The head's forwards over static buffers: the first forward of a propose (FirstForwardGraphs:
-    # the real rows, and P-EAGLE's mask rows) and the autoregressive draft steps after it
-    # (HeadStepGraphs). "auto" (the default) runs them as CUDA graphs when the target runs graphs
-    # (the draft model's condition too), eagerly otherwise; "static" runs the static buffers without
-    # capture on any device (the CPU tests: the GPU's padding and layout); "eager" never uses them.
-    # A class attribute, not a config field: tests and benchmarks set it. tests/gpu/
-    # test_eagle_graph_gpu.py checks the graphs against the static and the eager path on a GPU.
+    # "auto": static buffers (FirstForwardGraphs, HeadStepGraphs) as CUDA graphs when the target runs graphs,
+    # eager otherwise; "static": the buffers without capture (CPU tests); "eager": never. Tests set it.
     step_graphs: str = "auto"
 
     def __init__(self, cfg: SpeculativeConfig, parts) -> None:
@@ -329,8 +324,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         """Draft steps 1..max(ks) - 1 without static buffers, over the requests still drafting.
         prev_out [n, hidden]: each request's last head output row."""
         for step in range(1, max(ks)):
-            # Draft row `step` of a request: its previous draft's embedding + the head's own output
-            # of the row before, after the real rows (compact index ctx + step - 1).
+            # Row `step`: the previous draft's embedding + the head's output of the row before.
             active = [i for i, k in enumerate(ks) if k > step]
             arrays = attention_arrays(
                 [ctx[i] + step - 1 for i in active], [1] * len(active), [tables[i] for i in active], self.kv.block_size

@@ -10,8 +10,7 @@ import torch
 
 from specserve.speculative.proposers.eagle_graph import PAD_SLOT, StaticForward
 
-# Each graph keeps its logits [bs * picks, vocab] (float32) alive: sizes above this many picks run
-# eagerly (there the host's launches are spread over many requests anyway).
+# Sizes above this many picks run eagerly (each graph keeps its float32 logits [bs * picks, vocab]).
 MAX_GRAPH_PICKS = 128
 _I64_ROWS, _I64_PICKS = 5, 2  # int64 fields per row (rows, tokens, positions, slots, mask), per pick
 
@@ -121,8 +120,7 @@ class FirstForwardGraphs(StaticForward):
             self._buf.numel(), self._host_views
         )
         tab[:n] = 0
-        # Plain Python per request: a propose has few requests and rows, where numpy's per-call
-        # cost would dominate.
+        # Plain Python: few requests, where numpy's per-call cost would dominate.
         slot_l: list[int] = []
         pos_l: list[int] = []
         pick_l: list[int] = []

@@ -80,8 +80,7 @@ class PinnedUpload:
         offsets, total = [], 0
         for a in arrays:
             offsets.append(total)
-            # 16-byte aligned: each piece views as its dtype, and every kernel sees 16-byte aligned
-            # pointers whatever the batch (Triton compiles a variant per pointer alignment class).
+            # 16-byte aligned: Triton compiles a variant per pointer alignment class.
             total = align16(total + a.nbytes)
         buf = self.stage(total)
         for a, off in zip(arrays, offsets):
@@ -240,8 +239,7 @@ class HeadStepGraphs(StaticForward):
         )
         logits = self.head.compute_logits(normed, self.target)
         argmax = self.head.greedy_token_ids(logits)  # target ids (a reduced vocabulary maps through d2t)
-        # The next step's inputs are this step's outputs: written here, nothing runs between
-        # replays for greedy rows (random rows overwrite `tokens` with their samples).
+        # The next step's inputs (random rows overwrite `tokens` with their samples).
         self.hidden[:bs].copy_(out)
         self.tokens[:bs].copy_(argmax)
         return logits, argmax
@@ -281,8 +279,7 @@ class HeadStepGraphs(StaticForward):
             rows = self._send(host, step, n, bs)
             logits, argmax = self._run(bs)
             self.dead_rows += n - len(rows)
-            # Only the still-drafting rows' outputs are drafts (random rows: only they draw noise,
-            # as on the eager path); their device indices came in this step's copy.
+            # Only the still-drafting rows' outputs are drafts (and only they draw noise).
             pick = None if len(rows) == n else self.active[: len(rows)]
             if greedy:
                 dt.add(rows, argmax[:n].clone() if pick is None else argmax.index_select(0, pick), None)

@@ -215,16 +215,14 @@ class EagleHead(nn.Module):
         self.eps = eps
         n_aux = len(cfg.aux_hidden_layers)
         if cfg.method == "eagle3":
-            # Per-layer norms first: the residual streams of different depths differ in scale by
-            # orders of magnitude (Qwen2 has massive activations), which a bare fc trains badly on.
+            # Per-layer norms: residual streams of different depths differ in scale by orders of magnitude.
             self.aux_norm = nn.Parameter(torch.ones(n_aux, h))
             self.fuse = nn.Linear(n_aux * h, h, bias=False)
         self.embed_norm = RMSNorm(h, eps)
         self.hidden_norm = RMSNorm(h, eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = HeadLayer(arch)
-        # EAGLE-1 regresses the target's (already final-normed) hidden state, so its output goes to
-        # the LM head as is; EAGLE-3 predicts tokens only and normalizes like the target.
+        # EAGLE-1 regresses the target's final-normed hidden state; EAGLE-3 normalizes like the target.
         self.norm = RMSNorm(h, eps) if cfg.method == "eagle3" else None
         if cfg.num_mask_slots > 0:
             self.mask_embed = nn.Parameter(torch.randn(h) * 0.02)
@@ -408,9 +406,7 @@ def make_random_head_dir(
     tests use it to check that speculation stays lossless whatever the head proposes, benchmarks to time a head's
     forward. d2t: a reduced draft vocabulary (ascending ids)."""
     from specserve.config import ModelConfig
-    from specserve.model.loader import (
-        WeightSource,  # reads config + identity without loading weights
-    )
+    from specserve.model.loader import WeightSource
 
     source = WeightSource.open(ModelConfig(model=target_model, load_format=load_format))
     arch = ModelArch.from_hf_config(source.hf_config)
