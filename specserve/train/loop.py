@@ -68,9 +68,7 @@ class TrainResult:
 def _needs_generation(args) -> bool:
     if args.resume and (Path(args.out) / DATA_NAME).is_file():
         return False
-    if args.data:
-        return any(e.messages is not None for e in train_data.load_jsonl(args.data))
-    return True
+    return not args.data or any(e.messages is not None for e in train_data.load_jsonl(args.data))
 
 
 def _load_target(args, device: torch.device, generate: bool):
@@ -212,11 +210,7 @@ def run_training(args, llm=None) -> TrainResult:
     if args.data:
         train_data.refuse_humaneval(args.data)
     if not args.resume and (Path(args.out) / "model.safetensors").is_file():
-        print(
-            f"specserve train-draft: {args.out} holds a head; starting fresh and overwriting it "
-            "(--resume continues it)",
-            file=sys.stderr,
-        )
+        print(f"specserve train-draft: overwriting the head in {args.out} (--resume continues it)", file=sys.stderr)
     if llm is None:
         llm = _load_target(args, device, _needs_generation(args))
     loaded = llm.engine.loaded
@@ -242,22 +236,13 @@ def run_training(args, llm=None) -> TrainResult:
     return TrainResult(Path(args.out), progress["step"], len(seqs), progress["metrics"])
 
 
-def _train_loop(
-    args,
-    head: EagleHead,
-    opt,
-    target,
-    seqs: list[train_data.TrainSeq],
-    progress: dict,
-    device: torch.device,
-    deadline: float,
-) -> None:
-    """Trains until --steps or the deadline; progress["step"] follows every step, progress["metrics"] every
-    REPORT_EVERY steps, at checkpoints and at the end (reading them syncs the device; a step itself never waits for
-    the GPU)."""
+def _train_loop(args, head: EagleHead, opt, target, seqs: list, progress: dict, device: torch.device, deadline: float):
+    """Trains until --steps or the deadline; progress["step"] follows every step, progress["metrics"] every REPORT_EVERY
+    steps, at checkpoints and at the end (reading them syncs the device; a step itself never waits for the GPU)."""
     step = progress["step"]
     parallel = args.method == "p-eagle"
     num_blocks = 1 + (args.num_mask_slots if parallel else args.ttt_steps - 1)
+    hard = args.hard_label_weight
     batch_tokens = args.batch_tokens or (8192 if device.type == "cuda" else 1024)
     base_batches = train_data.make_batches([len(s.token_ids) for s in seqs], batch_tokens, random.Random(args.seed))
     warmup = 30 if args.steps is None else max(1, min(30, args.steps // 10))
@@ -277,19 +262,9 @@ def _train_loop(
             g["lr"] = args.lr * _lr_factor(frac, step, warmup)
         tb = target_batch(target, [s.token_ids for s in batch], head.cfg.aux_hidden_layers, device, head.d2t)
         with autocast:
+            lengths = [len(s.token_ids) for s in batch]
             loss, accs = head_loss(
-                head,
-                target,
-                tb.ids,
-                [len(s.token_ids) for s in batch],
-                starts,
-                tb.feats,
-                tb.probs,
-                tb.last,
-                num_blocks,
-                parallel,
-                args.hard_label_weight,
-                tb.top,
+                head, target, tb.ids, lengths, starts, tb.feats, tb.probs, tb.last, num_blocks, parallel, hard, tb.top
             )
         opt.zero_grad(set_to_none=True)
         loss.backward()

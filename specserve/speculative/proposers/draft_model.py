@@ -66,21 +66,6 @@ CATCH_UP_BATCHED_TOKENS = 8192
 _GRAPH_PIECES = 4  # a catch-up of up to this many longest-graph lengths replays the graph per piece (below)
 
 
-def _graph_bytes(max_num_seqs: int, vocab_size: int, hidden_size: int, max_model_len: int) -> int:
-    """What the draft's catch-up graphs keep allocated (their float32 logits and hidden outputs)."""
-    return graph_output_bytes(
-        max_num_seqs,
-        _VERIFY_QUERY_LENS,
-        (),
-        vocab_size,
-        hidden_size,
-        4,
-        CATCH_UP_QUERY_LENS,
-        MIXED_TOKEN_LENS,
-        max_model_len,
-    )
-
-
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -218,11 +203,11 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         arch, tspec = self.loaded.arch, parts.runner.spec
         spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, tspec.block_size, tspec.fmt)
         graphs = parts.runner.graphs is not None
-        reserve = (
-            _graph_bytes(parts.scheduler.max_num_seqs, arch.vocab_size, arch.hidden_size, self.loaded.max_model_len)
-            if graphs
-            else 0
-        )
+        lens = (_VERIFY_QUERY_LENS, (), CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS)  # verify, prefill, catch-up, mixed
+        max_seqs, max_len = parts.scheduler.max_num_seqs, self.loaded.max_model_len
+        # the catch-up graphs' float32 logits and hidden outputs, allocated after the KV pool
+        vocab, hidden = arch.vocab_size, arch.hidden_size
+        reserve = graph_output_bytes(max_seqs, *lens[:2], vocab, hidden, 4, *lens[2:], max_len) if graphs else 0
         num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "draft model", reserve)
         self.runner = ModelRunner(self.loaded, spec, num_blocks, self.device, parts.runner.backend)
         self.kv = KVCacheManager(num_blocks, tspec.block_size, enable_prefix_caching=False)
@@ -230,16 +215,8 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         self.max_batched = max(parts.scheduler.max_num_batched_tokens, CATCH_UP_BATCHED_TOKENS)
         self.sampler = DraftSampler(arch.vocab_size, self.device)
         self.seqs: dict[str, _DraftSeq] = {}
-        # A step mixing one- and two-token catch-ups pads per sequence (runner/cuda_graph.py graph_for).
         if graphs:
-            self.runner.capture_graphs(
-                parts.scheduler.max_num_seqs,
-                self.max_len,
-                _VERIFY_QUERY_LENS,
-                (),
-                CATCH_UP_QUERY_LENS,
-                MIXED_TOKEN_LENS,
-            )
+            self.runner.capture_graphs(max_seqs, self.max_len, *lens)
         self.chain = _ChainSteps(self.runner, self.kv)
         self._catch_up_tokens = 0
 

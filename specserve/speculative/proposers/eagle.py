@@ -1,4 +1,9 @@
-"""EAGLE / EAGLE-3 proposer, autoregressive or P-EAGLE parallel drafting."""
+"""EAGLE / EAGLE-3 proposer, autoregressive or P-EAGLE parallel drafting.
+
+The head keeps its own paged KV. A request's head sequence is compact: only the real rows it has seen (target
+features verification kept), at their true RoPE positions; draft or mask rows sit after them and are overwritten by
+the next propose. Positions it never saw (a prefix-cache hit) are absent: drafts get worse, output stays exact.
+"""
 
 from __future__ import annotations
 
@@ -54,7 +59,8 @@ class _Plan:
 
 class DraftVocabSampler(DraftSampler):
     """DraftSampler for a head with a reduced draft vocabulary: logits [rows, draft_vocab], column j = target token
-    d2t[j]."""
+    d2t[j]. Random rows sample over full-vocabulary logits (-inf outside d2t), so draft_probs are the full q with
+    zeros outside d2t: what the rejection sampler takes, keeping verification lossless."""
 
     def __init__(self, vocab_size: int, device: torch.device, d2t: torch.Tensor) -> None:
         super().__init__(vocab_size, device)
@@ -88,20 +94,14 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         if hcfg.method != cfg.method:
             raise ValueError(f"{where} is an {hcfg.method!r} head; speculative_config.method is {cfg.method!r}.")
         if cfg.parallel_drafting and hcfg.num_mask_slots == 0:
-            raise ValueError(
-                f"{where} was not trained for parallel drafting (no mask slots); "
-                "train it with `specserve train-draft --method p-eagle` or drop parallel_drafting."
-            )
+            raise ValueError(f"{where} was not trained for parallel drafting (no mask slots; see --method p-eagle).")
         if cfg.parallel_drafting and cfg.num_speculative_tokens > hcfg.num_mask_slots + 1:
             raise ValueError(
-                f"{where} was trained to draft at most {hcfg.num_mask_slots + 1} tokens in parallel "
-                f"({hcfg.num_mask_slots} mask slots); num_speculative_tokens is "
-                f"{cfg.num_speculative_tokens}."
+                f"{where} drafts at most {hcfg.num_mask_slots + 1} tokens in parallel; "
+                f"num_speculative_tokens is {cfg.num_speculative_tokens}."
             )
         if self.step_graphs not in ("auto", "static", "eager"):
-            raise ValueError(
-                f"EagleProposer.step_graphs must be 'auto', 'static' or 'eager', got {self.step_graphs!r}."
-            )
+            raise ValueError(f"EagleProposer.step_graphs must be auto, static or eager, got {self.step_graphs!r}.")
         self.name = "p-eagle" if cfg.parallel_drafting else cfg.method
         self.parallel = cfg.parallel_drafting
         # P-EAGLE reads its drafts back in propose: deferred, its step measured slower.
@@ -114,28 +114,22 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         graphs = parts.runner.graphs is not None
         static = self.step_graphs == "static" or (self.step_graphs == "auto" and graphs)
         capture = static and graphs and self.step_graphs == "auto" and self.device.type == "cuda"
-        reserve = (
-            graph_logits_bytes(step_batch_sizes(parts), cfg.num_speculative_tokens, self.parallel, hcfg.logits_width)
-            if capture
-            else 0
-        )
+        k = cfg.num_speculative_tokens
+        reserve = graph_logits_bytes(step_batch_sizes(parts), k, self.parallel, hcfg.logits_width) if capture else 0
         num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "EAGLE head", reserve)
         self.kv_caches = spec.allocate(num_blocks, self.device)
         self.fmt = spec.fmt
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.backend = parts.runner.backend
         self.scale = larch.head_dim**-0.5
-        self.sampler = (
-            DraftSampler(arch.vocab_size, self.device)
-            if self.head.d2t is None
-            else DraftVocabSampler(arch.vocab_size, self.device, self.head.d2t)
-        )
+        d2t = self.head.d2t
+        vs = arch.vocab_size
+        self.sampler = DraftSampler(vs, self.device) if d2t is None else DraftVocabSampler(vs, self.device, d2t)
         self.seqs: dict[str, _HeadSeq] = {}
         self.upload = PinnedUpload(self.device)  # every host->device input of a head forward, one copy
         self.steps: HeadStepGraphs | None = None
         self.first: FirstForwardGraphs | None = None
         if static:
-            k = cfg.num_speculative_tokens
             # A head sequence holds at most max_model_len real rows plus k - 1 draft (or mask) rows.
             max_blocks = -(-(parts.loaded.max_model_len + k) // block_size)
             sizes = step_batch_sizes(parts)

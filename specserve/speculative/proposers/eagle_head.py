@@ -95,40 +95,21 @@ def head_config_for(
     draft_vocab_size: int | None = None,
 ) -> EagleHeadConfig:
     """A head shaped like one decoder layer of the target (draft_vocab_size: see EagleHeadConfig)."""
+    a = target_arch
     if method not in HEAD_METHODS:
         raise ValueError(f"head method must be one of {HEAD_METHODS}, got {method!r}.")
-    if draft_vocab_size is not None and not 1 <= draft_vocab_size <= target_arch.vocab_size:
-        raise ValueError(f"draft_vocab_size must be in [1, {target_arch.vocab_size}], got {draft_vocab_size}.")
+    if draft_vocab_size is not None and not 1 <= draft_vocab_size <= a.vocab_size:
+        raise ValueError(f"draft_vocab_size must be in [1, {a.vocab_size}], got {draft_vocab_size}.")
     keys = (
-        "model_type",
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "rms_norm_eps",
-        "rope_theta",
-        "rope_scaling",
-        "rope_parameters",
-        "attention_bias",
-        "max_position_embeddings",
-        "vocab_size",
-    )
+        "model_type hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim rms_norm_eps "
+        "rope_theta rope_scaling rope_parameters attention_bias max_position_embeddings vocab_size"
+    ).split()
     layer = {k: target_hf_config[k] for k in keys if target_hf_config.get(k) is not None}
-    layer.update(
-        head_dim=target_arch.head_dim, attention_bias=target_arch.qkv_bias, num_key_value_heads=target_arch.num_kv_heads
-    )
-    aux = default_aux_layers(target_arch.num_layers) if method == "eagle3" else ()
-    target = {
-        "name": target_name,
-        "identity": target_identity,
-        "num_layers": target_arch.num_layers,
-        "hidden_size": target_arch.hidden_size,
-        "vocab_size": target_arch.vocab_size,
-    }
-    return EagleHeadConfig(
-        method, target_arch.hidden_size, target_arch.vocab_size, aux, num_mask_slots, layer, target, draft_vocab_size
-    )
+    layer.update(head_dim=a.head_dim, attention_bias=a.qkv_bias, num_key_value_heads=a.num_kv_heads)
+    aux = default_aux_layers(a.num_layers) if method == "eagle3" else ()
+    target = dict(name=target_name, identity=target_identity, num_layers=a.num_layers, hidden_size=a.hidden_size)
+    target["vocab_size"] = a.vocab_size
+    return EagleHeadConfig(method, a.hidden_size, a.vocab_size, aux, num_mask_slots, layer, target, draft_vocab_size)
 
 
 def check_d2t(d2t: torch.Tensor, vocab_size: int, draft_vocab_size: int, where: str) -> None:
@@ -302,8 +283,7 @@ class EagleHead(nn.Module):
 
 
 def save_head(head: EagleHead, out_dir: str | Path) -> Path:
-    """Write config.json + model.safetensors (weights float32, d2t int64) atomically enough for a
-    resumable trainer."""
+    """Write config.json + model.safetensors (weights float32, d2t int64) atomically enough for a resumable trainer."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
