@@ -38,6 +38,9 @@ class _Proposal:
     num_asked: int  # requests asked for drafts (those whose budget allowed one)
 
 
+_NO_PROPOSAL = _Proposal(0, 0.0, 0, 0)
+
+
 class SpecDecoder:
     def __init__(
         self, cfg: SpeculativeConfig, parts: EngineParts, stats: StatsCollector, structured: StructuredOutputs
@@ -134,22 +137,15 @@ class SpecDecoder:
         """One StepRecord of the step just run to the controller (the wait for deferred drafts counts
         as the proposal's time)."""
         reached, accepted = self._verified
-        proposal, wait = self._proposal, self._wait_s
+        p, wait = self._proposal or _NO_PROPOSAL, self._wait_s
         self._verified, self._proposal, self._wait_s = ((), ()), None, 0.0
-        k = proposal.k if proposal is not None else 0
-        pad = (0,) * max(0, k - len(reached))
-        self.controller.observe(
-            StepRecord(
-                batch_size=len(sched.scheduled),
-                k=k,
-                reached=(reached + pad)[:k],
-                accepted=(accepted + pad)[:k],
-                step_seconds=max(0.0, step_seconds - wait),
-                propose_seconds=(proposal.seconds if proposal is not None else 0.0) + wait,
-                catch_up_tokens=proposal.catch_up_tokens if proposal is not None else 0,
-                num_asked=proposal.num_asked if proposal is not None else 0,
-            )
+        pad = (0,) * max(0, p.k - len(reached))
+        reached, accepted = (reached + pad)[: p.k], (accepted + pad)[: p.k]
+        busy = max(0.0, step_seconds - wait)
+        record = StepRecord(
+            len(sched.scheduled), p.k, reached, accepted, busy, p.seconds + wait, p.catch_up_tokens, p.num_asked
         )
+        self.controller.observe(record)
 
     def absorb(self, sched: SchedulerOutput, samples: list[bool], step: StepOutput) -> None:
         """The scheduled requests that did not sample (mid-prefill) hand their rows to a proposer that reads target
@@ -214,7 +210,7 @@ class SpecDecoder:
         proposal of nothing, as propose() would with k = 0."""
         self.last_k = 0
         self.stats.set("spec_decode_chosen_num_tokens", 0)
-        self._proposal = _Proposal(0, 0.0, 0, 0)
+        self._proposal = _NO_PROPOSAL
 
     def on_finished(self, req: Request) -> None:
         self.proposer.on_request_finished(req)

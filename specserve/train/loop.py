@@ -330,17 +330,8 @@ def _save(args, head: EagleHead, opt, step: int, metrics: dict, seqs: list[train
     if getattr(args, "no_train_state", False):
         return
     tmp = Path(args.out) / (STATE_NAME + ".tmp")
-    torch.save(
-        {
-            "step": step,
-            "optimizer": opt.state_dict(),
-            "metrics": metrics,
-            "method": args.method,
-            "eagle": args.eagle,
-            "draft_vocab_size": head.cfg.draft_vocab_size,
-        },
-        tmp,
-    )
+    state = dict(step=step, optimizer=opt.state_dict(), metrics=metrics, method=args.method, eagle=args.eagle)
+    torch.save({**state, "draft_vocab_size": head.cfg.draft_vocab_size}, tmp)
     tmp.replace(Path(args.out) / STATE_NAME)
 
 

@@ -108,22 +108,18 @@ def reduced_vocab_labels(
 
 
 def _token_loss(
-    logits: torch.Tensor,
-    lab: torch.Tensor,
-    hard_weight: float,
-    d2t: torch.Tensor | None,
-    target_top: torch.Tensor | None,
+    logits: torch.Tensor, lab: torch.Tensor, hard_weight: float, d2t: torch.Tensor | None, top: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cross-entropy, top-1 agreement with the target) of logits [rows, width] against the
     target's probabilities lab [rows, width] (overwritten)."""
     if d2t is not None:
-        mixed, _ = reduced_vocab_labels(lab, target_top, d2t, hard_weight)
-        agree = d2t.index_select(0, logits.detach().argmax(-1)) == target_top
+        mixed, _ = reduced_vocab_labels(lab, top, d2t, hard_weight)
+        agree = d2t.index_select(0, logits.detach().argmax(-1)) == top
         return F.cross_entropy(logits, mixed), agree.float().mean()
     # (1 - w) * soft CE + w * hard CE == CE against (1 - w) * probs + w * onehot: one [rows, vocab] activation.
-    top = lab.argmax(-1, keepdim=True)
-    mixed = lab.mul_(1 - hard_weight).scatter_add_(1, top, torch.full_like(top, hard_weight, dtype=lab.dtype))
-    return F.cross_entropy(logits, mixed), (logits.detach().argmax(-1) == top.squeeze(1)).float().mean()
+    best = lab.argmax(-1, keepdim=True)
+    mixed = lab.mul_(1 - hard_weight).scatter_add_(1, best, torch.full_like(best, hard_weight, dtype=lab.dtype))
+    return F.cross_entropy(logits, mixed), (logits.detach().argmax(-1) == best.squeeze(1)).float().mean()
 
 
 def head_loss(
@@ -163,13 +159,8 @@ def head_loss(
         if rows.numel() == 0:  # sequences too short for this depth (a host-known size: no sync)
             continue
         logits = F.linear(normed.index_select(0, rows), lm_weight).float()
-        ce, acc = _token_loss(
-            logits,
-            labels.index_select(0, label_rows).float(),
-            hard_weight,
-            d2t,
-            None if tops is None else tops.index_select(0, label_rows),
-        )
+        lab = labels.index_select(0, label_rows).float()
+        ce, acc = _token_loss(logits, lab, hard_weight, d2t, None if tops is None else tops.index_select(0, label_rows))
         block_loss = ce
         if head.norm is None:  # EAGLE-1: regress the target's next hidden state as well
             goal = last_hidden.reshape(B * L, -1).index_select(0, label_rows).float()

@@ -324,15 +324,11 @@ def check_head_matches(cfg: EagleHeadConfig, arch: ModelArch, target_identity: s
     if cfg.hidden_size != arch.hidden_size or cfg.vocab_size != arch.vocab_size:
         raise ValueError(f"{where}: head hidden/vocab sizes do not match the target.")
     if any(not 0 <= i < arch.num_layers for i in cfg.aux_hidden_layers):
-        raise ValueError(
-            f"{where}: aux_hidden_layers {cfg.aux_hidden_layers} out of range for {arch.num_layers} layers."
-        )
+        raise ValueError(f"{where}: aux_hidden_layers {cfg.aux_hidden_layers} out of range.")
     if cfg.target.get("identity") != target_identity:
+        got = cfg.target.get("identity")
         logger.warning(
-            "%s was trained on target %r, serving %r: same shapes, maybe other weights.",
-            where,
-            cfg.target.get("identity"),
-            target_identity,
+            "%s was trained on target %r, serving %r: same shapes, maybe other weights.", where, got, target_identity
         )
 
 
@@ -353,19 +349,14 @@ def load_head(
     own = head.state_dict()
     if cfg.draft_vocab_size is not None:
         if "d2t" not in state:
-            raise ValueError(
-                f"{where}: the config sets draft_vocab_size={cfg.draft_vocab_size} but "
-                f"{WEIGHTS_NAME} holds no d2t tensor."
-            )
+            raise ValueError(f"{where}: the config sets draft_vocab_size but {WEIGHTS_NAME} holds no d2t tensor.")
         check_d2t(state["d2t"], cfg.vocab_size, cfg.draft_vocab_size, where)
         state["d2t"] = state["d2t"].to(torch.int64)
     elif "d2t" in state:
         raise ValueError(f"{where}: {WEIGHTS_NAME} holds a d2t tensor but the config has no draft_vocab_size.")
     if set(state) != set(own):
-        raise ValueError(
-            f"{where}: weights do not match the config (missing "
-            f"{sorted(set(own) - set(state))[:4]}, unexpected {sorted(set(state) - set(own))[:4]})."
-        )
+        missing, unexpected = sorted(set(own) - set(state))[:4], sorted(set(state) - set(own))[:4]
+        raise ValueError(f"{where}: weights do not match the config (missing {missing}, unexpected {unexpected}).")
     bad = [k for k in own if tuple(state[k].shape) != tuple(own[k].shape)]
     if bad:
         raise ValueError(f"{where}: tensors of the wrong shape: {bad[:4]}.")
