@@ -129,11 +129,6 @@ class DraftSampler:
     def is_greedy(self, row: int) -> bool:
         return self._greedy[row]
 
-    @property
-    def all_greedy(self) -> bool:
-        """Every row of the propose (begin) is greedy."""
-        return all(self._greedy)
-
 
 def assign_drafts(
     reqs: list[Request], drafts: list[list[int]], probs: list[list[torch.Tensor]], sampler: DraftSampler

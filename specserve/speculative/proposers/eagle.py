@@ -186,16 +186,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         for seq, m in zip(plan.seqs, plan.num_real):
             seq.num_computed_tokens += m
 
-    def _first_inputs(
-        self,
-        plan: _Plan,
-        step,
-        ctx: list[int],
-        q_lens: list[int],
-        tables: list[list[int]],
-        positions: list[int],
-        extra: list[np.ndarray],
-    ):
+    def _first_inputs(self, plan: _Plan, step, ctx: list, q_lens: list, tables: list, positions: list, extra: list):
         """The eager first forward's inputs: every host array (the real rows' gathers, `positions`, `extra`, the
         attention metadata) in one copy, then the real rows' token embeddings and fused target features."""
         arrays = attention_arrays(ctx, q_lens, tables, self.kv.block_size)
@@ -249,16 +240,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             seq.next_pos = hi
         return plan
 
-    def _draft_autoregressive(
-        self,
-        plan: _Plan,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        pos: torch.Tensor,
-        meta: AttentionMetadata,
-        last: torch.Tensor,
-        tables: list[list[int]],
-    ):
+    def _draft_autoregressive(self, plan: _Plan, embeds, hidden, pos, meta: AttentionMetadata, last, tables: list):
         """Step 0 over the real rows (last [n]: each request's last real row), then k - 1 steps of
         one row per request, feeding the head's own output back."""
         n = len(plan.reqs)
@@ -306,15 +288,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
                 raise RuntimeError("HeadStepGraphs refused a batch that FirstForwardGraphs took")
         return dt
 
-    def _eager_steps(
-        self,
-        dt: DraftTokens,
-        ks: list[int],
-        ctx: list[int],
-        last_pos: list[int],
-        tables: list[list[int]],
-        prev_out: torch.Tensor,
-    ) -> None:
+    def _eager_steps(self, dt: DraftTokens, ks: list, ctx: list, last_pos: list, tables: list, prev_out) -> None:
         """Draft steps 1..max(ks) - 1 without static buffers, over the requests still drafting.
         prev_out [n, hidden]: each request's last head output row."""
         for step in range(1, max(ks)):
@@ -354,16 +328,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             row += m + extra
         return positions, q_lens, pick, np.asarray(src, dtype=np.int64)
 
-    def _draft_parallel(
-        self,
-        plan: _Plan,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        src: torch.Tensor,
-        pos: torch.Tensor,
-        meta: AttentionMetadata,
-        pick: torch.Tensor,
-    ):
+    def _draft_parallel(self, plan: _Plan, embeds, hidden, src, pos, meta: AttentionMetadata, pick):
         """One forward: each request's real rows, then k - 1 mask rows at the next positions."""
         n = len(plan.reqs)
         me, mh = self.head.mask_inputs(1)

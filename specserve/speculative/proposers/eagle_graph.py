@@ -42,13 +42,9 @@ class PinnedUpload:
         self._pending = [False] * slots
         self._slot = -1
 
-    def stage(self, nbytes: int) -> np.ndarray:
-        """The next slot's first nbytes, for the caller to fill; send_staged then copies them."""
-        return self._next(nbytes).numpy()[:nbytes]
-
     def stage_views(self, nbytes: int, layout: Callable[[np.ndarray], Any]) -> Any:
-        """Like stage, but returns layout(the slot's whole buffer), made once per slot: the views a
-        caller fills (the slot holds at least nbytes, the size `layout` needs at most)."""
+        """layout(the next slot's whole buffer, at least nbytes), made once per slot: the views a caller fills
+        before send_staged."""
         buf = self._next(nbytes)
         views = self._views[self._slot]
         got = views.get(layout)
@@ -82,7 +78,7 @@ class PinnedUpload:
             offsets.append(total)
             # 16-byte aligned: Triton compiles a variant per pointer alignment class.
             total = align16(total + a.nbytes)
-        buf = self.stage(total)
+        buf = self._next(total).numpy()[:total]
         for a, off in zip(arrays, offsets):
             buf[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         dev = torch.empty(total, dtype=torch.uint8, device=self.device)
