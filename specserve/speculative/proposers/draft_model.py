@@ -172,19 +172,11 @@ def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
     load_format = "dummy" if target.identity.startswith("dummy:") else "auto"
     source = WeightSource.open(ModelConfig(model=cfg.model, load_format=load_format))
     check_same_vocabulary(target, cfg.model, int(source.hf_config["vocab_size"]), None)
-    max_len = min(
-        target.max_model_len,
-        int(source.hf_config.get("max_position_embeddings", 4096)),
-        cfg.max_model_len or target.max_model_len,
-    )
+    window = min(target.max_model_len, cfg.max_model_len or target.max_model_len)
+    max_len = min(window, int(source.hf_config.get("max_position_embeddings", 4096)))
     dtype_name = str(dtype).removeprefix("torch.")
-    loaded = load_model(
-        ModelConfig(model=cfg.model, dtype=dtype_name, max_model_len=max_len, load_format=load_format),
-        parts.device,
-        dtype,
-        parts.ops,
-        progress=False,
-    )
+    mcfg = ModelConfig(model=cfg.model, dtype=dtype_name, max_model_len=max_len, load_format=load_format)
+    loaded = load_model(mcfg, parts.device, dtype, parts.ops, progress=False)
     check_same_vocabulary(target, cfg.model, loaded.arch.vocab_size, loaded.tokenizer)
     return loaded
 
