@@ -188,8 +188,7 @@ def _example(row: dict[str, Any], where: str) -> Example:
         return Example(token_ids=list(ids), num_prompt_tokens=num_prompt)
     if "messages" in row:
         messages = row["messages"]
-        ok = lambda m: isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)  # noqa: E731
-        if not isinstance(messages, list) or not messages or not all(ok(m) for m in messages):
+        if not isinstance(messages, list) or not messages or not all(_is_message(m) for m in messages):
             raise ValueError(f"{where}: messages must be a non-empty list of {{'role': str, 'content': str}}.")
         return Example(messages=list(messages))
     for key in ("prompt", "text"):
@@ -200,6 +199,10 @@ def _example(row: dict[str, Any], where: str) -> Example:
                 return Example(text=row[key])
             return Example(messages=[{"role": "user", "content": row[key]}])
     raise ValueError(f"{where}: needs 'prompt', 'messages', 'text' or 'token_ids'.")
+
+
+def _is_message(m: Any) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
 
 
 def _is_count(x: Any) -> bool:
