@@ -1,15 +1,7 @@
-"""How many tokens to draft per request in the next step: the `Controller` interface and its three
-implementations.
+"""How many tokens to draft per request in the next step: the `Controller` interface and its implementations.
 
-- `FixedController`: k = `num_speculative_tokens` every step (vLLM's default).
-- `TableController`: vLLM's `num_speculative_tokens_per_batch_size`, rows (min_batch, max_batch, k);
-  a batch size no row covers drafts nothing.
-- `AdaptiveController`: k = argmax over 0..K of expected tokens per second (see its docstring).
-
-Contract: `choose(batch_size)` is called once per proposal with the number of running requests and
-returns 0..max_k; `observe(record)` is called once per engine step, in step order, with what that step
-measured. Neither may touch the engine: a controller sees only its arguments (and, for the adaptive
-one, the cost table given to it at construction), so it is tested on tables alone.
+`choose(batch_size)` returns 0..max_k once per proposal; `observe(record)` gets each engine step's measurements,
+in step order. A controller sees only its arguments (and the adaptive one its cost table), never the engine.
 """
 
 from __future__ import annotations
@@ -89,34 +81,14 @@ class TableController(Controller):
 class AdaptiveController(Controller):
     """k = argmax over 0..max_k of expected tokens per second for a batch of b requests:
 
-        rate(b, k) = b * E[tokens | k] / cost(b, k)
-        E[tokens | k] = 1 + sum_{j<k} prod_{i<=j} alpha_i
-        cost(b, 0) = T(b, 1)
-        cost(b, k) = T(b, k + 1) + D(b, k) + S(b) / switch_horizon   (S only when the last choice was 0)
+        rate(b, k) = b * E[tokens | k] / cost(b, k),  E[tokens | k] = 1 + sum_{j<k} prod_{i<=j} alpha_i
+        cost(b, 0) = T(b, 1),  cost(b, k) = T(b, k + 1) + D(b, k) + S(b) / switch_horizon
 
-    - alpha_j, the acceptance of draft position j given every earlier one was accepted: decayed counts
-      (`window_steps` drafting steps) on top of an optimistic prior (`prior`, worth `prior_weight`
-      requests), so a fresh controller drafts and measures. A request that reached position j (j = 0:
-      was asked for drafts) and got no draft there counts as a rejection: a lookup that finds nothing
-      gains nothing. A position measured below the prior and not measured for s steps counts its
-      samples at (1 - 1 / drift_steps) ** s of their weight, so the rate drifts back to the prior and a
-      controller that stopped drafting tries again; a new measurement counts them in full again, so
-      where acceptance stays low the tries stay rare. A position measured above the prior keeps its
-      rate (optimism corrects itself by drafting, pessimism would not).
-    - T(b, q): the target's step of b requests of q tokens each, from the cost table measured at
-      start-up. Only the table prices the target, so no noise in step timings can make verifying look
-      cheaper than it is: where T(b, k + 1) >= (k + 1) * T(b, 1), no acceptance makes k win (under
-      load this switches drafting off).
-    - D(b, k) = k * (seconds per draft step): a moving average of warm proposals' seconds / k (warm:
-      the step before drafted too) per batch-size bucket (powers of two; an unmeasured bucket takes
-      the nearest measured one, none: 0).
-    - S(b), the one-off catch-up a draft model pays when drafting resumes after k = 0 (it feeds every
-      token computed meanwhile): one draft step plus seconds per catch-up token (a moving average
-      over resumed proposals, `catch_up_tokens`, beyond a draft step and the warm proposal) times the
-      tokens computed since the last drafting step. It is amortized over `switch_horizon` drafting
-      steps, so a gain too small to repay it within them keeps k = 0 (no flapping). A proposer that
-      never reports catch-up tokens (n-gram) pays none.
-    Ties go to the smaller k.
+    alpha_j: decayed acceptance counts over an optimistic prior; a request asked for a draft at j that got none
+    counts as a rejection; positions below the prior drift back to it while unmeasured (drift_steps). T: the
+    measured cost table only. D(b, k) = k * a moving average of warm seconds per draft step, per power-of-two
+    batch bucket. S(b): a draft model's one-off catch-up when drafting resumes after k = 0, amortized over
+    switch_horizon steps (n-gram pays none). Ties go to the smaller k.
     """
 
     def __init__(

@@ -1,12 +1,4 @@
-"""Speculative decoding around the engine: propose after a step, verify in the next one.
-
-Owns the proposer, the controller (how many tokens to draft) and the rejection sampler, and records
-the spec_decode_* metrics. The engine calls, per step: `pending_drafts()` (for the forward),
-`verify()` (instead of sampling where drafts were scheduled) and `after_step()` (observe, absorb
-target features, propose); `on_finished` / `on_preempted` per request. Asynchronous scheduling
-(engine/async_loop.py) calls the parts of after_step itself: `choose`, `skip_proposal`, `absorb`,
-`observe`, `propose_for`.
-"""
+"""Speculative decoding around the engine: propose after a step, verify in the next one."""
 
 from __future__ import annotations
 
@@ -46,6 +38,9 @@ class _Proposal:
     num_asked: int  # requests asked for drafts (those whose budget allowed one)
 
 
+_NO_PROPOSAL = _Proposal(0, 0.0, 0, 0)
+
+
 class SpecDecoder:
     def __init__(
         self, cfg: SpeculativeConfig, parts: EngineParts, stats: StatsCollector, structured: StructuredOutputs
@@ -74,9 +69,9 @@ class SpecDecoder:
 
     @property
     def k_follows_load(self) -> bool:
-        """Seeded random requests draft only when k does not follow the load: the rejection sampler draws
-        k uniforms per step from a request's generator, so with k chosen per step the same seed would
-        sample differently under other load. Without drafts such a request draws as plain sampling does."""
+        """Seeded random requests draft only when k does not follow the load: the rejection sampler draws k uniforms
+        per step from a request's generator, so with k chosen per step the same seed would sample differently under
+        other load."""
         return self.controller.follows_load or self.disable_above is not None
 
     # -- the verify step ---------------------------------------------------------------------
@@ -113,10 +108,10 @@ class SpecDecoder:
         step_seconds: float,
         batch_size: int,
     ) -> None:
-        """Speculation's one hook after a step's update: the controller observes the step, a proposer
-        keeping target features absorbs the mid-prefill rows, and the requests that got tokens (and
-        did not finish) get drafts for the next step. new_tokens: per scheduled entry, None where it
-        sampled nothing; batch_size: the requests running now."""
+        """Speculation's one hook after a step's update: the controller observes the step, a proposer keeping target
+        features absorbs the mid-prefill rows, and the requests that got tokens (and did not finish) get drafts for
+        the next step. new_tokens: per scheduled entry, None where it sampled nothing; batch_size: the requests
+        running now."""
         self.observe(sched, step_seconds)
         self.absorb(sched, [t is not None for t in new_tokens], step)
         self.propose_for(sched, new_tokens, step, batch_size)
@@ -142,27 +137,20 @@ class SpecDecoder:
         """One StepRecord of the step just run to the controller (the wait for deferred drafts counts
         as the proposal's time)."""
         reached, accepted = self._verified
-        proposal, wait = self._proposal, self._wait_s
+        p, wait = self._proposal or _NO_PROPOSAL, self._wait_s
         self._verified, self._proposal, self._wait_s = ((), ()), None, 0.0
-        k = proposal.k if proposal is not None else 0
-        pad = (0,) * max(0, k - len(reached))
-        self.controller.observe(
-            StepRecord(
-                batch_size=len(sched.scheduled),
-                k=k,
-                reached=(reached + pad)[:k],
-                accepted=(accepted + pad)[:k],
-                step_seconds=max(0.0, step_seconds - wait),
-                propose_seconds=(proposal.seconds if proposal is not None else 0.0) + wait,
-                catch_up_tokens=proposal.catch_up_tokens if proposal is not None else 0,
-                num_asked=proposal.num_asked if proposal is not None else 0,
-            )
+        pad = (0,) * max(0, p.k - len(reached))
+        reached, accepted = (reached + pad)[: p.k], (accepted + pad)[: p.k]
+        busy = max(0.0, step_seconds - wait)
+        record = StepRecord(
+            len(sched.scheduled), p.k, reached, accepted, busy, p.seconds + wait, p.catch_up_tokens, p.num_asked
         )
+        self.controller.observe(record)
 
     def absorb(self, sched: SchedulerOutput, samples: list[bool], step: StepOutput) -> None:
-        """The scheduled requests that did not sample (mid-prefill) hand their rows to a proposer that
-        reads target features, so a prompt fed in pieces or chunks is whole in its context.
-        samples: per scheduled entry, whether it sampled."""
+        """The scheduled requests that did not sample (mid-prefill) hand their rows to a proposer that reads target
+        features, so a prompt fed in pieces or chunks is whole in its context. samples: per scheduled entry, whether
+        it sampled."""
         if not self.proposer.needs_target_hidden:
             return
         chosen = [
@@ -195,8 +183,7 @@ class SpecDecoder:
             k = self.choose(batch_size)
         self.last_k = k
         self.stats.set("spec_decode_chosen_num_tokens", k)
-        # 0: a seeded sampled request while k follows the load (see __init__), or one whose output
-        # budget or the context window ends here
+        # 0: a seeded sampled request while k follows the load, or no room left
         budgets = [
             0
             if self.k_follows_load and r.generator is not None and not r.params.greedy
@@ -223,7 +210,7 @@ class SpecDecoder:
         proposal of nothing, as propose() would with k = 0."""
         self.last_k = 0
         self.stats.set("spec_decode_chosen_num_tokens", 0)
-        self._proposal = _Proposal(0, 0.0, 0, 0)
+        self._proposal = _NO_PROPOSAL
 
     def on_finished(self, req: Request) -> None:
         self.proposer.on_request_finished(req)

@@ -1,11 +1,5 @@
-"""Verification of a step's drafts: the draft distributions stacked for the rejection sampler
-(sample/rejection.py), per-position counts for the controller, and the logprobs of the emitted tokens.
-
-A request asking for logprobs drafts like any other: the verify step scored each of its k + 1
-positions, and token j of its output (accepted drafts, then the bonus or resampled token) comes from
-its row j. Their logprobs are the log-softmax of those rows' raw logits (vLLM's default raw_logprobs,
-what the plain sampler returns), top-N included.
-"""
+"""Verification of a step's drafts: the draft distributions stacked for the rejection sampler (sample/rejection.py),
+per-position counts for the controller, and the logprobs of the emitted tokens."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""Training data for draft heads: prompts made from the Python standard library, answered by the target.
-
-Self-distillation, as EAGLE does: the head learns the target's own behaviour, so the data is the
-target's answers (greedy or low temperature) to instruction-style prompts. The prompts come from
-the stdlib's functions, classes and docstrings (present on every machine, no download), or from a
-JSONL file: {"prompt": ...}, {"messages": [...]} (answered by the target), {"text": ...} or
-{"token_ids": [...]} (used as is). HumanEval is for measuring and is refused: a file named after it,
-or a row that is one of its tasks (refuse_humaneval_row).
-"""
+"""Training data for draft heads: prompts made from the Python standard library, answered by the target."""
 
 from __future__ import annotations
 
@@ -25,34 +17,12 @@ from typing import Any, NamedTuple
 import numpy as np
 from tqdm.auto import tqdm
 
-_SKIP_DIRS = {
-    "test",
-    "tests",
-    "idle_test",
-    "site-packages",
-    "dist-packages",
-    "__pycache__",
-    "lib2to3",
-    "turtledemo",
-    "ensurepip",
-}
+_SKIP_DIRS = set("test tests idle_test site-packages dist-packages __pycache__ lib2to3 turtledemo ensurepip".split())
 _HUMANEVAL = re.compile(r"human[-_]?eval", re.IGNORECASE)
-# Standard-library files that draft-head training never uses (paths relative to the stdlib root),
-# so other measurements (bench/kv_quality.py) have real Python text no trained head has seen.
-# Mid-sized, self-contained modules rich in both code and docstrings.
-HELD_OUT_STDLIB_MODULES: tuple[str, ...] = (
-    "argparse.py",
-    "difflib.py",
-    "textwrap.py",
-    "fractions.py",
-    "statistics.py",
-    "heapq.py",
-    "bisect.py",
-    "calendar.py",
-    "shlex.py",
-    "configparser.py",
-    "json/decoder.py",
-    "json/encoder.py",
+# Stdlib files training never uses, so other measurements (bench/kv_quality.py) have unseen text.
+HELD_OUT_STDLIB_MODULES: tuple[str, ...] = tuple(
+    "argparse.py difflib.py textwrap.py fractions.py statistics.py heapq.py bisect.py calendar.py shlex.py "
+    "configparser.py json/decoder.py json/encoder.py".split()
 )
 
 _TEMPLATES = (
@@ -94,17 +64,14 @@ def refuse_humaneval(path: str | Path) -> None:
         )
 
 
-# Fields a row of HumanEval or a derivative names itself in: openai_humaneval and HumanEval+
-# ("task_id": "HumanEval/0"), MultiPL-E ("name": "HumanEval_0_has_close_elements"), or a user's own tag.
+# Fields a HumanEval row (or a derivative's) names itself in.
 _HUMANEVAL_ID_FIELDS = ("task_id", "name", "id", "source", "dataset")
 # The data set's own schema: a row copied from it without its task_id still has these fields.
 _HUMANEVAL_FIELDS = frozenset({"canonical_solution", "entry_point", "test"})
 
 
 def refuse_humaneval_row(row: dict[str, Any], where: str) -> None:
-    """ValueError when a --data row is a HumanEval task, whatever the file is called. Only its id
-    fields and keys are looked at (cheap, and reliable: matching the prompt text would need the data
-    set itself, which this code must not hold)."""
+    """ValueError when a --data row is a HumanEval task, whatever the file is called."""
     for key in _HUMANEVAL_ID_FIELDS:
         value = row.get(key)
         if isinstance(value, str) and _HUMANEVAL.search(value):
@@ -121,12 +88,6 @@ def refuse_humaneval_row(row: dict[str, Any], where: str) -> None:
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
-
-
-def held_out_stdlib_files() -> list[Path]:
-    """The held-out files (HELD_OUT_STDLIB_MODULES) that exist on this machine."""
-    root = stdlib_root()
-    return [root / name for name in HELD_OUT_STDLIB_MODULES if (root / name).is_file()]
 
 
 def _stdlib_files() -> list[Path]:
@@ -220,36 +181,32 @@ def load_jsonl(path: str | Path) -> list[Example]:
 def _example(row: dict[str, Any], where: str) -> Example:
     if "token_ids" in row:
         ids, num_prompt = row["token_ids"], row.get("num_prompt_tokens", 0)
-        if (
-            not isinstance(ids, list)
-            or not ids
-            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)
-        ):
+        if not isinstance(ids, list) or not ids or not all(_is_count(t) for t in ids):
             raise ValueError(f"{where}: token_ids must be a non-empty list of non-negative integers.")
-        if isinstance(num_prompt, bool) or not isinstance(num_prompt, int) or not 0 <= num_prompt <= len(ids):
+        if not _is_count(num_prompt) or num_prompt > len(ids):
             raise ValueError(f"{where}: num_prompt_tokens must be an integer in [0, len(token_ids)].")
         return Example(token_ids=list(ids), num_prompt_tokens=num_prompt)
     if "messages" in row:
         messages = row["messages"]
-        if (
-            not isinstance(messages, list)
-            or not messages
-            or any(
-                not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)
-                for m in messages
-            )
-        ):
+        if not isinstance(messages, list) or not messages or not all(_is_message(m) for m in messages):
             raise ValueError(f"{where}: messages must be a non-empty list of {{'role': str, 'content': str}}.")
         return Example(messages=list(messages))
-    if "prompt" in row:
-        if not isinstance(row["prompt"], str) or not row["prompt"]:
-            raise ValueError(f"{where}: prompt must be a non-empty string.")
-        return Example(messages=[{"role": "user", "content": row["prompt"]}])
-    if "text" in row:
-        if not isinstance(row["text"], str) or not row["text"]:
-            raise ValueError(f"{where}: text must be a non-empty string.")
-        return Example(text=row["text"])
+    for key in ("prompt", "text"):
+        if key in row:
+            if not isinstance(row[key], str) or not row[key]:
+                raise ValueError(f"{where}: {key} must be a non-empty string.")
+            if key == "text":
+                return Example(text=row[key])
+            return Example(messages=[{"role": "user", "content": row[key]}])
     raise ValueError(f"{where}: needs 'prompt', 'messages', 'text' or 'token_ids'.")
+
+
+def _is_message(m: Any) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def check_vocab(examples: list[Example], vocab_size: int, path: str | Path) -> None:
@@ -295,12 +252,7 @@ def build_sequences(
     seed: int = 0,
     progress: bool = True,
 ) -> list[TrainSeq]:
-    """Token sequences (prompt + the target's answer, at most max_seq_len) for every example.
-
-    Chats are answered by `llm` (a specserve LLM of the target) in one continuous batch; at the
-    deadline the unfinished answers are cut where they are (a prefix of the target's own answer is
-    still good data) and the rest of the prompts are dropped.
-    """
+    """Token sequences (prompt + the target's answer, at most max_seq_len) for every example."""
     from specserve.sampling_params import SamplingParams
 
     tok = llm.get_tokenizer()
@@ -371,12 +323,10 @@ class DraftVocab(NamedTuple):
 
 
 def draft_vocab(seqs: list[TrainSeq], vocab_size: int, size: int, special_ids: Iterable[int] = ()) -> DraftVocab:
-    """The `size` tokens a reduced-vocabulary head may propose (EAGLE-3's d2t): the special tokens
-    (`special_ids`: EOS, chat-template markers) that occur anywhere in the sequences, always (rare
-    but every answer ends with one), then the most frequent answer tokens: the tokens the loss
-    trains on, from position max(2, num_prompt_tokens) on (row t predicts token t + 2 and rows
-    before the prompt's end are not in the loss). Ties, and tokens no answer holds (a tiny data
-    set), go by their count in the whole sequences, then by id: deterministic for the data."""
+    """The `size` tokens a reduced-vocabulary head may propose (EAGLE-3's d2t): the special tokens (`special_ids`:
+    EOS, chat-template markers) that occur anywhere in the sequences, always (rare but every answer ends with one),
+    then the most frequent answer tokens: the tokens the loss trains on, from position max(2, num_prompt_tokens) on
+    (row t predicts token t + 2 and rows before the prompt's end are not in the loss)."""
     answer = np.zeros(vocab_size, dtype=np.int64)
     whole = np.zeros(vocab_size, dtype=np.int64)
     for s in seqs:

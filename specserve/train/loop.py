@@ -1,18 +1,4 @@
-"""`specserve train-draft`: train an EAGLE-3, P-EAGLE or EAGLE head for a target by self-distillation.
-
-Data (data.py): the target answers prompts made from the Python standard library; the head
-learns on (prompt + answer) sequences. Each training step runs the frozen target once over a
-padded batch for its features and next-token distributions (target.py), then the head over
-S blocks of rows that mimic serving, against the target's distributions (loss.py). This file
-holds the command: its flags, the data and the head's setup, the loop (a cosine learning rate after
-a warmup) and the checkpoints: head + optimizer + step, written every --save-every steps and at the
-end; --resume continues from them. At the end, training.json records the data, steps and metrics.
-
-Reduced draft vocabulary (--draft-vocab-size N, by default 32768 for targets with a larger
-vocabulary): the head proposes only N tokens, d2t (ascending target ids, saved with the head):
-special tokens seen in the data plus the most frequent answer tokens (data.draft_vocab).
-loss.py says how its labels and accuracy are made.
-"""
+"""`specserve train-draft`: train an EAGLE-3, P-EAGLE or EAGLE head for a target by self-distillation."""
 
 from __future__ import annotations
 
@@ -31,16 +17,8 @@ from tqdm.auto import tqdm
 
 from specserve.speculative.proposers.eagle_head import EagleHead, head_config_for, save_head
 from specserve.train import data as train_data
-
-# Re-exported: the tests use them as train.<name>.
-from specserve.train.loss import (  # noqa: F401
-    _block_mask,
-    head_block_outputs,
-    head_loss,
-    loss_rows,
-    reduced_vocab_labels,
-)
-from specserve.train.target import TargetBatch, dense_forward, target_batch  # noqa: F401
+from specserve.train.loss import head_loss
+from specserve.train.target import target_batch
 
 STATE_NAME, DATA_NAME = "train_state.pt", "distill.jsonl"
 DEFAULT_DRAFT_VOCAB = 32768
@@ -54,12 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output dir (config.json + model.safetensors)")
     p.add_argument("--data", help="JSONL: prompt | messages (answered by the target) | text | token_ids")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps in all (default: until the time budget)")
-    p.add_argument(
-        "--time-budget-s",
-        type=float,
-        default=None,
-        help="wall-clock budget for answering prompts + training (after the target loads)",
-    )
+    p.add_argument("--time-budget-s", type=float, default=None, help="seconds for answering + training")
     p.add_argument("--num-prompts", type=int, default=512, help="stdlib prompts to self-distill (no --data)")
     p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -69,33 +42,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-fraction", type=float, default=0.4, help="share of the time budget for answering")
     p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per step (8192 GPU, 1024 CPU)")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument(
-        "--hard-label-weight",
-        type=float,
-        default=0.5,
-        help="share of the token loss on the target's argmax (the rest: its full distribution)",
-    )
-    p.add_argument(
-        "--draft-vocab-size",
-        type=int,
-        default=None,
-        help="tokens the head may propose: the special tokens seen + the most frequent answer tokens "
-        f"(default {DEFAULT_DRAFT_VOCAB} when the target's vocabulary is larger; 0 = the full vocabulary)",
-    )
+    p.add_argument("--hard-label-weight", type=float, default=0.5, help="loss share on the target's argmax")
+    vocab_help = f"tokens the head may propose (default {DEFAULT_DRAFT_VOCAB}; 0 = the full vocabulary)"
+    p.add_argument("--draft-vocab-size", type=int, default=None, help=vocab_help)
     p.add_argument("--ttt-steps", type=int, default=3, help="eagle3/eagle: blocks of training-time test")
     p.add_argument("--num-mask-slots", type=int, default=5, help="p-eagle: mask slots (drafts k <= slots + 1)")
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", help="dummy: random target weights of a shape name (smoke tests)")
-    p.add_argument(
-        "--init-from",
-        help="start from this head dir's weights (e.g. p-eagle from a trained eagle3 "
-        "head: same real rows; the mask slots start fresh)",
-    )
-    p.add_argument(
-        "--no-train-state", action="store_true", help="write the head only (no optimizer state: not resumable)"
-    )
+    p.add_argument("--init-from", help="start from this head dir's weights (e.g. p-eagle from an eagle3 head)")
+    p.add_argument("--no-train-state", action="store_true", help="write the head only (not resumable)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -108,19 +65,10 @@ class TrainResult:
     metrics: dict[str, float]
 
 
-# -- the run --------------------------------------------------------------------------------------
-def _device(name: str) -> torch.device:
-    from specserve.engine.setup import resolve_device
-
-    return resolve_device(name)
-
-
 def _needs_generation(args) -> bool:
     if args.resume and (Path(args.out) / DATA_NAME).is_file():
         return False
-    if args.data:
-        return any(e.messages is not None for e in train_data.load_jsonl(args.data))
-    return True
+    return not args.data or any(e.messages is not None for e in train_data.load_jsonl(args.data))
 
 
 def _load_target(args, device: torch.device, generate: bool):
@@ -134,8 +82,7 @@ def _load_target(args, device: torch.device, generate: bool):
         model=args.target, device=device.type, max_model_len=max_len, progress=not args.quiet, load_format=load_format
     )
     if not generate:
-        # Only the model and tokenizer are used: the smallest KV pool the engine accepts, one sequence
-        # of max_model_len (float32 bytes, the largest KV dtype), so training keeps the memory.
+        # Only the model and tokenizer are used: a KV pool of one float32 sequence.
         kw.update(
             kv_cache_memory_bytes=_one_sequence_kv_bytes(args.target, load_format, max_len),
             max_num_seqs=1,
@@ -152,9 +99,7 @@ def _one_sequence_kv_bytes(target: str, load_format: str, max_len: int, block: i
     """KV bytes of one float32 sequence of max_len tokens (rounded up to blocks, one block spare)."""
     from specserve.config import ModelConfig
     from specserve.model.arch import ModelArch
-    from specserve.model.loader import (
-        WeightSource,  # reads config without weights, as make_random_head_dir
-    )
+    from specserve.model.loader import WeightSource
 
     arch = ModelArch.from_hf_config(WeightSource.open(ModelConfig(model=target, load_format=load_format)).hf_config)
     per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 4
@@ -172,14 +117,7 @@ def prepare_data(args, llm, deadline: float) -> list[train_data.TrainSeq]:
     if args.data:
         train_data.check_vocab(examples, llm.engine.vocab_size, args.data)
     seqs = train_data.build_sequences(
-        llm,
-        examples,
-        args.max_new_tokens,
-        args.max_seq_len,
-        args.temperature,
-        deadline,
-        args.seed,
-        progress=not args.quiet,
+        llm, examples, args.max_new_tokens, args.max_seq_len, args.temperature, deadline, args.seed, not args.quiet
     )
     if not seqs:
         raise ValueError("no training sequences: the data was empty or the time budget ran out first.")
@@ -239,9 +177,9 @@ def _new_head(args, loaded, device: torch.device, d2t: list[int] | None = None) 
 
 
 def _init_from_head(head: EagleHead, path: str) -> None:
-    """Copy every tensor of another head of the same shape (a P-EAGLE head from a trained EAGLE-3
-    head: their real rows are the same function); tensors only this head has keep their init, and so
-    does the draft vocabulary (d2t: this run's data and --draft-vocab-size choose it)."""
+    """Copy every tensor of another head of the same shape (a P-EAGLE head from a trained EAGLE-3 head: their real
+    rows are the same function); tensors only this head has keep their init, and so does the draft vocabulary (d2t:
+    this run's data and --draft-vocab-size choose it)."""
     from safetensors.torch import load_file
 
     from specserve.speculative.proposers.eagle_head import WEIGHTS_NAME
@@ -266,15 +204,13 @@ def run_training(args, llm=None) -> TrainResult:
     budget = args.time_budget_s if args.time_budget_s is not None else float("inf")
     if args.steps is None and args.time_budget_s is None:
         raise ValueError("give --steps, --time-budget-s or both.")
-    device = _device(args.device)
+    from specserve.engine.setup import resolve_device
+
+    device = resolve_device(args.device)
     if args.data:
         train_data.refuse_humaneval(args.data)
     if not args.resume and (Path(args.out) / "model.safetensors").is_file():
-        print(
-            f"specserve train-draft: {args.out} holds a head; starting fresh and overwriting it "
-            "(--resume continues it)",
-            file=sys.stderr,
-        )
+        print(f"specserve train-draft: overwriting the head in {args.out} (--resume continues it)", file=sys.stderr)
     if llm is None:
         llm = _load_target(args, device, _needs_generation(args))
     loaded = llm.engine.loaded
@@ -300,22 +236,13 @@ def run_training(args, llm=None) -> TrainResult:
     return TrainResult(Path(args.out), progress["step"], len(seqs), progress["metrics"])
 
 
-def _train_loop(
-    args,
-    head: EagleHead,
-    opt,
-    target,
-    seqs: list[train_data.TrainSeq],
-    progress: dict,
-    device: torch.device,
-    deadline: float,
-) -> None:
-    """Trains until --steps or the deadline; progress["step"] follows every step, progress["metrics"]
-    every REPORT_EVERY steps, at checkpoints and at the end (reading them syncs the device; a step
-    itself never waits for the GPU)."""
+def _train_loop(args, head: EagleHead, opt, target, seqs: list, progress: dict, device: torch.device, deadline: float):
+    """Trains until --steps or the deadline; progress["step"] follows every step, progress["metrics"] every REPORT_EVERY
+    steps, at checkpoints and at the end (reading them syncs the device; a step itself never waits for the GPU)."""
     step = progress["step"]
     parallel = args.method == "p-eagle"
     num_blocks = 1 + (args.num_mask_slots if parallel else args.ttt_steps - 1)
+    hard = args.hard_label_weight
     batch_tokens = args.batch_tokens or (8192 if device.type == "cuda" else 1024)
     base_batches = train_data.make_batches([len(s.token_ids) for s in seqs], batch_tokens, random.Random(args.seed))
     warmup = 30 if args.steps is None else max(1, min(30, args.steps // 10))
@@ -324,8 +251,7 @@ def _train_loop(
     bar = tqdm(total=args.steps, initial=step, desc=f"train {args.method}", disable=args.quiet)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     while (args.steps is None or step < args.steps) and time.monotonic() < deadline:
-        # Epoch e visits the same batches in its own seeded order, so a resumed run sees what the
-        # uninterrupted one would have.
+        # Seeded order per epoch: a resumed run sees what the uninterrupted one would.
         epoch, index = divmod(step, len(base_batches))
         order = list(range(len(base_batches)))
         random.Random(args.seed * 1000 + epoch).shuffle(order)
@@ -336,19 +262,9 @@ def _train_loop(
             g["lr"] = args.lr * _lr_factor(frac, step, warmup)
         tb = target_batch(target, [s.token_ids for s in batch], head.cfg.aux_hidden_layers, device, head.d2t)
         with autocast:
+            lengths = [len(s.token_ids) for s in batch]
             loss, accs = head_loss(
-                head,
-                target,
-                tb.ids,
-                [len(s.token_ids) for s in batch],
-                starts,
-                tb.feats,
-                tb.probs,
-                tb.last,
-                num_blocks,
-                parallel,
-                args.hard_label_weight,
-                tb.top,
+                head, target, tb.ids, lengths, starts, tb.feats, tb.probs, tb.last, num_blocks, parallel, hard, tb.top
             )
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -381,7 +297,7 @@ def _metrics(recent: list[tuple[list[str], torch.Tensor]]) -> dict[str, float]:
     values = torch.cat([v for _, v in recent]).tolist()
     sums: dict[str, float] = {}
     i = 0
-    for names, v in recent:
+    for names, _ in recent:
         for name, x in zip(names, values[i : i + len(names)]):
             sums[name] = sums.get(name, 0.0) + x
         i += len(names)
@@ -414,17 +330,8 @@ def _save(args, head: EagleHead, opt, step: int, metrics: dict, seqs: list[train
     if getattr(args, "no_train_state", False):
         return
     tmp = Path(args.out) / (STATE_NAME + ".tmp")
-    torch.save(
-        {
-            "step": step,
-            "optimizer": opt.state_dict(),
-            "metrics": metrics,
-            "method": args.method,
-            "eagle": args.eagle,
-            "draft_vocab_size": head.cfg.draft_vocab_size,
-        },
-        tmp,
-    )
+    state = dict(step=step, optimizer=opt.state_dict(), metrics=metrics, method=args.method, eagle=args.eagle)
+    torch.save({**state, "draft_vocab_size": head.cfg.draft_vocab_size}, tmp)
     tmp.replace(Path(args.out) / STATE_NAME)
 
 
@@ -438,13 +345,10 @@ def _maybe_resume(args, head: EagleHead, opt, device: torch.device) -> int:
     if state.get("method") != args.method or state.get("eagle") != args.eagle:
         raise ValueError(f"{args.out} holds a {state.get('method')} run; cannot resume it as {args.method}.")
     if state.get("draft_vocab_size") != head.cfg.draft_vocab_size:
-
-        def name(n: int | None) -> str:
-            return "the full vocabulary" if n is None else f"a {n}-token draft vocabulary"
-
+        have, want = state.get("draft_vocab_size") or "full", head.cfg.draft_vocab_size or "full"
         raise ValueError(
-            f"{args.out} holds a run with {name(state.get('draft_vocab_size'))}, this one has "
-            f"{name(head.cfg.draft_vocab_size)}: resume with the same --draft-vocab-size (0 = full)."
+            f"{args.out} holds a run with draft vocabulary {have}, this one has {want}: "
+            "resume with the same --draft-vocab-size (0 = full)."
         )
     head.load_state_dict({k: v.to(device) for k, v in load_file(str(Path(args.out) / "model.safetensors")).items()})
     opt.load_state_dict(state["optimizer"])

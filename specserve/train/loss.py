@@ -1,30 +1,12 @@
-"""The head's loss in `specserve train-draft` (loop.py), from the frozen target's batch
-(target.py).
+"""The head's loss in `specserve train-draft`, from the frozen target's batch (target.py).
 
-The head runs over S "blocks" of rows that mimic serving:
-
-  block 1, row t: (embed(x[t+1]), target feature t), exactly the head's real rows at serving time;
-  block s > 1, row t: a draft row s - 1 steps after the last real row p = t - s + 1. It attends
-    to block-1 rows <= p and to rows p+1..t of blocks 2..s (its own earlier draft rows), as the
-    paged head cache holds them when drafting. Inputs:
-      eagle3 / eagle (training-time test, EAGLE-3): (embed(x[t+1]), the head's block s-1 output
-        at row t-1), i.e. its own hidden state fed back as in autoregressive drafting;
-      p-eagle: the learned (mask_embed, mask_hidden) pair, so all slots come out of one forward.
-Every row t predicts x[t+2]; the loss is cross-entropy against the target's full next-token
-distribution at t+1 (soft labels: what the rejection sampler accepts against), weighted 0.8^(s-1)
-per block. EAGLE-1 heads add EAGLE's feature regression (smooth L1 to the target's next hidden
-state, token loss weight 0.1).
-
-A head with a reduced draft vocabulary d2t (loop.py chooses it) has logits [rows, N] over the
-target's LM-head rows d2t. The soft label is the target's distribution restricted to d2t and
-renormalized: the best draft distribution q on d2t, for sampling acceptance
-sum_x min(target(x), q(x)) and for cross-entropy alike, is target|d2t / target(d2t), so
-renormalizing keeps the optimum and gives every row the weight of a full-vocabulary row
-(unnormalized, a row would weigh target(d2t), and its mix with the hard label would not be a
-distribution). The hard term applies only where the target's argmax is in d2t; a row whose argmax
-is outside keeps the soft term alone (whole weight): greedy verification can never accept a draft
-there, but sampling verification still accepts in-set tokens. Accuracy: d2t[argmax of the head's
-logits] == the target's argmax over the whole vocabulary.
+The head runs over S blocks of rows that mimic serving. Block 1, row t: (embed(x[t+1]), target feature t),
+the real rows. Block s > 1, row t: a draft row s - 1 steps after the last real row p = t - s + 1; it attends
+to block-1 rows <= p and to rows p+1..t of blocks 2..s. Its inputs: eagle3/eagle, (embed(x[t+1]), the head's
+block s-1 output at row t-1); p-eagle, the learned mask pair. Row t predicts x[t+2], by cross-entropy against
+the target's distribution at t+1, weighted 0.8^(s-1) per block; EAGLE-1 adds smooth-L1 feature regression.
+With a reduced draft vocabulary d2t the soft label is the target's distribution renormalized over d2t (the
+optimal q on d2t); the hard term applies only where the target's argmax is in d2t.
 """
 
 from __future__ import annotations
@@ -55,10 +37,9 @@ def _block_mask_of_size(rows: int, s: int, device: torch.device) -> torch.Tensor
 
 
 def loss_rows(lengths: list[int], loss_start: list[int], max_len: int, num_blocks: int) -> list[torch.Tensor]:
-    """Host (CPU) int64 row indices into [B * (L - 1)] of each block's rows in the loss: row t of
-    sequence b needs x[t+1] and the label at t+1, learns only where the answer is (t >= loss_start),
-    and block s starts at row s - 1 (its last real row must exist). Computed on the host from the
-    lengths the caller has, so the loss needs no device sync to find its rows."""
+    """Host (CPU) int64 row indices into [B * (L - 1)] of each block's rows in the loss: row t of sequence b needs
+    x[t+1] and the label at t+1, learns only where the answer is (t >= loss_start), and block s starts at row s - 1
+    (its last real row must exist)."""
     R = max_len - 1
     pos = torch.arange(R)
     lens, starts = torch.tensor(lengths), torch.tensor(loss_start)
@@ -81,7 +62,7 @@ def head_block_outputs(
     head: EagleHead, target, ids: torch.Tensor, feats: torch.Tensor, num_blocks: int, parallel: bool
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(out, logits_input) of every block, each [B * (L - 1), hidden]: row t of block s is the head's
-    draft s - 1 steps after its last real row t - s + 1 (see the module docstring)."""
+    draft s - 1 steps after its last real row t - s + 1."""
     B, L = ids.shape
     R, dev = L - 1, ids.device
     arch = head.layer
@@ -116,14 +97,10 @@ def head_block_outputs(
 def reduced_vocab_labels(
     lab: torch.Tensor, target_top: torch.Tensor, d2t: torch.Tensor, hard_weight: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Soft-target labels over a reduced draft vocabulary (module docstring). lab [rows, N]: the
-    target's probabilities of the tokens d2t (normalized over the whole vocabulary; overwritten);
-    target_top [rows]: the target's argmax ids. Returns (labels [rows, N], each row summing to 1:
-    (1 - w) * renormalized lab + w * onehot(argmax) where the target's argmax is in d2t, else the
-    renormalized lab alone; in_set [rows] bool)."""
+    """Soft-target labels over a reduced draft vocabulary. lab [rows, N]: the target's probabilities of the tokens
+    d2t (normalized over the whole vocabulary; overwritten); target_top [rows]: the target's argmax ids."""
     lab = lab.div_(lab.sum(-1, keepdim=True).clamp_(min=torch.finfo(lab.dtype).tiny))
-    # The argmax's column in the draft vocabulary (d2t is ascending), exact even where bfloat16
-    # labels tie: the in-set argmax of `lab` could pick another token there.
+    # The argmax's column in d2t (ascending): exact even where bfloat16 labels tie.
     col = torch.searchsorted(d2t, target_top).clamp_(max=d2t.numel() - 1)
     in_set = d2t.index_select(0, col) == target_top
     hard = in_set.unsqueeze(1).to(lab.dtype) * hard_weight  # [rows, 1]
@@ -131,27 +108,18 @@ def reduced_vocab_labels(
 
 
 def _token_loss(
-    logits: torch.Tensor,
-    lab: torch.Tensor,
-    hard_weight: float,
-    d2t: torch.Tensor | None,
-    target_top: torch.Tensor | None,
+    logits: torch.Tensor, lab: torch.Tensor, hard_weight: float, d2t: torch.Tensor | None, top: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cross-entropy, top-1 agreement with the target) of logits [rows, width] against the
     target's probabilities lab [rows, width] (overwritten)."""
     if d2t is not None:
-        mixed, _ = reduced_vocab_labels(lab, target_top, d2t, hard_weight)
-        agree = d2t.index_select(0, logits.detach().argmax(-1)) == target_top
+        mixed, _ = reduced_vocab_labels(lab, top, d2t, hard_weight)
+        agree = d2t.index_select(0, logits.detach().argmax(-1)) == top
         return F.cross_entropy(logits, mixed), agree.float().mean()
-    # Soft labels match the target's whole distribution (what sampling verification accepts
-    # against); the hard argmax term sharpens top-1 agreement, which greedy verification needs
-    # and which soft labels teach slowly where the target is unsure. Both in one soft-target
-    # cross-entropy: (1 - w) * soft CE + w * hard CE == CE against (1 - w) * probs + w * onehot,
-    # which keeps one [rows, vocab] activation for backward instead of several (P-EAGLE's 6
-    # blocks x 4096 rows x 151936 entries add up on the GPU).
-    top = lab.argmax(-1, keepdim=True)
-    mixed = lab.mul_(1 - hard_weight).scatter_add_(1, top, torch.full_like(top, hard_weight, dtype=lab.dtype))
-    return F.cross_entropy(logits, mixed), (logits.detach().argmax(-1) == top.squeeze(1)).float().mean()
+    # (1 - w) * soft CE + w * hard CE == CE against (1 - w) * probs + w * onehot: one [rows, vocab] activation.
+    best = lab.argmax(-1, keepdim=True)
+    mixed = lab.mul_(1 - hard_weight).scatter_add_(1, best, torch.full_like(best, hard_weight, dtype=lab.dtype))
+    return F.cross_entropy(logits, mixed), (logits.detach().argmax(-1) == best.squeeze(1)).float().mean()
 
 
 def head_loss(
@@ -168,10 +136,8 @@ def head_loss(
     hard_weight: float = 0.5,
     target_top: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Returns (loss, per-block top-1 agreement with the target: 0-d tensors on ids' device, one per
-    block that has rows), with no device sync. Shapes as `target_batch`; lengths and loss_start (the
-    first row of each sequence in the loss; row t predicts token t + 2) are host lists. A head with a
-    reduced vocabulary (head.d2t) takes probs [B, L, N] (target_batch's columns d2t) and target_top."""
+    """Returns (loss, per-block top-1 agreement with the target: 0-d tensors on ids' device, one per block that has
+    rows), with no device sync."""
     B, L = ids.shape
     R = L - 1
     d2t = head.d2t
@@ -193,13 +159,8 @@ def head_loss(
         if rows.numel() == 0:  # sequences too short for this depth (a host-known size: no sync)
             continue
         logits = F.linear(normed.index_select(0, rows), lm_weight).float()
-        ce, acc = _token_loss(
-            logits,
-            labels.index_select(0, label_rows).float(),
-            hard_weight,
-            d2t,
-            None if tops is None else tops.index_select(0, label_rows),
-        )
+        lab = labels.index_select(0, label_rows).float()
+        ce, acc = _token_loss(logits, lab, hard_weight, d2t, None if tops is None else tops.index_select(0, label_rows))
         block_loss = ce
         if head.norm is None:  # EAGLE-1: regress the target's next hidden state as well
             goal = last_hidden.reshape(B * L, -1).index_select(0, label_rows).float()

@@ -1,14 +1,5 @@
-"""The frozen target's side of `specserve train-draft` (loop.py): its features and next-token
-distributions for a training batch.
-
-Each training step runs the target once over a padded batch of whole sequences: a plain causal
-forward of the engine's own model (no KV cache; _DenseCausal is its attention backend) gives the
-head's features (EAGLE-3: the aux layers' inputs; EAGLE-1: the last hidden state), the final
-hidden state and the target's softmax (TargetBatch). With a reduced draft vocabulary d2t, only the
-softmax's columns d2t are kept (the softmax still runs over the whole vocabulary, which their
-normalization needs, a chunk of rows at a time) together with the target's argmax over the whole
-vocabulary; loss.py turns them into the head's labels.
-"""
+"""The frozen target's side of `specserve train-draft` (loop.py): its features and next-token distributions for a
+training batch."""
 
 from __future__ import annotations
 
@@ -55,10 +46,7 @@ def _dense_layout(seqs: list[list[int]], device: torch.device) -> _DenseLayout:
 
 
 class _DenseCausal:
-    """Attention backend for training batches: plain causal attention over whole sequences, no KV
-    cache. The flat tokens go into a right-padded [B, heads, L, D] layout for one attention call per
-    layer: every sequence starts at position 0 and attention is causal, so no valid row ever sees a
-    padded key (padded rows compute garbage that is dropped)."""
+    """Attention backend for training batches: plain causal attention over whole sequences, no KV cache."""
 
     name = "dense_causal"
 
@@ -137,13 +125,12 @@ _LABEL_CHUNK_BYTES = 1 << 29
 
 
 def _reduced_labels(model, hidden: torch.Tensor, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [T, hidden] -> (target probabilities of the tokens d2t [T, N], normalized over the
-    whole vocabulary; target argmax [T] int64), a chunk of rows at a time: only [chunk, vocab] float32
-    logits exist at once instead of [T, vocab] logits + probs (~5 GB each for 8192 x 151936)."""
+    """hidden [T, hidden] -> (target probabilities of the tokens d2t [T, N], normalized over the whole vocabulary;
+    target argmax [T] int64), a chunk of rows at a time: only [chunk, vocab] float32 logits exist at once instead of
+    [T, vocab] logits + probs (~5 GB each for 8192 x 151936)."""
     chunk = max(1, _LABEL_CHUNK_BYTES // (4 * model.arch.vocab_size))
     probs, top = [], []
-    # Equal chunks: a remainder of 1-4 rows would run the LM head through the GEMV kernel, which
-    # compiles a variant for each new row count, mid-training.
+    # Equal chunks: a tiny remainder would compile a GEMV variant mid-training.
     for h in hidden.tensor_split(max(1, -(-hidden.shape[0] // chunk))):
         logits = model.compute_logits(h)  # [chunk, vocab] float32
         top.append(logits.argmax(dim=-1))
@@ -157,9 +144,9 @@ def _reduced_labels(model, hidden: torch.Tensor, d2t: torch.Tensor) -> tuple[tor
 def target_batch(
     model, seqs: list[list[int]], aux_layers: tuple[int, ...], device: torch.device, d2t: torch.Tensor | None = None
 ) -> TargetBatch:
-    """The frozen target over a padded batch (TargetBatch). d2t [N] (a reduced draft vocabulary):
-    keep only the probabilities of those tokens (the softmax still runs over the whole vocabulary,
-    which their normalization needs) and the target's argmax."""
+    """The frozen target over a padded batch (TargetBatch). d2t [N] (a reduced draft vocabulary): keep only the
+    probabilities of those tokens (the softmax still runs over the whole vocabulary, which their normalization needs)
+    and the target's argmax."""
     layout = _dense_layout(seqs, device)
     L, B = max(layout.lengths_cpu), len(seqs)
     hidden, aux = _dense_run(model, layout, aux_layers)

@@ -13,6 +13,7 @@ from specserve import LLM, SamplingParams
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.model.arch import ModelArch, rope_cos_sin_cache
+from specserve.speculative.proposers.eagle_graph import PinnedUpload, attention_arrays, attention_metadata
 from specserve.speculative.proposers.eagle_head import (
     EagleHead,
     default_aux_layers,
@@ -21,8 +22,8 @@ from specserve.speculative.proposers.eagle_head import (
     read_head_config,
     save_head,
 )
-from specserve.speculative.proposers.eagle_setup import head_attention_metadata
-from specserve.train.loop import _block_mask, head_block_outputs, train_main
+from specserve.train.loop import train_main
+from specserve.train.loss import _block_mask, head_block_outputs
 
 HF = {
     "model_type": "llama",
@@ -79,7 +80,8 @@ class _Paged:
         self.rows = 0
 
     def __call__(self, embeds, hidden, positions: list[int]):
-        meta = head_attention_metadata([self.rows], [len(positions)], [self.table], self.bs, torch.device("cpu"))
+        arrays = attention_arrays([self.rows], [len(positions)], [self.table], self.bs)
+        meta = attention_metadata(arrays, PinnedUpload(torch.device("cpu"), slots=1).send(arrays), [len(positions)])
 
         def attend(q, k, v):
             return TorchRefBackend().forward(q, k, v, self.cache, self.fmt, meta, self.scale)

@@ -16,13 +16,8 @@ from specserve.model.llama import CausalLM
 from specserve.speculative.proposers.eagle_head import EagleHead, head_config_for
 from specserve.train import loop as train
 from specserve.train import target as train_target
-from specserve.train.loop import (
-    _block_mask,
-    dense_forward,
-    head_block_outputs,
-    head_loss,
-    loss_rows,
-)
+from specserve.train.loss import _block_mask, head_block_outputs, head_loss, loss_rows, reduced_vocab_labels
+from specserve.train.target import dense_forward, target_batch
 
 HF = {
     "model_type": "qwen2",
@@ -144,7 +139,7 @@ def test_batched_dense_forward_equals_per_sequence(monkeypatch, native_gqa):
 def test_target_batch_pads_the_flat_outputs():
     model = _target(1)
     seqs = _seqs([5, 9, 2], seed=3)
-    ids, lens, feats, probs, last, top = train.target_batch(model, seqs, (2,), torch.device("cpu"))
+    ids, lens, feats, probs, last, top = target_batch(model, seqs, (2,), torch.device("cpu"))
     assert top is None  # the target's argmax travels only with a reduced vocabulary
     ref_hidden, ref_aux = _reference_dense_forward(model, seqs, (2,))
     assert ids.shape == (3, 9) and lens.tolist() == [5, 9, 2]
@@ -241,8 +236,8 @@ def test_target_batch_reduced_vocab_keeps_the_d2t_columns(monkeypatch, chunk_row
     model = _target(1)
     seqs = _seqs([5, 9, 2], seed=3)
     d2t = torch.tensor(D2T)
-    full = train.target_batch(model, seqs, (2,), torch.device("cpu"))
-    red = train.target_batch(model, seqs, (2,), torch.device("cpu"), d2t)
+    full = target_batch(model, seqs, (2,), torch.device("cpu"))
+    red = target_batch(model, seqs, (2,), torch.device("cpu"), d2t)
     assert red.probs.shape == (3, 9, len(D2T)) and red.top.shape == (3, 9) and red.top.dtype == torch.int64
     for name in ("ids", "lengths", "feats", "last"):
         torch.testing.assert_close(getattr(red, name), getattr(full, name))
@@ -261,14 +256,14 @@ def test_reduced_vocab_labels_by_hand():
         ]
     )  # argmax 1: in d2t -> mixed with the hard label
     d2t = torch.tensor([1, 2, 3])
-    labels, in_set = train.reduced_vocab_labels(target[:, d2t].clone(), target.argmax(-1), d2t, 0.5)
+    labels, in_set = reduced_vocab_labels(target[:, d2t].clone(), target.argmax(-1), d2t, 0.5)
     assert in_set.tolist() == [False, True]
     torch.testing.assert_close(
         labels, torch.tensor([[0.4, 0.4, 0.2], [0.5 * 0.6 / 0.9 + 0.5, 0.5 * 0.2 / 0.9, 0.5 * 0.1 / 0.9]])
     )
     # Labels that tie in bfloat16 where the target's float32 logits did not: the hard label goes to
     # the target's own argmax (token 2), not to the first of the tied columns.
-    tied, _ = train.reduced_vocab_labels(torch.tensor([[0.4, 0.4, 0.1]]), torch.tensor([2]), d2t, 0.5)
+    tied, _ = reduced_vocab_labels(torch.tensor([[0.4, 0.4, 0.1]]), torch.tensor([2]), d2t, 0.5)
     torch.testing.assert_close(tied, torch.tensor([[0.5 * 0.4 / 0.9, 0.5 * 0.4 / 0.9 + 0.5, 0.5 * 0.1 / 0.9]]))
 
 

@@ -1,10 +1,4 @@
-"""The `Proposer` interface: anything that drafts tokens for the target to verify.
-
-After each step the decoder hands the proposer the requests that just received tokens and what the
-target computed in that step; the proposer sets each request's `spec_token_ids` (and
-`spec_draft_probs` when its drafts were sampled from a distribution rather than chosen
-deterministically). The next step verifies them in one target forward.
-"""
+"""The `Proposer` interface: anything that drafts tokens for the target to verify."""
 
 from __future__ import annotations
 
@@ -67,10 +61,7 @@ class Proposer(ABC):
 
 
 class OwnKVLifecycle:
-    """Request lifecycle of a proposer with its own paged KV (draft model, EAGLE head).
-
-    Expects `self.seqs` (request id -> the proposer's sequence), `self.kv` (its KV manager) and
-    `self.sampler` (its draft sampler, which keeps per-request generators)."""
+    """Request lifecycle of a proposer with its own paged KV (draft model, EAGLE head)."""
 
     def on_request_finished(self, req: Request) -> None:
         self._drop(req)

@@ -1,18 +1,4 @@
-"""Draft-model speculation: a smaller model with the target's tokenizer proposes k tokens.
-
-The draft has its own paged KV cache (its own KVCacheManager + ModelRunner). Per request it tracks
-how many of the request's tokens its cache holds (`_DraftSeq.num_computed_tokens`). Each propose:
-  1. sync: drafts the target rejected are dropped from that count (their KV is overwritten later);
-  2. catch up: one forward over every request's unseen tokens (usually the last draft + the
-     target's bonus/recovered token; the whole prompt the first time), chunked to the step budget;
-  3. k - 1 more forwards of one token per request, each sampling the next draft. These chained
-     steps skip the runner's generic batch building (`_ChainSteps`): positions, slots and sequence
-     lengths advance by one per step from arrays made once per propose, the previous draft goes
-     into the forward on the device, and a CUDA graph replays them when one fits.
-Greedy requests draft the argmax (one-hot drafts); random requests sample from the draft's own
-distribution processed with the request's sampling params and keep it in `spec_draft_probs`, so
-the rejection sampler stays lossless.
-"""
+"""Draft-model speculation: a smaller model with the target's tokenizer proposes k tokens."""
 
 from __future__ import annotations
 
@@ -37,8 +23,7 @@ from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.speculative.proposers.base import OwnKVLifecycle, ProposeInput, Proposer
 from specserve.speculative.proposers.draft_tokens import DraftDelivery, DraftTokens, assign_resolved
 
-# Memory kept free on the GPU beside the draft's KV pool: its activations (catch-up forwards,
-# logits rows) and allocator slack.
+# GPU memory kept free beside the draft's KV pool (activations, allocator slack).
 _GPU_RESERVE_BYTES = 2 << 30
 _VOCAB_SAMPLE = 256
 
@@ -61,9 +46,9 @@ class _DraftSeq:
 def draft_kv_blocks(
     target_num_blocks: int, bytes_per_block: int, device: torch.device, what: str, reserve_bytes: int = 0
 ) -> int:
-    """Blocks for a drafter's KV pool: as many tokens as the target's pool (so the drafter does not
-    run out first), capped on CUDA by what is left after the target took its share and
-    `reserve_bytes` more (what the drafter allocates after its pool, e.g. its CUDA graphs)."""
+    """Blocks for a drafter's KV pool: as many tokens as the target's pool (so the drafter does not run out first),
+    capped on CUDA by what is left after the target took its share and `reserve_bytes` more (what the drafter
+    allocates after its pool, e.g. its CUDA graphs)."""
     blocks = target_num_blocks + 4
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -74,31 +59,11 @@ def draft_kv_blocks(
     return blocks
 
 
-# After verification the catch-up feeds one token per request (the target's own, after a rejection)
-# or two (the last draft, accepted, and the bonus token): graphs for both at every batch size. Longer
-# catch-ups (after steps without drafts, or a new prompt) replay catch-up and mixed graphs
-# (runner/cuda_graph.py CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS): eager draft forwards are host-bound.
+# After verification the catch-up feeds one or two tokens per request: graphs for both.
 _VERIFY_QUERY_LENS = (1, 2)
-# A catch-up's forwards take up to this many tokens (or the scheduler's budget, if larger): starting
-# to draft at high load feeds the draft every running request's context, and fewer, larger forwards
-# pay the per-forward launch cost fewer times. Their activations fit in _GPU_RESERVE_BYTES.
+# Tokens per catch-up forward (at least): fewer, larger forwards when drafting starts under load.
 CATCH_UP_BATCHED_TOKENS = 8192
 _GRAPH_PIECES = 4  # a catch-up of up to this many longest-graph lengths replays the graph per piece (below)
-
-
-def _graph_bytes(max_num_seqs: int, vocab_size: int, hidden_size: int, max_model_len: int) -> int:
-    """What the draft's catch-up graphs keep allocated (their float32 logits and hidden outputs)."""
-    return graph_output_bytes(
-        max_num_seqs,
-        _VERIFY_QUERY_LENS,
-        (),
-        vocab_size,
-        hidden_size,
-        4,
-        CATCH_UP_QUERY_LENS,
-        MIXED_TOKEN_LENS,
-        max_model_len,
-    )
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -110,10 +75,7 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class DraftSampler:
-    """Draft logits -> draft tokens. Greedy requests: argmax of the raw logits (one-hot drafts, probs
-    None). Random requests: a sample from compute_target_probs (the request's temperature, top-k/p,
-    min-p, penalties) with a generator of the proposer's own (seeded from the request's seed), so
-    the request's own random stream, which verification uses, is never consumed by drafting."""
+    """Draft logits -> draft tokens."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size, self.device = vocab_size, device
@@ -148,7 +110,7 @@ class DraftSampler:
 
     def sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits [len(rows), vocab] -> (tokens [len(rows)] int64 on the device, draft_probs
-        [len(rows), vocab] or None if these rows are all greedy). No host sync (speculative/proposers/draft_tokens.py)."""
+        [len(rows), vocab] or None if these rows are all greedy). No host sync."""
         if logits.shape[1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]
         if self._meta is None or all(self._greedy[r] for r in rows):
@@ -166,11 +128,6 @@ class DraftSampler:
 
     def is_greedy(self, row: int) -> bool:
         return self._greedy[row]
-
-    @property
-    def all_greedy(self) -> bool:
-        """Every row of the propose (begin) is greedy."""
-        return all(self._greedy)
 
 
 def assign_drafts(
@@ -207,30 +164,19 @@ def check_same_vocabulary(target: LoadedModel, draft_name: str, draft_vocab_size
 
 def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
     """Vocab size is checked from the config before any weight is read; token strings after."""
-    from specserve.model.loader import (
-        WeightSource,  # config and identity without the weights
-    )
+    from specserve.model.loader import WeightSource
 
     target: LoadedModel = parts.loaded
     dtype = target.model.embed_tokens.weight.dtype
-    # A target with random weights of a named shape (load_format="dummy", speed and smoke tests)
-    # gets a draft of random weights too: shape names have no files to load.
+    # A dummy-weights target gets a dummy draft: shape names have no files to load.
     load_format = "dummy" if target.identity.startswith("dummy:") else "auto"
     source = WeightSource.open(ModelConfig(model=cfg.model, load_format=load_format))
     check_same_vocabulary(target, cfg.model, int(source.hf_config["vocab_size"]), None)
-    max_len = min(
-        target.max_model_len,
-        int(source.hf_config.get("max_position_embeddings", 4096)),
-        cfg.max_model_len or target.max_model_len,
-    )
+    window = min(target.max_model_len, cfg.max_model_len or target.max_model_len)
+    max_len = min(window, int(source.hf_config.get("max_position_embeddings", 4096)))
     dtype_name = str(dtype).removeprefix("torch.")
-    loaded = load_model(
-        ModelConfig(model=cfg.model, dtype=dtype_name, max_model_len=max_len, load_format=load_format),
-        parts.device,
-        dtype,
-        parts.ops,
-        progress=False,
-    )
+    mcfg = ModelConfig(model=cfg.model, dtype=dtype_name, max_model_len=max_len, load_format=load_format)
+    loaded = load_model(mcfg, parts.device, dtype, parts.ops, progress=False)
     check_same_vocabulary(target, cfg.model, loaded.arch.vocab_size, loaded.tokenizer)
     return loaded
 
@@ -244,11 +190,11 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         arch, tspec = self.loaded.arch, parts.runner.spec
         spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, tspec.block_size, tspec.fmt)
         graphs = parts.runner.graphs is not None
-        reserve = (
-            _graph_bytes(parts.scheduler.max_num_seqs, arch.vocab_size, arch.hidden_size, self.loaded.max_model_len)
-            if graphs
-            else 0
-        )
+        lens = (_VERIFY_QUERY_LENS, (), CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS)  # verify, prefill, catch-up, mixed
+        max_seqs, max_len = parts.scheduler.max_num_seqs, self.loaded.max_model_len
+        # the catch-up graphs' float32 logits and hidden outputs, allocated after the KV pool
+        vocab, hidden = arch.vocab_size, arch.hidden_size
+        reserve = graph_output_bytes(max_seqs, *lens[:2], vocab, hidden, 4, *lens[2:], max_len) if graphs else 0
         num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "draft model", reserve)
         self.runner = ModelRunner(self.loaded, spec, num_blocks, self.device, parts.runner.backend)
         self.kv = KVCacheManager(num_blocks, tspec.block_size, enable_prefix_caching=False)
@@ -256,16 +202,8 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         self.max_batched = max(parts.scheduler.max_num_batched_tokens, CATCH_UP_BATCHED_TOKENS)
         self.sampler = DraftSampler(arch.vocab_size, self.device)
         self.seqs: dict[str, _DraftSeq] = {}
-        # A step mixing one- and two-token catch-ups pads per sequence (runner/cuda_graph.py graph_for).
         if graphs:
-            self.runner.capture_graphs(
-                parts.scheduler.max_num_seqs,
-                self.max_len,
-                _VERIFY_QUERY_LENS,
-                (),
-                CATCH_UP_QUERY_LENS,
-                MIXED_TOKEN_LENS,
-            )
+            self.runner.capture_graphs(max_seqs, self.max_len, *lens)
         self.chain = _ChainSteps(self.runner, self.kv)
         self._catch_up_tokens = 0
 
@@ -286,8 +224,7 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         self.sampler.begin(reqs)
         self._catch_up_tokens = sum(s.num_tokens - s.num_computed_tokens for s in seqs)
         logits = self._catch_up(seqs)  # [len(reqs), vocab]
-        # Drafts stay on the device: each forward reads the previous draft there, and the host
-        # reads all drafts once (draft_tokens.py).
+        # Drafts stay on the device; the host reads them once.
         dt = DraftTokens()
         rows = list(range(len(reqs)))
         dt.add(rows, *self.sampler.sample(logits, rows))
@@ -317,19 +254,15 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         valid = seq.num_real + common_prefix_len(fed, tokens[seq.num_real :])
         # At least the last token is fed again: its logits are where the first draft comes from.
         seq.num_computed_tokens = min(seq.num_computed_tokens, valid, len(tokens) - 1)
-        # The first num_real ids are the request's own (its tokens only grow): swap the fed drafts for
-        # the new real tokens instead of copying the whole context every step.
+        # Swap the fed drafts for the new real tokens (real tokens only grow).
         del seq.all_token_ids[seq.num_real :]
         seq.all_token_ids.extend(tokens[seq.num_real :])
         seq.num_real = len(tokens)
         return seq
 
     def catch_up_cap(self, unseen: list[int]) -> int | None:
-        """The most tokens one sequence feeds per catch-up forward, for sequences with `unseen` tokens
-        each (None: no cap). A catch-up of sequences that fit the catch-up graphs, one longer than the
-        longest of them but at most _GRAPH_PIECES such lengths (a new request's prompt, say), goes in
-        pieces of that length, each a graph replay instead of one host-bound eager forward.
-        A catch-up that a mixed graph holds whole (runner/cuda_graph.py MIXED_TOKEN_LENS) is not cut."""
+        """The most tokens one sequence feeds per catch-up forward, for sequences with `unseen` tokens each (None: no
+        cap)."""
         graphs = self.runner.graphs
         lens = (graphs.catch_up_query_lens or graphs.prefill_query_lens) if graphs is not None else ()
         if not lens or not unseen or len(unseen) > graphs.sizes_by_q[max(lens)][-1]:
@@ -341,9 +274,9 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         return piece if piece < max(unseen) <= _GRAPH_PIECES * piece else None
 
     def _catch_up(self, seqs: list[_DraftSeq]) -> torch.Tensor:
-        """Feed every seq's unseen tokens, in forwards of at most max_batched tokens (and catch_up_cap()
-        per sequence); returns the logits of each seq's last token, [len(seqs), vocab], valid until the
-        draft's next forward (they may be a CUDA graph's output)."""
+        """Feed every seq's unseen tokens, in forwards of at most max_batched tokens (and catch_up_cap() per
+        sequence); returns the logits of each seq's last token, [len(seqs), vocab], valid until the draft's next
+        forward (they may be a CUDA graph's output)."""
         rows: list[torch.Tensor | None] = [None] * len(seqs)
         pending = list(range(len(seqs)))
         cap = self.catch_up_cap([s.num_tokens - s.num_computed_tokens for s in seqs]) or self.max_batched
@@ -385,14 +318,10 @@ def _uniform_layout(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[in
 
 
 class _ChainSteps:
-    """The draft's single-token forwards of a propose after the catch-up (step s = 1..k-1 feeds the
-    draft of step s - 1), without the runner's generic per-request batch building: the block
-    tables are made once per propose, a step's positions are the catch-up's end + s - 1, and its
-    slots and sequence lengths follow from them in a few numpy operations. The fed token is the
-    previous step's draft, on the device: a CUDA graph takes it as its input fill, an eager
-    forward as its input ids (no placeholder fill, no index copy).
-
-    Same inputs as ModelRunner.execute would build (tests/unit/test_draft_chain.py checks it)."""
+    """The draft's single-token forwards of a propose after the catch-up (step s = 1..k-1 feeds the draft of step s -
+    1), without the runner's generic per-request batch building: the block tables are made once per propose, a step's
+    positions are the catch-up's end + s - 1, and its slots and sequence lengths follow from them in a few numpy
+    operations."""
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager) -> None:
         self.runner, self.kv = runner, kv

@@ -1,11 +1,4 @@
-"""Draft tokens kept on the device while a proposer drafts, read back to the host once.
-
-A proposer that drafts k tokens autoregressively feeds each draft into its next forward. Reading
-every draft back (`.tolist()`) would make the host wait for each forward: at batch 1 the GPU then
-idles between the small draft forwards. Instead each step's sampled tokens stay a device tensor,
-the next forward takes its inputs from it (an embedding lookup, or the runner's placeholder fill),
-and all drafts cross to the host in one copy at the end.
-"""
+"""Draft tokens kept on the device while a proposer drafts, read back to the host once."""
 
 from __future__ import annotations
 
@@ -39,9 +32,8 @@ class DraftTokens:
         return [pos[i] for i in active]
 
     def request_major(self, n: int) -> tuple[torch.Tensor, list[int], list[list[torch.Tensor]]]:
-        """The n requests' drafts request-major: (flat [sum(counts)] int64 on the device, request i's
-        drafts in consecutive rows; counts per request; per request its drafts' distributions (device
-        rows; empty if greedy)). The steps are step-major, requests dropping out as they reach their k."""
+        """The n requests' drafts request-major: (flat [sum(counts)] int64 on the device, request i's drafts in
+        consecutive rows; counts per request; per request its drafts' distributions (device rows; empty if greedy))."""
         per_req: list[list[int]] = [[] for _ in range(n)]  # request i's rows of the step-major flat
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
         at = 0
@@ -58,20 +50,12 @@ class DraftTokens:
         return flat, [len(rows) for rows in per_req], probs
 
 
-# finish(drafts, probs): per request of the proposal, its draft ids (host ints) and their
-# distributions (device rows; empty if greedy); called once the ids are on the host.
+# finish(drafts, probs): per request, its draft ids (host) and distributions (device rows; empty if greedy).
 Finish = Callable[[list[list[int]], list[list[torch.Tensor]]], None]
 
 
 class DeferredDrafts:
-    """A proposal's drafts left on the device for the step that verifies them.
-
-    Reading the drafts back at the end of a propose made the host wait for the proposer's last
-    forward before it could schedule and build the verify step, so the GPU idled through that host
-    work. Instead each request holds PLACEHOLDER drafts (how many is known), the engine schedules
-    and launches the verify step at once, the runner fills the placeholders' input ids from
-    `pending` on the device (runner/batch.py pending_fill), and `resolve()` brings the ids to the
-    host (for the rejection sampler) while the verify forward runs."""
+    """A proposal's drafts left on the device for the step that verifies them."""
 
     def __init__(
         self,
@@ -104,9 +88,9 @@ class DeferredDrafts:
 
 
 class DraftDelivery:
-    """How a proposer that drafts on the device hands its drafts over: read back now, or left on the
-    device as DeferredDrafts that the decoder takes (`take_deferred`) where the runner allows it
-    (`allow_deferred`) and the proposer defers by default."""
+    """How a proposer that drafts on the device hands its drafts over: read back now, or left on the device as
+    DeferredDrafts that the decoder takes (`take_deferred`) where the runner allows it (`allow_deferred`) and the
+    proposer defers by default."""
 
     defer_drafts: bool = False
     defers_by_default: bool = True
@@ -151,9 +135,8 @@ class DraftDelivery:
 def assign_resolved(
     reqs: list[Request], drafts: list[list[int]], probs: list[list[torch.Tensor]], greedy: list[bool]
 ) -> None:
-    """Replace each request's placeholder drafts (DraftDelivery.deliver) by the drafted ids, and set
-    spec_draft_probs ([k, vocab]; None = one-hot drafts). A request keeps as many drafts as it still
-    holds placeholders: the scheduler may have cut them, and one preempted since holds none."""
+    """Replace each request's placeholder drafts (DraftDelivery.deliver) by the drafted ids, and set spec_draft_probs
+    ([k, vocab]; None = one-hot drafts)."""
     for req, tokens, rows, g in zip(reqs, drafts, probs, greedy):
         held = len(req.spec_token_ids)
         if not held or req.spec_token_ids[0] != PLACEHOLDER:

@@ -1,28 +1,8 @@
 """EAGLE / EAGLE-3 proposer, autoregressive or P-EAGLE parallel drafting.
 
-After each target step the head first appends one "real" row per position whose target feature
-that step computed and verification kept (input: the next token's embedding + the target
-feature), then drafts: autoregressively (k - 1 more forwards of one row per request, feeding the
-head's own output back) or, with `parallel_drafting`, in the same forward through k - 1 P-EAGLE
-mask rows placed after the last real position. When the target runs CUDA graphs, so does the head:
-the first forward of a propose (eagle_first.py; proposes right after a prompt, with more rows,
-run it eagerly) and each autoregressive draft step (eagle_graph.py) are one replay each over
-static buffers, whose inputs travel in one pinned copy; the host reads the drafts back once.
-
-KV: the head's one layer keeps a small paged cache of its own (KVCacheManager + the target's
-attention backend), not a dense per-request tensor: requests of different lengths then batch into
-one varlen forward with no padding, the GPU path reuses the Triton paged kernels, and blocks come
-and go with requests like the target's. A request's head sequence is compact: only real rows the
-head has seen, at their true RoPE positions. Positions whose features it never saw (a prefix-cache
-hit) are simply absent from its context: drafts get a little worse, verification keeps the output
-exact. A prefill chunk that does not sample (a graph-sized piece of a short prompt, a chunk of a long
-one) is absorbed: its rows enter the head's KV in that step (`absorb`), without drafts. Draft rows sit after the
-real rows and are overwritten by the next propose, because their KV came from the head's own
-hidden states, never from the target's.
-
-A head with a reduced draft vocabulary (eagle_head.py) computes logits over its d2t tokens only;
-DraftVocabSampler turns them into target token ids and, for sampled drafts, into the full-vocabulary
-draft distribution the rejection sampler takes (zero outside d2t).
+The head keeps its own paged KV. A request's head sequence is compact: only the real rows it has seen (target
+features verification kept), at their true RoPE positions; draft or mask rows sit after them and are overwritten by
+the next propose. Positions it never saw (a prefix-cache hit) are absent: drafts get worse, output stays exact.
 """
 
 from __future__ import annotations
@@ -48,6 +28,7 @@ from specserve.speculative.proposers.eagle_graph import (
     PinnedUpload,
     attention_arrays,
     attention_metadata,
+    paged_attend,
 )
 from specserve.speculative.proposers.eagle_head import EagleHead, load_head, target_lm_weight
 from specserve.speculative.proposers.eagle_setup import graph_logits_bytes, recapture_with_aux, step_batch_sizes
@@ -77,16 +58,9 @@ class _Plan:
 
 
 class DraftVocabSampler(DraftSampler):
-    """DraftSampler for a head with a reduced draft vocabulary: logits [rows, draft_vocab], column j
-    = target token d2t[j]. Greedy rows draft d2t[argmax]. Random rows: the logits are placed into
-    full-vocabulary logits at d2t, -inf elsewhere, and sampled by DraftSampler, so the request's
-    penalties, temperature, min-p, top-k and top-p apply per target token id exactly as for a full
-    head (over the draft vocabulary: -inf stays -inf through each stage, each keeps the largest
-    logit, and drafting applies no min_tokens mask, so a row never loses every token), and the
-    draft_probs returned are the full-vocabulary q with zeros outside d2t: the form the rejection
-    sampler takes, which keeps verification lossless (a token outside d2t is never drafted, and
-    the residual max(0, target - q) emits it with its full target probability). The [rows, vocab]
-    expansion runs only for random rows; greedy drafts never leave the draft vocabulary's width."""
+    """DraftSampler for a head with a reduced draft vocabulary: logits [rows, draft_vocab], column j = target token
+    d2t[j]. Random rows sample over full-vocabulary logits (-inf outside d2t), so draft_probs are the full q with
+    zeros outside d2t: what the rejection sampler takes, keeping verification lossless."""
 
     def __init__(self, vocab_size: int, device: torch.device, d2t: torch.Tensor) -> None:
         super().__init__(vocab_size, device)
@@ -101,13 +75,8 @@ class DraftVocabSampler(DraftSampler):
 
 class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
     needs_target_hidden = True
-    # The head's forwards over static buffers: the first forward of a propose (FirstForwardGraphs:
-    # the real rows, and P-EAGLE's mask rows) and the autoregressive draft steps after it
-    # (HeadStepGraphs). "auto" (the default) runs them as CUDA graphs when the target runs graphs
-    # (the draft model's condition too), eagerly otherwise; "static" runs the static buffers without
-    # capture on any device (the CPU tests: the GPU's padding and layout); "eager" never uses them.
-    # A class attribute, not a config field: tests and benchmarks set it. tests/gpu/
-    # test_eagle_graph_gpu.py checks the graphs against the static and the eager path on a GPU.
+    # "auto": static buffers (FirstForwardGraphs, HeadStepGraphs) as CUDA graphs when the target runs graphs,
+    # eager otherwise; "static": the buffers without capture (CPU tests); "eager": never. Tests set it.
     step_graphs: str = "auto"
 
     def __init__(self, cfg: SpeculativeConfig, parts) -> None:
@@ -125,20 +94,14 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         if hcfg.method != cfg.method:
             raise ValueError(f"{where} is an {hcfg.method!r} head; speculative_config.method is {cfg.method!r}.")
         if cfg.parallel_drafting and hcfg.num_mask_slots == 0:
-            raise ValueError(
-                f"{where} was not trained for parallel drafting (no mask slots); "
-                "train it with `specserve train-draft --method p-eagle` or drop parallel_drafting."
-            )
+            raise ValueError(f"{where} was not trained for parallel drafting (no mask slots; see --method p-eagle).")
         if cfg.parallel_drafting and cfg.num_speculative_tokens > hcfg.num_mask_slots + 1:
             raise ValueError(
-                f"{where} was trained to draft at most {hcfg.num_mask_slots + 1} tokens in parallel "
-                f"({hcfg.num_mask_slots} mask slots); num_speculative_tokens is "
-                f"{cfg.num_speculative_tokens}."
+                f"{where} drafts at most {hcfg.num_mask_slots + 1} tokens in parallel; "
+                f"num_speculative_tokens is {cfg.num_speculative_tokens}."
             )
         if self.step_graphs not in ("auto", "static", "eager"):
-            raise ValueError(
-                f"EagleProposer.step_graphs must be 'auto', 'static' or 'eager', got {self.step_graphs!r}."
-            )
+            raise ValueError(f"EagleProposer.step_graphs must be auto, static or eager, got {self.step_graphs!r}.")
         self.name = "p-eagle" if cfg.parallel_drafting else cfg.method
         self.parallel = cfg.parallel_drafting
         # P-EAGLE reads its drafts back in propose: deferred, its step measured slower.
@@ -151,47 +114,29 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         graphs = parts.runner.graphs is not None
         static = self.step_graphs == "static" or (self.step_graphs == "auto" and graphs)
         capture = static and graphs and self.step_graphs == "auto" and self.device.type == "cuda"
-        reserve = (
-            graph_logits_bytes(step_batch_sizes(parts), cfg.num_speculative_tokens, self.parallel, hcfg.logits_width)
-            if capture
-            else 0
-        )
+        k = cfg.num_speculative_tokens
+        reserve = graph_logits_bytes(step_batch_sizes(parts), k, self.parallel, hcfg.logits_width) if capture else 0
         num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "EAGLE head", reserve)
         self.kv_caches = spec.allocate(num_blocks, self.device)
         self.fmt = spec.fmt
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.backend = parts.runner.backend
         self.scale = larch.head_dim**-0.5
-        self.sampler = (
-            DraftSampler(arch.vocab_size, self.device)
-            if self.head.d2t is None
-            else DraftVocabSampler(arch.vocab_size, self.device, self.head.d2t)
-        )
+        d2t = self.head.d2t
+        vs = arch.vocab_size
+        self.sampler = DraftSampler(vs, self.device) if d2t is None else DraftVocabSampler(vs, self.device, d2t)
         self.seqs: dict[str, _HeadSeq] = {}
         self.upload = PinnedUpload(self.device)  # every host->device input of a head forward, one copy
         self.steps: HeadStepGraphs | None = None
         self.first: FirstForwardGraphs | None = None
         if static:
-            k = cfg.num_speculative_tokens
             # A head sequence holds at most max_model_len real rows plus k - 1 draft (or mask) rows.
             max_blocks = -(-(parts.loaded.max_model_len + k) // block_size)
-            common = (
-                self.head,
-                self.target,
-                self.kv_caches[0],
-                self.fmt,
-                self.backend,
-                self.scale,
-                step_batch_sizes(parts),
-                max_blocks,
-                block_size,
-                arch.vocab_size,
-                self.upload,
-            )
+            sizes = step_batch_sizes(parts)
             if not self.parallel and k > 1:
-                self.steps = HeadStepGraphs(*common, capture)
+                self.steps = HeadStepGraphs(self, sizes, max_blocks, capture)
             feed = None if self.steps is None else (self.steps.hidden, self.steps.tokens)
-            self.first = FirstForwardGraphs(*common, k, self.parallel, feed, capture)
+            self.first = FirstForwardGraphs(self, sizes, max_blocks, k, self.parallel, feed, capture)
         if self.device.type == "cuda":  # the eager first forwards' kernels compile now, not mid-serving
             from specserve.speculative.proposers.eagle_warmup import warm_eager_head
 
@@ -226,9 +171,9 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
 
     @torch.inference_mode()
     def absorb(self, inp: ProposeInput) -> None:
-        """A prefill chunk that did not sample (a graph-sized piece, or a chunk of a long prompt): its
-        rows enter the head's KV now, with no drafts, so the head's context holds the whole prompt when
-        the chunk that ends it drafts. Without it those positions are absent from the head's context."""
+        """A prefill chunk that did not sample (a graph-sized piece, or a chunk of a long prompt): its rows enter the
+        head's KV now, with no drafts, so the head's context holds the whole prompt when the chunk that ends it
+        drafts."""
         plan = self._plan(inp)  # inp.num_draft_tokens are 1: no draft rows reserved
         if not plan.reqs:
             return
@@ -241,20 +186,9 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         for seq, m in zip(plan.seqs, plan.num_real):
             seq.num_computed_tokens += m
 
-    def _first_inputs(
-        self,
-        plan: _Plan,
-        step,
-        ctx: list[int],
-        q_lens: list[int],
-        tables: list[list[int]],
-        positions: list[int],
-        extra: list[np.ndarray],
-    ):
-        """The eager first forward's inputs: every host array (the real rows' gathers, `positions`,
-        `extra`, the attention metadata) in one copy, then the real rows' token embeddings and fused
-        target features. Returns (embeds [num_real, hidden], hidden [num_real, hidden], positions
-        [rows], metadata, the device copies of `extra`)."""
+    def _first_inputs(self, plan: _Plan, step, ctx: list, q_lens: list, tables: list, positions: list, extra: list):
+        """The eager first forward's inputs: every host array (the real rows' gathers, `positions`, `extra`, the
+        attention metadata) in one copy, then the real rows' token embeddings and fused target features."""
         arrays = attention_arrays(ctx, q_lens, tables, self.kv.block_size)
         host = [np.asarray(v, dtype=np.int64) for v in (plan.feature_rows, plan.next_tokens, positions)]
         dev = self.upload.send(host + extra + arrays)
@@ -306,16 +240,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             seq.next_pos = hi
         return plan
 
-    def _draft_autoregressive(
-        self,
-        plan: _Plan,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        pos: torch.Tensor,
-        meta: AttentionMetadata,
-        last: torch.Tensor,
-        tables: list[list[int]],
-    ):
+    def _draft_autoregressive(self, plan: _Plan, embeds, hidden, pos, meta: AttentionMetadata, last, tables: list):
         """Step 0 over the real rows (last [n]: each request's last real row), then k - 1 steps of
         one row per request, feeding the head's own output back."""
         n = len(plan.reqs)
@@ -363,20 +288,11 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
                 raise RuntimeError("HeadStepGraphs refused a batch that FirstForwardGraphs took")
         return dt
 
-    def _eager_steps(
-        self,
-        dt: DraftTokens,
-        ks: list[int],
-        ctx: list[int],
-        last_pos: list[int],
-        tables: list[list[int]],
-        prev_out: torch.Tensor,
-    ) -> None:
+    def _eager_steps(self, dt: DraftTokens, ks: list, ctx: list, last_pos: list, tables: list, prev_out) -> None:
         """Draft steps 1..max(ks) - 1 without static buffers, over the requests still drafting.
         prev_out [n, hidden]: each request's last head output row."""
         for step in range(1, max(ks)):
-            # Draft row `step` of a request: its previous draft's embedding + the head's own output
-            # of the row before, after the real rows (compact index ctx + step - 1).
+            # Row `step`: the previous draft's embedding + the head's output of the row before.
             active = [i for i, k in enumerate(ks) if k > step]
             arrays = attention_arrays(
                 [ctx[i] + step - 1 for i in active], [1] * len(active), [tables[i] for i in active], self.kv.block_size
@@ -396,9 +312,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             dt.add(active, *self.sampler.sample(self._logits(normed), active))
 
     def _parallel_layout(self, plan: _Plan) -> tuple[list[int], list[int], list[int], np.ndarray]:
-        """Rows of the P-EAGLE forward: each request's real rows, then k - 1 mask rows at the next
-        positions. Returns positions, q_lens, pick (last real row + mask rows of each request) and
-        src: each row's input in cat([real rows, one mask row]) (index num_real = the mask row)."""
+        """Rows of the P-EAGLE forward: each request's real rows, then k - 1 mask rows at the next positions."""
         positions, q_lens, pick, src = [], [], [], []
         start = row = 0
         num_real = len(plan.positions)
@@ -414,16 +328,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             row += m + extra
         return positions, q_lens, pick, np.asarray(src, dtype=np.int64)
 
-    def _draft_parallel(
-        self,
-        plan: _Plan,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        src: torch.Tensor,
-        pos: torch.Tensor,
-        meta: AttentionMetadata,
-        pick: torch.Tensor,
-    ):
+    def _draft_parallel(self, plan: _Plan, embeds, hidden, src, pos, meta: AttentionMetadata, pick):
         """One forward: each request's real rows, then k - 1 mask rows at the next positions."""
         n = len(plan.reqs)
         me, mh = self.head.mask_inputs(1)
@@ -444,10 +349,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Head rows [meta.num_tokens, hidden] through the head's paged KV -> (out, normed)."""
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return self.backend.forward(q, k, v, self.kv_caches[0], self.fmt, meta, self.scale)
-
+        attend = paged_attend(self.backend, self.kv_caches[0], self.fmt, meta, self.scale)
         return self.head(embeds, hidden, positions, self.target.cos_sin_cache, attend)
 
 

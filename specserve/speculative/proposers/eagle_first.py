@@ -1,102 +1,49 @@
-"""The head's first forward of a propose over static buffers, as one CUDA graph per batch size.
-
-A propose's first head forward reads the rows whose target features the step computed (the real
-rows; with P-EAGLE then k - 1 mask rows per request). Run eagerly it is ~80 small torch ops plus
-its inputs' copies, views and metadata: at batch 1 the GPU idles while the host launches them
-(the head's GPU time is ~0.1-0.2 ms, its host time several ms). Here, per padded batch size bs:
-
-* static inputs, sent in one pinned non-blocking copy per propose: per row its feature row in the
-  step's flat batch, next token, position, KV slot and mask flag; per pick (each request's last
-  real row, and with P-EAGLE its mask rows) the row to read; the picks in request order; per
-  sequence cu_query_lens, seq_lens and block tables (last: only the requests' rows are copied);
-* the target features: the step's aux-layer rows (EAGLE-1: final hidden states) are gathered by
-  one index_select per layer, outside the graph (they live in the target's eager or graphed
-  outputs), into a static [layers, rows, hidden] buffer;
-* outputs: the picks' head outputs [bs * picks, hidden], logits [bs * picks, vocab] and argmax
-  (a reduced draft vocabulary: logits [bs * picks, draft_vocab], argmax mapped through d2t to
-  target ids; the gathered LM-head rows and d2t are static tensors, so capture is unchanged).
-  Autoregressive drafting also writes the outputs and argmax into HeadStepGraphs' inputs, so its
-  first draft step replays with nothing launched in between (eagle_graph.py).
-
-Request i takes rows_per_req rows' worth of room: its real rows, its mask rows, packed after the
-previous request's; the rows past the last request's belong to no sequence (slot -1: no K/V is
-stored; the attention kernels leave their output rows unwritten) and are never picked. Request i's
-picks sit at rows i * picks_per_req .. + k_i; padding picks read row 0. A propose whose requests
-need more rows (a prefill) or more requests than the largest size runs eagerly (eagle.py).
-
-Without capture the same buffers run the same forward eagerly: the CPU tests check the padding,
-the layout and the metadata this way against the eager head.
-"""
+"""The head's first forward of a propose over static buffers, as one CUDA graph per batch size."""
 
 from __future__ import annotations
 
 import bisect
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from specserve.attention.base import AttentionBackend, AttentionMetadata
-from specserve.kv.spec import KVFormat, LayerKVCache
-from specserve.speculative.proposers.eagle_graph import PAD_SLOT, PinnedUpload, align8, capture_per_batch_size, replay
-from specserve.speculative.proposers.eagle_head import EagleHead
+from specserve.speculative.proposers.eagle_graph import PAD_SLOT, StaticForward
 
-# Each graph keeps its logits [bs * picks, vocab] (float32) alive: sizes above this many picks run
-# eagerly (there the host's launches are spread over many requests anyway).
+# Sizes above this many picks run eagerly (each graph keeps its float32 logits [bs * picks, vocab]).
 MAX_GRAPH_PICKS = 128
 _I64_ROWS, _I64_PICKS = 5, 2  # int64 fields per row (rows, tokens, positions, slots, mask), per pick
 
 
-class FirstForwardGraphs:
+class FirstForwardGraphs(StaticForward):
     """Static buffers, and on CUDA graphs, for the head's first forward of a propose."""
 
     def __init__(
         self,
-        head: EagleHead,
-        target: torch.nn.Module,
-        kv_cache: LayerKVCache,
-        fmt: KVFormat,
-        backend: AttentionBackend,
-        scale: float,
+        proposer,
         batch_sizes: Sequence[int],
         max_blocks: int,
-        block_size: int,
-        vocab_size: int,
-        upload: PinnedUpload,
         k: int,
         parallel: bool,
         feed: tuple[torch.Tensor, torch.Tensor] | None,
         capture: bool,
     ) -> None:
-        """k: the most drafts a request asks for. parallel: P-EAGLE (k picks per request: the last
-        real row and k - 1 mask rows) or autoregressive (one pick: the last real row). feed:
-        HeadStepGraphs' (hidden, tokens) inputs, written with the picks' outputs and argmax."""
-        self.head, self.target, self.kv_cache, self.fmt, self.backend = head, target, kv_cache, fmt, backend
-        self.scale, self.vocab_size, self.upload, self.parallel, self.feed = scale, vocab_size, upload, parallel, feed
+        """k: the most drafts a request asks for. parallel: P-EAGLE (k picks per request: the last real row and
+        k - 1 mask rows) or autoregressive (one pick). feed: HeadStepGraphs' (hidden, tokens), written with the
+        picks' outputs and argmax."""
+        picks_per_req = k if parallel else 1
+        sizes = [b for b in batch_sizes if b * picks_per_req <= MAX_GRAPH_PICKS] or [1]
+        super().__init__(proposer, sizes, max_blocks)
+        self.parallel, self.feed, self.picks_per_req = parallel, feed, picks_per_req
         # After verifying k drafts a request has at most k + 1 new real rows, then k - 1 mask rows.
         self.rows_per_req = 2 * k if parallel else k + 1
-        self.picks_per_req = k if parallel else 1
-        self.batch_sizes = sorted(b for b in batch_sizes if b * self.picks_per_req <= MAX_GRAPH_PICKS) or [1]
-        self.max_blocks, self.block_size = max_blocks, block_size
-        device = self.device = kv_cache.key.device
+        device, head, target = self.device, self.head, self.target
         max_bs = self.batch_sizes[-1]
         self._rows, self._picks = max_bs * self.rows_per_req, max_bs * self.picks_per_req
-        # One device buffer laid out like the pinned slot: int64 [5, rows] and [2, picks]; int32
-        # cu_query_lens [max_bs + 1] and seq_lens [max_bs]; int32 block tables [max_bs, max_blocks] last.
-        i64 = 8 * (_I64_ROWS * self._rows + _I64_PICKS * self._picks)
-        self._i64, self._i32 = i64, 4 * (2 * max_bs + 1)
-        self._fields = align8(i64 + self._i32)
-        self._buf = torch.zeros(self._fields + max_bs * max_blocks * 4, dtype=torch.uint8, device=device)
-        ints = self._buf[:i64].view(torch.int64)
-        self.rows, self.tokens, self.positions, self.slot_mapping, self.mask = ints[: _I64_ROWS * self._rows].view(
-            _I64_ROWS, self._rows
-        )
+        ints = self._alloc(_I64_ROWS * self._rows + _I64_PICKS * self._picks)
+        fields = ints[: _I64_ROWS * self._rows].view(_I64_ROWS, self._rows)
+        self.rows, self.tokens, self.positions, self.slot_mapping, self.mask = fields
         self.pick, self.sel = ints[_I64_ROWS * self._rows :].view(_I64_PICKS, self._picks)
-        self.cu_query_lens, self.seq_lens = (
-            self._buf[i64 : i64 + self._i32].view(torch.int32).split([max_bs + 1, max_bs])
-        )
-        self.block_tables = self._buf[self._fields :].view(torch.int32).view(max_bs, max_blocks)
         dtype = target.embed_tokens.weight.dtype
         num_layers = max(1, len(head.cfg.aux_hidden_layers))
         self.feats = torch.zeros(num_layers, self._rows, head.cfg.hidden_size, dtype=dtype, device=device)
@@ -105,10 +52,6 @@ class FirstForwardGraphs:
             bs: (self.rows[: bs * self.rows_per_req], self.feats[:, : bs * self.rows_per_req].unbind(0))
             for bs in self.batch_sizes
         }
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # (out, logits, argmax)
-        self.runs: Counter[int] = Counter()  # forwards run per padded batch size
-        self._pool = None
         if capture:
             self.capture()
 
@@ -128,20 +71,7 @@ class FirstForwardGraphs:
     # -- forward -----------------------------------------------------------------------------
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows, picks = bs * self.rows_per_req, bs * self.picks_per_req
-        meta = AttentionMetadata(
-            self.cu_query_lens[: bs + 1],
-            self.seq_lens[:bs],
-            self.block_tables[:bs],
-            self.slot_mapping[:rows],
-            max_query_len=self.rows_per_req,
-            max_seq_len=self.max_blocks * self.block_size,
-            num_seqs=bs,
-            num_tokens=rows,
-        )
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return self.backend.forward(q, k, v, self.kv_cache, self.fmt, meta, self.scale)
-
+        meta = self._meta(bs, rows, self.rows_per_req)
         feats = self.feats[:, :rows]
         hidden = self.head.fuse_target(feats[0] if feats.shape[0] == 1 else feats.transpose(0, 1).reshape(rows, -1))
         embeds = self.target.embed_tokens(self.tokens[:rows])
@@ -150,7 +80,7 @@ class FirstForwardGraphs:
             me, mh = self.head.mask_inputs(1)
             embeds = torch.where(mask, me.to(embeds.dtype), embeds)
             hidden = torch.where(mask, mh.to(hidden.dtype), hidden)
-        out, normed = self.head(embeds, hidden, self.positions[:rows], self.target.cos_sin_cache, attend)
+        out, normed = self.head(embeds, hidden, self.positions[:rows], self.target.cos_sin_cache, self._attend(meta))
         pick = self.pick[:picks]
         out = out.index_select(0, pick)
         logits = self.head.compute_logits(normed.index_select(0, pick), self.target)
@@ -160,22 +90,13 @@ class FirstForwardGraphs:
             self.feed[1][:picks].copy_(argmax)
         return out, logits, argmax
 
-    def capture(self) -> None:
-        capture_per_batch_size(self)
-
-    def _fill_dummy(self, bs: int) -> None:
-        self._buf.zero_()
-        self.slot_mapping.fill_(PAD_SLOT)
-        self.cu_query_lens[: bs + 1] = torch.arange(bs + 1, device=self.device, dtype=torch.int32)
-        self.seq_lens[:bs] = 1
-
     def run(self, bs: int, features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gather the features of the sent rows, run the forward of size bs; returns (out, logits,
         argmax) of the picks, [bs * picks_per_req, ...] each (valid until the next run)."""
         rows, feats = self._gather[bs]
         for src, dst in zip(features, feats):
             torch.index_select(src, 0, rows, out=dst)
-        return replay(self, bs)
+        return self._run(bs)
 
     # -- inputs ------------------------------------------------------------------------------
     def send(
@@ -190,17 +111,16 @@ class FirstForwardGraphs:
         positions: list[int],
         tables: list[list[int]],
     ) -> None:
-        """Fill a pinned slot with a propose's inputs (per request: its draft count, real rows, head
-        rows cached before them, last real position; per real row: its feature row, next token and
-        position; head blocks) and copy it into the static buffers."""
+        """Fill a pinned slot with a propose's inputs (per request: its draft count, real rows, head rows cached
+        before them, last real position; per real row: its feature row, next token and position; head blocks) and
+        copy it into the static buffers."""
         n, bsz, p, rows_per_req = len(ks), self.block_size, self.picks_per_req, self.rows_per_req
         nbytes = self._fields + n * self.max_blocks * 4
         rows, tokens, pos, slots, mask, pick, sel, cu, seq_lens, tab = self.upload.stage_views(
             self._buf.numel(), self._host_views
         )
         tab[:n] = 0
-        # Plain Python per request: a propose has few requests and rows, where numpy's per-call
-        # cost would dominate.
+        # Plain Python: few requests, where numpy's per-call cost would dominate.
         slot_l: list[int] = []
         pos_l: list[int] = []
         pick_l: list[int] = []
@@ -242,10 +162,7 @@ class FirstForwardGraphs:
     def _host_views(self, buf: np.ndarray) -> tuple[np.ndarray, ...]:
         """A pinned slot as the static buffers' layout: rows, tokens, positions, slots, mask, pick,
         sel, cu_query_lens, seq_lens, block tables."""
-        max_bs = self.batch_sizes[-1]
         i64 = buf[: self._i64].view(np.int64)
         row_fields = i64[: _I64_ROWS * self._rows].reshape(_I64_ROWS, self._rows)
         pick_fields = i64[_I64_ROWS * self._rows :].reshape(_I64_PICKS, self._picks)
-        cu, seq_lens = np.split(buf[self._i64 : self._i64 + self._i32].view(np.int32), [max_bs + 1])
-        tables = buf[self._fields : self._buf.numel()].view(np.int32).reshape(max_bs, self.max_blocks)
-        return (*row_fields, *pick_fields, cu, seq_lens, tables)
+        return (*row_fields, *pick_fields, *self._host_int32(buf))

@@ -1,30 +1,4 @@
-"""The EAGLE head's autoregressive draft steps as CUDA graphs, and one-copy host->device inputs.
-
-After the real rows, each further draft step is one head row per request: embed the previous
-draft, run the head's layer on it and the previous step's output row, the LM head, pick a token.
-Eagerly that is ~50 small kernels whose launches (and several small host->device copies) cost the
-host milliseconds per step while the GPU is busy for a fraction of that. HeadStepGraphs makes each
-step one graph replay (the first forward before it: eagle_first.py, which also writes this
-class's `tokens` and `hidden` inputs of the first step):
-
-* static inputs: the previous drafts' ids `tokens` [max_bs] and the previous head output rows
-  `hidden` [max_bs, hidden], both rewritten by the replay itself (steps chain on the device), and
-  positions, slot_mapping, cu_query_lens, seq_lens, block_tables of the head's paged KV cache,
-  which the host sends in one pinned non-blocking copy per step (block tables on the first only);
-* static outputs: the LM-head logits [bs, vocab] (random rows sample from them, DraftSampler) and
-  their argmax [bs] (greedy rows' drafts, the same argmax DraftSampler takes); with a reduced
-  draft vocabulary the logits are [bs, draft_vocab] (the head's gathered LM-head rows, a static
-  weight like any other) and the argmax is mapped to target ids through the static d2t;
-* one graph per batch size (the target's sizes), largest first, sharing one memory pool.
-
-Row i of the padded batch is request i of the propose for all its steps. Rows past the requests
-are padding sequences (no query, seq_len 0, slot -1); a request that already has its k
-drafts keeps its row as a dead one (one query over its first cached row, K/V not stored), so the
-other rows never move and no index_select / index_copy runs between steps.
-
-Without capture the same buffers run the same forward eagerly: on the CPU this is how the tests
-check the padding, the buffer layout and the metadata that the graphs read on the GPU.
-"""
+"""The EAGLE head's autoregressive draft steps as CUDA graphs, and one-copy host->device inputs."""
 
 from __future__ import annotations
 
@@ -57,11 +31,7 @@ def align16(n: int) -> int:
 
 
 class PinnedUpload:
-    """Small host int arrays -> the device in ONE non-blocking copy per call.
-
-    The bytes go through a ring of pinned host slots: a slot is rewritten only after the copy that
-    last read it has run (its event), so the host waits only when it gets `slots` copies ahead of
-    the GPU. (A copy from pageable memory would wait for all GPU work queued before it.)"""
+    """Small host int arrays -> the device in ONE non-blocking copy per call."""
 
     def __init__(self, device: torch.device, slots: int = 8) -> None:
         self.device = device
@@ -72,13 +42,9 @@ class PinnedUpload:
         self._pending = [False] * slots
         self._slot = -1
 
-    def stage(self, nbytes: int) -> np.ndarray:
-        """The next slot's first nbytes, for the caller to fill; send_staged then copies them."""
-        return self._next(nbytes).numpy()[:nbytes]
-
     def stage_views(self, nbytes: int, layout: Callable[[np.ndarray], Any]) -> Any:
-        """Like stage, but returns layout(the slot's whole buffer), made once per slot: the views a
-        caller fills (the slot holds at least nbytes, the size `layout` needs at most)."""
+        """layout(the next slot's whole buffer, at least nbytes), made once per slot: the views a caller fills
+        before send_staged."""
         buf = self._next(nbytes)
         views = self._views[self._slot]
         got = views.get(layout)
@@ -110,10 +76,9 @@ class PinnedUpload:
         offsets, total = [], 0
         for a in arrays:
             offsets.append(total)
-            # 16-byte aligned: each piece views as its dtype, and every kernel sees 16-byte aligned
-            # pointers whatever the batch (Triton compiles a variant per pointer alignment class).
+            # 16-byte aligned: Triton compiles a variant per pointer alignment class.
             total = align16(total + a.nbytes)
-        buf = self.stage(total)
+        buf = self._next(total).numpy()[:total]
         for a, off in zip(arrays, offsets):
             buf[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         dev = torch.empty(total, dtype=torch.uint8, device=self.device)
@@ -125,9 +90,8 @@ class PinnedUpload:
 def attention_arrays(
     ctx_lens: list[int], q_lens: list[int], tables: list[list[int]], block_size: int
 ) -> list[np.ndarray]:
-    """Sequence i: q_lens[i] new rows after ctx_lens[i] cached ones, in blocks tables[i] ->
-    [cu_query_lens [n + 1] int32, seq_lens [n] int32, block_tables [n, max blocks] int32,
-    slot_mapping [sum(q_lens)] int64] on the host."""
+    """Sequence i: q_lens[i] new rows after ctx_lens[i] cached ones, in blocks tables[i] -> [cu_query_lens [n + 1]
+    int32, seq_lens [n] int32, block_tables [n, max blocks] int32, slot_mapping [sum(q_lens)] int64] on the host."""
     n = len(tables)
     block_tables = np.zeros((n, max(1, max(len(t) for t in tables))), dtype=np.int32)
     for i, t in enumerate(tables):
@@ -149,87 +113,114 @@ def attention_metadata(arrays: list[np.ndarray], dev: Sequence[torch.Tensor], q_
     )
 
 
-@torch.inference_mode()
-def capture_per_batch_size(owner) -> None:
-    """Capture `owner._forward(bs)` for each of `owner.batch_sizes` into one shared memory pool,
-    largest first so the smaller graphs reuse its memory; fills owner.graphs[bs] / outputs[bs].
-    owner: HeadStepGraphs or FirstForwardGraphs (batch_sizes, device, _fill_dummy, _forward, _pool)."""
-    with gc_paused_for_capture():
-        _capture_each(owner)
+def paged_attend(backend: AttentionBackend, cache: LayerKVCache, fmt: KVFormat, meta: AttentionMetadata, scale: float):
+    """q, k, v -> attention through the head's paged KV cache (the `Attend` of EagleHead.forward)."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return backend.forward(q, k, v, cache, fmt, meta, scale)
+
+    return attend
 
 
-def _capture_each(owner) -> None:
-    for bs in reversed(owner.batch_sizes):
-        owner._fill_dummy(bs)
-        for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-            owner._forward(bs)
-        torch.cuda.synchronize(owner.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=owner._pool):
-            owner.outputs[bs] = owner._forward(bs)
-        owner._pool = graph.pool()
-        owner.graphs[bs] = graph
-    torch.cuda.synchronize(owner.device)
+class StaticForward:
+    """Static buffers of a head forward over the proposer's paged KV, and on CUDA one graph per batch size.
+    Subclasses define _forward(bs) (reads the buffers, returns the outputs) and _fill_dummy(bs)."""
+
+    def __init__(self, proposer, batch_sizes: Sequence[int], max_blocks: int) -> None:
+        self.head: EagleHead = proposer.head
+        self.target, self.kv_cache, self.fmt = proposer.target, proposer.kv_caches[0], proposer.fmt
+        self.backend, self.scale, self.upload = proposer.backend, proposer.scale, proposer.upload
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_blocks, self.block_size = max_blocks, proposer.kv.block_size
+        self.device = self.kv_cache.key.device
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, Any] = {}
+        self.runs: Counter[int] = Counter()  # forwards run per padded batch size
+        self._pool = None
+
+    def _attend(self, meta: AttentionMetadata):
+        return paged_attend(self.backend, self.kv_cache, self.fmt, meta, self.scale)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Largest batch size first, into one shared memory pool, so the smaller graphs reuse its memory."""
+        with gc_paused_for_capture():
+            for bs in reversed(self.batch_sizes):
+                self._fill_dummy(bs)
+                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
+                    self._forward(bs)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    self.outputs[bs] = self._forward(bs)
+                self._pool = graph.pool()
+                self.graphs[bs] = graph
+            torch.cuda.synchronize(self.device)
+
+    def _run(self, bs: int):
+        """The forward of size bs: its graph's replay, or an eager run over the same buffers ("static" mode)."""
+        self.runs[bs] += 1
+        graph = self.graphs.get(bs)
+        if graph is None:
+            self.outputs[bs] = self._forward(bs)
+        else:
+            graph.replay()
+        return self.outputs[bs]
+
+    def _alloc(self, i64_words: int) -> torch.Tensor:
+        """One device buffer laid out like the pinned slot a send fills: int64 fields [i64_words], int32
+        cu_query_lens [max_bs + 1] and seq_lens [max_bs], then int32 block tables [max_bs, max_blocks], last so
+        that only the sends that change them copy them. Returns the int64 fields."""
+        max_bs = self.batch_sizes[-1]
+        self._i64, self._i32 = 8 * i64_words, 4 * (2 * max_bs + 1)
+        self._fields = align8(self._i64 + self._i32)
+        self._buf = torch.zeros(self._fields + max_bs * self.max_blocks * 4, dtype=torch.uint8, device=self.device)
+        i32 = self._buf[self._i64 : self._i64 + self._i32].view(torch.int32)
+        self.cu_query_lens, self.seq_lens = i32.split([max_bs + 1, max_bs])
+        self.block_tables = self._buf[self._fields :].view(torch.int32).view(max_bs, self.max_blocks)
+        return self._buf[: self._i64].view(torch.int64)
+
+    def _host_int32(self, buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A pinned slot's cu_query_lens, seq_lens and block tables (the _alloc layout)."""
+        max_bs = self.batch_sizes[-1]
+        cu, seq_lens = np.split(buf[self._i64 : self._i64 + self._i32].view(np.int32), [max_bs + 1])
+        return cu, seq_lens, buf[self._fields : self._buf.numel()].view(np.int32).reshape(max_bs, self.max_blocks)
+
+    def _meta(self, bs: int, num_tokens: int, max_query_len: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            self.cu_query_lens[: bs + 1],
+            self.seq_lens[:bs],
+            self.block_tables[:bs],
+            self.slot_mapping[:num_tokens],
+            max_query_len=max_query_len,
+            max_seq_len=self.max_blocks * self.block_size,
+            num_seqs=bs,
+            num_tokens=num_tokens,
+        )
+
+    def _fill_dummy(self, bs: int) -> None:
+        self._buf.zero_()
+        self.slot_mapping.fill_(PAD_SLOT)
+        self.cu_query_lens[: bs + 1] = torch.arange(bs + 1, device=self.device, dtype=torch.int32)
+        self.seq_lens[:bs] = 1
+
+    def _forward(self, bs: int):
+        raise NotImplementedError
 
 
-def replay(owner, bs: int):
-    """owner's forward of size bs: its graph's replay, or an eager run over the same static buffers
-    where none was captured ("static" mode, the CPU); returns owner.outputs[bs]."""
-    owner.runs[bs] += 1
-    graph = owner.graphs.get(bs)
-    if graph is None:
-        owner.outputs[bs] = owner._forward(bs)
-    else:
-        graph.replay()
-    return owner.outputs[bs]
-
-
-class HeadStepGraphs:
+class HeadStepGraphs(StaticForward):
     """Static buffers, and on CUDA graphs, for the head's one-row-per-request draft steps."""
 
-    def __init__(
-        self,
-        head: EagleHead,
-        target: torch.nn.Module,
-        kv_cache: LayerKVCache,
-        fmt: KVFormat,
-        backend: AttentionBackend,
-        scale: float,
-        batch_sizes: Sequence[int],
-        max_blocks: int,
-        block_size: int,
-        vocab_size: int,
-        upload: PinnedUpload,
-        capture: bool,
-    ) -> None:
-        self.head, self.target, self.kv_cache, self.fmt, self.backend = head, target, kv_cache, fmt, backend
-        self.scale, self.vocab_size, self.upload = scale, vocab_size, upload
-        self.batch_sizes = sorted(batch_sizes)
-        self.max_blocks, self.block_size = max_blocks, block_size
-        device = kv_cache.key.device
-        self.device = device
+    def __init__(self, proposer, batch_sizes: Sequence[int], max_blocks: int, capture: bool) -> None:
+        super().__init__(proposer, batch_sizes, max_blocks)
+        device, head, target = self.device, self.head, self.target
         max_bs = self.batch_sizes[-1]
-        # One device buffer laid out like the host slot each step fills: int64 positions,
-        # slot_mapping, active rows [max_bs] each; int32 cu_query_lens [max_bs + 1], seq_lens [max_bs];
-        # then int32 block_tables [max_bs, max_blocks], last so that only a propose's first step
-        # (the one that sends them) copies them.
-        self._i64, self._i32 = 3 * max_bs * 8, (2 * max_bs + 1) * 4
-        self._fields = align8(self._i64 + self._i32)
-        self._buf = torch.zeros(self._fields + max_bs * max_blocks * 4, dtype=torch.uint8, device=device)
-        self.positions, self.slot_mapping, self.active = self._buf[: self._i64].view(torch.int64).split(max_bs)
-        self.cu_query_lens, self.seq_lens = (
-            self._buf[self._i64 : self._i64 + self._i32].view(torch.int32).split([max_bs + 1, max_bs])
-        )
-        self.block_tables = self._buf[self._fields :].view(torch.int32).view(max_bs, max_blocks)
+        self.positions, self.slot_mapping, self.active = self._alloc(3 * max_bs).split(max_bs)
         self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)  # previous drafts
         dtype = target.embed_tokens.weight.dtype
         self.hidden = torch.zeros(max_bs, head.cfg.hidden_size, dtype=dtype, device=device)  # previous outputs
         self._arange = np.arange(max_bs + 1, dtype=np.int32)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> (logits, argmax)
-        self.runs: Counter[int] = Counter()  # steps run per padded batch size
         self.dead_rows = 0  # rows run for requests that already had all their drafts
-        self._pool = None
         if capture:
             self.capture()
 
@@ -237,44 +228,22 @@ class HeadStepGraphs:
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft row per sequence of the static buffers -> (logits [bs, head.cfg.logits_width]
         float32, argmax [bs] target ids)."""
-        meta = AttentionMetadata(
-            self.cu_query_lens[: bs + 1],
-            self.seq_lens[:bs],
-            self.block_tables[:bs],
-            self.slot_mapping[:bs],
-            max_query_len=1,
-            max_seq_len=self.max_blocks * self.block_size,
-            num_seqs=bs,
-            num_tokens=bs,
-        )
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return self.backend.forward(q, k, v, self.kv_cache, self.fmt, meta, self.scale)
-
+        meta = self._meta(bs, bs, 1)
         embeds = self.target.embed_tokens(self.tokens[:bs])
-        out, normed = self.head(embeds, self.hidden[:bs], self.positions[:bs], self.target.cos_sin_cache, attend)
+        out, normed = self.head(
+            embeds, self.hidden[:bs], self.positions[:bs], self.target.cos_sin_cache, self._attend(meta)
+        )
         logits = self.head.compute_logits(normed, self.target)
         argmax = self.head.greedy_token_ids(logits)  # target ids (a reduced vocabulary maps through d2t)
-        # The next step's inputs are this step's outputs: written here, nothing runs between
-        # replays for greedy rows (random rows overwrite `tokens` with their samples).
+        # The next step's inputs (random rows overwrite `tokens` with their samples).
         self.hidden[:bs].copy_(out)
         self.tokens[:bs].copy_(argmax)
         return logits, argmax
 
-    def capture(self) -> None:
-        capture_per_batch_size(self)
-
     def _fill_dummy(self, bs: int) -> None:
+        super()._fill_dummy(bs)
         self.tokens.zero_()
         self.hidden.zero_()
-        self.positions.zero_()
-        self.slot_mapping.fill_(PAD_SLOT)
-        self.cu_query_lens[: bs + 1] = torch.arange(bs + 1, device=self.device, dtype=torch.int32)
-        self.seq_lens[:bs] = 1
-        self.block_tables.zero_()
-
-    def _run(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return replay(self, bs)
 
     # -- drafting ----------------------------------------------------------------------------
     def fits(self, n: int, tables: list[list[int]]) -> bool:
@@ -290,13 +259,7 @@ class HeadStepGraphs:
         tables: list[list[int]],
         prev: torch.Tensor | None,
     ) -> bool:
-        """Draft steps 1..max(ks) - 1 into dt, which holds step 0's tokens [n] for all n requests.
-
-        ks, ctx, last_pos, tables: per request its draft count, head rows cached (real rows, step 0's
-        included), last real position, head blocks. prev [n, hidden]: step 0's head output of each
-        request's last real row; None when FirstForwardGraphs already wrote it (and step 0's argmax)
-        into `hidden` and `tokens` (eagle_first.py). False (nothing done) when the batch does not fit
-        the buffers: the caller drafts eagerly then."""
+        """Draft steps 1..max(ks) - 1 into dt, which holds step 0's tokens [n] for all n requests."""
         n = len(ks)
         if not self.fits(n, tables):
             return False
@@ -312,8 +275,7 @@ class HeadStepGraphs:
             rows = self._send(host, step, n, bs)
             logits, argmax = self._run(bs)
             self.dead_rows += n - len(rows)
-            # Only the still-drafting rows' outputs are drafts (random rows: only they draw noise,
-            # as on the eager path); their device indices came in this step's copy.
+            # Only the still-drafting rows' outputs are drafts (and only they draw noise).
             pick = None if len(rows) == n else self.active[: len(rows)]
             if greedy:
                 dt.add(rows, argmax[:n].clone() if pick is None else argmax.index_select(0, pick), None)
@@ -357,11 +319,8 @@ class HeadStepGraphs:
 
     def _host_views(self, buf: np.ndarray) -> tuple[np.ndarray, ...]:
         """A pinned slot as the static buffers' layout: pos, slots, active, cu, seq_lens, tables."""
-        max_bs = self.tokens.numel()
-        pos, slots, active = buf[: self._i64].view(np.int64).reshape(3, max_bs)
-        cu, seq_lens = np.split(buf[self._i64 : self._i64 + self._i32].view(np.int32), [max_bs + 1])
-        tables = buf[self._fields : self._buf.numel()].view(np.int32).reshape(max_bs, self.max_blocks)
-        return pos, slots, active, cu, seq_lens, tables
+        pos, slots, active = buf[: self._i64].view(np.int64).reshape(3, -1)
+        return pos, slots, active, *self._host_int32(buf)
 
 
 class _StepHost:

@@ -1,27 +1,4 @@
-"""The EAGLE / EAGLE-3 / P-EAGLE draft head: one decoder layer on top of the target's features.
-
-Row t of the head reads concat(embed(token t+1), hidden_t) and predicts token t+2, where hidden_t
-is the target's feature at position t for real rows (EAGLE-1: its final hidden state; EAGLE-3:
-`fuse` of the inputs of a low, a middle and a high layer) and the head's own output for
-autoregressive draft rows. P-EAGLE mask rows read a learned (mask_embed, mask_hidden) pair instead,
-so all k drafts come out of one forward. The target's embedding and LM head are reused, frozen;
-a checkpoint holds only the head's own weights.
-
-Reduced draft vocabulary (EAGLE-3's draft_vocab_size, optional): the head proposes only the
-`draft_vocab_size` target token ids in `d2t` (saved with its weights). Its LM head is those rows of
-the target's, gathered once when attached to the target (`attach_lm_head`): a draft step's logits
-are [rows, draft_vocab] instead of [rows, vocab] (the target's 151,936-row head is the largest
-part of a Qwen2.5 head step). Verification stays lossless: the draft distribution is zero outside
-the set, and the rejection sampler's residual max(0, target - draft) covers those tokens. d2t is
-sorted ascending: then the argmax over the draft logits, mapped through d2t, is exactly the argmax
-of the full-vocabulary logits that are -inf outside the set (ties included: both pick the lowest
-target id), which is what the sampling path computes (eagle.py DraftVocabSampler), so greedy and
-sampled drafts, eager and CUDA-graph paths agree token for token.
-
-The layer never owns its attention: `attend(q, k, v)` is injected, the paged KV backend at serving
-time (eagle.py) and dense masked attention at training time (train/loss.py), so both run the same
-weights through the same code.
-"""
+"""The EAGLE / EAGLE-3 / P-EAGLE draft head: one decoder layer on top of the target's features."""
 
 from __future__ import annotations
 
@@ -118,40 +95,21 @@ def head_config_for(
     draft_vocab_size: int | None = None,
 ) -> EagleHeadConfig:
     """A head shaped like one decoder layer of the target (draft_vocab_size: see EagleHeadConfig)."""
+    a = target_arch
     if method not in HEAD_METHODS:
         raise ValueError(f"head method must be one of {HEAD_METHODS}, got {method!r}.")
-    if draft_vocab_size is not None and not 1 <= draft_vocab_size <= target_arch.vocab_size:
-        raise ValueError(f"draft_vocab_size must be in [1, {target_arch.vocab_size}], got {draft_vocab_size}.")
+    if draft_vocab_size is not None and not 1 <= draft_vocab_size <= a.vocab_size:
+        raise ValueError(f"draft_vocab_size must be in [1, {a.vocab_size}], got {draft_vocab_size}.")
     keys = (
-        "model_type",
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "rms_norm_eps",
-        "rope_theta",
-        "rope_scaling",
-        "rope_parameters",
-        "attention_bias",
-        "max_position_embeddings",
-        "vocab_size",
-    )
+        "model_type hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim rms_norm_eps "
+        "rope_theta rope_scaling rope_parameters attention_bias max_position_embeddings vocab_size"
+    ).split()
     layer = {k: target_hf_config[k] for k in keys if target_hf_config.get(k) is not None}
-    layer.update(
-        head_dim=target_arch.head_dim, attention_bias=target_arch.qkv_bias, num_key_value_heads=target_arch.num_kv_heads
-    )
-    aux = default_aux_layers(target_arch.num_layers) if method == "eagle3" else ()
-    target = {
-        "name": target_name,
-        "identity": target_identity,
-        "num_layers": target_arch.num_layers,
-        "hidden_size": target_arch.hidden_size,
-        "vocab_size": target_arch.vocab_size,
-    }
-    return EagleHeadConfig(
-        method, target_arch.hidden_size, target_arch.vocab_size, aux, num_mask_slots, layer, target, draft_vocab_size
-    )
+    layer.update(head_dim=a.head_dim, attention_bias=a.qkv_bias, num_key_value_heads=a.num_kv_heads)
+    aux = default_aux_layers(a.num_layers) if method == "eagle3" else ()
+    target = dict(name=target_name, identity=target_identity, num_layers=a.num_layers, hidden_size=a.hidden_size)
+    target["vocab_size"] = a.vocab_size
+    return EagleHeadConfig(method, a.hidden_size, a.vocab_size, aux, num_mask_slots, layer, target, draft_vocab_size)
 
 
 def check_d2t(d2t: torch.Tensor, vocab_size: int, draft_vocab_size: int, where: str) -> None:
@@ -238,16 +196,14 @@ class EagleHead(nn.Module):
         self.eps = eps
         n_aux = len(cfg.aux_hidden_layers)
         if cfg.method == "eagle3":
-            # Per-layer norms first: the residual streams of different depths differ in scale by
-            # orders of magnitude (Qwen2 has massive activations), which a bare fc trains badly on.
+            # Per-layer norms: residual streams of different depths differ in scale by orders of magnitude.
             self.aux_norm = nn.Parameter(torch.ones(n_aux, h))
             self.fuse = nn.Linear(n_aux * h, h, bias=False)
         self.embed_norm = RMSNorm(h, eps)
         self.hidden_norm = RMSNorm(h, eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = HeadLayer(arch)
-        # EAGLE-1 regresses the target's (already final-normed) hidden state, so its output goes to
-        # the LM head as is; EAGLE-3 predicts tokens only and normalizes like the target.
+        # EAGLE-1 regresses the target's final-normed hidden state; EAGLE-3 normalizes like the target.
         self.norm = RMSNorm(h, eps) if cfg.method == "eagle3" else None
         if cfg.num_mask_slots > 0:
             self.mask_embed = nn.Parameter(torch.randn(h) * 0.02)
@@ -269,10 +225,9 @@ class EagleHead(nn.Module):
 
     @torch.no_grad()
     def attach_lm_head(self, weight: torch.Tensor) -> None:
-        """Gather the target's LM-head rows d2t (weight [vocab, hidden]) into one persistent
-        [draft_vocab, hidden] tensor of the weight's dtype and device, once: draft steps (and the CUDA
-        graphs that capture them) then read draft_vocab rows instead of the whole head. Call it after
-        the head has its device (a later .to() does not move it). Nothing to do for a full vocabulary."""
+        """Gather the target's LM-head rows d2t (weight [vocab, hidden]) into one persistent [draft_vocab, hidden]
+        tensor of the weight's dtype and device, once: draft steps (and the CUDA graphs that capture them) then read
+        draft_vocab rows instead of the whole head."""
         if self.d2t is None:
             return
         self.d2t = self.d2t.to(weight.device)
@@ -319,17 +274,16 @@ class EagleHead(nn.Module):
         return out, (out if self.norm is None else self.norm(out))
 
     def set_ops(self, ops: ModuleType) -> None:
-        """Run the norms, RoPE and projections through `ops` (same signatures as model/layers/ops.py):
-        serving on a GPU passes the target's fused Triton twins (fewer, faster kernels in the head's
-        forwards and CUDA graphs); training keeps the torch ops."""
+        """Run the norms, RoPE and projections through `ops` (same signatures as model/layers/ops.py): serving on a
+        GPU passes the target's fused Triton twins (fewer, faster kernels in the head's forwards and CUDA graphs);
+        training keeps the torch ops."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, HeadLayer)):
                 m.ops = ops
 
 
 def save_head(head: EagleHead, out_dir: str | Path) -> Path:
-    """Write config.json + model.safetensors (weights float32, d2t int64) atomically enough for a
-    resumable trainer."""
+    """Write config.json + model.safetensors (weights float32, d2t int64) atomically enough for a resumable trainer."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -370,15 +324,11 @@ def check_head_matches(cfg: EagleHeadConfig, arch: ModelArch, target_identity: s
     if cfg.hidden_size != arch.hidden_size or cfg.vocab_size != arch.vocab_size:
         raise ValueError(f"{where}: head hidden/vocab sizes do not match the target.")
     if any(not 0 <= i < arch.num_layers for i in cfg.aux_hidden_layers):
-        raise ValueError(
-            f"{where}: aux_hidden_layers {cfg.aux_hidden_layers} out of range for {arch.num_layers} layers."
-        )
+        raise ValueError(f"{where}: aux_hidden_layers {cfg.aux_hidden_layers} out of range.")
     if cfg.target.get("identity") != target_identity:
+        got = cfg.target.get("identity")
         logger.warning(
-            "%s was trained on target %r, serving %r: same shapes, maybe other weights.",
-            where,
-            cfg.target.get("identity"),
-            target_identity,
+            "%s was trained on target %r, serving %r: same shapes, maybe other weights.", where, got, target_identity
         )
 
 
@@ -399,19 +349,14 @@ def load_head(
     own = head.state_dict()
     if cfg.draft_vocab_size is not None:
         if "d2t" not in state:
-            raise ValueError(
-                f"{where}: the config sets draft_vocab_size={cfg.draft_vocab_size} but "
-                f"{WEIGHTS_NAME} holds no d2t tensor."
-            )
+            raise ValueError(f"{where}: the config sets draft_vocab_size but {WEIGHTS_NAME} holds no d2t tensor.")
         check_d2t(state["d2t"], cfg.vocab_size, cfg.draft_vocab_size, where)
         state["d2t"] = state["d2t"].to(torch.int64)
     elif "d2t" in state:
         raise ValueError(f"{where}: {WEIGHTS_NAME} holds a d2t tensor but the config has no draft_vocab_size.")
     if set(state) != set(own):
-        raise ValueError(
-            f"{where}: weights do not match the config (missing "
-            f"{sorted(set(own) - set(state))[:4]}, unexpected {sorted(set(state) - set(own))[:4]})."
-        )
+        missing, unexpected = sorted(set(own) - set(state))[:4], sorted(set(state) - set(own))[:4]
+        raise ValueError(f"{where}: weights do not match the config (missing {missing}, unexpected {unexpected}).")
     bad = [k for k in own if tuple(state[k].shape) != tuple(own[k].shape)]
     if bad:
         raise ValueError(f"{where}: tensors of the wrong shape: {bad[:4]}.")
@@ -428,13 +373,11 @@ def make_random_head_dir(
     load_format: str = "auto",
     d2t: list[int] | None = None,
 ) -> Path:
-    """An untrained head for `target_model` (any LLM(model=...) reference; a shape name with
-    load_format="dummy"): tests use it to check that speculation stays lossless whatever the head
-    proposes, benchmarks to time a head's forward. d2t: a reduced draft vocabulary (ascending ids)."""
+    """An untrained head for `target_model` (any LLM(model=...) reference; a shape name with load_format="dummy"):
+    tests use it to check that speculation stays lossless whatever the head proposes, benchmarks to time a head's
+    forward. d2t: a reduced draft vocabulary (ascending ids)."""
     from specserve.config import ModelConfig
-    from specserve.model.loader import (
-        WeightSource,  # reads config + identity without loading weights
-    )
+    from specserve.model.loader import WeightSource
 
     source = WeightSource.open(ModelConfig(model=target_model, load_format=load_format))
     arch = ModelArch.from_hf_config(source.hf_config)

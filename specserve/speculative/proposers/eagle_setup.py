@@ -1,5 +1,4 @@
-"""Setting up an EAGLE proposer: the target's CUDA graphs recaptured with the head's aux outputs, the
-head's step batch sizes, what its graphs keep allocated, and attention metadata for a head forward."""
+"""Setting up an EAGLE proposer: the target's graphs recaptured with aux outputs, step sizes, graph memory."""
 
 from __future__ import annotations
 
@@ -7,9 +6,7 @@ import gc
 
 import torch
 
-from specserve.attention.base import AttentionMetadata
 from specserve.speculative.proposers.eagle_first import MAX_GRAPH_PICKS
-from specserve.speculative.proposers.eagle_graph import PinnedUpload, attention_arrays, attention_metadata
 
 
 def recapture_with_aux(runner, aux_layers: tuple[int, ...]) -> None:
@@ -34,19 +31,6 @@ def recapture_with_aux(runner, aux_layers: tuple[int, ...]) -> None:
     runner.capture_graphs(*args)
 
 
-def head_attention_metadata(
-    ctx_lens: list[int],
-    q_lens: list[int],
-    tables: list[list[int]],
-    block_size: int,
-    device: torch.device,
-    upload: PinnedUpload | None = None,
-) -> AttentionMetadata:
-    """Sequence i: q_lens[i] new rows after ctx_lens[i] cached ones, in blocks tables[i]."""
-    arrays = attention_arrays(ctx_lens, q_lens, tables, block_size)
-    return attention_metadata(arrays, (upload or PinnedUpload(device, slots=1)).send(arrays), q_lens)
-
-
 def step_batch_sizes(parts) -> tuple[int, ...]:
     """The draft steps' padded batch sizes: the target's CUDA graph sizes (the same rule without)."""
     if parts.runner.graphs is not None:
@@ -59,9 +43,9 @@ def step_batch_sizes(parts) -> tuple[int, ...]:
 
 
 def graph_logits_bytes(batch_sizes: tuple[int, ...], k: int, parallel: bool, vocab_size: int) -> int:
-    """What the head's CUDA graphs keep allocated after the KV pool: their float32 logits outputs,
-    [bs * picks, vocab] per first-forward graph and [bs, vocab] per draft-step graph (vocab: the
-    head's logits width, its draft vocabulary when reduced)."""
+    """What the head's CUDA graphs keep allocated after the KV pool: their float32 logits outputs, [bs * picks,
+    vocab] per first-forward graph and [bs, vocab] per draft-step graph (vocab: the head's logits width, its draft
+    vocabulary when reduced)."""
     picks = k if parallel else 1
     rows = sum(b * picks for b in batch_sizes if b * picks <= MAX_GRAPH_PICKS)
     if not parallel and k > 1:

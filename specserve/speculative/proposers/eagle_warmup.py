@@ -1,14 +1,4 @@
-"""Compile, at start-up, the kernels of an EAGLE head's eager forwards.
-
-The head's draft steps and its short first forwards replay CUDA graphs captured at start-up (their
-kernels compiled then), but a new request's first propose feeds the head every prompt row in one
-eager forward: prefill-sized attention through the head's own KV, the separate RoPE and KV-write
-kernels, GEMV row counts of the fuse and LM-head linears that no graph used. Triton compiles each such
-variant the first time it runs, which would slow the first requests of the first engine of a
-process several times over. These forwards move that compile to start-up.
-Variants that sizes alone do not reach are made one instead: the attention kernels do not specialize
-the block table's width (triton_paged.py), and head uploads are 16-byte aligned (eagle_graph.py).
-"""
+"""Compile, at start-up, the kernels of an EAGLE head's eager forwards."""
 
 from __future__ import annotations
 
@@ -28,10 +18,9 @@ def warm_rows() -> tuple[list[int], list[int]]:
 
 @torch.inference_mode()
 def warm_eager_head(proposer) -> list[tuple[int, int]]:
-    """One eager first forward of the head (fuse the target features, the layer, the LM head over the
-    last rows) per (context, rows) of warm_rows(), over zero inputs in the head's own KV blocks 0..
-    before any request holds one (nothing that matters is overwritten). Returns the (context, rows)
-    run; sizes the head's KV pool cannot hold are skipped."""
+    """One eager first forward of the head (fuse the target features, the layer, the LM head over the last rows) per
+    (context, rows) of warm_rows(), over zero inputs in the head's own KV blocks 0.. before any request holds one
+    (nothing that matters is overwritten)."""
     head, target = proposer.head, proposer.target
     dev = proposer.device
     dtype = target.embed_tokens.weight.dtype

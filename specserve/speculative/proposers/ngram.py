@@ -1,7 +1,4 @@
-"""N-gram prompt lookup: draft the tokens that followed the latest earlier occurrence of the suffix.
-
-Free to run (no model), strong on code edits, RAG and anything that repeats its context.
-"""
+"""N-gram prompt lookup: draft the tokens that followed the latest earlier occurrence of the suffix."""
 
 from __future__ import annotations
 
