@@ -48,7 +48,9 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(F.linear(x, weight))
 
 
-def _norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float):
+def unfused_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, rms_norm=rms_norm
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x (+ residual)), the new residual: x + residual, or x itself without one)."""
     return (rms_norm(x, norm_weight, eps), x) if residual is None else rms_norm(x, norm_weight, eps, residual)
 
@@ -62,7 +64,7 @@ def rms_norm_linear(
     bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A norm and the projection after it: (rms_norm(x (+ residual)) @ weight^T (+ bias), new residual)."""
-    h, residual = _norm(x, residual, norm_weight, eps)
+    h, residual = unfused_norm(x, residual, norm_weight, eps)
     return F.linear(h, weight, bias), residual
 
 
@@ -71,5 +73,5 @@ def rms_norm_linear_silu_and_mul(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The post-attention norm, gate_up and activation: (silu_and_mul(rms_norm(x (+ residual)) @ weight^T)
     [T, inter], new residual); weight [2 * inter, in] (gate | up)."""
-    h, residual = _norm(x, residual, norm_weight, eps)
+    h, residual = unfused_norm(x, residual, norm_weight, eps)
     return silu_and_mul(F.linear(h, weight)), residual
