@@ -49,16 +49,12 @@ class Attention(nn.Module):
         # [num_kv_heads, head_dim], subtracted from keys before they are cached (quantized KV only: key_offset.py).
         self.key_offset: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), positions, cos_sin)
-
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """qkv [T, q_size + 2 * kv_size] (the fused projection's output) -> [T, hidden]."""
         ctx = get_forward_context()
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k, v = k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim)
         cache = ctx.kv_caches[self.layer_idx]
         fused = getattr(ctx.backend, "forward_rope", None)  # RoPE + KV write in one kernel (Triton)
         if fused is not None and self.key_offset is None:
@@ -72,15 +68,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """gate_up_proj [2 * inter, hidden] (gate | up) and down_proj; DecoderLayer runs them fused with the norm."""
+
     def __init__(self, arch: ModelArch, ops: ModuleType) -> None:
         super().__init__()
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, ops)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, ops)
-        self.ops = ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A tensor-parallel shard of gate_up has the same [gate | up] layout, so the fused op holds for it.
-        return self.down_proj(self.ops.linear_silu_and_mul(x, self.gate_up_proj.weight))
 
 
 class DecoderLayer(nn.Module):
@@ -122,11 +115,9 @@ class CausalLM(nn.Module):
         # Set by distributed/tp.py: a vocabulary-sharded head that computes and gathers the logits.
         self.logits_head: nn.Module | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """Returns hidden [T, hidden] (final-normed), or (hidden, [aux [T, hidden], ...])."""
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        aux: list[torch.Tensor] = []
+        x, residual, aux = self.embed_tokens(input_ids), None, []
         for i, layer in enumerate(self.layers):
             if i in self.aux_hidden_layers:
                 aux.append(x if residual is None else x + residual)

@@ -36,6 +36,7 @@ _BLOCK_K = 512  # 1 KB of bf16 per weight row per step: 16-byte loads across 4 w
 _MAX_BLOCK_N = 16
 NORM_FUSE_MAX_WIDTH = 4  # untuned: the norm is fused only into projections with N <= this * K (`_norm_tiles`)
 PREFETCH_MAX_K = 2048  # untuned: early weight loads only for K up to this (Triton pipelines longer loops)
+_SKINNY_KINDS = (("plain", "skinny"), ("silu", "skinny_silu"))
 CONFIG_DIR = Path(__file__).resolve().parent / "gemv_configs"
 
 
@@ -47,44 +48,42 @@ class NormFuse(NamedTuple):
     tiles: tuple[int, int, int] | None
 
 
-def _table_file(device_name: str) -> dict:
+@functools.lru_cache(maxsize=8)
+def _tables(device_name: str) -> dict[str, dict]:
+    """A GPU's tuned tables (its `torch.cuda.get_device_name()`), each {} without a measured table."""
     path = CONFIG_DIR / f"{device_name.replace(' ', '_')}.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-@functools.lru_cache(maxsize=8)
-def config_table(device_name: str) -> dict[str, tuple[int, int, int]]:
-    """The tuned tiles for a GPU (its `torch.cuda.get_device_name()`), {} without a table."""
-    return {key: tuple(value) for key, value in _table_file(device_name).get("configs", {}).items()}
-
-
-@functools.lru_cache(maxsize=8)
-def norm_fuse_table(device_name: str) -> dict[str, NormFuse]:
-    """The JSON's "norm_fuse" {"N,K,M": bool} (for gate_up N = 2 * inter) with "norm_fuse_tiles" {"N,K,M": [BLOCK_N,
-    BLOCK_K, num_warps]} as `_launch` takes them (BLOCK_N counting the gate's rows with a silu epilogue)."""
-    table = _table_file(device_name)
-    tiles = table.get("norm_fuse_tiles", {})
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    get, fuse_tiles = lambda name: raw.get(name, {}).items(), raw.get("norm_fuse_tiles", {})
     return {
-        key: NormFuse(bool(fuse), tuple(tiles[key]) if key in tiles else None)
-        for key, fuse in table.get("norm_fuse", {}).items()
+        "configs": {key: tuple(value) for key, value in get("configs")},
+        "norm_fuse": {
+            k: NormFuse(bool(fuse), tuple(fuse_tiles[k]) if k in fuse_tiles else None) for k, fuse in get("norm_fuse")
+        },
+        "skinny": {kind: {k: SkinnyConfig(*v) for k, v in get(name)} for kind, name in _SKINNY_KINDS},
+        "prefetch": {key: bool(value) for key, value in get("prefetch")},
     }
 
 
-@functools.lru_cache(maxsize=8)
+def config_table(device_name: str) -> dict[str, tuple[int, int, int]]:
+    """The JSON's "configs": "N,K,M" -> (BLOCK_N, BLOCK_K, num_warps), (0, 0, 0) where cuBLAS won."""
+    return _tables(device_name)["configs"]
+
+
+def norm_fuse_table(device_name: str) -> dict[str, NormFuse]:
+    """The JSON's "norm_fuse" {"N,K,M": bool} (for gate_up N = 2 * inter) with "norm_fuse_tiles" [BLOCK_N, BLOCK_K,
+    num_warps] as `_launch` takes them (BLOCK_N counting the gate's rows with a silu epilogue)."""
+    return _tables(device_name)["norm_fuse"]
+
+
 def skinny_table(device_name: str) -> dict[str, dict[str, SkinnyConfig]]:
     """Where the skinny GEMM beat the GEMV and cuBLAS: {"plain" | "silu": {"N,K,M": SkinnyConfig}} from
     "skinny" / "skinny_silu" (for silu N is the [gate | up] rows, block_n counts each half's)."""
-    table = _table_file(device_name)
-    return {
-        kind: {key: SkinnyConfig(*value) for key, value in table.get(name, {}).items()}
-        for kind, name in (("plain", "skinny"), ("silu", "skinny_silu"))
-    }
+    return _tables(device_name)["skinny"]
 
 
-@functools.lru_cache(maxsize=8)
 def prefetch_table(device_name: str) -> dict[str, bool]:
     """The JSON's "prefetch" {"N,K,M": bool}: whether early weight loads (PREFETCH) won for the tuned tiles."""
-    return {key: bool(value) for key, value in _table_file(device_name).get("prefetch", {}).items()}
+    return _tables(device_name)["prefetch"]
 
 
 def config_key(n: int, k: int, m: int) -> str:

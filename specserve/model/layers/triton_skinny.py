@@ -179,16 +179,13 @@ def _scratch(device: torch.device, workspace_floats: int, num_counters: int) -> 
             f"of {device} would have to grow during CUDA graph capture; run each shape once before "
             "capturing (a warm-up pass), so the buffers are allocated outside the graph"
         )
-    old_ws = 0 if have is None else have.workspace.numel()
-    old_cnt = 0 if have is None else have.counters.numel()
-    grown = _Scratch(
+    old_ws, old_cnt = (0, 0) if have is None else (have.workspace.numel(), have.counters.numel())
+    _RETIRED.extend([have] if have is not None else [])
+    _SCRATCH[device] = _Scratch(
         torch.zeros(max(workspace_floats, 2 * old_ws, _MIN_WORKSPACE_FLOATS), dtype=torch.float32, device=device),
         torch.zeros(max(num_counters, 2 * old_cnt, _MIN_COUNTERS), dtype=torch.int32, device=device),
     )
-    if have is not None:
-        _RETIRED.append(have)
-    _SCRATCH[device] = grown
-    return grown
+    return _SCRATCH[device]
 
 
 def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
