@@ -92,7 +92,7 @@ def test_row_strided_x_and_small_k(device: torch.device) -> None:
     wide = _randn((4, 96), torch.bfloat16, device, gen)
     x = wide[:, :40]
     w = _randn((50, 40), torch.bfloat16, device, gen, 40**-0.5)
-    got = sk.skinny_linear(x, w, config=sk.SkinnyConfig(16, 64, 1, 4, 2))
+    got = sk.skinny_linear(x, w, None, sk.SkinnyConfig(16, 64, 1, 4, 2))
     torch.testing.assert_close(got.float(), _want(x, w, None), rtol=TOL[torch.bfloat16], atol=TOL[torch.bfloat16])
 
 
@@ -140,7 +140,7 @@ def test_supports(device: torch.device) -> None:
             cfg,
         )
     with pytest.raises(ValueError, match="block_n"):
-        sk.skinny_linear(torch.zeros(4, 32, dtype=torch.bfloat16, device=device), w, config=sk.SkinnyConfig(24, 64))
+        sk.skinny_linear(torch.zeros(4, 32, dtype=torch.bfloat16, device=device), w, None, sk.SkinnyConfig(24, 64))
 
 
 def test_scratch_growth_refused_during_capture(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
