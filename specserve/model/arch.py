@@ -1,8 +1,5 @@
-"""ModelArch: the architecture facts the engine needs, read from an HF-style config dict.
-
-One config-driven implementation serves Llama (incl. Llama-3 rope scaling), Qwen2 (QKV bias)
-and Mistral; this is where their differences are resolved.
-"""
+"""ModelArch: the architecture facts the engine needs, from an HF-style config dict. One config-driven
+implementation serves Llama (incl. Llama-3 rope scaling), Qwen2 (QKV bias) and Mistral."""
 
 from __future__ import annotations
 
@@ -40,14 +37,11 @@ class ModelArch:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}.")
         num_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         rope_params = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (
             rope_params if rope_params.get("rope_type", "default") != "default" else None
         )
-        theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -56,15 +50,15 @@ class ModelArch:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),
         )
 
     def num_params(self) -> int:
@@ -81,30 +75,27 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
     scaling = dict(arch.rope_scaling or ())
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "llama3":
-        inv_freq = _llama3_scale(inv_freq, scaling)
-    elif rope_type == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif rope_type not in ("default", None):
+        return llama3_scale(inv_freq, scaling)
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type not in ("default", None):
         raise ValueError(f"rope_scaling type {rope_type!r} is not supported.")
     return inv_freq
 
 
 def rope_cos_sin_cache(arch: ModelArch, max_positions: int, device: torch.device) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos of the half-frequencies, then sin (neox layout)."""
-    inv_freq = rope_inv_freq(arch)
-    t = torch.arange(max_positions, dtype=torch.float64)
-    freqs = torch.outer(t, inv_freq)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), rope_inv_freq(arch))
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)
 
 
-def _llama3_scale(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+def llama3_scale(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     """Llama-3.1's frequency-dependent RoPE scaling (same math as transformers)."""
     factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
     old_len = float(s["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
     smooth = (old_len / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(is_medium, smoothed, scaled)

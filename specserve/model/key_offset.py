@@ -1,18 +1,11 @@
 """Per-layer key offsets for quantized KV (fp8 / nvfp4).
 
-Softmax over one query's scores does not change when the same vector o is subtracted from every
-key: each score moves by q.o. Qwen2-family models add large, nearly constant biases (up to ~360 in
-Qwen2.5-Coder-1.5B's first layers, against a median |k| of 1.3) to K channels whose RoPE pairs
-barely rotate. One scale per (token, head) for fp8, or per 16 values for nvfp4, then spends its
-range on those channels and the others drown in rounding noise: on the CPU reference path fp8 KV
-raised that model's perplexity by 30% and nvfp4 KV made it useless. Writing k - o, with o the
-k_proj bias on the slowly rotating channels, takes the outliers out before quantization (fp8:
-4.1066 against bf16's 4.1089 on the same text).
-
-o comes from the weights, never from the data, so every sequence, process and restart stores the
-same bytes for the same prefix: the prefix cache and the CPU / disk tiers stay valid. Unquantized
-KV formats never get an offset (they lose nothing, and their cache stays byte-identical to the
-plain path's).
+Softmax over a query's scores is unchanged when one vector o is subtracted from every key (each score
+moves by q.o). Qwen2-family models add large, nearly constant K biases on channels whose RoPE pairs
+barely rotate; a per-(token, head) or per-16-values scale then spends its range on them and the other
+channels drown in rounding noise. Caching k - o, with o the k_proj bias on those slow channels, takes
+the outliers out before quantization. o comes from the weights, never the data, so the same prefix
+stores the same bytes everywhere (prefix cache, CPU / disk tiers stay valid).
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ import torch
 
 from specserve.model.arch import ModelArch, rope_inv_freq
 
-# A bias channel is part of the offset while its RoPE pair turns less than this many radians over
+# A bias channel is part of the offset while its RoPE pair turns less than MAX_ANGLE radians over
 # OFFSET_POSITIONS positions: a constant can only cancel what stays (nearly) constant.
 MAX_ANGLE = 1.0
 OFFSET_POSITIONS = 32768
@@ -33,27 +26,18 @@ def slow_channels(arch: ModelArch) -> torch.Tensor:
     return torch.cat([slow, slow])
 
 
-def key_offset(k_bias: torch.Tensor, num_kv_heads: int, head_dim: int, slow: torch.Tensor) -> torch.Tensor:
-    """k_bias [num_kv_heads * head_dim] -> offset [num_kv_heads, head_dim] (zero on fast channels)."""
-    bias = k_bias.detach().view(num_kv_heads, head_dim)
-    return torch.where(slow.to(bias.device), bias, torch.zeros_like(bias))
-
-
 def install_key_offsets(model: torch.nn.Module, arch: ModelArch, enabled: bool) -> int:
-    """Give every attention layer with a K bias its offset (or, enabled=False, remove them: a loaded
-    model may be shared by engines with different KV formats); returns how many layers have one.
-
-    Enable only for quantized KV formats on an unsharded model (tensor-parallel ranks keep plain keys).
-    """
+    """Give every attention layer with a K bias its offset [num_kv_heads, head_dim] (zero on fast
+    channels), or remove them (enabled=False: a loaded model may serve engines with other KV formats).
+    Returns how many layers have one. Enable only for quantized KV on an unsharded model."""
     slow = slow_channels(arch)
     count = 0
     for layer in model.layers:
         attn = layer.self_attn
-        bias = attn.qkv_proj.bias
-        attn.key_offset = None
+        bias, attn.key_offset = attn.qkv_proj.bias, None
         if not enabled or bias is None or not bool(slow.any()):
             continue
-        k_bias = bias[attn.q_size : attn.q_size + attn.kv_size]
-        attn.key_offset = key_offset(k_bias, attn.num_kv_heads, attn.head_dim, slow)
+        k_bias = bias[attn.q_size : attn.q_size + attn.kv_size].detach().view(attn.num_kv_heads, attn.head_dim)
+        attn.key_offset = torch.where(slow.to(k_bias.device), k_bias, torch.zeros_like(k_bias))
         count += 1
     return count

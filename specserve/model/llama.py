@@ -1,9 +1,6 @@
-"""One config-driven decoder for Llama, Qwen2 and Mistral over the paged KV cache.
-
-Weights use fused projections (qkv_proj, gate_up_proj) so a decode step launches fewer, larger
-matmuls; `load_weights` maps HF names onto them. Attention reads the batch layout and the KV
-cache from the forward context (attention/base.py), so the model itself stays batch-agnostic.
-"""
+"""One config-driven decoder for Llama, Qwen2 and Mistral over the paged KV cache. Projections are
+fused (qkv_proj, gate_up_proj; `load_weights` maps HF names onto them); attention reads the batch
+layout and KV cache from the forward context (attention/base.py)."""
 
 from __future__ import annotations
 
@@ -22,16 +19,14 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float, ops: ModuleType) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
-        self.eps = eps
-        self.ops = ops
+        self.eps, self.ops = eps, ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose forward is `ops.linear`: on CUDA a GEMV for decode-sized batches (cuBLAS is
-    slow on one row of a small matrix). Tensor parallelism swaps it for its own parallel layers."""
+    """nn.Linear whose forward is `ops.linear` (on CUDA a GEMV for decode-sized batches)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModuleType) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -50,22 +45,16 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias, ops)
         self.o_proj = Linear(self.q_size, arch.hidden_size, False, ops)
-        self.scale = self.head_dim**-0.5
-        self.ops = ops
-        # [num_kv_heads, head_dim], subtracted from keys before they are cached; set only for
-        # quantized KV formats (specserve/model/key_offset.py says why attention is unchanged by it).
+        self.scale, self.ops = self.head_dim**-0.5, ops
+        # [num_kv_heads, head_dim], subtracted from keys before they are cached (quantized KV only: key_offset.py).
         self.key_offset: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), positions, cos_sin)
 
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """qkv [T, q_size + 2 * kv_size] (the fused projection's output) -> [T, hidden]."""
         ctx = get_forward_context()
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k, v = k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim)
         cache = ctx.kv_caches[self.layer_idx]
         fused = getattr(ctx.backend, "forward_rope", None)  # RoPE + KV write in one kernel (Triton)
         if fused is not None and self.key_offset is None:
@@ -79,16 +68,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """gate_up_proj [2 * inter, hidden] (gate | up) and down_proj; DecoderLayer runs them fused with the norm."""
+
     def __init__(self, arch: ModelArch, ops: ModuleType) -> None:
         super().__init__()
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, ops)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, ops)
-        self.ops = ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # gate_up and the activation in one op (one GEMV launch at decode sizes); a tensor-parallel
-        # shard of gate_up is a plain matmul with the same [gate | up] layout, so this holds for it.
-        return self.down_proj(self.ops.linear_silu_and_mul(x, self.gate_up_proj.weight))
 
 
 class DecoderLayer(nn.Module):
@@ -103,15 +88,12 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The input norm runs fused with the qkv projection (one GEMV launch at decode sizes); a
-        # tensor-parallel shard of qkv is a plain matmul too, so this holds for it.
+        # Each norm fused with the projection after it (one GEMV launch at decode sizes where it pays).
         attn, ops = self.self_attn, self.ops
         qkv, residual = ops.rms_norm_linear(
             x, residual, self.input_layernorm.weight, self.input_layernorm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias
         )
         x = attn.attend(qkv, positions, cos_sin)
-        # The post-attention norm, gate_up and the activation in one launch where the GPU's tuned
-        # table says the fused norm pays (triton_gemv.norm_fuse_table); else the norm runs alone.
         ln = self.post_attention_layernorm
         x, residual = ops.rms_norm_linear_silu_and_mul(x, residual, ln.weight, ln.eps, self.mlp.gate_up_proj.weight)
         return self.mlp.down_proj(x), residual
@@ -122,24 +104,20 @@ class CausalLM(nn.Module):
 
     def __init__(self, arch: ModelArch, cos_sin_cache: torch.Tensor, ops: ModuleType = torch_ops) -> None:
         super().__init__()
-        self.arch = arch
-        self.ops = ops
+        self.arch, self.ops = arch, ops
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, ops) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
-        # Layers whose inputs (the residual stream entering layer i; layer 0's is the embeddings) are
-        # also returned, for EAGLE-3 heads (the states EAGLE-3 and vLLM take).
+        # Layers whose inputs (the residual stream entering layer i) are also returned, for EAGLE-3 heads.
         self.aux_hidden_layers: tuple[int, ...] = ()
         # Set by distributed/tp.py: a vocabulary-sharded head that computes and gathers the logits.
         self.logits_head: nn.Module | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """Returns hidden [T, hidden] (final-normed), or (hidden, [aux [T, hidden], ...])."""
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        aux: list[torch.Tensor] = []
+        x, residual, aux = self.embed_tokens(input_ids), None, []
         for i, layer in enumerate(self.layers):
             if i in self.aux_hidden_layers:
                 aux.append(x if residual is None else x + residual)
@@ -152,16 +130,13 @@ class CausalLM(nn.Module):
         if self.logits_head is not None:
             return self.logits_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        # ops.linear: the GEMV at decode sizes where the GPU's tuned table says it beats cuBLAS (the
-        # head is 10-15% of a small model's weight bytes per step).
         return self.ops.linear(hidden, weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the fused parameters. Returns the parameter names loaded."""
-        params = dict(self.named_parameters())
+        params, a = dict(self.named_parameters()), self.arch
         loaded: set[str] = set()
-        a = self.arch
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         fused = {
             "q_proj": ("qkv_proj", 0, q),
@@ -172,9 +147,7 @@ class CausalLM(nn.Module):
         }
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
             for part, (target, offset, size) in fused.items():
                 if f".{part}." in name:

@@ -1,8 +1,5 @@
-"""Load a model: HF safetensors dirs, GGUF files (via the gguf package), or dummy weights.
-
-Returns the model on its device plus what the engine needs beside it (tokenizer, chat
-template, architecture, an identity string used to key persisted KV blocks).
-"""
+"""Load a model (HF safetensors dir, GGUF file, or dummy weights) with its tokenizer, architecture and
+an identity string that keys persisted KV blocks."""
 
 from __future__ import annotations
 
@@ -35,9 +32,8 @@ class LoadedModel:
     name: str
     identity: str  # stable id of the weights (for keying persisted KV)
     max_model_len: int
-    # Tokens that also end generation, beyond config.json's eos_token_id: an HF dir's
-    # generation_config.json eos ids (as vLLM reads them), a GGUF's end-of-generation control tokens
-    # (as llama.cpp finds them). Qwen2.5's <|endoftext|> is one: GGUF files name only <|im_end|>.
+    # Tokens that also end generation beyond config.json's eos_token_id: an HF dir's
+    # generation_config.json eos ids, a GGUF's end-of-generation control tokens (as llama.cpp finds them).
     extra_eos_token_ids: tuple[int, ...] = ()
 
 
@@ -54,10 +50,9 @@ def load_model(
     hf_config = {**source.hf_config, **(cfg.hf_overrides or {})}
     arch = ModelArch.from_hf_config(hf_config)
     max_len = cfg.max_model_len or arch.max_position_embeddings
-    if cfg.max_model_len and cfg.max_model_len > arch.max_position_embeddings:
+    if max_len > arch.max_position_embeddings:
         raise ValueError(
-            f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings "
-            f"{arch.max_position_embeddings}."
+            f"max_model_len {max_len} exceeds the model's max_position_embeddings {arch.max_position_embeddings}."
         )
     with torch.device(device), _weights_left_unset():
         model = CausalLM(arch, rope_cos_sin_cache(arch, max_len, device), ops)
@@ -66,16 +61,9 @@ def load_model(
     if cfg.load_format == "dummy":
         _init_dummy(model, cfg.seed)
     else:
-        names = source.iter_weights()
-        it = tqdm(
-            names,
-            total=source.num_tensors,
-            desc=f"Loading {source.name}",
-            unit="tensor",
-            disable=not progress,
-            leave=False,
-        )
-        loaded = model.load_weights((n, t.to(device=device, dtype=dtype)) for n, t in it)
+        opts = dict(desc=f"Loading {source.name}", unit="tensor", disable=not progress, leave=False)
+        bar = tqdm(source.iter_weights(), total=source.num_tensors, **opts)
+        loaded = model.load_weights((n, t.to(device=device, dtype=dtype)) for n, t in bar)
         missing = sorted({name for name, _ in model.named_parameters()} - loaded)
         if missing:  # (left unset, they would hold whatever the allocator gave)
             raise ValueError(
@@ -83,26 +71,16 @@ def load_model(
                 f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}."
             )
     model.eval().requires_grad_(False)
-    tokenizer = source.tokenizer(cfg.tokenizer)
+    tokenizer, name = source.tokenizer(cfg.tokenizer), cfg.served_model_name or source.name
     return LoadedModel(
-        model,
-        arch,
-        hf_config,
-        tokenizer,
-        cfg.served_model_name or source.name,
-        source.identity,
-        max_len,
-        source.end_of_generation_ids(),
+        model, arch, hf_config, tokenizer, name, source.identity, max_len, source.end_of_generation_ids()
     )
 
 
 @contextmanager
 def _weights_left_unset() -> Iterator[None]:
-    """Modules made inside allocate their weights without drawing them: nn.Linear and nn.Embedding draw
-    random ones when made (kaiming / normal init), and every one is then overwritten, by the checkpoint's
-    or by the dummy weights. On this project's 2-core CPU machine the draws took 24 of the 69 s that
-    Qwen2.5-Coder-1.5B (GGUF Q4_K_M) took to load. load_model checks that a checkpoint filled every
-    parameter."""
+    """nn.Linear / nn.Embedding made inside skip their random init (slow on a CPU, and every weight is
+    overwritten by the checkpoint or dummy weights; load_model checks none is left unset)."""
     linear, embedding = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
     nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
     try:
@@ -123,7 +101,7 @@ def _init_dummy(model: CausalLM, seed: int) -> None:
 
 
 class WeightSource:
-    """Where weights, config and tokenizer come from."""
+    """Where weights, config and tokenizer come from; the base class is a dummy shape (no weights)."""
 
     def __init__(self, name: str, hf_config: dict[str, Any], identity: str) -> None:
         self.name, self.hf_config, self.identity = name, hf_config, identity
@@ -132,34 +110,37 @@ class WeightSource:
     @staticmethod
     def open(cfg: ModelConfig) -> WeightSource:
         if cfg.load_format == "dummy" and cfg.model in SHAPES:
-            return _ShapeSource(cfg.model)
+            return WeightSource(cfg.model, dict(SHAPES[cfg.model]), f"dummy:{cfg.model}")
         path = Path(cfg.model).expanduser()
         if (path / "config.json").is_file():
-            return _HFDirSource(path.name, path)._check_format(cfg.load_format, "safetensors")
-        from specserve.model.catalog import resolve_model
+            source: WeightSource = _HFDirSource(path.name, path)
+        else:
+            from specserve.model.catalog import resolve_model
 
-        resolved = resolve_model(cfg.model)
-        if resolved.kind == "gguf":
-            return _GGUFSource(resolved.name, Path(resolved.path))._check_format(cfg.load_format, "gguf")
-        return _HFDirSource(resolved.name, Path(resolved.path))._check_format(cfg.load_format, "safetensors")
-
-    def _check_format(self, load_format: str, kind: str) -> WeightSource:
-        """An explicit load_format must be what the model reference holds (vLLM refuses a mismatch too)."""
-        if load_format in ("safetensors", "gguf") and load_format != kind:
+            resolved = resolve_model(cfg.model)
+            cls = _GGUFSource if resolved.kind == "gguf" else _HFDirSource
+            source = cls(resolved.name, Path(resolved.path))
+        # An explicit load_format must be what the reference holds (vLLM refuses a mismatch too).
+        kind = "gguf" if isinstance(source, _GGUFSource) else "safetensors"
+        if cfg.load_format in ("safetensors", "gguf") and cfg.load_format != kind:
             raise ValueError(
-                f"load_format {load_format!r} does not match model {self.name!r}, which is {kind}; "
+                f"load_format {cfg.load_format!r} does not match model {source.name!r}, which is {kind}; "
                 f"use load_format 'auto' or '{kind}'."
             )
-        return self
+        return source
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         raise ValueError(f"{self.name} has no weights; use load_format='dummy'.")
 
     def tokenizer(self, override: str | None) -> Any | None:
-        if override:
-            from transformers import AutoTokenizer
+        """The tokenizer: `override` (a path or HF id) if given, else the model's own (None: token ids only)."""
+        if not override:
+            return self._own_tokenizer()
+        from transformers import AutoTokenizer
 
-            return AutoTokenizer.from_pretrained(override)
+        return AutoTokenizer.from_pretrained(override)
+
+    def _own_tokenizer(self) -> Any | None:
         return None
 
     def end_of_generation_ids(self) -> tuple[int, ...]:
@@ -167,28 +148,18 @@ class WeightSource:
         return ()
 
 
-class _ShapeSource(WeightSource):
-    def __init__(self, name: str) -> None:
-        super().__init__(name, dict(SHAPES[name]), f"dummy:{name}")
-
-
 class _HFDirSource(WeightSource):
     def __init__(self, name: str, path: Path) -> None:
-        cfg = json.loads((path / "config.json").read_text())
-        files = sorted(path.glob("*.safetensors"))
+        self.path, self.files = path, sorted(path.glob("*.safetensors"))
         digest = hashlib.sha256()
-        for f in files:
-            st = f.stat()
-            digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-        super().__init__(name, cfg, f"hf:{name}:{digest.hexdigest()[:16]}")
-        self.path, self.files = path, files
+        for f in self.files:
+            digest.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+        config = json.loads((path / "config.json").read_text())
+        super().__init__(name, config, f"hf:{name}:{digest.hexdigest()[:16]}")
 
     def end_of_generation_ids(self) -> tuple[int, ...]:
-        gen = self.path / "generation_config.json"
-        if not gen.is_file():
-            return ()
         try:
-            eos = json.loads(gen.read_text()).get("eos_token_id")
+            eos = json.loads((self.path / "generation_config.json").read_text()).get("eos_token_id")
         except (OSError, ValueError):
             return ()
         ids = eos if isinstance(eos, list) else [eos]
@@ -208,9 +179,8 @@ class _HFDirSource(WeightSource):
     def tokenizer(self, override: str | None) -> Any | None:
         from transformers import AutoTokenizer
 
-        path = override or self.path
         try:
-            return AutoTokenizer.from_pretrained(str(path))
+            return AutoTokenizer.from_pretrained(str(override or self.path))
         except (OSError, ValueError):
             return None
 
@@ -219,10 +189,8 @@ class _GGUFSource(WeightSource):
     def __init__(self, name: str, path: Path) -> None:
         from specserve.model.gguf_loader import read_gguf
 
-        self.ckpt = read_gguf(path)
-        st = path.stat()
-        super().__init__(name, dict(self.ckpt.config), f"gguf:{path.name}:{st.st_size}")
-        self.path = path
+        self.path, self.ckpt = path, read_gguf(path)
+        super().__init__(name, dict(self.ckpt.config), f"gguf:{path.name}:{path.stat().st_size}")
         self.num_tensors = len(self.ckpt.tensor_names())  # sizes the loading progress bar
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -233,9 +201,7 @@ class _GGUFSource(WeightSource):
 
         return end_of_generation_ids(self.ckpt.metadata)
 
-    def tokenizer(self, override: str | None) -> Any | None:
-        if override:
-            return super().tokenizer(override)
+    def _own_tokenizer(self) -> Any | None:
         from specserve.model.gguf_loader import load_gguf_tokenizer
 
         return load_gguf_tokenizer(self.path)

@@ -1,6 +1,4 @@
-"""The GEMV's Triton kernel (`_gemv_kernel`) and its single-tile body (`_single_tile`). What it
-computes, its fusions, rounding and tiles: triton_gemv.py, which launches it and picks its tiles.
-"""
+"""The GEMV's Triton kernel (`_gemv_kernel`); triton_gemv.py launches it and says what it computes."""
 
 from __future__ import annotations
 
@@ -54,8 +52,7 @@ def _single_tile(
     offs_m = tl.arange(0, BLOCK_M)
     k_ok = offs_k < K
     w_mask = n_ok[:, None] & k_ok[None, :]
-    # PREFETCH: every weight load of the program is issued before the PDL wait (no kernel writes
-    # weights), so the whole tile streams in while the previous kernel finishes.
+    # PREFETCH: all weight loads before the PDL wait (no kernel writes weights).
     if PREFETCH:
         w, w_up, norm_w = _load_weights(w_rows, up_rows, norm_w_ptr, offs_k, w_mask, k_ok, SILU_OUT, RMS_NORM)
         pdl_prologue(USE_PDL)
@@ -71,8 +68,7 @@ def _single_tile(
         ok = k_ok & (m < M)
         xr = tl.load(x_ptr + m * stride_xm + offs_k, mask=ok, other=0.0)
         if RMS_NORM:
-            # The whole row is in registers: its 1/rms comes from this tile, no pre-pass over x.
-            # Rounding as ops.rms_norm: the sum, the normalized row, then the weight's product.
+            # The whole row is in this tile: no pre-pass for 1/rms. Rounding as ops.rms_norm.
             if HAS_RESIDUAL:
                 r = tl.load(res_ptr + m * stride_rm + offs_k, mask=ok, other=0.0)
                 xr = (xr.to(tl.float32) + r.to(tl.float32)).to(xr.dtype)
@@ -153,9 +149,7 @@ def _gemv_kernel(
             PREFETCH,
         )
     else:
-        # PREFETCH: each weight tile is requested one step ahead (a loop-carried load), and the first
-        # one before waiting for the previous kernel (PDL): no kernel writes weights, so those loads
-        # overlap its tail instead of starting after it.
+        # PREFETCH: each weight tile loaded one step ahead, the first before the PDL wait.
         if PREFETCH:
             offs_k = tl.arange(0, BLOCK_K)
             w_mask = n_ok[:, None] & (offs_k < K)[None, :]
@@ -164,9 +158,8 @@ def _gemv_kernel(
             if SILU_OUT:
                 w_up_next = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0)
         pdl_prologue(USE_PDL)
-        # RMS_NORM: x rows are normalized first (ops.rms_norm, residual added before). Every program
-        # needs each row's 1/rms: a pre-pass over the row (a few KB, from L2). Program 0 alone writes
-        # the new residual x + residual; all programs read the old one, so nothing races.
+        # RMS_NORM: a pre-pass for each row's 1/rms; program 0 alone writes the new residual (all
+        # programs read the old one, so nothing races).
         inv = tl.zeros([BLOCK_M], tl.float32)
         if RMS_NORM:
             for m in tl.static_range(BLOCK_M):
@@ -207,7 +200,7 @@ def _gemv_kernel(
                 row_ok = m < M
                 x_row = x_ptr + m * stride_xm
                 if RMS_NORM:
-                    # Rounding as ops.rms_norm: the sum, the normalized row, then the weight's product.
+                    # Rounding as ops.rms_norm.
                     xr = tl.load(x_row + offs_k, mask=k_ok & row_ok, other=0.0)
                     if HAS_RESIDUAL:
                         r = tl.load(res_ptr + m * stride_rm + offs_k, mask=k_ok & row_ok, other=0.0)
@@ -221,5 +214,4 @@ def _gemv_kernel(
                 acc = tl.where(is_m, acc + tl.sum(w * xv[None, :], 1)[None, :], acc)
                 if SILU_OUT:
                     acc_up = tl.where(is_m, acc_up + tl.sum(w_up * xv[None, :], 1)[None, :], acc_up)
-    # Bias, (silu(gate) * up,) one rounding, the masked store: the skinny GEMM's epilogue, same roundings.
     _store_out(acc, acc_up, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, SILU_OUT)

@@ -1,7 +1,4 @@
-"""Torch twins of the fused GPU ops: RMSNorm (+ residual add), rotary embedding, linear layers.
-
-These are the CPU path and the oracle for `triton_ops.py`; signatures are shared.
-"""
+"""Torch twins of the fused GPU ops (triton_ops.py, same signatures): the CPU path and the test oracle."""
 
 from __future__ import annotations
 
@@ -14,8 +11,7 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [num_tokens, hidden]. With a residual: returns (norm(x + residual), x + residual)."""
     if residual is not None:
-        x = x + residual
-        residual = x
+        x = residual = x + residual
     x32 = x.float()
     out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
     return out if residual is None else (out, residual)
@@ -24,14 +20,10 @@ def rms_norm(
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style (rotate halves) RoPE, as HF Llama/Qwen2.
-
-    q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim];
-    positions: [num_tokens] int64; cos_sin_cache: [max_positions, head_dim] float32 (cos | sin halves).
-    """
-    cos_sin = cos_sin_cache.index_select(0, positions)  # [T, D]
-    cos, sin = cos_sin.chunk(2, dim=-1)  # [T, D/2] each
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    """Neox-style (rotate halves) RoPE, as HF Llama/Qwen2. q: [num_tokens, num_heads, head_dim];
+    k: [num_tokens, num_kv_heads, head_dim]; positions: [num_tokens] int64;
+    cos_sin_cache: [max_positions, head_dim] float32 (cos | sin halves)."""
+    cos, sin = cos_sin_cache.index_select(0, positions)[:, None, :].chunk(2, dim=-1)  # [T, 1, D/2] each
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.float().chunk(2, dim=-1)
@@ -43,7 +35,7 @@ def apply_rope(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, 2 * intermediate] (gate | up) -> silu(gate) * up, [num_tokens, intermediate]."""
     gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    return F.silu(gate) * up
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,6 +48,13 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(F.linear(x, weight))
 
 
+def unfused_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, rms_norm=rms_norm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x (+ residual)), the new residual: x + residual, or x itself without one)."""
+    return (rms_norm(x, norm_weight, eps), x) if residual is None else rms_norm(x, norm_weight, eps, residual)
+
+
 def rms_norm_linear(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -64,21 +63,15 @@ def rms_norm_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A norm and the projection after it: (rms_norm(x (+ residual)) @ weight^T (+ bias), the new
-    residual: x + residual, or x itself when there is none (a model's first layer))."""
-    if residual is None:
-        return F.linear(rms_norm(x, norm_weight, eps), weight, bias), x
-    h, residual = rms_norm(x, norm_weight, eps, residual)
+    """A norm and the projection after it: (rms_norm(x (+ residual)) @ weight^T (+ bias), new residual)."""
+    h, residual = unfused_norm(x, residual, norm_weight, eps)
     return F.linear(h, weight, bias), residual
 
 
 def rms_norm_linear_silu_and_mul(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The post-attention norm, gate_up and the MLP's activation: (silu_and_mul(rms_norm(x (+ residual))
-    @ weight^T) [T, inter], the new residual: x + residual, or x itself when there is none);
-    weight [2 * inter, in] (gate | up)."""
-    if residual is None:
-        return silu_and_mul(F.linear(rms_norm(x, norm_weight, eps), weight)), x
-    h, residual = rms_norm(x, norm_weight, eps, residual)
+    """The post-attention norm, gate_up and activation: (silu_and_mul(rms_norm(x (+ residual)) @ weight^T)
+    [T, inter], new residual); weight [2 * inter, in] (gate | up)."""
+    h, residual = unfused_norm(x, residual, norm_weight, eps)
     return silu_and_mul(F.linear(h, weight)), residual

@@ -1,22 +1,13 @@
-"""Small-batch linear layers (GEMV) in Triton: y = act(x) W^T (+ b) for 1 to GEMV_MAX_M rows.
+"""Small-batch linear layers (GEMV) in Triton: y = act(x) W^T (+ b) for 1 to GEMV_MAX_M rows, bound
+by reading W: each program owns BLOCK_N output features for every row of x (fp32 accumulation, bias in
+the epilogue, no split-K). Fusions: `rms_norm_linear` (residual add + RMSNorm before qkv),
+`linear_silu_and_mul` (the activation after gate_up), both for the post-attention norm.
 
-At batch 1 a decode step is bound by reading the weights. This kernel streams W once: each program
-owns BLOCK_N output features (whole rows of W) for every row of x, accumulates in fp32 and adds the
-bias in the epilogue; no split-K, so one launch. Where BLOCK_K >= K one tile covers the reduction
-and, with PREFETCH, every weight load is issued before the PDL wait (no kernel writes weights).
-
-Tiles come from a per-GPU table written by bench/gemv_tune.py (`gemv_configs/<device name>.json`):
-"N,K,M" (M rounded up to a power of two) -> [BLOCK_N, BLOCK_K, num_warps], [0, 0, 0] where cuBLAS
-won; "prefetch", "norm_fuse" and "skinny" say per shape where the early loads, a fused norm and the
-tensor-core skinny GEMM (triton_skinny.py) won. Untuned shapes use a heuristic up to
-GEMV_UNTUNED_MAX_M rows. A fixed table (no autotuning at start) keeps the kernels, hence the bf16
-rounding and greedy output, the same from one start to the next.
-
-Fusions, one launch fewer each: `rms_norm_linear` (residual add + RMSNorm, rounded as
-`ops.rms_norm`, as the qkv projection's prologue), `linear_silu_and_mul` (the MLP's activation as
-gate_up's epilogue: a program owns the same features of gate and up), and both for the
-post-attention norm. Only bfloat16 / float16 with M <= GEMV_MAX_M on CUDA take this path; the rest
-goes to `torch.nn.functional.linear`, the reference (twin: `ops.linear`).
+Tiles come from a fixed per-GPU table (`gemv_configs/<device name>.json`; fixed, so rounding and greedy
+output are the same from one start to the next): "configs" "N,K,M" (M rounded up to a power of two) ->
+[BLOCK_N, BLOCK_K, num_warps] ([0, 0, 0]: cuBLAS won); "prefetch", "norm_fuse" and "skinny" say per
+shape where early loads, a fused norm and the skinny GEMM (triton_skinny.py) won. Untuned shapes use
+a heuristic up to GEMV_UNTUNED_MAX_M rows. Everything else goes to F.linear (twin: `ops.linear`).
 """
 
 from __future__ import annotations
@@ -35,86 +26,64 @@ from specserve.kernels.device import num_sms
 from specserve.kernels.pdl import use_pdl
 from specserve.model.layers import triton_skinny
 from specserve.model.layers.gemv_kernel import _gemv_kernel
+from specserve.model.layers.ops import unfused_norm
 from specserve.model.layers.triton_skinny import SkinnyConfig
 
-# Rows of x up to which the GEMV may run (batch 1-8 decode, a batch-1 verify of k <= 7): every row
-# costs CUDA-core FMAs, so past GEMV_UNTUNED_MAX_M rows only shapes the tuned table picks take it.
+# Rows up to which the GEMV may run; past GEMV_UNTUNED_MAX_M only shapes the tuned table picks.
 GEMV_MAX_M = 8
 GEMV_UNTUNED_MAX_M = 4
 _BLOCK_K = 512  # 1 KB of bf16 per weight row per step: 16-byte loads across 4 warps
 _MAX_BLOCK_N = 16
-# Without a tuned "norm_fuse" entry, the norm is fused only into projections with N <= this * K
-# (qkv, not gate_up): see `_norm_tiles`.
-NORM_FUSE_MAX_WIDTH = 4
-# Without a tuned "prefetch" entry, the one-step-ahead weight loads only where K is at most this:
-# longer loops Triton pipelines better by itself.
-PREFETCH_MAX_K = 2048
-
-
+NORM_FUSE_MAX_WIDTH = 4  # untuned: the norm is fused only into projections with N <= this * K (`_norm_tiles`)
+PREFETCH_MAX_K = 2048  # untuned: early weight loads only for K up to this (Triton pipelines longer loops)
+_SKINNY_KINDS = (("plain", "skinny"), ("silu", "skinny_silu"))
 CONFIG_DIR = Path(__file__).resolve().parent / "gemv_configs"
 
 
 class NormFuse(NamedTuple):
-    """A tuned table's word on one norm + projection: whether the fused launch measured faster than
-    the norm kernel and the projection apart, and the tiles it was measured with (None: the
+    """Whether the fused norm + projection measured faster than apart, and its tiles (None: the
     projection's own entry, halved for a silu epilogue)."""
 
     fuse: bool
     tiles: tuple[int, int, int] | None
 
 
-def _table_file(device_name: str) -> dict:
+@functools.lru_cache(maxsize=8)
+def _tables(device_name: str) -> dict[str, dict]:
+    """A GPU's tuned tables (its `torch.cuda.get_device_name()`), each {} without a measured table."""
     path = CONFIG_DIR / f"{device_name.replace(' ', '_')}.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    get, fuse_tiles = lambda name: raw.get(name, {}).items(), raw.get("norm_fuse_tiles", {})
+    return {
+        "configs": {key: tuple(value) for key, value in get("configs")},
+        "norm_fuse": {
+            k: NormFuse(bool(fuse), tuple(fuse_tiles[k]) if k in fuse_tiles else None) for k, fuse in get("norm_fuse")
+        },
+        "skinny": {kind: {k: SkinnyConfig(*v) for k, v in get(name)} for kind, name in _SKINNY_KINDS},
+        "prefetch": {key: bool(value) for key, value in get("prefetch")},
+    }
 
 
-@functools.lru_cache(maxsize=8)
 def config_table(device_name: str) -> dict[str, tuple[int, int, int]]:
-    """The tuned tiles for a GPU (its `torch.cuda.get_device_name()`), {} when none were measured."""
-    return {key: tuple(value) for key, value in _table_file(device_name).get("configs", {}).items()}
+    """The JSON's "configs": "N,K,M" -> (BLOCK_N, BLOCK_K, num_warps), (0, 0, 0) where cuBLAS won."""
+    return _tables(device_name)["configs"]
 
 
-@functools.lru_cache(maxsize=8)
 def norm_fuse_table(device_name: str) -> dict[str, NormFuse]:
-    """The tuned norm fusions for a GPU, {} when none were measured (older tables have none).
-    In the JSON: "norm_fuse" {"N,K,M": true | false} (weight [N, K]: for gate_up N = 2 * inter) and
-    "norm_fuse_tiles" {"N,K,M": [BLOCK_N, BLOCK_K, num_warps]} for the true ones, as `_launch` takes
-    them (with a silu epilogue BLOCK_N counts the gate's rows, as in `linear_silu_and_mul`)."""
-    table = _table_file(device_name)
-    tiles = table.get("norm_fuse_tiles", {})
-    return {
-        key: NormFuse(bool(fuse), tuple(tiles[key]) if key in tiles else None)
-        for key, fuse in table.get("norm_fuse", {}).items()
-    }
+    """The JSON's "norm_fuse" {"N,K,M": bool} (for gate_up N = 2 * inter) with "norm_fuse_tiles" [BLOCK_N, BLOCK_K,
+    num_warps] as `_launch` takes them (BLOCK_N counting the gate's rows with a silu epilogue)."""
+    return _tables(device_name)["norm_fuse"]
 
 
-@functools.lru_cache(maxsize=8)
 def skinny_table(device_name: str) -> dict[str, dict[str, SkinnyConfig]]:
-    """Where the tensor-core skinny GEMM (triton_skinny.py) measured faster than both the GEMV and
-    cuBLAS: {"plain": {"N,K,M": SkinnyConfig}, "silu": {...}}, from the JSON's "skinny" and
-    "skinny_silu" objects ("N,K,M" -> [block_n, block_k, split_k, num_warps, num_stages]; for silu N is
-    the [gate | up] weight's rows and block_n counts each half's features). Written by
-    bench/skinny_bench.py --write; {} each without one."""
-    table = _table_file(device_name)
-    return {
-        kind: {key: SkinnyConfig(*value) for key, value in table.get(name, {}).items()}
-        for kind, name in (("plain", "skinny"), ("silu", "skinny_silu"))
-    }
+    """Where the skinny GEMM beat the GEMV and cuBLAS: {"plain" | "silu": {"N,K,M": SkinnyConfig}} from
+    "skinny" / "skinny_silu" (for silu N is the [gate | up] rows, block_n counts each half's)."""
+    return _tables(device_name)["skinny"]
 
 
-@functools.lru_cache(maxsize=8)
 def prefetch_table(device_name: str) -> dict[str, bool]:
-    """Where the tuner measured the early weight loads (PREFETCH) on or off for a shape's tuned tiles:
-    "prefetch" {"N,K,M": true | false} in the JSON (weight [N, K]); {} without one (older tables)."""
-    return {key: bool(value) for key, value in _table_file(device_name).get("prefetch", {}).items()}
-
-
-def clear_tables() -> None:
-    """Forget the tables read so far (bench/gemv_tune.py after writing one)."""
-    prefetch_table.cache_clear()
-    config_table.cache_clear()
-    norm_fuse_table.cache_clear()
-    skinny_table.cache_clear()
+    """The JSON's "prefetch" {"N,K,M": bool}: whether early weight loads (PREFETCH) won for the tuned tiles."""
+    return _tables(device_name)["prefetch"]
 
 
 def config_key(n: int, k: int, m: int) -> str:
@@ -128,17 +97,13 @@ def _device_name(device: torch.device) -> str:
 
 def tile_config(n: int, k: int, m: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [n, k]^T product; BLOCK_N 0 means use cuBLAS."""
-    tuned = config_table(_device_name(device)).get(config_key(n, k, m))
-    if tuned is not None:
+    if (tuned := config_table(_device_name(device)).get(config_key(n, k, m))) is not None:
         return tuned
-    if m > GEMV_UNTUNED_MAX_M:
-        return 0, 0, 0
-    return block_n_for(n, num_sms(device)), _BLOCK_K, 4
+    return (0, 0, 0) if m > GEMV_UNTUNED_MAX_M else (block_n_for(n, num_sms(device)), _BLOCK_K, 4)
 
 
 def block_n_for(n: int, num_sms: int) -> int:
-    """Output features per program: the largest power of two <= 16 that still gives >= 2 programs
-    per SM (so no SM idles on a short matrix), at least 1."""
+    """Output features per program: the largest power of two <= 16 giving >= 2 programs per SM, or 1."""
     block = _MAX_BLOCK_N
     while block > 1 and triton.cdiv(n, block) < 2 * num_sms:
         block //= 2
@@ -147,40 +112,20 @@ def block_n_for(n: int, num_sms: int) -> int:
 
 def gemv_max_m() -> int:
     """GEMV_MAX_M, or SPECSERVE_GEMV_MAX_M (0 turns the GEMV off: benchmarks compare with cuBLAS)."""
-    override = envs.gemv_max_m()
-    return GEMV_MAX_M if override is None else override
+    return GEMV_MAX_M if (override := envs.gemv_max_m()) is None else override
 
 
-def _gemv_ok(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
-    """Whether the GEMV may take x [M, k] @ weight^T at all: at most gemv_max_m() rows, bf16/fp16 on
-    CUDA (or the interpreter), both with a contiguous last dim."""
-    return (
-        (x.is_cuda or envs.triton_interpret())
-        and x.dim() == 2
-        and 0 < x.shape[0] <= gemv_max_m()
-        and weight.dim() == 2
-        and weight.shape[1] == k
-        and x.dtype == weight.dtype
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and x.stride(-1) == 1
-        and weight.stride(-1) == 1
-    )
-
-
-def _tiles(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[int, int, int] | None:
-    """The GEMV's (BLOCK_N, BLOCK_K, num_warps) for x [M, k] @ weight^T, or None where cuBLAS runs:
-    not `_gemv_ok`, or a table entry saying cuBLAS won."""
-    if not _gemv_ok(x, weight, k):
+def _tiles(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int] | None:
+    """The GEMV's (BLOCK_N, BLOCK_K, num_warps) for x [M, K] @ weight^T, or None where cuBLAS runs."""
+    if not triton_skinny.supports(x, weight, gemv_max_m()):
         return None
-    tiles = tile_config(weight.shape[0], k, x.shape[0], x.device)
+    tiles = tile_config(weight.shape[0], x.shape[1], x.shape[0], x.device)
     return tiles if tiles[0] > 0 else None
 
 
 def _silu_tiles(tiles: tuple[int, int, int]) -> tuple[int, int, int]:
-    """Tiles tuned for the plain [2N, K] product, for its silu epilogue: a program then reads BLOCK_N
-    rows of gate and BLOCK_N of up, so BLOCK_N is halved to match."""
-    block_n, block_k, num_warps = tiles
-    return max(1, block_n // 2), block_k, num_warps
+    """Tiles tuned for the plain [2N, K] product, BLOCK_N halved for a silu epilogue (gate and up rows)."""
+    return max(1, tiles[0] // 2), tiles[1], tiles[2]
 
 
 def _launch(
@@ -191,66 +136,35 @@ def _launch(
     silu_out: bool = False,
     norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns (out [M, N], the new residual [M, K] when `norm` = (weight, eps, residual) has one).
-    tiles: (BLOCK_N, BLOCK_K, num_warps), from `_tiles` (or bench/gemv_tune.py's sweep); BLOCK_K >= K
-    takes the single-tile path (the norm from the same tile, no pre-pass over x).
-    silu_out: weight is [2N, K] (gate | up) and out is silu(gate) * up; it combines with `norm`."""
-    m = x.shape[0]
-    n, k = weight.shape
-    if silu_out:
-        n //= 2
+    """(out [M, N], the new residual [M, K] when `norm` = (weight, eps, residual) has one). BLOCK_K >= K
+    takes the single-tile path; silu_out: weight is [2N, K] (gate | up), out silu(gate) * up."""
+    (m, k), n = x.shape, weight.shape[0] // (2 if silu_out else 1)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     norm_w, eps, residual = norm if norm is not None else (None, 0.0, None)
     res_out = None if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps = tiles
     pdl = use_pdl(x)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x,
-        weight,
-        weight if bias is None else bias,
-        out,
-        x if residual is None else residual,
-        x if res_out is None else res_out,
-        weight if norm_w is None else norm_w,
-        m,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        0 if residual is None else residual.stride(0),
-        0 if res_out is None else res_out.stride(0),
-        eps,
-        HAS_BIAS=bias is not None,
-        SILU_OUT=silu_out,
-        RMS_NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None,
-        BLOCK_M=triton.next_power_of_2(m),
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=num_warps,
-        USE_PDL=pdl,
-        launch_pdl=pdl,
-        PREFETCH=_prefetch(weight.shape[0], k, m, x.device),
-        SINGLE_TILE=block_k >= k,
-    )
+    args = (x, weight, weight if bias is None else bias, out, x if residual is None else residual)
+    args += (x if res_out is None else res_out, weight if norm_w is None else norm_w, m, n, k)
+    args += (x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0))
+    args += (0 if res_out is None else res_out.stride(0), eps)
+    flags = dict(HAS_BIAS=bias is not None, SILU_OUT=silu_out, RMS_NORM=norm is not None)
+    flags.update(HAS_RESIDUAL=residual is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n)
+    flags.update(BLOCK_K=block_k, PREFETCH=_prefetch(weight.shape[0], k, m, x.device), SINGLE_TILE=block_k >= k)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](*args, **flags, num_warps=num_warps, USE_PDL=pdl, launch_pdl=pdl)
     return out, res_out
 
 
 def _prefetch(n: int, k: int, m: int, device: torch.device) -> bool:
-    """Whether the GEMV requests its weights early (the next tile one loop step ahead; a single tile
-    all before the PDL wait) for weight [n, k] and m rows: the tuned table's word for this shape
-    (`prefetch_table`), else for short reductions (K <= PREFETCH_MAX_K)."""
+    """Whether the GEMV loads weights early for weight [n, k] and m rows: the table's word, else K <= PREFETCH_MAX_K."""
     tuned = prefetch_table(_device_name(device)).get(config_key(n, k, m))
-    return tuned if tuned is not None else k <= PREFETCH_MAX_K
+    return k <= PREFETCH_MAX_K if tuned is None else tuned
 
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor, kind: str) -> SkinnyConfig | None:
-    """The skinny GEMM's tiles for x [M, K] @ weight^T where the tuned table picks it ("plain" or
-    "silu"), else None. Speculative verification (k + 1 rows) and batch 2-16 decode take it."""
+    """The skinny GEMM's tiles for x [M, K] @ weight^T where the tuned table ("plain" / "silu") picks it."""
     if x.dim() != 2 or not (x.is_cuda or envs.triton_interpret()):
         return None
-    # The table first: every linear of a step asks, and a GPU without skinny entries answers here.
     entries = skinny_table(_device_name(x.device))[kind]
     if not entries or not triton_skinny.supports(x, weight):
         return None
@@ -258,25 +172,24 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, kind: str) -> SkinnyConfig | 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N]: the skinny GEMM where the table picks it,
-    else the GEMV for small M, else cuBLAS."""
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N]: the skinny GEMM, the GEMV or cuBLAS."""
     skinny = _skinny(x, weight, "plain")
     if skinny is not None and (bias is None or bias.dtype == x.dtype):
         return triton_skinny.skinny_linear(x, weight, bias, config=skinny)
-    tiles = _tiles(x, weight, x.shape[-1])
+    tiles = _tiles(x, weight)
     if tiles is None or (bias is not None and bias.dtype != x.dtype):
         return F.linear(x, weight, bias)
     return _launch(x, weight, bias, tiles)[0]
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, silu_and_mul) -> torch.Tensor:
-    """silu_and_mul(x @ weight^T): weight [2 * inter, K] (gate | up), x [M, K] -> [M, inter].
-    `silu_and_mul` is the unfused activation for shapes the GEMV does not take."""
+    """silu_and_mul(x @ weight^T): weight [2 * inter, K] (gate | up), x [M, K] -> [M, inter];
+    `silu_and_mul` is the unfused activation for other shapes."""
     even = weight.dim() == 2 and weight.shape[0] % 2 == 0
     skinny = _skinny(x, weight, "silu") if even else None
     if skinny is not None:
         return triton_skinny.skinny_linear_silu_and_mul(x, weight, config=skinny)
-    tiles = _tiles(x, weight, x.shape[-1]) if even else None
+    tiles = _tiles(x, weight) if even else None
     if tiles is None:
         return silu_and_mul(F.linear(x, weight))
     return _launch(x, weight, None, _silu_tiles(tiles), silu_out=True)[0]
@@ -285,12 +198,11 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, silu_and_mul) -> 
 def _norm_tiles(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor, silu_out: bool
 ) -> tuple[int, int, int] | None:
-    """The fused norm + projection's tiles for x [M, K] @ weight^T, or None where the norm runs as its
-    own kernel. The tuned table's "norm_fuse" entry decides where it has one. Without one: only
-    projections with N <= NORM_FUSE_MAX_WIDTH * K, since every program of the multi-tile path re-reads
-    x for its norm (cheap for qkv, more bytes than the weight for the many narrow programs of gate_up)."""
+    """The fused norm + projection's tiles for x [M, K] @ weight^T, or None where the norm runs apart: the
+    table's "norm_fuse" entry decides, else only N <= NORM_FUSE_MAX_WIDTH * K (every program of the
+    multi-tile path re-reads x for its norm: cheap for qkv, not for gate_up's many narrow programs)."""
     ok = (
-        _gemv_ok(x, weight, x.shape[-1])
+        triton_skinny.supports(x, weight, gemv_max_m())
         and norm_weight.dtype == x.dtype
         and norm_weight.is_contiguous()
         and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape and residual.stride(-1) == 1))
@@ -303,17 +215,8 @@ def _norm_tiles(
         return None
     if entry is not None and entry.tiles is not None:
         return entry.tiles
-    tiles = _tiles(x, weight, k)
+    tiles = _tiles(x, weight)
     return None if tiles is None else (_silu_tiles(tiles) if silu_out else tiles)
-
-
-def _unfused_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, rms_norm
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x (+ residual)), the new residual: x + residual, or x itself without one)."""
-    if residual is None:
-        return rms_norm(x, norm_weight, eps), x
-    return rms_norm(x, norm_weight, eps, residual)
 
 
 def rms_norm_linear(
@@ -325,13 +228,11 @@ def rms_norm_linear(
     bias: torch.Tensor | None,
     rms_norm,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoder layer's norm and the projection after it in one launch for a few rows:
-    h = rms_norm(x (+ residual)) [M, K]; returns (h @ weight^T (+ bias) [M, N], the new residual:
-    x + residual, or x itself without one). `rms_norm` is the unfused norm for other shapes, and
-    for those where the norm does not pay (`_norm_tiles`)."""
+    """(rms_norm(x (+ residual)) @ weight^T (+ bias) [M, N], the new residual [M, K]) in one launch where
+    `_norm_tiles` allows; else `rms_norm` (the unfused norm) and `linear`."""
     tiles = _norm_tiles(x, residual, norm_weight, weight, silu_out=False)
     if tiles is None or (bias is not None and bias.dtype != x.dtype):
-        h, residual = _unfused_norm(x, residual, norm_weight, eps, rms_norm)
+        h, residual = unfused_norm(x, residual, norm_weight, eps, rms_norm)
         return linear(h, weight, bias), residual
     out, res_out = _launch(x, weight, bias, tiles, norm=(norm_weight, eps, residual))
     return out, (x if res_out is None else res_out)
@@ -346,14 +247,11 @@ def rms_norm_linear_silu_and_mul(
     rms_norm,
     silu_and_mul,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The post-attention norm, gate_up and the MLP's activation in one launch for a few rows:
-    h = rms_norm(x (+ residual)) [M, K]; returns (silu_and_mul(h @ weight^T) [M, inter], the new
-    residual [M, K]), weight [2 * inter, K] (gate | up). Where the fusion is not possible or the
-    tuned table does not say it pays (`_norm_tiles`), the norm runs apart (`rms_norm`) and then
-    `linear_silu_and_mul` (`silu_and_mul` being its unfused activation)."""
+    """(silu_and_mul(rms_norm(x (+ residual)) @ weight^T) [M, inter], the new residual [M, K]), weight
+    [2 * inter, K] (gate | up), in one launch where `_norm_tiles` allows; else the unfused ops."""
     tiles = _norm_tiles(x, residual, norm_weight, weight, silu_out=True)
     if tiles is None:
-        h, residual = _unfused_norm(x, residual, norm_weight, eps, rms_norm)
+        h, residual = unfused_norm(x, residual, norm_weight, eps, rms_norm)
         return linear_silu_and_mul(h, weight, silu_and_mul), residual
     out, res_out = _launch(x, weight, None, tiles, silu_out=True, norm=(norm_weight, eps, residual))
     return out, (x if res_out is None else res_out)

@@ -1,14 +1,10 @@
-"""Fused Triton versions of `ops.py` (same signatures; ops.py is their CPU path and test oracle).
-
-rms_norm: residual add + RMSNorm in one pass over the row (one read of x and residual, one write of
-each output) with the torch twin's rounding: the sum is rounded to the activation dtype before it
-is normalized, and the normalized row is rounded before the weight multiplies it.
-apply_rope: neox-style rotary embedding in place (kernels/rope.py).
-linear / linear_silu_and_mul / rms_norm_linear: a Triton GEMV for a few rows (decode), with the
-activation after gate_up or the norm before qkv fused in; cuBLAS otherwise (triton_gemv.py).
-"""
+"""Fused Triton versions of `ops.py` (same signatures, same roundings; ops.py is the test oracle).
+rms_norm: residual add + RMSNorm in one pass; apply_rope: in place (kernels/rope.py); the linears:
+triton_gemv.py (a GEMV or skinny GEMM for a few rows, cuBLAS otherwise)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -72,24 +68,10 @@ def rms_norm(
         pdl = use_pdl(x)
         res_in = x if residual is None else residual
         res_out = x if new_residual is None else new_residual
-        _rms_norm_kernel[(num_tokens,)](
-            x,
-            res_in,
-            weight,
-            out,
-            res_out,
-            x.stride(0),
-            res_in.stride(0),
-            out.stride(0),
-            res_out.stride(0),
-            hidden,
-            eps,
-            HAS_RESIDUAL=residual is not None,
-            BLOCK=block,
-            num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
-            USE_PDL=pdl,
-            launch_pdl=pdl,
-        )
+        args = (x, res_in, weight, out, res_out, x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0))
+        flags = dict(HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=pdl, launch_pdl=pdl)
+        flags["num_warps"] = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+        _rms_norm_kernel[(num_tokens,)](*args, hidden, eps, **flags)
     return out if new_residual is None else (out, new_residual)
 
 
@@ -101,10 +83,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.co
     mask = offs < inter
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0)
-    # Same rounding as the twin: silu rounded to the activation dtype, then the product.
+    # Rounding as the twin: silu to the activation dtype, then the product (exact in fp32: one rounding).
     act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
-    # The product of two bf16/fp16 values is exact in fp32, so this rounds once, as the twin does
-    # (and Triton's CPU interpreter, which mishandles bf16 arithmetic, computes the same).
     tl.store(out_ptr + row * stride_o + offs, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -122,31 +102,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ weight [out, in]^T (+ bias [out]) -> [T, out]."""
-    return triton_gemv.linear(x, weight, bias)
-
-
-def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu_and_mul(x @ weight^T), weight [2 * inter, in]; one GEMV launch for a few rows."""
-    return triton_gemv.linear_silu_and_mul(x, weight, silu_and_mul)
-
-
-def rms_norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x (+ residual)) @ weight^T (+ bias), new residual); one GEMV launch for a few rows."""
-    return triton_gemv.rms_norm_linear(x, residual, norm_weight, eps, weight, bias, rms_norm)
-
-
-def rms_norm_linear_silu_and_mul(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(silu_and_mul(rms_norm(x (+ residual)) @ weight^T), new residual); one GEMV launch for a few rows
-    where the GPU's tuned table says the fused norm pays, else the norm kernel and linear_silu_and_mul."""
-    return triton_gemv.rms_norm_linear_silu_and_mul(x, residual, norm_weight, eps, weight, rms_norm, silu_and_mul)
+# The linears: triton_gemv.py, with the kernels above as their unfused norm and activation.
+linear = triton_gemv.linear
+linear_silu_and_mul = functools.partial(triton_gemv.linear_silu_and_mul, silu_and_mul=silu_and_mul)
+rms_norm_linear = functools.partial(triton_gemv.rms_norm_linear, rms_norm=rms_norm)
+rms_norm_linear_silu_and_mul = functools.partial(
+    triton_gemv.rms_norm_linear_silu_and_mul, rms_norm=rms_norm, silu_and_mul=silu_and_mul
+)
