@@ -126,7 +126,7 @@ def test_mixed_draft_lengths_replay_padded_graphs(tiny_llama_dir, device: torch.
         pytest.skip("CUDA graphs need a GPU")
     rng = random.Random(5)
     prompts = []
-    for i in range(8):  # repeated spans give the n-gram proposer matches of varying length
+    for _ in range(8):  # repeated spans give the n-gram proposer matches of varying length
         span = [rng.randrange(5, 300) for _ in range(rng.randint(2, 6))]
         prompts.append((span * 6)[: rng.randint(10, 36)])
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

@@ -1,5 +1,6 @@
 """The EAGLE head's forwards as CUDA graphs on the GPU (the first forward of a propose,
-speculative/proposers/eagle_first.py, and the draft steps, speculative/proposers/eagle_graph.py; eagle, eagle3 and P-EAGLE): the same
+speculative/proposers/eagle_first.py, and the draft steps, speculative/proposers/eagle_graph.py;
+eagle, eagle3 and P-EAGLE): the same
 tokens as plain decoding and the same proposals as the eager head and as the static buffers
 without capture, over batches that need padding and requests that finish at different times."""
 

@@ -15,7 +15,7 @@ def _prompts(n: int = 32, seed: int = 7) -> list[list[int]]:
     rng = random.Random(seed)
     shared = [rng.randrange(5, 300) for _ in range(40)]  # common prefixes -> prefix-cache hits
     out = []
-    for i in range(n):
+    for _ in range(n):
         head = shared[: rng.choice([0, 16, 33, 40])]
         out.append(head + [rng.randrange(5, 300) for _ in range(rng.randint(1, 25))])
     return out

@@ -91,7 +91,8 @@ def test_assign_resolved_keeps_what_the_scheduler_left() -> None:
 def test_deferred_and_immediate_drafts_give_the_same_tokens(tiny_llama_dir, tmp_path, monkeypatch, method) -> None:
     """Greedy and seeded random requests in one batch, k = 3: the same tokens and acceptance with the
     drafts deferred (verify inputs filled on the device) as read back in propose, and the placeholders
-    of deferred drafts were really filled; unset, deferral is on by default except for P-EAGLE. P-EAGLE: greedy requests only (its random drafts
+    of deferred drafts were really filled; unset, deferral is on by default except for P-EAGLE.
+    P-EAGLE: greedy requests only (its random drafts
     are read back in propose), through the static first forward (the GPU's graph path)."""
     from specserve.speculative.proposers.eagle import EagleProposer
     from specserve.speculative.proposers.eagle_head import make_random_head_dir

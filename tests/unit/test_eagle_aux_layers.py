@@ -200,7 +200,7 @@ def check_features(
             pos = [positions[r] for r in rows]
             want = reference.expected(tokens[rid], pos, aux)
             torch.testing.assert_close(
-                got[rows], want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{rid} positions {pos}: {m}"
+                got[rows], want, atol=ATOL, rtol=RTOL, msg=lambda m, rid=rid, pos=pos: f"{rid} positions {pos}: {m}"
             )
             seen[rid] += pos
     for rid, pos in seen.items():

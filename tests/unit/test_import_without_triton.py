@@ -21,7 +21,8 @@ def test_import_and_generate_without_triton(tiny_llama_dir) -> None:
 
         sys.meta_path.insert(0, NoTriton())
         from specserve import LLM, SamplingParams
-        import specserve.server.api, specserve.speculative.proposers.eagle, specserve.speculative.proposers.draft_model  # noqa: F401
+        import specserve.server.api  # noqa: F401
+        import specserve.speculative.proposers.eagle, specserve.speculative.proposers.draft_model  # noqa: F401
         llm = LLM(model={str(tiny_llama_dir)!r}, progress=False, kv_cache_memory_bytes=4 << 20,
                   speculative_config={{"method": "ngram", "num_speculative_tokens": 2}})
         out = llm.generate({{"prompt_token_ids": [5, 6, 7, 5, 6, 7]}},

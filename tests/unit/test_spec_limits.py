@@ -51,7 +51,7 @@ def test_no_drafts_above_the_limit(tiny_llama_dir) -> None:
         llm = LLM(model=str(tiny_llama_dir), progress=False, kv_cache_memory_bytes=4 << 20, speculative_config=spec)
         chosen = []
         real = llm.engine.spec.choose
-        llm.engine.spec.choose = lambda b, real=real: chosen.append((b, real(b))) or chosen[-1][1]
+        llm.engine.spec.choose = lambda b, real=real, chosen=chosen: chosen.append((b, real(b))) or chosen[-1][1]
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
         drafts[limit] = llm.engine.stats.get("spec_decode_num_draft_tokens_total")
         if limit is not None:
