@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 
 def _is_int(value: Any) -> bool:
@@ -80,8 +80,8 @@ class SamplingParams:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be <= max_tokens"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "must be token ids >= 0"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop_strings), "must be non-empty strings"),
+            ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_ids), "must be token ids >= 0"),
             # the grammar itself is compiled (a bad one rejected) by the engine on admission
             (
                 "structured_outputs",
@@ -91,6 +91,16 @@ class SamplingParams:
         ):
             if not ok:
                 raise bad(name, why)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """`stop` as __post_init__ left it: always a list."""
+        return cast(list[str], self.stop)
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """`stop_token_ids` as __post_init__ left it: always a list."""
+        return cast(list[int], self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:

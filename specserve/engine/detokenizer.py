@@ -33,6 +33,7 @@ class IncrementalDetokenizer:
         self.holdback = max((len(s) for s in stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
+        assert self.tokenizer is not None  # a model without a tokenizer streams no text
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
 
     def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> str | None:

@@ -89,8 +89,11 @@ class Engine:
             if i == 0 and params.prompt_logprobs is not None:  # the prompt is shared: score it once
                 req.prompt_logprobs = [None]
             group.children.append(req)
-            detok_args = (cp.stop, cp.include_stop_str_in_output, cp.skip_special_tokens)
-            group.detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, *detok_args))
+            group.detoks.append(
+                IncrementalDetokenizer(
+                    self.tokenizer, token_ids, cp.stop_strings, cp.include_stop_str_in_output, cp.skip_special_tokens
+                )
+            )
         self.groups[request_id] = group
         for i, req in enumerate(group.children):
             self._child_to_group[req.request_id] = (group, i)
@@ -181,8 +184,9 @@ class Engine:
 
     def execute(self, sched: SchedulerOutput, pending: PendingTokens | None) -> StepOutput:
         """The forward of a scheduled step (preempted requests leave the proposer first)."""
-        for req in sched.preempted if self.spec is not None else ():
-            self.spec.on_preempted(req)
+        if self.spec is not None:
+            for req in sched.preempted:
+                self.spec.on_preempted(req)
         need_hidden = self.spec is not None and self.spec.proposer.needs_target_hidden
         plan = plan_prompt_logprobs(sched)
         kw: dict = {}  # (the tensor-parallel executor takes neither)

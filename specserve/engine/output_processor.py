@@ -39,7 +39,7 @@ def check_token_stop(req: Request, max_model_len: int) -> RequestStatus | None:
     if req.num_output_tokens >= p.min_tokens:
         if not p.ignore_eos and token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token in p.stop_token_ids:
+        if token in p.stop_ids:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
     if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from specserve.config import EngineConfig
@@ -9,6 +11,7 @@ from specserve.kv.manager import KVCacheManager
 from specserve.metrics.stats import StatsCollector
 from specserve.model.loader import LoadedModel, resolve_dtype
 from specserve.runner.build import EngineParts, build_runner, max_num_batched_tokens, ops_for
+from specserve.runner.model_runner import ModelRunner
 from specserve.sample.sampler import Sampler
 from specserve.scheduler.scheduler import Scheduler
 
@@ -38,7 +41,8 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
             build_tp_executor,  # one process per rank
         )
 
-        runner = build_tp_executor(config, device, dtype, progress)
+        # The executor stands in for a ModelRunner: the same execute / capture interface over the ranks.
+        runner: ModelRunner = cast(ModelRunner, build_tp_executor(config, device, dtype, progress))
     else:
         runner = build_runner(config, device, dtype, progress)
     loaded, spec, num_blocks = runner.loaded, runner.spec, runner.num_blocks

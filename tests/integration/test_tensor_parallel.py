@@ -29,7 +29,13 @@ from tests.helpers.tiny_models import make_tiny_model_dir
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of", "numbers 0 1 2 3"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "adaptive": False,
+}
 SMOLLM2 = "smollm2-135m-instruct"
 
 

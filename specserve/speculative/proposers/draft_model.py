@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
 
 from specserve.config import ModelConfig, SpeculativeConfig
+from specserve.kv.block_pool import BlockHash
 from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec
 from specserve.model.loader import LoadedModel, load_model
@@ -30,13 +32,15 @@ _VOCAB_SAMPLE = 256
 
 @dataclass
 class _DraftSeq:
-    """A request as the draft's own runner and KV manager see it (duck-types `Request` for them)."""
+    """A request as the draft's own runner and KV manager see it (the kv manager's `Request` protocol; duck-types the
+    scheduler's `Request` for the runner)."""
 
     request_id: str
     all_token_ids: list[int] = field(default_factory=list)  # real tokens, then drafts fed so far
     num_computed_tokens: int = 0  # tokens whose KV the draft cache holds
     num_real: int = 0  # how many of all_token_ids were the request's real tokens at the last sync
     spec_token_ids: list[int] = field(default_factory=list)  # always empty (build_batch reads it)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # never filled: the draft's KV has no prefix caching
 
     @property
     def num_tokens(self) -> int:
@@ -169,6 +173,7 @@ def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
     target: LoadedModel = parts.loaded
     dtype = target.model.embed_tokens.weight.dtype
     # A dummy-weights target gets a dummy draft: shape names have no files to load.
+    assert cfg.model is not None  # SpeculativeConfig requires it for draft_model
     load_format = "dummy" if target.identity.startswith("dummy:") else "auto"
     source = WeightSource.open(ModelConfig(model=cfg.model, load_format=load_format))
     check_same_vocabulary(target, cfg.model, int(source.hf_config["vocab_size"]), None)
@@ -286,7 +291,8 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
                 n = min(seqs[i].num_tokens - seqs[i].num_computed_tokens, budget, cap)
                 if n <= 0:
                     break
-                sched.scheduled.append(ScheduledRequest(seqs[i], n, 0))
+                # The runner reads only what _DraftSeq has of a Request.
+                sched.scheduled.append(ScheduledRequest(cast(Request, seqs[i]), n, 0))
                 order.append(i)
                 budget -= n
             samples = [s.samples for s in sched.scheduled]  # read before num_computed moves
@@ -295,17 +301,21 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             for j, (i, s) in enumerate(zip(order, sched.scheduled)):
                 seqs[i].num_computed_tokens += s.num_new_tokens
                 if samples[j]:
-                    got.append((i, out.batch.logit_rows[j][0]))
+                    logit_row = out.batch.logit_rows[j]
+                    assert logit_row is not None  # a sampling entry has its logits row
+                    got.append((i, logit_row[0]))
             if got == [(i, i) for i in range(len(seqs))] and out.logits.shape[0] == len(seqs):
                 return out.logits  # the usual case: one forward, row i = seq i (no copies)
             for i, first in got:
                 rows[i] = out.logits[first].clone()  # a CUDA graph's output is overwritten on replay
             pending = [i for i in pending if rows[i] is None]
-        return torch.stack(rows)
+        done = [r for r in rows if r is not None]
+        assert len(done) == len(rows)  # the loop ends once every seq has its row
+        return torch.stack(done)
 
 
 @functools.lru_cache(maxsize=64)
-def _uniform_layout(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], list[tuple[int, int]]]:
+def _uniform_layout(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], list[tuple[int, int] | None]]:
     """Host arrays of n sequences of one token each, every token scored (shared: never written):
     (placeholder input ids, cu_query_lens, logits_indices, query_lens, logit_rows)."""
     return (

@@ -7,7 +7,7 @@ the next propose. Positions it never saw (a prefix-cache hit) are absent: drafts
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -15,6 +15,7 @@ import torch
 
 from specserve.attention.base import AttentionMetadata
 from specserve.config import SpeculativeConfig
+from specserve.kv.block_pool import BlockHash
 from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec, kv_format
 from specserve.sample.h2d import h2d
@@ -36,11 +37,21 @@ from specserve.speculative.proposers.eagle_setup import graph_logits_bytes, reca
 
 @dataclass
 class _HeadSeq:
-    """A request's head sequence (duck-types `Request` for KVCacheManager)."""
+    """A request's head sequence (the kv manager's `Request` protocol, for KVCacheManager)."""
 
     request_id: str
     num_computed_tokens: int = 0  # real rows with valid KV (compact index)
     next_pos: int = 0  # first target position not yet consumed as a real row
+    # The rest of the protocol, which the head's manager (no prefix caching) never reads: no token ids kept.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return []
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_computed_tokens
 
 
 @dataclass
@@ -83,6 +94,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         self.device = parts.device
         self.target = parts.loaded.model
         arch, dtype = parts.loaded.arch, parts.loaded.model.embed_tokens.weight.dtype
+        assert cfg.model is not None  # SpeculativeConfig requires it for EAGLE methods
         self.head: EagleHead = load_head(cfg.model, arch, parts.loaded.identity, self.device, dtype)
         if self.head.d2t is not None:  # a reduced vocabulary: its LM-head rows, gathered once
             self.head.attach_lm_head(target_lm_weight(self.target))
@@ -155,6 +167,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         if bs is not None:
             self._hand_over(plan.reqs, self._propose_static(plan, inp.step, bs, ctx, tables))
             return
+        pick: list[int] | np.ndarray
         if self.parallel:
             positions, q_lens, pick, src = self._parallel_layout(plan)
         else:
@@ -215,6 +228,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             assign_drafts(reqs, *result, self.sampler)
 
     def _plan(self, inp: ProposeInput) -> _Plan:
+        assert inp.step is not None and inp.step.host is not None  # the target's step, with its host layout
         host = inp.step.host
         q_lens, s_lens = host.query_lens, host.seq_lens.tolist()
         starts = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
@@ -261,6 +275,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         """The first forward through FirstForwardGraphs (size bs), then for autoregressive drafting
         the draft steps through HeadStepGraphs: no eager head forward, one read-back."""
         first, n = self.first, len(plan.reqs)
+        assert first is not None  # bs came from it
         first.send(
             bs, plan.ks, plan.num_real, ctx, plan.last_pos, plan.feature_rows, plan.next_tokens, plan.positions, tables
         )
@@ -284,6 +299,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             dt.add(rows, *self.sampler.sample(logits[:n], rows))
         if max(plan.ks) > 1:  # the first forward fed the steps' buffers (sizes and blocks fit too)
             ctx = [s.num_computed_tokens for s in plan.seqs]
+            assert self.steps is not None  # autoregressive with k > 1
             if not self.steps.draft(dt, self.sampler, plan.ks, ctx, plan.last_pos, tables, None):
                 raise RuntimeError("HeadStepGraphs refused a batch that FirstForwardGraphs took")
         return dt
@@ -313,7 +329,10 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
 
     def _parallel_layout(self, plan: _Plan) -> tuple[list[int], list[int], list[int], np.ndarray]:
         """Rows of the P-EAGLE forward: each request's real rows, then k - 1 mask rows at the next positions."""
-        positions, q_lens, pick, src = [], [], [], []
+        positions: list[int] = []
+        q_lens: list[int] = []
+        pick: list[int] = []
+        src: list[int] = []
         start = row = 0
         num_real = len(plan.positions)
         for i, (m, k) in enumerate(zip(plan.num_real, plan.ks)):

@@ -55,7 +55,9 @@ class PinnedUpload:
     def _next(self, nbytes: int) -> torch.Tensor:
         i = self._slot = (self._slot + 1) % len(self._host)
         if self._pending[i]:
-            self._events[i].synchronize()
+            event = self._events[i]
+            assert event is not None  # pending only when pinned, where every slot has an event
+            event.synchronize()
             self._pending[i] = False
         if self._host[i].numel() < nbytes:  # zeros: bytes a caller leaves unwritten are valid ids
             size = max(nbytes, 2 * self._host[i].numel(), 4096)
@@ -68,7 +70,9 @@ class PinnedUpload:
         i = self._slot
         dst[:nbytes].copy_(self._host[i][:nbytes], non_blocking=True)
         if self._pinned:
-            record(self._events[i], dst.device)
+            event = self._events[i]
+            assert event is not None
+            record(event, dst.device)
             self._pending[i] = True
 
     def send(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
@@ -108,8 +112,18 @@ def attention_arrays(
 def attention_metadata(arrays: list[np.ndarray], dev: Sequence[torch.Tensor], q_lens: list[int]) -> AttentionMetadata:
     """AttentionMetadata of attention_arrays' host arrays and their device copies."""
     cu, seq_lens = arrays[0], arrays[1]
+    cu_dev, seq_lens_dev, block_tables_dev, slots_dev = dev
     return AttentionMetadata(
-        *dev, max(q_lens), int(seq_lens.max()), len(seq_lens), int(cu[-1]), list(q_lens), seq_lens.tolist()
+        cu_dev,
+        seq_lens_dev,
+        block_tables_dev,
+        slots_dev,
+        max(q_lens),
+        int(seq_lens.max()),
+        len(seq_lens),
+        int(cu[-1]),
+        list(q_lens),
+        seq_lens.tolist(),
     )
 
 
@@ -124,7 +138,10 @@ def paged_attend(backend: AttentionBackend, cache: LayerKVCache, fmt: KVFormat, 
 
 class StaticForward:
     """Static buffers of a head forward over the proposer's paged KV, and on CUDA one graph per batch size.
-    Subclasses define _forward(bs) (reads the buffers, returns the outputs) and _fill_dummy(bs)."""
+    Subclasses define _forward(bs) (reads the buffers, returns the outputs) and _fill_dummy(bs), and set
+    slot_mapping (a view of _alloc's buffer)."""
+
+    slot_mapping: torch.Tensor  # [max tokens] int64
 
     def __init__(self, proposer, batch_sizes: Sequence[int], max_blocks: int) -> None:
         self.head: EagleHead = proposer.head
@@ -136,7 +153,7 @@ class StaticForward:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Any] = {}
         self.runs: Counter[int] = Counter()  # forwards run per padded batch size
-        self._pool = None
+        self._pool: torch.cuda._POOL_HANDLE | None = None
 
     def _attend(self, meta: AttentionMetadata):
         return paged_attend(self.backend, self.kv_cache, self.fmt, meta, self.scale)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -23,6 +23,12 @@ HEAD_METHODS = ("eagle", "eagle3")
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 # q, k, v [rows, heads, head_dim] -> [rows, num_heads, head_dim]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class LogitsModel(Protocol):
+    """What EagleHead.compute_logits reads of the target model (a full-vocabulary head)."""
+
+    def compute_logits(self, hidden: torch.Tensor, /) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -138,7 +144,10 @@ def target_lm_weight(target: nn.Module) -> torch.Tensor:
     if getattr(target, "logits_head", None) is not None:
         raise ValueError("a reduced draft vocabulary needs the target's whole LM head (not a sharded one).")
     lm_head = getattr(target, "lm_head", None)
-    return target.embed_tokens.weight if lm_head is None else lm_head.weight
+    owner = cast(nn.Module, target.embed_tokens if lm_head is None else lm_head)  # nn.Embedding / nn.Linear
+    weight = owner.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
 
 
 class RMSNorm(nn.Module):
@@ -188,6 +197,9 @@ class HeadLayer(nn.Module):
 
 
 class EagleHead(nn.Module):
+    # A buffer (register_buffer): [draft_vocab] int64 target ids, or None for the whole vocabulary.
+    d2t: torch.Tensor | None
+
     def __init__(self, cfg: EagleHeadConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -217,9 +229,10 @@ class EagleHead(nn.Module):
     @torch.no_grad()
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
         """The draft vocabulary (training): [draft_vocab_size] ascending target ids."""
-        if self.d2t is None:
+        draft_vocab_size = self.cfg.draft_vocab_size
+        if self.d2t is None or draft_vocab_size is None:
             raise ValueError("this head has no reduced draft vocabulary (draft_vocab_size is None).")
-        check_d2t(d2t, self.cfg.vocab_size, self.cfg.draft_vocab_size, "draft vocabulary")
+        check_d2t(d2t, self.cfg.vocab_size, draft_vocab_size, "draft vocabulary")
         self.d2t.copy_(d2t.to(self.d2t.device, torch.int64))
         self.lm_weight = None  # gathered for the old rows
 
@@ -233,7 +246,7 @@ class EagleHead(nn.Module):
         self.d2t = self.d2t.to(weight.device)
         self.lm_weight = weight.detach().index_select(0, self.d2t).contiguous()
 
-    def compute_logits(self, normed: torch.Tensor, target: nn.Module) -> torch.Tensor:
+    def compute_logits(self, normed: torch.Tensor, target: LogitsModel) -> torch.Tensor:
         """normed [rows, hidden] (forward's logits_input) -> float32 logits [rows, cfg.logits_width]:
         column j is token d2t[j] with a reduced vocabulary (attach_lm_head first), else the target's own."""
         if self.d2t is None:
@@ -325,10 +338,13 @@ def check_head_matches(cfg: EagleHeadConfig, arch: ModelArch, target_identity: s
         raise ValueError(f"{where}: head hidden/vocab sizes do not match the target.")
     if any(not 0 <= i < arch.num_layers for i in cfg.aux_hidden_layers):
         raise ValueError(f"{where}: aux_hidden_layers {cfg.aux_hidden_layers} out of range.")
-    if cfg.target.get("identity") != target_identity:
-        got = cfg.target.get("identity")
+    identity = cfg.target.get("identity")
+    if identity != target_identity:
         logger.warning(
-            "%s was trained on target %r, serving %r: same shapes, maybe other weights.", where, got, target_identity
+            "%s was trained on target %r, serving %r: same shapes, maybe other weights.",
+            where,
+            identity,
+            target_identity,
         )
 
 
