@@ -368,7 +368,13 @@ def specserve_server(tiny_llama_dir: Path) -> Iterator[str]:
     from specserve.server.api import BackgroundServer
     from specserve.server.cli_args import ServerConfig
 
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        "adaptive": False,
+    }
     config = EngineConfig.from_kwargs(
         model=str(tiny_llama_dir), kv_cache_memory_bytes=4 << 20, max_model_len=256, speculative_config=spec
     )
