@@ -4,7 +4,6 @@ free at once) on several writer threads, and the optional ISA-L crc32."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import zlib
@@ -15,7 +14,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from specserve.config import OffloadConfig
-from specserve.kv.offload import disk as disk_mod
 from specserve.kv.offload.disk import DiskTier, file_name
 from specserve.kv.offload.disk_format import BadEntry, LayoutReader, encode_entry, namespace_digest
 from specserve.kv.offload.offloader import KVOffloader
@@ -184,15 +182,6 @@ def test_queued_bytes_are_bounded_and_slots_reused(tmp_path: Path) -> None:
     assert all(g is None or torch.equal(g.buffer, rows[i]) for i, g in enumerate(got))
     assert sum(g is not None for g in got) == written
     tier.close()
-
-
-def test_a_stale_temp_name_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(disk_mod, "_TMP_SEQ", itertools.count(1000))
-    stale = tmp_path / f".tmp-{os.getpid()}-1000"  # a dead process with our pid left it
-    stale.write_bytes(b"junk")
-    _write(tmp_path, _rows(2, seed=6))
-    assert stale.read_bytes() == b"junk"  # not overwritten, not published
-    assert len(list(tmp_path.glob("*.kvb"))) == 2
 
 
 def test_the_format_crc32_matches_zlib() -> None:

@@ -1,17 +1,17 @@
 """Offload tiers (cpu.py, disk.py): byte-bounded key -> payload stores where evicted KV blocks go.
 
-Keys are content addresses (namespace + chained block hash): one key always names the same bytes,
-so a tier may drop or rewrite an entry at any time and a miss is always safe (the block is
-recomputed). No tier method raises on bad stored data or I/O trouble: those are misses counted in
-`stats.errors`. `put` copies the payload and never blocks on slow storage; payloads returned by
-`get` may view the tier's memory: read-only, valid while they are alive. `flush` returns once
-every earlier put is stored or counted as failed.
+Keys are content addresses (namespace + chained block hash), so a tier may drop an entry at any
+time and a miss is always safe (the block is recomputed). Tier methods never raise on bad stored
+data or I/O trouble: those are misses counted in `stats.errors`. `put` copies the payload and never
+blocks on slow storage; payloads from `get` may view the tier's memory (read-only, valid while
+alive). `flush` returns once every earlier put is stored or counted as failed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 BlockKey = bytes
 
@@ -43,4 +43,27 @@ class StatsCounter:
 
     def snapshot(self) -> TierStats:
         with self._lock:
-            return TierStats(**{f.name: getattr(self._stats, f.name) for f in fields(TierStats)})
+            return dataclasses.replace(self._stats)
+
+
+class Tier:
+    """What the tiers share: a name, a byte budget, counters, `put` as a one-block `put_many`."""
+
+    name: str
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self._capacity = int(capacity_bytes)
+        self._stats = StatsCounter()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def stats(self) -> TierStats:
+        return self._stats.snapshot()
+
+    def put(self, key: BlockKey, payload: object) -> None:
+        self.put_many([key], [payload])  # type: ignore[attr-defined]

@@ -8,22 +8,14 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.kv.offload.base import BlockKey, StatsCounter, TierStats
-from specserve.kv.offload.payload import (
-    BlockLayout,
-    BlockPayload,
-    PackedPayload,
-    copy_bytes,
-    pack,
-    paired_runs,
-)
+from specserve.kv.offload.base import BlockKey, Tier
+from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayload, copy_bytes, pack, paired_runs
 from specserve.kv.offload.slab import DEFAULT_CHUNK_BYTES, SlotSlab
 
 
 class _Lease:
-    """Keeps one slot from being reused while a payload returned by `get` is alive. On release the
-    slot id goes on a deque (atomic append, no lock from whatever thread drops it); the tier drains
-    it under its lock."""
+    """Keeps a slot from reuse while a payload from `get` is alive; on release the slot id goes on a
+    deque (atomic append, lock-free from any thread), drained under the tier's lock."""
 
     __slots__ = ("_released", "_slot")
 
@@ -35,31 +27,27 @@ class _Lease:
         self._released.append(self._slot)
 
 
-class CpuTier:
-    """LRU under `capacity_bytes` of packed payload bytes, in slots of one size: `slot_bytes` (the
-    whole budget allocated up front), else the first payload's size (grown in chunks); a payload of
-    another size is dropped. Slots are pinned when CUDA is available (default).
+class CpuTier(Tier):
+    """LRU under `capacity_bytes`, in slots of one size: `slot_bytes` (whole budget allocated up
+    front), else the first payload's size (grown in chunks); other sizes are dropped. Slots are
+    pinned when CUDA is available. `get` returns views into a slot, not reused while any of them
+    is alive. Thread-safe: one lock around the index; copies run outside it."""
 
-    `get` returns views into the slot; the slot is not reused while the payload or any of its
-    tensors is alive. Thread-safe: one lock around the index; copies run outside it."""
+    name = "cpu"
 
     def __init__(
         self,
         capacity_bytes: int,
         pin_memory: bool | None = None,
-        name: str = "cpu",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         slot_bytes: int | None = None,
     ) -> None:
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        self.name = name
-        self._capacity = int(capacity_bytes)
+        super().__init__(capacity_bytes)
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._chunk_bytes = chunk_bytes
         self._slab: SlotSlab | None = None
         if slot_bytes is not None and 0 < slot_bytes <= self._capacity:
-            # Pinning is slow and stalls the driver: take the whole budget at startup.
+            # Pinning is slow and stalls the driver: at startup.
             self._slab = SlotSlab(slot_bytes, self._capacity // slot_bytes, chunk_bytes, self._pin)
             while self._slab.grow():
                 pass
@@ -67,7 +55,6 @@ class CpuTier:
         self._pins: dict[int, int] = {}  # slot -> live leases
         self._released: deque[int] = deque()
         self._lock = threading.Lock()
-        self._stats = StatsCounter()
 
     @property
     def _slots(self) -> SlotSlab:
@@ -77,14 +64,6 @@ class CpuTier:
     @property
     def used_bytes(self) -> int:
         return 0 if self._slab is None else len(self._entries) * self._slab.slot_bytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def stats(self) -> TierStats:
-        return self._stats.snapshot()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -118,12 +97,8 @@ class CpuTier:
         self._stats.add(queries=len(found) + missed, hits=len(found), bytes_out=sum(lay.nbytes for _, lay in found))
         return [PackedPayload(view, layout, _Lease(self._released, slot)) for view, (slot, layout) in zip(views, found)]
 
-    def put(self, key: BlockKey, payload: BlockPayload) -> None:
-        self.put_many([key], [payload])
-
     def put_many(self, keys: list[BlockKey], payloads: Sequence[BlockPayload]) -> None:
-        """`put` of each pair: blocks adjacent in the source and in their slots are copied together,
-        under one lock (the store worker shares the GIL with the engine thread)."""
+        """`put` of each pair; runs adjacent in source and slots are copied together."""
         packed = [(k, pack(p)) for k, p in zip(keys, payloads)]
         slots = [self._reserve(k, p.nbytes) for k, p in packed]
         todo = [(k, p, s) for (k, p), s in zip(packed, slots) if s is not None]
@@ -144,8 +119,7 @@ class CpuTier:
         self._stats.add(bytes_in=stored)
 
     def _reserve(self, key: BlockKey, size: int) -> int | None:
-        """A slot for a new entry (grown, or the LRU unleased entry evicted); None if the key is
-        stored already, too large or nothing can be freed."""
+        """A slot (grown, or the LRU unleased entry's); None: stored already, too large, all leased."""
         if size > self._capacity:
             self._stats.add(dropped=1)
             return None

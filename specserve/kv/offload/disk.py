@@ -1,24 +1,21 @@
 """Local disk tier: one file per block (disk_format.py), written in the background, LRU under a
-byte budget. A file failing a check is a miss, counted in `stats.errors`, and removed.
-
-Sharing a directory: files are written to a unique temp file and published with an atomic
-`os.replace`; two writers of one key write the same bytes. Each process enforces the budget over
-the files it knows (found at startup, written or read since). No fsync: a torn file fails its crc.
-"""
+byte budget; a file failing a check is a counted miss and removed. Processes may share the
+directory: files are published by atomic rename of a unique temp file (one key, same bytes), and
+each process enforces the budget over the files it knows. No fsync: a torn file fails its crc."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
 
-from specserve.kv.offload.base import BlockKey, StatsCounter, TierStats
+from specserve.kv.offload.base import BlockKey, Tier
 from specserve.kv.offload.disk_format import BadEntry, LayoutReader, body_offset, encode_entry, read_entry, write_entry
 from specserve.kv.offload.disk_index import SUFFIX, TMP_PREFIX, DiskIndex, remove_quietly, set_mtimes
 from specserve.kv.offload.disk_reader import DEFAULT_THREADS, ParallelReads
@@ -29,22 +26,22 @@ logger = logging.getLogger(__name__)
 
 _MAX_KEY_NAME = 100  # longer keys are named by their blake2b digest
 DEFAULT_WRITERS = max(1, min(4, (os.cpu_count() or 1) // 4))
-_TMP_SEQ = itertools.count()  # temp names: pid + sequence
 
 __all__ = ["SUFFIX", "DiskTier", "encode_entry", "file_name"]
 T = TypeVar("T")
 
 
 def file_name(key: BlockKey) -> str:
-    """The file of `key`."""
     if len(key) > _MAX_KEY_NAME:
         return hashlib.blake2b(key, digest_size=32).hexdigest() + SUFFIX
     return key.hex() + SUFFIX
 
 
-class DiskTier:
+class DiskTier(Tier):
     """Block files under `path`, at most `capacity_bytes` of them, LRU. `put` copies the block and
-    queues it; over `max_pending_bytes` queued it drops the block. Queued blocks are served too."""
+    queues it (dropped over `max_pending_bytes` queued); queued blocks are served too."""
+
+    name = "disk"
 
     def __init__(
         self,
@@ -52,18 +49,13 @@ class DiskTier:
         capacity_bytes: int,
         namespace: str,
         max_pending_bytes: int = 256 << 20,
-        name: str = "disk",
         readers: int = DEFAULT_THREADS,
         writers: int = DEFAULT_WRITERS,
     ) -> None:
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        self.name = name
+        super().__init__(capacity_bytes)
         self.path = os.fspath(path)
         self.namespace = namespace
         os.makedirs(self.path, exist_ok=True)
-        self._capacity = int(capacity_bytes)
-        self._stats = StatsCounter()
         self._closed = False
         self._index = DiskIndex(self.path, self._capacity, self._stats)
         self._index.rescan()
@@ -77,14 +69,6 @@ class DiskTier:
     @property
     def used_bytes(self) -> int:
         return self._index.used_bytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def stats(self) -> TierStats:
-        return self._stats.snapshot()
 
     def contains(self, key: BlockKey) -> bool:
         if self.knows(key):
@@ -112,8 +96,8 @@ class DiskTier:
         return payload
 
     def get_many(self, keys: list[BlockKey], layout: BlockLayout) -> list[PackedPayload | None]:
-        """`get` of every key, read in parallel (other layouts are counted misses); the bodies land
-        in rows of one buffer [len(keys), layout.nbytes], pinned under CUDA."""
+        """`get` of every key, read in parallel (other layouts miss) into rows of one buffer
+        [len(keys), layout.nbytes], pinned under CUDA."""
         if not keys:
             return []
         n, nbytes = len(keys), layout.nbytes
@@ -155,8 +139,8 @@ class DiskTier:
         return payload
 
     def _open_and_read(self, path: str, name: str, read: Callable[[int], T]) -> T | None:
-        """read(fd) of the open file; None on a miss, a bad file (counted and removed) or an I/O
-        error (counted: the file may be fine next time)."""
+        """read(fd) of the open file; None on a miss, a bad file (counted, removed) or an I/O error
+        (counted; the file may be fine next time)."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:  # not there (or gone): a plain miss
@@ -176,9 +160,6 @@ class DiskTier:
         finally:
             os.close(fd)
         return None
-
-    def put(self, key: BlockKey, payload: BlockPayload) -> None:
-        self.put_many([key], [payload])
 
     def put_many(self, keys: list[BlockKey], payloads: Sequence[BlockPayload]) -> None:
         """Queue each block not stored yet (copied: the caller may reuse its buffers at once)."""
@@ -230,7 +211,7 @@ class DiskTier:
         if size > self._capacity:
             self._stats.add(dropped=1)
             return
-        tmp, fd = self._create_temp()
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=self.path)
         try:
             try:
                 write_entry(fd, key, payload, self.namespace, body)
@@ -245,16 +226,6 @@ class DiskTier:
             raise
         self._stats.add(bytes_in=payload.nbytes)
         self._index.remember([(name, size)])
-
-    def _create_temp(self) -> tuple[str, int]:
-        """A new temp file in the directory."""
-        for _ in range(100):
-            tmp = f"{self.path}/{TMP_PREFIX}{os.getpid()}-{next(_TMP_SEQ)}"
-            try:
-                return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            except FileExistsError:  # left by a dead process that had our pid
-                continue
-        raise FileExistsError(f"no free temp file name in {self.path}")
 
 
 def _remove_if_same(path: str, st: os.stat_result) -> None:

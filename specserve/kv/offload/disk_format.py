@@ -1,13 +1,9 @@
-"""The block file of the disk tier: one header, then the packed block bytes as they are in memory.
-
-Layout (little endian), `<hex of key>.kvb`:
+"""The disk tier's block file (little endian), `<hex of key>.kvb`:
     magic "SKVB" | version u16 | key length u16 | layout length u32 | body length u64 |
     crc32(layout + body) u32 | blake2b-128(namespace) 16 bytes | key bytes | layout JSON |
     zero padding to a multiple of 64 | body (the packed payload buffer, `payload.BlockLayout`).
-The layout is JSON ([name, dtype, shape, offset] per tensor), never pickle. A file is rejected
-(BadEntry) for another format version, namespace (model / KV dtype) or key, a size other than the
-header says, or a crc mismatch (bit rot, torn write; crc32 guards against accidents, not
-attackers). Both crc32 implementations release the GIL.
+The layout is JSON, never pickle. A file of another version, namespace or key, of a size other
+than the header says, or failing its crc (accidents, not attackers) is rejected (BadEntry).
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ import torch
 
 from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayload, pack
 
-try:  # ISA-L's crc32: the same values as zlib's, faster
+try:  # ISA-L's crc32: zlib's values, faster (both release the GIL)
     from isal.isal_zlib import crc32
 except ImportError:
     from zlib import crc32
@@ -41,7 +37,7 @@ class BadEntry(Exception):
     """A stored file that must not be trusted."""
 
 
-@functools.lru_cache(maxsize=16)  # once per tier, not once per block written or read
+@functools.lru_cache(maxsize=16)
 def namespace_digest(namespace: str) -> bytes:
     return hashlib.blake2b(namespace.encode(), digest_size=16).digest()
 
@@ -51,7 +47,6 @@ def body_offset(key_len: int, layout_len: int) -> int:
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU uint8 tensor."""
     return t.numpy().data.cast("B")
 
 
@@ -67,7 +62,6 @@ def encode_prefix(key: bytes, payload: PackedPayload, namespace: str, body: memo
 
 
 def encode_entry(key: bytes, payload: BlockPayload, namespace: str) -> bytes:
-    """The whole file as bytes."""
     payload = pack(payload)
     return encode_prefix(key, payload, namespace) + _as_bytes(payload.buffer).tobytes()
 
@@ -86,8 +80,6 @@ def write_entry(fd: int, key: bytes, payload: PackedPayload, namespace: str, bod
 
 
 class Header(NamedTuple):
-    """The parsed, checked header of one file."""
-
     layout: BlockLayout
     layout_raw: bytes
     body_offset: int
@@ -96,8 +88,7 @@ class Header(NamedTuple):
 
 
 def parse_header(head: bytes, key: bytes, namespace: str, file_size: int, read_more=None) -> Header:
-    """Check the header region `head` (the file's first bytes; `read_more(n)` returns the first n
-    when `head` is too short). BadEntry says why the file cannot be trusted."""
+    """Check the file's first bytes `head` (`read_more(n)`: the first n, when `head` is short)."""
     if len(head) < _HEADER.size:
         raise BadEntry("truncated header")
     magic, version, key_len, layout_len, body_len, crc, ns = _HEADER.unpack_from(head)
@@ -130,8 +121,7 @@ def parse_header(head: bytes, key: bytes, namespace: str, file_size: int, read_m
 
 
 def read_entry(fd: int, key: bytes, namespace: str) -> PackedPayload:
-    """Read and check the open file `fd` of `key` (any layout). BadEntry if it cannot be trusted;
-    OSError on I/O trouble."""
+    """Read and check the open file of `key` (any layout); BadEntry or OSError."""
     size = os.fstat(fd).st_size
     head = os.pread(fd, min(size, _FIRST_READ), 0)
     header = parse_header(head, key, namespace, size, read_more=lambda n: os.pread(fd, n, 0))
@@ -146,10 +136,9 @@ def read_entry(fd: int, key: bytes, namespace: str) -> PackedPayload:
 
 
 class LayoutReader:
-    """Reads files of blocks of one `layout` under one `namespace`: one preadv per file, the body
-    straight into the caller's buffer. All before the body but the crc is known in advance, so a
-    good file is checked with two byte comparisons (little Python per file: reader threads share
-    the GIL); only a differing file is parsed. A file of another layout is BadEntry."""
+    """Reads files of one `layout`: one preadv per file, the body straight into the caller's buffer.
+    All before the body but the crc is known in advance, so a good file costs two byte comparisons
+    (reader threads share the GIL); only a differing file is parsed. Another layout is BadEntry."""
 
     def __init__(self, namespace: str, layout: BlockLayout) -> None:
         self.namespace = namespace
@@ -159,7 +148,6 @@ class LayoutReader:
         self._parts: dict[int, tuple[bytes, bytes]] = {}  # key length -> (header, layout + padding)
 
     def expected_prefix(self, key: bytes) -> bytes:
-        """The file's bytes before the body, its crc field zero."""
         parts = self._parts.get(len(key))
         if parts is None:  # once per key length: only the key differs between files
             layout = self.layout.json
@@ -171,8 +159,8 @@ class LayoutReader:
         return parts[0] + key + parts[1]
 
     def read_into(self, fd: int, key: bytes, out: memoryview) -> int:
-        """Read and check the open file `fd` of `key`, its body into `out` ([layout.nbytes] bytes).
-        Returns len(out); BadEntry if it cannot be trusted (`out` then holds garbage), OSError on I/O trouble."""
+        """Read and check the file of `key`, its body into `out` ([layout.nbytes]); len(out).
+        BadEntry (then `out` holds garbage) or OSError."""
         expected = self.expected_prefix(key)
         prefix = bytearray(len(expected))
         probe = bytearray(1)  # one byte past the end: catches a file longer than the header says

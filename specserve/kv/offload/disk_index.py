@@ -34,7 +34,7 @@ class DiskIndex:
 
     def refresh(self, name: str) -> bool:
         """Mark a known file most recently used (in memory only); False if unknown."""
-        if name not in self._files:  # the common case: no lock taken
+        if name not in self._files:  # no lock in the common case
             return False
         with self._lock:
             if name not in self._files:
@@ -66,7 +66,7 @@ class DiskIndex:
         self.evict()
 
     def remember(self, entries: Iterable[tuple[str, int]]) -> None:
-        """Mark files most recently used, in order (adding those another process wrote)."""
+        """Mark files most recently used, in order (adding unknown ones)."""
         added = None
         with self._lock:
             for name, size in entries:

@@ -1,6 +1,5 @@
-"""Many small reads at once (the disk tier's prefix-hit loads): syscalls and crc32 release the GIL,
-so threads overlap. Threads take the next file from a shared counter (a slow file holds up no
-fixed span), and the calling thread reads too."""
+"""Many small reads at once (the disk tier's loads): syscalls and crc32 release the GIL, so threads
+overlap. Threads take the next file from a shared counter; the calling thread reads too."""
 
 from __future__ import annotations
 
@@ -10,12 +9,12 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-# Syscalls and crc32 release the GIL; more threads than cores only add GIL hand-offs.
+# More threads than cores only add GIL hand-offs.
 DEFAULT_THREADS = max(1, min(16, os.cpu_count() or 1))
 
 
 class ParallelReads:
-    """A lazily started pool of `threads` - 1 threads, plus the caller's."""
+    """A lazily started pool, plus the caller's thread."""
 
     def __init__(self, threads: int = DEFAULT_THREADS) -> None:
         self.threads = max(1, threads)

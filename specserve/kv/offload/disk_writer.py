@@ -1,9 +1,6 @@
-"""The disk tier's write queue: blocks waiting to become files, and the threads that write them.
-
-`submit` copies each block into slots of its own and returns, so the caller's (pinned staging)
-buffer is free at once. Until its file is in place a block is served from here, copied under the
-lock, so a slot is never reused while a reader copies out of it.
-"""
+"""The disk tier's write queue and writer threads. `submit` copies each block into a slot of its
+own, so the caller's staging is free at once; until its file is in place a block is served from
+here, copied under the lock (a slot is never reused while a reader copies out of it)."""
 
 from __future__ import annotations
 
@@ -33,8 +30,8 @@ class _Pending(NamedTuple):
 
 
 class DiskWriter:
-    """At most `max_pending_bytes` of blocks wait; more are dropped (counted). `write(key, payload,
-    body)` stores one block (`body`: its bytes when known); a failure is counted in `errors`."""
+    """At most `max_pending_bytes` wait; more are dropped. `write(key, payload, body)` stores one
+    block (`body`: its bytes when known); a failure is counted in `errors`."""
 
     def __init__(self, write: WriteBlock, max_pending_bytes: int, threads: int, stats: StatsCounter) -> None:
         self._write = write
@@ -62,7 +59,6 @@ class DiskWriter:
         return key in self._pending or key in self._reserved
 
     def submit(self, items: list[tuple[BlockKey, PackedPayload]]) -> None:
-        """Queue blocks not queued yet (over the budget: dropped); returns once the bytes are copied."""
         taken: list[tuple[BlockKey, PackedPayload, int | None]] = []
         dropped = 0
         with self._lock:
@@ -112,7 +108,7 @@ class DiskWriter:
         return out
 
     def _take_slot(self, size: int) -> int | None:
-        """Under the lock: a slot for `size` bytes, or None (the block gets a buffer of its own)."""
+        """Under the lock: a slot for `size` bytes, or None (a buffer of its own)."""
         if self._slab is None:
             self._slab = SlotSlab(size, max(1, self._max_pending // size), pin_memory=False)
         if size != self._slab.slot_bytes:
@@ -128,7 +124,7 @@ class DiskWriter:
             return None if pending is None else PackedPayload(pending.payload.buffer.clone(), pending.payload.layout)
 
     def copy_pending_into(self, keys: list[BlockKey], rows: torch.Tensor, layout: BlockLayout) -> list[bool]:
-        """Copy queued blocks of `layout` into their rows of `rows` [len(keys), layout.nbytes]; which were."""
+        """Copy queued blocks of `layout` into rows [len(keys), layout.nbytes]; which were."""
         done = [False] * len(keys)
         if not self._pending:
             return done
@@ -168,7 +164,6 @@ class DiskWriter:
             logger.warning("KV disk tier: write of %s failed: %s", key.hex()[:32], exc)
             self._stats.add(errors=1)
         finally:
-            # Only now: until the file is in place, readers find the block here.
             with self._lock:
                 del self._pending[key]
                 self._pending_bytes -= pending.payload.nbytes

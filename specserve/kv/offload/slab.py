@@ -1,5 +1,5 @@
 """Fixed-size slots carved out of a few large host buffers, pinned once per chunk (pinning is slow)
-and reused forever: a slot freed by eviction goes to the next block without touching the allocator."""
+and reused forever without touching the allocator."""
 
 from __future__ import annotations
 
@@ -61,6 +61,6 @@ class SlotSlab:
         return self._chunks[chunk][index * self.slot_bytes : (index + 1) * self.slot_bytes]
 
     def view_bytes(self, slot: int) -> memoryview:
-        """The slot's memory as a memoryview (no tensor->numpy conversion per call)."""
+        """The slot's memory as a memoryview."""
         chunk, index = divmod(slot, self.slots_per_chunk)
         return self._chunk_bytes[chunk][index * self.slot_bytes : (index + 1) * self.slot_bytes]

@@ -1,6 +1,6 @@
-"""Blocks on their way into the tiers: a worker thread waits for each job's device->host copy,
-then puts the payloads into the tiers, off the engine's step. A payload is visible in a tier only
-once its bytes are complete; until then `pending(key)` is true and readers call `wait_for(key)`."""
+"""Blocks on their way into the tiers: a worker thread waits for each job's device->host copy, then
+puts the payloads into the tiers, off the engine's step. Until a payload is in a tier,
+`pending(key)` is true and readers call `wait_for(key)`."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class _Job:
 
 
 class StoreQueue:
-    """Jobs are handled in submission order by one worker thread."""
+    """One worker thread, jobs in submission order."""
 
     def __init__(self) -> None:
         self._inflight: dict[BlockKey, _Job] = {}
@@ -54,7 +54,6 @@ class StoreQueue:
         return key in self._inflight  # one dict lookup: atomic under the GIL
 
     def wait_for(self, key: BlockKey) -> None:
-        """Return once `key` (if it is on its way) has been put into the tiers."""
         job = self._inflight.get(key)
         if job is not None:
             job.done.wait()
