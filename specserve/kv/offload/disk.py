@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import logging
 import os
 import tempfile
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
@@ -18,7 +20,6 @@ import torch
 from specserve.kv.offload.base import BlockKey, Tier
 from specserve.kv.offload.disk_format import BadEntry, LayoutReader, body_offset, encode_entry, read_entry, write_entry
 from specserve.kv.offload.disk_index import SUFFIX, TMP_PREFIX, DiskIndex, remove_quietly, set_mtimes
-from specserve.kv.offload.disk_reader import DEFAULT_THREADS, ParallelReads
 from specserve.kv.offload.disk_writer import DiskWriter
 from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayload, pack
 
@@ -26,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 _MAX_KEY_NAME = 100  # longer keys are named by their blake2b digest
 DEFAULT_WRITERS = max(1, min(4, (os.cpu_count() or 1) // 4))
+# Reads overlap (syscalls and crc32 release the GIL); more threads than cores only add GIL hand-offs.
+DEFAULT_READERS = max(1, min(16, os.cpu_count() or 1))
 
 __all__ = ["SUFFIX", "DiskTier", "encode_entry", "file_name"]
 T = TypeVar("T")
@@ -49,7 +52,7 @@ class DiskTier(Tier):
         capacity_bytes: int,
         namespace: str,
         max_pending_bytes: int = 256 << 20,
-        readers: int = DEFAULT_THREADS,
+        readers: int = DEFAULT_READERS,
         writers: int = DEFAULT_WRITERS,
     ) -> None:
         super().__init__(capacity_bytes)
@@ -59,7 +62,9 @@ class DiskTier(Tier):
         self._closed = False
         self._index = DiskIndex(self.path, self._capacity, self._stats)
         self._index.rescan()
-        self._readers = ParallelReads(readers)
+        # Threads start on demand; the calling thread reads too.
+        self._num_readers = max(1, readers)
+        self._readers = ThreadPoolExecutor(self._num_readers, thread_name_prefix="specserve-disk-read")
         self._layout_readers: dict[BlockLayout, LayoutReader] = {}
         # Resolved per call, so a test may replace DiskTier._write.
         self._writer = DiskWriter(
@@ -116,7 +121,7 @@ class DiskTier(Tier):
             key, out = keys[todo[j]], flat[todo[j] * nbytes : (todo[j] + 1) * nbytes]
             read[j] = self._open_and_read(paths[j], names[j], lambda fd: reader.read_into(fd, key, out)) is not None
 
-        self._readers.run(len(todo), read_one)
+        self._run_parallel(len(todo), read_one)
         hits_j = [j for j in range(len(todo)) if read[j]]
         if hits_j:  # recency in key order (the threads finish in any order); mtimes off the caller's path
             self._index.remember((names[j], body_offset(len(keys[todo[j]]), len(layout.json)) + nbytes) for j in hits_j)
@@ -127,6 +132,21 @@ class DiskTier(Tier):
         hits = sum(found)
         self._stats.add(queries=n, hits=hits, bytes_out=hits * nbytes)
         return out
+
+    def _run_parallel(self, n: int, read_one: Callable[[int], None]) -> None:
+        """read_one(i) for i in range(n) on the readers and this thread; the first error re-raised."""
+        counter = itertools.count()  # next() is atomic under the GIL: a slow file holds up no span
+
+        def work() -> None:
+            while (i := next(counter)) < n:
+                read_one(i)
+
+        futures = [self._readers.submit(work) for _ in range(min(self._num_readers, n) - 1)]
+        try:
+            work()
+        finally:
+            for fut in futures:
+                fut.result()
 
     def _read(self, key: BlockKey) -> PackedPayload | None:
         """One file of any layout, marked most recently used (None on a miss or a bad file)."""
@@ -193,7 +213,7 @@ class DiskTier(Tier):
             return
         self._closed = True
         self._writer.close()
-        self._readers.close()
+        self._readers.shutdown(wait=True)
 
     def _write(self, key: BlockKey, payload: PackedPayload, body: memoryview | None = None) -> None:
         """Store one block as its file (on a writer thread): temp file, stamp, atomic rename."""
