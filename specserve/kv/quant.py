@@ -6,10 +6,8 @@ nvfp4 (per 16 values of one (token, head)), as NVIDIA's NVFP4: g = fmt.global_sc
     block scale s = e4m3(amax / (6 g)) rounded UP; codes = e2m1(x / (s g)), nearest, ties to even
     code. Error <= max(|x|, s g) / 4. Two codes per byte, element 2i in the low nibble; a nibble
     is sign << 3 | magnitude index (zero is +0).
-The global scale is static because each token's scales are written once: a data-derived one
-would change the meaning of scales already stored. g = 4 covers group amax up to 10752 (larger
-saturates, finite); a calibrated amax A maps to g = A / (6 * 448) (`nvfp4_global_scale`).
-Inputs must be finite.
+g is static (a token's scales are written once); g = 4 covers group amax up to 10752 (larger
+saturates, finite). Inputs must be finite.
 """
 
 from __future__ import annotations
@@ -26,11 +24,6 @@ _E4M3_MIN_SUBNORMAL = 2.0**-9
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Boundaries between neighbouring indices, and whether a tie goes up (to the even index).
 _E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
-
-
-def nvfp4_global_scale(tensor_amax: float) -> float:
-    """The NVFP4 global scale that lets e4m3 block scales reach a calibrated tensor amax."""
-    return max(float(tensor_amax), 1e-12) / (E2M1_MAX * FP8_MAX)
 
 
 def _round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

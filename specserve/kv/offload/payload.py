@@ -1,6 +1,5 @@
-"""Packed block payloads: every tensor of one KV block (all layers) in one contiguous byte buffer
-(one tier slot, file body or host<->device copy per block), read like a dict of named views
-(`payload["0.key"]`)."""
+"""Packed block payloads: every tensor of one KV block (all layers) in one contiguous byte buffer,
+read like a dict of named views (`payload["0.key"]`)."""
 
 from __future__ import annotations
 
@@ -46,10 +45,6 @@ class BlockLayout:
             offset += -(-size // ALIGN) * ALIGN
         return BlockLayout(tuple(entries), offset)
 
-    @staticmethod
-    def of_tensors(tensors: Mapping[str, torch.Tensor]) -> BlockLayout:
-        return BlockLayout.of([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
-
     @functools.cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(e.name for e in self.entries)
@@ -60,14 +55,14 @@ class BlockLayout:
 
     @functools.cached_property
     def json(self) -> bytes:
-        """The stored form (disk_format.py), computed once per layout."""
+        """The stored form (disk_format.py)."""
         items = [[e.name, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset] for e in self.entries]
         return json.dumps(items, separators=(",", ":")).encode()
 
     @staticmethod
-    @functools.lru_cache(maxsize=64)  # every file of one model has the same layout: parse it once
+    @functools.lru_cache(maxsize=64)
     def from_json(raw: bytes) -> BlockLayout:
-        """Parse (and validate) a stored layout; ValueError if it is not one this code writes."""
+        """Parse a stored layout; ValueError if it is not one this code writes."""
         try:
             items = json.loads(raw)
             specs = [(str(name), _DTYPES[dtype], tuple(int(d) for d in shape)) for name, dtype, shape, _ in items]
@@ -81,9 +76,8 @@ class BlockLayout:
 
 
 class PackedPayload(Mapping):
-    """One block: `buffer` ([layout.nbytes] uint8, CPU, contiguous) seen as named tensors.
-    `lease` (a CPU tier slot's) is referenced by the payload, its buffer and every view handed
-    out, so the memory stays valid while any of them is alive."""
+    """One block: `buffer` ([layout.nbytes] uint8, CPU, contiguous) seen as named tensors. `lease`
+    (a CPU tier slot's) is held by the payload, its buffer and every view, keeping the memory valid."""
 
     __slots__ = ("_views", "buffer", "layout", "lease")
 
@@ -121,18 +115,16 @@ class PackedPayload(Mapping):
         return len(self.layout.entries)
 
 
-# The public name: a payload is any mapping of tensor names to tensors; tiers return PackedPayloads.
 BlockPayload = Mapping[str, torch.Tensor] | PackedPayload
 
 
 def pack(payload: BlockPayload, out: torch.Tensor | None = None) -> PackedPayload:
-    """The payload as one packed buffer: itself if already packed (and no `out`), else a copy
-    into `out` (or a fresh buffer)."""
+    """The payload packed: itself if packed and no `out`, else a copy into `out` (or a new buffer)."""
     if isinstance(payload, PackedPayload):
         if out is not None:
             copy_bytes(out, payload.buffer)
         return payload if out is None else PackedPayload(out, payload.layout)
-    layout = BlockLayout.of_tensors(payload)
+    layout = BlockLayout.of([(n, t.dtype, tuple(t.shape)) for n, t in payload.items()])
     out = torch.empty(layout.nbytes, dtype=torch.uint8) if out is None else out
     if layout.nbytes != out.numel():
         raise ValueError(f"payload of {layout.nbytes} bytes does not fit a buffer of {out.numel()}")
@@ -142,8 +134,7 @@ def pack(payload: BlockPayload, out: torch.Tensor | None = None) -> PackedPayloa
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[:] = src for 1-D uint8 CPU tensors on this thread alone: torch's copy would take every
-    intra-op thread from the engine thread."""
+    """dst[:] = src (1-D uint8 CPU) on this thread alone: torch's copy takes every intra-op thread."""
     np.copyto(dst.numpy(), src.numpy())
 
 

@@ -1,10 +1,9 @@
 """Copies between the paged KV cache and packed host buffers, a few large copies per step.
 
-Store: one index_select per cache tensor gathers the blocks into device staging [n, block_bytes]
-on the compute stream (so it is a snapshot: later writes are ordered after it), then one copy to
-pinned host memory runs on a side stream; an event says when the host rows are valid.
-Load: host buffers go to device staging and are scattered with one index_copy_ per cache tensor
-on the compute stream, ordered before the forward that reads them; the host buffers must stay
+Store: one index_select per cache tensor gathers blocks into device staging [n, block_bytes] on the
+compute stream (a snapshot), then one copy to pinned host memory on a side stream; an event says
+when the host rows are valid. Load: host buffers go to device staging, scattered with one
+index_copy_ per cache tensor on the compute stream before the forward; the host buffers stay
 untouched until the returned event completes. On the CPU both directions are synchronous.
 """
 
@@ -19,7 +18,7 @@ from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayloa
 from specserve.kv.spec import LayerKVCache
 
 _FIELDS = ("key", "value", "key_scale", "value_scale")
-# Device staging per group of blocks is at most this size: peak extra device memory stays bounded.
+# Device staging per group of blocks: bounds the extra device memory.
 MAX_STAGING_BYTES = 64 << 20
 
 
@@ -37,8 +36,7 @@ def cache_layout(caches: list[LayerKVCache]) -> BlockLayout:
 
 @dataclass
 class HostRows:
-    """Blocks copied out of the device: `rows` [n, block_bytes] uint8 on the host, valid once
-    `ready` (a CUDA event, or None when the copy was synchronous) has completed."""
+    """`rows` [n, block_bytes] uint8 on the host, valid once `ready` (None: synchronous) completes."""
 
     rows: torch.Tensor
     layout: BlockLayout
@@ -73,7 +71,7 @@ class BlockMover:
             torch.index_select(part, 0, ids, out=out[:, e.offset : e.offset + e.nbytes])
 
     def gather_to_host(self, block_ids: Sequence[int]) -> list[HostRows]:
-        """Snapshot the blocks now (in stream order); one HostRows per group of blocks."""
+        """Snapshot the blocks now (stream order); one HostRows per group."""
         out = []
         for start in range(0, len(block_ids), self.group):
             ids = self._ids(block_ids[start : start + self.group])
@@ -111,7 +109,6 @@ class BlockMover:
         return packed
 
     def _scatter(self, block_ids: Sequence[int], ids: torch.Tensor, staging: torch.Tensor) -> None:
-        """staging[i] -> block block_ids[i] of every cache tensor."""
         id_runs = runs(len(block_ids), lambda i: block_ids[i] == block_ids[i - 1] + 1)
         if self.is_cuda or len(id_runs) > 8:  # one kernel per tensor
             for part, e in zip(self.parts, self.layout.entries):
@@ -123,8 +120,8 @@ class BlockMover:
                 part[block_ids[i] : block_ids[i] + j - i].copy_(staging[i:j, e.offset : e.offset + e.nbytes])
 
     def load_from_host(self, block_ids: Sequence[int], payloads: Sequence[PackedPayload]) -> torch.cuda.Event | None:
-        """Copy payloads[i] into block block_ids[i]; the event after which the payload buffers may
-        be reused (None: already copied). Layouts must match (see `check`)."""
+        """payloads[i] -> block block_ids[i] (layouts checked); the event after which the buffers may
+        be reused (None: already copied)."""
         if len(block_ids) != len(payloads):
             raise ValueError(f"{len(block_ids)} block ids for {len(payloads)} payloads")
         for start in range(0, len(block_ids), self.group):
