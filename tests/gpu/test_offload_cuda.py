@@ -13,8 +13,9 @@ from specserve import LLM, SamplingParams
 from specserve.config import OffloadConfig
 from specserve.kv.offload.offloader import KVOffloader
 from specserve.kv.offload.transfer import cache_layout
-from specserve.kv.quant import gather_kv, write_kv
+from specserve.kv.quant import write_kv
 from specserve.kv.spec import KVCacheSpec, kv_format
+from tests.helpers.kv_gather import gather_kv
 
 _BUSY = 100_000_000  # GPU cycles (~50 ms): the host gets ahead of everything queued after it
 

@@ -195,8 +195,9 @@ def test_the_format_crc32_matches_zlib() -> None:
 
 
 def test_offloader_disk_only_lookup_stops_at_a_bad_file(tmp_path: Path) -> None:
-    from specserve.kv.quant import gather_kv, write_kv
+    from specserve.kv.quant import write_kv
     from specserve.kv.spec import KVCacheSpec, kv_format
+    from tests.helpers.kv_gather import gather_kv
 
     fmt = kv_format("bfloat16", torch.bfloat16)
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, fmt=fmt)

@@ -14,8 +14,9 @@ import dataclasses
 import pytest
 import torch
 
-from specserve.kv.quant import dequantize, gather_kv, quantize, write_kv
+from specserve.kv.quant import dequantize, quantize, write_kv
 from specserve.kv.spec import KVCacheSpec, kv_format
+from tests.helpers.kv_gather import gather_kv
 
 FP32_SLACK = 1e-6  # relative float32 arithmetic slack on top of the format's own bound
 

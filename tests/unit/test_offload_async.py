@@ -15,8 +15,9 @@ from specserve.kv.offload.cpu import CpuTier
 from specserve.kv.offload.offloader import KVOffloader
 from specserve.kv.offload.payload import BlockLayout, PackedPayload, contiguous_runs, pack
 from specserve.kv.offload.slab import SlotSlab
-from specserve.kv.quant import gather_kv, write_kv
+from specserve.kv.quant import write_kv
 from specserve.kv.spec import KVCacheSpec, kv_format
+from tests.helpers.kv_gather import gather_kv
 
 
 def _payload(i: int, numel: int = 64) -> dict[str, torch.Tensor]:

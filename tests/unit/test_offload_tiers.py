@@ -17,8 +17,9 @@ from specserve.kv.offload.cpu import CpuTier
 from specserve.kv.offload.disk import DiskTier, encode_entry, file_name
 from specserve.kv.offload.payload import BlockPayload, pack
 from specserve.kv.offload.transfer import BlockMover
-from specserve.kv.quant import gather_kv, write_kv
+from specserve.kv.quant import write_kv
 from specserve.kv.spec import KVCacheSpec, kv_format
+from tests.helpers.kv_gather import gather_kv
 
 NS = "model-a/fp8"
 
