@@ -11,10 +11,10 @@ import torch
 
 from specserve.config import OffloadConfig
 from specserve.kv.offload import transfer
+from specserve.kv.offload.base import SlotSlab
 from specserve.kv.offload.cpu import CpuTier
 from specserve.kv.offload.offloader import KVOffloader
 from specserve.kv.offload.payload import BlockLayout, PackedPayload, contiguous_runs, pack
-from specserve.kv.offload.slab import SlotSlab
 from specserve.kv.quant import write_kv
 from specserve.kv.spec import KVCacheSpec, kv_format
 from tests.helpers.kv_gather import gather_kv

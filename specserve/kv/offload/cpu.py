@@ -8,9 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.kv.offload.base import BlockKey, Tier
+from specserve.kv.offload.base import DEFAULT_CHUNK_BYTES, BlockKey, SlotSlab, Tier
 from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayload, copy_bytes, pack, paired_runs
-from specserve.kv.offload.slab import DEFAULT_CHUNK_BYTES, SlotSlab
 
 
 class _Lease:

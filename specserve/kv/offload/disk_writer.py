@@ -12,9 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from specserve.kv.offload.base import BlockKey, StatsCounter
+from specserve.kv.offload.base import BlockKey, SlotSlab, StatsCounter
 from specserve.kv.offload.payload import BlockLayout, PackedPayload, copy_bytes, pack, paired_runs
-from specserve.kv.offload.slab import SlotSlab
 
 logger = logging.getLogger(__name__)
 
