@@ -21,9 +21,8 @@ BlockHash = bytes
 def hash_blocks(
     parent: BlockHash | None, token_ids: Sequence[int], block_size: int, extra: bytes = b""
 ) -> list[BlockHash]:
-    """Chained hashes of consecutive full blocks of `token_ids` (a multiple of block_size long): each
-    depends on every token before it. blake2b of int64 bytes: stable across processes (the disk
-    tier relies on that)."""
+    """Chained hashes of the full blocks of `token_ids`; blake2b of int64 bytes, stable across
+    processes (the disk tier relies on that)."""
     raw = np.asarray(token_ids, dtype=np.int64).tobytes()
     out: list[BlockHash] = []
     for start in range(0, len(raw), block_size * 8):
@@ -109,7 +108,6 @@ class BlockPool:
                     self.free_queue[block_id] = None
 
     def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
-        """Record that a full block holds the tokens named by block_hash."""
         if not self.enable_caching:
             return
         block = self.blocks[block_id]
@@ -121,7 +119,7 @@ class BlockPool:
         self.cached[block_hash] = block_id
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached hashes (only when nothing is referenced)."""
+        """Forget all cached hashes (only when nothing is referenced); whether it did."""
         if len(self.free_queue) != self.num_blocks:
             return False
         for block in self.blocks:

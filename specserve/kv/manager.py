@@ -1,9 +1,6 @@
-"""KV cache manager: prefix hits, slot allocation (incl. speculative lookahead), freeing.
-
-A request owns an ordered list of block ids; token i of it lives in block i // block_size at
-offset i % block_size. Full blocks get a chained hash and enter the prefix cache as soon as
-their tokens are computed.
-"""
+"""KV cache manager: prefix hits, slot allocation (incl. speculative lookahead), freeing. Token i
+of a request lives in its block i // block_size at offset i % block_size; full blocks get a chained
+hash and enter the prefix cache as soon as their tokens are computed."""
 
 from __future__ import annotations
 
@@ -18,8 +15,8 @@ if TYPE_CHECKING:
 
 
 class Request(Protocol):
-    """What the manager reads of a request (scheduler.request.Request, or a proposer's draft sequence).
-    An optional `num_pending_tokens` counts placeholder tokens whose ids are not known yet."""
+    """What the manager reads of a request or a draft sequence (optional `num_pending_tokens`:
+    placeholder tokens whose ids are not known yet)."""
 
     request_id: str
     block_hashes: list[BlockHash]
@@ -64,12 +61,10 @@ class KVCacheManager:
         return self.req_blocks.get(request_id, [])
 
     def _update_hashes(self, req: Request) -> list[BlockHash]:
-        """Extend req.block_hashes to cover every full block of its known tokens."""
         hashes = req.block_hashes
         tokens = req.all_token_ids
         bs = self.block_size
-        known = _num_known(req)  # placeholders (asynchronous scheduling) have no hash yet
-        first, last = len(hashes), known // bs
+        first, last = len(hashes), _num_known(req) // bs  # placeholders have no hash yet
         if last > first:
             parent = hashes[-1] if hashes else None
             hashes.extend(hash_blocks(parent, tokens[first * bs : last * bs], bs, self.hash_extra))
@@ -94,7 +89,7 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def _load_from_tiers(self, hashes: list[BlockHash], gpu_hits: list[int]) -> list[int]:
-        """Copy the tier-resident run of `hashes` into fresh blocks, cached and free (like GPU hits)."""
+        """Copy the tier-resident run of `hashes` into fresh blocks, cached and free like GPU hits."""
         assert self.offloader is not None
         payloads = self.offloader.lookup(hashes)
         # Pin the GPU hits so allocating room for the loads cannot evict them.
@@ -111,7 +106,7 @@ class KVCacheManager:
         return ids or []
 
     def prefetch(self, req: Request) -> None:
-        """Start reading a new request's offloaded prefix blocks (disk -> CPU) in the background."""
+        """Read a new request's offloaded prefix blocks disk -> CPU in the background."""
         if self.offloader is None or not self.enable_prefix_caching:
             return
         hashes = self._update_hashes(req)
@@ -151,7 +146,6 @@ class KVCacheManager:
             blocks.extend(new_computed)
             self.num_cached_blocks[req.request_id] = len(blocks)
         if need:
-            # Evicted blocks go to the offload tiers in one copy.
             with self.offloader.batch_evictions() if self.offloader is not None else contextlib.nullcontext():
                 new_ids = self.pool.allocate(need)
             assert new_ids is not None
@@ -162,7 +156,7 @@ class KVCacheManager:
     def _cache_full_blocks(self, req: Request, num_tokens_after_step: int) -> None:
         if not self.enable_prefix_caching:
             return
-        # Only tokens that are real (not drafts) and will be computed by the end of the step.
+        # Only real tokens (not drafts) computed by the end of the step.
         num_full = min(num_tokens_after_step, _num_known(req)) // self.block_size
         done = self.num_cached_blocks.get(req.request_id, 0)
         if num_full <= done:
@@ -172,15 +166,13 @@ class KVCacheManager:
         for i in range(done, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
             if self.offloader is not None and self.pool.blocks[blocks[i]].block_hash == hashes[i]:
-                # computed: the forward that writes it is already launched (it is not when the
-                # block completes in the step being scheduled).
+                # computed: the forward writing it is already launched (not so in the step being scheduled).
                 computed = (i + 1) * self.block_size <= req.num_computed_tokens
                 self.offloader.block_completed(hashes[i], blocks[i], computed)
         self.num_cached_blocks[req.request_id] = num_full
 
     def cache_computed_blocks(self, req: Request) -> None:
-        """Asynchronous scheduling resolved a pending token: a computed block it completes enters
-        the prefix cache now (it could not when it was scheduled as a placeholder)."""
+        """A resolved pending token: a computed block it completes enters the prefix cache now."""
         if req.request_id in self.req_blocks:
             self._cache_full_blocks(req, req.num_computed_tokens)
 
@@ -203,5 +195,4 @@ class KVCacheManager:
 
 
 def _num_known(req: Request) -> int:
-    """Tokens whose ids are known on the host. Draft sequences duck-type Request without pending tokens."""
     return req.num_tokens - getattr(req, "num_pending_tokens", 0)

@@ -1,6 +1,5 @@
-"""KV cache storage layout: dtype, bytes per block, scale layout. A slot is
-`block_id * block_size + offset`. Quantized formats store per-token, per-head scales, so writing
-one token never rewrites another's data."""
+"""KV cache storage layout. A slot is `block_id * block_size + offset`; quantized formats store
+per-token, per-head scales, so writing one token never rewrites another's data."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The periodic one-line stats log, like vLLM's "Avg prompt throughput: ..." line. The server calls
-`maybe_log()` every interval; throughputs are counter deltas over the measured elapsed time."""
+"""The periodic stats line, like vLLM's "Avg prompt throughput: ..."; throughputs are counter deltas
+over the measured time since the last `maybe_log()`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Prometheus text exposition of StatsCollector (the only module that imports prometheus_client).
-
-A Collector reads `StatsCollector.snapshot()` at scrape time into a registry per server. Names are
-vLLM's under `specserve:` (or `vllm:`). Families never written still appear (0 or empty), so
-dashboards see every series from the first scrape.
-"""
+"""Prometheus exposition of StatsCollector (the only module importing prometheus_client). Names are
+vLLM's under `specserve:` (or `vllm:`); families never written still appear (0 or empty), so
+dashboards see every series from the first scrape."""
 
 from __future__ import annotations
 
@@ -28,8 +25,6 @@ def _bound(value: float) -> str:
 
 
 class StatsExporter(Collector):
-    """prometheus_client Collector over a StatsCollector snapshot."""
-
     def __init__(self, stats: StatsCollector, prefix: str = "specserve") -> None:
         if prefix not in PREFIXES:
             raise ValueError(f"metrics prefix must be one of {PREFIXES}, got {prefix!r}.")

@@ -1,6 +1,5 @@
-"""Engine statistics, the single source for LLM.get_metrics() and /metrics. Names are vLLM's without
-the prefix. Counters only grow; gauges are set each step. The engine thread writes; readers take a
-snapshot under the lock."""
+"""Engine statistics, the single source for LLM.get_metrics() and /metrics; names are vLLM's without
+the prefix. Counters only grow; gauges are set each step; readers take a snapshot under the lock."""
 
 from __future__ import annotations
 
@@ -99,7 +98,6 @@ class StatsCollector:
         self.observe_many(name, [value], labels)
 
     def observe_many(self, name: str, values: list[float], labels: dict[str, str] | None = None) -> None:
-        """Several observations under one lock."""
         if not values:
             return
         fam, key = self._families[name], self._key(labels)

@@ -83,7 +83,7 @@ class Request:
         self.all_token_ids.extend(token_ids)
 
     def trim_output_tokens(self, n: int) -> None:
-        """Forget the last n output tokens (accepted drafts past a stop string; the request finishes)."""
+        """Forget the last n output tokens (accepted drafts past a stop string)."""
         if n > 0:
             del self.output_token_ids[-n:]
             del self.all_token_ids[-n:]
@@ -99,13 +99,11 @@ class Request:
         self.num_pending_tokens += 1
 
     def resolve_pending_token(self, token_id: int) -> None:
-        """The oldest pending token is now known."""
         self.all_token_ids[len(self.all_token_ids) - self.num_pending_tokens] = token_id
         self.output_token_ids.append(token_id)
         self.num_pending_tokens -= 1
 
     def drop_pending_tokens(self) -> None:
-        """Finished or aborted: sampled tokens still in flight will never count."""
         del self.all_token_ids[len(self.all_token_ids) - self.num_pending_tokens :]
         self.num_pending_tokens = 0
 

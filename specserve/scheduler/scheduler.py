@@ -1,12 +1,10 @@
 """Continuous batching under a token budget, with chunked prefill, prefix hits and preemption.
 
-No prefill / decode phases: each step gives requests new tokens toward `num_tokens_with_spec`
-(known tokens plus drafts to verify), running requests first (FCFS), then waiting ones. When
-blocks run out, the latest running request is preempted and later recomputed.
-
-Graph-sized prefill pieces (`prefill_piece`: the longest captured prefill graph's query length):
-while at most PIECE_MAX_SEQS requests are live, a prompt of up to PIECES pieces is fed a piece a
-step, so each step replays a graph instead of an eager forward.
+Each step gives requests new tokens toward `num_tokens_with_spec` (known tokens plus drafts),
+running requests first (FCFS), then waiting ones; when blocks run out, the latest running request
+is preempted and later recomputed. While at most PIECE_MAX_SEQS requests are live, a prompt of up to
+PIECES `prefill_piece`s (the longest prefill graph's query length) is fed a piece a step, so each
+step replays a graph.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the end of the known tokens (so logits are sampled)."""
+        """Whether this step reaches the end of the known tokens (logits are sampled)."""
         return self.request.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens >= self.request.num_tokens
 
 
@@ -117,7 +115,7 @@ class Scheduler:
         return budget
 
     def _piece(self, req: Request, num_new: int) -> int:
-        """num_new, or one graph piece of it (see the module doc; not for drafts or prompt scoring)."""
+        """num_new, or one graph piece of it (not for drafts or prompt scoring)."""
         piece = self.prefill_piece
         if (
             piece is None

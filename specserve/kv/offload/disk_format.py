@@ -50,15 +50,19 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return t.numpy().data.cast("B")
 
 
+def _prefix(key: bytes, layout: BlockLayout, crc: int, ns_digest: bytes) -> bytes:
+    """The file's bytes before the body."""
+    if len(key) > 0xFFFF:  # the header's key length is a u16: no file of ours holds it
+        raise BadEntry("key too long")
+    raw = layout.json
+    prefix = _HEADER.pack(MAGIC, FORMAT_VERSION, len(key), len(raw), layout.nbytes, crc, ns_digest) + key + raw
+    return prefix + bytes(body_offset(len(key), len(raw)) - len(prefix))
+
+
 def encode_prefix(key: bytes, payload: PackedPayload, namespace: str, body: memoryview | None = None) -> bytes:
-    """The file's bytes before the body; `body`: the payload's bytes, when the caller has them."""
-    layout = payload.layout.json
-    crc = crc32(_as_bytes(payload.buffer) if body is None else body, crc32(layout))
-    header = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, len(key), len(layout), payload.nbytes, crc, namespace_digest(namespace)
-    )
-    prefix = header + key + layout
-    return prefix + bytes(body_offset(len(key), len(layout)) - len(prefix))
+    """`body`: the payload's bytes, when the caller has them."""
+    crc = crc32(_as_bytes(payload.buffer) if body is None else body, crc32(payload.layout.json))
+    return _prefix(key, payload.layout, crc, namespace_digest(namespace))
 
 
 def encode_entry(key: bytes, payload: BlockPayload, namespace: str) -> bytes:
@@ -145,18 +149,10 @@ class LayoutReader:
         self.layout = layout
         self._ns = namespace_digest(namespace)
         self._layout_crc = crc32(layout.json)  # the crc covers layout + body
-        self._parts: dict[int, tuple[bytes, bytes]] = {}  # key length -> (header, layout + padding)
 
     def expected_prefix(self, key: bytes) -> bytes:
-        parts = self._parts.get(len(key))
-        if parts is None:  # once per key length: only the key differs between files
-            layout = self.layout.json
-            if len(key) > 0xFFFF:  # the header's key length is a u16: no file of ours holds it
-                raise BadEntry("key too long")
-            header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(key), len(layout), self.layout.nbytes, 0, self._ns)
-            pad = body_offset(len(key), len(layout)) - len(header) - len(key) - len(layout)
-            parts = self._parts[len(key)] = (header, layout + bytes(pad))
-        return parts[0] + key + parts[1]
+        """The prefix of a good file, its crc field zero."""
+        return _prefix(key, self.layout, 0, self._ns)
 
     def read_into(self, fd: int, key: bytes, out: memoryview) -> int:
         """Read and check the file of `key`, its body into `out` ([layout.nbytes]); len(out).

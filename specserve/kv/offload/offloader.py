@@ -42,8 +42,7 @@ PutMany = Callable[[list[BlockKey], list[PackedPayload]], None]
 @dataclass(eq=False)
 class _Job:
     keys: list[BlockKey]
-    rows: HostRows | None
-    payloads: list[PackedPayload] | None
+    data: HostRows | list[PackedPayload] | None  # None once handled: pinned staging goes back
     put: PutMany
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -61,8 +60,7 @@ class StoreQueue:
 
     def submit(self, keys: list[BlockKey], data: HostRows | list[PackedPayload], put: PutMany) -> None:
         """put(keys, payloads) in the background; HostRows once the copy that fills them completes."""
-        rows = data if isinstance(data, HostRows) else None
-        job = _Job(keys, rows, None if rows is not None else data, put)  # type: ignore[arg-type]
+        job = _Job(keys, data, put)
         if self._closed:
             raise RuntimeError("the KV store queue is closed")
         with self._lock:
@@ -95,11 +93,8 @@ class StoreQueue:
                 self._queue.task_done()
                 return
             try:
-                if job.rows is not None:
-                    job.rows.wait()
-                    job.payloads = job.rows.payloads()
-                assert job.payloads is not None  # a job carries payloads or rows that give them
-                job.put(job.keys, job.payloads)
+                data = job.data
+                job.put(job.keys, data.payloads() if isinstance(data, HostRows) else data)  # type: ignore[arg-type]
             except Exception:  # a failed store is a later miss; the worker must survive it
                 logger.exception("KV offload: storing %d blocks failed", len(job.keys))
             finally:
@@ -108,7 +103,7 @@ class StoreQueue:
                         if self._inflight.get(key) is job:
                             del self._inflight[key]
                 job.done.set()
-                job.payloads = job.rows = None  # let pinned staging go back to its allocator
+                job.data = data = None
                 self._queue.task_done()
 
 

@@ -47,6 +47,8 @@ class HostRows:
             self.ready.synchronize()
 
     def payloads(self) -> list[PackedPayload]:
+        """The rows as payloads, once the copy has completed."""
+        self.wait()
         return [PackedPayload(row, self.layout) for row in self.rows.unbind(0)]
 
 
