@@ -4,6 +4,7 @@ the prefix. Counters only grow; gauges are set each step; readers take a snapsho
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -120,15 +121,11 @@ class StatsCollector:
         with self._lock:
             for fam in self._families.values():
                 head = (fam.name, fam.kind, fam.help)
-                if fam.kind == "histogram":
-                    for key, counts in fam.hist.items():
-                        cumulative, running = {}, 0
-                        for bound, c in zip(list(fam.buckets) + [float("inf")], counts):
-                            running += c
-                            cumulative[bound] = running
-                        sum_ = fam.sums.get(key, 0.0)
-                        out.append(Metric(*head, dict(key), buckets=cumulative, count=running, sum=sum_))
-                else:
+                for key, counts in fam.hist.items():
+                    cumulative = dict(zip((*fam.buckets, float("inf")), itertools.accumulate(counts)))
+                    sum_ = fam.sums.get(key, 0.0)
+                    out.append(Metric(*head, dict(key), buckets=cumulative, count=sum(counts), sum=sum_))
+                if fam.kind != "histogram":
                     out.extend(Metric(*head, dict(key), value=value) for key, value in fam.values.items())
         return out
 
