@@ -127,15 +127,9 @@ def parse_header(head: bytes, key: bytes, namespace: str, file_size: int, read_m
 def read_entry(fd: int, key: bytes, namespace: str) -> PackedPayload:
     """Read and check the open file of `key` (any layout); BadEntry or OSError."""
     size = os.fstat(fd).st_size
-    head = os.pread(fd, min(size, _FIRST_READ), 0)
-    header = parse_header(head, key, namespace, size, read_more=lambda n: os.pread(fd, n, 0))
+    header = parse_header(os.pread(fd, min(size, _FIRST_READ), 0), key, namespace, size, lambda n: os.pread(fd, n, 0))
     out = torch.empty(header.body_len, dtype=torch.uint8)
-    if header.body_len:
-        got = os.preadv(fd, [_as_bytes(out)], header.body_offset)
-        if got != header.body_len:
-            raise BadEntry(f"body is {got} bytes, header says {header.body_len}")
-    if crc32(_as_bytes(out), crc32(header.layout_raw)) != header.crc:
-        raise BadEntry("checksum mismatch")
+    LayoutReader(namespace, header.layout).read_into(fd, key, _as_bytes(out))
     return PackedPayload(out, header.layout)
 
 

@@ -25,7 +25,6 @@ WriteBlock = Callable[[BlockKey, PackedPayload, memoryview | None], None]
 class _Pending(NamedTuple):
     payload: PackedPayload  # views the slot, or a buffer of its own (a block of another size)
     slot: int | None
-    body: memoryview | None  # the slot's memory (None: derive it from the payload)
 
 
 class DiskWriter:
@@ -98,11 +97,9 @@ class DiskWriter:
         out: list[tuple[BlockKey, _Pending]] = []
         for key, src, slot in taken:
             if slot is None:  # a buffer of its own
-                pending = _Pending(pack(src, out=torch.empty(src.nbytes, dtype=torch.uint8)), None, None)
+                pending = _Pending(pack(src, out=torch.empty(src.nbytes, dtype=torch.uint8)), None)
             else:
-                pending = _Pending(
-                    PackedPayload(self._slots.view(slot), src.layout), slot, self._slots.view_bytes(slot)
-                )
+                pending = _Pending(PackedPayload(self._slots.view(slot), src.layout), slot)
             out.append((key, pending))
         return out
 
@@ -158,7 +155,8 @@ class DiskWriter:
     def _write_one(self, key: BlockKey) -> None:
         pending = self._pending[key]  # published before it was queued; only this thread removes it
         try:
-            self._write(key, pending.payload, pending.body)
+            body = None if pending.slot is None else self._slots.view_bytes(pending.slot)
+            self._write(key, pending.payload, body)
         except Exception as exc:  # disk full, permissions, a bad tensor: count, never die
             logger.warning("KV disk tier: write of %s failed: %s", key.hex()[:32], exc)
             self._stats.add(errors=1)
