@@ -204,67 +204,41 @@ def block_table_array(block_lists: list[list[int]]) -> np.ndarray:
     return tables
 
 
-_PY_SLOTS_MAX = 16  # queries up to this long get their slots in the per-request loop, longer ones from numpy
-
-
 def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> HostBatch:
     """block_ids_of(request_id) -> list[int]."""
-    scheduled = sched.scheduled
-    num_seqs = len(scheduled)
-    bs = block_size
     query_lens: list[int] = []
     ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
     seq_lens: list[int] = []
     cu = [0]
     block_lists: list[list[int]] = []
     logits_idx: list[int] = []
     logit_rows: list[tuple[int, int] | None] = []
-    long_query = False
-    start = 0
-    for s in scheduled:
+    for s in sched.scheduled:
         req, n = s.request, s.num_new_tokens
         c = req.num_computed_tokens
-        known = req.all_token_ids
-        blocks = block_ids_of(req.request_id)
-        if n == 1 and c < len(known):  # a decode step
-            ids.append(known[c])
-            pos.append(c)
-            slots.append(blocks[c // bs] * bs + c % bs)
-        else:
-            tokens = known[c : c + n]
-            if len(tokens) < n:  # the tail is draft tokens under verification
-                tokens = tokens + req.spec_token_ids[: n - len(tokens)]
-            ids.extend(tokens)
-            pos.extend(range(c, c + n))
-            if n > _PY_SLOTS_MAX:
-                long_query = True
-            elif not long_query:
-                first = blocks[c // bs] * bs + c % bs
-                if c % bs + n <= bs:  # within one block (a verify query, usually)
-                    slots.extend(range(first, first + n))
-                else:
-                    slots.extend([blocks[p // bs] * bs + p % bs for p in range(c, c + n)])
+        tokens = req.all_token_ids[c : c + n]
+        if len(tokens) < n:  # the tail is draft tokens under verification
+            tokens = tokens + req.spec_token_ids[: n - len(tokens)]
+        ids.extend(tokens)
         query_lens.append(n)
         seq_lens.append(c + n)
-        block_lists.append(blocks)
+        block_lists.append(block_ids_of(req.request_id))
         if s.samples:
             rows = s.num_spec_tokens + 1
             logit_rows.append((len(logits_idx), rows))
-            logits_idx.extend(range(start + n - rows, start + n))
+            logits_idx.extend(range(cu[-1] + n - rows, cu[-1] + n))
         else:
             logit_rows.append(None)
-        start += n
-        cu.append(start)
-    positions = np.array(pos, dtype=np.int64)
+        cu.append(cu[-1] + n)
+    lens = np.array(query_lens, dtype=np.int64)
+    seq_index = np.repeat(np.arange(len(lens)), lens)
+    ends = np.array(seq_lens, dtype=np.int64)
+    # position of each token: its sequence's first query position plus its rank within the query
+    positions = ends[seq_index] - lens[seq_index] + np.arange(len(ids)) - np.array(cu[:-1], dtype=np.int64)[seq_index]
     block_tables = block_table_array(block_lists)
-    if long_query:
-        # slot of the token at position p of sequence i: block_tables[i, p // bs] * bs + p % bs
-        seq_index = np.repeat(np.arange(num_seqs), query_lens)
-        slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-    else:
-        slot_mapping = np.array(slots, dtype=np.int64)
+    # slot of the token at position p of sequence i: block_tables[i, p // bs] * bs + p % bs
+    bs = block_size
+    slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
     return HostBatch(
         np.array(ids, dtype=np.int64),
         positions,

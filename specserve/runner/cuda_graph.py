@@ -44,16 +44,12 @@ def sizes_by_query_len(
     """Batch sizes to capture per query length: middle verify lengths only up to MID_QUERY_MAX_BATCH (each
     graph keeps [bs * q, vocab] float32 logits), prefill and catch-up lengths up to their own caps."""
     edge = (query_lens[0], query_lens[-1])
-    sizes = {
-        q: tuple(b for b in batch_sizes if q in edge or b <= MID_QUERY_MAX_BATCH) or tuple(batch_sizes[:1])
-        for q in query_lens
-    }
-    for q in prefill_lens:
+    caps = [(q, None if q in edge else MID_QUERY_MAX_BATCH) for q in query_lens]
+    caps += [(q, PREFILL_MAX_BATCH) for q in prefill_lens] + [(q, CATCH_UP_MAX_BATCH) for q in catch_up_lens]
+    sizes: dict[int, tuple[int, ...]] = {}
+    for q, cap in caps:
         if q not in sizes:
-            sizes[q] = tuple(b for b in batch_sizes if b <= PREFILL_MAX_BATCH) or tuple(batch_sizes[:1])
-    for q in catch_up_lens:
-        if q not in sizes:
-            sizes[q] = tuple(b for b in batch_sizes if b <= CATCH_UP_MAX_BATCH) or tuple(batch_sizes[:1])
+            sizes[q] = tuple(b for b in batch_sizes if cap is None or b <= cap) or tuple(batch_sizes[:1])
     return sizes
 
 
@@ -65,12 +61,8 @@ def mixed_graph_sizes(
     if not batch_sizes:
         return {}
     ladder = sorted({b for b in batch_sizes if b & (b - 1) == 0} | {max(batch_sizes)})
-    sizes = {}
-    for t in sorted(set(token_lens)):
-        fit = tuple(b for b in ladder if b < t and -(-t // b) <= max_model_len)
-        if fit:
-            sizes[t] = fit
-    return sizes
+    fits = {t: tuple(b for b in ladder if b < t and -(-t // b) <= max_model_len) for t in sorted(set(token_lens))}
+    return {t: fit for t, fit in fits.items() if fit}
 
 
 def catch_up_lens_of(
@@ -230,27 +222,27 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        with gc_paused_for_capture():
-            self._capture_all()
-
-    def _capture_all(self) -> None:
         # largest first within each kind: later graphs reuse its pool
         keys = [(bs, q) for q in self.query_lens for bs in reversed(self.sizes_by_q[q])]
         keys += [(bs, t, t) for t in sorted(self.mixed_sizes, reverse=True) for bs in reversed(self.mixed_sizes[t])]
-        for key in keys:
-            self._fill_dummy(key)
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-                self._forward(key)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out, hidden, aux = self._forward(key)
-            self._pool = graph.pool()
-            self.graphs[key] = graph
-            if out is not None:
-                self.outputs[key] = out
-            self.hidden_outputs[key] = (hidden, aux)
+        with gc_paused_for_capture():
+            for key in keys:
+                self._capture(key)
         torch.cuda.synchronize(self.device)
+
+    def _capture(self, key: tuple[int, ...]) -> None:
+        self._fill_dummy(key)
+        for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
+            self._forward(key)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out, hidden, aux = self._forward(key)
+        self._pool = graph.pool()
+        self.graphs[key] = graph
+        if out is not None:
+            self.outputs[key] = out
+        self.hidden_outputs[key] = (hidden, aux)
 
     def _fill_dummy(self, key: tuple[int, ...]) -> None:
         """The batch a capture runs: bs sequences sharing the key's tokens evenly (q each for a uniform
@@ -266,12 +258,13 @@ class CudaGraphRunner:
         self.seq_lens[:bs] = lens
         self.block_tables.zero_()
 
-    def graph_key(self, batch: HostBatch) -> tuple[int, int] | None:
-        q = batch.uniform_query_len()
-        if q not in self.query_lens or batch.block_tables.shape[1] > self.max_blocks or not self._fits(batch, q):
-            return None
+    def graph_key(self, batch: HostBatch, q: int | None = None) -> tuple[int, int] | None:
+        """The uniform graph (bs, q) for the batch: q its shared query length, or the one it is padded to."""
+        q = batch.uniform_query_len() if q is None else q
         sizes = self.sizes_by_q.get(q, ())
-        if not sizes or batch.num_seqs > sizes[-1]:
+        if q not in self.query_lens or not sizes or batch.num_seqs > sizes[-1]:
+            return None
+        if batch.block_tables.shape[1] > self.max_blocks or not self._fits(batch, q):
             return None
         return (sizes[bisect.bisect_left(sizes, batch.num_seqs)], q)
 
@@ -284,16 +277,13 @@ class CudaGraphRunner:
         if not batch.query_lens or batch.block_tables.shape[1] > self.max_blocks:
             return None
         mixed = self.mixed_key(batch)
-        longest = max(batch.query_lens)
-        for q in sorted(self.query_lens):
-            sizes = self.sizes_by_q.get(q, ())
-            if q >= longest and sizes and batch.num_seqs <= sizes[-1] and self._fits(batch, q):
-                key = (sizes[bisect.bisect_left(sizes, batch.num_seqs)], q)
-                if mixed is not None and self.num_tokens_of(mixed) < self.num_tokens_of(key):
-                    break
-                padded = pad_to_query_len(batch, q, self.max_model_len)
-                if padded is not None:
-                    return padded, key
+        for q in sorted(q for q in self.query_lens if q >= max(batch.query_lens)):
+            key = self.graph_key(batch, q)
+            if key is not None:
+                if mixed is None or self.num_tokens_of(mixed) >= self.num_tokens_of(key):
+                    padded = pad_to_query_len(batch, q, self.max_model_len)
+                    if padded is not None:
+                        return padded, key
                 break
         return None if mixed is None else (batch, mixed)
 
