@@ -62,7 +62,6 @@ class Engine:
     def async_scheduling(self) -> bool:
         return self.async_loop is not None
 
-    # -- requests ----------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, arrival_time: float | None = None
     ) -> None:
@@ -75,16 +74,18 @@ class Engine:
         max_tokens = resolve_max_tokens(
             len(token_ids), params, self.max_model_len, self.kv.num_blocks, self.kv.block_size
         )
-        self._check_prompt_logprobs(params)
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.vocab_size:
+            raise ValueError(f"prompt_logprobs must be at most the vocabulary size ({self.vocab_size}).")
+        if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1.")
         grammar = self.structured.compile(params)  # ValueError on a bad schema/regex
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, text, token_ids, [], [], arrival, params.logprobs)
         for i in range(params.n):
             cp = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            gen = None
-            if cp.seed is not None and not cp.greedy:
-                gen = torch.Generator(device=self.device).manual_seed(cp.seed)
+            seeded = cp.seed is not None and not cp.greedy
+            gen = torch.Generator(device=self.device).manual_seed(cp.seed) if seeded else None
             req = Request(child_id, token_ids, cp, max_tokens, self.eos_token_ids, arrival, gen)
             if i == 0 and params.prompt_logprobs is not None:  # the prompt is shared: score it once
                 req.prompt_logprobs = [None]
@@ -100,15 +101,6 @@ class Engine:
             self.structured.add(req, grammar)  # its first mask fills during the prefill
             self.scheduler.add_request(req)
         self.kv.prefetch(group.children[0])
-
-    def _check_prompt_logprobs(self, params: SamplingParams) -> None:
-        n = params.prompt_logprobs
-        if n is None:
-            return
-        if n > self.vocab_size:
-            raise ValueError(f"prompt_logprobs must be at most the vocabulary size ({self.vocab_size}), got {n}.")
-        if self.config.parallel.tensor_parallel_size > 1:
-            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1.")
 
     def abort_request(self, request_ids: list[str] | str, emit_output: bool = True) -> None:
         """Free the requests' KV blocks now; their final outputs come with the next step()."""
@@ -160,7 +152,6 @@ class Engine:
         if self.kv.offloader is not None:
             self.kv.offloader.close()
 
-    # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         return self.async_loop.step() if self.async_loop is not None else self.step_sync()
 
@@ -189,14 +180,11 @@ class Engine:
                 self.spec.on_preempted(req)
         need_hidden = self.spec is not None and self.spec.proposer.needs_target_hidden
         plan = plan_prompt_logprobs(sched)
-        kw: dict = {}  # (the tensor-parallel executor takes neither)
-        if plan:
-            kw["prompt_plan"] = plan
-        if pending is not None:
-            kw["pending"] = pending
+        # (the tensor-parallel executor takes neither keyword)
+        kw = {k: v for k, v in (("prompt_plan", plan), ("pending", pending)) if v}
         step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden, **kw)
-        if plan:
-            self._store_prompt_logprobs(sched, plan, step_out.prompt_logprobs)
+        for item, entries in zip(plan, step_out.prompt_logprobs or ()):  # before update() may finish the request
+            sched.scheduled[item.sched_index].request.prompt_logprobs.extend(entries)
         self.kv.after_forward()
         return step_out
 
@@ -237,19 +225,17 @@ class Engine:
 
     def sample_tokens(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
         """One token per row of logits [len(reqs), vocab], on the device."""
-        if self._plain_greedy(reqs):
-            # The common serving case: argmax, no metadata to build or copy.
-            return SamplerOutput(logits.argmax(dim=-1), None)
-        return self.sampler(logits, self._sampling_meta(reqs))
-
-    @staticmethod
-    def _plain_greedy(reqs: list[Request]) -> bool:
-        return all(
+        plain_greedy = all(  # the common serving case: argmax, no metadata to build or copy
             (p := r.params).greedy
             and p.logprobs is None
             and r.num_output_tokens >= p.min_tokens
             and (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
             for r in reqs
+        )
+        return (
+            SamplerOutput(logits.argmax(dim=-1), None)
+            if plain_greedy
+            else self.sampler(logits, self._sampling_meta(reqs))
         )
 
     @staticmethod
@@ -265,13 +251,6 @@ class Engine:
                 entry.setdefault(ids[row][j], (values[row][j], j))
             req.logprobs.append(entry)
             req.cumulative_logprob += values[row][0]
-
-    @staticmethod
-    def _store_prompt_logprobs(sched: SchedulerOutput, plan, results) -> None:
-        """Append this step's entries (before _update, which may finish the request)."""
-        for item, entries in zip(plan, results):
-            req = sched.scheduled[item.sched_index].request
-            req.prompt_logprobs.extend(entries)
 
     def update(
         self, sched: SchedulerOutput, new_tokens: list[list[int] | None], accepted: list[int], advanced: bool = False

@@ -4,8 +4,9 @@ own `execute` (CUDA graphs and padding included): the adaptive speculation contr
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -35,14 +36,9 @@ class CostTable:
                 )
             rows.setdefault(b, []).append((q, float(seconds)))
         self._rows: dict[int, tuple[list[int], list[float]]] = {}
-        for b, points in rows.items():
+        for b, points in rows.items():  # each length's cost raised to the lengths' below it
             points.sort()
-            qs, costs, top = [], [], 0.0
-            for q, seconds in points:
-                top = max(top, seconds)
-                qs.append(q)
-                costs.append(top)
-            self._rows[b] = (qs, costs)
+            self._rows[b] = ([q for q, _ in points], list(itertools.accumulate((c for _, c in points), max)))
         self.batch_sizes: tuple[int, ...] = tuple(sorted(self._rows))
 
     @property
@@ -51,35 +47,27 @@ class CostTable:
         return {(b, q): s for b, (qs, costs) in self._rows.items() for q, s in zip(qs, costs)}
 
     def seconds(self, batch_size: int, query_len: int) -> float:
-        sizes = self.batch_sizes
-        if batch_size <= sizes[0]:
-            return self._at(sizes[0], query_len)
-        i = bisect.bisect_left(sizes, batch_size)
-        if i < len(sizes) and sizes[i] == batch_size:
-            return self._at(batch_size, query_len)
-        if len(sizes) == 1:  # one size measured: a larger batch costs in proportion to its tokens
-            return self._at(sizes[0], query_len) * batch_size / sizes[0]
-        lo, hi = (sizes[i - 1], sizes[i]) if i < len(sizes) else (sizes[-2], sizes[-1])
-        return _line(lo, self._at(lo, query_len), hi, self._at(hi, query_len), batch_size)
+        return _interpolate(self.batch_sizes, lambda b: self._at(b, query_len), batch_size)
 
     def _at(self, batch_size: int, query_len: int) -> float:
         """The measured batch size's cost at query_len."""
         qs, costs = self._rows[batch_size]
-        if query_len <= qs[0]:
-            return costs[0]
-        i = bisect.bisect_left(qs, query_len)
-        if i < len(qs) and qs[i] == query_len:
-            return costs[i]
-        if len(qs) == 1:  # one length measured: longer ones cost in proportion to their tokens
-            return costs[0] * query_len / qs[0]
-        j = min(i, len(qs) - 1)
-        return _line(qs[j - 1], costs[j - 1], qs[j], costs[j], query_len)
+        return _interpolate(qs, lambda q: costs[qs.index(q)], query_len)
 
 
-def _line(x0: int, y0: float, x1: int, y1: float, x: int) -> float:
-    """y at x on the line through (x0, y0) and (x1, y1), x0 < x1; past x1 the line never decreases."""
-    slope = (y1 - y0) / (x1 - x0)
-    return y0 + slope * (x - x0) if x <= x1 else y1 + max(slope, 0.0) * (x - x1)
+def _interpolate(xs: Sequence[int], y: Callable[[int], float], x: int) -> float:
+    """y at x from the measured points xs (sorted): the first point's below them, in proportion to x with one
+    point, else on the line through the neighbouring points (past the last, never decreasing)."""
+    if x <= xs[0]:
+        return y(xs[0])
+    if len(xs) == 1:
+        return y(xs[0]) * x / xs[0]
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return y(x)
+    lo, hi = xs[min(i, len(xs) - 1) - 1], xs[min(i, len(xs) - 1)]
+    slope = (y(hi) - y(lo)) / (hi - lo)
+    return y(lo) + slope * (x - lo) if x <= hi else y(hi) + max(slope, 0.0) * (x - hi)
 
 
 def step_cost_batch_sizes(runner: ModelRunner, max_num_seqs: int) -> tuple[int, ...]:
