@@ -87,29 +87,15 @@ def build_runner(
     query_lens = tuple(range(1, k + 2))
     # Ragged steps too (a prompt chunk beside decoding requests), without tensor parallelism.
     mixed = MIXED_TOKEN_LENS if shard is None else ()
-    reserve = (
-        graph_output_bytes(
-            sc.max_num_seqs,
-            query_lens,
-            PREFILL_QUERY_LENS,
-            arch.vocab_size,
-            arch.hidden_size,
-            torch.finfo(dtype).bits // 8,
-            (),
-            mixed,
-            loaded.max_model_len,
+    reserve = 0
+    if graphs:
+        sizes = (arch.vocab_size, arch.hidden_size, torch.finfo(dtype).bits // 8)
+        reserve = graph_output_bytes(
+            sc.max_num_seqs, query_lens, PREFILL_QUERY_LENS, *sizes, (), mixed, loaded.max_model_len
         )
-        if graphs
-        else 0
-    )
+    useful_tokens = sc.max_num_seqs * loaded.max_model_len
     budget = kv_budget_bytes(
-        spec,
-        device,
-        cc.gpu_memory_utilization,
-        cc.kv_cache_memory_bytes,
-        profile,
-        sc.max_num_seqs * loaded.max_model_len,
-        reserve,
+        spec, device, cc.gpu_memory_utilization, cc.kv_cache_memory_bytes, profile, useful_tokens, reserve
     )
     num_blocks = spec.num_blocks_for(budget)
     if agree is not None:

@@ -18,11 +18,7 @@ from specserve.runner.batch import (
     pending_fill,
     putter,
 )
-from specserve.runner.prompt_logprobs import (
-    PromptLogprobEntry,
-    PromptLogprobRows,
-    compute_prompt_logprobs,
-)
+from specserve.runner.prompt_logprobs import PromptLogprobEntry, PromptLogprobRows, compute_prompt_logprobs
 from specserve.scheduler.scheduler import SchedulerOutput
 
 
@@ -70,40 +66,18 @@ class ModelRunner:
         self.staging = Staging(device) if device.type == "cuda" else None
         self.graphs = None  # CudaGraphRunner once capture_graphs() ran
 
-    def capture_graphs(
-        self,
-        max_num_seqs: int,
-        max_model_len: int,
-        query_lens: tuple[int, ...] = (1,),
-        prefill_query_lens: tuple[int, ...] = (),
-        catch_up_query_lens: tuple[int, ...] = (),
-        mixed_token_lens: tuple[int, ...] = (),
-    ) -> None:
-        """Capture decode / verify, short-prefill, catch-up and mixed CUDA graphs (runner/cuda_graph.py) for
-        batch sizes up to max_num_seqs, then warm the small eager forwards (runner/warmup.py)."""
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, *query_lens: tuple[int, ...]) -> None:
+        """Capture CUDA graphs (runner/cuda_graph.py; query_lens: its verify, prefill, catch-up and mixed
+        lengths) for batch sizes up to max_num_seqs, then warm the small eager forwards (runner/warmup.py)."""
         from specserve.runner.cuda_graph import CudaGraphRunner, graph_batch_sizes
-
-        sizes = graph_batch_sizes(max_num_seqs)
-        runner = CudaGraphRunner(
-            self.model,
-            self.kv_caches,
-            self.fmt,
-            self.backend,
-            self.device,
-            max_model_len,
-            self.block_size,
-            sizes,
-            query_lens,
-            prefill_query_lens,
-            catch_up_query_lens,
-            mixed_token_lens,
-        )
-        runner.capture()
-        self.graphs = runner
-        # The small eager forwards graphs do not cover compile their kernels now, not mid-serving.
         from specserve.runner.warmup import warm_start_up
 
-        warm_start_up(self)
+        sizes = graph_batch_sizes(max_num_seqs)
+        args = (self.model, self.kv_caches, self.fmt, self.backend, self.device, max_model_len, self.block_size, sizes)
+        graphs = CudaGraphRunner(*args, *query_lens)
+        graphs.capture()
+        self.graphs = graphs
+        warm_start_up(self)  # the small eager forwards graphs do not cover compile now, not mid-serving
 
     @torch.inference_mode()
     def execute(
