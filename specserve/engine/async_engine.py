@@ -128,9 +128,6 @@ class AsyncEngine:
     def encode(self, text: str) -> list[int]:
         return self._engine.encode(text)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._engine.decode(token_ids)
-
     @property
     def is_running(self) -> bool:
         return self._dead is None and self._thread.is_alive()

@@ -74,7 +74,7 @@ class Engine:
         max_tokens = resolve_max_tokens(
             len(token_ids), params, self.max_model_len, self.kv.num_blocks, self.kv.block_size
         )
-        if params.prompt_logprobs is not None and params.prompt_logprobs > self.vocab_size:
+        if (params.prompt_logprobs or 0) > self.vocab_size:
             raise ValueError(f"prompt_logprobs must be at most the vocabulary size ({self.vocab_size}).")
         if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1.")
@@ -90,11 +90,8 @@ class Engine:
             if i == 0 and params.prompt_logprobs is not None:  # the prompt is shared: score it once
                 req.prompt_logprobs = [None]
             group.children.append(req)
-            group.detoks.append(
-                IncrementalDetokenizer(
-                    self.tokenizer, token_ids, cp.stop_strings, cp.include_stop_str_in_output, cp.skip_special_tokens
-                )
-            )
+            stops = (cp.stop_strings, cp.include_stop_str_in_output, cp.skip_special_tokens)
+            group.detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, *stops))
         self.groups[request_id] = group
         for i, req in enumerate(group.children):
             self._child_to_group[req.request_id] = (group, i)
@@ -140,11 +137,6 @@ class Engine:
 
     def encode(self, text: str) -> list[int]:
         return resolve_prompt(text, self.tokenizer, self.vocab_size)[1]
-
-    def decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer.")
-        return self.tokenizer.decode(token_ids)
 
     def shutdown(self) -> None:
         """Abort what is in flight and flush pending KV writes to the offload tiers."""

@@ -1,10 +1,7 @@
-"""CUDA graphs, captured once into one shared pool over static input buffers.
-
-Uniform graphs (bs, q): decode and verify (q = 1..k+1), short prefills, draft catch-ups (these score one
-row per sequence). A step pads up to the next captured batch size and, with ragged query lengths, per
-sequence up to a captured q (`graph_for`). Mixed graphs (bs, t, t): any ragged step of up to t tokens; they
-stop at the hidden states and the LM head runs after the replay. Padding tokens have slot -1 (no K/V
-stored), padding sequences length 0; their output rows are ignored. Everything else runs eagerly."""
+"""CUDA graphs over static input buffers, one shared pool. Uniform graphs (bs, q) score every row (catch-up
+graphs: one per sequence); a step pads up to a captured bs and q. Mixed graphs (bs, t, t) run any ragged step
+of up to t tokens and stop at the hidden states. Padding tokens have slot -1 (no K/V stored), padding
+sequences length 0; their output rows are ignored."""
 
 from __future__ import annotations
 
@@ -21,17 +18,13 @@ from specserve.runner.streams import record
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MID_QUERY_MAX_BATCH = 32
-# Prefill lengths captured for batches of up to PREFILL_MAX_BATCH sequences: eagerly, a short prefill
-# costs several times its GPU time in launches. The graphs' [bs * q, vocab] float32 logits cost 240
-# rows of vocabulary (146 MB at Qwen2's 152k).
+# Short prefills (launch-bound eagerly); their [bs * q, vocab] float32 logits are why the batch cap is small.
 PREFILL_QUERY_LENS = (16, 64)
 PREFILL_MAX_BATCH = 2
-# Catch-up lengths of a draft model (eagerly its forward is bound by launches at any 3-128 tokens).
-# Scoring only each sequence's last row keeps a graph's logits at [bs, vocab].
+# A draft model's catch-up lengths; their graphs score each sequence's last row only ([bs, vocab] logits).
 CATCH_UP_QUERY_LENS = (4, 16, 64)
 CATCH_UP_MAX_BATCH = 32
-# Token counts of the mixed graphs (a prompt chunk beside a decoding batch), which eagerly cost several
-# times their GPU time in launches. Past 1024 tokens a forward's GPU work outweighs its launches.
+# Mixed graphs' token counts (a prompt chunk beside decodes); past 1024 tokens GPU work outweighs launches.
 MIXED_TOKEN_LENS = (128, 256, 512, 1024)
 
 
@@ -41,8 +34,8 @@ def sizes_by_query_len(
     prefill_lens: tuple[int, ...] = (),
     catch_up_lens: tuple[int, ...] = (),
 ) -> dict[int, tuple[int, ...]]:
-    """Batch sizes to capture per query length: middle verify lengths only up to MID_QUERY_MAX_BATCH (each
-    graph keeps [bs * q, vocab] float32 logits), prefill and catch-up lengths up to their own caps."""
+    """Batch sizes to capture per query length: middle verify lengths, prefill and catch-up lengths up to
+    their caps (each graph keeps its logits)."""
     edge = (query_lens[0], query_lens[-1])
     caps = [(q, None if q in edge else MID_QUERY_MAX_BATCH) for q in query_lens]
     caps += [(q, PREFILL_MAX_BATCH) for q in prefill_lens] + [(q, CATCH_UP_MAX_BATCH) for q in catch_up_lens]
@@ -68,8 +61,7 @@ def mixed_graph_sizes(
 def catch_up_lens_of(
     query_lens: tuple[int, ...], prefill_lens: tuple[int, ...], catch_up_lens: tuple[int, ...]
 ) -> tuple[int, ...]:
-    """The catch-up lengths that get graphs of their own (scoring one row per sequence): those that are
-    not already verify or prefill lengths (whose graphs score every row)."""
+    """The catch-up lengths that are not already verify or prefill lengths (whose graphs score every row)."""
     return tuple(sorted(set(catch_up_lens) - set(query_lens) - set(prefill_lens)))
 
 
@@ -92,8 +84,7 @@ def graph_output_bytes(
     mixed_token_lens: tuple[int, ...] = (),
     max_model_len: int | None = None,
 ) -> int:
-    """Memory the captured graphs keep for good (static logits [bs * q, vocab] float32, hidden states), +10%:
-    the KV pool is sized with it held back."""
+    """Memory the captured graphs keep (static logits and hidden states) +10%, held back from the KV pool."""
     query_lens = tuple(sorted(set(query_lens)))
     catch_up = catch_up_lens_of(query_lens, prefill_lens, catch_up_lens)
     sizes = sizes_by_query_len(sorted(graph_batch_sizes(max_num_seqs)), query_lens, prefill_lens, catch_up)
@@ -109,8 +100,8 @@ def graph_output_bytes(
 
 @contextlib.contextmanager
 def gc_paused_for_capture() -> Iterator[None]:
-    """Collect garbage once, then keep Python's cycle collector off while graphs are captured: a collection
-    mid-capture could free a dead engine's CUDA events and invalidate the capture."""
+    """Collect once, then keep the cycle collector off: a collection mid-capture could free a dead engine's
+    CUDA events and invalidate the capture."""
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
@@ -144,13 +135,11 @@ class CudaGraphRunner:
         self.verify_query_lens = tuple(sorted(set(query_lens)))  # decode (1) and verify (k + 1) lengths
         self.prefill_query_lens = tuple(q for q in prefill_query_lens if q <= max_model_len)
         catch_up = tuple(q for q in catch_up_query_lens if q <= max_model_len)
-        # their graphs score one row per sequence at most
         self.catch_up_query_lens = catch_up_lens_of(self.verify_query_lens, self.prefill_query_lens, catch_up)
         self.sizes_by_q = sizes_by_query_len(
             self.batch_sizes, self.verify_query_lens, self.prefill_query_lens, self.catch_up_query_lens
         )
         self.query_lens = tuple(sorted(self.sizes_by_q))
-        # token count -> batch sizes of the mixed graphs; their keys are (bs, tokens, tokens)
         self.mixed_sizes = mixed_graph_sizes(self.batch_sizes, mixed_token_lens, max_model_len)
         self.mixed_token_lens = tuple(sorted(self.mixed_sizes))
         self.max_blocks = -(-max_model_len // block_size)
@@ -177,7 +166,6 @@ class CudaGraphRunner:
 
     @staticmethod
     def num_tokens_of(key: tuple[int, ...]) -> int:
-        """The token rows a graph runs: bs * q for a uniform graph, its token count for a mixed one."""
         return key[2] if len(key) > 2 else key[0] * key[1]
 
     @staticmethod
@@ -206,9 +194,7 @@ class CudaGraphRunner:
         hidden, aux = out if isinstance(out, tuple) else (out, [])
         if self.is_mixed(key):  # the LM head runs after the replay, on the rows the step scores
             return None, hidden, aux
-        # Every token of a decode/verify step is scored, so the LM head runs inside the graph too; a
-        # catch-up scores each sequence's last fed token only (the rows in score_rows).
-        # hidden/aux stay static outputs too: EAGLE heads read them after the replay.
+        # The LM head runs inside the graph (catch-ups: on score_rows); EAGLE heads read hidden/aux after it.
         scored = hidden.index_select(0, self.score_rows[:bs]) if self.scores_rows(q) else hidden
         return self.model.compute_logits(scored), hidden, aux
 
@@ -217,7 +203,6 @@ class CudaGraphRunner:
         return q in self.catch_up_query_lens
 
     def _fits(self, batch: HostBatch, q: int) -> bool:
-        """A catch-up graph scores one row per sequence at most; the others score every token."""
         return not self.scores_rows(q) or len(batch.logits_indices) <= batch.num_seqs
 
     @torch.inference_mode()
@@ -245,8 +230,7 @@ class CudaGraphRunner:
         self.hidden_outputs[key] = (hidden, aux)
 
     def _fill_dummy(self, key: tuple[int, ...]) -> None:
-        """The batch a capture runs: bs sequences sharing the key's tokens evenly (q each for a uniform
-        graph) over block 0, storing no K/V. Only the launches matter: replays read the real inputs."""
+        """bs sequences sharing the key's tokens evenly over block 0, storing no K/V (replays read real inputs)."""
         bs, n = key[0], self.num_tokens_of(key)
         self.input_ids.zero_()
         self.score_rows.zero_()

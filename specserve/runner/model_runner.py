@@ -35,9 +35,9 @@ class StepOutput:
     prompt_logprobs: list[list[PromptLogprobEntry]] | None = None
 
 
-def select_backend(device: torch.device, name: str | None = None):
-    """torch reference on CPU; Triton on CUDA when importable (imported only then)."""
-    if name == "torch_ref" or device.type != "cuda":
+def select_backend(device: torch.device):
+    """torch reference on CPU; Triton on CUDA (imported only then)."""
+    if device.type != "cuda":
         from specserve.attention.torch_ref import TorchRefBackend
 
         return TorchRefBackend()
@@ -125,12 +125,8 @@ class ModelRunner:
         fill = pending_fill(host, [s.request.request_id for s in sched.scheduled], pending)
         if fill is None:
             return None
-        dst, rows = fill
-        if self.staging is not None:
-            dst_t, rows_t = self.staging.put("fill_dst", dst), self.staging.put("fill_rows", rows)
-        else:
-            dst_t, rows_t = torch.from_numpy(dst), torch.from_numpy(rows)
-        return dst_t, pending.tokens.index_select(0, rows_t)
+        put = putter(self.device, self.staging)
+        return put("fill_dst", fill[0]), pending.tokens.index_select(0, put("fill_rows", fill[1]))
 
     @torch.inference_mode()
     def execute_host(self, host: HostBatch, need_hidden: bool = False) -> StepOutput:
