@@ -143,14 +143,8 @@ class AsyncLoop:
         logits = self.engine.structured.apply(logits, reqs, [0] * len(reqs))
         out = self.engine.sample_tokens(reqs, logits)
         tokens = out.token_ids.to(torch.int64)
-        step = InFlightStep(
-            sched,
-            step_out,
-            rows,
-            reqs,
-            PendingTokens(tokens, {r.request_id: i for i, r in enumerate(reqs)}),
-            to_host_async(tokens),
-        )
+        pending = PendingTokens(tokens, {r.request_id: i for i, r in enumerate(reqs)})
+        step = InFlightStep(sched, step_out, rows, reqs, pending, to_host_async(tokens))
         if out.logprobs is not None:
             step.host_logprobs = LogprobsTensors(*(to_host_async(t) for t in out.logprobs))
         if tokens.device.type == "cuda":

@@ -11,24 +11,17 @@ _CONTEXT_TOKENS = 6
 
 class IncrementalDetokenizer:
     def __init__(
-        self,
-        tokenizer: Any | None,
-        prompt_token_ids: list[int],
-        stop: list[str],
-        include_stop_str_in_output: bool,
-        skip_special_tokens: bool,
+        self, tokenizer: Any | None, prompt_ids: list[int], stop: list[str], include_stop: bool, skip_special: bool
     ) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
         # Fast tokenizers decode incrementally in Rust (tokenizers.decoders.DecodeStream): O(1)
         # per token instead of two window decodes. Primed with the prompt tail as left context.
-        self._stream = _decode_stream(tokenizer, skip_special_tokens, self.ids)
-        self.stop = stop
-        self.include_stop = include_stop_str_in_output
-        self.skip_special = skip_special_tokens
+        self._stream = _decode_stream(tokenizer, skip_special, self.ids)
+        self.stop, self.include_stop, self.skip_special = stop, include_stop, skip_special
         # Characters held back while streaming: they might be the start of a stop string.
         self.holdback = max((len(s) for s in stop), default=1) - 1
 

@@ -101,24 +101,15 @@ def pad_to_query_len(host: HostBatch, q: int, max_model_len: int) -> HostBatch |
     ns = len(ql)
     seq_index = np.repeat(np.arange(ns), ql)
     new_idx = seq_index * q + (np.arange(host.num_tokens) - host.cu_query_lens[seq_index])
-    input_ids = np.zeros(ns * q, dtype=np.int64)
-    input_ids[new_idx] = host.input_ids
+    ids = np.zeros(ns * q, dtype=np.int64)
+    ids[new_idx] = host.input_ids
     first = host.seq_lens.astype(np.int64) - ql  # position of each sequence's first query token
     positions = (first[:, None] + np.arange(q)).reshape(-1)
-    slot_mapping = np.full(ns * q, -1, dtype=np.int64)
-    slot_mapping[new_idx] = host.slot_mapping
-    seq_lens = (host.seq_lens + pad).astype(np.int32)
-    cu = (np.arange(ns + 1) * q).astype(np.int32)
+    slots = np.full(ns * q, -1, dtype=np.int64)
+    slots[new_idx] = host.slot_mapping
+    seq_lens, cu = (host.seq_lens + pad).astype(np.int32), (np.arange(ns + 1) * q).astype(np.int32)
     return HostBatch(
-        input_ids,
-        positions,
-        slot_mapping,
-        host.block_tables,
-        seq_lens,
-        cu,
-        new_idx[host.logits_indices],
-        [q] * ns,
-        host.logit_rows,
+        ids, positions, slots, host.block_tables, seq_lens, cu, new_idx[host.logits_indices], [q] * ns, host.logit_rows
     )
 
 
@@ -238,15 +229,7 @@ def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> H
     block_tables = block_table_array(block_lists)
     # slot of the token at position p of sequence i: block_tables[i, p // bs] * bs + p % bs
     bs = block_size
-    slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-    return HostBatch(
-        np.array(ids, dtype=np.int64),
-        positions,
-        slot_mapping,
-        block_tables,
-        np.array(seq_lens, dtype=np.int32),
-        np.array(cu, dtype=np.int32),
-        np.array(logits_idx, dtype=np.int64),
-        query_lens,
-        logit_rows,
-    )
+    slots = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+    arrays = (np.array(ids, dtype=np.int64), positions, slots, block_tables, ends.astype(np.int32))
+    lists = (np.array(cu, dtype=np.int32), np.array(logits_idx, dtype=np.int64), query_lens, logit_rows)
+    return HostBatch(*arrays, *lists)

@@ -3,6 +3,9 @@ row count), so a draft catch-up or a short prompt remainder never stalls on a fi
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from specserve.attention.launch_sizes import MIN_KEYS_PER_SPLIT, SMALL_QUERY_MAX
@@ -39,14 +42,20 @@ def warm_small_forwards(runner: ModelRunner, max_rows: int, context: int = 0) ->
     # A few blocks are enough; a manager over the whole pool would build its free list of every
     # block (0.2 s for 266k blocks) for each row count.
     num_blocks = min(runner.num_blocks, -(-(context + max_rows) // runner.block_size) + 1)
-    graphs, runner.graphs = runner.graphs, None
-    try:
+    with _eager(runner):
         for t in range(1, max_rows + 1):
             dummy_forward(runner, t, num_blocks, context)
             dummy_logits(runner, t)
+    return list(range(1, max_rows + 1))
+
+
+@contextlib.contextmanager
+def _eager(runner: ModelRunner) -> Iterator[None]:
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        yield
     finally:
         runner.graphs = graphs
-    return list(range(1, max_rows + 1))
 
 
 SPLIT_CONTEXT = 2 * MIN_KEYS_PER_SPLIT  # a context long enough for split-KV attention launches
@@ -60,18 +69,10 @@ def warm_prompt_forwards(runner: ModelRunner, rows: tuple[int, ...] = PROMPT_ROW
     """dummy_forward of each prompt-sized row count, fresh and after SPLIT_CONTEXT, eagerly: the attention launches of
     a prompt or of a long catch-up, with and without split-KV."""
     room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size)
-    done = []
-    graphs, runner.graphs = runner.graphs, None
-    try:
-        for context in (0, SPLIT_CONTEXT):
-            for t in rows:
-                if context + t > room:
-                    continue
-                num_blocks = min(runner.num_blocks, -(-(context + t) // runner.block_size) + 1)
-                dummy_forward(runner, t, num_blocks, context)
-                done.append((context, t))
-    finally:
-        runner.graphs = graphs
+    done = [(context, t) for context in (0, SPLIT_CONTEXT) for t in rows if context + t <= room]
+    with _eager(runner):
+        for context, t in done:
+            dummy_forward(runner, t, min(runner.num_blocks, -(-(context + t) // runner.block_size) + 1), context)
     return done
 
 
