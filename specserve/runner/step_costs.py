@@ -18,6 +18,7 @@ from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 CPU_BATCH_SIZES = (1, 4, 16)  # few: CPU tests build engines often; the table extrapolates beyond
+REPEATS = 3
 CONTEXT_TOKENS = 256  # tokens each measured request has in the KV before its step (attention reads them)
 
 
@@ -84,36 +85,28 @@ def step_cost_batch_sizes(runner: ModelRunner, max_num_seqs: int) -> tuple[int, 
 
 @torch.inference_mode()
 def measure_step_costs(
-    runner: ModelRunner,
-    batch_sizes: tuple[int, ...] | list[int],
-    max_query_len: int,
-    kv: KVCacheManager | None = None,
-    context: int = CONTEXT_TOKENS,
-    repeats: int | None = None,
+    runner: ModelRunner, batch_sizes: tuple[int, ...] | list[int], max_query_len: int, kv: KVCacheManager | None = None
 ) -> CostTable:
     """Time one target step per (batch size, query length 1..max_query_len): one warm-up step, then the
-    fastest of `repeats` timed steps (3), each synchronized. The minimum, since noise (another process,
+    fastest of REPEATS timed steps, each synchronized. The minimum, since noise (another process,
     a page fault) only ever adds time, and one slow sample would price a verify length out for good."""
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len!r}")
-    cuda = runner.device.type == "cuda"
-    repeats = repeats if repeats is not None else 3
-    block_size = runner.block_size
     free = kv.num_free_blocks() if kv is not None else runner.num_blocks
     grid: dict[tuple[int, int], float] = {}
-    for b in sorted(set(batch_sizes)):
-        per_request = free // b if b > 0 else 0
-        room = min(per_request * block_size, runner.loaded.max_model_len) - max_query_len
+    for b in sorted(b for b in set(batch_sizes) if b > 0):
+        room = min(free // b * runner.block_size, runner.loaded.max_model_len) - max_query_len
         if room < 0:
             continue
-        num_blocks = -(-(min(context, room) + max_query_len) // block_size)
+        context = min(CONTEXT_TOKENS, room)
+        num_blocks = -(-(context + max_query_len) // runner.block_size)
         ids = kv.pool.allocate(b * num_blocks) if kv is not None else list(range(b * num_blocks))
         if ids is None:
             continue
         try:
             tables = [ids[i * num_blocks : (i + 1) * num_blocks] for i in range(b)]
             for q in range(1, max_query_len + 1):
-                grid[(b, q)] = _time_step(runner, tables, min(context, room), q, repeats, cuda)
+                grid[(b, q)] = _time_step(runner, tables, context, q)
         finally:
             if kv is not None:
                 kv.pool.free(list(reversed(ids)))
@@ -122,30 +115,21 @@ def measure_step_costs(
     return CostTable(grid)
 
 
-def _time_step(runner: ModelRunner, tables: list[list[int]], context: int, q: int, repeats: int, cuda: bool) -> float:
+def _time_step(runner: ModelRunner, tables: list[list[int]], context: int, q: int) -> float:
     """Seconds of one step of len(tables) requests, each verifying q - 1 drafts after `context` tokens."""
-    params = SamplingParams(max_tokens=1)
     scheduled = []
     for i in range(len(tables)):
-        req = Request(f"step-cost-{i}", [0] * (context + 1), params, 1)
-        req.num_computed_tokens = context
-        req.spec_token_ids = [0] * (q - 1)
+        req = Request(f"step-cost-{i}", [0] * (context + 1), SamplingParams(max_tokens=1), 1)
+        req.num_computed_tokens, req.spec_token_ids = context, [0] * (q - 1)
         scheduled.append(ScheduledRequest(req, q, q - 1))
     sched = SchedulerOutput(scheduled, len(tables) * q, len(tables) * (q - 1))
     block_ids = {s.request.request_id: table for s, table in zip(scheduled, tables)}
-
-    def step() -> None:
-        out = runner.execute(sched, block_ids.__getitem__)
-        out.logits.argmax(dim=-1).cpu()  # the greedy pick and its read-back end every step
-
-    step()  # warm-up: compiles, allocator growth
-    best = float("inf")
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize(runner.device)
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else lambda device: None
+    times = []
+    for _ in range(1 + REPEATS):  # the first is a warm-up: compiles, allocator growth
+        sync(runner.device)
         start = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize(runner.device)
-        best = min(best, time.perf_counter() - start)
-    return best
+        runner.execute(sched, block_ids.__getitem__).logits.argmax(dim=-1).cpu()  # the greedy pick and read-back
+        sync(runner.device)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
