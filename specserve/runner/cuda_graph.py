@@ -9,12 +9,16 @@ import bisect
 import contextlib
 import gc
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.attention.base import AttentionMetadata, ForwardContext, forward_context
 from specserve.runner.batch import HostBatch, pad_to_query_len
 from specserve.runner.streams import record
+
+if TYPE_CHECKING:
+    from specserve.runner.model_runner import ModelRunner
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MID_QUERY_MAX_BATCH = 32
@@ -113,25 +117,11 @@ def gc_paused_for_capture() -> Iterator[None]:
 
 
 class CudaGraphRunner:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        kv_caches,
-        fmt,
-        backend,
-        device: torch.device,
-        max_model_len: int,
-        block_size: int,
-        batch_sizes: tuple[int, ...],
-        query_lens: tuple[int, ...] = (1,),
-        prefill_query_lens: tuple[int, ...] = (),
-        catch_up_query_lens: tuple[int, ...] = (),
-        mixed_token_lens: tuple[int, ...] = (),
-    ) -> None:
-        self.model, self.kv_caches, self.fmt, self.backend = model, kv_caches, fmt, backend
-        self.device = device
-        self.max_model_len = max_model_len
-        self.batch_sizes = sorted(batch_sizes)
+    def __init__(self, runner: ModelRunner, max_model_len: int, batch_sizes: tuple[int, ...], *lens: tuple[int, ...]):
+        """lens: the verify (decode 1 and k + 1), prefill, catch-up and mixed-token lengths; verify (1,) if absent."""
+        query_lens, prefill_query_lens, catch_up_query_lens, mixed_token_lens = lens + ((1,), (), (), ())[len(lens) :]
+        self.model, self.kv_caches, self.fmt, self.backend = runner.model, runner.kv_caches, runner.fmt, runner.backend
+        self.device, self.max_model_len, self.batch_sizes = runner.device, max_model_len, sorted(batch_sizes)
         self.verify_query_lens = tuple(sorted(set(query_lens)))  # decode (1) and verify (k + 1) lengths
         self.prefill_query_lens = tuple(q for q in prefill_query_lens if q <= max_model_len)
         catch_up = tuple(q for q in catch_up_query_lens if q <= max_model_len)
@@ -142,15 +132,15 @@ class CudaGraphRunner:
         self.query_lens = tuple(sorted(self.sizes_by_q))
         self.mixed_sizes = mixed_graph_sizes(self.batch_sizes, mixed_token_lens, max_model_len)
         self.mixed_token_lens = tuple(sorted(self.mixed_sizes))
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = -(-max_model_len // runner.block_size)
         max_bs = self.batch_sizes[-1]
         t = max([bs * q for q, sizes in self.sizes_by_q.items() for bs in sizes] + list(self.mixed_sizes))
         r = max((self.sizes_by_q[q][-1] for q in self.catch_up_query_lens), default=0)
         # All int inputs travel in one pinned host buffer and one copy per step (views below).
         self._i64_host = torch.zeros(3 * t + r, dtype=torch.int64, pin_memory=True)
         self._i32_host = torch.zeros(max_bs + 1 + max_bs + max_bs * self.max_blocks, dtype=torch.int32, pin_memory=True)
-        self._i64 = torch.zeros_like(self._i64_host, device=device)
-        self._i32 = torch.zeros_like(self._i32_host, device=device)
+        self._i64 = torch.zeros_like(self._i64_host, device=self.device)
+        self._i32 = torch.zeros_like(self._i32_host, device=self.device)
         # score_rows: the flat token index each catch-up graph's LM head scores, one per sequence
         self.input_ids, self.positions, self.slot_mapping, self.score_rows = self._i64.split([t, t, t, r])
         self.cu_query_lens, self.seq_lens, flat_tables = self._i32.split([max_bs + 1, max_bs, max_bs * self.max_blocks])
@@ -159,7 +149,7 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, ...], torch.Tensor] = {}
         self.hidden_outputs: dict[tuple[int, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        self.aux_hidden_layers = tuple(getattr(model, "aux_hidden_layers", ()))  # what the graphs return
+        self.aux_hidden_layers = tuple(getattr(runner.model, "aux_hidden_layers", ()))  # what the graphs return
         self._pool = None
         self._copied = torch.cuda.Event()
         self._copied_recorded = False

@@ -72,9 +72,7 @@ class ModelRunner:
         from specserve.runner.cuda_graph import CudaGraphRunner, graph_batch_sizes
         from specserve.runner.warmup import warm_start_up
 
-        sizes = graph_batch_sizes(max_num_seqs)
-        args = (self.model, self.kv_caches, self.fmt, self.backend, self.device, max_model_len, self.block_size, sizes)
-        graphs = CudaGraphRunner(*args, *query_lens)
+        graphs = CudaGraphRunner(self, max_model_len, graph_batch_sizes(max_num_seqs), *query_lens)
         graphs.capture()
         self.graphs = graphs
         warm_start_up(self)  # the small eager forwards graphs do not cover compile now, not mid-serving
