@@ -142,50 +142,34 @@ class ModelRunner:
     ) -> StepOutput:
         if self.staging is not None:
             self.staging.begin()
+        g = self.graphs
         # Graphs return hidden states too, but only those of the aux layers they were captured with.
-        usable = (
-            self.graphs is not None
-            and not prompt_plan
-            and (not need_hidden or self.graphs.aux_hidden_layers == tuple(self.model.aux_hidden_layers))
-        )
-        found = self.graphs.graph_for(host) if usable else None
-        key = None
-        if found is not None:
-            # Maybe padded per sequence; StepOutput.host describes this layout (EAGLE maps rows by it).
-            host, key = found
+        aux_ok = not need_hidden or (g is not None and g.aux_hidden_layers == tuple(self.model.aux_hidden_layers))
+        # Maybe padded per sequence; StepOutput.host describes this layout (EAGLE maps rows by it).
+        host, key = (g.graph_for(host) if g is not None and not prompt_plan and aux_ok else None) or (host, None)
         fill = self._fill(host, sched, pending)
-        aux = None
-        if key is not None and self.graphs.is_mixed(key):
-            # A ragged step: the graph ends at the hidden states; the LM head scores the step's rows.
-            batch = host.to_device(self.device, self.staging, only_logits=True)
-            self._staged()
-            hidden = self.graphs.run(host, key, fill)  # [num_tokens, hidden]
-            if need_hidden:
-                _, aux = self.graphs.hidden(key, host.num_tokens)
-        elif key is not None:
-            # The graph has its own static input buffers and scores every token (a catch-up graph:
-            # the batch's logits rows, in order).
-            batch = BatchInputs(None, None, None, None, host.logit_rows)
-            if len(host.logits_indices) != host.num_tokens and not self.graphs.scores_rows(key[1]):
-                batch = host.to_device(self.device, self.staging, only_logits=True)
-            self._staged()
-            logits = self.graphs.run(host, key, fill)
-            if batch.logits_indices is not None:
-                logits = logits.index_select(0, batch.logits_indices)
-            out = StepOutput(logits, None, batch, host=host)
-            if need_hidden:
-                out.all_hidden, out.aux_hidden = self.graphs.hidden(key, host.num_tokens)
-            return out
-        else:
+        # A uniform graph scores every token itself (a catch-up graph: the batch's logits rows, in order); a
+        # mixed one ends at the hidden states and the LM head scores the step's rows after it.
+        scored = key is not None and not g.is_mixed(key)
+        if key is None:
             batch = host.to_device(self.device, self.staging)
-            self._staged()
+        elif scored and (len(host.logits_indices) == host.num_tokens or g.scores_rows(key[1])):
+            batch = BatchInputs(None, None, None, None, host.logit_rows)
+        else:
+            batch = host.to_device(self.device, self.staging, only_logits=True)
+        self._staged()
+        if key is not None:
+            hidden = g.run(host, key, fill)  # logits [rows, vocab], or hidden [num_tokens, hidden] if mixed
+            all_hidden, aux = g.hidden(key, host.num_tokens) if need_hidden else (None, None)
+            if scored:
+                logits = hidden if batch.logits_indices is None else hidden.index_select(0, batch.logits_indices)
+                return StepOutput(logits, None, batch, all_hidden, aux, host=host)
+        else:
             if fill is not None:
                 batch.input_ids.index_copy_(0, fill[0], fill[1])
-            ctx = ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)
-            with forward_context(ctx):
+            with forward_context(ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)):
                 hidden = self.model(batch.input_ids, batch.positions)
-            if isinstance(hidden, tuple):
-                hidden, aux = hidden
+            hidden, aux = hidden if isinstance(hidden, tuple) else (hidden, None)
         rows = hidden.index_select(0, batch.logits_indices)
         out = StepOutput(self.model.compute_logits(rows), rows, batch, host=host)
         if need_hidden:
