@@ -52,23 +52,15 @@ class IncrementalDetokenizer:
         return self._check_stop(old_len) if check_stop else None
 
     def _check_stop(self, old_len: int) -> str | None:
-        if not self.stop:
+        found = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
+        if not found:
             return None
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            idx = self.text.find(s, max(0, old_len - len(s) + 1))
-            if idx >= 0 and (best is None or idx < best[0]):
-                best = (idx, s)
-        if best is None:
-            return None
-        idx, s = best
+        idx, s = min(found, key=lambda f: f[0])  # the earliest match; the first listed among equals
         self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
         return s
 
     def visible_text(self, finished: bool) -> str:
-        if finished or self.holdback == 0:
-            return self.text
-        return self.text[: max(0, len(self.text) - self.holdback)]
+        return self.text if finished or self.holdback == 0 else self.text[: max(0, len(self.text) - self.holdback)]
 
 
 def _decode_stream(tokenizer: Any | None, skip_special_tokens: bool, context: list[int]):
