@@ -1,10 +1,7 @@
-"""Asynchronous scheduling, the alternative to `Engine.step_sync`: the host prepares step N+1 while the GPU
-runs step N. One `AsyncLoop.step()`: schedule N+1 (a request sampling in N holds a PLACEHOLDER token);
-launch N+1's forward (placeholders read N's sampled tokens on the device); resolve N (stop checks,
-detokenize, finish); sample N+1 after that, so penalties, min_tokens and grammar masks stay exact.
-
-Outputs equal the synchronous loop's. With speculation only steps that verify no drafts overlap: when the
-controller chooses k > 0 the step in flight is resolved and steps run synchronously until k is 0 again."""
+"""Asynchronous scheduling: the host prepares step N+1 while the GPU runs step N. One `AsyncLoop.step()`:
+schedule and launch N+1 (its placeholders read N's sampled tokens on the device), resolve N, then sample N+1,
+so penalties, min_tokens and grammar masks stay exact and outputs equal `Engine.step_sync`'s. With
+speculation only steps that verify no drafts overlap (k > 0 resolves the step in flight, then runs sync)."""
 
 from __future__ import annotations
 

@@ -124,8 +124,7 @@ class Engine:
         return len(self.groups)
 
     def num_would_wait(self, num_new: int) -> int:
-        """Requests left waiting if num_new more arrived now: those beyond the running batch's free
-        slots (a burst at an idle server mostly runs at once, it does not queue)."""
+        """Requests left waiting if num_new more arrived now (those beyond the running batch's free slots)."""
         sched = self.scheduler
         return max(0, sched.num_waiting + len(sched.running) + num_new - sched.max_num_seqs)
 
@@ -247,8 +246,7 @@ class Engine:
     def update(
         self, sched: SchedulerOutput, new_tokens: list[list[int] | None], accepted: list[int], advanced: bool = False
     ) -> list[RequestOutput]:
-        """advanced: asynchronous scheduling already counted the step as computed and holds a
-        placeholder for each new token (engine/async_loop.py)."""
+        """advanced: the async loop already counted the step computed and holds a placeholder per new token."""
         now = time.monotonic()
         step_stats = StepTokenStats()
         touched: dict[str, RequestGroup] = {}
@@ -345,8 +343,7 @@ class Engine:
 
 
 def _stop_string(detok, tokens: list[int], num_before: int, min_tokens: int) -> tuple[str | None, int]:
-    """Feed a step's new tokens to the detokenizer one at a time, as plain decoding would: (the stop string that
-    matched or None, how many tokens up to and including the one that completed it)."""
+    """Feed the step's tokens to the detokenizer one at a time: (the stop string matched or None, tokens kept)."""
     for i, tok in enumerate(tokens):
         stop = detok.add_tokens([tok], check_stop=num_before + i + 1 > min_tokens)
         if stop is not None:

@@ -82,8 +82,7 @@ def putter(device: torch.device, staging: Staging | None):
 
 @dataclass
 class PendingTokens:
-    """Tokens the step in flight sampled, still on the device (asynchronous scheduling): the next
-    step's placeholders (scheduler/request.py PLACEHOLDER) take their input ids from here."""
+    """Tokens the step in flight sampled, still on the device: the next step's placeholders read them."""
 
     tokens: torch.Tensor  # [num_rows] int64, on the device
     # request_id -> the row of its first placeholder; its later placeholders in a step read the rows
@@ -92,8 +91,7 @@ class PendingTokens:
 
 
 def pad_to_query_len(host: HostBatch, q: int, max_model_len: int) -> HostBatch | None:
-    """The batch with every sequence's query padded to q tokens, so a CUDA graph captured for uniform query length q
-    can run it (verify steps whose requests drafted different numbers of tokens)."""
+    """The batch with every query padded to q tokens, for a graph of uniform query length q (or None)."""
     ql = np.asarray(host.query_lens, dtype=np.int64)
     pad = q - ql
     if (pad < 0).any() or (host.seq_lens.astype(np.int64) + pad > max_model_len).any():

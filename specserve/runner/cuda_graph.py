@@ -38,8 +38,7 @@ def sizes_by_query_len(
     prefill_lens: tuple[int, ...] = (),
     catch_up_lens: tuple[int, ...] = (),
 ) -> dict[int, tuple[int, ...]]:
-    """Batch sizes to capture per query length: middle verify lengths, prefill and catch-up lengths up to
-    their caps (each graph keeps its logits)."""
+    """Batch sizes to capture per query length; middle verify, prefill and catch-up lengths up to their caps."""
     edge = (query_lens[0], query_lens[-1])
     caps = [(q, None if q in edge else MID_QUERY_MAX_BATCH) for q in query_lens]
     caps += [(q, PREFILL_MAX_BATCH) for q in prefill_lens] + [(q, CATCH_UP_MAX_BATCH) for q in catch_up_lens]
@@ -53,8 +52,7 @@ def sizes_by_query_len(
 def mixed_graph_sizes(
     batch_sizes: tuple[int, ...] | list[int], token_lens: tuple[int, ...], max_model_len: int
 ) -> dict[int, tuple[int, ...]]:
-    """Batch sizes of the mixed graphs per token count: powers of two among `batch_sizes` and the largest,
-    each below the token count and able to hold it in sequences of at most max_model_len."""
+    """Mixed graphs' batch sizes per token count t: powers of two (and the largest) below t that fit t tokens."""
     if not batch_sizes:
         return {}
     ladder = sorted({b for b in batch_sizes if b & (b - 1) == 0} | {max(batch_sizes)})
@@ -243,8 +241,7 @@ class CudaGraphRunner:
         return (sizes[bisect.bisect_left(sizes, batch.num_seqs)], q)
 
     def graph_for(self, batch: HostBatch) -> tuple[HostBatch, tuple[int, ...]] | None:
-        """(the batch to run, its graph): the batch as it is, padded to a captured query length, or in the
-        smallest mixed graph, whichever runs fewer token rows; None = run eagerly."""
+        """(batch to run, graph key): as is, padded to a captured q, or a mixed graph (fewest rows); None: eager."""
         key = self.graph_key(batch)
         if key is not None:
             return batch, key
@@ -272,16 +269,14 @@ class CudaGraphRunner:
         return None
 
     def hidden(self, key: tuple[int, ...], n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The last replay's final hidden states [n, hidden] and aux layer inputs (each [n, hidden]);
-        valid until the next replay."""
+        """The last replay's hidden states [n, hidden] and aux layer inputs (each [n, hidden])."""
         hidden, aux = self.hidden_outputs[key]
         return hidden[:n], [a[:n] for a in aux]
 
     def run(
         self, batch: HostBatch, key: tuple[int, ...], fill: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """Replay the graph for `key`: logits [num_tokens, vocab] (catch-up graphs: of the scored rows), or for a
-        mixed graph hidden [num_tokens, hidden]. fill: (flat indices, input ids) on the device, placeholders' tokens."""
+        """Replay `key`: logits [rows, vocab], hidden [num_tokens, hidden] if mixed; fill: placeholders' (index, id)."""
         bs, q, padded = key[0], key[1], self.num_tokens_of(key)
         if self._copied_recorded:  # the previous step's copies have left the pinned buffers
             self._copied.synchronize()

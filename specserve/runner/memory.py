@@ -23,8 +23,7 @@ def kv_budget_bytes(
     useful_tokens: int,
     reserve: int,
 ) -> int:
-    """Bytes for the KV pool. `profile` runs the largest batch once (CUDA); `reserve` bytes are allocated after
-    the pool (CUDA graph outputs)."""
+    """Bytes for the KV pool; `profile` runs the largest batch once (CUDA), `reserve` is kept for graphs."""
     if cache.kv_cache_memory_bytes is not None:
         return cache.kv_cache_memory_bytes
     if device.type != "cuda":

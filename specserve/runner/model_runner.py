@@ -67,8 +67,7 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner once capture_graphs() ran
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, *query_lens: tuple[int, ...]) -> None:
-        """Capture CUDA graphs (runner/cuda_graph.py; query_lens: its verify, prefill, catch-up and mixed
-        lengths) for batch sizes up to max_num_seqs, then warm the small eager forwards (runner/warmup.py)."""
+        """Capture CUDA graphs (lengths: see CudaGraphRunner), then warm the small eager forwards."""
         from specserve.runner.cuda_graph import CudaGraphRunner, graph_batch_sizes
         from specserve.runner.warmup import warm_start_up
 
@@ -86,15 +85,13 @@ class ModelRunner:
         prompt_plan: list[PromptLogprobRows] | None = None,
         pending: PendingTokens | None = None,
     ) -> StepOutput:
-        """prompt_plan: rows whose prompt logprobs to compute (they need every token's hidden state, so such a step
-        runs eagerly, never through a CUDA graph)."""
+        """prompt_plan: rows to score prompt logprobs of (every token's hidden state: the step runs eagerly)."""
         host = build_host_batch(sched, block_ids_of, self.block_size)
         return self._execute(sched, host, need_hidden, prompt_plan, pending)
 
     @torch.inference_mode()
     def forward_scored(self, host: HostBatch, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Every token scored, input ids already on the device (a draft model's chained steps): logits
-        [host.num_tokens, vocab], a graph's output when one fits (valid until the next forward)."""
+        """Logits [host.num_tokens, vocab] of input ids already on the device (a draft model's chained steps)."""
         key = self.graphs.graph_key(host) if self.graphs is not None else None
         if key is not None and not self.graphs.scores_rows(key[1]):
             return self.graphs.run(host, key, (rows, input_ids))
@@ -109,8 +106,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[0] if isinstance(hidden, tuple) else hidden)
 
     def _staged(self) -> None:
-        """Every input of the step is queued for copying: mark it BEFORE the forward is queued, so
-        the next step waits only for these copies, never for this forward."""
+        """Mark the copies queued BEFORE the forward, so the next step waits only for them."""
         if self.staging is not None:
             self.staging.end()
 
@@ -128,8 +124,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_host(self, host: HostBatch, need_hidden: bool = False) -> StepOutput:
-        """A step from its flat batch (tensor-parallel ranks get no SchedulerOutput; every rank finds the same
-        graph, a function of `host` and the captured sizes)."""
+        """A step from its flat batch (tensor-parallel ranks); the graph chosen is a function of `host` alone."""
         return self._execute(None, host, need_hidden, None, None)
 
     def _execute(

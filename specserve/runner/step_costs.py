@@ -23,8 +23,7 @@ CONTEXT_TOKENS = 256  # tokens each measured request has in the KV before its st
 
 
 class CostTable:
-    """Seconds of a target step of `batch_size` requests of `query_len` tokens each, from a measured grid
-    {(batch_size, query_len): seconds}."""
+    """Seconds of a step of `batch_size` requests of `query_len` tokens, from a grid {(bs, q): seconds}."""
 
     def __init__(self, grid: Mapping[tuple[int, int], float]) -> None:
         if not grid:
@@ -72,8 +71,7 @@ def _interpolate(xs: Sequence[int], y: Callable[[int], float], x: int) -> float:
 
 
 def step_cost_batch_sizes(runner: ModelRunner, max_num_seqs: int) -> tuple[int, ...]:
-    """The batch sizes to measure: the captured (or would-be captured) graph sizes on CUDA, CPU_BATCH_SIZES on
-    the CPU; up to max_num_seqs."""
+    """The batch sizes to measure: the graph sizes on CUDA, CPU_BATCH_SIZES on the CPU; up to max_num_seqs."""
     if runner.graphs is not None:
         sizes: tuple[int, ...] = tuple(runner.graphs.batch_sizes)
     elif runner.device.type == "cuda":
@@ -87,9 +85,8 @@ def step_cost_batch_sizes(runner: ModelRunner, max_num_seqs: int) -> tuple[int, 
 def measure_step_costs(
     runner: ModelRunner, batch_sizes: tuple[int, ...] | list[int], max_query_len: int, kv: KVCacheManager | None = None
 ) -> CostTable:
-    """Time one target step per (batch size, query length 1..max_query_len): one warm-up step, then the
-    fastest of REPEATS timed steps, each synchronized. The minimum, since noise (another process,
-    a page fault) only ever adds time, and one slow sample would price a verify length out for good."""
+    """Time a step per (batch size, query length 1..max_query_len): after a warm-up, the fastest of REPEATS
+    (noise only ever adds time; one slow sample would price a verify length out for good)."""
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len!r}")
     free = kv.num_free_blocks() if kv is not None else runner.num_blocks

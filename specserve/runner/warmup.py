@@ -17,8 +17,7 @@ from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
 def dummy_forward(runner: ModelRunner, num_tokens: int, num_blocks: int, context: int = 0) -> None:
-    """One forward of num_tokens placeholder tokens after `context` (whatever the KV holds there) over blocks
-    0..num_blocks-1, through ModelRunner.execute: under tensor parallelism every rank runs it in the same order."""
+    """One forward of num_tokens placeholder tokens after `context`, through ModelRunner.execute (same on every rank)."""
     kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=False)
     req = Request(f"dummy-{context}-{num_tokens}", [0] * (context + num_tokens), SamplingParams(max_tokens=1), 1)
     kv.allocate_slots(req, context + num_tokens)
@@ -66,8 +65,7 @@ PROMPT_ROWS = (64, 200)
 
 @torch.inference_mode()
 def warm_prompt_forwards(runner: ModelRunner, rows: tuple[int, ...] = PROMPT_ROWS) -> list[tuple[int, int]]:
-    """dummy_forward of each prompt-sized row count, fresh and after SPLIT_CONTEXT, eagerly: the attention launches of
-    a prompt or of a long catch-up, with and without split-KV."""
+    """dummy_forward of each prompt-sized row count, fresh and after SPLIT_CONTEXT (split-KV), eagerly."""
     room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size)
     done = [(context, t) for context in (0, SPLIT_CONTEXT) for t in rows if context + t <= room]
     with _eager(runner):
@@ -77,16 +75,14 @@ def warm_prompt_forwards(runner: ModelRunner, rows: tuple[int, ...] = PROMPT_ROW
 
 
 def start_up_rows() -> tuple[list[int], list[int]]:
-    """(row counts of the fresh start-up forwards, row counts of those after SPLIT_CONTEXT): every GEMV
-    row count and every decode-sized attention query length."""
+    """(fresh, after-SPLIT_CONTEXT) row counts: every GEMV row count and decode-sized attention query length."""
     from specserve.model.layers.triton_gemv import gemv_max_m  # imports triton: GPU start-up only
 
     return list(range(1, max(gemv_max_m(), SMALL_QUERY_MAX) + 1)), list(range(1, SMALL_QUERY_MAX + 1))
 
 
 def warm_start_up(runner: ModelRunner) -> None:
-    """Every GEMV row count and every decode-sized attention query length, fresh and after SPLIT_CONTEXT, and
-    each prompt-sized row count (warm_prompt_forwards)."""
+    """Warm every start_up_rows() count, fresh and after SPLIT_CONTEXT, and the prompt-sized row counts."""
     fresh, after = start_up_rows()
     warm_small_forwards(runner, len(fresh))
     warm_small_forwards(runner, len(after), context=SPLIT_CONTEXT)
