@@ -17,7 +17,7 @@ from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
 def dummy_forward(runner: ModelRunner, num_tokens: int, num_blocks: int, context: int = 0) -> None:
-    """One forward of num_tokens placeholder tokens after `context`, through ModelRunner.execute (same on every rank)."""
+    """One forward of num_tokens placeholder tokens after `context`, through ModelRunner.execute (TP: every rank)."""
     kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=False)
     req = Request(f"dummy-{context}-{num_tokens}", [0] * (context + num_tokens), SamplingParams(max_tokens=1), 1)
     kv.allocate_slots(req, context + num_tokens)
