@@ -39,12 +39,11 @@ class Engine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
         parts: EngineParts = build_engine_parts(config, progress)
-        self.device, self.loaded, self.tokenizer = parts.device, parts.loaded, parts.loaded.tokenizer
-        self.model_name, self.max_model_len = parts.loaded.name, parts.loaded.max_model_len
-        self.vocab_size = parts.loaded.arch.vocab_size
-        self.runner, self.kv, self.scheduler = parts.runner, parts.kv, parts.scheduler
-        self.sampler, self.stats = parts.sampler, parts.stats
-        self.eos_token_ids = parts.eos_token_ids
+        loaded = parts.loaded
+        self.device, self.loaded, self.tokenizer, self.model_name = parts.device, loaded, loaded.tokenizer, loaded.name
+        self.max_model_len, self.vocab_size = loaded.max_model_len, loaded.arch.vocab_size
+        self.runner, self.kv, self.scheduler, self.sampler = parts.runner, parts.kv, parts.scheduler, parts.sampler
+        self.stats, self.eos_token_ids = parts.stats, parts.eos_token_ids
         self.groups: dict[str, RequestGroup] = {}
         self._child_to_group: dict[str, tuple[RequestGroup, int]] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)

@@ -46,10 +46,8 @@ class HostBatch:
 
     def uniform_query_len(self) -> int | None:
         """The query length shared by every sequence, if they all have the same one."""
-        if not self.query_lens:
-            return None
-        q = self.query_lens[0]
-        return q if all(x == q for x in self.query_lens) else None
+        ql = self.query_lens
+        return ql[0] if ql and ql.count(ql[0]) == len(ql) else None
 
     def to_device(self, device: torch.device, staging: Staging | None = None, only_logits: bool = False) -> BatchInputs:
         """only_logits: the CUDA-graph path copies the other inputs into its own buffers."""
@@ -149,9 +147,9 @@ class Staging:
         """arr on the device, a view of name's device buffer (valid until name's next put)."""
         n = arr.size
         buf = self._bufs.get(name)
-        if buf is None or buf.host.numel() < n or buf.host.dtype != _torch_dtype(arr):
+        if buf is None or buf.host.numel() < n or buf.host.dtype != _DTYPES[arr.dtype]:
             size = max(n, 2 * (buf.host.numel() if buf is not None else 0), 64)
-            host = torch.empty(size, dtype=_torch_dtype(arr), pin_memory=True)
+            host = torch.empty(size, dtype=_DTYPES[arr.dtype], pin_memory=True)
             buf = self._bufs[name] = _StagingBuffer(
                 host, host.numpy(), torch.empty(size, dtype=host.dtype, device=self.device), {}
             )
@@ -176,8 +174,7 @@ class _StagingBuffer:
     views: dict[int, tuple[torch.Tensor, torch.Tensor]]  # n -> (host[:n], dev[:n])
 
 
-def _torch_dtype(arr: np.ndarray) -> torch.dtype:
-    return {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}[arr.dtype]
+_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 def block_table_array(block_lists: list[list[int]]) -> np.ndarray:
