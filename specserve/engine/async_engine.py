@@ -315,7 +315,7 @@ class AsyncEngine:
         """Only when the engine holds no request (or is stopping): nothing runs or waits."""
         self.stats.set("num_requests_running", 0)
         self.stats.set("num_requests_waiting", 0)
-        self.stats.set("kv_cache_usage_perc", self._engine.kv_cache_usage())
+        self.stats.set("kv_cache_usage_perc", self._engine.kv.usage())
 
     def _abort_everything(self) -> None:
         if self._live_ids:

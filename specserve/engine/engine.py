@@ -55,7 +55,10 @@ class Engine:
         if config.speculative is not None:
             self.spec = SpecDecoder(config.speculative, parts, self.stats, self.structured)
             self.runner.model.aux_hidden_layers = self.spec.proposer.aux_hidden_layers
-        self.async_loop = AsyncLoop(self) if _use_async_scheduling(config, self.device) else None
+        # Async scheduling: on by default on CUDA, not with tensor parallelism (EngineConfig refuses asking for both).
+        on = config.scheduler.async_scheduling
+        on = self.device.type == "cuda" and config.parallel.tensor_parallel_size == 1 if on is None else on
+        self.async_loop = AsyncLoop(self) if on else None
 
     @property
     def async_scheduling(self) -> bool:
@@ -126,9 +129,6 @@ class Engine:
         """Requests left waiting if num_new more arrived now (those beyond the running batch's free slots)."""
         sched = self.scheduler
         return max(0, sched.num_waiting + len(sched.running) + num_new - sched.max_num_seqs)
-
-    def kv_cache_usage(self) -> float:
-        return self.kv.usage()
 
     def num_blocks_in_use(self) -> int:
         return self.kv.num_blocks - self.kv.num_free_blocks()
@@ -348,9 +348,3 @@ def _stop_string(detok, tokens: list[int], num_before: int, min_tokens: int) -> 
         if stop is not None:
             return stop, i + 1
     return None, len(tokens)
-
-
-def _use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    """On by default on CUDA; not with tensor parallelism."""
-    asked = config.scheduler.async_scheduling  # with tensor parallelism refused by EngineConfig
-    return (device.type == "cuda" and config.parallel.tensor_parallel_size == 1) if asked is None else asked

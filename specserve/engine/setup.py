@@ -25,10 +25,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _eos_ids(loaded: LoadedModel) -> tuple[int, ...]:
-    ids = set(loaded.arch.eos_token_ids) | set(loaded.extra_eos_token_ids)
-    tok = loaded.tokenizer
-    if tok is not None and getattr(tok, "eos_token_id", None) is not None:
-        ids.add(tok.eos_token_id)
+    tok_eos = getattr(loaded.tokenizer, "eos_token_id", None)  # (no tokenizer: None)
+    ids = set(loaded.arch.eos_token_ids) | set(loaded.extra_eos_token_ids) | ({tok_eos} - {None})
     return tuple(sorted(ids))
 
 
