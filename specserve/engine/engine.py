@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -86,8 +87,7 @@ class Engine:
         for i in range(params.n):
             cp = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            seeded = cp.seed is not None and not cp.greedy
-            gen = torch.Generator(device=self.device).manual_seed(cp.seed) if seeded else None
+            gen = None if cp.seed is None or cp.greedy else torch.Generator(device=self.device).manual_seed(cp.seed)
             req = Request(child_id, token_ids, cp, max_tokens, self.eos_token_ids, arrival, gen)
             if i == 0 and params.prompt_logprobs is not None:  # the prompt is shared: score it once
                 req.prompt_logprobs = [None]
@@ -171,10 +171,10 @@ class Engine:
         need_hidden = self.spec is not None and self.spec.proposer.needs_target_hidden
         plan = plan_prompt_logprobs(sched)
         # (the tensor-parallel executor takes neither keyword)
-        kw = {k: v for k, v in (("prompt_plan", plan), ("pending", pending)) if v}
+        kw: dict[str, Any] = {k: v for k, v in (("prompt_plan", plan), ("pending", pending)) if v}
         step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden, **kw)
         for item, entries in zip(plan, step_out.prompt_logprobs or ()):  # before update() may finish the request
-            sched.scheduled[item.sched_index].request.prompt_logprobs.extend(entries)
+            sched.scheduled[item.sched_index].request.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
         self.kv.after_forward()
         return step_out
 

@@ -26,7 +26,7 @@ def resolve_device(name: str) -> torch.device:
 
 def _eos_ids(loaded: LoadedModel) -> tuple[int, ...]:
     tok_eos = getattr(loaded.tokenizer, "eos_token_id", None)  # (no tokenizer: None)
-    ids = set(loaded.arch.eos_token_ids) | set(loaded.extra_eos_token_ids) | ({tok_eos} - {None})
+    ids = set(loaded.arch.eos_token_ids) | set(loaded.extra_eos_token_ids) | {t for t in (tok_eos,) if t is not None}
     return tuple(sorted(ids))
 
 

@@ -233,8 +233,10 @@ class CudaGraphRunner:
     def graph_key(self, batch: HostBatch, q: int | None = None) -> tuple[int, int] | None:
         """The uniform graph (bs, q) for the batch: q its shared query length, or the one it is padded to."""
         q = batch.uniform_query_len() if q is None else q
+        if q is None or q not in self.query_lens:
+            return None
         sizes = self.sizes_by_q.get(q, ())
-        if q not in self.query_lens or not sizes or batch.num_seqs > sizes[-1]:
+        if not sizes or batch.num_seqs > sizes[-1]:
             return None
         if batch.block_tables.shape[1] > self.max_blocks or not self._fits(batch, q):
             return None
