@@ -60,7 +60,6 @@ class RequestStream:
         self._event = asyncio.Event()
         self._error: BaseException | None = None
 
-    # -- called on the loop thread by AsyncEngine --
     def _put(self, output: RequestOutput) -> None:
         self._updates.pop(output.request_id, None)  # move to the end: keep arrival order
         self._updates[output.request_id] = output
@@ -69,10 +68,6 @@ class RequestStream:
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self._event.set()
-
-    @property
-    def finished(self) -> bool:
-        return not self._pending
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -102,11 +97,10 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_num_queued_requests: int | None = None, start: bool = True) -> None:
+    def __init__(self, engine: Engine, max_num_queued_requests: int | None = None) -> None:
         self._engine = engine
         self.max_num_queued_requests = max_num_queued_requests
-        # Read-only facts, safe to read from any thread.
-        self.config = engine.config
+        self.config = engine.config  # read-only facts, safe to read from any thread
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
@@ -122,8 +116,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # loop-thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
-        if start:
-            self.start()
+        self._thread.start()
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True) -> AsyncEngine:
@@ -132,17 +125,8 @@ class AsyncEngine:
 
         return cls(Engine(config, progress=progress), max_num_queued_requests=config.scheduler.max_num_queued_requests)
 
-    def start(self) -> None:
-        if not self._thread.is_alive() and self._dead is None:
-            self._thread.start()
-
-    # ------------------------------------------------------------------ asyncio side
     def encode(self, text: str) -> list[int]:
-        """Tokenize as the engine does for a text prompt."""
         return self._engine.encode(text)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self._engine.decode(token_ids)
 
     @property
     def is_running(self) -> bool:
@@ -216,9 +200,7 @@ class AsyncEngine:
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Drain within `timeout`, fail whatever is still streaming, stop and join the thread."""
         await self.drain(max(0.0, timeout - 2.0))
-        for stream in set(self._streams.values()):
-            stream._fail(EngineDeadError("server is shutting down"))
-        self._streams.clear()
+        self._fail_all(EngineDeadError("server is shutting down"))
         await asyncio.to_thread(self.close, 2.0)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -266,7 +248,7 @@ class AsyncEngine:
         except RuntimeError:  # loop closed between the check and the call
             pass
 
-    # ------------------------------------------------------------------ engine thread
+    # -- engine thread --
     def _run(self) -> None:
         try:
             busy = False
@@ -277,7 +259,7 @@ class AsyncEngine:
                 self._apply(commands)
                 if self._engine.has_unfinished_requests():
                     outputs = self._engine.step()
-                    self._track_finished(outputs)
+                    self._live_ids.difference_update(o.request_id for o in outputs if o.finished)
                     if outputs:
                         self._call_on_loop(self._deliver, outputs)  # fresh objects each step
                 busy = self._engine.has_unfinished_requests()
@@ -291,22 +273,17 @@ class AsyncEngine:
         with self._cond:
             while not self._commands and not busy and not self._stop:
                 self._cond.wait()
-            if self._stop:
-                pending, self._commands = self._commands, []
-                for cmd in pending:
-                    if isinstance(cmd, _AddCommand):
-                        cmd.future.set_exception(EngineDeadError("engine is stopping"))
-                return None
-            commands, self._commands = self._commands, []
-            return commands
+            commands, self._commands, stop = self._commands, [], self._stop
+        if stop:
+            _fail_adds(commands, EngineDeadError("engine is stopping"))
+            return None
+        return commands
 
     def _apply(self, commands: list[_AddCommand | _AbortCommand]) -> None:
         for cmd in commands:
             if isinstance(cmd, _AbortCommand):
                 ids = [i for i in cmd.request_ids if i in self._live_ids]
-                if ids:
-                    # Frees the blocks now; the engine reports the abort in the next step,
-                    # which also refreshes the gauges.
+                if ids:  # frees the blocks now; the next step reports the abort and refreshes the gauges
                     self._engine.abort_request(ids)
                     self._live_ids.difference_update(ids)
             else:
@@ -334,16 +311,11 @@ class AsyncEngine:
         self._live_ids.update(added)
         cmd.future.set_result(None)
 
-    def _track_finished(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            if output.finished:
-                self._live_ids.discard(output.request_id)
-
     def _refresh_gauges(self) -> None:
-        """Called only when the engine holds no request (or is stopping): nothing runs or waits."""
+        """Only when the engine holds no request (or is stopping): nothing runs or waits."""
         self.stats.set("num_requests_running", 0)
         self.stats.set("num_requests_waiting", 0)
-        self.stats.set("kv_cache_usage_perc", self._engine.kv_cache_usage())
+        self.stats.set("kv_cache_usage_perc", self._engine.kv.usage())
 
     def _abort_everything(self) -> None:
         if self._live_ids:
@@ -357,7 +329,11 @@ class AsyncEngine:
         with self._cond:
             self._dead = dead
             pending, self._commands = self._commands, []
-        for cmd in pending:
-            if isinstance(cmd, _AddCommand):
-                cmd.future.set_exception(dead)
+        _fail_adds(pending, dead)
         self._call_on_loop(self._fail_all, dead)
+
+
+def _fail_adds(commands: list[_AddCommand | _AbortCommand], error: BaseException) -> None:
+    for cmd in commands:
+        if isinstance(cmd, _AddCommand):
+            cmd.future.set_exception(error)

@@ -1,10 +1,7 @@
-"""Asynchronous scheduling, the alternative to `Engine.step_sync`: the host prepares step N+1 while the GPU
-runs step N. One `AsyncLoop.step()`: schedule N+1 (a request sampling in N holds a PLACEHOLDER token);
-launch N+1's forward (placeholders read N's sampled tokens on the device); resolve N (stop checks,
-detokenize, finish); sample N+1 after that, so penalties, min_tokens and grammar masks stay exact.
-
-Outputs equal the synchronous loop's. With speculation only steps that verify no drafts overlap: when the
-controller chooses k > 0 the step in flight is resolved and steps run synchronously until k is 0 again."""
+"""Asynchronous scheduling: the host prepares step N+1 while the GPU runs step N. One `AsyncLoop.step()`:
+schedule and launch N+1 (its placeholders read N's sampled tokens on the device), resolve N, then sample N+1,
+so penalties, min_tokens and grammar masks stay exact and outputs equal `Engine.step_sync`'s. With
+speculation only steps that verify no drafts overlap (k > 0 resolves the step in flight, then runs sync)."""
 
 from __future__ import annotations
 
@@ -143,14 +140,8 @@ class AsyncLoop:
         logits = self.engine.structured.apply(logits, reqs, [0] * len(reqs))
         out = self.engine.sample_tokens(reqs, logits)
         tokens = out.token_ids.to(torch.int64)
-        step = InFlightStep(
-            sched,
-            step_out,
-            rows,
-            reqs,
-            PendingTokens(tokens, {r.request_id: i for i, r in enumerate(reqs)}),
-            to_host_async(tokens),
-        )
+        pending = PendingTokens(tokens, {r.request_id: i for i, r in enumerate(reqs)})
+        step = InFlightStep(sched, step_out, rows, reqs, pending, to_host_async(tokens))
         if out.logprobs is not None:
             step.host_logprobs = LogprobsTensors(*(to_host_async(t) for t in out.logprobs))
         if tokens.device.type == "cuda":

@@ -11,24 +11,17 @@ _CONTEXT_TOKENS = 6
 
 class IncrementalDetokenizer:
     def __init__(
-        self,
-        tokenizer: Any | None,
-        prompt_token_ids: list[int],
-        stop: list[str],
-        include_stop_str_in_output: bool,
-        skip_special_tokens: bool,
+        self, tokenizer: Any | None, prompt_ids: list[int], stop: list[str], include_stop: bool, skip_special: bool
     ) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
         # Fast tokenizers decode incrementally in Rust (tokenizers.decoders.DecodeStream): O(1)
         # per token instead of two window decodes. Primed with the prompt tail as left context.
-        self._stream = _decode_stream(tokenizer, skip_special_tokens, self.ids)
-        self.stop = stop
-        self.include_stop = include_stop_str_in_output
-        self.skip_special = skip_special_tokens
+        self._stream = _decode_stream(tokenizer, skip_special, self.ids)
+        self.stop, self.include_stop, self.skip_special = stop, include_stop, skip_special
         # Characters held back while streaming: they might be the start of a stop string.
         self.holdback = max((len(s) for s in stop), default=1) - 1
 
@@ -59,23 +52,15 @@ class IncrementalDetokenizer:
         return self._check_stop(old_len) if check_stop else None
 
     def _check_stop(self, old_len: int) -> str | None:
-        if not self.stop:
+        found = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
+        if not found:
             return None
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            idx = self.text.find(s, max(0, old_len - len(s) + 1))
-            if idx >= 0 and (best is None or idx < best[0]):
-                best = (idx, s)
-        if best is None:
-            return None
-        idx, s = best
+        idx, s = min(found, key=lambda f: f[0])  # the earliest match; the first listed among equals
         self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
         return s
 
     def visible_text(self, finished: bool) -> str:
-        if finished or self.holdback == 0:
-            return self.text
-        return self.text[: max(0, len(self.text) - self.holdback)]
+        return self.text if finished or self.holdback == 0 else self.text[: max(0, len(self.text) - self.holdback)]
 
 
 def _decode_stream(tokenizer: Any | None, skip_special_tokens: bool, context: list[int]):

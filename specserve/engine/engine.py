@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -39,12 +40,11 @@ class Engine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
         parts: EngineParts = build_engine_parts(config, progress)
-        self.device, self.loaded, self.tokenizer = parts.device, parts.loaded, parts.loaded.tokenizer
-        self.model_name, self.max_model_len = parts.loaded.name, parts.loaded.max_model_len
-        self.vocab_size = parts.loaded.arch.vocab_size
-        self.runner, self.kv, self.scheduler = parts.runner, parts.kv, parts.scheduler
-        self.sampler, self.stats = parts.sampler, parts.stats
-        self.eos_token_ids = parts.eos_token_ids
+        loaded = parts.loaded
+        self.device, self.loaded, self.tokenizer, self.model_name = parts.device, loaded, loaded.tokenizer, loaded.name
+        self.max_model_len, self.vocab_size = loaded.max_model_len, loaded.arch.vocab_size
+        self.runner, self.kv, self.scheduler, self.sampler = parts.runner, parts.kv, parts.scheduler, parts.sampler
+        self.stats, self.eos_token_ids = parts.stats, parts.eos_token_ids
         self.groups: dict[str, RequestGroup] = {}
         self._child_to_group: dict[str, tuple[RequestGroup, int]] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
@@ -56,13 +56,15 @@ class Engine:
         if config.speculative is not None:
             self.spec = SpecDecoder(config.speculative, parts, self.stats, self.structured)
             self.runner.model.aux_hidden_layers = self.spec.proposer.aux_hidden_layers
-        self.async_loop = AsyncLoop(self) if _use_async_scheduling(config, self.device) else None
+        # Async scheduling: on by default on CUDA, not with tensor parallelism (EngineConfig refuses asking for both).
+        on = config.scheduler.async_scheduling
+        on = self.device.type == "cuda" and config.parallel.tensor_parallel_size == 1 if on is None else on
+        self.async_loop = AsyncLoop(self) if on else None
 
     @property
     def async_scheduling(self) -> bool:
         return self.async_loop is not None
 
-    # -- requests ----------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, arrival_time: float | None = None
     ) -> None:
@@ -75,40 +77,29 @@ class Engine:
         max_tokens = resolve_max_tokens(
             len(token_ids), params, self.max_model_len, self.kv.num_blocks, self.kv.block_size
         )
-        self._check_prompt_logprobs(params)
+        if (params.prompt_logprobs or 0) > self.vocab_size:
+            raise ValueError(f"prompt_logprobs must be at most the vocabulary size ({self.vocab_size}).")
+        if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1.")
         grammar = self.structured.compile(params)  # ValueError on a bad schema/regex
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, text, token_ids, [], [], arrival, params.logprobs)
         for i in range(params.n):
             cp = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            gen = None
-            if cp.seed is not None and not cp.greedy:
-                gen = torch.Generator(device=self.device).manual_seed(cp.seed)
+            gen = None if cp.seed is None or cp.greedy else torch.Generator(device=self.device).manual_seed(cp.seed)
             req = Request(child_id, token_ids, cp, max_tokens, self.eos_token_ids, arrival, gen)
             if i == 0 and params.prompt_logprobs is not None:  # the prompt is shared: score it once
                 req.prompt_logprobs = [None]
             group.children.append(req)
-            group.detoks.append(
-                IncrementalDetokenizer(
-                    self.tokenizer, token_ids, cp.stop_strings, cp.include_stop_str_in_output, cp.skip_special_tokens
-                )
-            )
+            stops = (cp.stop_strings, cp.include_stop_str_in_output, cp.skip_special_tokens)
+            group.detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, *stops))
         self.groups[request_id] = group
         for i, req in enumerate(group.children):
             self._child_to_group[req.request_id] = (group, i)
             self.structured.add(req, grammar)  # its first mask fills during the prefill
             self.scheduler.add_request(req)
         self.kv.prefetch(group.children[0])
-
-    def _check_prompt_logprobs(self, params: SamplingParams) -> None:
-        n = params.prompt_logprobs
-        if n is None:
-            return
-        if n > self.vocab_size:
-            raise ValueError(f"prompt_logprobs must be at most the vocabulary size ({self.vocab_size}), got {n}.")
-        if self.config.parallel.tensor_parallel_size > 1:
-            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1.")
 
     def abort_request(self, request_ids: list[str] | str, emit_output: bool = True) -> None:
         """Free the requests' KV blocks now; their final outputs come with the next step()."""
@@ -135,13 +126,9 @@ class Engine:
         return len(self.groups)
 
     def num_would_wait(self, num_new: int) -> int:
-        """Requests left waiting if num_new more arrived now: those beyond the running batch's free
-        slots (a burst at an idle server mostly runs at once, it does not queue)."""
+        """Requests left waiting if num_new more arrived now (those beyond the running batch's free slots)."""
         sched = self.scheduler
         return max(0, sched.num_waiting + len(sched.running) + num_new - sched.max_num_seqs)
-
-    def kv_cache_usage(self) -> float:
-        return self.kv.usage()
 
     def num_blocks_in_use(self) -> int:
         return self.kv.num_blocks - self.kv.num_free_blocks()
@@ -149,18 +136,12 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return resolve_prompt(text, self.tokenizer, self.vocab_size)[1]
 
-    def decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer.")
-        return self.tokenizer.decode(token_ids)
-
     def shutdown(self) -> None:
         """Abort what is in flight and flush pending KV writes to the offload tiers."""
         self.abort_request(list(self.groups), emit_output=False)
         if self.kv.offloader is not None:
             self.kv.offloader.close()
 
-    # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         return self.async_loop.step() if self.async_loop is not None else self.step_sync()
 
@@ -189,14 +170,11 @@ class Engine:
                 self.spec.on_preempted(req)
         need_hidden = self.spec is not None and self.spec.proposer.needs_target_hidden
         plan = plan_prompt_logprobs(sched)
-        kw: dict = {}  # (the tensor-parallel executor takes neither)
-        if plan:
-            kw["prompt_plan"] = plan
-        if pending is not None:
-            kw["pending"] = pending
+        # (the tensor-parallel executor takes neither keyword)
+        kw: dict[str, Any] = {k: v for k, v in (("prompt_plan", plan), ("pending", pending)) if v}
         step_out = self.runner.execute(sched, self.kv.block_ids, need_hidden, **kw)
-        if plan:
-            self._store_prompt_logprobs(sched, plan, step_out.prompt_logprobs)
+        for item, entries in zip(plan, step_out.prompt_logprobs or ()):  # before update() may finish the request
+            sched.scheduled[item.sched_index].request.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
         self.kv.after_forward()
         return step_out
 
@@ -237,19 +215,17 @@ class Engine:
 
     def sample_tokens(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
         """One token per row of logits [len(reqs), vocab], on the device."""
-        if self._plain_greedy(reqs):
-            # The common serving case: argmax, no metadata to build or copy.
-            return SamplerOutput(logits.argmax(dim=-1), None)
-        return self.sampler(logits, self._sampling_meta(reqs))
-
-    @staticmethod
-    def _plain_greedy(reqs: list[Request]) -> bool:
-        return all(
+        plain_greedy = all(  # the common serving case: argmax, no metadata to build or copy
             (p := r.params).greedy
             and p.logprobs is None
             and r.num_output_tokens >= p.min_tokens
             and (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
             for r in reqs
+        )
+        return (
+            SamplerOutput(logits.argmax(dim=-1), None)
+            if plain_greedy
+            else self.sampler(logits, self._sampling_meta(reqs))
         )
 
     @staticmethod
@@ -266,18 +242,10 @@ class Engine:
             req.logprobs.append(entry)
             req.cumulative_logprob += values[row][0]
 
-    @staticmethod
-    def _store_prompt_logprobs(sched: SchedulerOutput, plan, results) -> None:
-        """Append this step's entries (before _update, which may finish the request)."""
-        for item, entries in zip(plan, results):
-            req = sched.scheduled[item.sched_index].request
-            req.prompt_logprobs.extend(entries)
-
     def update(
         self, sched: SchedulerOutput, new_tokens: list[list[int] | None], accepted: list[int], advanced: bool = False
     ) -> list[RequestOutput]:
-        """advanced: asynchronous scheduling already counted the step as computed and holds a
-        placeholder for each new token (engine/async_loop.py)."""
+        """advanced: the async loop already counted the step computed and holds a placeholder per new token."""
         now = time.monotonic()
         step_stats = StepTokenStats()
         touched: dict[str, RequestGroup] = {}
@@ -374,16 +342,9 @@ class Engine:
 
 
 def _stop_string(detok, tokens: list[int], num_before: int, min_tokens: int) -> tuple[str | None, int]:
-    """Feed a step's new tokens to the detokenizer one at a time, as plain decoding would: (the stop string that
-    matched or None, how many tokens up to and including the one that completed it)."""
+    """Feed the step's tokens to the detokenizer one at a time: (the stop string matched or None, tokens kept)."""
     for i, tok in enumerate(tokens):
         stop = detok.add_tokens([tok], check_stop=num_before + i + 1 > min_tokens)
         if stop is not None:
             return stop, i + 1
     return None, len(tokens)
-
-
-def _use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    """On by default on CUDA; not with tensor parallelism."""
-    asked = config.scheduler.async_scheduling  # with tensor parallelism refused by EngineConfig
-    return (device.type == "cuda" and config.parallel.tensor_parallel_size == 1) if asked is None else asked

@@ -82,27 +82,21 @@ def _prompt_logprobs(group: RequestGroup, tokenizer: Any) -> list[dict[int, Logp
     """vLLM's shape: [None, {token_id: Logprob}, ...], one entry per prompt token; None until scored."""
     raw = group.children[0].prompt_logprobs
     if group.prompt_logprobs is None and raw is not None and len(raw) == len(group.prompt_token_ids):
-        texts: dict[int, str | None] = {}  # decode each distinct token once
-
-        def text(tid: int) -> str | None:
-            if tid not in texts:
-                texts[tid] = _decode_one(tokenizer, tid)
-            return texts[tid]
-
+        texts = {t: _decode_one(tokenizer, t) for e in raw if e is not None for t in e}  # each distinct token once
         group.prompt_logprobs = [
-            None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()} for e in raw
+            None if e is None else {t: Logprob(lp, rank, texts[t]) for t, (lp, rank) in e.items()} for e in raw
         ]
     return group.prompt_logprobs
 
 
+@dataclass
 class StepTokenStats:
     """A step's token-level stats, gathered per request and written to the collector once."""
 
-    def __init__(self) -> None:
-        self.ttfts: list[float] = []
-        self.itls: list[float] = []
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
+    ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
 
     def add(self, req: Request, num_new: int, now: float) -> None:
         if req.first_token_time is None:

@@ -25,10 +25,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _eos_ids(loaded: LoadedModel) -> tuple[int, ...]:
-    ids = set(loaded.arch.eos_token_ids) | set(loaded.extra_eos_token_ids)
-    tok = loaded.tokenizer
-    if tok is not None and getattr(tok, "eos_token_id", None) is not None:
-        ids.add(tok.eos_token_id)
+    tok_eos = getattr(loaded.tokenizer, "eos_token_id", None)  # (no tokenizer: None)
+    ids = set(loaded.arch.eos_token_ids) | set(loaded.extra_eos_token_ids) | {t for t in (tok_eos,) if t is not None}
     return tuple(sorted(ids))
 
 
@@ -37,9 +35,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     dtype = resolve_dtype(config.model.dtype, device)
     torch.manual_seed(config.model.seed)
     if config.parallel.tensor_parallel_size > 1:
-        from specserve.distributed.executor import (
-            build_tp_executor,  # one process per rank
-        )
+        from specserve.distributed.executor import build_tp_executor  # one process per rank
 
         # The executor stands in for a ModelRunner: the same execute / capture interface over the ranks.
         runner: ModelRunner = cast(ModelRunner, build_tp_executor(config, device, dtype, progress))
@@ -55,15 +51,8 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     # Short prompts in graph-sized pieces where prefill graphs were captured (scheduler.py).
     graphs = getattr(runner, "graphs", None)  # (the tensor-parallel executor captures none here)
     piece = max(graphs.prefill_query_lens) if graphs is not None and graphs.prefill_query_lens else None
-    scheduler = Scheduler(
-        kv,
-        sc.max_num_seqs,
-        max_batched,
-        loaded.max_model_len,
-        sc.enable_chunked_prefill,
-        num_lookahead,
-        prefill_piece=piece,
-    )
+    args = (kv, sc.max_num_seqs, max_batched, loaded.max_model_len, sc.enable_chunked_prefill, num_lookahead)
+    scheduler = Scheduler(*args, prefill_piece=piece)
     stats = StatsCollector()
     if config.offload.enabled:
         if not cc.enable_prefix_caching:
@@ -77,14 +66,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
             f"L{arch.num_layers}|H{arch.num_kv_heads}|D{arch.head_dim}"
         )
         kv.attach_offloader(KVOffloader(config.offload, runner.kv_caches, namespace, cc.block_size, stats))
-    stats.set(
-        "cache_config_info",
-        1,
-        {
-            "block_size": str(cc.block_size),
-            "cache_dtype": spec.fmt.name,
-            "num_gpu_blocks": str(num_blocks),
-            "enable_prefix_caching": str(cc.enable_prefix_caching),
-        },
-    )
+    info = {"block_size": cc.block_size, "cache_dtype": spec.fmt.name, "num_gpu_blocks": num_blocks}
+    info["enable_prefix_caching"] = cc.enable_prefix_caching
+    stats.set("cache_config_info", 1, {k: str(v) for k, v in info.items()})
     return EngineParts(device, loaded, runner, kv, scheduler, Sampler(), stats, _eos_ids(loaded), ops_for(device))

@@ -16,10 +16,9 @@ def resolve_prompt(
             text = prompt.get("prompt")
             _, ids = resolve_prompt(prompt["prompt_token_ids"], tokenizer, vocab_size)
             return (text if isinstance(text, str) else None), ids
-        elif "prompt" in prompt:
-            prompt = prompt["prompt"]
-        else:
+        if "prompt" not in prompt:
             raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        prompt = prompt["prompt"]
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty.")

@@ -46,10 +46,8 @@ class HostBatch:
 
     def uniform_query_len(self) -> int | None:
         """The query length shared by every sequence, if they all have the same one."""
-        if not self.query_lens:
-            return None
-        q = self.query_lens[0]
-        return q if all(x == q for x in self.query_lens) else None
+        ql = self.query_lens
+        return ql[0] if ql and ql.count(ql[0]) == len(ql) else None
 
     def to_device(self, device: torch.device, staging: Staging | None = None, only_logits: bool = False) -> BatchInputs:
         """only_logits: the CUDA-graph path copies the other inputs into its own buffers."""
@@ -82,8 +80,7 @@ def putter(device: torch.device, staging: Staging | None):
 
 @dataclass
 class PendingTokens:
-    """Tokens the step in flight sampled, still on the device (asynchronous scheduling): the next
-    step's placeholders (scheduler/request.py PLACEHOLDER) take their input ids from here."""
+    """Tokens the step in flight sampled, still on the device: the next step's placeholders read them."""
 
     tokens: torch.Tensor  # [num_rows] int64, on the device
     # request_id -> the row of its first placeholder; its later placeholders in a step read the rows
@@ -92,8 +89,7 @@ class PendingTokens:
 
 
 def pad_to_query_len(host: HostBatch, q: int, max_model_len: int) -> HostBatch | None:
-    """The batch with every sequence's query padded to q tokens, so a CUDA graph captured for uniform query length q
-    can run it (verify steps whose requests drafted different numbers of tokens)."""
+    """The batch with every query padded to q tokens, for a graph of uniform query length q (or None)."""
     ql = np.asarray(host.query_lens, dtype=np.int64)
     pad = q - ql
     if (pad < 0).any() or (host.seq_lens.astype(np.int64) + pad > max_model_len).any():
@@ -101,24 +97,15 @@ def pad_to_query_len(host: HostBatch, q: int, max_model_len: int) -> HostBatch |
     ns = len(ql)
     seq_index = np.repeat(np.arange(ns), ql)
     new_idx = seq_index * q + (np.arange(host.num_tokens) - host.cu_query_lens[seq_index])
-    input_ids = np.zeros(ns * q, dtype=np.int64)
-    input_ids[new_idx] = host.input_ids
+    ids = np.zeros(ns * q, dtype=np.int64)
+    ids[new_idx] = host.input_ids
     first = host.seq_lens.astype(np.int64) - ql  # position of each sequence's first query token
     positions = (first[:, None] + np.arange(q)).reshape(-1)
-    slot_mapping = np.full(ns * q, -1, dtype=np.int64)
-    slot_mapping[new_idx] = host.slot_mapping
-    seq_lens = (host.seq_lens + pad).astype(np.int32)
-    cu = (np.arange(ns + 1) * q).astype(np.int32)
+    slots = np.full(ns * q, -1, dtype=np.int64)
+    slots[new_idx] = host.slot_mapping
+    seq_lens, cu = (host.seq_lens + pad).astype(np.int32), (np.arange(ns + 1) * q).astype(np.int32)
     return HostBatch(
-        input_ids,
-        positions,
-        slot_mapping,
-        host.block_tables,
-        seq_lens,
-        cu,
-        new_idx[host.logits_indices],
-        [q] * ns,
-        host.logit_rows,
+        ids, positions, slots, host.block_tables, seq_lens, cu, new_idx[host.logits_indices], [q] * ns, host.logit_rows
     )
 
 
@@ -160,9 +147,9 @@ class Staging:
         """arr on the device, a view of name's device buffer (valid until name's next put)."""
         n = arr.size
         buf = self._bufs.get(name)
-        if buf is None or buf.host.numel() < n or buf.host.dtype != _torch_dtype(arr):
+        if buf is None or buf.host.numel() < n or buf.host.dtype != _DTYPES[arr.dtype]:
             size = max(n, 2 * (buf.host.numel() if buf is not None else 0), 64)
-            host = torch.empty(size, dtype=_torch_dtype(arr), pin_memory=True)
+            host = torch.empty(size, dtype=_DTYPES[arr.dtype], pin_memory=True)
             buf = self._bufs[name] = _StagingBuffer(
                 host, host.numpy(), torch.empty(size, dtype=host.dtype, device=self.device), {}
             )
@@ -187,8 +174,7 @@ class _StagingBuffer:
     views: dict[int, tuple[torch.Tensor, torch.Tensor]]  # n -> (host[:n], dev[:n])
 
 
-def _torch_dtype(arr: np.ndarray) -> torch.dtype:
-    return {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}[arr.dtype]
+_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 def block_table_array(block_lists: list[list[int]]) -> np.ndarray:
@@ -204,75 +190,41 @@ def block_table_array(block_lists: list[list[int]]) -> np.ndarray:
     return tables
 
 
-_PY_SLOTS_MAX = 16  # queries up to this long get their slots in the per-request loop, longer ones from numpy
-
-
 def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> HostBatch:
     """block_ids_of(request_id) -> list[int]."""
-    scheduled = sched.scheduled
-    num_seqs = len(scheduled)
-    bs = block_size
     query_lens: list[int] = []
     ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
     seq_lens: list[int] = []
     cu = [0]
     block_lists: list[list[int]] = []
     logits_idx: list[int] = []
     logit_rows: list[tuple[int, int] | None] = []
-    long_query = False
-    start = 0
-    for s in scheduled:
+    for s in sched.scheduled:
         req, n = s.request, s.num_new_tokens
         c = req.num_computed_tokens
-        known = req.all_token_ids
-        blocks = block_ids_of(req.request_id)
-        if n == 1 and c < len(known):  # a decode step
-            ids.append(known[c])
-            pos.append(c)
-            slots.append(blocks[c // bs] * bs + c % bs)
-        else:
-            tokens = known[c : c + n]
-            if len(tokens) < n:  # the tail is draft tokens under verification
-                tokens = tokens + req.spec_token_ids[: n - len(tokens)]
-            ids.extend(tokens)
-            pos.extend(range(c, c + n))
-            if n > _PY_SLOTS_MAX:
-                long_query = True
-            elif not long_query:
-                first = blocks[c // bs] * bs + c % bs
-                if c % bs + n <= bs:  # within one block (a verify query, usually)
-                    slots.extend(range(first, first + n))
-                else:
-                    slots.extend([blocks[p // bs] * bs + p % bs for p in range(c, c + n)])
+        tokens = req.all_token_ids[c : c + n]
+        if len(tokens) < n:  # the tail is draft tokens under verification
+            tokens = tokens + req.spec_token_ids[: n - len(tokens)]
+        ids.extend(tokens)
         query_lens.append(n)
         seq_lens.append(c + n)
-        block_lists.append(blocks)
+        block_lists.append(block_ids_of(req.request_id))
         if s.samples:
             rows = s.num_spec_tokens + 1
             logit_rows.append((len(logits_idx), rows))
-            logits_idx.extend(range(start + n - rows, start + n))
+            logits_idx.extend(range(cu[-1] + n - rows, cu[-1] + n))
         else:
             logit_rows.append(None)
-        start += n
-        cu.append(start)
-    positions = np.array(pos, dtype=np.int64)
+        cu.append(cu[-1] + n)
+    lens = np.array(query_lens, dtype=np.int64)
+    seq_index = np.repeat(np.arange(len(lens)), lens)
+    ends = np.array(seq_lens, dtype=np.int64)
+    # position of each token: its sequence's first query position plus its rank within the query
+    positions = ends[seq_index] - lens[seq_index] + np.arange(len(ids)) - np.array(cu[:-1], dtype=np.int64)[seq_index]
     block_tables = block_table_array(block_lists)
-    if long_query:
-        # slot of the token at position p of sequence i: block_tables[i, p // bs] * bs + p % bs
-        seq_index = np.repeat(np.arange(num_seqs), query_lens)
-        slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-    else:
-        slot_mapping = np.array(slots, dtype=np.int64)
-    return HostBatch(
-        np.array(ids, dtype=np.int64),
-        positions,
-        slot_mapping,
-        block_tables,
-        np.array(seq_lens, dtype=np.int32),
-        np.array(cu, dtype=np.int32),
-        np.array(logits_idx, dtype=np.int64),
-        query_lens,
-        logit_rows,
-    )
+    # slot of the token at position p of sequence i: block_tables[i, p // bs] * bs + p % bs
+    bs = block_size
+    slots = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+    arrays = (np.array(ids, dtype=np.int64), positions, slots, block_tables, ends.astype(np.int32))
+    lists = (np.array(cu, dtype=np.int32), np.array(logits_idx, dtype=np.int64), query_lens, logit_rows)
+    return HostBatch(*arrays, *lists)

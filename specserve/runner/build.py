@@ -82,46 +82,21 @@ def build_runner(
 
     graphs = device.type == "cuda" and not config.model.enforce_eager and getattr(backend, "name", "") == "triton"
     k = config.speculative.num_speculative_tokens if config.speculative else 0
-    # Every verify length: the controller drafts 0..k tokens per step (runner/cuda_graph.py keeps
-    # the middle lengths to small batches); short prefills of one or two sequences too.
-    query_lens = tuple(range(1, k + 2))
-    # Ragged steps too (a prompt chunk beside decoding requests), without tensor parallelism.
-    mixed = MIXED_TOKEN_LENS if shard is None else ()
-    reserve = (
-        graph_output_bytes(
-            sc.max_num_seqs,
-            query_lens,
-            PREFILL_QUERY_LENS,
-            arch.vocab_size,
-            arch.hidden_size,
-            torch.finfo(dtype).bits // 8,
-            (),
-            mixed,
-            loaded.max_model_len,
-        )
-        if graphs
-        else 0
-    )
-    budget = kv_budget_bytes(
-        spec,
-        device,
-        cc.gpu_memory_utilization,
-        cc.kv_cache_memory_bytes,
-        profile,
-        sc.max_num_seqs * loaded.max_model_len,
-        reserve,
-    )
+    # Graphs for every verify length (the controller drafts 0..k per step), short prefills, and ragged steps
+    # (a prompt chunk beside decodes) without tensor parallelism; no catch-up lengths (no draft model here).
+    lens = (tuple(range(1, k + 2)), PREFILL_QUERY_LENS, (), MIXED_TOKEN_LENS if shard is None else ())
+    act = (arch.vocab_size, arch.hidden_size, torch.finfo(dtype).bits // 8)
+    reserve = graph_output_bytes(sc.max_num_seqs, *lens[:2], *act, *lens[2:], loaded.max_model_len) if graphs else 0
+    budget = kv_budget_bytes(spec, device, cc, profile, sc.max_num_seqs * loaded.max_model_len, reserve)
     num_blocks = spec.num_blocks_for(budget)
     if agree is not None:
         num_blocks = agree(num_blocks)
-    # As vLLM: the pool must hold one max_model_len sequence. An error where the user chose
-    # max_model_len; a warning where it is the model's default (tests force preemption that way).
-    check_kv_capacity(
-        num_blocks, spec.bytes_per_block, loaded.max_model_len, cc, strict=config.model.max_model_len is not None
-    )
+    # An error where the user chose max_model_len; a warning where it is the model's default.
+    strict = config.model.max_model_len is not None
+    check_kv_capacity(num_blocks, spec.bytes_per_block, loaded.max_model_len, cc, strict=strict)
     runner = make_runner(loaded, spec, num_blocks, device, backend)
     if graphs:
-        runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, query_lens, PREFILL_QUERY_LENS, (), mixed)
+        runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, *lens)
     return runner
 
 

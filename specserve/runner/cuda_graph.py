@@ -1,10 +1,7 @@
-"""CUDA graphs, captured once into one shared pool over static input buffers.
-
-Uniform graphs (bs, q): decode and verify (q = 1..k+1), short prefills, draft catch-ups (these score one
-row per sequence). A step pads up to the next captured batch size and, with ragged query lengths, per
-sequence up to a captured q (`graph_for`). Mixed graphs (bs, t, t): any ragged step of up to t tokens; they
-stop at the hidden states and the LM head runs after the replay. Padding tokens have slot -1 (no K/V
-stored), padding sequences length 0; their output rows are ignored. Everything else runs eagerly."""
+"""CUDA graphs over static input buffers, one shared pool. Uniform graphs (bs, q) score every row (catch-up
+graphs: one per sequence); a step pads up to a captured bs and q. Mixed graphs (bs, t, t) run any ragged step
+of up to t tokens and stop at the hidden states. Padding tokens have slot -1 (no K/V stored), padding
+sequences length 0; their output rows are ignored."""
 
 from __future__ import annotations
 
@@ -12,6 +9,7 @@ import bisect
 import contextlib
 import gc
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,19 +17,18 @@ from specserve.attention.base import AttentionMetadata, ForwardContext, forward_
 from specserve.runner.batch import HostBatch, pad_to_query_len
 from specserve.runner.streams import record
 
+if TYPE_CHECKING:
+    from specserve.runner.model_runner import ModelRunner
+
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MID_QUERY_MAX_BATCH = 32
-# Prefill lengths captured for batches of up to PREFILL_MAX_BATCH sequences: eagerly, a short prefill
-# costs several times its GPU time in launches. The graphs' [bs * q, vocab] float32 logits cost 240
-# rows of vocabulary (146 MB at Qwen2's 152k).
+# Short prefills (launch-bound eagerly); their [bs * q, vocab] float32 logits are why the batch cap is small.
 PREFILL_QUERY_LENS = (16, 64)
 PREFILL_MAX_BATCH = 2
-# Catch-up lengths of a draft model (eagerly its forward is bound by launches at any 3-128 tokens).
-# Scoring only each sequence's last row keeps a graph's logits at [bs, vocab].
+# A draft model's catch-up lengths; their graphs score each sequence's last row only ([bs, vocab] logits).
 CATCH_UP_QUERY_LENS = (4, 16, 64)
 CATCH_UP_MAX_BATCH = 32
-# Token counts of the mixed graphs (a prompt chunk beside a decoding batch), which eagerly cost several
-# times their GPU time in launches. Past 1024 tokens a forward's GPU work outweighs its launches.
+# Mixed graphs' token counts (a prompt chunk beside decodes); past 1024 tokens GPU work outweighs launches.
 MIXED_TOKEN_LENS = (128, 256, 512, 1024)
 
 
@@ -41,43 +38,32 @@ def sizes_by_query_len(
     prefill_lens: tuple[int, ...] = (),
     catch_up_lens: tuple[int, ...] = (),
 ) -> dict[int, tuple[int, ...]]:
-    """Batch sizes to capture per query length: middle verify lengths only up to MID_QUERY_MAX_BATCH (each
-    graph keeps [bs * q, vocab] float32 logits), prefill and catch-up lengths up to their own caps."""
+    """Batch sizes to capture per query length; middle verify, prefill and catch-up lengths up to their caps."""
     edge = (query_lens[0], query_lens[-1])
-    sizes = {
-        q: tuple(b for b in batch_sizes if q in edge or b <= MID_QUERY_MAX_BATCH) or tuple(batch_sizes[:1])
-        for q in query_lens
-    }
-    for q in prefill_lens:
+    caps = [(q, None if q in edge else MID_QUERY_MAX_BATCH) for q in query_lens]
+    caps += [(q, PREFILL_MAX_BATCH) for q in prefill_lens] + [(q, CATCH_UP_MAX_BATCH) for q in catch_up_lens]
+    sizes: dict[int, tuple[int, ...]] = {}
+    for q, cap in caps:
         if q not in sizes:
-            sizes[q] = tuple(b for b in batch_sizes if b <= PREFILL_MAX_BATCH) or tuple(batch_sizes[:1])
-    for q in catch_up_lens:
-        if q not in sizes:
-            sizes[q] = tuple(b for b in batch_sizes if b <= CATCH_UP_MAX_BATCH) or tuple(batch_sizes[:1])
+            sizes[q] = tuple(b for b in batch_sizes if cap is None or b <= cap) or tuple(batch_sizes[:1])
     return sizes
 
 
 def mixed_graph_sizes(
     batch_sizes: tuple[int, ...] | list[int], token_lens: tuple[int, ...], max_model_len: int
 ) -> dict[int, tuple[int, ...]]:
-    """Batch sizes of the mixed graphs per token count: powers of two among `batch_sizes` and the largest,
-    each below the token count and able to hold it in sequences of at most max_model_len."""
+    """Mixed graphs' batch sizes per token count t: powers of two (and the largest) below t that fit t tokens."""
     if not batch_sizes:
         return {}
     ladder = sorted({b for b in batch_sizes if b & (b - 1) == 0} | {max(batch_sizes)})
-    sizes = {}
-    for t in sorted(set(token_lens)):
-        fit = tuple(b for b in ladder if b < t and -(-t // b) <= max_model_len)
-        if fit:
-            sizes[t] = fit
-    return sizes
+    fits = {t: tuple(b for b in ladder if b < t and -(-t // b) <= max_model_len) for t in sorted(set(token_lens))}
+    return {t: fit for t, fit in fits.items() if fit}
 
 
 def catch_up_lens_of(
     query_lens: tuple[int, ...], prefill_lens: tuple[int, ...], catch_up_lens: tuple[int, ...]
 ) -> tuple[int, ...]:
-    """The catch-up lengths that get graphs of their own (scoring one row per sequence): those that are
-    not already verify or prefill lengths (whose graphs score every row)."""
+    """The catch-up lengths that are not already verify or prefill lengths (whose graphs score every row)."""
     return tuple(sorted(set(catch_up_lens) - set(query_lens) - set(prefill_lens)))
 
 
@@ -100,8 +86,7 @@ def graph_output_bytes(
     mixed_token_lens: tuple[int, ...] = (),
     max_model_len: int | None = None,
 ) -> int:
-    """Memory the captured graphs keep for good (static logits [bs * q, vocab] float32, hidden states), +10%:
-    the KV pool is sized with it held back."""
+    """Memory the captured graphs keep (static logits and hidden states) +10%, held back from the KV pool."""
     query_lens = tuple(sorted(set(query_lens)))
     catch_up = catch_up_lens_of(query_lens, prefill_lens, catch_up_lens)
     sizes = sizes_by_query_len(sorted(graph_batch_sizes(max_num_seqs)), query_lens, prefill_lens, catch_up)
@@ -117,8 +102,8 @@ def graph_output_bytes(
 
 @contextlib.contextmanager
 def gc_paused_for_capture() -> Iterator[None]:
-    """Collect garbage once, then keep Python's cycle collector off while graphs are captured: a collection
-    mid-capture could free a dead engine's CUDA events and invalidate the capture."""
+    """Collect once, then keep the cycle collector off: a collection mid-capture could free a dead engine's
+    CUDA events and invalidate the capture."""
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
@@ -130,46 +115,30 @@ def gc_paused_for_capture() -> Iterator[None]:
 
 
 class CudaGraphRunner:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        kv_caches,
-        fmt,
-        backend,
-        device: torch.device,
-        max_model_len: int,
-        block_size: int,
-        batch_sizes: tuple[int, ...],
-        query_lens: tuple[int, ...] = (1,),
-        prefill_query_lens: tuple[int, ...] = (),
-        catch_up_query_lens: tuple[int, ...] = (),
-        mixed_token_lens: tuple[int, ...] = (),
-    ) -> None:
-        self.model, self.kv_caches, self.fmt, self.backend = model, kv_caches, fmt, backend
-        self.device = device
-        self.max_model_len = max_model_len
-        self.batch_sizes = sorted(batch_sizes)
+    def __init__(self, runner: ModelRunner, max_model_len: int, batch_sizes: tuple[int, ...], *lens: tuple[int, ...]):
+        """lens: the verify (decode 1 and k + 1), prefill, catch-up and mixed-token lengths; verify (1,) if absent."""
+        query_lens, prefill_query_lens, catch_up_query_lens, mixed_token_lens = lens + ((1,), (), (), ())[len(lens) :]
+        self.model, self.kv_caches, self.fmt, self.backend = runner.model, runner.kv_caches, runner.fmt, runner.backend
+        self.device, self.max_model_len, self.batch_sizes = runner.device, max_model_len, sorted(batch_sizes)
         self.verify_query_lens = tuple(sorted(set(query_lens)))  # decode (1) and verify (k + 1) lengths
         self.prefill_query_lens = tuple(q for q in prefill_query_lens if q <= max_model_len)
         catch_up = tuple(q for q in catch_up_query_lens if q <= max_model_len)
-        # their graphs score one row per sequence at most
         self.catch_up_query_lens = catch_up_lens_of(self.verify_query_lens, self.prefill_query_lens, catch_up)
         self.sizes_by_q = sizes_by_query_len(
             self.batch_sizes, self.verify_query_lens, self.prefill_query_lens, self.catch_up_query_lens
         )
         self.query_lens = tuple(sorted(self.sizes_by_q))
-        # token count -> batch sizes of the mixed graphs; their keys are (bs, tokens, tokens)
         self.mixed_sizes = mixed_graph_sizes(self.batch_sizes, mixed_token_lens, max_model_len)
         self.mixed_token_lens = tuple(sorted(self.mixed_sizes))
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = -(-max_model_len // runner.block_size)
         max_bs = self.batch_sizes[-1]
         t = max([bs * q for q, sizes in self.sizes_by_q.items() for bs in sizes] + list(self.mixed_sizes))
         r = max((self.sizes_by_q[q][-1] for q in self.catch_up_query_lens), default=0)
         # All int inputs travel in one pinned host buffer and one copy per step (views below).
         self._i64_host = torch.zeros(3 * t + r, dtype=torch.int64, pin_memory=True)
         self._i32_host = torch.zeros(max_bs + 1 + max_bs + max_bs * self.max_blocks, dtype=torch.int32, pin_memory=True)
-        self._i64 = torch.zeros_like(self._i64_host, device=device)
-        self._i32 = torch.zeros_like(self._i32_host, device=device)
+        self._i64 = torch.zeros_like(self._i64_host, device=self.device)
+        self._i32 = torch.zeros_like(self._i32_host, device=self.device)
         # score_rows: the flat token index each catch-up graph's LM head scores, one per sequence
         self.input_ids, self.positions, self.slot_mapping, self.score_rows = self._i64.split([t, t, t, r])
         self.cu_query_lens, self.seq_lens, flat_tables = self._i32.split([max_bs + 1, max_bs, max_bs * self.max_blocks])
@@ -178,14 +147,13 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, ...], torch.Tensor] = {}
         self.hidden_outputs: dict[tuple[int, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        self.aux_hidden_layers = tuple(getattr(model, "aux_hidden_layers", ()))  # what the graphs return
+        self.aux_hidden_layers = tuple(getattr(runner.model, "aux_hidden_layers", ()))  # what the graphs return
         self._pool = None
         self._copied = torch.cuda.Event()
         self._copied_recorded = False
 
     @staticmethod
     def num_tokens_of(key: tuple[int, ...]) -> int:
-        """The token rows a graph runs: bs * q for a uniform graph, its token count for a mixed one."""
         return key[2] if len(key) > 2 else key[0] * key[1]
 
     @staticmethod
@@ -214,9 +182,7 @@ class CudaGraphRunner:
         hidden, aux = out if isinstance(out, tuple) else (out, [])
         if self.is_mixed(key):  # the LM head runs after the replay, on the rows the step scores
             return None, hidden, aux
-        # Every token of a decode/verify step is scored, so the LM head runs inside the graph too; a
-        # catch-up scores each sequence's last fed token only (the rows in score_rows).
-        # hidden/aux stay static outputs too: EAGLE heads read them after the replay.
+        # The LM head runs inside the graph (catch-ups: on score_rows); EAGLE heads read hidden/aux after it.
         scored = hidden.index_select(0, self.score_rows[:bs]) if self.scores_rows(q) else hidden
         return self.model.compute_logits(scored), hidden, aux
 
@@ -225,36 +191,34 @@ class CudaGraphRunner:
         return q in self.catch_up_query_lens
 
     def _fits(self, batch: HostBatch, q: int) -> bool:
-        """A catch-up graph scores one row per sequence at most; the others score every token."""
         return not self.scores_rows(q) or len(batch.logits_indices) <= batch.num_seqs
 
     @torch.inference_mode()
     def capture(self) -> None:
-        with gc_paused_for_capture():
-            self._capture_all()
-
-    def _capture_all(self) -> None:
         # largest first within each kind: later graphs reuse its pool
         keys = [(bs, q) for q in self.query_lens for bs in reversed(self.sizes_by_q[q])]
         keys += [(bs, t, t) for t in sorted(self.mixed_sizes, reverse=True) for bs in reversed(self.mixed_sizes[t])]
-        for key in keys:
-            self._fill_dummy(key)
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-                self._forward(key)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out, hidden, aux = self._forward(key)
-            self._pool = graph.pool()
-            self.graphs[key] = graph
-            if out is not None:
-                self.outputs[key] = out
-            self.hidden_outputs[key] = (hidden, aux)
+        with gc_paused_for_capture():
+            for key in keys:
+                self._capture(key)
         torch.cuda.synchronize(self.device)
 
+    def _capture(self, key: tuple[int, ...]) -> None:
+        self._fill_dummy(key)
+        for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
+            self._forward(key)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out, hidden, aux = self._forward(key)
+        self._pool = graph.pool()
+        self.graphs[key] = graph
+        if out is not None:
+            self.outputs[key] = out
+        self.hidden_outputs[key] = (hidden, aux)
+
     def _fill_dummy(self, key: tuple[int, ...]) -> None:
-        """The batch a capture runs: bs sequences sharing the key's tokens evenly (q each for a uniform
-        graph) over block 0, storing no K/V. Only the launches matter: replays read the real inputs."""
+        """bs sequences sharing the key's tokens evenly over block 0, storing no K/V (replays read real inputs)."""
         bs, n = key[0], self.num_tokens_of(key)
         self.input_ids.zero_()
         self.score_rows.zero_()
@@ -266,34 +230,33 @@ class CudaGraphRunner:
         self.seq_lens[:bs] = lens
         self.block_tables.zero_()
 
-    def graph_key(self, batch: HostBatch) -> tuple[int, int] | None:
-        q = batch.uniform_query_len()
-        if q not in self.query_lens or batch.block_tables.shape[1] > self.max_blocks or not self._fits(batch, q):
+    def graph_key(self, batch: HostBatch, q: int | None = None) -> tuple[int, int] | None:
+        """The uniform graph (bs, q) for the batch: q its shared query length, or the one it is padded to."""
+        q = batch.uniform_query_len() if q is None else q
+        if q is None or q not in self.query_lens:
             return None
         sizes = self.sizes_by_q.get(q, ())
         if not sizes or batch.num_seqs > sizes[-1]:
             return None
+        if batch.block_tables.shape[1] > self.max_blocks or not self._fits(batch, q):
+            return None
         return (sizes[bisect.bisect_left(sizes, batch.num_seqs)], q)
 
     def graph_for(self, batch: HostBatch) -> tuple[HostBatch, tuple[int, ...]] | None:
-        """(the batch to run, its graph): the batch as it is, padded to a captured query length, or in the
-        smallest mixed graph, whichever runs fewer token rows; None = run eagerly."""
+        """(batch to run, graph key): as is, padded to a captured q, or a mixed graph (fewest rows); None: eager."""
         key = self.graph_key(batch)
         if key is not None:
             return batch, key
         if not batch.query_lens or batch.block_tables.shape[1] > self.max_blocks:
             return None
         mixed = self.mixed_key(batch)
-        longest = max(batch.query_lens)
-        for q in sorted(self.query_lens):
-            sizes = self.sizes_by_q.get(q, ())
-            if q >= longest and sizes and batch.num_seqs <= sizes[-1] and self._fits(batch, q):
-                key = (sizes[bisect.bisect_left(sizes, batch.num_seqs)], q)
-                if mixed is not None and self.num_tokens_of(mixed) < self.num_tokens_of(key):
-                    break
-                padded = pad_to_query_len(batch, q, self.max_model_len)
-                if padded is not None:
-                    return padded, key
+        for q in sorted(q for q in self.query_lens if q >= max(batch.query_lens)):
+            key = self.graph_key(batch, q)
+            if key is not None:
+                if mixed is None or self.num_tokens_of(mixed) >= self.num_tokens_of(key):
+                    padded = pad_to_query_len(batch, q, self.max_model_len)
+                    if padded is not None:
+                        return padded, key
                 break
         return None if mixed is None else (batch, mixed)
 
@@ -308,16 +271,14 @@ class CudaGraphRunner:
         return None
 
     def hidden(self, key: tuple[int, ...], n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The last replay's final hidden states [n, hidden] and aux layer inputs (each [n, hidden]);
-        valid until the next replay."""
+        """The last replay's hidden states [n, hidden] and aux layer inputs (each [n, hidden])."""
         hidden, aux = self.hidden_outputs[key]
         return hidden[:n], [a[:n] for a in aux]
 
     def run(
         self, batch: HostBatch, key: tuple[int, ...], fill: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """Replay the graph for `key`: logits [num_tokens, vocab] (catch-up graphs: of the scored rows), or for a
-        mixed graph hidden [num_tokens, hidden]. fill: (flat indices, input ids) on the device, placeholders' tokens."""
+        """Replay `key`: logits [rows, vocab], hidden [num_tokens, hidden] if mixed; fill: placeholders' (index, id)."""
         bs, q, padded = key[0], key[1], self.num_tokens_of(key)
         if self._copied_recorded:  # the previous step's copies have left the pinned buffers
             self._copied.synchronize()

@@ -18,18 +18,16 @@ CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB when nothing is said, on the CPU
 def kv_budget_bytes(
     spec: KVCacheSpec,
     device: torch.device,
-    gpu_memory_utilization: float,
-    kv_cache_memory_bytes: int | None,
+    cache: CacheConfig,
     profile: Callable[[], None],
-    max_useful_tokens: int,
-    reserve_bytes: int = 0,
+    useful_tokens: int,
+    reserve: int,
 ) -> int:
-    """Bytes for the KV pool. `profile` runs the largest batch once (CUDA); `reserve_bytes` is allocated
-    after the pool (CUDA graph outputs)."""
-    if kv_cache_memory_bytes is not None:
-        return kv_cache_memory_bytes
+    """Bytes for the KV pool; `profile` runs the largest batch once (CUDA), `reserve` is kept for graphs."""
+    if cache.kv_cache_memory_bytes is not None:
+        return cache.kv_cache_memory_bytes
     if device.type != "cuda":
-        useful = -(-max_useful_tokens // spec.block_size) * spec.bytes_per_block
+        useful = -(-useful_tokens // spec.block_size) * spec.bytes_per_block
         return min(CPU_DEFAULT_KV_BYTES, max(useful, spec.bytes_per_block))
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -40,12 +38,12 @@ def kv_budget_bytes(
     free, total = torch.cuda.mem_get_info(device)
     # Memory used outside torch's allocator (CUDA context, other processes) counts against us too.
     non_torch = total - free - torch.cuda.memory_reserved(device)
-    budget = int(total * gpu_memory_utilization) - peak - max(0, non_torch) - reserve_bytes
+    budget = int(total * cache.gpu_memory_utilization) - peak - max(0, non_torch) - reserve
     if budget < spec.bytes_per_block:
         raise ValueError(
             f"no memory left for the KV cache at gpu_memory_utilization="
-            f"{gpu_memory_utilization} (weights+activations peak {peak / 2**30:.1f} GiB, CUDA "
-            f"graphs {reserve_bytes / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); raise it, lower "
+            f"{cache.gpu_memory_utilization} (weights+activations peak {peak / 2**30:.1f} GiB, CUDA "
+            f"graphs {reserve / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); raise it, lower "
             f"max_num_batched_tokens or max_num_seqs, or set enforce_eager."
         )
     return budget

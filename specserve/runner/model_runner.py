@@ -18,11 +18,7 @@ from specserve.runner.batch import (
     pending_fill,
     putter,
 )
-from specserve.runner.prompt_logprobs import (
-    PromptLogprobEntry,
-    PromptLogprobRows,
-    compute_prompt_logprobs,
-)
+from specserve.runner.prompt_logprobs import PromptLogprobEntry, PromptLogprobRows, compute_prompt_logprobs
 from specserve.scheduler.scheduler import SchedulerOutput
 
 
@@ -39,9 +35,9 @@ class StepOutput:
     prompt_logprobs: list[list[PromptLogprobEntry]] | None = None
 
 
-def select_backend(device: torch.device, name: str | None = None):
-    """torch reference on CPU; Triton on CUDA when importable (imported only then)."""
-    if name == "torch_ref" or device.type != "cuda":
+def select_backend(device: torch.device):
+    """torch reference on CPU; Triton on CUDA (imported only then)."""
+    if device.type != "cuda":
         from specserve.attention.torch_ref import TorchRefBackend
 
         return TorchRefBackend()
@@ -70,40 +66,15 @@ class ModelRunner:
         self.staging = Staging(device) if device.type == "cuda" else None
         self.graphs = None  # CudaGraphRunner once capture_graphs() ran
 
-    def capture_graphs(
-        self,
-        max_num_seqs: int,
-        max_model_len: int,
-        query_lens: tuple[int, ...] = (1,),
-        prefill_query_lens: tuple[int, ...] = (),
-        catch_up_query_lens: tuple[int, ...] = (),
-        mixed_token_lens: tuple[int, ...] = (),
-    ) -> None:
-        """Capture decode / verify, short-prefill, catch-up and mixed CUDA graphs (runner/cuda_graph.py) for
-        batch sizes up to max_num_seqs, then warm the small eager forwards (runner/warmup.py)."""
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, *query_lens: tuple[int, ...]) -> None:
+        """Capture CUDA graphs (lengths: see CudaGraphRunner), then warm the small eager forwards."""
         from specserve.runner.cuda_graph import CudaGraphRunner, graph_batch_sizes
-
-        sizes = graph_batch_sizes(max_num_seqs)
-        runner = CudaGraphRunner(
-            self.model,
-            self.kv_caches,
-            self.fmt,
-            self.backend,
-            self.device,
-            max_model_len,
-            self.block_size,
-            sizes,
-            query_lens,
-            prefill_query_lens,
-            catch_up_query_lens,
-            mixed_token_lens,
-        )
-        runner.capture()
-        self.graphs = runner
-        # The small eager forwards graphs do not cover compile their kernels now, not mid-serving.
         from specserve.runner.warmup import warm_start_up
 
-        warm_start_up(self)
+        graphs = CudaGraphRunner(self, max_model_len, graph_batch_sizes(max_num_seqs), *query_lens)
+        graphs.capture()
+        self.graphs = graphs
+        warm_start_up(self)  # the small eager forwards graphs do not cover compile now, not mid-serving
 
     @torch.inference_mode()
     def execute(
@@ -114,15 +85,13 @@ class ModelRunner:
         prompt_plan: list[PromptLogprobRows] | None = None,
         pending: PendingTokens | None = None,
     ) -> StepOutput:
-        """prompt_plan: rows whose prompt logprobs to compute (they need every token's hidden state, so such a step
-        runs eagerly, never through a CUDA graph)."""
+        """prompt_plan: rows to score prompt logprobs of (every token's hidden state: the step runs eagerly)."""
         host = build_host_batch(sched, block_ids_of, self.block_size)
         return self._execute(sched, host, need_hidden, prompt_plan, pending)
 
     @torch.inference_mode()
     def forward_scored(self, host: HostBatch, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Every token scored, input ids already on the device (a draft model's chained steps): logits
-        [host.num_tokens, vocab], a graph's output when one fits (valid until the next forward)."""
+        """Logits [host.num_tokens, vocab] of input ids already on the device (a draft model's chained steps)."""
         key = self.graphs.graph_key(host) if self.graphs is not None else None
         if key is not None and not self.graphs.scores_rows(key[1]):
             return self.graphs.run(host, key, (rows, input_ids))
@@ -137,8 +106,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[0] if isinstance(hidden, tuple) else hidden)
 
     def _staged(self) -> None:
-        """Every input of the step is queued for copying: mark it BEFORE the forward is queued, so
-        the next step waits only for these copies, never for this forward."""
+        """Mark the copies queued BEFORE the forward, so the next step waits only for them."""
         if self.staging is not None:
             self.staging.end()
 
@@ -151,17 +119,12 @@ class ModelRunner:
         fill = pending_fill(host, [s.request.request_id for s in sched.scheduled], pending)
         if fill is None:
             return None
-        dst, rows = fill
-        if self.staging is not None:
-            dst_t, rows_t = self.staging.put("fill_dst", dst), self.staging.put("fill_rows", rows)
-        else:
-            dst_t, rows_t = torch.from_numpy(dst), torch.from_numpy(rows)
-        return dst_t, pending.tokens.index_select(0, rows_t)
+        put = putter(self.device, self.staging)
+        return put("fill_dst", fill[0]), pending.tokens.index_select(0, put("fill_rows", fill[1]))
 
     @torch.inference_mode()
     def execute_host(self, host: HostBatch, need_hidden: bool = False) -> StepOutput:
-        """A step from its flat batch (tensor-parallel ranks get no SchedulerOutput; every rank finds the same
-        graph, a function of `host` and the captured sizes)."""
+        """A step from its flat batch (tensor-parallel ranks); the graph chosen is a function of `host` alone."""
         return self._execute(None, host, need_hidden, None, None)
 
     def _execute(
@@ -174,50 +137,34 @@ class ModelRunner:
     ) -> StepOutput:
         if self.staging is not None:
             self.staging.begin()
+        g = self.graphs
         # Graphs return hidden states too, but only those of the aux layers they were captured with.
-        usable = (
-            self.graphs is not None
-            and not prompt_plan
-            and (not need_hidden or self.graphs.aux_hidden_layers == tuple(self.model.aux_hidden_layers))
-        )
-        found = self.graphs.graph_for(host) if usable else None
-        key = None
-        if found is not None:
-            # Maybe padded per sequence; StepOutput.host describes this layout (EAGLE maps rows by it).
-            host, key = found
+        aux_ok = not need_hidden or (g is not None and g.aux_hidden_layers == tuple(self.model.aux_hidden_layers))
+        # Maybe padded per sequence; StepOutput.host describes this layout (EAGLE maps rows by it).
+        host, key = (g.graph_for(host) if g is not None and not prompt_plan and aux_ok else None) or (host, None)
         fill = self._fill(host, sched, pending)
-        aux = None
-        if key is not None and self.graphs.is_mixed(key):
-            # A ragged step: the graph ends at the hidden states; the LM head scores the step's rows.
-            batch = host.to_device(self.device, self.staging, only_logits=True)
-            self._staged()
-            hidden = self.graphs.run(host, key, fill)  # [num_tokens, hidden]
-            if need_hidden:
-                _, aux = self.graphs.hidden(key, host.num_tokens)
-        elif key is not None:
-            # The graph has its own static input buffers and scores every token (a catch-up graph:
-            # the batch's logits rows, in order).
-            batch = BatchInputs(None, None, None, None, host.logit_rows)
-            if len(host.logits_indices) != host.num_tokens and not self.graphs.scores_rows(key[1]):
-                batch = host.to_device(self.device, self.staging, only_logits=True)
-            self._staged()
-            logits = self.graphs.run(host, key, fill)
-            if batch.logits_indices is not None:
-                logits = logits.index_select(0, batch.logits_indices)
-            out = StepOutput(logits, None, batch, host=host)
-            if need_hidden:
-                out.all_hidden, out.aux_hidden = self.graphs.hidden(key, host.num_tokens)
-            return out
-        else:
+        # A uniform graph scores every token itself (a catch-up graph: the batch's logits rows, in order); a
+        # mixed one ends at the hidden states and the LM head scores the step's rows after it.
+        scored = key is not None and not g.is_mixed(key)
+        if key is None:
             batch = host.to_device(self.device, self.staging)
-            self._staged()
+        elif scored and (len(host.logits_indices) == host.num_tokens or g.scores_rows(key[1])):
+            batch = BatchInputs(None, None, None, None, host.logit_rows)
+        else:
+            batch = host.to_device(self.device, self.staging, only_logits=True)
+        self._staged()
+        if key is not None:
+            hidden = g.run(host, key, fill)  # logits [rows, vocab], or hidden [num_tokens, hidden] if mixed
+            all_hidden, aux = g.hidden(key, host.num_tokens) if need_hidden else (None, None)
+            if scored:
+                logits = hidden if batch.logits_indices is None else hidden.index_select(0, batch.logits_indices)
+                return StepOutput(logits, None, batch, all_hidden, aux, host=host)
+        else:
             if fill is not None:
                 batch.input_ids.index_copy_(0, fill[0], fill[1])
-            ctx = ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)
-            with forward_context(ctx):
+            with forward_context(ForwardContext(batch.meta, self.kv_caches, self.fmt, self.backend)):
                 hidden = self.model(batch.input_ids, batch.positions)
-            if isinstance(hidden, tuple):
-                hidden, aux = hidden
+            hidden, aux = hidden if isinstance(hidden, tuple) else (hidden, None)
         rows = hidden.index_select(0, batch.logits_indices)
         out = StepOutput(self.model.compute_logits(rows), rows, batch, host=host)
         if need_hidden:

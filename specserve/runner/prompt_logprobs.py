@@ -38,11 +38,8 @@ def plan_prompt_logprobs(sched) -> list[PromptLogprobRows]:
             # Positions lo .. hi-1 of this chunk score tokens lo+1 .. hi (entries lo+1 .. hi).
             lo, hi = max(c, len(done) - 1), min(c + n, req.num_prompt_tokens - 1)
             if hi > lo:
-                plan.append(
-                    PromptLogprobRows(
-                        i, start + lo - c, req.prompt_token_ids[lo + 1 : hi + 1], req.params.prompt_logprobs
-                    )
-                )
+                targets = req.prompt_token_ids[lo + 1 : hi + 1]
+                plan.append(PromptLogprobRows(i, start + lo - c, targets, req.params.prompt_logprobs))
         start += n
     return plan
 
@@ -69,15 +66,11 @@ def _entries(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> list[
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]
     target_lp = logprobs.gather(1, targets[:, None])  # [rows, 1]
     ranks = (logprobs >= target_lp).sum(dim=-1)  # vLLM's rank: tokens at least as likely
-    top_ids = top_lp = None
-    if num_top > 0:
-        top_lp, top_ids = logprobs.topk(num_top, dim=-1)
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    top_lp, top_ids = (t.tolist() for t in logprobs.topk(num_top, dim=-1))  # [rows, num_top] each
     out = []
     for row, (tid, lp, rank) in enumerate(zip(targets.tolist(), target_lp[:, 0].tolist(), ranks.tolist())):
         entry = {tid: (lp, rank)}
-        if num_top > 0:
-            for j, (t, v) in enumerate(zip(top_ids[row], top_lp[row])):
-                entry.setdefault(t, (v, j + 1))
+        for j, (t, v) in enumerate(zip(top_ids[row], top_lp[row]), 1):
+            entry.setdefault(t, (v, j))
         out.append(entry)
     return out

@@ -4,8 +4,9 @@ own `execute` (CUDA graphs and padding included): the adaptive speculation contr
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -17,12 +18,12 @@ from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 CPU_BATCH_SIZES = (1, 4, 16)  # few: CPU tests build engines often; the table extrapolates beyond
+REPEATS = 3
 CONTEXT_TOKENS = 256  # tokens each measured request has in the KV before its step (attention reads them)
 
 
 class CostTable:
-    """Seconds of a target step of `batch_size` requests of `query_len` tokens each, from a measured grid
-    {(batch_size, query_len): seconds}."""
+    """Seconds of a step of `batch_size` requests of `query_len` tokens, from a grid {(bs, q): seconds}."""
 
     def __init__(self, grid: Mapping[tuple[int, int], float]) -> None:
         if not grid:
@@ -35,14 +36,9 @@ class CostTable:
                 )
             rows.setdefault(b, []).append((q, float(seconds)))
         self._rows: dict[int, tuple[list[int], list[float]]] = {}
-        for b, points in rows.items():
+        for b, points in rows.items():  # each length's cost raised to the lengths' below it
             points.sort()
-            qs, costs, top = [], [], 0.0
-            for q, seconds in points:
-                top = max(top, seconds)
-                qs.append(q)
-                costs.append(top)
-            self._rows[b] = (qs, costs)
+            self._rows[b] = ([q for q, _ in points], list(itertools.accumulate((c for _, c in points), max)))
         self.batch_sizes: tuple[int, ...] = tuple(sorted(self._rows))
 
     @property
@@ -51,40 +47,31 @@ class CostTable:
         return {(b, q): s for b, (qs, costs) in self._rows.items() for q, s in zip(qs, costs)}
 
     def seconds(self, batch_size: int, query_len: int) -> float:
-        sizes = self.batch_sizes
-        if batch_size <= sizes[0]:
-            return self._at(sizes[0], query_len)
-        i = bisect.bisect_left(sizes, batch_size)
-        if i < len(sizes) and sizes[i] == batch_size:
-            return self._at(batch_size, query_len)
-        if len(sizes) == 1:  # one size measured: a larger batch costs in proportion to its tokens
-            return self._at(sizes[0], query_len) * batch_size / sizes[0]
-        lo, hi = (sizes[i - 1], sizes[i]) if i < len(sizes) else (sizes[-2], sizes[-1])
-        return _line(lo, self._at(lo, query_len), hi, self._at(hi, query_len), batch_size)
+        return _interpolate(self.batch_sizes, lambda b: self._at(b, query_len), batch_size)
 
     def _at(self, batch_size: int, query_len: int) -> float:
         """The measured batch size's cost at query_len."""
         qs, costs = self._rows[batch_size]
-        if query_len <= qs[0]:
-            return costs[0]
-        i = bisect.bisect_left(qs, query_len)
-        if i < len(qs) and qs[i] == query_len:
-            return costs[i]
-        if len(qs) == 1:  # one length measured: longer ones cost in proportion to their tokens
-            return costs[0] * query_len / qs[0]
-        j = min(i, len(qs) - 1)
-        return _line(qs[j - 1], costs[j - 1], qs[j], costs[j], query_len)
+        return _interpolate(qs, lambda q: costs[qs.index(q)], query_len)
 
 
-def _line(x0: int, y0: float, x1: int, y1: float, x: int) -> float:
-    """y at x on the line through (x0, y0) and (x1, y1), x0 < x1; past x1 the line never decreases."""
-    slope = (y1 - y0) / (x1 - x0)
-    return y0 + slope * (x - x0) if x <= x1 else y1 + max(slope, 0.0) * (x - x1)
+def _interpolate(xs: Sequence[int], y: Callable[[int], float], x: int) -> float:
+    """y at x from the measured points xs (sorted): the first point's below them, in proportion to x with one
+    point, else on the line through the neighbouring points (past the last, never decreasing)."""
+    if x <= xs[0]:
+        return y(xs[0])
+    if len(xs) == 1:
+        return y(xs[0]) * x / xs[0]
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return y(x)
+    lo, hi = xs[min(i, len(xs) - 1) - 1], xs[min(i, len(xs) - 1)]
+    slope = (y(hi) - y(lo)) / (hi - lo)
+    return y(lo) + slope * (x - lo) if x <= hi else y(hi) + max(slope, 0.0) * (x - hi)
 
 
 def step_cost_batch_sizes(runner: ModelRunner, max_num_seqs: int) -> tuple[int, ...]:
-    """The batch sizes to measure: the captured (or would-be captured) graph sizes on CUDA, CPU_BATCH_SIZES on
-    the CPU; up to max_num_seqs."""
+    """The batch sizes to measure: the graph sizes on CUDA, CPU_BATCH_SIZES on the CPU; up to max_num_seqs."""
     if runner.graphs is not None:
         sizes: tuple[int, ...] = tuple(runner.graphs.batch_sizes)
     elif runner.device.type == "cuda":
@@ -96,36 +83,27 @@ def step_cost_batch_sizes(runner: ModelRunner, max_num_seqs: int) -> tuple[int, 
 
 @torch.inference_mode()
 def measure_step_costs(
-    runner: ModelRunner,
-    batch_sizes: tuple[int, ...] | list[int],
-    max_query_len: int,
-    kv: KVCacheManager | None = None,
-    context: int = CONTEXT_TOKENS,
-    repeats: int | None = None,
+    runner: ModelRunner, batch_sizes: tuple[int, ...] | list[int], max_query_len: int, kv: KVCacheManager | None = None
 ) -> CostTable:
-    """Time one target step per (batch size, query length 1..max_query_len): one warm-up step, then the
-    fastest of `repeats` timed steps (3), each synchronized. The minimum, since noise (another process,
-    a page fault) only ever adds time, and one slow sample would price a verify length out for good."""
+    """Time a step per (batch size, query length 1..max_query_len): after a warm-up, the fastest of REPEATS
+    (noise only ever adds time; one slow sample would price a verify length out for good)."""
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len!r}")
-    cuda = runner.device.type == "cuda"
-    repeats = repeats if repeats is not None else 3
-    block_size = runner.block_size
     free = kv.num_free_blocks() if kv is not None else runner.num_blocks
     grid: dict[tuple[int, int], float] = {}
-    for b in sorted(set(batch_sizes)):
-        per_request = free // b if b > 0 else 0
-        room = min(per_request * block_size, runner.loaded.max_model_len) - max_query_len
+    for b in sorted(b for b in set(batch_sizes) if b > 0):
+        room = min(free // b * runner.block_size, runner.loaded.max_model_len) - max_query_len
         if room < 0:
             continue
-        num_blocks = -(-(min(context, room) + max_query_len) // block_size)
+        context = min(CONTEXT_TOKENS, room)
+        num_blocks = -(-(context + max_query_len) // runner.block_size)
         ids = kv.pool.allocate(b * num_blocks) if kv is not None else list(range(b * num_blocks))
         if ids is None:
             continue
         try:
             tables = [ids[i * num_blocks : (i + 1) * num_blocks] for i in range(b)]
             for q in range(1, max_query_len + 1):
-                grid[(b, q)] = _time_step(runner, tables, min(context, room), q, repeats, cuda)
+                grid[(b, q)] = _time_step(runner, tables, context, q)
         finally:
             if kv is not None:
                 kv.pool.free(list(reversed(ids)))
@@ -134,30 +112,21 @@ def measure_step_costs(
     return CostTable(grid)
 
 
-def _time_step(runner: ModelRunner, tables: list[list[int]], context: int, q: int, repeats: int, cuda: bool) -> float:
+def _time_step(runner: ModelRunner, tables: list[list[int]], context: int, q: int) -> float:
     """Seconds of one step of len(tables) requests, each verifying q - 1 drafts after `context` tokens."""
-    params = SamplingParams(max_tokens=1)
     scheduled = []
     for i in range(len(tables)):
-        req = Request(f"step-cost-{i}", [0] * (context + 1), params, 1)
-        req.num_computed_tokens = context
-        req.spec_token_ids = [0] * (q - 1)
+        req = Request(f"step-cost-{i}", [0] * (context + 1), SamplingParams(max_tokens=1), 1)
+        req.num_computed_tokens, req.spec_token_ids = context, [0] * (q - 1)
         scheduled.append(ScheduledRequest(req, q, q - 1))
     sched = SchedulerOutput(scheduled, len(tables) * q, len(tables) * (q - 1))
     block_ids = {s.request.request_id: table for s, table in zip(scheduled, tables)}
-
-    def step() -> None:
-        out = runner.execute(sched, block_ids.__getitem__)
-        out.logits.argmax(dim=-1).cpu()  # the greedy pick and its read-back end every step
-
-    step()  # warm-up: compiles, allocator growth
-    best = float("inf")
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize(runner.device)
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else lambda device: None
+    times = []
+    for _ in range(1 + REPEATS):  # the first is a warm-up: compiles, allocator growth
+        sync(runner.device)
         start = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize(runner.device)
-        best = min(best, time.perf_counter() - start)
-    return best
+        runner.execute(sched, block_ids.__getitem__).logits.argmax(dim=-1).cpu()  # the greedy pick and read-back
+        sync(runner.device)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])

@@ -3,6 +3,9 @@ row count), so a draft catch-up or a short prompt remainder never stalls on a fi
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from specserve.attention.launch_sizes import MIN_KEYS_PER_SPLIT, SMALL_QUERY_MAX
@@ -14,8 +17,7 @@ from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
 def dummy_forward(runner: ModelRunner, num_tokens: int, num_blocks: int, context: int = 0) -> None:
-    """One forward of num_tokens placeholder tokens after `context` (whatever the KV holds there) over blocks
-    0..num_blocks-1, through ModelRunner.execute: under tensor parallelism every rank runs it in the same order."""
+    """One forward of num_tokens placeholder tokens after `context`, through ModelRunner.execute (TP: every rank)."""
     kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=False)
     req = Request(f"dummy-{context}-{num_tokens}", [0] * (context + num_tokens), SamplingParams(max_tokens=1), 1)
     kv.allocate_slots(req, context + num_tokens)
@@ -39,14 +41,20 @@ def warm_small_forwards(runner: ModelRunner, max_rows: int, context: int = 0) ->
     # A few blocks are enough; a manager over the whole pool would build its free list of every
     # block (0.2 s for 266k blocks) for each row count.
     num_blocks = min(runner.num_blocks, -(-(context + max_rows) // runner.block_size) + 1)
-    graphs, runner.graphs = runner.graphs, None
-    try:
+    with _eager(runner):
         for t in range(1, max_rows + 1):
             dummy_forward(runner, t, num_blocks, context)
             dummy_logits(runner, t)
+    return list(range(1, max_rows + 1))
+
+
+@contextlib.contextmanager
+def _eager(runner: ModelRunner) -> Iterator[None]:
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        yield
     finally:
         runner.graphs = graphs
-    return list(range(1, max_rows + 1))
 
 
 SPLIT_CONTEXT = 2 * MIN_KEYS_PER_SPLIT  # a context long enough for split-KV attention launches
@@ -57,35 +65,24 @@ PROMPT_ROWS = (64, 200)
 
 @torch.inference_mode()
 def warm_prompt_forwards(runner: ModelRunner, rows: tuple[int, ...] = PROMPT_ROWS) -> list[tuple[int, int]]:
-    """dummy_forward of each prompt-sized row count, fresh and after SPLIT_CONTEXT, eagerly: the attention launches of
-    a prompt or of a long catch-up, with and without split-KV."""
+    """dummy_forward of each prompt-sized row count, fresh and after SPLIT_CONTEXT (split-KV), eagerly."""
     room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size)
-    done = []
-    graphs, runner.graphs = runner.graphs, None
-    try:
-        for context in (0, SPLIT_CONTEXT):
-            for t in rows:
-                if context + t > room:
-                    continue
-                num_blocks = min(runner.num_blocks, -(-(context + t) // runner.block_size) + 1)
-                dummy_forward(runner, t, num_blocks, context)
-                done.append((context, t))
-    finally:
-        runner.graphs = graphs
+    done = [(context, t) for context in (0, SPLIT_CONTEXT) for t in rows if context + t <= room]
+    with _eager(runner):
+        for context, t in done:
+            dummy_forward(runner, t, min(runner.num_blocks, -(-(context + t) // runner.block_size) + 1), context)
     return done
 
 
 def start_up_rows() -> tuple[list[int], list[int]]:
-    """(row counts of the fresh start-up forwards, row counts of those after SPLIT_CONTEXT): every GEMV
-    row count and every decode-sized attention query length."""
+    """(fresh, after-SPLIT_CONTEXT) row counts: every GEMV row count and decode-sized attention query length."""
     from specserve.model.layers.triton_gemv import gemv_max_m  # imports triton: GPU start-up only
 
     return list(range(1, max(gemv_max_m(), SMALL_QUERY_MAX) + 1)), list(range(1, SMALL_QUERY_MAX + 1))
 
 
 def warm_start_up(runner: ModelRunner) -> None:
-    """Every GEMV row count and every decode-sized attention query length, fresh and after SPLIT_CONTEXT, and
-    each prompt-sized row count (warm_prompt_forwards)."""
+    """Warm every start_up_rows() count, fresh and after SPLIT_CONTEXT, and the prompt-sized row counts."""
     fresh, after = start_up_rows()
     warm_small_forwards(runner, len(fresh))
     warm_small_forwards(runner, len(after), context=SPLIT_CONTEXT)
