@@ -76,30 +76,17 @@ class RunConfig:
 
 
 def build_payload(cfg: RunConfig, req: datasets.SampleRequest) -> dict[str, Any]:
-    payload: dict[str, Any] = {
-        "model": cfg.model,
-        "max_tokens": req.expected_output_len,
-        "temperature": cfg.temperature,
-    }
-    if cfg.is_chat:
-        payload["messages"] = [{"role": "user", "content": req.prompt}]
-    else:
-        payload["prompt"] = req.prompt
+    chat = {"messages": [{"role": "user", "content": req.prompt}]}
+    body: dict[str, Any] = chat if cfg.is_chat else {"prompt": req.prompt}
+    body |= {"model": cfg.model, "max_tokens": req.expected_output_len, "temperature": cfg.temperature}
     extra = {"ignore_eos": True} if cfg.ignore_eos else {}  # a vLLM extension: only sent when asked for
-    return {**payload, "stream": True, "stream_options": {"include_usage": True}, **extra}
+    return {**body, "stream": True, "stream_options": {"include_usage": True}, **extra}
 
 
 def _chunk_text(chunk: dict[str, Any]) -> str:
     choice = (chunk.get("choices") or [{}])[0]
     delta = choice.get("delta") or {}  # chat
     return choice.get("text") or (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-
-
-def _read_usage(rec: RequestRecord, usage: dict[str, Any]) -> None:
-    if usage.get("completion_tokens") is not None:
-        rec.output_tokens, rec.output_tokens_from_usage = int(usage["completion_tokens"]), True
-    if usage.get("prompt_tokens") is not None:
-        rec.prompt_tokens = int(usage["prompt_tokens"])
 
 
 async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord, req: datasets.SampleRequest) -> None:
@@ -126,8 +113,11 @@ async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord,
                 rec.itl_s.append(now - last) if parts else setattr(rec, "ttft_s", now - start)
                 last = now
                 parts.append(text)
-            if chunk.get("usage"):
-                _read_usage(rec, chunk["usage"])
+            usage = chunk.get("usage") or {}
+            if usage.get("completion_tokens") is not None:
+                rec.output_tokens, rec.output_tokens_from_usage = int(usage["completion_tokens"]), True
+            if usage.get("prompt_tokens") is not None:
+                rec.prompt_tokens = int(usage["prompt_tokens"])
     rec.e2el_s = time.perf_counter() - start
     if not parts:  # no text at all (e.g. immediate EOS): the first byte of the answer is its end
         rec.ttft_s = rec.e2el_s
