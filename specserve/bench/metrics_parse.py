@@ -8,16 +8,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-PREFIXES = ("specserve:", "vllm:")
-
 Series = list[tuple[dict[str, str], float]]
-
-
-def strip_prefix(name: str) -> str:
-    for prefix in PREFIXES:
-        if name.startswith(prefix):
-            return name[len(prefix) :]
-    return name
 
 
 @dataclass(frozen=True)
@@ -98,6 +89,6 @@ def parse_metrics(text: str, timestamp: float) -> MetricsSnapshot:
         for sample in family.samples:
             if sample.name.endswith("_created"):  # prometheus_client's creation timestamps
                 continue
-            name = strip_prefix(sample.name)
+            name = sample.name.removeprefix("specserve:").removeprefix("vllm:")
             snap.samples.setdefault(name, []).append((dict(sample.labels), float(sample.value)))
     return snap

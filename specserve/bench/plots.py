@@ -102,26 +102,31 @@ def _concurrency_axis(ax: Any, xs: list[float]) -> None:
     ax.grid(True, alpha=0.3)
 
 
-def plot_sweep(runs: list[Run], path: Path, title: str) -> Path:
-    """Throughput and latency percentiles (p50/p90/p99) against concurrency, one point per run."""
+def _plot_over_concurrency(results: list[tuple[str, list[Run]]], path: Path, title: str) -> Path:
+    """Throughput and latency percentiles (p50/p90/p99) against concurrency, one colour per result."""
     plt = _pyplot()
-    s = sweep_series(runs)
-    xs = s["max_concurrency"]
+    series = [(label, sweep_series(runs)) for label, runs in results]
+    panels = [("output tokens/s", ["output_throughput"]), ("requests/s", ["request_throughput"])]
+    panels += [(f"{short} (ms)", [f"{stat}_{m}_ms" for stat, _, _ in LINE_STATS]) for m, _, short in METRICS]
+    xs = sorted({x for _, s in series for x in s["max_concurrency"]})
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    axes[0][0].plot(xs, s["output_throughput"], "o-")
-    axes[0][0].set_ylabel("output tokens/s")
-    axes[0][1].plot(xs, s["request_throughput"], "o-")
-    axes[0][1].set_ylabel("requests/s")
-    for ax, (metric, _, short) in zip([axes[0][2], axes[1][0], axes[1][1], axes[1][2]], METRICS):
-        for stat, label, style in LINE_STATS:
-            ax.plot(xs, s[f"{stat}_{metric}_ms"], "o" + style, label=label)
-        ax.set_ylabel(f"{short} (ms)")
-        ax.legend()
-    for ax in axes.flat:
+    for ax, (ylabel, keys) in zip(axes.flat, panels):
+        for j, (label, s) in enumerate(series):
+            for key, (_, stat, style) in zip(keys, LINE_STATS):
+                name = f"{label} {stat}" if len(keys) > 1 else label
+                ax.plot(s["max_concurrency"], s[key], "o" + style, color=f"C{j}", label=name.strip() or None)
+        if len(keys) > 1 or len(series) > 1:
+            ax.legend(fontsize=8)
         _concurrency_axis(ax, xs)
+        ax.set_ylabel(ylabel)
     fig.suptitle(title)
     fig.tight_layout()
     return _save(plt, fig, path)
+
+
+def plot_sweep(runs: list[Run], path: Path, title: str) -> Path:
+    """Throughput and latency percentiles against concurrency, one point per run."""
+    return _plot_over_concurrency([("", runs)], path, title)
 
 
 def plot_run(run: Run, path: Path, title: str) -> Path:
@@ -152,24 +157,9 @@ def plot_run(run: Run, path: Path, title: str) -> Path:
 def plot_compare(
     current: dict[str, Any], baseline: dict[str, Any], path: Path, labels: tuple[str, str] = ("this run", "baseline")
 ) -> Path:
-    """This result against a saved one: each panel's metric over concurrency, one colour per result."""
-    plt = _pyplot()
-    series = [(label, sweep_series(result["runs"])) for label, result in zip(labels, (current, baseline))]
-    panels = [("output tokens/s", [("", "output_throughput")])]
-    panels += [(f"{short} (ms)", [("p50", f"median_{m}_ms"), ("p99", f"p99_{m}_ms")]) for m, _, short in METRICS]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4.5))
-    for ax, (ylabel, stats) in zip(axes, panels):
-        for j, (label, s) in enumerate(series):
-            for i, (stat, key) in enumerate(stats):
-                style = "o-" if i == 0 else "o:"
-                ax.plot(s["max_concurrency"], s[key], style, color=f"C{j}", label=f"{label} {stat}".strip())
-        _concurrency_axis(ax, sorted({x for _, s in series for x in s["max_concurrency"]}))
-        ax.set_ylabel(ylabel)
-    handles, names = axes[-1].get_legend_handles_labels()  # one legend under the panels: names are long
-    fig.legend(handles, names, loc="lower center", ncol=min(4, len(names)), fontsize=8, frameon=False)
-    fig.suptitle(f"{labels[0]} vs {labels[1]} (unbounded runs at their number of requests)")
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    return _save(plt, fig, path)
+    """This result against a saved one over concurrency (unbounded runs at their number of requests)."""
+    results = [(labels[0], current["runs"]), (labels[1], baseline["runs"])]
+    return _plot_over_concurrency(results, path, f"{labels[0]} vs {labels[1]}")
 
 
 def _save(plt: Any, fig: Any, path: Path) -> Path:

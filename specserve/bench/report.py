@@ -59,11 +59,6 @@ def latency_samples_ms(records: list[RequestRecord]) -> dict[str, list[float]]:
     }
 
 
-def _meets_slos(r: RequestRecord, slos: dict[str, float]) -> bool:
-    got = {"ttft": r.ttft_s * 1e3, "tpot": (r.tpot_s or 0.0) * 1e3, "e2el": r.e2el_s * 1e3}
-    return all(got[k] <= v for k, v in slos.items())
-
-
 def _peak_concurrency(records: list[RequestRecord]) -> int:
     events = sorted(e for r in records if r.e2el_s > 0 for e in ((r.start_s, 1), (r.start_s + r.e2el_s, -1)))
     peak = cur = 0
@@ -81,6 +76,7 @@ def compute_aggregates(
     dur = max(duration_s, 1e-9)
     total_in = sum(r.input_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
+    got = [{"ttft": r.ttft_s * 1e3, "tpot": (r.tpot_s or 0.0) * 1e3, "e2el": r.e2el_s * 1e3} for r in ok]
     agg: dict[str, float | int | None] = {
         "completed": len(ok),
         "failed": len(records) - len(ok),
@@ -90,7 +86,7 @@ def compute_aggregates(
         "request_throughput": len(ok) / dur,
         "output_throughput": total_out / dur,
         "total_token_throughput": (total_in + total_out) / dur,
-        "request_goodput": sum(_meets_slos(r, slos) for r in ok) / dur if slos else None,
+        "request_goodput": sum(all(ms[k] <= v for k, v in slos.items()) for ms in got) / dur if slos else None,
         "max_concurrent_requests": _peak_concurrency(records),
     }
     for key, values in latency_samples_ms(records).items():
