@@ -53,9 +53,9 @@ class MetricsSnapshot:
     def has(self, name: str) -> bool:
         return name in self.samples
 
-    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """Sum of the series of `name` whose labels include `labels` (0 when none)."""
-        return float(sum(v for lab, v in self.samples.get(name, []) if labels is None or labels.items() <= lab.items()))
+    def value(self, name: str) -> float:
+        """Sum of the series of `name` (0 when none)."""
+        return float(sum(v for _, v in self.samples.get(name, [])))
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
         """Values of `name` summed per value of one label, e.g. per draft `position`."""

@@ -17,7 +17,7 @@ import httpx
 from tqdm.asyncio import tqdm
 
 from specserve import envs
-from specserve.bench import datasets, plots, report
+from specserve.bench import datasets, report
 
 add_bench_args = report.add_bench_args
 __all__ = ["RequestRecord", "RunConfig", "add_bench_args", "bench_main", "run_benchmark"]
@@ -257,10 +257,10 @@ def bench_main(args: argparse.Namespace) -> int:
             print(f"Note: {repeated} of these prompts were sent earlier in this run: the prefix cache may be warm.")
         records, duration = asyncio.run(run_benchmark(args.base_url, headers, cfg, requests))
         agg = report.compute_aggregates(records, duration, slos)
-        print(plots.format_table(agg, concurrency))
+        print(report.format_table(agg, concurrency))
         run = {"max_concurrency": concurrency, "repeated_prompts": repeated, "aggregates": agg}
         result["runs"].append({**run, "requests": [r.to_json() for r in records]})
     if len(sweep) > 1:
-        print(plots.format_sweep(result["runs"]))
+        print(report.format_sweep(result["runs"]))
     report.write_outputs(args, result, baseline)
     return 0 if all(r["aggregates"]["failed"] == 0 for r in result["runs"]) else 1

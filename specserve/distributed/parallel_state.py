@@ -107,11 +107,11 @@ def adopt_default_group(device: torch.device, owns_default_group: bool = False) 
     return group
 
 
-def release_tp_group(group: TPGroup, timeout_s: float = 10.0) -> bool:
-    """Drop the groups without waiting on any other rank, within `timeout_s`; True when done. NCCL: abort,
-    never destroy (ncclCommDestroy can hang once graphs captured collectives, pytorch#115388)."""
+def release_tp_group(group: TPGroup, timeout_s: float = 10.0) -> None:
+    """Drop the groups without waiting on any other rank, within `timeout_s`. NCCL: abort, never destroy
+    (ncclCommDestroy can hang once graphs captured collectives, pytorch#115388)."""
     if not group.owns_default_group or not dist.is_initialized():
-        return True
+        return
 
     def release() -> None:
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -126,4 +126,3 @@ def release_tp_group(group: TPGroup, timeout_s: float = 10.0) -> bool:
     thread = threading.Thread(target=release, name="specserve-tp-release", daemon=True)
     thread.start()
     thread.join(timeout_s)
-    return not thread.is_alive()

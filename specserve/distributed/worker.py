@@ -28,8 +28,6 @@ from specserve.runner.batch import HostBatch
 from specserve.runner.build import build_runner
 from specserve.runner.model_runner import ModelRunner
 
-logger = logging.getLogger(__name__)
-
 _BOOTSTRAP = (
     "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); from specserve.distributed.worker import main; main()"
 )
@@ -51,17 +49,12 @@ class WorkerArgs:
     config: EngineConfig
     rank: int
     world_size: int
-    store_host: str
-    store_port: int
+    store_port: int  # of rank 0's store on 127.0.0.1
     device: str  # "cpu" or "cuda:N"
     step_timeout_s: float
     start_timeout_s: float
     num_threads: int
     parent_pid: int
-
-
-def hello_key(rank: int) -> str:
-    return f"specserve/tp/hello/{rank}"
 
 
 def build_rank_runner(
@@ -131,8 +124,8 @@ def run_worker(args: WorkerArgs) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=args.start_timeout_s)
-    store = dist.TCPStore(args.store_host, args.store_port, args.world_size, is_master=False, timeout=timeout)
-    store.set(hello_key(args.rank), "up")
+    store = dist.TCPStore("127.0.0.1", args.store_port, args.world_size, is_master=False, timeout=timeout)
+    store.set(f"specserve/tp/hello/{args.rank}", "up")
     group = init_tp_group(store, args.rank, args.world_size, device, datetime.timedelta(seconds=args.step_timeout_s))
     runner = build_rank_runner(args.config, group, device, progress=False)
     serve_steps(runner, group)
@@ -174,7 +167,7 @@ class WorkerProcs:
         cmd = [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path)]
         try:
             for rank in range(1, world_size):
-                args = WorkerArgs(config, rank, world_size, "127.0.0.1", store.port, str(devices[rank]), *rest)
+                args = WorkerArgs(config, rank, world_size, store.port, str(devices[rank]), *rest)
                 # A session of its own: Ctrl-C reaches rank 0 only, which drains, then stops the workers.
                 procs[rank] = proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
                 proc.stdin.write(pickle.dumps(args))
@@ -197,7 +190,7 @@ class WorkerProcs:
 
     def wait_for_hello(self, timeout_s: float) -> None:
         """Block until every worker reached the store; RuntimeError at once if one exits first."""
-        keys = [hello_key(rank) for rank in self.procs]
+        keys = [f"specserve/tp/hello/{rank}" for rank in self.procs]
         deadline = time.monotonic() + timeout_s
         while not self.store.check(keys):
             if dead := self.describe_dead():
