@@ -242,17 +242,15 @@ def format_sweep(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-def _x_of(run: Run) -> float:
-    """A run's concurrency on a plot axis; unbounded: the number of requests it sent."""
-    if run["max_concurrency"] is not None:
-        return float(run["max_concurrency"])
-    return float(run["aggregates"]["completed"] + run["aggregates"]["failed"])
-
-
 def sweep_series(runs: list[Run]) -> dict[str, list[float]]:
     """The points a sweep plot draws: x = "max_concurrency", y = one list per aggregate key."""
-    ordered = sorted(runs, key=_x_of)
-    series: dict[str, list[float]] = {"max_concurrency": [_x_of(r) for r in ordered]}
+
+    def x_of(run: Run) -> float:  # unbounded: the number of requests it sent
+        agg = run["aggregates"]
+        return float(run["max_concurrency"] or agg["completed"] + agg["failed"])
+
+    ordered = sorted(runs, key=x_of)
+    series: dict[str, list[float]] = {"max_concurrency": [x_of(r) for r in ordered]}
     keys = ["request_throughput", "output_throughput"] + [
         f"{s}_{m}_ms" for m, _, _ in METRICS for s, _, _ in LINE_STATS
     ]

@@ -51,9 +51,6 @@ class RequestRecord:
     def input_tokens(self) -> int:
         return self.prompt_tokens if self.prompt_tokens is not None else self.prompt_len
 
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "tpot_s": self.tpot_s}
-
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -70,23 +67,13 @@ class RunConfig:
     seed: int = 0
     disable_tqdm: bool = False
 
-    @property
-    def is_chat(self) -> bool:
-        return self.endpoint.rstrip("/").endswith("chat/completions")
-
 
 def build_payload(cfg: RunConfig, req: datasets.SampleRequest) -> dict[str, Any]:
     chat = {"messages": [{"role": "user", "content": req.prompt}]}
-    body: dict[str, Any] = chat if cfg.is_chat else {"prompt": req.prompt}
+    body: dict[str, Any] = chat if cfg.endpoint.rstrip("/").endswith("chat/completions") else {"prompt": req.prompt}
     body |= {"model": cfg.model, "max_tokens": req.expected_output_len, "temperature": cfg.temperature}
     extra = {"ignore_eos": True} if cfg.ignore_eos else {}  # a vLLM extension: only sent when asked for
     return {**body, "stream": True, "stream_options": {"include_usage": True}, **extra}
-
-
-def _chunk_text(chunk: dict[str, Any]) -> str:
-    choice = (chunk.get("choices") or [{}])[0]
-    delta = choice.get("delta") or {}  # chat
-    return choice.get("text") or (delta.get("content") or "") + (delta.get("reasoning_content") or "")
 
 
 async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord, req: datasets.SampleRequest) -> None:
@@ -108,7 +95,9 @@ async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord,
             if "error" in chunk:
                 rec.error = f"stream error: {json.dumps(chunk['error'])[:500]}"
                 return
-            text = _chunk_text(chunk)
+            choice = (chunk.get("choices") or [{}])[0]
+            delta = choice.get("delta") or {}  # chat
+            text = choice.get("text") or (delta.get("content") or "") + (delta.get("reasoning_content") or "")
             if text:
                 rec.itl_s.append(now - last) if parts else setattr(rec, "ttft_s", now - start)
                 last = now
@@ -202,12 +191,12 @@ def load_requests(
     return datasets.jsonl_requests(args.dataset_path, num_prompts, out_len, seed, counter)
 
 
-def _duration(s: float) -> str:
-    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
-
-
 def estimate(probe_s: float, num_prompts: int, sweep: list[int | None], request_rate: float) -> str:
     """The run's duration from the probe's: between perfect batching and none."""
+
+    def _duration(s: float) -> str:
+        return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
     low = sum(max(num_prompts * probe_s / (c or num_prompts), num_prompts / request_rate) for c in sweep)
     high = len(sweep) * max(num_prompts * probe_s, num_prompts / request_rate)
     hint = " (--num-prompts or --max-duration shorten it)" if high > 600 else ""
@@ -259,7 +248,7 @@ def bench_main(args: argparse.Namespace) -> int:
         agg = report.compute_aggregates(records, duration, slos)
         print(report.format_table(agg, concurrency))
         run = {"max_concurrency": concurrency, "repeated_prompts": repeated, "aggregates": agg}
-        result["runs"].append({**run, "requests": [r.to_json() for r in records]})
+        result["runs"].append({**run, "requests": [{**asdict(r), "tpot_s": r.tpot_s} for r in records]})
     if len(sweep) > 1:
         print(report.format_sweep(result["runs"]))
     report.write_outputs(args, result, baseline)
