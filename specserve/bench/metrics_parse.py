@@ -8,16 +8,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-PREFIXES = ("specserve:", "vllm:")
-
 Series = list[tuple[dict[str, str], float]]
-
-
-def strip_prefix(name: str) -> str:
-    for prefix in PREFIXES:
-        if name.startswith(prefix):
-            return name[len(prefix) :]
-    return name
 
 
 @dataclass(frozen=True)
@@ -62,9 +53,9 @@ class MetricsSnapshot:
     def has(self, name: str) -> bool:
         return name in self.samples
 
-    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """Sum of the series of `name` whose labels include `labels` (0 when none)."""
-        return float(sum(v for lab, v in self.samples.get(name, []) if labels is None or labels.items() <= lab.items()))
+    def value(self, name: str) -> float:
+        """Sum of the series of `name` (0 when none)."""
+        return float(sum(v for _, v in self.samples.get(name, [])))
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
         """Values of `name` summed per value of one label, e.g. per draft `position`."""
@@ -98,6 +89,6 @@ def parse_metrics(text: str, timestamp: float) -> MetricsSnapshot:
         for sample in family.samples:
             if sample.name.endswith("_created"):  # prometheus_client's creation timestamps
                 continue
-            name = strip_prefix(sample.name)
+            name = sample.name.removeprefix("specserve:").removeprefix("vllm:")
             snap.samples.setdefault(name, []).append((dict(sample.labels), float(sample.value)))
     return snap

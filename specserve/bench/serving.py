@@ -17,7 +17,7 @@ import httpx
 from tqdm.asyncio import tqdm
 
 from specserve import envs
-from specserve.bench import datasets, plots, report
+from specserve.bench import datasets, report
 
 add_bench_args = report.add_bench_args
 __all__ = ["RequestRecord", "RunConfig", "add_bench_args", "bench_main", "run_benchmark"]
@@ -51,9 +51,6 @@ class RequestRecord:
     def input_tokens(self) -> int:
         return self.prompt_tokens if self.prompt_tokens is not None else self.prompt_len
 
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "tpot_s": self.tpot_s}
-
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -70,36 +67,13 @@ class RunConfig:
     seed: int = 0
     disable_tqdm: bool = False
 
-    @property
-    def is_chat(self) -> bool:
-        return self.endpoint.rstrip("/").endswith("chat/completions")
-
 
 def build_payload(cfg: RunConfig, req: datasets.SampleRequest) -> dict[str, Any]:
-    payload: dict[str, Any] = {
-        "model": cfg.model,
-        "max_tokens": req.expected_output_len,
-        "temperature": cfg.temperature,
-    }
-    if cfg.is_chat:
-        payload["messages"] = [{"role": "user", "content": req.prompt}]
-    else:
-        payload["prompt"] = req.prompt
+    chat = {"messages": [{"role": "user", "content": req.prompt}]}
+    body: dict[str, Any] = chat if cfg.endpoint.rstrip("/").endswith("chat/completions") else {"prompt": req.prompt}
+    body |= {"model": cfg.model, "max_tokens": req.expected_output_len, "temperature": cfg.temperature}
     extra = {"ignore_eos": True} if cfg.ignore_eos else {}  # a vLLM extension: only sent when asked for
-    return {**payload, "stream": True, "stream_options": {"include_usage": True}, **extra}
-
-
-def _chunk_text(chunk: dict[str, Any]) -> str:
-    choice = (chunk.get("choices") or [{}])[0]
-    delta = choice.get("delta") or {}  # chat
-    return choice.get("text") or (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-
-
-def _read_usage(rec: RequestRecord, usage: dict[str, Any]) -> None:
-    if usage.get("completion_tokens") is not None:
-        rec.output_tokens, rec.output_tokens_from_usage = int(usage["completion_tokens"]), True
-    if usage.get("prompt_tokens") is not None:
-        rec.prompt_tokens = int(usage["prompt_tokens"])
+    return {**body, "stream": True, "stream_options": {"include_usage": True}, **extra}
 
 
 async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord, req: datasets.SampleRequest) -> None:
@@ -121,13 +95,18 @@ async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord,
             if "error" in chunk:
                 rec.error = f"stream error: {json.dumps(chunk['error'])[:500]}"
                 return
-            text = _chunk_text(chunk)
+            choice = (chunk.get("choices") or [{}])[0]
+            delta = choice.get("delta") or {}  # chat
+            text = choice.get("text") or (delta.get("content") or "") + (delta.get("reasoning_content") or "")
             if text:
                 rec.itl_s.append(now - last) if parts else setattr(rec, "ttft_s", now - start)
                 last = now
                 parts.append(text)
-            if chunk.get("usage"):
-                _read_usage(rec, chunk["usage"])
+            usage = chunk.get("usage") or {}
+            if usage.get("completion_tokens") is not None:
+                rec.output_tokens, rec.output_tokens_from_usage = int(usage["completion_tokens"]), True
+            if usage.get("prompt_tokens") is not None:
+                rec.prompt_tokens = int(usage["prompt_tokens"])
     rec.e2el_s = time.perf_counter() - start
     if not parts:  # no text at all (e.g. immediate EOS): the first byte of the answer is its end
         rec.ttft_s = rec.e2el_s
@@ -212,12 +191,12 @@ def load_requests(
     return datasets.jsonl_requests(args.dataset_path, num_prompts, out_len, seed, counter)
 
 
-def _duration(s: float) -> str:
-    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
-
-
 def estimate(probe_s: float, num_prompts: int, sweep: list[int | None], request_rate: float) -> str:
     """The run's duration from the probe's: between perfect batching and none."""
+
+    def _duration(s: float) -> str:
+        return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
     low = sum(max(num_prompts * probe_s / (c or num_prompts), num_prompts / request_rate) for c in sweep)
     high = len(sweep) * max(num_prompts * probe_s, num_prompts / request_rate)
     hint = " (--num-prompts or --max-duration shorten it)" if high > 600 else ""
@@ -267,10 +246,10 @@ def bench_main(args: argparse.Namespace) -> int:
             print(f"Note: {repeated} of these prompts were sent earlier in this run: the prefix cache may be warm.")
         records, duration = asyncio.run(run_benchmark(args.base_url, headers, cfg, requests))
         agg = report.compute_aggregates(records, duration, slos)
-        print(plots.format_table(agg, concurrency))
+        print(report.format_table(agg, concurrency))
         run = {"max_concurrency": concurrency, "repeated_prompts": repeated, "aggregates": agg}
-        result["runs"].append({**run, "requests": [r.to_json() for r in records]})
+        result["runs"].append({**run, "requests": [{**asdict(r), "tpot_s": r.tpot_s} for r in records]})
     if len(sweep) > 1:
-        print(plots.format_sweep(result["runs"]))
+        print(report.format_sweep(result["runs"]))
     report.write_outputs(args, result, baseline)
     return 0 if all(r["aggregates"]["failed"] == 0 for r in result["runs"]) else 1

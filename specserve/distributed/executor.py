@@ -1,8 +1,6 @@
-"""Rank 0's side of tensor parallelism: `TPExecutor`, a drop-in for `ModelRunner` that broadcasts each
-step's `HostBatch` on the control group, runs rank 0's own forward and returns its logits.
-
-A dead rank never hangs the engine: children are polled before each step, and on CUDA rank 0 polls the
-step's event and the children together; the step then raises `WorkerDiedError`, as does every later one."""
+"""Rank 0's side of tensor parallelism: `TPExecutor`, a drop-in for `ModelRunner` that broadcasts each step's
+`HostBatch` on the control group and runs rank 0's own forward. A dead rank never hangs the engine: children are
+polled before and (on CUDA) during each step, which then raises `WorkerDiedError`, as does every later one."""
 
 from __future__ import annotations
 
@@ -10,25 +8,22 @@ import datetime
 import threading
 import time
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from specserve.config import EngineConfig
-from specserve.distributed.launcher import WorkerProcs
+from specserve.distributed.parallel_layers import check_tp_size
 from specserve.distributed.parallel_state import TPGroup, adopt_default_group, init_tp_group, release_tp_group
-from specserve.distributed.tp import check_tp_size
-from specserve.distributed.worker import Shutdown, StepMessage, build_rank_runner, release_cuda_graphs
+from specserve.distributed.worker import Shutdown, StepMessage, WorkerProcs, build_rank_runner, release_cuda_graphs
 from specserve.model.arch import ModelArch
 from specserve.runner.batch import build_host_batch
 from specserve.runner.model_runner import ModelRunner, StepOutput
 from specserve.scheduler.scheduler import SchedulerOutput
 
-# One step (a forward and its collectives) must finish within this; a first step that compiles
-# kernels is the slowest. Gloo and NCCL fail their collectives after it too.
-STEP_TIMEOUT_S = 300.0
-# From starting the workers until each has reached the rendezvous store (interpreter + torch import).
-START_TIMEOUT_S = 300.0
+STEP_TIMEOUT_S = 300.0  # one step (a first one compiles kernels); gloo and NCCL collectives fail after it too
+START_TIMEOUT_S = 300.0  # until every worker reached the rendezvous store (interpreter + torch import)
 _POLL_CHILDREN_S = 0.01
 
 
@@ -36,17 +31,16 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel rank died or stopped answering; the engine cannot continue."""
 
 
+@dataclass(eq=False)
 class _Shared:
     """What closing needs, without a reference to the executor (so a finalizer can hold it)."""
 
-    def __init__(self, group: TPGroup, procs: WorkerProcs | None) -> None:
-        self.group, self.procs = group, procs
-        self.lock = threading.Lock()  # one step or one shutdown at a time on the control group
-        self.broken: str | None = None
-        self.closed = False
-        # The executor, weakly (a strong reference would keep it alive until exit): its CUDA graphs
-        # must go before the groups.
-        self.runner: weakref.ref[ModelRunner] | None = None
+    group: TPGroup
+    procs: WorkerProcs | None
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one step or one shutdown at a time
+    broken: str | None = None
+    closed: bool = False
+    runner: weakref.ref[ModelRunner] | None = None  # weakly: its CUDA graphs must go before the groups
 
     def release(self) -> None:
         """Kill what is left of the workers and drop graphs and groups; never blocks for long."""
@@ -63,7 +57,6 @@ class _Shared:
         if self.closed:
             return
         self.closed = True
-        # A step still running on another thread (a stopping engine) makes the groups unusable.
         got_lock = self.lock.acquire(timeout=timeout_s)
         try:
             if got_lock and self.broken is None:
@@ -73,7 +66,7 @@ class _Shared:
                         self.procs.wait(timeout_s)
                 except Exception:
                     self.broken = "a rank failed during shutdown"
-            elif self.broken is None:
+            elif self.broken is None:  # a step still running on another thread: the groups are unusable
                 self.broken = "closed while a step was running"
             self.release()
         finally:
@@ -103,8 +96,7 @@ class TPExecutor(ModelRunner):
 
     def execute(self, sched: SchedulerOutput, block_ids_of, need_hidden: bool = False) -> StepOutput:
         host = build_host_batch(sched, block_ids_of, self.block_size)
-        shared = self._shared
-        with shared.lock:
+        with self._shared.lock:
             self._check_usable()
             try:
                 self.group.broadcast_object(StepMessage(host, need_hidden))
@@ -118,7 +110,6 @@ class TPExecutor(ModelRunner):
         """Stop the workers (a Shutdown message, or kill after a failure) and drop the groups."""
         self._finalizer()
 
-    # -- failure detection ----------------------------------------------------------------------
     def _check_usable(self) -> None:
         shared = self._shared
         if shared.closed:
@@ -129,8 +120,7 @@ class TPExecutor(ModelRunner):
             raise WorkerDiedError(f"{shared.broken}; the engine cannot continue.")
 
     def _wait_for_step(self, logits: torch.Tensor) -> None:
-        """CUDA: block until the step is done, but notice a dead rank while waiting (an NCCL
-        kernel waiting for a dead peer would otherwise block the next sync forever)."""
+        """CUDA: wait for the step, noticing a dead rank (an NCCL kernel waiting on it would block forever)."""
         if logits.device.type != "cuda":
             return  # gloo collectives are synchronous and fail on their own
         done = torch.cuda.Event()
@@ -149,8 +139,7 @@ class TPExecutor(ModelRunner):
 
     def _fail(self, error: BaseException) -> BaseException:
         """Mark the executor broken and turn the failure into the error the engine reports."""
-        shared = self._shared
-        dead = ""
+        shared, dead = self._shared, ""
         if self.procs is not None:
             self.procs.wait_any_dead(1.0)  # sockets close a moment before the exit shows: name the rank
             dead = self.procs.describe_dead()
@@ -164,18 +153,12 @@ class TPExecutor(ModelRunner):
         return WorkerDiedError(f"{shared.broken}; the engine cannot continue.")
 
 
-def read_arch(config: EngineConfig) -> ModelArch:
-    """The architecture from the model's config alone (no weights), as the loader will see it."""
-    from specserve.model.loader import WeightSource
-
-    source = WeightSource.open(config.model)
-    return ModelArch.from_hf_config({**source.hf_config, **(config.model.hf_overrides or {})})
-
-
 def check_tp_config(config: EngineConfig) -> None:
     """ValueError (naming the field) for what tensor parallelism cannot do; before any rank starts."""
-    tp = config.parallel.tensor_parallel_size
-    check_tp_size(read_arch(config), tp)
+    from specserve.model.loader import WeightSource
+
+    hf_config = {**WeightSource.open(config.model).hf_config, **(config.model.hf_overrides or {})}
+    check_tp_size(ModelArch.from_hf_config(hf_config), config.parallel.tensor_parallel_size)
     if config.offload.enabled:
         raise ValueError(
             "kv_offload is not supported with tensor_parallel_size > 1 (the tiers would hold rank 0's KV heads only)."
@@ -227,7 +210,7 @@ def build_tp_executor(config: EngineConfig, device: torch.device, dtype: torch.d
         if device0.type == "cuda":
             torch.cuda.set_device(device0)
         tp = config.parallel.tensor_parallel_size
-        procs = WorkerProcs.start(config, tp, devices, STEP_TIMEOUT_S, START_TIMEOUT_S)
+        procs = WorkerProcs.start(config, devices, STEP_TIMEOUT_S, START_TIMEOUT_S)
         try:
             procs.wait_for_hello(START_TIMEOUT_S)
             group = init_tp_group(procs.store, 0, tp, device0, datetime.timedelta(seconds=STEP_TIMEOUT_S))

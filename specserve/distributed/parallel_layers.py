@@ -1,6 +1,6 @@
-"""Tensor-parallel layers (Megatron layout), built by slicing (cloning) the full layers of a loaded model:
-column-parallel linears need no communication, row-parallel ones one all-reduce; the vocabulary is split
-in padded contiguous ranges (the embedding all-reduces, the LM head all-gathers)."""
+"""Tensor-parallel layers (Megatron layout) sliced from a loaded model's full layers: column-parallel linears need
+no communication, row-parallel ones one all-reduce; the vocabulary is split in padded contiguous ranges (the
+embedding all-reduces, the LM head all-gathers). `shard_model` swaps them in; norms and RoPE stay replicated."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.distributed.parallel_state import TPGroup
+from specserve.model.arch import ModelArch
+from specserve.model.llama import CausalLM
 
 
 def shard_range(size: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -20,11 +22,6 @@ def shard_range(size: int, rank: int, world_size: int) -> tuple[int, int]:
 
 def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
-
-
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A compact copy of a slice, so the full tensor it views can be freed."""
-    return t.contiguous().clone()
 
 
 class ColumnParallelLinear(nn.Module):
@@ -69,20 +66,24 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, rank: int, world_size: int, group: TPGroup) -> RowParallelLinear:
         start, end = shard_range(linear.in_features, rank, world_size)
-        bias = None if linear.bias is None else _copy(linear.bias)
-        return cls(_copy(linear.weight[:, start:end]), bias, group)
+        bias = None if linear.bias is None else linear.bias.clone()
+        return cls(linear.weight[:, start:end].contiguous().clone(), bias, group)  # a copy: the full weight can go
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.group.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
-def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int, int]:
-    """(start, end, padded rows per rank): rank r owns token ids [start, end); every rank holds
-    the same number of rows (the last one zero-padded) so the logit all-gather is one tensor."""
-    per_rank = -(-vocab_size // world_size)
-    start = min(vocab_size, rank * per_rank)
-    return start, min(vocab_size, start + per_rank), per_rank
+def vocab_rows(weight: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, int, int]:
+    """(rows, start, end): rank r owns token ids [start, end); every rank holds the same number of rows (the
+    last one zero-padded) so the logit all-gather is one tensor."""
+    vocab, hidden = weight.shape
+    per_rank = -(-vocab // world_size)
+    start = min(vocab, rank * per_rank)
+    end = min(vocab, start + per_rank)
+    rows = weight.new_zeros(per_rank, hidden)
+    rows[: end - start] = weight[start:end]
+    return rows, start, end
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -90,7 +91,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, weight: torch.Tensor, start: int, end: int, group: TPGroup) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)  # [rows per rank, hidden], zero-padded
+        self.weight = _param(weight)  # [rows per rank, hidden], zero-padded
         self.start, self.end = start, end
         self.group = group
 
@@ -98,11 +99,7 @@ class VocabParallelEmbedding(nn.Module):
     def from_embedding(
         cls, embedding: nn.Embedding, rank: int, world_size: int, group: TPGroup
     ) -> VocabParallelEmbedding:
-        vocab, hidden = embedding.weight.shape
-        start, end, per_rank = vocab_range(vocab, rank, world_size)
-        weight = embedding.weight.new_zeros(per_rank, hidden)
-        weight[: end - start] = embedding.weight[start:end]
-        return cls(weight, start, end, group)
+        return cls(*vocab_rows(embedding.weight, rank, world_size), group)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = (input_ids >= self.start) & (input_ids < self.end)
@@ -123,14 +120,46 @@ class ParallelLMHead(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, rank: int, world_size: int, group: TPGroup) -> ParallelLMHead:
-        vocab, hidden = weight.shape
-        start, end, per_rank = vocab_range(vocab, rank, world_size)
-        local = weight.new_zeros(per_rank, hidden)
-        local[: end - start] = weight[start:end]
-        return cls(nn.Parameter(local, requires_grad=False), vocab, group)
+        return cls(_param(vocab_rows(weight, rank, world_size)[0]), weight.shape[0], group)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = F.linear(hidden, self.weight)  # [N, rows per rank]
         gathered = self.group.all_gather(local)  # [world, N, rows per rank]
         logits = gathered.permute(1, 0, 2).reshape(hidden.shape[0], -1)
         return logits[:, : self.vocab_size].float()
+
+
+def check_tp_size(arch: ModelArch, tensor_parallel_size: int) -> None:
+    """ValueError unless the attention heads and the KV heads split evenly over the ranks."""
+    tp, a, b = tensor_parallel_size, arch.num_heads, arch.num_kv_heads
+    for n, what in ((a, "attention heads"), (b, "KV heads")):
+        if n % tp:
+            fits = [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]
+            raise ValueError(f"tensor_parallel_size {tp} must divide the model's {n} {what} (try one of {fits}).")
+
+
+def shard_model(model: CausalLM, rank: int, world_size: int, group: TPGroup) -> CausalLM:
+    """Replace `model`'s layers by this rank's shards (in place; returns the model)."""
+    arch = model.arch
+    check_tp_size(arch, world_size)
+    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    for layer in model.layers:
+        attn = layer.self_attn
+        attn.qkv_proj = ColumnParallelLinear.from_linear(attn.qkv_proj, (q_size, kv_size, kv_size), rank, world_size)
+        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, rank, world_size, group)
+        # Per-rank head counts: Attention.forward splits the fused projection with these.
+        attn.num_heads, attn.num_kv_heads = arch.num_heads // world_size, arch.num_kv_heads // world_size
+        attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        mlp = layer.mlp
+        inter = arch.intermediate_size
+        mlp.gate_up_proj = ColumnParallelLinear.from_linear(mlp.gate_up_proj, (inter, inter), rank, world_size)
+        # shard_range gives down_proj's input columns the same slice as gate's and up's rows.
+        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, rank, world_size, group)
+    full_head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    embed = VocabParallelEmbedding.from_embedding(model.embed_tokens, rank, world_size, group)
+    if model.lm_head is None:  # tied: the head shares the embedding's (identically sliced) rows
+        head = ParallelLMHead(embed.weight, arch.vocab_size, group)
+    else:
+        head = ParallelLMHead.from_weight(full_head, rank, world_size, group)
+    model.embed_tokens, model.lm_head, model.logits_head = embed, None, head
+    return model

@@ -29,7 +29,6 @@ class TPGroup:
     cpu_group: dist.ProcessGroup
     owns_default_group: bool = True  # False when adopted from a launcher (torchrun)
 
-    # -- model collectives (device group) ------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place; returns x."""
         dist.all_reduce(x, group=self.device_group)
@@ -45,7 +44,6 @@ class TPGroup:
             dist.all_gather(list(out.unbind(0)), x, group=self.device_group)
         return out
 
-    # -- control plane (cpu group) ---------------------------------------------------------------
     def broadcast_object(self, obj: object | None) -> object:
         """Rank 0 sends `obj` (picklable); every other rank passes None and gets it back."""
         head = torch.zeros(_CONTROL_HEAD_BYTES, dtype=torch.uint8)
@@ -90,25 +88,15 @@ def init_tp_group(
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=step_timeout, **kw)
+    return adopt_default_group(device, owns_default_group=True)
+
+
+def adopt_default_group(device: torch.device, owns_default_group: bool = False) -> TPGroup:
+    """A TPGroup over the default process group (ours, or a launcher's: torchrun + init_process_group)."""
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    group = TPGroup(rank, world_size, backend, dist.group.WORLD, cpu_group)
-    _warm_up(group, device)
-    return group
-
-
-def adopt_default_group(device: torch.device) -> TPGroup:
-    """Use a default process group that a launcher (torchrun + init_process_group) already made."""
-    backend = dist.get_backend()
-    cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    group = TPGroup(
-        dist.get_rank(), dist.get_world_size(), backend, dist.group.WORLD, cpu_group, owns_default_group=False
-    )
-    _warm_up(group, device)
-    return group
-
-
-def _warm_up(group: TPGroup, device: torch.device) -> None:
-    """One collective now: NCCL builds its communicator on the first, which must not be in a graph capture."""
+    world = dist.get_world_size()
+    group = TPGroup(dist.get_rank(), world, dist.get_backend(), dist.group.WORLD, cpu_group, owns_default_group)
+    # One collective now: NCCL builds its communicator on the first, which must not be in a graph capture.
     group.barrier()
     x = torch.ones(1, device=device)
     group.all_reduce(x)
@@ -116,13 +104,14 @@ def _warm_up(group: TPGroup, device: torch.device) -> None:
         torch.cuda.synchronize(device)
     if int(x.item()) != group.world_size:
         raise RuntimeError(f"tensor-parallel all-reduce self-check failed: {x.item()} != {group.world_size}")
+    return group
 
 
-def release_tp_group(group: TPGroup, timeout_s: float = 10.0) -> bool:
-    """Drop the groups without waiting on any other rank, within `timeout_s`; True when done. NCCL: abort,
-    never destroy (ncclCommDestroy can hang once graphs captured collectives, pytorch#115388)."""
+def release_tp_group(group: TPGroup, timeout_s: float = 10.0) -> None:
+    """Drop the groups without waiting on any other rank, within `timeout_s`. NCCL: abort, never destroy
+    (ncclCommDestroy can hang once graphs captured collectives, pytorch#115388)."""
     if not group.owns_default_group or not dist.is_initialized():
-        return True
+        return
 
     def release() -> None:
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -137,4 +126,3 @@ def release_tp_group(group: TPGroup, timeout_s: float = 10.0) -> bool:
     thread = threading.Thread(target=release, name="specserve-tp-release", daemon=True)
     thread.start()
     thread.join(timeout_s)
-    return not thread.is_alive()

@@ -1,12 +1,15 @@
 """The rank side of tensor parallelism: every rank runs `build_rank_runner` (load, shard, profile, agree on
-KV blocks, capture graphs) in the same order, so collectives pair up; ranks > 0 then run `serve_steps`."""
+KV blocks, capture graphs) in the same order, so collectives pair up; ranks > 0 then run `serve_steps`.
+`WorkerProcs` starts them as fresh interpreters (no re-import of the user's `__main__`) and watches them."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import pickle
+import subprocess
 import sys
 import threading
 import time
@@ -18,14 +21,12 @@ import torch
 import torch.distributed as dist
 
 from specserve.config import EngineConfig
+from specserve.distributed.parallel_layers import shard_model
 from specserve.distributed.parallel_state import TPGroup, init_tp_group
-from specserve.distributed.tp import shard_model
 from specserve.model.loader import LoadedModel, resolve_dtype
 from specserve.runner.batch import HostBatch
 from specserve.runner.build import build_runner
 from specserve.runner.model_runner import ModelRunner
-
-logger = logging.getLogger(__name__)
 
 _BOOTSTRAP = (
     "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); from specserve.distributed.worker import main; main()"
@@ -48,17 +49,12 @@ class WorkerArgs:
     config: EngineConfig
     rank: int
     world_size: int
-    store_host: str
-    store_port: int
+    store_port: int  # of rank 0's store on 127.0.0.1
     device: str  # "cpu" or "cuda:N"
     step_timeout_s: float
     start_timeout_s: float
     num_threads: int
     parent_pid: int
-
-
-def hello_key(rank: int) -> str:
-    return f"specserve/tp/hello/{rank}"
 
 
 def build_rank_runner(
@@ -128,8 +124,8 @@ def run_worker(args: WorkerArgs) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=args.start_timeout_s)
-    store = dist.TCPStore(args.store_host, args.store_port, args.world_size, is_master=False, timeout=timeout)
-    store.set(hello_key(args.rank), "up")
+    store = dist.TCPStore("127.0.0.1", args.store_port, args.world_size, is_master=False, timeout=timeout)
+    store.set(f"specserve/tp/hello/{args.rank}", "up")
     group = init_tp_group(store, args.rank, args.world_size, device, datetime.timedelta(seconds=args.step_timeout_s))
     runner = build_rank_runner(args.config, group, device, progress=False)
     serve_steps(runner, group)
@@ -151,3 +147,82 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+@dataclass(eq=False)
+class WorkerProcs:
+    """The child processes of ranks 1..world_size-1 and the rendezvous store they joined."""
+
+    store: dist.TCPStore
+    procs: dict[int, subprocess.Popen]
+
+    @classmethod
+    def start(cls, config: EngineConfig, devices: list[torch.device], step_s: float, start_s: float) -> WorkerProcs:
+        """devices[r]: rank r's device (world size: their number). Returns once the processes run (not joined)."""
+        world_size, timeout = len(devices), datetime.timedelta(seconds=start_s)
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+        rest = (step_s, start_s, threads, os.getpid())
+        procs: dict[int, subprocess.Popen] = {}
+        cmd = [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path)]
+        try:
+            for rank in range(1, world_size):
+                args = WorkerArgs(config, rank, world_size, store.port, str(devices[rank]), *rest)
+                # A session of its own: Ctrl-C reaches rank 0 only, which drains, then stops the workers.
+                procs[rank] = proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
+                proc.stdin.write(pickle.dumps(args))
+                proc.stdin.close()
+        except BaseException:
+            cls(store, procs).terminate()
+            raise
+        return cls(store, procs)
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return {rank: p.pid for rank, p in self.procs.items()}
+
+    def dead(self) -> dict[int, int]:
+        """rank -> exit code of every child that has exited."""
+        return {rank: code for rank, p in self.procs.items() if (code := p.poll()) is not None}
+
+    def describe_dead(self) -> str:
+        return ", ".join(f"rank {r} (exit code {c})" for r, c in sorted(self.dead().items()))
+
+    def wait_for_hello(self, timeout_s: float) -> None:
+        """Block until every worker reached the store; RuntimeError at once if one exits first."""
+        keys = [f"specserve/tp/hello/{rank}" for rank in self.procs]
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check(keys):
+            if dead := self.describe_dead():
+                raise RuntimeError(f"tensor-parallel worker failed to start: {dead}; see its error above.")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers did not start within {timeout_s:.0f} s.")
+            time.sleep(0.02)
+
+    @staticmethod
+    def _until(done: Callable[[], bool], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def wait(self, timeout_s: float) -> bool:
+        """True when every child exited within the timeout."""
+        return self._until(lambda: len(self.dead()) == len(self.procs), timeout_s)
+
+    def wait_any_dead(self, timeout_s: float) -> bool:
+        """True as soon as some child has exited; False if none did within the timeout."""
+        return self._until(lambda: bool(self.dead()), timeout_s)
+
+    def terminate(self, grace_s: float = 2.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`: no child outlives the engine."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        if not self.wait(grace_s):
+            for p in self.procs.values():
+                if p.poll() is None:
+                    p.kill()
+            self.wait(grace_s)

@@ -112,7 +112,7 @@ class CausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         # Layers whose inputs (the residual stream entering layer i) are also returned, for EAGLE-3 heads.
         self.aux_hidden_layers: tuple[int, ...] = ()
-        # Set by distributed/tp.py: a vocabulary-sharded head that computes and gathers the logits.
+        # Set by distributed/parallel_layers.py: a vocabulary-sharded head that computes and gathers the logits.
         self.logits_head: nn.Module | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):

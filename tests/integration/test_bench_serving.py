@@ -27,7 +27,7 @@ from specserve.bench import add_advise_args, add_bench_args, advise_main, bench_
 from specserve.bench.advise import window_stats
 from specserve.bench.datasets import random_requests
 from specserve.bench.metrics_parse import parse_metrics
-from specserve.bench.plots import sweep_series
+from specserve.bench.report import sweep_series
 from tests.helpers.server_proc import free_port
 
 MODEL = "stub-model"
