@@ -205,8 +205,7 @@ class GGUFCheckpoint:
             yield name, torch.from_numpy(array).to(dtype)
 
 
-# Control tokens that end a turn or a document, as llama.cpp's vocabulary loader marks them: a GGUF
-# names one eos token (Qwen2.5-Instruct: <|im_end|>), but the model may also emit another (<|endoftext|>).
+# Control tokens that end a turn or a document, as llama.cpp's vocabulary loader marks them.
 END_OF_GENERATION_TEXTS = frozenset(
     "<|endoftext|> <|im_end|> <|eot_id|> <|eom_id|> <|end_of_text|> <|end|> <end_of_turn> <|return|> <EOT>".split()
 )
