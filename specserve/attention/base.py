@@ -1,8 +1,5 @@
-"""Attention backend interface and the per-forward metadata it reads.
-
-A flat batch holds, per sequence, `query_len` new tokens after `seq_len - query_len` cached ones;
-query token j of sequence b sits at position `seq_len[b] - query_len[b] + j` and attends causally.
-"""
+"""Attention backend interface and its per-forward metadata. Query token j of sequence b sits at
+position `seq_len[b] - query_len[b] + j` and attends causally."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Sizes that decide the paged-attention launches (attention/triton_paged.py), kept apart from the
-kernels so that code that only plans launches (runner/warmup.py) imports no triton: a CPU install
-without triton must still import specserve."""
+"""Paged-attention launch sizes, apart from the kernels so that planning code imports no triton."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ from specserve.kv.spec import KVFormat, LayerKVCache
 def write_kv(
     cache: LayerKVCache, fmt: KVFormat, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> None:
-    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots; slot -1 stores nothing
-    (padding tokens, as in the Triton kernels)."""
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots; slot -1 stores nothing."""
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:
         keep = slot_mapping >= 0
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]

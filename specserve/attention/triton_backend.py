@@ -1,9 +1,5 @@
-"""Triton attention backend: the GPU twin of `torch_ref.TorchRefBackend` (imported lazily, on CUDA).
-
-Nothing reads tensor values on the host, so a decode forward can be captured in a CUDA graph: size it
-with fixed upper bounds (`max_seq_len`, `max_query_len`) and pad the batch with zero-length sequences
-(repeat the last `cu_query_lens` entry, `seq_lens` 0) and padding tokens whose slot is negative.
-"""
+"""Triton attention backend, the GPU twin of `torch_ref.TorchRefBackend`. No host reads, so a forward
+can be graph-captured: fixed upper bounds, zero-length padding sequences, padding tokens at slot -1."""
 
 from __future__ import annotations
 
@@ -42,7 +38,6 @@ class TritonBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] -> like q."""
         if fmt.quantized:
             from specserve.attention.triton_quant import paged_attention_quant, reshape_and_cache_quant
 

@@ -1,14 +1,7 @@
-"""Float16 dot operands in the 16-bit register layout for kernels that also load 8-bit data.
-
-Triton 3.6's AccelerateMatmul gives an mma.sync dot operand the layout of the narrowest type loaded on
-its way in; in the nvfp4 kernel the e4m3 scales make every float16 operand take the 8-bit layout
-(kWidth 4), and Q and P pay register moves for it (130 of 1,130 instructions per 128-key tile on sm_90).
-
-`install()` chains a stages-inspection hook replacing the CUDA "ttgir" stage for kernels whose IR name
-ends with `KWIDTH2_SUFFIX` (opted in through `triton.jit(repr=...)`): Triton's own pass list, split after
-AccelerateMatmul to set 16-bit operands' kWidth to 2. The list is a copy of `CUDABackend.make_ttgir` of
-Triton 3.6 (checked by `_MAKE_TTGIR_SHA256`); on any other Triton nothing is installed. A failure falls
-back to the original stage: a layout is a performance choice, never a correctness one.
+"""Float16 dot operands in the 16-bit register layout (kWidth 2) for kernels that also load 8-bit data
+(Triton 3.6 gives them the 8-bit one, costing register moves). `install()` hooks the CUDA "ttgir" stage
+of kernels named with `KWIDTH2_SUFFIX`: Triton 3.6's pass list (checked by `_MAKE_TTGIR_SHA256`; other
+Tritons get no hook), split after AccelerateMatmul. A failure falls back to the original stage.
 """
 
 from __future__ import annotations

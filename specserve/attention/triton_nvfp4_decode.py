@@ -1,8 +1,6 @@
-"""The nvfp4 cache's e2m1 decoders and scaled tiles, for triton_quant_nvfp4.py. Both decoders are exact:
-  0 (plain Triton, the interpreter): nibble (s, e1, e0, m) -> float16 bits (15, 11, 10, 9), i.e. e2m1 * 2^-14.
-  1 (inline PTX): each nibble becomes the e4m3 byte (s, 0, 0, e1, e0, m, 0, 0) = e2m1 * 2^-6 by SIMD
-     shifts and masks, and `cvt.rn.f16x2.e4m3x2` makes two float16 per instruction.
-Scales multiply the decoded values in float16 (exact: >= 2^-24, 2-bit x 4-bit significands).
+"""e2m1 decoders and scaled tiles for triton_quant_nvfp4.py; both decoders are exact:
+0 (plain Triton): nibble (s, e1, e0, m) -> float16 bits (15, 11, 10, 9), i.e. e2m1 * 2^-14.
+1 (inline PTX): nibble -> e4m3 byte (s, 0, 0, e1, e0, m, 0, 0) = e2m1 * 2^-6, two per cvt.
 """
 
 from __future__ import annotations
@@ -11,8 +9,7 @@ import triton
 import triton.language as tl
 
 E4M3_DECODE = 64.0  # 2^6: decoder 1 yields e2m1 * 2^-6
-# $4 = two 16-bit units (u0.lo, u0.hi, u1.lo, u1.hi); output j = nibble j of u0 (low half) and u1 (high
-# half) as float16. The permute 0x3120 pairs u0's and u1's bytes; l / h: e4m3 bytes of the low / high nibbles.
+# $4 = two 16-bit units; output j = nibble j of u0 (low half) and u1 (high half) as float16.
 _DECODE_PTX = tl.constexpr("""
 {
 .reg .b32 x, t, u, l, h;
@@ -36,8 +33,7 @@ cvt.rn.f16x2.e4m3x2 $3, h13;
 }
 """)
 
-# v7's K decoder (K_PAIRS): $4 = word a of the row (units 2a, 2a + 1), no permute; outputs: elements
-# 8a + {0, 2}, 8a + {1, 3}, 8a + {4, 6}, 8a + {5, 7}.
+# K_PAIRS: $4 = word a of the row; outputs: elements 8a + {0, 2}, 8a + {1, 3}, 8a + {4, 6}, 8a + {5, 7}.
 _DECODE_PAIRS_PTX = tl.constexpr("""
 {
 .reg .b32 t, u, l, h;

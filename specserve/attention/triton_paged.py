@@ -1,14 +1,8 @@
-"""Triton paged attention over the paged KV cache (torch twin and oracle: torch_ref.py).
-
-One kernel runs the flat varlen batch. A program owns one q block (BLOCK_Q query tokens x the GROUP
-query heads of one KV head: BLOCK_M rows) of one sequence, so every K/V tile is loaded once per GQA
-group. Sequence b owns the q blocks from `cu_query_lens[b] // BLOCK_Q + b`; a program finds its
-sequence by binary search, so the grid depends on host shapes only (CUDA-graph capturable).
-
-Split-KV: when the batch gives too few programs for the SMs, each program also takes one of
-`num_splits` ranges of KV tiles and writes an fp32 partial (acc, max m, denominator l);
-`_reduce_splits_kernel` combines them. A split with no tile stores (m=-inf, l=0) but not its acc,
-which the reduce reads only where m > -inf. Softmax statistics are fp32, in base 2.
+"""Triton paged attention (oracle: torch_ref.py). A program owns one q block (BLOCK_Q tokens x the
+GROUP query heads of one KV head) of one sequence; sequence b owns the q blocks from
+`cu_query_lens[b] // BLOCK_Q + b`, found by binary search, so the grid depends on host shapes only.
+Split-KV: each program takes one of `num_splits` KV ranges and writes an fp32 partial (acc, m, l); a
+split with no tile stores (m=-inf, l=0) but not its acc. Softmax statistics are fp32, in base 2.
 """
 
 from __future__ import annotations
@@ -75,7 +69,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    # Before the PDL wait: batch metadata only (sequence search, query range, first tile's block ids).
+    # Before the PDL wait: batch metadata only.
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -203,8 +197,7 @@ def _reduce_splits_kernel(
 
 
 def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): decode/verify put a sequence's whole query in one q
-    block; prefill uses 64-row q blocks; fp32 gets smaller K/V tiles for shared memory."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): small queries in one q block, prefill 64-row blocks."""
     min_m = max(16, triton.next_power_of_2(group))
     if max_query_len <= SMALL_QUERY_MAX and max_query_len * group <= 128:
         block_m = max(min_m, triton.next_power_of_2(max_query_len * group))
@@ -278,12 +271,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the new queries over their sequences' paged KV (already written).
-
-    q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
-    cu_query_lens [num_seqs + 1], seq_lens [num_seqs] (cached + new), block_tables [num_seqs, max_blocks]
-    int32. max_query_len / max_seq_len are host upper bounds. Padding rows are left unwritten.
-    """
+    """Causal attention of q [T, Hq, D] over the paged caches [blocks, block_size, Hkv, D] (already
+    written); max_query_len / max_seq_len are host upper bounds. Padding rows are left unwritten."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     _check_cache(key_cache, value_cache, num_kv_heads, head_dim)

@@ -1,12 +1,6 @@
-"""Triton kernels over a quantized paged KV cache (fp8, nvfp4): the KV write and paged attention.
-
-Layouts and rounding: kv/spec.py and kv/quant.py (the torch oracle). `reshape_and_cache_quant`
-(triton_quant_write.py) is bit-identical to `quant.write_kv`; `paged_attention_quant` follows
-`triton_paged.paged_attention` (grid, GQA row packing, split-KV partials) and picks a kernel variant:
-fp8 "v3" (triton_quant_fp8.py); nvfp4 "v4" for latency-bound launches (query rows beyond one token,
-fewer (sequence, KV head) programs than SMs, short contexts) and "v7" for throughput-bound decode
-(triton_quant_nvfp4.py). Dots run in float16 with fp32 accumulation; Q is clamped to float16's range.
-"""
+"""Paged attention over a quantized KV cache (fp8, nvfp4; oracle: kv/quant.py), launched like
+`triton_paged.paged_attention`. Variants: fp8 "v3"; nvfp4 "v4" for latency-bound launches, "v7" for
+throughput-bound decode. Dots run in float16 with fp32 accumulation; Q is clamped to float16's range."""
 
 from __future__ import annotations
 
@@ -22,9 +16,9 @@ from specserve.attention.triton_paged import (
     reduce_splits,
     split_partials,
 )
-from specserve.attention.triton_quant_common import check_quant_cache
-from specserve.attention.triton_quant_fp8 import launch_fp8
-from specserve.attention.triton_quant_nvfp4 import launch_nvfp4
+from specserve.attention.triton_quant_common import cache_strides, check_quant_cache
+from specserve.attention.triton_quant_fp8 import fp8_operands
+from specserve.attention.triton_quant_nvfp4 import nvfp4_operands
 from specserve.attention.triton_quant_write import reshape_and_cache_quant
 from specserve.kernels.device import num_sms
 from specserve.kv.spec import KVFormat, LayerKVCache
@@ -48,8 +42,7 @@ def choose_num_splits_quant(
     num_sms: int,
     variant: str = "v3",
 ) -> int:
-    """Split-KV factor (host ints only): one full wave of PROGRAMS_PER_SM per SM, nvfp4 at least
-    NVFP4_MIN_SPLITS, never splits shorter than MIN_KEYS_PER_SPLIT keys."""
+    """Split-KV factor (host ints only): one wave of PROGRAMS_PER_SM per SM, splits >= MIN_KEYS_PER_SPLIT keys."""
     programs = num_seqs * triton.cdiv(max(max_query_len, 1), block_q) * num_kv_heads
     by_sms = (PROGRAMS_PER_SM * num_sms) // programs
     if variant in VARIANTS["nvfp4"]:
@@ -71,8 +64,7 @@ def default_variant(
 def quant_attention_config(
     max_query_len: int, group: int, head_dim: int, name: str, variant: str = "v3"
 ) -> tuple[int, int, int, int, int | None]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg): decode takes 128-key tiles under a
-    128-register cap (4 programs per SM); prefill (64-row q blocks) 8 warps, else its accumulators spill."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg); prefill gets 8 warps, else its accumulators spill."""
     block_m, block_n, num_warps, num_stages = attention_config(max_query_len, group, head_dim, torch.float16)
     maxnreg = None
     if block_m >= 64:
@@ -100,11 +92,8 @@ def paged_attention_quant(
     block_n: int | None = None,
     heads_first: bool | None = None,
 ) -> torch.Tensor:
-    """`triton_paged.paged_attention` over a quantized cache (already written) in `fmt`'s layout.
-
-    variant: VARIANTS[fmt.name] (None: default_variant()); block_n (tile width) and heads_first (grid
-    order; None: KV heads fastest where the grid allows) override the launch, for tests.
-    """
+    """`triton_paged.paged_attention` over a quantized cache (already written); variant (None:
+    default_variant()), block_n and heads_first (grid order) override the launch, for tests."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = cache.key.shape[2]
     check_quant_cache(fmt, cache, num_kv_heads, head_dim)
@@ -147,11 +136,19 @@ def paged_attention_quant(
     if heads_first is None:
         heads_first = q_blocks <= _MAX_GRID_YZ
     grid = (num_kv_heads, q_blocks, num_splits) if heads_first else (q_blocks, num_kv_heads, num_splits)
-    common = (*partials, cu_query_lens, seq_lens, block_tables)
     if fmt.name == "fp8":
-        launch_fp8(q, cache, out, common, scale * LOG2E, grid, meta, heads_first)
+        kernel, caches, scalars, extra = fp8_operands(q, cache, scale * LOG2E)
     else:
-        launch_nvfp4(q, cache, fmt, out, common, scale * LOG2E, grid, meta, heads_first, variant, max_query_len)
+        kernel, caches, scalars, extra = nvfp4_operands(q, cache, fmt, scale * LOG2E, meta, variant, max_query_len)
+    kernel[grid](
+        *(out, q, *caches, *partials, cu_query_lens, seq_lens, block_tables, *scalars, num_seqs, num_splits),
+        *(*q.stride()[:2], *out.stride()[:2], block_tables.stride(0)),
+        **cache_strides("C", caches[0]),
+        **cache_strides("S", caches[2]),
+        HEADS_FIRST=heads_first,
+        **extra,
+        **meta,
+    )
     if num_splits > 1:
         reduce_splits(out, partials, cu_query_lens)
     return out

@@ -1,13 +1,9 @@
 """fp8 (e4m3) paged attention (variant "v3"), structured like triton_paged's kernel.
 
-* Loads in the loop are >= 4-byte vectors (cp.async, one tile ahead). A token's 2-byte scale is too
-  small, so the kernel loads the scales of SCALE_W adjacent heads and keeps its own head's column;
-  the grid runs a q block's KV heads side by side (HEADS_FIRST) so they share those L2 sectors.
-* Cache strides are constexprs, so the compiler can prove 16-byte row alignment.
-* V is read as 16-bit units (unit c = elements 2c, 2c + 1), the layout ldmatrix transposes for P.V;
-  a byte permute and two cvts give two float16 tiles (columns 2c, 2c + 1) and two dots.
-* K scales multiply the scores per key column; V scales multiply P per key row as v_scale / (the
-  tile's largest), keeping P in [0, 1] in float16, and the largest scales the fp32 product.
+A token's 2-byte scale is too small a load: the kernel loads SCALE_W adjacent heads' scales and keeps
+its own (HEADS_FIRST grids share those L2 sectors). V is read as 16-bit units (the layout ldmatrix
+transposes for P.V), giving two float16 tiles (columns 2c, 2c + 1). V scales multiply P per key as
+v_scale / (the tile's largest), keeping P in [0, 1] in float16.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ from specserve.attention.triton_quant_common import (
     _softmax_init,
     _softmax_step,
     _tile_rows,
-    cache_strides,
 )
 from specserve.kv.spec import LayerKVCache
 
@@ -157,26 +152,9 @@ def scale_window(num_kv_heads: int, limit: int = 8) -> int:
     return w
 
 
-def launch_fp8(
-    q: torch.Tensor,
-    cache: LayerKVCache,
-    out: torch.Tensor,
-    common: tuple,
-    scale_log2: float,
-    grid: tuple[int, int, int],
-    meta: dict,
-    heads_first: bool,
-) -> None:
-    """The fp8 kernel over the launch that `triton_quant.paged_attention_quant` prepared."""
-    kc, ks = cache.key, cache.key_scale
+def fp8_operands(q: torch.Tensor, cache: LayerKVCache, scale_log2: float) -> tuple:
+    """(kernel, (key, value, key_scale, value_scale), scalars, constexprs) for `triton_quant.launch`."""
     # head_dim is even (checked), so the int16 view of V is exact; the kernel halves its byte strides.
-    _paged_attention_fp8_kernel[grid](
-        *(out, q, kc, cache.value.view(torch.int16), ks, cache.value_scale, *common, scale_log2),
-        *(common[3].shape[0] - 1, grid[2], *q.stride()[:2], *out.stride()[:2], common[5].stride(0)),
-        **cache_strides("C", kc),
-        **cache_strides("S", ks),
-        SCALE_W=scale_window(kc.shape[2]) if ks.stride(2) == 1 else 1,
-        HEADS_FIRST=heads_first,
-        PTX=q.is_cuda,
-        **meta,
-    )
+    caches = (cache.key, cache.value.view(torch.int16), cache.key_scale, cache.value_scale)
+    extra = dict(SCALE_W=scale_window(cache.key.shape[2]) if cache.key_scale.stride(2) == 1 else 1, PTX=q.is_cuda)
+    return _paged_attention_fp8_kernel, caches, (scale_log2,), extra

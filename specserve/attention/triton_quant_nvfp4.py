@@ -1,16 +1,9 @@
 """nvfp4 paged attention (variants "v4" and "v7"), structured like triton_paged's kernel.
 
-A cache row (token, KV head) is head_dim / 2 bytes (byte i: element 2i low nibble, 2i + 1 high) plus
-head_dim / 16 e4m3 scales. The kernel reads it as 16-bit units (unit c: elements 4c + j in nibble j),
-decodes nibble j of every unit into a float16 tile E_j scaled by its group scale, and contracts over
-head_dim in four dots: Q.K^T = sum_j Q_j.E_j^T (Q_j = Q's columns 4c + j), P.V into four accumulators.
-16-bit units because ldmatrix delivers P.V's key-paired operand from 16-bit tiles, not bytes.
-
-Decoders: triton_nvfp4_decode.py. Both variants use the 16-bit dot layout (DOT_KWIDTH2,
-triton_dot_layout.py); v7 adds (`kernel_flags`) FUSED_SCALE (score scale in exp2's fma), OFFS32 (int32
-cache offsets where they fit), ROWSUM_MMA (softmax denominator from a dot with ones), HALF_ROWS (no
-softmax for a q block's second half where no query row sits there) and K_PAIRS (K read as 32-bit
-words, no byte permute; Q loaded in the same column order). The decoders' constant
+A cache row is head_dim / 2 bytes of e2m1 pairs plus head_dim / 16 e4m3 scales, read as 16-bit units
+(unit c: elements 4c + j in nibble j; ldmatrix needs 16-bit tiles for P.V). Nibble j of every unit
+decodes to a scaled float16 tile E_j: Q.K^T = sum_j Q_j.E_j^T, P.V into four accumulators. v7 adds
+the `kernel_flags` FUSED_SCALE, OFFS32, ROWSUM_MMA, HALF_ROWS and K_PAIRS. The decoders' constant
 (2^14 or 2^6) * global_scale goes into the score scale (K) and the output (V).
 """
 
@@ -33,7 +26,6 @@ from specserve.attention.triton_quant_common import (
     _softmax_step,
     _softmax_step_full,
     _tile_rows,
-    cache_strides,
 )
 from specserve.kv.spec import KVFormat, LayerKVCache
 
@@ -47,16 +39,14 @@ def offsets_fit_int32(*tensors: torch.Tensor) -> bool:
 
 
 def half_rows_apply(max_query_len: int, group: int, block_m: int) -> bool:
-    """Whether no query row can sit in a q block's second half (a sequence's rows are all below
-    max_query_len * group in its first q block)."""
+    """Whether no query row can sit in a q block's second half."""
     return max_query_len * group <= block_m // 2
 
 
 def kernel_flags(
     variant: str, on_gpu: bool, offs32: bool, max_query_len: int, group: int, block_m: int, words_aligned: bool = True
 ) -> dict:
-    """The nvfp4 kernel's variant constexprs. on_gpu False (the interpreter: no inline assembly, no stage
-    hook): the plain Triton decoder. words_aligned: the key cache starts 4-byte aligned (for K_PAIRS)."""
+    """The nvfp4 kernel's variant constexprs (on_gpu False: the interpreter's plain Triton decoder)."""
     if variant not in ("v4", LEAN_VARIANT):
         raise ValueError(f"nvfp4 variant must be v4 or v7, got {variant!r}")
     lean = variant == LEAN_VARIANT
@@ -76,13 +66,12 @@ triton_dot_layout.install()  # before the first compile of an opted-in kernel
 
 @triton.jit
 def _first_half_rows(p, alpha, m_new, first):
-    """(p, alpha, m_new) with the rows outside `first` made constants (p 0, alpha 1, m 0): a row's index
-    in the mma accumulator layout is known per register, so LLVM drops the second half's softmax."""
+    """(p, alpha, m_new) with the rows outside `first` made constants, so LLVM drops their softmax."""
     return tl.where(first[:, None], p, 0.0), tl.where(first, alpha, 1.0), tl.where(first, m_new, 0.0)
 
 
 def _kernel_name(specialization) -> str:
-    """The compiled kernel's name: triton_dot_layout's hook retargets those with DOT_KWIDTH2."""
+    """Kernels with DOT_KWIDTH2 get the name triton_dot_layout's hook retargets."""
     kw2 = specialization.constants.get("DOT_KWIDTH2")
     return "_paged_attention_nvfp4_kernel" + (triton_dot_layout.KWIDTH2_SUFFIX if kw2 else "")
 
@@ -259,46 +248,19 @@ def _paged_attention_nvfp4_kernel(
         tl.store(ptrs + 3, (a3 * f).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def launch_nvfp4(
-    q: torch.Tensor,
-    cache: LayerKVCache,
-    fmt: KVFormat,
-    out: torch.Tensor,
-    common: tuple,
-    scale_log2: float,
-    grid: tuple[int, int, int],
-    meta: dict,
-    heads_first: bool,
-    variant: str,
-    max_query_len: int,
-) -> None:
-    """The nvfp4 kernel over the launch that `triton_quant.paged_attention_quant` prepared."""
+def nvfp4_operands(
+    q: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, scale_log2: float, meta: dict, variant: str, max_query_len: int
+) -> tuple:
+    """(kernel, (key, value, key_scale, value_scale), scalars, constexprs) for `triton_quant.launch`."""
     # 16-bit units: a row is head_dim / 2 bytes, an even count (head_dim % 16 == 0), so the view is exact.
     kc, vc = cache.key.view(torch.int16), cache.value.view(torch.int16)
-    ks, vs = cache.key_scale, cache.value_scale
     head_dim = meta.pop("HEAD_DIM")
     quads, groups = head_dim // 4, head_dim // 16
-    lean = variant == LEAN_VARIANT
-    flags = kernel_flags(
-        variant,
-        q.is_cuda,
-        lean and offsets_fit_int32(kc, ks),
-        max_query_len,
-        meta["GROUP"],
-        meta["BLOCK_M"],
-        words_aligned=kc.data_ptr() % 4 == 0,
-    )
+    offs32 = variant == LEAN_VARIANT and offsets_fit_int32(kc, cache.key_scale)
+    aligned = kc.data_ptr() % 4 == 0
+    flags = kernel_flags(variant, q.is_cuda, offs32, max_query_len, meta["GROUP"], meta["BLOCK_M"], aligned)
     const = (E4M3_DECODE if flags["DECODER"] == 1 else NVFP4_DECODE) * fmt.global_scale
-    _paged_attention_nvfp4_kernel[grid](
-        *(out, q, kc, vc, ks, vs, *common, scale_log2 * const, const, common[3].shape[0] - 1, grid[2]),
-        *(*q.stride()[:2], *out.stride()[:2], common[5].stride(0)),
-        **cache_strides("C", kc),
-        **cache_strides("S", ks),
-        QUADS=quads,
-        QUADS_PAD=triton.next_power_of_2(quads),
-        GROUPS=groups,
-        G_PAD=triton.next_power_of_2(groups),
-        HEADS_FIRST=heads_first,
-        **flags,
-        **meta,
-    )
+    flags.update(QUADS=quads, QUADS_PAD=triton.next_power_of_2(quads), GROUPS=groups)
+    flags.update(G_PAD=triton.next_power_of_2(groups))
+    caches = (kc, vc, cache.key_scale, cache.value_scale)
+    return _paged_attention_nvfp4_kernel, caches, (scale_log2 * const, const), flags

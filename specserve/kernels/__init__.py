@@ -1,3 +1,1 @@
-"""Triton helpers shared by attention/ and model/: programmatic dependent launch (pdl.py) and RoPE
-(rope.py). Importing a module here imports triton; this package imports no other specserve package
-but envs."""
+"""Triton helpers shared by attention/ and model/ (imports triton; no specserve package but envs)."""

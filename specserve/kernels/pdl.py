@@ -1,13 +1,7 @@
-"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step (Hopper and later):
-the next kernel launches while the previous one still runs, and waits (`griddepcontrol.wait`) before
-touching its outputs.
-
-Contract of every kernel launched with `launch_pdl=True`: every program calls `pdl_prologue(True)`
-exactly once, before any store, any early return, and any load of data a kernel of the forward writes.
-Before the wait it may load only weights, constant tables (RoPE cos/sin) and batch metadata, so NO
-kernel of a forward ever writes those. tests/unit/test_pdl.py checks the attention kernels' load order.
-`SPECSERVE_PDL=0` turns it off; the CPU interpreter and GPUs before sm_90 never use it.
-"""
+"""Programmatic dependent launch (sm_90+; `SPECSERVE_PDL=0` turns it off). Contract of a kernel
+launched with `launch_pdl=True`: every program calls `pdl_prologue(True)` once, before any store, early
+return, or load of data a kernel of the forward writes; before it, only weights, constant tables and
+batch metadata may be loaded (so no kernel of a forward writes those)."""
 
 from __future__ import annotations
 

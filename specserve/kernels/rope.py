@@ -1,6 +1,4 @@
-"""Neox-style RoPE in Triton: `rope_cos_sin` (a token's cos / sin halves, a jit helper the attention
-KV write shares) and `apply_rope`, which rotates q and k in place. The torch twin is model/layers/ops.py.
-"""
+"""Neox-style RoPE in Triton, in place (torch twin: model/layers/ops.py)."""
 
 from __future__ import annotations
 

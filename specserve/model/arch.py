@@ -1,5 +1,4 @@
-"""ModelArch: the architecture facts the engine needs, from an HF-style config dict. One config-driven
-implementation serves Llama (incl. Llama-3 rope scaling), Qwen2 (QKV bias) and Mistral."""
+"""ModelArch: the architecture facts the engine needs, from an HF-style config dict."""
 
 from __future__ import annotations
 

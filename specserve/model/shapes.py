@@ -1,5 +1,4 @@
-"""Real model shapes for `load_format="dummy"`: `LLM(model="llama-3.1-8b", load_format="dummy")` builds
-the architecture with random weights on the device, no files needed (speed and memory work)."""
+"""Real model shapes for `load_format="dummy"` (random weights, no files)."""
 
 from __future__ import annotations
 

@@ -20,9 +20,7 @@ def rms_norm(
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style (rotate halves) RoPE, as HF Llama/Qwen2. q: [num_tokens, num_heads, head_dim];
-    k: [num_tokens, num_kv_heads, head_dim]; positions: [num_tokens] int64;
-    cos_sin_cache: [max_positions, head_dim] float32 (cos | sin halves)."""
+    """Neox-style RoPE: q [T, Hq, D], k [T, Hk, D], positions [T], cos_sin_cache [P, D] float32 (cos | sin)."""
     cos, sin = cos_sin_cache.index_select(0, positions)[:, None, :].chunk(2, dim=-1)  # [T, 1, D/2] each
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +69,6 @@ def rms_norm_linear(
 def rms_norm_linear_silu_and_mul(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The post-attention norm, gate_up and activation: (silu_and_mul(rms_norm(x (+ residual)) @ weight^T)
-    [T, inter], new residual); weight [2 * inter, in] (gate | up)."""
+    """(silu_and_mul(rms_norm(x (+ residual)) @ weight^T) [T, inter], new residual); weight (gate | up)."""
     h, residual = unfused_norm(x, residual, norm_weight, eps)
     return silu_and_mul(F.linear(h, weight)), residual

@@ -1,13 +1,9 @@
-"""Small-batch linear layers (GEMV) in Triton: y = act(x) W^T (+ b) for 1 to GEMV_MAX_M rows, bound
-by reading W: each program owns BLOCK_N output features for every row of x (fp32 accumulation, bias in
-the epilogue, no split-K). Fusions: `rms_norm_linear` (residual add + RMSNorm before qkv),
-`linear_silu_and_mul` (the activation after gate_up), both for the post-attention norm.
-
-Tiles come from a fixed per-GPU table (`gemv_configs/<device name>.json`; fixed, so rounding and greedy
-output are the same from one start to the next): "configs" "N,K,M" (M rounded up to a power of two) ->
-[BLOCK_N, BLOCK_K, num_warps] ([0, 0, 0]: cuBLAS won); "prefetch", "norm_fuse" and "skinny" say per
-shape where early loads, a fused norm and the skinny GEMM (triton_skinny.py) won. Untuned shapes use
-a heuristic up to GEMV_UNTUNED_MAX_M rows. Everything else goes to F.linear (twin: `ops.linear`).
+"""Small-batch linear layers (GEMV) in Triton: y = act(norm(x)) W^T (+ b) for 1 to GEMV_MAX_M rows,
+each program owning BLOCK_N output features for every row (fp32 accumulation). Tiles, and where the
+skinny GEMM, early loads or a fused norm win, come from a fixed per-GPU table
+(`gemv_configs/<device name>.json`, keys "N,K,M" with M rounded up to a power of two), so results are
+the same from one start to the next; untuned shapes use a heuristic up to GEMV_UNTUNED_MAX_M rows.
+Everything else goes to F.linear (twin: `ops.linear`).
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ CONFIG_DIR = Path(__file__).resolve().parent / "gemv_configs"
 
 
 class NormFuse(NamedTuple):
-    """Whether the fused norm + projection measured faster than apart, and its tiles (None: the
-    projection's own entry, halved for a silu epilogue)."""
+    """Whether the fused norm + projection won, and its tiles (None: the projection's own)."""
 
     fuse: bool
     tiles: tuple[int, int, int] | None
@@ -50,7 +45,7 @@ class NormFuse(NamedTuple):
 
 @functools.lru_cache(maxsize=8)
 def _tables(device_name: str) -> dict[str, dict]:
-    """A GPU's tuned tables (its `torch.cuda.get_device_name()`), each {} without a measured table."""
+    """A GPU's tuned tables, each {} without a measured table."""
     path = CONFIG_DIR / f"{device_name.replace(' ', '_')}.json"
     raw = json.loads(path.read_text()) if path.is_file() else {}
     get, fuse_tiles = lambda name: raw.get(name, {}).items(), raw.get("norm_fuse_tiles", {})
@@ -70,19 +65,17 @@ def config_table(device_name: str) -> dict[str, tuple[int, int, int]]:
 
 
 def norm_fuse_table(device_name: str) -> dict[str, NormFuse]:
-    """The JSON's "norm_fuse" {"N,K,M": bool} (for gate_up N = 2 * inter) with "norm_fuse_tiles" [BLOCK_N, BLOCK_K,
-    num_warps] as `_launch` takes them (BLOCK_N counting the gate's rows with a silu epilogue)."""
+    """The JSON's "norm_fuse" {"N,K,M": bool} with its "norm_fuse_tiles" as `_launch` takes them."""
     return _tables(device_name)["norm_fuse"]
 
 
 def skinny_table(device_name: str) -> dict[str, dict[str, SkinnyConfig]]:
-    """Where the skinny GEMM beat the GEMV and cuBLAS: {"plain" | "silu": {"N,K,M": SkinnyConfig}} from
-    "skinny" / "skinny_silu" (for silu N is the [gate | up] rows, block_n counts each half's)."""
+    """{"plain" | "silu": {"N,K,M": SkinnyConfig}} from the JSON's "skinny" / "skinny_silu"."""
     return _tables(device_name)["skinny"]
 
 
 def prefetch_table(device_name: str) -> dict[str, bool]:
-    """The JSON's "prefetch" {"N,K,M": bool}: whether early weight loads (PREFETCH) won for the tuned tiles."""
+    """The JSON's "prefetch" {"N,K,M": bool}: whether early weight loads won."""
     return _tables(device_name)["prefetch"]
 
 
@@ -136,8 +129,7 @@ def _launch(
     silu_out: bool = False,
     norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(out [M, N], the new residual [M, K] when `norm` = (weight, eps, residual) has one). BLOCK_K >= K
-    takes the single-tile path; silu_out: weight is [2N, K] (gate | up), out silu(gate) * up."""
+    """(out [M, N], the new residual [M, K] when `norm` = (weight, eps, residual) has one)."""
     (m, k), n = x.shape, weight.shape[0] // (2 if silu_out else 1)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     norm_w, eps, residual = norm if norm is not None else (None, 0.0, None)
@@ -156,13 +148,13 @@ def _launch(
 
 
 def _prefetch(n: int, k: int, m: int, device: torch.device) -> bool:
-    """Whether the GEMV loads weights early for weight [n, k] and m rows: the table's word, else K <= PREFETCH_MAX_K."""
+    """Whether the GEMV loads weights early: the table's word, else K <= PREFETCH_MAX_K."""
     tuned = prefetch_table(_device_name(device)).get(config_key(n, k, m))
     return k <= PREFETCH_MAX_K if tuned is None else tuned
 
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor, kind: str) -> SkinnyConfig | None:
-    """The skinny GEMM's tiles for x [M, K] @ weight^T where the tuned table ("plain" / "silu") picks it."""
+    """The skinny GEMM's tiles where the tuned table picks it."""
     if x.dim() != 2 or not (x.is_cuda or envs.triton_interpret()):
         return None
     entries = skinny_table(_device_name(x.device))[kind]
@@ -183,8 +175,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, silu_and_mul) -> torch.Tensor:
-    """silu_and_mul(x @ weight^T): weight [2 * inter, K] (gate | up), x [M, K] -> [M, inter];
-    `silu_and_mul` is the unfused activation for other shapes."""
+    """silu_and_mul(x @ weight^T): weight [2 * inter, K] (gate | up), x [M, K] -> [M, inter]."""
     even = weight.dim() == 2 and weight.shape[0] % 2 == 0
     skinny = _skinny(x, weight, "silu") if even else None
     if skinny is not None:
@@ -198,9 +189,8 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, silu_and_mul) -> 
 def _norm_tiles(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor, silu_out: bool
 ) -> tuple[int, int, int] | None:
-    """The fused norm + projection's tiles for x [M, K] @ weight^T, or None where the norm runs apart: the
-    table's "norm_fuse" entry decides, else only N <= NORM_FUSE_MAX_WIDTH * K (every program of the
-    multi-tile path re-reads x for its norm: cheap for qkv, not for gate_up's many narrow programs)."""
+    """The fused norm + projection's tiles, or None where the norm runs apart: the table decides, else
+    N <= NORM_FUSE_MAX_WIDTH * K (every program re-reads x for its norm)."""
     ok = (
         triton_skinny.supports(x, weight, gemv_max_m())
         and norm_weight.dtype == x.dtype
@@ -228,8 +218,7 @@ def rms_norm_linear(
     bias: torch.Tensor | None,
     rms_norm,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x (+ residual)) @ weight^T (+ bias) [M, N], the new residual [M, K]) in one launch where
-    `_norm_tiles` allows; else `rms_norm` (the unfused norm) and `linear`."""
+    """(rms_norm(x (+ residual)) @ weight^T (+ bias) [M, N], the new residual [M, K]), fused where it pays."""
     tiles = _norm_tiles(x, residual, norm_weight, weight, silu_out=False)
     if tiles is None or (bias is not None and bias.dtype != x.dtype):
         h, residual = unfused_norm(x, residual, norm_weight, eps, rms_norm)
@@ -247,8 +236,7 @@ def rms_norm_linear_silu_and_mul(
     rms_norm,
     silu_and_mul,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(silu_and_mul(rms_norm(x (+ residual)) @ weight^T) [M, inter], the new residual [M, K]), weight
-    [2 * inter, K] (gate | up), in one launch where `_norm_tiles` allows; else the unfused ops."""
+    """(silu_and_mul(rms_norm(x (+ residual)) @ weight^T) [M, inter], the new residual [M, K])."""
     tiles = _norm_tiles(x, residual, norm_weight, weight, silu_out=True)
     if tiles is None:
         h, residual = unfused_norm(x, residual, norm_weight, eps, rms_norm)

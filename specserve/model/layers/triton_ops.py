@@ -1,6 +1,4 @@
-"""Fused Triton versions of `ops.py` (same signatures, same roundings; ops.py is the test oracle).
-rms_norm: residual add + RMSNorm in one pass; apply_rope: in place (kernels/rope.py); the linears:
-triton_gemv.py (a GEMV or skinny GEMM for a few rows, cuBLAS otherwise)."""
+"""Fused Triton versions of `ops.py` (same signatures and roundings; ops.py is the test oracle)."""
 
 from __future__ import annotations
 
@@ -102,7 +100,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# The linears: triton_gemv.py, with the kernels above as their unfused norm and activation.
 linear = triton_gemv.linear
 linear_silu_and_mul = functools.partial(triton_gemv.linear_silu_and_mul, silu_and_mul=silu_and_mul)
 rms_norm_linear = functools.partial(triton_gemv.rms_norm_linear, rms_norm=rms_norm)

@@ -1,11 +1,7 @@
-"""Skinny GEMM on the tensor cores: y [M, N] = x [M, K] @ W [N, K]^T (+ bias) for 1 <= M <= 16 rows
-(speculative verify, batch 2-16 decode), bound by reading W. Each program owns BLOCK_N output features
-for all M rows padded to 16 (`tl.dot`, fp32 accumulation); bias in the epilogue, one rounding.
-
-Split-K is deterministic: each split writes its fp32 partial to a workspace [S, M, N] and bumps the N
-tile's counter (acq_rel); the last one sums the partials in split order 0..S-1, stores, and resets the
-counter to 0 (CUDA-graph replays start clean). Workspace and counters are persistent per-device buffers
-(grown only outside graph capture, never freed): launches using them must share one stream.
+"""Skinny GEMM on the tensor cores: y [M, N] = x [M, K] @ W [N, K]^T (+ bias) for 1 <= M <= 16 rows.
+Split-K is deterministic: splits write fp32 partials to a workspace [S, M, N] and bump the N tile's
+counter; the last sums them in split order and resets the counter to 0. Workspace and counters are
+persistent per-device buffers (grown outside graph capture only): their launches share one stream.
 """
 
 from __future__ import annotations
@@ -21,14 +17,12 @@ from specserve.kernels.pdl import pdl_prologue, use_pdl
 
 SKINNY_MIN_M, SKINNY_MAX_M = 1, 16  # rows are padded to one 16-row MMA tile
 _BLOCK_M = 16
-# First allocation of the split-K scratch (growth doubles it): 4 MiB of fp32 partials.
 _MIN_WORKSPACE_FLOATS = 1 << 20
 _MIN_COUNTERS = 1 << 14
 
 
 class SkinnyConfig(NamedTuple):
-    """Tiles of one launch: block_n, block_k powers of two >= 16; split_k programs per N tile (fewer
-    where a split would be empty: `effective_split`)."""
+    """Tiles of one launch: block_n, block_k powers of two >= 16; split_k programs per N tile."""
 
     block_n: int
     block_k: int
@@ -196,8 +190,7 @@ def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, max_m: int = SKINNY_MAX_M) -> bool:
-    """Whether skinny_linear (or, with its max_m, the GEMV) takes x [M, K] @ weight [N, K]^T: CUDA (or the
-    Triton interpreter), bf16 / fp16 alike, 1 <= M <= max_m, unit last strides."""
+    """Whether skinny_linear (or, with its max_m, the GEMV) takes x [M, K] @ weight [N, K]^T."""
     return (
         (x.is_cuda or envs.triton_interpret())
         and x.dim() == 2
@@ -224,11 +217,8 @@ def _launch(
         )
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or bias.stride(0) != 1):
         raise ValueError(f"skinny_linear: bias must be [{weight.shape[0]}] {x.dtype} contiguous, got {bias.dtype}")
-    for name in ("block_n", "block_k"):
-        if getattr(cfg, name) < 16 or getattr(cfg, name) & (getattr(cfg, name) - 1):
-            raise ValueError(f"SkinnyConfig.{name} must be a power of two >= 16, got {getattr(cfg, name)}")
-    if cfg.split_k < 1 or cfg.num_warps < 1 or cfg.num_stages < 1:
-        raise ValueError(f"SkinnyConfig: split_k, num_warps and num_stages must be >= 1, got {cfg}")
+    if any(b < 16 or b & (b - 1) for b in cfg[:2]) or min(cfg[2:]) < 1:
+        raise ValueError(f"SkinnyConfig: block_n, block_k must be powers of two >= 16, the rest >= 1, got {cfg}")
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_out else weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -254,8 +244,7 @@ def skinny_linear(
 
 
 def skinny_linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
-    """silu_and_mul(x @ weight^T): weight [2 * inter, K] (gate | up), x [M, K] -> [M, inter].
-    config.block_n counts features of each half (a program reads 2 * block_n rows of W)."""
+    """silu_and_mul(x @ weight^T): weight [2 * inter, K] (gate | up), x [M, K] -> [M, inter]."""
     if weight.dim() != 2 or weight.shape[0] % 2:
         raise ValueError(f"skinny_linear_silu_and_mul: weight must be [2 * inter, K], got {tuple(weight.shape)}")
     return _launch(x, weight, None, config, silu_out=True)
