@@ -116,9 +116,8 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    # Seen only to be refused (tools are not supported).
     tool_calls: list[Any] | None = None
-    function_call: Any = None
+    function_call: Any = None  # tool_calls / function_call: seen only to be refused
 
     @field_validator("content", mode="wrap")
     @classmethod
@@ -192,6 +191,22 @@ class UsageInfo(BaseModel):
         )
 
 
+def _now() -> int:
+    return int(time.time())
+
+
+class _Choice(BaseModel):
+    index: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class _Reply(BaseModel):
+    id: str
+    created: int = Field(default_factory=_now)
+    model: str
+
+
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -199,21 +214,15 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
     # vLLM's: per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Reply):
     object: str = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -232,46 +241,33 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: str = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
 
 
-class ChatStreamChoice(BaseModel):
-    index: int
+class ChatResponseMessage(DeltaMessage):
+    role: str | None = "assistant"
+
+
+class ChatChoice(_Choice):
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionResponse(_Reply):
+    object: str = "chat.completion"
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatStreamChoice(_Choice):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Reply):
     object: str = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
 
@@ -279,7 +275,7 @@ class ChatCompletionChunk(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: str = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_now)
     owned_by: str = "specserve"
     root: str | None = None
     max_model_len: int | None = None

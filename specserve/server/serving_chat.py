@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,7 +16,7 @@ from specserve.engine.async_engine import AsyncEngine, RequestSpec, RequestStrea
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.server import protocol as proto
 from specserve.server import serving_common as common
-from specserve.server.serving_common import MIN_LOGPROB, APIError
+from specserve.server.serving_common import MIN_LOGPROB, APIError, floor
 
 # Arguments of apply_chat_template a client must not override through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = set(
@@ -30,11 +31,7 @@ def render_chat(
     """Validate messages and apply the chat template (`req`'s chat_template, else the model's); the
     text is tokenized without special tokens (the template holds BOS) unless `req.add_special_tokens`.
     `req`: a ChatCompletionRequest, whose template kwargs and continue_final_message apply."""
-    template_kwargs, continue_final_message = (
-        getattr(req, "chat_template_kwargs", None),
-        bool(req and req.continue_final_message),
-    )
-    chat_template, add_special_tokens = getattr(req, "chat_template", None), bool(req and req.add_special_tokens)
+    template_kwargs, chat_template = getattr(req, "chat_template_kwargs", None), getattr(req, "chat_template", None)
     _check_messages(messages)
     tokenizer = common.require_tokenizer(engine, "messages")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -48,7 +45,7 @@ def render_chat(
     custom = {"chat_template": chat_template} if chat_template is not None else {}
     param = "chat_template" if custom else "messages"
     try:
-        opened = {"continue_final_message": True} if continue_final_message else {}
+        opened = {"continue_final_message": True} if req and req.continue_final_message else {}
         text = tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **custom, **opened, **extra
         )
@@ -57,7 +54,7 @@ def render_chat(
     except Exception as e:  # noqa: BLE001 - jinja errors (role order, ...) are the client's
         which = "the given chat_template" if custom else "the chat template"
         raise APIError(f"messages could not be rendered with {which}: {e}", param=param) from None
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens=bool(req and req.add_special_tokens))
 
 
 def _check_messages(messages: list[proto.ChatMessage]) -> None:
@@ -66,44 +63,27 @@ def _check_messages(messages: list[proto.ChatMessage]) -> None:
     for i, m in enumerate(messages):
         if m.tool_calls or m.function_call is not None:
             field = "tool_calls" if m.tool_calls else "function_call"
-            raise APIError(
-                f"messages.{i}.{field}: tool calls are not supported by this server",
-                param="messages",
-                code="unsupported",
-            )
+            msg = f"messages.{i}.{field}: tool calls are not supported by this server"
+            raise APIError(msg, param="messages", code="unsupported")
         if m.role != "assistant" and m.content is None:
             raise APIError(f"messages.{i}.content is required for role {m.role!r}", param=f"messages.{i}.content")
 
 
-def _logprobs(
-    engine: AsyncEngine, c: CompletionOutput, start: int, top_n: int, as_ids: bool = False
-) -> proto.ChatLogprobs:
-    """as_ids: vLLM's return_tokens_as_token_ids, tokens spelled "token_id:{id}" (bytes stay the text's)."""
-    content = []
-    for i in range(start, len(c.token_ids)):
-        tid = c.token_ids[i]
-        top = c.logprobs[i] if c.logprobs is not None and i < len(c.logprobs) else {}
-        sampled = top.get(tid)
-        tok, text = common.logprob_token(engine, tid, sampled, as_ids)
-        ranked = sorted(top.items(), key=lambda kv: -kv[1].logprob)[:top_n]
+def _logprobs(engine: AsyncEngine, c: CompletionOutput, start: int, req: proto.ChatCompletionRequest) -> Any:
+    """None unless requested; return_tokens_as_token_ids spells tokens "token_id:{id}" (bytes stay the text's)."""
+    if not req.logprobs:
+        return None
+    as_ids, content = req.return_tokens_as_token_ids, []
+    for tid, top, sampled, tok, text in common.generated_tokens(engine, c, start, as_ids):
         tops = []
-        for t, lp in ranked:
+        for t, lp in sorted(top.items(), key=lambda kv: -kv[1].logprob)[: req.top_logprobs or 0]:
             shown, t_text = common.logprob_token(engine, t, lp, as_ids)
             tops.append(
-                proto.TopLogprob(
-                    token=shown,
-                    logprob=max(lp.logprob, MIN_LOGPROB),
-                    bytes=common.token_bytes(engine, t, t_text),
-                )
+                proto.TopLogprob(token=shown, logprob=floor(lp.logprob), bytes=common.token_bytes(engine, t, t_text))
             )
-        content.append(
-            proto.ChatTokenLogprob(
-                token=tok,
-                logprob=max(sampled.logprob, MIN_LOGPROB) if sampled else MIN_LOGPROB,
-                bytes=common.token_bytes(engine, tid, text),
-                top_logprobs=tops,
-            )
-        )
+        logprob = floor(sampled.logprob) if sampled else MIN_LOGPROB
+        bytes_ = common.token_bytes(engine, tid, text)
+        content.append(proto.ChatTokenLogprob(token=tok, logprob=logprob, bytes=bytes_, top_logprobs=tops))
     return proto.ChatLogprobs(content=content)
 
 
@@ -155,72 +135,45 @@ def _full_response(
     engine: AsyncEngine, req: proto.ChatCompletionRequest, final: RequestOutput, reply_id: str
 ) -> proto.ChatCompletionResponse:
     echo = _echo_text(req)
-    as_ids = req.return_tokens_as_token_ids
     choices = [
         proto.ChatChoice(
             index=c.index,
             message=proto.ChatResponseMessage(content=echo + c.text),
-            logprobs=_logprobs(engine, c, 0, req.top_logprobs or 0, as_ids) if req.logprobs else None,
+            logprobs=_logprobs(engine, c, 0, req),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
         )
         for c in final.outputs
     ]
-    generated = sum(len(c.token_ids) for c in final.outputs)
-    return proto.ChatCompletionResponse(
-        id=reply_id,
-        model=engine.model_name,
-        choices=choices,
-        usage=proto.UsageInfo.of(len(final.prompt_token_ids), generated),
-    )
+    usage = proto.UsageInfo.of(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
+    return proto.ChatCompletionResponse(id=reply_id, model=engine.model_name, choices=choices, usage=usage)
 
 
 async def _stream(
     engine: AsyncEngine, req: proto.ChatCompletionRequest, stream: RequestStream, reply_id: str, num_prompt_tokens: int
 ) -> AsyncIterator[str]:
-    include_usage, continuous = common.usage_flags(req)
     created = int(time.time())
 
     def chunk(choices: list[proto.ChatStreamChoice], usage: proto.UsageInfo | None = None) -> str:
+        model = engine.model_name
         return common.sse(
-            proto.ChatCompletionChunk(
-                id=reply_id, created=created, model=engine.model_name, choices=choices, usage=usage
-            )
+            proto.ChatCompletionChunk(id=reply_id, created=created, model=model, choices=choices, usage=usage)
+        )
+
+    def choice(u: common.Update) -> proto.ChatStreamChoice:
+        index, _, c, delta, start, _ = u
+        return proto.ChatStreamChoice(
+            index=index,
+            delta=proto.DeltaMessage(content=delta),
+            logprobs=_logprobs(engine, c, start, req),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
         )
 
     # The role comes first, as OpenAI sends it (with the echoed final assistant message).
     echo = _echo_text(req)
     for i in range(req.n):
         yield chunk([proto.ChatStreamChoice(index=i, delta=proto.DeltaMessage(role="assistant", content=echo))])
-    tracker, done, generated = common.DeltaTracker(), set(), {}
-    async for output in stream:
-        for c in output.outputs:
-            if c.index in done:
-                continue
-            delta, start = tracker.advance(c.index, c)
-            generated[c.index] = len(c.token_ids)
-            if not delta and c.finish_reason is None and len(c.token_ids) == start:
-                continue
-            if c.finish_reason is not None:
-                done.add(c.index)
-            logprobs = (
-                _logprobs(engine, c, start, req.top_logprobs or 0, req.return_tokens_as_token_ids)
-                if req.logprobs
-                else None
-            )
-            usage = proto.UsageInfo.of(num_prompt_tokens, sum(generated.values())) if continuous else None
-            yield chunk(
-                [
-                    proto.ChatStreamChoice(
-                        index=c.index,
-                        delta=proto.DeltaMessage(content=delta),
-                        logprobs=logprobs,
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                    )
-                ],
-                usage,
-            )
-    if include_usage:
-        yield chunk([], proto.UsageInfo.of(num_prompt_tokens, sum(generated.values())))
-    yield common.SSE_DONE
+    usage = functools.partial(proto.UsageInfo.of, num_prompt_tokens)
+    async for piece in common.stream_chunks(req, stream, lambda o, c: c.index, chunk, choice, usage):
+        yield piece

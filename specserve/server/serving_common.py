@@ -1,5 +1,5 @@
-"""Shared pieces of the OpenAI handlers: errors, validation, sampling params, SSE, deltas.
-Requests are validated here before they reach the engine, so a bad one changes no engine state."""
+"""Shared pieces of the OpenAI handlers: errors, validation, sampling params, logprobs, SSE streams.
+Requests are validated before they reach the engine, so a bad one changes no engine state."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -47,11 +46,11 @@ class APIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = "invalid_value",
-        headers: dict[str, str] | None = None,
-    ) -> None:  # noqa: E501
+        headers: dict[str, str] | None = None,  # extra response headers (Retry-After)
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
-        self.headers = headers  # extra response headers (Retry-After)
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
@@ -62,7 +61,8 @@ class ClientDisconnected(Exception):
     """The client went away before the reply was ready; its requests were aborted."""
 
 
-RETRY_AFTER_S = 1
+def unavailable(message: str, headers: dict[str, str] | None = None) -> APIError:
+    return APIError(message, 503, "service_unavailable_error", code="engine_unavailable", headers=headers)
 
 
 def engine_error(e: Exception, engine: AsyncEngine | None = None) -> APIError:
@@ -70,24 +70,21 @@ def engine_error(e: Exception, engine: AsyncEngine | None = None) -> APIError:
     if isinstance(e, EngineOverloadedError):
         limit = getattr(engine, "max_num_queued_requests", None)
         what = "too many requests waiting" if limit is None else f"more than {limit} request(s) would be waiting"
-        retry = {"Retry-After": str(RETRY_AFTER_S)}
-        return APIError(
-            f"server overloaded: {what}; retry later",
-            503,
-            "service_unavailable_error",
-            code="overloaded",
-            headers=retry,
-        )
+        err = unavailable(f"server overloaded: {what}; retry later", {"Retry-After": "1"})
+        err.code = "overloaded"
+        return err
     if isinstance(e, EngineDeadError):
-        return APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable")
+        return unavailable(str(e))
     if isinstance(e, ValueError):
         return APIError(str(e), 400, param=field_in_message(str(e)))
     raise e
 
 
 _FIELD_RE = re.compile(r"^([a-z_][a-z0-9_]*)")
-_KNOWN_FIELDS = {*SamplingParams.__dataclass_fields__, "prompt", "messages", "model", "max_completion_tokens"}
-_KNOWN_FIELDS |= {"top_logprobs", "prompt_token_ids"}
+_KNOWN_FIELDS = {*SamplingParams.__dataclass_fields__, "prompt", "messages", "model", "max_completion_tokens"} | {
+    "top_logprobs",
+    "prompt_token_ids",
+}
 
 
 def field_in_message(message: str) -> str | None:
@@ -136,8 +133,7 @@ def max_token_chars(tokenizer: Any) -> int:
 
 
 def check_prompt_chars(engine: AsyncEngine, num_chars: int, param: str) -> None:
-    """Reject a text too long for the context whatever its tokenization, before tokenizing it
-    (handlers then tokenize in asyncio.to_thread)."""
+    """Reject a text too long for the context whatever its tokenization, before tokenizing it."""
     limit = engine.max_model_len * max_token_chars(require_tokenizer(engine, param))
     if num_chars > limit:
         raise APIError(
@@ -272,24 +268,6 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-@dataclass
-class DeltaTracker:
-    """What has been sent per choice, so cumulative engine outputs become stream deltas."""
-
-    text: dict[int, str] = field(default_factory=dict)
-    num_tokens: dict[int, int] = field(default_factory=dict)
-
-    def advance(self, index: int, output: CompletionOutput) -> tuple[str, int]:
-        """Return (new text, first new token position) and mark them sent."""
-        sent = self.text.get(index, "")
-        # Held-back text may lag the tokens but never rewrites what was sent.
-        delta = output.text[len(sent) :] if output.text.startswith(sent) else ""
-        self.text[index] = sent + delta
-        start = self.num_tokens.get(index, 0)
-        self.num_tokens[index] = len(output.token_ids)
-        return delta, start
-
-
 def require_tokenizer(engine: AsyncEngine, param: str) -> Any:
     """The tokenizer, or a 400 for models served without one (token ids still work)."""
     if engine.tokenizer is None:
@@ -297,12 +275,8 @@ def require_tokenizer(engine: AsyncEngine, param: str) -> Any:
     return engine.tokenizer
 
 
-def token_text(engine: AsyncEngine, token_id: int, lp: Logprob | None) -> str:
-    if lp is not None and lp.decoded_token is not None:
-        return lp.decoded_token
-    if engine.tokenizer is None:
-        return f"token_id:{token_id}"  # vLLM's spelling when there is no tokenizer
-    return engine.tokenizer.decode([token_id])
+def floor(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
 
 
 @functools.lru_cache(maxsize=1)
@@ -326,16 +300,75 @@ def token_bytes(engine: AsyncEngine, token_id: int, text: str) -> list[int]:
 
 def logprob_token(engine: AsyncEngine, token_id: int, lp: Logprob | None, as_ids: bool) -> tuple[str, str]:
     """(the token as shown in logprobs, its text); `as_ids`: shown as "token_id:{id}"."""
-    text = token_text(engine, token_id, lp)
+    if lp is not None and lp.decoded_token is not None:
+        text = lp.decoded_token
+    elif engine.tokenizer is None:
+        text = f"token_id:{token_id}"  # vLLM's spelling when there is no tokenizer
+    else:
+        text = engine.tokenizer.decode([token_id])
     return (f"token_id:{token_id}" if as_ids else text), text
 
 
-def usage_flags(req: SamplingFields) -> tuple[bool, bool]:
-    """(include_usage, continuous_usage_stats) of a streaming request."""
+ScoredToken = tuple[int, Any, Any, str, str]  # (id, top dict or None, its Logprob or None, shown, text)
+
+
+def scored_tokens(
+    engine: AsyncEngine, ids: list[int], tops: list[Any] | None, as_ids: bool, missing: dict | None
+) -> Iterator[ScoredToken]:
+    """A ScoredToken per id; `missing`: the top dict of ids past `tops`."""
+    for i, tid in enumerate(ids):
+        top = tops[i] if tops is not None and i < len(tops) else missing
+        sampled = top.get(tid) if top else None
+        yield (tid, top, sampled, *logprob_token(engine, tid, sampled, as_ids))
+
+
+def generated_tokens(engine: AsyncEngine, c: CompletionOutput, start: int, as_ids: bool) -> Iterator[ScoredToken]:
+    """scored_tokens of c's tokens from `start` on."""
+    tops = c.logprobs[start:] if c.logprobs is not None else None
+    return scored_tokens(engine, c.token_ids[start:], tops, as_ids, {})
+
+
+Update = tuple[int, RequestOutput, CompletionOutput, str, int, bool]
+
+
+async def stream_chunks(
+    req: SamplingFields,
+    stream: RequestStream,
+    index_of: Callable[[RequestOutput, CompletionOutput], int],
+    make_chunk: Callable[[list[Any], Any], str],
+    make_choice: Callable[[Update], Any],
+    usage: Callable[[int], Any],
+    keep_first: bool = False,
+) -> AsyncIterator[str]:
+    """SSE chunks of cumulative engine outputs: one choice per update (index, output, completion,
+    new text, first new token, first update of the choice); updates with nothing new are skipped
+    (but a first one with `keep_first`). Held-back text may lag the tokens but never rewrites what
+    was sent. Ends with the usage chunk (stream_options.include_usage) and [DONE]."""
     opts = req.stream_options
-    return (opts is not None and opts.include_usage), (
-        opts is not None and opts.include_usage and opts.continuous_usage_stats
-    )
+    include_usage = opts is not None and opts.include_usage
+    continuous = include_usage and opts is not None and opts.continuous_usage_stats
+    sent_text: dict[int, str] = {}
+    generated: dict[int, int] = {}
+    done: set[int] = set()
+    async for output in stream:
+        for c in output.outputs:
+            index = index_of(output, c)
+            if index in done:
+                continue
+            sent = sent_text.get(index, "")
+            delta = c.text[len(sent) :] if c.text.startswith(sent) else ""
+            sent_text[index] = sent + delta
+            first, start = index not in generated, generated.get(index, 0)
+            generated[index] = len(c.token_ids)
+            if not (keep_first and first) and not delta and c.finish_reason is None and len(c.token_ids) == start:
+                continue
+            if c.finish_reason is not None:
+                done.add(index)
+            choice = make_choice((index, output, c, delta, start, first))
+            yield make_chunk([choice], usage(sum(generated.values())) if continuous else None)
+    if include_usage:
+        yield make_chunk([], usage(sum(generated.values())))
+    yield SSE_DONE
 
 
 async def submit(engine: AsyncEngine, specs: list[RequestSpec]) -> RequestStream:
@@ -398,7 +431,7 @@ async def guarded_stream(chunks: AsyncIterator[str], close: Callable[[], None]) 
         async for chunk in chunks:
             yield chunk
     except (EngineDeadError, EngineOverloadedError) as e:
-        yield sse(APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable").body())
+        yield sse(unavailable(str(e)).body())
         yield SSE_DONE
     except Exception:
         logger.exception("error while streaming a response")
