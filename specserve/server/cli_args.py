@@ -1,5 +1,5 @@
-"""Command-line flags generated from the config dataclasses (field `a_b` -> `--a-b`, vLLM's names).
-Flags default to argparse.SUPPRESS, so only what the user typed reaches `EngineConfig.from_kwargs`."""
+"""CLI flags generated from the config dataclasses (field `a_b` -> `--a-b`, vLLM's names). Flags default
+to argparse.SUPPRESS, so only what the user typed reaches `EngineConfig.from_kwargs`."""
 
 from __future__ import annotations
 
@@ -127,11 +127,12 @@ def _add_field(
 
 
 def _add_dataclass(
-    group: argparse._ArgumentGroup, cls: type, skip: frozenset[str] = frozenset(), prefix: str = ""
+    group: argparse._ArgumentGroup, cls: type, server_only: bool | None = False, prefix: str = ""
 ) -> None:
+    """Flags of cls's fields; server_only: just SERVER_ONLY_FIELDS (True), all but them (False), all (None)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name not in skip:
+        if server_only is None or (f.name in SERVER_ONLY_FIELDS) == server_only:
             _add_field(group, f, hints[f.name], prefix + f.name)
 
 
@@ -147,26 +148,13 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
         )
     group = parser.add_argument_group("engine")
     for cls in _ENGINE_SECTIONS:
-        _add_dataclass(group, cls, skip=SERVER_ONLY_FIELDS)
-    _add_dataclass(group, cfg.OffloadConfig, prefix="kv_offload_")
-    group.add_argument(
-        "--speculative-config",
-        dest="speculative_config",
-        default=argparse.SUPPRESS,
-        metavar="JSON",
-        help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
-    )
-    group.add_argument(
-        "--device", dest="device", default=argparse.SUPPRESS, help="auto | cpu | cuda | cuda:N (default: auto)"
-    )
-    group.add_argument(
-        "--num-threads",
-        dest="num_threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: the CPU cores this process may use, minus one "
-        "for the Python threads, at most what torch picks or OMP_NUM_THREADS sets)",
-    )
+        _add_dataclass(group, cls)
+    _add_dataclass(group, cfg.OffloadConfig, None, prefix="kv_offload_")
+    spec_help = 'e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\''
+    group.add_argument("--speculative-config", default=argparse.SUPPRESS, metavar="JSON", help=spec_help)
+    group.add_argument("--device", default=argparse.SUPPRESS, help="auto | cpu | cuda | cuda:N (default: auto)")
+    threads_help = "torch CPU threads (default: the usable CPU cores minus one, at most what torch picks)"
+    group.add_argument("--num-threads", type=int, default=None, help=threads_help)
 
 
 def available_cpus() -> int:
@@ -206,12 +194,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for name in names | {"speculative_config", "device"}:
         if name in values:
             kw[name] = values[name]
-    offload = {
-        f.name: values[f"kv_offload_{f.name}"]
-        for f in dataclasses.fields(cfg.OffloadConfig)
-        if f"kv_offload_{f.name}" in values
-    }
-    if offload:
+    fields = [f.name for f in dataclasses.fields(cfg.OffloadConfig)]
+    if offload := {f: values[f"kv_offload_{f}"] for f in fields if f"kv_offload_{f}" in values}:
         kw["kv_offload"] = offload
     return kw
 
@@ -219,24 +203,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """Server flags, and the engine fields only the server reads (still passed by `engine_kwargs`)."""
     group = parser.add_argument_group("server")
-    _add_dataclass(group, ServerConfig)
-    for cls in _ENGINE_SECTIONS:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in SERVER_ONLY_FIELDS:
-                _add_field(group, f, hints[f.name], f.name)
+    for cls in (ServerConfig, *_ENGINE_SECTIONS):
+        _add_dataclass(group, cls, None if cls is ServerConfig else True)
 
 
 def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's data-parallel flags of `serve`; replicas run on Ray Serve (`specserve.ray`)."""
     group = parser.add_argument_group("data parallel")
     group.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas (default: 1)")
-    group.add_argument(
-        "--data-parallel-backend",
-        choices=("ray",),
-        default=None,
-        help="ray: replicas as a Ray Serve application (pip install 'specserve[ray]')",
-    )
+    ray_help = "ray: replicas as a Ray Serve application (pip install 'specserve[ray]')"
+    group.add_argument("--data-parallel-backend", choices=("ray",), default=None, help=ray_help)
     group.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start one)")
 
 
@@ -262,21 +238,20 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**values)
 
 
+_SAMPLING_FLAGS = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+_SAMPLING_FLAGS |= {"repetition_penalty": 1.0, "n": 1}
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """Sampling flags of `generate` / `chat` (engine --seed seeds weights; --sampling-seed sampling)."""
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--n", type=int, default=1)
+    for name, default in _SAMPLING_FLAGS.items():
+        g.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--sampling-seed", type=int, default=None)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "n", "stop", "ignore_eos")
+    names = [*_SAMPLING_FLAGS, "stop", "ignore_eos"]
     return SamplingParams(**{n: getattr(args, n) for n in names}, seed=args.sampling_seed)
