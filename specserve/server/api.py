@@ -1,7 +1,5 @@
-"""FastAPI app: OpenAI-compatible routes over an AsyncEngine, plus health and metrics.
-
-Routes validate bodies themselves (413, 400 with the OpenAI error body, never FastAPI's 422).
-Auth and header checks are a pure ASGI middleware (BaseHTTPMiddleware breaks disconnect detection)."""
+"""FastAPI app: OpenAI-compatible routes over an AsyncEngine. Routes validate bodies themselves (413, 400
+with the OpenAI error body, never 422); auth is pure ASGI (BaseHTTPMiddleware breaks disconnect detection)."""
 
 from __future__ import annotations
 
@@ -87,7 +85,7 @@ def _guarded(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request]
             return error_response(e)
         except Exception:
             logger.exception("unhandled error in %s %s", request.method, request.url.path)
-            return error_response(APIError("internal server error", 500, "server_error", code="internal_error"))
+            return error_response(common.INTERNAL_ERROR)
 
     return route
 
@@ -134,18 +132,13 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
         req = common.parse_model(proto.ChatCompletionRequest, await common.read_json(request, limit))
         if req.chat_template is not None and not settings.trust_request_chat_template:
             # A client's Jinja runs sandboxed but may loop for long: opt in (as vLLM).
-            raise APIError(
-                "a chat_template in the request needs the server started with --trust-request-chat-template",
-                param="chat_template",
-                code="unsupported",
-            )
+            msg = "a chat_template in the request needs the server started with --trust-request-chat-template"
+            raise APIError(msg, param="chat_template", code="unsupported")
         return await create_chat_completion(engine, req, request)
 
     card = proto.ModelCard(id=engine.model_name, root=engine.config.model.model, max_model_len=engine.max_model_len)
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return JSONResponse(proto.ModelList(data=[card]).model_dump())
+    app.get("/v1/models")(lambda: JSONResponse(proto.ModelList(data=[card]).model_dump()))
 
     @app.get("/v1/models/{model_id:path}")
     @_guarded
@@ -172,12 +165,10 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
         try:
             await engine.check_health()
         except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
-            return error_response(APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable"))
+            return error_response(common.unavailable(str(e)))
         return Response(status_code=200)
 
-    @app.get("/version")
-    async def get_version() -> Response:
-        return JSONResponse({"version": __version__})
+    app.get("/version")(lambda: JSONResponse({"version": __version__}))
 
     @app.get("/metrics")
     async def get_metrics() -> Response:

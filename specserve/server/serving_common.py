@@ -15,13 +15,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from specserve.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineOverloadedError,
-    RequestSpec,
-    RequestStream,
-)
+from specserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from specserve.outputs import CompletionOutput, Logprob, RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.server.protocol import ErrorInfo, ErrorResponse, SamplingFields
@@ -57,8 +51,11 @@ class APIError(Exception):
         return ErrorResponse(error=info).model_dump()
 
 
+INTERNAL_ERROR = APIError("internal server error", 500, "server_error", code="internal_error")
+
+
 class ClientDisconnected(Exception):
-    """The client went away before the reply was ready; its requests were aborted."""
+    pass
 
 
 def unavailable(message: str, headers: dict[str, str] | None = None) -> APIError:
@@ -134,19 +131,19 @@ def max_token_chars(tokenizer: Any) -> int:
 
 def check_prompt_chars(engine: AsyncEngine, num_chars: int, param: str) -> None:
     """Reject a text too long for the context whatever its tokenization, before tokenizing it."""
-    limit = engine.max_model_len * max_token_chars(require_tokenizer(engine, param))
-    if num_chars > limit:
-        raise APIError(
-            f"This model's maximum context length is {engine.max_model_len} tokens. However, your {param} "
-            f"has {num_chars} characters, more than {engine.max_model_len} tokens can spell. Please reduce "
-            "the length of the input.",
-            param=param,
-            code="context_length_exceeded",
-        )
+    n = engine.max_model_len
+    if num_chars > n * max_token_chars(require_tokenizer(engine, param)):
+        why = f"your {param} has {num_chars} characters, more than {n} tokens can spell"
+        raise too_long(n, f"{why}. Please reduce the length of the input.", param)
+
+
+def too_long(max_model_len: int, why: str, param: str) -> APIError:
+    msg = f"This model's maximum context length is {max_model_len} tokens. However, {why}"
+    return APIError(msg, param=param, code="context_length_exceeded")
 
 
 def parse_model(cls: type[M], body: Any) -> M:
-    """Validate a JSON body into `cls`; pydantic errors become 400 (not FastAPI's 422)."""
+    """Validate a JSON body into `cls`; pydantic errors become 400."""
     if not isinstance(body, dict):
         raise APIError("request body must be a JSON object", code="invalid_json")
     try:
@@ -165,8 +162,7 @@ def validation_error(errors: list[Any]) -> APIError:
         return APIError("request body is invalid")
     err = errors[0]
     parts = list(err.get("loc", ()))
-    if parts and parts[0] == "body":  # FastAPI's RequestValidationError locations
-        parts = parts[1:]
+    parts = parts[1:] if parts and parts[0] == "body" else parts  # FastAPI's RequestValidationError locations
     parts = [str(p) for p in parts if isinstance(p, int) or not _TYPE_TAG_RE.search(str(p))]
     loc = ".".join(parts)
     more = f" ({len(errors)} errors)" if len(errors) > 1 else ""
@@ -190,7 +186,7 @@ _NULL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "r
 def build_params(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None, logprobs_param: str = "logprobs"
 ) -> SamplingParams:
-    """SamplingParams from the request; unsupported features answer 400. `logprobs_param`: its field name."""
+    """SamplingParams from the request; unsupported features answer 400."""
     if req.logit_bias:
         raise APIError("logit_bias is not supported", param="logit_bias", code="unsupported")
     if not 1 <= req.n <= MAX_N:
@@ -218,23 +214,15 @@ def fit_context(
     if min(prompt_lens) == 0:
         raise APIError(f"{prompt_param} must not be empty", param=prompt_param)
     if longest >= max_model_len:
-        raise APIError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"request has {longest} input tokens. Please reduce the length of the input.",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    max_tokens = params.max_tokens
-    if max_tokens is None:
+        why = f"your request has {longest} input tokens. Please reduce the length of the input."
+        raise too_long(max_model_len, why, prompt_param)
+    n = params.max_tokens
+    if n is None:
         return params.clone(max_tokens=max_model_len - longest)
-    if longest + max_tokens > max_model_len:
-        raise APIError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {longest + max_tokens} tokens ({longest} in the {prompt_param}, "
-            f"{max_tokens} in the completion). Please reduce the length of the {prompt_param} "
-            "or completion.",
-            param="max_tokens",
-            code="context_length_exceeded",
+    if longest + n > max_model_len:
+        why = f"you requested {longest + n} tokens ({longest} in the {prompt_param}, {n} in the completion)"
+        raise too_long(
+            max_model_len, f"{why}. Please reduce the length of the {prompt_param} or completion.", "max_tokens"
         )
     return params
 
@@ -246,17 +234,13 @@ def truncation_size(k: int | None, max_model_len: int) -> int | None:
     if k < 1:
         raise APIError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k}", param="truncate_prompt_tokens")
     if k > max_model_len:
-        raise APIError(
-            f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); "
-            "select a smaller truncation size",
-            param="truncate_prompt_tokens",
-        )
+        msg = f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); "
+        raise APIError(msg + "select a smaller truncation size", param="truncate_prompt_tokens")
     return k
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
+    if bad := [t for t in ids if not 0 <= t < vocab_size]:
         raise APIError(f"{param} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param=param)
 
 
@@ -371,7 +355,7 @@ async def stream_chunks(
     yield SSE_DONE
 
 
-async def submit(engine: AsyncEngine, specs: list[RequestSpec]) -> RequestStream:
+async def submit(engine: AsyncEngine, specs: list[Any]) -> RequestStream:
     try:
         return await engine.add_requests(specs)
     except Exception as e:  # noqa: BLE001 - engine_error re-raises what it does not map
@@ -379,13 +363,10 @@ async def submit(engine: AsyncEngine, specs: list[RequestSpec]) -> RequestStream
 
 
 async def _collect(stream: RequestStream) -> dict[str, RequestOutput]:
-    finals: dict[str, RequestOutput] = {}
     try:
-        async for output in stream:
-            finals[output.request_id] = output
+        return {output.request_id: output async for output in stream}
     finally:
         stream.close()
-    return finals
 
 
 async def respond(
@@ -435,7 +416,7 @@ async def guarded_stream(chunks: AsyncIterator[str], close: Callable[[], None]) 
         yield SSE_DONE
     except Exception:
         logger.exception("error while streaming a response")
-        yield sse(APIError("internal server error", 500, "server_error", code="internal_error").body())
+        yield sse(INTERNAL_ERROR.body())
         yield SSE_DONE
     finally:
         close()
