@@ -78,10 +78,8 @@ class LLM:
         continue_final_message leaves the last (assistant) message open for the model to go on."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         opts = (add_generation_prompt, chat_template, continue_final_message, chat_template_kwargs)
-        prompts = []
-        for c in conversations:
-            text = self._render_chat(c, *opts)
-            prompts.append({"prompt": text, "prompt_token_ids": self._encode_rendered(text)})
+        texts = [self._render_chat(c, *opts) for c in conversations]
+        prompts = [{"prompt": text, "prompt_token_ids": self._encode_rendered(text)} for text in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(
@@ -104,12 +102,11 @@ class LLM:
         if not messages:
             raise ValueError("messages must not be empty.")
         if cont and (add_prompt or messages[-1].get("role") != "assistant"):
-            raise ValueError(
-                "continue_final_message needs add_generation_prompt=False and a last message from the assistant."
-            )
-        opened = {"continue_final_message": True} if cont else {}
+            msg = "continue_final_message needs add_generation_prompt=False and a last message from the assistant."
+            raise ValueError(msg)
+        kw = ({"continue_final_message": True} if cont else {}) | (kw or {})
         return tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_prompt, chat_template=template, **opened, **(kw or {})
+            messages, tokenize=False, add_generation_prompt=add_prompt, chat_template=template, **kw
         )
 
     def _encode_rendered(self, text: str) -> list[int]:
@@ -118,8 +115,6 @@ class LLM:
 
     def get_metrics(self) -> list[Metric]:
         """The same series the server exports, named `specserve:<name>`."""
-        out = []
-        for m in self.engine.stats.snapshot():
+        for m in (out := self.engine.stats.snapshot()):
             m.name = f"specserve:{m.name}"
-            out.append(m)
         return out

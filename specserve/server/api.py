@@ -138,13 +138,13 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
 
     card = proto.ModelCard(id=engine.model_name, root=engine.config.model.model, max_model_len=engine.max_model_len)
 
-    app.get("/v1/models")(lambda: JSONResponse(proto.ModelList(data=[card]).model_dump()))
+    app.get("/v1/models")(lambda: JSONResponse(proto.ModelList(data=[card])))
 
     @app.get("/v1/models/{model_id:path}")
     @_guarded
     async def model(request: Request) -> Response:
         common.check_model(engine, request.path_params["model_id"])
-        return JSONResponse(card.model_dump())
+        return JSONResponse(card)
 
     @app.post("/tokenize")
     @_guarded

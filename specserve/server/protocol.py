@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -166,121 +167,42 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
+def _shape(fields: str, **defaults: Any) -> Callable[..., dict[str, Any]]:
+    """A response object's builder: the keys `fields` in this order, each None unless given or defaulted
+    (a callable default is called: list, _now)."""
+    names = fields.split()
 
+    def build(**kw: Any) -> dict[str, Any]:
+        return {n: kw[n] if n in kw else (d() if callable(d := defaults.get(n)) else d) for n in names}
 
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-        )
+    return build
 
 
 def _now() -> int:
     return int(time.time())
 
 
-class _Choice(BaseModel):
-    index: int
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+def usage_info(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    total = prompt_tokens + completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
 
 
-class _Reply(BaseModel):
-    id: str
-    created: int = Field(default_factory=_now)
-    model: str
-
-
-class CompletionLogprobs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(_Choice):
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    # vLLM's: per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
-
-
-class CompletionResponse(_Reply):
-    object: str = "text_completion"
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatResponseMessage(DeltaMessage):
-    role: str | None = "assistant"
-
-
-class ChatChoice(_Choice):
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionResponse(_Reply):
-    object: str = "chat.completion"
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class ChatStreamChoice(_Choice):
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionChunk(_Reply):
-    object: str = "chat.completion.chunk"
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: str = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "specserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: str = "list"
-    data: list[ModelCard]
+_REPLY = "id object created model choices usage"
+ErrorInfo = _shape("message type param code")
+# prompt_logprobs (vLLM's): per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
+CompletionChoice = _shape("index text logprobs finish_reason stop_reason prompt_logprobs")
+CompletionLogprobs = _shape(
+    "text_offset token_logprobs tokens top_logprobs",
+    **dict.fromkeys(("text_offset", "token_logprobs", "tokens", "top_logprobs"), list),
+)
+CompletionResponse = _shape(_REPLY, object="text_completion", created=_now)
+TopLogprob = _shape("token logprob bytes")
+ChatTokenLogprob = _shape("token logprob bytes top_logprobs", top_logprobs=list)
+ChatResponseMessage = _shape("role content", role="assistant")
+DeltaMessage = _shape("role content")
+ChatChoice = _shape("index message logprobs finish_reason stop_reason")
+ChatStreamChoice = _shape("index delta logprobs finish_reason stop_reason")
+ChatCompletionResponse = _shape(_REPLY, object="chat.completion", created=_now)
+ChatCompletionChunk = _shape(_REPLY, object="chat.completion.chunk")
+ModelCard = _shape("id object created owned_by root max_model_len", object="model", created=_now, owned_by="specserve")
+ModelList = _shape("object data", object="list")

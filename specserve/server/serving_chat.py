@@ -84,7 +84,7 @@ def _logprobs(engine: AsyncEngine, c: CompletionOutput, start: int, req: proto.C
         logprob = floor(sampled.logprob) if sampled else MIN_LOGPROB
         bytes_ = common.token_bytes(engine, tid, text)
         content.append(proto.ChatTokenLogprob(token=tok, logprob=logprob, bytes=bytes_, top_logprobs=tops))
-    return proto.ChatLogprobs(content=content)
+    return {"content": content}
 
 
 def _validate(req: proto.ChatCompletionRequest) -> None:
@@ -133,7 +133,7 @@ def _echo_text(req: proto.ChatCompletionRequest) -> str:
 
 def _full_response(
     engine: AsyncEngine, req: proto.ChatCompletionRequest, final: RequestOutput, reply_id: str
-) -> proto.ChatCompletionResponse:
+) -> dict[str, Any]:
     echo = _echo_text(req)
     choices = [
         proto.ChatChoice(
@@ -145,7 +145,7 @@ def _full_response(
         )
         for c in final.outputs
     ]
-    usage = proto.UsageInfo.of(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
+    usage = proto.usage_info(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
     return proto.ChatCompletionResponse(id=reply_id, model=engine.model_name, choices=choices, usage=usage)
 
 
@@ -154,13 +154,13 @@ async def _stream(
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(choices: list[proto.ChatStreamChoice], usage: proto.UsageInfo | None = None) -> str:
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         model = engine.model_name
         return common.sse(
             proto.ChatCompletionChunk(id=reply_id, created=created, model=model, choices=choices, usage=usage)
         )
 
-    def choice(u: common.Update) -> proto.ChatStreamChoice:
+    def choice(u: common.Update) -> dict[str, Any]:
         index, _, c, delta, start, _ = u
         return proto.ChatStreamChoice(
             index=index,
@@ -174,6 +174,6 @@ async def _stream(
     echo = _echo_text(req)
     for i in range(req.n):
         yield chunk([proto.ChatStreamChoice(index=i, delta=proto.DeltaMessage(role="assistant", content=echo))])
-    usage = functools.partial(proto.UsageInfo.of, num_prompt_tokens)
+    usage = functools.partial(proto.usage_info, num_prompt_tokens)
     async for piece in common.stream_chunks(req, stream, lambda o, c: c.index, chunk, choice, usage):
         yield piece

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from specserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from specserve.outputs import CompletionOutput, Logprob, RequestOutput
 from specserve.sampling_params import SamplingParams
-from specserve.server.protocol import ErrorInfo, ErrorResponse, SamplingFields
+from specserve.server.protocol import ErrorInfo, SamplingFields
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,8 +47,7 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        return ErrorResponse(error=info).model_dump()
+        return {"error": ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)}
 
 
 INTERNAL_ERROR = APIError("internal server error", 500, "server_error", code="internal_error")
@@ -244,9 +243,8 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise APIError(f"{param} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param=param)
 
 
-def sse(payload: BaseModel | dict[str, Any]) -> str:
-    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -374,7 +372,7 @@ async def respond(
     stream: RequestStream,
     streaming: bool,
     chunks: Callable[[], AsyncIterator[str]],
-    full: Callable[[dict[str, RequestOutput]], BaseModel],
+    full: Callable[[dict[str, RequestOutput]], dict[str, Any]],
 ) -> Response:
     """An SSE response of `chunks()`, or `full` of the final outputs by request id (499 on disconnect)."""
     if streaming:
@@ -383,7 +381,7 @@ async def respond(
         finals = await until_disconnected(raw, _collect(stream))
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(full(finals).model_dump())
+    return JSONResponse(full(finals))
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -47,18 +47,29 @@ class _Reply:
             prompt.text = common.require_tokenizer(self.engine, "echo").decode(prompt.token_ids)
         return prompt.text
 
-    def chunk(self, choices: list[proto.CompletionChoice], usage: proto.UsageInfo | None) -> str:
-        model = self.engine.model_name
-        return common.sse(
-            proto.CompletionResponse(id=self.id, created=self.created, model=model, choices=choices, usage=usage)
-        )
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> str:
+        kw = {"id": self.id, "created": self.created, "model": self.engine.model_name}
+        return common.sse(proto.CompletionResponse(**kw, choices=choices, usage=usage))
 
-    def usage(self, completion_tokens: int) -> proto.UsageInfo:
-        return proto.UsageInfo.of(sum(len(p.token_ids) for p in self.prompts), completion_tokens)
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
+        return proto.usage_info(sum(len(p.token_ids) for p in self.prompts), completion_tokens)
+
+    def choice(self, u: common.Update) -> dict[str, Any]:
+        """The choice of an update; its first one carries the echoed prompt and prompt_logprobs."""
+        index, output, c, delta, start, first = u
+        echo = self.req.echo and first
+        return proto.CompletionChoice(
+            index=index,
+            text=(self.echo_text(self.prompt_of(output)) if echo else "") + delta,
+            logprobs=self.logprobs(index, c, start, output if echo else None),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            prompt_logprobs=_prompt_logprobs(self.req, output) if first else None,
+        )
 
     def logprobs(
         self, index: int, c: CompletionOutput, start: int, echoed: RequestOutput | None = None
-    ) -> proto.CompletionLogprobs | None:
+    ) -> dict[str, Any] | None:
         """Logprobs of tokens [start, len(token_ids)), after the prompt's when `echoed` (its prompt is
         echoed in this chunk; vLLM: the first prompt token has no logprob). Text offsets continue across
         chunks and stay in the text when tokens are shown as "token_id:{id}"."""
@@ -71,11 +82,11 @@ class _Reply:
             tops = echoed.prompt_logprobs or []
             scored = [*common.scored_tokens(engine, echoed.prompt_token_ids, tops, as_ids, None), *scored]
         for _, top, sampled, tok, text in scored:
-            out.tokens.append(tok)
-            out.token_logprobs.append(floor(sampled.logprob) if sampled else None)
+            out["tokens"].append(tok)
+            out["token_logprobs"].append(floor(sampled.logprob) if sampled else None)
             shown = None if top is None else {self._shown(t, lp): floor(lp.logprob) for t, lp in top.items()}
-            out.top_logprobs.append(shown)  # top-n and the token itself, as vLLM
-            out.text_offset.append(offset)
+            out["top_logprobs"].append(shown)  # top-n and the token itself, as vLLM
+            out["text_offset"].append(offset)
             offset += len(text)
         self.text_offsets[index] = offset
         return out
@@ -134,10 +145,8 @@ async def create_completion(engine: AsyncEngine, req: proto.CompletionRequest, r
     wanted = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
     if wanted:
         if not 0 <= max(wanted) <= common.MAX_LOGPROBS:
-            raise APIError(
-                f"prompt_logprobs must be between 0 and {common.MAX_LOGPROBS}, got {max(wanted)}",
-                param="prompt_logprobs",
-            )
+            msg = f"prompt_logprobs must be between 0 and {common.MAX_LOGPROBS}, got {max(wanted)}"
+            raise APIError(msg, param="prompt_logprobs")
         params = params.clone(prompt_logprobs=max(wanted))
     params = common.fit_context(params, [len(p.token_ids) for p in prompts], engine.max_model_len, "prompt")
     reply_id = proto.random_id("cmpl")
@@ -150,60 +159,23 @@ async def create_completion(engine: AsyncEngine, req: proto.CompletionRequest, r
     )
 
 
-def _full_response(reply: _Reply, finals: dict[str, RequestOutput]) -> proto.CompletionResponse:
-    choices, num_generated = [], 0
-    for rid in reply.request_ids:
-        output = finals[rid]
-        for c in output.outputs:
-            index = reply.choice_index(output, c)
-            text = (reply.echo_text(reply.prompt_of(output)) if reply.req.echo else "") + c.text
-            logprobs = reply.logprobs(index, c, 0, output if reply.req.echo else None)
-            choices.append(
-                proto.CompletionChoice(
-                    index=index,
-                    text=text,
-                    logprobs=logprobs,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                    prompt_logprobs=_prompt_logprobs(reply.req, output),
-                )
-            )
-            num_generated += len(c.token_ids)
-    choices.sort(key=lambda ch: ch.index)
-    return proto.CompletionResponse(
-        id=reply.id, model=reply.engine.model_name, choices=choices, usage=reply.usage(num_generated)
-    )
+def _full_response(reply: _Reply, finals: dict[str, RequestOutput]) -> dict[str, Any]:
+    outputs = [finals[rid] for rid in reply.request_ids]
+    updates = [(reply.choice_index(o, c), o, c, c.text, 0, True) for o in outputs for c in o.outputs]
+    choices = sorted(map(reply.choice, updates), key=lambda ch: ch["index"])
+    usage = reply.usage(sum(len(c.token_ids) for o in outputs for c in o.outputs))
+    return proto.CompletionResponse(id=reply.id, model=reply.engine.model_name, choices=choices, usage=usage)
 
 
 def _stream(reply: _Reply, stream: RequestStream) -> AsyncIterator[str]:
-    req = reply.req
-
-    def choice(u: common.Update) -> proto.CompletionChoice:
-        index, output, c, delta, start, first = u
-        echo = req.echo and first
-        return proto.CompletionChoice(
-            index=index,
-            text=(reply.echo_text(reply.prompt_of(output)) if echo else "") + delta,
-            logprobs=reply.logprobs(index, c, start, output if echo else None),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-            prompt_logprobs=_prompt_logprobs(req, output) if first else None,
-        )
-
-    return common.stream_chunks(req, stream, reply.choice_index, reply.chunk, choice, reply.usage, keep_first=req.echo)
+    return common.stream_chunks(
+        reply.req, stream, reply.choice_index, reply.chunk, reply.choice, reply.usage, keep_first=reply.req.echo
+    )
 
 
-def _prompt_logprobs(
-    req: proto.CompletionRequest, output: RequestOutput
-) -> list[dict[str, dict[str, Any]] | None] | None:
+def _prompt_logprobs(req: proto.CompletionRequest, output: RequestOutput) -> list[Any] | None:
     """vLLM's `prompt_logprobs` of a choice, when the request asked for them."""
     if req.prompt_logprobs is None or output.prompt_logprobs is None:
         return None
-    return [
-        e
-        and {
-            str(t): {"logprob": floor(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
-            for t, lp in e.items()
-        }
-        for e in output.prompt_logprobs
-    ]
+    entry = lambda lp: {"logprob": floor(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+    return [e and {str(t): entry(lp) for t, lp in e.items()} for e in output.prompt_logprobs]
