@@ -67,10 +67,8 @@ class GuardMiddleware:
         if method == "POST" and media_type != "application/json":
             msg = f"Content-Type must be application/json, got {media_type or 'none'}"
             return APIError(msg, 415, code="unsupported_media_type")
-        length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            msg = f"request body exceeds the limit of {self.max_body_bytes} bytes"
-            return APIError(msg, 413, code="request_too_large")
+        if (length := headers.get("content-length", "")).isdigit() and int(length) > self.max_body_bytes:
+            return common.body_too_large(self.max_body_bytes)
         return None
 
 

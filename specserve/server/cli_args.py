@@ -19,12 +19,8 @@ from specserve import config as cfg
 from specserve import envs
 from specserve.sampling_params import SamplingParams
 
-_CHOICES = {
-    "dtype": cfg.DTYPES,
-    "kv_cache_dtype": cfg.KV_CACHE_DTYPES,
-    "load_format": cfg.LOAD_FORMATS,
-    "metrics_prefix": ("specserve", "vllm"),
-}
+_CHOICES = {"dtype": cfg.DTYPES, "kv_cache_dtype": cfg.KV_CACHE_DTYPES, "load_format": cfg.LOAD_FORMATS}
+_CHOICES["metrics_prefix"] = METRICS_PREFIXES = ("specserve", "vllm")
 _HELP = {
     "tensor_parallel_size": "GPUs to shard the model over",
     "kv_offload_cpu_bytes": "CPU tier for evicted KV blocks, bytes (0 = off; accepts 4G)",
@@ -65,7 +61,7 @@ class ServerConfig:
     trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
-        if self.metrics_prefix not in ("specserve", "vllm"):
+        if self.metrics_prefix not in METRICS_PREFIXES:
             raise ValueError(f"metrics_prefix must be specserve or vllm, got {self.metrics_prefix!r}.")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}.")

@@ -17,16 +17,11 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _accepts_none(annotation: Any) -> bool:
-    return annotation is Any or annotation is None or type(None) in get_args(annotation)
-
-
 @functools.cache
 def _null_means_default(cls: type[BaseModel]) -> frozenset[str]:
     """Optional fields of `cls` whose type has no None: a JSON null there means the default."""
-    return frozenset(
-        name for name, f in cls.model_fields.items() if not f.is_required() and not _accepts_none(f.annotation)
-    )
+    nullable = lambda t: t is Any or t is None or type(None) in get_args(t)
+    return frozenset(n for n, f in cls.model_fields.items() if not f.is_required() and not nullable(f.annotation))
 
 
 class OpenAIModel(BaseModel):
@@ -191,10 +186,8 @@ _REPLY = "id object created model choices usage"
 ErrorInfo = _shape("message type param code")
 # prompt_logprobs (vLLM's): per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
 CompletionChoice = _shape("index text logprobs finish_reason stop_reason prompt_logprobs")
-CompletionLogprobs = _shape(
-    "text_offset token_logprobs tokens top_logprobs",
-    **dict.fromkeys(("text_offset", "token_logprobs", "tokens", "top_logprobs"), list),
-)
+_LOGPROB_LISTS = "text_offset token_logprobs tokens top_logprobs"
+CompletionLogprobs = _shape(_LOGPROB_LISTS, **dict.fromkeys(_LOGPROB_LISTS.split(), list))
 CompletionResponse = _shape(_REPLY, object="text_completion", created=_now)
 TopLogprob = _shape("token logprob bytes")
 ChatTokenLogprob = _shape("token logprob bytes top_logprobs", top_logprobs=list)

@@ -57,6 +57,10 @@ class ClientDisconnected(Exception):
     pass
 
 
+def body_too_large(limit: int) -> APIError:
+    return APIError(f"request body exceeds the limit of {limit} bytes", 413, code="request_too_large")
+
+
 def unavailable(message: str, headers: dict[str, str] | None = None) -> APIError:
     return APIError(message, 503, "service_unavailable_error", code="engine_unavailable", headers=headers)
 
@@ -77,10 +81,8 @@ def engine_error(e: Exception, engine: AsyncEngine | None = None) -> APIError:
 
 
 _FIELD_RE = re.compile(r"^([a-z_][a-z0-9_]*)")
-_KNOWN_FIELDS = {*SamplingParams.__dataclass_fields__, "prompt", "messages", "model", "max_completion_tokens"} | {
-    "top_logprobs",
-    "prompt_token_ids",
-}
+_KNOWN_FIELDS = {*SamplingParams.__dataclass_fields__, *"prompt messages model max_completion_tokens".split()}
+_KNOWN_FIELDS |= {"top_logprobs", "prompt_token_ids"}
 
 
 def field_in_message(message: str) -> str | None:
@@ -95,7 +97,7 @@ async def read_json(request: Request, limit: int) -> Any:
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise APIError(f"request body exceeds the limit of {limit} bytes", 413, code="request_too_large")
+            raise body_too_large(limit)
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks))
