@@ -195,10 +195,8 @@ class SpeculativeConfig:
         for row in () if table is None else table if isinstance(table, (list, tuple)) else [table]:
             ok = isinstance(row, (list, tuple)) and len(row) == 3 and all(_is_int(v) for v in row)
             if not ok or not 0 <= row[0] <= row[1] or row[2] < 0:
-                raise ValueError(
-                    "speculative_config.num_speculative_tokens_per_batch_size rows must be [min_batch, max_batch, k] "
-                    f"integers with 0 <= min_batch <= max_batch and k >= 0, got {row!r}."
-                )
+                what = "rows must be [min_batch, max_batch, k] integers with 0 <= min_batch <= max_batch and k >= 0"
+                raise ValueError(f"speculative_config.num_speculative_tokens_per_batch_size {what}, got {row!r}.")
 
     @classmethod
     def from_any(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -211,8 +209,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError("speculative_config must be a dict or a JSON object.")
-        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
+        if unknown := set(value) - {f.name for f in dataclasses.fields(cls)}:
             raise ValueError(f"speculative_config has unknown keys: {sorted(unknown)}.")
         if "method" not in value:
             raise ValueError("speculative_config.method is required.")
@@ -255,8 +252,7 @@ class EngineConfig:
         parts: dict[str, Any] = {}
         subs = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
         for name, sub in subs.items():
-            names = {f.name for f in dataclasses.fields(sub)}
-            parts[name] = sub(**{k: kw.pop(k) for k in list(kw) if k in names})
+            parts[name] = sub(**{f.name: kw.pop(f.name) for f in dataclasses.fields(sub) if f.name in kw})
         offload = kw.pop("kv_offload", None) or {}
         # the CLI's flat names work as keywords too (LLM(kv_offload_cpu_bytes=...))
         flat = {k[len("kv_offload_") :]: kw.pop(k) for k in list(kw) if k.startswith("kv_offload_")}

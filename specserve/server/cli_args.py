@@ -90,6 +90,10 @@ def _json_dict(text: str) -> dict[str, Any]:
     return value
 
 
+_FLAG_KINDS: dict[Any, dict[str, Any]] = {bool: {"action": argparse.BooleanOptionalAction}, int: {"type": int}}
+_FLAG_KINDS |= {float: {"type": float}, str: {"type": str}, dict: {"type": _json_dict, "metavar": "JSON"}}
+
+
 def _base_type(hint: Any) -> Any:
     """`int | None` -> int; anything else unchanged."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
@@ -98,28 +102,20 @@ def _base_type(hint: Any) -> Any:
     return typing.get_origin(hint) or hint
 
 
-def _add_field(
-    group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, dest: str, flag: str | None = None
-) -> None:
+def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, dest: str) -> None:
     base = _base_type(hint)
     default = f.default if f.default is not dataclasses.MISSING else None
     help_ = f.metadata.get("help") or _HELP.get(dest, "")
     if "default" not in help_.lower():  # some helps state their default in words
         help_ = f"{help_} (default: {default})".strip()
-    kw: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_}
-    if base is bool:
-        kw["action"] = argparse.BooleanOptionalAction
-    elif base is dict:
-        kw.update(type=_json_dict, metavar="JSON")
-    elif base is int:
-        kw["type"] = parse_size if dest.endswith("_bytes") else int
-    elif base in (float, str):
-        kw["type"] = base
-    else:
+    if base not in _FLAG_KINDS:
         return  # tuples and other structures have no flag form
+    kw: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_, **_FLAG_KINDS[base]}
+    if base is int and dest.endswith("_bytes"):
+        kw["type"] = parse_size
     if dest in _CHOICES:
         kw["choices"] = _CHOICES[dest]
-    group.add_argument(flag or "--" + dest.replace("_", "-"), **kw)
+    group.add_argument("--" + dest.replace("_", "-"), **kw)
 
 
 def _add_dataclass(
