@@ -19,10 +19,9 @@ from specserve.server import serving_common as common
 from specserve.server.serving_common import MIN_LOGPROB, APIError, floor
 
 # Arguments of apply_chat_template a client must not override through chat_template_kwargs.
-_RESERVED_TEMPLATE_KWARGS = set(
-    "conversation tokenize add_generation_prompt return_dict return_tensors padding truncation max_length "
-    "chat_template tools documents tokenizer_kwargs continue_final_message".split()
-)
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict", "return_tensors"}
+_RESERVED_TEMPLATE_KWARGS |= {"padding", "truncation", "max_length", "chat_template", "tools", "documents"}
+_RESERVED_TEMPLATE_KWARGS |= {"tokenizer_kwargs", "continue_final_message"}
 
 
 def render_chat(
@@ -35,20 +34,16 @@ def render_chat(
     _check_messages(messages)
     tokenizer = common.require_tokenizer(engine, "messages")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise APIError(
-            "this model has no chat template; use /v1/completions or send chat_template",
-            param="messages",
-            code="unsupported",
-        )
+        msg = "this model has no chat template; use /v1/completions or send chat_template"
+        raise APIError(msg, param="messages", code="unsupported")
     conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
     extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
     custom = {"chat_template": chat_template} if chat_template is not None else {}
     param = "chat_template" if custom else "messages"
+    opened = {"continue_final_message": True} if req and req.continue_final_message else {}
     try:
-        opened = {"continue_final_message": True} if req and req.continue_final_message else {}
-        text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **custom, **opened, **extra
-        )
+        kw = {"tokenize": False, "add_generation_prompt": add_generation_prompt, **custom, **opened, **extra}
+        text = tokenizer.apply_chat_template(conversation, **kw)
     except jinja2.TemplateSyntaxError as e:
         raise APIError(f"chat_template is not a valid Jinja template: {e}", param=param) from None
     except Exception as e:  # noqa: BLE001 - jinja errors (role order, ...) are the client's
@@ -87,19 +82,18 @@ def _logprobs(engine: AsyncEngine, c: CompletionOutput, start: int, req: proto.C
     return {"content": content}
 
 
+_CONTINUE = "continue_final_message"
+
+
 def _validate(req: proto.ChatCompletionRequest) -> None:
     if req.tools:
         raise APIError("tools are not supported by this server", param="tools", code="unsupported")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
     if req.continue_final_message and req.add_generation_prompt:
-        raise APIError(
-            "continue_final_message needs add_generation_prompt to be false (as vLLM)", param="continue_final_message"
-        )
+        raise APIError(f"{_CONTINUE} needs add_generation_prompt to be false (as vLLM)", param=_CONTINUE)
     if req.continue_final_message and req.messages and req.messages[-1].role != "assistant":
-        raise APIError(
-            "continue_final_message needs the last message to be the assistant's", param="continue_final_message"
-        )
+        raise APIError(f"{_CONTINUE} needs the last message to be the assistant's", param=_CONTINUE)
 
 
 async def create_chat_completion(engine: AsyncEngine, req: proto.ChatCompletionRequest, raw: Request) -> Response:
@@ -116,12 +110,9 @@ async def create_chat_completion(engine: AsyncEngine, req: proto.ChatCompletionR
     params = common.fit_context(params, [len(prompt_ids)], engine.max_model_len, "messages")
     reply_id = proto.random_id("chatcmpl")
     stream = await common.submit(engine, [RequestSpec(reply_id, {"prompt_token_ids": prompt_ids}, params)])
+    chunks = lambda: _stream(engine, req, stream, reply_id, len(prompt_ids))
     return await common.respond(
-        raw,
-        stream,
-        req.stream,
-        lambda: _stream(engine, req, stream, reply_id, len(prompt_ids)),
-        lambda finals: _full_response(engine, req, finals[reply_id], reply_id),
+        raw, stream, req.stream, chunks, lambda f: _full_response(engine, req, f[reply_id], reply_id)
     )
 
 
