@@ -98,9 +98,11 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    cpu_bytes: int = 0
-    disk_path: str | None = None
-    disk_bytes: int = 0
+    cpu_bytes: int = _help("CPU tier for evicted KV blocks, bytes (0 = off; accepts 4G)", default=0)
+    disk_path: str | None = _help(
+        "directory of the disk tier for evicted KV blocks (needs --kv-offload-disk-bytes)", default=None
+    )
+    disk_bytes: int = _help("disk tier size, bytes (accepts 100G; needs --kv-offload-disk-path)", default=0)
 
     def __post_init__(self) -> None:
         cpu, disk, path = _OFFLOAD_FLAGS
@@ -221,7 +223,7 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = _help("GPUs to shard the model over", default=1)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

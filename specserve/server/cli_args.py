@@ -11,33 +11,17 @@ import os
 import re
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specserve import config as cfg
 from specserve import envs
+from specserve.config import _help
 from specserve.sampling_params import SamplingParams
 
 _CHOICES = {"dtype": cfg.DTYPES, "kv_cache_dtype": cfg.KV_CACHE_DTYPES, "load_format": cfg.LOAD_FORMATS}
 _CHOICES["metrics_prefix"] = METRICS_PREFIXES = ("specserve", "vllm")
-_HELP = {
-    "tensor_parallel_size": "GPUs to shard the model over",
-    "kv_offload_cpu_bytes": "CPU tier for evicted KV blocks, bytes (0 = off; accepts 4G)",
-    "kv_offload_disk_path": "directory of the disk tier for evicted KV blocks (needs --kv-offload-disk-bytes)",
-    "kv_offload_disk_bytes": "disk tier size, bytes (accepts 100G; needs --kv-offload-disk-path)",
-    "host": "address to bind",
-    "port": "port to bind",
-    "api_key": "require `Authorization: Bearer KEY` (/health and /metrics stay open); other local users see it in "
-    "`ps`: prefer SPECSERVE_API_KEY or --api-key-file",
-    "api_key_file": "read the API key from this file's first line",
-    "metrics_prefix": "metric name prefix: specserve | vllm (for dashboards built for vLLM)",
-    "max_request_body_bytes": "larger request bodies get 413 (accepts 512K, 16M, ...)",
-    "log_interval": "seconds between stats log lines; 0 = off",
-    "graceful_shutdown_timeout": "on SIGTERM, seconds in-flight requests may run before they are aborted",
-    "uvicorn_log_level": "uvicorn log level",
-    "trust_request_chat_template": "accept a chat_template sent with a chat request (vLLM's flag; off: 400)",
-}
 _ENGINE_SECTIONS = (cfg.ModelConfig, cfg.CacheConfig, cfg.SchedulerConfig, cfg.ParallelConfig)
 # Engine fields only the HTTP server reads: flags of `serve`, not of `generate` / `chat`.
 SERVER_ONLY_FIELDS = frozenset({"served_model_name", "max_num_queued_requests"})
@@ -49,16 +33,25 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 <
 class ServerConfig:
     """HTTP server settings; flags are generated like the engine's."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = field(default=None, repr=False)
-    api_key_file: str | None = None
-    metrics_prefix: str = "specserve"
-    max_request_body_bytes: int = 16 << 20
-    log_interval: float = 10.0
-    graceful_shutdown_timeout: float = 5.0
-    uvicorn_log_level: str = "info"
-    trust_request_chat_template: bool = False
+    host: str = _help("address to bind", default="127.0.0.1")
+    port: int = _help("port to bind", default=8000)
+    api_key: str | None = _help(
+        "require `Authorization: Bearer KEY` (/health and /metrics stay open); other local users see it in "
+        "`ps`: prefer SPECSERVE_API_KEY or --api-key-file",
+        default=None,
+        repr=False,
+    )
+    api_key_file: str | None = _help("read the API key from this file's first line", default=None)
+    metrics_prefix: str = _help(
+        "metric name prefix: specserve | vllm (for dashboards built for vLLM)", default="specserve"
+    )
+    max_request_body_bytes: int = _help("larger request bodies get 413 (accepts 512K, 16M, ...)", default=16 << 20)
+    log_interval: float = _help("seconds between stats log lines; 0 = off", default=10.0)
+    graceful_shutdown_timeout: float = _help("on SIGTERM, seconds in-flight requests may run", default=5.0)
+    uvicorn_log_level: str = _help("uvicorn log level", default="info")
+    trust_request_chat_template: bool = _help(
+        "accept a chat_template sent with a chat request (vLLM's flag)", default=False
+    )
 
     def __post_init__(self) -> None:
         if self.metrics_prefix not in METRICS_PREFIXES:
@@ -105,7 +98,7 @@ def _base_type(hint: Any) -> Any:
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, dest: str) -> None:
     base = _base_type(hint)
     default = f.default if f.default is not dataclasses.MISSING else None
-    help_ = f.metadata.get("help") or _HELP.get(dest, "")
+    help_ = f.metadata.get("help", "")
     if "default" not in help_.lower():  # some helps state their default in words
         help_ = f"{help_} (default: {default})".strip()
     if base not in _FLAG_KINDS:
