@@ -66,11 +66,11 @@ class SpecserveReplica:
                     messages.append(queue.get_nowait())
                 pieces: list[bytes] = []
                 for m in messages:
-                    if m is None or (m["type"] == "http.response.body" and not m.get("more_body")):
-                        done = True
-                    if m is not None and m["type"] == "http.response.start":
+                    m = m or {"type": "http.response.body"}  # None: the app returned
+                    done = done or (m["type"] == "http.response.body" and not m.get("more_body"))
+                    if m["type"] == "http.response.start":
                         yield ("start", m["status"], list(m.get("headers", [])))
-                    elif m is not None and m.get("body"):
+                    elif m.get("body"):
                         pieces.append(m["body"])
                 if pieces:
                     yield ("body", b"".join(pieces))
