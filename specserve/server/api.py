@@ -116,7 +116,15 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="specserve", version=__version__, lifespan=lifespan)
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=limit)
-    _add_error_handlers(app)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(APIError(str(exc.detail), exc.status_code, type_))
+
+    @app.exception_handler(RequestValidationError)
+    async def request_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(common.validation_error(list(exc.errors())))
 
     @app.post("/v1/completions")
     @_guarded
@@ -186,17 +194,6 @@ def _tokenize(engine: AsyncEngine, req: proto.TokenizeRequest) -> dict[str, Any]
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs and engine.tokenizer else None
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(APIError(str(exc.detail), exc.status_code, type_))
-
-    @app.exception_handler(RequestValidationError)
-    async def request_validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(common.validation_error(list(exc.errors())))
 
 
 class SpecserveServer(uvicorn.Server):

@@ -9,6 +9,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -30,21 +31,19 @@ MAX_JSON_DEPTH = 64  # request bodies nest a few levels; json_schema / tool-like
 _SURROGATE_RE = re.compile(r"[\ud800-\udfff]")  # only a JSON escape can put one into a str
 
 
+@dataclass(eq=False)
 class APIError(Exception):
     """An error answered with the OpenAI body; `message` is shown to the client verbatim."""
 
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = "invalid_value",
-        headers: dict[str, str] | None = None,  # extra response headers (Retry-After)
-    ) -> None:
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
-        self.headers = headers
+    message: str
+    status: int = 400
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = "invalid_value"
+    headers: dict[str, str] | None = None  # extra response headers (Retry-After)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     def body(self) -> dict[str, Any]:
         return {"error": ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)}
