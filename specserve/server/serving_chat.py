@@ -122,20 +122,19 @@ def _echo_text(req: proto.ChatCompletionRequest) -> str:
     return last.text() if req.echo and last is not None and last.role == "assistant" else ""
 
 
+def _choice(engine: AsyncEngine, req: Any, c: CompletionOutput, text: str, start: int = -1) -> dict[str, Any]:
+    """A response choice (`message`), or a stream choice (`delta`) of the tokens from `start` on."""
+    lp = _logprobs(engine, c, max(start, 0), req)
+    common_fields = {"logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    if start < 0:
+        return proto.ChatChoice(index=c.index, message=proto.ChatResponseMessage(content=text), **common_fields)
+    return proto.ChatStreamChoice(index=c.index, delta=proto.DeltaMessage(content=text), **common_fields)
+
+
 def _full_response(
     engine: AsyncEngine, req: proto.ChatCompletionRequest, final: RequestOutput, reply_id: str
 ) -> dict[str, Any]:
-    echo = _echo_text(req)
-    choices = [
-        proto.ChatChoice(
-            index=c.index,
-            message=proto.ChatResponseMessage(content=echo + c.text),
-            logprobs=_logprobs(engine, c, 0, req),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-        )
-        for c in final.outputs
-    ]
+    choices = [_choice(engine, req, c, _echo_text(req) + c.text) for c in final.outputs]
     usage = proto.usage_info(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
     return proto.ChatCompletionResponse(id=reply_id, model=engine.model_name, choices=choices, usage=usage)
 
@@ -143,24 +142,9 @@ def _full_response(
 async def _stream(
     engine: AsyncEngine, req: proto.ChatCompletionRequest, stream: RequestStream, reply_id: str, num_prompt_tokens: int
 ) -> AsyncIterator[str]:
-    created = int(time.time())
-
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        model = engine.model_name
-        return common.sse(
-            proto.ChatCompletionChunk(id=reply_id, created=created, model=model, choices=choices, usage=usage)
-        )
-
-    def choice(u: common.Update) -> dict[str, Any]:
-        index, _, c, delta, start, _ = u
-        return proto.ChatStreamChoice(
-            index=index,
-            delta=proto.DeltaMessage(content=delta),
-            logprobs=_logprobs(engine, c, start, req),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-        )
-
+    kw = {"id": reply_id, "created": int(time.time()), "model": engine.model_name}
+    chunk = lambda choices, usage=None: common.sse(proto.ChatCompletionChunk(**kw, choices=choices, usage=usage))
+    choice = lambda u: _choice(engine, req, u[2], u[3], u[4])
     # The role comes first, as OpenAI sends it (with the echoed final assistant message).
     echo = _echo_text(req)
     for i in range(req.n):
