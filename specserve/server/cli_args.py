@@ -171,14 +171,9 @@ def apply_num_threads(args: argparse.Namespace) -> int:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The flat vLLM-style kwargs of `EngineConfig.from_kwargs` / `LLM(...)` the user gave."""
     values = dict(vars(args))
-    kw: dict[str, Any] = {}
     model = values.pop("model_tag", None) or values.pop("model", None)
-    if model:
-        kw["model"] = model
-    names = {f.name for cls in _ENGINE_SECTIONS for f in dataclasses.fields(cls)}
-    for name in names | {"speculative_config", "device"}:
-        if name in values:
-            kw[name] = values[name]
+    names = {f.name for cls in _ENGINE_SECTIONS for f in dataclasses.fields(cls)} | {"speculative_config", "device"}
+    kw: dict[str, Any] = ({"model": model} if model else {}) | {n: values[n] for n in names if n in values}
     fields = [f.name for f in dataclasses.fields(cfg.OffloadConfig)]
     if offload := {f: values[f"kv_offload_{f}"] for f in fields if f"kv_offload_{f}" in values}:
         kw["kv_offload"] = offload

@@ -311,6 +311,7 @@ def generated_tokens(engine: AsyncEngine, c: CompletionOutput, start: int, as_id
     return scored_tokens(engine, c.token_ids[start:], tops, as_ids, {})
 
 
+# (choice index, output, completion, new text, first new token, first update of the choice)
 Update = tuple[int, RequestOutput, CompletionOutput, str, int, bool]
 
 
@@ -323,10 +324,8 @@ async def stream_chunks(
     usage: Callable[[int], Any],
     keep_first: bool = False,
 ) -> AsyncIterator[str]:
-    """SSE chunks of cumulative engine outputs: one choice per update (index, output, completion,
-    new text, first new token, first update of the choice); updates with nothing new are skipped
-    (but a first one with `keep_first`). Held-back text may lag the tokens but never rewrites what
-    was sent. Ends with the usage chunk (stream_options.include_usage) and [DONE]."""
+    """SSE chunks of cumulative engine outputs, one choice per Update with something new (or a first one
+    with `keep_first`); sent text is never rewritten. Ends with the usage chunk if asked, then [DONE]."""
     opts = req.stream_options
     include_usage = opts is not None and opts.include_usage
     continuous = include_usage and opts is not None and opts.continuous_usage_stats
