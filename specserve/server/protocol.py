@@ -30,10 +30,9 @@ class OpenAIModel(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _drop_null_optionals(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            names = _null_means_default(cls)
-            if any(data.get(name, 0) is None for name in names):
-                data = {k: v for k, v in data.items() if not (v is None and k in names)}
+        names = _null_means_default(cls) if isinstance(data, dict) else ()
+        if any(data.get(name, 0) is None for name in names):
+            data = {k: v for k, v in data.items() if not (v is None and k in names)}
         return data
 
 
@@ -98,9 +97,8 @@ class CompletionRequest(SamplingFields):
         try:
             return handler(value)
         except ValidationError:
-            raise PydanticCustomError(
-                "invalid_value", "must be a string, a list of strings, a list of token ids or a list of token-id lists"
-            ) from None
+            msg = "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+            raise PydanticCustomError("invalid_value", msg) from None
 
 
 class TextPart(OpenAIModel):
@@ -121,13 +119,11 @@ class ChatMessage(OpenAIModel):
         try:
             return handler(value)
         except ValidationError:
-            if isinstance(value, list) and any(
-                isinstance(p, dict) and p.get("type") not in ("text", None) for p in value
-            ):
+            parts = value if isinstance(value, list) else []
+            if any(isinstance(p, dict) and p.get("type") not in ("text", None) for p in parts):
                 raise PydanticCustomError("unsupported", "only text content parts are supported") from None
-            raise PydanticCustomError(
-                "invalid_value", "must be a string or a list of text parts ({'type': 'text', 'text': ...})"
-            ) from None
+            msg = "must be a string or a list of text parts ({'type': 'text', 'text': ...})"
+            raise PydanticCustomError("invalid_value", msg) from None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
