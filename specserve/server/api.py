@@ -252,14 +252,12 @@ class BackgroundServer:
         self._sock = bind_socket(settings.host, settings.port)
         self.host, self.port = self._sock.getsockname()[:2]
         self.server = make_server(engine, settings, **overrides)
-        self._thread = threading.Thread(target=self._run, name="specserve-uvicorn", daemon=True)
+        serve = lambda: asyncio.run(self.server.serve(sockets=[self._sock]))
+        self._thread = threading.Thread(target=serve, name="specserve-uvicorn", daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    def _run(self) -> None:
-        asyncio.run(self.server.serve(sockets=[self._sock]))
 
     def start(self, timeout: float = 30.0) -> BackgroundServer:
         self._thread.start()
