@@ -1,5 +1,4 @@
-"""Frozen configuration dataclasses, validated in __post_init__. CLI flags are generated from the fields
-(`_` -> `-`, vLLM's names; server/cli_args.py); run-time values (architecture, KV blocks) live elsewhere."""
+"""Frozen configuration dataclasses, validated in __post_init__; CLI flags are generated from the fields."""
 
 from __future__ import annotations
 
@@ -22,8 +21,12 @@ def _help(text: str, **kw: Any) -> Any:
 
 
 def _is_int(value: Any) -> bool:
-    """A real integer: Python's bool is an int, but `true` is no count of anything."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_choice(obj: Any, name: str, choices: tuple[str, ...], prefix: str = "") -> None:
+    if getattr(obj, name) not in choices:
+        raise ValueError(f"{prefix}{name} must be one of {choices}, got {getattr(obj, name)!r}.")
 
 
 @dataclass(frozen=True)
@@ -39,10 +42,8 @@ class ModelConfig:
     enforce_eager: bool = _help("never use CUDA graphs", default=False)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
+        _check_choice(self, "dtype", DTYPES)
+        _check_choice(self, "load_format", LOAD_FORMATS)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
 
@@ -58,8 +59,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}.")
+        _check_choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -87,8 +87,7 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
 
     def check_max_model_len(self, max_model_len: int) -> None:
-        """vLLM's rule: without chunked prefill a prompt is prefilled in one step, so a token budget below
-        max_model_len would silently cap the context."""
+        """Without chunked prefill a prompt is prefilled in one step: the token budget must hold it (vLLM)."""
         n = self.max_num_batched_tokens
         if not self.enable_chunked_prefill and n is not None and n < max_model_len:
             raise ValueError(
@@ -99,27 +98,24 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    cpu_bytes: int = 0
-    disk_path: str | None = None
-    disk_bytes: int = 0
+    cpu_bytes: int = _help("CPU tier for evicted KV blocks, bytes (0 = off; accepts 4G)", default=0)
+    disk_path: str | None = _help(
+        "directory of the disk tier for evicted KV blocks (needs --kv-offload-disk-bytes)", default=None
+    )
+    disk_bytes: int = _help("disk tier size, bytes (accepts 100G; needs --kv-offload-disk-path)", default=0)
 
     def __post_init__(self) -> None:
-        if self.cpu_bytes < 0:
-            raise ValueError(f"kv_offload_cpu_bytes (--kv-offload-cpu-bytes) must be >= 0, got {self.cpu_bytes}.")
-        if self.disk_bytes < 0:
-            raise ValueError(f"kv_offload_disk_bytes (--kv-offload-disk-bytes) must be >= 0, got {self.disk_bytes}.")
+        cpu, disk, path = _OFFLOAD_FLAGS
+        for name, value in ((cpu, self.cpu_bytes), (disk, self.disk_bytes)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}.")
         if self.disk_bytes > 0 and not self.disk_path:
-            raise ValueError(
-                "kv_offload_disk_bytes (--kv-offload-disk-bytes) > 0 needs kv_offload_disk_path "
-                "(--kv-offload-disk-path), the directory of the disk tier."
-            )
+            raise ValueError(f"{disk} > 0 needs {path}, the directory of the disk tier.")
         if self.disk_path is None:
             return
         if self.disk_bytes == 0:  # no default size: the tier fills a disk shared with weights and logs
             raise ValueError(
-                "kv_offload_disk_path (--kv-offload-disk-path) is set but kv_offload_disk_bytes "
-                "(--kv-offload-disk-bytes) is not: give the disk tier a size (e.g. "
-                "--kv-offload-disk-bytes 100G), or drop the path."
+                f"{path} is set but {disk} is not: give the disk tier a size (e.g. 100G), or drop the path."
             )
         _check_disk_dir(os.fspath(self.disk_path))
 
@@ -128,9 +124,14 @@ class OffloadConfig:
         return self.cpu_bytes > 0 or (self.disk_bytes > 0 and self.disk_path is not None)
 
 
+_OFFLOAD_FLAGS = [
+    f"kv_offload_{n} (--kv-offload-{n.replace('_', '-')})" for n in ("cpu_bytes", "disk_bytes", "disk_path")
+]
+
+
 def _check_disk_dir(path: str) -> None:
     """The disk tier's directory must be one, or be creatable: an error naming the flag, before anything loads."""
-    name = "kv_offload_disk_path (--kv-offload-disk-path)"
+    name = _OFFLOAD_FLAGS[2]
     if not path.strip():
         raise ValueError(f"{name} must not be empty.")
     if os.path.lexists(path) and not os.path.exists(path):
@@ -153,6 +154,10 @@ def _check_disk_dir(path: str) -> None:
         raise ValueError(f"{name} {path!r} cannot be created in {parent!r}: {e.strerror or e}.") from None
 
 
+_SPEC_MINIMA = {"num_speculative_tokens": 1, "disable_by_batch_size": 2, "max_model_len": 2, "prompt_lookup_min": 1}
+_SPEC_MINIMA["prompt_lookup_max"] = 1
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
@@ -170,33 +175,21 @@ class SpeculativeConfig:
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}.")
-        if not _is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 1:
-            raise ValueError(
-                "speculative_config.num_speculative_tokens must be an integer >= 1, "
-                f"got {self.num_speculative_tokens!r}."
-            )
+        _check_choice(self, "method", SPEC_METHODS, "speculative_config.")
+        for name, least in _SPEC_MINIMA.items():
+            n = getattr(self, name)
+            if (n is not None or name == "num_speculative_tokens") and (not _is_int(n) or n < least):
+                raise ValueError(f"speculative_config.{name} must be an integer >= {least}, got {n!r}.")
         if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
             raise ValueError(f"speculative_config.model is required for method {self.method!r}.")
         for name in ("parallel_drafting", "adaptive"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"speculative_config.{name} must be true or false, got {value!r}.")
-        n = self.draft_tensor_parallel_size
-        if n is not None and (not _is_int(n) or n != 1):
+        if (n := self.draft_tensor_parallel_size) is not None and (not _is_int(n) or n != 1):
             raise ValueError(
-                f"speculative_config.draft_tensor_parallel_size must be 1 (drafts run unsharded on rank 0), got {n!r}."
+                f"speculative_config.draft_tensor_parallel_size must be 1 (drafts run on rank 0), got {n!r}."
             )
-        for name, least in (
-            ("disable_by_batch_size", 2),
-            ("max_model_len", 2),
-            ("prompt_lookup_min", 1),
-            ("prompt_lookup_max", 1),
-        ):
-            n = getattr(self, name)
-            if n is not None and (not _is_int(n) or n < least):
-                raise ValueError(f"speculative_config.{name} must be an integer >= {least}, got {n!r}.")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi}).")
@@ -204,10 +197,8 @@ class SpeculativeConfig:
         for row in () if table is None else table if isinstance(table, (list, tuple)) else [table]:
             ok = isinstance(row, (list, tuple)) and len(row) == 3 and all(_is_int(v) for v in row)
             if not ok or not 0 <= row[0] <= row[1] or row[2] < 0:
-                raise ValueError(
-                    "speculative_config.num_speculative_tokens_per_batch_size rows must be [min_batch, max_batch, k] "
-                    f"integers with 0 <= min_batch <= max_batch and k >= 0, got {row!r}."
-                )
+                what = "rows must be [min_batch, max_batch, k] integers with 0 <= min_batch <= max_batch and k >= 0"
+                raise ValueError(f"speculative_config.num_speculative_tokens_per_batch_size {what}, got {row!r}.")
 
     @classmethod
     def from_any(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -220,8 +211,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError("speculative_config must be a dict or a JSON object.")
-        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
+        if unknown := set(value) - {f.name for f in dataclasses.fields(cls)}:
             raise ValueError(f"speculative_config has unknown keys: {sorted(unknown)}.")
         if "method" not in value:
             raise ValueError("speculative_config.method is required.")
@@ -233,7 +223,7 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = _help("GPUs to shard the model over", default=1)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -261,29 +251,23 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kw: Any) -> EngineConfig:
         """Build from flat vLLM-style keyword arguments (LLM(...) and the CLI)."""
-        kw = dict(kw)
         parts: dict[str, Any] = {}
         subs = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
         for name, sub in subs.items():
-            names = {f.name for f in dataclasses.fields(sub)}
-            parts[name] = sub(**{k: kw.pop(k) for k in list(kw) if k in names})
+            parts[name] = sub(**{f.name: kw.pop(f.name) for f in dataclasses.fields(sub) if f.name in kw})
         offload = kw.pop("kv_offload", None) or {}
         # the CLI's flat names work as keywords too (LLM(kv_offload_cpu_bytes=...))
         flat = {k[len("kv_offload_") :]: kw.pop(k) for k in list(kw) if k.startswith("kv_offload_")}
-        if isinstance(offload, OffloadConfig):
-            if flat:
-                raise ValueError(f"give kv_offload or the kv_offload_* keywords, not both: {sorted(flat)}.")
-            parts["offload"] = offload
-        else:
-            if not isinstance(offload, dict):
-                raise ValueError(f"kv_offload must be a dict or an OffloadConfig, got {offload!r}.")
+        if isinstance(offload, OffloadConfig) and flat:
+            raise ValueError(f"give kv_offload or the kv_offload_* keywords, not both: {sorted(flat)}.")
+        if not isinstance(offload, (dict, OffloadConfig)):
+            raise ValueError(f"kv_offload must be a dict or an OffloadConfig, got {offload!r}.")
+        if isinstance(offload, dict):
             fields = {f.name for f in dataclasses.fields(OffloadConfig)}
-            unknown = sorted(set(offload) - fields) + sorted(f"kv_offload_{k}" for k in set(flat) - fields)
-            if unknown:
-                raise ValueError(
-                    f"unknown kv_offload settings: {unknown}; known: {sorted(fields)} (or the kv_offload_* keywords)."
-                )
-            parts["offload"] = OffloadConfig(**{**offload, **flat})
+            if unknown := sorted(set(offload) - fields) + sorted(f"kv_offload_{k}" for k in set(flat) - fields):
+                raise ValueError(f"unknown kv_offload settings: {unknown}; known: {sorted(fields)} (or kv_offload_*).")
+            offload = OffloadConfig(**{**offload, **flat})
+        parts["offload"] = offload
         parts["speculative"] = SpeculativeConfig.from_any(kw.pop("speculative_config", None))
         device = kw.pop("device", "auto")
         if kw:

@@ -15,22 +15,17 @@ def _get(name: str) -> str | None:
 
 def specserve_cache() -> Path:
     """Root of specserve's on-disk cache (SPECSERVE_CACHE, else $XDG_CACHE_HOME/specserve)."""
-    explicit = _get("SPECSERVE_CACHE")
-    if explicit is not None:
+    if explicit := _get("SPECSERVE_CACHE"):
         return Path(explicit).expanduser()
-    xdg = _get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg is not None else Path.home() / ".cache"
-    return base / "specserve"
+    return Path(_get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "specserve"
 
 
 def gemv_max_m() -> int | None:
     """SPECSERVE_GEMV_MAX_M as an int >= 0, or None when unset (the module default applies)."""
     value = _get("SPECSERVE_GEMV_MAX_M")
-    if value is None:
-        return None
-    if not value.isdigit():
+    if value is not None and not value.isdigit():
         raise ValueError(f"SPECSERVE_GEMV_MAX_M must be a non-negative integer, got {value!r}.")
-    return int(value)
+    return None if value is None else int(value)
 
 
 def pdl() -> bool:

@@ -78,10 +78,7 @@ class LLM:
         continue_final_message leaves the last (assistant) message open for the model to go on."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         opts = (add_generation_prompt, chat_template, continue_final_message, chat_template_kwargs)
-        prompts = []
-        for c in conversations:
-            text = self._render_chat(c, *opts)
-            prompts.append({"prompt": text, "prompt_token_ids": self._encode_rendered(text)})
+        prompts = [dict(zip(("prompt", "prompt_token_ids"), self._render_chat(c, *opts))) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(
@@ -93,33 +90,28 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         opts = (add_generation_prompt, chat_template, continue_final_message, chat_template_kwargs)
-        return self._encode_rendered(self._render_chat(messages, *opts))
+        return self._render_chat(messages, *opts)[1]
 
     def _render_chat(
         self, messages: list[dict[str, str]], add_prompt: bool, template: str | None, cont: bool, kw: dict | None
-    ) -> str:
+    ) -> tuple[str, list[int]]:
+        """The rendered text and its token ids (the template holds BOS and friends: none added again)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so it has no chat template.")
         if not messages:
             raise ValueError("messages must not be empty.")
         if cont and (add_prompt or messages[-1].get("role") != "assistant"):
-            raise ValueError(
-                "continue_final_message needs add_generation_prompt=False and a last message from the assistant."
-            )
-        opened = {"continue_final_message": True} if cont else {}
-        return tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_prompt, chat_template=template, **opened, **(kw or {})
+            msg = "continue_final_message needs add_generation_prompt=False and a last message from the assistant."
+            raise ValueError(msg)
+        kw = ({"continue_final_message": True} if cont else {}) | (kw or {})
+        text = tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_prompt, chat_template=template, **kw
         )
-
-    def _encode_rendered(self, text: str) -> list[int]:
-        # The template already holds BOS and friends: do not add special tokens again.
-        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+        return text, list(tok.encode(text, add_special_tokens=False))
 
     def get_metrics(self) -> list[Metric]:
         """The same series the server exports, named `specserve:<name>`."""
-        out = []
-        for m in self.engine.stats.snapshot():
+        for m in (out := self.engine.stats.snapshot()):
             m.name = f"specserve:{m.name}"
-            out.append(m)
         return out

@@ -11,6 +11,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_LEAST = {"n": 1, "top_k": 0, "min_tokens": 0, "max_tokens": 1, "logprobs": 0, "prompt_logprobs": 0, "seed": -(1 << 63)}
+_OPTIONAL = ("max_tokens", "logprobs", "prompt_logprobs", "seed")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -57,18 +61,9 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise bad(name, "must be a finite number")
-        # (name, least, optional): integer counts
-        for name, least, optional in (
-            ("n", 1, False),
-            ("top_k", 0, False),
-            ("min_tokens", 0, False),
-            ("max_tokens", 1, True),
-            ("logprobs", 0, True),
-            ("prompt_logprobs", 0, True),
-            ("seed", -(1 << 63), True),
-        ):
+        for name, least in _LEAST.items():  # integer counts; those from max_tokens on may be None
             value = getattr(self, name)
-            if not (optional and value is None) and (not _is_int(value) or value < least):
+            if not (name in _OPTIONAL and value is None) and (not _is_int(value) or value < least):
                 raise bad(name, f"must be an integer >= {least}")
         if self.seed is not None and self.seed >= 1 << 64:
             raise bad("seed", "must fit in 64 bits")
@@ -83,11 +78,7 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop_strings), "must be non-empty strings"),
             ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_ids), "must be token ids >= 0"),
             # the grammar itself is compiled (a bad one rejected) by the engine on admission
-            (
-                "structured_outputs",
-                self.structured_outputs is None or isinstance(self.structured_outputs, dict),
-                "must be a dict",
-            ),
+            ("structured_outputs", isinstance(self.structured_outputs, (dict, type(None))), "must be a dict"),
         ):
             if not ok:
                 raise bad(name, why)
@@ -107,6 +98,4 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def clone(self, **changes: Any) -> SamplingParams:
-        values = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        values.update(changes)
-        return SamplingParams(**values)
+        return SamplingParams(**({f: getattr(self, f) for f in self.__dataclass_fields__} | changes))

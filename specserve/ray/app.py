@@ -1,6 +1,5 @@
-"""The Ray Serve application (N engine replicas + front door), run by `specserve serve`.
-
-Each replica is its own deployment (`specserve-replica-i`) so the front door addresses it by index."""
+"""The Ray Serve application run by `specserve serve`: N engine replicas, each its own deployment
+(`specserve-replica-i`, so the front door addresses it by index), behind one front door."""
 
 from __future__ import annotations
 

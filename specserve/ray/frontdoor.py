@@ -1,9 +1,6 @@
-"""The front door: one Ray Serve ingress routing OpenAI requests to replicas (`router.py`).
-
-Failover: a request whose replica dies (or answers 503) before its first body bytes is retried
-elsewhere; a stream cut later ends with an SSE `engine_unavailable` error event. Nothing is sent
-twice once the client saw output. (No `from __future__ import annotations`: FastAPI reads the
-routes' annotations.)"""
+"""The front door: one Ray Serve ingress routing OpenAI requests to replicas (`router.py`). A request whose
+replica dies (or answers 503) before its first body bytes is retried elsewhere; a stream cut later ends with
+an SSE `engine_unavailable` error event. (No `from __future__ import annotations`: FastAPI reads them.)"""
 
 import asyncio
 import contextlib
@@ -22,7 +19,7 @@ from starlette.responses import Response, StreamingResponse
 from specserve.ray.prom import merge_metrics
 from specserve.ray.router import Router, routing_key
 from specserve.server.api import error_response
-from specserve.server.serving_common import SSE_DONE, APIError, sse
+from specserve.server.serving_common import SSE_DONE, APIError, sse, unavailable
 
 logger = logging.getLogger(__name__)
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -41,7 +38,7 @@ class RouterOptions:
 
 
 def _unavailable(message: str) -> APIError:
-    return APIError(message, 503, "service_unavailable_error", code="engine_unavailable", headers={"Retry-After": "1"})
+    return unavailable(message, {"Retry-After": "1"})
 
 
 async def _head(gen: DeploymentResponseGenerator) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -98,10 +95,8 @@ class FrontDoor:
             tried.append(i)
             self.router.started(i)
             call = self.handles[i].options(stream=True).request
-            gen = cast(
-                DeploymentResponseGenerator,
-                call.remote(request.method, path, request.url.query.encode(), headers, body),
-            )
+            response = call.remote(request.method, path, request.url.query.encode(), headers, body)
+            gen = cast(DeploymentResponseGenerator, response)
             try:
                 status, head, first = await _head(gen)
             except Exception as e:  # noqa: BLE001 - the replica died or failed before answering

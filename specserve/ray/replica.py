@@ -19,6 +19,11 @@ from specserve.server.api import build_app
 from specserve.server.cli_args import ServerConfig
 
 Headers = list[tuple[bytes, bytes]]
+_STATS = {
+    "num_waiting": "num_requests_waiting",
+    "num_running": "num_requests_running",
+    "kv_usage": "kv_cache_usage_perc",
+}
 
 
 @serve.deployment(
@@ -61,11 +66,11 @@ class SpecserveReplica:
                     messages.append(queue.get_nowait())
                 pieces: list[bytes] = []
                 for m in messages:
-                    if m is None or (m["type"] == "http.response.body" and not m.get("more_body")):
-                        done = True
-                    if m is not None and m["type"] == "http.response.start":
+                    m = m or {"type": "http.response.body"}  # None: the app returned
+                    done = done or (m["type"] == "http.response.body" and not m.get("more_body"))
+                    if m["type"] == "http.response.start":
                         yield ("start", m["status"], list(m.get("headers", [])))
-                    elif m is not None and m.get("body"):
+                    elif m.get("body"):
                         pieces.append(m["body"])
                 if pieces:
                     yield ("body", b"".join(pieces))
@@ -74,19 +79,15 @@ class SpecserveReplica:
             asyncio.get_running_loop().create_task(_reap(task))
 
     def stats(self) -> dict[str, float]:
-        names = ("num_waiting", "num_requests_waiting"), ("num_running", "num_requests_running")
-        return {k: self.engine.stats.get(n) for k, n in (*names, ("kv_usage", "kv_cache_usage_perc"))}
+        return {k: self.engine.stats.get(n) for k, n in _STATS.items()}
 
     def metrics_text(self) -> str:
         return self.metrics.render().decode()
 
     def info(self) -> dict[str, Any]:
-        block_size, pid = self.engine.config.cache.block_size, os.getpid()
-        return {
-            "tokenizer": self.engine.tokenizer,
-            "block_size": block_size,
-            "pid": pid,
-            "model_name": self.engine.model_name,
+        engine = self.engine
+        return {"tokenizer": engine.tokenizer, "block_size": engine.config.cache.block_size, "pid": os.getpid()} | {
+            "model_name": engine.model_name
         }
 
     async def check_health(self) -> None:

@@ -52,7 +52,7 @@ class Router:
         max_kv_usage: float = 0.9,
         policy: str = "affinity",
         seed: int | None = None,
-    ) -> None:  # noqa: E501
+    ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
         if policy not in self.POLICIES:

@@ -1,7 +1,5 @@
-"""FastAPI app: OpenAI-compatible routes over an AsyncEngine, plus health and metrics.
-
-Routes validate bodies themselves (413, 400 with the OpenAI error body, never FastAPI's 422).
-Auth and header checks are a pure ASGI middleware (BaseHTTPMiddleware breaks disconnect detection)."""
+"""FastAPI app: OpenAI-compatible routes over an AsyncEngine. Routes validate bodies themselves (413, 400
+with the OpenAI error body, never 422); auth is pure ASGI (BaseHTTPMiddleware breaks disconnect detection)."""
 
 from __future__ import annotations
 
@@ -69,10 +67,8 @@ class GuardMiddleware:
         if method == "POST" and media_type != "application/json":
             msg = f"Content-Type must be application/json, got {media_type or 'none'}"
             return APIError(msg, 415, code="unsupported_media_type")
-        length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            msg = f"request body exceeds the limit of {self.max_body_bytes} bytes"
-            return APIError(msg, 413, code="request_too_large")
+        if (length := headers.get("content-length", "")).isdigit() and int(length) > self.max_body_bytes:
+            return common.body_too_large(self.max_body_bytes)
         return None
 
 
@@ -87,7 +83,7 @@ def _guarded(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request]
             return error_response(e)
         except Exception:
             logger.exception("unhandled error in %s %s", request.method, request.url.path)
-            return error_response(APIError("internal server error", 500, "server_error", code="internal_error"))
+            return error_response(common.INTERNAL_ERROR)
 
     return route
 
@@ -120,7 +116,15 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="specserve", version=__version__, lifespan=lifespan)
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=limit)
-    _add_error_handlers(app)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(APIError(str(exc.detail), exc.status_code, type_))
+
+    @app.exception_handler(RequestValidationError)
+    async def request_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(common.validation_error(list(exc.errors())))
 
     @app.post("/v1/completions")
     @_guarded
@@ -134,24 +138,19 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
         req = common.parse_model(proto.ChatCompletionRequest, await common.read_json(request, limit))
         if req.chat_template is not None and not settings.trust_request_chat_template:
             # A client's Jinja runs sandboxed but may loop for long: opt in (as vLLM).
-            raise APIError(
-                "a chat_template in the request needs the server started with --trust-request-chat-template",
-                param="chat_template",
-                code="unsupported",
-            )
+            msg = "a chat_template in the request needs the server started with --trust-request-chat-template"
+            raise APIError(msg, param="chat_template", code="unsupported")
         return await create_chat_completion(engine, req, request)
 
     card = proto.ModelCard(id=engine.model_name, root=engine.config.model.model, max_model_len=engine.max_model_len)
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return JSONResponse(proto.ModelList(data=[card]).model_dump())
+    app.get("/v1/models")(lambda: JSONResponse(proto.ModelList(data=[card])))
 
     @app.get("/v1/models/{model_id:path}")
     @_guarded
     async def model(request: Request) -> Response:
         common.check_model(engine, request.path_params["model_id"])
-        return JSONResponse(card.model_dump())
+        return JSONResponse(card)
 
     @app.post("/tokenize")
     @_guarded
@@ -172,12 +171,10 @@ def build_app(engine: AsyncEngine, settings: ServerConfig) -> FastAPI:
         try:
             await engine.check_health()
         except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
-            return error_response(APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable"))
+            return error_response(common.unavailable(str(e)))
         return Response(status_code=200)
 
-    @app.get("/version")
-    async def get_version() -> Response:
-        return JSONResponse({"version": __version__})
+    app.get("/version")(lambda: JSONResponse({"version": __version__}))
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
@@ -197,17 +194,6 @@ def _tokenize(engine: AsyncEngine, req: proto.TokenizeRequest) -> dict[str, Any]
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs and engine.tokenizer else None
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(APIError(str(exc.detail), exc.status_code, type_))
-
-    @app.exception_handler(RequestValidationError)
-    async def request_validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(common.validation_error(list(exc.errors())))
 
 
 class SpecserveServer(uvicorn.Server):
@@ -266,14 +252,12 @@ class BackgroundServer:
         self._sock = bind_socket(settings.host, settings.port)
         self.host, self.port = self._sock.getsockname()[:2]
         self.server = make_server(engine, settings, **overrides)
-        self._thread = threading.Thread(target=self._run, name="specserve-uvicorn", daemon=True)
+        serve = lambda: asyncio.run(self.server.serve(sockets=[self._sock]))
+        self._thread = threading.Thread(target=serve, name="specserve-uvicorn", daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    def _run(self) -> None:
-        asyncio.run(self.server.serve(sockets=[self._sock]))
 
     def start(self, timeout: float = 30.0) -> BackgroundServer:
         self._thread.start()

@@ -40,9 +40,8 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
+    fmt = "%(levelname)s %(asctime)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S")
 
 
 def _config_or_exit(prog: str, build: Callable[[], T]) -> T:
@@ -94,10 +93,8 @@ def _serve_ray(engine_kwargs: dict[str, Any], settings: ServerConfig, args: argp
     except ModuleNotFoundError as e:
         if e.name is None or not e.name.startswith("ray"):
             raise
-        print(
-            "specserve serve: error: --data-parallel-backend ray needs Ray Serve: pip install 'specserve[ray]'",
-            file=sys.stderr,
-        )
+        msg = "--data-parallel-backend ray needs Ray Serve: pip install 'specserve[ray]'"
+        print(f"specserve serve: error: {msg}", file=sys.stderr)
         return 2
     return serve_ray(engine_kwargs, settings, args.data_parallel_size, args.ray_address)
 
@@ -162,9 +159,7 @@ def generate_main(argv: Sequence[str]) -> int:
 
 
 def chat_main(argv: Sequence[str]) -> int:
-    args, params, load = _offline(
-        "chat", argv, lambda p: p.add_argument("--system", default=None, help="system prompt")
-    )
+    args, params, load = _offline("chat", argv, lambda p: p.add_argument("--system", help="system prompt"))
     llm = load()
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("specserve chat: empty line or Ctrl-D to quit; /reset clears the history.", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""Command-line flags generated from the config dataclasses (field `a_b` -> `--a-b`, vLLM's names).
-Flags default to argparse.SUPPRESS, so only what the user typed reaches `EngineConfig.from_kwargs`."""
+"""CLI flags generated from the config dataclasses (field `a_b` -> `--a-b`, vLLM's names). Flags default
+to argparse.SUPPRESS, so only what the user typed reaches `EngineConfig.from_kwargs`."""
 
 from __future__ import annotations
 
@@ -11,37 +11,17 @@ import os
 import re
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specserve import config as cfg
 from specserve import envs
+from specserve.config import _help
 from specserve.sampling_params import SamplingParams
 
-_CHOICES = {
-    "dtype": cfg.DTYPES,
-    "kv_cache_dtype": cfg.KV_CACHE_DTYPES,
-    "load_format": cfg.LOAD_FORMATS,
-    "metrics_prefix": ("specserve", "vllm"),
-}
-_HELP = {
-    "tensor_parallel_size": "GPUs to shard the model over",
-    "kv_offload_cpu_bytes": "CPU tier for evicted KV blocks, bytes (0 = off; accepts 4G)",
-    "kv_offload_disk_path": "directory of the disk tier for evicted KV blocks (needs --kv-offload-disk-bytes)",
-    "kv_offload_disk_bytes": "disk tier size, bytes (accepts 100G; needs --kv-offload-disk-path)",
-    "host": "address to bind",
-    "port": "port to bind",
-    "api_key": "require `Authorization: Bearer KEY` (/health and /metrics stay open); other local users see it in "
-    "`ps`: prefer SPECSERVE_API_KEY or --api-key-file",
-    "api_key_file": "read the API key from this file's first line",
-    "metrics_prefix": "metric name prefix: specserve | vllm (for dashboards built for vLLM)",
-    "max_request_body_bytes": "larger request bodies get 413 (accepts 512K, 16M, ...)",
-    "log_interval": "seconds between stats log lines; 0 = off",
-    "graceful_shutdown_timeout": "on SIGTERM, seconds in-flight requests may run before they are aborted",
-    "uvicorn_log_level": "uvicorn log level",
-    "trust_request_chat_template": "accept a chat_template sent with a chat request (vLLM's flag; off: 400)",
-}
+_CHOICES = {"dtype": cfg.DTYPES, "kv_cache_dtype": cfg.KV_CACHE_DTYPES, "load_format": cfg.LOAD_FORMATS}
+_CHOICES["metrics_prefix"] = METRICS_PREFIXES = ("specserve", "vllm")
 _ENGINE_SECTIONS = (cfg.ModelConfig, cfg.CacheConfig, cfg.SchedulerConfig, cfg.ParallelConfig)
 # Engine fields only the HTTP server reads: flags of `serve`, not of `generate` / `chat`.
 SERVER_ONLY_FIELDS = frozenset({"served_model_name", "max_num_queued_requests"})
@@ -53,19 +33,28 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 <
 class ServerConfig:
     """HTTP server settings; flags are generated like the engine's."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = field(default=None, repr=False)
-    api_key_file: str | None = None
-    metrics_prefix: str = "specserve"
-    max_request_body_bytes: int = 16 << 20
-    log_interval: float = 10.0
-    graceful_shutdown_timeout: float = 5.0
-    uvicorn_log_level: str = "info"
-    trust_request_chat_template: bool = False
+    host: str = _help("address to bind", default="127.0.0.1")
+    port: int = _help("port to bind", default=8000)
+    api_key: str | None = _help(
+        "require `Authorization: Bearer KEY` (/health and /metrics stay open); other local users see it in "
+        "`ps`: prefer SPECSERVE_API_KEY or --api-key-file",
+        default=None,
+        repr=False,
+    )
+    api_key_file: str | None = _help("read the API key from this file's first line", default=None)
+    metrics_prefix: str = _help(
+        "metric name prefix: specserve | vllm (for dashboards built for vLLM)", default="specserve"
+    )
+    max_request_body_bytes: int = _help("larger request bodies get 413 (accepts 512K, 16M, ...)", default=16 << 20)
+    log_interval: float = _help("seconds between stats log lines; 0 = off", default=10.0)
+    graceful_shutdown_timeout: float = _help("on SIGTERM, seconds in-flight requests may run", default=5.0)
+    uvicorn_log_level: str = _help("uvicorn log level", default="info")
+    trust_request_chat_template: bool = _help(
+        "accept a chat_template sent with a chat request (vLLM's flag)", default=False
+    )
 
     def __post_init__(self) -> None:
-        if self.metrics_prefix not in ("specserve", "vllm"):
+        if self.metrics_prefix not in METRICS_PREFIXES:
             raise ValueError(f"metrics_prefix must be specserve or vllm, got {self.metrics_prefix!r}.")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}.")
@@ -94,6 +83,10 @@ def _json_dict(text: str) -> dict[str, Any]:
     return value
 
 
+_FLAG_KINDS: dict[Any, dict[str, Any]] = {bool: {"action": argparse.BooleanOptionalAction}, int: {"type": int}}
+_FLAG_KINDS |= {float: {"type": float}, str: {"type": str}, dict: {"type": _json_dict, "metavar": "JSON"}}
+
+
 def _base_type(hint: Any) -> Any:
     """`int | None` -> int; anything else unchanged."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
@@ -102,36 +95,29 @@ def _base_type(hint: Any) -> Any:
     return typing.get_origin(hint) or hint
 
 
-def _add_field(
-    group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, dest: str, flag: str | None = None
-) -> None:
+def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, dest: str) -> None:
     base = _base_type(hint)
     default = f.default if f.default is not dataclasses.MISSING else None
-    help_ = f.metadata.get("help") or _HELP.get(dest, "")
+    help_ = f.metadata.get("help", "")
     if "default" not in help_.lower():  # some helps state their default in words
         help_ = f"{help_} (default: {default})".strip()
-    kw: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_}
-    if base is bool:
-        kw["action"] = argparse.BooleanOptionalAction
-    elif base is dict:
-        kw.update(type=_json_dict, metavar="JSON")
-    elif base is int:
-        kw["type"] = parse_size if dest.endswith("_bytes") else int
-    elif base in (float, str):
-        kw["type"] = base
-    else:
+    if base not in _FLAG_KINDS:
         return  # tuples and other structures have no flag form
+    kw: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_, **_FLAG_KINDS[base]}
+    if base is int and dest.endswith("_bytes"):
+        kw["type"] = parse_size
     if dest in _CHOICES:
         kw["choices"] = _CHOICES[dest]
-    group.add_argument(flag or "--" + dest.replace("_", "-"), **kw)
+    group.add_argument("--" + dest.replace("_", "-"), **kw)
 
 
 def _add_dataclass(
-    group: argparse._ArgumentGroup, cls: type, skip: frozenset[str] = frozenset(), prefix: str = ""
+    group: argparse._ArgumentGroup, cls: type, server_only: bool | None = False, prefix: str = ""
 ) -> None:
+    """Flags of cls's fields; server_only: just SERVER_ONLY_FIELDS (True), all but them (False), all (None)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name not in skip:
+        if server_only is None or (f.name in SERVER_ONLY_FIELDS) == server_only:
             _add_field(group, f, hints[f.name], prefix + f.name)
 
 
@@ -147,26 +133,13 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
         )
     group = parser.add_argument_group("engine")
     for cls in _ENGINE_SECTIONS:
-        _add_dataclass(group, cls, skip=SERVER_ONLY_FIELDS)
-    _add_dataclass(group, cfg.OffloadConfig, prefix="kv_offload_")
-    group.add_argument(
-        "--speculative-config",
-        dest="speculative_config",
-        default=argparse.SUPPRESS,
-        metavar="JSON",
-        help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
-    )
-    group.add_argument(
-        "--device", dest="device", default=argparse.SUPPRESS, help="auto | cpu | cuda | cuda:N (default: auto)"
-    )
-    group.add_argument(
-        "--num-threads",
-        dest="num_threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: the CPU cores this process may use, minus one "
-        "for the Python threads, at most what torch picks or OMP_NUM_THREADS sets)",
-    )
+        _add_dataclass(group, cls)
+    _add_dataclass(group, cfg.OffloadConfig, None, prefix="kv_offload_")
+    spec_help = 'e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\''
+    group.add_argument("--speculative-config", default=argparse.SUPPRESS, metavar="JSON", help=spec_help)
+    group.add_argument("--device", default=argparse.SUPPRESS, help="auto | cpu | cuda | cuda:N (default: auto)")
+    threads_help = "torch CPU threads (default: the usable CPU cores minus one, at most what torch picks)"
+    group.add_argument("--num-threads", type=int, default=None, help=threads_help)
 
 
 def available_cpus() -> int:
@@ -198,20 +171,11 @@ def apply_num_threads(args: argparse.Namespace) -> int:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The flat vLLM-style kwargs of `EngineConfig.from_kwargs` / `LLM(...)` the user gave."""
     values = dict(vars(args))
-    kw: dict[str, Any] = {}
     model = values.pop("model_tag", None) or values.pop("model", None)
-    if model:
-        kw["model"] = model
-    names = {f.name for cls in _ENGINE_SECTIONS for f in dataclasses.fields(cls)}
-    for name in names | {"speculative_config", "device"}:
-        if name in values:
-            kw[name] = values[name]
-    offload = {
-        f.name: values[f"kv_offload_{f.name}"]
-        for f in dataclasses.fields(cfg.OffloadConfig)
-        if f"kv_offload_{f.name}" in values
-    }
-    if offload:
+    names = {f.name for cls in _ENGINE_SECTIONS for f in dataclasses.fields(cls)} | {"speculative_config", "device"}
+    kw: dict[str, Any] = ({"model": model} if model else {}) | {n: values[n] for n in names if n in values}
+    fields = [f.name for f in dataclasses.fields(cfg.OffloadConfig)]
+    if offload := {f: values[f"kv_offload_{f}"] for f in fields if f"kv_offload_{f}" in values}:
         kw["kv_offload"] = offload
     return kw
 
@@ -219,24 +183,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """Server flags, and the engine fields only the server reads (still passed by `engine_kwargs`)."""
     group = parser.add_argument_group("server")
-    _add_dataclass(group, ServerConfig)
-    for cls in _ENGINE_SECTIONS:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in SERVER_ONLY_FIELDS:
-                _add_field(group, f, hints[f.name], f.name)
+    for cls in (ServerConfig, *_ENGINE_SECTIONS):
+        _add_dataclass(group, cls, None if cls is ServerConfig else True)
 
 
 def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's data-parallel flags of `serve`; replicas run on Ray Serve (`specserve.ray`)."""
     group = parser.add_argument_group("data parallel")
     group.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas (default: 1)")
-    group.add_argument(
-        "--data-parallel-backend",
-        choices=("ray",),
-        default=None,
-        help="ray: replicas as a Ray Serve application (pip install 'specserve[ray]')",
-    )
+    ray_help = "ray: replicas as a Ray Serve application (pip install 'specserve[ray]')"
+    group.add_argument("--data-parallel-backend", choices=("ray",), default=None, help=ray_help)
     group.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start one)")
 
 
@@ -262,21 +218,20 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**values)
 
 
+_SAMPLING_FLAGS = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+_SAMPLING_FLAGS |= {"repetition_penalty": 1.0, "n": 1}
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """Sampling flags of `generate` / `chat` (engine --seed seeds weights; --sampling-seed sampling)."""
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--n", type=int, default=1)
+    for name, default in _SAMPLING_FLAGS.items():
+        g.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--sampling-seed", type=int, default=None)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "n", "stop", "ignore_eos")
+    names = [*_SAMPLING_FLAGS, "stop", "ignore_eos"]
     return SamplingParams(**{n: getattr(args, n) for n in names}, seed=args.sampling_seed)

@@ -1,7 +1,5 @@
-"""`specserve serve` under torchrun (`torchrun ... -m specserve.server.launch serve MODEL --tensor-parallel-size N`).
-
-Rank 0 runs `serve`, whose engine adopts the default process group; the other ranks build their
-shard from the same flags and serve steps until rank 0 shuts down."""
+"""`torchrun ... -m specserve.server.launch serve MODEL --tensor-parallel-size N`: rank 0 runs `serve`, whose
+engine adopts the default process group; the others build their shard from the same flags and serve steps."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -16,16 +17,11 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _accepts_none(annotation: Any) -> bool:
-    return annotation is Any or annotation is None or type(None) in get_args(annotation)
-
-
 @functools.cache
 def _null_means_default(cls: type[BaseModel]) -> frozenset[str]:
     """Optional fields of `cls` whose type has no None: a JSON null there means the default."""
-    return frozenset(
-        name for name, f in cls.model_fields.items() if not f.is_required() and not _accepts_none(f.annotation)
-    )
+    nullable = lambda t: t is Any or t is None or type(None) in get_args(t)
+    return frozenset(n for n, f in cls.model_fields.items() if not f.is_required() and not nullable(f.annotation))
 
 
 class OpenAIModel(BaseModel):
@@ -34,10 +30,9 @@ class OpenAIModel(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _drop_null_optionals(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            names = _null_means_default(cls)
-            if any(data.get(name, 0) is None for name in names):
-                data = {k: v for k, v in data.items() if not (v is None and k in names)}
+        names = _null_means_default(cls) if isinstance(data, dict) else ()
+        if any(data.get(name, 0) is None for name in names):
+            data = {k: v for k, v in data.items() if not (v is None and k in names)}
         return data
 
 
@@ -102,9 +97,8 @@ class CompletionRequest(SamplingFields):
         try:
             return handler(value)
         except ValidationError:
-            raise PydanticCustomError(
-                "invalid_value", "must be a string, a list of strings, a list of token ids or a list of token-id lists"
-            ) from None
+            msg = "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+            raise PydanticCustomError("invalid_value", msg) from None
 
 
 class TextPart(OpenAIModel):
@@ -116,9 +110,8 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    # Seen only to be refused (tools are not supported).
     tool_calls: list[Any] | None = None
-    function_call: Any = None
+    function_call: Any = None  # tool_calls / function_call: seen only to be refused
 
     @field_validator("content", mode="wrap")
     @classmethod
@@ -126,13 +119,11 @@ class ChatMessage(OpenAIModel):
         try:
             return handler(value)
         except ValidationError:
-            if isinstance(value, list) and any(
-                isinstance(p, dict) and p.get("type") not in ("text", None) for p in value
-            ):
+            parts = value if isinstance(value, list) else []
+            if any(isinstance(p, dict) and p.get("type") not in ("text", None) for p in parts):
                 raise PydanticCustomError("unsupported", "only text content parts are supported") from None
-            raise PydanticCustomError(
-                "invalid_value", "must be a string or a list of text parts ({'type': 'text', 'text': ...})"
-            ) from None
+            msg = "must be a string or a list of text parts ({'type': 'text', 'text': ...})"
+            raise PydanticCustomError("invalid_value", msg) from None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
@@ -167,124 +158,40 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
+def _shape(fields: str, **defaults: Any) -> Callable[..., dict[str, Any]]:
+    """A response object's builder: the keys `fields` in this order, each None unless given or defaulted
+    (a callable default is called: list, _now)."""
+    names = fields.split()
+
+    def build(**kw: Any) -> dict[str, Any]:
+        return {n: kw[n] if n in kw else (d() if callable(d := defaults.get(n)) else d) for n in names}
+
+    return build
 
 
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
+def _now() -> int:
+    return int(time.time())
 
 
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-        )
+def usage_info(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    total = prompt_tokens + completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
 
 
-class CompletionLogprobs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # vLLM's: per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: str = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: str = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: str = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "specserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: str = "list"
-    data: list[ModelCard]
+_REPLY = "id object created model choices usage"
+ErrorInfo = _shape("message type param code")
+# prompt_logprobs (vLLM's): per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
+CompletionChoice = _shape("index text logprobs finish_reason stop_reason prompt_logprobs")
+_LOGPROB_LISTS = "text_offset token_logprobs tokens top_logprobs"
+CompletionLogprobs = _shape(_LOGPROB_LISTS, **dict.fromkeys(_LOGPROB_LISTS.split(), list))
+CompletionResponse = _shape(_REPLY, object="text_completion", created=_now)
+TopLogprob = _shape("token logprob bytes")
+ChatTokenLogprob = _shape("token logprob bytes top_logprobs", top_logprobs=list)
+ChatResponseMessage = _shape("role content", role="assistant")
+DeltaMessage = _shape("role content")
+ChatChoice = _shape("index message logprobs finish_reason stop_reason")
+ChatStreamChoice = _shape("index delta logprobs finish_reason stop_reason")
+ChatCompletionResponse = _shape(_REPLY, object="chat.completion", created=_now)
+ChatCompletionChunk = _shape(_REPLY, object="chat.completion.chunk")
+ModelCard = _shape("id object created owned_by root max_model_len", object="model", created=_now, owned_by="specserve")
+ModelList = _shape("object data", object="list")

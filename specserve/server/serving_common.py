@@ -1,5 +1,5 @@
-"""Shared pieces of the OpenAI handlers: errors, validation, sampling params, SSE, deltas.
-Requests are validated here before they reach the engine, so a bad one changes no engine state."""
+"""Shared pieces of the OpenAI handlers: errors, validation, sampling params, logprobs, SSE streams.
+Requests are validated before they reach the engine, so a bad one changes no engine state."""
 
 from __future__ import annotations
 
@@ -8,24 +8,18 @@ import functools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from specserve.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineOverloadedError,
-    RequestSpec,
-    RequestStream,
-)
+from specserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from specserve.outputs import CompletionOutput, Logprob, RequestOutput
 from specserve.sampling_params import SamplingParams
-from specserve.server.protocol import ErrorInfo, ErrorResponse, SamplingFields
+from specserve.server.protocol import ErrorInfo, SamplingFields
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,32 +31,37 @@ MAX_JSON_DEPTH = 64  # request bodies nest a few levels; json_schema / tool-like
 _SURROGATE_RE = re.compile(r"[\ud800-\udfff]")  # only a JSON escape can put one into a str
 
 
+@dataclass(eq=False)
 class APIError(Exception):
     """An error answered with the OpenAI body; `message` is shown to the client verbatim."""
 
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = "invalid_value",
-        headers: dict[str, str] | None = None,
-    ) -> None:  # noqa: E501
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
-        self.headers = headers  # extra response headers (Retry-After)
+    message: str
+    status: int = 400
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = "invalid_value"
+    headers: dict[str, str] | None = None  # extra response headers (Retry-After)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     def body(self) -> dict[str, Any]:
-        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        return ErrorResponse(error=info).model_dump()
+        return {"error": ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)}
+
+
+INTERNAL_ERROR = APIError("internal server error", 500, "server_error", code="internal_error")
 
 
 class ClientDisconnected(Exception):
-    """The client went away before the reply was ready; its requests were aborted."""
+    pass
 
 
-RETRY_AFTER_S = 1
+def body_too_large(limit: int) -> APIError:
+    return APIError(f"request body exceeds the limit of {limit} bytes", 413, code="request_too_large")
+
+
+def unavailable(message: str, headers: dict[str, str] | None = None) -> APIError:
+    return APIError(message, 503, "service_unavailable_error", code="engine_unavailable", headers=headers)
 
 
 def engine_error(e: Exception, engine: AsyncEngine | None = None) -> APIError:
@@ -70,23 +69,18 @@ def engine_error(e: Exception, engine: AsyncEngine | None = None) -> APIError:
     if isinstance(e, EngineOverloadedError):
         limit = getattr(engine, "max_num_queued_requests", None)
         what = "too many requests waiting" if limit is None else f"more than {limit} request(s) would be waiting"
-        retry = {"Retry-After": str(RETRY_AFTER_S)}
-        return APIError(
-            f"server overloaded: {what}; retry later",
-            503,
-            "service_unavailable_error",
-            code="overloaded",
-            headers=retry,
-        )
+        err = unavailable(f"server overloaded: {what}; retry later", {"Retry-After": "1"})
+        err.code = "overloaded"
+        return err
     if isinstance(e, EngineDeadError):
-        return APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable")
+        return unavailable(str(e))
     if isinstance(e, ValueError):
         return APIError(str(e), 400, param=field_in_message(str(e)))
     raise e
 
 
 _FIELD_RE = re.compile(r"^([a-z_][a-z0-9_]*)")
-_KNOWN_FIELDS = {*SamplingParams.__dataclass_fields__, "prompt", "messages", "model", "max_completion_tokens"}
+_KNOWN_FIELDS = {*SamplingParams.__dataclass_fields__, *"prompt messages model max_completion_tokens".split()}
 _KNOWN_FIELDS |= {"top_logprobs", "prompt_token_ids"}
 
 
@@ -102,7 +96,7 @@ async def read_json(request: Request, limit: int) -> Any:
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise APIError(f"request body exceeds the limit of {limit} bytes", 413, code="request_too_large")
+            raise body_too_large(limit)
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks))
@@ -136,21 +130,20 @@ def max_token_chars(tokenizer: Any) -> int:
 
 
 def check_prompt_chars(engine: AsyncEngine, num_chars: int, param: str) -> None:
-    """Reject a text too long for the context whatever its tokenization, before tokenizing it
-    (handlers then tokenize in asyncio.to_thread)."""
-    limit = engine.max_model_len * max_token_chars(require_tokenizer(engine, param))
-    if num_chars > limit:
-        raise APIError(
-            f"This model's maximum context length is {engine.max_model_len} tokens. However, your {param} "
-            f"has {num_chars} characters, more than {engine.max_model_len} tokens can spell. Please reduce "
-            "the length of the input.",
-            param=param,
-            code="context_length_exceeded",
-        )
+    """Reject a text too long for the context whatever its tokenization, before tokenizing it."""
+    n = engine.max_model_len
+    if num_chars > n * max_token_chars(require_tokenizer(engine, param)):
+        why = f"your {param} has {num_chars} characters, more than {n} tokens can spell"
+        raise too_long(n, f"{why}. Please reduce the length of the input.", param)
+
+
+def too_long(max_model_len: int, why: str, param: str) -> APIError:
+    msg = f"This model's maximum context length is {max_model_len} tokens. However, {why}"
+    return APIError(msg, param=param, code="context_length_exceeded")
 
 
 def parse_model(cls: type[M], body: Any) -> M:
-    """Validate a JSON body into `cls`; pydantic errors become 400 (not FastAPI's 422)."""
+    """Validate a JSON body into `cls`; pydantic errors become 400."""
     if not isinstance(body, dict):
         raise APIError("request body must be a JSON object", code="invalid_json")
     try:
@@ -169,8 +162,7 @@ def validation_error(errors: list[Any]) -> APIError:
         return APIError("request body is invalid")
     err = errors[0]
     parts = list(err.get("loc", ()))
-    if parts and parts[0] == "body":  # FastAPI's RequestValidationError locations
-        parts = parts[1:]
+    parts = parts[1:] if parts and parts[0] == "body" else parts  # FastAPI's RequestValidationError locations
     parts = [str(p) for p in parts if isinstance(p, int) or not _TYPE_TAG_RE.search(str(p))]
     loc = ".".join(parts)
     more = f" ({len(errors)} errors)" if len(errors) > 1 else ""
@@ -194,7 +186,7 @@ _NULL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "r
 def build_params(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None, logprobs_param: str = "logprobs"
 ) -> SamplingParams:
-    """SamplingParams from the request; unsupported features answer 400. `logprobs_param`: its field name."""
+    """SamplingParams from the request; unsupported features answer 400."""
     if req.logit_bias:
         raise APIError("logit_bias is not supported", param="logit_bias", code="unsupported")
     if not 1 <= req.n <= MAX_N:
@@ -222,23 +214,15 @@ def fit_context(
     if min(prompt_lens) == 0:
         raise APIError(f"{prompt_param} must not be empty", param=prompt_param)
     if longest >= max_model_len:
-        raise APIError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"request has {longest} input tokens. Please reduce the length of the input.",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    max_tokens = params.max_tokens
-    if max_tokens is None:
+        why = f"your request has {longest} input tokens. Please reduce the length of the input."
+        raise too_long(max_model_len, why, prompt_param)
+    n = params.max_tokens
+    if n is None:
         return params.clone(max_tokens=max_model_len - longest)
-    if longest + max_tokens > max_model_len:
-        raise APIError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {longest + max_tokens} tokens ({longest} in the {prompt_param}, "
-            f"{max_tokens} in the completion). Please reduce the length of the {prompt_param} "
-            "or completion.",
-            param="max_tokens",
-            code="context_length_exceeded",
+    if longest + n > max_model_len:
+        why = f"you requested {longest + n} tokens ({longest} in the {prompt_param}, {n} in the completion)"
+        raise too_long(
+            max_model_len, f"{why}. Please reduce the length of the {prompt_param} or completion.", "max_tokens"
         )
     return params
 
@@ -250,44 +234,21 @@ def truncation_size(k: int | None, max_model_len: int) -> int | None:
     if k < 1:
         raise APIError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k}", param="truncate_prompt_tokens")
     if k > max_model_len:
-        raise APIError(
-            f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); "
-            "select a smaller truncation size",
-            param="truncate_prompt_tokens",
-        )
+        msg = f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); "
+        raise APIError(msg + "select a smaller truncation size", param="truncate_prompt_tokens")
     return k
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
+    if bad := [t for t in ids if not 0 <= t < vocab_size]:
         raise APIError(f"{param} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param=param)
 
 
-def sse(payload: BaseModel | dict[str, Any]) -> str:
-    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
-
-
-@dataclass
-class DeltaTracker:
-    """What has been sent per choice, so cumulative engine outputs become stream deltas."""
-
-    text: dict[int, str] = field(default_factory=dict)
-    num_tokens: dict[int, int] = field(default_factory=dict)
-
-    def advance(self, index: int, output: CompletionOutput) -> tuple[str, int]:
-        """Return (new text, first new token position) and mark them sent."""
-        sent = self.text.get(index, "")
-        # Held-back text may lag the tokens but never rewrites what was sent.
-        delta = output.text[len(sent) :] if output.text.startswith(sent) else ""
-        self.text[index] = sent + delta
-        start = self.num_tokens.get(index, 0)
-        self.num_tokens[index] = len(output.token_ids)
-        return delta, start
 
 
 def require_tokenizer(engine: AsyncEngine, param: str) -> Any:
@@ -297,12 +258,8 @@ def require_tokenizer(engine: AsyncEngine, param: str) -> Any:
     return engine.tokenizer
 
 
-def token_text(engine: AsyncEngine, token_id: int, lp: Logprob | None) -> str:
-    if lp is not None and lp.decoded_token is not None:
-        return lp.decoded_token
-    if engine.tokenizer is None:
-        return f"token_id:{token_id}"  # vLLM's spelling when there is no tokenizer
-    return engine.tokenizer.decode([token_id])
+def floor(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
 
 
 @functools.lru_cache(maxsize=1)
@@ -326,19 +283,77 @@ def token_bytes(engine: AsyncEngine, token_id: int, text: str) -> list[int]:
 
 def logprob_token(engine: AsyncEngine, token_id: int, lp: Logprob | None, as_ids: bool) -> tuple[str, str]:
     """(the token as shown in logprobs, its text); `as_ids`: shown as "token_id:{id}"."""
-    text = token_text(engine, token_id, lp)
+    if lp is not None and lp.decoded_token is not None:
+        text = lp.decoded_token
+    elif engine.tokenizer is None:
+        text = f"token_id:{token_id}"  # vLLM's spelling when there is no tokenizer
+    else:
+        text = engine.tokenizer.decode([token_id])
     return (f"token_id:{token_id}" if as_ids else text), text
 
 
-def usage_flags(req: SamplingFields) -> tuple[bool, bool]:
-    """(include_usage, continuous_usage_stats) of a streaming request."""
+ScoredToken = tuple[int, Any, Any, str, str]  # (id, top dict or None, its Logprob or None, shown, text)
+
+
+def scored_tokens(
+    engine: AsyncEngine, ids: list[int], tops: list[Any] | None, as_ids: bool, missing: dict | None
+) -> Iterator[ScoredToken]:
+    """A ScoredToken per id; `missing`: the top dict of ids past `tops`."""
+    for i, tid in enumerate(ids):
+        top = tops[i] if tops is not None and i < len(tops) else missing
+        sampled = top.get(tid) if top else None
+        yield (tid, top, sampled, *logprob_token(engine, tid, sampled, as_ids))
+
+
+def generated_tokens(engine: AsyncEngine, c: CompletionOutput, start: int, as_ids: bool) -> Iterator[ScoredToken]:
+    """scored_tokens of c's tokens from `start` on."""
+    tops = c.logprobs[start:] if c.logprobs is not None else None
+    return scored_tokens(engine, c.token_ids[start:], tops, as_ids, {})
+
+
+# (choice index, output, completion, new text, first new token, first update of the choice)
+Update = tuple[int, RequestOutput, CompletionOutput, str, int, bool]
+
+
+async def stream_chunks(
+    req: SamplingFields,
+    stream: RequestStream,
+    index_of: Callable[[RequestOutput, CompletionOutput], int],
+    make_chunk: Callable[[list[Any], Any], str],
+    make_choice: Callable[[Update], Any],
+    usage: Callable[[int], Any],
+    keep_first: bool = False,
+) -> AsyncIterator[str]:
+    """SSE chunks of cumulative engine outputs, one choice per Update with something new (or a first one
+    with `keep_first`); sent text is never rewritten. Ends with the usage chunk if asked, then [DONE]."""
     opts = req.stream_options
-    return (opts is not None and opts.include_usage), (
-        opts is not None and opts.include_usage and opts.continuous_usage_stats
-    )
+    include_usage = opts is not None and opts.include_usage
+    continuous = include_usage and opts is not None and opts.continuous_usage_stats
+    sent_text: dict[int, str] = {}
+    generated: dict[int, int] = {}
+    done: set[int] = set()
+    async for output in stream:
+        for c in output.outputs:
+            index = index_of(output, c)
+            if index in done:
+                continue
+            sent = sent_text.get(index, "")
+            delta = c.text[len(sent) :] if c.text.startswith(sent) else ""
+            sent_text[index] = sent + delta
+            first, start = index not in generated, generated.get(index, 0)
+            generated[index] = len(c.token_ids)
+            if not (keep_first and first) and not delta and c.finish_reason is None and len(c.token_ids) == start:
+                continue
+            if c.finish_reason is not None:
+                done.add(index)
+            choice = make_choice((index, output, c, delta, start, first))
+            yield make_chunk([choice], usage(sum(generated.values())) if continuous else None)
+    if include_usage:
+        yield make_chunk([], usage(sum(generated.values())))
+    yield SSE_DONE
 
 
-async def submit(engine: AsyncEngine, specs: list[RequestSpec]) -> RequestStream:
+async def submit(engine: AsyncEngine, specs: list[Any]) -> RequestStream:
     try:
         return await engine.add_requests(specs)
     except Exception as e:  # noqa: BLE001 - engine_error re-raises what it does not map
@@ -346,13 +361,10 @@ async def submit(engine: AsyncEngine, specs: list[RequestSpec]) -> RequestStream
 
 
 async def _collect(stream: RequestStream) -> dict[str, RequestOutput]:
-    finals: dict[str, RequestOutput] = {}
     try:
-        async for output in stream:
-            finals[output.request_id] = output
+        return {output.request_id: output async for output in stream}
     finally:
         stream.close()
-    return finals
 
 
 async def respond(
@@ -360,7 +372,7 @@ async def respond(
     stream: RequestStream,
     streaming: bool,
     chunks: Callable[[], AsyncIterator[str]],
-    full: Callable[[dict[str, RequestOutput]], BaseModel],
+    full: Callable[[dict[str, RequestOutput]], dict[str, Any]],
 ) -> Response:
     """An SSE response of `chunks()`, or `full` of the final outputs by request id (499 on disconnect)."""
     if streaming:
@@ -369,7 +381,7 @@ async def respond(
         finals = await until_disconnected(raw, _collect(stream))
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(full(finals).model_dump())
+    return JSONResponse(full(finals))
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -398,11 +410,11 @@ async def guarded_stream(chunks: AsyncIterator[str], close: Callable[[], None]) 
         async for chunk in chunks:
             yield chunk
     except (EngineDeadError, EngineOverloadedError) as e:
-        yield sse(APIError(str(e), 503, "service_unavailable_error", code="engine_unavailable").body())
+        yield sse(unavailable(str(e)).body())
         yield SSE_DONE
     except Exception:
         logger.exception("error while streaming a response")
-        yield sse(APIError("internal server error", 500, "server_error", code="internal_error").body())
+        yield sse(INTERNAL_ERROR.body())
         yield SSE_DONE
     finally:
         close()

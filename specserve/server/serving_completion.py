@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,7 @@ from specserve.engine.async_engine import AsyncEngine, RequestSpec, RequestStrea
 from specserve.outputs import CompletionOutput, Logprob, RequestOutput
 from specserve.server import protocol as proto
 from specserve.server import serving_common as common
-from specserve.server.serving_common import MIN_LOGPROB, APIError
+from specserve.server.serving_common import APIError, floor
 
 
 @dataclass
@@ -46,58 +47,52 @@ class _Reply:
             prompt.text = common.require_tokenizer(self.engine, "echo").decode(prompt.token_ids)
         return prompt.text
 
-    def chunk(self, choices: list[proto.CompletionChoice], usage: proto.UsageInfo | None) -> str:
-        model = self.engine.model_name
-        return common.sse(
-            proto.CompletionResponse(id=self.id, created=self.created, model=model, choices=choices, usage=usage)
-        )
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> str:
+        kw = {"id": self.id, "created": self.created, "model": self.engine.model_name}
+        return common.sse(proto.CompletionResponse(**kw, choices=choices, usage=usage))
 
-    def usage(self, completion_tokens: int) -> proto.UsageInfo:
-        return proto.UsageInfo.of(sum(len(p.token_ids) for p in self.prompts), completion_tokens)
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
+        return proto.usage_info(sum(len(p.token_ids) for p in self.prompts), completion_tokens)
+
+    def choice(self, u: common.Update) -> dict[str, Any]:
+        """The choice of an update; its first one carries the echoed prompt and prompt_logprobs."""
+        index, output, c, delta, start, first = u
+        echo = self.req.echo and first
+        return proto.CompletionChoice(
+            index=index,
+            text=(self.echo_text(self.prompt_of(output)) if echo else "") + delta,
+            logprobs=self.logprobs(index, c, start, output if echo else None),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            prompt_logprobs=_prompt_logprobs(self.req, output) if first else None,
+        )
 
     def logprobs(
         self, index: int, c: CompletionOutput, start: int, echoed: RequestOutput | None = None
-    ) -> proto.CompletionLogprobs | None:
-        """Logprobs of tokens [start, len(token_ids)); text offsets continue across chunks. echoed: the
-        output whose prompt is echoed in this chunk, whose prompt tokens come first (vLLM: the first
-        prompt token has no logprob)."""
+    ) -> dict[str, Any] | None:
+        """Logprobs of tokens [start, len(token_ids)), after the prompt's when `echoed` (its prompt is
+        echoed in this chunk; vLLM: the first prompt token has no logprob). Text offsets continue across
+        chunks and stay in the text when tokens are shown as "token_id:{id}"."""
         if self.req.logprobs is None:
             return None
-        out = proto.CompletionLogprobs()
+        engine, as_ids, out = self.engine, self.req.return_tokens_as_token_ids, proto.CompletionLogprobs()
         offset = self.text_offsets.get(index, 0)
-        as_ids = self.req.return_tokens_as_token_ids  # token strings "token_id:{id}"; offsets stay in the text
-
-        def shown(tid: int, lp: Logprob | None) -> str:
-            return common.logprob_token(self.engine, tid, lp, as_ids)[0]
-
+        scored = list(common.generated_tokens(engine, c, start, as_ids))
         if echoed is not None:
-            scored = echoed.prompt_logprobs or []
-            for i, tid in enumerate(echoed.prompt_token_ids):
-                top = scored[i] if i < len(scored) else None
-                tok, text = common.logprob_token(self.engine, tid, top.get(tid) if top else None, as_ids)
-                out.tokens.append(tok)
-                out.token_logprobs.append(max(top[tid].logprob, MIN_LOGPROB) if top and tid in top else None)
-                out.top_logprobs.append(
-                    None
-                    if top is None
-                    else {  # top-n and the prompt token, as vLLM
-                        shown(t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in top.items()
-                    }
-                )
-                out.text_offset.append(offset)
-                offset += len(text)
-        for i in range(start, len(c.token_ids)):
-            tid = c.token_ids[i]
-            top = c.logprobs[i] if c.logprobs is not None and i < len(c.logprobs) else {}
-            sampled = top.get(tid)
-            tok, text = common.logprob_token(self.engine, tid, sampled, as_ids)
-            out.tokens.append(tok)
-            out.token_logprobs.append(max(sampled.logprob, MIN_LOGPROB) if sampled else None)
-            out.top_logprobs.append({shown(t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in top.items()})
-            out.text_offset.append(offset)
+            tops = echoed.prompt_logprobs or []
+            scored = [*common.scored_tokens(engine, echoed.prompt_token_ids, tops, as_ids, None), *scored]
+        for _, top, sampled, tok, text in scored:
+            out["tokens"].append(tok)
+            out["token_logprobs"].append(floor(sampled.logprob) if sampled else None)
+            shown = None if top is None else {self._shown(t, lp): floor(lp.logprob) for t, lp in top.items()}
+            out["top_logprobs"].append(shown)  # top-n and the token itself, as vLLM
+            out["text_offset"].append(offset)
             offset += len(text)
         self.text_offsets[index] = offset
         return out
+
+    def _shown(self, token_id: int, lp: Logprob) -> str:
+        return common.logprob_token(self.engine, token_id, lp, self.req.return_tokens_as_token_ids)[0]
 
 
 def _prompts(engine: AsyncEngine, req: proto.CompletionRequest) -> list[_Prompt]:
@@ -143,17 +138,15 @@ async def create_completion(engine: AsyncEngine, req: proto.CompletionRequest, r
     if req.echo:
         common.require_tokenizer(engine, "echo")
     prompts = await asyncio.to_thread(_prompts, engine, req)
-    if len(prompts) * req.n > 128:
-        raise APIError("too many completions in one request (prompts * n > 128)", param="n")
+    if len(prompts) * req.n > common.MAX_N:
+        raise APIError(f"too many completions in one request (prompts * n > {common.MAX_N})", param="n")
     params = common.build_params(req, req.max_tokens, req.logprobs)
     # echo with logprobs scores the prompt too (vLLM; lm-eval's loglikelihood requests rely on it).
     wanted = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
     if wanted:
         if not 0 <= max(wanted) <= common.MAX_LOGPROBS:
-            raise APIError(
-                f"prompt_logprobs must be between 0 and {common.MAX_LOGPROBS}, got {max(wanted)}",
-                param="prompt_logprobs",
-            )
+            msg = f"prompt_logprobs must be between 0 and {common.MAX_LOGPROBS}, got {max(wanted)}"
+            raise APIError(msg, param="prompt_logprobs")
         params = params.clone(prompt_logprobs=max(wanted))
     params = common.fit_context(params, [len(p.token_ids) for p in prompts], engine.max_model_len, "prompt")
     reply_id = proto.random_id("cmpl")
@@ -166,78 +159,23 @@ async def create_completion(engine: AsyncEngine, req: proto.CompletionRequest, r
     )
 
 
-def _full_response(reply: _Reply, finals: dict[str, RequestOutput]) -> proto.CompletionResponse:
-    choices, num_generated = [], 0
-    for rid in reply.request_ids:
-        output = finals[rid]
-        for c in output.outputs:
-            index = reply.choice_index(output, c)
-            text = (reply.echo_text(reply.prompt_of(output)) if reply.req.echo else "") + c.text
-            logprobs = reply.logprobs(index, c, 0, output if reply.req.echo else None)
-            choices.append(
-                proto.CompletionChoice(
-                    index=index,
-                    text=text,
-                    logprobs=logprobs,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                    prompt_logprobs=_prompt_logprobs(reply.req, output),
-                )
-            )
-            num_generated += len(c.token_ids)
-    choices.sort(key=lambda ch: ch.index)
-    return proto.CompletionResponse(
-        id=reply.id, model=reply.engine.model_name, choices=choices, usage=reply.usage(num_generated)
+def _full_response(reply: _Reply, finals: dict[str, RequestOutput]) -> dict[str, Any]:
+    outputs = [finals[rid] for rid in reply.request_ids]
+    updates = [(reply.choice_index(o, c), o, c, c.text, 0, True) for o in outputs for c in o.outputs]
+    choices = sorted(map(reply.choice, updates), key=lambda ch: ch["index"])
+    usage = reply.usage(sum(len(c.token_ids) for o in outputs for c in o.outputs))
+    return proto.CompletionResponse(id=reply.id, model=reply.engine.model_name, choices=choices, usage=usage)
+
+
+def _stream(reply: _Reply, stream: RequestStream) -> AsyncIterator[str]:
+    return common.stream_chunks(
+        reply.req, stream, reply.choice_index, reply.chunk, reply.choice, reply.usage, keep_first=reply.req.echo
     )
 
 
-async def _stream(reply: _Reply, stream: RequestStream):  # -> AsyncIterator[str]
-    req = reply.req
-    include_usage, continuous = common.usage_flags(req)
-    tracker, done, generated = common.DeltaTracker(), set(), {}
-    echoed: set[int] = set()
-    async for output in stream:
-        for c in output.outputs:
-            index = reply.choice_index(output, c)
-            if index in done:
-                continue
-            delta, start = tracker.advance(index, c)
-            generated[index] = len(c.token_ids)
-            first = index not in echoed
-            echoed.add(index)
-            if req.echo and first:
-                delta = reply.echo_text(reply.prompt_of(output)) + delta
-            if not delta and c.finish_reason is None and len(c.token_ids) == start:
-                continue
-            if c.finish_reason is not None:
-                done.add(index)
-            logprobs = reply.logprobs(index, c, start, output if req.echo and first else None)
-            choice = proto.CompletionChoice(
-                index=index,
-                text=delta,
-                logprobs=logprobs,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                prompt_logprobs=_prompt_logprobs(req, output) if first else None,
-            )
-            yield reply.chunk([choice], reply.usage(sum(generated.values())) if continuous else None)
-    if include_usage:
-        yield reply.chunk([], reply.usage(sum(generated.values())))
-    yield common.SSE_DONE
-
-
-def _prompt_logprobs(
-    req: proto.CompletionRequest, output: RequestOutput
-) -> list[dict[str, dict[str, Any]] | None] | None:
+def _prompt_logprobs(req: proto.CompletionRequest, output: RequestOutput) -> list[Any] | None:
     """vLLM's `prompt_logprobs` of a choice, when the request asked for them."""
     if req.prompt_logprobs is None or output.prompt_logprobs is None:
         return None
-    return [
-        None
-        if e is None
-        else {
-            str(t): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank, "decoded_token": lp.decoded_token}
-            for t, lp in e.items()
-        }
-        for e in output.prompt_logprobs
-    ]
+    entry = lambda lp: {"logprob": floor(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+    return [e and {str(t): entry(lp) for t, lp in e.items()} for e in output.prompt_logprobs]
