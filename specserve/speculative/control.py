@@ -1,7 +1,6 @@
 """How many tokens to draft per request in the next step: the `Controller` interface and its implementations.
 
-`choose(batch_size)` returns 0..max_k once per proposal; `observe(record)` gets each engine step's measurements,
-in step order. A controller sees only its arguments (and the adaptive one its cost table), never the engine.
+`choose(batch_size)` returns 0..max_k once per proposal; `observe(record)` gets each step's measurements, in order.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from specserve.config import SpeculativeConfig
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one engine step and the proposal that fed it measured, as a controller sees it."""
+    """What one engine step and the proposal that fed it measured."""
 
     batch_size: int  # requests scheduled in the step
     k: int  # the controller's choice for this step (0: the step verified no drafts)
@@ -38,8 +37,7 @@ class StepCostTable(Protocol):
 
 
 class Controller(ABC):
-    """Chooses k in 0..max_k per step. `follows_load`: whether k depends on the load (batch size,
-    measurements) rather than being the same every step."""
+    """Chooses k in 0..max_k per step. `follows_load`: whether k depends on the load (not the same every step)."""
 
     follows_load: bool = True
 
@@ -64,8 +62,8 @@ class FixedController(Controller):
 
 
 class TableController(Controller):
-    """vLLM's `num_speculative_tokens_per_batch_size`: the k of the first row whose
-    [min_batch, max_batch] holds the batch size, capped at max_k; 0 where no row does."""
+    """vLLM's `num_speculative_tokens_per_batch_size`: the k of the first row whose [min_batch, max_batch] holds the
+    batch size, capped at max_k; 0 where no row does."""
 
     def __init__(self, max_k: int, table: tuple[tuple[int, int, int], ...]) -> None:
         super().__init__(max_k)
@@ -105,12 +103,8 @@ class AdaptiveController(Controller):
         super().__init__(max_k)
         if not 0.0 < prior <= 1.0:
             raise ValueError(f"prior must be in (0, 1], got {prior!r}")
-        for name, value in (
-            ("prior_weight", prior_weight),
-            ("window_steps", window_steps),
-            ("drift_steps", drift_steps),
-            ("switch_horizon", switch_horizon),
-        ):
+        positive = {"prior_weight": prior_weight, "window_steps": window_steps, "drift_steps": drift_steps}
+        for name, value in {**positive, "switch_horizon": switch_horizon}.items():
             if not value > 0.0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
         self.costs = costs
@@ -128,7 +122,6 @@ class AdaptiveController(Controller):
         self._last_observed_k: int | None = None
         self.last_choice: int | None = None
 
-    # -- read-outs -----------------------------------------------------------------------------
     def acceptance(self) -> tuple[float, ...]:
         """alpha_j for draft positions j = 0..max_k - 1."""
         return self._alpha
@@ -147,8 +140,8 @@ class AdaptiveController(Controller):
         return k * seconds / weight
 
     def switch_seconds(self, batch_size: int) -> float:
-        """S(b): what starting to draft now costs once (0 while drafting, or for a proposer that never
-        caught up). Drafting stands still where the last choice (or, before any, the last step) was 0."""
+        """S(b): what starting to draft now costs once (0 while drafting, or for a proposer that never caught up).
+        Drafting stands still where the last choice (or, before any, the last step) was 0."""
         seconds, tokens = self._catch_up
         idle = self.last_choice if self.last_choice is not None else self._last_observed_k
         if idle != 0 or tokens <= 0.0:
@@ -169,15 +162,10 @@ class AdaptiveController(Controller):
             rates.append(b * self._expected[k] / (self.costs.seconds(b, k + 1) + k * per_draft + switch))
         return rates
 
-    # -- the controller ------------------------------------------------------------------------
     def choose(self, batch_size: int) -> int:
         rates = self.expected_rates(batch_size)
-        best_k = 0
-        for k in range(1, self.max_k + 1):
-            if rates[k] > rates[best_k]:
-                best_k = k
-        self.last_choice = best_k
-        return best_k
+        self.last_choice = max(range(self.max_k + 1), key=lambda k: (rates[k], -k))  # ties: the smaller k
+        return self.last_choice
 
     def observe(self, record: StepRecord) -> None:
         if record.batch_size <= 0:
@@ -243,8 +231,8 @@ def _bucket(batch_size: int) -> int:
 
 
 def build_controller(cfg: SpeculativeConfig, costs: StepCostTable | None) -> Controller:
-    """The controller `cfg` asks for: a table if given, else adaptive (when `cfg.adaptive` and a cost
-    table was measured), else fixed. `disable_by_batch_size` is applied by the caller (the decoder)."""
+    """A table if given, else adaptive (`cfg.adaptive` with a measured cost table), else fixed.
+    `disable_by_batch_size` is the decoder's."""
     k = cfg.num_speculative_tokens
     if cfg.num_speculative_tokens_per_batch_size:
         return TableController(k, cfg.num_speculative_tokens_per_batch_size)

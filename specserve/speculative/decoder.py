@@ -22,7 +22,7 @@ from specserve.speculative.control import Controller, StepRecord, build_controll
 from specserve.speculative.proposers import build_proposer
 from specserve.speculative.proposers.base import ProposeInput, draft_budget
 from specserve.speculative.proposers.draft_tokens import DeferredDrafts
-from specserve.speculative.verify import POSITION_LABELS, position_counts, record_verify_metrics, verify_drafts
+from specserve.speculative.verify import position_counts, position_labels, record_verify_metrics, verify_drafts
 
 if TYPE_CHECKING:
     from specserve.runner.build import EngineParts
@@ -47,8 +47,7 @@ class SpecDecoder:
     ) -> None:
         self.cfg = cfg
         self.proposer = build_proposer(cfg, parts)
-        # Drafts stop where a request reaches the context window, or speculative_config.max_model_len.
-        window = parts.loaded.max_model_len
+        window = parts.loaded.max_model_len  # drafts stop there, or at speculative_config.max_model_len
         self.max_model_len = min(window, cfg.max_model_len or window)
         # Built after the proposer: an EAGLE head recaptures the target's graphs, whose steps are timed here.
         self.controller: Controller = build_controller(cfg, _step_costs(cfg, parts))
@@ -56,31 +55,28 @@ class SpecDecoder:
         self.rejection = RejectionSampler()
         self.stats = stats
         for pos in range(cfg.num_speculative_tokens):  # every position exported from the start, at 0
-            stats.inc("spec_decode_num_accepted_tokens_per_pos_total", 0, POSITION_LABELS[pos])
+            stats.inc("spec_decode_num_accepted_tokens_per_pos_total", 0, position_labels(pos))
         self.vocab_size = parts.loaded.arch.vocab_size
         self.structured = structured  # cuts drafts at grammar-invalid tokens
         self.last_k: int | None = None  # the k of the last proposal (0: the next step drafts nothing)
         self._proposal: _Proposal | None = None  # the last proposal, verified by the next step
         self._verified: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # this step's position_counts
-        # Drafts left on the device for the verify step: only where the runner fills placeholders.
-        self.proposer.allow_deferred(parts.runner.accepts_pending)
+        self.proposer.allow_deferred(parts.runner.accepts_pending)  # only where the runner fills placeholders
         self._deferred: DeferredDrafts | None = None
         self._wait_s = 0.0  # this step's wait for deferred drafts: the proposal's time, not the step's
 
     @property
     def k_follows_load(self) -> bool:
-        """Seeded random requests draft only when k does not follow the load: the rejection sampler draws k uniforms
-        per step from a request's generator, so with k chosen per step the same seed would sample differently under
-        other load."""
+        """Seeded random requests draft only when k does not follow the load (their generator draws k uniforms
+        per step: a load-dependent k would change what the seed samples)."""
         return self.controller.follows_load or self.disable_above is not None
 
-    # -- the verify step ---------------------------------------------------------------------
     def pending_drafts(self) -> PendingTokens | None:
-        """The last proposal's drafts still on the device: the verify step's placeholders read them."""
+        """The last proposal's drafts still on the device, for the verify step's placeholders."""
         return self._deferred.pending if self._deferred is not None else None
 
     def resolve_drafts(self) -> None:
-        """Bring deferred drafts to the host (waits for the proposer's last forward); a no-op if none."""
+        """Bring deferred drafts to the host (waits for the proposer's last forward)."""
         if self._deferred is None:
             return
         start = time.perf_counter()
@@ -99,7 +95,6 @@ class SpecDecoder:
         record_verify_metrics(self.stats, num_drafts, num_accepted, self._verified[1])
         return tokens, num_accepted
 
-    # -- after the step ----------------------------------------------------------------------
     def after_step(
         self,
         sched: SchedulerOutput,
@@ -108,10 +103,8 @@ class SpecDecoder:
         step_seconds: float,
         batch_size: int,
     ) -> None:
-        """Speculation's one hook after a step's update: the controller observes the step, a proposer keeping target
-        features absorbs the mid-prefill rows, and the requests that got tokens (and did not finish) get drafts for
-        the next step. new_tokens: per scheduled entry, None where it sampled nothing; batch_size: the requests
-        running now."""
+        """After a step's update: observe it, absorb mid-prefill rows, propose for the requests that got tokens.
+        new_tokens: per scheduled entry, None where it sampled nothing; batch_size: the requests running now."""
         self.observe(sched, step_seconds)
         self.absorb(sched, [t is not None for t in new_tokens], step)
         self.propose_for(sched, new_tokens, step, batch_size)
@@ -125,17 +118,12 @@ class SpecDecoder:
         k: int | None = None,
     ) -> None:
         """Propose for the scheduled requests that got tokens and did not finish (see propose)."""
-        reqs, index = [], []
-        for i, (s, tokens) in enumerate(zip(sched.scheduled, new_tokens)):
-            if tokens is not None and not s.request.is_finished:
-                reqs.append(s.request)
-                index.append(i)
-        if reqs:
-            self.propose(reqs, index, step, batch_size, k)
+        index = _live(sched, [t is not None for t in new_tokens])
+        if index:
+            self.propose([sched.scheduled[i].request for i in index], index, step, batch_size, k)
 
     def observe(self, sched: SchedulerOutput, step_seconds: float) -> None:
-        """One StepRecord of the step just run to the controller (the wait for deferred drafts counts
-        as the proposal's time)."""
+        """The step just run, to the controller (the wait for deferred drafts counts as the proposal's time)."""
         reached, accepted = self._verified
         p, wait = self._proposal or _NO_PROPOSAL, self._wait_s
         self._verified, self._proposal, self._wait_s = ((), ()), None, 0.0
@@ -148,18 +136,13 @@ class SpecDecoder:
         self.controller.observe(record)
 
     def absorb(self, sched: SchedulerOutput, samples: list[bool], step: StepOutput) -> None:
-        """The scheduled requests that did not sample (mid-prefill) hand their rows to a proposer that reads target
-        features, so a prompt fed in pieces or chunks is whole in its context. samples: per scheduled entry, whether
-        it sampled."""
+        """Mid-prefill rows (samples: per scheduled entry, whether it sampled) to a proposer reading target features."""
         if not self.proposer.needs_target_hidden:
             return
-        chosen = [
-            (s.request, i)
-            for i, (s, smp) in enumerate(zip(sched.scheduled, samples))
-            if not smp and not s.request.is_finished
-        ]
-        if chosen:
-            self.proposer.absorb(ProposeInput([c[0] for c in chosen], [1] * len(chosen), step, [c[1] for c in chosen]))
+        index = _live(sched, [not x for x in samples])
+        reqs = [sched.scheduled[i].request for i in index]
+        if reqs:
+            self.proposer.absorb(ProposeInput(reqs, [1] * len(reqs), step, index))
 
     def choose(self, batch_size: int) -> int:
         """Drafts per request for the next step of `batch_size` running requests."""
@@ -175,39 +158,34 @@ class SpecDecoder:
         batch_size: int,
         k: int | None = None,
     ) -> None:
-        """Drafts for `reqs` (batch_index: each one's entry in step.batch). k: already chosen for this
-        proposal (None: choose now)."""
+        """Drafts for `reqs` (batch_index: each one's entry in step.batch). k: already chosen (None: choose now)."""
         self.resolve_drafts()  # an earlier proposal no step verified (its requests were not scheduled)
         start = time.perf_counter()
         if k is None:
             k = self.choose(batch_size)
         self.last_k = k
         self.stats.set("spec_decode_chosen_num_tokens", k)
-        # 0: a seeded sampled request while k follows the load, or no room left
-        budgets = [
-            0
-            if self.k_follows_load and r.generator is not None and not r.params.greedy
-            else draft_budget(r, k, self.max_model_len)
-            for r in reqs
-        ]
-        chosen = [(r, b, i) for r, b, i in zip(reqs, budgets, batch_index) if b > 0]
-        for r in reqs:
+        chosen = ProposeInput([], [], step, [])
+        for r, i in zip(reqs, batch_index):
             r.spec_token_ids, r.spec_draft_probs = [], None
+            seeded = self.k_follows_load and r.generator is not None and not r.params.greedy
+            budget = 0 if seeded else draft_budget(r, k, self.max_model_len)
+            if budget > 0:
+                chosen.requests.append(r)
+                chosen.num_draft_tokens.append(budget)
+                chosen.batch_index.append(i)
         catch_up = 0
-        if chosen:
-            self.proposer.propose(
-                ProposeInput([c[0] for c in chosen], [c[1] for c in chosen], step, [c[2] for c in chosen])
-            )
+        if chosen.requests:
+            self.proposer.propose(chosen)
             self._deferred = self.proposer.take_deferred()
             catch_up = self.proposer.catch_up_tokens()
         if self.structured.num_requests:  # grammars read the drafts now; cut them, start next masks
             self.resolve_drafts()
         self.structured.prepare(reqs)
-        self._proposal = _Proposal(k, time.perf_counter() - start, catch_up, len(chosen))
+        self._proposal = _Proposal(k, time.perf_counter() - start, catch_up, len(chosen.requests))
 
     def skip_proposal(self) -> None:
-        """The next step runs without proposing (asynchronous scheduling chose k = 0): recorded as a
-        proposal of nothing, as propose() would with k = 0."""
+        """The next step runs without proposing (asynchronous scheduling chose k = 0): a proposal of nothing."""
         self.last_k = 0
         self.stats.set("spec_decode_chosen_num_tokens", 0)
         self._proposal = _NO_PROPOSAL
@@ -219,9 +197,13 @@ class SpecDecoder:
         self.proposer.on_request_preempted(req)
 
 
+def _live(sched: SchedulerOutput, keep: list[bool]) -> list[int]:
+    """Scheduled entries with `keep` set whose request did not finish."""
+    return [i for i, (s, x) in enumerate(zip(sched.scheduled, keep)) if x and not s.request.is_finished]
+
+
 def _step_costs(cfg: SpeculativeConfig, parts: EngineParts) -> CostTable | None:
-    """The target's step costs for the adaptive controller (None where it is not asked for): every
-    captured batch size up to max_num_seqs, verify lengths 1..k+1."""
+    """The target's step costs for the adaptive controller (None where not asked for): verify lengths 1..k+1."""
     if not cfg.adaptive or cfg.num_speculative_tokens_per_batch_size:
         return None
     sizes = step_cost_batch_sizes(parts.runner, parts.scheduler.max_num_seqs)

@@ -1,7 +1,8 @@
-"""Verification of a step's drafts: the draft distributions stacked for the rejection sampler (sample/rejection.py),
-per-position counts for the controller, and the logprobs of the emitted tokens."""
+"""Verification of a step's drafts: draft distributions for the rejection sampler, per-position counts, logprobs."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -12,27 +13,21 @@ from specserve.sample.sampler import LogprobsTensors, compute_logprobs
 from specserve.scheduler.request import Request
 
 
-class _PositionLabels(dict):
-    """position -> its metric labels, built once."""
-
-    def __missing__(self, pos: int) -> dict[str, str]:
-        self[pos] = {"position": str(pos)}
-        return self[pos]
-
-
-POSITION_LABELS = _PositionLabels()
+@functools.cache
+def position_labels(pos: int) -> dict[str, str]:
+    """A draft position's metric labels, built once."""
+    return {"position": str(pos)}
 
 
 def stack_draft_probs(
     reqs: list[Request], num_drafts: list[int], vocab_size: int, device: torch.device
 ) -> torch.Tensor | None:
     """[total_drafts, vocab] draft_probs for the rejection sampler; None when every draft is one-hot."""
-    if all(r.spec_draft_probs is None for r, k in zip(reqs, num_drafts) if k > 0):
+    drafted = [(r, k) for r, k in zip(reqs, num_drafts) if k > 0]
+    if all(r.spec_draft_probs is None for r, _ in drafted):
         return None
     rows = []
-    for r, k in zip(reqs, num_drafts):
-        if k == 0:
-            continue
+    for r, k in drafted:
         if r.spec_draft_probs is not None:
             rows.append(r.spec_draft_probs[:k].to(device))
         else:
@@ -50,8 +45,7 @@ def verify_drafts(
     meta: SamplingMetadata,
     vocab_size: int,
 ) -> tuple[list[list[int]], list[int]]:
-    """logits: [sum(num_drafts) + len(reqs), vocab]. Per request: its emitted tokens (accepted drafts,
-    then the bonus or resampled token) and how many drafts it accepted."""
+    """logits: [sum(num_drafts) + len(reqs), vocab] -> per request its emitted tokens and accepted draft count."""
     drafts = [r.spec_token_ids[:k] for r, k in zip(reqs, num_drafts)]
     draft_probs = stack_draft_probs(reqs, num_drafts, vocab_size, logits.device)
     out = rejection(drafts, draft_probs, logits, meta)
@@ -72,8 +66,7 @@ def position_counts(num_drafts: list[int], num_accepted: list[int], k: int) -> t
 def record_verify_metrics(
     stats: StatsCollector, num_drafts: list[int], num_accepted: list[int], accepted_per_pos: tuple[int, ...]
 ) -> None:
-    """The spec_decode_* counters of one verify step, one increment each (not per request).
-    accepted_per_pos: position_counts' accepted counts."""
+    """The spec_decode_* counters of one verify step. accepted_per_pos: position_counts' accepted counts."""
     num_seqs = len(num_drafts) - num_drafts.count(0)
     if not num_seqs:
         return
@@ -82,14 +75,14 @@ def record_verify_metrics(
     stats.inc("spec_decode_num_accepted_tokens_total", sum(num_accepted))  # 0 where k is 0
     for pos, count in enumerate(accepted_per_pos):
         if count:
-            stats.inc("spec_decode_num_accepted_tokens_per_pos_total", count, POSITION_LABELS[pos])
+            stats.inc("spec_decode_num_accepted_tokens_per_pos_total", count, position_labels(pos))
 
 
 def verify_logprobs(
     reqs: list[Request], num_drafts: list[int], token_lists: list[list[int]], logits: torch.Tensor
 ) -> tuple[list[Request], LogprobsTensors] | None:
-    """logits: [sum(num_drafts) + len(reqs), vocab], each request's k + 1 rows in turn. Returns (the
-    request of each emitted token that asked for logprobs, their logprobs) or None if none asked."""
+    """logits: [sum(num_drafts) + len(reqs), vocab], k + 1 rows per request -> (the request of each emitted token
+    that asked for logprobs, their logprobs), or None if none asked."""
     rows: list[int] = []
     tokens: list[int] = []
     owners: list[Request] = []
@@ -102,6 +95,5 @@ def verify_logprobs(
         start += k + 1
     if not owners:
         return None
-    idx = torch.tensor(rows, dtype=torch.int64).to(logits.device)
-    ids = torch.tensor(tokens, dtype=torch.int64).to(logits.device)
+    idx, ids = torch.tensor([rows, tokens], dtype=torch.int64).to(logits.device)
     return owners, compute_logprobs(logits.index_select(0, idx), ids, max(r.params.logprobs or 0 for r in owners))

@@ -23,8 +23,7 @@ class ProposeInput:
 
 
 class Proposer(ABC):
-    """Drafts tokens. Only `propose` is required; the other hooks default to doing nothing, so the
-    decoder calls every one of them on every proposer."""
+    """Drafts tokens. Only `propose` is required; the other hooks default to doing nothing."""
 
     name: str = "proposer"
     # Target layers whose hidden states the proposer needs (EAGLE-3); () = none.
@@ -37,20 +36,17 @@ class Proposer(ABC):
         """Set req.spec_token_ids (len <= num_draft_tokens) and req.spec_draft_probs for each request."""
 
     def absorb(self, inp: ProposeInput) -> None:
-        """Rows of requests that computed prompt tokens without sampling (a prompt fed in pieces or
-        chunks): a proposer keeping target features takes them, so its context is whole."""
+        """Rows of requests that computed prompt tokens without sampling, for a proposer keeping target features."""
 
     def allow_deferred(self, allowed: bool) -> None:
-        """Whether drafts may stay on the device until the verify step (the runner fills its
-        placeholders from them); set once by the decoder."""
+        """Whether drafts may stay on the device until the verify step; set once by the decoder."""
 
     def take_deferred(self) -> DeferredDrafts | None:
         """The last proposal's drafts still on the device, handed over once (None: on the host)."""
         return None
 
     def catch_up_tokens(self) -> int:
-        """Tokens the last proposal fed beyond its drafting (a draft model catching up on the
-        request's new tokens); 0 for a proposer without its own context."""
+        """Tokens the last proposal fed beyond its drafting (a draft model catching up)."""
         return 0
 
     def on_request_finished(self, req: Request) -> None:

@@ -32,8 +32,7 @@ _VOCAB_SAMPLE = 256
 
 @dataclass
 class _DraftSeq:
-    """A request as the draft's own runner and KV manager see it (the kv manager's `Request` protocol; duck-types the
-    scheduler's `Request` for the runner)."""
+    """A request as the draft's runner and KV manager see it (duck-types the scheduler's `Request`)."""
 
     request_id: str
     all_token_ids: list[int] = field(default_factory=list)  # real tokens, then drafts fed so far
@@ -50,9 +49,8 @@ class _DraftSeq:
 def draft_kv_blocks(
     target_num_blocks: int, bytes_per_block: int, device: torch.device, what: str, reserve_bytes: int = 0
 ) -> int:
-    """Blocks for a drafter's KV pool: as many tokens as the target's pool (so the drafter does not run out first),
-    capped on CUDA by what is left after the target took its share and `reserve_bytes` more (what the drafter
-    allocates after its pool, e.g. its CUDA graphs)."""
+    """Blocks for a drafter's KV pool: the target's token capacity, capped on CUDA by free memory less
+    `reserve_bytes` (what the drafter allocates after its pool, e.g. its CUDA graphs)."""
     blocks = target_num_blocks + 4
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -63,17 +61,13 @@ def draft_kv_blocks(
     return blocks
 
 
-# After verification the catch-up feeds one or two tokens per request: graphs for both.
-_VERIFY_QUERY_LENS = (1, 2)
-# Tokens per catch-up forward (at least): fewer, larger forwards when drafting starts under load.
-CATCH_UP_BATCHED_TOKENS = 8192
-_GRAPH_PIECES = 4  # a catch-up of up to this many longest-graph lengths replays the graph per piece (below)
+_VERIFY_QUERY_LENS = (1, 2)  # after verification the catch-up feeds one or two tokens per request
+CATCH_UP_BATCHED_TOKENS = 8192  # tokens per catch-up forward (at least): fewer, larger forwards under load
+_GRAPH_PIECES = 4  # a catch-up of up to this many longest-graph lengths replays the graph per piece
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
-    if n == 0:
-        return 0
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(diff[0]) if diff.size else n
 
@@ -88,7 +82,7 @@ class DraftSampler:
         self._greedy: list[bool] = []
 
     def begin(self, reqs: list[Request]) -> None:
-        """Prepare one metadata row per request (rows of `sample` index into this list)."""
+        """One metadata row per request (rows of `sample` index into this list)."""
         self._greedy = [r.params.greedy for r in reqs]
         self._meta = None
         if all(self._greedy):
@@ -113,8 +107,8 @@ class DraftSampler:
         return gen
 
     def sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [len(rows), vocab] -> (tokens [len(rows)] int64 on the device, draft_probs
-        [len(rows), vocab] or None if these rows are all greedy). No host sync."""
+        """logits [len(rows), vocab] -> (tokens [len(rows)] int64, draft_probs [len(rows), vocab] or None if all
+        greedy), on the device."""
         if logits.shape[1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]
         if self._meta is None or all(self._greedy[r] for r in rows):
@@ -134,17 +128,8 @@ class DraftSampler:
         return self._greedy[row]
 
 
-def assign_drafts(
-    reqs: list[Request], drafts: list[list[int]], probs: list[list[torch.Tensor]], sampler: DraftSampler
-) -> None:
-    """Set spec_token_ids / spec_draft_probs ([k, vocab], None for greedy = one-hot drafts)."""
-    for row, (req, tokens, rows) in enumerate(zip(reqs, drafts, probs)):
-        req.spec_token_ids = tokens
-        req.spec_draft_probs = None if sampler.is_greedy(row) or not rows else torch.stack(rows)
-
-
 def check_same_vocabulary(target: LoadedModel, draft_name: str, draft_vocab_size: int, draft_tokenizer) -> None:
-    """A draft must speak the target's token ids: same vocab size, same strings for sampled ids."""
+    """A draft must share the target's token ids: same vocab size, same strings for sampled ids."""
     where = f"speculative_config.model {draft_name!r}"
     if draft_vocab_size != target.arch.vocab_size:
         raise ValueError(
@@ -172,15 +157,15 @@ def _load_draft(cfg: SpeculativeConfig, parts) -> LoadedModel:
 
     target: LoadedModel = parts.loaded
     dtype = target.model.embed_tokens.weight.dtype
-    # A dummy-weights target gets a dummy draft: shape names have no files to load.
     assert cfg.model is not None  # SpeculativeConfig requires it for draft_model
     load_format = "dummy" if target.identity.startswith("dummy:") else "auto"
     source = WeightSource.open(ModelConfig(model=cfg.model, load_format=load_format))
     check_same_vocabulary(target, cfg.model, int(source.hf_config["vocab_size"]), None)
     window = min(target.max_model_len, cfg.max_model_len or target.max_model_len)
     max_len = min(window, int(source.hf_config.get("max_position_embeddings", 4096)))
-    dtype_name = str(dtype).removeprefix("torch.")
-    mcfg = ModelConfig(model=cfg.model, dtype=dtype_name, max_model_len=max_len, load_format=load_format)
+    mcfg = ModelConfig(
+        cfg.model, dtype=str(dtype).removeprefix("torch."), max_model_len=max_len, load_format=load_format
+    )
     loaded = load_model(mcfg, parts.device, dtype, parts.ops, progress=False)
     check_same_vocabulary(target, cfg.model, loaded.arch.vocab_size, loaded.tokenizer)
     return loaded
@@ -197,13 +182,13 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         graphs = parts.runner.graphs is not None
         lens = (_VERIFY_QUERY_LENS, (), CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS)  # verify, prefill, catch-up, mixed
         max_seqs, max_len = parts.scheduler.max_num_seqs, self.loaded.max_model_len
-        # the catch-up graphs' float32 logits and hidden outputs, allocated after the KV pool
-        vocab, hidden = arch.vocab_size, arch.hidden_size
-        reserve = graph_output_bytes(max_seqs, *lens[:2], vocab, hidden, 4, *lens[2:], max_len) if graphs else 0
+        # the graphs' float32 logits and hidden outputs, allocated after the KV pool
+        args = (max_seqs, *lens[:2], arch.vocab_size, arch.hidden_size, 4, *lens[2:], max_len)
+        reserve = graph_output_bytes(*args) if graphs else 0
         num_blocks = draft_kv_blocks(parts.kv.num_blocks, spec.bytes_per_block, self.device, "draft model", reserve)
         self.runner = ModelRunner(self.loaded, spec, num_blocks, self.device, parts.runner.backend)
         self.kv = KVCacheManager(num_blocks, tspec.block_size, enable_prefix_caching=False)
-        self.max_len = self.loaded.max_model_len
+        self.max_len = max_len
         self.max_batched = max(parts.scheduler.max_num_batched_tokens, CATCH_UP_BATCHED_TOKENS)
         self.sampler = DraftSampler(arch.vocab_size, self.device)
         self.seqs: dict[str, _DraftSeq] = {}
@@ -218,9 +203,8 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         for req, k in zip(inp.requests, inp.num_draft_tokens):
             seq = self._sync(req)
             k = min(k, self.max_len - req.num_tokens)
-            lookahead = k - 1
-            if k <= 0 or not self.kv.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens, None, lookahead):
-                continue  # no room in the draft's window or pool: this request goes without drafts
+            if k <= 0 or not self.kv.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens, None, k - 1):
+                continue  # no room in the draft's window or pool: no drafts
             reqs.append(req)
             seqs.append(seq)
             ks.append(k)
@@ -229,15 +213,14 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         self.sampler.begin(reqs)
         self._catch_up_tokens = sum(s.num_tokens - s.num_computed_tokens for s in seqs)
         logits = self._catch_up(seqs)  # [len(reqs), vocab]
-        # Drafts stay on the device; the host reads them once.
-        dt = DraftTokens()
+        dt = DraftTokens()  # on the device; the host reads them once
         rows = list(range(len(reqs)))
         dt.add(rows, *self.sampler.sample(logits, rows))
         if max(ks) > 1:
             self.chain.run(seqs, ks, dt, self.sampler)
         for seq, k in zip(seqs, ks):
             seq.num_computed_tokens += k - 1
-        greedy = [self.sampler.is_greedy(i) for i in range(len(reqs))]
+        greedy = [r.params.greedy for r in reqs]
 
         def finish(drafts: list[list[int]], draft_probs: list[list[torch.Tensor]]) -> None:
             for seq, d, k in zip(seqs, drafts, ks):  # the fed drafts (all but the last), which _sync compares
@@ -251,9 +234,7 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
 
     def _sync(self, req: Request) -> _DraftSeq:
         """Keep the draft KV that still matches the request's tokens (rejected drafts fall out)."""
-        seq = self.seqs.get(req.request_id)
-        if seq is None:
-            seq = self.seqs[req.request_id] = _DraftSeq(req.request_id)
+        seq = self.seqs.setdefault(req.request_id, _DraftSeq(req.request_id))
         tokens = req.all_token_ids
         fed = seq.all_token_ids[seq.num_real : seq.num_computed_tokens]
         valid = seq.num_real + common_prefix_len(fed, tokens[seq.num_real :])
@@ -266,8 +247,7 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         return seq
 
     def catch_up_cap(self, unseen: list[int]) -> int | None:
-        """The most tokens one sequence feeds per catch-up forward, for sequences with `unseen` tokens each (None: no
-        cap)."""
+        """Most tokens a sequence feeds per catch-up forward, sequences with `unseen` tokens each (None: no cap)."""
         graphs = self.runner.graphs
         lens = (graphs.catch_up_query_lens or graphs.prefill_query_lens) if graphs is not None else ()
         if not lens or not unseen or len(unseen) > graphs.sizes_by_q[max(lens)][-1]:
@@ -279,9 +259,8 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         return piece if piece < max(unseen) <= _GRAPH_PIECES * piece else None
 
     def _catch_up(self, seqs: list[_DraftSeq]) -> torch.Tensor:
-        """Feed every seq's unseen tokens, in forwards of at most max_batched tokens (and catch_up_cap() per
-        sequence); returns the logits of each seq's last token, [len(seqs), vocab], valid until the draft's next
-        forward (they may be a CUDA graph's output)."""
+        """Feed every seq's unseen tokens (forwards of <= max_batched tokens, catch_up_cap() per sequence) -> each
+        seq's last logits [len(seqs), vocab], valid until the draft's next forward (maybe a CUDA graph's output)."""
         rows: list[torch.Tensor | None] = [None] * len(seqs)
         pending = list(range(len(seqs)))
         cap = self.catch_up_cap([s.num_tokens - s.num_computed_tokens for s in seqs]) or self.max_batched
@@ -291,7 +270,6 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
                 n = min(seqs[i].num_tokens - seqs[i].num_computed_tokens, budget, cap)
                 if n <= 0:
                     break
-                # The runner reads only what _DraftSeq has of a Request.
                 sched.scheduled.append(ScheduledRequest(cast(Request, seqs[i]), n, 0))
                 order.append(i)
                 budget -= n
@@ -302,22 +280,20 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
                 seqs[i].num_computed_tokens += s.num_new_tokens
                 if samples[j]:
                     logit_row = out.batch.logit_rows[j]
-                    assert logit_row is not None  # a sampling entry has its logits row
+                    assert logit_row is not None
                     got.append((i, logit_row[0]))
             if got == [(i, i) for i in range(len(seqs))] and out.logits.shape[0] == len(seqs):
                 return out.logits  # the usual case: one forward, row i = seq i (no copies)
             for i, first in got:
                 rows[i] = out.logits[first].clone()  # a CUDA graph's output is overwritten on replay
             pending = [i for i in pending if rows[i] is None]
-        done = [r for r in rows if r is not None]
-        assert len(done) == len(rows)  # the loop ends once every seq has its row
-        return torch.stack(done)
+        return torch.stack(cast(list[torch.Tensor], rows))  # the loop ends once every seq has its row
 
 
 @functools.lru_cache(maxsize=64)
 def _uniform_layout(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], list[tuple[int, int] | None]]:
-    """Host arrays of n sequences of one token each, every token scored (shared: never written):
-    (placeholder input ids, cu_query_lens, logits_indices, query_lens, logit_rows)."""
+    """Host arrays (shared: never written) of n one-token sequences, all scored: (placeholder input ids,
+    cu_query_lens, logits_indices, query_lens, logit_rows)."""
     return (
         np.full(n, PLACEHOLDER, dtype=np.int64),
         np.arange(n + 1, dtype=np.int32),
@@ -328,17 +304,14 @@ def _uniform_layout(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[in
 
 
 class _ChainSteps:
-    """The draft's single-token forwards of a propose after the catch-up (step s = 1..k-1 feeds the draft of step s -
-    1), without the runner's generic per-request batch building: the block tables are made once per propose, a step's
-    positions are the catch-up's end + s - 1, and its slots and sequence lengths follow from them in a few numpy
-    operations."""
+    """The draft's one-token forwards after the catch-up (step s = 1..k-1 feeds step s - 1's draft), with block
+    tables made once per propose and each step's positions, slots and lengths in a few numpy operations."""
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager) -> None:
         self.runner, self.kv = runner, kv
 
     def run(self, seqs: list[_DraftSeq], ks: list[int], dt: DraftTokens, sampler: DraftSampler) -> None:
-        """Steps 1..max(ks) - 1; request i takes part in steps s < ks[i]. The seqs' state is
-        not touched (propose() counts the fed tokens afterwards)."""
+        """Steps 1..max(ks) - 1; request i takes part in steps s < ks[i]. Leaves the seqs' state to propose()."""
         base = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
         tables = block_table_array([self.kv.block_ids(s.request_id) for s in seqs])
         active = list(range(len(seqs)))
@@ -363,8 +336,8 @@ class _ChainSteps:
         )
 
     def forward(self, host: HostBatch, tokens: torch.Tensor) -> torch.Tensor:
-        """host's batch with input ids `tokens` ([n] int64 on the device) -> logits [n, vocab]
-        (a CUDA graph's output when one ran: valid until the draft's next forward)."""
+        """host's batch with input ids `tokens` ([n] int64 on the device) -> logits [n, vocab] (valid until the
+        draft's next forward)."""
         return self.runner.forward_scored(host, tokens, self._index(tuple(range(host.num_tokens))))
 
     def _index(self, rows: tuple[int, ...]) -> torch.Tensor:

@@ -17,9 +17,8 @@ class DraftTokens:
         self.steps: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (active, tokens, probs)
 
     def add(self, active: list[int], tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
-        """Step s drafted tokens [len(active)] (and their distributions [len(active), vocab] or None)
-        for the requests `active` (indices into the propose's request list)."""
-        self.steps.append((active, tokens if tokens.dtype == torch.int64 else tokens.to(torch.int64), probs))
+        """A step's tokens [len(active)] (and distributions [len(active), vocab] or None) for requests `active`."""
+        self.steps.append((active, tokens.to(torch.int64), probs))
 
     @property
     def last_tokens(self) -> torch.Tensor:
@@ -32,8 +31,8 @@ class DraftTokens:
         return [pos[i] for i in active]
 
     def request_major(self, n: int) -> tuple[torch.Tensor, list[int], list[list[torch.Tensor]]]:
-        """The n requests' drafts request-major: (flat [sum(counts)] int64 on the device, request i's drafts in
-        consecutive rows; counts per request; per request its drafts' distributions (device rows; empty if greedy))."""
+        """(flat [sum(counts)] int64 on the device, request-major; counts per request; per request its drafts'
+        distributions (device rows; empty if greedy))."""
         per_req: list[list[int]] = [[] for _ in range(n)]  # request i's rows of the step-major flat
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
         at = 0
@@ -65,8 +64,7 @@ class DeferredDrafts:
         request_ids: list[str],
         finish: Finish,
     ) -> None:
-        """flat [sum(counts)] int64 on the device: request i's drafts in rows starts[i] .. + counts[i]
-        (request-major); probs: per request, its drafts' distributions (device rows; empty if greedy)."""
+        """flat [sum(counts)] int64 on the device, request-major; probs as DraftTokens.request_major's."""
         starts = np.cumsum([0] + counts).tolist()
         self.pending = PendingTokens(flat, dict(zip(request_ids, starts)))
         self._starts, self._probs, self._finish = starts, probs, finish
@@ -88,9 +86,8 @@ class DeferredDrafts:
 
 
 class DraftDelivery:
-    """How a proposer that drafts on the device hands its drafts over: read back now, or left on the device as
-    DeferredDrafts that the decoder takes (`take_deferred`) where the runner allows it (`allow_deferred`) and the
-    proposer defers by default."""
+    """A device-drafting proposer's hand-over: read back now, or DeferredDrafts the decoder takes (`take_deferred`)
+    where the runner allows it (`allow_deferred`) and the proposer defers by default."""
 
     defer_drafts: bool = False
     defers_by_default: bool = True
@@ -100,7 +97,6 @@ class DraftDelivery:
         self.defer_drafts = allowed and self.defers_by_default
 
     def deliver(self, dt: DraftTokens, reqs: list[Request], finish: Finish) -> None:
-        """Drafts of chained steps (DraftTokens)."""
         self.deliver_flat(*dt.request_major(len(reqs)), reqs, finish)
 
     def deliver_flat(
@@ -111,8 +107,7 @@ class DraftDelivery:
         reqs: list[Request],
         finish: Finish,
     ) -> None:
-        """Drafts request-major in flat [sum(counts)] on the device (DraftTokens.request_major, or
-        P-EAGLE's picks of one forward); probs: per request, its drafts' distributions (device rows)."""
+        """Drafts request-major in flat [sum(counts)] on the device; probs per request (device rows)."""
         for req, k in zip(reqs, counts):
             req.spec_token_ids, req.spec_draft_probs = [PLACEHOLDER] * k, None
         deferred = DeferredDrafts(flat, counts, probs, [r.request_id for r in reqs], finish)
@@ -126,7 +121,7 @@ class DraftDelivery:
         return d
 
     def resolve_deferred(self) -> None:
-        """Read deferred drafts back now: for tools and tests that inspect drafts right after propose."""
+        """Read deferred drafts back now (tools and tests that inspect drafts right after propose)."""
         d = self.take_deferred()
         if d is not None:
             d.resolve()
@@ -135,8 +130,8 @@ class DraftDelivery:
 def assign_resolved(
     reqs: list[Request], drafts: list[list[int]], probs: list[list[torch.Tensor]], greedy: list[bool]
 ) -> None:
-    """Replace each request's placeholder drafts (DraftDelivery.deliver) by the drafted ids, and set spec_draft_probs
-    ([k, vocab]; None = one-hot drafts)."""
+    """Replace each request's placeholder drafts by the drafted ids (no more than the scheduler left) and set
+    spec_draft_probs ([k, vocab]; None = one-hot)."""
     for req, tokens, rows, g in zip(reqs, drafts, probs, greedy):
         held = len(req.spec_token_ids)
         if not held or req.spec_token_ids[0] != PLACEHOLDER:

@@ -28,26 +28,24 @@ class FirstForwardGraphs(StaticForward):
         feed: tuple[torch.Tensor, torch.Tensor] | None,
         capture: bool,
     ) -> None:
-        """k: the most drafts a request asks for. parallel: P-EAGLE (k picks per request: the last real row and
-        k - 1 mask rows) or autoregressive (one pick). feed: HeadStepGraphs' (hidden, tokens), written with the
-        picks' outputs and argmax."""
+        """parallel: P-EAGLE (k picks per request: the last real row and k - 1 mask rows), else one pick.
+        feed: HeadStepGraphs' (hidden, tokens), written with the picks' outputs and argmax."""
         picks_per_req = k if parallel else 1
         sizes = [b for b in batch_sizes if b * picks_per_req <= MAX_GRAPH_PICKS] or [1]
         super().__init__(proposer, sizes, max_blocks)
         self.parallel, self.feed, self.picks_per_req = parallel, feed, picks_per_req
         # After verifying k drafts a request has at most k + 1 new real rows, then k - 1 mask rows.
         self.rows_per_req = 2 * k if parallel else k + 1
-        device, head, target = self.device, self.head, self.target
         max_bs = self.batch_sizes[-1]
         self._rows, self._picks = max_bs * self.rows_per_req, max_bs * self.picks_per_req
         ints = self._alloc(_I64_ROWS * self._rows + _I64_PICKS * self._picks)
         fields = ints[: _I64_ROWS * self._rows].view(_I64_ROWS, self._rows)
         self.rows, self.tokens, self.positions, self.slot_mapping, self.mask = fields
         self.pick, self.sel = ints[_I64_ROWS * self._rows :].view(_I64_PICKS, self._picks)
-        dtype = target.embed_tokens.weight.dtype
-        num_layers = max(1, len(head.cfg.aux_hidden_layers))
-        self.feats = torch.zeros(num_layers, self._rows, head.cfg.hidden_size, dtype=dtype, device=device)
-        # Per size: the views the host touches between replays, made once (each view is a torch op).
+        dtype, hcfg = self.target.embed_tokens.weight.dtype, self.head.cfg
+        num_layers = max(1, len(hcfg.aux_hidden_layers))
+        self.feats = torch.zeros(num_layers, self._rows, hcfg.hidden_size, dtype=dtype, device=self.device)
+        # Per size: the views the host touches between replays, made once.
         self._gather = {
             bs: (self.rows[: bs * self.rows_per_req], self.feats[:, : bs * self.rows_per_req].unbind(0))
             for bs in self.batch_sizes
@@ -68,7 +66,6 @@ class FirstForwardGraphs(StaticForward):
             return None
         return self.batch_sizes[i]
 
-    # -- forward -----------------------------------------------------------------------------
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows, picks = bs * self.rows_per_req, bs * self.picks_per_req
         meta = self._meta(bs, rows, self.rows_per_req)
@@ -91,14 +88,13 @@ class FirstForwardGraphs(StaticForward):
         return out, logits, argmax
 
     def run(self, bs: int, features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gather the features of the sent rows, run the forward of size bs; returns (out, logits,
-        argmax) of the picks, [bs * picks_per_req, ...] each (valid until the next run)."""
+        """Gather the sent rows' features, run size bs -> (out, logits, argmax) of the picks, [bs * picks_per_req, ...]
+        each (valid until the next run)."""
         rows, feats = self._gather[bs]
         for src, dst in zip(features, feats):
             torch.index_select(src, 0, rows, out=dst)
         return self._run(bs)
 
-    # -- inputs ------------------------------------------------------------------------------
     def send(
         self,
         bs: int,
@@ -111,9 +107,8 @@ class FirstForwardGraphs(StaticForward):
         positions: list[int],
         tables: list[list[int]],
     ) -> None:
-        """Fill a pinned slot with a propose's inputs (per request: its draft count, real rows, head rows cached
-        before them, last real position; per real row: its feature row, next token and position; head blocks) and
-        copy it into the static buffers."""
+        """Copy a propose's inputs into the static buffers (one pinned slot): per request its draft count, real rows,
+        cached head rows, last real position and blocks; per real row its feature row, next token and position."""
         n, bsz, p, rows_per_req = len(ks), self.block_size, self.picks_per_req, self.rows_per_req
         nbytes = self._fields + n * self.max_blocks * 4
         rows, tokens, pos, slots, mask, pick, sel, cu, seq_lens, tab = self.upload.stage_views(
@@ -134,15 +129,10 @@ class FirstForwardGraphs(StaticForward):
             tab[i, : len(t)] = t
             slot_l += [t[x // bsz] * bsz + x % bsz for x in range(c, c + m + e)]
             real_rows += range(total, total + m)
-            pos_l += positions[r : r + m]
-            if e:
-                mask_rows += range(total + m, total + m + e)
-                pos_l += range(last + 1, last + 1 + e)
-            picks = k if self.parallel else 1
-            pick_l += range(total + m - 1, total + m - 1 + picks)
-            sel_l += range(i * p, i * p + picks)
-            if picks < p:
-                pick_l += [0] * (p - picks)
+            mask_rows += range(total + m, total + m + e)
+            pos_l += [*positions[r : r + m], *range(last + 1, last + 1 + e)]
+            pick_l += [*range(total + m - 1, total + m + e), *[0] * (p - e - 1)]
+            sel_l += range(i * p, i * p + e + 1)
             total += m + e
             r += m
             cu_l.append(total)
@@ -160,8 +150,7 @@ class FirstForwardGraphs(StaticForward):
         self.upload.send_staged(self._buf, nbytes)
 
     def _host_views(self, buf: np.ndarray) -> tuple[np.ndarray, ...]:
-        """A pinned slot as the static buffers' layout: rows, tokens, positions, slots, mask, pick,
-        sel, cu_query_lens, seq_lens, block tables."""
+        """A pinned slot as the static buffers' layout."""
         i64 = buf[: self._i64].view(np.int64)
         row_fields = i64[: _I64_ROWS * self._rows].reshape(_I64_ROWS, self._rows)
         pick_fields = i64[_I64_ROWS * self._rows :].reshape(_I64_PICKS, self._picks)

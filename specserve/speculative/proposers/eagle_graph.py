@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -22,14 +22,6 @@ _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 PAD_SLOT = -1  # stores no K/V: the Triton kernel and torch_ref both skip negative slots
 
 
-def align8(n: int) -> int:
-    return (n + 7) & ~7
-
-
-def align16(n: int) -> int:
-    return (n + 15) & ~15
-
-
 class PinnedUpload:
     """Small host int arrays -> the device in ONE non-blocking copy per call."""
 
@@ -43,8 +35,7 @@ class PinnedUpload:
         self._slot = -1
 
     def stage_views(self, nbytes: int, layout: Callable[[np.ndarray], Any]) -> Any:
-        """layout(the next slot's whole buffer, at least nbytes), made once per slot: the views a caller fills
-        before send_staged."""
+        """layout(the next slot's buffer of >= nbytes), made once per slot: the views filled before send_staged."""
         buf = self._next(nbytes)
         views = self._views[self._slot]
         got = views.get(layout)
@@ -56,7 +47,7 @@ class PinnedUpload:
         i = self._slot = (self._slot + 1) % len(self._host)
         if self._pending[i]:
             event = self._events[i]
-            assert event is not None  # pending only when pinned, where every slot has an event
+            assert event is not None
             event.synchronize()
             self._pending[i] = False
         if self._host[i].numel() < nbytes:  # zeros: bytes a caller leaves unwritten are valid ids
@@ -78,10 +69,9 @@ class PinnedUpload:
     def send(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
         """int32 / int64 arrays -> device tensors of the same shapes, in fresh device memory."""
         offsets, total = [], 0
-        for a in arrays:
+        for a in arrays:  # 16-byte aligned: Triton compiles a variant per pointer alignment class
             offsets.append(total)
-            # 16-byte aligned: Triton compiles a variant per pointer alignment class.
-            total = align16(total + a.nbytes)
+            total = (total + a.nbytes + 15) & ~15
         buf = self._next(total).numpy()[:total]
         for a, off in zip(arrays, offsets):
             buf[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
@@ -111,20 +101,8 @@ def attention_arrays(
 
 def attention_metadata(arrays: list[np.ndarray], dev: Sequence[torch.Tensor], q_lens: list[int]) -> AttentionMetadata:
     """AttentionMetadata of attention_arrays' host arrays and their device copies."""
-    cu, seq_lens = arrays[0], arrays[1]
-    cu_dev, seq_lens_dev, block_tables_dev, slots_dev = dev
-    return AttentionMetadata(
-        cu_dev,
-        seq_lens_dev,
-        block_tables_dev,
-        slots_dev,
-        max(q_lens),
-        int(seq_lens.max()),
-        len(seq_lens),
-        int(cu[-1]),
-        list(q_lens),
-        seq_lens.tolist(),
-    )
+    cu, lens = arrays[0], arrays[1]
+    return AttentionMetadata(*dev, max(q_lens), int(lens.max()), len(lens), int(cu[-1]), list(q_lens), lens.tolist())
 
 
 def paged_attend(backend: AttentionBackend, cache: LayerKVCache, fmt: KVFormat, meta: AttentionMetadata, scale: float):
@@ -137,9 +115,8 @@ def paged_attend(backend: AttentionBackend, cache: LayerKVCache, fmt: KVFormat, 
 
 
 class StaticForward:
-    """Static buffers of a head forward over the proposer's paged KV, and on CUDA one graph per batch size.
-    Subclasses define _forward(bs) (reads the buffers, returns the outputs) and _fill_dummy(bs), and set
-    slot_mapping (a view of _alloc's buffer)."""
+    """Static buffers of a head forward over the proposer's paged KV, on CUDA one graph per batch size.
+    Subclasses define _forward(bs) and set slot_mapping (a view of _alloc's buffer)."""
 
     slot_mapping: torch.Tensor  # [max tokens] int64
 
@@ -160,7 +137,7 @@ class StaticForward:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Largest batch size first, into one shared memory pool, so the smaller graphs reuse its memory."""
+        """Largest batch size first, into one shared memory pool that the smaller graphs reuse."""
         with gc_paused_for_capture():
             for bs in reversed(self.batch_sizes):
                 self._fill_dummy(bs)
@@ -185,12 +162,12 @@ class StaticForward:
         return self.outputs[bs]
 
     def _alloc(self, i64_words: int) -> torch.Tensor:
-        """One device buffer laid out like the pinned slot a send fills: int64 fields [i64_words], int32
-        cu_query_lens [max_bs + 1] and seq_lens [max_bs], then int32 block tables [max_bs, max_blocks], last so
-        that only the sends that change them copy them. Returns the int64 fields."""
+        """One device buffer laid out like a send's pinned slot: int64 fields [i64_words] (returned), int32
+        cu_query_lens [max_bs + 1], seq_lens [max_bs], then block tables [max_bs, max_blocks] (last: only the sends
+        that change them copy them)."""
         max_bs = self.batch_sizes[-1]
         self._i64, self._i32 = 8 * i64_words, 4 * (2 * max_bs + 1)
-        self._fields = align8(self._i64 + self._i32)
+        self._fields = (self._i64 + self._i32 + 7) & ~7
         self._buf = torch.zeros(self._fields + max_bs * self.max_blocks * 4, dtype=torch.uint8, device=self.device)
         i32 = self._buf[self._i64 : self._i64 + self._i32].view(torch.int32)
         self.cu_query_lens, self.seq_lens = i32.split([max_bs + 1, max_bs])
@@ -221,7 +198,7 @@ class StaticForward:
         self.cu_query_lens[: bs + 1] = torch.arange(bs + 1, device=self.device, dtype=torch.int32)
         self.seq_lens[:bs] = 1
 
-    def _forward(self, bs: int):
+    def _forward(self, bs: int) -> Any:
         raise NotImplementedError
 
 
@@ -241,10 +218,8 @@ class HeadStepGraphs(StaticForward):
         if capture:
             self.capture()
 
-    # -- forward -----------------------------------------------------------------------------
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft row per sequence of the static buffers -> (logits [bs, head.cfg.logits_width]
-        float32, argmax [bs] target ids)."""
+        """One draft row per sequence -> (logits [bs, logits_width] float32, argmax [bs] target ids)."""
         meta = self._meta(bs, bs, 1)
         embeds = self.target.embed_tokens(self.tokens[:bs])
         out, normed = self.head(
@@ -252,8 +227,7 @@ class HeadStepGraphs(StaticForward):
         )
         logits = self.head.compute_logits(normed, self.target)
         argmax = self.head.greedy_token_ids(logits)  # target ids (a reduced vocabulary maps through d2t)
-        # The next step's inputs (random rows overwrite `tokens` with their samples).
-        self.hidden[:bs].copy_(out)
+        self.hidden[:bs].copy_(out)  # the next step's inputs (random rows overwrite `tokens` with their samples)
         self.tokens[:bs].copy_(argmax)
         return logits, argmax
 
@@ -261,10 +235,6 @@ class HeadStepGraphs(StaticForward):
         super()._fill_dummy(bs)
         self.tokens.zero_()
         self.hidden.zero_()
-
-    # -- drafting ----------------------------------------------------------------------------
-    def fits(self, n: int, tables: list[list[int]]) -> bool:
-        return n <= self.batch_sizes[-1] and max(len(t) for t in tables) <= self.max_blocks
 
     def draft(
         self,
@@ -276,9 +246,9 @@ class HeadStepGraphs(StaticForward):
         tables: list[list[int]],
         prev: torch.Tensor | None,
     ) -> bool:
-        """Draft steps 1..max(ks) - 1 into dt, which holds step 0's tokens [n] for all n requests."""
+        """Draft steps 1..max(ks) - 1 into dt, which holds step 0's tokens [n]; False: the batch does not fit."""
         n = len(ks)
-        if not self.fits(n, tables):
+        if n > self.batch_sizes[-1] or max(len(t) for t in tables) > self.max_blocks:
             return False
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         greedy = all(sampler.is_greedy(r) for r in range(n))
@@ -286,13 +256,12 @@ class HeadStepGraphs(StaticForward):
             self.hidden[:n].copy_(prev)
         if prev is not None or not greedy:  # random rows: step 0's samples, not its argmax
             self.tokens[:n].copy_(dt.last_tokens)
-        host = _StepHost(ks, ctx, last_pos, tables)
-        max_k = max(ks)
+        host, max_k = _StepHost(ks, ctx, last_pos, tables), max(ks)
         for step in range(1, max_k):
             rows = self._send(host, step, n, bs)
             logits, argmax = self._run(bs)
             self.dead_rows += n - len(rows)
-            # Only the still-drafting rows' outputs are drafts (and only they draw noise).
+            # only the still-drafting rows' outputs are drafts (and only they draw noise)
             pick = None if len(rows) == n else self.active[: len(rows)]
             if greedy:
                 dt.add(rows, argmax[:n].clone() if pick is None else argmax.index_select(0, pick), None)
@@ -307,20 +276,20 @@ class HeadStepGraphs(StaticForward):
         return True
 
     def _send(self, host: _StepHost, step: int, n: int, bs: int) -> list[int]:
-        """Fill a pinned slot with step `step`'s inputs and copy it into the static buffers;
-        returns the rows still drafting."""
+        """Copy step `step`'s inputs into the static buffers (one pinned slot); returns the rows still drafting."""
+        ks, ctx, last_pos, tabs = host
         first = step == 1
         nbytes = self._fields + (n * self.max_blocks * 4 if first else 0)
         pos, slots, active, cu, seq_lens, tables = self.upload.stage_views(self._buf.numel(), self._host_views)
         # Plain Python over the requests: few of them, where numpy's per-call cost would dominate.
-        rows = [i for i, k in enumerate(host.ks) if k > step]
-        idx = [host.ctx[i] + step - 1 for i in rows]  # compact index of this draft row in its head sequence
+        rows = [i for i, k in enumerate(ks) if k > step]
+        idx = [ctx[i] + step - 1 for i in rows]  # compact index of this draft row in its head sequence
         bsz = self.block_size
         at = slice(0, n) if len(rows) == n else rows
         pos[:bs] = 0
-        pos[at] = [host.last_pos[i] + step for i in rows]
+        pos[at] = [last_pos[i] + step for i in rows]
         slots[:bs] = PAD_SLOT
-        slots[at] = [host.tables[i][x // bsz] * bsz + x % bsz for i, x in zip(rows, idx)]
+        slots[at] = [tabs[i][x // bsz] * bsz + x % bsz for i, x in zip(rows, idx)]
         active[: len(rows)] = rows
         cu[: n + 1] = self._arange[: n + 1]
         cu[n + 1 : bs + 1] = n  # padding sequences are empty
@@ -329,7 +298,7 @@ class HeadStepGraphs(StaticForward):
         seq_lens[at] = [x + 1 for x in idx]
         if first:
             tables[:n] = 0
-            for i, t in enumerate(host.tables):
+            for i, t in enumerate(tabs):
                 tables[i, : len(t)] = t
         self.upload.send_staged(self._buf, nbytes)
         return rows
@@ -340,8 +309,10 @@ class HeadStepGraphs(StaticForward):
         return pos, slots, active, *self._host_int32(buf)
 
 
-class _StepHost:
+class _StepHost(NamedTuple):
     """A propose's per-request host lists for the draft steps ([n] each; tables: each one's blocks)."""
 
-    def __init__(self, ks: list[int], ctx: list[int], last_pos: list[int], tables: list[list[int]]) -> None:
-        self.ks, self.ctx, self.last_pos, self.tables = ks, ctx, last_pos, tables
+    ks: list[int]
+    ctx: list[int]
+    last_pos: list[int]
+    tables: list[list[int]]
