@@ -40,13 +40,15 @@ class SamplingMetadata:
     penalties: PenaltyTensors | None  # None when every row is neutral
     min_tokens_mask: MinTokensMask | None
     max_num_logprobs: int | None  # the largest `logprobs` asked for; None = no row wants any
-    # Per row; None for greedy rows (they draw nothing) and for unseeded rows (default generator).
+    # Per row, used by draft proposers only; None for greedy and unseeded rows.
     generators: list[torch.Generator | None]
     vocab_size: int
     # Host-side state (see module docstring).
     is_greedy: list[bool] = field(repr=False)
     min_tokens_remaining: list[int] = field(repr=False)  # tokens still to emit before stops may
     min_tokens_stop_ids: list[list[int]] = field(repr=False)
+    seeds: list[int | None] = field(repr=False)  # SamplingParams.seed of random rows; None: greedy or unseeded
+    positions: list[int] = field(repr=False)  # the output index of the token each row samples
 
     @property
     def num_seqs(self) -> int:
@@ -105,6 +107,8 @@ class SamplingMetadata:
             is_greedy=is_greedy,
             min_tokens_remaining=remaining,
             min_tokens_stop_ids=stop_ids,
+            seeds=[None if g else p.seed for g, p in zip(is_greedy, params)],
+            positions=[len(out) for out in output_token_ids],
         )
 
     def select_rows(self, row_ids: Sequence[int]) -> SamplingMetadata:
@@ -142,6 +146,8 @@ class SamplingMetadata:
             generators=[self.generators[i] for i in row_ids],
             is_greedy=is_greedy,
             min_tokens_stop_ids=[self.min_tokens_stop_ids[i] for i in row_ids],
+            seeds=[self.seeds[i] for i in row_ids],
+            positions=[self.positions[i] for i in row_ids],
         )
         return meta._with_min_tokens(remaining)
 
@@ -154,7 +160,9 @@ class SamplingMetadata:
         row_ids = [i for i, drafts in enumerate(draft_token_ids) for _ in range(len(drafts) + 1)]
         offsets = [j for drafts in draft_token_ids for j in range(len(drafts) + 1)]
         remaining = [max(0, self.min_tokens_remaining[i] - j) for i, j in zip(row_ids, offsets)]
-        meta = self._select(row_ids, remaining)
+        meta = replace(
+            self._select(row_ids, remaining), positions=[self.positions[i] + j for i, j in zip(row_ids, offsets)]
+        )
         if meta.penalties is not None:
             pos_rows: list[int] = []
             pos_tokens: list[int] = []

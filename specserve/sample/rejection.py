@@ -3,8 +3,9 @@
 Random rows accept draft x_j with probability min(1, p_j[x_j] / q_j[x_j]) (p = `compute_target_probs`,
 q = draft_probs, one-hot when None); at the first rejection they emit a token from
 normalize(max(0, p_j - q_j)), else a bonus token from p_k. Greedy rows accept while x_j == argmax p_j.
-Seeded rows draw a fixed amount per step (k_i uniforms, then `vocab` Exp(1)), whatever is accepted,
-so they reproduce independently of the batch."""
+Seeded rows emit at every position t the plain sampler's token there (`seeded_tokens`: a race on noise
+keyed by (seed, position)) and accept x_j iff it equals t: t ~ p_j whatever the drafts (lossless), and the
+output is the same for any k, batch, or no speculation."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ from torch import Tensor
 
 from specserve.sample.h2d import h2d_packed
 from specserve.sample.metadata import SamplingMetadata
-from specserve.sample.sampler import compute_target_probs, draw_exponential, penalized_logits, random_sample
+from specserve.sample.sampler import (
+    compute_target_probs,
+    draw_exponential,
+    penalized_logits,
+    random_sample,
+    seeded_tokens,
+)
 
 
 class RejectionOutput(NamedTuple):
@@ -167,51 +174,44 @@ class RejectionSampler:
         meta: SamplingMetadata,
     ) -> tuple[list[int], list[int]]:
         """Batches with a random row, on the device: (accepted counts, final tokens), one read-back."""
-        device = target_logits.device
-        target_probs = compute_target_probs(target_logits, meta.expand_for_drafts(draft_token_ids))
-        dev = _DeviceLayout.send(lay, draft_ids, target_logits.shape[1], draft_probs is not None, meta, device)
-        num_accepted = self._num_accepted(lay, dev, draft_probs, target_probs, meta)  # [num_seqs]
+        device, vocab = target_logits.device, target_logits.shape[1]
+        expanded = meta.expand_for_drafts(draft_token_ids)
+        target_probs = compute_target_probs(target_logits, expanded)
+        dev = _DeviceLayout.send(lay, draft_ids, vocab, draft_probs is not None, meta, device)
+        seeded = seeded_tokens(target_probs, expanded)
+        if seeded is not None:  # the seeded rows' tokens, -1 elsewhere: [total_drafts + num_seqs]
+            token_at = torch.full((target_probs.shape[0],), -1, dtype=torch.int64, device=device)
+            token_at.index_copy_(0, *seeded)
+        num_accepted = torch.zeros(meta.num_seqs, dtype=torch.int64, device=device)
+        if lay.total:
+            accepted = self._accepted(lay, dev, draft_probs, target_probs, meta)  # [total_drafts]
+            if seeded is not None:
+                draft_token_at = token_at.index_select(0, dev.target_index.div(vocab, rounding_mode="floor"))
+                accepted = torch.where(draft_token_at < 0, accepted, (draft_token_at == dev.draft_ids).long())
+            num_accepted = _prefix_len(lay, dev, accepted, meta.num_seqs)
         final = self._final_tokens(lay, dev, num_accepted, draft_probs, target_probs, meta)  # [num_seqs]
+        if seeded is not None:
+            seeded_final = token_at.index_select(0, dev.seq_target_start + num_accepted)
+            final = torch.where(seeded_final < 0, final, seeded_final)
         counts, tokens = torch.stack([num_accepted, final]).tolist()
         return counts, tokens
 
-    def _draw_uniform(self, lay: _Layout, meta: SamplingMetadata, device: torch.device) -> Tensor:
-        """[total_drafts] float64 in [0, 1); float64 because float32 steps of 2**-24 bias the test."""
-        uniform = torch.empty(lay.total, dtype=torch.float64, device=device)
-        seeded = [i for i, g in enumerate(meta.generators) if g is not None]
-        if len(seeded) < meta.num_seqs:
-            uniform.uniform_(generator=self.generator)
-        for i in seeded:
-            if lay.num_drafts[i]:
-                start = int(lay.seq_draft_start[i])
-                uniform[start : start + lay.num_drafts[i]].uniform_(generator=meta.generators[i])
-        return uniform
-
-    def _num_accepted(
+    def _accepted(
         self, lay: _Layout, dev: _DeviceLayout, draft_probs: Tensor | None, target_probs: Tensor, meta: SamplingMetadata
     ) -> Tensor:
-        """[num_seqs] int64: length of each sequence's accepted draft prefix."""
-        num_seqs, max_k = meta.num_seqs, lay.max_k
+        """[total_drafts] int64: 1 where the draft is accepted (given its predecessors were)."""
         device = target_probs.device
-        if max_k == 0:
-            return torch.zeros(num_seqs, dtype=torch.int64, device=device)
         target_p = target_probs.take(dev.target_index).double()  # [total_drafts]
         # u < target/draft without dividing; strict so a zero target prob never accepts.
-        scaled_u = self._draw_uniform(lay, meta, device)
+        # float64: float32 steps of 2**-24 bias the acceptance of small probabilities.
+        scaled_u = torch.empty(lay.total, dtype=torch.float64, device=device).uniform_(generator=self.generator)
         if draft_probs is not None and dev.draft_index is not None:
             scaled_u = scaled_u * draft_probs.take(dev.draft_index).double()
         if dev.random_draft is not None:
             # Greedy rows' target_probs are one-hot at the target argmax: with u scaled to 0 a draft
             # is accepted iff it is that argmax (target_p 1, else 0).
             scaled_u = scaled_u * dev.random_draft
-        accepted = (scaled_u < target_p).long()
-        if dev.pad_index is None:  # lay.uniform
-            padded = accepted.view(num_seqs, max_k)
-        else:  # padding (0) ends short rows
-            padded = accepted.new_zeros(num_seqs * max_k).index_copy_(0, dev.pad_index, accepted)
-            padded = padded.view(num_seqs, max_k)
-        # Accepted prefix = drafts before the first rejection.
-        return padded.cumprod(dim=1).sum(dim=1)
+        return (scaled_u < target_p).long()
 
     def _final_tokens(
         self,
@@ -227,14 +227,22 @@ class RejectionSampler:
         residual = final_probs
         if lay.total > 0:
             residual = _residual(lay, dev, num_accepted, draft_probs, final_probs)
-        noise = draw_exponential(
-            meta.num_seqs, final_probs.shape[1], meta.generators, self.generator, final_probs.device
-        )
+        noise = draw_exponential(meta.num_seqs, final_probs.shape[1], (), self.generator, final_probs.device)
         tokens = random_sample(residual, noise)
         if meta.greedy_mask is not None:
             # Greedy rows: one-hot at the target argmax, which differs from a rejected draft.
             tokens = torch.where(meta.greedy_mask, final_probs.argmax(dim=-1), tokens)
         return tokens
+
+
+def _prefix_len(lay: _Layout, dev: _DeviceLayout, accepted: Tensor, num_seqs: int) -> Tensor:
+    """accepted [total_drafts] int64 (0/1) -> [num_seqs]: the drafts before each sequence's first rejection."""
+    if dev.pad_index is None:  # lay.uniform
+        padded = accepted.view(num_seqs, lay.max_k)
+    else:  # padding (0) ends short rows
+        padded = accepted.new_zeros(num_seqs * lay.max_k).index_copy_(0, dev.pad_index, accepted)
+        padded = padded.view(num_seqs, lay.max_k)
+    return padded.cumprod(dim=1).sum(dim=1)
 
 
 def _greedy(

@@ -1,7 +1,8 @@
 """The sampler: min_tokens mask -> penalties -> [greedy: argmax] -> temperature -> min_p -> top_k -> top_p
 -> softmax -> exponential race (argmax(probs / E), E ~ Exp(1)), each stage skipped when no row uses it.
 `compute_target_probs` is shared with the rejection sampler, which is lossless only on this exact
-distribution. A seeded row draws exactly `vocab` noise values per step from its own generator."""
+distribution. A seeded row's noise is a hash of (seed, output position, token): its token at a position
+depends only on those and the probabilities there, whatever the batch or the speculation."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from specserve.sample.h2d import h2d_packed
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.penalties import apply_penalties
 
@@ -123,6 +125,43 @@ def draw_exponential(
     return noise.clamp_(min=torch.finfo(torch.float32).tiny)
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for x, c in [0, 2**32), in 16-bit halves so no int64 product overflows."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(x: Tensor) -> Tensor:
+    """MurmurHash3's finalizer: a bijection of [0, 2**32) with full avalanche."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def keyed_exponential(seeds: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
+    """seeds, positions: [num_rows] int64 -> [num_rows, vocab] Exp(1) noise, a pure function of (seed, position,
+    token): counter-based, so no generator state and the same values on every device."""
+    key = _fmix32(_fmix32(_fmix32(positions & _M32) ^ (seeds & _M32)) ^ ((seeds >> 32) & _M32)).unsqueeze(1)
+    tokens = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    bits = _fmix32(_fmix32((key + _mul32(tokens, 0x9E3779B9)) & _M32) ^ _fmix32(key ^ 0x5BD1E995))
+    return (bits.double().add_(0.5).mul_(2.0**-32)).log_().neg_().float()  # u in (0, 1): E > 0
+
+
+def seeded_tokens(probs: Tensor, meta: SamplingMetadata) -> tuple[Tensor, Tensor] | None:
+    """(row ids [num_seeded], tokens [num_seeded]) for meta's seeded rows of probs [num_seqs, vocab], by an
+    exponential race on `keyed_exponential`; None when no row is seeded."""
+    rows = [i for i, s in enumerate(meta.seeds) if s is not None]
+    if not rows:
+        return None
+    seeds = [(meta.seeds[i] + (1 << 63)) % (1 << 64) - (1 << 63) for i in rows]  # as int64
+    row_ids, seed_t, pos_t = h2d_packed([rows, seeds, [meta.positions[i] for i in rows]], probs.device)
+    return row_ids, random_sample(probs.index_select(0, row_ids), keyed_exponential(seed_t, pos_t, probs.shape[1]))
+
+
 def random_sample(probs: Tensor, noise: Tensor) -> Tensor:
     """Exponential race: probs [num_rows, vocab] (unnormalized is fine), noise from draw_exponential -> [num_rows]
     int64."""
@@ -155,8 +194,11 @@ class Sampler:
             token_ids = penalized.argmax(dim=-1)
         else:
             probs = _random_probs(penalized, meta)
-            noise = draw_exponential(meta.num_seqs, meta.vocab_size, meta.generators, self.generator, logits.device)
+            noise = draw_exponential(meta.num_seqs, meta.vocab_size, (), self.generator, logits.device)
             token_ids = random_sample(probs, noise)
+            seeded = seeded_tokens(probs, meta)
+            if seeded is not None:
+                token_ids = token_ids.index_copy(0, *seeded)
             if meta.greedy_mask is not None:
                 token_ids = torch.where(meta.greedy_mask, penalized.argmax(dim=-1), token_ids)
         logprobs = None

@@ -67,13 +67,6 @@ class SpecDecoder:
         self._deferred: DeferredDrafts | None = None
         self._wait_s = 0.0  # this step's wait for deferred drafts: the proposal's time, not the step's
 
-    @property
-    def k_follows_load(self) -> bool:
-        """Seeded random requests draft only when k does not follow the load: the rejection sampler draws k uniforms
-        per step from a request's generator, so with k chosen per step the same seed would sample differently under
-        other load."""
-        return self.controller.follows_load or self.disable_above is not None
-
     # -- the verify step ---------------------------------------------------------------------
     def pending_drafts(self) -> PendingTokens | None:
         """The last proposal's drafts still on the device: the verify step's placeholders read them."""
@@ -183,13 +176,7 @@ class SpecDecoder:
             k = self.choose(batch_size)
         self.last_k = k
         self.stats.set("spec_decode_chosen_num_tokens", k)
-        # 0: a seeded sampled request while k follows the load, or no room left
-        budgets = [
-            0
-            if self.k_follows_load and r.generator is not None and not r.params.greedy
-            else draft_budget(r, k, self.max_model_len)
-            for r in reqs
-        ]
+        budgets = [draft_budget(r, k, self.max_model_len) for r in reqs]  # 0: no room left
         chosen = [(r, b, i) for r, b, i in zip(reqs, budgets, batch_index) if b > 0]
         for r in reqs:
             r.spec_token_ids, r.spec_draft_probs = [], None
