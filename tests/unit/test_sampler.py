@@ -71,6 +71,22 @@ def test_greedy_rows_are_argmax_of_the_raw_logits() -> None:
     assert out.token_ids.dtype == torch.int64 and out.logprobs is None
 
 
+@pytest.mark.parametrize("position", [0, 7])
+def test_seeded_rows_over_many_seeds_follow_the_distribution(position: int) -> None:
+    """One row per seed, same logits: the tokens over seeds follow the filtered softmax (chi-square)."""
+    torch.manual_seed(9)
+    num_seeds = 20000
+    params = SamplingParams(temperature=0.9, top_k=20)
+    row = torch.randn(VOCAB)
+    meta = build(
+        [params.clone(seed=s - num_seeds // 2) for s in range(num_seeds)], outputs=[[1] * position] * num_seeds
+    )
+    tokens = Sampler()(row.expand(num_seeds, VOCAB), meta).token_ids.numpy()
+    expected = reference_probs(row.double().numpy(), 0.9, 20, 1.0, 0.0)
+    counts = np.bincount(tokens, minlength=VOCAB)
+    assert counts[expected == 0].sum() == 0 and pooled_chisquare(counts, expected) > 1e-3
+
+
 def test_seeded_rows_reproduce_whatever_the_batch() -> None:
     torch.manual_seed(1)
     row_logits = torch.randn(5, VOCAB)  # one step per row of this
