@@ -12,12 +12,7 @@ import torch
 from torch import Tensor
 
 from specserve.sample.h2d import cached_tensor, h2d
-from specserve.sample.penalties import (
-    PenaltyTensors,
-    add_output_tokens,
-    build_penalty_tensors,
-    select_penalty_rows,
-)
+from specserve.sample.penalties import PenaltyTensors, add_output_tokens, build_penalty_tensors, select_penalty_rows
 from specserve.sampling_params import SamplingParams
 
 

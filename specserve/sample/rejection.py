@@ -2,10 +2,9 @@
 
 Random rows accept draft x_j with probability min(1, p_j[x_j] / q_j[x_j]) (p = `compute_target_probs`,
 q = draft_probs, one-hot when None); at the first rejection they emit a token from
-normalize(max(0, p_j - q_j)), else a bonus token from p_k. Greedy rows accept while x_j == argmax p_j.
-Seeded rows emit at every position t the plain sampler's token there (`seeded_tokens`: a race on noise
-keyed by (seed, position)) and accept x_j iff it equals t: t ~ p_j whatever the drafts (lossless), and the
-output is the same for any k, batch, or no speculation."""
+normalize(max(0, p_j - q_j)), else a bonus token from p_k. Greedy and seeded rows emit at every position
+the plain sampler's token t_j there (argmax, or a race on noise keyed by (seed, position)) and accept x_j
+iff x_j == t_j: t_j ~ p_j whatever the drafts (lossless), and the output is the same for any k or batch."""
 
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from torch import Tensor
 from specserve.sample.h2d import h2d_packed
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import (
+    check_vocab,
     compute_target_probs,
     draw_exponential,
     penalized_logits,
@@ -64,59 +64,32 @@ def layout(num_drafts: tuple[int, ...]) -> _Layout:
 
 
 class _DeviceLayout(NamedTuple):
-    """The random path's indices on the device (one packed copy); None where not needed."""
+    """The random path's indices on the device, sent in one packed copy."""
 
     draft_ids: Tensor  # [total] int64
     target_index: Tensor  # [total] flat index of (draft_target_row, draft id) in target_probs
-    draft_index: Tensor | None  # [total] flat index of (draft, draft id) in draft_probs
-    random_draft: Tensor | None  # [total] 1 for drafts of random rows, 0 of greedy ones (mixed batches)
-    pad_index: Tensor | None  # [total] draft_seq * max_k + draft_offset (when k_i differ)
+    draft_index: Tensor  # [total] flat index of (draft, draft id) in draft_probs
+    pad_index: Tensor  # [total] draft_seq * max_k + draft_offset
     seq_num_drafts: Tensor  # [num_seqs] k_i
     seq_target_start: Tensor  # [num_seqs]
     seq_draft_start: Tensor  # [num_seqs]
 
-    @classmethod
-    def send(
-        cls,
-        lay: _Layout,
-        draft_ids: np.ndarray,
-        vocab: int,
-        with_draft_probs: bool,
-        meta: SamplingMetadata,
-        device: torch.device,
-    ) -> _DeviceLayout:
-        per_draft = [draft_ids, lay.draft_target_row * vocab + draft_ids]
-        if with_draft_probs:
-            per_draft.append(np.arange(lay.total) * vocab + draft_ids)
-        if meta.greedy_mask is not None:
-            per_draft.append(np.logical_not(meta.is_greedy)[lay.draft_seq])
-        if not lay.uniform:
-            per_draft.append(lay.draft_seq * lay.max_k + lay.draft_offset)
-        per_seq = [lay.num_drafts, lay.seq_target_start, lay.seq_draft_start]
-        sent = iter(h2d_packed(per_draft + per_seq, device))
-        ids, target_index = next(sent), next(sent)
-        draft_index, random_draft, pad_index = (
-            next(sent) if use else None for use in (with_draft_probs, meta.greedy_mask is not None, not lay.uniform)
-        )
-        return cls(ids, target_index, draft_index, random_draft, pad_index, *sent)
+
+def _send(lay: _Layout, draft_ids: np.ndarray, vocab: int, device: torch.device) -> _DeviceLayout:
+    per_draft = [draft_ids, lay.draft_target_row * vocab + draft_ids, np.arange(lay.total) * vocab + draft_ids]
+    arrays = [*per_draft, lay.draft_seq * lay.max_k + lay.draft_offset, lay.num_drafts, *lay[-2:]]
+    return _DeviceLayout(*h2d_packed(arrays, device))
 
 
 def _check_shapes(
     lay: _Layout, draft_ids: np.ndarray, draft_probs: Tensor | None, target_logits: Tensor, meta: SamplingMetadata
 ) -> None:
-    num_seqs, total, vocab = len(lay.num_drafts), lay.total, target_logits.shape[-1]
+    num_seqs, total, vocab, shape = len(lay.num_drafts), lay.total, target_logits.shape[-1], tuple(target_logits.shape)
     if meta.num_seqs != num_seqs:
         raise ValueError(f"metadata has {meta.num_seqs} rows, draft_token_ids has {num_seqs}.")
     if target_logits.dim() != 2 or target_logits.shape[0] != total + num_seqs:
-        raise ValueError(
-            f"target_logits must be [total_draft_tokens + num_seqs = {total + num_seqs}, "
-            f"vocab], got {tuple(target_logits.shape)}."
-        )
-    if vocab != meta.vocab_size:
-        raise ValueError(
-            f"logits have {vocab} columns, metadata was built for vocab_size="
-            f"{meta.vocab_size}; slice padded vocab columns off before sampling."
-        )
+        raise ValueError(f"target_logits must be [total_drafts + num_seqs = {total + num_seqs}, vocab], got {shape}.")
+    check_vocab(vocab, meta)
     if draft_probs is not None and tuple(draft_probs.shape) != (total, vocab):
         raise ValueError(f"draft_probs must be [total_draft_tokens = {total}, vocab], got {tuple(draft_probs.shape)}.")
     if total and int(draft_ids.view(np.uint64).max()) >= vocab:  # negative ids view as >= 2**63
@@ -176,73 +149,46 @@ class RejectionSampler:
         """Batches with a random row, on the device: (accepted counts, final tokens), one read-back."""
         device, vocab = target_logits.device, target_logits.shape[1]
         expanded = meta.expand_for_drafts(draft_token_ids)
-        target_probs = compute_target_probs(target_logits, expanded)
-        dev = _DeviceLayout.send(lay, draft_ids, vocab, draft_probs is not None, meta, device)
-        seeded = seeded_tokens(target_probs, expanded)
-        if seeded is not None:  # the seeded rows' tokens, -1 elsewhere: [total_drafts + num_seqs]
-            token_at = torch.full((target_probs.shape[0],), -1, dtype=torch.int64, device=device)
-            token_at.index_copy_(0, *seeded)
+        target_probs = compute_target_probs(target_logits, expanded)  # [total_drafts + num_seqs, vocab]
+        dev = _send(lay, draft_ids, vocab, device)
+        fixed = _fixed_tokens(target_probs, expanded)  # [total_drafts + num_seqs] or None
         num_accepted = torch.zeros(meta.num_seqs, dtype=torch.int64, device=device)
         if lay.total:
-            accepted = self._accepted(lay, dev, draft_probs, target_probs, meta)  # [total_drafts]
-            if seeded is not None:
-                draft_token_at = token_at.index_select(0, dev.target_index.div(vocab, rounding_mode="floor"))
-                accepted = torch.where(draft_token_at < 0, accepted, (draft_token_at == dev.draft_ids).long())
-            num_accepted = _prefix_len(lay, dev, accepted, meta.num_seqs)
-        final = self._final_tokens(lay, dev, num_accepted, draft_probs, target_probs, meta)  # [num_seqs]
-        if seeded is not None:
-            seeded_final = token_at.index_select(0, dev.seq_target_start + num_accepted)
-            final = torch.where(seeded_final < 0, final, seeded_final)
+            # u < target/draft without dividing; strict so a zero target prob never accepts. float64: float32
+            # steps of 2**-24 bias the acceptance of small probabilities.
+            scaled_u = torch.empty(lay.total, dtype=torch.float64, device=device).uniform_(generator=self.generator)
+            if draft_probs is not None:
+                scaled_u = scaled_u * draft_probs.take(dev.draft_index).double()
+            accepted = (scaled_u < target_probs.take(dev.target_index).double()).long()  # [total_drafts]
+            if fixed is not None:
+                draft_fixed = fixed.index_select(0, dev.target_index.div(vocab, rounding_mode="floor"))
+                accepted = torch.where(draft_fixed < 0, accepted, (draft_fixed == dev.draft_ids).long())
+            if lay.uniform:
+                padded = accepted.view(meta.num_seqs, lay.max_k)
+            else:  # padding (0) ends short rows
+                padded = accepted.new_zeros(meta.num_seqs * lay.max_k).index_copy_(0, dev.pad_index, accepted)
+            num_accepted = padded.view(meta.num_seqs, lay.max_k).cumprod(dim=1).sum(dim=1)
+        final_rows = dev.seq_target_start + num_accepted
+        final_probs = target_probs.index_select(0, final_rows)  # [num_seqs, vocab]
+        residual = final_probs if lay.total == 0 else _residual(lay, dev, num_accepted, draft_probs, final_probs)
+        final = random_sample(residual, draw_exponential(meta.num_seqs, vocab, (), self.generator, device))
+        if fixed is not None:
+            fixed_final = fixed.index_select(0, final_rows)
+            final = torch.where(fixed_final < 0, final, fixed_final)
         counts, tokens = torch.stack([num_accepted, final]).tolist()
         return counts, tokens
 
-    def _accepted(
-        self, lay: _Layout, dev: _DeviceLayout, draft_probs: Tensor | None, target_probs: Tensor, meta: SamplingMetadata
-    ) -> Tensor:
-        """[total_drafts] int64: 1 where the draft is accepted (given its predecessors were)."""
-        device = target_probs.device
-        target_p = target_probs.take(dev.target_index).double()  # [total_drafts]
-        # u < target/draft without dividing; strict so a zero target prob never accepts.
-        # float64: float32 steps of 2**-24 bias the acceptance of small probabilities.
-        scaled_u = torch.empty(lay.total, dtype=torch.float64, device=device).uniform_(generator=self.generator)
-        if draft_probs is not None and dev.draft_index is not None:
-            scaled_u = scaled_u * draft_probs.take(dev.draft_index).double()
-        if dev.random_draft is not None:
-            # Greedy rows' target_probs are one-hot at the target argmax: with u scaled to 0 a draft
-            # is accepted iff it is that argmax (target_p 1, else 0).
-            scaled_u = scaled_u * dev.random_draft
-        return (scaled_u < target_p).long()
 
-    def _final_tokens(
-        self,
-        lay: _Layout,
-        dev: _DeviceLayout,
-        num_accepted: Tensor,
-        draft_probs: Tensor | None,
-        target_probs: Tensor,
-        meta: SamplingMetadata,
-    ) -> Tensor:
-        """[num_seqs] int64: the recovered token at the first rejection, else the bonus token."""
-        final_probs = target_probs.index_select(0, dev.seq_target_start + num_accepted)  # [num_seqs, vocab]
-        residual = final_probs
-        if lay.total > 0:
-            residual = _residual(lay, dev, num_accepted, draft_probs, final_probs)
-        noise = draw_exponential(meta.num_seqs, final_probs.shape[1], (), self.generator, final_probs.device)
-        tokens = random_sample(residual, noise)
-        if meta.greedy_mask is not None:
-            # Greedy rows: one-hot at the target argmax, which differs from a rejected draft.
-            tokens = torch.where(meta.greedy_mask, final_probs.argmax(dim=-1), tokens)
-        return tokens
-
-
-def _prefix_len(lay: _Layout, dev: _DeviceLayout, accepted: Tensor, num_seqs: int) -> Tensor:
-    """accepted [total_drafts] int64 (0/1) -> [num_seqs]: the drafts before each sequence's first rejection."""
-    if dev.pad_index is None:  # lay.uniform
-        padded = accepted.view(num_seqs, lay.max_k)
-    else:  # padding (0) ends short rows
-        padded = accepted.new_zeros(num_seqs * lay.max_k).index_copy_(0, dev.pad_index, accepted)
-        padded = padded.view(num_seqs, lay.max_k)
-    return padded.cumprod(dim=1).sum(dim=1)
+def _fixed_tokens(probs: Tensor, meta: SamplingMetadata) -> Tensor | None:
+    """[num_rows] the token a greedy (argmax) or seeded (`seeded_tokens`) row emits at its position whatever the
+    drafts, -1 at the other rows; None when there are none."""
+    seeded = seeded_tokens(probs, meta)
+    if seeded is None and meta.greedy_mask is None:
+        return None
+    fixed = torch.full((probs.shape[0],), -1, dtype=torch.int64, device=probs.device)
+    if meta.greedy_mask is not None:
+        fixed = torch.where(meta.greedy_mask, probs.argmax(dim=-1), fixed)
+    return fixed if seeded is None else fixed.index_copy_(0, *seeded)
 
 
 def _greedy(

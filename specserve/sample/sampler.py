@@ -30,14 +30,18 @@ class SamplerOutput(NamedTuple):
     logprobs: LogprobsTensors | None  # None when no row asked for logprobs
 
 
+def check_vocab(columns: int, meta: SamplingMetadata) -> None:
+    if columns != meta.vocab_size:
+        raise ValueError(
+            f"logits have {columns} columns, metadata was built for vocab_size={meta.vocab_size}; "
+            "slice padded vocab columns off before sampling."
+        )
+
+
 def _check_logits(logits: Tensor, meta: SamplingMetadata) -> None:
     if logits.dim() != 2 or logits.shape[0] != meta.num_seqs:
         raise ValueError(f"logits must be [num_seqs={meta.num_seqs}, vocab], got {tuple(logits.shape)}.")
-    if logits.shape[1] != meta.vocab_size:
-        raise ValueError(
-            f"logits have {logits.shape[1]} columns, metadata was built for vocab_size="
-            f"{meta.vocab_size}; slice padded vocab columns off before sampling."
-        )
+    check_vocab(logits.shape[1], meta)
 
 
 def penalized_logits(logits: Tensor, meta: SamplingMetadata) -> Tensor:

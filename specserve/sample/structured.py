@@ -1,9 +1,6 @@
-"""Structured output: every sampled or verified logits row of a structured request is masked with its
-xgrammar matcher's token bitmask, so both samplers draw only grammar-valid tokens (lossless).
-
-A worker thread fills the masks during the forward: after add_request / _update (prepare), or after
-the drafts are cut to the grammar (SpecDecoder.propose); apply() waits, masks, and advance() feeds
-the emitted tokens. Invariant: a matcher is used by one thread at a time (the main thread `_wait`s)."""
+"""Structured output: every sampled or verified logits row of a structured request is masked with its xgrammar
+matcher's token bitmask, so both samplers draw only grammar-valid tokens. A worker thread fills the masks during
+the forward; invariant: a matcher is used by one thread at a time (the main thread `_wait`s)."""
 
 from __future__ import annotations
 
@@ -24,15 +21,9 @@ from specserve.scheduler.request import Request
 logger = logging.getLogger(__name__)
 
 # vLLM's pre-`structured_outputs` extra fields (still sent by many clients) -> our kinds.
-_GUIDED = (
-    ("guided_json", "json"),
-    ("guided_regex", "regex"),
-    ("guided_choice", "choice"),
-    ("guided_grammar", "grammar"),
-)
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-# -- request-level API (no tokenizer needed) ----------------------------------------------------
 def validate_structured_outputs(
     spec: dict[str, Any] | None, field: str = FIELD, value_label: str | None = None
 ) -> None:
@@ -58,7 +49,7 @@ def structured_from_openai(
         if not isinstance(so, dict):
             raise ValueError(f"structured_outputs must be an object, got {type(so).__name__}.")
         found.append(("structured_outputs", dict(so), None))
-    for key, kind in _GUIDED:
+    for key, kind in _GUIDED.items():
         if extra.get(key) is not None:
             found.append((key, {kind: extra[key]}, key))
     if extra.get("guided_whitespace_pattern") is not None:
@@ -66,10 +57,8 @@ def structured_from_openai(
     if not found:
         return None
     if len(found) > 1:
-        raise ValueError(
-            "only one of response_format, structured_outputs, guided_json, guided_regex, "
-            f"guided_choice and guided_grammar may be given, got {[f[0] for f in found]}."
-        )
+        names = ", ".join(["response_format", "structured_outputs", *_GUIDED])
+        raise ValueError(f"only one of {names} may be given, got {[f[0] for f in found]}.")
     field, mapped_so, label = found[0]
     validate_structured_outputs(mapped_so, field, label)
     return mapped_so
@@ -97,7 +86,6 @@ def _from_response_format(rf: Any) -> tuple[str, dict[str, Any], str | None] | N
     raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}.")
 
 
-# -- masks ---------------------------------------------------------------------------------------
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor, row_ids: Sequence[int]) -> Tensor:
     """A copy of logits [num_rows, vocab] whose rows row_ids have disallowed tokens at -inf."""
     device, vocab = logits.device, logits.shape[1]
@@ -137,7 +125,6 @@ class StructuredOutputs:
         self.num_sync_fills = 0  # masks not ready when the logits were: computed on the critical path
         self.num_drafts_cut = 0  # draft tokens dropped because the grammar rejects them
 
-    # -- lifecycle -------------------------------------------------------------------------------
     def compile(self, params: SamplingParams) -> Any | None:
         """The compiled grammar for params.structured_outputs (None = unconstrained)."""
         spec = parse_structured_outputs(params.structured_outputs)
@@ -154,14 +141,10 @@ class StructuredOutputs:
         """Forget a finished or aborted request. A job still running keeps its own references."""
         self._states.pop(req.request_id, None)
 
-    def is_structured(self, req: Request) -> bool:
-        return req.request_id in self._states
-
     @property
     def num_requests(self) -> int:
         return len(self._states)
 
-    # -- per step --------------------------------------------------------------------------------
     def prepare(self, reqs: Sequence[Request]) -> None:
         """Cut each structured request's drafts where the grammar rejects them, then fill its masks
         for the next step in the worker thread. Idempotent for an unchanged request."""
