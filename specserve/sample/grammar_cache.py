@@ -1,6 +1,5 @@
-"""Structured-output specs: `StructuredSpec` (canonical, hashable form of `structured_outputs`),
-`build_grammar` (syntax check without a tokenizer), `GrammarCache` (compiled grammars, LRU).
-xgrammar is imported lazily."""
+"""`StructuredSpec` (canonical, hashable `structured_outputs`), `build_grammar` (no tokenizer needed) and
+`GrammarCache` (compiled grammars, LRU); xgrammar is imported lazily."""
 
 from __future__ import annotations
 
@@ -80,7 +79,6 @@ def _canonical_value(kind: str, value: Any, name: str) -> str:
         if not isinstance(value, str) or not value:
             raise ValueError(f"{name} must be a non-empty string, got {value!r}.")
         return value
-    # choice
     if (
         isinstance(value, str)
         or not isinstance(value, Sequence)
@@ -113,10 +111,8 @@ def build_grammar(spec: StructuredSpec, field: str = FIELD, value_label: str | N
         raise ValueError(f"{value_label or f'{field}.{spec.kind}'}: invalid {what}: {_clean_error(e)}") from e
 
 
-# JSON string character classes as xgrammar (<= 0.2.9) writes them -> what JSON allows unescaped.
-# Length-limited strings (minLength/maxLength) admit raw control characters (tab, \x06, ...) and
-# every string admits UTF-16 surrogates (bytes ED A0..BF xx), which are not valid UTF-8; either
-# makes the output unparseable. Rewriting the grammar text is a no-op once upstream fixes them.
+# JSON string character classes as xgrammar (<= 0.2.9) writes them -> what JSON allows unescaped: they admit raw
+# control characters and UTF-16 surrogates (invalid UTF-8), so the output would not parse.
 _JSON_CHAR_CLASSES = (
     (r"[^\"\\\r\n]", r"[^\"\\\0-\x1f\ud800-\udfff]"),
     (r"[^\0-\x1f\"\\\r\n]", r"[^\0-\x1f\"\\\ud800-\udfff]"),
@@ -124,8 +120,7 @@ _JSON_CHAR_CLASSES = (
 
 
 def _fix_json_strings(xgr: Any, grammar: Any) -> Any:
-    text = str(grammar)
-    fixed = text
+    fixed = text = str(grammar)
     for loose, strict in _JSON_CHAR_CLASSES:
         fixed = fixed.replace(loose, strict)
     return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)

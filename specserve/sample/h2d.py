@@ -16,7 +16,7 @@ def h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def h2d_packed(arrays: Sequence[np.ndarray], device: torch.device) -> tuple[torch.Tensor, ...]:
+def h2d_packed(arrays: Sequence[np.ndarray | Sequence[int]], device: torch.device) -> tuple[torch.Tensor, ...]:
     """Host integer arrays -> 1-D int64 tensors on `device` (each array flattened), packed into one host buffer and
     sent in ONE copy (`h2d`); on the CPU the tensors view that buffer, no copy."""
     packed = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]))

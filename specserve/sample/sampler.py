@@ -95,10 +95,8 @@ def _one_hot(token_ids: Tensor, vocab_size: int) -> Tensor:
     return out.scatter_(1, token_ids.unsqueeze(1), 1.0)
 
 
-def compute_target_probs(logits: Tensor, meta: SamplingMetadata, row_index_map: Sequence[int] | None = None) -> Tensor:
+def compute_target_probs(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     """The distribution the Sampler samples from, after every processing stage."""
-    if row_index_map is not None:
-        meta = meta.select_rows(row_index_map)
     _check_logits(logits, meta)
     penalized = penalized_logits(logits, meta)
     if meta.all_greedy:
@@ -124,8 +122,7 @@ def draw_exponential(
         noise.exponential_(generator=default_generator)
     for i, gen in seeded:  # the only per-row loop: a generator draws for one row at a time
         noise[i].exponential_(generator=gen)
-    # Exp(1) can come out as exactly 0 on some backends; probs / 0 would be inf, or NaN (which
-    # argmax prefers) for a zero-probability token.
+    # Exp(1) can be exactly 0 on some backends: probs / 0 would be inf, or NaN (argmax prefers it) at prob 0.
     return noise.clamp_(min=torch.finfo(torch.float32).tiny)
 
 
@@ -139,10 +136,8 @@ def _mul32(x: Tensor, c: int) -> Tensor:
 
 def _fmix32(x: Tensor) -> Tensor:
     """MurmurHash3's finalizer: a bijection of [0, 2**32) with full avalanche."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
+    x = _mul32(x ^ (x >> 16), 0x85EBCA6B)
+    x = _mul32(x ^ (x >> 13), 0xC2B2AE35)
     return x ^ (x >> 16)
 
 
@@ -158,10 +153,10 @@ def keyed_exponential(seeds: Tensor, positions: Tensor, vocab_size: int) -> Tens
 def seeded_tokens(probs: Tensor, meta: SamplingMetadata) -> tuple[Tensor, Tensor] | None:
     """(row ids [num_seeded], tokens [num_seeded]) for meta's seeded rows of probs [num_seqs, vocab], by an
     exponential race on `keyed_exponential`; None when no row is seeded."""
-    rows = [i for i, s in enumerate(meta.seeds) if s is not None]
-    if not rows:
+    seeded = [(i, (s + (1 << 63)) % (1 << 64) - (1 << 63)) for i, s in enumerate(meta.seeds) if s is not None]
+    if not seeded:
         return None
-    seeds = [(meta.seeds[i] + (1 << 63)) % (1 << 64) - (1 << 63) for i in rows]  # as int64
+    rows, seeds = zip(*seeded)  # seeds as int64
     row_ids, seed_t, pos_t = h2d_packed([rows, seeds, [meta.positions[i] for i in rows]], probs.device)
     return row_ids, random_sample(probs.index_select(0, row_ids), keyed_exponential(seed_t, pos_t, probs.shape[1]))
 

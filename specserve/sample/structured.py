@@ -157,17 +157,14 @@ class StructuredOutputs:
             num_proposed = len(req.spec_token_ids)
             drafts = _cut_drafts(st.matcher, req)
             self.num_drafts_cut += num_proposed - len(drafts)
-            if st.masks is not None and st.masks.drafts == drafts:
-                continue
-            st.masks = None
-            items.append((st, drafts))
-        if not items:
-            return
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-grammar")
-        job = self._executor.submit(self._fill_all, items)
-        for st, _ in items:
-            st.job = job
+            if st.masks is None or st.masks.drafts != drafts:
+                st.masks = None
+                items.append((st, drafts))
+        if items:
+            self._executor = self._executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-grammar")
+            job = self._executor.submit(self._fill_all, items)
+            for st, _ in items:
+                st.job = job
 
     def _fill_all(self, items: list[tuple[_GrammarState, tuple[int, ...]]]) -> None:
         for st, drafts in items:

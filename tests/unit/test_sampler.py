@@ -237,7 +237,7 @@ def test_compute_target_probs_greedy_rows_are_one_hot_and_rows_map() -> None:
     torch.manual_seed(8)
     logits = torch.randn(3, VOCAB)
     meta = build([SamplingParams(temperature=0.0), SamplingParams(top_k=3)])
-    probs = compute_target_probs(logits, meta, row_index_map=[0, 1, 1])
+    probs = compute_target_probs(logits, meta.select_rows([0, 1, 1]))
     assert torch.equal(probs[0], torch.nn.functional.one_hot(logits[0].argmax(), VOCAB).float())
     assert int((probs[1] > 0).sum()) == 3 and int((probs[2] > 0).sum()) == 3
     torch.testing.assert_close(probs.sum(-1), torch.ones(3))
