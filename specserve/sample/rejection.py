@@ -35,8 +35,7 @@ class RejectionOutput(NamedTuple):
 
 
 class _Layout(NamedTuple):
-    """Where each draft and each sequence's positions live in the flat tensors: host arrays that
-    depend only on the numbers of drafts (`layout`, cached by them; read-only)."""
+    """Where drafts and positions live in the flat tensors; read-only, cached by the numbers of drafts."""
 
     num_drafts: tuple[int, ...]  # [num_seqs] k_i
     total: int  # sum of k_i
@@ -198,12 +197,9 @@ def _greedy(
     target_logits: Tensor,
     meta: SamplingMetadata,
 ) -> tuple[list[int], list[int]]:
-    """All rows greedy: every position's target token is the argmax of its (penalized) logits;
-    one argmax on the device, one read-back, the comparison on the host."""
+    """All rows greedy: one argmax of the (penalized) logits on the device, one read-back, compared on the host."""
     logits = target_logits
-    if meta.penalties is not None or meta.min_tokens_mask is not None:
-        # Nothing to expand otherwise: without penalties or a min_tokens mask on the sequences,
-        # no position has one (expand_for_drafts only counts drafts into those two).
+    if meta.penalties is not None or meta.min_tokens_mask is not None:  # else no position has either
         logits = penalized_logits(target_logits, meta.expand_for_drafts(draft_token_ids))
     targets = logits.argmax(dim=-1).cpu().numpy()  # [total + num_seqs]
     counts = _accepted_prefix(lay, draft_ids == targets[lay.draft_target_row])
@@ -213,8 +209,7 @@ def _greedy(
 def _residual(
     lay: _Layout, dev: _DeviceLayout, num_accepted: Tensor, draft_probs: Tensor | None, final_probs: Tensor
 ) -> Tensor:
-    """max(0, target_probs - draft_probs) at the first rejected position, unnormalized (the
-    exponential race does not need it); the target itself for rows that accepted everything."""
+    """max(0, target - draft) at the first rejected position, unnormalized; the target where all were accepted."""
     rejected = num_accepted < dev.seq_num_drafts  # [num_seqs]
     # Index of the first rejected draft; clamped so rows without one index something valid.
     rejected_draft = (dev.seq_draft_start + num_accepted).clamp_(max=lay.total - 1)
@@ -225,7 +220,6 @@ def _residual(
     else:
         subtract = draft_probs.index_select(0, rejected_draft).float() * rejected.unsqueeze(1)
         residual = (final_probs - subtract).clamp_(min=0.0)
-    # Rounding can leave nothing when target and draft nearly coincide; the target itself is then
-    # the closest distribution to the (vanishing) residual.
+    # Rounding can leave nothing when target and draft nearly coincide: the target is then the closest.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     return torch.where(empty, final_probs, residual)

@@ -206,9 +206,7 @@ class StructuredOutputs:
         st.masks = None
         for token in token_ids:
             if st.matcher.is_terminated() or not st.matcher.accept_token(token):
-                logger.warning(
-                    "request %s: token %d violates its %s; ending the request.", req.request_id, token, FIELD
-                )
+                logger.warning("request %s: token %d violates its %s; ending it.", req.request_id, token, FIELD)
                 return True
         return st.matcher.is_terminated()
 
@@ -221,20 +219,13 @@ class StructuredOutputs:
 
 def _cut_drafts(matcher: Any, req: Request) -> tuple[int, ...]:
     """Drop the drafts the grammar can never emit; returns the drafts kept."""
-    drafts = req.spec_token_ids
-    num_valid, ended = 0, False
-    for token in drafts:
-        if matcher.is_terminated():
-            ended = True
-            break
-        if not matcher.accept_token(token):
-            break
+    drafts, num_valid = req.spec_token_ids, 0
+    while num_valid < len(drafts) and not matcher.is_terminated() and matcher.accept_token(drafts[num_valid]):
         num_valid += 1
+    # A sampled draft the grammar rejects stays (rejection needs the drafts as sampled), unless the grammar ended.
+    keep = num_valid + int(num_valid < len(drafts) and not matcher.is_terminated() and req.spec_draft_probs is not None)
     if num_valid:
         matcher.rollback(num_valid)
-    keep = num_valid
-    if num_valid < len(drafts) and not ended and req.spec_draft_probs is not None:
-        keep += 1
     if keep < len(drafts):
         req.spec_token_ids = list(drafts[:keep])
         if req.spec_draft_probs is not None:
