@@ -72,20 +72,16 @@ class SamplingMetadata:
                 raise ValueError(f"{name} has {len(values)} rows, params has {num_seqs}.")
         is_greedy = [p.greedy for p in params]
         all_greedy, all_random = all(is_greedy), not any(is_greedy)
-        if all_greedy:  # greedy rows read no scalar: a cached tensor of neutral temperatures, no copy
-            use: dict[str, bool] = {}
-            temperature, greedy_mask = _ones(num_seqs, device), None
-        else:
+        use: dict[str, bool] = {}
+        if not all_greedy:  # greedy rows read no scalar: cached neutral temperatures, no copy
             scalars, use = _row_scalars(params, is_greedy, vocab_size)
             scalars = h2d(scalars, device)  # one host->device copy for all per-row scalars
-            temperature = scalars[:, 0]
-            greedy_mask = None if all_random else scalars[:, 4] > 0
         remaining = [max(0, p.min_tokens - len(out)) for p, out in zip(params, output_token_ids)]
         stop_ids = [list(ids) for ids in stops or [[] for _ in params]]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=temperature,
-            greedy_mask=greedy_mask,
+            temperature=_ones(num_seqs, device) if all_greedy else scalars[:, 0],
+            greedy_mask=None if all_greedy or all_random else scalars[:, 4] > 0,
             all_greedy=all_greedy,
             all_random=all_random,
             top_k=scalars[:, 3].long() if use.get("top_k") else None,

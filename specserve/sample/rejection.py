@@ -96,18 +96,6 @@ def _check_shapes(
         raise ValueError(f"draft_token_ids must be in [0, {vocab}).")
 
 
-def _accepted_prefix(lay: _Layout, accepted: np.ndarray) -> np.ndarray:
-    """[total] bool -> [num_seqs] int64: each sequence's drafts before its first rejection."""
-    if lay.max_k == 0:
-        return np.zeros(len(lay.num_drafts), dtype=np.int64)
-    if lay.uniform:
-        padded = accepted.reshape(-1, lay.max_k)
-    else:
-        padded = np.zeros((len(lay.num_drafts), lay.max_k), dtype=bool)  # padding ends short rows
-        padded[lay.draft_seq, lay.draft_offset] = accepted
-    return np.logical_and.accumulate(padded, axis=1).sum(axis=1)
-
-
 class RejectionSampler:
     """Verifies drafts against the target."""
 
@@ -202,7 +190,9 @@ def _greedy(
     if meta.penalties is not None or meta.min_tokens_mask is not None:  # else no position has either
         logits = penalized_logits(target_logits, meta.expand_for_drafts(draft_token_ids))
     targets = logits.argmax(dim=-1).cpu().numpy()  # [total + num_seqs]
-    counts = _accepted_prefix(lay, draft_ids == targets[lay.draft_target_row])
+    rejected = draft_ids != targets[lay.draft_target_row]
+    counts = np.array(lay.num_drafts, dtype=np.int64).reshape(-1)  # accepted prefix: up to the first rejection
+    np.minimum.at(counts, lay.draft_seq[rejected], lay.draft_offset[rejected])
     return counts.tolist(), targets[lay.seq_target_start + counts].tolist()
 
 

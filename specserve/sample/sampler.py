@@ -56,8 +56,7 @@ def penalized_logits(logits: Tensor, meta: SamplingMetadata) -> Tensor:
 
 
 def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
-    """In place: drop tokens with prob < min_p * max prob, compared in log space (no softmax):
-    p_i < min_p * p_max  <=>  l_i < l_max + log(min_p); min_p = 0 gives -inf, i.e. off."""
+    """In place: drop tokens with prob < min_p * max prob, as l_i < l_max + log(min_p) (min_p = 0: off)."""
     threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)  # [num_seqs, 1]
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
@@ -81,8 +80,7 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
 
 
 def _random_probs(penalized: Tensor, meta: SamplingMetadata) -> Tensor:
-    """temperature -> min_p -> top_k -> top_p -> softmax, for every row (greedy rows hold neutral
-    values and are overwritten by the caller): [num_seqs, vocab] float32."""
+    """temperature -> min_p -> top_k -> top_p -> softmax for every row (greedy rows: the caller overwrites)."""
     logits = penalized / meta.temperature.unsqueeze(1)  # a new tensor: the stages below may write
     if meta.min_p is not None:
         logits = apply_min_p(logits, meta.min_p)
@@ -91,8 +89,7 @@ def _random_probs(penalized: Tensor, meta: SamplingMetadata) -> Tensor:
 
 
 def _one_hot(token_ids: Tensor, vocab_size: int) -> Tensor:
-    out = torch.zeros(token_ids.shape[0], vocab_size, dtype=torch.float32, device=token_ids.device)
-    return out.scatter_(1, token_ids.unsqueeze(1), 1.0)
+    return torch.nn.functional.one_hot(token_ids, vocab_size).float()
 
 
 def compute_target_probs(logits: Tensor, meta: SamplingMetadata) -> Tensor:
@@ -162,8 +159,7 @@ def seeded_tokens(probs: Tensor, meta: SamplingMetadata) -> tuple[Tensor, Tensor
 
 
 def random_sample(probs: Tensor, noise: Tensor) -> Tensor:
-    """Exponential race: probs [num_rows, vocab] (unnormalized is fine), noise from draw_exponential -> [num_rows]
-    int64."""
+    """Exponential race: probs [num_rows, vocab] (unnormalized is fine), Exp(1) noise -> [num_rows] int64."""
     return (probs / noise).argmax(dim=-1)
 
 
@@ -200,7 +196,5 @@ class Sampler:
                 token_ids = token_ids.index_copy(0, *seeded)
             if meta.greedy_mask is not None:
                 token_ids = torch.where(meta.greedy_mask, penalized.argmax(dim=-1), token_ids)
-        logprobs = None
-        if meta.max_num_logprobs is not None:
-            logprobs = compute_logprobs(logits, token_ids, meta.max_num_logprobs)
-        return SamplerOutput(token_ids, logprobs)
+        n = meta.max_num_logprobs
+        return SamplerOutput(token_ids, None if n is None else compute_logprobs(logits, token_ids, n))
