@@ -116,7 +116,9 @@ class SamplingMetadata:
         def pick(t: Tensor | None) -> Tensor | None:
             return None if t is None or index is None or all_greedy else t.index_select(0, index)
 
-        meta = replace(
+        remaining = [max(0, self.min_tokens_remaining[i] - j) for i, j in zip(row_ids, offsets)]
+        stop_ids = [self.min_tokens_stop_ids[i] for i in row_ids]
+        return replace(
             self,
             temperature=_ones(len(row_ids), device) if index is None or all_greedy else self.temperature[index],
             greedy_mask=None if all_random else pick(self.greedy_mask),
@@ -128,11 +130,12 @@ class SamplingMetadata:
             penalties=None if self.penalties is None or index is None else select_penalty_rows(self.penalties, index),
             generators=[self.generators[i] for i in row_ids],
             is_greedy=is_greedy,
-            min_tokens_stop_ids=[self.min_tokens_stop_ids[i] for i in row_ids],
+            min_tokens_stop_ids=stop_ids,
             seeds=[self.seeds[i] for i in row_ids],
             positions=[self.positions[i] + j for i, j in zip(row_ids, offsets)],
+            min_tokens_remaining=remaining,
+            min_tokens_mask=_build_min_tokens_mask(remaining, stop_ids, self.vocab_size, device),
         )
-        return meta._with_min_tokens([max(0, self.min_tokens_remaining[i] - j) for i, j in zip(row_ids, offsets)])
 
     def expand_for_drafts(self, draft_token_ids: Sequence[Sequence[int]]) -> SamplingMetadata:
         """One row per verified position: for sequence i, rows for its k_i + 1 positions, in order. Position j
@@ -149,10 +152,6 @@ class SamplingMetadata:
             meta = replace(meta, penalties=add_output_tokens(meta.penalties, pos_rows, pos_tokens))
         return meta
 
-    def _with_min_tokens(self, remaining: list[int]) -> SamplingMetadata:
-        mask = _build_min_tokens_mask(remaining, self.min_tokens_stop_ids, self.vocab_size, self.temperature.device)
-        return replace(self, min_tokens_remaining=remaining, min_tokens_mask=mask)
-
 
 def _ones(n: int, device: torch.device) -> Tensor:
     """[n] float32 ones on `device`, cached (never written: the sampler divides by it)."""
@@ -162,8 +161,7 @@ def _ones(n: int, device: torch.device) -> Tensor:
 def _row_scalars(
     params: Sequence[SamplingParams], is_greedy: Sequence[bool], vocab_size: int
 ) -> tuple[Tensor, dict[str, bool]]:
-    """[num_seqs, 5] float32 (temperature, top_p, min_p, top_k, greedy) on the host, and which filters any random row
-    uses."""
+    """Host [num_seqs, 5] float32 (temperature, top_p, min_p, top_k, greedy), and the filters random rows use."""
     rows = []
     use = {"top_k": False, "top_p": False, "min_p": False}
     for p, greedy in zip(params, is_greedy):

@@ -114,7 +114,7 @@ class _GrammarState:
 
 
 class StructuredOutputs:
-    """Grammar state of the engine's structured requests; see the module docstring."""
+    """Grammar state of the engine's structured requests."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 128) -> None:
         self.cache = GrammarCache(tokenizer, vocab_size, eos_token_ids, cache_size)
@@ -146,8 +146,7 @@ class StructuredOutputs:
         return len(self._states)
 
     def prepare(self, reqs: Sequence[Request]) -> None:
-        """Cut each structured request's drafts where the grammar rejects them, then fill its masks
-        for the next step in the worker thread. Idempotent for an unchanged request."""
+        """Cut drafts the grammar rejects, then fill the next step's masks in the worker (idempotent)."""
         items: list[tuple[_GrammarState, tuple[int, ...]]] = []
         for req in reqs:
             st = self._states.get(req.request_id)
