@@ -98,16 +98,14 @@ def build_grammar(spec: StructuredSpec, field: str = FIELD, value_label: str | N
             schema, strict = (spec.value, True) if spec.kind == "json" else ('{"type":"object"}', False)
             g = xgr.Grammar.from_json_schema(schema, any_whitespace=spec.any_whitespace, strict_mode=strict)
             return _fix_json_strings(xgr, g)
-        if spec.kind == "regex":
-            return xgr.Grammar.from_regex(spec.value)
-        if spec.kind == "grammar":
-            return xgr.Grammar.from_ebnf(spec.value)
+        if spec.kind in ("regex", "grammar"):
+            return (xgr.Grammar.from_regex if spec.kind == "regex" else xgr.Grammar.from_ebnf)(spec.value)
         # choice: an EBNF alternation of string literals; JSON string escapes are EBNF's too.
         choices = json.loads(spec.value)
         return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
     except (RuntimeError, ValueError, TypeError) as e:
-        what = {"json": "JSON schema", "json_object": "JSON object grammar", "choice": "choice list"}.get(spec.kind)
-        what = what or ("EBNF grammar" if spec.kind == "grammar" else spec.kind)
+        names = {"json": "JSON schema", "json_object": "JSON object grammar", "choice": "choice list"}
+        what = {**names, "grammar": "EBNF grammar"}.get(spec.kind, spec.kind)
         raise ValueError(f"{value_label or f'{field}.{spec.kind}'}: invalid {what}: {_clean_error(e)}") from e
 
 
@@ -135,8 +133,6 @@ class GrammarCache:
     """Compiles specs against one tokenizer and keeps the `max_entries` most recently used."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_entries: int = 128) -> None:
-        if max_entries < 1:
-            raise ValueError(f"max_entries must be >= 1, got {max_entries}.")
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = [t for t in stop_token_ids if t < vocab_size]

@@ -116,8 +116,8 @@ class _GrammarState:
 class StructuredOutputs:
     """Grammar state of the engine's structured requests."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 128) -> None:
-        self.cache = GrammarCache(tokenizer, vocab_size, eos_token_ids, cache_size)
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.cache = GrammarCache(tokenizer, vocab_size, eos_token_ids)
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         self._states: dict[str, _GrammarState] = {}
