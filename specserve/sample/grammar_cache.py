@@ -48,7 +48,7 @@ def parse_structured_outputs(
     unknown = sorted(set(spec) - set(KINDS) - set(_OPTIONS) - set(_UNSUPPORTED))
     if unknown:
         raise ValueError(
-            f"{field} has unknown keys {unknown}; expected one of {list(KINDS)} plus options {list(_OPTIONS)}."
+            f"{field} has unknown keys {unknown}; expected one of {list(KINDS)}, options {list(_OPTIONS)}."
         )
     for key in _UNSUPPORTED:
         if spec.get(key) is not None:
@@ -79,12 +79,8 @@ def _canonical_value(kind: str, value: Any, name: str) -> str:
         if not isinstance(value, str) or not value:
             raise ValueError(f"{name} must be a non-empty string, got {value!r}.")
         return value
-    if (
-        isinstance(value, str)
-        or not isinstance(value, Sequence)
-        or not value
-        or not all(isinstance(c, str) for c in value)
-    ):
+    bad = isinstance(value, str) or not isinstance(value, Sequence) or not value
+    if bad or not all(isinstance(c, str) for c in value):
         raise ValueError(f"{name} must be a non-empty list of strings, got {value!r}.")
     return json.dumps(list(value), ensure_ascii=False)
 

@@ -33,8 +33,7 @@ class SamplerOutput(NamedTuple):
 def check_vocab(columns: int, meta: SamplingMetadata) -> None:
     if columns != meta.vocab_size:
         raise ValueError(
-            f"logits have {columns} columns, metadata was built for vocab_size={meta.vocab_size}; "
-            "slice padded vocab columns off before sampling."
+            f"logits have {columns} columns, metadata has vocab_size={meta.vocab_size}: slice padding off."
         )
 
 
