@@ -3,13 +3,7 @@
 from specserve.sample.metadata import MinTokensMask, SamplingMetadata
 from specserve.sample.penalties import PenaltyTensors
 from specserve.sample.rejection import RejectionOutput, RejectionSampler
-from specserve.sample.sampler import (
-    LogprobsTensors,
-    Sampler,
-    SamplerOutput,
-    compute_logprobs,
-    compute_target_probs,
-)
+from specserve.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, compute_logprobs, compute_target_probs
 
 __all__ = [
     "LogprobsTensors",

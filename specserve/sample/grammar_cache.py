@@ -1,6 +1,5 @@
-"""Structured-output specs: `StructuredSpec` (canonical, hashable form of `structured_outputs`),
-`build_grammar` (syntax check without a tokenizer), `GrammarCache` (compiled grammars, LRU).
-xgrammar is imported lazily."""
+"""`StructuredSpec` (canonical, hashable `structured_outputs`), `build_grammar` (no tokenizer needed) and
+`GrammarCache` (compiled grammars, LRU); xgrammar is imported lazily."""
 
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ def parse_structured_outputs(
     unknown = sorted(set(spec) - set(KINDS) - set(_OPTIONS) - set(_UNSUPPORTED))
     if unknown:
         raise ValueError(
-            f"{field} has unknown keys {unknown}; expected one of {list(KINDS)} plus options {list(_OPTIONS)}."
+            f"{field} has unknown keys {unknown}; expected one of {list(KINDS)}, options {list(_OPTIONS)}."
         )
     for key in _UNSUPPORTED:
         if spec.get(key) is not None:
@@ -80,13 +79,8 @@ def _canonical_value(kind: str, value: Any, name: str) -> str:
         if not isinstance(value, str) or not value:
             raise ValueError(f"{name} must be a non-empty string, got {value!r}.")
         return value
-    # choice
-    if (
-        isinstance(value, str)
-        or not isinstance(value, Sequence)
-        or not value
-        or not all(isinstance(c, str) for c in value)
-    ):
+    bad = isinstance(value, str) or not isinstance(value, Sequence) or not value
+    if bad or not all(isinstance(c, str) for c in value):
         raise ValueError(f"{name} must be a non-empty list of strings, got {value!r}.")
     return json.dumps(list(value), ensure_ascii=False)
 
@@ -100,23 +94,19 @@ def build_grammar(spec: StructuredSpec, field: str = FIELD, value_label: str | N
             schema, strict = (spec.value, True) if spec.kind == "json" else ('{"type":"object"}', False)
             g = xgr.Grammar.from_json_schema(schema, any_whitespace=spec.any_whitespace, strict_mode=strict)
             return _fix_json_strings(xgr, g)
-        if spec.kind == "regex":
-            return xgr.Grammar.from_regex(spec.value)
-        if spec.kind == "grammar":
-            return xgr.Grammar.from_ebnf(spec.value)
+        if spec.kind in ("regex", "grammar"):
+            return (xgr.Grammar.from_regex if spec.kind == "regex" else xgr.Grammar.from_ebnf)(spec.value)
         # choice: an EBNF alternation of string literals; JSON string escapes are EBNF's too.
         choices = json.loads(spec.value)
         return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
     except (RuntimeError, ValueError, TypeError) as e:
-        what = {"json": "JSON schema", "json_object": "JSON object grammar", "choice": "choice list"}.get(spec.kind)
-        what = what or ("EBNF grammar" if spec.kind == "grammar" else spec.kind)
+        names = {"json": "JSON schema", "json_object": "JSON object grammar", "choice": "choice list"}
+        what = {**names, "grammar": "EBNF grammar"}.get(spec.kind, spec.kind)
         raise ValueError(f"{value_label or f'{field}.{spec.kind}'}: invalid {what}: {_clean_error(e)}") from e
 
 
-# JSON string character classes as xgrammar (<= 0.2.9) writes them -> what JSON allows unescaped.
-# Length-limited strings (minLength/maxLength) admit raw control characters (tab, \x06, ...) and
-# every string admits UTF-16 surrogates (bytes ED A0..BF xx), which are not valid UTF-8; either
-# makes the output unparseable. Rewriting the grammar text is a no-op once upstream fixes them.
+# JSON string character classes as xgrammar (<= 0.2.9) writes them -> what JSON allows unescaped: they admit raw
+# control characters and UTF-16 surrogates (invalid UTF-8), so the output would not parse.
 _JSON_CHAR_CLASSES = (
     (r"[^\"\\\r\n]", r"[^\"\\\0-\x1f\ud800-\udfff]"),
     (r"[^\0-\x1f\"\\\r\n]", r"[^\0-\x1f\"\\\ud800-\udfff]"),
@@ -124,8 +114,7 @@ _JSON_CHAR_CLASSES = (
 
 
 def _fix_json_strings(xgr: Any, grammar: Any) -> Any:
-    text = str(grammar)
-    fixed = text
+    fixed = text = str(grammar)
     for loose, strict in _JSON_CHAR_CLASSES:
         fixed = fixed.replace(loose, strict)
     return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
@@ -140,8 +129,6 @@ class GrammarCache:
     """Compiles specs against one tokenizer and keeps the `max_entries` most recently used."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_entries: int = 128) -> None:
-        if max_entries < 1:
-            raise ValueError(f"max_entries must be >= 1, got {max_entries}.")
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = [t for t in stop_token_ids if t < vocab_size]

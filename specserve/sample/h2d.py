@@ -9,16 +9,14 @@ import torch
 
 
 def h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """t on `device`; on CUDA through pinned memory and a non-blocking copy (a pageable copy would wait
-    for all queued GPU work)."""
+    """t on `device`; on CUDA pinned and non-blocking (a pageable copy would wait for all queued GPU work)."""
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def h2d_packed(arrays: Sequence[np.ndarray], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Host integer arrays -> 1-D int64 tensors on `device` (each array flattened), packed into one host buffer and
-    sent in ONE copy (`h2d`); on the CPU the tensors view that buffer, no copy."""
+def h2d_packed(arrays: Sequence[np.ndarray | Sequence[int]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Host integer arrays -> flat int64 tensors on `device`, sent packed in ONE copy (on the CPU: views, no copy)."""
     packed = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]))
     if torch.device(device).type != "cpu":
         packed = h2d(packed, device)
@@ -30,8 +28,7 @@ _MAX_CACHED = 256
 
 
 def cached_tensor(device: torch.device, key: object, make) -> torch.Tensor:
-    """A device tensor that depends only on `key` (e.g. an index list, a size), built by make() on the host and sent
-    once, then reused: callers must never write to it."""
+    """The device tensor for `key`, built by make() on the host and sent once; callers must never write to it."""
     k = (str(device), key)
     t = _cached.get(k)
     if t is None:

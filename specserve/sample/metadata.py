@@ -1,6 +1,5 @@
-"""SamplingMetadata: how each row of a step's logits is sampled, as device tensors. Every optional
-feature is None when no row uses it; host copies of per-row facts let `select_rows` /
-`expand_for_drafts` run without reading anything back from the device."""
+"""SamplingMetadata: how each row of a step's logits is sampled, as device tensors (None where no row uses a
+feature), plus host copies of per-row facts so `select_rows` / `expand_for_drafts` read nothing back."""
 
 from __future__ import annotations
 
@@ -12,12 +11,7 @@ import torch
 from torch import Tensor
 
 from specserve.sample.h2d import cached_tensor, h2d
-from specserve.sample.penalties import (
-    PenaltyTensors,
-    add_output_tokens,
-    build_penalty_tensors,
-    select_penalty_rows,
-)
+from specserve.sample.penalties import PenaltyTensors, add_output_tokens, build_penalty_tensors, select_penalty_rows
 from specserve.sampling_params import SamplingParams
 
 
@@ -40,13 +34,15 @@ class SamplingMetadata:
     penalties: PenaltyTensors | None  # None when every row is neutral
     min_tokens_mask: MinTokensMask | None
     max_num_logprobs: int | None  # the largest `logprobs` asked for; None = no row wants any
-    # Per row; None for greedy rows (they draw nothing) and for unseeded rows (default generator).
+    # Per row, used by draft proposers only; None for greedy and unseeded rows.
     generators: list[torch.Generator | None]
     vocab_size: int
     # Host-side state (see module docstring).
     is_greedy: list[bool] = field(repr=False)
     min_tokens_remaining: list[int] = field(repr=False)  # tokens still to emit before stops may
     min_tokens_stop_ids: list[list[int]] = field(repr=False)
+    seeds: list[int | None] = field(repr=False)  # SamplingParams.seed of random rows; None: greedy or unseeded
+    positions: list[int] = field(repr=False)  # the output index of the token each row samples
 
     @property
     def num_seqs(self) -> int:
@@ -65,33 +61,27 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """One row per entry of `params`. stop_token_ids_for_min_tokens: per row, the ids a row below its
         min_tokens must not emit (EOS + stop_token_ids); None = mask nothing."""
-        num_seqs = len(params)
+        num_seqs, stops = len(params), stop_token_ids_for_min_tokens
         lists: dict[str, Sequence[object]] = {
             "prompt_token_ids": prompt_token_ids,
             "output_token_ids": output_token_ids,
             "generators": generators,
         }
-        if stop_token_ids_for_min_tokens is not None:
-            lists["stop_token_ids_for_min_tokens"] = stop_token_ids_for_min_tokens
-        for name, values in lists.items():
+        for name, values in [*lists.items(), ("stop_token_ids_for_min_tokens", stops or params)]:
             if len(values) != num_seqs:
                 raise ValueError(f"{name} has {len(values)} rows, params has {num_seqs}.")
         is_greedy = [p.greedy for p in params]
         all_greedy, all_random = all(is_greedy), not any(is_greedy)
-        if all_greedy:  # greedy rows read no scalar: a cached tensor of neutral temperatures, no copy
-            use: dict[str, bool] = {}
-            temperature, greedy_mask = _ones(num_seqs, device), None
-        else:
+        use: dict[str, bool] = {}
+        if not all_greedy:  # greedy rows read no scalar: cached neutral temperatures, no copy
             scalars, use = _row_scalars(params, is_greedy, vocab_size)
             scalars = h2d(scalars, device)  # one host->device copy for all per-row scalars
-            temperature = scalars[:, 0]
-            greedy_mask = None if all_random else scalars[:, 4] > 0
         remaining = [max(0, p.min_tokens - len(out)) for p, out in zip(params, output_token_ids)]
-        stop_ids = [list(ids) for ids in stop_token_ids_for_min_tokens or [[] for _ in params]]
+        stop_ids = [list(ids) for ids in stops or [[] for _ in params]]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=temperature,
-            greedy_mask=greedy_mask,
+            temperature=_ones(num_seqs, device) if all_greedy else scalars[:, 0],
+            greedy_mask=None if all_greedy or all_random else scalars[:, 4] > 0,
             all_greedy=all_greedy,
             all_random=all_random,
             top_k=scalars[:, 3].long() if use.get("top_k") else None,
@@ -105,45 +95,47 @@ class SamplingMetadata:
             is_greedy=is_greedy,
             min_tokens_remaining=remaining,
             min_tokens_stop_ids=stop_ids,
+            seeds=[None if g else p.seed for g, p in zip(is_greedy, params)],
+            positions=[len(out) for out in output_token_ids],
         )
 
     def select_rows(self, row_ids: Sequence[int]) -> SamplingMetadata:
         """Row r of the result is row row_ids[r] of self (e.g. one row per verified position)."""
-        return self._select(row_ids, [self.min_tokens_remaining[i] for i in row_ids])
+        return self._select(row_ids, [0] * len(row_ids))
 
-    def _select(self, row_ids: Sequence[int], remaining: list[int]) -> SamplingMetadata:
-        """select_rows, with min_tokens_remaining `remaining` (one per selected row)."""
+    def _select(self, row_ids: Sequence[int], offsets: Sequence[int]) -> SamplingMetadata:
+        """select_rows, each selected row `offsets[r]` tokens further into its output."""
         device = self.temperature.device
         row_ids = tuple(row_ids)
         is_greedy = [self.is_greedy[i] for i in row_ids]
         all_greedy, all_random = all(is_greedy), not any(is_greedy)
-        index = None
+        index = None  # greedy rows without penalties read no tensor: no copy
         if not all_greedy or self.penalties is not None:
             index = cached_tensor(device, ("rows", row_ids), lambda: torch.tensor(row_ids, dtype=torch.int64))
 
-        def rows() -> Tensor:
-            assert index is not None  # built for any non-greedy row and for penalties
-            return index
-
         def pick(t: Tensor | None) -> Tensor | None:
-            return None if t is None or all_greedy else t.index_select(0, rows())
+            return None if t is None or index is None or all_greedy else t.index_select(0, index)
 
-        mixed = not (all_greedy or all_random)
-        meta = replace(
+        remaining = [max(0, self.min_tokens_remaining[i] - j) for i, j in zip(row_ids, offsets)]
+        stop_ids = [self.min_tokens_stop_ids[i] for i in row_ids]
+        return replace(
             self,
-            temperature=_ones(len(row_ids), device) if all_greedy else self.temperature.index_select(0, rows()),
-            greedy_mask=pick(self.greedy_mask) if mixed else None,
+            temperature=_ones(len(row_ids), device) if index is None or all_greedy else self.temperature[index],
+            greedy_mask=None if all_random else pick(self.greedy_mask),
             top_k=pick(self.top_k),
             top_p=pick(self.top_p),
             min_p=pick(self.min_p),
             all_greedy=all_greedy,
             all_random=all_random,
-            penalties=None if self.penalties is None else select_penalty_rows(self.penalties, rows()),
+            penalties=None if self.penalties is None or index is None else select_penalty_rows(self.penalties, index),
             generators=[self.generators[i] for i in row_ids],
             is_greedy=is_greedy,
-            min_tokens_stop_ids=[self.min_tokens_stop_ids[i] for i in row_ids],
+            min_tokens_stop_ids=stop_ids,
+            seeds=[self.seeds[i] for i in row_ids],
+            positions=[self.positions[i] + j for i, j in zip(row_ids, offsets)],
+            min_tokens_remaining=remaining,
+            min_tokens_mask=_build_min_tokens_mask(remaining, stop_ids, self.vocab_size, device),
         )
-        return meta._with_min_tokens(remaining)
 
     def expand_for_drafts(self, draft_token_ids: Sequence[Sequence[int]]) -> SamplingMetadata:
         """One row per verified position: for sequence i, rows for its k_i + 1 positions, in order. Position j
@@ -153,28 +145,12 @@ class SamplingMetadata:
             raise ValueError(f"draft_token_ids has {len(draft_token_ids)} rows, metadata has {self.num_seqs}.")
         row_ids = [i for i, drafts in enumerate(draft_token_ids) for _ in range(len(drafts) + 1)]
         offsets = [j for drafts in draft_token_ids for j in range(len(drafts) + 1)]
-        remaining = [max(0, self.min_tokens_remaining[i] - j) for i, j in zip(row_ids, offsets)]
-        meta = self._select(row_ids, remaining)
-        if meta.penalties is not None:
-            pos_rows: list[int] = []
-            pos_tokens: list[int] = []
-            pos = 0
-            for drafts in draft_token_ids:
-                for j in range(len(drafts) + 1):
-                    pos_rows.extend([pos + j] * j)
-                    pos_tokens.extend(drafts[:j])
-                pos += len(drafts) + 1
+        meta = self._select(row_ids, offsets)
+        if meta.penalties is not None:  # row r (offset j) also counts its sequence's first j drafts
+            pos_rows = [r for r, j in enumerate(offsets) for _ in range(j)]
+            pos_tokens = [t for i, j in zip(row_ids, offsets) for t in draft_token_ids[i][:j]]
             meta = replace(meta, penalties=add_output_tokens(meta.penalties, pos_rows, pos_tokens))
         return meta
-
-    def _with_min_tokens(self, remaining: list[int]) -> SamplingMetadata:
-        return replace(
-            self,
-            min_tokens_remaining=remaining,
-            min_tokens_mask=_build_min_tokens_mask(
-                remaining, self.min_tokens_stop_ids, self.vocab_size, self.temperature.device
-            ),
-        )
 
 
 def _ones(n: int, device: torch.device) -> Tensor:
@@ -185,8 +161,7 @@ def _ones(n: int, device: torch.device) -> Tensor:
 def _row_scalars(
     params: Sequence[SamplingParams], is_greedy: Sequence[bool], vocab_size: int
 ) -> tuple[Tensor, dict[str, bool]]:
-    """[num_seqs, 5] float32 (temperature, top_p, min_p, top_k, greedy) on the host, and which filters any random row
-    uses."""
+    """Host [num_seqs, 5] float32 (temperature, top_p, min_p, top_k, greedy), and the filters random rows use."""
     rows = []
     use = {"top_k": False, "top_p": False, "min_p": False}
     for p, greedy in zip(params, is_greedy):
@@ -204,18 +179,11 @@ def _row_scalars(
 def _build_min_tokens_mask(
     remaining: Sequence[int], stop_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
 ) -> MinTokensMask | None:
-    if not any(remaining):
+    # An id outside the logits (an added EOS past a padded vocab) cannot be sampled; indexing would crash.
+    pairs = [
+        (row, t) for row, (left, ids) in enumerate(zip(remaining, stop_ids)) if left > 0 for t in ids if t < vocab_size
+    ]
+    if not pairs:
         return None
-    rows: list[int] = []
-    tokens: list[int] = []
-    for row, (left, ids) in enumerate(zip(remaining, stop_ids)):
-        if left > 0:
-            # An id outside the logits (a tokenizer's added EOS past a padded vocab) cannot be
-            # sampled anyway; indexing with it would crash the step.
-            valid = [t for t in ids if t < vocab_size]
-            rows.extend([row] * len(valid))
-            tokens.extend(valid)
-    if not rows:
-        return None
-    index = h2d(torch.tensor([rows, tokens], dtype=torch.int64), device)
+    index = h2d(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device)
     return MinTokensMask(index[0], index[1])

@@ -25,26 +25,12 @@ def has_penalty(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
-def _scatter_rows(
-    shape: tuple[int, int],
-    rows: Sequence[int],
-    token_lists: Sequence[Sequence[int]],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> Tensor:
-    """A [rows, vocab] tensor holding, for row r, how often each token occurs in token_lists[r]."""
+def _counts(shape: tuple[int, int], pairs: list[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """[rows, vocab]: how often each (row, token) occurs in pairs (bool: whether it does)."""
     out = torch.zeros(shape, dtype=dtype, device=device)
-    lengths = [len(token_lists[r]) for r in rows]
-    if sum(lengths) == 0:
-        return out
-    flat = torch.tensor([t for r in rows for t in token_lists[r]], dtype=torch.int64)
-    row_ids = torch.repeat_interleave(
-        torch.tensor(list(rows), dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
-    )
-    index = h2d(torch.stack([row_ids, flat]), device)  # one host->device copy
-    ones = torch.ones(index.shape[1], dtype=dtype, device=device)
-    # accumulate=True sums duplicates (bool accumulation is a logical or).
-    out.index_put_((index[0], index[1]), ones, accumulate=True)
+    if pairs:
+        index = h2d(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device)  # one host->device copy
+        out.index_put_((index[0], index[1]), torch.ones(index.shape[1], dtype=dtype, device=device), accumulate=True)
     return out
 
 
@@ -59,18 +45,13 @@ def build_penalty_tensors(
     active = [i for i, p in enumerate(params) if has_penalty(p)]
     if not active:
         return None
-    num_seqs = len(params)
-    factors = h2d(
-        torch.tensor(
-            [[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params], dtype=torch.float32
-        ).reshape(num_seqs, 3),
-        device,
-    )
+    shape = (len(params), vocab_size)
+    rows = [[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params]
+    factors = h2d(torch.tensor(rows, dtype=torch.float32), device)
     # The prompt matters only to the repetition penalty: skip long prompts of the other rows.
-    rep_rows = [i for i in active if params[i].repetition_penalty != 1.0]
-    prompt_mask = _scatter_rows((num_seqs, vocab_size), rep_rows, prompt_token_ids, torch.bool, device)
-    counts = _scatter_rows((num_seqs, vocab_size), active, output_token_ids, torch.int32, device)
-    return PenaltyTensors(factors[:, 0], factors[:, 1], factors[:, 2], prompt_mask, counts)
+    rep = [(i, t) for i in active if params[i].repetition_penalty != 1.0 for t in prompt_token_ids[i]]
+    counts = _counts(shape, [(i, t) for i in active for t in output_token_ids[i]], torch.int32, device)
+    return PenaltyTensors(factors[:, 0], factors[:, 1], factors[:, 2], _counts(shape, rep, torch.bool, device), counts)
 
 
 def select_penalty_rows(penalties: PenaltyTensors, index: Tensor) -> PenaltyTensors:
@@ -80,15 +61,11 @@ def select_penalty_rows(penalties: PenaltyTensors, index: Tensor) -> PenaltyTens
 
 def add_output_tokens(penalties: PenaltyTensors, row_ids: Sequence[int], token_ids: Sequence[int]) -> PenaltyTensors:
     """Counts as if row_ids[i] had also emitted token_ids[i] (drafts assumed accepted)."""
+    counts = penalties.output_counts
     if not row_ids:
         return penalties
-    device = penalties.output_counts.device
-    index = h2d(torch.tensor([list(row_ids), list(token_ids)], dtype=torch.int64), device)
-    counts = penalties.output_counts.clone()
-    counts.index_put_(
-        (index[0], index[1]), torch.ones(index.shape[1], dtype=counts.dtype, device=device), accumulate=True
-    )
-    return penalties._replace(output_counts=counts)
+    extra = _counts((counts.shape[0], counts.shape[1]), list(zip(row_ids, token_ids)), counts.dtype, counts.device)
+    return penalties._replace(output_counts=counts + extra)
 
 
 def apply_penalties(logits: Tensor, penalties: PenaltyTensors) -> Tensor:

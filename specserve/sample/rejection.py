@@ -2,9 +2,9 @@
 
 Random rows accept draft x_j with probability min(1, p_j[x_j] / q_j[x_j]) (p = `compute_target_probs`,
 q = draft_probs, one-hot when None); at the first rejection they emit a token from
-normalize(max(0, p_j - q_j)), else a bonus token from p_k. Greedy rows accept while x_j == argmax p_j.
-Seeded rows draw a fixed amount per step (k_i uniforms, then `vocab` Exp(1)), whatever is accepted,
-so they reproduce independently of the batch."""
+normalize(max(0, p_j - q_j)), else a bonus token from p_k. Greedy and seeded rows emit at every position
+the plain sampler's token t_j there (argmax, or a race on noise keyed by (seed, position)) and accept x_j
+iff x_j == t_j: t_j ~ p_j whatever the drafts (lossless), and the output is the same for any k or batch."""
 
 from __future__ import annotations
 
@@ -19,7 +19,14 @@ from torch import Tensor
 
 from specserve.sample.h2d import h2d_packed
 from specserve.sample.metadata import SamplingMetadata
-from specserve.sample.sampler import compute_target_probs, draw_exponential, penalized_logits, random_sample
+from specserve.sample.sampler import (
+    check_vocab,
+    compute_target_probs,
+    draw_exponential,
+    penalized_logits,
+    random_sample,
+    seeded_tokens,
+)
 
 
 class RejectionOutput(NamedTuple):
@@ -28,8 +35,7 @@ class RejectionOutput(NamedTuple):
 
 
 class _Layout(NamedTuple):
-    """Where each draft and each sequence's positions live in the flat tensors: host arrays that
-    depend only on the numbers of drafts (`layout`, cached by them; read-only)."""
+    """Where drafts and positions live in the flat tensors; read-only, cached by the numbers of drafts."""
 
     num_drafts: tuple[int, ...]  # [num_seqs] k_i
     total: int  # sum of k_i
@@ -57,76 +63,37 @@ def layout(num_drafts: tuple[int, ...]) -> _Layout:
 
 
 class _DeviceLayout(NamedTuple):
-    """The random path's indices on the device (one packed copy); None where not needed."""
+    """The random path's indices on the device, sent in one packed copy."""
 
     draft_ids: Tensor  # [total] int64
     target_index: Tensor  # [total] flat index of (draft_target_row, draft id) in target_probs
-    draft_index: Tensor | None  # [total] flat index of (draft, draft id) in draft_probs
-    random_draft: Tensor | None  # [total] 1 for drafts of random rows, 0 of greedy ones (mixed batches)
-    pad_index: Tensor | None  # [total] draft_seq * max_k + draft_offset (when k_i differ)
+    draft_index: Tensor  # [total] flat index of (draft, draft id) in draft_probs
+    pad_index: Tensor  # [total] draft_seq * max_k + draft_offset
     seq_num_drafts: Tensor  # [num_seqs] k_i
     seq_target_start: Tensor  # [num_seqs]
     seq_draft_start: Tensor  # [num_seqs]
 
-    @classmethod
-    def send(
-        cls,
-        lay: _Layout,
-        draft_ids: np.ndarray,
-        vocab: int,
-        with_draft_probs: bool,
-        meta: SamplingMetadata,
-        device: torch.device,
-    ) -> _DeviceLayout:
-        per_draft = [draft_ids, lay.draft_target_row * vocab + draft_ids]
-        if with_draft_probs:
-            per_draft.append(np.arange(lay.total) * vocab + draft_ids)
-        if meta.greedy_mask is not None:
-            per_draft.append(np.logical_not(meta.is_greedy)[lay.draft_seq])
-        if not lay.uniform:
-            per_draft.append(lay.draft_seq * lay.max_k + lay.draft_offset)
-        per_seq = [lay.num_drafts, lay.seq_target_start, lay.seq_draft_start]
-        sent = iter(h2d_packed(per_draft + per_seq, device))
-        ids, target_index = next(sent), next(sent)
-        draft_index, random_draft, pad_index = (
-            next(sent) if use else None for use in (with_draft_probs, meta.greedy_mask is not None, not lay.uniform)
-        )
-        return cls(ids, target_index, draft_index, random_draft, pad_index, *sent)
+
+def _send(lay: _Layout, draft_ids: np.ndarray, vocab: int, device: torch.device) -> _DeviceLayout:
+    per_draft = [draft_ids, lay.draft_target_row * vocab + draft_ids, np.arange(lay.total) * vocab + draft_ids]
+    arrays = [*per_draft, lay.draft_seq * lay.max_k + lay.draft_offset, lay.num_drafts, *lay[-2:]]
+    return _DeviceLayout(*h2d_packed(arrays, device))
 
 
 def _check_shapes(
     lay: _Layout, draft_ids: np.ndarray, draft_probs: Tensor | None, target_logits: Tensor, meta: SamplingMetadata
 ) -> None:
-    num_seqs, total, vocab = len(lay.num_drafts), lay.total, target_logits.shape[-1]
+    num_seqs, total, vocab, shape = len(lay.num_drafts), lay.total, target_logits.shape[-1], tuple(target_logits.shape)
     if meta.num_seqs != num_seqs:
         raise ValueError(f"metadata has {meta.num_seqs} rows, draft_token_ids has {num_seqs}.")
     if target_logits.dim() != 2 or target_logits.shape[0] != total + num_seqs:
-        raise ValueError(
-            f"target_logits must be [total_draft_tokens + num_seqs = {total + num_seqs}, "
-            f"vocab], got {tuple(target_logits.shape)}."
-        )
-    if vocab != meta.vocab_size:
-        raise ValueError(
-            f"logits have {vocab} columns, metadata was built for vocab_size="
-            f"{meta.vocab_size}; slice padded vocab columns off before sampling."
-        )
+        raise ValueError(f"target_logits must be [total_drafts + num_seqs = {total + num_seqs}, vocab], got {shape}.")
+    check_vocab(vocab, meta)
     if draft_probs is not None and tuple(draft_probs.shape) != (total, vocab):
         raise ValueError(f"draft_probs must be [total_draft_tokens = {total}, vocab], got {tuple(draft_probs.shape)}.")
     if total and int(draft_ids.view(np.uint64).max()) >= vocab:  # negative ids view as >= 2**63
         # Out-of-range ids would be a device-side assert on GPU, which kills the process.
         raise ValueError(f"draft_token_ids must be in [0, {vocab}).")
-
-
-def _accepted_prefix(lay: _Layout, accepted: np.ndarray) -> np.ndarray:
-    """[total] bool -> [num_seqs] int64: each sequence's drafts before its first rejection."""
-    if lay.max_k == 0:
-        return np.zeros(len(lay.num_drafts), dtype=np.int64)
-    if lay.uniform:
-        padded = accepted.reshape(-1, lay.max_k)
-    else:
-        padded = np.zeros((len(lay.num_drafts), lay.max_k), dtype=bool)  # padding ends short rows
-        padded[lay.draft_seq, lay.draft_offset] = accepted
-    return np.logical_and.accumulate(padded, axis=1).sum(axis=1)
 
 
 class RejectionSampler:
@@ -167,74 +134,48 @@ class RejectionSampler:
         meta: SamplingMetadata,
     ) -> tuple[list[int], list[int]]:
         """Batches with a random row, on the device: (accepted counts, final tokens), one read-back."""
-        device = target_logits.device
-        target_probs = compute_target_probs(target_logits, meta.expand_for_drafts(draft_token_ids))
-        dev = _DeviceLayout.send(lay, draft_ids, target_logits.shape[1], draft_probs is not None, meta, device)
-        num_accepted = self._num_accepted(lay, dev, draft_probs, target_probs, meta)  # [num_seqs]
-        final = self._final_tokens(lay, dev, num_accepted, draft_probs, target_probs, meta)  # [num_seqs]
+        device, vocab = target_logits.device, target_logits.shape[1]
+        expanded = meta.expand_for_drafts(draft_token_ids)
+        target_probs = compute_target_probs(target_logits, expanded)  # [total_drafts + num_seqs, vocab]
+        dev = _send(lay, draft_ids, vocab, device)
+        fixed = _fixed_tokens(target_probs, expanded)  # [total_drafts + num_seqs] or None
+        num_accepted = torch.zeros(meta.num_seqs, dtype=torch.int64, device=device)
+        if lay.total:
+            # u < target/draft without dividing; strict so a zero target prob never accepts. float64: float32
+            # steps of 2**-24 bias the acceptance of small probabilities.
+            scaled_u = torch.empty(lay.total, dtype=torch.float64, device=device).uniform_(generator=self.generator)
+            if draft_probs is not None:
+                scaled_u = scaled_u * draft_probs.take(dev.draft_index).double()
+            accepted = (scaled_u < target_probs.take(dev.target_index).double()).long()  # [total_drafts]
+            if fixed is not None:
+                draft_fixed = fixed.index_select(0, dev.target_index.div(vocab, rounding_mode="floor"))
+                accepted = torch.where(draft_fixed < 0, accepted, (draft_fixed == dev.draft_ids).long())
+            if lay.uniform:
+                padded = accepted.view(meta.num_seqs, lay.max_k)
+            else:  # padding (0) ends short rows
+                padded = accepted.new_zeros(meta.num_seqs * lay.max_k).index_copy_(0, dev.pad_index, accepted)
+            num_accepted = padded.view(meta.num_seqs, lay.max_k).cumprod(dim=1).sum(dim=1)
+        final_rows = dev.seq_target_start + num_accepted
+        final_probs = target_probs.index_select(0, final_rows)  # [num_seqs, vocab]
+        residual = final_probs if lay.total == 0 else _residual(lay, dev, num_accepted, draft_probs, final_probs)
+        final = random_sample(residual, draw_exponential(meta.num_seqs, vocab, (), self.generator, device))
+        if fixed is not None:
+            fixed_final = fixed.index_select(0, final_rows)
+            final = torch.where(fixed_final < 0, final, fixed_final)
         counts, tokens = torch.stack([num_accepted, final]).tolist()
         return counts, tokens
 
-    def _draw_uniform(self, lay: _Layout, meta: SamplingMetadata, device: torch.device) -> Tensor:
-        """[total_drafts] float64 in [0, 1); float64 because float32 steps of 2**-24 bias the test."""
-        uniform = torch.empty(lay.total, dtype=torch.float64, device=device)
-        seeded = [i for i, g in enumerate(meta.generators) if g is not None]
-        if len(seeded) < meta.num_seqs:
-            uniform.uniform_(generator=self.generator)
-        for i in seeded:
-            if lay.num_drafts[i]:
-                start = int(lay.seq_draft_start[i])
-                uniform[start : start + lay.num_drafts[i]].uniform_(generator=meta.generators[i])
-        return uniform
 
-    def _num_accepted(
-        self, lay: _Layout, dev: _DeviceLayout, draft_probs: Tensor | None, target_probs: Tensor, meta: SamplingMetadata
-    ) -> Tensor:
-        """[num_seqs] int64: length of each sequence's accepted draft prefix."""
-        num_seqs, max_k = meta.num_seqs, lay.max_k
-        device = target_probs.device
-        if max_k == 0:
-            return torch.zeros(num_seqs, dtype=torch.int64, device=device)
-        target_p = target_probs.take(dev.target_index).double()  # [total_drafts]
-        # u < target/draft without dividing; strict so a zero target prob never accepts.
-        scaled_u = self._draw_uniform(lay, meta, device)
-        if draft_probs is not None and dev.draft_index is not None:
-            scaled_u = scaled_u * draft_probs.take(dev.draft_index).double()
-        if dev.random_draft is not None:
-            # Greedy rows' target_probs are one-hot at the target argmax: with u scaled to 0 a draft
-            # is accepted iff it is that argmax (target_p 1, else 0).
-            scaled_u = scaled_u * dev.random_draft
-        accepted = (scaled_u < target_p).long()
-        if dev.pad_index is None:  # lay.uniform
-            padded = accepted.view(num_seqs, max_k)
-        else:  # padding (0) ends short rows
-            padded = accepted.new_zeros(num_seqs * max_k).index_copy_(0, dev.pad_index, accepted)
-            padded = padded.view(num_seqs, max_k)
-        # Accepted prefix = drafts before the first rejection.
-        return padded.cumprod(dim=1).sum(dim=1)
-
-    def _final_tokens(
-        self,
-        lay: _Layout,
-        dev: _DeviceLayout,
-        num_accepted: Tensor,
-        draft_probs: Tensor | None,
-        target_probs: Tensor,
-        meta: SamplingMetadata,
-    ) -> Tensor:
-        """[num_seqs] int64: the recovered token at the first rejection, else the bonus token."""
-        final_probs = target_probs.index_select(0, dev.seq_target_start + num_accepted)  # [num_seqs, vocab]
-        residual = final_probs
-        if lay.total > 0:
-            residual = _residual(lay, dev, num_accepted, draft_probs, final_probs)
-        noise = draw_exponential(
-            meta.num_seqs, final_probs.shape[1], meta.generators, self.generator, final_probs.device
-        )
-        tokens = random_sample(residual, noise)
-        if meta.greedy_mask is not None:
-            # Greedy rows: one-hot at the target argmax, which differs from a rejected draft.
-            tokens = torch.where(meta.greedy_mask, final_probs.argmax(dim=-1), tokens)
-        return tokens
+def _fixed_tokens(probs: Tensor, meta: SamplingMetadata) -> Tensor | None:
+    """[num_rows] the token a greedy (argmax) or seeded (`seeded_tokens`) row emits at its position whatever the
+    drafts, -1 at the other rows; None when there are none."""
+    seeded = seeded_tokens(probs, meta)
+    if seeded is None and meta.greedy_mask is None:
+        return None
+    fixed = torch.full((probs.shape[0],), -1, dtype=torch.int64, device=probs.device)
+    if meta.greedy_mask is not None:
+        fixed = torch.where(meta.greedy_mask, probs.argmax(dim=-1), fixed)
+    return fixed if seeded is None else fixed.index_copy_(0, *seeded)
 
 
 def _greedy(
@@ -244,23 +185,21 @@ def _greedy(
     target_logits: Tensor,
     meta: SamplingMetadata,
 ) -> tuple[list[int], list[int]]:
-    """All rows greedy: every position's target token is the argmax of its (penalized) logits;
-    one argmax on the device, one read-back, the comparison on the host."""
+    """All rows greedy: one argmax of the (penalized) logits on the device, one read-back, compared on the host."""
     logits = target_logits
-    if meta.penalties is not None or meta.min_tokens_mask is not None:
-        # Nothing to expand otherwise: without penalties or a min_tokens mask on the sequences,
-        # no position has one (expand_for_drafts only counts drafts into those two).
+    if meta.penalties is not None or meta.min_tokens_mask is not None:  # else no position has either
         logits = penalized_logits(target_logits, meta.expand_for_drafts(draft_token_ids))
     targets = logits.argmax(dim=-1).cpu().numpy()  # [total + num_seqs]
-    counts = _accepted_prefix(lay, draft_ids == targets[lay.draft_target_row])
+    rejected = draft_ids != targets[lay.draft_target_row]
+    counts = np.array(lay.num_drafts, dtype=np.int64).reshape(-1)  # accepted prefix: up to the first rejection
+    np.minimum.at(counts, lay.draft_seq[rejected], lay.draft_offset[rejected])
     return counts.tolist(), targets[lay.seq_target_start + counts].tolist()
 
 
 def _residual(
     lay: _Layout, dev: _DeviceLayout, num_accepted: Tensor, draft_probs: Tensor | None, final_probs: Tensor
 ) -> Tensor:
-    """max(0, target_probs - draft_probs) at the first rejected position, unnormalized (the
-    exponential race does not need it); the target itself for rows that accepted everything."""
+    """max(0, target - draft) at the first rejected position, unnormalized; the target where all were accepted."""
     rejected = num_accepted < dev.seq_num_drafts  # [num_seqs]
     # Index of the first rejected draft; clamped so rows without one index something valid.
     rejected_draft = (dev.seq_draft_start + num_accepted).clamp_(max=lay.total - 1)
@@ -271,7 +210,6 @@ def _residual(
     else:
         subtract = draft_probs.index_select(0, rejected_draft).float() * rejected.unsqueeze(1)
         residual = (final_probs - subtract).clamp_(min=0.0)
-    # Rounding can leave nothing when target and draft nearly coincide; the target itself is then
-    # the closest distribution to the (vanishing) residual.
+    # Rounding can leave nothing when target and draft nearly coincide: the target is then the closest.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     return torch.where(empty, final_probs, residual)

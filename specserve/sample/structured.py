@@ -1,9 +1,6 @@
-"""Structured output: every sampled or verified logits row of a structured request is masked with its
-xgrammar matcher's token bitmask, so both samplers draw only grammar-valid tokens (lossless).
-
-A worker thread fills the masks during the forward: after add_request / _update (prepare), or after
-the drafts are cut to the grammar (SpecDecoder.propose); apply() waits, masks, and advance() feeds
-the emitted tokens. Invariant: a matcher is used by one thread at a time (the main thread `_wait`s)."""
+"""Structured output: every sampled or verified logits row of a structured request is masked with its xgrammar
+matcher's token bitmask, so both samplers draw only grammar-valid tokens. A worker thread fills the masks during
+the forward; invariant: a matcher is used by one thread at a time (the main thread `_wait`s)."""
 
 from __future__ import annotations
 
@@ -24,15 +21,9 @@ from specserve.scheduler.request import Request
 logger = logging.getLogger(__name__)
 
 # vLLM's pre-`structured_outputs` extra fields (still sent by many clients) -> our kinds.
-_GUIDED = (
-    ("guided_json", "json"),
-    ("guided_regex", "regex"),
-    ("guided_choice", "choice"),
-    ("guided_grammar", "grammar"),
-)
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-# -- request-level API (no tokenizer needed) ----------------------------------------------------
 def validate_structured_outputs(
     spec: dict[str, Any] | None, field: str = FIELD, value_label: str | None = None
 ) -> None:
@@ -58,7 +49,7 @@ def structured_from_openai(
         if not isinstance(so, dict):
             raise ValueError(f"structured_outputs must be an object, got {type(so).__name__}.")
         found.append(("structured_outputs", dict(so), None))
-    for key, kind in _GUIDED:
+    for key, kind in _GUIDED.items():
         if extra.get(key) is not None:
             found.append((key, {kind: extra[key]}, key))
     if extra.get("guided_whitespace_pattern") is not None:
@@ -66,10 +57,8 @@ def structured_from_openai(
     if not found:
         return None
     if len(found) > 1:
-        raise ValueError(
-            "only one of response_format, structured_outputs, guided_json, guided_regex, "
-            f"guided_choice and guided_grammar may be given, got {[f[0] for f in found]}."
-        )
+        names = ", ".join(["response_format", "structured_outputs", *_GUIDED])
+        raise ValueError(f"only one of {names} may be given, got {[f[0] for f in found]}.")
     field, mapped_so, label = found[0]
     validate_structured_outputs(mapped_so, field, label)
     return mapped_so
@@ -97,7 +86,6 @@ def _from_response_format(rf: Any) -> tuple[str, dict[str, Any], str | None] | N
     raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}.")
 
 
-# -- masks ---------------------------------------------------------------------------------------
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor, row_ids: Sequence[int]) -> Tensor:
     """A copy of logits [num_rows, vocab] whose rows row_ids have disallowed tokens at -inf."""
     device, vocab = logits.device, logits.shape[1]
@@ -126,10 +114,10 @@ class _GrammarState:
 
 
 class StructuredOutputs:
-    """Grammar state of the engine's structured requests; see the module docstring."""
+    """Grammar state of the engine's structured requests."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 128) -> None:
-        self.cache = GrammarCache(tokenizer, vocab_size, eos_token_ids, cache_size)
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.cache = GrammarCache(tokenizer, vocab_size, eos_token_ids)
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         self._states: dict[str, _GrammarState] = {}
@@ -137,7 +125,6 @@ class StructuredOutputs:
         self.num_sync_fills = 0  # masks not ready when the logits were: computed on the critical path
         self.num_drafts_cut = 0  # draft tokens dropped because the grammar rejects them
 
-    # -- lifecycle -------------------------------------------------------------------------------
     def compile(self, params: SamplingParams) -> Any | None:
         """The compiled grammar for params.structured_outputs (None = unconstrained)."""
         spec = parse_structured_outputs(params.structured_outputs)
@@ -154,17 +141,12 @@ class StructuredOutputs:
         """Forget a finished or aborted request. A job still running keeps its own references."""
         self._states.pop(req.request_id, None)
 
-    def is_structured(self, req: Request) -> bool:
-        return req.request_id in self._states
-
     @property
     def num_requests(self) -> int:
         return len(self._states)
 
-    # -- per step --------------------------------------------------------------------------------
     def prepare(self, reqs: Sequence[Request]) -> None:
-        """Cut each structured request's drafts where the grammar rejects them, then fill its masks
-        for the next step in the worker thread. Idempotent for an unchanged request."""
+        """Cut drafts the grammar rejects, then fill the next step's masks in the worker (idempotent)."""
         items: list[tuple[_GrammarState, tuple[int, ...]]] = []
         for req in reqs:
             st = self._states.get(req.request_id)
@@ -174,17 +156,14 @@ class StructuredOutputs:
             num_proposed = len(req.spec_token_ids)
             drafts = _cut_drafts(st.matcher, req)
             self.num_drafts_cut += num_proposed - len(drafts)
-            if st.masks is not None and st.masks.drafts == drafts:
-                continue
-            st.masks = None
-            items.append((st, drafts))
-        if not items:
-            return
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-grammar")
-        job = self._executor.submit(self._fill_all, items)
-        for st, _ in items:
-            st.job = job
+            if st.masks is None or st.masks.drafts != drafts:
+                st.masks = None
+                items.append((st, drafts))
+        if items:
+            self._executor = self._executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-grammar")
+            job = self._executor.submit(self._fill_all, items)
+            for st, _ in items:
+                st.job = job
 
     def _fill_all(self, items: list[tuple[_GrammarState, tuple[int, ...]]]) -> None:
         for st, drafts in items:
@@ -226,9 +205,7 @@ class StructuredOutputs:
         st.masks = None
         for token in token_ids:
             if st.matcher.is_terminated() or not st.matcher.accept_token(token):
-                logger.warning(
-                    "request %s: token %d violates its %s; ending the request.", req.request_id, token, FIELD
-                )
+                logger.warning("request %s: token %d violates its %s; ending it.", req.request_id, token, FIELD)
                 return True
         return st.matcher.is_terminated()
 
@@ -241,20 +218,13 @@ class StructuredOutputs:
 
 def _cut_drafts(matcher: Any, req: Request) -> tuple[int, ...]:
     """Drop the drafts the grammar can never emit; returns the drafts kept."""
-    drafts = req.spec_token_ids
-    num_valid, ended = 0, False
-    for token in drafts:
-        if matcher.is_terminated():
-            ended = True
-            break
-        if not matcher.accept_token(token):
-            break
+    drafts, num_valid = req.spec_token_ids, 0
+    while num_valid < len(drafts) and not matcher.is_terminated() and matcher.accept_token(drafts[num_valid]):
         num_valid += 1
+    # A sampled draft the grammar rejects stays (rejection needs the drafts as sampled), unless the grammar ended.
+    keep = num_valid + int(num_valid < len(drafts) and not matcher.is_terminated() and req.spec_draft_probs is not None)
     if num_valid:
         matcher.rollback(num_valid)
-    keep = num_valid
-    if num_valid < len(drafts) and not ended and req.spec_draft_probs is not None:
-        keep += 1
     if keep < len(drafts):
         req.spec_token_ids = list(drafts[:keep])
         if req.spec_draft_probs is not None:

@@ -65,12 +65,6 @@ class SpecDecoder:
         self._deferred: DeferredDrafts | None = None
         self._wait_s = 0.0  # this step's wait for deferred drafts: the proposal's time, not the step's
 
-    @property
-    def k_follows_load(self) -> bool:
-        """Seeded random requests draft only when k does not follow the load (their generator draws k uniforms
-        per step: a load-dependent k would change what the seed samples)."""
-        return self.controller.follows_load or self.disable_above is not None
-
     def pending_drafts(self) -> PendingTokens | None:
         """The last proposal's drafts still on the device, for the verify step's placeholders."""
         return self._deferred.pending if self._deferred is not None else None
@@ -168,8 +162,7 @@ class SpecDecoder:
         chosen = ProposeInput([], [], step, [])
         for r, i in zip(reqs, batch_index):
             r.spec_token_ids, r.spec_draft_probs = [], None
-            seeded = self.k_follows_load and r.generator is not None and not r.params.greedy
-            budget = 0 if seeded else draft_budget(r, k, self.max_model_len)
+            budget = draft_budget(r, k, self.max_model_len)  # 0: no room left
             if budget > 0:
                 chosen.requests.append(r)
                 chosen.num_draft_tokens.append(budget)

@@ -242,8 +242,8 @@ def test_seeded_sampling_with_speculation_reproduces(method, spec_dirs, referenc
     again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert first == again
     assert first[1] == reference[1]  # the greedy request in the mixed batch stays exact
-    # A seeded request draws from its own generators (drafting and verification): alone it
-    # samples what it sampled in the batch.
+    # A seeded request's noise is keyed by its seed and output positions: alone it samples what it
+    # sampled in the batch.
     assert llm.generate(prompts[0], params[0])[0].outputs[0].token_ids == first[0]
 
 

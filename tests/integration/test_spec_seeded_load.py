@@ -1,7 +1,6 @@
-"""Seeded random requests under a k that follows the load (a controller whose k varies per step, a
-batch size table): the same seed samples the same tokens alone, in a batch, and as without speculation.
-The rejection sampler draws k uniforms per step from a request's generator, so such requests do not
-draft; greedy requests in the same batch still do."""
+"""Seeded random requests draft under any k: a fixed k of 1, 2 or 4, a k that varies per step (as the
+adaptive controller's does under load), a batch size table. Their noise is keyed by (seed, output position),
+so the same seed samples the same tokens at temperature 1 with and without speculation, alone and in a batch."""
 
 from __future__ import annotations
 
@@ -13,18 +12,19 @@ from specserve import LLM, SamplingParams
 from specserve.speculative.control import Controller
 
 K = 3
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SPECS = {
-    "varying": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-    "table": {
-        "method": "ngram",
-        "num_speculative_tokens": K,
-        "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3,
-        "num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 8, 1]],
-    },
+    **{f"k={k}": {**NGRAM, "num_speculative_tokens": k, "adaptive": False} for k in (1, 2, 4)},
+    "varying": NGRAM,
+    "table": {**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 8, 1]]},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 2, "adaptive": False},
 }
 PROMPT = {"prompt_token_ids": [11, 42, 7, 99, 23] * 6}
-SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
+SEEDED = SamplingParams(
+    temperature=1.0, top_k=4, seed=1234, max_tokens=32, ignore_eos=True
+)  # top_k: tokens repeat, n-grams draft
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+KW = {"progress": False, "kv_cache_memory_bytes": 4 << 20, "enable_prefix_caching": False}
 
 
 class _Cycling(Controller):
@@ -38,38 +38,31 @@ class _Cycling(Controller):
         return next(self.ks)
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+def _counters(llm: LLM) -> dict[str, float]:
+    return {m.name.removeprefix("specserve:"): m.value for m in llm.get_metrics() if not m.labels}
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), **KW)
+    return llm.generate(PROMPT, SEEDED)[0].outputs[0].token_ids, llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-def test_seeded_samples_do_not_follow_the_load(tiny_llama_dir, monkeypatch, name) -> None:
-    kw = {"progress": False, "kv_cache_memory_bytes": 4 << 20, "enable_prefix_caching": False}
-    plain = LLM(model=str(tiny_llama_dir), **kw)
-    want = plain.generate(PROMPT, SEEDED)[0].outputs[0].token_ids
-    llm = LLM(model=str(tiny_llama_dir), **kw, speculative_config=SPECS[name])
-    spec = llm.engine.spec
+def test_seeded_requests_draft_and_sample_as_without_speculation(tiny_llama_dir, plain, name) -> None:
+    spec_config = dict(SPECS[name])
+    if name == "draft_model":
+        spec_config["model"] = str(tiny_llama_dir)  # the target as its own draft: drafts with probabilities
+    llm = LLM(model=str(tiny_llama_dir), **KW, speculative_config=spec_config)
     if name == "varying":  # k varies from step to step, as under changing load and timings
-        spec.controller = _Cycling(K)
-    assert spec.k_follows_load
+        llm.engine.spec.controller = _Cycling(K)
     alone = llm.generate(PROMPT, SEEDED)[0].outputs[0].token_ids
+    assert alone == plain[0]
+    c = _counters(llm)
+    # The seeded request alone drafted, and some drafts were accepted.
+    assert c.get("spec_decode_num_drafts_total", 0) > 0 and c.get("spec_decode_num_accepted_tokens_total", 0) > 0
     batch = llm.generate([PROMPT, PROMPT, {"prompt_token_ids": [5, 6, 7] * 5}], [SEEDED, GREEDY, GREEDY])
-    assert alone == want and batch[0].outputs[0].token_ids == want
-    drafts = {m.name: m.value for m in llm.get_metrics() if not m.labels}["specserve:spec_decode_num_drafts_total"]
-    assert drafts > 0  # the greedy requests drafted
-    assert batch[1].outputs[0].token_ids == plain.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
-
-
-def test_fixed_k_keeps_drafting_seeded_requests(tiny_llama_dir) -> None:
-    llm = LLM(
-        model=str(tiny_llama_dir),
-        progress=False,
-        kv_cache_memory_bytes=4 << 20,
-        speculative_config={**SPECS["varying"], "adaptive": False},
-    )
-    assert not llm.engine.spec.k_follows_load
-    first = llm.generate(PROMPT, SEEDED)[0].outputs[0].token_ids
-    drafts = {m.name: m.value for m in llm.get_metrics() if not m.labels}["specserve:spec_decode_num_drafts_total"]
-    assert drafts > 0 and llm.generate(PROMPT, SEEDED)[0].outputs[0].token_ids == first
+    assert batch[0].outputs[0].token_ids == plain[0] and batch[1].outputs[0].token_ids == plain[1]
 
 
 def test_every_position_is_exported_before_any_acceptance(tiny_llama_dir) -> None:

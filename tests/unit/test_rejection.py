@@ -144,6 +144,25 @@ def test_output_follows_the_target_distribution(k: int | str, filters: str, one_
     assert pooled_chisquare(second, probs[START] @ probs) > 1e-3
 
 
+@pytest.mark.parametrize("one_hot", [False, True], ids=["random_drafts", "one_hot_drafts"])
+def test_seeded_rows_follow_the_target_and_ignore_k(one_hot: bool) -> None:
+    """Rows seeded 0..NUM_ROWS-1: the first two tokens follow the target joint (chi-square over seeds) and
+    are the same with k = 0 (no drafts), 1, 3 and mixed k, whatever the drafts."""
+    pair = MarkovPair(seed=14)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(NUM_ROWS)]
+    runs = [
+        generate_prefix(pair, params, num_drafts, one_hot, seed=21 + i)
+        for i, num_drafts in enumerate(
+            [[0] * NUM_ROWS, [1] * NUM_ROWS, [3] * NUM_ROWS, [i % 5 for i in range(NUM_ROWS)]]
+        )
+    ]
+    for run in runs[1:]:
+        assert (run == runs[0]).all()
+    probs = compute_target_probs(pair.target, build([SamplingParams()] * VOCAB)).double().numpy()
+    counts = np.bincount(runs[0][:, 0] * VOCAB + runs[0][:, 1], minlength=VOCAB * VOCAB)
+    assert pooled_chisquare(counts, (probs[START][:, None] * probs).ravel()) > 1e-3
+
+
 def test_mixed_greedy_and_random_rows_in_one_batch() -> None:
     num_rows = NUM_ROWS
     pair = MarkovPair(seed=12)

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from specserve.sample import RejectionSampler, SamplingMetadata, compute_target_probs
 from specserve.sample.h2d import cached_tensor, h2d_packed
 from specserve.sample.rejection import layout
-from specserve.sample.sampler import draw_exponential
+from specserve.sample.sampler import draw_exponential, keyed_exponential
 from specserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -39,25 +39,28 @@ def reference(
     meta: SamplingMetadata,
     generator: torch.Generator,
 ) -> tuple[list[list[int]], list[int]]:
-    """The rejection sampler row by row, drawing the same random numbers in the same order."""
+    """The rejection sampler row by row, drawing the same random numbers in the same order; a seeded row
+    emits the race on its keyed noise at each position and accepts drafts equal to it."""
     num_seqs, total = len(drafts), sum(map(len, drafts))
     probs = compute_target_probs(logits, meta.expand_for_drafts(drafts))
     draft_start = np.cumsum([0] + [len(d) for d in drafts]).tolist()
     row_start = [draft_start[i] + i for i in range(num_seqs)]
     uniform = None
     if not meta.all_greedy and total:
-        uniform = torch.empty(total, dtype=torch.float64)
-        if any(g is None for g in meta.generators):
-            uniform.uniform_(generator=generator)
-        for i, g in enumerate(meta.generators):
-            if g is not None and drafts[i]:
-                uniform[draft_start[i] : draft_start[i + 1]].uniform_(generator=g)
+        uniform = torch.empty(total, dtype=torch.float64).uniform_(generator=generator)
+
+    def keyed(i: int, j: int) -> int:
+        seed, pos = torch.tensor([meta.seeds[i]]), torch.tensor([meta.positions[i] + j])
+        return int((probs[row_start[i] + j] / keyed_exponential(seed, pos, VOCAB)[0]).argmax())
+
     counts = []
     for i, d in enumerate(drafts):
         n = 0
         for j, x in enumerate(d):
             p = probs[row_start[i] + j]
-            if meta.is_greedy[i]:
+            if meta.seeds[i] is not None:
+                ok = x == keyed(i, j)
+            elif meta.is_greedy[i]:
                 ok = x == int(p.argmax())
             else:
                 q = 1.0 if draft_probs is None else float(draft_probs[draft_start[i] + j, x])
@@ -69,7 +72,7 @@ def reference(
     if meta.all_greedy:
         finals = [int(probs[row_start[i] + n].argmax()) for i, n in enumerate(counts)]
     else:
-        noise = draw_exponential(num_seqs, VOCAB, meta.generators, generator, CPU)
+        noise = draw_exponential(num_seqs, VOCAB, (), generator, CPU)
         finals = []
         for i, (d, n) in enumerate(zip(drafts, counts)):
             fp = probs[row_start[i] + n]
@@ -82,7 +85,10 @@ def reference(
                     residual = (fp - draft_probs[draft_start[i] + n]).clamp(min=0.0)
                 if residual.sum() <= 0:
                     residual = fp
-            finals.append(int(fp.argmax()) if meta.is_greedy[i] else int((residual / noise[i]).argmax()))
+            if meta.seeds[i] is not None:
+                finals.append(keyed(i, n))
+            else:
+                finals.append(int(fp.argmax()) if meta.is_greedy[i] else int((residual / noise[i]).argmax()))
     return [d[:n] + [t] for d, n, t in zip(drafts, counts, finals)], counts
 
 

@@ -71,6 +71,22 @@ def test_greedy_rows_are_argmax_of_the_raw_logits() -> None:
     assert out.token_ids.dtype == torch.int64 and out.logprobs is None
 
 
+@pytest.mark.parametrize("position", [0, 7])
+def test_seeded_rows_over_many_seeds_follow_the_distribution(position: int) -> None:
+    """One row per seed, same logits: the tokens over seeds follow the filtered softmax (chi-square)."""
+    torch.manual_seed(9)
+    num_seeds = 20000
+    params = SamplingParams(temperature=0.9, top_k=20)
+    row = torch.randn(VOCAB)
+    meta = build(
+        [params.clone(seed=s - num_seeds // 2) for s in range(num_seeds)], outputs=[[1] * position] * num_seeds
+    )
+    tokens = Sampler()(row.expand(num_seeds, VOCAB), meta).token_ids.numpy()
+    expected = reference_probs(row.double().numpy(), 0.9, 20, 1.0, 0.0)
+    counts = np.bincount(tokens, minlength=VOCAB)
+    assert counts[expected == 0].sum() == 0 and pooled_chisquare(counts, expected) > 1e-3
+
+
 def test_seeded_rows_reproduce_whatever_the_batch() -> None:
     torch.manual_seed(1)
     row_logits = torch.randn(5, VOCAB)  # one step per row of this
@@ -221,7 +237,7 @@ def test_compute_target_probs_greedy_rows_are_one_hot_and_rows_map() -> None:
     torch.manual_seed(8)
     logits = torch.randn(3, VOCAB)
     meta = build([SamplingParams(temperature=0.0), SamplingParams(top_k=3)])
-    probs = compute_target_probs(logits, meta, row_index_map=[0, 1, 1])
+    probs = compute_target_probs(logits, meta.select_rows([0, 1, 1]))
     assert torch.equal(probs[0], torch.nn.functional.one_hot(logits[0].argmax(), VOCAB).float())
     assert int((probs[1] > 0).sum()) == 3 and int((probs[2] > 0).sum()) == 3
     torch.testing.assert_close(probs.sum(-1), torch.ones(3))
