@@ -246,7 +246,7 @@ class HeadStepGraphs(StaticForward):
         """One draft row per sequence of the static buffers -> (logits [bs, head.cfg.logits_width]
         float32, argmax [bs] target ids)."""
         meta = self._meta(bs, bs, 1)
-        embeds = self.target.embed_tokens(self.tokens[:bs])
+        embeds = self.head.embed(self.tokens[:bs], self.target)
         out, normed = self.head(
             embeds, self.hidden[:bs], self.positions[:bs], self.target.cos_sin_cache, self._attend(meta)
         )

@@ -42,6 +42,11 @@ class EagleHeadConfig:
     target: dict[str, Any]  # name, identity, num_layers, hidden_size, vocab_size of the target
     # Tokens the head can propose (its `d2t` buffer, ascending target ids); None = the whole vocabulary.
     draft_vocab_size: int | None = None
+    # "specserve" (this file's architecture) | "published" (EAGLE-3 as vLLM / SGLang run it: head_formats.py)
+    flavour: str = "specserve"
+    norm_before_residual: bool = False  # published: the residual is hidden_norm(feature), not the feature
+    mask_token_id: int | None = None  # published P-EAGLE: the token embedded for mask rows
+    own_embed: bool = False  # published: the head has its own embed_tokens
 
     @property
     def logits_width(self) -> int:
@@ -183,6 +188,13 @@ class HeadLayer(nn.Module):
         """x [rows, hidden] -> [rows, hidden] (pre-norm residual stream after the layer)."""
         ops, norm = self.ops, self.input_layernorm
         qkv, _ = ops.rms_norm_linear(x, None, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias)
+        return self.attend_mlp(qkv, x, positions, cos_sin, attend)
+
+    def attend_mlp(
+        self, qkv: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        """qkv [rows, q + 2 kv], residual x [rows, hidden] -> x + attn, then + mlp: [rows, hidden]."""
+        ops = self.ops
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         q, k = ops.apply_rope(
             q.reshape(-1, self.num_heads, self.head_dim),
@@ -207,6 +219,17 @@ class EagleHead(nn.Module):
         h, eps = cfg.hidden_size, arch.rms_norm_eps
         self.eps = eps
         n_aux = len(cfg.aux_hidden_layers)
+        # [draft_vocab] int64 target ids, ascending (set_draft_vocab / the checkpoint); None = full vocab.
+        d2t = None if cfg.draft_vocab_size is None else torch.arange(cfg.draft_vocab_size, dtype=torch.int64)
+        self.register_buffer("d2t", d2t)
+        # [draft_vocab, hidden]: the target's LM-head rows d2t, gathered once (attach_lm_head); not saved.
+        self.lm_weight: torch.Tensor | None = None
+        self.published = cfg.flavour == "published"
+        if self.published:
+            from specserve.speculative.proposers.head_formats import init_published
+
+            init_published(self, cfg, arch)
+            return
         if cfg.method == "eagle3":
             # Per-layer norms: residual streams of different depths differ in scale by orders of magnitude.
             self.aux_norm = nn.Parameter(torch.ones(n_aux, h))
@@ -220,11 +243,21 @@ class EagleHead(nn.Module):
         if cfg.num_mask_slots > 0:
             self.mask_embed = nn.Parameter(torch.randn(h) * 0.02)
             self.mask_hidden = nn.Parameter(torch.randn(h) * 0.02)
-        # [draft_vocab] int64 target ids, ascending (set_draft_vocab / the checkpoint); None = full vocab.
-        d2t = None if cfg.draft_vocab_size is None else torch.arange(cfg.draft_vocab_size, dtype=torch.int64)
-        self.register_buffer("d2t", d2t)
-        # [draft_vocab, hidden]: the target's LM-head rows d2t, gathered once (attach_lm_head); not saved.
-        self.lm_weight: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def attach_target(self, target: nn.Module) -> None:
+        """Bind what the head reads of the serving target: the LM-head rows of a reduced vocabulary, or (a
+        published P-EAGLE head) the embedding of its mask token."""
+        if self.published:
+            if self.cfg.num_mask_slots:
+                ids = torch.tensor([self.cfg.mask_token_id], device=self.fc.weight.device)
+                self.mask_embed = self.embed(ids, target)[0]  # [hidden]
+        elif self.d2t is not None:
+            self.attach_lm_head(target_lm_weight(target))
+
+    def embed(self, tokens: torch.Tensor, target: Any) -> torch.Tensor:
+        """tokens [rows] -> [rows, hidden]: the head's own embedding when it has one, else the target's."""
+        return (self.embed_tokens if self.cfg.own_embed else target.embed_tokens)(tokens)
 
     @torch.no_grad()
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
@@ -249,6 +282,8 @@ class EagleHead(nn.Module):
     def compute_logits(self, normed: torch.Tensor, target: LogitsModel) -> torch.Tensor:
         """normed [rows, hidden] (forward's logits_input) -> float32 logits [rows, cfg.logits_width]:
         column j is token d2t[j] with a reduced vocabulary (attach_lm_head first), else the target's own."""
+        if self.published:
+            return self.layer.ops.linear(normed, self.lm_head.weight).float()
         if self.d2t is None:
             return target.compute_logits(normed)
         if self.lm_weight is None:
@@ -263,6 +298,9 @@ class EagleHead(nn.Module):
 
     def fuse_target(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[rows, n_aux * hidden] (eagle3: concatenated aux states) or [rows, hidden] (eagle) -> [rows, hidden]."""
+        if self.published:  # fc only where the width differs (the first step's target features)
+            fit = target_hidden.shape[-1] == self.cfg.hidden_size
+            return target_hidden if fit else self.layer.ops.linear(target_hidden, self.fc.weight)
         if self.cfg.method != "eagle3":
             return target_hidden
         n = self.aux_norm.shape[0]
@@ -273,6 +311,8 @@ class EagleHead(nn.Module):
 
     def mask_inputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(embeds, hidden) of P-EAGLE mask rows, each [rows, hidden]."""
+        if self.published:
+            return self.mask_embed.expand(rows, -1), self.fuse_target(self.mask_hidden[None]).expand(rows, -1)
         return self.mask_embed.expand(rows, -1), self.mask_hidden.expand(rows, -1)
 
     def forward(
@@ -280,6 +320,9 @@ class EagleHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds, hidden [rows, hidden]; returns (out, logits_input), each [rows, hidden]: `out` is
         fed back as the next row's hidden, `logits_input` goes to the target's LM head."""
+        if self.published:
+            out = self.layer(embeds, hidden, positions, cos_sin, attend)
+            return out, self.norm(out)
         x = self.layer.ops.linear(
             torch.cat([self.embed_norm(embeds), self.hidden_norm(hidden)], dim=-1), self.fc.weight
         )
@@ -312,18 +355,24 @@ def save_head(head: EagleHead, out_dir: str | Path) -> Path:
     return out
 
 
-def read_head_config(path: str | Path) -> EagleHeadConfig:
-    """The config of a head directory; ValueError naming what is wrong."""
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """config.json of a head directory (any layout); ValueError naming what is wrong."""
     d = Path(path).expanduser()
     where = f"speculative_config.model {str(path)!r}"
-    if not d.is_dir():
-        raise ValueError(f"{where} is not a directory holding an EAGLE head ({CONFIG_NAME} + {WEIGHTS_NAME}).")
-    if not (d / CONFIG_NAME).is_file() or not (d / WEIGHTS_NAME).is_file():
-        raise ValueError(f"{where} must hold {CONFIG_NAME} and {WEIGHTS_NAME}.")
+    if not d.is_dir() or not (d / CONFIG_NAME).is_file():
+        raise ValueError(f"{where} is not a directory holding an EAGLE head ({CONFIG_NAME} + weights).")
     try:
-        data = json.loads((d / CONFIG_NAME).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: {CONFIG_NAME} is not valid JSON: {e}.") from None
+        return dict(json.loads((d / CONFIG_NAME).read_text()))
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {CONFIG_NAME} is not a valid JSON object: {e}.") from None
+
+
+def read_head_config(path: str | Path) -> EagleHeadConfig:
+    """The config of a specserve-format head directory; ValueError naming what is wrong."""
+    where = f"speculative_config.model {str(path)!r}"
+    data = read_config_json(path)
+    if not (Path(path).expanduser() / WEIGHTS_NAME).is_file():
+        raise ValueError(f"{where} must hold {CONFIG_NAME} and {WEIGHTS_NAME}.")
     return EagleHeadConfig.from_json(data, f"{where}/{CONFIG_NAME}")
 
 
@@ -355,6 +404,10 @@ def load_head(
     from safetensors.torch import load_file
 
     where = f"speculative_config.model {str(path)!r}"
+    if "format" not in read_config_json(path):  # a published EAGLE-3 / P-EAGLE head
+        from specserve.speculative.proposers.head_formats import load_published
+
+        return load_published(path, arch, where).to(device=device, dtype=dtype).eval().requires_grad_(False)
     cfg = read_head_config(path)
     check_head_matches(cfg, arch, target_identity, where)
     head = EagleHead(cfg)
