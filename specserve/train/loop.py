@@ -72,8 +72,7 @@ def _needs_generation(args) -> bool:
 
 
 def _load_target(args, device: torch.device, generate: bool):
-    """A specserve LLM of the target: its engine answers the distillation prompts (when there are
-    any; otherwise it is built small, only for its model and tokenizer)."""
+    """A specserve LLM of the target (small when it answers no prompts: only its model and tokenizer are used)."""
     from specserve import LLM
 
     max_len = args.max_model_len or args.max_seq_len  # the RoPE table must reach the longest sequence
@@ -177,9 +176,7 @@ def _new_head(args, loaded, device: torch.device, d2t: list[int] | None = None) 
 
 
 def _init_from_head(head: EagleHead, path: str) -> None:
-    """Copy every tensor of another head of the same shape (a P-EAGLE head from a trained EAGLE-3 head: their real
-    rows are the same function); tensors only this head has keep their init, and so does the draft vocabulary (d2t:
-    this run's data and --draft-vocab-size choose it)."""
+    """Copy every same-shaped tensor of another head but d2t (e.g. a P-EAGLE head from an EAGLE-3 head)."""
     from safetensors.torch import load_file
 
     from specserve.speculative.proposers.eagle_head import WEIGHTS_NAME
@@ -199,8 +196,7 @@ def _lr_factor(progress: float, step: int, warmup: int) -> float:
 
 
 def run_training(args, llm=None) -> TrainResult:
-    """The whole command. `llm`: a specserve LLM of the target to use (the caller must not keep a
-    reference: its KV pool is released before training)."""
+    """The whole command; `llm`: the target's LLM, whose KV pool is released (the caller keeps no reference)."""
     budget = args.time_budget_s if args.time_budget_s is not None else float("inf")
     if args.steps is None and args.time_budget_s is None:
         raise ValueError("give --steps, --time-budget-s or both.")
@@ -237,8 +233,7 @@ def run_training(args, llm=None) -> TrainResult:
 
 
 def _train_loop(args, head: EagleHead, opt, target, seqs: list, progress: dict, device: torch.device, deadline: float):
-    """Trains until --steps or the deadline; progress["step"] follows every step, progress["metrics"] every REPORT_EVERY
-    steps, at checkpoints and at the end (reading them syncs the device; a step itself never waits for the GPU)."""
+    """Trains until --steps or the deadline; progress holds the step and the last metrics (read at reports)."""
     step = progress["step"]
     parallel = args.method == "p-eagle"
     num_blocks = 1 + (args.num_mask_slots if parallel else args.ttt_steps - 1)
@@ -292,8 +287,7 @@ REPORT_EVERY, METRIC_WINDOW = 10, 20
 
 
 def _metrics(recent: list[tuple[list[str], torch.Tensor]]) -> dict[str, float]:
-    """Means over the recent steps (one batch says little), read from the device in one copy; a
-    block a step had no rows for counts as 0, and the names are the last step's."""
+    """Means over the recent steps, read in one copy (the names are the last step's)."""
     values = torch.cat([v for _, v in recent]).tolist()
     sums: dict[str, float] = {}
     i = 0

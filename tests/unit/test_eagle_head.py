@@ -18,12 +18,12 @@ from specserve.speculative.proposers.eagle_head import (
     EagleHead,
     default_aux_layers,
     head_config_for,
-    make_random_head_dir,
     read_head_config,
     save_head,
 )
 from specserve.train.loop import train_main
 from specserve.train.loss import _block_mask, head_block_outputs
+from tests.helpers.eagle_heads import make_random_head_dir
 
 HF = {
     "model_type": "llama",

@@ -61,7 +61,7 @@ class EagleHeadConfig:
         if data.get("format") != HEAD_FORMAT:
             raise ValueError(f"{where} is not a specserve EAGLE head config (format must be {HEAD_FORMAT!r}).")
         try:
-            draft_vocab = data.get("draft_vocab_size")  # absent in heads from before reduced vocabularies
+            draft_vocab = data.get("draft_vocab_size")
             cfg = cls(
                 str(data["method"]),
                 int(data["hidden_size"]),
@@ -75,10 +75,7 @@ class EagleHeadConfig:
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where} is missing or has a bad field: {e!r}.") from None
         if cfg.draft_vocab_size is not None and not 1 <= cfg.draft_vocab_size <= cfg.vocab_size:
-            raise ValueError(
-                f"{where}: draft_vocab_size must be in [1, vocab_size={cfg.vocab_size}] or null, "
-                f"got {cfg.draft_vocab_size}."
-            )
+            raise ValueError(f"{where}: draft_vocab_size must be in [1, {cfg.vocab_size}] or null.")
         if cfg.method not in HEAD_METHODS:
             raise ValueError(f"{where}: method must be one of {HEAD_METHODS}, got {cfg.method!r}.")
         if cfg.method == "eagle3" and not cfg.aux_hidden_layers:
@@ -90,8 +87,7 @@ class EagleHeadConfig:
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low / middle / high layers (2, L/2, L-3, as vLLM and SGLang pick them), clamped and
-    deduplicated for tiny models. The engine returns each layer's input (the residual stream)."""
+    """EAGLE-3's layers (2, L/2, L-3) whose inputs are fused, clamped and deduplicated for tiny models."""
     picks = {min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3)}
     return tuple(sorted(picks))
 
@@ -124,8 +120,7 @@ def head_config_for(
 
 
 def check_d2t(d2t: torch.Tensor, vocab_size: int, draft_vocab_size: int, where: str) -> None:
-    """ValueError unless d2t is [draft_vocab_size] integer target ids in [0, vocab_size), strictly
-    ascending (hence unique)."""
+    """ValueError unless d2t is [draft_vocab_size] integer ids in [0, vocab_size), strictly ascending."""
     if d2t.dtype.is_floating_point or d2t.dtype.is_complex or d2t.dtype == torch.bool:
         raise ValueError(f"{where}: d2t must hold integer token ids (int64), got {d2t.dtype}.")
     if tuple(d2t.shape) != (draft_vocab_size,):
@@ -167,8 +162,7 @@ class RMSNorm(nn.Module):
 
 
 class HeadLayer(nn.Module):
-    """A Llama/Qwen2 decoder layer (same parameter names as the target's) with injected attention.
-    `ops`: the torch ops (training, CPU) or, serving on a GPU, the target's fused twins (EagleHead.set_ops)."""
+    """A Llama/Qwen2 decoder layer with injected attention; `ops`: torch ops or the target's fused twins."""
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -271,17 +265,14 @@ class EagleHead(nn.Module):
 
     @torch.no_grad()
     def attach_lm_head(self, weight: torch.Tensor) -> None:
-        """Gather the target's LM-head rows d2t (weight [vocab, hidden]) into one persistent [draft_vocab, hidden]
-        tensor of the weight's dtype and device, once: draft steps (and the CUDA graphs that capture them) then read
-        draft_vocab rows instead of the whole head."""
+        """Gather the target's LM-head rows d2t (weight [vocab, hidden]) once into [draft_vocab, hidden]."""
         if self.d2t is None:
             return
         self.d2t = self.d2t.to(weight.device)
         self.lm_weight = weight.detach().index_select(0, self.d2t).contiguous()
 
     def compute_logits(self, normed: torch.Tensor, target: LogitsModel) -> torch.Tensor:
-        """normed [rows, hidden] (forward's logits_input) -> float32 logits [rows, cfg.logits_width]:
-        column j is token d2t[j] with a reduced vocabulary (attach_lm_head first), else the target's own."""
+        """normed [rows, hidden] -> float32 logits [rows, cfg.logits_width] (column j: token d2t[j] if reduced)."""
         if self.published:
             return self.layer.ops.linear(normed, self.lm_head.weight).float()
         if self.d2t is None:
@@ -330,16 +321,14 @@ class EagleHead(nn.Module):
         return out, (out if self.norm is None else self.norm(out))
 
     def set_ops(self, ops: ModuleType) -> None:
-        """Run the norms, RoPE and projections through `ops` (same signatures as model/layers/ops.py): serving on a
-        GPU passes the target's fused Triton twins (fewer, faster kernels in the head's forwards and CUDA graphs);
-        training keeps the torch ops."""
+        """Run norms, RoPE and projections through `ops` (model/layers/ops.py signatures; on a GPU the target's)."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, HeadLayer)):
                 m.ops = ops
 
 
 def save_head(head: EagleHead, out_dir: str | Path) -> Path:
-    """Write config.json + model.safetensors (weights float32, d2t int64) atomically enough for a resumable trainer."""
+    """Write config.json + model.safetensors (weights float32, d2t int64), the weights via a rename."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -377,8 +366,7 @@ def read_head_config(path: str | Path) -> EagleHeadConfig:
 
 
 def check_head_matches(cfg: EagleHeadConfig, arch: ModelArch, target_identity: str, where: str) -> None:
-    """Shapes must match the target exactly; a different weights identity only warns (the same
-    weights may live in another file)."""
+    """Shapes must match the target exactly; another weights identity only warns."""
     want = {"hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size, "num_layers": arch.num_layers}
     got = {k: cfg.target.get(k) for k in want}
     if got != want:
@@ -431,34 +419,3 @@ def load_head(
         raise ValueError(f"{where}: tensors of the wrong shape: {bad[:4]}.")
     head.load_state_dict(state)
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
-
-def make_random_head_dir(
-    target_model: str,
-    out_dir: str | Path,
-    method: str = "eagle3",
-    num_mask_slots: int = 0,
-    seed: int = 0,
-    load_format: str = "auto",
-    d2t: list[int] | None = None,
-) -> Path:
-    """An untrained head for `target_model` (any LLM(model=...) reference; a shape name with load_format="dummy"):
-    tests use it to check that speculation stays lossless whatever the head proposes, benchmarks to time a head's
-    forward. d2t: a reduced draft vocabulary (ascending ids)."""
-    from specserve.config import ModelConfig
-    from specserve.model.loader import WeightSource
-
-    source = WeightSource.open(ModelConfig(model=target_model, load_format=load_format))
-    arch = ModelArch.from_hf_config(source.hf_config)
-    cfg = head_config_for(
-        arch, source.hf_config, source.name, source.identity, method, num_mask_slots, None if d2t is None else len(d2t)
-    )
-    torch.manual_seed(seed)
-    head = EagleHead(cfg)
-    if d2t is not None:
-        head.set_draft_vocab(torch.tensor(d2t, dtype=torch.int64))
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.05)
-    return save_head(head, out_dir)
