@@ -9,13 +9,14 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from specserve.speculative.proposers.eagle_head import EagleHead, head_config_for, save_head
+from specserve.speculative.proposers.eagle_head import EagleHead, head_config_for, save_head, target_lm_weight
+from specserve.speculative.proposers.head_formats import head_state
 from specserve.train import data as train_data
 from specserve.train.loss import head_loss
 from specserve.train.target import target_batch
@@ -166,10 +167,16 @@ def _new_head(args, loaded, device: torch.device, d2t: list[int] | None = None) 
     cfg = head_config_for(
         loaded.arch, loaded.hf_config, loaded.name, loaded.identity, method, slots, None if d2t is None else len(d2t)
     )
+    if method == "eagle3":  # the architecture vLLM and SGLang run; P-EAGLE's mask rows embed the last token id
+        cfg = replace(cfg, flavour="published", mask_token_id=loaded.arch.vocab_size - 1 if slots else None)
     torch.manual_seed(args.seed)
     head = EagleHead(cfg)
     if d2t is not None:
         head.set_draft_vocab(torch.tensor(d2t, dtype=torch.int64))
+    if head.published:  # the LM head starts as the target's rows of the draft vocabulary
+        lm = target_lm_weight(loaded.model).detach()
+        head.lm_head.weight.data.copy_(lm if head.d2t is None else lm.index_select(0, head.d2t.to(lm.device)))
+        head.attach_target(loaded.model)
     if args.init_from:
         _init_from_head(head, args.init_from)
     return head.to(device=device, dtype=torch.float32)
@@ -177,11 +184,7 @@ def _new_head(args, loaded, device: torch.device, d2t: list[int] | None = None) 
 
 def _init_from_head(head: EagleHead, path: str) -> None:
     """Copy every same-shaped tensor of another head but d2t (e.g. a P-EAGLE head from an EAGLE-3 head)."""
-    from safetensors.torch import load_file
-
-    from specserve.speculative.proposers.eagle_head import WEIGHTS_NAME
-
-    state = load_file(str(Path(path) / WEIGHTS_NAME))
+    state = head_state(path, head)
     own = head.state_dict()
     same = {k: v for k, v in state.items() if k in own and k != "d2t" and tuple(v.shape) == tuple(own[k].shape)}
     if not same:
@@ -333,8 +336,6 @@ def _maybe_resume(args, head: EagleHead, opt, device: torch.device) -> int:
     state_path = Path(args.out) / STATE_NAME
     if not args.resume or not state_path.is_file():
         return 0
-    from safetensors.torch import load_file
-
     state = torch.load(state_path, map_location=device, weights_only=False)
     if state.get("method") != args.method or state.get("eagle") != args.eagle:
         raise ValueError(f"{args.out} holds a {state.get('method')} run; cannot resume it as {args.method}.")
@@ -344,7 +345,7 @@ def _maybe_resume(args, head: EagleHead, opt, device: torch.device) -> int:
             f"{args.out} holds a run with draft vocabulary {have}, this one has {want}: "
             "resume with the same --draft-vocab-size (0 = full)."
         )
-    head.load_state_dict({k: v.to(device) for k, v in load_file(str(Path(args.out) / "model.safetensors")).items()})
+    head.load_state_dict({k: v.to(device) for k, v in head_state(args.out, head).items()})
     opt.load_state_dict(state["optimizer"])
     return int(state["step"])
 

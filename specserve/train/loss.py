@@ -56,7 +56,7 @@ def head_block_outputs(
     B, L = ids.shape
     R, dev = L - 1, ids.device
     arch = head.layer
-    embeds = target.embed_tokens(ids[:, 1:]).reshape(B * R, -1)
+    embeds = head.embed(ids[:, 1:], target).reshape(B * R, -1)
     hidden = head.fuse_target(feats[:, :R].reshape(B * R, -1))
     positions = torch.arange(R, device=dev).repeat(B)
     keys: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -137,8 +137,8 @@ def head_loss(
     # Rows of the padded [B, L] tensors, unsliced: row t of [B, R] is row t + 1 of its sequence there.
     labels = probs.reshape(B * L, -1)
     tops = None if d2t is None else target_top.reshape(B * L)
-    lm_weight = target_lm_weight(target)
-    if d2t is not None:  # the target's LM-head rows of the draft vocabulary, once per step (frozen)
+    lm_weight = head.lm_head.weight if head.published else target_lm_weight(target)
+    if d2t is not None and not head.published:  # the frozen target LM-head rows of the draft vocabulary
         lm_weight = lm_weight.index_select(0, d2t.to(lm_weight.device))
     loss, accs = torch.zeros((), device=ids.device), []
     outputs = head_block_outputs(head, target, ids, feats, num_blocks, parallel)

@@ -146,3 +146,40 @@ def test_a_head_for_another_target_is_refused_naming_the_tensor(target_dir, tmp_
     (d / "config.json").write_text(json.dumps({**cfg, "vocab_size": 7}))
     with pytest.raises(ValueError, match="vocab_size is 7"):
         load_head(d, arch, "id", torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "p-eagle"])
+def test_train_draft_writes_a_published_head_that_reloads_with_the_same_drafts(method, target_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from specserve.speculative.proposers.eagle_head import read_head_config
+    from specserve.train.loop import train_main
+
+    out = tmp_path / "head"
+    args = ["--target", str(target_dir), "--method", method, "--out", str(out), "--steps", "2", "--quiet"]
+    args += ["--num-prompts", "3", "--max-seq-len", "96", "--max-new-tokens", "12", "--batch-tokens", "384"]
+    args += ["--num-mask-slots", "2", "--draft-vocab-size", "120"]
+    assert train_main(args) == 0
+    data = json.loads((out / "config.json").read_text())
+    if method == "p-eagle":
+        assert data["speculators_model_type"] == "peagle" and data["mask_token_id"] is not None
+    else:
+        assert data["architectures"] == ["LlamaForCausalLMEagle3"]
+    tensors = load_file(str(out / "model.safetensors"))
+    assert {"fc.weight", "lm_head.weight", "d2t", "t2d", "norm.weight"} <= set(tensors)
+    assert tensors["fc.weight"].shape[1] == len(data["specserve"]["aux_hidden_layers"]) * 64
+    cfg = read_head_config(out)
+    assert cfg.flavour == "published" and cfg.draft_vocab_size == 120
+    arch, _ = _arch(target_dir)
+    # The saved head, loaded as serving loads it, drafts what a second save + load of it drafts.
+    head = load_head(out, arch, "id", torch.device("cpu"), torch.float32)
+    save_dir = tmp_path / "again"
+    from specserve.speculative.proposers.eagle_head import save_head
+
+    save_head(head, save_dir)
+    again = load_head(save_dir, arch, "id", torch.device("cpu"), torch.float32)
+    for key, t in head.state_dict().items():
+        assert torch.equal(again.state_dict()[key], t), key
+    tokens = torch.randint(0, arch.vocab_size, (10,))
+    feats = torch.randn(10, len(cfg.aux_hidden_layers) * arch.hidden_size)
+    assert torch.equal(_rows(head, arch, tokens, feats), _rows(again, arch, tokens, feats))

@@ -71,6 +71,10 @@ class EagleHeadConfig:
                 dict(data["layer"]),
                 dict(data["target"]),
                 None if draft_vocab is None else int(draft_vocab),
+                str(data.get("flavour", "specserve")),
+                bool(data.get("norm_before_residual", False)),
+                data.get("mask_token_id"),
+                bool(data.get("own_embed", False)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where} is missing or has a bad field: {e!r}.") from None
@@ -331,6 +335,10 @@ def save_head(head: EagleHead, out_dir: str | Path) -> Path:
     """Write config.json + model.safetensors (weights float32, d2t int64), the weights via a rename."""
     from safetensors.torch import save_file
 
+    if head.published:  # P-EAGLE in the speculators layout (its mask token has no HF field), EAGLE-3 in HF's
+        from specserve.speculative.proposers.head_formats import save_published
+
+        return save_published(head, out_dir, "speculators" if head.cfg.num_mask_slots else "hf", head.cfg.to_json())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {
@@ -360,6 +368,7 @@ def read_head_config(path: str | Path) -> EagleHeadConfig:
     """The config of a specserve-format head directory; ValueError naming what is wrong."""
     where = f"speculative_config.model {str(path)!r}"
     data = read_config_json(path)
+    data = data.get("specserve", data)  # a published layout written by specserve keeps its config there
     if not (Path(path).expanduser() / WEIGHTS_NAME).is_file():
         raise ValueError(f"{where} must hold {CONFIG_NAME} and {WEIGHTS_NAME}.")
     return EagleHeadConfig.from_json(data, f"{where}/{CONFIG_NAME}")

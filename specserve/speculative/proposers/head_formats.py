@@ -149,30 +149,40 @@ def load_published(path: str | Path, arch: ModelArch, where: str) -> EagleHead:
     does not fit the target (with both shapes) before any weight is placed."""
     d = Path(path).expanduser()
     tensors = read_tensors(d, where)
-    cfg = published_config(read_config_json(d), arch, "embed_tokens.weight" in tensors, where)
-    head = EagleHead(cfg)
-    own = head.state_dict()
-    want = published_shapes(head)
-    for name, shape in want.items():
+    head = EagleHead(published_config(read_config_json(d), arch, "embed_tokens.weight" in tensors, where))
+    for name, shape in published_shapes(head).items():
         if name not in tensors:
-            if name not in ("d2t", "L.self_attn.q_proj.bias", "L.self_attn.k_proj.bias", "L.self_attn.v_proj.bias"):
+            if name != "d2t" and not name.endswith("_proj.bias"):
                 raise ValueError(f"{where}: the head has no tensor {name!r} (shape {shape}).")
             continue
         got = tuple(tensors[name].shape)
         if got != shape and not (name == "mask_hidden" and tensors[name].numel() == shape[0]):
             raise ValueError(f"{where}: tensor {name!r} has shape {got}, this target needs {shape}.")
-    state = {}
-    for key in own:
-        if key == "d2t":
-            offsets = tensors.get("d2t", torch.zeros(own["d2t"].shape, dtype=torch.int64)).to(torch.int64)
-            state[key] = torch.arange(offsets.shape[0]) + offsets
-            check_d2t(state[key], cfg.vocab_size, int(cfg.draft_vocab_size or 0), where)
-        elif key in FUSED:
-            state[key] = torch.cat([tensors[n] for n in FUSED[key]])
-        else:
-            state[key] = tensors[key].reshape(own[key].shape)
-    head.load_state_dict(state)
+    head.load_state_dict(published_state(tensors, head, where))
     return head
+
+
+def published_state(tensors: dict[str, torch.Tensor], head: EagleHead, where: str) -> dict[str, torch.Tensor]:
+    """read_tensors' output as `head`'s state dict (fused, d2t absolute); keys with no source are left out."""
+    state = {}
+    for key, t in head.state_dict().items():
+        if key == "d2t":
+            offsets = tensors.get("d2t", torch.zeros_like(t)).to(torch.int64)
+            state[key] = torch.arange(offsets.shape[0]) + offsets
+            check_d2t(state[key], head.cfg.vocab_size, t.shape[0], where)
+        elif all(n in tensors for n in FUSED.get(key, [key])):
+            state[key] = torch.cat([tensors[n] for n in FUSED.get(key, [key])]).reshape(t.shape)
+    return state
+
+
+def head_state(path: str | Path, head: EagleHead) -> dict[str, torch.Tensor]:
+    """The tensors of a head directory of either format, under `head`'s names."""
+    from safetensors.torch import load_file
+
+    d = Path(path).expanduser()
+    if "format" in read_config_json(d):
+        return load_file(str(d / "model.safetensors"))
+    return published_state(read_tensors(d, str(d)), head, str(d))
 
 
 def published_shapes(head: EagleHead) -> dict[str, tuple[int, ...]]:
@@ -197,7 +207,7 @@ def save_published(head: EagleHead, out_dir: str | Path, layout: str = "hf", ext
 
     cfg, out = head.cfg, Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    prefix = "midlayer." if layout == "hf" else "layers.0."
+    prefix, shapes = "midlayer." if layout == "hf" else "layers.0.", published_shapes(head)
     state: dict[str, torch.Tensor] = {}
     for key, t in head.state_dict().items():
         t = t.detach().cpu()
@@ -206,13 +216,14 @@ def save_published(head: EagleHead, out_dir: str | Path, layout: str = "hf", ext
             state["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, t, True)
         elif key in FUSED:
             names = FUSED[key]
-            shapes = published_shapes(head)
             for name, part in zip(names, t.float().split([shapes[n][0] for n in names])):
                 state[name.replace("L.", prefix, 1)] = part.contiguous()
         else:
             state[key] = t.float().contiguous()
-    save_file(state, str(out / "model.safetensors"))
-    layer = {**cfg.layer, "num_hidden_layers": 1, "draft_vocab_size": cfg.logits_width, "tie_word_embeddings": False}
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp))
+    tmp.replace(out / "model.safetensors")
+    layer = {**cfg.layer, "model_type": "llama", "num_hidden_layers": 1, "tie_word_embeddings": False}
     common = {
         "draft_vocab_size": cfg.logits_width,
         "target_hidden_size": cfg.target["hidden_size"],
