@@ -176,10 +176,12 @@ def _new_head(args, loaded, device: torch.device, d2t: list[int] | None = None) 
     if head.published:  # the LM head starts as the target's rows of the draft vocabulary
         lm = target_lm_weight(loaded.model).detach()
         head.lm_head.weight.data.copy_(lm if head.d2t is None else lm.index_select(0, head.d2t.to(lm.device)))
-        head.attach_target(loaded.model)
     if args.init_from:
         _init_from_head(head, args.init_from)
-    return head.to(device=device, dtype=torch.float32)
+    head = head.to(device=device, dtype=torch.float32)
+    if head.published:
+        head.attach_target(loaded.model)  # P-EAGLE: its mask token's embedding
+    return head
 
 
 def _init_from_head(head: EagleHead, path: str) -> None:

@@ -248,8 +248,8 @@ class EagleHead(nn.Module):
         published P-EAGLE head) the embedding of its mask token."""
         if self.published:
             if self.cfg.num_mask_slots:
-                ids = torch.tensor([self.cfg.mask_token_id], device=self.fc.weight.device)
-                self.mask_embed = self.embed(ids, target)[0]  # [hidden]
+                ids = torch.tensor([self.cfg.mask_token_id], device=target.embed_tokens.weight.device)
+                self.mask_embed = self.embed(ids, target)[0].to(self.fc.weight)  # [hidden], the head's dtype
         elif self.d2t is not None:
             self.attach_lm_head(target_lm_weight(target))
 
