@@ -70,8 +70,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_published_head_serves_losslessly(case, target_dir, reference, tmp_path):
+@pytest.mark.parametrize(
+    "case, mode", [(c, "eager") for c in CASES] + [("hf-reduced-own-embed", "static"), ("peagle", "static")]
+)
+def test_published_head_serves_losslessly(case, mode, target_dir, reference, tmp_path, monkeypatch):
+    """Eager forwards, and the static buffers the CUDA graphs capture (run uncaptured here)."""
+    from specserve.speculative.proposers.eagle import EagleProposer
+
+    monkeypatch.setattr(EagleProposer, "step_graphs", mode)
     kw = dict(CASES[case])
     head_dir = make_published(target_dir, tmp_path / case, kw.pop("layout"), **kw)
     data = json.loads((head_dir / "config.json").read_text())

@@ -356,12 +356,14 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     """config.json of a head directory (any layout); ValueError naming what is wrong."""
     d = Path(path).expanduser()
     where = f"speculative_config.model {str(path)!r}"
-    if not d.is_dir() or not (d / CONFIG_NAME).is_file():
+    if not d.is_dir():
         raise ValueError(f"{where} is not a directory holding an EAGLE head ({CONFIG_NAME} + weights).")
+    if not (d / CONFIG_NAME).is_file():
+        raise ValueError(f"{where} must hold {CONFIG_NAME} and the weights ({WEIGHTS_NAME}).")
     try:
         return dict(json.loads((d / CONFIG_NAME).read_text()))
     except (json.JSONDecodeError, TypeError, ValueError) as e:
-        raise ValueError(f"{where}: {CONFIG_NAME} is not a valid JSON object: {e}.") from None
+        raise ValueError(f"{where}: {CONFIG_NAME} is not valid JSON (an object): {e}.") from None
 
 
 def read_head_config(path: str | Path) -> EagleHeadConfig:

@@ -1,8 +1,6 @@
-"""Published EAGLE-3 / P-EAGLE draft heads: the HF layout (`midlayer.*`, LlamaForCausalLMEagle3) and the
-"speculators" layout (`layers.0.*`, speculators_model_type eagle3 / peagle), read into an EagleHead of the
-"published" flavour (the architecture vLLM and SGLang run) and written back. Tensors keep the published
-names on disk; in memory q/k/v and gate/up are fused, and d2t holds absolute target ids (on disk: offsets,
-target_id = draft_id + d2t[draft_id])."""
+"""Published EAGLE-3 / P-EAGLE heads (HF `midlayer.*` and speculators `layers.0.*` layouts) as EagleHeads of the
+"published" flavour (vLLM's architecture). In memory q/k/v and gate/up are fused and d2t holds target ids; on
+disk d2t holds offsets (target_id = draft_id + d2t[draft_id])."""
 
 from __future__ import annotations
 
@@ -73,8 +71,7 @@ def init_published(head: EagleHead, cfg: EagleHeadConfig, arch: ModelArch) -> No
 
 
 def published_config(data: dict[str, Any], arch: ModelArch, has_embed: bool, where: str) -> EagleHeadConfig:
-    """An EagleHeadConfig (flavour "published") from a published config.json; ValueError if it is neither
-    layout or does not fit the target `arch`."""
+    """The EagleHeadConfig of a published config.json; ValueError unless it fits the target `arch`."""
     kind = data.get("speculators_model_type")
     if kind is not None:
         if kind not in ("eagle3", "peagle"):
@@ -88,7 +85,7 @@ def published_config(data: dict[str, Any], arch: ModelArch, has_embed: bool, whe
         archs = data.get("architectures") or []
         if HF_ARCH not in archs and not ("LlamaForCausalLM" in archs and data.get("num_hidden_layers") == 1):
             raise ValueError(
-                f"{where}: not an EAGLE head (no specserve format, speculators_model_type or {HF_ARCH} config)."
+                f"{where}: not a specserve EAGLE head nor a published one (format, speculators_model_type, {HF_ARCH})."
             )
         layer, kind, k = dict(data), "eagle3", 1
         aux = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -145,8 +142,7 @@ def read_tensors(d: Path, where: str) -> dict[str, torch.Tensor]:
 
 
 def load_published(path: str | Path, arch: ModelArch, where: str) -> EagleHead:
-    """A published head directory as an EagleHead on the CPU; ValueError naming the first tensor whose shape
-    does not fit the target (with both shapes) before any weight is placed."""
+    """A published head directory as a CPU EagleHead; ValueError naming a tensor that does not fit the target."""
     d = Path(path).expanduser()
     tensors = read_tensors(d, where)
     head = EagleHead(published_config(read_config_json(d), arch, "embed_tokens.weight" in tensors, where))
@@ -201,8 +197,7 @@ def published_shapes(head: EagleHead) -> dict[str, tuple[int, ...]]:
 
 
 def save_published(head: EagleHead, out_dir: str | Path, layout: str = "hf", extras: dict | None = None) -> Path:
-    """Write a published-flavour head in the HF ("hf") or speculators ("speculators") layout: config.json
-    (specserve's extras under "specserve") + model.safetensors (float32; d2t as int64 offsets)."""
+    """Write a published head in the "hf" or "speculators" layout; `extras` go under config.json's "specserve"."""
     from safetensors.torch import save_file
 
     cfg, out = head.cfg, Path(out_dir)
