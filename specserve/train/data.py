@@ -49,8 +49,7 @@ class Example:
 
 @dataclass
 class TrainSeq:
-    """A training sequence; the loss covers the tokens after the prompt (the target's own answer,
-    the text drafts are made for), as EAGLE-3 masks its loss to assistant turns."""
+    """A training sequence; the loss covers the tokens after the prompt."""
 
     token_ids: list[int]
     num_prompt_tokens: int = 0
@@ -210,8 +209,7 @@ def _is_count(x: Any) -> bool:
 
 
 def check_vocab(examples: list[Example], vocab_size: int, path: str | Path) -> None:
-    """Token ids of token_ids examples must index the target's vocabulary (an embedding lookup
-    past it fails deep in training otherwise)."""
+    """ValueError unless every token id indexes the target's vocabulary."""
     for i, e in enumerate(examples):
         if e.token_ids is not None and max(e.token_ids) >= vocab_size:
             raise ValueError(
@@ -228,8 +226,7 @@ def _prompt_ids(llm, messages: list[dict[str, str]]) -> list[int]:
 
 
 def _fit_prompt(llm, messages: list[dict[str, str]], limit: int) -> list[int] | None:
-    """Prompt ids of at most `limit` tokens: the last message's content is shortened, never the
-    template around it (cutting the template would cut the generation prompt)."""
+    """Prompt ids of at most `limit` tokens, the last message shortened (never the template)."""
     for _ in range(4):
         ids = _prompt_ids(llm, messages)
         if len(ids) <= limit:
@@ -323,10 +320,8 @@ class DraftVocab(NamedTuple):
 
 
 def draft_vocab(seqs: list[TrainSeq], vocab_size: int, size: int, special_ids: Iterable[int] = ()) -> DraftVocab:
-    """The `size` tokens a reduced-vocabulary head may propose (EAGLE-3's d2t): the special tokens (`special_ids`:
-    EOS, chat-template markers) that occur anywhere in the sequences, always (rare but every answer ends with one),
-    then the most frequent answer tokens: the tokens the loss trains on, from position max(2, num_prompt_tokens) on
-    (row t predicts token t + 2 and rows before the prompt's end are not in the loss)."""
+    """The `size` tokens a reduced head may propose: the special tokens the sequences hold, then the most frequent
+    answer tokens (those the loss trains on: from position max(2, num_prompt_tokens) on)."""
     answer = np.zeros(vocab_size, dtype=np.int64)
     whole = np.zeros(vocab_size, dtype=np.int64)
     for s in seqs:

@@ -9,13 +9,14 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from specserve.speculative.proposers.eagle_head import EagleHead, head_config_for, save_head
+from specserve.speculative.proposers.eagle_head import EagleHead, head_config_for, save_head, target_lm_weight
+from specserve.speculative.proposers.head_formats import head_state
 from specserve.train import data as train_data
 from specserve.train.loss import head_loss
 from specserve.train.target import target_batch
@@ -72,8 +73,7 @@ def _needs_generation(args) -> bool:
 
 
 def _load_target(args, device: torch.device, generate: bool):
-    """A specserve LLM of the target: its engine answers the distillation prompts (when there are
-    any; otherwise it is built small, only for its model and tokenizer)."""
+    """A specserve LLM of the target (small when it answers no prompts: only its model and tokenizer are used)."""
     from specserve import LLM
 
     max_len = args.max_model_len or args.max_seq_len  # the RoPE table must reach the longest sequence
@@ -167,24 +167,26 @@ def _new_head(args, loaded, device: torch.device, d2t: list[int] | None = None) 
     cfg = head_config_for(
         loaded.arch, loaded.hf_config, loaded.name, loaded.identity, method, slots, None if d2t is None else len(d2t)
     )
+    if method == "eagle3":  # the architecture vLLM and SGLang run; P-EAGLE's mask rows embed the last token id
+        cfg = replace(cfg, flavour="published", mask_token_id=loaded.arch.vocab_size - 1 if slots else None)
     torch.manual_seed(args.seed)
     head = EagleHead(cfg)
     if d2t is not None:
         head.set_draft_vocab(torch.tensor(d2t, dtype=torch.int64))
+    if head.published:  # the LM head starts as the target's rows of the draft vocabulary
+        lm = target_lm_weight(loaded.model).detach()
+        head.lm_head.weight.data.copy_(lm if head.d2t is None else lm.index_select(0, head.d2t.to(lm.device)))
     if args.init_from:
         _init_from_head(head, args.init_from)
-    return head.to(device=device, dtype=torch.float32)
+    head = head.to(device=device, dtype=torch.float32)
+    if head.published:
+        head.attach_target(loaded.model)  # P-EAGLE: its mask token's embedding
+    return head
 
 
 def _init_from_head(head: EagleHead, path: str) -> None:
-    """Copy every tensor of another head of the same shape (a P-EAGLE head from a trained EAGLE-3 head: their real
-    rows are the same function); tensors only this head has keep their init, and so does the draft vocabulary (d2t:
-    this run's data and --draft-vocab-size choose it)."""
-    from safetensors.torch import load_file
-
-    from specserve.speculative.proposers.eagle_head import WEIGHTS_NAME
-
-    state = load_file(str(Path(path) / WEIGHTS_NAME))
+    """Copy every same-shaped tensor of another head but d2t (e.g. a P-EAGLE head from an EAGLE-3 head)."""
+    state = head_state(path, head)
     own = head.state_dict()
     same = {k: v for k, v in state.items() if k in own and k != "d2t" and tuple(v.shape) == tuple(own[k].shape)}
     if not same:
@@ -199,8 +201,7 @@ def _lr_factor(progress: float, step: int, warmup: int) -> float:
 
 
 def run_training(args, llm=None) -> TrainResult:
-    """The whole command. `llm`: a specserve LLM of the target to use (the caller must not keep a
-    reference: its KV pool is released before training)."""
+    """The whole command; `llm`: the target's LLM, whose KV pool is released (the caller keeps no reference)."""
     budget = args.time_budget_s if args.time_budget_s is not None else float("inf")
     if args.steps is None and args.time_budget_s is None:
         raise ValueError("give --steps, --time-budget-s or both.")
@@ -237,8 +238,7 @@ def run_training(args, llm=None) -> TrainResult:
 
 
 def _train_loop(args, head: EagleHead, opt, target, seqs: list, progress: dict, device: torch.device, deadline: float):
-    """Trains until --steps or the deadline; progress["step"] follows every step, progress["metrics"] every REPORT_EVERY
-    steps, at checkpoints and at the end (reading them syncs the device; a step itself never waits for the GPU)."""
+    """Trains until --steps or the deadline; progress holds the step and the last metrics (read at reports)."""
     step = progress["step"]
     parallel = args.method == "p-eagle"
     num_blocks = 1 + (args.num_mask_slots if parallel else args.ttt_steps - 1)
@@ -292,8 +292,7 @@ REPORT_EVERY, METRIC_WINDOW = 10, 20
 
 
 def _metrics(recent: list[tuple[list[str], torch.Tensor]]) -> dict[str, float]:
-    """Means over the recent steps (one batch says little), read from the device in one copy; a
-    block a step had no rows for counts as 0, and the names are the last step's."""
+    """Means over the recent steps, read in one copy (the names are the last step's)."""
     values = torch.cat([v for _, v in recent]).tolist()
     sums: dict[str, float] = {}
     i = 0
@@ -339,8 +338,6 @@ def _maybe_resume(args, head: EagleHead, opt, device: torch.device) -> int:
     state_path = Path(args.out) / STATE_NAME
     if not args.resume or not state_path.is_file():
         return 0
-    from safetensors.torch import load_file
-
     state = torch.load(state_path, map_location=device, weights_only=False)
     if state.get("method") != args.method or state.get("eagle") != args.eagle:
         raise ValueError(f"{args.out} holds a {state.get('method')} run; cannot resume it as {args.method}.")
@@ -350,7 +347,7 @@ def _maybe_resume(args, head: EagleHead, opt, device: torch.device) -> int:
             f"{args.out} holds a run with draft vocabulary {have}, this one has {want}: "
             "resume with the same --draft-vocab-size (0 = full)."
         )
-    head.load_state_dict({k: v.to(device) for k, v in load_file(str(Path(args.out) / "model.safetensors")).items()})
+    head.load_state_dict({k: v.to(device) for k, v in head_state(args.out, head).items()})
     opt.load_state_dict(state["optimizer"])
     return int(state["step"])
 

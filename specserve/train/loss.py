@@ -1,13 +1,7 @@
-"""The head's loss in `specserve train-draft`, from the frozen target's batch (target.py).
-
-The head runs over S blocks of rows that mimic serving. Block 1, row t: (embed(x[t+1]), target feature t),
-the real rows. Block s > 1, row t: a draft row s - 1 steps after the last real row p = t - s + 1; it attends
-to block-1 rows <= p and to rows p+1..t of blocks 2..s. Its inputs: eagle3/eagle, (embed(x[t+1]), the head's
-block s-1 output at row t-1); p-eagle, the learned mask pair. Row t predicts x[t+2], by cross-entropy against
-the target's distribution at t+1, weighted 0.8^(s-1) per block; EAGLE-1 adds smooth-L1 feature regression.
-With a reduced draft vocabulary d2t the soft label is the target's distribution renormalized over d2t (the
-optimal q on d2t); the hard term applies only where the target's argmax is in d2t.
-"""
+"""The head's loss in `specserve train-draft`. Block 1, row t: (embed(x[t+1]), target feature t); block s > 1,
+row t: the draft s - 1 steps after real row p = t - s + 1 (sees block-1 rows <= p and rows p+1..t of blocks 2..s;
+inputs: the previous block's output at t - 1, or P-EAGLE's mask pair). Row t predicts x[t+2] against the target's
+distribution at t+1 (renormalized over d2t when reduced), weighted 0.8^(s-1); EAGLE-1 adds feature regression."""
 
 from __future__ import annotations
 
@@ -20,16 +14,14 @@ from specserve.speculative.proposers.eagle_head import EagleHead, target_lm_weig
 
 
 def _block_mask(rows: int, s: int, device: torch.device) -> torch.Tensor:
-    """[rows, s * rows] bool: which keys row t of block s sees (block 1: t' <= t - s + 1; block j:
-    t' == t - (s - j)). Cut from a cached mask of a size bucket (a step builds no mask of its own)."""
+    """[rows, s * rows] bool: keys row t of block s sees (block 1: t' <= t - s + 1; block j: t' == t - (s - j))."""
     size = -(-rows // 256) * 256
     return _block_mask_of_size(size, s, device)[:rows, :, :rows].reshape(rows, s * rows)
 
 
 @functools.lru_cache(maxsize=64)
 def _block_mask_of_size(rows: int, s: int, device: torch.device) -> torch.Tensor:
-    """[rows, s, rows]: _block_mask with the key blocks as their own dim (its top-left corner of any
-    size is the smaller mask)."""
+    """[rows, s, rows]: _block_mask, cached; its top-left corner is the smaller mask."""
     q = torch.arange(rows, device=device)[:, None]
     k = torch.arange(rows, device=device)[None, :]
     parts = [k <= q - (s - 1)] + [k == q - (s - j) for j in range(2, s + 1)]
@@ -48,8 +40,7 @@ def loss_rows(lengths: list[int], loss_start: list[int], max_len: int, num_block
 
 
 def _to_device_rows(rows: list[torch.Tensor], R: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per block (rows into [B * R], the same rows into [B * (R + 1)] shifted by one token: the
-    labels' rows in the unsliced padded tensors), all sent in one copy."""
+    """Per block (rows into [B * R], the label rows into [B * (R + 1)]), sent in one copy."""
     both = [x for r in rows for x in (r, r + r // R + 1)]  # b * R + t -> b * (R + 1) + t + 1
     packed = torch.cat(both)
     if device.type == "cuda":
@@ -61,12 +52,11 @@ def _to_device_rows(rows: list[torch.Tensor], R: int, device: torch.device) -> l
 def head_block_outputs(
     head: EagleHead, target, ids: torch.Tensor, feats: torch.Tensor, num_blocks: int, parallel: bool
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(out, logits_input) of every block, each [B * (L - 1), hidden]: row t of block s is the head's
-    draft s - 1 steps after its last real row t - s + 1."""
+    """(out, logits_input) of every block, each [B * (L - 1), hidden]."""
     B, L = ids.shape
     R, dev = L - 1, ids.device
     arch = head.layer
-    embeds = target.embed_tokens(ids[:, 1:]).reshape(B * R, -1)
+    embeds = head.embed(ids[:, 1:], target).reshape(B * R, -1)
     hidden = head.fuse_target(feats[:, :R].reshape(B * R, -1))
     positions = torch.arange(R, device=dev).repeat(B)
     keys: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -97,8 +87,7 @@ def head_block_outputs(
 def reduced_vocab_labels(
     lab: torch.Tensor, target_top: torch.Tensor, d2t: torch.Tensor, hard_weight: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Soft-target labels over a reduced draft vocabulary. lab [rows, N]: the target's probabilities of the tokens
-    d2t (normalized over the whole vocabulary; overwritten); target_top [rows]: the target's argmax ids."""
+    """Soft labels over d2t from lab [rows, N] (the target's probs of d2t; overwritten) and its argmax [rows]."""
     lab = lab.div_(lab.sum(-1, keepdim=True).clamp_(min=torch.finfo(lab.dtype).tiny))
     # The argmax's column in d2t (ascending): exact even where bfloat16 labels tie.
     col = torch.searchsorted(d2t, target_top).clamp_(max=d2t.numel() - 1)
@@ -110,8 +99,7 @@ def reduced_vocab_labels(
 def _token_loss(
     logits: torch.Tensor, lab: torch.Tensor, hard_weight: float, d2t: torch.Tensor | None, top: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cross-entropy, top-1 agreement with the target) of logits [rows, width] against the
-    target's probabilities lab [rows, width] (overwritten)."""
+    """(cross-entropy, top-1 agreement) of logits [rows, width] against lab [rows, width] (overwritten)."""
     if d2t is not None:
         mixed, _ = reduced_vocab_labels(lab, top, d2t, hard_weight)
         agree = d2t.index_select(0, logits.detach().argmax(-1)) == top
@@ -136,8 +124,7 @@ def head_loss(
     hard_weight: float = 0.5,
     target_top: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Returns (loss, per-block top-1 agreement with the target: 0-d tensors on ids' device, one per block that has
-    rows), with no device sync."""
+    """(loss, per-block top-1 agreement as 0-d device tensors), with no device sync."""
     B, L = ids.shape
     R = L - 1
     d2t = head.d2t
@@ -150,8 +137,8 @@ def head_loss(
     # Rows of the padded [B, L] tensors, unsliced: row t of [B, R] is row t + 1 of its sequence there.
     labels = probs.reshape(B * L, -1)
     tops = None if d2t is None else target_top.reshape(B * L)
-    lm_weight = target_lm_weight(target)
-    if d2t is not None:  # the target's LM-head rows of the draft vocabulary, once per step (frozen)
+    lm_weight = head.lm_head.weight if head.published else target_lm_weight(target)
+    if d2t is not None and not head.published:  # the frozen target LM-head rows of the draft vocabulary
         lm_weight = lm_weight.index_select(0, d2t.to(lm_weight.device))
     loss, accs = torch.zeros((), device=ids.device), []
     outputs = head_block_outputs(head, target, ids, feats, num_blocks, parallel)

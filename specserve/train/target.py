@@ -1,5 +1,4 @@
-"""The frozen target's side of `specserve train-draft` (loop.py): its features and next-token distributions for a
-training batch."""
+"""The frozen target's side of `specserve train-draft`: features and next-token distributions of a batch."""
 
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ class _DenseLayout(NamedTuple):
 
 
 def _dense_layout(seqs: list[list[int]], device: torch.device) -> _DenseLayout:
-    """Built on the host and sent with one copy (pinned, non_blocking on CUDA): no sync in a step."""
     lengths = [len(s) for s in seqs]
     L, B, T = max(lengths), len(seqs), sum(lengths)
     lens = torch.tensor(lengths, dtype=torch.int64)
@@ -64,8 +62,7 @@ class _DenseCausal:
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, L, D], k/v [B, Hkv, L, D] -> [B, H, L, D]. GQA inside the kernel where it has it
-    (flash on CUDA in half precision, CPU); elsewhere the kv heads are repeated first."""
+    """q [B, H, L, D], k/v [B, Hkv, L, D] -> [B, H, L, D]; GQA in the kernel where it has it."""
     group = q.shape[1] // k.shape[1]
     native = _SDPA_HAS_GQA and (q.device.type != "cuda" or q.dtype in (torch.float16, torch.bfloat16))
     if group > 1 and native:
@@ -104,8 +101,7 @@ def _dense_run(model, layout: _DenseLayout, aux_layers: tuple[int, ...]):
 
 @torch.no_grad()
 def dense_forward(model, seqs: list[list[int]], aux_layers: tuple[int, ...], device: torch.device):
-    """The target over whole sequences (plain causal attention, no KV cache). Returns flat ids
-    [T], final hidden [T, hidden] and the aux layers' inputs (each [T, hidden]), T = sum of lengths."""
+    """The target over whole sequences: flat ids [T], final hidden [T, hidden], aux layers' inputs [T, hidden]."""
     layout = _dense_layout(seqs, device)
     hidden, aux = _dense_run(model, layout, aux_layers)
     return layout.flat_ids, hidden, aux
@@ -125,9 +121,8 @@ _LABEL_CHUNK_BYTES = 1 << 29
 
 
 def _reduced_labels(model, hidden: torch.Tensor, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [T, hidden] -> (target probabilities of the tokens d2t [T, N], normalized over the whole vocabulary;
-    target argmax [T] int64), a chunk of rows at a time: only [chunk, vocab] float32 logits exist at once instead of
-    [T, vocab] logits + probs (~5 GB each for 8192 x 151936)."""
+    """hidden [T, hidden] -> (probabilities of the tokens d2t [T, N] over the whole vocabulary, argmax [T]), in
+    chunks of rows so that only [chunk, vocab] float32 logits exist at once."""
     chunk = max(1, _LABEL_CHUNK_BYTES // (4 * model.arch.vocab_size))
     probs, top = [], []
     # Equal chunks: a tiny remainder would compile a GEMV variant mid-training.
@@ -144,9 +139,7 @@ def _reduced_labels(model, hidden: torch.Tensor, d2t: torch.Tensor) -> tuple[tor
 def target_batch(
     model, seqs: list[list[int]], aux_layers: tuple[int, ...], device: torch.device, d2t: torch.Tensor | None = None
 ) -> TargetBatch:
-    """The frozen target over a padded batch (TargetBatch). d2t [N] (a reduced draft vocabulary): keep only the
-    probabilities of those tokens (the softmax still runs over the whole vocabulary, which their normalization needs)
-    and the target's argmax."""
+    """The frozen target over a padded batch; d2t [N]: keep only those tokens' probabilities, and the argmax."""
     layout = _dense_layout(seqs, device)
     L, B = max(layout.lengths_cpu), len(seqs)
     hidden, aux = _dense_run(model, layout, aux_layers)

@@ -79,7 +79,7 @@ def test_speculation_with_device_chained_drafts(tiny_llama_dir, tmp_path, method
     equal plain decoding, and a model drafting for itself must have every draft accepted."""
     if device.type != "cuda":
         pytest.skip("CUDA graphs and device-chained drafts need a GPU")
-    from specserve.speculative.proposers.eagle_head import make_random_head_dir
+    from tests.helpers.eagle_heads import make_random_head_dir
     from tests.helpers.tiny_models import make_tiny_model_dir
 
     target = str(tiny_llama_dir)
@@ -171,7 +171,7 @@ def test_speculation_with_overlapped_k0_steps(tiny_llama_dir, tmp_path, method, 
     in flight, EAGLE from its graph's hidden states) both happen. Same tokens as plain decoding."""
     if device.type != "cuda":
         pytest.skip("asynchronous scheduling overlaps host work with a GPU")
-    from specserve.speculative.proposers.eagle_head import make_random_head_dir
+    from tests.helpers.eagle_heads import make_random_head_dir
 
     table = {
         "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]],
@@ -302,7 +302,7 @@ def test_short_prompts_prefill_in_graph_pieces(tiny_llama_dir, tmp_path, device:
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a GPU")
     from specserve.runner.cuda_graph import CudaGraphRunner
-    from specserve.speculative.proposers.eagle_head import make_random_head_dir
+    from tests.helpers.eagle_heads import make_random_head_dir
 
     prompt = [random.Random(9).randrange(5, 300) for _ in range(172)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -14,7 +14,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.speculative.proposers.eagle import EagleProposer
 from specserve.speculative.proposers.eagle_first import MAX_GRAPH_PICKS
-from specserve.speculative.proposers.eagle_head import make_random_head_dir
+from tests.helpers.eagle_heads import make_random_head_dir
 
 K = 3
 

@@ -206,7 +206,7 @@ def test_speculation_overlaps_the_steps_that_draft_nothing(tiny_llama_dir, tmp_p
     """k = 3 while at most 2 requests run, k = 0 above (vLLM's per-batch-size table): overlapped runs
     of k = 0 steps, and switches both ways as requests finish at different times. Same tokens as plain
     decoding; the switch back drafts from the step in flight (EAGLE reads its hidden states)."""
-    from specserve.speculative.proposers.eagle_head import make_random_head_dir
+    from tests.helpers.eagle_heads import make_random_head_dir
 
     table = {"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]], "adaptive": False}
     cfg = {

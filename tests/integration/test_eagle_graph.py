@@ -23,7 +23,7 @@ from specserve import LLM, SamplingParams
 from specserve.speculative.proposers.eagle import EagleProposer
 from specserve.speculative.proposers.eagle_first import FirstForwardGraphs
 from specserve.speculative.proposers.eagle_graph import HeadStepGraphs, PinnedUpload, attention_arrays
-from specserve.speculative.proposers.eagle_head import make_random_head_dir
+from tests.helpers.eagle_heads import make_random_head_dir
 from tests.integration.test_spec_decode import build_d2t
 
 K = 3

@@ -19,7 +19,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.model.catalog import install_command, model_path
-from specserve.speculative.proposers.eagle_head import make_random_head_dir
+from tests.helpers.eagle_heads import make_random_head_dir
 
 MODEL = "smollm2-135m-instruct"
 K = 3

@@ -95,7 +95,7 @@ def test_deferred_and_immediate_drafts_give_the_same_tokens(tiny_llama_dir, tmp_
     P-EAGLE: greedy requests only (its random drafts
     are read back in propose), through the static first forward (the GPU's graph path)."""
     from specserve.speculative.proposers.eagle import EagleProposer
-    from specserve.speculative.proposers.eagle_head import make_random_head_dir
+    from tests.helpers.eagle_heads import make_random_head_dir
 
     spec = {"method": method, "model": str(tiny_llama_dir)}
     if method == "eagle3":

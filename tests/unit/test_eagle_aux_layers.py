@@ -26,8 +26,9 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.speculative.proposers.eagle import EagleProposer
-from specserve.speculative.proposers.eagle_head import EagleHead, make_random_head_dir, read_head_config, save_head
+from specserve.speculative.proposers.eagle_head import EagleHead, read_head_config, save_head
 from specserve.train.target import target_batch
+from tests.helpers.eagle_heads import make_random_head_dir
 from tests.helpers.tiny_models import make_tiny_model_dir
 
 NUM_LAYERS = 8  # enough depth for three distinct default layers (2, 4, 5) that a shift would move

@@ -18,12 +18,12 @@ from specserve.speculative.proposers.eagle_head import (
     EagleHead,
     default_aux_layers,
     head_config_for,
-    make_random_head_dir,
     read_head_config,
     save_head,
 )
 from specserve.train.loop import train_main
 from specserve.train.loss import _block_mask, head_block_outputs
+from tests.helpers.eagle_heads import make_random_head_dir
 
 HF = {
     "model_type": "llama",
@@ -474,7 +474,8 @@ def test_train_with_a_reduced_draft_vocab(tiny_llama_dir, tiny_llm, tmp_path):
     assert train_main(common + ["--steps", "2", "--draft-vocab-size", str(vocab // 2)]) == 0
     cfg = read_head_config(out)
     assert cfg.draft_vocab_size == vocab // 2 and cfg.num_mask_slots == 2
-    d2t = load_file(str(out / "model.safetensors"))["d2t"].tolist()
+    offsets = load_file(str(out / "model.safetensors"))["d2t"].tolist()  # published: target = draft + d2t[draft]
+    d2t = [i + o for i, o in enumerate(offsets)]
     assert len(d2t) == vocab // 2 and d2t == sorted(set(d2t))
     rows = [json.loads(line) for line in (out / "distill.jsonl").read_text().splitlines()]
     answers = {t for r in rows for t in r["token_ids"][max(2, r["num_prompt_tokens"]) :]}

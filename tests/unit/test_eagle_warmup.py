@@ -7,7 +7,7 @@ from __future__ import annotations
 from specserve import LLM, SamplingParams
 from specserve.runner import warmup
 from specserve.speculative.proposers import eagle_warmup
-from specserve.speculative.proposers.eagle_head import make_random_head_dir
+from tests.helpers.eagle_heads import make_random_head_dir
 
 
 def test_eager_head_forwards_cover_every_size_that_fits(tiny_llama_dir, tmp_path, monkeypatch) -> None:

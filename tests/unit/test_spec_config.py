@@ -9,7 +9,7 @@ import pytest
 
 from specserve import LLM
 from specserve.config import SpeculativeConfig
-from specserve.speculative.proposers.eagle_head import make_random_head_dir
+from tests.helpers.eagle_heads import make_random_head_dir
 from tests.helpers.tiny_models import make_tiny_model_dir
 
 

@@ -30,7 +30,7 @@ from specserve.speculative.proposers.eagle_graph import (
     attention_metadata,
     paged_attend,
 )
-from specserve.speculative.proposers.eagle_head import EagleHead, load_head, target_lm_weight
+from specserve.speculative.proposers.eagle_head import EagleHead, load_head
 from specserve.speculative.proposers.eagle_setup import graph_logits_bytes, recapture_with_aux, step_batch_sizes
 
 
@@ -93,8 +93,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         arch, dtype = parts.loaded.arch, parts.loaded.model.embed_tokens.weight.dtype
         assert cfg.model is not None  # SpeculativeConfig requires it for EAGLE methods
         self.head: EagleHead = load_head(cfg.model, arch, parts.loaded.identity, self.device, dtype)
-        if self.head.d2t is not None:  # a reduced vocabulary: its LM-head rows, gathered once
-            self.head.attach_lm_head(target_lm_weight(self.target))
+        self.head.attach_target(self.target)  # a reduced vocabulary's LM-head rows, gathered once
         target_ops = getattr(getattr(self.target, "norm", None), "ops", None)
         if target_ops is not None:  # the fused ops the target runs
             self.head.set_ops(target_ops)
@@ -195,7 +194,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         dev = self.upload.send(host + arrays)
         rows, next_tokens, pos, pick_dev, src_dev = dev[:5]
         feats = torch.cat([p.index_select(0, rows) for p in self._features(step)], dim=-1)  # [num_real, n * hidden]
-        hidden, embeds = self.head.fuse_target(feats), self.target.embed_tokens(next_tokens)
+        hidden, embeds = self.head.fuse_target(feats), self.head.embed(next_tokens, self.target)
         if max(ks) > 1:  # mask rows read the learned pair
             me, mh = self.head.mask_inputs(1)
             embeds = torch.cat([embeds, me.to(embeds.dtype)]).index_select(0, src_dev)  # [sum(q_lens), hidden]
@@ -295,7 +294,7 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             ]
             dev = self.upload.send([a.astype(np.int64) for a in host] + arrays)
             idx, prev_rows, pos = dev[:3]
-            emb = self.target.embed_tokens(dt.last_tokens.index_select(0, prev_rows))
+            emb = self.head.embed(dt.last_tokens.index_select(0, prev_rows), self.target)
             out, normed = self._head(
                 emb, prev_out.index_select(0, idx), pos, attention_metadata(arrays, dev[3:], [1] * len(active))
             )

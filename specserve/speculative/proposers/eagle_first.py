@@ -71,7 +71,7 @@ class FirstForwardGraphs(StaticForward):
         meta = self._meta(bs, rows, self.rows_per_req)
         feats = self.feats[:, :rows]
         hidden = self.head.fuse_target(feats[0] if feats.shape[0] == 1 else feats.transpose(0, 1).reshape(rows, -1))
-        embeds = self.target.embed_tokens(self.tokens[:rows])
+        embeds = self.head.embed(self.tokens[:rows], self.target)
         if self.parallel:  # mask rows read the learned pair instead
             mask = self.mask[:rows].bool().unsqueeze(1)
             me, mh = self.head.mask_inputs(1)

@@ -221,7 +221,7 @@ class HeadStepGraphs(StaticForward):
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft row per sequence -> (logits [bs, logits_width] float32, argmax [bs] target ids)."""
         meta = self._meta(bs, bs, 1)
-        embeds = self.target.embed_tokens(self.tokens[:bs])
+        embeds = self.head.embed(self.tokens[:bs], self.target)
         out, normed = self.head(
             embeds, self.hidden[:bs], self.positions[:bs], self.target.cos_sin_cache, self._attend(meta)
         )

@@ -42,6 +42,11 @@ class EagleHeadConfig:
     target: dict[str, Any]  # name, identity, num_layers, hidden_size, vocab_size of the target
     # Tokens the head can propose (its `d2t` buffer, ascending target ids); None = the whole vocabulary.
     draft_vocab_size: int | None = None
+    # "specserve" (this file's architecture) | "published" (EAGLE-3 as vLLM / SGLang run it: head_formats.py)
+    flavour: str = "specserve"
+    norm_before_residual: bool = False  # published: the residual is hidden_norm(feature), not the feature
+    mask_token_id: int | None = None  # published P-EAGLE: the token embedded for mask rows
+    own_embed: bool = False  # published: the head has its own embed_tokens
 
     @property
     def logits_width(self) -> int:
@@ -56,7 +61,7 @@ class EagleHeadConfig:
         if data.get("format") != HEAD_FORMAT:
             raise ValueError(f"{where} is not a specserve EAGLE head config (format must be {HEAD_FORMAT!r}).")
         try:
-            draft_vocab = data.get("draft_vocab_size")  # absent in heads from before reduced vocabularies
+            draft_vocab = data.get("draft_vocab_size")
             cfg = cls(
                 str(data["method"]),
                 int(data["hidden_size"]),
@@ -66,14 +71,15 @@ class EagleHeadConfig:
                 dict(data["layer"]),
                 dict(data["target"]),
                 None if draft_vocab is None else int(draft_vocab),
+                str(data.get("flavour", "specserve")),
+                bool(data.get("norm_before_residual", False)),
+                data.get("mask_token_id"),
+                bool(data.get("own_embed", False)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where} is missing or has a bad field: {e!r}.") from None
         if cfg.draft_vocab_size is not None and not 1 <= cfg.draft_vocab_size <= cfg.vocab_size:
-            raise ValueError(
-                f"{where}: draft_vocab_size must be in [1, vocab_size={cfg.vocab_size}] or null, "
-                f"got {cfg.draft_vocab_size}."
-            )
+            raise ValueError(f"{where}: draft_vocab_size must be in [1, {cfg.vocab_size}] or null.")
         if cfg.method not in HEAD_METHODS:
             raise ValueError(f"{where}: method must be one of {HEAD_METHODS}, got {cfg.method!r}.")
         if cfg.method == "eagle3" and not cfg.aux_hidden_layers:
@@ -85,8 +91,7 @@ class EagleHeadConfig:
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low / middle / high layers (2, L/2, L-3, as vLLM and SGLang pick them), clamped and
-    deduplicated for tiny models. The engine returns each layer's input (the residual stream)."""
+    """EAGLE-3's layers (2, L/2, L-3) whose inputs are fused, clamped and deduplicated for tiny models."""
     picks = {min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3)}
     return tuple(sorted(picks))
 
@@ -119,8 +124,7 @@ def head_config_for(
 
 
 def check_d2t(d2t: torch.Tensor, vocab_size: int, draft_vocab_size: int, where: str) -> None:
-    """ValueError unless d2t is [draft_vocab_size] integer target ids in [0, vocab_size), strictly
-    ascending (hence unique)."""
+    """ValueError unless d2t is [draft_vocab_size] integer ids in [0, vocab_size), strictly ascending."""
     if d2t.dtype.is_floating_point or d2t.dtype.is_complex or d2t.dtype == torch.bool:
         raise ValueError(f"{where}: d2t must hold integer token ids (int64), got {d2t.dtype}.")
     if tuple(d2t.shape) != (draft_vocab_size,):
@@ -162,8 +166,7 @@ class RMSNorm(nn.Module):
 
 
 class HeadLayer(nn.Module):
-    """A Llama/Qwen2 decoder layer (same parameter names as the target's) with injected attention.
-    `ops`: the torch ops (training, CPU) or, serving on a GPU, the target's fused twins (EagleHead.set_ops)."""
+    """A Llama/Qwen2 decoder layer with injected attention; `ops`: torch ops or the target's fused twins."""
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -183,6 +186,13 @@ class HeadLayer(nn.Module):
         """x [rows, hidden] -> [rows, hidden] (pre-norm residual stream after the layer)."""
         ops, norm = self.ops, self.input_layernorm
         qkv, _ = ops.rms_norm_linear(x, None, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias)
+        return self.attend_mlp(qkv, x, positions, cos_sin, attend)
+
+    def attend_mlp(
+        self, qkv: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        """qkv [rows, q + 2 kv], residual x [rows, hidden] -> x + attn, then + mlp: [rows, hidden]."""
+        ops = self.ops
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         q, k = ops.apply_rope(
             q.reshape(-1, self.num_heads, self.head_dim),
@@ -207,6 +217,17 @@ class EagleHead(nn.Module):
         h, eps = cfg.hidden_size, arch.rms_norm_eps
         self.eps = eps
         n_aux = len(cfg.aux_hidden_layers)
+        # [draft_vocab] int64 target ids, ascending (set_draft_vocab / the checkpoint); None = full vocab.
+        d2t = None if cfg.draft_vocab_size is None else torch.arange(cfg.draft_vocab_size, dtype=torch.int64)
+        self.register_buffer("d2t", d2t)
+        # [draft_vocab, hidden]: the target's LM-head rows d2t, gathered once (attach_lm_head); not saved.
+        self.lm_weight: torch.Tensor | None = None
+        self.published = cfg.flavour == "published"
+        if self.published:
+            from specserve.speculative.proposers.head_formats import init_published
+
+            init_published(self, cfg, arch)
+            return
         if cfg.method == "eagle3":
             # Per-layer norms: residual streams of different depths differ in scale by orders of magnitude.
             self.aux_norm = nn.Parameter(torch.ones(n_aux, h))
@@ -220,11 +241,21 @@ class EagleHead(nn.Module):
         if cfg.num_mask_slots > 0:
             self.mask_embed = nn.Parameter(torch.randn(h) * 0.02)
             self.mask_hidden = nn.Parameter(torch.randn(h) * 0.02)
-        # [draft_vocab] int64 target ids, ascending (set_draft_vocab / the checkpoint); None = full vocab.
-        d2t = None if cfg.draft_vocab_size is None else torch.arange(cfg.draft_vocab_size, dtype=torch.int64)
-        self.register_buffer("d2t", d2t)
-        # [draft_vocab, hidden]: the target's LM-head rows d2t, gathered once (attach_lm_head); not saved.
-        self.lm_weight: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def attach_target(self, target: nn.Module) -> None:
+        """Bind what the head reads of the serving target: the LM-head rows of a reduced vocabulary, or (a
+        published P-EAGLE head) the embedding of its mask token."""
+        if self.published:
+            if self.cfg.num_mask_slots:
+                ids = torch.tensor([self.cfg.mask_token_id], device=target.embed_tokens.weight.device)
+                self.mask_embed = self.embed(ids, target)[0].to(self.fc.weight)  # [hidden], the head's dtype
+        elif self.d2t is not None:
+            self.attach_lm_head(target_lm_weight(target))
+
+    def embed(self, tokens: torch.Tensor, target: Any) -> torch.Tensor:
+        """tokens [rows] -> [rows, hidden]: the head's own embedding when it has one, else the target's."""
+        return (self.embed_tokens if self.cfg.own_embed else target.embed_tokens)(tokens)
 
     @torch.no_grad()
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
@@ -238,17 +269,16 @@ class EagleHead(nn.Module):
 
     @torch.no_grad()
     def attach_lm_head(self, weight: torch.Tensor) -> None:
-        """Gather the target's LM-head rows d2t (weight [vocab, hidden]) into one persistent [draft_vocab, hidden]
-        tensor of the weight's dtype and device, once: draft steps (and the CUDA graphs that capture them) then read
-        draft_vocab rows instead of the whole head."""
+        """Gather the target's LM-head rows d2t (weight [vocab, hidden]) once into [draft_vocab, hidden]."""
         if self.d2t is None:
             return
         self.d2t = self.d2t.to(weight.device)
         self.lm_weight = weight.detach().index_select(0, self.d2t).contiguous()
 
     def compute_logits(self, normed: torch.Tensor, target: LogitsModel) -> torch.Tensor:
-        """normed [rows, hidden] (forward's logits_input) -> float32 logits [rows, cfg.logits_width]:
-        column j is token d2t[j] with a reduced vocabulary (attach_lm_head first), else the target's own."""
+        """normed [rows, hidden] -> float32 logits [rows, cfg.logits_width] (column j: token d2t[j] if reduced)."""
+        if self.published:
+            return self.layer.ops.linear(normed, self.lm_head.weight).float()
         if self.d2t is None:
             return target.compute_logits(normed)
         if self.lm_weight is None:
@@ -263,6 +293,9 @@ class EagleHead(nn.Module):
 
     def fuse_target(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[rows, n_aux * hidden] (eagle3: concatenated aux states) or [rows, hidden] (eagle) -> [rows, hidden]."""
+        if self.published:  # fc only where the width differs (the first step's target features)
+            fit = target_hidden.shape[-1] == self.cfg.hidden_size
+            return target_hidden if fit else self.layer.ops.linear(target_hidden, self.fc.weight)
         if self.cfg.method != "eagle3":
             return target_hidden
         n = self.aux_norm.shape[0]
@@ -273,6 +306,8 @@ class EagleHead(nn.Module):
 
     def mask_inputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(embeds, hidden) of P-EAGLE mask rows, each [rows, hidden]."""
+        if self.published:
+            return self.mask_embed.expand(rows, -1), self.fuse_target(self.mask_hidden[None]).expand(rows, -1)
         return self.mask_embed.expand(rows, -1), self.mask_hidden.expand(rows, -1)
 
     def forward(
@@ -280,6 +315,9 @@ class EagleHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds, hidden [rows, hidden]; returns (out, logits_input), each [rows, hidden]: `out` is
         fed back as the next row's hidden, `logits_input` goes to the target's LM head."""
+        if self.published:
+            out = self.layer(embeds, hidden, positions, cos_sin, attend)
+            return out, self.norm(out)
         x = self.layer.ops.linear(
             torch.cat([self.embed_norm(embeds), self.hidden_norm(hidden)], dim=-1), self.fc.weight
         )
@@ -287,18 +325,20 @@ class EagleHead(nn.Module):
         return out, (out if self.norm is None else self.norm(out))
 
     def set_ops(self, ops: ModuleType) -> None:
-        """Run the norms, RoPE and projections through `ops` (same signatures as model/layers/ops.py): serving on a
-        GPU passes the target's fused Triton twins (fewer, faster kernels in the head's forwards and CUDA graphs);
-        training keeps the torch ops."""
+        """Run norms, RoPE and projections through `ops` (model/layers/ops.py signatures; on a GPU the target's)."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, HeadLayer)):
                 m.ops = ops
 
 
 def save_head(head: EagleHead, out_dir: str | Path) -> Path:
-    """Write config.json + model.safetensors (weights float32, d2t int64) atomically enough for a resumable trainer."""
+    """Write config.json + model.safetensors (weights float32, d2t int64), the weights via a rename."""
     from safetensors.torch import save_file
 
+    if head.published:  # P-EAGLE in the speculators layout (its mask token has no HF field), EAGLE-3 in HF's
+        from specserve.speculative.proposers.head_formats import save_published
+
+        return save_published(head, out_dir, "speculators" if head.cfg.num_mask_slots else "hf", head.cfg.to_json())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {
@@ -312,24 +352,32 @@ def save_head(head: EagleHead, out_dir: str | Path) -> Path:
     return out
 
 
-def read_head_config(path: str | Path) -> EagleHeadConfig:
-    """The config of a head directory; ValueError naming what is wrong."""
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """config.json of a head directory (any layout); ValueError naming what is wrong."""
     d = Path(path).expanduser()
     where = f"speculative_config.model {str(path)!r}"
     if not d.is_dir():
-        raise ValueError(f"{where} is not a directory holding an EAGLE head ({CONFIG_NAME} + {WEIGHTS_NAME}).")
-    if not (d / CONFIG_NAME).is_file() or not (d / WEIGHTS_NAME).is_file():
-        raise ValueError(f"{where} must hold {CONFIG_NAME} and {WEIGHTS_NAME}.")
+        raise ValueError(f"{where} is not a directory holding an EAGLE head ({CONFIG_NAME} + weights).")
+    if not (d / CONFIG_NAME).is_file():
+        raise ValueError(f"{where} must hold {CONFIG_NAME} and the weights ({WEIGHTS_NAME}).")
     try:
-        data = json.loads((d / CONFIG_NAME).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: {CONFIG_NAME} is not valid JSON: {e}.") from None
+        return dict(json.loads((d / CONFIG_NAME).read_text()))
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {CONFIG_NAME} is not valid JSON (an object): {e}.") from None
+
+
+def read_head_config(path: str | Path) -> EagleHeadConfig:
+    """The config of a specserve-format head directory; ValueError naming what is wrong."""
+    where = f"speculative_config.model {str(path)!r}"
+    data = read_config_json(path)
+    data = data.get("specserve", data)  # a published layout written by specserve keeps its config there
+    if not (Path(path).expanduser() / WEIGHTS_NAME).is_file():
+        raise ValueError(f"{where} must hold {CONFIG_NAME} and {WEIGHTS_NAME}.")
     return EagleHeadConfig.from_json(data, f"{where}/{CONFIG_NAME}")
 
 
 def check_head_matches(cfg: EagleHeadConfig, arch: ModelArch, target_identity: str, where: str) -> None:
-    """Shapes must match the target exactly; a different weights identity only warns (the same
-    weights may live in another file)."""
+    """Shapes must match the target exactly; another weights identity only warns."""
     want = {"hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size, "num_layers": arch.num_layers}
     got = {k: cfg.target.get(k) for k in want}
     if got != want:
@@ -355,6 +403,10 @@ def load_head(
     from safetensors.torch import load_file
 
     where = f"speculative_config.model {str(path)!r}"
+    if "format" not in read_config_json(path):  # a published EAGLE-3 / P-EAGLE head
+        from specserve.speculative.proposers.head_formats import load_published
+
+        return load_published(path, arch, where).to(device=device, dtype=dtype).eval().requires_grad_(False)
     cfg = read_head_config(path)
     check_head_matches(cfg, arch, target_identity, where)
     head = EagleHead(cfg)
@@ -378,34 +430,3 @@ def load_head(
         raise ValueError(f"{where}: tensors of the wrong shape: {bad[:4]}.")
     head.load_state_dict(state)
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
-
-def make_random_head_dir(
-    target_model: str,
-    out_dir: str | Path,
-    method: str = "eagle3",
-    num_mask_slots: int = 0,
-    seed: int = 0,
-    load_format: str = "auto",
-    d2t: list[int] | None = None,
-) -> Path:
-    """An untrained head for `target_model` (any LLM(model=...) reference; a shape name with load_format="dummy"):
-    tests use it to check that speculation stays lossless whatever the head proposes, benchmarks to time a head's
-    forward. d2t: a reduced draft vocabulary (ascending ids)."""
-    from specserve.config import ModelConfig
-    from specserve.model.loader import WeightSource
-
-    source = WeightSource.open(ModelConfig(model=target_model, load_format=load_format))
-    arch = ModelArch.from_hf_config(source.hf_config)
-    cfg = head_config_for(
-        arch, source.hf_config, source.name, source.identity, method, num_mask_slots, None if d2t is None else len(d2t)
-    )
-    torch.manual_seed(seed)
-    head = EagleHead(cfg)
-    if d2t is not None:
-        head.set_draft_vocab(torch.tensor(d2t, dtype=torch.int64))
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.05)
-    return save_head(head, out_dir)
