@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from tests.helpers.eagle_heads import make_random_head_dir
 from specserve.train.data import TrainSeq, draft_vocab
+from tests.helpers.eagle_heads import make_random_head_dir
 from tests.helpers.tiny_models import make_tiny_model_dir
 
 K = 3

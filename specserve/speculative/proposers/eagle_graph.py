@@ -102,7 +102,18 @@ def attention_arrays(
 def attention_metadata(arrays: list[np.ndarray], dev: Sequence[torch.Tensor], q_lens: list[int]) -> AttentionMetadata:
     """AttentionMetadata of attention_arrays' host arrays and their device copies."""
     cu, lens = arrays[0], arrays[1]
-    return AttentionMetadata(*dev, max(q_lens), int(lens.max()), len(lens), int(cu[-1]), list(q_lens), lens.tolist())
+    return AttentionMetadata(
+        dev[0],
+        dev[1],
+        dev[2],
+        dev[3],
+        max(q_lens),
+        int(lens.max()),
+        len(lens),
+        int(cu[-1]),
+        list(q_lens),
+        lens.tolist(),
+    )
 
 
 def paged_attend(backend: AttentionBackend, cache: LayerKVCache, fmt: KVFormat, meta: AttentionMetadata, scale: float):

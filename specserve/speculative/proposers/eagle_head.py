@@ -207,6 +207,9 @@ class HeadLayer(nn.Module):
 
 
 class EagleHead(nn.Module):
+    mask_embed: torch.Tensor  # [hidden]: P-EAGLE's mask-row embedding
+    lm_head: nn.Linear  # published layouts: the head's own [draft_vocab, hidden]
+    norm: Any  # final RMSNorm (None: EAGLE-1)
     # A buffer (register_buffer): [draft_vocab] int64 target ids, or None for the whole vocabulary.
     d2t: torch.Tensor | None
 
@@ -243,7 +246,7 @@ class EagleHead(nn.Module):
             self.mask_hidden = nn.Parameter(torch.randn(h) * 0.02)
 
     @torch.no_grad()
-    def attach_target(self, target: nn.Module) -> None:
+    def attach_target(self, target: Any) -> None:
         """Bind what the head reads of the serving target: the LM-head rows of a reduced vocabulary, or (a
         published P-EAGLE head) the embedding of its mask token."""
         if self.published:
@@ -255,7 +258,8 @@ class EagleHead(nn.Module):
 
     def embed(self, tokens: torch.Tensor, target: Any) -> torch.Tensor:
         """tokens [rows] -> [rows, hidden]: the head's own embedding when it has one, else the target's."""
-        return (self.embed_tokens if self.cfg.own_embed else target.embed_tokens)(tokens)
+        embedding: Any = self.embed_tokens if self.cfg.own_embed else target.embed_tokens
+        return embedding(tokens)
 
     @torch.no_grad()
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
