@@ -16,7 +16,7 @@ LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 
 
-def _help(text: str, **kw: Any) -> Any:
+def field_help(text: str, **kw: Any) -> Any:
     return field(metadata={"help": text}, **kw)
 
 
@@ -31,15 +31,19 @@ def _check_choice(obj: Any, name: str, choices: tuple[str, ...], prefix: str = "
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = _help("catalog name, HF model dir, .gguf file, or HF id in the local cache", default=DEFAULT_MODEL)
-    dtype: str = _help("weights and activations: auto (bfloat16 on GPU, float32 on CPU)", default="auto")
-    max_model_len: int | None = _help("context length (prompt + output); default: the model's", default=None)
-    load_format: str = _help("auto | dummy (random weights of the real shape) | safetensors | gguf", default="auto")
-    seed: int = _help("seed for dummy weights and unseeded sampling", default=0)
-    tokenizer: str | None = _help("tokenizer dir, if not the model's", default=None)
-    served_model_name: str | None = _help("name the API reports", default=None)
-    hf_overrides: dict[str, Any] | None = _help("JSON dict of config overrides (dummy shapes)", default=None)
-    enforce_eager: bool = _help("never use CUDA graphs", default=False)
+    model: str = field_help(
+        "catalog name, HF model dir, .gguf file, or HF id in the local cache", default=DEFAULT_MODEL
+    )
+    dtype: str = field_help("weights and activations: auto (bfloat16 on GPU, float32 on CPU)", default="auto")
+    max_model_len: int | None = field_help("context length (prompt + output); default: the model's", default=None)
+    load_format: str = field_help(
+        "auto | dummy (random weights of the real shape) | safetensors | gguf", default="auto"
+    )
+    seed: int = field_help("seed for dummy weights and unseeded sampling", default=0)
+    tokenizer: str | None = field_help("tokenizer dir, if not the model's", default=None)
+    served_model_name: str | None = field_help("name the API reports", default=None)
+    hf_overrides: dict[str, Any] | None = field_help("JSON dict of config overrides (dummy shapes)", default=None)
+    enforce_eager: bool = field_help("never use CUDA graphs", default=False)
 
     def __post_init__(self) -> None:
         _check_choice(self, "dtype", DTYPES)
@@ -50,11 +54,13 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = _help("tokens per KV block", default=16)
-    kv_cache_dtype: str = _help("auto | bfloat16 | float16 | float32 | fp8 | nvfp4", default="auto")
-    gpu_memory_utilization: float = _help("fraction of GPU memory the engine may use", default=0.9)
-    kv_cache_memory_bytes: int | None = _help("KV pool size in bytes (any device); overrides utilization", default=None)
-    enable_prefix_caching: bool = _help("reuse KV blocks of identical prefixes", default=True)
+    block_size: int = field_help("tokens per KV block", default=16)
+    kv_cache_dtype: str = field_help("auto | bfloat16 | float16 | float32 | fp8 | nvfp4", default="auto")
+    gpu_memory_utilization: float = field_help("fraction of GPU memory the engine may use", default=0.9)
+    kv_cache_memory_bytes: int | None = field_help(
+        "KV pool size in bytes (any device); overrides utilization", default=None
+    )
+    enable_prefix_caching: bool = field_help("reuse KV blocks of identical prefixes", default=True)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -68,13 +74,13 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = _help("most requests running at once", default=256)
-    max_num_batched_tokens: int | None = _help("token budget per step (default: 2048 GPU, 512 CPU)", default=None)
-    enable_chunked_prefill: bool = _help("split long prompts over steps", default=True)
-    max_num_queued_requests: int | None = _help(
+    max_num_seqs: int = field_help("most requests running at once", default=256)
+    max_num_batched_tokens: int | None = field_help("token budget per step (default: 2048 GPU, 512 CPU)", default=None)
+    enable_chunked_prefill: bool = field_help("split long prompts over steps", default=True)
+    max_num_queued_requests: int | None = field_help(
         "requests waiting beyond the running batch (max_num_seqs) past which new ones get 503", default=None
     )
-    async_scheduling: bool | None = _help(
+    async_scheduling: bool | None = field_help(
         "prepare the next step while the GPU runs this one; with speculation, the steps that draft "
         "nothing (default: on for CUDA without tensor parallelism)",
         default=None,
@@ -98,11 +104,11 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    cpu_bytes: int = _help("CPU tier for evicted KV blocks, bytes (0 = off; accepts 4G)", default=0)
-    disk_path: str | None = _help(
+    cpu_bytes: int = field_help("CPU tier for evicted KV blocks, bytes (0 = off; accepts 4G)", default=0)
+    disk_path: str | None = field_help(
         "directory of the disk tier for evicted KV blocks (needs --kv-offload-disk-bytes)", default=None
     )
-    disk_bytes: int = _help("disk tier size, bytes (accepts 100G; needs --kv-offload-disk-path)", default=0)
+    disk_bytes: int = field_help("disk tier size, bytes (accepts 100G; needs --kv-offload-disk-path)", default=0)
 
     def __post_init__(self) -> None:
         cpu, disk, path = _OFFLOAD_FLAGS
@@ -223,7 +229,7 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = _help("GPUs to shard the model over", default=1)
+    tensor_parallel_size: int = field_help("GPUs to shard the model over", default=1)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -17,7 +17,7 @@ from typing import Any
 
 from specserve import config as cfg
 from specserve import envs
-from specserve.config import _help
+from specserve.config import field_help
 from specserve.sampling_params import SamplingParams
 
 _CHOICES = {"dtype": cfg.DTYPES, "kv_cache_dtype": cfg.KV_CACHE_DTYPES, "load_format": cfg.LOAD_FORMATS}
@@ -33,23 +33,23 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 <
 class ServerConfig:
     """HTTP server settings; flags are generated like the engine's."""
 
-    host: str = _help("address to bind", default="127.0.0.1")
-    port: int = _help("port to bind", default=8000)
-    api_key: str | None = _help(
+    host: str = field_help("address to bind", default="127.0.0.1")
+    port: int = field_help("port to bind", default=8000)
+    api_key: str | None = field_help(
         "require `Authorization: Bearer KEY` (/health and /metrics stay open); other local users see it in "
         "`ps`: prefer SPECSERVE_API_KEY or --api-key-file",
         default=None,
         repr=False,
     )
-    api_key_file: str | None = _help("read the API key from this file's first line", default=None)
-    metrics_prefix: str = _help(
+    api_key_file: str | None = field_help("read the API key from this file's first line", default=None)
+    metrics_prefix: str = field_help(
         "metric name prefix: specserve | vllm (for dashboards built for vLLM)", default="specserve"
     )
-    max_request_body_bytes: int = _help("larger request bodies get 413 (accepts 512K, 16M, ...)", default=16 << 20)
-    log_interval: float = _help("seconds between stats log lines; 0 = off", default=10.0)
-    graceful_shutdown_timeout: float = _help("on SIGTERM, seconds in-flight requests may run", default=5.0)
-    uvicorn_log_level: str = _help("uvicorn log level", default="info")
-    trust_request_chat_template: bool = _help(
+    max_request_body_bytes: int = field_help("larger request bodies get 413 (accepts 512K, 16M, ...)", default=16 << 20)
+    log_interval: float = field_help("seconds between stats log lines; 0 = off", default=10.0)
+    graceful_shutdown_timeout: float = field_help("on SIGTERM, seconds in-flight requests may run", default=5.0)
+    uvicorn_log_level: str = field_help("uvicorn log level", default="info")
+    trust_request_chat_template: bool = field_help(
         "accept a chat_template sent with a chat request (vLLM's flag)", default=False
     )
 
