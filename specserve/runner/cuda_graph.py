@@ -8,8 +8,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -19,6 +19,8 @@ from specserve.runner.streams import record
 
 if TYPE_CHECKING:
     from specserve.runner.model_runner import ModelRunner
+
+T = TypeVar("T")
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MID_QUERY_MAX_BATCH = 32
@@ -98,6 +100,18 @@ def graph_output_bytes(
     for t, batch_sizes in mixed_graph_sizes(graph_batch_sizes(max_num_seqs), mixed_token_lens, window).items():
         total += len(batch_sizes) * t * hidden_size * act_bytes
     return int(total * 1.1)
+
+
+def capture_graph(forward: Callable[[], T], pool: Any, device: torch.device) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run `forward` twice (Triton compiles, cuBLAS picks algorithms), then capture it into `pool` (None: a new one);
+    returns the graph and the captured call's outputs, which each replay overwrites."""
+    for _ in range(2):
+        forward()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
 
 
 @contextlib.contextmanager
@@ -205,12 +219,7 @@ class CudaGraphRunner:
 
     def _capture(self, key: tuple[int, ...]) -> None:
         self._fill_dummy(key)
-        for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-            self._forward(key)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out, hidden, aux = self._forward(key)
+        graph, (out, hidden, aux) = capture_graph(lambda: self._forward(key), self._pool, self.device)
         self._pool = graph.pool()
         self.graphs[key] = graph
         if out is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata
 from specserve.kv.spec import KVFormat, LayerKVCache
-from specserve.runner.cuda_graph import gc_paused_for_capture
+from specserve.runner.cuda_graph import capture_graph, gc_paused_for_capture
 from specserve.runner.streams import record
 from specserve.speculative.proposers.draft_model import DraftSampler
 from specserve.speculative.proposers.draft_tokens import DraftTokens
@@ -152,12 +153,7 @@ class StaticForward:
         with gc_paused_for_capture():
             for bs in reversed(self.batch_sizes):
                 self._fill_dummy(bs)
-                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-                    self._forward(bs)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self.outputs[bs] = self._forward(bs)
+                graph, self.outputs[bs] = capture_graph(partial(self._forward, bs), self._pool, self.device)
                 self._pool = graph.pool()
                 self.graphs[bs] = graph
             torch.cuda.synchronize(self.device)
