@@ -1,5 +1,5 @@
 """Disk tier fast paths: parallel loads of many blocks (byte-identical, bad files are counted misses
-that do not stop the others), the one-read header check, stores that copy (the caller's buffer is
+that do not stop the others), the file checks, stores that copy (the caller's buffer is
 free at once) on several writer threads, and the optional ISA-L crc32."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from specserve.config import OffloadConfig
 from specserve.kv.offload.disk import DiskTier, file_name
-from specserve.kv.offload.disk_format import BadEntry, LayoutReader, encode_entry, namespace_digest
+from specserve.kv.offload.disk_format import BadEntry, encode_entry, namespace_digest, read_entry
 from specserve.kv.offload.offloader import KVOffloader
 from specserve.kv.offload.payload import BlockLayout, PackedPayload
 
@@ -112,29 +112,30 @@ def test_truncated_file_is_a_miss_without_a_layout_too(tmp_path: Path) -> None:
     tier.close()
 
 
-def test_layout_reader_fast_path_and_fallback(tmp_path: Path) -> None:
-    """The expected header is exactly what the writer writes; a file that differs only in its
-    padding (not covered by the crc) is still accepted, through the full parse."""
-    reader = LayoutReader(NS, LAYOUT)
+def test_read_entry_checks_key_and_layout_but_not_padding(tmp_path: Path) -> None:
+    """A file that differs only in its padding (not covered by the crc) is accepted; another key or
+    layout is not."""
     payload = PackedPayload(_rows(1, seed=3)[0], LAYOUT)
     blob = bytearray(encode_entry(_key(5), payload, NS))
-    prefix = reader.expected_prefix(_key(5))
-    assert blob[:20] == prefix[:20] and blob[24 : len(prefix)] == prefix[24:]
-    assert len(blob) == len(prefix) + LAYOUT.nbytes and namespace_digest(NS) in prefix
+    body_at = len(blob) - LAYOUT.nbytes
+    assert namespace_digest(NS) in blob[:body_at]
     path = tmp_path / "f"
+    other = BlockLayout.of([("0.key", torch.float32, (len(blob),))])
     for padded in (False, True):
         if padded:
-            blob[len(prefix) - 1] = 7  # the last padding byte
+            blob[body_at - 1] = 7  # the last padding byte
         path.write_bytes(bytes(blob))
-        out = bytearray(LAYOUT.nbytes)
+        out = torch.empty(LAYOUT.nbytes, dtype=torch.uint8)
         fd = os.open(path, os.O_RDONLY)
         try:
-            reader.read_into(fd, _key(5), memoryview(out))
+            read_entry(fd, _key(5), NS, LAYOUT, out)
             with pytest.raises(BadEntry, match="stored key differs"):
-                reader.read_into(fd, _key(6), memoryview(bytearray(LAYOUT.nbytes)))
+                read_entry(fd, _key(6), NS, LAYOUT)
+            with pytest.raises(BadEntry, match="layout differs"):
+                read_entry(fd, _key(5), NS, other)
         finally:
             os.close(fd)
-        assert bytes(out) == bytes(payload.buffer.numpy())
+        assert torch.equal(out, payload.buffer)
 
 
 def test_put_copies_so_the_callers_staging_is_free_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -91,7 +91,6 @@ class SlotSlab:
         self.slots_per_chunk = max(1, chunk_bytes // slot_bytes)
         self.pin_memory = pin_memory
         self._chunks: list[torch.Tensor] = []  # [slots_in_chunk * slot_bytes] uint8 each
-        self._chunk_bytes: list[memoryview] = []  # the same memory, for file I/O
         self._free: deque[int] = deque()  # slot ids; new chunks append in ascending order
         self._num_slots = 0
         self._grow_lock = threading.Lock()
@@ -114,7 +113,6 @@ class SlotSlab:
                 return False
             chunk = torch.empty(count * self.slot_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
             first = self._num_slots
-            self._chunk_bytes.append(chunk.numpy().data.cast("B"))  # before the chunk is published
             self._chunks.append(chunk)
             self._num_slots += count
             # In address order: blocks stored together are adjacent and move in one copy.
@@ -125,8 +123,3 @@ class SlotSlab:
         """The slot's memory: [slot_bytes] uint8."""
         chunk, index = divmod(slot, self.slots_per_chunk)
         return self._chunks[chunk][index * self.slot_bytes : (index + 1) * self.slot_bytes]
-
-    def view_bytes(self, slot: int) -> memoryview:
-        """The slot's memory as a memoryview."""
-        chunk, index = divmod(slot, self.slots_per_chunk)
-        return self._chunk_bytes[chunk][index * self.slot_bytes : (index + 1) * self.slot_bytes]

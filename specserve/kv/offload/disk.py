@@ -6,6 +6,7 @@ each process enforces the budget over the files it knows. No fsync: a torn file 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import logging
@@ -16,12 +17,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 import torch
 
 from specserve.kv.offload.base import BlockKey, StatsCounter, Tier
-from specserve.kv.offload.disk_format import BadEntry, LayoutReader, body_offset, encode_entry, read_entry, write_entry
+from specserve.kv.offload.disk_format import BadEntry, body_offset, encode_entry, read_entry, write_entry
 from specserve.kv.offload.disk_writer import DiskWriter
 from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayload, pack
 
@@ -36,7 +36,6 @@ __all__ = ["SUFFIX", "DiskTier", "encode_entry", "file_name"]
 SUFFIX = ".kvb"
 TMP_PREFIX = ".tmp-"
 _STALE_TMP_SECONDS = 3600.0  # temp files older than this belong to a writer that died
-T = TypeVar("T")
 
 
 class DiskIndex:
@@ -173,10 +172,9 @@ class DiskTier(Tier):
         # Threads start on demand; the calling thread reads too.
         self._num_readers = max(1, readers)
         self._readers = ThreadPoolExecutor(self._num_readers, thread_name_prefix="specserve-disk-read")
-        self._layout_readers: dict[BlockLayout, LayoutReader] = {}
         # Resolved per call, so a test may replace DiskTier._write.
         self._writer = DiskWriter(
-            lambda key, payload, body: self._write(key, payload, body), max_pending_bytes, writers, self._stats
+            lambda key, payload: self._write(key, payload), max_pending_bytes, writers, self._stats
         )
 
     @property
@@ -201,74 +199,49 @@ class DiskTier(Tier):
         self._stats.add(queries=1)
 
     def get(self, key: BlockKey) -> PackedPayload | None:
-        pending = self._writer.copy_pending(key)
-        self._stats.add(queries=1)
-        payload = pending if pending is not None else self._read(key)
-        if payload is not None:
-            self._stats.add(hits=1, bytes_out=payload.nbytes)
-        return payload
+        """One block of any layout."""
+        return self._get([key], None)[0]
 
     def get_many(self, keys: list[BlockKey], layout: BlockLayout) -> list[PackedPayload | None]:
         """`get` of every key, read in parallel (other layouts miss) into rows of one buffer
         [len(keys), layout.nbytes], pinned under CUDA."""
-        if not keys:
-            return []
-        n, nbytes = len(keys), layout.nbytes
-        rows = torch.empty((n, nbytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        flat = rows.view(-1).numpy().data.cast("B")  # one conversion, sliced per row
-        found = self._writer.copy_pending_into(keys, rows, layout)
-        todo = [i for i in range(n) if not found[i]]
-        names = [file_name(keys[i]) for i in todo]
-        paths = [f"{self.path}/{name}" for name in names]
-        reader = self._layout_readers.get(layout) or self._layout_readers.setdefault(
-            layout, LayoutReader(self.namespace, layout)
-        )
-        read = [False] * len(todo)
+        rows = torch.empty((len(keys), layout.nbytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self._get(keys, layout, rows)
 
-        def read_one(j: int) -> None:
-            key, out = keys[todo[j]], flat[todo[j] * nbytes : (todo[j] + 1) * nbytes]
-            read[j] = self._open_and_read(paths[j], names[j], lambda fd: reader.read_into(fd, key, out)) is not None
-
-        self._run_parallel(len(todo), read_one)
-        hits_j = [j for j in range(len(todo)) if read[j]]
-        if hits_j:  # recency in key order (the threads finish in any order); mtimes off the caller's path
-            self._index.remember((names[j], body_offset(len(keys[todo[j]]), len(layout.json)) + nbytes) for j in hits_j)
-            self._readers.submit(set_mtimes, [paths[j] for j in hits_j], self._index.stamps(len(hits_j)))
-        for j in hits_j:
-            found[todo[j]] = True
-        out = [PackedPayload(row, layout) if ok else None for row, ok in zip(rows.unbind(0), found)]
-        hits = sum(found)
-        self._stats.add(queries=n, hits=hits, bytes_out=hits * nbytes)
-        return out
-
-    def _run_parallel(self, n: int, read_one: Callable[[int], None]) -> None:
-        """read_one(i) for i in range(n) on the readers and this thread; the first error re-raised."""
-        counter = itertools.count()  # next() is atomic under the GIL: a slow file holds up no span
+    def _get(
+        self, keys: list[BlockKey], layout: BlockLayout | None, rows: torch.Tensor | None = None
+    ) -> list[PackedPayload | None]:
+        found = self._writer.copy_pending(keys, layout, rows)
+        todo = [i for i, p in enumerate(found) if p is None]
+        names = [file_name(key) for key in keys]
+        counter = itertools.count()  # next() is atomic under the GIL: a slow file holds up no other
 
         def work() -> None:
-            while (i := next(counter)) < n:
-                read_one(i)
+            while (j := next(counter)) < len(todo):
+                i = todo[j]
+                out = None if rows is None else rows[i]
+                read = functools.partial(read_entry, key=keys[i], namespace=self.namespace, layout=layout, out=out)
+                found[i] = self._open_and_read(names[i], read)
 
-        futures = [self._readers.submit(work) for _ in range(min(self._num_readers, n) - 1)]
+        futures = [self._readers.submit(work) for _ in range(min(self._num_readers, len(todo)) - 1)]
         try:
-            work()
+            work()  # the calling thread reads too
         finally:
             for fut in futures:
                 fut.result()
+        read_ok = [(i, p) for i in todo if (p := found[i]) is not None]
+        if read_ok:  # recency in key order (the threads finish in any order); mtimes off the caller's path
+            self._index.remember((names[i], _file_size(keys[i], p)) for i, p in read_ok)
+            paths = [f"{self.path}/{names[i]}" for i, _ in read_ok]
+            self._readers.submit(set_mtimes, paths, self._index.stamps(len(read_ok)))
+        hits = [p for p in found if p is not None]
+        self._stats.add(queries=len(keys), hits=len(hits), bytes_out=sum(p.nbytes for p in hits))
+        return found
 
-    def _read(self, key: BlockKey) -> PackedPayload | None:
-        """One file of any layout, marked most recently used (None on a miss or a bad file)."""
-        name = file_name(key)
-        path = os.path.join(self.path, name)
-        payload = self._open_and_read(path, name, lambda fd: read_entry(fd, key, self.namespace))
-        if payload is not None:
-            set_mtimes([path], self._index.stamps(1))
-            self._index.remember([(name, body_offset(len(key), len(payload.layout.json)) + payload.nbytes)])
-        return payload
-
-    def _open_and_read(self, path: str, name: str, read: Callable[[int], T]) -> T | None:
+    def _open_and_read(self, name: str, read: Callable[[int], PackedPayload]) -> PackedPayload | None:
         """read(fd) of the open file; None on a miss, a bad file (counted, removed) or an I/O error
         (counted; the file may be fine next time)."""
+        path = f"{self.path}/{name}"
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:  # not there (or gone): a plain miss
@@ -323,7 +296,7 @@ class DiskTier(Tier):
         self._writer.close()
         self._readers.shutdown(wait=True)
 
-    def _write(self, key: BlockKey, payload: PackedPayload, body: memoryview | None = None) -> None:
+    def _write(self, key: BlockKey, payload: PackedPayload) -> None:
         """Store one block as its file (on a writer thread): temp file, stamp, atomic rename."""
         name = file_name(key)
         path = f"{self.path}/{name}"
@@ -335,14 +308,14 @@ class DiskTier(Tier):
             set_mtimes([path], self._index.stamps(1))
             self._index.remember([(name, existing)])
             return
-        size = body_offset(len(key), len(payload.layout.json)) + payload.nbytes
+        size = _file_size(key, payload)
         if size > self._capacity:
             self._stats.add(dropped=1)
             return
         fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=self.path)
         try:
             try:
-                write_entry(fd, key, payload, self.namespace, body)
+                write_entry(fd, key, payload, self.namespace)
                 # Recency for a restart; the rename keeps the mtime.
                 stamp = self._index.stamps(1)[0]
                 os.utime(fd, ns=(stamp, stamp))
@@ -354,6 +327,10 @@ class DiskTier(Tier):
             raise
         self._stats.add(bytes_in=payload.nbytes)
         self._index.remember([(name, size)])
+
+
+def _file_size(key: BlockKey, payload: PackedPayload) -> int:
+    return body_offset(len(key), len(payload.layout.json)) + payload.nbytes
 
 
 def _remove_if_same(path: str, st: os.stat_result) -> None:

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 _BATCH = 8  # blocks per queue item: fewer queue operations per block
 
-WriteBlock = Callable[[BlockKey, PackedPayload, memoryview | None], None]
+WriteBlock = Callable[[BlockKey, PackedPayload], None]
 
 
 class _Pending(NamedTuple):
@@ -28,8 +28,8 @@ class _Pending(NamedTuple):
 
 
 class DiskWriter:
-    """At most `max_pending_bytes` wait; more are dropped. `write(key, payload, body)` stores one
-    block (`body`: its bytes when known); a failure is counted in `errors`."""
+    """At most `max_pending_bytes` wait; more are dropped. `write(key, payload)` stores one block;
+    a failure is counted in `errors`."""
 
     def __init__(self, write: WriteBlock, max_pending_bytes: int, threads: int, stats: StatsCounter) -> None:
         self._write = write
@@ -114,23 +114,21 @@ class DiskWriter:
             slot = self._slab.allocate()
         return slot
 
-    def copy_pending(self, key: BlockKey) -> PackedPayload | None:
-        with self._lock:
-            pending = self._pending.get(key)
-            return None if pending is None else PackedPayload(pending.payload.buffer.clone(), pending.payload.layout)
-
-    def copy_pending_into(self, keys: list[BlockKey], rows: torch.Tensor, layout: BlockLayout) -> list[bool]:
-        """Copy queued blocks of `layout` into rows [len(keys), layout.nbytes]; which were."""
-        done = [False] * len(keys)
+    def copy_pending(
+        self, keys: list[BlockKey], layout: BlockLayout | None, rows: torch.Tensor | None
+    ) -> list[PackedPayload | None]:
+        """Copies of the queued blocks of `layout` (None: any) among `keys`, into rows
+        [len(keys), layout.nbytes] if given."""
+        found: list[PackedPayload | None] = [None] * len(keys)
         if not self._pending:
-            return done
+            return found
         with self._lock:
             for i, key in enumerate(keys):
                 pending = self._pending.get(key)
-                if pending is not None and pending.payload.layout == layout:
-                    copy_bytes(rows[i], pending.payload.buffer)
-                    done[i] = True
-        return done
+                if pending is not None and (layout is None or pending.payload.layout == layout):
+                    out = torch.empty(pending.payload.nbytes, dtype=torch.uint8) if rows is None else rows[i]
+                    found[i] = pack(pending.payload, out=out)
+        return found
 
     def flush(self) -> None:
         self._queue.join()
@@ -155,8 +153,7 @@ class DiskWriter:
     def _write_one(self, key: BlockKey) -> None:
         pending = self._pending[key]  # published before it was queued; only this thread removes it
         try:
-            body = None if pending.slot is None else self._slots.view_bytes(pending.slot)
-            self._write(key, pending.payload, body)
+            self._write(key, pending.payload)
         except Exception as exc:  # disk full, permissions, a bad tensor: count, never die
             logger.warning("KV disk tier: write of %s failed: %s", key.hex()[:32], exc)
             self._stats.add(errors=1)
