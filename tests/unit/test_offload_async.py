@@ -11,8 +11,7 @@ import torch
 
 from specserve.config import OffloadConfig
 from specserve.kv.offload import transfer
-from specserve.kv.offload.base import SlotSlab
-from specserve.kv.offload.cpu import CpuTier
+from specserve.kv.offload.cpu import CpuTier, SlotSlab
 from specserve.kv.offload.offloader import KVOffloader
 from specserve.kv.offload.payload import BlockLayout, PackedPayload, contiguous_runs, pack
 from specserve.kv.quant import write_kv
@@ -33,11 +32,9 @@ def _same(a, b) -> bool:
     )
 
 
-def test_slab_grows_in_chunks_up_to_its_budget() -> None:
-    slab = SlotSlab(slot_bytes=100, max_slots=5, chunk_bytes=250)
-    assert slab.allocate() is None and slab.num_slots == 0  # nothing is allocated up front
-    grown = [slab.grow() for _ in range(4)]
-    assert grown == [True, True, True, False] and slab.num_slots == 5  # chunks of 2, 2, 1
+def test_slab_slots_in_chunks() -> None:
+    slab = SlotSlab(slot_bytes=100, num_slots=5, chunk_bytes=250)
+    assert [c.numel() for c in slab._chunks] == [200, 200, 100]  # chunks of 2, 2, 1 slots
     slots = [slab.allocate() for _ in range(5)]
     assert slots == [0, 1, 2, 3, 4] and slab.allocate() is None
     views = [slab.view(s) for s in slots]
@@ -52,7 +49,7 @@ def test_slab_grows_in_chunks_up_to_its_budget() -> None:
 
 def test_cpu_tier_reuses_slots_lru_and_never_a_leased_one() -> None:
     size = pack(_payload(0)).nbytes
-    tier = CpuTier(3 * size + size // 2, pin_memory=False)
+    tier = CpuTier(3 * size + size // 2, slot_bytes=size, pin_memory=False)
     for i in range(3):
         tier.put(bytes([i]), _payload(i))
     held = tier.get(bytes([0]))  # a reader (an H2D copy in flight) holds key 0's slot
@@ -78,7 +75,7 @@ def test_cpu_tier_reuses_slots_lru_and_never_a_leased_one() -> None:
 
 def test_cpu_tier_when_every_slot_is_leased_drops() -> None:
     size = pack(_payload(0)).nbytes
-    tier = CpuTier(2 * size, pin_memory=False)
+    tier = CpuTier(2 * size, slot_bytes=size, pin_memory=False)
     tier.put(b"a", _payload(1))
     tier.put(b"b", _payload(2))
     held = [tier.get(b"a"), tier.get(b"b")]

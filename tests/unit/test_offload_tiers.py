@@ -59,7 +59,7 @@ def _disk(path: Path, num_files: float, namespace: str = NS, **kw: int) -> DiskT
 
 def test_cpu_lru_and_budget() -> None:
     size = pack(_payload(0)).nbytes
-    tier = CpuTier(3 * size + size // 2)
+    tier = CpuTier(3 * size + size // 2, slot_bytes=size)
     for i in range(3):
         tier.put(_key(i), _payload(i))
     assert _same(tier.get(_key(0)), _payload(0))  # 0 becomes most recent

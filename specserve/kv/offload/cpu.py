@@ -8,8 +8,43 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.kv.offload.base import DEFAULT_CHUNK_BYTES, BlockKey, SlotSlab, Tier
+from specserve.kv.offload.base import BlockKey, Tier
 from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayload, copy_bytes, pack, paired_runs
+
+DEFAULT_CHUNK_BYTES = 64 << 20  # a power of two: torch's pinned allocator rounds sizes up to one
+
+
+class SlotSlab:
+    """`num_slots` slots of `slot_bytes` each: pieces of a few large host buffers of `chunk_bytes`,
+    allocated (and pinned: slow) once and reused without touching the allocator. Not thread-safe."""
+
+    def __init__(
+        self, slot_bytes: int, num_slots: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, pin_memory: bool = False
+    ) -> None:
+        if slot_bytes <= 0 or num_slots < 0:
+            raise ValueError(f"slot_bytes must be > 0 and num_slots >= 0, got {slot_bytes}, {num_slots}")
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.slots_per_chunk = max(1, chunk_bytes // slot_bytes)
+        self._chunks = [  # [slots_in_chunk * slot_bytes] uint8 each
+            torch.empty(
+                min(self.slots_per_chunk, num_slots - first) * slot_bytes, dtype=torch.uint8, pin_memory=pin_memory
+            )
+            for first in range(0, num_slots, self.slots_per_chunk)
+        ]
+        # In address order: blocks stored together are adjacent and move in one copy.
+        self._free = deque(range(num_slots))
+
+    def allocate(self) -> int | None:
+        return self._free.popleft() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def view(self, slot: int) -> torch.Tensor:
+        """The slot's memory: [slot_bytes] uint8."""
+        chunk, index = divmod(slot, self.slots_per_chunk)
+        return self._chunks[chunk][index * self.slot_bytes : (index + 1) * self.slot_bytes]
 
 
 class _Lease:
@@ -27,42 +62,31 @@ class _Lease:
 
 
 class CpuTier(Tier):
-    """LRU under `capacity_bytes`, in slots of one size: `slot_bytes` (whole budget allocated up
-    front), else the first payload's size (grown in chunks); other sizes are dropped. Slots are
-    pinned when CUDA is available. `get` returns views into a slot, not reused while any of them
-    is alive. Thread-safe: one lock around the index; copies run outside it."""
+    """LRU under `capacity_bytes`, in slots of `slot_bytes` (the whole budget allocated up front;
+    payloads of other sizes are dropped), pinned when CUDA is available. `get` returns views into a
+    slot, not reused while any of them is alive. Thread-safe: one lock around the index; copies run
+    outside it."""
 
     name = "cpu"
 
     def __init__(
         self,
         capacity_bytes: int,
+        slot_bytes: int,
         pin_memory: bool | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        slot_bytes: int | None = None,
     ) -> None:
         super().__init__(capacity_bytes)
-        self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._chunk_bytes = chunk_bytes
-        self._slab: SlotSlab | None = None
-        if slot_bytes is not None and 0 < slot_bytes <= self._capacity:
-            # Pinning is slow and stalls the driver: at startup.
-            self._slab = SlotSlab(slot_bytes, self._capacity // slot_bytes, chunk_bytes, self._pin)
-            while self._slab.grow():
-                pass
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._slab = SlotSlab(slot_bytes, self._capacity // slot_bytes, chunk_bytes, pin)
         self._entries: OrderedDict[BlockKey, tuple[int, BlockLayout]] = OrderedDict()  # oldest first
         self._pins: dict[int, int] = {}  # slot -> live leases
         self._released: deque[int] = deque()
         self._lock = threading.Lock()
 
     @property
-    def _slots(self) -> SlotSlab:
-        assert self._slab is not None
-        return self._slab
-
-    @property
     def used_bytes(self) -> int:
-        return 0 if self._slab is None else len(self._entries) * self._slab.slot_bytes
+        return len(self._entries) * self._slab.slot_bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -91,7 +115,7 @@ class CpuTier(Tier):
                 self._entries.move_to_end(key)
                 found.append(entry)
                 self._pins[entry[0]] = self._pins.get(entry[0], 0) + 1
-            views = [self._slots.view(slot) for slot, _ in found]
+            views = [self._slab.view(slot) for slot, _ in found]
         missed = len(found) < len(keys)
         self._stats.add(queries=len(found) + missed, hits=len(found), bytes_out=sum(lay.nbytes for _, lay in found))
         return [PackedPayload(view, layout, _Lease(self._released, slot)) for view, (slot, layout) in zip(views, found)]
@@ -103,14 +127,14 @@ class CpuTier(Tier):
         todo = [(k, p, s) for (k, p), s in zip(packed, slots) if s is not None]
         if not todo:
             return
-        views = [self._slots.view(s) for _, _, s in todo]
+        views = [self._slab.view(s) for _, _, s in todo]
         for src, dst in paired_runs([p.buffer for _, p, _ in todo], views):
             copy_bytes(dst, src)
         stored = 0
         with self._lock:
             for key, payload, slot in todo:
                 if key in self._entries:  # another thread stored it meanwhile
-                    self._slots.free(slot)
+                    self._slab.free(slot)
                     self._entries.move_to_end(key)
                 else:
                     self._entries[key] = (slot, payload.layout)
@@ -118,28 +142,17 @@ class CpuTier(Tier):
         self._stats.add(bytes_in=stored)
 
     def _reserve(self, key: BlockKey, size: int) -> int | None:
-        """A slot (grown, or the LRU unleased entry's); None: stored already, too large, all leased."""
-        if size > self._capacity:
+        """A free slot, or the LRU unleased entry's; None: stored already, another size, all leased."""
+        if size != self._slab.slot_bytes or size > self._capacity:
             self._stats.add(dropped=1)
             return None
-        while True:
-            with self._lock:
-                self._drain_released()
-                if key in self._entries:
-                    self._entries.move_to_end(key)
-                    return None
-                if self._slab is None:
-                    self._slab = SlotSlab(size, self._capacity // size, self._chunk_bytes, self._pin)
-                slab = self._slab
-                if size != slab.slot_bytes:
-                    self._stats.add(dropped=1)
-                    return None
-                slot = slab.allocate()
-                if slot is not None:
-                    return slot
-                if slab.num_slots >= slab.max_slots:
-                    return self._evict_one()
-            slab.grow()  # pins a new chunk: slow, so not under the lock; then retry
+        with self._lock:
+            self._drain_released()
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return None
+            slot = self._slab.allocate()
+            return slot if slot is not None else self._evict_one()
 
     def _evict_one(self) -> int | None:
         """Under the lock: free the least recently used entry whose slot nobody reads."""
@@ -164,4 +177,4 @@ class CpuTier(Tier):
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._slab = None  # memory goes once no payload views it any more
+            self._slab = SlotSlab(self._slab.slot_bytes, 0)  # memory goes once no payload views it any more

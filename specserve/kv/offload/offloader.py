@@ -13,14 +13,13 @@ Keys are the chained block hashes (they include the model identity and KV format
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
-import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -39,34 +38,26 @@ logger = logging.getLogger(__name__)
 PutMany = Callable[[list[BlockKey], list[PackedPayload]], None]
 
 
-@dataclass(eq=False)
-class _Job:
-    keys: list[BlockKey]
-    data: HostRows | list[PackedPayload] | None  # None once handled: pinned staging goes back
-    put: PutMany
-    done: threading.Event = field(default_factory=threading.Event)
-
-
 class StoreQueue:
-    """One worker thread, jobs in submission order."""
+    """put(keys, payloads) jobs on one worker thread, in submission order."""
 
     def __init__(self) -> None:
-        self._inflight: dict[BlockKey, _Job] = {}
+        self._inflight: dict[BlockKey, Future] = {}
         self._lock = threading.Lock()
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._closed = False
-        self._worker = threading.Thread(target=self._loop, name="specserve-kv-store", daemon=True)
-        self._worker.start()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-kv-store")
 
     def submit(self, keys: list[BlockKey], data: HostRows | list[PackedPayload], put: PutMany) -> None:
         """put(keys, payloads) in the background; HostRows once the copy that fills them completes."""
-        job = _Job(keys, data, put)
-        if self._closed:
-            raise RuntimeError("the KV store queue is closed")
+        job = self._worker.submit(_run_put, keys, data, put)  # RuntimeError once closed
         with self._lock:
-            for key in job.keys:
-                self._inflight[key] = job
-        self._queue.put(job)
+            self._inflight.update(dict.fromkeys(keys, job))
+        job.add_done_callback(functools.partial(self._forget, keys))
+
+    def _forget(self, keys: list[BlockKey], job: Future) -> None:
+        with self._lock:
+            for key in keys:
+                if self._inflight.get(key) is job:
+                    del self._inflight[key]
 
     def pending(self, key: BlockKey) -> bool:
         return key in self._inflight  # one dict lookup: atomic under the GIL
@@ -74,37 +65,20 @@ class StoreQueue:
     def wait_for(self, key: BlockKey) -> None:
         job = self._inflight.get(key)
         if job is not None:
-            job.done.wait()
+            job.result()
 
     def flush(self) -> None:
-        self._queue.join()
+        self._worker.submit(lambda: None).result()  # one worker: every earlier job has run
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        self._worker.join()
+        self._worker.shutdown(wait=True)
 
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                self._queue.task_done()
-                return
-            try:
-                data = job.data
-                job.put(job.keys, data.payloads() if isinstance(data, HostRows) else data)  # type: ignore[arg-type]
-            except Exception:  # a failed store is a later miss; the worker must survive it
-                logger.exception("KV offload: storing %d blocks failed", len(job.keys))
-            finally:
-                with self._lock:
-                    for key in job.keys:
-                        if self._inflight.get(key) is job:
-                            del self._inflight[key]
-                job.done.set()
-                job.data = data = None
-                self._queue.task_done()
+
+def _run_put(keys: list[BlockKey], data: HostRows | list[PackedPayload], put: PutMany) -> None:
+    try:
+        put(keys, data.payloads() if isinstance(data, HostRows) else data)
+    except Exception:  # a failed store is a later miss; the worker must survive it
+        logger.exception("KV offload: storing %d blocks failed", len(keys))
 
 
 class KVOffloader:
