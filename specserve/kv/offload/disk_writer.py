@@ -4,10 +4,11 @@ the lock)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -37,13 +38,8 @@ class DiskWriter:
         self._pending: dict[BlockKey, PackedPayload] = {}  # complete copies, queued or being written
         self._reserved: set[BlockKey] = set()  # room taken, copy in progress
         self._pending_bytes = 0
-        self._queue: queue.Queue[list[BlockKey] | None] = queue.Queue()
-        self._threads = [
-            threading.Thread(target=self._loop, name=f"specserve-disk-writer-{i}", daemon=True)
-            for i in range(max(1, threads))
-        ]
-        for t in self._threads:
-            t.start()
+        self._jobs: set[Future] = set()
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="specserve-disk-writer")
 
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._pending or key in self._reserved
@@ -76,7 +72,9 @@ class DiskWriter:
             self._reserved.difference_update(keys)
             self._pending.update(zip(keys, copies))
         for start in range(0, len(keys), _BATCH):
-            self._queue.put(keys[start : start + _BATCH])
+            job = self._pool.submit(self._write_batch, keys[start : start + _BATCH])
+            self._jobs.add(job)
+            job.add_done_callback(self._jobs.discard)
 
     def copy_pending(
         self, keys: list[BlockKey], layout: BlockLayout | None, rows: torch.Tensor | None
@@ -94,24 +92,14 @@ class DiskWriter:
         return found
 
     def flush(self) -> None:
-        self._queue.join()
+        concurrent.futures.wait(list(self._jobs))
 
     def close(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        for t in self._threads:
-            t.join()
+        self._pool.shutdown(wait=True)
 
-    def _loop(self) -> None:
-        while True:
-            keys = self._queue.get()
-            try:
-                if keys is None:
-                    return
-                for key in keys:
-                    self._write_one(key)
-            finally:
-                self._queue.task_done()
+    def _write_batch(self, keys: list[BlockKey]) -> None:
+        for key in keys:
+            self._write_one(key)
 
     def _write_one(self, key: BlockKey) -> None:
         payload = self._pending[key]  # published before it was queued; only this thread removes it
