@@ -99,13 +99,9 @@ class BlockPool:
                 raise RuntimeError(f"double free of KV block {block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None or not self.enable_caching:
-                    block.block_hash = None
-                    # Blocks with nothing reusable go to the front: they are taken first.
-                    self.free_queue[block_id] = None
+                self.free_queue[block_id] = None
+                if block.block_hash is None:  # nothing reusable: to the front, taken first
                     self.free_queue.move_to_end(block_id, last=False)
-                else:
-                    self.free_queue[block_id] = None
 
     def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
         if not self.enable_caching:

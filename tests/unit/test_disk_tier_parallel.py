@@ -15,7 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from specserve.config import OffloadConfig
 from specserve.kv.offload.disk import DiskTier, file_name
-from specserve.kv.offload.disk_format import BadEntry, encode_entry, namespace_digest, read_entry
+from specserve.kv.offload.disk_io import BadEntry, encode_entry, namespace_digest, read_entry
 from specserve.kv.offload.offloader import KVOffloader
 from specserve.kv.offload.payload import BlockLayout, PackedPayload
 
@@ -188,11 +188,11 @@ def test_queued_bytes_are_bounded(tmp_path: Path) -> None:
 def test_the_format_crc32_matches_zlib() -> None:
     """Whichever crc32 the format uses (ISA-L's when `isal` is installed, else zlib's), files written
     with one must verify with the other: the values must be zlib's."""
-    from specserve.kv.offload import disk_format
+    from specserve.kv.offload import disk_io
 
     data = _rows(1, seed=7)[0].numpy()
     for start in (0, 1, 0xFFFFFFFF):
-        assert disk_format.crc32(memoryview(data), start) == zlib.crc32(memoryview(data), start)
+        assert disk_io.crc32(memoryview(data), start) == zlib.crc32(memoryview(data), start)
 
 
 def test_offloader_disk_only_lookup_stops_at_a_bad_file(tmp_path: Path) -> None:

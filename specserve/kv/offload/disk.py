@@ -1,4 +1,4 @@
-"""Local disk tier: one file per block (disk_format.py), written in the background, LRU under a
+"""Local disk tier: one file per block (disk_io.py), written in the background, LRU under a
 byte budget; a file failing a check is a counted miss and removed. Processes may share the
 directory: files are published by atomic rename of a unique temp file (one key, same bytes), and
 each process enforces the budget over the files it knows. No fsync: a torn file fails its crc."""
@@ -21,8 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from specserve.kv.offload.base import BlockKey, StatsCounter, Tier
-from specserve.kv.offload.disk_format import BadEntry, body_offset, encode_entry, read_entry, write_entry
-from specserve.kv.offload.disk_writer import DiskWriter
+from specserve.kv.offload.disk_io import BadEntry, DiskWriter, body_offset, encode_entry, read_entry, write_entry
 from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayload, pack
 
 logger = logging.getLogger(__name__)
@@ -172,10 +171,7 @@ class DiskTier(Tier):
         # Threads start on demand; the calling thread reads too.
         self._num_readers = max(1, readers)
         self._readers = ThreadPoolExecutor(self._num_readers, thread_name_prefix="specserve-disk-read")
-        # Resolved per call, so a test may replace DiskTier._write.
-        self._writer = DiskWriter(
-            lambda key, payload: self._write(key, payload), max_pending_bytes, writers, self._stats
-        )
+        self._writer = DiskWriter(self._write, max_pending_bytes, writers, self._stats)
 
     @property
     def used_bytes(self) -> int:
@@ -300,13 +296,9 @@ class DiskTier(Tier):
         """Store one block as its file (on a writer thread): temp file, stamp, atomic rename."""
         name = file_name(key)
         path = f"{self.path}/{name}"
-        try:
-            existing = os.stat(path).st_size
-        except OSError:
-            existing = None
-        if existing is not None:  # another process stored the same block
+        with contextlib.suppress(OSError):  # another process stored the same block
+            self._index.remember([(name, os.stat(path).st_size)])
             set_mtimes([path], self._index.stamps(1))
-            self._index.remember([(name, existing)])
             return
         size = _file_size(key, payload)
         if size > self._capacity:

@@ -1,13 +1,8 @@
-"""KVOffloader: connects the GPU block pool to the CPU / disk tiers.
-
-- Store: a full block is gathered right after the forward that wrote it (a step's blocks at once);
-  a cached block about to be reused is gathered before it is overwritten, if no tier has it. A
-  worker thread (StoreQueue) waits for the copy to the host and puts the payloads into the tiers;
-  until then `pending(key)` is true and readers call `wait_for(key)`.
-- Load: past the last GPU prefix hit, consecutive tier-resident blocks are copied into fresh GPU
-  blocks, ordered before the forward, and become prefix-cache hits; disk hits are promoted to CPU.
-- Prefetch: a new request's blocks are read from disk into the CPU tier in the background.
-Keys are the chained block hashes (they include the model identity and KV format).
+"""KVOffloader: connects the GPU block pool to the CPU / disk tiers. Store: a full block is gathered
+after the forward that wrote it, an evicted one before it is overwritten; a worker puts the host
+copies into the tiers (readers `wait_for` a pending key). Load: tier-resident blocks past the last
+GPU prefix hit are copied into fresh blocks before the forward; disk hits are promoted to CPU.
+Prefetch: disk -> CPU in the background. Keys are chained block hashes (model and KV format in them).
 """
 
 from __future__ import annotations
@@ -94,7 +89,6 @@ class KVOffloader:
         self.cpu = CpuTier(cfg.cpu_bytes, slot_bytes=self.mover.layout.nbytes) if cfg.cpu_bytes > 0 else None
         self.disk = DiskTier(cfg.disk_path, cfg.disk_bytes, namespace) if cfg.disk_path and cfg.disk_bytes > 0 else None
         self.tiers: list[CpuTier | DiskTier] = [t for t in (self.cpu, self.disk) if t is not None]
-        self.caches = caches
         self.block_size = block_size
         self.stats = stats
         self.queue = StoreQueue()

@@ -55,7 +55,7 @@ class BlockLayout:
 
     @functools.cached_property
     def json(self) -> bytes:
-        """The stored form (disk_format.py)."""
+        """The stored form (disk_io.py)."""
         items = [[e.name, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset] for e in self.entries]
         return json.dumps(items, separators=(",", ":")).encode()
 

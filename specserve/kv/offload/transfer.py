@@ -1,11 +1,8 @@
-"""Copies between the paged KV cache and packed host buffers, a few large copies per step.
-
-Store: one index_select per cache tensor gathers blocks into device staging [n, block_bytes] on the
-compute stream (a snapshot), then one copy to pinned host memory on a side stream; an event says
-when the host rows are valid. Load: host buffers go to device staging, scattered with one
-index_copy_ per cache tensor on the compute stream before the forward; the host buffers stay
-untouched until the returned event completes. On the CPU both directions are synchronous.
-"""
+"""Copies between the paged KV cache and packed host buffers, a few large copies per step. Store:
+one index_select per cache tensor into device staging [n, block_bytes] (a snapshot, compute
+stream), then one copy to pinned host rows on a side stream (an event says when they are valid).
+Load: host buffers -> device staging -> one index_copy_ per cache tensor before the forward; the
+host buffers stay untouched until the returned event completes. On the CPU both are synchronous."""
 
 from __future__ import annotations
 

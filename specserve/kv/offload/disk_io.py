@@ -1,26 +1,36 @@
-"""The disk tier's block file (little endian), `<hex of key>.kvb`:
+"""The disk tier's file I/O. Its block file (little endian), `<hex of key>.kvb`:
     magic "SKVB" | version u16 | key length u16 | layout length u32 | body length u64 |
     crc32(layout + body) u32 | blake2b-128(namespace) 16 bytes | key bytes | layout JSON |
     zero padding to a multiple of 64 | body (the packed payload buffer, `payload.BlockLayout`).
 The layout is JSON, never pickle. A file of another version, namespace or key, of a size other
 than the header says, or failing its crc (accidents, not attackers) is rejected (BadEntry).
+DiskWriter, the write queue: `submit` copies each block, so the caller's staging is free at once;
+until its file is in place a block is served from there (copied out under the lock).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
+import logging
 import os
 import struct
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from specserve.kv.offload.base import BlockKey, StatsCounter
 from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayload, pack
 
 try:  # ISA-L's crc32: zlib's values, faster (both release the GIL)
     from isal.isal_zlib import crc32
 except ImportError:
     from zlib import crc32
+
+logger = logging.getLogger(__name__)
 
 MAGIC = b"SKVB"
 FORMAT_VERSION = 2
@@ -109,3 +119,100 @@ def read_entry(
     if os.preadv(fd, [body], body_at) != body_len or crc32(body, crc32(layout_raw)) != crc:
         raise BadEntry("checksum mismatch")
     return PackedPayload(out, found)
+
+
+_BATCH = 8  # blocks per queue item: fewer queue operations per block
+
+WriteBlock = Callable[[BlockKey, PackedPayload], None]
+
+
+def _copy(payload: PackedPayload, out: torch.Tensor | None = None) -> PackedPayload:
+    return pack(payload, out=torch.empty(payload.nbytes, dtype=torch.uint8) if out is None else out)
+
+
+class DiskWriter:
+    """At most `max_pending_bytes` wait; more are dropped. `write(key, payload)` stores one block;
+    a failure is counted in `errors`."""
+
+    def __init__(self, write: WriteBlock, max_pending_bytes: int, threads: int, stats: StatsCounter) -> None:
+        self._write = write
+        self._max_pending = int(max_pending_bytes)
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._pending: dict[BlockKey, PackedPayload] = {}  # complete copies, queued or being written
+        self._reserved: set[BlockKey] = set()  # room taken, copy in progress
+        self._pending_bytes = 0
+        self._jobs: set[Future] = set()
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="specserve-disk-writer")
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._pending or key in self._reserved
+
+    def submit(self, items: list[tuple[BlockKey, PackedPayload]]) -> None:
+        taken: list[tuple[BlockKey, PackedPayload]] = []
+        dropped = 0
+        with self._lock:
+            for key, src in items:
+                if key in self:
+                    continue
+                if self._pending_bytes + src.nbytes > self._max_pending:
+                    dropped += 1
+                    continue
+                self._reserved.add(key)
+                self._pending_bytes += src.nbytes
+                taken.append((key, src))
+        if dropped:
+            self._stats.add(dropped=dropped)
+        try:
+            copies = [_copy(src) for _, src in taken]
+        except BaseException:  # give the room back: nothing of these blocks is queued
+            with self._lock:
+                for key, src in taken:
+                    self._reserved.discard(key)
+                    self._pending_bytes -= src.nbytes
+            raise
+        keys = [key for key, _ in taken]
+        with self._lock:
+            self._reserved.difference_update(keys)
+            self._pending.update(zip(keys, copies))
+        for start in range(0, len(keys), _BATCH):
+            job = self._pool.submit(self._write_batch, keys[start : start + _BATCH])
+            self._jobs.add(job)
+            job.add_done_callback(self._jobs.discard)
+
+    def copy_pending(
+        self, keys: list[BlockKey], layout: BlockLayout | None, rows: torch.Tensor | None
+    ) -> list[PackedPayload | None]:
+        """Copies of the queued blocks of `layout` (None: any) among `keys`, into rows
+        [len(keys), layout.nbytes] if given."""
+        found: list[PackedPayload | None] = [None] * len(keys)
+        if not self._pending:
+            return found
+        with self._lock:
+            for i, key in enumerate(keys):
+                pending = self._pending.get(key)
+                if pending is not None and (layout is None or pending.layout == layout):
+                    found[i] = _copy(pending, None if rows is None else rows[i])
+        return found
+
+    def flush(self) -> None:
+        concurrent.futures.wait(list(self._jobs))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _write_batch(self, keys: list[BlockKey]) -> None:
+        for key in keys:
+            self._write_one(key)
+
+    def _write_one(self, key: BlockKey) -> None:
+        payload = self._pending[key]  # published before it was queued; only this thread removes it
+        try:
+            self._write(key, payload)
+        except Exception as exc:  # disk full, permissions, a bad tensor: count, never die
+            logger.warning("KV disk tier: write of %s failed: %s", key.hex()[:32], exc)
+            self._stats.add(errors=1)
+        finally:
+            with self._lock:
+                del self._pending[key]
+                self._pending_bytes -= payload.nbytes
