@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
@@ -48,17 +49,9 @@ class SlotSlab:
 
 
 class _Lease:
-    """Keeps a slot from reuse while a payload from `get` is alive; on release the slot id goes on a
-    deque (atomic append, lock-free from any thread), drained under the tier's lock."""
+    """Held by a payload from `get`, its buffer and every view: the slot is not reused while it lives."""
 
-    __slots__ = ("_released", "_slot")
-
-    def __init__(self, released: deque[int], slot: int) -> None:
-        self._released = released
-        self._slot = slot
-
-    def __del__(self) -> None:
-        self._released.append(self._slot)
+    __slots__ = ("__weakref__",)
 
 
 class CpuTier(Tier):
@@ -80,8 +73,7 @@ class CpuTier(Tier):
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._slab = SlotSlab(slot_bytes, self._capacity // slot_bytes, chunk_bytes, pin)
         self._entries: OrderedDict[BlockKey, tuple[int, BlockLayout]] = OrderedDict()  # oldest first
-        self._pins: dict[int, int] = {}  # slot -> live leases
-        self._released: deque[int] = deque()
+        self._leases: dict[int, weakref.ref[_Lease]] = {}  # slot -> its lease, alive or dead
         self._lock = threading.Lock()
 
     @property
@@ -105,20 +97,27 @@ class CpuTier(Tier):
 
     def get_many(self, keys: list[BlockKey]) -> list[PackedPayload]:
         """`get` of the leading keys that are all here (the first miss counts as a query)."""
-        found: list[tuple[int, BlockLayout]] = []
+        found: list[PackedPayload] = []
         with self._lock:
-            self._drain_released()
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is None:
                     break
                 self._entries.move_to_end(key)
-                found.append(entry)
-                self._pins[entry[0]] = self._pins.get(entry[0], 0) + 1
-            views = [self._slab.view(slot) for slot, _ in found]
+                slot, layout = entry
+                found.append(PackedPayload(self._slab.view(slot), layout, self._lease(slot)))
         missed = len(found) < len(keys)
-        self._stats.add(queries=len(found) + missed, hits=len(found), bytes_out=sum(lay.nbytes for _, lay in found))
-        return [PackedPayload(view, layout, _Lease(self._released, slot)) for view, (slot, layout) in zip(views, found)]
+        self._stats.add(queries=len(found) + missed, hits=len(found), bytes_out=sum(p.nbytes for p in found))
+        return found
+
+    def _lease(self, slot: int) -> _Lease:
+        """Under the lock: the slot's live lease, else a new one."""
+        ref = self._leases.get(slot)
+        lease = None if ref is None else ref()
+        if lease is None:
+            lease = _Lease()
+            self._leases[slot] = weakref.ref(lease)
+        return lease
 
     def put_many(self, keys: list[BlockKey], payloads: Sequence[BlockPayload]) -> None:
         """`put` of each pair; runs adjacent in source and slots are copied together."""
@@ -147,7 +146,6 @@ class CpuTier(Tier):
             self._stats.add(dropped=1)
             return None
         with self._lock:
-            self._drain_released()
             if key in self._entries:
                 self._entries.move_to_end(key)
                 return None
@@ -157,19 +155,13 @@ class CpuTier(Tier):
     def _evict_one(self) -> int | None:
         """Under the lock: free the least recently used entry whose slot nobody reads."""
         for key, (slot, _) in self._entries.items():
-            if not self._pins.get(slot):
+            ref = self._leases.get(slot)
+            if ref is None or ref() is None:
                 del self._entries[key]
                 self._stats.add(evictions=1)
                 return slot
         self._stats.add(dropped=1)
         return None
-
-    def _drain_released(self) -> None:
-        while self._released:
-            slot = self._released.popleft()
-            left = self._pins.pop(slot, 1) - 1
-            if left:
-                self._pins[slot] = left
 
     def flush(self) -> None:
         pass
