@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from specserve.kv.offload.base import BlockKey, Tier
-from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayload, copy_bytes, pack, paired_runs
+from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayload, copy_runs, pack
 
 DEFAULT_CHUNK_BYTES = 64 << 20  # a power of two: torch's pinned allocator rounds sizes up to one
 
@@ -126,9 +126,7 @@ class CpuTier(Tier):
         todo = [(k, p, s) for (k, p), s in zip(packed, slots) if s is not None]
         if not todo:
             return
-        views = [self._slab.view(s) for _, _, s in todo]
-        for src, dst in paired_runs([p.buffer for _, p, _ in todo], views):
-            copy_bytes(dst, src)
+        copy_runs([p.buffer for _, p, _ in todo], [self._slab.view(s) for _, _, s in todo])
         stored = 0
         with self._lock:
             for key, payload, slot in todo:

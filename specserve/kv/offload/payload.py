@@ -148,10 +148,10 @@ def runs(n: int, follows: Callable[[int], bool]) -> list[tuple[int, int]]:
     return out
 
 
-def paired_runs(srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(source run, destination run) views: neighbours adjacent on both sides share one copy."""
-    pairs = runs(len(srcs), lambda i: _follows(srcs[i - 1], srcs[i]) and _follows(dsts[i - 1], dsts[i]))
-    return [(_span(srcs[i:j]), _span(dsts[i:j])) for i, j in pairs]
+def copy_runs(srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
+    """dsts[i][:] = srcs[i]; neighbours adjacent on both sides share one copy."""
+    for i, j in runs(len(srcs), lambda i: _follows(srcs[i - 1], srcs[i]) and _follows(dsts[i - 1], dsts[i])):
+        copy_bytes(_span(dsts[i:j]), _span(srcs[i:j]))
 
 
 def _follows(prev: torch.Tensor, cur: torch.Tensor) -> bool:
@@ -163,8 +163,6 @@ def _follows(prev: torch.Tensor, cur: torch.Tensor) -> bool:
 
 def _span(buffers: list[torch.Tensor]) -> torch.Tensor:
     first = buffers[0]
-    if len(buffers) == 1:
-        return first
     return first.as_strided((sum(b.numel() for b in buffers),), (1,), first.storage_offset())
 
 
