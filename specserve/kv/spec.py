@@ -39,10 +39,8 @@ class KVFormat:
         return 0 if self.scale_group is None else max(1, head_dim // self.scale_group)
 
     def bytes_per_token_head(self, head_dim: int) -> int:
-        data = self.packed_dim(head_dim) * torch.empty((), dtype=self.storage_dtype).element_size()
-        if self.scale_dtype is None:
-            return data
-        return data + self.num_scale_groups(head_dim) * torch.empty((), dtype=self.scale_dtype).element_size()
+        scales = 0 if self.scale_dtype is None else self.num_scale_groups(head_dim) * self.scale_dtype.itemsize
+        return self.packed_dim(head_dim) * self.storage_dtype.itemsize + scales
 
 
 def kv_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:

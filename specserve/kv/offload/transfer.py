@@ -74,14 +74,9 @@ class BlockMover:
         out = []
         for start in range(0, len(block_ids), self.group):
             ids = self._ids(block_ids[start : start + self.group])
-            if not self.is_cuda:
-                rows = torch.empty((len(ids), self.layout.nbytes), dtype=torch.uint8)
-                self._gather_into(ids, rows)
-                out.append(HostRows(rows, self.layout, None))
-                continue
-            staging = torch.empty((len(ids), self.layout.nbytes), dtype=torch.uint8, device=self.device)
-            self._gather_into(ids, staging)
-            out.append(self._to_host(staging))
+            rows = torch.empty((len(ids), self.layout.nbytes), dtype=torch.uint8, device=self.device)
+            self._gather_into(ids, rows)
+            out.append(self._to_host(rows) if self.is_cuda else HostRows(rows, self.layout, None))
         return out
 
     def _to_host(self, staging: torch.Tensor) -> HostRows:
@@ -131,10 +126,8 @@ class BlockMover:
                 staging = buf_runs[0][2].view(len(group), -1)
             else:
                 staging = torch.empty((len(group), self.layout.nbytes), dtype=torch.uint8, device=self.device)
-                flat = staging.view(-1)
-                nbytes = self.layout.nbytes
                 for i, j, run in buf_runs:
-                    flat[i * nbytes : j * nbytes].copy_(run, non_blocking=self.is_cuda)
+                    staging[i:j].view(-1).copy_(run, non_blocking=self.is_cuda)
             self._scatter(block_ids[start : start + self.group], ids, staging)
         if not self.is_cuda or not block_ids:
             return None
