@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from specserve.kv.offload.cpu import CpuTier
-from specserve.kv.offload.disk import DiskTier, encode_entry, file_name
+from specserve.kv.offload.disk import DiskTier, file_name
+from specserve.kv.offload.disk_io import encode_entry
 from specserve.kv.offload.payload import BlockPayload, pack
 from specserve.kv.offload.transfer import BlockMover
 from specserve.kv.quant import write_kv

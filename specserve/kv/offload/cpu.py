@@ -22,8 +22,6 @@ class SlotSlab:
     def __init__(
         self, slot_bytes: int, num_slots: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, pin_memory: bool = False
     ) -> None:
-        if slot_bytes <= 0 or num_slots < 0:
-            raise ValueError(f"slot_bytes must be > 0 and num_slots >= 0, got {slot_bytes}, {num_slots}")
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self.slots_per_chunk = max(1, chunk_bytes // slot_bytes)

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from specserve.kv.offload.base import BlockKey, StatsCounter, Tier
-from specserve.kv.offload.disk_io import BadEntry, DiskWriter, body_offset, encode_entry, read_entry, write_entry
+from specserve.kv.offload.disk_io import BadEntry, DiskWriter, body_offset, read_entry, write_entry
 from specserve.kv.offload.payload import BlockLayout, BlockPayload, PackedPayload, pack
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,6 @@ DEFAULT_WRITERS = max(1, min(4, (os.cpu_count() or 1) // 4))
 # Reads overlap (syscalls and crc32 release the GIL); more threads than cores only add GIL hand-offs.
 DEFAULT_READERS = max(1, min(16, os.cpu_count() or 1))
 
-__all__ = ["SUFFIX", "DiskTier", "encode_entry", "file_name"]
 SUFFIX = ".kvb"
 TMP_PREFIX = ".tmp-"
 _STALE_TMP_SECONDS = 3600.0  # temp files older than this belong to a writer that died
