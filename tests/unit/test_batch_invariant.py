@@ -136,3 +136,19 @@ def test_the_check_fails_without_the_whole_mode(invariant_ops, invariant_attenti
         for steps in _scenarios(batch).values()
     ]
     assert any(diffs)
+
+
+def test_flag_and_config():
+    """`--batch-invariant` reaches the engine config; tensor parallelism is refused (all-reduce order)."""
+    import argparse
+
+    from specserve.config import EngineConfig
+    from specserve.server.cli_args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kw = engine_kwargs(parser.parse_args(["tiny", "--batch-invariant"]))
+    assert EngineConfig.from_kwargs(**kw).model.batch_invariant
+    assert not EngineConfig().model.batch_invariant
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig.from_kwargs(batch_invariant=True, tensor_parallel_size=2)
