@@ -10,6 +10,7 @@ or the query block would move the reduction boundaries)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -104,30 +105,11 @@ def triton_backend() -> AttentionBackend:
     from specserve.attention.triton_backend import TritonBackend
 
     class BatchInvariantTritonBackend(TritonBackend):  # name "triton": graphs capture it like the default
-        def forward(
-            self,
-            q: Tensor,
-            k: Tensor,
-            v: Tensor,
-            cache: LayerKVCache,
-            fmt: KVFormat,
-            meta: AttentionMetadata,
-            scale: float,
-        ) -> Tensor:
-            return super().forward(q, k, v, cache, fmt, invariant_meta(meta), scale)
+        # TritonBackend's positional calls; meta is the second to last argument of both.
+        def forward(self, *args: Any) -> Tensor:
+            return super().forward(*args[:-2], invariant_meta(args[-2]), args[-1])
 
-        def forward_rope(
-            self,
-            q: Tensor,
-            k: Tensor,
-            v: Tensor,
-            positions: Tensor,
-            cos_sin: Tensor,
-            cache: LayerKVCache,
-            fmt: KVFormat,
-            meta: AttentionMetadata,
-            scale: float,
-        ) -> Tensor:
-            return super().forward_rope(q, k, v, positions, cos_sin, cache, fmt, invariant_meta(meta), scale)
+        def forward_rope(self, *args: Any) -> Tensor:
+            return super().forward_rope(*args[:-2], invariant_meta(args[-2]), args[-1])
 
     return BatchInvariantTritonBackend(num_splits=1)

@@ -13,6 +13,8 @@ import torch
 
 from specserve.model.layers import ops as torch_ops
 
+T = torch.Tensor
+
 # Rows per GEMM. CUDA: a 256-row bf16 GEMM is still bandwidth-bound on H100/H200, so a decode step
 # costs about one weight read as before; CPU GEMMs are compute-bound, so padding is kept small there.
 CHUNK_ROWS = {"cuda": 256, "cpu": 8}
@@ -44,32 +46,16 @@ def make_ops(base: ModuleType) -> ModuleType:
     def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(linear(x, weight))
 
-    def rms_norm_linear(
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rms_norm_linear(x: T, residual: T | None, norm_weight: T, eps: float, weight: T, bias: T | None) -> tuple[T, T]:
         h, residual = torch_ops.unfused_norm(x, residual, norm_weight, eps, rms_norm=rms_norm)
         return linear(h, weight, bias), residual
 
-    def rms_norm_linear_silu_and_mul(
-        x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rms_norm_linear_silu_and_mul(x: T, residual: T | None, norm_weight: T, eps: float, weight: T) -> tuple[T, T]:
         h, residual = torch_ops.unfused_norm(x, residual, norm_weight, eps, rms_norm=rms_norm)
         return silu_and_mul(linear(h, weight)), residual
 
     ops = types.ModuleType(f"{base.__name__}.batch_invariant")
-    ops.__dict__.update(
-        rms_norm=rms_norm,
-        apply_rope=base.apply_rope,
-        silu_and_mul=silu_and_mul,
-        linear=linear,
-        linear_silu_and_mul=linear_silu_and_mul,
-        rms_norm_linear=rms_norm_linear,
-        rms_norm_linear_silu_and_mul=rms_norm_linear_silu_and_mul,
-        unfused_norm=torch_ops.unfused_norm,
-    )
+    ops.__dict__.update(rms_norm=rms_norm, apply_rope=base.apply_rope, silu_and_mul=silu_and_mul, linear=linear)
+    ops.__dict__.update(linear_silu_and_mul=linear_silu_and_mul, unfused_norm=torch_ops.unfused_norm)
+    ops.rms_norm_linear, ops.rms_norm_linear_silu_and_mul = rms_norm_linear, rms_norm_linear_silu_and_mul
     return ops
