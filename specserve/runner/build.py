@@ -35,8 +35,13 @@ class EngineParts:
     ops: ModuleType  # the model's layer ops (Triton on CUDA, torch otherwise): a draft model loads with them
 
 
-def ops_for(device: torch.device) -> ModuleType:
-    """The model's layer ops: Triton kernels on CUDA where triton imports, torch otherwise."""
+def ops_for(device: torch.device, batch_invariant: bool = False) -> ModuleType:
+    """The model's layer ops: Triton kernels on CUDA where triton imports, torch otherwise; with
+    batch_invariant, their projections as fixed-shape GEMMs (model/layers/batch_invariant.py)."""
+    if batch_invariant:
+        from specserve.model.layers.batch_invariant import make_ops
+
+        return make_ops(ops_for(device))
     if device.type == "cuda":
         try:
             from specserve.model.layers import triton_ops
@@ -69,13 +74,14 @@ def build_runner(
     make_runner: Callable[..., ModelRunner] = ModelRunner,
 ) -> ModelRunner:
     """Load the model, size the KV pool, capture CUDA graphs: the model side of the engine."""
-    loaded = load_model(config.model, device, dtype, ops_for(device), progress)
+    bi = config.model.batch_invariant
+    loaded = load_model(config.model, device, dtype, ops_for(device, bi), progress)
     num_kv_heads = shard(loaded) if shard is not None else loaded.arch.num_kv_heads
     arch, cc, sc = loaded.arch, config.cache, config.scheduler
     spec = KVCacheSpec(arch.num_layers, num_kv_heads, arch.head_dim, cc.block_size, kv_format(cc.kv_cache_dtype, dtype))
     install_key_offsets(loaded.model, arch, enabled=spec.fmt.quantized and shard is None)
     max_batched = max_num_batched_tokens(config, device, loaded.max_model_len)
-    backend = select_backend(device)
+    backend = select_backend(device, bi)
 
     def profile() -> None:
         profile_run(loaded, spec, device, backend, max_batched, sc.max_num_seqs)

@@ -35,8 +35,12 @@ class StepOutput:
     prompt_logprobs: list[list[PromptLogprobEntry]] | None = None
 
 
-def select_backend(device: torch.device):
-    """torch reference on CPU; Triton on CUDA (imported only then)."""
+def select_backend(device: torch.device, batch_invariant: bool = False):
+    """torch reference on CPU; Triton on CUDA (imported only then); their batch-invariant forms if asked."""
+    if batch_invariant:
+        from specserve.attention import batch_invariant as bi
+
+        return bi.triton_backend() if device.type == "cuda" else bi.BatchInvariantTorchBackend()
     if device.type != "cuda":
         from specserve.attention.torch_ref import TorchRefBackend
 
