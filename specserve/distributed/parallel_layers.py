@@ -4,6 +4,7 @@ embedding all-reduces, the LM head all-gathers). `shard_model` swaps them in; no
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -24,54 +25,41 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W_r^T (+ b_r): this rank's output features."""
+class ParallelLinear(nn.Module):
+    """Column-parallel (no group): y = x W_r^T (+ b_r), this rank's output features. Row-parallel: y =
+    all_reduce(x_r W_r^T) + b, x_r [T, local in] this rank's slice of the input features (a column-parallel layer's
+    output), y [T, out] the full output on every rank; the bias (whole on every rank) is added once, after the sum."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: TPGroup | None = None) -> None:
         super().__init__()
         self.weight = _param(weight)
-        self.bias = None if bias is None else _param(bias)
-
-    @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, part_sizes: Sequence[int], rank: int, world_size: int
-    ) -> ColumnParallelLinear:
-        if sum(part_sizes) != linear.out_features:
-            raise ValueError(f"part sizes {list(part_sizes)} do not add up to {linear.out_features} features.")
-        rows: list[torch.Tensor] = []
-        offset = 0
-        for size in part_sizes:
-            start, end = shard_range(size, rank, world_size)
-            rows.append(torch.arange(offset + start, offset + end, device=linear.weight.device))
-            offset += size
-        index = torch.cat(rows)
-        bias = None if linear.bias is None else linear.bias.index_select(0, index)
-        return cls(linear.weight.index_select(0, index), bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_r W_r^T) + b: x_r [T, local in] is this rank's slice of the input features (the output of a
-    column-parallel layer); y [T, out] is the full output on every rank."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: TPGroup) -> None:
-        super().__init__()
-        self.weight = _param(weight)
-        # The bias is added once, after the sum (every rank holds all of it).
         self.bias = None if bias is None else _param(bias)
         self.group = group
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, rank: int, world_size: int, group: TPGroup) -> RowParallelLinear:
-        start, end = shard_range(linear.in_features, rank, world_size)
-        bias = None if linear.bias is None else linear.bias.clone()
-        return cls(linear.weight[:, start:end].contiguous().clone(), bias, group)  # a copy: the full weight can go
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return F.linear(x, self.weight, self.bias)
         y = self.group.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+
+def column_parallel(linear: nn.Linear, part_sizes: Sequence[int], rank: int, world_size: int) -> ParallelLinear:
+    """This rank's rows of every part of a fused projection (q | k | v, gate | up)."""
+    if sum(part_sizes) != linear.out_features:
+        raise ValueError(f"part sizes {list(part_sizes)} do not add up to {linear.out_features} features.")
+    rows = []
+    for offset, size in zip(itertools.accumulate(part_sizes, initial=0), part_sizes):
+        start, end = shard_range(size, rank, world_size)
+        rows.append(torch.arange(offset + start, offset + end, device=linear.weight.device))
+    index = torch.cat(rows)
+    bias = None if linear.bias is None else linear.bias.index_select(0, index)
+    return ParallelLinear(linear.weight.index_select(0, index), bias)
+
+
+def row_parallel(linear: nn.Linear, rank: int, world_size: int, group: TPGroup) -> ParallelLinear:
+    start, end = shard_range(linear.in_features, rank, world_size)
+    bias = None if linear.bias is None else linear.bias.clone()
+    return ParallelLinear(linear.weight[:, start:end].contiguous().clone(), bias, group)  # a copy: the full one goes
 
 
 def vocab_rows(weight: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, int, int]:
@@ -89,17 +77,11 @@ def vocab_rows(weight: torch.Tensor, rank: int, world_size: int) -> tuple[torch.
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, end) of the embedding; input_ids [T] -> [T, hidden] on every rank."""
 
-    def __init__(self, weight: torch.Tensor, start: int, end: int, group: TPGroup) -> None:
+    def __init__(self, embedding: nn.Embedding, rank: int, world_size: int, group: TPGroup) -> None:
         super().__init__()
+        weight, self.start, self.end = vocab_rows(embedding.weight, rank, world_size)
         self.weight = _param(weight)  # [rows per rank, hidden], zero-padded
-        self.start, self.end = start, end
         self.group = group
-
-    @classmethod
-    def from_embedding(
-        cls, embedding: nn.Embedding, rank: int, world_size: int, group: TPGroup
-    ) -> VocabParallelEmbedding:
-        return cls(*vocab_rows(embedding.weight, rank, world_size), group)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = (input_ids >= self.start) & (input_ids < self.end)
@@ -117,10 +99,6 @@ class ParallelLMHead(nn.Module):
         self.weight = weight  # [rows per rank, hidden]; shared with the embedding when tied
         self.vocab_size = vocab_size
         self.group = group
-
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor, rank: int, world_size: int, group: TPGroup) -> ParallelLMHead:
-        return cls(_param(vocab_rows(weight, rank, world_size)[0]), weight.shape[0], group)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = F.linear(hidden, self.weight)  # [N, rows per rank]
@@ -145,21 +123,18 @@ def shard_model(model: CausalLM, rank: int, world_size: int, group: TPGroup) -> 
     q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     for layer in model.layers:
         attn = layer.self_attn
-        attn.qkv_proj = ColumnParallelLinear.from_linear(attn.qkv_proj, (q_size, kv_size, kv_size), rank, world_size)
-        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, rank, world_size, group)
+        attn.qkv_proj = column_parallel(attn.qkv_proj, (q_size, kv_size, kv_size), rank, world_size)
+        attn.o_proj = row_parallel(attn.o_proj, rank, world_size, group)
         # Per-rank head counts: Attention.forward splits the fused projection with these.
         attn.num_heads, attn.num_kv_heads = arch.num_heads // world_size, arch.num_kv_heads // world_size
         attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         mlp = layer.mlp
         inter = arch.intermediate_size
-        mlp.gate_up_proj = ColumnParallelLinear.from_linear(mlp.gate_up_proj, (inter, inter), rank, world_size)
+        mlp.gate_up_proj = column_parallel(mlp.gate_up_proj, (inter, inter), rank, world_size)
         # shard_range gives down_proj's input columns the same slice as gate's and up's rows.
-        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, rank, world_size, group)
-    full_head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    embed = VocabParallelEmbedding.from_embedding(model.embed_tokens, rank, world_size, group)
-    if model.lm_head is None:  # tied: the head shares the embedding's (identically sliced) rows
-        head = ParallelLMHead(embed.weight, arch.vocab_size, group)
-    else:
-        head = ParallelLMHead.from_weight(full_head, rank, world_size, group)
-    model.embed_tokens, model.lm_head, model.logits_head = embed, None, head
+        mlp.down_proj = row_parallel(mlp.down_proj, rank, world_size, group)
+    embed = VocabParallelEmbedding(model.embed_tokens, rank, world_size, group)
+    # Tied: the head shares the embedding's (identically sliced) rows.
+    rows = embed.weight if model.lm_head is None else _param(vocab_rows(model.lm_head.weight, rank, world_size)[0])
+    model.embed_tokens, model.lm_head, model.logits_head = embed, None, ParallelLMHead(rows, arch.vocab_size, group)
     return model

@@ -22,14 +22,12 @@ from typing import IO, Literal, NamedTuple
 
 from specserve.envs import specserve_cache
 
-GGUF_MAGIC = b"GGUF"
-
 
 def is_gguf_file(path: str | os.PathLike[str]) -> bool:
     """True when the file starts with the GGUF magic bytes (the name is not looked at)."""
     try:
         with open(path, "rb") as f:
-            return f.read(4) == GGUF_MAGIC
+            return f.read(4) == b"GGUF"
     except OSError:
         return False
 
@@ -46,7 +44,6 @@ class CatalogEntry:
     filename: str
     size: int
     sha256: str
-    architecture: str  # GGUF general.architecture
 
 
 def _parts(package: str, module: str, version: str, count: int) -> dict[str, tuple[str, ...]]:
@@ -68,7 +65,6 @@ CATALOG: dict[str, CatalogEntry] = {
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             size=98_362_432,
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            architecture="llama",
         ),
         CatalogEntry(
             name="qwen2.5-coder-0.5b-instruct",
@@ -77,7 +73,6 @@ CATALOG: dict[str, CatalogEntry] = {
             filename="Qwen2.5-Coder-0.5B-Instruct.gguf",
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            architecture="qwen2",
         ),
         CatalogEntry(
             name="qwen2.5-coder-1.5b-instruct",
@@ -86,7 +81,6 @@ CATALOG: dict[str, CatalogEntry] = {
             filename="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            architecture="qwen2",
         ),
     )
 }

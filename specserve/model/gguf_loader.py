@@ -147,10 +147,11 @@ def parse_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[GGUFT
 class GGUFCheckpoint:
     """An open GGUF file: HF config, chat template, and tensors dequantized lazily from a memory map."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.metadata, self.tensors = parse_gguf(path)
         self._data = np.memmap(path, dtype=np.uint8, mode="r")
+        # (HF name, tensor) of every parameter, in file order (rope_freqs is in the config).
+        self.named = [(name, t) for t in self.tensors if (name := hf_tensor_name(t.name)) is not None]
         by_name = {t.name: t for t in self.tensors}
         self.config: dict[str, Any] = gguf_to_hf_config(
             self.metadata,
@@ -159,10 +160,6 @@ class GGUFCheckpoint:
         )
         template = self.metadata.get("tokenizer.chat_template")
         self.chat_template: str | None = str(template) if template else None
-
-    def tensor_names(self) -> list[str]:
-        """HF names of every parameter `iter_tensors` yields, in file order."""
-        return [name for t in self.tensors if (name := hf_tensor_name(t.name)) is not None]
 
     def _dequantize(self, tensor: GGUFTensorInfo) -> np.ndarray:
         """float32 array in torch layout (GGUF dims reversed); may be a read-only view of the file."""
@@ -194,8 +191,7 @@ class GGUFCheckpoint:
         heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
         # llama.cpp's converter permutes Q/K for llama-family models (Mistral included), not qwen2.
         permuted = self.config["model_type"] in ("llama", "mistral")
-        named = [(name, t) for t in self.tensors if (name := hf_tensor_name(t.name)) is not None]
-        for name, array in self._dequantize_ahead(named):
+        for name, array in self._dequantize_ahead(self.named):
             proj = name.split(".")[-2]
             if permuted and proj in heads:
                 array = unpermute_rope(array, heads[proj], self.config["head_dim"])
@@ -220,11 +216,6 @@ def end_of_generation_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
     extra = (metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eot", "eom"))
     ids.update(int(i) for i in extra if i is not None)
     return tuple(sorted(ids))
-
-
-def read_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
-    """Open a GGUF file: parse its metadata into an HF config; tensors are read later, lazily."""
-    return GGUFCheckpoint(Path(path))
 
 
 def load_gguf_tokenizer(path: str | os.PathLike[str], *, use_cache: bool = True) -> PreTrainedTokenizerBase:

@@ -18,6 +18,8 @@ from tqdm.auto import tqdm
 
 from specserve.config import ModelConfig
 from specserve.model.arch import ModelArch, rope_cos_sin_cache
+from specserve.model.catalog import resolve_model
+from specserve.model.gguf_loader import GGUFCheckpoint, end_of_generation_ids, load_gguf_tokenizer
 from specserve.model.layers import ops as torch_ops
 from specserve.model.llama import CausalLM
 from specserve.model.shapes import SHAPES
@@ -113,8 +115,6 @@ class WeightSource:
         if (path / "config.json").is_file():
             source: WeightSource = _HFDirSource(path.name, path)
         else:
-            from specserve.model.catalog import resolve_model
-
             resolved = resolve_model(cfg.model)
             cls = _GGUFSource if resolved.kind == "gguf" else _HFDirSource
             source = cls(resolved.name, Path(resolved.path))
@@ -133,13 +133,10 @@ class WeightSource:
     def tokenizer(self, override: str | None) -> Any | None:
         """The tokenizer: `override` (a path or HF id) if given, else the model's own (None: token ids only)."""
         if not override:
-            return self._own_tokenizer()
+            return None
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(override)
-
-    def _own_tokenizer(self) -> Any | None:
-        return None
 
     def end_of_generation_ids(self) -> tuple[int, ...]:
         """Token ids that end generation besides config.json's eos_token_id (LoadedModel's field)."""
@@ -185,21 +182,15 @@ class _HFDirSource(WeightSource):
 
 class _GGUFSource(WeightSource):
     def __init__(self, name: str, path: Path) -> None:
-        from specserve.model.gguf_loader import read_gguf
-
-        self.path, self.ckpt = path, read_gguf(path)
+        self.path, self.ckpt = path, GGUFCheckpoint(path)
         super().__init__(name, dict(self.ckpt.config), f"gguf:{path.name}:{path.stat().st_size}")
-        self.num_tensors = len(self.ckpt.tensor_names())  # sizes the loading progress bar
+        self.num_tensors = len(self.ckpt.named)  # sizes the loading progress bar
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.ckpt.iter_tensors(torch.float32)
 
     def end_of_generation_ids(self) -> tuple[int, ...]:
-        from specserve.model.gguf_loader import end_of_generation_ids
-
         return end_of_generation_ids(self.ckpt.metadata)
 
-    def _own_tokenizer(self) -> Any | None:
-        from specserve.model.gguf_loader import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(self.path)
+    def tokenizer(self, override: str | None) -> Any | None:
+        return super().tokenizer(override) if override else load_gguf_tokenizer(self.path)

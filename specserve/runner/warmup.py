@@ -16,8 +16,10 @@ from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
-def dummy_forward(runner: ModelRunner, num_tokens: int, num_blocks: int, context: int = 0) -> None:
+def dummy_forward(runner: ModelRunner, num_tokens: int, context: int = 0) -> None:
     """One forward of num_tokens placeholder tokens after `context`, through ModelRunner.execute (TP: every rank)."""
+    # A few blocks are enough: a manager over the whole pool would build a free list of every block.
+    num_blocks = min(runner.num_blocks, -(-(context + num_tokens) // runner.block_size) + 1)
     kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=False)
     req = Request(f"dummy-{context}-{num_tokens}", [0] * (context + num_tokens), SamplingParams(max_tokens=1), 1)
     kv.allocate_slots(req, context + num_tokens)
@@ -38,12 +40,9 @@ def warm_small_forwards(runner: ModelRunner, max_rows: int, context: int = 0) ->
     """dummy_forward of t tokens after `context` for t = 1..max_rows, eagerly, and the LM head over t rows."""
     room = min(runner.loaded.max_model_len - 1, (runner.num_blocks - 1) * runner.block_size) - context
     max_rows = min(max_rows, room)
-    # A few blocks are enough; a manager over the whole pool would build its free list of every
-    # block (0.2 s for 266k blocks) for each row count.
-    num_blocks = min(runner.num_blocks, -(-(context + max_rows) // runner.block_size) + 1)
     with _eager(runner):
         for t in range(1, max_rows + 1):
-            dummy_forward(runner, t, num_blocks, context)
+            dummy_forward(runner, t, context)
             dummy_logits(runner, t)
     return list(range(1, max_rows + 1))
 
@@ -70,7 +69,7 @@ def warm_prompt_forwards(runner: ModelRunner, rows: tuple[int, ...] = PROMPT_ROW
     done = [(context, t) for context in (0, SPLIT_CONTEXT) for t in rows if context + t <= room]
     with _eager(runner):
         for context, t in done:
-            dummy_forward(runner, t, min(runner.num_blocks, -(-(context + t) // runner.block_size) + 1), context)
+            dummy_forward(runner, t, context)
     return done
 
 

@@ -1,19 +1,7 @@
 """Sampling: the plain sampler and the lossless rejection sampler for speculative decoding."""
 
-from specserve.sample.metadata import MinTokensMask, SamplingMetadata
-from specserve.sample.penalties import PenaltyTensors
-from specserve.sample.rejection import RejectionOutput, RejectionSampler
-from specserve.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, compute_logprobs, compute_target_probs
+from specserve.sample.metadata import SamplingMetadata
+from specserve.sample.rejection import RejectionSampler
+from specserve.sample.sampler import Sampler, compute_target_probs
 
-__all__ = [
-    "LogprobsTensors",
-    "MinTokensMask",
-    "PenaltyTensors",
-    "RejectionOutput",
-    "RejectionSampler",
-    "Sampler",
-    "SamplerOutput",
-    "SamplingMetadata",
-    "compute_logprobs",
-    "compute_target_probs",
-]
+__all__ = ["RejectionSampler", "Sampler", "SamplingMetadata", "compute_target_probs"]

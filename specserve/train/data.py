@@ -92,13 +92,10 @@ def stdlib_root() -> Path:
 def _stdlib_files() -> list[Path]:
     """Training sources: the stdlib's .py files minus tests, vendored code and the held-out set."""
     root = stdlib_root()
-    held_out = set(HELD_OUT_STDLIB_MODULES)
-    files = [
-        f
-        for f in root.rglob("*.py")
-        if not (_SKIP_DIRS & set(f.relative_to(root).parts)) and f.relative_to(root).as_posix() not in held_out
-    ]
-    return sorted(f for f in files if not _HUMANEVAL.search(str(f)))
+    rel = {f: f.relative_to(root) for f in root.rglob("*.py") if not _HUMANEVAL.search(str(f))}
+    return sorted(
+        f for f, r in rel.items() if not _SKIP_DIRS & set(r.parts) and r.as_posix() not in HELD_OUT_STDLIB_MODULES
+    )
 
 
 def _defs(path: Path) -> list[dict[str, str]]:

@@ -77,17 +77,12 @@ def _load_target(args, device: torch.device, generate: bool):
     from specserve import LLM
 
     max_len = args.max_model_len or args.max_seq_len  # the RoPE table must reach the longest sequence
-    load_format = getattr(args, "load_format", "auto")
-    kw = dict(
-        model=args.target, device=device.type, max_model_len=max_len, progress=not args.quiet, load_format=load_format
-    )
+    fmt = args.load_format
+    kw = dict(model=args.target, device=device.type, max_model_len=max_len, progress=not args.quiet, load_format=fmt)
     if not generate:
         # Only the model and tokenizer are used: a KV pool of one float32 sequence.
-        kw.update(
-            kv_cache_memory_bytes=_one_sequence_kv_bytes(args.target, load_format, max_len),
-            max_num_seqs=1,
-            enforce_eager=True,
-        )
+        kv_bytes = _one_sequence_kv_bytes(args.target, fmt, max_len)
+        kw.update(kv_cache_memory_bytes=kv_bytes, max_num_seqs=1, enforce_eager=True)
     elif device.type == "cuda":
         kw.update(gpu_memory_utilization=0.45, max_num_seqs=256)  # the rest is for training after
     else:
@@ -128,9 +123,7 @@ def prepare_data(args, llm, deadline: float) -> list[train_data.TrainSeq]:
 
 def _draft_vocab_size(args, vocab_size: int) -> int | None:
     """--draft-vocab-size resolved: None = the full vocabulary."""
-    n = getattr(args, "draft_vocab_size", None)
-    if n is None:
-        n = DEFAULT_DRAFT_VOCAB
+    n = DEFAULT_DRAFT_VOCAB if args.draft_vocab_size is None else args.draft_vocab_size
     if n < 0:
         raise ValueError(f"--draft-vocab-size must be >= 0 (0 = the full vocabulary), got {n}.")
     return None if n == 0 or n >= vocab_size else n
@@ -200,8 +193,8 @@ def _lr_factor(progress: float, step: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def run_training(args, llm=None) -> TrainResult:
-    """The whole command; `llm`: the target's LLM, whose KV pool is released (the caller keeps no reference)."""
+def run_training(args) -> TrainResult:
+    """The whole command: answer the prompts with the target, then train the head."""
     budget = args.time_budget_s if args.time_budget_s is not None else float("inf")
     if args.steps is None and args.time_budget_s is None:
         raise ValueError("give --steps, --time-budget-s or both.")
@@ -212,8 +205,7 @@ def run_training(args, llm=None) -> TrainResult:
         train_data.refuse_humaneval(args.data)
     if not args.resume and (Path(args.out) / "model.safetensors").is_file():
         print(f"specserve train-draft: overwriting the head in {args.out} (--resume continues it)", file=sys.stderr)
-    if llm is None:
-        llm = _load_target(args, device, _needs_generation(args))
+    llm = _load_target(args, device, _needs_generation(args))
     loaded = llm.engine.loaded
     start = time.monotonic()  # the budget covers answering + training, not loading the target
     seqs = prepare_data(args, llm, start + budget * args.gen_fraction)
@@ -326,7 +318,7 @@ def _save(args, head: EagleHead, opt, step: int, metrics: dict, seqs: list[train
         tmp = Path(args.out) / (TRAINING_NAME + ".tmp")
         tmp.write_text(json.dumps(_provenance(args, step, metrics, seqs), indent=2) + "\n")
         tmp.replace(Path(args.out) / TRAINING_NAME)
-    if getattr(args, "no_train_state", False):
+    if args.no_train_state:
         return
     tmp = Path(args.out) / (STATE_NAME + ".tmp")
     state = dict(step=step, optimizer=opt.state_dict(), metrics=metrics, method=args.method, eagle=args.eagle)

@@ -74,19 +74,10 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 def _dense_run(model, layout: _DenseLayout, aux_layers: tuple[int, ...]):
     lengths = layout.lengths_cpu
-    L, B = max(lengths), len(lengths)
+    L, B, T = max(lengths), len(lengths), len(layout.flat_ids)
     none = torch.zeros(1, dtype=torch.int32, device=layout.cu.device)  # no paged cache: tables and slots unused
     meta = AttentionMetadata(
-        layout.cu,
-        layout.cu[1:] - layout.cu[:-1],
-        none.view(1, 1),
-        none.long(),
-        L,
-        L,
-        B,
-        len(layout.flat_ids),
-        lengths,
-        lengths,
+        layout.cu, layout.cu[1:] - layout.cu[:-1], none.view(1, 1), none.long(), L, L, B, T, lengths, lengths
     )
     saved = model.aux_hidden_layers
     model.aux_hidden_layers = aux_layers

@@ -181,7 +181,7 @@ def test_gemv_past_untuned_rows_only_with_a_table_entry(
     weight = _randn((n, k), torch.bfloat16, device, gen, k**-0.5)
     bias = _randn((n,), torch.bfloat16, device, gen)
     assert triton_gemv.GEMV_UNTUNED_MAX_M < m <= triton_gemv.GEMV_MAX_M
-    monkeypatch.setattr(triton_gemv, "config_table", lambda name: {})
+    _patch_tables(monkeypatch, configs={})
     assert torch.equal(triton_gemv.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
     launched: list[tuple[int, int, int]] = []
     real_launch = triton_gemv._launch
@@ -190,7 +190,7 @@ def test_gemv_past_untuned_rows_only_with_a_table_entry(
         "_launch",
         lambda x_, w_, b_, tiles, **kw: launched.append(tiles) or real_launch(x_, w_, b_, tiles, **kw),
     )
-    monkeypatch.setattr(triton_gemv, "config_table", lambda name: {triton_gemv.config_key(n, k, m): (4, 128, 4)})
+    _patch_tables(monkeypatch, configs={triton_gemv.config_key(n, k, m): (4, 128, 4)})
     got = triton_gemv.linear(x, weight, bias)
     assert launched == [(4, 128, 4)]
     torch.testing.assert_close(got, _linear_ref(x, weight, bias), rtol=RTOL[torch.bfloat16], atol=RTOL[torch.bfloat16])
@@ -291,6 +291,14 @@ def test_gemv_norm_silu_launch(
     assert (got_res is None) if residual is None else torch.equal(got_res, want_res)
 
 
+def _patch_tables(monkeypatch: pytest.MonkeyPatch, **fields) -> None:
+    """The tuned tables with `fields` replaced (GemvTables field names)."""
+    from specserve.model.layers import triton_gemv
+
+    real = triton_gemv.tables
+    monkeypatch.setattr(triton_gemv, "tables", lambda name: real(name)._replace(**fields))
+
+
 def _spy_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
     """Record (norm fused, silu fused) of every GEMV launch."""
     from specserve.model.layers import triton_gemv
@@ -317,7 +325,7 @@ def test_rms_norm_linear_silu_and_mul(
 
     k, inter, eps, dtype = 128, 300, 1e-6, torch.bfloat16  # gate_up 600 > NORM_FUSE_MAX_WIDTH * 128
     table = {} if entry is None else {triton_gemv.config_key(2 * inter, k, m): triton_gemv.NormFuse(entry, (2, 128, 4))}
-    monkeypatch.setattr(triton_gemv, "norm_fuse_table", lambda name: table)
+    _patch_tables(monkeypatch, norm_fuse=table)
     calls = _spy_launches(monkeypatch)
     gen = torch.Generator().manual_seed(m + 10 * with_residual)
     x = _randn((m, k), dtype, device, gen, 3.0)
@@ -338,11 +346,7 @@ def test_rms_norm_linear_silu_and_mul_falls_back(device: torch.device, monkeypat
     from specserve.model.layers import triton_gemv, triton_ops
 
     m, k, inter = triton_gemv.GEMV_MAX_M + 1, 64, 40
-    monkeypatch.setattr(
-        triton_gemv,
-        "norm_fuse_table",
-        lambda name: {triton_gemv.config_key(2 * inter, k, m): triton_gemv.NormFuse(True, None)},
-    )
+    _patch_tables(monkeypatch, norm_fuse={triton_gemv.config_key(2 * inter, k, m): triton_gemv.NormFuse(True, None)})
     calls = _spy_launches(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     x, residual = _randn((m, k), torch.bfloat16, device, gen), _randn((m, k), torch.bfloat16, device, gen)
@@ -369,7 +373,7 @@ def test_rms_norm_linear_follows_the_table(
     m, k, n = 2, 600, 80
     key = triton_gemv.config_key(n, k, m)
     table = {} if entry is None else {key: triton_gemv.NormFuse(entry, (2, 1024, 4))}
-    monkeypatch.setattr(triton_gemv, "norm_fuse_table", lambda name: table)
+    _patch_tables(monkeypatch, norm_fuse=table)
     tiles = []
     launch = triton_gemv._launch
     monkeypatch.setattr(triton_gemv, "_launch", lambda *a, **kw: tiles.append((a[3], "norm" in kw)) or launch(*a, **kw))

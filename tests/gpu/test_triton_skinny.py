@@ -107,12 +107,12 @@ def test_silu_and_mul_matches_unfused(m: int, split_k: int, device: torch.device
     x = _randn((m, k), dtype, device, gen)
     w = _randn((2 * inter, k), dtype, device, gen, k**-0.5)
     cfg = sk.SkinnyConfig(block_n=32, block_k=64, split_k=split_k, num_warps=4, num_stages=2)
-    got = sk.skinny_linear_silu_and_mul(x, w, config=cfg)
+    got = sk.skinny_linear(x, w, None, cfg, silu_out=True)
     # F.linear (fp32 accumulation, one rounding) followed by the unfused activation.
     want = ops.silu_and_mul(F.linear(x.float(), w.float()).to(dtype))
     assert got.shape == (m, inter) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
-    assert torch.equal(sk.skinny_linear_silu_and_mul(x, w, config=cfg), got)
+    assert torch.equal(sk.skinny_linear(x, w, None, cfg, silu_out=True), got)
     assert _counters_zero(x.device)
 
 
@@ -199,13 +199,13 @@ def test_engine_linear_follows_the_skinny_table(
     cfg = sk.SkinnyConfig(32, 32, 2)
     key = triton_gemv.config_key(n, k, m)
     calls: list[str] = []
-    real_plain, real_silu = sk.skinny_linear, sk.skinny_linear_silu_and_mul
+    real, real_tables = sk.skinny_linear, triton_gemv.tables
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(sk, "skinny_linear", lambda *a, **kw: calls.append("plain") or real_plain(*a, **kw))
-        mp.setattr(sk, "skinny_linear_silu_and_mul", lambda *a, **kw: calls.append("silu") or real_silu(*a, **kw))
+        spy = lambda *a, **kw: calls.append("silu" if kw.get("silu_out") else "plain") or real(*a, **kw)
+        mp.setattr(sk, "skinny_linear", spy)
         table = {"plain": {key: cfg}, "silu": {key: cfg._replace(block_n=16)}}
-        mp.setattr(triton_gemv, "skinny_table", lambda name: table)
+        mp.setattr(triton_gemv, "tables", lambda name: real_tables(name)._replace(skinny=table))
         got = triton_ops.linear(x, w, b)
         act = triton_ops.linear_silu_and_mul(x, w)
         assert calls == ["plain", "silu"]
@@ -213,7 +213,7 @@ def test_engine_linear_follows_the_skinny_table(
         torch.testing.assert_close(
             act.float(), ops.silu_and_mul(F.linear(x, w)).float(), rtol=TOL[dtype], atol=TOL[dtype]
         )
-        mp.setattr(triton_gemv, "skinny_table", lambda name: {"plain": {}, "silu": {}})
+        mp.setattr(triton_gemv, "tables", lambda name: real_tables(name)._replace(skinny={"plain": {}, "silu": {}}))
         triton_ops.linear(x, w, b)
         assert calls == ["plain", "silu"]  # no entry for this shape
     finally:

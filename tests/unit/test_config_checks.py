@@ -11,7 +11,7 @@ import re
 import pytest
 
 from specserve.config import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig, SpeculativeConfig
-from specserve.runner.memory import check_kv_capacity
+from specserve.runner.build import check_kv_capacity
 from specserve.server import cli, cli_args
 
 
@@ -166,7 +166,7 @@ def test_kv_capacity_check_names_budget_and_length(caplog):
         check_kv_capacity(4, 24576, 8192, cache, strict=True)
     with pytest.raises(ValueError, match=r"max_model_len to at most 64 or raise gpu_memory_utilization \(0\.9\)"):
         check_kv_capacity(4, 1024, 8192, CacheConfig(), strict=True)
-    with caplog.at_level(logging.WARNING, logger="specserve.runner.memory"):
+    with caplog.at_level(logging.WARNING, logger="specserve.runner.build"):
         check_kv_capacity(4, 1024, 8192, cache, strict=False)
     assert "max_model_len is 8192" in caplog.text
     check_kv_capacity(512, 1024, 8192, cache, strict=True)  # exactly one full sequence fits

@@ -1,10 +1,7 @@
-"""Small-batch linear layers (GEMV) in Triton: y = act(norm(x)) W^T (+ b) for 1 to GEMV_MAX_M rows,
-each program owning BLOCK_N output features for every row (fp32 accumulation). Tiles, and where the
-skinny GEMM, early loads or a fused norm win, come from a fixed per-GPU table
-(`gemv_configs/<device name>.json`, keys "N,K,M" with M rounded up to a power of two), so results are
-the same from one start to the next; untuned shapes use a heuristic up to GEMV_UNTUNED_MAX_M rows.
-Everything else goes to F.linear (twin: `ops.linear`).
-"""
+"""Small-batch linear layers (GEMV) in Triton: y = act(norm(x)) W^T (+ b) for 1 to GEMV_MAX_M rows, each program
+owning BLOCK_N output features of every row (fp32 accumulation). A fixed per-GPU table (`tables`) picks tiles and
+where the skinny GEMM, early loads or a fused norm win, so results are the same from one start to the next; untuned
+shapes use a heuristic up to GEMV_UNTUNED_MAX_M rows. Everything else goes to F.linear (twin: `ops.linear`)."""
 
 from __future__ import annotations
 
@@ -43,40 +40,26 @@ class NormFuse(NamedTuple):
     tiles: tuple[int, int, int] | None
 
 
+class GemvTables(NamedTuple):
+    """A GPU's `gemv_configs/<device name>.json` (each {} without one); keys "N,K,M", M rounded up to a power of 2."""
+
+    configs: dict[str, tuple[int, int, int]]  # (BLOCK_N, BLOCK_K, num_warps), (0, 0, 0) where cuBLAS won
+    norm_fuse: dict[str, NormFuse]  # "norm_fuse" {key: bool} with its "norm_fuse_tiles"
+    skinny: dict[str, dict[str, SkinnyConfig]]  # {"plain" | "silu": ...} from "skinny" / "skinny_silu"
+    prefetch: dict[str, bool]  # whether early weight loads won
+
+
 @functools.lru_cache(maxsize=8)
-def _tables(device_name: str) -> dict[str, dict]:
-    """A GPU's tuned tables, each {} without a measured table."""
+def tables(device_name: str) -> GemvTables:
     path = CONFIG_DIR / f"{device_name.replace(' ', '_')}.json"
     raw = json.loads(path.read_text()) if path.is_file() else {}
     get, fuse_tiles = lambda name: raw.get(name, {}).items(), raw.get("norm_fuse_tiles", {})
-    return {
-        "configs": {key: tuple(value) for key, value in get("configs")},
-        "norm_fuse": {
-            k: NormFuse(bool(fuse), tuple(fuse_tiles[k]) if k in fuse_tiles else None) for k, fuse in get("norm_fuse")
-        },
-        "skinny": {kind: {k: SkinnyConfig(*v) for k, v in get(name)} for kind, name in _SKINNY_KINDS},
-        "prefetch": {key: bool(value) for key, value in get("prefetch")},
-    }
-
-
-def config_table(device_name: str) -> dict[str, tuple[int, int, int]]:
-    """The JSON's "configs": "N,K,M" -> (BLOCK_N, BLOCK_K, num_warps), (0, 0, 0) where cuBLAS won."""
-    return _tables(device_name)["configs"]
-
-
-def norm_fuse_table(device_name: str) -> dict[str, NormFuse]:
-    """The JSON's "norm_fuse" {"N,K,M": bool} with its "norm_fuse_tiles" as `_launch` takes them."""
-    return _tables(device_name)["norm_fuse"]
-
-
-def skinny_table(device_name: str) -> dict[str, dict[str, SkinnyConfig]]:
-    """{"plain" | "silu": {"N,K,M": SkinnyConfig}} from the JSON's "skinny" / "skinny_silu"."""
-    return _tables(device_name)["skinny"]
-
-
-def prefetch_table(device_name: str) -> dict[str, bool]:
-    """The JSON's "prefetch" {"N,K,M": bool}: whether early weight loads won."""
-    return _tables(device_name)["prefetch"]
+    return GemvTables(
+        {key: tuple(value) for key, value in get("configs")},
+        {k: NormFuse(bool(fuse), tuple(fuse_tiles[k]) if k in fuse_tiles else None) for k, fuse in get("norm_fuse")},
+        {kind: {k: SkinnyConfig(*v) for k, v in get(name)} for kind, name in _SKINNY_KINDS},
+        {key: bool(value) for key, value in get("prefetch")},
+    )
 
 
 def config_key(n: int, k: int, m: int) -> str:
@@ -90,7 +73,7 @@ def _device_name(device: torch.device) -> str:
 
 def tile_config(n: int, k: int, m: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [n, k]^T product; BLOCK_N 0 means use cuBLAS."""
-    if (tuned := config_table(_device_name(device)).get(config_key(n, k, m))) is not None:
+    if (tuned := tables(_device_name(device)).configs.get(config_key(n, k, m))) is not None:
         return tuned
     return (0, 0, 0) if m > GEMV_UNTUNED_MAX_M else (block_n_for(n, num_sms(device)), _BLOCK_K, 4)
 
@@ -149,7 +132,7 @@ def _launch(
 
 def _prefetch(n: int, k: int, m: int, device: torch.device) -> bool:
     """Whether the GEMV loads weights early: the table's word, else K <= PREFETCH_MAX_K."""
-    tuned = prefetch_table(_device_name(device)).get(config_key(n, k, m))
+    tuned = tables(_device_name(device)).prefetch.get(config_key(n, k, m))
     return k <= PREFETCH_MAX_K if tuned is None else tuned
 
 
@@ -157,7 +140,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, kind: str) -> SkinnyConfig | 
     """The skinny GEMM's tiles where the tuned table picks it."""
     if x.dim() != 2 or not (x.is_cuda or envs.triton_interpret()):
         return None
-    entries = skinny_table(_device_name(x.device))[kind]
+    entries = tables(_device_name(x.device)).skinny[kind]
     if not entries or not triton_skinny.supports(x, weight):
         return None
     return entries.get(config_key(weight.shape[0], x.shape[1], x.shape[0]))
@@ -179,7 +162,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, silu_and_mul) -> 
     even = weight.dim() == 2 and weight.shape[0] % 2 == 0
     skinny = _skinny(x, weight, "silu") if even else None
     if skinny is not None:
-        return triton_skinny.skinny_linear_silu_and_mul(x, weight, config=skinny)
+        return triton_skinny.skinny_linear(x, weight, None, skinny, silu_out=True)
     tiles = _tiles(x, weight) if even else None
     if tiles is None:
         return silu_and_mul(F.linear(x, weight))
@@ -200,7 +183,7 @@ def _norm_tiles(
     if not ok or (silu_out and weight.shape[0] % 2):
         return None
     n, k = weight.shape
-    entry = norm_fuse_table(_device_name(x.device)).get(config_key(n, k, x.shape[0]))
+    entry = tables(_device_name(x.device)).norm_fuse.get(config_key(n, k, x.shape[0]))
     if (entry is None and n > NORM_FUSE_MAX_WIDTH * k) or (entry is not None and not entry.fuse):
         return None
     if entry is not None and entry.tiles is not None:

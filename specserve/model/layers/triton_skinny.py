@@ -207,44 +207,34 @@ def supports(x: torch.Tensor, weight: torch.Tensor, max_m: int = SKINNY_MAX_M) -
     )
 
 
-def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig, silu_out: bool
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig, silu_out: bool = False
 ) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype; ValueError unless `supports`.
+    silu_out: silu_and_mul of the product (weight [2 * inter, K] = gate | up) -> [M, inter]."""
     if not supports(x, weight):
         raise ValueError(
             f"skinny_linear does not take x {tuple(x.shape)} {x.dtype} on {x.device} with weight "
             f"{tuple(weight.shape)} {weight.dtype} (see supports())"
         )
+    if silu_out and weight.shape[0] % 2:
+        raise ValueError(f"skinny_linear (silu_out): weight must be [2 * inter, K], got {tuple(weight.shape)}")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or bias.stride(0) != 1):
         raise ValueError(f"skinny_linear: bias must be [{weight.shape[0]}] {x.dtype} contiguous, got {bias.dtype}")
-    if any(b < 16 or b & (b - 1) for b in cfg[:2]) or min(cfg[2:]) < 1:
-        raise ValueError(f"SkinnyConfig: block_n, block_k must be powers of two >= 16, the rest >= 1, got {cfg}")
+    if any(b < 16 or b & (b - 1) for b in config[:2]) or min(config[2:]) < 1:
+        raise ValueError(f"SkinnyConfig: block_n, block_k must be powers of two >= 16, the rest >= 1, got {config}")
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_out else weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    n_tiles = triton.cdiv(n, cfg.block_n)
-    splits, k_split = effective_split(k, cfg.block_k, cfg.split_k)
+    n_tiles = triton.cdiv(n, config.block_n)
+    splits, k_split = effective_split(k, config.block_k, config.split_k)
     workspace = counters = out  # not read without a split
     if splits > 1:
         workspace, counters = _scratch(x.device, splits * m * (2 * n if silu_out else n), n_tiles)
     pdl = use_pdl(x)
     args = (x, weight, weight if bias is None else bias, out, workspace, counters, m, n, k, k_split, x.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, SILU_OUT=silu_out, SPLIT=splits > 1, EVEN_K=k % cfg.block_k == 0)
-    flags.update(BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
-    flags.update(num_stages=cfg.num_stages, USE_PDL=pdl, launch_pdl=pdl)
+    flags = dict(HAS_BIAS=bias is not None, SILU_OUT=silu_out, SPLIT=splits > 1, EVEN_K=k % config.block_k == 0)
+    flags.update(BLOCK_M=_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps)
+    flags.update(num_stages=config.num_stages, USE_PDL=pdl, launch_pdl=pdl)
     _skinny_kernel[(n_tiles, splits)](*args, weight.stride(0), out.stride(0), **flags)
     return out
-
-
-def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig
-) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype; ValueError unless `supports`."""
-    return _launch(x, weight, bias, config, silu_out=False)
-
-
-def skinny_linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
-    """silu_and_mul(x @ weight^T): weight [2 * inter, K] (gate | up), x [M, K] -> [M, inter]."""
-    if weight.dim() != 2 or weight.shape[0] % 2:
-        raise ValueError(f"skinny_linear_silu_and_mul: weight must be [2 * inter, K], got {tuple(weight.shape)}")
-    return _launch(x, weight, None, config, silu_out=True)
