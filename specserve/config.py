@@ -101,10 +101,8 @@ class SchedulerConfig:
         """Without chunked prefill a prompt is prefilled in one step: the token budget must hold it (vLLM)."""
         n = self.max_num_batched_tokens
         if not self.enable_chunked_prefill and n is not None and n < max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({n}) is smaller than max_model_len ({max_model_len}) with "
-                "enable_chunked_prefill off: raise it, lower max_model_len, or enable chunked prefill."
-            )
+            fix = "enable_chunked_prefill off: raise it, lower max_model_len, or enable chunked prefill."
+            raise ValueError(f"max_num_batched_tokens ({n}) is smaller than max_model_len ({max_model_len}) with {fix}")
 
 
 @dataclass(frozen=True)
@@ -125,9 +123,8 @@ class OffloadConfig:
         if self.disk_path is None:
             return
         if self.disk_bytes == 0:  # no default size: the tier fills a disk shared with weights and logs
-            raise ValueError(
-                f"{path} is set but {disk} is not: give the disk tier a size (e.g. 100G), or drop the path."
-            )
+            msg = f"{path} is set but {disk} is not: give the disk tier a size (e.g. 100G), or drop the path."
+            raise ValueError(msg)
         _check_disk_dir(os.fspath(self.disk_path))
 
     @property
@@ -198,9 +195,8 @@ class SpeculativeConfig:
             if not isinstance(value, bool):
                 raise ValueError(f"speculative_config.{name} must be true or false, got {value!r}.")
         if (n := self.draft_tensor_parallel_size) is not None and (not _is_int(n) or n != 1):
-            raise ValueError(
-                f"speculative_config.draft_tensor_parallel_size must be 1 (drafts run on rank 0), got {n!r}."
-            )
+            msg = f"speculative_config.draft_tensor_parallel_size must be 1 (drafts run on rank 0), got {n!r}."
+            raise ValueError(msg)
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi}).")

@@ -366,7 +366,6 @@ def advise(snapshots: list[MetricsSnapshot]) -> list[Advice]:
 
 
 def add_advise_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `specserve advise`."""
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
     parser.add_argument("--window", type=float, default=30.0, help="seconds to sample (0: one snapshot; default: 30)")
     parser.add_argument("--interval", type=float, default=None, help="seconds between samples (default: window / 10)")

@@ -65,7 +65,6 @@ def make_token_counter(base_url: str, model: str, headers: dict[str, str]) -> Se
 
 
 def approx_token_count(text: str) -> int:
-    """Estimate without a tokenizer: one token per word."""
     return len(text.split())
 
 

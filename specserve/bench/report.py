@@ -1,4 +1,4 @@
-"""`specserve bench`'s flags, a run's aggregates (vLLM's result keys), its text tables, plots (matplotlib
+"""`specserve bench`'s flags, a run's aggregates (vLLM's result keys), its text tables, plot (matplotlib
 imported on use) and files. A result is {"config", "runs": [{"max_concurrency", "aggregates", "requests"}]}."""
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ METRICS = (
     ("e2el", "End-to-end Latency", "E2EL"),
 )
 PERCENTILES = (("mean", None), ("median", 50.0), ("p90", 90.0), ("p99", 99.0))
-STAT_LABELS = {"mean": "Mean", "median": "Median", "p90": "P90", "p99": "P99"}
 LINE_STATS = (("median", "p50", "-"), ("p90", "p90", "--"), ("p99", "p99", ":"))
 
 Run = dict[str, Any]
@@ -132,36 +131,20 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     a("--result-dir", default="bench_results")
     a("--result-filename", default=None, help="JSON name (default from endpoint, model, time)")
     a("--seed", type=int, default=0)
-    a(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="send ignore_eos (default: on for random, so output lengths are as asked)",
-    )
+    eos_help = "send ignore_eos (default: on for random, so output lengths are as asked)"
+    a("--ignore-eos", action=argparse.BooleanOptionalAction, default=None, help=eos_help)
     a("--temperature", type=float, default=0.0)
     a("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:2000")
     a("--api-key", default=None, help="Bearer key to send (default: $SPECSERVE_API_KEY)")
-    a("--compare", default=None, metavar="PATH", help="plot this run against a saved result JSON")
     a("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     a("--max-duration", type=float, default=None, help="seconds one run may take; later requests fail")
     a("--disable-tqdm", action="store_true")
 
 
-def load_baseline(path: str | None) -> dict[str, Any] | None:
-    """The saved result that `--compare` plots against."""
-    if path is None:
-        return None
-    baseline = json.loads(Path(path).read_text())
-    if not isinstance(baseline, dict) or not baseline.get("runs"):
-        raise ValueError(f"--compare {path}: not a `specserve bench` result (no runs)")
-    return baseline
-
-
 def config_json(args: argparse.Namespace, model: str, ignore_eos: bool, token_count: str) -> dict[str, Any]:
     keys = "base_url endpoint dataset_name dataset_path random_input_len random_output_len random_range_ratio"
-    cfg = {
-        k: getattr(args, k) for k in (keys + " output_len num_prompts request_rate seed temperature goodput").split()
-    }
+    keys += " output_len num_prompts request_rate seed temperature goodput"
+    cfg = {k: getattr(args, k) for k in keys.split()}
     cfg["request_rate"] = str(args.request_rate) if args.request_rate == float("inf") else args.request_rate
     return {
         **cfg,
@@ -173,25 +156,18 @@ def config_json(args: argparse.Namespace, model: str, ignore_eos: bool, token_co
     }
 
 
-def write_outputs(args: argparse.Namespace, result: dict[str, Any], baseline: dict[str, Any] | None) -> Path:
+def write_outputs(args: argparse.Namespace, result: dict[str, Any]) -> Path:
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = result["config"]
     kind = "chat" if cfg["endpoint"].rstrip("/").endswith("chat/completions") else "completions"
-    path = out_dir / (
-        args.result_filename or f"specserve-bench-{kind}-{cfg['model'].replace('/', '_')}-{cfg['date']}.json"
-    )
+    name = args.result_filename or f"specserve-bench-{kind}-{cfg['model'].replace('/', '_')}-{cfg['date']}.json"
+    path = out_dir / name
     path.write_text(json.dumps(result, indent=1))
     print(f"Results: {path}", flush=True)
-    title, runs = f"{cfg['model']} {cfg['endpoint']} ({cfg['dataset_name']})", result["runs"]
-    try:  # without matplotlib only the figures are missing
-        png = path.with_suffix(".png")
-        print(f"Plot: {plot_sweep(runs, png, title) if len(runs) > 1 else plot_run(runs[0], png, title)}")
-        if baseline is not None:
-            labels = (path.stem, Path(args.compare).stem)
-            print(
-                f"Comparison plot: {plot_compare(result, baseline, path.with_name(path.stem + '_compare.png'), labels)}"
-            )
+    try:  # without matplotlib only the figure is missing
+        title = f"{cfg['model']} {cfg['endpoint']} ({cfg['dataset_name']})"
+        print(f"Plot: {plot_sweep(result['runs'], path.with_suffix('.png'), title)}")
     except ImportError as e:
         print(f"Plots skipped ({e}): pip install matplotlib (or 'specserve[bench]') to draw them.")
     return path
@@ -219,7 +195,7 @@ def format_table(agg: dict[str, Any], max_concurrency: int | None) -> str:
     for key, title, short in METRICS:
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
         for stat, _ in PERCENTILES:
-            row(f"{STAT_LABELS[stat]} {short} (ms):", agg[f"{stat}_{key}_ms"])
+            row(f"{stat.capitalize()} {short} (ms):", agg[f"{stat}_{key}_ms"])
     lines.append("=" * 50)
     return "\n".join(lines)
 
@@ -250,92 +226,38 @@ def sweep_series(runs: list[Run]) -> dict[str, list[float]]:
         return float(run["max_concurrency"] or agg["completed"] + agg["failed"])
 
     ordered = sorted(runs, key=x_of)
-    series: dict[str, list[float]] = {"max_concurrency": [x_of(r) for r in ordered]}
-    keys = ["request_throughput", "output_throughput"] + [
-        f"{s}_{m}_ms" for m, _, _ in METRICS for s, _, _ in LINE_STATS
-    ]
-    for key in keys:
-        series[key] = [float(r["aggregates"][key]) for r in ordered]
-    return series
+    latencies = [f"{s}_{m}_ms" for m, _, _ in METRICS for s, _, _ in LINE_STATS]
+    series = {
+        k: [float(r["aggregates"][k]) for r in ordered] for k in ["request_throughput", "output_throughput", *latencies]
+    }
+    return {"max_concurrency": [x_of(r) for r in ordered], **series}
 
 
-def _pyplot() -> Any:
+def plot_sweep(runs: list[Run], path: Path, title: str) -> Path:
+    """Throughput and latency percentiles (p50/p90/p99) against concurrency, one point per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt
-
-
-def _concurrency_axis(ax: Any, xs: list[float]) -> None:
-    if xs and min(xs) > 0 and max(xs) / min(xs) >= 4:
-        ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [f"{x:g}" for x in xs])
-    ax.set_xlabel("max concurrency")
-    ax.grid(True, alpha=0.3)
-
-
-def _plot_over_concurrency(results: list[tuple[str, list[Run]]], path: Path, title: str) -> Path:
-    """Throughput and latency percentiles (p50/p90/p99) against concurrency, one colour per result."""
-    plt = _pyplot()
-    series = [(label, sweep_series(runs)) for label, runs in results]
+    s = sweep_series(runs)
+    xs = s["max_concurrency"]
     panels = [("output tokens/s", ["output_throughput"]), ("requests/s", ["request_throughput"])]
     panels += [(f"{short} (ms)", [f"{stat}_{m}_ms" for stat, _, _ in LINE_STATS]) for m, _, short in METRICS]
-    xs = sorted({x for _, s in series for x in s["max_concurrency"]})
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (ylabel, keys) in zip(axes.flat, panels):
-        for j, (label, s) in enumerate(series):
-            for key, (_, stat, style) in zip(keys, LINE_STATS):
-                name = f"{label} {stat}" if len(keys) > 1 else label
-                ax.plot(s["max_concurrency"], s[key], "o" + style, color=f"C{j}", label=name.strip() or None)
-        if len(keys) > 1 or len(series) > 1:
+        for key, (_, stat, style) in zip(keys, LINE_STATS):
+            ax.plot(xs, s[key], "o" + style, color="C0", label=stat if len(keys) > 1 else None)
+        if len(keys) > 1:
             ax.legend(fontsize=8)
-        _concurrency_axis(ax, xs)
+        if min(xs) > 0 and max(xs) / min(xs) >= 4:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.set_xlabel("max concurrency")
         ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    return _save(plt, fig, path)
-
-
-def plot_sweep(runs: list[Run], path: Path, title: str) -> Path:
-    """Throughput and latency percentiles against concurrency, one point per run."""
-    return _plot_over_concurrency([("", runs)], path, title)
-
-
-def plot_run(run: Run, path: Path, title: str) -> Path:
-    """Distributions (CDFs) of TTFT, TPOT, ITL and E2EL of one run, marked at p50 and p99."""
-    from specserve.bench.serving import RequestRecord
-
-    plt = _pyplot()
-    records = [RequestRecord(**{k: v for k, v in r.items() if k != "tpot_s"}) for r in run["requests"]]
-    samples = latency_samples_ms(records)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for ax, (metric, name, short) in zip(axes.flat, METRICS):
-        values = np.sort(np.asarray(samples[metric]))
-        if values.size:
-            ax.plot(values, np.arange(1, values.size + 1) / values.size)
-            for pct, style in ((50, "--"), (99, ":")):
-                ax.axvline(float(np.percentile(values, pct)), linestyle=style, color="gray", label=f"p{pct}")
-            ax.legend()
-        ax.set_title(name)
-        ax.set_xlabel(f"{short} (ms)")
-        ax.set_ylabel("fraction of samples")
-        ax.grid(True, alpha=0.3)
-    fig.suptitle(f"{title} (max concurrency {run['max_concurrency']})")
-    fig.tight_layout()
-    return _save(plt, fig, path)
-
-
-def plot_compare(
-    current: dict[str, Any], baseline: dict[str, Any], path: Path, labels: tuple[str, str] = ("this run", "baseline")
-) -> Path:
-    """This result against a saved one over concurrency (unbounded runs at their number of requests)."""
-    results = [(labels[0], current["runs"]), (labels[1], baseline["runs"])]
-    return _plot_over_concurrency(results, path, f"{labels[0]} vs {labels[1]}")
-
-
-def _save(plt: Any, fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -39,7 +39,6 @@ class RequestRecord:
     ttft_s: float = 0.0
     e2el_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
-    generated_text: str = ""
 
     @property
     def tpot_s(self) -> float | None:
@@ -112,7 +111,6 @@ async def _stream(client: httpx.AsyncClient, cfg: RunConfig, rec: RequestRecord,
         rec.ttft_s = rec.e2el_s
     if not rec.output_tokens_from_usage:
         rec.output_tokens = len(parts)
-    rec.generated_text = "".join(parts)
     rec.success = True
 
 
@@ -223,7 +221,6 @@ def bench_main(args: argparse.Namespace) -> int:
         finally:
             if counter is not None:
                 counter.close()
-        baseline = report.load_baseline(args.compare)
     except (ValueError, OSError, httpx.HTTPError) as e:
         print(f"specserve bench: {e}")
         return 1
@@ -251,5 +248,5 @@ def bench_main(args: argparse.Namespace) -> int:
         result["runs"].append({**run, "requests": [{**asdict(r), "tpot_s": r.tpot_s} for r in records]})
     if len(sweep) > 1:
         print(report.format_sweep(result["runs"]))
-    report.write_outputs(args, result, baseline)
+    report.write_outputs(args, result)
     return 0 if all(r["aggregates"]["failed"] == 0 for r in result["runs"]) else 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -100,12 +101,9 @@ class AsyncEngine:
     def __init__(self, engine: Engine, max_num_queued_requests: int | None = None) -> None:
         self._engine = engine
         self.max_num_queued_requests = max_num_queued_requests
-        self.config = engine.config  # read-only facts, safe to read from any thread
-        self.tokenizer = engine.tokenizer
-        self.model_name: str = engine.model_name
-        self.max_model_len: int = engine.max_model_len
-        self.vocab_size: int = engine.vocab_size
-        self.stats = engine.stats
+        self.config, self.tokenizer, self.stats = engine.config, engine.tokenizer, engine.stats  # read-only facts
+        self.model_name, self.vocab_size = engine.model_name, engine.vocab_size
+        self.max_model_len = engine.max_model_len
 
         self._cond = threading.Condition()
         self._commands: list[_AddCommand | _AbortCommand] = []
@@ -133,7 +131,6 @@ class AsyncEngine:
         return self._dead is None and self._thread.is_alive()
 
     async def check_health(self) -> None:
-        """Raise EngineDeadError if the engine loop is not alive."""
         if self._dead is not None:
             raise self._dead
         if not self._thread.is_alive():
@@ -240,13 +237,9 @@ class AsyncEngine:
         self._streams.clear()
 
     def _call_on_loop(self, fn: Any, *args: Any) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # loop closed between the check and the call
-            pass
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                self._loop.call_soon_threadsafe(fn, *args)
 
     # -- engine thread --
     def _run(self) -> None:

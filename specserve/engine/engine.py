@@ -157,9 +157,8 @@ class Engine:
             new_tokens, accepted = self._sample(sched, step_out.logits)
             outputs.extend(self.update(sched, new_tokens, accepted))
             if self.spec is not None:
-                self.spec.after_step(
-                    sched, new_tokens, step_out, time.perf_counter() - start, len(self.scheduler.running)
-                )
+                elapsed = time.perf_counter() - start
+                self.spec.after_step(sched, new_tokens, step_out, elapsed, len(self.scheduler.running))
         self.record_step_stats(sched)
         return outputs
 
@@ -203,15 +202,9 @@ class Engine:
         return new_tokens, accepted
 
     def _sampling_meta(self, reqs: list[Request]) -> SamplingMetadata:
-        return SamplingMetadata.build(
-            [r.params for r in reqs],
-            [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs],
-            [r.generator for r in reqs],
-            self.vocab_size,
-            self.device,
-            [list(r.eos_token_ids) + (r.params.stop_token_ids or []) for r in reqs],
-        )
+        stops = [list(r.eos_token_ids) + r.params.stop_ids for r in reqs]
+        lists = ([r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs])
+        return SamplingMetadata.build(*lists, [r.generator for r in reqs], self.vocab_size, self.device, stops)
 
     def sample_tokens(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
         """One token per row of logits [len(reqs), vocab], on the device."""
@@ -222,11 +215,9 @@ class Engine:
             and (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
             for r in reqs
         )
-        return (
-            SamplerOutput(logits.argmax(dim=-1), None)
-            if plain_greedy
-            else self.sampler(logits, self._sampling_meta(reqs))
-        )
+        if plain_greedy:
+            return SamplerOutput(logits.argmax(dim=-1), None)
+        return self.sampler(logits, self._sampling_meta(reqs))
 
     @staticmethod
     def store_logprobs(reqs: Sequence[Request | None], lp: LogprobsTensors) -> None:

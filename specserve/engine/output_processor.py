@@ -51,12 +51,8 @@ def completion_output(
     index: int, req: Request, detok: IncrementalDetokenizer, tokenizer: Any, with_logprobs: bool
 ) -> CompletionOutput:
     finished = req.is_finished
-    logprobs = None
-    if with_logprobs:
-        logprobs = [
-            {tid: Logprob(lp, rank, _decode_one(tokenizer, tid)) for tid, (lp, rank) in step.items()}
-            for step in req.logprobs
-        ]
+    entry = lambda step: {tid: Logprob(lp, rank, _decode_one(tokenizer, tid)) for tid, (lp, rank) in step.items()}
+    logprobs = [entry(step) for step in req.logprobs] if with_logprobs else None
     text, ids, cum = detok.visible_text(finished), list(req.output_token_ids), req.cumulative_logprob
     reason = req.status.value if finished else None
     return CompletionOutput(index, text, ids, cum if with_logprobs else None, logprobs, reason, req.stop_reason)

@@ -43,16 +43,12 @@ def resolve_max_tokens(
 ) -> int:
     """The output budget; the prompt must leave room for at least one generated token."""
     if num_prompt_tokens >= max_model_len:
-        raise ValueError(
-            f"prompt has {num_prompt_tokens} tokens, which is over the context length: "
-            f"max_model_len is {max_model_len} and at least one token must be generated."
-        )
+        why = f"max_model_len is {max_model_len} and at least one token must be generated."
+        raise ValueError(f"prompt has {num_prompt_tokens} tokens, which is over the context length: {why}")
     room = max_model_len - num_prompt_tokens
     if params.max_tokens is not None and params.max_tokens > room:
-        raise ValueError(
-            f"max_tokens is {params.max_tokens} but the prompt has {num_prompt_tokens} tokens "
-            f"and max_model_len is {max_model_len}: at most {room} tokens can be generated."
-        )
+        why = f"and max_model_len is {max_model_len}: at most {room} tokens can be generated."
+        raise ValueError(f"max_tokens is {params.max_tokens} but the prompt has {num_prompt_tokens} tokens {why}")
     if num_prompt_tokens + 1 > num_blocks * block_size:
         raise ValueError(
             f"prompt has {num_prompt_tokens} tokens but the KV cache holds only "

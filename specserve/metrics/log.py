@@ -10,15 +10,10 @@ from collections.abc import Callable
 from specserve.metrics.stats import StatsCollector
 
 _COUNTERS = (
-    "prompt_tokens_total",
-    "generation_tokens_total",
-    "prefix_cache_queries_total",
-    "prefix_cache_hits_total",
-    "spec_decode_num_draft_tokens_total",
-    "spec_decode_num_accepted_tokens_total",
-    "spec_decode_num_drafts_total",
-    "num_preemptions_total",
-)
+    "prompt_tokens_total generation_tokens_total prefix_cache_queries_total prefix_cache_hits_total "
+    "num_preemptions_total spec_decode_num_draft_tokens_total spec_decode_num_accepted_tokens_total "
+    "spec_decode_num_drafts_total"
+).split()
 
 
 class StatsLogger:

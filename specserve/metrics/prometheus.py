@@ -24,12 +24,20 @@ def _bound(value: float) -> str:
     return "+Inf" if value == float("inf") else repr(float(value))
 
 
-class StatsExporter(Collector):
+class PrometheusMetrics(Collector):
+    """What /metrics serves: the stats through a registry of its own."""
+
+    content_type = CONTENT_TYPE_LATEST
+
     def __init__(self, stats: StatsCollector, prefix: str = "specserve") -> None:
         if prefix not in PREFIXES:
             raise ValueError(f"metrics prefix must be one of {PREFIXES}, got {prefix!r}.")
-        self.stats = stats
-        self.prefix = prefix
+        self.stats, self.prefix = stats, prefix
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
     def describe(self) -> Iterable[PromMetric]:
         return []  # skip the registry's duplicate-name probe (it would call collect())
@@ -68,16 +76,3 @@ class StatsExporter(Collector):
         for m in items:
             fam.add_metric(values(m), 1.0 if kind == "info" else m.value)
         return fam
-
-
-class PrometheusMetrics:
-    """What /metrics serves: a registry of its own holding one StatsExporter."""
-
-    content_type = CONTENT_TYPE_LATEST
-
-    def __init__(self, stats: StatsCollector, prefix: str = "specserve") -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StatsExporter(stats, prefix))
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -85,10 +85,9 @@ class SpecserveReplica:
         return self.metrics.render().decode()
 
     def info(self) -> dict[str, Any]:
-        engine = self.engine
-        return {"tokenizer": engine.tokenizer, "block_size": engine.config.cache.block_size, "pid": os.getpid()} | {
-            "model_name": engine.model_name
-        }
+        e = self.engine
+        info = {"tokenizer": e.tokenizer, "block_size": e.config.cache.block_size, "model_name": e.model_name}
+        return info | {"pid": os.getpid()}
 
     async def check_health(self) -> None:
         await self.engine.check_health()

@@ -45,7 +45,6 @@ class Request:
     spec_draft_probs: torch.Tensor | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = -1  # prefix-hit tokens at first scheduling; -1 until scheduled
-    num_preemptions: int = 0
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list = field(default_factory=list)

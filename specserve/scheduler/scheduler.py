@@ -135,7 +135,6 @@ class Scheduler:
         self.kv.free(req)
         req.status, req.num_computed_tokens = RequestStatus.PREEMPTED, 0
         req.spec_token_ids, req.spec_draft_probs = [], None
-        req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req)

@@ -39,11 +39,6 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging() -> None:
-    fmt = "%(levelname)s %(asctime)s %(name)s: %(message)s"
-    logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S")
-
-
 def _config_or_exit(prog: str, build: Callable[[], T]) -> T:
     try:
         return build()
@@ -63,7 +58,9 @@ def serve_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     settings = _config_or_exit("specserve serve", lambda: cli_args.server_config(args))
     config = _config_or_exit("specserve serve", lambda: EngineConfig.from_kwargs(**cli_args.engine_kwargs(args)))
-    _setup_logging()
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     if _config_or_exit("specserve serve", lambda: cli_args.wants_data_parallel(args)):
         return _serve_ray(cli_args.engine_kwargs(args), settings, args)
 

@@ -106,9 +106,7 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, 
     kw: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_, **_FLAG_KINDS[base]}
     if base is int and dest.endswith("_bytes"):
         kw["type"] = parse_size
-    if dest in _CHOICES:
-        kw["choices"] = _CHOICES[dest]
-    group.add_argument("--" + dest.replace("_", "-"), **kw)
+    group.add_argument("--" + dest.replace("_", "-"), choices=_CHOICES.get(dest), **kw)
 
 
 def _add_dataclass(
@@ -121,16 +119,10 @@ def _add_dataclass(
             _add_field(group, f, hints[f.name], prefix + f.name)
 
 
-def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags; MODEL is an optional positional (and --model) defaulting to the catalog default."""
-    if positional_model:
-        parser.add_argument(
-            "model_tag",
-            nargs="?",
-            metavar="MODEL",
-            default=None,
-            help=f"catalog name, model dir, .gguf file or HF id (default: {cfg.DEFAULT_MODEL})",
-        )
+    model_help = f"catalog name, model dir, .gguf file or HF id (default: {cfg.DEFAULT_MODEL})"
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None, help=model_help)
     group = parser.add_argument_group("engine")
     for cls in _ENGINE_SECTIONS:
         _add_dataclass(group, cls)

@@ -109,11 +109,10 @@ async def create_chat_completion(engine: AsyncEngine, req: proto.ChatCompletionR
     params = common.build_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs")
     params = common.fit_context(params, [len(prompt_ids)], engine.max_model_len, "messages")
     reply_id = proto.random_id("chatcmpl")
-    stream = await common.submit(engine, [RequestSpec(reply_id, {"prompt_token_ids": prompt_ids}, params)])
-    chunks = lambda: _stream(engine, req, stream, reply_id, len(prompt_ids))
-    return await common.respond(
-        raw, stream, req.stream, chunks, lambda f: _full_response(engine, req, f[reply_id], reply_id)
-    )
+    specs = [RequestSpec(reply_id, {"prompt_token_ids": prompt_ids}, params)]
+    chunks = lambda stream: _stream(engine, req, stream, reply_id, len(prompt_ids))
+    full = lambda finals: _full_response(engine, req, finals[reply_id], reply_id)
+    return await common.respond(engine, raw, specs, req.stream, chunks, full)
 
 
 def _echo_text(req: proto.ChatCompletionRequest) -> str:

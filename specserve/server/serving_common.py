@@ -8,7 +8,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,7 +22,6 @@ from specserve.sampling_params import SamplingParams
 from specserve.server.protocol import ErrorInfo, SamplingFields
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 MAX_N = 128  # n * prompts per HTTP request: keeps one request from flooding the scheduler
 MAX_LOGPROBS = 20
@@ -52,10 +51,6 @@ class APIError(Exception):
 INTERNAL_ERROR = APIError("internal server error", 500, "server_error", code="internal_error")
 
 
-class ClientDisconnected(Exception):
-    pass
-
-
 def body_too_large(limit: int) -> APIError:
     return APIError(f"request body exceeds the limit of {limit} bytes", 413, code="request_too_large")
 
@@ -64,14 +59,10 @@ def unavailable(message: str, headers: dict[str, str] | None = None) -> APIError
     return APIError(message, 503, "service_unavailable_error", code="engine_unavailable", headers=headers)
 
 
-def engine_error(e: Exception, engine: AsyncEngine | None = None) -> APIError:
+def engine_error(e: Exception) -> APIError:
     """Map an exception from AsyncEngine.add_requests to the HTTP error the client sees."""
     if isinstance(e, EngineOverloadedError):
-        limit = getattr(engine, "max_num_queued_requests", None)
-        what = "too many requests waiting" if limit is None else f"more than {limit} request(s) would be waiting"
-        err = unavailable(f"server overloaded: {what}; retry later", {"Retry-After": "1"})
-        err.code = "overloaded"
-        return err
+        return APIError(str(e), 503, "service_unavailable_error", code="overloaded", headers={"Retry-After": "1"})
     if isinstance(e, EngineDeadError):
         return unavailable(str(e))
     if isinstance(e, ValueError):
@@ -80,8 +71,8 @@ def engine_error(e: Exception, engine: AsyncEngine | None = None) -> APIError:
 
 
 _FIELD_RE = re.compile(r"^([a-z_][a-z0-9_]*)")
-_KNOWN_FIELDS = {*SamplingParams.__dataclass_fields__, *"prompt messages model max_completion_tokens".split()}
-_KNOWN_FIELDS |= {"top_logprobs", "prompt_token_ids"}
+_OTHER_FIELDS = "prompt messages model max_completion_tokens top_logprobs prompt_token_ids"
+_KNOWN_FIELDS = {*SamplingParams.__dataclass_fields__, *_OTHER_FIELDS.split()}
 
 
 def field_in_message(message: str) -> str | None:
@@ -220,9 +211,9 @@ def fit_context(
     if n is None:
         return params.clone(max_tokens=max_model_len - longest)
     if longest + n > max_model_len:
-        why = f"you requested {longest + n} tokens ({longest} in the {prompt_param}, {n} in the completion)"
+        why = f"you requested {longest + n} tokens ({longest} in the {prompt_param}, {n} in the completion). "
         raise too_long(
-            max_model_len, f"{why}. Please reduce the length of the {prompt_param} or completion.", "max_tokens"
+            max_model_len, f"{why}Please reduce the length of the {prompt_param} or completion.", "max_tokens"
         )
     return params
 
@@ -353,46 +344,34 @@ async def stream_chunks(
     yield SSE_DONE
 
 
-async def submit(engine: AsyncEngine, specs: list[Any]) -> RequestStream:
-    try:
-        return await engine.add_requests(specs)
-    except Exception as e:  # noqa: BLE001 - engine_error re-raises what it does not map
-        raise engine_error(e, engine) from None
-
-
-async def _collect(stream: RequestStream) -> dict[str, RequestOutput]:
-    try:
-        return {output.request_id: output async for output in stream}
-    finally:
-        stream.close()
-
-
 async def respond(
+    engine: AsyncEngine,
     raw: Request,
-    stream: RequestStream,
+    specs: list[Any],  # RequestSpec
     streaming: bool,
-    chunks: Callable[[], AsyncIterator[str]],
+    chunks: Callable[[RequestStream], AsyncIterator[str]],
     full: Callable[[dict[str, RequestOutput]], dict[str, Any]],
 ) -> Response:
-    """An SSE response of `chunks()`, or `full` of the final outputs by request id (499 on disconnect)."""
-    if streaming:
-        return StreamingResponse(guarded_stream(chunks(), stream.close), media_type="text/event-stream")
+    """Submit `specs`; an SSE response of `chunks(stream)`, or `full` of the final outputs by request id.
+    A client that disconnects first gets 499: collecting is cancelled, which aborts its engine requests."""
     try:
-        finals = await until_disconnected(raw, _collect(stream))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return JSONResponse(full(finals))
+        stream = await engine.add_requests(specs)
+    except Exception as e:  # noqa: BLE001 - engine_error re-raises what it does not map
+        raise engine_error(e) from None
+    if streaming:
+        return StreamingResponse(guarded_stream(chunks(stream), stream.close), media_type="text/event-stream")
 
-
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`, cancelling it (which aborts its engine requests) if the client disconnects."""
-    task = asyncio.ensure_future(work)
+    async def collect() -> dict[str, RequestOutput]:
+        try:
+            return {output.request_id: output async for output in stream}
+        finally:
+            stream.close()
 
     async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await raw.receive())["type"] != "http.disconnect":
             pass
 
-    watcher = asyncio.ensure_future(watch())
+    task, watcher = asyncio.ensure_future(collect()), asyncio.ensure_future(watch())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -400,8 +379,7 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            raise ClientDisconnected()
-    return task.result()
+    return Response(status_code=499) if task.cancelled() else JSONResponse(full(task.result()))
 
 
 async def guarded_stream(chunks: AsyncIterator[str], close: Callable[[], None]) -> AsyncIterator[str]:

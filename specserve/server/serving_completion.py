@@ -98,34 +98,26 @@ class _Reply:
 def _prompts(engine: AsyncEngine, req: proto.CompletionRequest) -> list[_Prompt]:
     """The request's prompts as token ids: text tokenized (with the tokenizer's special tokens when
     add_special_tokens), then left-truncated to the last truncate_prompt_tokens tokens (vLLM)."""
-    prompt = req.prompt
     keep = common.truncation_size(req.truncate_prompt_tokens, engine.max_model_len)
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not prompt:
+    prompt = req.prompt
+    prompts: list[Any] = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+    if not prompts:
         raise APIError("prompt must not be empty", param="prompt")
-    if isinstance(prompt[0], int):
-        prompt = [prompt]  # one tokenized prompt
     out = []
-    for p in prompt:
-        if isinstance(p, str):
+    for p in prompts:
+        text = p if isinstance(p, str) else None
+        if text is not None:
             tokenizer = common.require_tokenizer(engine, "prompt")
             if keep is None:  # truncation keeps the last tokens of a longer text
                 common.check_prompt_chars(engine, len(p), "prompt")
-            if not p:
-                ids = []
-            elif req.add_special_tokens:
-                ids = engine.encode(p)  # the engine's own tokenization of a text prompt
-            else:
-                ids = list(tokenizer.encode(p, add_special_tokens=False))
-            prompt_item = _Prompt(p, ids)
+            # with special tokens: the engine's own tokenization of a text prompt
+            ids = engine.encode(p) if p and req.add_special_tokens else tokenizer.encode(p, add_special_tokens=False)
         else:
             common.check_token_ids(p, engine.vocab_size, "prompt")
-            prompt_item = _Prompt(None, list(p))
-        if keep is not None and len(prompt_item.token_ids) > keep:
-            # echo shows what the model saw: the kept tokens, decoded
-            prompt_item = _Prompt(None, prompt_item.token_ids[-keep:])
-        out.append(prompt_item)
+            ids = p
+        if keep is not None and len(ids) > keep:
+            text, ids = None, ids[-keep:]  # echo shows what the model saw: the kept tokens, decoded
+        out.append(_Prompt(text, list(ids)))
     return out
 
 
@@ -152,11 +144,9 @@ async def create_completion(engine: AsyncEngine, req: proto.CompletionRequest, r
     reply_id = proto.random_id("cmpl")
     ids = [f"{reply_id}-{i}" for i in range(len(prompts))]
     specs = [RequestSpec(rid, {"prompt_token_ids": p.token_ids}, params) for rid, p in zip(ids, prompts)]
-    stream = await common.submit(engine, specs)
     reply = _Reply(engine, req, prompts, ids, reply_id)
-    return await common.respond(
-        raw, stream, req.stream, lambda: _stream(reply, stream), lambda f: _full_response(reply, f)
-    )
+    full = lambda finals: _full_response(reply, finals)
+    return await common.respond(engine, raw, specs, req.stream, lambda stream: _stream(reply, stream), full)
 
 
 def _full_response(reply: _Reply, finals: dict[str, RequestOutput]) -> dict[str, Any]:

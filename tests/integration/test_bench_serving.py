@@ -209,22 +209,7 @@ def test_bench_random_completions(server: str, tmp_path: Path, capsys: pytest.Ca
     assert is_png(tmp_path / "run.png")
 
 
-def test_bench_chat_sweep_and_compare(server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    base = bench_args(
-        server,
-        tmp_path,
-        "--num-prompts",
-        "6",
-        "--random-input-len",
-        "20",
-        "--random-output-len",
-        "8",
-        "--max-concurrency",
-        "2",
-        "--result-filename",
-        "base.json",
-    )
-    assert bench_main(base) == 0
+def test_bench_chat_sweep(server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = bench_args(
         server,
         tmp_path,
@@ -242,8 +227,6 @@ def test_bench_chat_sweep_and_compare(server: str, tmp_path: Path, capsys: pytes
         "1,4",
         "--result-filename",
         "sweep.json",
-        "--compare",
-        str(tmp_path / "base.json"),
         "--goodput",
         "e2el:0.001",
     )
@@ -258,7 +241,7 @@ def test_bench_chat_sweep_and_compare(server: str, tmp_path: Path, capsys: pytes
     assert result["runs"][0]["aggregates"]["max_concurrent_requests"] == 1
     series = sweep_series(result["runs"])
     assert series["max_concurrency"] == [1.0, 4.0] and len(series["p99_ttft_ms"]) == 2
-    assert is_png(tmp_path / "sweep.png") and is_png(tmp_path / "sweep_compare.png")
+    assert is_png(tmp_path / "sweep.png")
     assert not (tmp_path / "sweep_1.png").exists()  # one plot for the whole sweep
 
 
