@@ -155,7 +155,6 @@ def reshape_and_cache_quant(
     if fmt.rotate:  # float32 rows, as quantize() rounds them
         key, value = hadamard_rotate(key).float(), hadamard_rotate(value).float()
     nvfp4 = fmt.name == "nvfp4"
-    groups = fmt.num_scale_groups(head_dim)
     kc, vc, ks, vs = cache.key, cache.value, cache.key_scale, cache.value_scale
     block_h = triton.next_power_of_2(num_kv_heads)
     # nvfp4: one program per (token, head) on 2-D [groups, 8] tiles.
@@ -166,8 +165,8 @@ def reshape_and_cache_quant(
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        NUM_GROUPS=groups,
-        BLOCK_G=triton.next_power_of_2(groups),
+        NUM_GROUPS=fmt.num_scale_groups(head_dim),
+        BLOCK_G=triton.next_power_of_2(fmt.num_scale_groups(head_dim)),
         BLOCK_SIZE=kc.shape[1],
         num_warps=1 if nvfp4 or block_h * head_dim < 2048 else 4,
     )

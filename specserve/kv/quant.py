@@ -35,20 +35,15 @@ _E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, 
 def _round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast positive float32 `x` (within dtype's finite range) to float16 / float8_e4m3fn, rounding
     up: the next value up is the bit pattern plus one."""
-    q = x.to(dtype)
-    int_dtype = torch.uint8 if dtype.itemsize == 1 else torch.int16
-    bits = q.view(int_dtype)
-    bump = (q.float() < x).to(int_dtype)
-    return (bits + bump).view(dtype)
+    q, int_dtype = x.to(dtype), torch.uint8 if dtype.itemsize == 1 else torch.int16
+    return (q.view(int_dtype) + (q.float() < x).to(int_dtype)).view(dtype)
 
 
 @functools.cache
 def hadamard(head_dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Hn [D, D]: the block-diagonal Sylvester Hadamard matrix, orthonormal and symmetric (Hn Hn = I),
     blocks of b = the largest power of 4 dividing D: its entries +-1/sqrt(b) are exact in every dtype."""
-    b = 1
-    while head_dim % (4 * b) == 0:
-        b *= 4
+    b = 4 ** (((head_dim & -head_dim).bit_length() - 1) // 2)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < b:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
@@ -84,8 +79,7 @@ def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     index = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
     for bound, tie_up in _E2M1_BOUNDS:
         index += (mag >= bound) if tie_up else (mag > bound)
-    negative = (v < 0) & (index > 0)
-    return index | (negative.to(torch.uint8) << 3)
+    return index | (((v < 0) & (index > 0)).to(torch.uint8) << 3)  # -0 stores +0
 
 
 def _quantize_nvfp4(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +105,8 @@ def _dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, fmt: KVFormat) ->
     codes = torch.stack([data & 0x0F, data >> 4], dim=-1).reshape(n, h, 2 * p)  # [N, H, D]
     values = _group_view(lut[codes.long()], scale.shape[-1])  # [N, H, G, D/G]
     values = values * (scale.float() * float(fmt.global_scale)).unsqueeze(-1)
-    return values.reshape(n, h, 2 * p)
+    values = values.reshape(n, h, 2 * p)
+    return hadamard_rotate(values) if fmt.rotate else values
 
 
 def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -131,8 +126,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat, ou
         raise ValueError(f"KV format {fmt.name!r} needs scales to dequantize")
     if fmt.name == "fp8":
         return (data.float() * scale.float()).to(out_dtype)
-    x = _dequantize_nvfp4(data, scale, fmt)
-    return (hadamard_rotate(x) if fmt.rotate else x).to(out_dtype)
+    return _dequantize_nvfp4(data, scale, fmt).to(out_dtype)
 
 
 def _scatter(dst: torch.Tensor, slot_mapping: torch.Tensor, src: torch.Tensor) -> None:
