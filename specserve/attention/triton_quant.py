@@ -1,8 +1,7 @@
 """Paged attention over a quantized KV cache (fp8, nvfp4; oracle: kv/quant.py), launched like
 `triton_paged.paged_attention`. Variants: fp8 "v3"; nvfp4 "v4" for latency-bound launches, "v7" for
 throughput-bound decode. Dots run in float16 with fp32 accumulation; Q is clamped to float16's range.
-A rotated format (kv/quant.py) takes q hadamard()-rotated and rotates the output back: two small
-matmuls per call, none per KV token."""
+A rotated format (kv/quant.py) takes q @ hadamard() and its output goes @ hadamard() back (per call)."""
 
 from __future__ import annotations
 
