@@ -11,12 +11,15 @@ exp(mean negative log-likelihood) over every scored token; the change against th
 backends write a step's K/V into the paged cache before attending over it, so every scored token
 sees the KV format, prefill included.
 
+Greedy agreement (--agreement-tokens N, 0 skips it): AGREEMENT_CHATS answered greedily with each
+dtype; per prompt, the tokens that match the first dtype's output before the first difference.
+
 Capacity: the tokens the KV pool holds with each dtype at the same pool size (--kv-cache-gib), from
 the engine's `cache_config_info` metric (blocks x block size).
 
     python bench/kv_quality.py                                 # Qwen2.5-Coder-1.5B, bf16 / fp8 / nvfp4
-    python bench/kv_quality.py --model smollm2-135m-instruct --kv-dtypes float32,fp8 \\
-        --ppl-tokens 1024 --ppl-window 512 --kv-cache-gib 0.25     # CPU smoke test
+    python bench/kv_quality.py --model smollm2-135m-instruct --kv-dtypes float32,fp8,nvfp4 \\
+        --ppl-tokens 4096 --ppl-window 512 --kv-cache-gib 0.25     # CPU (the embedded model)
 
 Prints progress with timestamps, writes --json (default $OUT/kv_quality.json when OUT is set) and
 prints a short markdown table last.
@@ -51,6 +54,16 @@ HELD_OUT_FILES = (
     "test/test_shlex.py",
 )
 HELD_OUT_GLOBS = ("turtledemo/*.py", "lib2to3/*.py", "test/test_*.py")
+AGREEMENT_CHATS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the square of a number.",
+    "Give me three tips for staying focused while studying.",
+    "Explain in two sentences why the sky is blue.",
+    "Write a haiku about the ocean.",
+    "How do I reverse a list in Python?",
+    "What are the main differences between a cat and a dog as pets?",
+    "Summarize the plot of Romeo and Juliet in three sentences.",
+]
 _T0 = time.monotonic()
 
 
@@ -123,8 +136,14 @@ def cache_info(llm: LLM) -> dict[str, str]:
     return next((m.labels for m in llm.get_metrics() if m.name.endswith("cache_config_info")), {})
 
 
-def score_dtype(args: argparse.Namespace, kv_dtype: str, windows: list[list[int]]) -> tuple[dict, list]:
-    """One engine with this KV dtype: the log-likelihood of every scored token, and the pool's capacity."""
+def agreement(a: list[int], b: list[int]) -> int:
+    """Number of leading tokens a and b share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def score_dtype(args: argparse.Namespace, kv_dtype: str, windows: list[list[int]]) -> tuple[dict, list, list]:
+    """One engine with this KV dtype: the log-likelihood of every scored token, the greedy answers to
+    AGREEMENT_CHATS (token ids) and the pool's capacity."""
     t = time.monotonic()
     llm = make_llm(args, kv_cache_dtype=kv_dtype, enforce_eager=True, enable_prefix_caching=False)
     try:
@@ -139,6 +158,11 @@ def score_dtype(args: argparse.Namespace, kv_dtype: str, windows: list[list[int]
             assert out.prompt_logprobs is not None  # asked for with prompt_logprobs=0
             # Each window's first token has no context: it is not scored.
             per_token.extend(e[tok].logprob for e, tok in zip(out.prompt_logprobs[1:], w[1:]))
+        answers: list[list[int]] = []
+        if args.agreement_tokens:
+            greedy = SamplingParams(temperature=0.0, max_tokens=args.agreement_tokens, ignore_eos=True)
+            chats = [[{"role": "user", "content": c}] for c in AGREEMENT_CHATS]
+            answers = [list(o.outputs[0].token_ids) for o in llm.chat(chats, greedy)]
         nll = -sum(per_token) / max(1, len(per_token))
         blocks = int(info.get("num_gpu_blocks", 0))
         row = {
@@ -154,18 +178,23 @@ def score_dtype(args: argparse.Namespace, kv_dtype: str, windows: list[list[int]
             f"{kv_dtype}: perplexity {row['ppl']:.4f} over {len(per_token)} tokens in {secs:.1f}s; "
             f"the pool holds {row['kv_capacity_tokens']} tokens"
         )
-        return row, per_token
+        return row, per_token, answers
     finally:
         close_llm(llm)
 
 
-def compare(rows: list[dict], per_dtype: dict[str, list[float]]) -> None:
+def compare(rows: list[dict], per_dtype: dict[str, list[float]], answers: dict[str, list[list[int]]]) -> None:
     """Against the first dtype scored (the baseline): perplexity change in percent, mean |logprob
-    difference| per token, and capacity as a multiple of the baseline's."""
+    difference| per token, greedy agreement per prompt and its mean, capacity as a multiple."""
     if not rows or rows[0]["kv_dtype"] not in per_dtype:
         return
     base_row, base = rows[0], per_dtype[rows[0]["kv_dtype"]]
     for row in rows[1:]:
+        if answers.get(row["kv_dtype"]):
+            row["agreement"] = [
+                agreement(a, b) for a, b in zip(answers[base_row["kv_dtype"]], answers[row["kv_dtype"]])
+            ]
+            row["mean_agreement"] = sum(row["agreement"]) / len(row["agreement"])
         other = per_dtype.get(row["kv_dtype"])
         if other is None:
             continue
@@ -182,6 +211,7 @@ def md_table(rows: list[dict]) -> str:
         ("ppl", "perplexity"),
         ("ppl_delta_pct", "vs base %"),
         ("mean_abs_dlogprob", "mean |dlogprob|"),
+        ("mean_agreement", "greedy agreement"),
         ("kv_capacity_tokens", "KV tokens"),
         ("capacity_x", "x base"),
         ("error", "error"),
@@ -204,15 +234,15 @@ def run(args: argparse.Namespace) -> dict:
     log(f"{sum(map(len, windows))} tokens in {len(windows)} windows from {len(files)} files: {', '.join(files)}")
     rows: list[dict] = []
     per_dtype: dict[str, list[float]] = {}
+    answers: dict[str, list[list[int]]] = {}
     for kv_dtype in args.kv_dtypes:
         try:
-            row, per_token = score_dtype(args, kv_dtype, windows)
+            row, per_dtype[kv_dtype], answers[kv_dtype] = score_dtype(args, kv_dtype, windows)
             rows.append(row)
-            per_dtype[kv_dtype] = per_token
         except Exception as e:  # noqa: BLE001 - one dtype failing must not lose the others' numbers
             traceback.print_exc()
             rows.append({"kv_dtype": kv_dtype, "error": f"{type(e).__name__}: {e}"})
-    compare(rows, per_dtype)
+    compare(rows, per_dtype, answers)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {
         "model": args.model,
@@ -234,6 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-dtypes", default="bfloat16,fp8,nvfp4", help="comma list; the first is the baseline")
     p.add_argument("--ppl-tokens", type=int, default=32768, help="tokens scored per dtype (about)")
     p.add_argument("--ppl-window", type=int, default=4096, help="tokens per request")
+    p.add_argument("--agreement-tokens", type=int, default=64, help="greedy tokens per prompt (0: skip)")
     p.add_argument("--dtype", default="auto", help="weights / activations dtype")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")

@@ -85,11 +85,10 @@ def _decode(units, DECODER: tl.constexpr):
 
 
 @triton.jit
-def _half16(w, HIGH: tl.constexpr):
-    """Half HIGH (0: bits 0-15, 1: bits 16-31) of int32 words, as float16 bits."""
-    if HIGH:
-        w = w >> 16
-    return w.to(tl.int16).to(tl.float16, bitcast=True)
+def _halves_tile(w, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr):
+    """int32 words -> float16 [BLOCK_N, QUADS_PAD]: bits 0-15 at the even columns, 16-31 at the odd."""
+    lo, hi = w.to(tl.int16).to(tl.float16, bitcast=True), (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return _pair_tile(lo, hi, BLOCK_N, QUADS_PAD)
 
 
 @triton.jit
@@ -111,10 +110,10 @@ def _decode_pairs(words, BLOCK_N: tl.constexpr, QUADS_PAD: tl.constexpr, DECODER
             is_pure=True,
             pack=1,
         )
-        e0 = _pair_tile(_half16(o0, 0), _half16(o0, 1), BLOCK_N, QUADS_PAD)
-        e1 = _pair_tile(_half16(o1, 0), _half16(o1, 1), BLOCK_N, QUADS_PAD)
-        e2 = _pair_tile(_half16(o2, 0), _half16(o2, 1), BLOCK_N, QUADS_PAD)
-        e3 = _pair_tile(_half16(o3, 0), _half16(o3, 1), BLOCK_N, QUADS_PAD)
+        e0 = _halves_tile(o0, BLOCK_N, QUADS_PAD)
+        e1 = _halves_tile(o1, BLOCK_N, QUADS_PAD)
+        e2 = _halves_tile(o2, BLOCK_N, QUADS_PAD)
+        e3 = _halves_tile(o3, BLOCK_N, QUADS_PAD)
     else:
         lo = words.to(tl.uint16)  # unit 2a
         hi = (words >> 16).to(tl.uint16)  # unit 2a + 1

@@ -1,6 +1,7 @@
 """Paged attention over a quantized KV cache (fp8, nvfp4; oracle: kv/quant.py), launched like
 `triton_paged.paged_attention`. Variants: fp8 "v3"; nvfp4 "v4" for latency-bound launches, "v7" for
-throughput-bound decode. Dots run in float16 with fp32 accumulation; Q is clamped to float16's range."""
+throughput-bound decode. Dots run in float16 with fp32 accumulation; Q is clamped to float16's range.
+A rotated format (kv/quant.py) takes q @ hadamard() and its output goes @ hadamard() back (per call)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from specserve.attention.triton_quant_fp8 import fp8_operands
 from specserve.attention.triton_quant_nvfp4 import nvfp4_operands
 from specserve.attention.triton_quant_write import reshape_and_cache_quant
 from specserve.kernels.device import num_sms
+from specserve.kv.quant import hadamard
 from specserve.kv.spec import KVFormat, LayerKVCache
 
 __all__ = ["paged_attention_quant", "reshape_and_cache_quant"]
@@ -109,6 +111,9 @@ def paged_attention_quant(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if num_tokens == 0 or num_seqs == 0:
         return out
+    final, h = out, hadamard(head_dim, q.device, q.dtype) if fmt.rotate else None
+    if h is not None:
+        q, out = q @ h, torch.empty_like(q)  # [T, Hq, D]
     block_m, bn, num_warps, num_stages, maxnreg = quant_attention_config(
         max_query_len, group, head_dim, fmt.name, variant
     )
@@ -151,4 +156,4 @@ def paged_attention_quant(
     )
     if num_splits > 1:
         reduce_splits(out, partials, cu_query_lens)
-    return out
+    return out if h is None else torch.matmul(out, h, out=final)

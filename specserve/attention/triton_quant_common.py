@@ -111,24 +111,17 @@ def _pv4(p16, v0, v1, v2, v3, a0, a1, a2, a3, alpha):
 
 
 @triton.jit
-def _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i):
-    """Online softmax over one tile of base-2 scores: returns (p, alpha, m_new, l_new)."""
-    visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-    s = tl.where(visible, s, float("-inf"))
+def _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i, FULL: tl.constexpr = False):
+    """Online softmax over one tile of base-2 scores: returns (p, alpha, m_new, l_new). FULL: every row
+    sees the whole tile (in range, causally visible): no masks."""
+    if not FULL:
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row may see no key of this tile: keep exp2 away from -inf - -inf.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    m_safe = m_new  # FULL: m_i = -inf before the first tile gives alpha 0
+    if not FULL:  # a row may see no key of this tile: keep exp2 away from -inf - -inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
-def _softmax_step_full(s, m_i, l_i):
-    """_softmax_step for a tile that every row sees in full (in range, causally visible)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)  # m_i = -inf before the first tile: alpha 0
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 

@@ -24,7 +24,6 @@ from specserve.attention.triton_quant_common import (
     _softmax_init,
     _softmax_probs_scaled,
     _softmax_step,
-    _softmax_step_full,
     _tile_rows,
 )
 from specserve.kv.spec import KVFormat, LayerKVCache
@@ -214,10 +213,7 @@ def _paged_attention_nvfp4_kernel(
                         l_i = l_i * alpha + tl.sum(p, 1)
                 else:
                     s = _qk4(q0, q1, q2, q3, k0, k1, k2, k3, None) * sm_scale_log2
-                    if MASKED:
-                        p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i)
-                    else:
-                        p, alpha, m_i, l_i = _softmax_step_full(s, m_i, l_i)
+                    p, alpha, m_i, l_i = _softmax_step(s, offs_n, n_ok, q_pos, m_i, l_i, not MASKED)
                 p16 = p.to(tl.float16)
                 if ROWSUM_MMA:
                     # l_i [BLOCK_M, 16], every column the row sum: P.1 avoids tl.sum's cross-warp barriers.
@@ -235,17 +231,15 @@ def _paged_attention_nvfp4_kernel(
         tl.store(part_m_ptr + ml, m_i, mask=row_ok)
         tl.store(part_l_ptr + ml, l_i, mask=row_ok)
         ptrs = part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + cols[None, :]
-        tl.store(ptrs, a0 * v_factor, mask=mask)
-        tl.store(ptrs + 1, a1 * v_factor, mask=mask)
-        tl.store(ptrs + 2, a2 * v_factor, mask=mask)
-        tl.store(ptrs + 3, a3 * v_factor, mask=mask)
+        f = tl.full([BLOCK_M, 1], 1.0, tl.float32) * v_factor
     else:
         f = (v_factor / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
         ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + cols[None, :]
-        tl.store(ptrs, (a0 * f).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(ptrs + 1, (a1 * f).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(ptrs + 2, (a2 * f).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(ptrs + 3, (a3 * f).to(out_ptr.dtype.element_ty), mask=mask)
+    ty = ptrs.dtype.element_ty
+    tl.store(ptrs, (a0 * f).to(ty), mask=mask)
+    tl.store(ptrs + 1, (a1 * f).to(ty), mask=mask)
+    tl.store(ptrs + 2, (a2 * f).to(ty), mask=mask)
+    tl.store(ptrs + 3, (a3 * f).to(ty), mask=mask)
 
 
 def nvfp4_operands(

@@ -13,7 +13,7 @@ from specserve.attention.triton_quant_common import (
     _FP16_MAX,
     check_quant_cache,
 )
-from specserve.kv.quant import E2M1_MAX
+from specserve.kv.quant import E2M1_MAX, hadamard_rotate
 from specserve.kv.spec import KVFormat, LayerKVCache
 
 
@@ -25,19 +25,10 @@ def _div(x, y):
 
 
 @triton.jit
-def _round_up_fp16(x):
-    """float32 x (positive, <= 65504) -> float16, rounded up (quant._round_up_to)."""
-    q = x.to(tl.float16)
-    bump = (q.to(tl.float32) < x).to(tl.int16)
-    return (q.to(tl.int16, bitcast=True) + bump).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _round_up_e4m3(x):
-    """float32 x (positive, <= 448) -> float8_e4m3fn, rounded up."""
-    q = x.to(tl.float8e4nv)
-    bump = (q.to(tl.float32) < x).to(tl.uint8)
-    return (q.to(tl.uint8, bitcast=True) + bump).to(tl.float8e4nv, bitcast=True)
+def _round_up(x, DTYPE: tl.constexpr, BITS: tl.constexpr):
+    """float32 x (positive, within DTYPE's finite range) -> DTYPE, rounded up (quant._round_up_to)."""
+    q = x.to(DTYPE)
+    return (q.to(BITS, bitcast=True) + (q.to(tl.float32) < x).to(BITS)).to(DTYPE, bitcast=True)
 
 
 @triton.jit
@@ -63,7 +54,7 @@ def _quantize_fp8_row(src_ptrs, dst_ptrs, scale_ptrs, mask, h_ok):
     x = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     target = tl.minimum(tl.maximum(_div(amax, tl.full(amax.shape, _FP8_MAX, tl.float32)), 2.0**-24), _FP16_MAX)
-    scale = _round_up_fp16(target)  # [H]
+    scale = _round_up(target, tl.float16, tl.int16)  # [H]
     data = tl.minimum(tl.maximum(_div(x, scale.to(tl.float32)[:, None]), -_FP8_MAX), _FP8_MAX)
     tl.store(dst_ptrs, data.to(tl.float8e4nv), mask=mask)
     tl.store(scale_ptrs, scale, mask=h_ok)
@@ -77,7 +68,7 @@ def _quantize_nvfp4_row(src_ptrs, dst_ptrs, scale_ptrs, mask, g_ok, amax_div, gl
     hi = tl.load(src_ptrs + 1, mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))  # [G]
     target = tl.minimum(tl.maximum(_div(amax, tl.full(amax.shape, amax_div, tl.float32)), 2.0**-9), _FP8_MAX)
-    scale = _round_up_e4m3(target)
+    scale = _round_up(target, tl.float8e4nv, tl.uint8)
     step = (scale.to(tl.float32) * global_scale)[:, None]
     code_lo = _e2m1_code(tl.minimum(tl.maximum(_div(lo, step), -_E2M1_MAX), _E2M1_MAX))
     code_hi = _e2m1_code(tl.minimum(tl.maximum(_div(hi, step), -_E2M1_MAX), _E2M1_MAX))
@@ -161,8 +152,9 @@ def reshape_and_cache_quant(
         raise ValueError("key and value need a contiguous last (head_dim) dimension")
     if num_tokens == 0:
         return
+    if fmt.rotate:  # float32 rows, as quantize() rounds them
+        key, value = hadamard_rotate(key).float(), hadamard_rotate(value).float()
     nvfp4 = fmt.name == "nvfp4"
-    groups = fmt.num_scale_groups(head_dim)
     kc, vc, ks, vs = cache.key, cache.value, cache.key_scale, cache.value_scale
     block_h = triton.next_power_of_2(num_kv_heads)
     # nvfp4: one program per (token, head) on 2-D [groups, 8] tiles.
@@ -173,8 +165,8 @@ def reshape_and_cache_quant(
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        NUM_GROUPS=groups,
-        BLOCK_G=triton.next_power_of_2(groups),
+        NUM_GROUPS=fmt.num_scale_groups(head_dim),
+        BLOCK_G=triton.next_power_of_2(fmt.num_scale_groups(head_dim)),
         BLOCK_SIZE=kc.shape[1],
         num_warps=1 if nvfp4 or block_h * head_dim < 2048 else 4,
     )

@@ -8,9 +8,15 @@ nvfp4 (per 16 values of one (token, head)), as NVIDIA's NVFP4: g = fmt.global_sc
     is sign << 3 | magnitude index (zero is +0).
 g is static (a token's scales are written once); g = 4 covers group amax up to 10752 (larger
 saturates, finite). Inputs must be finite.
+fmt.rotate (nvfp4): each head vector x is stored as x Hn, Hn = hadamard() a block Hadamard rotation
+(QuaRot): it spreads outlier channels over the head, which makes q.k's error smaller. Attention is
+unchanged if q is rotated alike (q.k = (q Hn).(k Hn)) and the output back (P (V Hn) Hn = P V).
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 
@@ -29,11 +35,25 @@ _E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, 
 def _round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast positive float32 `x` (within dtype's finite range) to float16 / float8_e4m3fn, rounding
     up: the next value up is the bit pattern plus one."""
-    q = x.to(dtype)
-    int_dtype = torch.uint8 if dtype.itemsize == 1 else torch.int16
-    bits = q.view(int_dtype)
-    bump = (q.float() < x).to(int_dtype)
-    return (bits + bump).view(dtype)
+    q, int_dtype = x.to(dtype), torch.uint8 if dtype.itemsize == 1 else torch.int16
+    return (q.view(int_dtype) + (q.float() < x).to(int_dtype)).view(dtype)
+
+
+@functools.cache
+def hadamard(head_dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Hn [D, D]: the block-diagonal Sylvester Hadamard matrix, orthonormal and symmetric (Hn Hn = I),
+    blocks of b = the largest power of 4 dividing D: its entries +-1/sqrt(b) are exact in every dtype."""
+    b = 4 ** (((head_dim & -head_dim).bit_length() - 1) // 2)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return torch.block_diag(*[h / math.sqrt(b)] * (head_dim // b)).to(device=device, dtype=dtype)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> x Hn in float64, where the sums of +-2^-e x_i are exact (short of a 2^22 spread in
+    a head): every device rounds them to the same float32, so Triton's write stores quantize()'s bytes."""
+    return x.double() @ hadamard(x.shape[-1], x.device, torch.float64)
 
 
 def _group_view(x: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -59,8 +79,7 @@ def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     index = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
     for bound, tie_up in _E2M1_BOUNDS:
         index += (mag >= bound) if tie_up else (mag > bound)
-    negative = (v < 0) & (index > 0)
-    return index | (negative.to(torch.uint8) << 3)
+    return index | (((v < 0) & (index > 0)).to(torch.uint8) << 3)  # -0 stores +0
 
 
 def _quantize_nvfp4(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +98,15 @@ def _quantize_nvfp4(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch
     return data, scale.squeeze(-1)
 
 
-def _dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, fmt: KVFormat, out_dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     n, h, p = data.shape
     magnitudes = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=data.device)
     lut = torch.cat([magnitudes, -magnitudes])  # [16], indexed by the nibble
     codes = torch.stack([data & 0x0F, data >> 4], dim=-1).reshape(n, h, 2 * p)  # [N, H, D]
     values = _group_view(lut[codes.long()], scale.shape[-1])  # [N, H, G, D/G]
     values = values * (scale.float() * float(fmt.global_scale)).unsqueeze(-1)
-    return values.reshape(n, h, 2 * p).to(out_dtype)
+    values = values.reshape(n, h, 2 * p)
+    return hadamard_rotate(values) if fmt.rotate else values
 
 
 def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -95,7 +115,7 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor
         raise ValueError(f"quantize expects [num_tokens, num_heads, head_dim], got {tuple(x.shape)}")
     if not fmt.quantized:
         return x.to(fmt.storage_dtype), None
-    return _quantize_fp8(x) if fmt.name == "fp8" else _quantize_nvfp4(x, fmt)
+    return _quantize_fp8(x) if fmt.name == "fp8" else _quantize_nvfp4(hadamard_rotate(x) if fmt.rotate else x, fmt)
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat, out_dtype: torch.dtype) -> torch.Tensor:
@@ -106,19 +126,15 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat, ou
         raise ValueError(f"KV format {fmt.name!r} needs scales to dequantize")
     if fmt.name == "fp8":
         return (data.float() * scale.float()).to(out_dtype)
-    return _dequantize_nvfp4(data, scale, fmt, out_dtype)
-
-
-def _slots_view(t: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, block_size, H, X] -> [num_slots, H, X] (a view: writes land in the cache)."""
-    return t.view(-1, t.shape[2], t.shape[3])
+    return _dequantize_nvfp4(data, scale, fmt).to(out_dtype)
 
 
 def _scatter(dst: torch.Tensor, slot_mapping: torch.Tensor, src: torch.Tensor) -> None:
-    # index_copy_ has no float8 kernel on every device; copying the bytes is exact either way.
+    """Store src [N, H, X] at slots of dst [num_blocks, block_size, H, X] (index_copy_ has no float8
+    kernel on every device; copying the bytes is exact either way)."""
     if dst.dtype.itemsize == 1 and dst.dtype != torch.uint8:
         dst, src = dst.view(torch.uint8), src.view(torch.uint8)
-    _slots_view(dst).index_copy_(0, slot_mapping, src.to(dst.dtype))
+    dst.view(-1, dst.shape[2], dst.shape[3]).index_copy_(0, slot_mapping, src.to(dst.dtype))
 
 
 def write_kv(

@@ -27,6 +27,7 @@ class KVFormat:
     scale_dtype: torch.dtype | None
     # NVFP4's static float32 global dequant multiplier (see quant.py); 1.0 elsewhere.
     global_scale: float = 1.0
+    rotate: bool = False  # store head vectors Hadamard-rotated (see quant.py)
 
     @property
     def quantized(self) -> bool:
@@ -54,7 +55,7 @@ def kv_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:
         return KVFormat("fp8", torch.float8_e4m3fn, 1, 1 << 30, torch.float16)
     if kv_cache_dtype == "nvfp4":
         # e2m1 codes two per byte, one e4m3 scale per 16 values, global scale 4 (see quant.py).
-        return KVFormat("nvfp4", torch.uint8, 2, 16, torch.float8_e4m3fn, global_scale=4.0)
+        return KVFormat("nvfp4", torch.uint8, 2, 16, torch.float8_e4m3fn, global_scale=4.0, rotate=True)
     raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported.")
 
 
