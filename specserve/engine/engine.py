@@ -210,7 +210,10 @@ class Engine:
             [r.generator for r in reqs],
             self.vocab_size,
             self.device,
-            [list(r.eos_token_ids) + (r.params.stop_token_ids or []) for r in reqs],
+            # per-row stop ids matter only below min_tokens: not built when no row sets it (host time per row)
+            [list(r.eos_token_ids) + (r.params.stop_token_ids or []) for r in reqs]
+            if [r.params.min_tokens for r in reqs].count(0) != len(reqs)
+            else None,
         )
 
     def sample_tokens(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
