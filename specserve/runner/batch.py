@@ -179,8 +179,6 @@ class _StagingBuffer:
 _DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
-
-
 def build_host_batch(
     sched: SchedulerOutput,
     block_ids_of,

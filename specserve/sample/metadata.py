@@ -78,15 +78,19 @@ class SamplingMetadata:
         temps = np.array([p.temperature for p in params], dtype=np.float64)
         greedy_rows = temps < GREEDY_BELOW
         is_greedy = greedy_rows.tolist()
-        all_greedy, all_random = bool(greedy_rows.all()), not greedy_rows.any()
+        num_greedy = is_greedy.count(True)
+        all_greedy, all_random = num_greedy == num_seqs, num_greedy == 0
         use: dict[str, bool] = {}
         if not all_greedy:  # greedy rows read no scalar: cached neutral temperatures, no copy
             scalars, use = _row_scalars(params, temps, greedy_rows, vocab_size)
             scalars = h2d(scalars, device)  # one host->device copy for all per-row scalars
         positions = list(map(len, output_token_ids))
-        min_tokens = np.array([p.min_tokens for p in params], dtype=np.int64)
-        left = np.maximum(min_tokens - np.array(positions, dtype=np.int64), 0)
-        remaining = left.tolist()
+        min_tokens = [p.min_tokens for p in params]
+        if min_tokens.count(0) == num_seqs:  # the common case: no row holds stop tokens back
+            remaining, below = [0] * num_seqs, np.zeros(0, dtype=np.int64)
+        else:
+            left = np.maximum(np.array(min_tokens, dtype=np.int64) - np.array(positions, dtype=np.int64), 0)
+            remaining, below = left.tolist(), np.flatnonzero(left)
         # (the caller's lists, not copies: nothing here writes to them)
         stop_ids = list(stops) if stops is not None else [[] for _ in params]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -105,7 +109,7 @@ class SamplingMetadata:
             top_p=scalars[:, 1] if use.get("top_p") else None,
             min_p=scalars[:, 2] if use.get("min_p") else None,
             penalties=_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
-            min_tokens_mask=_build_min_tokens_mask(remaining, stop_ids, vocab_size, device, np.flatnonzero(left)),
+            min_tokens_mask=_build_min_tokens_mask(remaining, stop_ids, vocab_size, device, below),
             max_num_logprobs=max(logprobs) if logprobs else None,
             generators=row_generators,
             vocab_size=vocab_size,
