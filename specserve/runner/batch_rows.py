@@ -10,6 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 from specserve.runner.block_tables import ranks
+from specserve.scheduler.request import Request
 from specserve.scheduler.scheduler import ScheduledRequest
 
 # At and above this many requests the vectorized builder is the faster (bench/host_step.py).
@@ -33,7 +34,7 @@ def query_rows(scheduled: list[ScheduledRequest], vectorized: bool | None = None
     return rows_vectorized(scheduled) if vectorized else rows_loop(scheduled)
 
 
-def query_tokens(req, c: int, n: int) -> list[int]:
+def query_tokens(req: Request, c: int, n: int) -> list[int]:
     """The n query tokens of req from computed position c: known tokens, then drafts under verification."""
     tokens = req.all_token_ids[c : c + n]
     if len(tokens) < n:
