@@ -202,7 +202,9 @@ class Engine:
         return new_tokens, accepted
 
     def _sampling_meta(self, reqs: list[Request]) -> SamplingMetadata:
-        stops = [list(r.eos_token_ids) + r.params.stop_ids for r in reqs]
+        # per-row stop ids matter only below min_tokens: not built when no row sets it (host time per row)
+        needs_stops = any(r.params.min_tokens for r in reqs)
+        stops = [list(r.eos_token_ids) + r.params.stop_ids for r in reqs] if needs_stops else None
         lists = ([r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs])
         return SamplingMetadata.build(*lists, [r.generator for r in reqs], self.vocab_size, self.device, stops)
 

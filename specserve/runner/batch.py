@@ -1,15 +1,17 @@
 """Flatten one scheduler step into model inputs (input_ids, positions, slot_mapping, block tables):
-built on the host with numpy (`HostBatch`), then copied through persistent pinned buffers (`Staging`)."""
+built on the host with numpy over the whole batch (`HostBatch`; block tables cached across steps in
+`BlockTables`), then copied through persistent pinned buffers (`Staging`)."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specserve.attention.base import AttentionMetadata
+from specserve.runner.batch_rows import VECTORIZE_MIN_SEQS, query_rows
+from specserve.runner.block_tables import BlockTables, block_table_array
 from specserve.runner.streams import record
 from specserve.scheduler.scheduler import SchedulerOutput
 
@@ -177,54 +179,27 @@ class _StagingBuffer:
 _DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
-def block_table_array(block_lists: list[list[int]]) -> np.ndarray:
-    """[len(block_lists), longest list (at least 1)] int32, each row its list padded with 0."""
-    if len(block_lists) == 1 and block_lists[0]:
-        return np.array(block_lists, dtype=np.int32)
-    widths = np.fromiter(map(len, block_lists), dtype=np.int64, count=len(block_lists))
-    tables = np.zeros((len(block_lists), max(1, int(widths.max(initial=1)))), dtype=np.int32)
-    # Row i's first widths[i] entries, filled row-major from the concatenated lists in one go.
-    tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(block_lists), dtype=np.int32, count=int(widths.sum())
-    )
-    return tables
-
-
-def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> HostBatch:
-    """block_ids_of(request_id) -> list[int]."""
-    query_lens: list[int] = []
-    ids: list[int] = []
-    seq_lens: list[int] = []
-    cu = [0]
-    block_lists: list[list[int]] = []
-    logits_idx: list[int] = []
-    logit_rows: list[tuple[int, int] | None] = []
-    for s in sched.scheduled:
-        req, n = s.request, s.num_new_tokens
-        c = req.num_computed_tokens
-        tokens = req.all_token_ids[c : c + n]
-        if len(tokens) < n:  # the tail is draft tokens under verification
-            tokens = tokens + req.spec_token_ids[: n - len(tokens)]
-        ids.extend(tokens)
-        query_lens.append(n)
-        seq_lens.append(c + n)
-        block_lists.append(block_ids_of(req.request_id))
-        if s.samples:
-            rows = s.num_spec_tokens + 1
-            logit_rows.append((len(logits_idx), rows))
-            logits_idx.extend(range(cu[-1] + n - rows, cu[-1] + n))
-        else:
-            logit_rows.append(None)
-        cu.append(cu[-1] + n)
-    lens = np.array(query_lens, dtype=np.int64)
-    seq_index = np.repeat(np.arange(len(lens)), lens)
-    ends = np.array(seq_lens, dtype=np.int64)
+def build_host_batch(
+    sched: SchedulerOutput,
+    block_ids_of,
+    block_size: int,
+    tables: BlockTables | None = None,
+    vectorized: bool | None = None,
+) -> HostBatch:
+    """block_ids_of(request_id) -> list[int]; tables: the caller's persistent block tables (else rebuilt
+    from the lists); vectorized: see batch_rows.query_rows."""
+    rows = query_rows(sched.scheduled, vectorized)
+    n, c, cu = rows.query_lens, rows.computed, rows.cu_query_lens
+    seq_index = np.repeat(np.arange(len(n)), n)
     # position of each token: its sequence's first query position plus its rank within the query
-    positions = ends[seq_index] - lens[seq_index] + np.arange(len(ids)) - np.array(cu[:-1], dtype=np.int64)[seq_index]
-    block_tables = block_table_array(block_lists)
+    positions = c[seq_index] + np.arange(len(rows.input_ids)) - cu[:-1][seq_index]
+    if tables is not None and len(n) >= VECTORIZE_MIN_SEQS:
+        block_tables = tables.gather(rows.request_ids, block_ids_of)
+    else:
+        block_tables = block_table_array(list(map(block_ids_of, rows.request_ids)))
     # slot of the token at position p of sequence i: block_tables[i, p // bs] * bs + p % bs
     bs = block_size
     slots = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-    arrays = (np.array(ids, dtype=np.int64), positions, slots, block_tables, ends.astype(np.int32))
-    lists = (np.array(cu, dtype=np.int32), np.array(logits_idx, dtype=np.int64), query_lens, logit_rows)
-    return HostBatch(*arrays, *lists)
+    seq_lens = (c + n).astype(np.int32)
+    arrays = (rows.input_ids, positions, slots, block_tables, seq_lens, cu.astype(np.int32), rows.logits_indices)
+    return HostBatch(*arrays, n.tolist(), rows.logit_rows)

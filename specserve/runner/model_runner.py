@@ -11,6 +11,7 @@ from specserve.kv.spec import KVCacheSpec, KVFormat, LayerKVCache
 from specserve.model.loader import LoadedModel
 from specserve.runner.batch import (
     BatchInputs,
+    BlockTables,
     HostBatch,
     PendingTokens,
     Staging,
@@ -68,6 +69,7 @@ class ModelRunner:
         self.kv_caches: list[LayerKVCache] = spec.allocate(num_blocks, device)
         self.backend = backend or select_backend(device)
         self.staging = Staging(device) if device.type == "cuda" else None
+        self.block_tables = BlockTables()  # rows kept across steps: a step copies only new blocks
         self.graphs = None  # CudaGraphRunner once capture_graphs() ran
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, *query_lens: tuple[int, ...]) -> None:
@@ -90,7 +92,7 @@ class ModelRunner:
         pending: PendingTokens | None = None,
     ) -> StepOutput:
         """prompt_plan: rows to score prompt logprobs of (every token's hidden state: the step runs eagerly)."""
-        host = build_host_batch(sched, block_ids_of, self.block_size)
+        host = build_host_batch(sched, block_ids_of, self.block_size, self.block_tables)
         return self._execute(sched, host, need_hidden, prompt_plan, pending)
 
     @torch.inference_mode()

@@ -7,12 +7,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from specserve.sample.h2d import cached_tensor, h2d
 from specserve.sample.penalties import PenaltyTensors, add_output_tokens, build_penalty_tensors, select_penalty_rows
 from specserve.sampling_params import SamplingParams
+
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily: SamplingParams.greedy (a test checks they agree)
 
 
 class MinTokensMask(NamedTuple):
@@ -70,15 +73,33 @@ class SamplingMetadata:
         for name, values in [*lists.items(), ("stop_token_ids_for_min_tokens", stops or params)]:
             if len(values) != num_seqs:
                 raise ValueError(f"{name} has {len(values)} rows, params has {num_seqs}.")
-        is_greedy = [p.greedy for p in params]
-        all_greedy, all_random = all(is_greedy), not any(is_greedy)
+        # Vectorized over rows: one list comprehension per SamplingParams field, the rest in numpy, so the
+        # Python work per row is a few attribute reads; rows using min_tokens / penalties are few.
+        temps = np.array([p.temperature for p in params], dtype=np.float64)
+        greedy_rows = temps < GREEDY_BELOW
+        is_greedy = greedy_rows.tolist()
+        num_greedy = is_greedy.count(True)
+        all_greedy, all_random = num_greedy == num_seqs, num_greedy == 0
         use: dict[str, bool] = {}
         if not all_greedy:  # greedy rows read no scalar: cached neutral temperatures, no copy
-            scalars, use = _row_scalars(params, is_greedy, vocab_size)
+            scalars, use = _row_scalars(params, temps, greedy_rows, vocab_size)
             scalars = h2d(scalars, device)  # one host->device copy for all per-row scalars
-        remaining = [max(0, p.min_tokens - len(out)) for p, out in zip(params, output_token_ids)]
-        stop_ids = [list(ids) for ids in stops or [[] for _ in params]]
+        positions = list(map(len, output_token_ids))
+        min_tokens = [p.min_tokens for p in params]
+        if min_tokens.count(0) == num_seqs:  # the common case: no row holds stop tokens back
+            remaining, below = [0] * num_seqs, np.zeros(0, dtype=np.int64)
+        else:
+            left = np.maximum(np.array(min_tokens, dtype=np.int64) - np.array(positions, dtype=np.int64), 0)
+            remaining, below = left.tolist(), np.flatnonzero(left)
+        # (the caller's lists, not copies: nothing here writes to them)
+        stop_ids = list(stops) if stops is not None else [[] for _ in params]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        if all_greedy:
+            row_generators: list[torch.Generator | None] = [None] * num_seqs
+            seeds: list[int | None] = [None] * num_seqs
+        else:
+            row_generators = [None if g else gen for g, gen in zip(is_greedy, generators)]
+            seeds = [None if g else p.seed for g, p in zip(is_greedy, params)]
         return cls(
             temperature=_ones(num_seqs, device) if all_greedy else scalars[:, 0],
             greedy_mask=None if all_greedy or all_random else scalars[:, 4] > 0,
@@ -87,16 +108,16 @@ class SamplingMetadata:
             top_k=scalars[:, 3].long() if use.get("top_k") else None,
             top_p=scalars[:, 1] if use.get("top_p") else None,
             min_p=scalars[:, 2] if use.get("min_p") else None,
-            penalties=build_penalty_tensors(params, prompt_token_ids, output_token_ids, vocab_size, device),
-            min_tokens_mask=_build_min_tokens_mask(remaining, stop_ids, vocab_size, device),
+            penalties=_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
+            min_tokens_mask=_build_min_tokens_mask(remaining, stop_ids, vocab_size, device, below),
             max_num_logprobs=max(logprobs) if logprobs else None,
-            generators=[None if g else gen for g, gen in zip(is_greedy, generators)],
+            generators=row_generators,
             vocab_size=vocab_size,
             is_greedy=is_greedy,
             min_tokens_remaining=remaining,
             min_tokens_stop_ids=stop_ids,
-            seeds=[None if g else p.seed for g, p in zip(is_greedy, params)],
-            positions=[len(out) for out in output_token_ids],
+            seeds=seeds,
+            positions=positions,
         )
 
     def select_rows(self, row_ids: Sequence[int]) -> SamplingMetadata:
@@ -159,30 +180,61 @@ def _ones(n: int, device: torch.device) -> Tensor:
 
 
 def _row_scalars(
-    params: Sequence[SamplingParams], is_greedy: Sequence[bool], vocab_size: int
+    params: Sequence[SamplingParams], temps: np.ndarray, greedy: np.ndarray, vocab_size: int
 ) -> tuple[Tensor, dict[str, bool]]:
-    """Host [num_seqs, 5] float32 (temperature, top_p, min_p, top_k, greedy), and the filters random rows use."""
-    rows = []
-    use = {"top_k": False, "top_p": False, "min_p": False}
-    for p, greedy in zip(params, is_greedy):
-        if greedy:
-            rows.append((1.0, 1.0, 0.0, float(vocab_size), 1.0))
-            continue
-        top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
-        use["top_k"] |= top_k < vocab_size
-        use["top_p"] |= p.top_p < 1.0
-        use["min_p"] |= p.min_p > 0.0
-        rows.append((p.temperature, p.top_p, p.min_p, float(top_k), 0.0))
-    return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), 5), use
+    """Host [num_seqs, 5] float32 (temperature, top_p, min_p, top_k, greedy), and the filters random rows use.
+    Greedy rows hold the neutral (1.0, 1.0, 0.0, vocab, 1.0)."""
+    top_p = np.array([p.top_p for p in params], dtype=np.float64)
+    min_p = np.array([p.min_p for p in params], dtype=np.float64)
+    top_k = np.array([p.top_k for p in params], dtype=np.int64)
+    top_k = np.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
+    random = ~greedy
+    use = {
+        "top_k": bool((top_k[random] < vocab_size).any()),
+        "top_p": bool((top_p[random] < 1.0).any()),
+        "min_p": bool((min_p[random] > 0.0).any()),
+    }
+    cols = (
+        np.where(greedy, 1.0, temps),
+        np.where(greedy, 1.0, top_p),
+        np.where(greedy, 0.0, min_p),
+        np.where(greedy, vocab_size, top_k),
+        greedy,
+    )
+    return torch.from_numpy(np.stack(cols, axis=1).astype(np.float32)), use
+
+
+def _penalties(
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> PenaltyTensors | None:
+    """build_penalty_tensors, skipped (None) after a vectorized check finds every row neutral."""
+    n = len(params)
+    neutral = (
+        [p.repetition_penalty for p in params].count(1.0) == n
+        and [p.presence_penalty for p in params].count(0.0) == n
+        and [p.frequency_penalty for p in params].count(0.0) == n
+    )
+    if neutral:
+        return None
+    return build_penalty_tensors(params, prompt_token_ids, output_token_ids, vocab_size, device)
 
 
 def _build_min_tokens_mask(
-    remaining: Sequence[int], stop_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+    remaining: Sequence[int],
+    stop_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device,
+    rows: np.ndarray | None = None,
 ) -> MinTokensMask | None:
+    """rows: the rows with remaining > 0 where the caller knows them (then only those are visited)."""
+    if rows is None:
+        rows = np.flatnonzero(np.asarray(remaining, dtype=np.int64) > 0)
     # An id outside the logits (an added EOS past a padded vocab) cannot be sampled; indexing would crash.
-    pairs = [
-        (row, t) for row, (left, ids) in enumerate(zip(remaining, stop_ids)) if left > 0 for t in ids if t < vocab_size
-    ]
+    pairs = [(row, t) for row in rows.tolist() for t in stop_ids[row] if t < vocab_size]
     if not pairs:
         return None
     index = h2d(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device)

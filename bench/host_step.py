@@ -1,0 +1,226 @@
+"""Host (Python) time per step against batch size, on the CPU (issue 48).
+
+Part 1, the batch build: B decoding requests (prompt --prompt-len tokens, some output), one token each;
+times build_host_batch + to_device (the runner's host work) and SamplingMetadata.build for random rows
+(the sampler's host work), best of --repeats, in ms per step. --profile N runs cProfile over the build
+at batch N and prints the top functions.
+
+Part 2 (--engine): a tiny random-weight model (tests/helpers/tiny_models.py), B requests decoding at
+once; cProfile over Engine.step, grouped into schedule / build / forward / sample / update.
+
+    PYTHONPATH=$PWD python bench/host_step.py --batches 1 64 256 1024 --repeats 20
+    PYTHONPATH=$PWD python bench/host_step.py --before /path/to/baseline/checkout   # before/after, one run
+    PYTHONPATH=$PWD python bench/host_step.py --profile 1024 --engine 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import subprocess
+import sys
+import time
+from functools import partial
+
+import torch
+
+from specserve.runner.batch import build_host_batch
+from specserve.sample.metadata import SamplingMetadata
+from specserve.sampling_params import SamplingParams
+from specserve.scheduler.request import Request
+from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+try:
+    from specserve.runner.block_tables import BlockTables
+except ImportError:  # a checkout from before the persistent block tables (the "before" column)
+    BlockTables = None  # type: ignore[assignment,misc]
+
+BLOCK_SIZE = 16
+VOCAB = 32000
+
+
+def decode_step(batch: int, prompt_len: int = 512, num_out: int = 64, seed: bool = False):
+    """(SchedulerOutput of `batch` decoding requests, request_id -> block list, the requests)."""
+    reqs, blocks, scheduled = [], {}, []
+    for i in range(batch):
+        params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=256, seed=i if seed else None)
+        req = Request(f"r{i}", [(7 * i + j) % VOCAB for j in range(prompt_len)], params, 256, eos_token_ids=(2,))
+        req.append_output_tokens([(3 * i + j) % VOCAB for j in range(num_out)])
+        req.num_computed_tokens = req.num_tokens - 1
+        n_blocks = -(-req.num_tokens // BLOCK_SIZE)
+        blocks[req.request_id] = [(i * 64 + b) % 100_000 for b in range(n_blocks)]
+        reqs.append(req)
+        scheduled.append(ScheduledRequest(req, 1, 0))
+    sched = SchedulerOutput(scheduled, num_batched_tokens=batch)
+    return sched, blocks, reqs
+
+
+def make_builder(sched, block_ids_of, blocks: dict[str, list[int]]):
+    """build(): one step's build_host_batch + to_device, with the runner's persistent block tables where
+    this checkout has them; between calls 1/16 of the requests gain a block (a decode step's rate)."""
+    kw = {"tables": BlockTables()} if BlockTables is not None else {}
+    lists, step = list(blocks.values()), [0]
+
+    def grow() -> None:
+        step[0] += 1
+        for blk in lists[step[0] % BLOCK_SIZE :: BLOCK_SIZE]:
+            blk.append(blk[-1] + 1)
+
+    def build() -> None:
+        host = build_host_batch(sched, block_ids_of, BLOCK_SIZE, **kw)
+        host.to_device(torch.device("cpu"))
+
+    return grow, build
+
+
+def meta_once(reqs) -> None:
+    SamplingMetadata.build(
+        [r.params for r in reqs],
+        [r.prompt_token_ids for r in reqs],
+        [r.output_token_ids for r in reqs],
+        [r.generator for r in reqs],
+        VOCAB,
+        torch.device("cpu"),
+        # as Engine._sampling_meta builds them (before issue 48: always)
+        [list(r.eos_token_ids) + (r.params.stop_token_ids or []) for r in reqs]
+        if BlockTables is None or [r.params.min_tokens for r in reqs].count(0) != len(reqs)
+        else None,
+    )
+
+
+def best_ms(fn, repeats: int, setup=lambda: None) -> float:
+    fn()  # warm caches
+    best = float("inf")
+    for _ in range(repeats):
+        setup()
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def build_table(batches: list[int], repeats: int) -> list[dict]:
+    rows = []
+    for b in batches:
+        sched, blocks, reqs = decode_step(b)
+        grow, build = make_builder(sched, blocks.get, blocks)
+        build_ms = best_ms(build, repeats, grow)
+        meta = best_ms(partial(meta_once, reqs), repeats)
+        rows.append({"batch": b, "build_ms": build_ms, "meta_ms": meta})
+    return rows
+
+
+def print_profile(fn, top: int = 15) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    print(out.getvalue())
+
+
+def engine_profile(batch: int, steps: int) -> None:
+    """cProfile over Engine.step with `batch` requests decoding at once on a tiny random model."""
+    import tempfile
+    from pathlib import Path
+
+    from specserve import LLM
+    from tests.helpers.tiny_models import make_tiny_model_dir
+
+    with tempfile.TemporaryDirectory() as d:
+        path = make_tiny_model_dir(Path(d) / "m", max_position_embeddings=1024)
+        llm = LLM(model=str(path), progress=False, max_num_seqs=batch, max_num_batched_tokens=max(512, batch))
+        eng = llm.engine
+        params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=2 * steps + 64, ignore_eos=True, seed=0)
+        for i in range(batch):
+            eng.add_request(f"r{i}", {"prompt_token_ids": [(7 * i + j) % 300 + 5 for j in range(64)]}, params)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+            eng.step()  # prefill out of the way
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        wall = (time.perf_counter() - t) / steps * 1e3
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            eng.step()
+        prof.disable()
+    stats = pstats.Stats(prof)
+    parts = {  # (file, function): Engine.step's phases; build is inside execute, with the forward
+        "schedule": ("scheduler.py", "schedule"),
+        "execute": ("engine.py", "execute"),
+        "  build": ("batch.py", "build_host_batch"),
+        "sample": ("engine.py", "_sample"),
+        "  metadata": ("metadata.py", "build"),
+        "update": ("engine.py", "update"),
+    }
+    print(f"engine step at batch {batch}: {wall:.2f} ms/step without the profiler; under it, per phase:")
+    for label, (file, func) in parts.items():
+        cum = sum(v[3] for k, v in stats.stats.items() if k[0].endswith(file) and k[2] == func)  # type: ignore[attr-defined]
+        print(f"  {label:11s} {cum / steps * 1e3:8.2f} ms/step")
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)
+    print(out.getvalue())
+
+
+def before_table(checkout: str, batches: list[int], repeats: int) -> list[dict]:
+    """build_table in a subprocess importing specserve from `checkout` (an older tree: the baseline)."""
+    env = dict(os.environ, PYTHONPATH=checkout)
+    cmd = [sys.executable, __file__, "--json", "--repeats", str(repeats), "--batches", *map(str, batches)]
+    return json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256, 1024])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--before", help="a checkout of the baseline tree: its table in the same run (A B A B)")
+    ap.add_argument("--rounds", type=int, default=2, help="with --before: alternations; the best of each kept")
+    ap.add_argument("--json", action="store_true", help="print the build table as JSON only")
+    ap.add_argument("--profile", type=int, default=0, help="cProfile the build at this batch")
+    ap.add_argument("--engine", type=int, default=0, help="cProfile Engine.step at this batch")
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.json:
+        print(json.dumps(build_table(args.batches, args.repeats)))
+        return
+    if args.before:
+        best: dict[str, dict[int, dict]] = {"before": {}, "after": {}}
+        for _ in range(args.rounds):
+            for side, rows in (
+                ("before", before_table(args.before, args.batches, args.repeats)),
+                ("after", build_table(args.batches, args.repeats)),
+            ):
+                for r in rows:
+                    old = best[side].get(r["batch"])
+                    best[side][r["batch"]] = r if old is None else {k: min(old[k], r[k]) for k in r}
+        print("| batch | build before | build after | metadata before | metadata after | (ms per step) |")
+        print("|---:|---:|---:|---:|---:|---|")
+        for b in args.batches:
+            x, y = best["before"][b], best["after"][b]
+            print(f"| {b} | {x['build_ms']:.3f} | {y['build_ms']:.3f} | {x['meta_ms']:.3f} | {y['meta_ms']:.3f} | |")
+    else:
+        print("| batch | build ms/step | build us/request | sampling metadata ms/step |")
+        print("|---:|---:|---:|---:|")
+        for r in build_table(args.batches, args.repeats):
+            b = r["batch"]
+            print(f"| {b} | {r['build_ms']:.3f} | {r['build_ms'] * 1e3 / b:.2f} | {r['meta_ms']:.3f} |")
+    if args.profile:
+        sched, blocks, reqs = decode_step(args.profile)
+        grow, build = make_builder(sched, blocks.get, blocks)
+        build()
+        grow()
+        print_profile(build)
+        print_profile(partial(meta_once, reqs))
+    if args.engine:
+        engine_profile(args.engine, args.steps)
+
+
+if __name__ == "__main__":
+    main()
