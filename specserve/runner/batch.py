@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from specserve.attention.base import AttentionMetadata
+from specserve.attention.tree_mask import tree_inputs
 from specserve.runner.streams import record
 from specserve.scheduler.scheduler import SchedulerOutput
 
@@ -35,6 +36,7 @@ class HostBatch:
     logits_indices: np.ndarray  # [num_logit_rows] int64
     query_lens: list[int]
     logit_rows: list[tuple[int, int] | None]
+    tree_mask: np.ndarray | None = None  # [num_tokens] int64 (AttentionMetadata.tree_mask); runs eagerly
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +72,7 @@ class HostBatch:
             num_tokens=self.num_tokens,
             query_lens_cpu=self.query_lens,
             seq_lens_cpu=self.seq_lens.tolist(),
+            tree_mask=None if self.tree_mask is None else put("tree_mask", self.tree_mask),
         )
 
 
@@ -199,12 +202,15 @@ def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> H
     block_lists: list[list[int]] = []
     logits_idx: list[int] = []
     logit_rows: list[tuple[int, int] | None] = []
+    trees: list[tuple[int, list[int]]] = []  # (flat index of the root, parents) of each draft tree
     for s in sched.scheduled:
         req, n = s.request, s.num_new_tokens
         c = req.num_computed_tokens
         tokens = req.all_token_ids[c : c + n]
         if len(tokens) < n:  # the tail is draft tokens under verification
             tokens = tokens + req.spec_token_ids[: n - len(tokens)]
+            if req.spec_tree_parents is not None and s.num_spec_tokens:
+                trees.append((cu[-1] + n - s.num_spec_tokens - 1, req.spec_tree_parents[: s.num_spec_tokens]))
         ids.extend(tokens)
         query_lens.append(n)
         seq_lens.append(c + n)
@@ -225,6 +231,7 @@ def build_host_batch(sched: SchedulerOutput, block_ids_of, block_size: int) -> H
     # slot of the token at position p of sequence i: block_tables[i, p // bs] * bs + p % bs
     bs = block_size
     slots = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+    tree_mask = tree_inputs(trees, positions, np.array(cu, dtype=np.int64), seq_index) if trees else None
     arrays = (np.array(ids, dtype=np.int64), positions, slots, block_tables, ends.astype(np.int32))
     lists = (np.array(cu, dtype=np.int32), np.array(logits_idx, dtype=np.int64), query_lens, logit_rows)
-    return HostBatch(*arrays, *lists)
+    return HostBatch(*arrays, *lists, tree_mask)
