@@ -204,10 +204,11 @@ class SpecDecoder:
                 chosen.num_draft_tokens.append(budget)
                 chosen.batch_index.append(i)
         catch_up = 0
-        if chosen.requests and shape is not None:
-            self.proposer.propose_tree(chosen, replace(shape, depth=min(k, shape.depth)))
-        elif chosen.requests:
-            self.proposer.propose(chosen)
+        if chosen.requests:
+            if shape is not None:
+                self.proposer.propose_tree(chosen, replace(shape, depth=min(k, shape.depth)))
+            else:
+                self.proposer.propose(chosen)
             self._deferred = self.proposer.take_deferred()
             catch_up = self.proposer.catch_up_tokens()
         if self.structured.num_requests:  # grammars read the drafts now; cut them, start next masks

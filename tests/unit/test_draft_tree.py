@@ -11,8 +11,7 @@ from scipy.stats import chisquare
 
 from specserve.attention.torch_ref import _causal_attention
 from specserve.attention.tree_mask import tree_inputs, tree_layout
-from specserve.sample import SamplingMetadata, compute_target_probs
-from specserve.sample import tree_rejection
+from specserve.sample import SamplingMetadata, compute_target_probs, tree_rejection
 from specserve.sample.tree_rejection import verify_trees
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.tree import TreeShape, accepted_kv_moves, build_tree, path_nodes, tree_shape
