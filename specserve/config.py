@@ -163,7 +163,7 @@ def _check_disk_dir(path: str) -> None:
 
 
 _SPEC_MINIMA = {"num_speculative_tokens": 1, "disable_by_batch_size": 2, "max_model_len": 2, "prompt_lookup_min": 1}
-_SPEC_MINIMA["prompt_lookup_max"] = 1
+_SPEC_MINIMA.update(prompt_lookup_max=1, tree_branching=1, tree_node_budget=1)
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,11 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     # vLLM's: no drafts for a request past this length (the draft model's window is cut to it too).
     max_model_len: int | None = None
+    # Draft trees (speculative/tree.py): children per node and draft nodes per request (depth:
+    # num_speculative_tokens), or vLLM's explicit tree of child-rank paths, e.g. "[(0,), (1,), (0, 0)]".
+    tree_branching: int | None = None
+    tree_node_budget: int | None = None
+    speculative_token_tree: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice(self, "method", SPEC_METHODS, "speculative_config.")

@@ -1,5 +1,5 @@
 """Attention backend interface and its per-forward metadata. Query token j of sequence b sits at
-position `seq_len[b] - query_len[b] + j` and attends causally."""
+position `seq_len[b] - query_len[b] + j` and attends causally (draft-tree rows: to their ancestors only)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ class AttentionMetadata:
     # Host copies for the torch reference path (avoid device syncs); lists of ints.
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # Draft trees: [num_tokens] int64, bit j = the token may see its query's j-th token (j < 63; the
+    # causal rule still applies); -1 for causal rows. None: every row causal.
+    tree_mask: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):

@@ -75,7 +75,8 @@ class TorchRefBackend:
             qb = q[start : start + q_len]  # [q_len, Hq, D]
             table = meta.block_tables[b : b + 1, : -(-s_len // cache.key.shape[1])]
             kb, vb = (t[0, :s_len] for t in gather_padded(cache, fmt, table, q.dtype))  # [s_len, Hkv, D]
-            out[start : start + q_len] = _causal_attention(qb, kb, vb, s_len - q_len, group, scale)
+            tree = None if meta.tree_mask is None else meta.tree_mask[start : start + q_len]
+            out[start : start + q_len] = _causal_attention(qb, kb, vb, s_len - q_len, group, scale, tree)
             start += q_len
         return out
 
@@ -98,13 +99,24 @@ def _decode_attention(
 
 
 def _causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, group: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_len: int,
+    group: int,
+    scale: float,
+    tree: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [Q, Hq, D] at positions context_len..context_len+Q-1 over k/v [S, Hkv, D]."""
+    """q [Q, Hq, D] at positions context_len..context_len+Q-1 over k/v [S, Hkv, D]; tree [Q] int64: the
+    rows' bitmasks over the query's tokens (AttentionMetadata.tree_mask)."""
     q_len, s_len = q.shape[0], k.shape[0]
     q_pos = torch.arange(context_len, context_len + q_len, device=q.device)
     k_pos = torch.arange(s_len, device=q.device)
     mask = k_pos[None, :] <= q_pos[:, None]  # [Q, S]
+    if tree is not None:
+        rel = (k_pos - context_len).clamp(0, 62)  # bit of each key within the query; keys before it: causal
+        bit = (tree[:, None] >> rel[None, :]) & 1
+        mask &= (k_pos[None, :] < context_len) | (bit != 0)
     # SDPA wants [H, L, D]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=group > 1

@@ -44,7 +44,9 @@ class TritonBackend:
             reshape_and_cache_quant(k, v, cache, fmt, meta.slot_mapping)
             return paged_attention_quant(q, cache, fmt, *_batch(meta), scale, num_splits=self.num_splits)
         reshape_and_cache(k, v, cache.key, cache.value, meta.slot_mapping)
-        return paged_attention(q, cache.key, cache.value, *_batch(meta), scale, num_splits=self.num_splits)
+        return paged_attention(
+            q, cache.key, cache.value, *_batch(meta), scale, num_splits=self.num_splits, tree_mask=meta.tree_mask
+        )
 
     def forward_rope(
         self,
@@ -63,4 +65,6 @@ class TritonBackend:
             q, k = apply_rope(q, k, positions, cos_sin_cache)
             return self.forward(q, k, v, cache, fmt, meta, scale)
         rope_and_cache(q, k, v, positions, cos_sin_cache, cache.key, cache.value, meta.slot_mapping)
-        return paged_attention(q, cache.key, cache.value, *_batch(meta), scale, num_splits=self.num_splits)
+        return paged_attention(
+            q, cache.key, cache.value, *_batch(meta), scale, num_splits=self.num_splits, tree_mask=meta.tree_mask
+        )

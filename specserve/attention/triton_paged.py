@@ -47,6 +47,7 @@ def _paged_attention_kernel(
     cu_query_lens_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    tree_mask_ptr,
     sm_scale_log2,
     num_seqs,
     num_splits,
@@ -67,6 +68,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TREE: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     # Before the PDL wait: batch metadata only.
@@ -114,6 +116,8 @@ def _paged_attention_kernel(
         other=0.0,
     )
     q_pos = context_len + q_idx  # key j is visible to this row iff j <= q_pos
+    if TREE:  # and, within the query, iff its bit is set in the row's mask (-1: every bit)
+        tree_bits = tl.load(tree_mask_ptr + tok, mask=row_ok, other=-1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -130,6 +134,10 @@ def _paged_attention_kernel(
         k = tl.load(k_base + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if TREE:
+            rel = tl.minimum(tl.maximum(offs_n - context_len, 0), 62).to(tl.int64)
+            bit = (tree_bits[:, None] >> rel[None, :]) & 1
+            visible = visible & ((offs_n[None, :] < context_len) | (bit != 0))
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row may see no key of this tile (split ranges, causal edge): keep exp2 away from -inf - -inf.
@@ -270,9 +278,11 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over the paged caches [blocks, block_size, Hkv, D] (already
-    written); max_query_len / max_seq_len are host upper bounds. Padding rows are left unwritten."""
+    written); max_query_len / max_seq_len are host upper bounds. Padding rows are left unwritten.
+    tree_mask: [T] int64 draft-tree rows' bitmasks (AttentionMetadata.tree_mask)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     _check_cache(key_cache, value_cache, num_kv_heads, head_dim)
@@ -288,7 +298,7 @@ def paged_attention(
     partials = split_partials(q, num_splits, out)
     pdl = use_pdl(q)
     _paged_attention_kernel[(num_tokens // block_q + num_seqs, num_kv_heads, num_splits)](
-        *(out, q, key_cache, value_cache, *partials, cu_query_lens, seq_lens, block_tables),
+        *(out, q, key_cache, value_cache, *partials, cu_query_lens, seq_lens, block_tables, tree_mask),
         *(scale * LOG2E, num_seqs, num_splits, *q.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3]),
         block_tables.stride(0),
         GROUP=group,
@@ -300,6 +310,7 @@ def paged_attention(
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        TREE=tree_mask is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         USE_PDL=pdl,

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from specserve.attention.base import AttentionMetadata
+from specserve.attention.tree_mask import tree_inputs
 from specserve.runner.batch_rows import VECTORIZE_MIN_SEQS, query_rows
 from specserve.runner.block_tables import BlockTables, block_table_array
 from specserve.runner.streams import record
@@ -37,6 +38,7 @@ class HostBatch:
     logits_indices: np.ndarray  # [num_logit_rows] int64
     query_lens: list[int]
     logit_rows: list[tuple[int, int] | None]
+    tree_mask: np.ndarray | None = None  # [num_tokens] int64 (AttentionMetadata.tree_mask); runs eagerly
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +74,7 @@ class HostBatch:
             num_tokens=self.num_tokens,
             query_lens_cpu=self.query_lens,
             seq_lens_cpu=self.seq_lens.tolist(),
+            tree_mask=None if self.tree_mask is None else put("tree_mask", self.tree_mask),
         )
 
 
@@ -201,5 +204,19 @@ def build_host_batch(
     bs = block_size
     slots = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
     seq_lens = (c + n).astype(np.int32)
+    trees = tree_roots(sched)
+    tree_mask = tree_inputs(trees, positions, cu.astype(np.int64), seq_index) if trees else None
     arrays = (rows.input_ids, positions, slots, block_tables, seq_lens, cu.astype(np.int32), rows.logits_indices)
-    return HostBatch(*arrays, n.tolist(), rows.logit_rows)
+    return HostBatch(*arrays, n.tolist(), rows.logit_rows, tree_mask)
+
+
+def tree_roots(sched: SchedulerOutput) -> list[tuple[int, list[int]]]:
+    """(flat index of the root, parents) of each draft tree under verification in the step."""
+    trees, start = [], 0
+    for s in sched.scheduled:
+        if s.num_spec_tokens and s.request.spec_tree_parents is not None:
+            trees.append(
+                (start + s.num_new_tokens - s.num_spec_tokens - 1, s.request.spec_tree_parents[: s.num_spec_tokens])
+            )
+        start += s.num_new_tokens
+    return trees

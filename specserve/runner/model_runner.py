@@ -147,7 +147,8 @@ class ModelRunner:
         # Graphs return hidden states too, but only those of the aux layers they were captured with.
         aux_ok = not need_hidden or (g is not None and g.aux_hidden_layers == tuple(self.model.aux_hidden_layers))
         # Maybe padded per sequence; StepOutput.host describes this layout (EAGLE maps rows by it).
-        host, key = (g.graph_for(host) if g is not None and not prompt_plan and aux_ok else None) or (host, None)
+        use_graph = g is not None and not prompt_plan and aux_ok and host.tree_mask is None  # trees run eagerly
+        host, key = (g.graph_for(host) if use_graph else None) or (host, None)
         fill = self._fill(host, sched, pending)
         # A uniform graph scores every token itself (a catch-up graph: the batch's logits rows, in order); a
         # mixed one ends at the hidden states and the LM head scores the step's rows after it.

@@ -43,6 +43,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify, not in all_token_ids
     # [len(spec_token_ids), vocab] distribution each draft was sampled from; None = one-hot drafts.
     spec_draft_probs: torch.Tensor | None = None
+    spec_tree_parents: list[int] | None = None  # a draft tree's parent node per draft (speculative/tree.py)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = -1  # prefix-hit tokens at first scheduling; -1 until scheduled
     stop_reason: int | str | None = None

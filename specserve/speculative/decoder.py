@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +22,15 @@ from specserve.speculative.control import Controller, StepRecord, build_controll
 from specserve.speculative.proposers import build_proposer
 from specserve.speculative.proposers.base import ProposeInput, draft_budget
 from specserve.speculative.proposers.draft_tokens import DeferredDrafts
+from specserve.speculative.tree import (
+    TreeShape,
+    accepted_kv_moves,
+    compact_kv,
+    tree_allowed,
+    tree_depth,
+    tree_eligible,
+    tree_shape,
+)
 from specserve.speculative.verify import position_counts, position_labels, record_verify_metrics, verify_drafts
 
 if TYPE_CHECKING:
@@ -54,7 +63,14 @@ class SpecDecoder:
         self.disable_above = cfg.disable_by_batch_size  # vLLM's disable_by_batch_size: no drafts above it
         self.rejection = RejectionSampler()
         self.stats = stats
-        for pos in range(cfg.num_speculative_tokens):  # every position exported from the start, at 0
+        self.tree: TreeShape | None = tree_shape(
+            cfg.num_speculative_tokens, cfg.tree_branching, cfg.tree_node_budget, cfg.speculative_token_tree
+        )
+        if self.tree is not None and not tree_allowed(parts.runner):
+            raise ValueError("draft trees need a single-device runner and, on the GPU, an unquantized KV cache.")
+        self.runner, self.block_ids_of = parts.runner, parts.kv.block_ids
+        depth = max(cfg.num_speculative_tokens, self.tree.depth if self.tree else 0)
+        for pos in range(depth):  # every position (tree depth - 1) exported from the start, at 0
             stats.inc("spec_decode_num_accepted_tokens_per_pos_total", 0, position_labels(pos))
         self.vocab_size = parts.loaded.arch.vocab_size
         self.structured = structured  # cuts drafts at grammar-invalid tokens
@@ -83,11 +99,29 @@ class SpecDecoder:
     ) -> tuple[list[list[int]], list[int]]:
         """logits: [sum(num_drafts) + len(reqs), vocab]. Returns tokens and accepted counts per request."""
         self.resolve_drafts()
-        tokens, num_accepted = verify_drafts(self.rejection, reqs, num_drafts, logits, meta, self.vocab_size)
+        tokens, num_accepted, paths = verify_drafts(self.rejection, reqs, num_drafts, logits, meta, self.vocab_size)
+        depths = num_drafts
+        if paths is not None:  # the accepted tree nodes' KV to consecutive positions; the rest lies beyond
+            self._compact(reqs, paths)
+            depths = [tree_depth((r.spec_tree_parents or list(range(n)))[:n]) for r, n in zip(reqs, num_drafts)]
         k = self._proposal.k if self._proposal is not None else 0
-        self._verified = position_counts(num_drafts, num_accepted, max(k, max(num_drafts, default=0)))
+        self._verified = position_counts(depths, num_accepted, max(k, max(depths, default=0)))
         record_verify_metrics(self.stats, num_drafts, num_accepted, self._verified[1])
         return tokens, num_accepted
+
+    def _compact(self, reqs: list[Request], paths: list[list[int] | None]) -> None:
+        """Move each tree's accepted nodes' KV from their query slots to the slots after the root."""
+        src: list[int] = []
+        dst: list[int] = []
+        bs = self.runner.block_size
+        for r, path in zip(reqs, paths):
+            if path:  # the root (the request's last token) sits at num_tokens - 1: verify runs before update
+                moves = accepted_kv_moves(self.block_ids_of(r.request_id), bs, r.num_tokens - 1, path)
+                src.extend(moves[0])
+                dst.extend(moves[1])
+        if src:
+            index = torch.tensor([src, dst], dtype=torch.int64).to(self.runner.device)
+            compact_kv(self.runner.kv_caches, index[0], index[1])
 
     def after_step(
         self,
@@ -160,16 +194,21 @@ class SpecDecoder:
         self.last_k = k
         self.stats.set("spec_decode_chosen_num_tokens", k)
         chosen = ProposeInput([], [], step, [])
+        # Trees when configured, asked for (k > 0) and every request can take one (one proposer call per step).
+        shape = self.tree if k and not self.structured.num_requests and all(map(tree_eligible, reqs)) else None
         for r, i in zip(reqs, batch_index):
-            r.spec_token_ids, r.spec_draft_probs = [], None
-            budget = draft_budget(r, k, self.max_model_len)  # 0: no room left
+            r.spec_token_ids, r.spec_draft_probs, r.spec_tree_parents = [], None, None
+            budget = draft_budget(r, k if shape is None else shape.budget, self.max_model_len)  # 0: no room left
             if budget > 0:
                 chosen.requests.append(r)
                 chosen.num_draft_tokens.append(budget)
                 chosen.batch_index.append(i)
         catch_up = 0
         if chosen.requests:
-            self.proposer.propose(chosen)
+            if shape is not None:
+                self.proposer.propose_tree(chosen, replace(shape, depth=min(k, shape.depth)))
+            else:
+                self.proposer.propose(chosen)
             self._deferred = self.proposer.take_deferred()
             catch_up = self.proposer.catch_up_tokens()
         if self.structured.num_requests:  # grammars read the drafts now; cut them, start next masks

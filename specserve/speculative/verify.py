@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from specserve.metrics.stats import StatsCollector
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection import RejectionSampler
 from specserve.sample.sampler import LogprobsTensors, compute_logprobs
+from specserve.sample.tree_rejection import verify_trees
 from specserve.scheduler.request import Request
 
 
@@ -44,12 +46,39 @@ def verify_drafts(
     logits: torch.Tensor,
     meta: SamplingMetadata,
     vocab_size: int,
-) -> tuple[list[list[int]], list[int]]:
-    """logits: [sum(num_drafts) + len(reqs), vocab] -> per request its emitted tokens and accepted draft count."""
-    drafts = [r.spec_token_ids[:k] for r, k in zip(reqs, num_drafts)]
-    draft_probs = stack_draft_probs(reqs, num_drafts, vocab_size, logits.device)
-    out = rejection(drafts, draft_probs, logits, meta)
-    return out.output_token_ids, out.num_accepted
+) -> tuple[list[list[int]], list[int], list[list[int] | None] | None]:
+    """logits: [sum(num_drafts) + len(reqs), vocab] -> per request its emitted tokens and accepted draft count,
+    and where some request drafted a tree, per request its accepted nodes (None: a chain)."""
+    is_tree = [k > 0 and r.spec_tree_parents is not None for r, k in zip(reqs, num_drafts)]
+    if not any(is_tree):
+        drafts = [r.spec_token_ids[:k] for r, k in zip(reqs, num_drafts)]
+        out = rejection(drafts, stack_draft_probs(reqs, num_drafts, vocab_size, logits.device), logits, meta)
+        return out.output_token_ids, out.num_accepted, None
+    tokens: list[list[int]] = [[] for _ in reqs]
+    accepted, paths = [0] * len(reqs), list[list[int] | None]([None] * len(reqs))
+    ends = np.cumsum(np.asarray(num_drafts) + 1)
+    for tree in (False, True):  # chains through the chain sampler, trees through the tree sampler
+        idx = [i for i, t in enumerate(is_tree) if t == tree]
+        if not idx:
+            continue
+        rows = torch.from_numpy(np.concatenate([np.arange(ends[i] - num_drafts[i] - 1, ends[i]) for i in idx]))
+        sub, sub_k, sub_logits = [reqs[i] for i in idx], [num_drafts[i] for i in idx], logits[rows.to(logits.device)]
+        if tree:
+            found = verify_trees(
+                [r.spec_token_ids[:k] for r, k in zip(sub, sub_k)],
+                [r.spec_tree_parents[:k] for r, k in zip(sub, sub_k)],  # type: ignore[index]
+                [None if r.spec_draft_probs is None else r.spec_draft_probs[:k] for r, k in zip(sub, sub_k)],
+                sub_logits,
+                meta.select_rows(idx),
+                rejection.generator,
+            )
+            for i, toks, path in zip(idx, *found):
+                tokens[i], accepted[i], paths[i] = toks, len(path), path
+        else:
+            t, a, _ = verify_drafts(rejection, sub, sub_k, sub_logits, meta.select_rows(idx), vocab_size)
+            for i, toks, n in zip(idx, t, a):
+                tokens[i], accepted[i] = toks, n
+    return tokens, accepted, paths
 
 
 def position_counts(num_drafts: list[int], num_accepted: list[int], k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from specserve.runner.model_runner import StepOutput
 from specserve.scheduler.request import Request
+from specserve.speculative.tree import TreeShape
 
 if TYPE_CHECKING:
     from specserve.speculative.proposers.draft_tokens import DeferredDrafts
@@ -34,6 +35,14 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, inp: ProposeInput) -> None:
         """Set req.spec_token_ids (len <= num_draft_tokens) and req.spec_draft_probs for each request."""
+
+    def propose_tree(self, inp: ProposeInput, shape: TreeShape) -> None:
+        """Draft trees (speculative/tree.py): per request at most num_draft_tokens nodes of depth <= shape.depth
+        and <= shape.branching children each: req.spec_token_ids = the nodes' tokens, req.spec_tree_parents =
+        their parents (None for a chain), req.spec_draft_probs = [nodes, vocab] or None. Chain proposers keep
+        this default: the chain of depth <= shape.depth."""
+        depths = [min(n, shape.depth) for n in inp.num_draft_tokens]
+        self.propose(ProposeInput(inp.requests, depths, inp.step, inp.batch_index))
 
     def absorb(self, inp: ProposeInput) -> None:
         """Rows of requests that computed prompt tokens without sampling, for a proposer keeping target features."""
