@@ -28,6 +28,7 @@ class Seq:
     all_token_ids: list[int]
     num_computed_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_tree_parents: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
