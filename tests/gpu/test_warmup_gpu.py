@@ -79,7 +79,7 @@ def test_first_eagle_requests_compile_nothing_after_start_up(
     tiny_qwen2_dir, tmp_path, monkeypatch, device: torch.device
 ) -> None:
     """An EAGLE-3 engine's first requests (prompts of 5-200 tokens, one at a time and four together)
-    compile no kernel after start-up (speculative/proposers/eagle_warmup.py): on the H200 the first run of the first
+    compile no kernel after start-up (speculative/proposers/eagle_setup.py): on the H200 the first run of the first
     EAGLE-3 engine of a process ran at 215 tok/s against ~1,000 for the later ones."""
     from tests.helpers.eagle_heads import make_random_head_dir
 

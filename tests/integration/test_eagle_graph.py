@@ -234,8 +234,9 @@ def test_first_forward_metadata(method, heads, tiny_llama_dir, monkeypatch):
     seen = []
     send = FirstForwardGraphs.send
 
-    def recording(self, bs, *args):
-        send(self, bs, *args)
+    def recording(self, bs, plan, ctx, tables):
+        send(self, bs, plan, ctx, tables)
+        args = (plan.ks, plan.num_real, ctx, plan.last_pos, plan.feature_rows, plan.next_tokens, plan.positions)
         fields = [
             t.tolist()
             for t in (
@@ -251,7 +252,7 @@ def test_first_forward_metadata(method, heads, tiny_llama_dir, monkeypatch):
             )
         ]
         seen.append(
-            (self, bs, [list(a) for a in args[:-1]], [list(t) for t in args[-1]], fields, self.block_tables.clone())
+            (self, bs, [list(a) for a in args], [list(t) for t in tables], fields, self.block_tables.clone())
         )
 
     monkeypatch.setattr(FirstForwardGraphs, "send", recording)

@@ -1,4 +1,4 @@
-"""The EAGLE head's start-up forwards (speculative/proposers/eagle_warmup.py; an engine runs them on CUDA, where they
+"""The EAGLE head's start-up forwards (speculative/proposers/eagle_setup.py; an engine runs them on CUDA, where they
 compile kernels): every size that fits the head's KV pool and the position table runs once, eagerly,
 without taking a block a request could hold, and the tokens afterwards are unchanged."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from specserve import LLM, SamplingParams
 from specserve.runner import warmup
-from specserve.speculative.proposers import eagle_warmup
+from specserve.speculative.proposers import eagle_setup
 from tests.helpers.eagle_heads import make_random_head_dir
 
 
@@ -22,8 +22,8 @@ def test_eager_head_forwards_cover_every_size_that_fits(tiny_llama_dir, tmp_path
     prompt, params = {"prompt_token_ids": list(range(5, 45))}, SamplingParams(temperature=0.0, max_tokens=8)
     before = llm.generate(prompt, params)[0].outputs[0].token_ids
     proposer = llm.engine.spec.proposer
-    done = eagle_warmup.warm_eager_head(proposer)
-    fresh, after = eagle_warmup.warm_rows()
+    done = eagle_setup.warm_eager_head(proposer)
+    fresh, after = eagle_setup.warm_rows()
     cap = min(proposer.kv.num_blocks * proposer.kv.block_size, proposer.target.cos_sin_cache.shape[0])
     ctx = 128
     expected = [(0, t) for t in fresh if t <= cap] + [(ctx, t) for t in after if ctx + t <= cap]

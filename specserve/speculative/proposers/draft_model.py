@@ -23,7 +23,7 @@ from specserve.sample.sampler import compute_target_probs, draw_exponential, ran
 from specserve.scheduler.request import PLACEHOLDER, Request
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.speculative.proposers.base import OwnKVLifecycle, ProposeInput, Proposer
-from specserve.speculative.proposers.draft_tokens import DraftDelivery, DraftTokens, assign_resolved
+from specserve.speculative.proposers.draft_tokens import DraftDelivery, DraftTokens
 
 # GPU memory kept free beside the draft's KV pool (activations, allocator slack).
 _GPU_RESERVE_BYTES = 2 << 30
@@ -220,14 +220,12 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             self.chain.run(seqs, ks, dt, self.sampler)
         for seq, k in zip(seqs, ks):
             seq.num_computed_tokens += k - 1
-        greedy = [r.params.greedy for r in reqs]
 
-        def finish(drafts: list[list[int]], draft_probs: list[list[torch.Tensor]]) -> None:
+        def fed(drafts: list[list[int]]) -> None:
             for seq, d, k in zip(seqs, drafts, ks):  # the fed drafts (all but the last), which _sync compares
                 seq.all_token_ids.extend(d[: k - 1])
-            assign_resolved(reqs, drafts, draft_probs, greedy)
 
-        self.deliver(dt, reqs, finish)
+        self.deliver(dt, reqs, fed)
 
     def catch_up_tokens(self) -> int:
         return self._catch_up_tokens

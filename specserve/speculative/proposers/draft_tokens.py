@@ -17,7 +17,8 @@ class DraftTokens:
         self.steps: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (active, tokens, probs)
 
     def add(self, active: list[int], tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
-        """A step's tokens [len(active)] (and distributions [len(active), vocab] or None) for requests `active`."""
+        """A step's tokens [len(active)] (and distributions [len(active), vocab] or None) for requests `active`
+        (P-EAGLE: all drafts in one step, each request repeated per draft; rows_in_last then does not apply)."""
         self.steps.append((active, tokens.to(torch.int64), probs))
 
     @property
@@ -96,20 +97,20 @@ class DraftDelivery:
     def allow_deferred(self, allowed: bool) -> None:
         self.defer_drafts = allowed and self.defers_by_default
 
-    def deliver(self, dt: DraftTokens, reqs: list[Request], finish: Finish) -> None:
-        self.deliver_flat(*dt.request_major(len(reqs)), reqs, finish)
-
-    def deliver_flat(
-        self,
-        flat: torch.Tensor,
-        counts: list[int],
-        probs: list[list[torch.Tensor]],
-        reqs: list[Request],
-        finish: Finish,
+    def deliver(
+        self, dt: DraftTokens, reqs: list[Request], fed: Callable[[list[list[int]]], None] | None = None
     ) -> None:
-        """Drafts request-major in flat [sum(counts)] on the device; probs per request (device rows)."""
+        """dt's drafts of reqs (placeholders until read back, then assign_resolved); fed(drafts) runs first."""
+        flat, counts, probs = dt.request_major(len(reqs))
         for req, k in zip(reqs, counts):
             req.spec_token_ids, req.spec_draft_probs = [PLACEHOLDER] * k, None
+        greedy = [r.params.greedy for r in reqs]
+
+        def finish(drafts: list[list[int]], dists: list[list[torch.Tensor]]) -> None:
+            if fed is not None:
+                fed(drafts)
+            assign_resolved(reqs, drafts, dists, greedy)
+
         deferred = DeferredDrafts(flat, counts, probs, [r.request_id for r in reqs], finish)
         if self.defer_drafts:
             self._deferred = deferred

@@ -7,7 +7,6 @@ draft or mask rows the next propose overwrites. Positions it never saw (a prefix
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -17,21 +16,26 @@ from specserve.config import SpeculativeConfig
 from specserve.kv.block_pool import BlockHash
 from specserve.kv.manager import KVCacheManager
 from specserve.kv.spec import KVCacheSpec, kv_format
-from specserve.sample.h2d import h2d
 from specserve.scheduler.request import Request
 from specserve.speculative.proposers.base import OwnKVLifecycle, ProposeInput, Proposer
 from specserve.speculative.proposers.draft_model import DraftSampler, draft_kv_blocks
-from specserve.speculative.proposers.draft_tokens import DraftDelivery, DraftTokens, assign_resolved
+from specserve.speculative.proposers.draft_tokens import DraftDelivery, DraftTokens
 from specserve.speculative.proposers.eagle_first import FirstForwardGraphs
 from specserve.speculative.proposers.eagle_graph import (
     HeadStepGraphs,
     PinnedUpload,
+    StepHost,
     attention_arrays,
     attention_metadata,
     paged_attend,
 )
 from specserve.speculative.proposers.eagle_head import EagleHead, load_head
-from specserve.speculative.proposers.eagle_setup import graph_logits_bytes, recapture_with_aux, step_batch_sizes
+from specserve.speculative.proposers.eagle_setup import (
+    graph_logits_bytes,
+    recapture_with_aux,
+    step_batch_sizes,
+    warm_eager_head,
+)
 
 
 @dataclass
@@ -108,8 +112,6 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
                 f"{where} drafts at most {hcfg.num_mask_slots + 1} tokens in parallel; "
                 f"num_speculative_tokens is {cfg.num_speculative_tokens}."
             )
-        if self.step_graphs not in ("auto", "static", "eager"):
-            raise ValueError(f"EagleProposer.step_graphs must be auto, static or eager, got {self.step_graphs!r}.")
         self.name = "p-eagle" if cfg.parallel_drafting else cfg.method
         self.parallel = cfg.parallel_drafting
         self.defers_by_default = not self.parallel  # P-EAGLE reads its drafts back in propose
@@ -138,8 +140,6 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             feed = None if self.steps is None else (self.steps.hidden, self.steps.tokens)
             self.first = FirstForwardGraphs(self, sizes, max_blocks, k, self.parallel, feed, capture)
         if self.device.type == "cuda":  # the eager first forwards' kernels compile now, not mid-serving
-            from specserve.speculative.proposers.eagle_warmup import warm_eager_head
-
             warm_eager_head(self)
 
     @torch.inference_mode()
@@ -150,18 +150,15 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         self.sampler.begin(plan.reqs)
         n, tables = len(plan.reqs), [self.kv.block_ids(s.request_id) for s in plan.seqs]
         bs = None if self.first is None else self.first.size_for(plan.ks, plan.num_real, tables)
-        result: DraftTokens | FlatDrafts | tuple[list[list[int]], list]
         if bs is not None:
-            result = self._propose_static(plan, inp.step, bs, tables)
-        elif self.parallel:
-            _, normed = self._first_forward(plan, inp.step, plan.ks, tables)
-            result = self._sample_parallel(plan, self._logits(normed))  # the one host sync of a parallel draft
-        else:
-            out, normed = self._first_forward(plan, inp.step, [1] * n, tables)
-            result = DraftTokens()  # no host sync between the head's forwards
-            result.add(list(range(n)), *self.sampler.sample(self._logits(normed), list(range(n))))
-            self._draft_steps(result, plan, tables, out)
-        self._hand_over(plan.reqs, result)
+            dt = self._propose_static(plan, inp.step, bs, tables)
+        else:  # no host sync between the head's forwards
+            out, normed = self._first_forward(plan, inp.step, plan.ks if self.parallel else [1] * n, tables)
+            dt, rows = DraftTokens(), self._pick_rows(plan.ks)
+            dt.add(rows, *self.sampler.sample(self.head.compute_logits(normed, self.target), rows))
+            if not self.parallel:
+                self._draft_steps(dt, plan, tables, out)
+        self.deliver(dt, plan.reqs)  # DraftDelivery decides when the host reads them
 
     @torch.inference_mode()
     def absorb(self, inp: ProposeInput) -> None:
@@ -203,21 +200,6 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         _advance(plan)
         return out.index_select(0, pick_dev), normed.index_select(0, pick_dev)
 
-    def _hand_over(self, reqs: list[Request], result: DraftTokens | FlatDrafts | tuple[list[list[int]], list]) -> None:
-        """Drafts on the device (DraftDelivery decides when the host reads them) or lists (random P-EAGLE)."""
-        greedy = [self.sampler.is_greedy(i) for i in range(len(reqs))]
-
-        def finish(drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
-            assign_resolved(reqs, drafts, probs, greedy)
-
-        if isinstance(result, DraftTokens):
-            self.deliver(result, reqs, finish)
-        elif isinstance(result, FlatDrafts):
-            self.deliver_flat(result.tokens, result.counts, [[] for _ in reqs], reqs, finish)
-        else:
-            for req, d, p, g in zip(reqs, *result, greedy):
-                req.spec_token_ids, req.spec_draft_probs = d, None if g or not p else torch.stack(p)
-
     def _plan(self, inp: ProposeInput) -> _Plan:
         assert inp.step is not None and inp.step.host is not None
         host = inp.step.host
@@ -245,65 +227,46 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         """The first forward through FirstForwardGraphs (size bs), then the draft steps through HeadStepGraphs."""
         first, n, ctx = self.first, len(plan.reqs), [s.num_computed_tokens for s in plan.seqs]
         assert first is not None  # bs came from it
-        first.send(
-            bs, plan.ks, plan.num_real, ctx, plan.last_pos, plan.feature_rows, plan.next_tokens, plan.positions, tables
-        )
+        first.send(bs, plan, ctx, tables)
         _, logits, argmax = first.run(bs, self._features(step))
         _advance(plan)
-        greedy = all(self.sampler.is_greedy(r) for r in range(n))
-        if self.parallel:
-            p = first.picks_per_req
-            if greedy:  # request i's drafts: the argmax of its picks i * p .. + k_i (a copy: a graph's output)
-                picks = [i * p + j for i, k in enumerate(plan.ks) for j in range(k)]
-                return FlatDrafts(argmax.index_select(0, h2d(torch.tensor(picks), argmax.device)), list(plan.ks))
-            return self._sample_parallel(plan, logits.index_select(0, first.sel[: sum(plan.ks)]))
-        dt, rows = DraftTokens(), list(range(n))
-        dt.add(rows, *((argmax[:n], None) if greedy else self.sampler.sample(logits[:n], rows)))
-        self._draft_steps(dt, plan, tables, None)  # the first forward fed the steps' buffers
+        dt, rows, par = DraftTokens(), self._pick_rows(plan.ks), self.parallel
+        sel = first.sel[: len(rows)]  # P-EAGLE: request i's picks i * picks_per_req .. + k_i
+        if all(self.sampler.is_greedy(r) for r in range(n)):  # P-EAGLE's a copy: argmax is a graph's output
+            dt.add(rows, argmax.index_select(0, sel) if par else argmax[:n], None)
+        else:
+            dt.add(rows, *self.sampler.sample(logits.index_select(0, sel) if par else logits[:n], rows))
+        if not par:
+            self._draft_steps(dt, plan, tables, None)  # the first forward fed the steps' buffers
         return dt
 
-    def _sample_parallel(self, plan: _Plan, logits: torch.Tensor) -> tuple[list[list[int]], list]:
-        """P-EAGLE's picks' logits [sum(ks), width], request-major -> drafts and distributions per request."""
-        rows = [i for i, k in enumerate(plan.ks) for _ in range(k)]
-        tokens, probs = self.sampler.sample(logits, rows)
-        return _by_request(rows, tokens.tolist(), probs, len(plan.ks))
+    def _pick_rows(self, ks: list[int]) -> list[int]:
+        """The request of each pick of the first forward: P-EAGLE's k_i of request i (one step of drafts), else one."""
+        return [i for i, k in enumerate(ks) for _ in range(k if self.parallel else 1)]
 
     def _draft_steps(self, dt: DraftTokens, plan: _Plan, tables: list[list[int]], prev: torch.Tensor | None) -> None:
         """Draft steps 1..max(ks) - 1 through HeadStepGraphs where they fit, else eagerly. prev [n, hidden]: each
         request's last head output (None: FirstForwardGraphs fed it to HeadStepGraphs)."""
-        if max(plan.ks) == 1:
+        ks, ctx, last_pos = plan.ks, [s.num_computed_tokens for s in plan.seqs], plan.last_pos
+        if max(ks) == 1:
             return
-        ctx = [s.num_computed_tokens for s in plan.seqs]
-        if self.steps is not None and self.steps.draft(dt, self.sampler, plan.ks, ctx, plan.last_pos, tables, prev):
+        if self.steps is not None and self.steps.draft(dt, self.sampler, StepHost(ks, ctx, last_pos, tables), prev):
             return
-        if prev is None:
-            raise RuntimeError("HeadStepGraphs refused a batch that FirstForwardGraphs took")
-        self._eager_steps(dt, plan.ks, ctx, plan.last_pos, tables, prev)
-
-    def _eager_steps(self, dt: DraftTokens, ks: list, ctx: list, last_pos: list, tables: list, prev_out) -> None:
-        """Draft steps 1..max(ks) - 1 without static buffers. prev_out [n, hidden]: each request's last head output."""
-        for step in range(1, max(ks)):
+        assert prev is not None, "HeadStepGraphs refused a batch that FirstForwardGraphs took"
+        for step in range(1, max(ks)):  # eagerly
             active = [i for i, k in enumerate(ks) if k > step]
             arrays = attention_arrays(
                 [ctx[i] + step - 1 for i in active], [1] * len(active), [tables[i] for i in active], self.kv.block_size
             )
-            host = [
-                np.asarray(active),
-                np.asarray(dt.rows_in_last(active)),
-                np.asarray([last_pos[i] + step for i in active]),
-            ]
-            dev = self.upload.send([a.astype(np.int64) for a in host] + arrays)
+            host = [active, dt.rows_in_last(active), [last_pos[i] + step for i in active]]
+            dev = self.upload.send([np.asarray(a, dtype=np.int64) for a in host] + arrays)
             idx, prev_rows, pos = dev[:3]
             emb = self.head.embed(dt.last_tokens.index_select(0, prev_rows), self.target)
             out, normed = self._head(
-                emb, prev_out.index_select(0, idx), pos, attention_metadata(arrays, dev[3:], [1] * len(active))
+                emb, prev.index_select(0, idx), pos, attention_metadata(arrays, dev[3:], [1] * len(active))
             )
-            prev_out = prev_out.index_copy(0, idx, out)
-            dt.add(active, *self.sampler.sample(self._logits(normed), active))
-
-    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> [rows, logits width] float32 (the draft vocabulary's columns when reduced)."""
-        return self.head.compute_logits(normed, self.target)
+            prev = prev.index_copy(0, idx, out)
+            dt.add(active, *self.sampler.sample(self.head.compute_logits(normed, self.target), active))
 
     def _head(
         self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -316,21 +279,3 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
 def _advance(plan: _Plan) -> None:
     for seq, m in zip(plan.seqs, plan.num_real):
         seq.num_computed_tokens += m
-
-
-class FlatDrafts(NamedTuple):
-    """Greedy parallel drafts of one forward, request-major on the device."""
-
-    tokens: torch.Tensor  # [sum(counts)] int64
-    counts: list[int]  # drafts per request
-
-
-def _by_request(rows: list[int], values: list[int], probs: torch.Tensor | None, n: int):
-    """Flat drafts (and distribution rows) per request; rows[r]: draft r's request."""
-    drafts: list[list[int]] = [[] for _ in range(n)]
-    dists: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for r, i in enumerate(rows):
-        drafts[i].append(values[r])
-        if probs is not None:
-            dists[i].append(probs[r])
-    return drafts, dists

@@ -5,14 +5,12 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from specserve.speculative.proposers.eagle_graph import PAD_SLOT, StaticForward
 
 # Sizes above this many picks run eagerly (each graph keeps its float32 logits [bs * picks, vocab]).
 MAX_GRAPH_PICKS = 128
-_I64_ROWS, _I64_PICKS = 5, 2  # int64 fields per row (rows, tokens, positions, slots, mask), per pick
 
 
 class FirstForwardGraphs(StaticForward):
@@ -38,10 +36,8 @@ class FirstForwardGraphs(StaticForward):
         self.rows_per_req = 2 * k if parallel else k + 1
         max_bs = self.batch_sizes[-1]
         self._rows, self._picks = max_bs * self.rows_per_req, max_bs * self.picks_per_req
-        ints = self._alloc(_I64_ROWS * self._rows + _I64_PICKS * self._picks)
-        fields = ints[: _I64_ROWS * self._rows].view(_I64_ROWS, self._rows)
-        self.rows, self.tokens, self.positions, self.slot_mapping, self.mask = fields
-        self.pick, self.sel = ints[_I64_ROWS * self._rows :].view(_I64_PICKS, self._picks)
+        fields = self._alloc([(5, self._rows), (2, self._picks)])  # per row, per pick
+        self.rows, self.tokens, self.positions, self.slot_mapping, self.mask, self.pick, self.sel = fields
         dtype, hcfg = self.target.embed_tokens.weight.dtype, self.head.cfg
         num_layers = max(1, len(hcfg.aux_hidden_layers))
         self.feats = torch.zeros(num_layers, self._rows, hcfg.hidden_size, dtype=dtype, device=self.device)
@@ -95,20 +91,11 @@ class FirstForwardGraphs(StaticForward):
             torch.index_select(src, 0, rows, out=dst)
         return self._run(bs)
 
-    def send(
-        self,
-        bs: int,
-        ks: list[int],
-        num_real: list[int],
-        ctx: list[int],
-        last_pos: list[int],
-        feature_rows: list[int],
-        next_tokens: list[int],
-        positions: list[int],
-        tables: list[list[int]],
-    ) -> None:
-        """Copy a propose's inputs into the static buffers (one pinned slot): per request its draft count, real rows,
-        cached head rows, last real position and blocks; per real row its feature row, next token and position."""
+    def send(self, bs: int, plan, ctx: list[int], tables: list[list[int]]) -> None:
+        """Copy a propose's inputs into the static buffers (one pinned slot): the plan's (eagle._Plan) per request
+        draft count, real rows and last real position, per real row its feature row, next token and position;
+        per request its cached head rows (ctx) and blocks."""
+        ks, num_real, positions = plan.ks, plan.num_real, plan.positions
         n, bsz, p, rows_per_req = len(ks), self.block_size, self.picks_per_req, self.rows_per_req
         nbytes = self._fields + n * self.max_blocks * 4
         rows, tokens, pos, slots, mask, pick, sel, cu, seq_lens, tab = self.upload.stage_views(
@@ -124,7 +111,7 @@ class FirstForwardGraphs(StaticForward):
         real_rows: list[int] = []  # row index of each real row
         mask_rows: list[int] = []
         total = r = 0
-        for i, (m, k, c, last, t) in enumerate(zip(num_real, ks, ctx, last_pos, tables)):
+        for i, (m, k, c, last, t) in enumerate(zip(num_real, ks, ctx, plan.last_pos, tables)):
             e = k - 1 if self.parallel else 0
             tab[i, : len(t)] = t
             slot_l += [t[x // bsz] * bsz + x % bsz for x in range(c, c + m + e)]
@@ -140,7 +127,7 @@ class FirstForwardGraphs(StaticForward):
         end = bs * rows_per_req
         rows[:end] = tokens[:end] = mask[:end] = pos[total:end] = 0
         slots[total:end] = PAD_SLOT
-        rows[real_rows], tokens[real_rows] = feature_rows, next_tokens
+        rows[real_rows], tokens[real_rows] = plan.feature_rows, plan.next_tokens
         mask[mask_rows] = 1
         pos[:total], slots[:total] = pos_l, slot_l
         pick[: n * p], pick[n * p : bs * p] = pick_l, 0
@@ -148,10 +135,3 @@ class FirstForwardGraphs(StaticForward):
         cu[: n + 1], cu[n + 1 : bs + 1] = cu_l, total  # padding sequences are empty
         seq_lens[:n], seq_lens[n:bs] = len_l, 0
         self.upload.send_staged(self._buf, nbytes)
-
-    def _host_views(self, buf: np.ndarray) -> tuple[np.ndarray, ...]:
-        """A pinned slot as the static buffers' layout."""
-        i64 = buf[: self._i64].view(np.int64)
-        row_fields = i64[: _I64_ROWS * self._rows].reshape(_I64_ROWS, self._rows)
-        pick_fields = i64[_I64_ROWS * self._rows :].reshape(_I64_PICKS, self._picks)
-        return (*row_fields, *pick_fields, *self._host_int32(buf))

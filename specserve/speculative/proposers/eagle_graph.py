@@ -31,8 +31,8 @@ class PinnedUpload:
         self._pinned = device.type == "cuda"
         self._host = [torch.zeros(0, dtype=torch.uint8) for _ in range(slots)]
         self._views: list[dict] = [{} for _ in range(slots)]  # per slot: layout -> its numpy views
+        # Per slot: its last copy's event (a never-recorded event synchronizes at once).
         self._events = [torch.cuda.Event() if self._pinned else None for _ in range(slots)]
-        self._pending = [False] * slots
         self._slot = -1
 
     def stage_views(self, nbytes: int, layout: Callable[[np.ndarray], Any]) -> Any:
@@ -46,11 +46,9 @@ class PinnedUpload:
 
     def _next(self, nbytes: int) -> torch.Tensor:
         i = self._slot = (self._slot + 1) % len(self._host)
-        if self._pending[i]:
-            event = self._events[i]
-            assert event is not None
+        event = self._events[i]
+        if event is not None:
             event.synchronize()
-            self._pending[i] = False
         if self._host[i].numel() < nbytes:  # zeros: bytes a caller leaves unwritten are valid ids
             size = max(nbytes, 2 * self._host[i].numel(), 4096)
             self._host[i] = torch.zeros(size, dtype=torch.uint8, pin_memory=self._pinned)
@@ -61,11 +59,9 @@ class PinnedUpload:
         """Copy the staged slot's first nbytes into dst[:nbytes] (uint8 on the device)."""
         i = self._slot
         dst[:nbytes].copy_(self._host[i][:nbytes], non_blocking=True)
-        if self._pinned:
-            event = self._events[i]
-            assert event is not None
+        event = self._events[i]
+        if event is not None:
             record(event, dst.device)
-            self._pending[i] = True
 
     def send(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
         """int32 / int64 arrays -> device tensors of the same shapes, in fresh device memory."""
@@ -103,27 +99,13 @@ def attention_arrays(
 def attention_metadata(arrays: list[np.ndarray], dev: Sequence[torch.Tensor], q_lens: list[int]) -> AttentionMetadata:
     """AttentionMetadata of attention_arrays' host arrays and their device copies."""
     cu, lens = arrays[0], arrays[1]
-    return AttentionMetadata(
-        dev[0],
-        dev[1],
-        dev[2],
-        dev[3],
-        max(q_lens),
-        int(lens.max()),
-        len(lens),
-        int(cu[-1]),
-        list(q_lens),
-        lens.tolist(),
-    )
+    sizes = (max(q_lens), int(lens.max()), len(lens), int(cu[-1]))
+    return AttentionMetadata(dev[0], dev[1], dev[2], dev[3], *sizes, list(q_lens), lens.tolist())
 
 
 def paged_attend(backend: AttentionBackend, cache: LayerKVCache, fmt: KVFormat, meta: AttentionMetadata, scale: float):
     """q, k, v -> attention through the head's paged KV cache (the `Attend` of EagleHead.forward)."""
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return backend.forward(q, k, v, cache, fmt, meta, scale)
-
-    return attend
+    return lambda q, k, v: backend.forward(q, k, v, cache, fmt, meta, scale)
 
 
 class StaticForward:
@@ -168,24 +150,31 @@ class StaticForward:
             graph.replay()
         return self.outputs[bs]
 
-    def _alloc(self, i64_words: int) -> torch.Tensor:
-        """One device buffer laid out like a send's pinned slot: int64 fields [i64_words] (returned), int32
-        cu_query_lens [max_bs + 1], seq_lens [max_bs], then block tables [max_bs, max_blocks] (last: only the sends
-        that change them copy them)."""
-        max_bs = self.batch_sizes[-1]
-        self._i64, self._i32 = 8 * i64_words, 4 * (2 * max_bs + 1)
+    def _alloc(self, groups: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """One device buffer laid out like a send's pinned slot: int64 fields (per group (count, length): count
+        fields [length]; returned), int32 cu_query_lens [max_bs + 1], seq_lens [max_bs], then block tables
+        [max_bs, max_blocks] (last: only the sends that change them copy them)."""
+        max_bs, self._groups = self.batch_sizes[-1], groups
+        self._i64, self._i32 = 8 * sum(c * n for c, n in groups), 4 * (2 * max_bs + 1)
         self._fields = (self._i64 + self._i32 + 7) & ~7
         self._buf = torch.zeros(self._fields + max_bs * self.max_blocks * 4, dtype=torch.uint8, device=self.device)
-        i32 = self._buf[self._i64 : self._i64 + self._i32].view(torch.int32)
-        self.cu_query_lens, self.seq_lens = i32.split([max_bs + 1, max_bs])
-        self.block_tables = self._buf[self._fields :].view(torch.int32).view(max_bs, self.max_blocks)
-        return self._buf[: self._i64].view(torch.int64)
+        *i64, self.cu_query_lens, self.seq_lens, self.block_tables = self._views(self._buf, torch.int64, torch.int32)
+        return i64
 
-    def _host_int32(self, buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A pinned slot's cu_query_lens, seq_lens and block tables (the _alloc layout)."""
-        max_bs = self.batch_sizes[-1]
-        cu, seq_lens = np.split(buf[self._i64 : self._i64 + self._i32].view(np.int32), [max_bs + 1])
-        return cu, seq_lens, buf[self._fields : self._buf.numel()].view(np.int32).reshape(max_bs, self.max_blocks)
+    def _host_views(self, buf: np.ndarray) -> list[np.ndarray]:
+        """A pinned slot as the device buffer's fields, in _alloc's order (int64 fields, then the int32 ones)."""
+        return self._views(buf[: self._buf.numel()], np.int64, np.int32)
+
+    def _views(self, buf: Any, i64_type: Any, i32_type: Any) -> list[Any]:
+        """The _alloc layout over a uint8 buffer (a torch tensor or a numpy array of the same size)."""
+        max_bs, i64, at = self.batch_sizes[-1], buf[: self._i64].view(i64_type), 0
+        fields = []
+        for count, length in self._groups:
+            fields += list(i64[at : at + count * length].reshape(count, length))
+            at += count * length
+        i32 = buf[self._i64 : self._i64 + self._i32].view(i32_type)
+        tables = buf[self._fields :].view(i32_type).reshape(max_bs, self.max_blocks)
+        return [*fields, i32[: max_bs + 1], i32[max_bs + 1 :], tables]
 
     def _meta(self, bs: int, num_tokens: int, max_query_len: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -216,7 +205,7 @@ class HeadStepGraphs(StaticForward):
         super().__init__(proposer, batch_sizes, max_blocks)
         device, head, target = self.device, self.head, self.target
         max_bs = self.batch_sizes[-1]
-        self.positions, self.slot_mapping, self.active = self._alloc(3 * max_bs).split(max_bs)
+        self.positions, self.slot_mapping, self.active = self._alloc([(3, max_bs)])
         self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)  # previous drafts
         dtype = target.embed_tokens.weight.dtype
         self.hidden = torch.zeros(max_bs, head.cfg.hidden_size, dtype=dtype, device=device)  # previous outputs
@@ -243,19 +232,10 @@ class HeadStepGraphs(StaticForward):
         self.tokens.zero_()
         self.hidden.zero_()
 
-    def draft(
-        self,
-        dt: DraftTokens,
-        sampler: DraftSampler,
-        ks: list[int],
-        ctx: list[int],
-        last_pos: list[int],
-        tables: list[list[int]],
-        prev: torch.Tensor | None,
-    ) -> bool:
+    def draft(self, dt: DraftTokens, sampler: DraftSampler, host: StepHost, prev: torch.Tensor | None) -> bool:
         """Draft steps 1..max(ks) - 1 into dt, which holds step 0's tokens [n]; False: the batch does not fit."""
-        n = len(ks)
-        if n > self.batch_sizes[-1] or max(len(t) for t in tables) > self.max_blocks:
+        n = len(host.ks)
+        if n > self.batch_sizes[-1] or max(len(t) for t in host.tables) > self.max_blocks:
             return False
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         greedy = all(sampler.is_greedy(r) for r in range(n))
@@ -263,7 +243,7 @@ class HeadStepGraphs(StaticForward):
             self.hidden[:n].copy_(prev)
         if prev is not None or not greedy:  # random rows: step 0's samples, not its argmax
             self.tokens[:n].copy_(dt.last_tokens)
-        host, max_k = _StepHost(ks, ctx, last_pos, tables), max(ks)
+        max_k = max(host.ks)
         for step in range(1, max_k):
             rows = self._send(host, step, n, bs)
             logits, argmax = self._run(bs)
@@ -282,7 +262,7 @@ class HeadStepGraphs(StaticForward):
                     self.tokens.index_copy_(0, pick, tokens)
         return True
 
-    def _send(self, host: _StepHost, step: int, n: int, bs: int) -> list[int]:
+    def _send(self, host: StepHost, step: int, n: int, bs: int) -> list[int]:
         """Copy step `step`'s inputs into the static buffers (one pinned slot); returns the rows still drafting."""
         ks, ctx, last_pos, tabs = host
         first = step == 1
@@ -310,13 +290,8 @@ class HeadStepGraphs(StaticForward):
         self.upload.send_staged(self._buf, nbytes)
         return rows
 
-    def _host_views(self, buf: np.ndarray) -> tuple[np.ndarray, ...]:
-        """A pinned slot as the static buffers' layout: pos, slots, active, cu, seq_lens, tables."""
-        pos, slots, active = buf[: self._i64].view(np.int64).reshape(3, -1)
-        return pos, slots, active, *self._host_int32(buf)
 
-
-class _StepHost(NamedTuple):
+class StepHost(NamedTuple):
     """A propose's per-request host lists for the draft steps ([n] each; tables: each one's blocks)."""
 
     ks: list[int]

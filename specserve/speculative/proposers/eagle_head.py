@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, cast
@@ -48,6 +48,18 @@ class EagleHeadConfig:
     mask_token_id: int | None = None  # published P-EAGLE: the token embedded for mask rows
     own_embed: bool = False  # published: the head has its own embed_tokens
 
+    def __post_init__(self) -> None:
+        """ValueError for a config no head can have; aux_hidden_layers as a tuple (JSON holds a list)."""
+        object.__setattr__(self, "aux_hidden_layers", tuple(int(i) for i in self.aux_hidden_layers))
+        if self.method not in HEAD_METHODS:
+            raise ValueError(f"head method must be one of {HEAD_METHODS}, got {self.method!r}.")
+        if self.method == "eagle3" and not self.aux_hidden_layers:
+            raise ValueError("an eagle3 head needs aux_hidden_layers.")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in [1, {self.vocab_size}] or null, got {self.draft_vocab_size}."
+            )
+
     @property
     def logits_width(self) -> int:
         """Columns of the head's logits: the draft vocabulary, or the target's."""
@@ -60,31 +72,11 @@ class EagleHeadConfig:
     def from_json(cls, data: dict[str, Any], where: str) -> EagleHeadConfig:
         if data.get("format") != HEAD_FORMAT:
             raise ValueError(f"{where} is not a specserve EAGLE head config (format must be {HEAD_FORMAT!r}).")
+        names = {f.name for f in fields(cls)}
         try:
-            draft_vocab = data.get("draft_vocab_size")
-            cfg = cls(
-                str(data["method"]),
-                int(data["hidden_size"]),
-                int(data["vocab_size"]),
-                tuple(int(i) for i in data["aux_hidden_layers"]),
-                int(data["num_mask_slots"]),
-                dict(data["layer"]),
-                dict(data["target"]),
-                None if draft_vocab is None else int(draft_vocab),
-                str(data.get("flavour", "specserve")),
-                bool(data.get("norm_before_residual", False)),
-                data.get("mask_token_id"),
-                bool(data.get("own_embed", False)),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{where} is missing or has a bad field: {e!r}.") from None
-        if cfg.draft_vocab_size is not None and not 1 <= cfg.draft_vocab_size <= cfg.vocab_size:
-            raise ValueError(f"{where}: draft_vocab_size must be in [1, {cfg.vocab_size}] or null.")
-        if cfg.method not in HEAD_METHODS:
-            raise ValueError(f"{where}: method must be one of {HEAD_METHODS}, got {cfg.method!r}.")
-        if cfg.method == "eagle3" and not cfg.aux_hidden_layers:
-            raise ValueError(f"{where}: an eagle3 head needs aux_hidden_layers.")
-        return cfg
+            return cls(**{k: v for k, v in data.items() if k in names})
+        except (TypeError, ValueError) as e:  # a missing field, a bad value
+            raise ValueError(f"{where}: {e}") from None
 
     def layer_arch(self) -> ModelArch:
         return ModelArch.from_hf_config({**self.layer, "num_hidden_layers": 1})
@@ -107,10 +99,6 @@ def head_config_for(
 ) -> EagleHeadConfig:
     """A head shaped like one decoder layer of the target (draft_vocab_size: see EagleHeadConfig)."""
     a = target_arch
-    if method not in HEAD_METHODS:
-        raise ValueError(f"head method must be one of {HEAD_METHODS}, got {method!r}.")
-    if draft_vocab_size is not None and not 1 <= draft_vocab_size <= a.vocab_size:
-        raise ValueError(f"draft_vocab_size must be in [1, {a.vocab_size}], got {draft_vocab_size}.")
     keys = (
         "model_type hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim rms_norm_eps "
         "rope_theta rope_scaling rope_parameters attention_bias max_position_embeddings vocab_size"
@@ -148,10 +136,8 @@ def target_lm_weight(target: nn.Module) -> torch.Tensor:
     if getattr(target, "logits_head", None) is not None:
         raise ValueError("a reduced draft vocabulary needs the target's whole LM head (not a sharded one).")
     lm_head = getattr(target, "lm_head", None)
-    owner = cast(nn.Module, target.embed_tokens if lm_head is None else lm_head)  # nn.Embedding / nn.Linear
-    weight = owner.weight
-    assert isinstance(weight, torch.Tensor)
-    return weight
+    owner: Any = target.embed_tokens if lm_head is None else lm_head  # nn.Embedding / nn.Linear
+    return cast(torch.Tensor, owner.weight)
 
 
 class RMSNorm(nn.Module):
@@ -194,12 +180,8 @@ class HeadLayer(nn.Module):
         """qkv [rows, q + 2 kv], residual x [rows, hidden] -> x + attn, then + mlp: [rows, hidden]."""
         ops = self.ops
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
-        q, k = ops.apply_rope(
-            q.reshape(-1, self.num_heads, self.head_dim),
-            k.reshape(-1, self.num_kv_heads, self.head_dim),
-            positions,
-            cos_sin,
-        )
+        q, k = q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = ops.apply_rope(q, k, positions, cos_sin)
         attn = attend(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim))
         x = x + ops.linear(attn.reshape(-1, self.q_size), self.o_proj.weight)
         h = ops.linear_silu_and_mul(self.post_attention_layernorm(x), self.gate_up_proj.weight)  # silu(gate) * up
@@ -310,9 +292,8 @@ class EagleHead(nn.Module):
 
     def mask_inputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(embeds, hidden) of P-EAGLE mask rows, each [rows, hidden]."""
-        if self.published:
-            return self.mask_embed.expand(rows, -1), self.fuse_target(self.mask_hidden[None]).expand(rows, -1)
-        return self.mask_embed.expand(rows, -1), self.mask_hidden.expand(rows, -1)
+        hidden = self.fuse_target(self.mask_hidden[None])[0] if self.published else self.mask_hidden
+        return self.mask_embed.expand(rows, -1), hidden.expand(rows, -1)
 
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attend: Attend
@@ -393,10 +374,7 @@ def check_head_matches(cfg: EagleHeadConfig, arch: ModelArch, target_identity: s
     identity = cfg.target.get("identity")
     if identity != target_identity:
         logger.warning(
-            "%s was trained on target %r, serving %r: same shapes, maybe other weights.",
-            where,
-            identity,
-            target_identity,
+            "%s was trained on %r, serving %r: same shapes, maybe other weights.", where, identity, target_identity
         )
 
 
@@ -418,19 +396,13 @@ def load_head(
         state = load_file(str(Path(path).expanduser() / WEIGHTS_NAME))
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise ValueError(f"{where}: cannot read {WEIGHTS_NAME}: {e}.") from None
-    own = head.state_dict()
     if cfg.draft_vocab_size is not None:
         if "d2t" not in state:
             raise ValueError(f"{where}: the config sets draft_vocab_size but {WEIGHTS_NAME} holds no d2t tensor.")
         check_d2t(state["d2t"], cfg.vocab_size, cfg.draft_vocab_size, where)
         state["d2t"] = state["d2t"].to(torch.int64)
-    elif "d2t" in state:
-        raise ValueError(f"{where}: {WEIGHTS_NAME} holds a d2t tensor but the config has no draft_vocab_size.")
-    if set(state) != set(own):
-        missing, unexpected = sorted(set(own) - set(state))[:4], sorted(set(state) - set(own))[:4]
-        raise ValueError(f"{where}: weights do not match the config (missing {missing}, unexpected {unexpected}).")
-    bad = [k for k in own if tuple(state[k].shape) != tuple(own[k].shape)]
-    if bad:
-        raise ValueError(f"{where}: tensors of the wrong shape: {bad[:4]}.")
-    head.load_state_dict(state)
+    try:  # strict: missing, unexpected (a d2t without draft_vocab_size) and misshapen tensors
+        head.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"{where}: weights do not match the config: {e}") from None
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
