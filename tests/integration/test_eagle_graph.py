@@ -251,9 +251,7 @@ def test_first_forward_metadata(method, heads, tiny_llama_dir, monkeypatch):
                 self.seq_lens,
             )
         ]
-        seen.append(
-            (self, bs, [list(a) for a in args], [list(t) for t in tables], fields, self.block_tables.clone())
-        )
+        seen.append((self, bs, [list(a) for a in args], [list(t) for t in tables], fields, self.block_tables.clone()))
 
     monkeypatch.setattr(FirstForwardGraphs, "send", recording)
     _run(str(tiny_llama_dir), method, heads[method], "static", _prompts(5, seed=5), _greedy(5), monkeypatch)
