@@ -80,6 +80,7 @@ class SpecDecoder:
         self.proposer.allow_deferred(parts.runner.accepts_pending)  # only where the runner fills placeholders
         self._deferred: DeferredDrafts | None = None
         self._wait_s = 0.0  # this step's wait for deferred drafts: the proposal's time, not the step's
+        self._paths: dict[str, list[int]] = {}  # this step's accepted tree nodes, per request id
 
     def pending_drafts(self) -> PendingTokens | None:
         """The last proposal's drafts still on the device, for the verify step's placeholders."""
@@ -103,6 +104,7 @@ class SpecDecoder:
         depths = num_drafts
         if paths is not None:  # the accepted tree nodes' KV to consecutive positions; the rest lies beyond
             self._compact(reqs, paths)
+            self._paths = {r.request_id: p for r, p in zip(reqs, paths) if p}
             depths = [tree_depth((r.spec_tree_parents or list(range(n)))[:n]) for r, n in zip(reqs, num_drafts)]
         k = self._proposal.k if self._proposal is not None else 0
         self._verified = position_counts(depths, num_accepted, max(k, max(depths, default=0)))
@@ -134,8 +136,25 @@ class SpecDecoder:
         """After a step's update: observe it, absorb mid-prefill rows, propose for the requests that got tokens.
         new_tokens: per scheduled entry, None where it sampled nothing; batch_size: the requests running now."""
         self.observe(sched, step_seconds)
+        self._move_features(sched, step)
         self.absorb(sched, [t is not None for t in new_tokens], step)
         self.propose_for(sched, new_tokens, step, batch_size)
+
+    @torch.inference_mode()
+    def _move_features(self, sched: SchedulerOutput, step: StepOutput) -> None:
+        """After a tree step, the accepted nodes' target features to the rows of their depths, where a proposer
+        reading features by position finds them (as _compact does for the KV)."""
+        paths, self._paths = self._paths, {}
+        if not paths or not self.proposer.needs_target_hidden or step.host is None:
+            return
+        moves: list[tuple[int, int]] = []
+        for s, end in zip(sched.scheduled, step.host.cu_query_lens[1:].tolist()):
+            root = end - s.num_spec_tokens - 1
+            moves += [(root + node, root + d) for d, node in enumerate(paths.get(s.request.request_id, ()), 1)]
+        index = torch.tensor(moves, dtype=torch.int64).T.to(self.runner.device)
+        for t in [step.all_hidden, *(step.aux_hidden or [])]:
+            if t is not None:
+                t.index_copy_(0, index[1], t.index_select(0, index[0]))
 
     def propose_for(
         self,

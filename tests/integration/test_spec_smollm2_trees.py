@@ -1,7 +1,8 @@
 """Draft trees on the real SmolLM2-135M-Instruct: with trees on, every method gives exactly the plain
-engine's greedy tokens (n-gram drafts real trees; the EAGLE heads draft chains, the degenerate tree),
-under preemption; and after tree steps the request's KV equals the KV plain prefill computes for the
-same tokens (the accepted nodes' KV was moved into place, the rejected branches' left behind)."""
+engine's greedy tokens (n-gram, the draft model and the EAGLE / EAGLE-3 heads draft real trees; P-EAGLE
+chains, the degenerate tree), under preemption; an EAGLE-3 tree's greedy path is what the head drafts as a
+chain; and after tree steps the request's KV equals the KV plain prefill computes for the same tokens (the
+accepted nodes' KV was moved into place, the rejected branches' left behind)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,13 @@ def moves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle", "eagle3", "p-eagle"])
+def _tree_config(method: str, heads: dict[str, str]) -> dict:
+    if method == "draft_model":  # the target drafting for itself: its trees' greedy paths get accepted
+        return {"method": "draft_model", "model": MODEL, "num_speculative_tokens": base.K, "adaptive": False, **TREE}
+    return {**_spec_config(method, heads), **TREE}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3", "p-eagle"])
 def test_greedy_equals_plain_with_trees(
     method: str, plain: LLM, prompts: list[list[int]], reference: list[list[int]], heads: dict[str, str], moves
 ) -> None:
@@ -49,19 +56,54 @@ def test_greedy_equals_plain_with_trees(
         progress=False,
         max_model_len=MAX_MODEL_LEN,
         kv_cache_memory_bytes=PREEMPT_BLOCKS * plain.engine.runner.spec.bytes_per_block,
-        speculative_config={**_spec_config(method, heads), **TREE},
+        speculative_config=_tree_config(method, heads),
     )
     got = _generate(llm, prompts)
     c = _counters(llm)
     for i, (g, r) in enumerate(zip(got, reference)):
         assert g == r, f"{method} with trees: prompt {i} differs from plain decoding; {c}"
     assert c["num_preemptions_total"] > 0 and c["spec_decode_num_drafts_total"] > 0, c
-    if method == "ngram":  # real trees: some accepted path left the first branch
+    if method in ("ngram", "draft_model"):  # real trees: some accepted path left the first branch
         assert c["spec_decode_num_accepted_tokens_total"] > 0 and any(moves), (c, moves)
         per_depth = [llm.engine.stats.get("spec_decode_num_accepted_tokens_per_pos_total", {"position": "0"})]
         assert per_depth[0] > 0
     llm.engine.kv.check_integrity()
     assert llm.engine.num_blocks_in_use() == 0
+
+
+def _greedy_paths(llm: LLM, tree: bool) -> dict[tuple[int, int], list[int]]:
+    """Record, per (request's first prompt token, output length), the drafts' greedy path: the first child
+    of each node from the root (a chain: the chain)."""
+    proposer, name, seen = llm.engine.spec.proposer, "propose_tree" if tree else "propose", {}
+    real = getattr(proposer, name)
+
+    def recording(inp, *shape) -> None:
+        real(inp, *shape)
+        proposer.resolve_deferred()
+        for r in inp.requests:
+            parents, node, path = r.spec_tree_parents or list(range(len(r.spec_token_ids))), 0, []
+            while node in parents:
+                node = parents.index(node) + 1
+                path.append(r.spec_token_ids[node - 1])
+            seen[r.prompt_token_ids[0], r.num_output_tokens] = path
+
+    setattr(proposer, name, recording)
+    return seen
+
+
+def test_eagle3_tree_greedy_path_is_the_chain(prompts: list[list[int]], heads: dict[str, str]) -> None:
+    """The random head's drafts are all rejected, so both engines see the same states: the tree's greedy path is
+    a prefix of the chain (the rest may fall outside the budget), and it reaches past depth 1."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    paths = []
+    for cfg in (_spec_config("eagle3", heads), _tree_config("eagle3", heads)):
+        llm = LLM(model=MODEL, progress=False, max_model_len=MAX_MODEL_LEN, speculative_config=cfg)
+        paths.append(_greedy_paths(llm, "tree_branching" in cfg))
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params)
+    chain, tree = paths
+    assert chain.keys() == tree.keys() and len(chain) > 4
+    assert all(tree[k] and tree[k] == chain[k][: len(tree[k])] for k in chain), (chain, tree)
+    assert any(len(p) > 1 for p in tree.values()), tree
 
 
 def _kv(llm: LLM, request_id: str, n: int) -> list[torch.Tensor]:

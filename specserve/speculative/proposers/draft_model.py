@@ -24,6 +24,8 @@ from specserve.scheduler.request import PLACEHOLDER, Request
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.speculative.proposers.base import OwnKVLifecycle, ProposeInput, Proposer
 from specserve.speculative.proposers.draft_tokens import DraftDelivery, DraftTokens
+from specserve.speculative.tree import TreeShape, is_chain
+from specserve.speculative.tree_draft import TreeDraft, add_level
 
 # GPU memory kept free beside the draft's KV pool (activations, allocator slack).
 _GPU_RESERVE_BYTES = 2 << 30
@@ -38,7 +40,8 @@ class _DraftSeq:
     all_token_ids: list[int] = field(default_factory=list)  # real tokens, then drafts fed so far
     num_computed_tokens: int = 0  # tokens whose KV the draft cache holds
     num_real: int = 0  # how many of all_token_ids were the request's real tokens at the last sync
-    spec_token_ids: list[int] = field(default_factory=list)  # always empty (build_batch reads it)
+    spec_token_ids: list[int] = field(default_factory=list)  # empty but while a tree is drafted (build_batch reads it)
+    spec_tree_parents: list[int] | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)  # never filled: the draft's KV has no prefix caching
 
     @property
@@ -226,6 +229,43 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
                 seq.all_token_ids.extend(d[: k - 1])
 
         self.deliver(dt, reqs, fed)
+
+    def propose_tree(self, inp: ProposeInput, shape: TreeShape) -> None:
+        """EAGLE-2 style trees (tree_draft.py), greedy top-k whatever the sampling (verification stays lossless:
+        drafts are one-hot). Each level feeds the root and every fed node again with the tree's ancestor mask, at
+        the slots after the root (as the target verifies them); the draft's KV keeps the real tokens only."""
+        self._catch_up_tokens = 0
+        reqs, seqs, trees = [], [], []
+        for req, budget in zip(inp.requests, inp.num_draft_tokens):
+            seq, room = self._sync(req), self.max_len - req.num_tokens
+            tree = TreeDraft(shape, budget, min(shape.depth, room), min(shape.branching * (shape.depth - 1), room))
+            unseen = seq.num_tokens - seq.num_computed_tokens
+            if tree.depth > 0 and self.kv.allocate_slots(seq, unseen, None, tree.max_fed):
+                reqs.append(req)
+                seqs.append(seq)
+                trees.append(tree)
+        if not reqs:
+            return
+        self._catch_up_tokens = sum(s.num_tokens - s.num_computed_tokens for s in seqs)
+        add_level(trees, self._catch_up(seqs))
+        while active := [i for i, t in enumerate(trees) if t.expand()]:
+            sched = SchedulerOutput()
+            for i in active:
+                seqs[i].spec_token_ids, seqs[i].spec_tree_parents = trees[i].fed_tree()
+                seqs[i].num_computed_tokens = seqs[i].num_tokens - 1  # the root again: the tree's query starts there
+                sched.scheduled.append(
+                    ScheduledRequest(cast(Request, seqs[i]), 1 + len(trees[i].fed), len(trees[i].fed))
+                )
+            out = self.runner.execute(sched, self.kv.block_ids)
+            firsts = [cast(tuple[int, int], r)[0] for r in out.batch.logit_rows]
+            add_level(
+                [trees[i] for i in active],
+                out.logits[[f + n for f, i in zip(firsts, active) for n in trees[i].frontier_nodes()]],
+            )
+        for req, seq, tree in zip(reqs, seqs, trees):
+            seq.num_computed_tokens, seq.spec_token_ids, seq.spec_tree_parents = seq.num_tokens, [], None
+            req.spec_token_ids, parents = tree.result()
+            req.spec_tree_parents, req.spec_draft_probs = None if is_chain(parents) else parents, None
 
     def catch_up_tokens(self) -> int:
         return self._catch_up_tokens

@@ -6,12 +6,13 @@ draft or mask rows the next propose overwrites. Positions it never saw (a prefix
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from specserve.attention.base import AttentionMetadata
+from specserve.attention.tree_mask import tree_layout
 from specserve.config import SpeculativeConfig
 from specserve.kv.block_pool import BlockHash
 from specserve.kv.manager import KVCacheManager
@@ -36,6 +37,8 @@ from specserve.speculative.proposers.eagle_setup import (
     step_batch_sizes,
     warm_eager_head,
 )
+from specserve.speculative.tree import TreeShape, is_chain
+from specserve.speculative.tree_draft import TreeDraft, add_level
 
 
 @dataclass
@@ -159,6 +162,49 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             if not self.parallel:
                 self._draft_steps(dt, plan, tables, out)
         self.deliver(dt, plan.reqs)  # DraftDelivery decides when the host reads them
+
+    @torch.inference_mode()
+    def propose_tree(self, inp: ProposeInput, shape: TreeShape) -> None:
+        """EAGLE-2 style trees (tree_draft.py; P-EAGLE drafts chains), eagerly, greedy top-k whatever the sampling
+        (drafts are one-hot). After the first forward each level feeds every fed node again (its token, its
+        parent's head output) with the tree's ancestor mask, at the head rows after the real ones."""
+        if self.parallel:
+            return super().propose_tree(inp, shape)
+        budget = {r.request_id: b for r, b in zip(inp.requests, inp.num_draft_tokens)}
+        cap = shape.branching * (shape.depth - 1)  # fed nodes at most: head rows reserved after the real ones
+        plan = self._plan(replace(inp, num_draft_tokens=[min(cap, b) + 1 for b in inp.num_draft_tokens]))
+        if not plan.reqs:
+            return
+        n, tables = len(plan.reqs), [self.kv.block_ids(s.request_id) for s in plan.seqs]
+        outs, normed = self._first_forward(plan, inp.step, [1] * n, tables)  # [n, hidden]: the roots' outputs
+        trees = [TreeDraft(shape, budget[r.request_id], shape.depth, k - 1) for r, k in zip(plan.reqs, plan.ks)]
+        add_level(trees, self.head.compute_logits(normed, self.target), self.head.d2t)
+        row_of = [[i] for i in range(n)]  # per tree: its fed nodes' rows of outs (node 0: the root)
+        while active := [i for i, t in enumerate(trees) if t.expand()]:
+            fed = [trees[i].fed_tree() for i in active]
+            q_lens, layouts = [len(t) for t, _ in fed], [tree_layout(p) for _, p in fed]
+            starts = np.cumsum([0, *q_lens]).tolist()
+            ctx = [plan.seqs[i].num_computed_tokens for i in active]
+            arrays = attention_arrays(ctx, q_lens, [tables[i] for i in active], self.kv.block_size)
+            host = [
+                [t for toks, _ in fed for t in toks],
+                [row_of[i][p] for i, (_, par) in zip(active, fed) for p in par],
+                np.concatenate([plan.last_pos[i] + d[1:] for i, (d, _) in zip(active, layouts)]),
+                np.concatenate([m[1:] >> 1 for _, m in layouts]),  # ancestors among the fed nodes (no root row)
+                [s + f - 1 for i, s in zip(active, starts) for f in trees[i].frontier_nodes()],
+            ]
+            dev = self.upload.send([np.asarray(a, dtype=np.int64) for a in host] + arrays)
+            meta = attention_metadata(arrays, dev[5:], q_lens)
+            meta.tree_mask = dev[3]
+            out, normed = self._head(self.head.embed(dev[0], self.target), outs.index_select(0, dev[1]), dev[2], meta)
+            for i, s in zip(active, starts):
+                row_of[i][1:] = range(len(outs) + s, len(outs) + s + len(trees[i].fed))
+            outs = torch.cat([outs, out])
+            logits = self.head.compute_logits(normed.index_select(0, dev[4]), self.target)
+            add_level([trees[i] for i in active], logits, self.head.d2t)
+        for req, tree in zip(plan.reqs, trees):
+            req.spec_token_ids, parents = tree.result()
+            req.spec_tree_parents, req.spec_draft_probs = None if is_chain(parents) else parents, None
 
     @torch.inference_mode()
     def absorb(self, inp: ProposeInput) -> None:
