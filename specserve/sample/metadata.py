@@ -108,7 +108,7 @@ class SamplingMetadata:
             top_k=scalars[:, 3].long() if use.get("top_k") else None,
             top_p=scalars[:, 1] if use.get("top_p") else None,
             min_p=scalars[:, 2] if use.get("min_p") else None,
-            penalties=_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
+            penalties=build_penalty_tensors(params, prompt_token_ids, output_token_ids, vocab_size, device),
             min_tokens_mask=_build_min_tokens_mask(remaining, stop_ids, vocab_size, device, below),
             max_num_logprobs=max(logprobs) if logprobs else None,
             generators=row_generators,
@@ -202,25 +202,6 @@ def _row_scalars(
         greedy,
     )
     return torch.from_numpy(np.stack(cols, axis=1).astype(np.float32)), use
-
-
-def _penalties(
-    params: Sequence[SamplingParams],
-    prompt_token_ids: Sequence[Sequence[int]],
-    output_token_ids: Sequence[Sequence[int]],
-    vocab_size: int,
-    device: torch.device,
-) -> PenaltyTensors | None:
-    """build_penalty_tensors, skipped (None) after a vectorized check finds every row neutral."""
-    n = len(params)
-    neutral = (
-        [p.repetition_penalty for p in params].count(1.0) == n
-        and [p.presence_penalty for p in params].count(0.0) == n
-        and [p.frequency_penalty for p in params].count(0.0) == n
-    )
-    if neutral:
-        return None
-    return build_penalty_tensors(params, prompt_token_ids, output_token_ids, vocab_size, device)
 
 
 def _build_min_tokens_mask(
