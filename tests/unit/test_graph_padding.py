@@ -140,6 +140,21 @@ def test_middle_lengths_only_for_small_batches():
     assert sizes_by_query_len([1, 2], (1,)) == {1: (1, 2)}
 
 
+def test_decode_graphs_up_to_the_largest_batch_verify_graphs_to_256():
+    """Every decode batch up to max_num_seqs has a graph (past 256, padding it by at most a quarter); verify graphs
+    (query length > 1) stop at VERIFY_MAX_BATCH."""
+    from specserve.runner.cuda_graph import VERIFY_MAX_BATCH, graph_batch_sizes, sizes_by_query_len
+
+    for m in (1, 7, 256, 300, 1000, 1024, 2048):
+        sizes = graph_batch_sizes(m)
+        assert sizes[-1] == m and list(sizes) == sorted(set(sizes))
+        for n in range(1, m + 1):
+            padded = next(b for b in sizes if b >= n)
+            assert padded - n <= (n // 4 if n > 256 else max(16, n // 2)), (m, n, padded)
+    sizes = sizes_by_query_len(list(graph_batch_sizes(1024)), (1, 2, 5))
+    assert sizes[1][-1] == 1024 and sizes[5][-1] == VERIFY_MAX_BATCH and max(sizes[2]) <= VERIFY_MAX_BATCH
+
+
 def test_prefill_lengths_only_for_one_or_two_sequences():
     from specserve.runner.cuda_graph import PREFILL_MAX_BATCH, sizes_by_query_len
 

@@ -35,14 +35,13 @@ def recapture_with_aux(runner, aux_layers: tuple[int, ...]) -> None:
 
 
 def step_batch_sizes(parts) -> tuple[int, ...]:
-    """The draft steps' padded batch sizes: the target's CUDA graph sizes (the same rule without)."""
-    if parts.runner.graphs is not None:
-        return tuple(parts.runner.graphs.batch_sizes)
-    from specserve.runner.cuda_graph import DEFAULT_BATCH_SIZES
+    """The draft steps' padded batch sizes: the target's CUDA graph sizes (the same rule without), up to
+    VERIFY_MAX_BATCH (larger batches draft eagerly: speculation is off long before)."""
+    from specserve.runner.cuda_graph import VERIFY_MAX_BATCH, graph_batch_sizes
 
-    m = parts.scheduler.max_num_seqs
-    sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b <= m) or (1,)
-    return sizes + (m,) if m not in sizes and m < DEFAULT_BATCH_SIZES[-1] else sizes
+    graphs = parts.runner.graphs
+    sizes = tuple(graphs.batch_sizes) if graphs is not None else graph_batch_sizes(parts.scheduler.max_num_seqs)
+    return tuple(b for b in sizes if b <= VERIFY_MAX_BATCH) or (1,)
 
 
 def graph_logits_bytes(batch_sizes: tuple[int, ...], k: int, parallel: bool, vocab_size: int) -> int:
