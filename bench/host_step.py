@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import io
 import json
 import os
@@ -82,7 +83,7 @@ def meta_once(reqs) -> None:
         [r.params for r in reqs],
         [r.prompt_token_ids for r in reqs],
         [r.output_token_ids for r in reqs],
-        [r.generator for r in reqs],
+        *([[None] * len(reqs)] if "generators" in inspect.signature(SamplingMetadata.build).parameters else []),
         VOCAB,
         torch.device("cpu"),
         # as Engine._sampling_meta builds them (before issue 48: always)

@@ -87,8 +87,7 @@ class Engine:
         for i in range(params.n):
             cp = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            gen = None if cp.seed is None or cp.greedy else torch.Generator(device=self.device).manual_seed(cp.seed)
-            req = Request(child_id, token_ids, cp, max_tokens, self.eos_token_ids, arrival, gen)
+            req = Request(child_id, token_ids, cp, max_tokens, self.eos_token_ids, arrival)
             if i == 0 and params.prompt_logprobs is not None:  # the prompt is shared: score it once
                 req.prompt_logprobs = [None]
             group.children.append(req)
@@ -206,7 +205,7 @@ class Engine:
         needs_stops = any(r.params.min_tokens for r in reqs)
         stops = [list(r.eos_token_ids) + r.params.stop_ids for r in reqs] if needs_stops else None
         lists = ([r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs])
-        return SamplingMetadata.build(*lists, [r.generator for r in reqs], self.vocab_size, self.device, stops)
+        return SamplingMetadata.build(*lists, self.vocab_size, self.device, stops)
 
     def sample_tokens(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
         """One token per row of logits [len(reqs), vocab], on the device."""

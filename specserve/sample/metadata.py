@@ -37,8 +37,6 @@ class SamplingMetadata:
     penalties: PenaltyTensors | None  # None when every row is neutral
     min_tokens_mask: MinTokensMask | None
     max_num_logprobs: int | None  # the largest `logprobs` asked for; None = no row wants any
-    # Per row, used by draft proposers only; None for greedy and unseeded rows.
-    generators: list[torch.Generator | None]
     vocab_size: int
     # Host-side state (see module docstring).
     is_greedy: list[bool] = field(repr=False)
@@ -57,7 +55,6 @@ class SamplingMetadata:
         params: list[SamplingParams],
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
-        generators: list[torch.Generator | None],
         vocab_size: int,
         device: torch.device,
         stop_token_ids_for_min_tokens: list[list[int]] | None = None,
@@ -68,7 +65,6 @@ class SamplingMetadata:
         lists: dict[str, Sequence[object]] = {
             "prompt_token_ids": prompt_token_ids,
             "output_token_ids": output_token_ids,
-            "generators": generators,
         }
         for name, values in [*lists.items(), ("stop_token_ids_for_min_tokens", stops or params)]:
             if len(values) != num_seqs:
@@ -94,11 +90,8 @@ class SamplingMetadata:
         # (the caller's lists, not copies: nothing here writes to them)
         stop_ids = list(stops) if stops is not None else [[] for _ in params]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        if all_greedy:
-            row_generators: list[torch.Generator | None] = [None] * num_seqs
-            seeds: list[int | None] = [None] * num_seqs
-        else:
-            row_generators = [None if g else gen for g, gen in zip(is_greedy, generators)]
+        seeds: list[int | None] = [None] * num_seqs
+        if not all_greedy:
             seeds = [None if g else p.seed for g, p in zip(is_greedy, params)]
         return cls(
             temperature=_ones(num_seqs, device) if all_greedy else scalars[:, 0],
@@ -111,7 +104,6 @@ class SamplingMetadata:
             penalties=build_penalty_tensors(params, prompt_token_ids, output_token_ids, vocab_size, device),
             min_tokens_mask=_build_min_tokens_mask(remaining, stop_ids, vocab_size, device, below),
             max_num_logprobs=max(logprobs) if logprobs else None,
-            generators=row_generators,
             vocab_size=vocab_size,
             is_greedy=is_greedy,
             min_tokens_remaining=remaining,
@@ -120,9 +112,10 @@ class SamplingMetadata:
             positions=positions,
         )
 
-    def select_rows(self, row_ids: Sequence[int]) -> SamplingMetadata:
-        """Row r of the result is row row_ids[r] of self (e.g. one row per verified position)."""
-        return self._select(row_ids, [0] * len(row_ids))
+    def select_rows(self, row_ids: Sequence[int], offsets: Sequence[int] | None = None) -> SamplingMetadata:
+        """Row r of the result is row row_ids[r] of self (e.g. one row per verified position), `offsets[r]`
+        tokens further into its output (default 0)."""
+        return self._select(row_ids, [0] * len(row_ids) if offsets is None else offsets)
 
     def _select(self, row_ids: Sequence[int], offsets: Sequence[int]) -> SamplingMetadata:
         """select_rows, each selected row `offsets[r]` tokens further into its output."""
@@ -149,7 +142,6 @@ class SamplingMetadata:
             all_greedy=all_greedy,
             all_random=all_random,
             penalties=None if self.penalties is None or index is None else select_penalty_rows(self.penalties, index),
-            generators=[self.generators[i] for i in row_ids],
             is_greedy=is_greedy,
             min_tokens_stop_ids=stop_ids,
             seeds=[self.seeds[i] for i in row_ids],

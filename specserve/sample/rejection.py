@@ -158,7 +158,7 @@ class RejectionSampler:
         final_rows = dev.seq_target_start + num_accepted
         final_probs = target_probs.index_select(0, final_rows)  # [num_seqs, vocab]
         residual = final_probs if lay.total == 0 else _residual(lay, dev, num_accepted, draft_probs, final_probs)
-        final = random_sample(residual, draw_exponential(meta.num_seqs, vocab, (), self.generator, device))
+        final = random_sample(residual, draw_exponential(meta.num_seqs, vocab, self.generator, device))
         if fixed is not None:
             fixed_final = fixed.index_select(0, final_rows)
             final = torch.where(fixed_final < 0, final, fixed_final)

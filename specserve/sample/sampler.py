@@ -6,7 +6,6 @@ depends only on those and the probabilities there, whatever the batch or the spe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -104,20 +103,10 @@ def compute_target_probs(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     return probs
 
 
-def draw_exponential(
-    num_rows: int,
-    vocab_size: int,
-    generators: Sequence[torch.Generator | None],
-    default_generator: torch.Generator | None,
-    device: torch.device,
-) -> Tensor:
-    """[num_rows, vocab] Exp(1) noise; row i from generators[i] when it has one."""
-    noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
-    seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
-    if len(seeded) < num_rows:
-        noise.exponential_(generator=default_generator)
-    for i, gen in seeded:  # the only per-row loop: a generator draws for one row at a time
-        noise[i].exponential_(generator=gen)
+def draw_exponential(num_rows: int, vocab_size: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """[num_rows, vocab] Exp(1) noise from `generator` (None: torch's default). Seeded rows use
+    `keyed_exponential` instead."""
+    noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device).exponential_(generator=generator)
     # Exp(1) can be exactly 0 on some backends: probs / 0 would be inf, or NaN (argmax prefers it) at prob 0.
     return noise.clamp_(min=torch.finfo(torch.float32).tiny)
 
@@ -188,7 +177,7 @@ class Sampler:
             token_ids = penalized.argmax(dim=-1)
         else:
             probs = _random_probs(penalized, meta)
-            noise = draw_exponential(meta.num_seqs, meta.vocab_size, (), self.generator, logits.device)
+            noise = draw_exponential(meta.num_seqs, meta.vocab_size, self.generator, logits.device)
             token_ids = random_sample(probs, noise)
             seeded = seeded_tokens(probs, meta)
             if seeded is not None:

@@ -35,7 +35,6 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens or what fits in max_model_len
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

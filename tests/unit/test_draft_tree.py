@@ -77,7 +77,7 @@ def _target(seed: int) -> torch.Tensor:
 
 
 def _meta(params: SamplingParams, n: int) -> SamplingMetadata:
-    return SamplingMetadata.build([params] * n, [[1, 2]] * n, [[] for _ in range(n)], [None] * n, VOCAB, CPU)
+    return SamplingMetadata.build([params] * n, [[1, 2]] * n, [[] for _ in range(n)], VOCAB, CPU)
 
 
 def _node_logits(target: torch.Tensor, n: int) -> torch.Tensor:

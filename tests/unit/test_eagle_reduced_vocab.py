@@ -183,12 +183,10 @@ def test_reduced_vocab_drafts_keep_verification_lossless(filters):
     assert torch.isin(drafts, d2t).all() and not q[:, outside].any()
     torch.testing.assert_close(q.sum(-1), torch.ones(2 * ROWS))
     # The draft's distribution is the request's processing over the draft vocabulary.
-    meta = SamplingMetadata.build(
-        params[:VOCAB], [[1, 2]] * VOCAB, [[]] * VOCAB, [None] * VOCAB, len(subset), torch.device("cpu")
-    )
+    meta = SamplingMetadata.build(params[:VOCAB], [[1, 2]] * VOCAB, [[]] * VOCAB, len(subset), torch.device("cpu"))
     torch.testing.assert_close(q[0, d2t], compute_target_probs(drafter[:1], meta.select_rows([0])).squeeze(0))
     flat = torch.stack([torch.zeros(ROWS, dtype=torch.long), drafts[:, 0], drafts[:, 1]], 1).reshape(-1)
-    meta = SamplingMetadata.build(params, [[1, 2]] * ROWS, [[]] * ROWS, [None] * ROWS, VOCAB, torch.device("cpu"))
+    meta = SamplingMetadata.build(params, [[1, 2]] * ROWS, [[]] * ROWS, VOCAB, torch.device("cpu"))
     out = RejectionSampler(torch.Generator().manual_seed(5))(drafts.tolist(), q, target[flat], meta)
     firsts = np.array([o[:2] for o in out.output_token_ids if len(o) >= 2])
     # Rows that rejected the first draft emitted one token; the joint of the first two needs a
@@ -198,9 +196,7 @@ def test_reduced_vocab_drafts_keep_verification_lossless(filters):
     assert len(single) > 0 and np.isin(first_only, subset, invert=True).any()  # the residual emits outside tokens
     tp = compute_target_probs(
         target,
-        SamplingMetadata.build(
-            params[:VOCAB], [[1, 2]] * VOCAB, [[]] * VOCAB, [None] * VOCAB, VOCAB, torch.device("cpu")
-        ),
+        SamplingMetadata.build(params[:VOCAB], [[1, 2]] * VOCAB, [[]] * VOCAB, VOCAB, torch.device("cpu")),
     ).double()
     second = torch.multinomial(tp[torch.as_tensor(first_only)].float(), 1, generator=gen)[:, 0].numpy()
     pairs = np.concatenate([firsts, np.stack([first_only, second], 1)])

@@ -113,7 +113,7 @@ def test_sampling_metadata_vectorized_matches_per_row() -> None:
     ]
     outs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 5))] for _ in params]
     stops = [[1, 2, 99] for _ in params]
-    meta = SamplingMetadata.build(params, [[3, 4]] * 64, outs, [None] * 64, vocab, torch.device("cpu"), stops)
+    meta = SamplingMetadata.build(params, [[3, 4]] * 64, outs, vocab, torch.device("cpu"), stops)
     assert meta.is_greedy == [p.greedy for p in params]
     assert all(p.greedy == (p.temperature < GREEDY_BELOW) for p in params)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -130,9 +130,7 @@ def test_sampling_metadata_vectorized_matches_per_row() -> None:
     assert meta.positions == [len(o) for o in outs]
     assert meta.penalties is not None
     neutral = [SamplingParams(temperature=0.5)] * 3
-    assert (
-        SamplingMetadata.build(neutral, [[1]] * 3, [[]] * 3, [None] * 3, vocab, torch.device("cpu")).penalties is None
-    )
+    assert SamplingMetadata.build(neutral, [[1]] * 3, [[]] * 3, vocab, torch.device("cpu")).penalties is None
 
 
 def _best_ms(fn, setup, repeats: int) -> float:
@@ -162,7 +160,7 @@ def test_sampling_metadata_time_per_step_is_sub_linear_in_batch() -> None:
     for batch in (64, 1024):
         *_, reqs = decode_step(batch)
         args = ([r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs])
-        build = partial(SamplingMetadata.build, *args, [None] * batch, 32000, torch.device("cpu"))
+        build = partial(SamplingMetadata.build, *args, 32000, torch.device("cpu"))
         times[batch] = _best_ms(build, lambda: None, 30)
     assert times[1024] < 10 * times[64], times
 

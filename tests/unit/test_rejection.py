@@ -33,14 +33,11 @@ def one_thread() -> Iterator[None]:
 def build(
     params: list[SamplingParams],
     outputs: list[list[int]] | None = None,
-    generators: list | None = None,
     vocab: int = VOCAB,
     stop_ids: list[list[int]] | None = None,
 ) -> SamplingMetadata:
     n = len(params)
-    return SamplingMetadata.build(
-        params, [PROMPT] * n, outputs or [[] for _ in range(n)], generators or [None] * n, vocab, CPU, stop_ids
-    )
+    return SamplingMetadata.build(params, [PROMPT] * n, outputs or [[] for _ in range(n)], vocab, CPU, stop_ids)
 
 
 def pooled_chisquare(counts: np.ndarray, expected_probs: np.ndarray) -> float:
@@ -307,8 +304,7 @@ def test_greedy_rows_are_accepted_prefix_plus_target_argmax(with_draft_probs: bo
         drafts.append(row)
     drafts.append([])
     draft_probs = torch.rand(15, vocab).softmax(-1) if with_draft_probs else None
-    generators = [None] * 4 + [torch.Generator().manual_seed(0), None]
-    meta = build(params, vocab=vocab, generators=generators)
+    meta = build(params, vocab=vocab)
     out = RejectionSampler()(drafts, draft_probs, target_logits, meta)
     for r in range(4):
         m = matches[r]
@@ -329,8 +325,7 @@ def test_seeded_rows_reproduce_whatever_the_batch() -> None:
         logits = torch.cat([torch.randn(sum(len(d) + 1 for d in drafts[:-1]), vocab), row_logits])
         probs = torch.cat([torch.rand(sum(len(d) for d in drafts[:-1]), vocab).softmax(-1), row_draft_probs])
         params = [SamplingParams()] * others + [SamplingParams(seed=77, top_k=9)]
-        generators = [None] * others + [torch.Generator().manual_seed(77)]
-        out = RejectionSampler()(drafts, probs, logits, build(params, generators=generators, vocab=vocab))
+        out = RejectionSampler()(drafts, probs, logits, build(params, vocab=vocab))
         return tuple(out.output_token_ids[-1]), out.num_accepted[-1]
 
     assert len({run(n) for n in (0, 1, 5, 9)}) == 1

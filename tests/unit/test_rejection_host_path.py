@@ -72,7 +72,7 @@ def reference(
     if meta.all_greedy:
         finals = [int(probs[row_start[i] + n].argmax()) for i, n in enumerate(counts)]
     else:
-        noise = draw_exponential(num_seqs, VOCAB, (), generator, CPU)
+        noise = draw_exponential(num_seqs, VOCAB, generator, CPU)
         finals = []
         for i, (d, n) in enumerate(zip(drafts, counts)):
             fp = probs[row_start[i] + n]
@@ -125,8 +125,7 @@ def scenario(seed: int):
         draft_probs = torch.rand(sum(ks), VOCAB, generator=gen).softmax(-1)
 
     def meta() -> SamplingMetadata:
-        gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-        return SamplingMetadata.build(params, [[1, 2]] * num_seqs, outputs, gens, VOCAB, CPU, [[VOCAB - 1]] * num_seqs)
+        return SamplingMetadata.build(params, [[1, 2]] * num_seqs, outputs, VOCAB, CPU, [[VOCAB - 1]] * num_seqs)
 
     return drafts, draft_probs, logits, meta
 
@@ -143,7 +142,7 @@ def test_greedy_batch_is_one_argmax_and_one_read_back() -> None:
     params = [SamplingParams(temperature=0.0)] * 3
     drafts = [[1, 2, 3], [4], []]
     logits = torch.randn(7, VOCAB)
-    meta = SamplingMetadata.build(params, [[1]] * 3, [[]] * 3, [None] * 3, VOCAB, CPU)
+    meta = SamplingMetadata.build(params, [[1]] * 3, [[]] * 3, VOCAB, CPU)
     sampler = RejectionSampler()
     with Ops() as ops:
         sampler(drafts, None, logits, meta)
@@ -156,7 +155,7 @@ def test_all_greedy_metadata_copies_nothing() -> None:
     drafts = [[1, 2], [], [3], [4, 5, 6]]
     for _ in range(2):  # the first round makes the cached ones (a new batch size, a new k)
         with Ops() as ops:
-            meta = SamplingMetadata.build(params, [[1]] * 4, [[]] * 4, [None] * 4, VOCAB, CPU)
+            meta = SamplingMetadata.build(params, [[1]] * 4, [[]] * 4, VOCAB, CPU)
             meta.expand_for_drafts(drafts)
     assert not ops.names
     assert meta.temperature.tolist() == [1.0] * 4 and meta.all_greedy and meta.greedy_mask is None
@@ -169,7 +168,7 @@ def test_selected_rows_keep_their_greedy_flags_and_scalars() -> None:
         SamplingParams(temperature=0.9, top_p=0.5),
         SamplingParams(temperature=0.0),
     ]
-    meta = SamplingMetadata.build(params, [[1]] * 4, [[]] * 4, [None] * 4, VOCAB, CPU)
+    meta = SamplingMetadata.build(params, [[1]] * 4, [[]] * 4, VOCAB, CPU)
     assert meta.greedy_mask.tolist() == [True, False, False, True]
     rows = [3, 1, 1, 0, 2]
     sel = meta.select_rows(rows)

@@ -20,7 +20,6 @@ def build(
     vocab: int = VOCAB,
     prompts: list[list[int]] | None = None,
     outputs: list[list[int]] | None = None,
-    generators: list | None = None,
     stop_ids: list[list[int]] | None = None,
 ) -> SamplingMetadata:
     n = len(params)
@@ -28,7 +27,6 @@ def build(
         params,
         prompts or [[] for _ in range(n)],
         outputs or [[] for _ in range(n)],
-        generators or [None] * n,
         vocab,
         CPU,
         stop_ids,
@@ -92,16 +90,11 @@ def test_seeded_rows_reproduce_whatever_the_batch() -> None:
     row_logits = torch.randn(5, VOCAB)  # one step per row of this
 
     def run(batch_size: int, position: int) -> list[int]:
-        gen = torch.Generator().manual_seed(1234)
         params = [SamplingParams(temperature=1.0, top_p=0.9) for _ in range(batch_size)]
         params[position] = SamplingParams(temperature=0.8, seed=1234)
-        generators: list = [None] * batch_size
-        generators[position] = gen
         if batch_size > 2:  # another seeded row, which must not disturb ours
-            other = (position + 1) % batch_size
-            params[other] = SamplingParams(temperature=1.0, seed=9)
-            generators[other] = torch.Generator().manual_seed(9)
-        meta = build(params, generators=generators)
+            params[(position + 1) % batch_size] = SamplingParams(temperature=1.0, seed=9)
+        meta = build(params)
         tokens = []
         for step in range(row_logits.shape[0]):
             logits = torch.randn(batch_size, VOCAB)
@@ -249,5 +242,5 @@ def test_bad_shapes_are_clear_errors() -> None:
         Sampler()(torch.randn(2, VOCAB + 3), meta)
     with pytest.raises(ValueError, match="num_seqs"):
         Sampler()(torch.randn(3, VOCAB), meta)
-    with pytest.raises(ValueError, match="generators"):
-        SamplingMetadata.build([SamplingParams()], [[]], [[]], [], VOCAB, CPU)
+    with pytest.raises(ValueError, match="output_token_ids"):
+        SamplingMetadata.build([SamplingParams()], [[]], [], VOCAB, CPU)

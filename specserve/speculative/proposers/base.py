@@ -78,7 +78,6 @@ class OwnKVLifecycle:
         seq = self.seqs.pop(req.request_id, None)  # type: ignore[attr-defined]
         if seq is not None:
             self.kv.free(seq)  # type: ignore[attr-defined]
-        self.sampler.forget(req.request_id)  # type: ignore[attr-defined]
 
 
 def draft_budget(req: Request, k: int, max_model_len: int) -> int:

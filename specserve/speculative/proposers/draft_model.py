@@ -19,7 +19,7 @@ from specserve.runner.cuda_graph import CATCH_UP_QUERY_LENS, MIXED_TOKEN_LENS, g
 from specserve.runner.model_runner import ModelRunner
 from specserve.sample.h2d import cached_tensor
 from specserve.sample.metadata import SamplingMetadata
-from specserve.sample.sampler import compute_target_probs, draw_exponential, random_sample
+from specserve.sample.sampler import compute_target_probs, draw_exponential, random_sample, seeded_tokens
 from specserve.scheduler.request import PLACEHOLDER, Request
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.speculative.proposers.base import OwnKVLifecycle, ProposeInput, Proposer
@@ -76,38 +76,33 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class DraftSampler:
-    """Draft logits -> draft tokens."""
+    """Draft logits -> draft tokens, one draft position per `sample` call and row.
+
+    A seeded row's draft at output position t races on the target sampler's keyed noise for (seed, t)
+    (`seeded_tokens`): where the draft's distribution is close to the target's they pick the same token, so
+    drafts are accepted more often, and the output, the plain sampler's token at every position, is the same
+    for every k. Unseeded rows draw from torch's default generator."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size, self.device = vocab_size, device
-        self._generators: dict[str, torch.Generator] = {}
         self._meta: SamplingMetadata | None = None
         self._greedy: list[bool] = []
+        self._drafted: list[int] = []  # per row: draft positions sampled since `begin`
 
     def begin(self, reqs: list[Request]) -> None:
         """One metadata row per request (rows of `sample` index into this list)."""
         self._greedy = [r.params.greedy for r in reqs]
+        self._drafted = [0] * len(reqs)
         self._meta = None
         if all(self._greedy):
             return
-        gens = [None if r.params.greedy else self._generator(r) for r in reqs]
         self._meta = SamplingMetadata.build(
             [r.params for r in reqs],
             [r.prompt_token_ids for r in reqs],
             [r.output_token_ids for r in reqs],
-            gens,
             self.vocab_size,
             self.device,
         )
-
-    def _generator(self, req: Request) -> torch.Generator | None:
-        if req.params.seed is None:
-            return None
-        gen = self._generators.get(req.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed((req.params.seed * 7919 + 104729) % (1 << 63))
-            self._generators[req.request_id] = gen
-        return gen
 
     def sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits [len(rows), vocab] -> (tokens [len(rows)] int64, draft_probs [len(rows), vocab] or None if all
@@ -116,16 +111,18 @@ class DraftSampler:
             logits = logits[:, : self.vocab_size]
         if self._meta is None or all(self._greedy[r] for r in rows):
             return logits.argmax(dim=-1), None  # greedy drafts are one-hot: no distribution
-        meta = self._meta.select_rows(rows)
+        offsets = []  # a row listed twice (P-EAGLE's parallel drafts) drafts consecutive positions
+        for r in rows:
+            offsets.append(self._drafted[r])
+            self._drafted[r] += 1
+        meta = self._meta.select_rows(rows, offsets)
         probs = compute_target_probs(logits, meta)
-        noise = draw_exponential(len(rows), self.vocab_size, meta.generators, None, logits.device)
-        tokens = random_sample(probs, noise)
+        tokens = random_sample(probs, draw_exponential(len(rows), self.vocab_size, None, logits.device))
+        if (seeded := seeded_tokens(probs, meta)) is not None:
+            tokens.index_copy_(0, *seeded)
         if meta.greedy_mask is not None:  # the rows' greedy flags, already on the device
             tokens = torch.where(meta.greedy_mask, logits.argmax(dim=-1), tokens)
         return tokens, probs
-
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
 
     def is_greedy(self, row: int) -> bool:
         return self._greedy[row]
