@@ -1,7 +1,7 @@
 """Speculative decoding benchmark: output tokens/s with no speculation, fixed k and the adaptive controller.
 
-On one target and one prompt set it runs, for each method (n-gram, a draft model, and an EAGLE-3 head
-when --eagle3-head is given):
+On one target and one prompt set it runs, for each method of --methods (n-gram, a draft model, an EAGLE-3
+head (--eagle3-head), a P-EAGLE head (--peagle-head, parallel drafting)):
   - no speculation (the baseline),
   - fixed k for every k of --ks (`"adaptive": false`),
   - the adaptive controller with K = max(--ks) (`"adaptive": true`),
@@ -43,7 +43,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 
-METHODS = ("ngram", "draft_model", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle3", "p-eagle")
 MODES = ("all", "one")
 NGRAM_MIN, NGRAM_MAX = 2, 5
 _COUNTERS = (
@@ -140,6 +140,8 @@ def speculative_config(c: Config, args: argparse.Namespace) -> dict[str, Any] | 
         cfg["model"] = args.draft
     elif c.method == "eagle3":
         cfg["model"] = args.eagle3_head
+    elif c.method == "p-eagle":
+        cfg.update(method="eagle3", model=args.peagle_head, parallel_drafting=True)
     return cfg
 
 
@@ -293,6 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="catalog name, HF dir or .gguf")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="the draft_model method's model")
     p.add_argument("--eagle3-head", default=None, help="an EAGLE-3 head dir (adds the eagle3 method)")
+    p.add_argument("--peagle-head", default=None, help="a P-EAGLE head dir (for --methods p-eagle)")
     p.add_argument("--methods", default="ngram,draft_model", help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--ks", default="1,2,4,8", help="fixed k to run; the adaptive controller gets K = the largest")
     p.add_argument("--trees", default="", help="comma list of DEPTH:BRANCHING:BUDGET draft trees to add per method")
@@ -329,6 +332,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--ks: at least one k, each >= 1")
     if "eagle3" in args.methods and not args.eagle3_head:
         p.error("--methods eagle3 needs --eagle3-head")
+    if "p-eagle" in args.methods and not args.peagle_head:
+        p.error("--methods p-eagle needs --peagle-head")
     return args
 
 
