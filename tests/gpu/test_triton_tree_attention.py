@@ -29,9 +29,9 @@ def test_tree_mask_matches_the_reference(device: torch.device, num_splits: int, 
     seq_index = np.repeat(np.arange(len(specs)), [n for _, n in specs])
     trees = [(int(cu[0]), _random_parents(rng, sizes[0])), (int(cu[2]), _random_parents(rng, sizes[1]))]
     positions = np.zeros(int(cu[-1]), dtype=np.int64)
-    mask = torch.from_numpy(tree_inputs(trees, positions, cu, seq_index))
-    batch = batch._replace(
-        meta=dataclasses.replace(batch.meta, tree_mask=mask.to(device)),
+    mask = torch.from_numpy(tree_inputs(trees, positions, cu, seq_index)).to(device)
+    batch = batch._replace(  # both metadata on `device`, as make_batch builds them
+        meta=dataclasses.replace(batch.meta, tree_mask=mask),
         ref_meta=dataclasses.replace(batch.ref_meta, tree_mask=mask),
     )
     ref, _ = reference(batch)
@@ -52,6 +52,6 @@ def test_tree_mask_matches_the_reference(device: torch.device, num_splits: int, 
         num_splits=num_splits,
         tree_mask=m.tree_mask,
     )
-    assert_close(out.cpu(), ref, torch.float32)
+    assert_close(out, ref, torch.float32)
     causal, _ = reference(batch._replace(ref_meta=dataclasses.replace(batch.ref_meta, tree_mask=None)))
     assert (causal - ref).abs().max() > 1e-3  # the trees changed what their rows see
