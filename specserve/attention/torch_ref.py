@@ -29,20 +29,21 @@ def write_kv(
 def gather_padded(
     cache: LayerKVCache, fmt: KVFormat, block_tables: torch.Tensor, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sequence's blocks: ([B, max_blocks * block_size, H, D], same for value)."""
+    """Every sequence's blocks: ([B, max_blocks * block_size, H, D], same for value); keys as written
+    (times cache.key_smooth where they were cached divided by it)."""
     num_seqs, max_blocks = block_tables.shape
     ids = block_tables.reshape(-1).long()
 
-    def read(data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    def read(data: torch.Tensor, scale: torch.Tensor | None, smooth: torch.Tensor | None) -> torch.Tensor:
         rows = data.index_select(0, ids).flatten(0, 1)  # [B * max_blocks * bs, H, packed]
         if fmt.quantized:
             from specserve.kv import quant
 
             srows = scale.index_select(0, ids).flatten(0, 1)
-            rows = quant.dequantize(rows, srows, fmt, out_dtype)
+            rows = quant.dequantize(rows, srows, fmt, out_dtype, smooth)
         return rows.to(out_dtype).view(num_seqs, -1, rows.shape[-2], rows.shape[-1])
 
-    return read(cache.key, cache.key_scale), read(cache.value, cache.value_scale)
+    return read(cache.key, cache.key_scale, cache.key_smooth), read(cache.value, cache.value_scale, None)
 
 
 class TorchRefBackend:

@@ -1,7 +1,8 @@
 """Paged attention over a quantized KV cache (fp8, nvfp4; oracle: kv/quant.py), launched like
 `triton_paged.paged_attention`. Variants: fp8 "v3"; nvfp4 "v4" for latency-bound launches, "v7" for
 throughput-bound decode. Dots run in float16 with fp32 accumulation; Q is clamped to float16's range.
-A rotated format (kv/quant.py) takes q @ hadamard() and its output goes @ hadamard() back (per call)."""
+A rotated format (kv/quant.py) takes q @ hadamard() and its output goes @ hadamard() back (per call);
+with key smoothing (cache.key_smooth) q's matrix is quant.query_rotation(), diag(s) Hn per head."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from specserve.attention.triton_quant_fp8 import fp8_operands
 from specserve.attention.triton_quant_nvfp4 import nvfp4_operands
 from specserve.attention.triton_quant_write import reshape_and_cache_quant
 from specserve.kernels.device import num_sms
-from specserve.kv.quant import hadamard
+from specserve.kv.quant import hadamard, query_rotation
 from specserve.kv.spec import KVFormat, LayerKVCache
 
 __all__ = ["paged_attention_quant", "reshape_and_cache_quant"]
@@ -112,8 +113,12 @@ def paged_attention_quant(
     if num_tokens == 0 or num_seqs == 0:
         return out
     final, h = out, hadamard(head_dim, q.device, q.dtype) if fmt.rotate else None
+    rot = query_rotation(fmt, cache.key_smooth, num_heads, head_dim, q.dtype, q.device)  # [D, D] | [Hq, D, D]
+    if rot is not None:
+        # Per head: [Hq, T, D] @ [Hq, D, D], read back as [T, Hq, D] through its strides.
+        q = q @ rot if rot.dim() == 2 else torch.bmm(q.transpose(0, 1), rot).transpose(0, 1)
     if h is not None:
-        q, out = q @ h, torch.empty_like(q)  # [T, Hq, D]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_m, bn, num_warps, num_stages, maxnreg = quant_attention_config(
         max_query_len, group, head_dim, fmt.name, variant
     )

@@ -13,7 +13,7 @@ from specserve.attention.triton_quant_common import (
     _FP16_MAX,
     check_quant_cache,
 )
-from specserve.kv.quant import E2M1_MAX, hadamard_rotate
+from specserve.kv.quant import E2M1_MAX, hadamard_rotate, smooth_keys
 from specserve.kv.spec import KVFormat, LayerKVCache
 
 
@@ -145,13 +145,15 @@ def reshape_and_cache_quant(
     key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, fmt: KVFormat, slot_mapping: torch.Tensor
 ) -> None:
     """Quantize key/value [num_tokens, num_kv_heads, head_dim] and store them (and their scales) at
-    their slots; bit-identical to `kv.quant.write_kv`. A negative slot (padding token) is skipped."""
+    their slots (keys divided by cache.key_smooth); bit-identical to `kv.quant.write_kv`. A negative
+    slot (padding token) is skipped."""
     num_tokens, num_kv_heads, head_dim = key.shape
     check_quant_cache(fmt, cache, num_kv_heads, head_dim)
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key and value need a contiguous last (head_dim) dimension")
     if num_tokens == 0:
         return
+    key = smooth_keys(key, cache.key_smooth)  # as quant.write_kv
     if fmt.rotate:  # float32 rows, as quantize() rounds them
         key, value = hadamard_rotate(key).float(), hadamard_rotate(value).float()
     nvfp4 = fmt.name == "nvfp4"

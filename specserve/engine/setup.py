@@ -8,6 +8,7 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.kv.manager import KVCacheManager
+from specserve.kv.smoothing import smoothing_tag
 from specserve.metrics.stats import StatsCollector
 from specserve.model.loader import LoadedModel, resolve_dtype
 from specserve.runner.build import EngineParts, build_runner, max_num_batched_tokens, ops_for
@@ -60,7 +61,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
         from specserve.kv.offload.offloader import KVOffloader
 
         # "koff1": quantized KV is stored minus the per-layer key offset (model/key_offset.py).
-        koff = "|koff1" if spec.fmt.quantized else ""
+        koff = ("|koff1" if spec.fmt.quantized else "") + smoothing_tag(runner.kv_caches)  # kv/smoothing.py
         namespace = (
             f"{loaded.identity}|{spec.fmt.name}{koff}|{spec.fmt.global_scale}|bs{cc.block_size}|"
             f"L{arch.num_layers}|H{arch.num_kv_heads}|D{arch.head_dim}"

@@ -11,6 +11,8 @@ saturates, finite). Inputs must be finite.
 fmt.rotate (nvfp4): each head vector x is stored as x Hn, Hn = hadamard() a block Hadamard rotation
 (QuaRot): it spreads outlier channels over the head, which makes q.k's error smaller. Attention is
 unchanged if q is rotated alike (q.k = (q Hn).(k Hn)) and the output back (P (V Hn) Hn = P V).
+cache.key_smooth s [H, D] (kv/smoothing.py): keys are quantized as k / s and met by q * s (powers of
+two: both exact), before the rotation: q' = q diag(s) Hn per head (query_rotation()).
 """
 
 from __future__ import annotations
@@ -54,6 +56,25 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] -> x Hn in float64, where the sums of +-2^-e x_i are exact (short of a 2^22 spread in
     a head): every device rounds them to the same float32, so Triton's write stores quantize()'s bytes."""
     return x.double() @ hadamard(x.shape[-1], x.device, torch.float64)
+
+
+def smooth_keys(key: torch.Tensor, key_smooth: torch.Tensor | None) -> torch.Tensor:
+    """key [N, H, D] / key_smooth [H, D] in float32 (exact: powers of two), or key as is (None)."""
+    return key if key_smooth is None else key.float() / key_smooth
+
+
+def query_rotation(
+    fmt: KVFormat, key_smooth: torch.Tensor | None, num_heads: int, head_dim: int, dtype: torch.dtype, device
+) -> torch.Tensor | None:
+    """What q [T, Hq, D] is multiplied by before it meets a cache of `fmt`: Hn [D, D] (fmt.rotate), or
+    diag(s) Hn [Hq, D, D] per query head (s of its KV head, or the identity without fmt.rotate) with
+    key smoothing; None: q as is. Entries +-s / sqrt(b) are exact in every dtype."""
+    if key_smooth is None:
+        return hadamard(head_dim, device, dtype) if fmt.rotate else None
+    per_head = key_smooth.repeat_interleave(num_heads // key_smooth.shape[0], dim=0)  # [Hq, D]
+    if not fmt.rotate:
+        return torch.diag_embed(per_head).to(dtype)
+    return (per_head[:, :, None] * hadamard(head_dim, device, torch.float32)).to(dtype)
 
 
 def _group_view(x: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -118,15 +139,21 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor
     return _quantize_fp8(x) if fmt.name == "fp8" else _quantize_nvfp4(hadamard_rotate(x) if fmt.rotate else x, fmt)
 
 
-def dequantize(data: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat, out_dtype: torch.dtype) -> torch.Tensor:
-    """data [N, H, packed_dim], scale [N, H, G] or None -> [N, H, D] in out_dtype."""
+def dequantize(
+    data: torch.Tensor,
+    scale: torch.Tensor | None,
+    fmt: KVFormat,
+    out_dtype: torch.dtype,
+    smooth: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """data [N, H, packed_dim], scale [N, H, G] or None -> [N, H, D] in out_dtype; smooth [H, D]: the
+    values were quantized divided by it (cache.key_smooth), and come back multiplied."""
     if not fmt.quantized:
         return data.to(out_dtype)
     if scale is None:
         raise ValueError(f"KV format {fmt.name!r} needs scales to dequantize")
-    if fmt.name == "fp8":
-        return (data.float() * scale.float()).to(out_dtype)
-    return _dequantize_nvfp4(data, scale, fmt).to(out_dtype)
+    values = data.float() * scale.float() if fmt.name == "fp8" else _dequantize_nvfp4(data, scale, fmt)
+    return (values if smooth is None else values * smooth).to(out_dtype)
 
 
 def _scatter(dst: torch.Tensor, slot_mapping: torch.Tensor, src: torch.Tensor) -> None:
@@ -140,8 +167,9 @@ def _scatter(dst: torch.Tensor, slot_mapping: torch.Tensor, src: torch.Tensor) -
 def write_kv(
     cache: LayerKVCache, fmt: KVFormat, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> None:
-    """Quantize key / value [N, H, D] and store token i at slot slot_mapping[i] ([N] int64)."""
+    """Quantize key / value [N, H, D] (key / cache.key_smooth) and store token i at slot slot_mapping[i] ([N] int64)."""
     slots = slot_mapping.to(device=cache.key.device, dtype=torch.long)
+    key = smooth_keys(key, cache.key_smooth)
     for data_cache, scale_cache, x in ((cache.key, cache.key_scale, key), (cache.value, cache.value_scale, value)):
         data, scale = quantize(x, fmt)
         _scatter(data_cache, slots, data)

@@ -14,6 +14,8 @@ class LayerKVCache(NamedTuple):
     value: torch.Tensor  # [num_blocks, block_size, num_kv_heads, packed_dim]
     key_scale: torch.Tensor | None  # [num_blocks, block_size, num_kv_heads, num_scale_groups]
     value_scale: torch.Tensor | None
+    # [num_kv_heads, head_dim] float32 powers of two: keys are cached as k / s (kv/smoothing.py); None: as k.
+    key_smooth: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from specserve.metrics.stats import StatsCollector
 from specserve.model.key_offset import install_key_offsets
 from specserve.model.loader import LoadedModel, load_model
 from specserve.runner.cuda_graph import MIXED_TOKEN_LENS, PREFILL_QUERY_LENS, graph_output_bytes
+from specserve.runner.key_smoothing import install_key_smoothing
 from specserve.runner.model_runner import ModelRunner, select_backend
 from specserve.runner.warmup import dummy_forward, dummy_logits
 from specserve.sample.sampler import Sampler
@@ -104,6 +105,8 @@ def build_runner(
     strict = config.model.max_model_len is not None
     check_kv_capacity(num_blocks, spec.bytes_per_block, loaded.max_model_len, cc, strict=strict)
     runner = make_runner(loaded, spec, num_blocks, device, backend)
+    # Before any KV is written: cached blocks share the factors (per rank they would need the rank's heads).
+    install_key_smoothing(runner, enabled=shard is None)
     if graphs:
         runner.capture_graphs(sc.max_num_seqs, loaded.max_model_len, *lens)
     return runner

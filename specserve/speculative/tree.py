@@ -101,7 +101,7 @@ def compact_kv(caches: Sequence[LayerKVCache], src: torch.Tensor, dst: torch.Ten
     """Copy every layer's KV (and scales) at slots src [n] to slots dst [n] (int64, on the cache's device);
     all reads happen before the writes, so a destination may be another move's source."""
     for layer in caches:
-        for t in layer:
+        for t in (layer.key, layer.value, layer.key_scale, layer.value_scale):
             if t is not None:
                 flat = t.view(-1, *t.shape[2:])
                 flat.index_copy_(0, dst, flat.index_select(0, src))

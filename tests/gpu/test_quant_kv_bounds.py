@@ -9,15 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.kv.spec import LayerKVCache, kv_format
+from specserve.kv.spec import kv_format
 from tests.helpers.quant_kv import (  # noqa: F401  (fp8_interpreter: an autouse fixture)
     KERNEL_IDS,
     KERNELS,
     assert_close,
     assert_same_bytes,
+    clone_cache,
     fp8_interpreter,
     make_batch,
     reference,
+    restore_cache,
     run_kernels,
 )
 from tests.helpers.triton_bounds import watch_addresses
@@ -62,10 +64,9 @@ def test_pool_tail_in_bounds(
         pool_tail=True,
     )
     ref, written = reference(batch, fmt)
-    initial = LayerKVCache(*(t.clone() for t in batch.cache))
+    initial = clone_cache(batch.cache)
     for num_splits in (None, 3):
-        for dst, src in zip(batch.cache, initial):
-            dst.copy_(src)
+        restore_cache(batch.cache, initial)
         out = run_kernels(batch, fmt, num_splits, variant)
         assert not over_reads, f"num_splits={num_splits}: {sorted(set(over_reads))}"
         assert_same_bytes(batch.cache, written)

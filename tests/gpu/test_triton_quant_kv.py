@@ -25,16 +25,18 @@ import pytest
 import torch
 
 from specserve.kv import quant
-from specserve.kv.spec import KVFormat, LayerKVCache, kv_format
+from specserve.kv.spec import KVFormat, kv_format
 from tests.helpers.quant_kv import (  # noqa: F401  (fp8_interpreter: an autouse fixture)
     KERNEL_IDS,
     KERNELS,
     assert_close,
     assert_same_bytes,
+    clone_cache,
     fp8_interpreter,
     make_batch,
     poisoned_cache,
     reference,
+    restore_cache,
     run_kernels,
     to_device,
 )
@@ -113,13 +115,12 @@ def test_mixed_batch(
         specs, group * 2, 2, head_dim, block_size, fmt, dtype, device, seed=group * 1000 + block_size + head_dim
     )
     ref, written = reference(batch, fmt)
-    initial = LayerKVCache(*(t.clone() for t in batch.cache))
+    initial = clone_cache(batch.cache)
     out = run_kernels(batch, fmt, variant=variant)
     assert_same_bytes(batch.cache, written)
     assert_close(out[: batch.ref_meta.num_tokens], ref, dtype)
     # The split-KV path over the same batch (multi-token q blocks, causal edges inside splits).
-    for dst, src in zip(batch.cache, initial):
-        dst.copy_(src)
+    restore_cache(batch.cache, initial)
     assert_close(run_kernels(batch, fmt, num_splits=3, variant=variant)[: batch.ref_meta.num_tokens], ref, dtype)
 
 
@@ -136,10 +137,9 @@ def test_long_context_decode_and_verify(
         [(c, query_len) for c in contexts], 32, 8, 128, 16, fmt, dtype, device, seed=query_len * 10 + len(name)
     )
     ref, written = reference(batch, fmt)
-    initial = LayerKVCache(*(t.clone() for t in batch.cache))
+    initial = clone_cache(batch.cache)
     for num_splits in (None, 1) if interpreting else (None, 1, 7):
-        for dst, src in zip(batch.cache, initial):
-            dst.copy_(src)
+        restore_cache(batch.cache, initial)
         out = run_kernels(batch, fmt, num_splits, variant)
         assert_same_bytes(batch.cache, written)
         assert_close(out[: batch.ref_meta.num_tokens], ref, dtype)
@@ -170,6 +170,29 @@ def test_odd_kv_head_count(name: str, variant: str, device: torch.device, interp
     fmt = kv_format(name, dtype)
     specs = [(40, 1), (21, 3), (0, 7)] if interpreting else [(500, 1), (77, 5), (0, 40), (1000, 1)]
     batch = make_batch(specs, 9, 3, 64, 16, fmt, dtype, device, seed=93)
+    ref, written = reference(batch, fmt)
+    out = run_kernels(batch, fmt, variant=variant)
+    assert_same_bytes(batch.cache, written)
+    assert_close(out[: batch.ref_meta.num_tokens], ref, dtype)
+
+
+@pytest.mark.parametrize("name,variant", KERNELS, ids=KERNEL_IDS)
+@pytest.mark.parametrize("head_dim,num_kv_heads", [(64, 3), (128, 2)])
+def test_key_smoothing(
+    name: str, variant: str, head_dim: int, num_kv_heads: int, device: torch.device, interpreting: bool
+) -> None:
+    """A cache with key smoothing (cache.key_smooth, powers of two): the write stores quant.write_kv's
+    bytes of k / s, attention (q rotated by diag(s) Hn per head) matches the oracle's q . (s k_hat).
+    Factors within 2^-1 .. 2 (random ones that do not fit the data inflate the float16 dots' rounding)."""
+    dtype = torch.bfloat16
+    fmt = kv_format(name, dtype)
+    gen = torch.Generator().manual_seed(head_dim + num_kv_heads)
+    key_smooth = torch.exp2(torch.randint(-1, 2, (num_kv_heads, head_dim), generator=gen).float())
+    specs = [(40, 1), (21, 3), (0, 7)] if interpreting else [(500, 1), (77, 5), (0, 40), (3000, 1)]
+    batch = make_batch(
+        specs, 3 * num_kv_heads, num_kv_heads, head_dim, 16, fmt, dtype, device, seed=7, key_smooth=key_smooth
+    )
+    assert batch.cache.key_smooth is not None and batch.cache.key_smooth.device == batch.q.device
     ref, written = reference(batch, fmt)
     out = run_kernels(batch, fmt, variant=variant)
     assert_same_bytes(batch.cache, written)
@@ -253,10 +276,9 @@ def test_decode_only_batch(
     half = triton_quant_nvfp4.half_rows_apply(query_len, group, block_m)
     assert half == (query_len * group <= 8)
     ref, written = reference(batch, fmt)
-    initial = LayerKVCache(*(t.clone() for t in batch.cache))
+    initial = clone_cache(batch.cache)
     for num_splits in (None, 1):
-        for dst, src in zip(batch.cache, initial):
-            dst.copy_(src)
+        restore_cache(batch.cache, initial)
         out = run_kernels(batch, fmt, num_splits, variant)
         assert_same_bytes(batch.cache, written)
         assert_close(out[: batch.ref_meta.num_tokens], ref, dtype)
@@ -314,14 +336,13 @@ def test_cuda_graph_decode_nvfp4(device: torch.device) -> None:
     dtype, backend = torch.bfloat16, TritonBackend()
     fmt = kv_format("nvfp4", dtype)
     batch = make_batch([(5, 1), (4095, 1), (1000, 1), (1, 1)], 32, 8, 128, 16, fmt, dtype, device, seed=11)
-    initial = LayerKVCache(*(t.clone() for t in batch.cache))
+    initial = clone_cache(batch.cache)
     for _ in range(2):  # compile and warm up outside the capture
         backend.forward(batch.q, batch.k, batch.v, batch.cache, fmt, batch.meta, batch.scale)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = backend.forward(batch.q, batch.k, batch.v, batch.cache, fmt, batch.meta, batch.scale)
-    for dst, src in zip(batch.cache, initial):
-        dst.copy_(src)
+    restore_cache(batch.cache, initial)
     fresh = torch.randn(batch.q.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
     batch.q.copy_(fresh.to(device))
     ref, _ = reference(batch, fmt)

@@ -97,11 +97,26 @@ def poisoned_cache(fmt: KVFormat, num_blocks: int, block_size: int, num_kv_heads
 
 
 def to_device(cache: LayerKVCache, device: torch.device) -> LayerKVCache:
-    return LayerKVCache(*(t.to(device) for t in cache))
+    return LayerKVCache(*(None if t is None else t.to(device) for t in cache))
+
+
+def clone_cache(cache: LayerKVCache) -> LayerKVCache:
+    """A copy of the written tensors (data and scales); key_smooth is shared."""
+    return cache._replace(**{n: getattr(cache, n).clone() for n in STORED})
+
+
+def restore_cache(dst: LayerKVCache, src: LayerKVCache) -> None:
+    """Copy src's data and scales back into dst's tensors."""
+    for n in STORED:
+        getattr(dst, n).copy_(getattr(src, n))
+
+
+STORED = ("key", "value", "key_scale", "value_scale")
 
 
 def assert_same_bytes(got: LayerKVCache, want: LayerKVCache) -> None:
-    for name, g, w in zip(LayerKVCache._fields, got, want):
+    for name in STORED:
+        g, w = getattr(got, name), getattr(want, name)
         bits = torch.int16 if g.element_size() == 2 else torch.uint8
         g_bits, w_bits = g.cpu().view(bits), w.view(bits)
         bad = (g_bits != w_bits).sum().item()
@@ -132,6 +147,7 @@ def make_batch(
     pad_tokens: int = 0,
     pad_seqs: int = 0,
     pool_tail: bool = False,
+    key_smooth: torch.Tensor | None = None,
 ) -> Batch:
     """specs: (cached context_len, query_len) per sequence; block ids are shuffled over the pool.
 
@@ -139,6 +155,7 @@ def make_batch(
     with a length that is a multiple of block_size its last token is the pool's last slot and a read
     past its rows runs off the end of every cache tensor), and the kernel's block tables hold ids
     outside the pool past each sequence's blocks (padding entries must never be read).
+    key_smooth [num_kv_heads, head_dim]: the cache's key smoothing factors (kv/smoothing.py).
     """
     gen = torch.Generator().manual_seed(seed)
     counts = [math.ceil((c + n) / block_size) for c, n in specs]
@@ -148,7 +165,7 @@ def make_batch(
     for n in counts:
         tables.append(list(range(num_blocks - at - n, num_blocks - at)) if pool_tail else perm[at : at + n])
         at += n
-    cache = poisoned_cache(fmt, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = poisoned_cache(fmt, num_blocks, block_size, num_kv_heads, head_dim)._replace(key_smooth=key_smooth)
     for (c, _), t in zip(specs, tables):  # the cached context of every sequence, written by the oracle
         slots = torch.tensor([t[p // block_size] * block_size + p % block_size for p in range(c)], dtype=torch.long)
         quant.write_kv(
@@ -181,16 +198,18 @@ def make_batch(
 def reference(batch: Batch, fmt: KVFormat) -> tuple[torch.Tensor, LayerKVCache]:
     """float64 output for the real tokens over the dequantized cache, and the oracle-written cache."""
     n = batch.ref_meta.num_tokens
-    written = LayerKVCache(*(t.clone() for t in batch.cpu_cache))
+    written = clone_cache(batch.cpu_cache)
     slots = batch.ref_meta.slot_mapping.cpu()
     quant.write_kv(written, fmt, slots, batch.k[:n].cpu(), batch.v[:n].cpu())
 
-    def dequantized(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def dequantized(data: torch.Tensor, scale: torch.Tensor, smooth: torch.Tensor | None = None) -> torch.Tensor:
         nb, bs, h, p = data.shape
-        full = quant.dequantize(data.reshape(-1, h, p), scale.reshape(-1, h, scale.shape[-1]), fmt, torch.float64)
+        flat_scale = scale.reshape(-1, h, scale.shape[-1])
+        full = quant.dequantize(data.reshape(-1, h, p), flat_scale, fmt, torch.float64, smooth)
         return full.view(nb, bs, h, -1).nan_to_num(0.0)  # the oracle may read padded slots under a mask
 
-    key, value = dequantized(written.key, written.key_scale), dequantized(written.value, written.value_scale)
+    key = dequantized(written.key, written.key_scale, written.key_smooth)
+    value = dequantized(written.value, written.value_scale)
     clean = LayerKVCache(key, value, None, None)
     h, d = key.shape[2], key.shape[3]
     k_new, v_new = key.view(-1, h, d)[slots], value.view(-1, h, d)[slots]  # re-storing them is a no-op
