@@ -21,6 +21,8 @@ test_nvfp4_decoders_are_exact and test_fp8_unit_decode_is_exact check the PTX de
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -207,7 +209,7 @@ def test_nvfp4_decoders_are_exact(device: torch.device) -> None:
     from tests.helpers.quant_decode import nvfp4_units_kernel
 
     units = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).to(device)
-    fmt = kv_format("nvfp4", torch.float32)
+    fmt = dataclasses.replace(kv_format("nvfp4", torch.float32), rotate=False)  # the decoders see stored codes
     codes = units.cpu().view(torch.uint8).view(-1, 1, 2)  # the unit's two bytes = elements 4c .. 4c + 3
     want = (
         quant.dequantize(codes, torch.ones(codes.shape[0], 1, 1).to(torch.float8_e4m3fn), fmt, torch.float32).reshape(
@@ -232,7 +234,7 @@ def test_nvfp4_pair_decoder_is_exact(device: torch.device) -> None:
     from tests.helpers.quant_decode import nvfp4_pairs_kernel
 
     all_units = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    fmt = kv_format("nvfp4", torch.float32)
+    fmt = dataclasses.replace(kv_format("nvfp4", torch.float32), rotate=False)  # the decoders see stored codes
     for units in (all_units, all_units.roll(1)):  # unit i in the low half, then in the high half
         codes = units.view(torch.uint8).view(-1, 1, 2)
         want = (
