@@ -165,9 +165,10 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
 
     @torch.inference_mode()
     def propose_tree(self, inp: ProposeInput, shape: TreeShape) -> None:
-        """EAGLE-2 style trees (tree_draft.py; P-EAGLE drafts chains), eagerly, greedy top-k whatever the sampling
-        (drafts are one-hot). After the first forward each level feeds every fed node again (its token, its
-        parent's head output) with the tree's ancestor mask, at the head rows after the real ones."""
+        """EAGLE-2 style trees (tree_draft.py; P-EAGLE drafts chains), eagerly: greedy requests' of the head's
+        top-k, random ones' sampled from its distribution (drafts with probabilities). After the first forward
+        each level feeds every fed node again (its token, its parent's head output) with the tree's ancestor
+        mask, at the head rows after the real ones."""
         if self.parallel:
             return super().propose_tree(inp, shape)
         budget = {r.request_id: b for r, b in zip(inp.requests, inp.num_draft_tokens)}
@@ -177,8 +178,13 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             return
         n, tables = len(plan.reqs), [self.kv.block_ids(s.request_id) for s in plan.seqs]
         outs, normed = self._first_forward(plan, inp.step, [1] * n, tables)  # [n, hidden]: the roots' outputs
-        trees = [TreeDraft(shape, budget[r.request_id], shape.depth, k - 1) for r, k in zip(plan.reqs, plan.ks)]
-        add_level(trees, self.head.compute_logits(normed, self.target), self.head.d2t)
+        trees = [
+            TreeDraft(shape, budget[r.request_id], shape.depth, k - 1, not r.params.greedy, i)
+            for i, (r, k) in enumerate(zip(plan.reqs, plan.ks))
+        ]
+        self.sampler.begin(plan.reqs)  # the random requests' sampling metadata
+        sampling = self.sampler.meta
+        add_level(trees, self.head.compute_logits(normed, self.target), self.head.d2t, sampling)
         row_of = [[i] for i in range(n)]  # per tree: its fed nodes' rows of outs (node 0: the root)
         while active := [i for i, t in enumerate(trees) if t.expand()]:
             fed = [trees[i].fed_tree() for i in active]
@@ -201,10 +207,10 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
                 row_of[i][1:] = range(len(outs) + s, len(outs) + s + len(trees[i].fed))
             outs = torch.cat([outs, out])
             logits = self.head.compute_logits(normed.index_select(0, dev[4]), self.target)
-            add_level([trees[i] for i in active], logits, self.head.d2t)
+            add_level([trees[i] for i in active], logits, self.head.d2t, sampling)
         for req, tree in zip(plan.reqs, trees):
             req.spec_token_ids, parents = tree.result()
-            req.spec_tree_parents, req.spec_draft_probs = None if is_chain(parents) else parents, None
+            req.spec_tree_parents, req.spec_draft_probs = None if is_chain(parents) else parents, tree.draft_probs()
 
     @torch.inference_mode()
     def absorb(self, inp: ProposeInput) -> None:

@@ -1,0 +1,120 @@
+"""Sampled draft trees (speculative/tree_sample.py, tree_draft.py's sampled mode) verified by recursive rejection
+with siblings drawn without replacement (sample/tree_rejection.py): the emitted first token and first two tokens
+follow the target (chi-square), and fail it when a rejected sibling's token stays in q; the tree keeps its shape
+and budget with siblings in draw order; a seeded row's first child is the keyed race's token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specserve.sample import SamplingMetadata, compute_target_probs, tree_rejection
+from specserve.sample.sampler import seeded_tokens
+from specserve.sample.tree_rejection import verify_trees
+from specserve.sampling_params import SamplingParams
+from specserve.speculative.tree import TreeShape, tree_depth
+from specserve.speculative.tree_draft import TreeDraft, add_level
+from specserve.speculative.tree_sample import sample_children
+from tests.unit.test_draft_tree import pooled_chisquare
+
+CPU = torch.device("cpu")
+VOCAB = 8
+START = 0
+SHAPE = TreeShape(depth=3, branching=3, budget=7)
+
+
+def _markov(seed: int, scale: float) -> torch.Tensor:
+    """[VOCAB, VOCAB] next-token logits given the last token."""
+    return torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _meta(params: SamplingParams, n: int) -> SamplingMetadata:
+    return SamplingMetadata.build([params] * n, [[1, 2]] * n, [[] for _ in range(n)], VOCAB, CPU)
+
+
+def _grow(n: int, draft: torch.Tensor, meta: SamplingMetadata) -> list[TreeDraft]:
+    """n sampled trees of SHAPE from the Markov draft (a node's logits: its token's row; the root's: START's)."""
+    trees = [TreeDraft(SHAPE, SHAPE.budget, SHAPE.depth, SHAPE.budget, sampled=True, row=i) for i in range(n)]
+    add_level(trees, draft[[START] * n], meta=meta)
+    while active := [t for t in trees if t.expand()]:
+        add_level(active, draft[[t.tokens[c] for t in active for c in t.frontier]], meta=meta)
+    return trees
+
+
+def _emitted(num_rows: int, seed: int = 0) -> list[list[int]]:
+    target, draft = _markov(3, 1.5), _markov(11, 1.5)
+    params = SamplingParams(temperature=1.0)
+    torch.manual_seed(seed)  # the drafter's draws (torch's default generator, as the chain drafters')
+    trees = _grow(num_rows, draft, _meta(params, num_rows))
+    tokens, parents = zip(*(t.result() for t in trees))
+    node_logits = torch.cat([target[[START, *toks]] for toks in tokens])  # each tree: its root, then its nodes
+    out = verify_trees(
+        list(tokens),
+        list(parents),
+        [t.draft_probs() for t in trees],
+        node_logits,
+        _meta(params, num_rows),
+        torch.Generator().manual_seed(seed + 1),
+    )
+    return out.output_token_ids
+
+
+def _pvalues(num_rows: int) -> tuple[float, float]:
+    """p-values of the first emitted token against target(a | START) and of the first two against
+    target(a | START) * target(b | a); a second token the tree step did not emit is sampled from the target,
+    as the next step would."""
+    target, params = _markov(3, 1.5), SamplingParams(temperature=1.0)
+    probs = compute_target_probs(target, _meta(params, VOCAB)).double()
+    gen = torch.Generator().manual_seed(2)
+    emitted = _emitted(num_rows)
+    pairs = np.array(
+        [(t[0], t[1] if len(t) > 1 else int(torch.multinomial(probs[t[0]], 1, generator=gen))) for t in emitted]
+    )
+    first = pooled_chisquare(np.bincount(pairs[:, 0], minlength=VOCAB), probs[START].numpy())
+    joint = (probs[START][:, None] * probs).numpy().ravel()
+    return first, pooled_chisquare(np.bincount(pairs[:, 0] * VOCAB + pairs[:, 1], minlength=VOCAB**2), joint)
+
+
+def test_sampled_tree_shape_budget_and_draw_order() -> None:
+    n, draft = 200, _markov(11, 1.5)
+    meta = _meta(SamplingParams(temperature=1.0, top_k=5), n)
+    for tree in _grow(n, draft, meta):
+        tokens, parents = tree.result()
+        q = tree.draft_probs()
+        assert q is not None and q.shape == (len(tokens), VOCAB)
+        assert 0 < len(tokens) <= SHAPE.budget and tree_depth(parents) <= SHAPE.depth
+        assert all(p <= i for i, p in enumerate(parents))  # topological
+        for p in set(parents):
+            kids = [i for i, x in enumerate(parents) if x == p]
+            assert len(kids) <= SHAPE.branching and len({tokens[i] for i in kids}) == len(kids)
+            assert all(torch.equal(q[i], q[kids[0]]) for i in kids)  # siblings share their parent's q
+            assert all(q[i][tokens[i]] > 0 for i in kids)  # drawn within q's support (top_k=5)
+    branched = [t.result()[1] for t in _grow(5, draft, meta)]
+    assert any(max(parents.count(p) for p in set(parents)) > 1 for parents in branched)
+
+
+def test_sampled_trees_follow_the_target() -> None:
+    first, joint = _pvalues(6000)
+    print(f"chi-square p-values (correct rule): first token {first:.3g}, first two {joint:.3g}")
+    assert first > 1e-3 and joint > 1e-3
+
+
+def test_chi_square_catches_a_rejected_sibling_left_in_q(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tree_rejection, "sibling_q", lambda q, drawn: q)  # as if siblings were drawn i.i.d.
+    first, joint = _pvalues(6000)
+    print(f"chi-square p-values (rejected sibling kept in q): first token {first:.3g}, first two {joint:.3g}")
+    assert first < 1e-6 and joint < 1e-6
+
+
+def test_seeded_first_child_is_the_keyed_race_token() -> None:
+    draft = _markov(11, 1.5)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(40)]
+    meta = SamplingMetadata.build(params, [[1, 2]] * 40, [[5] * (s % 7) for s in range(40)], VOCAB, CPU)
+    logits = draft[[s % VOCAB for s in range(40)]]
+    drawn = sample_children(logits, meta, 3)
+    rows, race = seeded_tokens(compute_target_probs(logits, meta), meta)  # type: ignore[misc]
+    assert rows.tolist() == list(range(40))
+    assert [t[0] for t in drawn.tokens] == race.tolist()
+    again = sample_children(logits, meta, 3)  # keyed: the same draws whatever the default generator did
+    assert again.tokens == drawn.tokens
