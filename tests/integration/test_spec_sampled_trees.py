@@ -1,6 +1,6 @@
 """Sampled draft trees in the engine: random requests' trees are drawn from the drafter's distribution (draft
-model, EAGLE, EAGLE-3, a reduced draft vocabulary) and carry it to verification; a seeded request's tokens equal
-the plain engine's at temperature 1, alone and batched with greedy and unseeded requests (as
+model, EAGLE, EAGLE-3, P-EAGLE, a reduced draft vocabulary) and carry it to verification; a seeded request's
+tokens equal the plain engine's at temperature 1, alone and batched with greedy and unseeded requests (as
 test_spec_seeded_load.py checks for chains), and a draft model drafting for itself gets its trees accepted."""
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ def drafters(tiny_llama_dir, tmp_path_factory) -> dict[str, dict]:
         "draft_model": {"method": "draft_model", "model": target},  # the target drafting for itself
         "eagle": {"method": "eagle", "model": str(make_random_head_dir(target, base / "eagle", "eagle"))},
         "eagle3": {"method": "eagle3", "model": str(make_random_head_dir(target, base / "eagle3", "eagle3"))},
+        "p-eagle": {  # one parallel forward: the first level branches
+            "method": "eagle3",
+            "model": str(make_random_head_dir(target, base / "p-eagle", "eagle3", num_mask_slots=2)),
+            "parallel_drafting": True,
+        },
         "eagle3-reduced": {
             "method": "eagle3",
             "model": str(make_random_head_dir(target, base / "eagle3-r", "eagle3", d2t=reduced)),
@@ -40,7 +45,7 @@ def drafters(tiny_llama_dir, tmp_path_factory) -> dict[str, dict]:
     }
 
 
-@pytest.mark.parametrize("name", ["draft_model", "eagle", "eagle3", "eagle3-reduced"])
+@pytest.mark.parametrize("name", ["draft_model", "eagle", "eagle3", "p-eagle", "eagle3-reduced"])
 def test_seeded_sampled_trees_equal_plain_sampling(tiny_llama_dir, plain, drafters, name) -> None:
     llm = LLM(model=str(tiny_llama_dir), **KW, speculative_config={**drafters[name], **TREE})
     proposer, trees = llm.engine.spec.proposer, []

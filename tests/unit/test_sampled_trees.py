@@ -1,7 +1,8 @@
 """Sampled draft trees (speculative/tree_sample.py, tree_draft.py's sampled mode) verified by recursive rejection
 with siblings drawn without replacement (sample/tree_rejection.py): the emitted first token and first two tokens
 follow the target (chi-square), and fail it when a rejected sibling's token stays in q; the tree keeps its shape
-and budget with siblings in draw order; a seeded row's first child is the keyed race's token."""
+and budget with siblings in draw order; a seeded row's first child is the keyed race's token; P-EAGLE's trees
+(speculative/tree_parallel.py) branch at the first level and follow the target too."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from specserve.sample.tree_rejection import verify_trees
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.tree import TreeShape, tree_depth
 from specserve.speculative.tree_draft import TreeDraft, add_level
+from specserve.speculative.tree_parallel import ParallelTree, parallel_trees
 from specserve.speculative.tree_sample import sample_children
 from tests.unit.test_draft_tree import pooled_chisquare
 
@@ -118,3 +120,54 @@ def test_seeded_first_child_is_the_keyed_race_token() -> None:
     assert [t[0] for t in drawn.tokens] == race.tolist()
     again = sample_children(logits, meta, 3)  # keyed: the same draws whatever the default generator did
     assert again.tokens == drawn.tokens
+
+
+def _parallel(num_rows: int, params: SamplingParams) -> list[ParallelTree]:
+    """P-EAGLE-like trees: per request 3 rows, the first START's draft row, the others fixed rows (they do not
+    see the drafts before them)."""
+    draft = _markov(11, 1.5)
+    logits = draft[[START, 5, 6] * num_rows]
+    shape = TreeShape(depth=3, branching=3, budget=5)
+    torch.manual_seed(4)
+    return parallel_trees(
+        logits, [3] * num_rows, [5] * num_rows, shape, [params.greedy] * num_rows, None, _meta(params, num_rows)
+    )
+
+
+def test_parallel_trees_branch_at_the_first_level() -> None:
+    draft = _markov(11, 1.5)
+    (greedy,) = _parallel(1, SamplingParams(temperature=0.0))
+    top = draft[START].topk(3).indices.tolist()
+    assert greedy.tokens == [top[0], int(draft[5].argmax()), int(draft[6].argmax()), *top[1:]]
+    assert greedy.parents == [0, 1, 2, 0, 0] and greedy.draft_probs is None
+    q = compute_target_probs(draft[[START, 5, 6]], _meta(SamplingParams(temperature=1.0), 3))
+    for tree in _parallel(50, SamplingParams(temperature=1.0)):
+        assert tree.parents == [0, 1, 2, 0, 0] and len(set(tree.tokens[i] for i in (0, 3, 4))) == 3
+        assert tree.draft_probs is not None
+        assert torch.equal(tree.draft_probs, q[[0, 1, 2, 0, 0]])  # node at depth d: row d - 1's q
+
+
+def test_parallel_sampled_trees_follow_the_target() -> None:
+    target, params = _markov(3, 1.5), SamplingParams(temperature=1.0)
+    trees = _parallel(6000, params)
+    node_logits = torch.cat([target[[START, *t.tokens]] for t in trees])
+    out = verify_trees(
+        [t.tokens for t in trees],
+        [t.parents for t in trees],
+        [t.draft_probs for t in trees],
+        node_logits,
+        _meta(params, len(trees)),
+        torch.Generator().manual_seed(5),
+    )
+    probs = compute_target_probs(target, _meta(params, VOCAB)).double()
+    gen = torch.Generator().manual_seed(6)
+    pairs = np.array(
+        [
+            (t[0], t[1] if len(t) > 1 else int(torch.multinomial(probs[t[0]], 1, generator=gen)))
+            for t in out.output_token_ids
+        ]
+    )
+    joint = (probs[START][:, None] * probs).numpy().ravel()
+    p = pooled_chisquare(np.bincount(pairs[:, 0] * VOCAB + pairs[:, 1], minlength=VOCAB**2), joint)
+    print(f"chi-square p-value (P-EAGLE trees, first two tokens): {p:.3g}")
+    assert p > 1e-3
