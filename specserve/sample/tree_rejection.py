@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -74,12 +74,13 @@ def verify_trees(
     fixed = fixed_t.tolist() if fixed_t is not None else [-1] * len(row_ids)
     random_rows = [r for r, f in enumerate(fixed) if f < 0]
     host = dict(zip(random_rows, probs[random_rows].double().cpu())) if random_rows else {}
+    draft_host = _random_draft_probs(draft_probs, [row_ids[r] for r in random_rows])
     outputs, paths, start = [], [], 0
-    for toks, par, q in zip(tokens, parents, draft_probs):
+    for seq, (toks, par) in enumerate(zip(tokens, parents)):
         children: list[list[int]] = [[] for _ in range(len(toks) + 1)]
         for i, p in enumerate(par, start=1):
             children[p].append(i)
-        node, path, q_host = 0, [], None
+        node, path, q_host = 0, [], draft_host.get(seq)
         while True:
             row, kids = start + node, children[node]
             if fixed[row] >= 0:
@@ -91,8 +92,6 @@ def verify_trees(
                 path.append(node)
                 continue
             r, nxt, drawn = host[row], None, list[int]()
-            if q is not None and q_host is None:
-                q_host = q.double().cpu()  # once per sequence, where a random row reads it
             for c in kids:
                 x = toks[c - 1]
                 qc = None if q_host is None else sibling_q(q_host[c - 1], drawn)
@@ -112,6 +111,15 @@ def verify_trees(
         paths.append(path)
         start += len(toks) + 1
     return TreeOutput(outputs, paths)
+
+
+def _random_draft_probs(draft_probs: Sequence[Tensor | None], seqs: Sequence[int]) -> dict[int, Tensor]:
+    """The draft probs of the sequences in `seqs` (those with a random row) on the host, float64: one copy."""
+    need = sorted({s for s in seqs if draft_probs[s] is not None})
+    if not need:
+        return {}
+    rows = [cast(Tensor, draft_probs[s]) for s in need]
+    return dict(zip(need, torch.cat(rows).cpu().double().split([len(q) for q in rows])))
 
 
 def _depths(parents: Sequence[int]) -> list[int]:
