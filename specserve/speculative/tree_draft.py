@@ -109,9 +109,10 @@ class TreeDraft:
             self.add_children(f, top[f][:n], tokens[f][:n], probs[f])
 
     def _level_budget(self, depth: int) -> int:
-        """Nodes a sampled tree adds after its nodes at `depth`: the budget left, spread over the levels to come."""
-        levels = self.depth - depth
-        return -(-(self.budget - len(self.tokens)) // levels) if levels > 0 else 0
+        """Nodes a sampled tree adds after its nodes at `depth`: the budget left, spread over the levels to come
+        (an explicit tree's budget is its own nodes: all of them)."""
+        levels, room = self.depth - depth, self.budget - len(self.tokens)
+        return 0 if levels <= 0 else room if self.shape.paths is not None else -(-room // levels)
 
     def frontier_depth(self, i: int) -> int:
         """The depth of frontier[i] (0: the root); its children are that many tokens into the drafts."""

@@ -14,7 +14,7 @@ from specserve.sample import SamplingMetadata, compute_target_probs, tree_reject
 from specserve.sample.sampler import seeded_tokens
 from specserve.sample.tree_rejection import verify_trees
 from specserve.sampling_params import SamplingParams
-from specserve.speculative.tree import TreeShape, tree_depth
+from specserve.speculative.tree import TreeShape, tree_depth, tree_shape
 from specserve.speculative.tree_draft import TreeDraft, add_level
 from specserve.speculative.tree_parallel import ParallelTree, parallel_trees
 from specserve.speculative.tree_sample import sample_children
@@ -94,6 +94,19 @@ def test_sampled_tree_shape_budget_and_draw_order() -> None:
             assert all(q[i][tokens[i]] > 0 for i in kids)  # drawn within q's support (top_k=5)
     branched = [t.result()[1] for t in _grow(5, draft, meta)]
     assert any(max(parents.count(p) for p in set(parents)) > 1 for parents in branched)
+
+
+def test_sampled_tree_follows_an_explicit_token_tree() -> None:
+    shape = tree_shape(4, None, None, "[(0,), (1,), (2,), (3,), (0, 0), (0, 2)]")  # (0, 2) without (0, 1)
+    assert shape is not None
+    tree, draft = TreeDraft(shape, shape.budget, shape.depth, shape.budget, sampled=True), _markov(11, 1.0)
+    meta = _meta(SamplingParams(temperature=1.0), 1)
+    add_level([tree], draft[[START]], meta=meta)
+    while tree.expand():
+        add_level([tree], draft[[tree.tokens[c] for c in tree.frontier]], meta=meta)
+    # every level-1 rank, and under rank 0 only the leading listed ranks: a sampled node's children are its
+    # first draws, so (0, 2) cannot follow without (0, 1)
+    assert sorted(tree.path) == [(0,), (0, 0), (1,), (2,), (3,)]
 
 
 def test_sampled_trees_follow_the_target() -> None:
