@@ -1,6 +1,6 @@
 """Draft trees on the real SmolLM2-135M-Instruct: with trees on, every method gives exactly the plain
 engine's greedy tokens (n-gram, the draft model and the EAGLE / EAGLE-3 heads draft real trees; P-EAGLE
-chains, the degenerate tree), under preemption; an EAGLE-3 tree's greedy path is what the head drafts as a
+trees branching at the first level), under preemption; an EAGLE-3 tree's greedy path is what the head drafts as a
 chain; and after tree steps the request's KV equals the KV plain prefill computes for the same tokens (the
 accepted nodes' KV was moved into place, the rejected branches' left behind)."""
 

@@ -104,6 +104,11 @@ class DraftSampler:
             self.device,
         )
 
+    @property
+    def meta(self) -> SamplingMetadata | None:
+        """One row per request of the last `begin`, at its next output position; None when all are greedy."""
+        return self._meta
+
     def sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits [len(rows), vocab] -> (tokens [len(rows)] int64, draft_probs [len(rows), vocab] or None if all
         greedy), on the device."""
@@ -228,14 +233,17 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
         self.deliver(dt, reqs, fed)
 
     def propose_tree(self, inp: ProposeInput, shape: TreeShape) -> None:
-        """EAGLE-2 style trees (tree_draft.py), greedy top-k whatever the sampling (verification stays lossless:
-        drafts are one-hot). Each level feeds the root and every fed node again with the tree's ancestor mask, at
-        the slots after the root (as the target verifies them); the draft's KV keeps the real tokens only."""
+        """EAGLE-2 style trees (tree_draft.py): greedy requests' of the draft's top-k, random ones' sampled from
+        the draft's distribution (drafts with probabilities). Each level feeds the root and every fed node again
+        with the tree's ancestor mask, at the slots after the root (as the target verifies them); the draft's KV
+        keeps the real tokens only."""
         self._catch_up_tokens = 0
-        reqs, seqs, trees = [], [], []
+        reqs: list[Request] = []
+        seqs, trees = [], []
         for req, budget in zip(inp.requests, inp.num_draft_tokens):
             seq, room = self._sync(req), self.max_len - req.num_tokens
-            tree = TreeDraft(shape, budget, min(shape.depth, room), min(shape.branching * (shape.depth - 1), room))
+            fed = min(shape.branching * (shape.depth - 1), room)
+            tree = TreeDraft(shape, budget, min(shape.depth, room), fed, not req.params.greedy, len(reqs))
             unseen = seq.num_tokens - seq.num_computed_tokens
             if tree.depth > 0 and self.kv.allocate_slots(seq, unseen, None, tree.max_fed):
                 reqs.append(req)
@@ -243,8 +251,9 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
                 trees.append(tree)
         if not reqs:
             return
+        self.sampler.begin(reqs)  # the random requests' sampling metadata
         self._catch_up_tokens = sum(s.num_tokens - s.num_computed_tokens for s in seqs)
-        add_level(trees, self._catch_up(seqs))
+        add_level(trees, self._catch_up(seqs), meta=self.sampler.meta)
         while active := [i for i, t in enumerate(trees) if t.expand()]:
             sched = SchedulerOutput()
             for i in active:
@@ -258,11 +267,12 @@ class DraftModelProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             add_level(
                 [trees[i] for i in active],
                 out.logits[[f + n for f, i in zip(firsts, active) for n in trees[i].frontier_nodes()]],
+                meta=self.sampler.meta,
             )
         for req, seq, tree in zip(reqs, seqs, trees):
             seq.num_computed_tokens, seq.spec_token_ids, seq.spec_tree_parents = seq.num_tokens, [], None
             req.spec_token_ids, parents = tree.result()
-            req.spec_tree_parents, req.spec_draft_probs = None if is_chain(parents) else parents, None
+            req.spec_tree_parents, req.spec_draft_probs = None if is_chain(parents) else parents, tree.draft_probs()
 
     def catch_up_tokens(self) -> int:
         return self._catch_up_tokens

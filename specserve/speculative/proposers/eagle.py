@@ -39,6 +39,7 @@ from specserve.speculative.proposers.eagle_setup import (
 )
 from specserve.speculative.tree import TreeShape, is_chain
 from specserve.speculative.tree_draft import TreeDraft, add_level
+from specserve.speculative.tree_parallel import parallel_trees
 
 
 @dataclass
@@ -165,11 +166,12 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
 
     @torch.inference_mode()
     def propose_tree(self, inp: ProposeInput, shape: TreeShape) -> None:
-        """EAGLE-2 style trees (tree_draft.py; P-EAGLE drafts chains), eagerly, greedy top-k whatever the sampling
-        (drafts are one-hot). After the first forward each level feeds every fed node again (its token, its
-        parent's head output) with the tree's ancestor mask, at the head rows after the real ones."""
+        """EAGLE-2 style trees (tree_draft.py; P-EAGLE: tree_parallel.py), eagerly: greedy requests' of the
+        head's top-k, random ones' sampled from its distribution (drafts with probabilities). After the first
+        forward each level feeds every fed node again (its token, its parent's head output) with the tree's
+        ancestor mask, at the head rows after the real ones."""
         if self.parallel:
-            return super().propose_tree(inp, shape)
+            return self._propose_parallel_tree(inp, shape)
         budget = {r.request_id: b for r, b in zip(inp.requests, inp.num_draft_tokens)}
         cap = shape.branching * (shape.depth - 1)  # fed nodes at most: head rows reserved after the real ones
         plan = self._plan(replace(inp, num_draft_tokens=[min(cap, b) + 1 for b in inp.num_draft_tokens]))
@@ -177,8 +179,13 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
             return
         n, tables = len(plan.reqs), [self.kv.block_ids(s.request_id) for s in plan.seqs]
         outs, normed = self._first_forward(plan, inp.step, [1] * n, tables)  # [n, hidden]: the roots' outputs
-        trees = [TreeDraft(shape, budget[r.request_id], shape.depth, k - 1) for r, k in zip(plan.reqs, plan.ks)]
-        add_level(trees, self.head.compute_logits(normed, self.target), self.head.d2t)
+        trees = [
+            TreeDraft(shape, budget[r.request_id], shape.depth, k - 1, not r.params.greedy, i)
+            for i, (r, k) in enumerate(zip(plan.reqs, plan.ks))
+        ]
+        self.sampler.begin(plan.reqs)  # the random requests' sampling metadata
+        sampling = self.sampler.meta
+        add_level(trees, self.head.compute_logits(normed, self.target), self.head.d2t, sampling)
         row_of = [[i] for i in range(n)]  # per tree: its fed nodes' rows of outs (node 0: the root)
         while active := [i for i, t in enumerate(trees) if t.expand()]:
             fed = [trees[i].fed_tree() for i in active]
@@ -201,10 +208,32 @@ class EagleProposer(OwnKVLifecycle, DraftDelivery, Proposer):
                 row_of[i][1:] = range(len(outs) + s, len(outs) + s + len(trees[i].fed))
             outs = torch.cat([outs, out])
             logits = self.head.compute_logits(normed.index_select(0, dev[4]), self.target)
-            add_level([trees[i] for i in active], logits, self.head.d2t)
+            add_level([trees[i] for i in active], logits, self.head.d2t, sampling)
         for req, tree in zip(plan.reqs, trees):
             req.spec_token_ids, parents = tree.result()
-            req.spec_tree_parents, req.spec_draft_probs = None if is_chain(parents) else parents, None
+            req.spec_tree_parents, req.spec_draft_probs = None if is_chain(parents) else parents, tree.draft_probs()
+
+    def _propose_parallel_tree(self, inp: ProposeInput, shape: TreeShape) -> None:
+        """P-EAGLE's one forward (k rows per request, as `propose`), its first row branching (tree_parallel.py)."""
+        plan = self._plan(replace(inp, num_draft_tokens=[min(shape.depth, b) for b in inp.num_draft_tokens]))
+        if not plan.reqs:
+            return
+        self.sampler.begin(plan.reqs)
+        tables = [self.kv.block_ids(s.request_id) for s in plan.seqs]
+        _, normed = self._first_forward(plan, inp.step, plan.ks, tables)  # [sum(ks), hidden]
+        budget = {r.request_id: b for r, b in zip(inp.requests, inp.num_draft_tokens)}
+        trees = parallel_trees(
+            self.head.compute_logits(normed, self.target),
+            plan.ks,
+            [budget[r.request_id] for r in plan.reqs],
+            shape,
+            [r.params.greedy for r in plan.reqs],
+            self.head.d2t,
+            self.sampler.meta,
+        )
+        for req, tree in zip(plan.reqs, trees):
+            req.spec_token_ids, req.spec_draft_probs = tree.tokens, tree.draft_probs
+            req.spec_tree_parents = None if is_chain(tree.parents) else tree.parents
 
     @torch.inference_mode()
     def absorb(self, inp: ProposeInput) -> None:
