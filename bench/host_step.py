@@ -8,9 +8,16 @@ at batch N and prints the top functions.
 Part 2 (--engine): a tiny random-weight model (tests/helpers/tiny_models.py), B requests decoding at
 once; cProfile over Engine.step, grouped into schedule / build / forward / sample / update.
 
+Part 3 (--engine-host): the same tiny model, B requests decoding at once; Scheduler.schedule and
+Engine.update timed inside Engine.step (no profiler), in ms per step: the mean over --steps steps (a
+block's worth: one step in 16 allocates a block), best of --rounds. update is timed offline
+(stream_outputs False, as LLM.generate) and streaming (a RequestOutput per request per step, as the
+server). With --before, the baseline checkout's table comes from the same run (A B A B, the best kept).
+
     PYTHONPATH=$PWD python bench/host_step.py --batches 1 64 256 1024 --repeats 20
     PYTHONPATH=$PWD python bench/host_step.py --before /path/to/baseline/checkout   # before/after, one run
     PYTHONPATH=$PWD python bench/host_step.py --profile 1024 --engine 256
+    PYTHONPATH=$PWD python bench/host_step.py --engine-host --before /tmp/base   # schedule + update
 """
 
 from __future__ import annotations
@@ -169,6 +176,97 @@ def engine_profile(batch: int, steps: int) -> None:
     print(out.getvalue())
 
 
+def _timed(clock: dict[str, float], name: str, fn):
+    """fn, adding its wall time to clock[name]."""
+
+    def call(*a, **k):
+        t = time.perf_counter()
+        out = fn(*a, **k)
+        clock[name] += time.perf_counter() - t
+        return out
+
+    return call
+
+
+def engine_host_table(batches: list[int], steps: int, rounds: int) -> list[dict]:
+    """Per batch: schedule / update (offline) / update (streaming) host ms per step (see Part 3)."""
+    import tempfile
+    from pathlib import Path
+
+    from specserve import LLM
+    from tests.helpers.tiny_models import make_tiny_model_dir
+
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        path = make_tiny_model_dir(Path(d) / "m", max_position_embeddings=2048)
+        for batch in batches:
+            kw = dict(max_num_seqs=batch, max_num_batched_tokens=17 * batch, kv_cache_memory_bytes=1 << 28)
+            llm = LLM(model=str(path), progress=False, **kw)
+            eng = llm.engine
+            total_steps = 2 * rounds * steps + 8
+            params = SamplingParams(temperature=0.0, max_tokens=total_steps + 32, ignore_eos=True)
+            for i in range(batch):  # none ends while timed (ignore_eos; max_tokens past the steps)
+                eng.add_request(f"r{i}", {"prompt_token_ids": [(7 * i + j) % 300 + 5 for j in range(16)]}, params)
+            while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+                eng.step()  # prefill out of the way
+            clock = {"schedule": 0.0, "update": 0.0}
+            sched_fn, update_fn = eng.scheduler.schedule, eng.update
+            eng.scheduler.schedule = _timed(clock, "schedule", sched_fn)
+            eng.update = _timed(clock, "update", update_fn)
+            best = {"schedule_ms": float("inf"), "update_ms": float("inf"), "update_stream_ms": float("inf")}
+            for _ in range(rounds):
+                for stream, key in ((False, "update_ms"), (True, "update_stream_ms")):
+                    eng.stream_outputs = stream
+                    clock["schedule"] = clock["update"] = 0.0
+                    for _ in range(steps):
+                        eng.step()
+                    best[key] = min(best[key], clock["update"] / steps * 1e3)
+                    best["schedule_ms"] = min(best["schedule_ms"], clock["schedule"] / steps * 1e3)
+            running = len(eng.scheduler.running)
+            assert running == batch, f"{batch - running} requests finished early: the timing is not at batch {batch}"
+            rows.append({"batch": batch, **best})
+            eng.shutdown()
+    return rows
+
+
+def print_engine_host(args) -> None:
+    keys = ("schedule_ms", "update_ms", "update_stream_ms")
+    if not args.before:
+        print("| batch | schedule | update (offline) | update (streaming) | (ms per step) |")
+        print("|---:|---:|---:|---:|---|")
+        for r in engine_host_table(args.batches, args.steps, args.rounds):
+            print(f"| {r['batch']} | " + " | ".join(f"{r[k]:.3f}" for k in keys) + " | |")
+        return
+    env = dict(os.environ, PYTHONPATH=args.before)
+    cmd = [
+        sys.executable,
+        __file__,
+        "--engine-host",
+        "--json",
+        "--steps",
+        str(args.steps),
+        "--rounds",
+        str(args.rounds),
+    ]
+    best: dict[str, dict[int, dict]] = {"before": {}, "after": {}}
+    for _ in range(2):  # A B A B against the machine's load drifting; the best of each kept
+        out = subprocess.run(
+            [*cmd, "--batches", *map(str, args.batches)], env=env, check=True, capture_output=True, text=True
+        )
+        for side, rows in (
+            ("before", json.loads(out.stdout.strip().splitlines()[-1])),
+            ("after", engine_host_table(args.batches, args.steps, args.rounds)),
+        ):
+            for r in rows:
+                old = best[side].get(r["batch"])
+                best[side][r["batch"]] = r if old is None else {k: min(old[k], r[k]) for k in r}
+    print("| batch | schedule before | after | update offline before | after | update streaming before | after |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for b in args.batches:
+        x, y = best["before"][b], best["after"][b]
+        print(f"| {b} | " + " | ".join(f"{x[k]:.3f} | {y[k]:.3f}" for k in keys) + " |")
+
+
 def before_table(checkout: str, batches: list[int], repeats: int) -> list[dict]:
     """build_table in a subprocess importing specserve from `checkout` (an older tree: the baseline)."""
     env = dict(os.environ, PYTHONPATH=checkout)
@@ -185,9 +283,16 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the build table as JSON only")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the build at this batch")
     ap.add_argument("--engine", type=int, default=0, help="cProfile Engine.step at this batch")
+    ap.add_argument("--engine-host", action="store_true", help="time schedule and update per step (Part 3)")
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.engine_host:
+        if args.json:
+            print(json.dumps(engine_host_table(args.batches, args.steps, args.rounds)))
+        else:
+            print_engine_host(args)
+        return
     if args.json:
         print(json.dumps(build_table(args.batches, args.repeats)))
         return

@@ -11,7 +11,13 @@ _CONTEXT_TOKENS = 6
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Any | None, prompt_ids: list[int], stop: list[str], include_stop: bool, skip_special: bool
+        self,
+        tokenizer: Any | None,
+        prompt_ids: list[int],
+        stop: list[str],
+        include_stop: bool,
+        skip_special: bool,
+        deferred: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
@@ -24,6 +30,10 @@ class IncrementalDetokenizer:
         self.stop, self.include_stop, self.skip_special = stop, include_stop, skip_special
         # Characters held back while streaming: they might be the start of a stop string.
         self.holdback = max((len(s) for s in stop), default=1) - 1
+        # Deferred (no stop strings to watch for): tokens are fed when the text is read (`catch_up`), not
+        # each step, so requests whose output nobody reads mid-generation cost no decoding per step.
+        self.deferred = deferred and not stop
+        self.num_fed = 0  # deferred: output tokens fed so far
 
     def _decode(self, ids: list[int]) -> str:
         assert self.tokenizer is not None  # a model without a tokenizer streams no text
@@ -50,6 +60,13 @@ class IncrementalDetokenizer:
         self.text += new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._check_stop(old_len) if check_stop else None
+
+    def catch_up(self, output_ids: list[int], num_text_tokens: int) -> None:
+        """Deferred: feed output_ids[num_fed:num_text_tokens] one at a time, as each step would have (with no
+        stop strings, the text after each token is the same whether it is fed then or now)."""
+        for tok in output_ids[self.num_fed : num_text_tokens]:
+            self.add_tokens([tok], check_stop=False)
+        self.num_fed = max(self.num_fed, num_text_tokens)
 
     def _check_stop(self, old_len: int) -> str | None:
         found = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0]

@@ -56,6 +56,8 @@ class Engine:
         if config.speculative is not None:
             self.spec = SpecDecoder(config.speculative, parts, self.stats, self.structured)
             self.runner.model.aux_hidden_layers = self.spec.proposer.aux_hidden_layers
+        # Only a tree shape lets requests carry draft trees; without one the batch build skips the tree scan.
+        self.scheduler.draft_trees = self.spec is not None and self.spec.tree is not None
         # Async scheduling: on by default on CUDA, not with tensor parallelism (EngineConfig refuses asking for both).
         on = config.scheduler.async_scheduling
         on = self.device.type == "cuda" and config.parallel.tensor_parallel_size == 1 if on is None else on
@@ -92,7 +94,8 @@ class Engine:
                 req.prompt_logprobs = [None]
             group.children.append(req)
             stops = (cp.stop_strings, cp.include_stop_str_in_output, cp.skip_special_tokens)
-            group.detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, *stops))
+            # No stop strings and no grammar: the text is decoded when an output is built, not each step.
+            group.detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, *stops, deferred=grammar is None))
         self.groups[request_id] = group
         for i, req in enumerate(group.children):
             self._child_to_group[req.request_id] = (group, i)
@@ -178,7 +181,8 @@ class Engine:
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> tuple[list[list[int] | None], list[int]]:
         """Per scheduled request: its new tokens (None if mid-prefill) and accepted draft count."""
-        entries = [s for s in sched.scheduled if s.samples]
+        flags = [s.samples for s in sched.scheduled]
+        entries = [s for s, f in zip(sched.scheduled, flags) if f]
         if not entries:
             return [None] * len(sched.scheduled), [0] * len(sched.scheduled)
         sampling = [s.request for s in entries]
@@ -190,14 +194,15 @@ class Engine:
             found = verify_logprobs(sampling, num_drafts, token_lists, logits)
             if found is not None:
                 self.store_logprobs(*found)
+            flags = [s.samples for s in sched.scheduled]  # read again after the verify, as the rows are
         else:
             out = self.sample_tokens(sampling, logits)
             token_lists, num_accepted = [[t] for t in out.token_ids.tolist()], [0] * len(entries)
             if out.logprobs is not None:
                 self.store_logprobs(sampling, out.logprobs)
         tokens_it, acc_it = iter(token_lists), iter(num_accepted)
-        new_tokens = [next(tokens_it) if s.samples else None for s in sched.scheduled]
-        accepted = [next(acc_it) if s.samples else 0 for s in sched.scheduled]
+        new_tokens = [next(tokens_it) if f else None for f in flags]
+        accepted = [next(acc_it) if f else 0 for f in flags]
         return new_tokens, accepted
 
     def _sampling_meta(self, reqs: list[Request]) -> SamplingMetadata:
@@ -240,59 +245,102 @@ class Engine:
         """advanced: the async loop already counted the step computed and holds a placeholder per new token."""
         now = time.monotonic()
         step_stats = StepTokenStats()
-        touched: dict[str, RequestGroup] = {}
+        touched: dict[str, RequestGroup] = {}  # groups to output, in the order they were first touched
+        stream, max_len, update_computed = self.stream_outputs, self.max_model_len, self.scheduler.update_computed
         for s, tokens, num_acc in zip(sched.scheduled, new_tokens, accepted):
             if not advanced:
-                self.scheduler.update_computed(s, s.num_spec_tokens - num_acc)
+                update_computed(s, s.num_spec_tokens - num_acc)
             if tokens is None:
                 continue
             req = s.request
             if advanced and req.is_finished:  # aborted while its tokens were in flight
                 continue
             group, index = self._child_to_group[req.request_id]
-            status = None
-            num_new = 0  # tokens of this step kept so far
-            for tok in tokens:
-                if advanced:
-                    req.resolve_pending_token(tok)
-                else:
-                    req.append_output_tokens([tok])
-                num_new += 1
-                status = check_token_stop(req, self.max_model_len)
-                if status is not None:
-                    break
-            if advanced:
-                self.kv.cache_computed_blocks(req)
-            new = req.output_token_ids[-num_new:]
-            # A stop token's (or EOS's) text is not part of the output unless asked for (vLLM's rule).
-            hide = status == RequestStatus.FINISHED_STOPPED and not req.params.include_stop_str_in_output
-            stop_str, kept = _stop_string(
-                group.detoks[index], new[:-1] if hide else new, req.num_output_tokens - num_new, req.params.min_tokens
-            )
-            if stop_str is not None and kept < num_new:  # a stop string ended the text before the step's end
-                req.trim_output_tokens(num_new - kept)
-                num_new, status = kept, None
-            req.trim_logprobs()  # a verify step scored tokens past a stop
-            # the grammar saw the end (or a token it rejects): nothing more may follow.
-            if self.structured.advance(req, req.output_token_ids[-num_new:]) and status is None:
-                status = RequestStatus.FINISHED_STOPPED
-            step_stats.add(req, num_new, now)
-            if stop_str is not None and status is None:
-                req.stop_reason, status = stop_str, RequestStatus.FINISHED_STOPPED
+            if len(tokens) == 1 and group.detoks[index].deferred:
+                status = self._update_one_token(req, tokens[0], advanced, max_len)
+                step_stats.add(req, 1, now)
+            else:
+                status = self._update_tokens(req, group.detoks[index], tokens, advanced, step_stats, now)
             if status is not None:
                 self._finish(group, req, status)
-            touched[group.request_id] = group
-        if self.spec is None:  # next masks now; with speculation once drafts exist
+                touched[group.request_id] = group
+            elif stream:
+                touched[group.request_id] = group
+        if self.spec is None and self.structured.num_requests:  # next masks now; with speculation once drafts exist
             self.structured.prepare([s.request for s, t in zip(sched.scheduled, new_tokens) if t])
         step_stats.flush(self.stats)
         outputs = []
         for group in touched.values():
-            # Offline callers (LLM.generate) only read finished outputs: skip building the rest.
-            if group.finished or self.stream_outputs:
+            # Offline callers (LLM.generate) only read finished outputs: the rest are not built (nor touched).
+            finished = group.finished
+            if finished or stream:
                 outputs.append(request_output(group, self.tokenizer))
-            if group.finished:
+            if finished:
                 self._drop(group)
         return outputs
+
+    def _update_one_token(self, req: Request, tok: int, advanced: bool, max_len: int) -> RequestStatus | None:
+        """The common row: one new token, no stop strings and no grammar (its text is read later, deferred)."""
+        if advanced:
+            req.resolve_pending_token(tok)
+            self.kv.cache_computed_blocks(req)
+        else:
+            req.output_token_ids.append(tok)
+            req.all_token_ids.append(tok)
+        if req.logprobs:
+            req.trim_logprobs()
+        # check_token_stop only when one of its conditions can hold (a stop or EOS id, a length limit)
+        p = req.params
+        if (
+            tok in req.eos_token_ids
+            or tok in p.stop_ids
+            or len(req.output_token_ids) >= req.max_tokens
+            or len(req.all_token_ids) >= max_len
+        ):
+            return check_token_stop(req, max_len)
+        return None
+
+    def _update_tokens(
+        self,
+        req: Request,
+        detok: IncrementalDetokenizer,
+        tokens: list[int],
+        advanced: bool,
+        step_stats: StepTokenStats,
+        now: float,
+    ) -> RequestStatus | None:
+        """Any row: the step's tokens one at a time with token stops, stop strings, the grammar; the status."""
+        status = None
+        num_new = 0  # tokens of this step kept so far
+        for tok in tokens:
+            if advanced:
+                req.resolve_pending_token(tok)
+            else:
+                req.append_output_tokens([tok])
+            num_new += 1
+            status = check_token_stop(req, self.max_model_len)
+            if status is not None:
+                break
+        if advanced:
+            self.kv.cache_computed_blocks(req)
+        stop_str, kept = None, num_new
+        if not detok.deferred:  # (a deferred detokenizer has no stop strings: its text is fed when read)
+            new = req.output_token_ids[-num_new:]
+            # A stop token's (or EOS's) text is not part of the output unless asked for (vLLM's rule).
+            hide = status == RequestStatus.FINISHED_STOPPED and not req.params.include_stop_str_in_output
+            num_before = req.num_output_tokens - num_new
+            stop_str, kept = _stop_string(detok, new[:-1] if hide else new, num_before, req.params.min_tokens)
+        if stop_str is not None and kept < num_new:  # a stop string ended the text before the step's end
+            req.trim_output_tokens(num_new - kept)
+            num_new, status = kept, None
+        req.trim_logprobs()  # a verify step scored tokens past a stop
+        # the grammar saw the end (or a token it rejects): nothing more may follow.
+        if self.structured.advance(req, req.output_token_ids[-num_new:]) and status is None:
+            status = RequestStatus.FINISHED_STOPPED
+        step_stats.add(req, num_new, now)
+        if stop_str is not None and status is None:
+            req.stop_reason, status = stop_str, RequestStatus.FINISHED_STOPPED
+        return status
 
     def _finish(self, group: RequestGroup, req: Request, status: RequestStatus) -> None:
         req.drop_pending_tokens()  # asynchronous scheduling: a later step's token never counts

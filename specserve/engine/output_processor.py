@@ -51,8 +51,13 @@ def completion_output(
     index: int, req: Request, detok: IncrementalDetokenizer, tokenizer: Any, with_logprobs: bool
 ) -> CompletionOutput:
     finished = req.is_finished
-    entry = lambda step: {tid: Logprob(lp, rank, _decode_one(tokenizer, tid)) for tid, (lp, rank) in step.items()}
-    logprobs = [entry(step) for step in req.logprobs] if with_logprobs else None
+    if detok.deferred:  # the text leaves out a stop token (EOS or a stop id) unless asked for (vLLM's rule)
+        hide = req.status == RequestStatus.FINISHED_STOPPED and not req.params.include_stop_str_in_output
+        detok.catch_up(req.output_token_ids, req.num_output_tokens - hide)
+    logprobs = None
+    if with_logprobs:
+        entry = lambda step: {tid: Logprob(lp, rank, _decode_one(tokenizer, tid)) for tid, (lp, rank) in step.items()}
+        logprobs = [entry(step) for step in req.logprobs]
     text, ids, cum = detok.visible_text(finished), list(req.output_token_ids), req.cumulative_logprob
     reason = req.status.value if finished else None
     return CompletionOutput(index, text, ids, cum if with_logprobs else None, logprobs, reason, req.stop_reason)
@@ -67,11 +72,14 @@ def request_output(group: RequestGroup, tokenizer: Any) -> RequestOutput:
         completion_output(i, r, d, tokenizer, group.num_logprobs is not None)
         for i, (r, d) in enumerate(zip(group.children, group.detoks))
     ]
-    first = group.children[0]
+    first, finished = group.children[0], group.finished
     times = (first.first_scheduled_time, first.first_token_time, first.last_token_time)
-    metrics = RequestMetrics(group.arrival_time, *times, time.monotonic() if group.finished else None)
-    head = (group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished, metrics)
-    return RequestOutput(*head, max(0, first.num_cached_tokens), _prompt_logprobs(group, tokenizer))
+    metrics = RequestMetrics(group.arrival_time, *times, time.monotonic() if finished else None)
+    head = (group.request_id, group.prompt, group.prompt_token_ids, outs, finished, metrics)
+    scored = (
+        None if first.prompt_logprobs is None and group.prompt_logprobs is None else _prompt_logprobs(group, tokenizer)
+    )
+    return RequestOutput(*head, max(0, first.num_cached_tokens), scored)
 
 
 def _prompt_logprobs(group: RequestGroup, tokenizer: Any) -> list[dict[int, Logprob] | None] | None:

@@ -212,7 +212,10 @@ def build_host_batch(
 
 def tree_roots(sched: SchedulerOutput) -> list[tuple[int, list[int]]]:
     """(flat index of the root, parents) of each draft tree under verification in the step."""
-    trees, start = [], 0
+    trees: list[tuple[int, list[int]]] = []
+    if not sched.draft_trees:  # no tree shape configured: no request carries one (no scan of the batch)
+        return trees
+    start = 0
     for s in sched.scheduled:
         if s.num_spec_tokens and s.request.spec_tree_parents is not None:
             trees.append(

@@ -35,6 +35,8 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     num_spec_tokens: int = 0  # draft tokens to verify, over every scheduled request (counted as scheduled)
     preempted: list[Request] = field(default_factory=list)
+    # False: no request can carry a draft tree (none configured); the batch build skips its tree scan.
+    draft_trees: bool = True
 
     @property
     def empty(self) -> bool:
@@ -54,6 +56,7 @@ class Scheduler:
     enable_chunked_prefill: bool = True
     num_lookahead_tokens: int = 0  # KV slots kept per request for drafts
     prefill_piece: int | None = None
+    draft_trees: bool = True  # whether drafts may be trees (the engine clears it when no tree shape is set)
     waiting: deque[Request] = field(default_factory=deque, init=False)
     running: list[Request] = field(default_factory=list, init=False)
     requests: dict[str, Request] = field(default_factory=dict, init=False)
@@ -82,35 +85,49 @@ class Scheduler:
         return len(self.waiting)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(draft_trees=self.draft_trees)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
-        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+            budget = self._schedule_waiting(out, budget)
+            # every scheduled entry took its tokens from the budget (a preemption drops entries: count them)
+            out.num_batched_tokens = self.max_num_batched_tokens - budget
+        else:
+            out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        # Per running request every step: attribute reads are hoisted, and a decode (one new token, no
+        # drafts) skips the piece rule, which only splits queries longer than a piece.
+        running, scheduled, max_len, allocate = self.running, out.scheduled, self.max_model_len, self.kv.allocate_slots
+        lookahead, i = self.num_lookahead_tokens, 0
+        while i < len(running) and budget > 0:
+            req = running[i]
             i += 1
-            if req.num_pending_tokens and req.finishes_by_length_on_pending(self.max_model_len):
+            if req.num_pending_tokens and req.finishes_by_length_on_pending(max_len):
                 continue  # asynchronous scheduling: its last token is in flight and ends it
-            num_new = self._piece(req, req.num_tokens_with_spec - req.num_computed_tokens)
+            computed, num_tokens = req.num_computed_tokens, len(req.all_token_ids)
+            num_new = num_tokens + len(req.spec_token_ids) - computed
+            if num_new > 1:
+                num_new = self._piece(req, num_new)
             # Never past the context window (drafts near the end are dropped).
-            num_new = min(num_new, budget, self.max_model_len - req.num_computed_tokens)
+            num_new = min(num_new, budget, max_len - computed)
             if num_new <= 0:
                 continue
-            while not self.kv.allocate_slots(req, num_new, None, self.num_lookahead_tokens):
-                victim = self.running[-1]
+            while not allocate(req, num_new, None, lookahead):
+                victim = running[-1]
                 self._preempt(victim, out)
+                scheduled = out.scheduled  # _preempt rebuilds the list
                 if victim is req:
                     return budget  # the request itself was preempted; everything after it too
-            num_spec = max(0, req.num_computed_tokens + num_new - req.num_tokens)
-            if num_spec < len(req.spec_token_ids):
-                req.spec_token_ids = req.spec_token_ids[:num_spec]
-            out.scheduled.append(ScheduledRequest(req, num_new, num_spec))
-            out.num_spec_tokens += num_spec
+            num_spec = computed + num_new - num_tokens
+            if num_spec > 0 or req.spec_token_ids:
+                num_spec = max(0, num_spec)
+                if num_spec < len(req.spec_token_ids):
+                    req.spec_token_ids = req.spec_token_ids[:num_spec]
+                out.num_spec_tokens += num_spec
+            else:
+                num_spec = 0
+            scheduled.append(ScheduledRequest(req, num_new, num_spec))
             budget -= num_new
         return budget
 
@@ -139,7 +156,7 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             # Cached positions have no logits: a request still scoring its prompt recomputes it.
@@ -154,6 +171,7 @@ class Scheduler:
             self._admit(req, num_hit_tokens)
             out.scheduled.append(ScheduledRequest(req, num_new, 0))
             budget -= num_new
+        return budget
 
     def _admit(self, req: Request, num_hit_tokens: int) -> None:
         self.waiting.popleft()  # its slots are allocated; its prefix hits count as computed
