@@ -32,6 +32,7 @@ import pstats
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -248,23 +249,33 @@ def print_engine_host(args) -> None:
         "--rounds",
         str(args.rounds),
     ]
-    best: dict[str, dict[int, dict]] = {"before": {}, "after": {}}
-    for _ in range(2):  # A B A B against the machine's load drifting; the best of each kept
-        out = subprocess.run(
-            [*cmd, "--batches", *map(str, args.batches)], env=env, check=True, capture_output=True, text=True
-        )
-        for side, rows in (
-            ("before", json.loads(out.stdout.strip().splitlines()[-1])),
-            ("after", engine_host_table(args.batches, args.steps, args.rounds)),
-        ):
-            for r in rows:
-                old = best[side].get(r["batch"])
-                best[side][r["batch"]] = r if old is None else {k: min(old[k], r[k]) for k in r}
+    cmd += ["--batches", *map(str, args.batches)]
+
+    def before() -> list[dict]:
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    # each side already keeps its best of --rounds: two alternations are enough against load drift
+    best = best_alternating(before, lambda: engine_host_table(args.batches, args.steps, args.rounds), 2)
     print("| batch | schedule before | after | update offline before | after | update streaming before | after |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for b in args.batches:
         x, y = best["before"][b], best["after"][b]
         print(f"| {b} | " + " | ".join(f"{x[k]:.3f} | {y[k]:.3f}" for k in keys) + " |")
+
+
+def best_alternating(
+    before: Callable[[], list[dict]], after: Callable[[], list[dict]], rounds: int
+) -> dict[str, dict[int, dict]]:
+    """A B A B (`rounds` times) against the machine's load drifting: per side and batch, the minimum of every
+    timing over the rounds."""
+    best: dict[str, dict[int, dict]] = {"before": {}, "after": {}}
+    for _ in range(rounds):
+        for side, run in (("before", before), ("after", after)):
+            for r in run():
+                old = best[side].get(r["batch"])
+                best[side][r["batch"]] = r if old is None else {k: min(old[k], r[k]) for k in r}
+    return best
 
 
 def before_table(checkout: str, batches: list[int], repeats: int) -> list[dict]:
@@ -297,15 +308,11 @@ def main() -> None:
         print(json.dumps(build_table(args.batches, args.repeats)))
         return
     if args.before:
-        best: dict[str, dict[int, dict]] = {"before": {}, "after": {}}
-        for _ in range(args.rounds):
-            for side, rows in (
-                ("before", before_table(args.before, args.batches, args.repeats)),
-                ("after", build_table(args.batches, args.repeats)),
-            ):
-                for r in rows:
-                    old = best[side].get(r["batch"])
-                    best[side][r["batch"]] = r if old is None else {k: min(old[k], r[k]) for k in r}
+        best = best_alternating(
+            lambda: before_table(args.before, args.batches, args.repeats),
+            lambda: build_table(args.batches, args.repeats),
+            args.rounds,
+        )
         print("| batch | build before | build after | metadata before | metadata after | (ms per step) |")
         print("|---:|---:|---:|---:|---:|---|")
         for b in args.batches:
