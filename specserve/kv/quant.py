@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import torch
 
@@ -71,10 +72,29 @@ def query_rotation(
     key smoothing; None: q as is. Entries +-s / sqrt(b) are exact in every dtype."""
     if key_smooth is None:
         return hadamard(head_dim, device, dtype) if fmt.rotate else None
-    per_head = key_smooth.repeat_interleave(num_heads // key_smooth.shape[0], dim=0)  # [Hq, D]
-    if not fmt.rotate:
-        return torch.diag_embed(per_head).to(dtype)
-    return (per_head[:, :, None] * hadamard(head_dim, device, torch.float32)).to(dtype)
+    smooth: torch.Tensor = key_smooth
+    key = (fmt.rotate, num_heads, dtype)
+    entry = _query_rotations.get(id(smooth))  # every step of every layer asks: built once per cache
+    if entry is None or entry[0]() is not smooth:
+        entry = _query_rotations[id(smooth)] = (weakref.ref(smooth), {})
+        weakref.finalize(smooth, _query_rotations.pop, id(smooth), None)
+    built = entry[1]
+    rot = built.get(key)
+    if rot is None:
+        per_head = smooth.repeat_interleave(num_heads // smooth.shape[0], dim=0)  # [Hq, D]
+        if fmt.rotate:
+            rot = (per_head[:, :, None] * hadamard(head_dim, device, torch.float32)).to(dtype)
+        else:
+            rot = torch.diag_embed(per_head).to(dtype)
+        # A graph capture only records the kernels: keep a matrix only once it has been computed.
+        if not (rot.is_cuda and torch.cuda.is_current_stream_capturing()):
+            built[key] = rot
+    return rot
+
+
+# id(cache.key_smooth) (fixed once calibrated) -> (a weak reference to it, its query matrices); an entry
+# goes when its tensor does.
+_query_rotations: dict[int, tuple[weakref.ref, dict[tuple, torch.Tensor]]] = {}
 
 
 def _group_view(x: torch.Tensor, num_groups: int) -> torch.Tensor:
