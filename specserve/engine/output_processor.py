@@ -76,10 +76,7 @@ def request_output(group: RequestGroup, tokenizer: Any) -> RequestOutput:
     times = (first.first_scheduled_time, first.first_token_time, first.last_token_time)
     metrics = RequestMetrics(group.arrival_time, *times, time.monotonic() if finished else None)
     head = (group.request_id, group.prompt, group.prompt_token_ids, outs, finished, metrics)
-    scored = (
-        None if first.prompt_logprobs is None and group.prompt_logprobs is None else _prompt_logprobs(group, tokenizer)
-    )
-    return RequestOutput(*head, max(0, first.num_cached_tokens), scored)
+    return RequestOutput(*head, max(0, first.num_cached_tokens), _prompt_logprobs(group, tokenizer))
 
 
 def _prompt_logprobs(group: RequestGroup, tokenizer: Any) -> list[dict[int, Logprob] | None] | None:
