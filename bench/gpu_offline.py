@@ -25,8 +25,6 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -72,26 +70,19 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
-def _step_until(eng: Any, rids: set[str], counts: dict[str, int], done: Callable[[dict[str, int]], bool]) -> None:
-    """Step the engine, counting each request's output tokens, until done(counts) holds."""
-    while not done(counts) and eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.request_id in rids:
-                counts[out.request_id] = len(out.outputs[0].token_ids)
-
-
 def specserve_decode(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> float:
-    """ms per decode step with `batch` sequences (timed after every prefill finished)."""
+    """ms per decode step with `batch` sequences (timed after every prefill finished). Progress is read
+    from the scheduler's requests: an offline engine (stream_outputs False) returns finished requests only."""
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    rids = {f"d{batch}-{time.monotonic_ns()}-{i}" for i in range(batch)}
-    for rid, p in zip(sorted(rids), _prompts(batch, prompt_len, eng.vocab_size, seed=batch)):
-        eng.add_request(rid, {"prompt_token_ids": p}, params)
-    counts = dict.fromkeys(rids, 0)
-    _step_until(eng, rids, counts, lambda c: min(c.values()) > 0)
+    for i, p in enumerate(_prompts(batch, prompt_len, eng.vocab_size, seed=batch)):
+        eng.add_request(f"d{batch}-{time.monotonic_ns()}-{i}", {"prompt_token_ids": p}, params)
+    reqs = list(eng.scheduler.requests.values())
+    while any(r.num_output_tokens + r.num_pending_tokens == 0 for r in reqs):
+        eng.step()
     # The timed loop produces the rest, one decode step each (with asynchronous scheduling one more
-    # token may already be in flight: one step in `new_tokens`).
-    done = min(counts.values())
+    # token may already be in flight, counted as pending).
+    done = min(r.num_output_tokens + r.num_pending_tokens for r in reqs)
     torch.cuda.synchronize()
     t = time.perf_counter()
     while eng.has_unfinished_requests():

@@ -79,14 +79,16 @@ class TableController(Controller):
 class AdaptiveController(Controller):
     """k = argmax over 0..max_k of expected tokens per second for a batch of b requests:
 
-        rate(b, k) = b * E[tokens | k] / cost(b, k),  E[tokens | k] = 1 + sum_{j<k} prod_{i<=j} alpha_i
-        cost(b, 0) = T(b, 1),  cost(b, k) = T(b, k + 1) + D(b, k) + S(b) / switch_horizon
+        rate(b, k) = b * E[tokens | k] / cost(b, k),  E[tokens | k] = 1 + m * sum_{j<k} prod_{i<=j} alpha_i
+        cost(b, 0) = T(b, 1),  cost(b, k) = u * T(b, k + 1) + (1 - u) * T(b, 1) + D(b, k) + S(b) / switch_horizon
 
-    alpha_j: decayed acceptance counts over an optimistic prior; a request asked for a draft at j that got none
-    counts as a rejection; positions below the prior drift back to it while unmeasured (drift_steps). T: the
-    measured cost table only. D(b, k) = k * a moving average of warm seconds per draft step, per power-of-two
-    batch bucket. S(b): a draft model's one-off catch-up when drafting resumes after k = 0, amortized over
-    switch_horizon steps (n-gram pays none). Ties go to the smaller k.
+    m: the share of requests asked for drafts that got one (an n-gram lookup may find nothing; a draft model
+    always drafts); u = 1 - (1 - m)^b, the chance that a step verifies any draft (a step where no request
+    got one is a plain decode step). alpha_j: acceptance at position j of requests that got a draft. m and
+    alpha_j are decayed counts over an optimistic prior that drift back to it while unmeasured (drift_steps)
+    when below it. T: the measured cost table only. D(b, k) = k * a moving average of warm seconds per draft
+    step, per power-of-two batch bucket. S(b): a draft model's one-off catch-up when drafting resumes after
+    k = 0, amortized over switch_horizon steps (n-gram pays none). Ties go to the smaller k.
     """
 
     def __init__(
@@ -111,9 +113,11 @@ class AdaptiveController(Controller):
         self.prior, self.prior_weight, self.switch_horizon = prior, prior_weight, switch_horizon
         self._keep = 1.0 - 1.0 / max(window_steps, 1.0)  # per step that measured it
         self._drift = 1.0 - 1.0 / max(drift_steps, 1.0)  # per step that did not
-        self._hits = [0.0] * max_k  # decayed per step that measured the position
-        self._trials = [0.0] * max_k
-        self._idle = [0] * max_k  # steps since the position was last measured
+        # index 0: requests that got a first draft of those asked (m); j + 1: acceptance at draft position j
+        self._hits = [0.0] * (max_k + 1)  # decayed per step that measured the rate
+        self._trials = [0.0] * (max_k + 1)
+        self._idle = [0] * (max_k + 1)  # steps since the rate was last measured
+        self._match = prior
         self._alpha = (prior,) * max_k
         self._expected = self._expected_by_k()
         self._draft: dict[int, tuple[float, float]] = {}  # bucket -> decayed (seconds per draft step, steps)
@@ -123,8 +127,12 @@ class AdaptiveController(Controller):
         self.last_choice: int | None = None
 
     def acceptance(self) -> tuple[float, ...]:
-        """alpha_j for draft positions j = 0..max_k - 1."""
+        """alpha_j for draft positions j = 0..max_k - 1 (of requests that got a draft)."""
         return self._alpha
+
+    def match_rate(self) -> float:
+        """m: the share of requests asked for drafts that got one."""
+        return self._match
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens | k] per request per step."""
@@ -157,9 +165,12 @@ class AdaptiveController(Controller):
         b = max(batch_size, 1)
         per_draft = self.draft_seconds(b, 1)
         switch = self.switch_seconds(b) / self.switch_horizon
-        rates = [b / self.costs.seconds(b, 1)]
+        m, plain = self._match, self.costs.seconds(b, 1)
+        verifies = 1.0 - (1.0 - m) ** b
+        rates = [b / plain]
         for k in range(1, self.max_k + 1):
-            rates.append(b * self._expected[k] / (self.costs.seconds(b, k + 1) + k * per_draft + switch))
+            cost = verifies * self.costs.seconds(b, k + 1) + (1.0 - verifies) * plain + k * per_draft + switch
+            rates.append(b * (1.0 + m * (self._expected[k] - 1.0)) / cost)
         return rates
 
     def choose(self, batch_size: int) -> int:
@@ -192,20 +203,25 @@ class AdaptiveController(Controller):
         self._skipped = 0
 
     def _observe_acceptance(self, record: StepRecord, k: int) -> None:
-        for j in range(self.max_k):
-            trials = 0
-            if j < k:  # requests that drafted position j had every earlier draft accepted (j = 0: asked)
-                asked = record.num_asked if record.num_asked is not None else _at(record.reached, 0)
-                trials = _at(record.accepted, j - 1) if j > 0 else asked
+        drafted = _at(record.reached, 0)  # requests that got a first draft
+        asked = record.num_asked if record.num_asked is not None else drafted
+        for i in range(self.max_k + 1):
+            trials, hits = 0, 0
+            if i == 0 and k > 0:
+                trials, hits = asked, drafted
+            elif 0 < i <= k:  # requests that drafted position j = i - 1 had every earlier draft accepted
+                trials = _at(record.accepted, i - 2) if i > 1 else drafted
+                hits = _at(record.accepted, i - 1)
             if trials > 0:
-                self._hits[j] = self._hits[j] * self._keep + min(_at(record.accepted, j), trials)
-                self._trials[j] = self._trials[j] * self._keep + trials
-                self._idle[j] = 0
+                self._hits[i] = self._hits[i] * self._keep + min(hits, trials)
+                self._trials[i] = self._trials[i] * self._keep + trials
+                self._idle[i] = 0
             else:
-                self._idle[j] += 1
+                self._idle[i] += 1
         w, p = self.prior_weight, self.prior
         weight = [self._drift**idle if h < p * n else 1.0 for h, n, idle in zip(self._hits, self._trials, self._idle)]
-        self._alpha = tuple((h * s + p * w) / (n * s + w) for h, n, s in zip(self._hits, self._trials, weight))
+        rates = [(h * s + p * w) / (n * s + w) for h, n, s in zip(self._hits, self._trials, weight)]
+        self._match, self._alpha = rates[0], tuple(rates[1:])
         self._expected = self._expected_by_k()
 
     def _expected_by_k(self) -> list[float]:
