@@ -85,10 +85,11 @@ class AdaptiveController(Controller):
     m: the share of requests asked for drafts that got one (an n-gram lookup may find nothing; a draft model
     always drafts); u = 1 - (1 - m)^b, the chance that a step verifies any draft (a step where no request
     got one is a plain decode step). alpha_j: acceptance at position j of requests that got a draft. m and
-    alpha_j are decayed counts over an optimistic prior that drift back to it while unmeasured (drift_steps)
-    when below it. T: the measured cost table only. D(b, k) = k * a moving average of warm seconds per draft
-    step, per power-of-two batch bucket. S(b): a draft model's one-off catch-up when drafting resumes after
-    k = 0, amortized over switch_horizon steps (n-gram pays none). Ties go to the smaller k.
+    alpha_j are decayed counts over an optimistic prior (m's is 1, so a proposer that always drafts has
+    m = 1 exactly) that drift back to it while unmeasured (drift_steps) when below it. T: the measured cost
+    table only. D(b, k) = k * a moving average of warm seconds per draft step, per power-of-two batch bucket.
+    S(b): a draft model's one-off catch-up when drafting resumes after k = 0, amortized over switch_horizon
+    steps (n-gram pays none). Ties go to the smaller k.
     """
 
     def __init__(
@@ -117,7 +118,8 @@ class AdaptiveController(Controller):
         self._hits = [0.0] * (max_k + 1)  # decayed per step that measured the rate
         self._trials = [0.0] * (max_k + 1)
         self._idle = [0] * (max_k + 1)  # steps since the rate was last measured
-        self._match = prior
+        self._priors = (1.0,) + (prior,) * max_k  # index as _hits
+        self._match = 1.0
         self._alpha = (prior,) * max_k
         self._expected = self._expected_by_k()
         self._draft: dict[int, tuple[float, float]] = {}  # bucket -> decayed (seconds per draft step, steps)
@@ -218,9 +220,11 @@ class AdaptiveController(Controller):
                 self._idle[i] = 0
             else:
                 self._idle[i] += 1
-        w, p = self.prior_weight, self.prior
-        weight = [self._drift**idle if h < p * n else 1.0 for h, n, idle in zip(self._hits, self._trials, self._idle)]
-        rates = [(h * s + p * w) / (n * s + w) for h, n, s in zip(self._hits, self._trials, weight)]
+        w, counts = self.prior_weight, zip(self._hits, self._trials, self._idle, self._priors)
+        rates = []
+        for h, n, idle, p in counts:
+            s = self._drift**idle if h < p * n else 1.0  # below the prior and unmeasured: drift back to it
+            rates.append((h * s + p * w) / (n * s + w))
         self._match, self._alpha = rates[0], tuple(rates[1:])
         self._expected = self._expected_by_k()
 

@@ -106,6 +106,7 @@ def test_high_acceptance_and_cheap_verify_draft_max_k() -> None:
     c = AdaptiveController(4, table(lambda b, q: 0.010 + 0.00001 * b * q))
     for _ in range(50):
         c.observe(drafting(8, 4, [0.95] * 4, propose_seconds=0.0004))
+    assert c.match_rate() == 1.0  # every request asked got a draft: the plain-step share is 0
     assert [c.choose(b) for b in (1, 8, 32)] == [4, 4, 4]
 
 
